@@ -1,0 +1,53 @@
+"""Shared fixtures: every test of a compiled module runs against both twins.
+
+``codec`` and ``jsonspan`` are parametrized over ``"py"`` (the pure-Python
+twin) and ``"c"`` (the compiled one). The compiled case is skipped when
+``FASTCORE_NO_EXTENSIONS=1`` or the extension is not built, unless
+``FASTCORE_REQUIRE_EXTENSIONS=1`` (set by CI), where a missing build fails.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+import fastcore
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED_TESTDATA = ROOT.parent / "shared" / "testdata"
+REQUIRE_EXTENSIONS = os.environ.get("FASTCORE_REQUIRE_EXTENSIONS", "") not in ("", "0")
+
+
+def _twin(compiled: str, pure: str, which: str) -> ModuleType:
+    if which == "py":
+        return importlib.import_module(pure)
+    if fastcore.NO_EXTENSIONS:
+        pytest.skip("FASTCORE_NO_EXTENSIONS=1")
+    try:
+        return importlib.import_module(compiled)
+    except ImportError as exc:
+        if REQUIRE_EXTENSIONS:
+            pytest.fail(f"compiled twin {compiled} required but not importable: {exc}")
+        pytest.skip(f"{compiled} not built: {exc}")
+
+
+@pytest.fixture(params=["py", "c"])
+def codec(request: pytest.FixtureRequest) -> ModuleType:
+    return _twin("fastcore._codec", "fastcore._codec_py", request.param)
+
+
+@pytest.fixture(params=["py", "c"])
+def jsonspan(request: pytest.FixtureRequest) -> ModuleType:
+    return _twin("fastcore._jsonspan", "fastcore._jsonspan_py", request.param)
+
+
+@pytest.fixture(scope="session")
+def json_test_suite() -> Path:
+    path = SHARED_TESTDATA / "JSONTestSuite"
+    if not path.is_dir():
+        pytest.fail(f"test corpus missing: {path} (expected beside the project as ../shared)")
+    return path
