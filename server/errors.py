@@ -1,0 +1,79 @@
+"""OpenAI-shaped error responses, shared by the worker and the orchestrator.
+
+Every error a client sees is ``{"error": {"message", "type", "param", "code"}}``
+with the matching HTTP status, so a worker's 400 relayed by the orchestrator
+reaches the client unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "client_closed_request",
+    500: "internal_error",
+    502: "bad_gateway",
+    503: "service_unavailable",
+    504: "gateway_timeout",
+}
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> bytes:
+    """The JSON bytes of an OpenAI error object."""
+    error: dict[str, Any] = {
+        "message": message,
+        "type": _TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error"),
+        "param": param,
+        "code": code if code is not None else status,
+    }
+    return json.dumps({"error": error}).encode()
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    """An aiohttp response carrying :func:`error_body`."""
+    return web.Response(
+        status=status,
+        body=error_body(status, message, param=param, code=code),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+class HTTPError(Exception):
+    """Raised inside handlers to end the request with an OpenAI-shaped error."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def response(self) -> web.Response:
+        return error_response(self.status, self.message, param=self.param, code=self.code, headers=self.headers)
