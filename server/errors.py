@@ -76,4 +76,6 @@ class HTTPError(Exception):
         self.headers = headers
 
     def response(self) -> web.Response:
-        return error_response(self.status, self.message, param=self.param, code=self.code, headers=self.headers)
+        return error_response(
+            self.status, self.message, param=self.param, code=self.code, headers=self.headers
+        )
