@@ -1,0 +1,405 @@
+"""A Llama-family decoder in plain torch: Llama, Mistral and Qwen2 share it.
+
+RMSNorm, rotary position embeddings (Hugging Face's ``rotate_half``
+convention, i.e. the two halves of each head are rotated as a pair, not
+interleaved), grouped-query attention and a SwiGLU MLP. Parameter names match
+Hugging Face's ``LlamaForCausalLM`` exactly, so ``load_state_dict`` of a
+safetensors checkpoint works as is::
+
+    model.embed_tokens.weight
+    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight   (+ q/k/v .bias with attention_bias)
+    model.layers.{i}.mlp.{gate,up,down}_proj.weight
+    model.layers.{i}.input_layernorm.weight
+    model.layers.{i}.post_attention_layernorm.weight
+    model.norm.weight
+    lm_head.weight                                      (absent when tie_word_embeddings)
+
+Two ways to run it:
+
+- ``model(input_ids)``: ``input_ids`` is ``[B, T]``, the result is logits
+  ``[B, T, vocab]``; causal attention over positions ``0..T-1`` of each row,
+  no cache, no padding. Use it for checks and one-off scoring.
+- ``model.forward_step(input_ids, positions, kv)``: the engine's path. The
+  tokens of every sequence in a step are flattened into one ``[N]`` tensor;
+  ``kv`` (an :class:`AttentionBackend`) stores each layer's new keys/values
+  and computes attention per sequence, so the model itself knows nothing of
+  paging or batching.
+
+Mistral's ``sliding_window`` is treated as full attention: exact while a
+sequence is no longer than the window (4096 for Mistral 7B v0.1, none for
+v0.2+), and the worker caps its context at the window to keep it so.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class ModelConfig:
+    """The decoder's shape, with Hugging Face ``config.json`` field names."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None  # default hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    # q/k/v projections carry a bias (Qwen2 always; Llama when attention_bias).
+    attention_bias: bool = False
+    # Llama's attention_bias also puts a bias on o_proj; Qwen2's does not.
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    sliding_window: int | None = None
+    model_type: str = "llama"
+    torch_dtype: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (SwiGLU needs silu)")
+
+    @property
+    def kv_heads(self) -> int:
+        assert self.num_key_value_heads is not None
+        return self.num_key_value_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        assert self.head_dim is not None
+        return self.head_dim
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        if self.eos_token_id is None:
+            return []
+        if isinstance(self.eos_token_id, int):
+            return [self.eos_token_id]
+        return list(self.eos_token_id)
+
+    @property
+    def max_context(self) -> int:
+        """Longest sequence (prompt + completion) the worker accepts."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> ModelConfig:
+        """From a parsed Hugging Face ``config.json`` of a Llama, Mistral or Qwen2 model."""
+        model_type = config.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        missing = [
+            k
+            for k in (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+            )
+            if k not in config
+        ]
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(missing)}")
+        if model_type == "qwen2":
+            attention_bias, o_proj_bias = True, False
+        else:
+            attention_bias = bool(config.get("attention_bias", False))
+            o_proj_bias = attention_bias
+        sliding_window = config.get("sliding_window")
+        if model_type == "qwen2" and not config.get("use_sliding_window", False):
+            sliding_window = None
+        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
+        return cls(
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=int(config["hidden_size"]),
+            intermediate_size=int(config["intermediate_size"]),
+            num_hidden_layers=int(config["num_hidden_layers"]),
+            num_attention_heads=int(config["num_attention_heads"]),
+            num_key_value_heads=config.get("num_key_value_heads"),
+            head_dim=config.get("head_dim"),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(config.get("rope_theta", 10000.0)),
+            rope_scaling=config.get("rope_scaling"),
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            o_proj_bias=o_proj_bias,
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            hidden_act=config.get("hidden_act", "silu"),
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_id=config.get("eos_token_id"),
+            sliding_window=sliding_window,
+            model_type=model_type,
+            torch_dtype=config.get("torch_dtype"),
+            extra={k: v for k, v in config.items() if k not in known},
+        )
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """Per-pair rotation frequencies, float32, with the config's ``rope_scaling`` applied.
+
+    Supported scalings: none/``default``, ``linear`` and ``llama3`` (Llama 3.1's
+    wavelength-banded rescaling, as in Hugging Face's
+    ``_compute_llama3_parameters``). Others raise rather than compute wrong
+    positions silently.
+    """
+    dim = config.dim_per_head
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if not scaling:
+        return inv_freq
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low_freq_factor = float(scaling["low_freq_factor"])
+        high_freq_factor = float(scaling["high_freq_factor"])
+        old_context_len = float(scaling["original_max_position_embeddings"])
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"rope_scaling type {rope_type!r} is not supported (default, linear, llama3)")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        # Not persistent: HF checkpoints do not carry it, so state_dict keys stay HF's.
+        self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape ``[*positions.shape, head_dim]``.
+
+        Computed in float32 then cast, as Hugging Face does, so bf16 models see
+        the same angles as the reference implementation.
+        """
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq.to(positions.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x``: ``[..., heads, head_dim]``; cos/sin: ``[..., head_dim]`` (broadcast over heads)."""
+    cos = cos.unsqueeze(-2)
+    sin = sin.unsqueeze(-2)
+    return x * cos + rotate_half(x) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 whatever the model dtype (HF's LlamaRMSNorm does too).
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class AttentionBackend(Protocol):
+    """What :meth:`LlamaForCausalLM.forward_step` needs from the engine's KV cache.
+
+    ``q``: ``[N, heads, head_dim]``; ``k``, ``v``: ``[N, kv_heads, head_dim]``,
+    already rotated, for the step's flattened tokens. The backend stores k/v
+    for ``layer`` and returns the attention output ``[N, heads, head_dim]``,
+    each token attending causally to its own sequence only.
+    """
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+class _FullSequenceAttention:
+    """Causal attention over whole ``[B, T]`` rows, no cache: the plain ``forward``."""
+
+    def __init__(self, batch: int, length: int) -> None:
+        self.batch = batch
+        self.length = length
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, t = self.batch, self.length
+        qh = q.view(b, t, *q.shape[1:]).transpose(1, 2)
+        kh = k.view(b, t, *k.shape[1:]).transpose(1, 2)
+        vh = v.view(b, t, *v.shape[1:]).transpose(1, 2)
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2).reshape(b * t, *q.shape[1:])
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.kv_heads
+        self.head_dim = config.dim_per_head
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.o_proj_bias)
+
+    def forward(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: AttentionBackend,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q = apply_rotary(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        out = kv.attend(layer, q, k, v)
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(hidden, inner, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.self_attn = LlamaAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: AttentionBackend
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.index, self.input_layernorm(x), cos, sin, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: AttentionBackend) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, kv)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus its output projection; see the module docstring for the two forwards."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        # Tied models keep no lm_head parameter: their checkpoints have no such key.
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.output_weight)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids[B, T]`` -> logits ``[B, T, vocab]``; causal, positions ``0..T-1``, no cache."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+        b, t = input_ids.shape
+        positions = torch.arange(t, device=input_ids.device).repeat(b)
+        hidden = self.model(input_ids.reshape(-1), positions, _FullSequenceAttention(b, t))
+        return self.logits(hidden).view(b, t, -1)
+
+    def forward_step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv: AttentionBackend,
+        logit_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One engine step over flattened tokens ``input_ids[N]`` at ``positions[N]``.
+
+        Returns logits ``[len(logit_rows), vocab]`` for the rows asked for (the
+        last token of each sequence; all rows when ``None``), so a long
+        prefill does not pay for a ``[T, vocab]`` projection it throws away.
+        """
+        hidden = self.model(input_ids, positions, kv)
+        if logit_rows is not None:
+            hidden = hidden.index_select(0, logit_rows)
+        return self.logits(hidden)
+
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "AttentionBackend",
+    "LlamaForCausalLM",
+    "ModelConfig",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "apply_rotary",
+    "rope_inverse_frequencies",
+    "rotate_half",
+]
