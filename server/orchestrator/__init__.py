@@ -1,0 +1,1 @@
+"""The disaggregated-serving orchestrator (PROTOCOL.md): config, pools, relay modes, app, CLI."""

@@ -1,0 +1,172 @@
+"""``fastcore-serve orchestrator``: run the orchestrator from a YAML config, flags overriding it.
+
+``--workers N`` runs N orchestrator processes on one port (SO_REUSEPORT; the
+kernel spreads connections over them): one event loop per core is how the
+orchestrator scales on a host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import multiprocessing
+import signal
+import sys
+import time
+from typing import Any
+
+from .config import ConfigError, OrchestratorConfig, build_config, load_config_file, merge_overrides
+
+log = logging.getLogger("fastcore.orchestrator")
+
+
+def _urls(text: str) -> list[str]:
+    return [u for u in text.split(",") if u.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-c", "--config", metavar="YAML", help="config file (PROTOCOL.md); flags override it")
+    parser.add_argument("--host", dest="hostname", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port to listen on (default 8000)")
+    parser.add_argument(
+        "--context-urls", type=_urls, metavar="HOST:PORT,...", help="context workers (comma-separated)"
+    )
+    parser.add_argument(
+        "--generation-urls", type=_urls, metavar="HOST:PORT,...", help="generation workers (comma-separated)"
+    )
+    routers = ("round_robin", "least_loaded")
+    parser.add_argument("--context-router", choices=routers, help="router of the context pool")
+    parser.add_argument("--generation-router", choices=routers, help="router of the generation pool")
+    parser.add_argument(
+        "--gen-tokids-ctxbytes",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="relay prompt ids as the context response's base64 bytes (default off)",
+    )
+    parser.add_argument(
+        "--gen-strip-message-history",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="send only the last message to the generation worker (default off)",
+    )
+    parser.add_argument(
+        "--relay", choices=("fast", "parsed"), help="fast: zero-parse splices; parsed: the pydantic baseline"
+    )
+    parser.add_argument("--max-retries", type=int, help="context/generation leg retries on another worker")
+    parser.add_argument("--request-timeout-s", type=float, help="per-leg timeout in seconds")
+    parser.add_argument("--health-check-interval-s", type=float, help="seconds between worker /health checks")
+    parser.add_argument("--max-body-bytes", type=int, help="client body size limit (413 above it)")
+    parser.add_argument("--workers", type=int, help="orchestrator processes sharing the port (SO_REUSEPORT)")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+
+
+_OVERRIDES = {
+    "hostname": "hostname",
+    "port": "port",
+    "context_urls": "context_servers.urls",
+    "generation_urls": "generation_servers.urls",
+    "context_router": "context_servers.router.type",
+    "generation_router": "generation_servers.router.type",
+    "gen_tokids_ctxbytes": "gen_tokids_ctxbytes",
+    "gen_strip_message_history": "gen_strip_message_history",
+    "relay": "relay",
+    "max_retries": "max_retries",
+    "request_timeout_s": "request_timeout_s",
+    "health_check_interval_s": "health_check_interval_s",
+    "max_body_bytes": "max_body_bytes",
+    "workers": "workers",
+}
+
+
+def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
+    data = load_config_file(args.config) if args.config else {}
+    overrides = {key: getattr(args, attr, None) for attr, key in _OVERRIDES.items()}
+    config = build_config(merge_overrides(data, overrides))
+    config.check_runnable()
+    return config
+
+
+async def serve(config: OrchestratorConfig, *, reuse_port: bool) -> None:
+    """Serve until SIGINT/SIGTERM."""
+    from .app import start_server
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    runner, orchestrator = await start_server(config, reuse_port=reuse_port)
+    log.info(
+        "orchestrator listening on http://%s:%d (pid %d, relay %s, gen_tokids_ctxbytes=%s, gen_strip_message_history=%s)",
+        config.hostname,
+        config.port,
+        multiprocessing.current_process().pid,
+        orchestrator.relay.name,
+        config.gen_tokids_ctxbytes,
+        config.gen_strip_message_history,
+    )
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def _serve_process(config_data: dict[str, Any], log_level: str) -> None:
+    logging.basicConfig(level=log_level, format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
+    asyncio.run(serve(OrchestratorConfig.model_validate(config_data), reuse_port=True))
+
+
+def _run_processes(config: OrchestratorConfig, log_level: str) -> int:
+    """N processes on one port; one that dies takes the others down (and is reported)."""
+    ctx = multiprocessing.get_context("spawn")
+    data = config.model_dump()
+    procs = [
+        ctx.Process(target=_serve_process, args=(data, log_level), name=f"orchestrator-{i}")
+        for i in range(config.workers)
+    ]
+    stopping = False
+
+    def _stop(signum: int, frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+    for proc in procs:
+        proc.start()
+    exit_code = 0
+    while not stopping:
+        dead = [p for p in procs if p.exitcode is not None]
+        if dead:
+            for proc in dead:
+                print(
+                    f"fastcore-serve orchestrator: {proc.name} (pid {proc.pid}) exited with code {proc.exitcode}",
+                    file=sys.stderr,
+                )
+            exit_code = 1
+            break
+        time.sleep(0.2)
+    for proc in procs:
+        if proc.exitcode is None:
+            proc.terminate()
+    for proc in procs:
+        proc.join(10)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+    return exit_code
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s"
+    )
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        print(f"fastcore-serve orchestrator: {exc}", file=sys.stderr)
+        return 2
+    if config.workers > 1:
+        return _run_processes(config, args.log_level)
+    asyncio.run(serve(config, reuse_port=False))
+    return 0

@@ -1,0 +1,131 @@
+"""The orchestrator's one typed config object: PROTOCOL.md's YAML plus CLI overrides.
+
+Everything the request path needs is resolved here, once, at startup (the
+shared secret from the environment included), so handlers never look at
+``os.environ`` or argv.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+SHARED_SECRET_ENV = "FASTCORE_SHARED_SECRET"
+
+
+class ConfigError(ValueError):
+    """A config file or flag the orchestrator cannot start with; says which key."""
+
+
+class RouterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["round_robin", "least_loaded"] = "round_robin"
+
+
+class PoolConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    urls: list[str] = Field(default_factory=list)
+
+    @field_validator("urls")
+    @classmethod
+    def _normalise_urls(cls, urls: list[str]) -> list[str]:
+        # PROTOCOL.md writes workers as "host:port"; aiohttp needs a scheme.
+        out = []
+        for url in urls:
+            url = url.strip().rstrip("/")
+            if not url:
+                raise ValueError("empty worker URL")
+            out.append(url if "://" in url else "http://" + url)
+        return out
+
+
+class OrchestratorConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    hostname: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    gen_tokids_ctxbytes: bool = False
+    gen_strip_message_history: bool = False
+    # "parsed" is the baseline a typical pydantic orchestrator implements
+    # (json.loads -> models -> model_dump_json), kept so one deployment can
+    # compare both; "fast" never parses bodies in Python.
+    relay: Literal["fast", "parsed"] = "fast"
+    max_retries: int = Field(1, ge=0)
+    request_timeout_s: float = Field(180.0, gt=0)
+    connect_timeout_s: float = Field(5.0, gt=0)
+    health_check_interval_s: float = Field(2.0, gt=0)
+    health_check_timeout_s: float = Field(2.0, gt=0)
+    max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
+    shared_secret: str | None = Field(None, repr=False)  # never in logs
+    workers: int = Field(1, ge=1)
+    context_servers: PoolConfig = Field(default_factory=PoolConfig)
+    generation_servers: PoolConfig = Field(default_factory=PoolConfig)
+
+    @property
+    def shared_secret_bytes(self) -> bytes | None:
+        return self.shared_secret.encode() if self.shared_secret else None
+
+    def check_runnable(self) -> None:
+        """Refuse to start without a worker in each pool."""
+        for name in ("context_servers", "generation_servers"):
+            if not getattr(self, name).urls:
+                raise ConfigError(f"{name}.urls: at least one worker URL is required")
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def build_config(data: dict[str, Any], *, environ: dict[str, str] | None = None) -> OrchestratorConfig:
+    """Validate a config mapping; the shared secret falls back to ``FASTCORE_SHARED_SECRET``."""
+    environ = dict(os.environ) if environ is None else environ
+    try:
+        config = OrchestratorConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None
+    if config.shared_secret is None and environ.get(SHARED_SECRET_ENV):
+        config = config.model_copy(update={"shared_secret": environ[SHARED_SECRET_ENV]})
+    return config
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: the top level must be a mapping, not {type(data).__name__}")
+    return data
+
+
+def merge_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with each non-None override applied; dotted keys reach into the pools."""
+    merged = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        target = merged
+        *parents, leaf = key.split(".")
+        for parent in parents:
+            child = target.get(parent)
+            target[parent] = child = dict(child) if isinstance(child, dict) else {}
+            target = child
+        target[leaf] = value
+    return merged

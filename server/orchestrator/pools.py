@@ -1,0 +1,145 @@
+"""Worker pools: a router per pool and the health checker that keeps them honest.
+
+A worker is routable only while its last ``/health`` answered 200. A worker
+that refuses a connection during a request is taken out at once (so the next
+request does not try it too) and put back by the checker when it recovers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Collection
+
+import aiohttp
+
+log = logging.getLogger("fastcore.orchestrator")
+
+
+class Worker:
+    __slots__ = ("healthy", "in_flight", "url")
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        # Not routable until the first health check says so: the orchestrator's
+        # own /health is 503 until then.
+        self.healthy = False
+        self.in_flight = 0
+
+    def __repr__(self) -> str:
+        return f"Worker({self.url!r}, healthy={self.healthy}, in_flight={self.in_flight})"
+
+
+class Router:
+    name = ""
+
+    def choose(self, candidates: list[Worker]) -> Worker:
+        raise NotImplementedError
+
+
+class RoundRobinRouter(Router):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, candidates: list[Worker]) -> Worker:
+        worker = candidates[self._next % len(candidates)]
+        self._next += 1
+        return worker
+
+
+class LeastLoadedRouter(Router):
+    """Fewest in-flight requests; ties go round robin so idle workers share load."""
+
+    name = "least_loaded"
+
+    def __init__(self) -> None:
+        self._tiebreak = 0
+
+    def choose(self, candidates: list[Worker]) -> Worker:
+        least = min(w.in_flight for w in candidates)
+        tied = [w for w in candidates if w.in_flight == least]
+        worker = tied[self._tiebreak % len(tied)]
+        self._tiebreak += 1
+        return worker
+
+
+ROUTERS: dict[str, Callable[[], Router]] = {
+    "round_robin": RoundRobinRouter,
+    "least_loaded": LeastLoadedRouter,
+}
+
+
+class Pool:
+    def __init__(self, name: str, urls: list[str], router: str) -> None:
+        self.name = name
+        self.workers = [Worker(u) for u in urls]
+        self.router = ROUTERS[router]()
+
+    @property
+    def ready(self) -> bool:
+        return any(w.healthy for w in self.workers)
+
+    def choose(self, exclude: Collection[Worker] = ()) -> Worker | None:
+        """A healthy worker not in ``exclude`` (those already tried), or None."""
+        candidates = [w for w in self.workers if w.healthy and w not in exclude]
+        if not candidates:
+            return None
+        return self.router.choose(candidates)
+
+
+class HealthChecker:
+    """Polls ``GET /health`` of every worker every ``interval`` seconds."""
+
+    def __init__(
+        self,
+        pools: list[Pool],
+        session: aiohttp.ClientSession,
+        *,
+        interval: float,
+        timeout: float,
+        on_change: Callable[[Pool, Worker], None] = lambda pool, worker: None,
+    ) -> None:
+        self.pools = pools
+        self.session = session
+        self.interval = interval
+        self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self.on_change = on_change
+        self._task: asyncio.Task[None] | None = None
+
+    async def check_worker(self, pool: Pool, worker: Worker) -> None:
+        try:
+            async with self.session.get(worker.url + "/health", timeout=self.timeout) as resp:
+                healthy = resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            healthy = False
+        if healthy != worker.healthy:
+            log.warning("%s worker %s is %s", pool.name, worker.url, "healthy" if healthy else "unhealthy")
+            worker.healthy = healthy
+        self.on_change(pool, worker)
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check_worker(p, w) for p in self.pools for w in p.workers))
+
+    def mark_unhealthy(self, pool: Pool, worker: Worker) -> None:
+        if worker.healthy:
+            log.warning("%s worker %s failed a request; out until /health recovers", pool.name, worker.url)
+            worker.healthy = False
+            self.on_change(pool, worker)
+
+    async def _run(self) -> None:
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self.interval)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="fastcore-health-checker")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None

@@ -1,0 +1,459 @@
+"""How the orchestrator turns a client body into the two legs' bodies, in two modes.
+
+``FastRelay`` (config ``relay: fast``, the default) never builds Python objects
+for a body: pysimdjson validates each body with a full parse in C and the few
+small fields the orchestrator needs (``stream``, ``max_tokens``,
+``finish_reason``...) are read from its lazy proxies; every outgoing body is
+cut and spliced from the raw bytes by ``fastcore.relay``. Its Python work per
+request does not grow with the prompt.
+
+``ParsedRelay`` (``relay: parsed``) is the baseline: what a typical pydantic
+OpenAI orchestrator does (trtllm-serve's disaggregated server, for one):
+``json.loads`` -> pydantic request/response models -> ``model_dump_json``. It
+honours the same gates and gives clients the same outputs, so one deployment
+can measure the difference.
+
+Both raise :class:`server.errors.HTTPError`: 400 for a client's bad body,
+502 for a worker's unusable one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import simdjson
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+import fastcore
+from fastcore import JSONSpanError, RelayError, TokenDecodeError
+from server.errors import HTTPError
+
+# Internal fields a client may never send (PROTOCOL.md, "Rules that hold everywhere").
+INTERNAL_FIELDS_ALWAYS = ("disaggregated_params", "prompt_token_ids_b64")
+INTERNAL_FIELDS_CHAT = ("prompt_token_ids",)
+# finish_reason values of a context response after which a generation leg follows.
+CONTINUE_REASONS = ("length", "not_finished")
+
+
+@dataclass(slots=True)
+class ClientRequest:
+    """What the orchestrator needs of a client body; everything else stays bytes."""
+
+    body: bytes
+    chat: bool
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None
+    model: str | None
+    parsed: Any = None  # ParsedRelay's request model
+
+
+@dataclass(slots=True)
+class ContextResult:
+    body: bytes
+    finished: bool
+    parsed: Any = None  # ParsedRelay's response model
+
+
+def _needs_generation(finish_reason: Any, completion_tokens: Any, max_tokens: int | None) -> bool:
+    if finish_reason not in CONTINUE_REASONS:
+        return False
+    # Our context worker says "length" when the client's max_tokens is 1: that
+    # leg already produced everything the client asked for.
+    if finish_reason == "length" and max_tokens is not None and isinstance(completion_tokens, int):
+        return completion_tokens < max_tokens
+    return True
+
+
+def malformed_json_error(body: bytes, what: str) -> str:
+    """A message that says where ``body`` stops being JSON (byte offset)."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"{what} is not valid UTF-8 (byte {exc.start})"
+    try:
+        fastcore.find_span(body, ())
+    except JSONSpanError as exc:
+        return f"{what} is malformed JSON: {exc}"
+    try:
+        json.loads(body)
+    except json.JSONDecodeError as exc:
+        offset = len(exc.doc[: exc.pos].encode("utf-8"))
+        return f"{what} is malformed JSON: {exc.msg} (byte {offset})"
+    except RecursionError:
+        return f"{what} nests too deeply"
+    return f"{what} is malformed JSON"
+
+
+class _SimdParser:
+    """One reusable pysimdjson parser per process (its buffers grow once, then stay).
+
+    A parser refuses to parse while proxies of its last document are alive; a
+    proxy kept alive by a traceback would otherwise wedge it, so a fresh
+    parser replaces it then.
+    """
+
+    def __init__(self) -> None:
+        self._parser = simdjson.Parser()
+
+    def parse(self, body: bytes, what: str, status: int) -> Any:
+        try:
+            try:
+                return self._parser.parse(body)
+            except RuntimeError as exc:
+                if not str(exc).startswith("Tried to re-use"):
+                    raise
+                self._parser = simdjson.Parser()
+                return self._parser.parse(body)
+        except RuntimeError as exc:  # e.g. BIGINT_ERROR: valid JSON, but a number beyond 64 bits
+            raise HTTPError(status, f"{what} is not usable: {exc}") from None
+        except ValueError:  # includes UnicodeDecodeError
+            raise HTTPError(status, malformed_json_error(body, what)) from None
+
+
+_simd = _SimdParser()
+
+
+def _optional(doc: Any, key: str, kinds: tuple[type, ...], expected: str) -> Any:
+    value = doc.get(key)
+    if value is None:
+        return None
+    # bool is an int subclass: max_tokens: true is a type error, not 1.
+    if not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool)):
+        raise HTTPError(400, f"'{key}' must be {expected}", param=key)
+    return value
+
+
+def _check_max_tokens(key: str, value: int | None) -> int | None:
+    if value is not None and value < 1:
+        raise HTTPError(400, f"'{key}' must be at least 1, got {value}", param=key)
+    return value
+
+
+class FastRelay:
+    name = "fast"
+
+    def __init__(self, *, tokids_b64: bool, strip_history: bool) -> None:
+        from fastcore import relay  # the zero-parse splices (issue 3)
+
+        self.relay = relay
+        self.tokids_b64 = tokids_b64
+        self.strip_history = strip_history
+
+    def read_client(self, body: bytes, chat: bool) -> ClientRequest:
+        doc = _simd.parse(body, "request body", 400)
+        if not isinstance(doc, simdjson.Object):
+            raise HTTPError(400, "request body must be a JSON object")
+        for field in INTERNAL_FIELDS_ALWAYS + (INTERNAL_FIELDS_CHAT if chat else ()):
+            if field in doc:
+                raise HTTPError(
+                    400, f"'{field}' is an internal field and may not be sent by clients", param=field
+                )
+        stream = _optional(doc, "stream", (bool,), "a boolean")
+        options = _optional(doc, "stream_options", (simdjson.Object,), "an object")
+        include_usage = None
+        if options is not None:
+            include_usage = _optional(options, "include_usage", (bool,), "a boolean")
+        model = _optional(doc, "model", (str,), "a string")
+        if chat:
+            messages = doc.get("messages")
+            if not isinstance(messages, simdjson.Array) or len(messages) == 0:
+                raise HTTPError(400, "'messages' must be a non-empty array", param="messages")
+            key = "max_completion_tokens" if doc.get("max_completion_tokens") is not None else "max_tokens"
+        else:
+            prompt = doc.get("prompt")
+            if not isinstance(prompt, (str, simdjson.Array)):
+                raise HTTPError(400, "'prompt' must be a string or an array", param="prompt")
+            key = "max_tokens"
+        max_tokens = _check_max_tokens(key, _optional(doc, key, (int,), "an integer"))
+        return ClientRequest(body, chat, bool(stream), bool(include_usage), max_tokens, model)
+
+    def context_request(self, req: ClientRequest, disagg_request_id: int) -> bytes:
+        try:
+            return self.relay.build_context_request(
+                req.body, disagg_request_id=disagg_request_id, return_b64=self.tokids_b64
+            )
+        except (RelayError, JSONSpanError) as exc:  # e.g. a duplicated "stream" key
+            raise HTTPError(400, f"request body rejected: {exc}", param=getattr(exc, "field", None)) from None
+
+    def read_context(self, req: ClientRequest, body: bytes) -> ContextResult:
+        doc = _simd.parse(body, "context worker response", 502)
+        try:
+            choice = doc["choices"][0]
+            finish_reason = choice.get("finish_reason")
+            usage = doc.get("usage")
+            completion_tokens = usage.get("completion_tokens") if isinstance(usage, simdjson.Object) else None
+        except (KeyError, IndexError, TypeError):
+            raise HTTPError(502, "context worker response has no choices[0]") from None
+        finished = not _needs_generation(finish_reason, completion_tokens, req.max_tokens)
+        if not finished and not isinstance(choice.get("disaggregated_params"), simdjson.Object):
+            raise HTTPError(502, "context worker response lacks choices[0].disaggregated_params")
+        return ContextResult(body, finished)
+
+    def generation_request(self, req: ClientRequest, ctx: ContextResult) -> bytes:
+        try:
+            return self.relay.build_generation_request(
+                req.body, ctx.body, tokids_b64=self.tokids_b64, strip_history=self.strip_history
+            )
+        except (RelayError, JSONSpanError, TokenDecodeError) as exc:
+            raise HTTPError(502, f"context worker response cannot be relayed: {exc}") from None
+
+    def finished_answer(self, req: ClientRequest, ctx: ContextResult) -> bytes:
+        return self.relay.strip_internal_fields(ctx.body)
+
+    def client_answer(self, req: ClientRequest, body: bytes) -> bytes:
+        _simd.parse(body, "generation worker response", 502)
+        try:
+            return self.relay.strip_internal_fields(body)
+        except (RelayError, JSONSpanError) as exc:
+            raise HTTPError(502, f"generation worker response cannot be relayed: {exc}") from None
+
+
+# ---------------------------------------------------------------------------
+# The parsed baseline: OpenAI models in pydantic, as a typical orchestrator has
+# them. Unknown fields are kept (extra="allow") and dumps leave out what the
+# sender left out (exclude_unset), so workers and clients see the same JSON.
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class UsageInfo(_Model):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class DisaggregatedParams(_Model):
+    request_type: str
+    first_gen_tokens: list[int] | None = None
+    ctx_request_id: int | None = None
+    disagg_request_id: int | None = None
+    encoded_opaque_state: str | None = None
+    ctx_info_endpoint: Any = None
+    draft_tokens: list[int] | None = None
+    return_prompt_token_ids_b64: bool | None = None
+    ctx_usage: UsageInfo | None = None
+
+
+class StreamOptions(_Model):
+    include_usage: bool | None = None
+
+
+class ChatMessage(_Model):
+    role: str
+    content: Any = None
+
+
+class _RequestCommon(_Model):
+    model: str | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    n: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    logprobs: Any = None
+    disaggregated_params: DisaggregatedParams | None = None
+    prompt_token_ids_b64: str | None = None
+
+
+class ChatCompletionRequest(_RequestCommon):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class CompletionRequest(_RequestCommon):
+    prompt: str | list[str] | list[int] | list[list[int]]
+
+
+class ChatChoice(_Model):
+    index: int = 0
+    message: ChatMessage
+    finish_reason: str | None = None
+    logprobs: Any = None
+    disaggregated_params: DisaggregatedParams | None = None
+
+
+class CompletionChoice(_Model):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    logprobs: Any = None
+    disaggregated_params: DisaggregatedParams | None = None
+
+
+class _ResponseCommon(_Model):
+    id: str
+    object: str
+    created: int
+    model: str
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_token_ids_b64: str | None = None
+
+
+class ChatCompletionResponse(_ResponseCommon):
+    choices: list[ChatChoice]
+
+
+class CompletionResponse(_ResponseCommon):
+    choices: list[CompletionChoice]
+
+
+_CLIENT_EXCLUDE: Any = {
+    "prompt_token_ids": True,
+    "prompt_token_ids_b64": True,
+    "choices": {"__all__": {"disaggregated_params"}},
+}
+
+
+def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    err = exc.errors()[0]
+    field = ".".join(str(p) for p in err["loc"]) or None
+    return f"'{field}': {err['msg']}" if field else err["msg"], field
+
+
+class ParsedRelay:
+    name = "parsed"
+
+    def __init__(self, *, tokids_b64: bool, strip_history: bool) -> None:
+        self.tokids_b64 = tokids_b64
+        self.strip_history = strip_history
+
+    def read_client(self, body: bytes, chat: bool) -> ClientRequest:
+        try:
+            data = json.loads(body)
+        except (ValueError, RecursionError):
+            raise HTTPError(400, malformed_json_error(body, "request body")) from None
+        if not isinstance(data, dict):
+            raise HTTPError(400, "request body must be a JSON object")
+        for field in INTERNAL_FIELDS_ALWAYS + (INTERNAL_FIELDS_CHAT if chat else ()):
+            if field in data:
+                raise HTTPError(
+                    400, f"'{field}' is an internal field and may not be sent by clients", param=field
+                )
+        model_cls = ChatCompletionRequest if chat else CompletionRequest
+        try:
+            parsed: Any = model_cls.model_validate(data)
+        except ValidationError as exc:
+            message, field = _validation_message(exc)
+            raise HTTPError(400, message, param=field) from None
+        if chat and not parsed.messages:
+            raise HTTPError(400, "'messages' must be a non-empty array", param="messages")
+        key = "max_completion_tokens" if chat and parsed.max_completion_tokens is not None else "max_tokens"
+        max_tokens = _check_max_tokens(key, getattr(parsed, key))
+        include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
+        return ClientRequest(body, chat, bool(parsed.stream), include_usage, max_tokens, parsed.model, parsed)
+
+    def context_request(self, req: ClientRequest, disagg_request_id: int) -> bytes:
+        params = DisaggregatedParams(request_type="context_only", disagg_request_id=disagg_request_id)
+        if self.tokids_b64:
+            params.return_prompt_token_ids_b64 = True
+        update = {"stream": False, "stream_options": None, "disaggregated_params": params}
+        return req.parsed.model_copy(update=update).model_dump_json(exclude_unset=True).encode()
+
+    def read_context(self, req: ClientRequest, body: bytes) -> ContextResult:
+        try:
+            data = json.loads(body)
+            model_cls = ChatCompletionResponse if req.chat else CompletionResponse
+            parsed: Any = model_cls.model_validate(data)
+        except (ValueError, RecursionError) as exc:  # ValidationError is a ValueError
+            raise HTTPError(502, f"context worker response is not usable: {exc}") from None
+        if not parsed.choices:
+            raise HTTPError(502, "context worker response has no choices[0]")
+        choice = parsed.choices[0]
+        completion_tokens = parsed.usage.completion_tokens if parsed.usage else None
+        finished = not _needs_generation(choice.finish_reason, completion_tokens, req.max_tokens)
+        if not finished and choice.disaggregated_params is None:
+            raise HTTPError(502, "context worker response lacks choices[0].disaggregated_params")
+        return ContextResult(body, finished, parsed)
+
+    def generation_request(self, req: ClientRequest, ctx: ContextResult) -> bytes:
+        response = ctx.parsed
+        params = response.choices[0].disaggregated_params.model_copy(
+            update={"request_type": "generation_only", "ctx_usage": response.usage}
+        )
+        update: dict[str, Any] = {"disaggregated_params": params}
+        if self.tokids_b64:
+            if response.prompt_token_ids_b64 is None:
+                raise HTTPError(502, "context worker response lacks prompt_token_ids_b64")
+            update["prompt_token_ids_b64"] = response.prompt_token_ids_b64
+        else:
+            if response.prompt_token_ids is None:
+                raise HTTPError(502, "context worker response lacks prompt_token_ids")
+            update["prompt_token_ids" if req.chat else "prompt"] = response.prompt_token_ids
+        if self.strip_history and req.chat:
+            update["messages"] = req.parsed.messages[-1:]
+        return req.parsed.model_copy(update=update).model_dump_json(exclude_unset=True).encode()
+
+    def finished_answer(self, req: ClientRequest, ctx: ContextResult) -> bytes:
+        return ctx.parsed.model_dump_json(exclude_unset=True, exclude=_CLIENT_EXCLUDE).encode()
+
+    def client_answer(self, req: ClientRequest, body: bytes) -> bytes:
+        try:
+            model_cls = ChatCompletionResponse if req.chat else CompletionResponse
+            parsed = model_cls.model_validate(json.loads(body))
+        except (ValueError, RecursionError) as exc:
+            raise HTTPError(502, f"generation worker response is not usable: {exc}") from None
+        return parsed.model_dump_json(exclude_unset=True, exclude=_CLIENT_EXCLUDE).encode()
+
+
+def make_relay(mode: str, *, tokids_b64: bool, strip_history: bool) -> FastRelay | ParsedRelay:
+    cls = {"fast": FastRelay, "parsed": ParsedRelay}[mode]
+    return cls(tokids_b64=tokids_b64, strip_history=strip_history)
+
+
+# ---------------------------------------------------------------------------
+# A finished context response, streamed. The answer is one token long, so
+# building its chunks from a parse of the (stripped) answer costs the same
+# whatever the prompt length.
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+
+def answer_as_sse(answer: bytes, *, chat: bool, include_usage: bool) -> bytes:
+    """The SSE stream a streaming worker would have sent for the complete ``answer``."""
+    data = json.loads(answer)
+    head = {
+        "id": data.get("id"),
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": data.get("created", int(time.time())),
+        "model": data.get("model"),
+    }
+    events = []
+    for choice in data.get("choices", []):
+        index = choice.get("index", 0)
+        if chat:
+            message = choice.get("message") or {}
+            delta = {"role": message.get("role", "assistant"), "content": message.get("content") or ""}
+            body = {"index": index, "delta": delta, "logprobs": choice.get("logprobs"), "finish_reason": None}
+            end = {
+                "index": index,
+                "delta": {},
+                "logprobs": None,
+                "finish_reason": choice.get("finish_reason"),
+            }
+        else:
+            body = {
+                "index": index,
+                "text": choice.get("text", ""),
+                "logprobs": choice.get("logprobs"),
+                "finish_reason": None,
+            }
+            end = {"index": index, "text": "", "logprobs": None, "finish_reason": choice.get("finish_reason")}
+        events.append({**head, "choices": [body]})
+        events.append({**head, "choices": [end]})
+    if include_usage and data.get("usage") is not None:
+        events.append({**head, "choices": [], "usage": data["usage"]})
+    return b"".join(_sse(e) for e in events) + b"data: [DONE]\n\n"

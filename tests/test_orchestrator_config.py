@@ -1,0 +1,211 @@
+"""Orchestrator config (YAML + flags), routers and the health checker, without workers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from server.orchestrator import cli
+from server.orchestrator.config import ConfigError, OrchestratorConfig, build_config, merge_overrides
+from server.orchestrator.pools import HealthChecker, Pool
+
+PROTOCOL_YAML = """
+hostname: 127.0.0.1
+port: 8000
+gen_tokids_ctxbytes: true        # base64 int32 relay; default false
+gen_strip_message_history: true  # default false
+max_retries: 1
+request_timeout_s: 180
+context_servers:
+  router: {type: round_robin}    # round_robin | least_loaded
+  urls: ["127.0.0.1:8001", "127.0.0.1:8002"]
+generation_servers:
+  router: {type: least_loaded}
+  urls: ["127.0.0.1:8003"]
+"""
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_protocol_yaml_loads_into_one_typed_object(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text(PROTOCOL_YAML)
+    config = cli.config_from_args(_args("-c", str(path)))
+    assert isinstance(config, OrchestratorConfig)
+    assert config.gen_tokids_ctxbytes and config.gen_strip_message_history
+    assert config.context_servers.urls == ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
+    assert config.context_servers.router.type == "round_robin"
+    assert config.generation_servers.router.type == "least_loaded"
+    assert config.request_timeout_s == 180.0
+    assert config.relay == "fast"
+
+
+def test_flags_override_the_file(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text(PROTOCOL_YAML)
+    args = _args(
+        "-c", str(path), "--port", "9100", "--no-gen-tokids-ctxbytes", "--relay", "parsed",
+        "--generation-urls", "10.0.0.1:1,10.0.0.2:2", "--context-router", "least_loaded",
+    )  # fmt: skip
+    config = cli.config_from_args(args)
+    assert config.port == 9100
+    assert config.gen_tokids_ctxbytes is False
+    assert config.gen_strip_message_history is True  # untouched by flags
+    assert config.relay == "parsed"
+    assert config.generation_servers.urls == ["http://10.0.0.1:1", "http://10.0.0.2:2"]
+    assert config.context_servers.router.type == "least_loaded"
+    assert config.context_servers.urls == ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
+
+
+def test_flags_alone_suffice():
+    config = cli.config_from_args(_args("--context-urls", "127.0.0.1:1", "--generation-urls", "127.0.0.1:2"))
+    assert config.gen_tokids_ctxbytes is False and config.gen_strip_message_history is False
+    assert config.max_body_bytes == 32 * 1024 * 1024
+
+
+@pytest.mark.parametrize(
+    ("data", "where"),
+    [
+        ({"prot": 1}, "prot"),
+        ({"port": "eighty"}, "port"),
+        ({"port": 70000}, "port"),
+        ({"relay": "slow"}, "relay"),
+        ({"max_retries": -1}, "max_retries"),
+        ({"context_servers": {"router": {"type": "random"}}}, "context_servers.router.type"),
+        ({"generation_servers": {"urls": [""]}}, "generation_servers.urls"),
+    ],
+)
+def test_bad_config_names_the_key(data, where):
+    with pytest.raises(ConfigError, match=where.replace(".", r"\.")):
+        build_config(data, environ={})
+
+
+def test_missing_pool_is_refused():
+    with pytest.raises(ConfigError, match=r"generation_servers\.urls"):
+        cli.config_from_args(_args("--context-urls", "127.0.0.1:1"))
+
+
+def test_bad_yaml_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        cli.config_from_args(_args("-c", str(tmp_path / "absent.yaml")))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("port: [1,\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        cli.config_from_args(_args("-c", str(bad)))
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        cli.config_from_args(_args("-c", str(listy)))
+
+
+def test_run_reports_config_errors(capsys):
+    assert cli.run(_args("--context-urls", "127.0.0.1:1")) == 2
+    assert "generation_servers.urls" in capsys.readouterr().err
+
+
+def test_shared_secret_from_environment_unless_configured():
+    assert build_config({}, environ={"FASTCORE_SHARED_SECRET": "s3"}).shared_secret_bytes == b"s3"
+    assert (
+        build_config({"shared_secret": "cfg"}, environ={"FASTCORE_SHARED_SECRET": "s3"}).shared_secret
+        == "cfg"
+    )
+    assert build_config({}, environ={}).shared_secret_bytes is None
+    assert "s3" not in repr(build_config({}, environ={"FASTCORE_SHARED_SECRET": "s3"}))
+
+
+def test_merge_overrides_skips_none_and_does_not_mutate():
+    data = {"context_servers": {"urls": ["a"]}}
+    merged = merge_overrides(data, {"context_servers.router.type": "least_loaded", "port": None})
+    assert merged == {"context_servers": {"urls": ["a"], "router": {"type": "least_loaded"}}}
+    assert data == {"context_servers": {"urls": ["a"]}}
+
+
+def _healthy_pool(router: str, n: int = 3) -> Pool:
+    pool = Pool("p", [f"http://w{i}" for i in range(n)], router)
+    for w in pool.workers:
+        w.healthy = True
+    return pool
+
+
+def test_round_robin_cycles_and_skips_unhealthy_and_excluded():
+    pool = _healthy_pool("round_robin")
+    assert [pool.choose().url for _ in range(6)] == ["http://w0", "http://w1", "http://w2"] * 2
+    pool.workers[1].healthy = False
+    assert {pool.choose().url for _ in range(4)} == {"http://w0", "http://w2"}
+    assert pool.choose(exclude=[pool.workers[0], pool.workers[2]]) is None
+
+
+def test_least_loaded_prefers_fewest_in_flight_and_shares_ties():
+    pool = _healthy_pool("least_loaded")
+    pool.workers[0].in_flight = 3
+    pool.workers[1].in_flight = 1
+    pool.workers[2].in_flight = 2
+    assert pool.choose().url == "http://w1"
+    pool.workers[1].in_flight = 5
+    assert pool.choose().url == "http://w2"
+    for w in pool.workers:
+        w.in_flight = 0
+    assert {pool.choose().url for _ in range(3)} == {"http://w0", "http://w1", "http://w2"}
+
+
+def test_pool_not_ready_until_a_worker_is_healthy():
+    pool = Pool("p", ["http://a"], "round_robin")
+    assert not pool.ready and pool.choose() is None
+    pool.workers[0].healthy = True
+    assert pool.ready
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_health_checker_takes_out_and_puts_back():
+    """A real /health endpoint that flips between 200 and 503, and a port nobody listens on."""
+    status = {"code": 200}
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(status=status["code"])
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = _free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    dead_port = _free_port()
+    pool = Pool("p", [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{dead_port}"], "round_robin")
+    changes = []
+    try:
+        async with aiohttp.ClientSession() as session:
+            checker = HealthChecker(
+                [pool], session, interval=0.05, timeout=1, on_change=lambda p, w: changes.append(w.healthy)
+            )
+            await checker.check_all()
+            assert [w.healthy for w in pool.workers] == [True, False]
+            status["code"] = 503
+            await checker.check_all()
+            assert not pool.ready
+            status["code"] = 200
+            checker.start()
+            for _ in range(100):
+                if pool.ready:
+                    break
+                await asyncio.sleep(0.02)
+            await checker.stop()
+            assert pool.workers[0].healthy and not pool.workers[1].healthy
+            checker.mark_unhealthy(pool, pool.workers[0])
+            assert not pool.ready
+            assert changes[-1] is False
+    finally:
+        await runner.cleanup()
