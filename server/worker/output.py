@@ -1,0 +1,139 @@
+"""Sampling parameters and per-request output processing, shared by every engine.
+
+No torch here: the torch engine and a synthetic engine both feed sampled
+token ids to an :class:`OutputProcessor`, which owns detokenization, stop
+tokens, stop strings and ``max_tokens``. Because the processor is a pure
+function of the token sequence, a generation worker that replays a context
+worker's ``first_gen_tokens`` into it produces the very same text, chunks and
+finish reason as a single worker that generated them itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    # None: no logprobs; k >= 0: the chosen token's logprob plus the top k.
+    logprobs: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Delta:
+    """What one engine step added to a request: the unit the HTTP layer streams."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None = None
+    # Set when the finish is an error of the engine (the stream ends with an error event).
+    error: str | None = None
+
+
+class OutputProcessor:
+    """Turns one request's sampled tokens into text deltas and decides when it ends.
+
+    - a token in ``stop_token_ids``, or an EOS id (unless ``ignore_eos``),
+      ends with ``"stop"``; its text is not part of the output, but it counts
+      as a completion token, as in OpenAI's API;
+    - a stop string ends with ``"stop"``; the text is cut before it;
+    - ``max_tokens`` tokens end with ``"length"``.
+
+    While stop strings are set, the last ``len(longest stop) - 1`` characters
+    are held back, since they might be the start of a stop string.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        params: SamplingParams,
+        prompt_tail: list[int] | None = None,
+    ) -> None:
+        self.params = params
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_tail or [])
+        self.end_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self.end_ids.update(tokenizer.eos_token_ids)
+        self.holdback = max((len(s) for s in params.stop), default=1) - 1
+        self.text = ""  # all text so far, held-back tail included
+        self.emitted = 0  # characters of self.text already sent
+        self.num_tokens = 0
+        self.finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, token_id: int, logprob: TokenLogprob | None = None) -> Delta:
+        if self.finished:
+            raise RuntimeError("token added to a finished request")
+        self.num_tokens += 1
+        logprobs = [logprob] if logprob is not None else []
+        if token_id in self.end_ids:
+            self.finish_reason = "stop"
+            self.text += self.detokenizer.flush()
+            return self._emit([token_id], logprobs, len(self.text))
+        self.text += self.detokenizer.push([token_id])
+        if self.params.stop:
+            # Only the new tail (plus a stop's length of overlap) can hold a new match.
+            start = max(0, self.emitted - self.holdback)
+            cut = min(
+                (i for i in (self.text.find(s, start) for s in self.params.stop) if i >= 0),
+                default=-1,
+            )
+            if cut >= 0:
+                self.finish_reason = "stop"
+                self.text = self.text[:cut]
+                return self._emit([token_id], logprobs, cut)
+        if self.num_tokens >= self.params.max_tokens:
+            self.finish_reason = "length"
+            self.text += self.detokenizer.flush()
+            return self._emit([token_id], logprobs, len(self.text))
+        return self._emit([token_id], logprobs, max(self.emitted, len(self.text) - self.holdback))
+
+    def finish_early(self, reason: str) -> Delta:
+        """End before the request would end by itself (``"not_finished"`` of a context leg)."""
+        self.finish_reason = reason
+        self.text += self.detokenizer.flush()
+        return self._emit([], [], len(self.text))
+
+    def _emit(self, token_ids: list[int], logprobs: list[TokenLogprob], upto: int) -> Delta:
+        text = self.text[self.emitted : upto]
+        self.emitted = max(self.emitted, upto)
+        return Delta(text, token_ids, logprobs, self.finish_reason)
+
+
+def merge_deltas(deltas: list[Delta]) -> dict[str, Any]:
+    """Text, ids, logprobs and finish reason of a whole (non-streamed) completion."""
+    return {
+        "text": "".join(d.text for d in deltas),
+        "token_ids": [t for d in deltas for t in d.token_ids],
+        "logprobs": [lp for d in deltas for lp in d.logprobs],
+        "finish_reason": deltas[-1].finish_reason if deltas else None,
+    }
+
+
+__all__ = ["Delta", "OutputProcessor", "SamplingParams", "TokenLogprob", "merge_deltas"]
