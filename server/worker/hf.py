@@ -83,12 +83,17 @@ def _read_json(path: Path, *, required: bool) -> dict[str, Any] | None:
         if required:
             raise CheckpointError("file not found", path)
         return None
+    raw = path.read_bytes()
     try:
-        data = json.loads(path.read_bytes())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"not valid JSON: {exc.msg} (byte {exc.pos})", path) from exc
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise CheckpointError(f"not UTF-8 (byte {exc.start})", path) from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        # json reports a character index; the byte offset is what an editor or hexdump shows.
+        offset = len(text[: exc.pos].encode("utf-8")) + (len(raw) - len(text.encode("utf-8")))
+        raise CheckpointError(f"not valid JSON: {exc.msg} (byte {offset})", path) from exc
     if not isinstance(data, dict):
         raise CheckpointError(f"expected a JSON object, found {type(data).__name__}", path)
     return data
