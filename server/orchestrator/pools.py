@@ -116,7 +116,13 @@ class HealthChecker:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             healthy = False
         if healthy != worker.healthy:
-            log.warning("%s worker %s is %s", pool.name, worker.url, "healthy" if healthy else "unhealthy")
+            log.log(
+                logging.INFO if healthy else logging.WARNING,
+                "%s worker %s is %s",
+                pool.name,
+                worker.url,
+                "healthy" if healthy else "unhealthy",
+            )
             worker.healthy = healthy
         self.on_change(pool, worker)
 

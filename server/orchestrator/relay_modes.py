@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import simdjson
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, ValidationError
 
 import fastcore
-from fastcore import JSONSpanError, RelayError, TokenDecodeError
+from fastcore import JSONSpanError, RelayError
 from server.errors import HTTPError
 
 # Internal fields a client may never send (PROTOCOL.md, "Rules that hold everywhere").
@@ -174,7 +174,7 @@ class FastRelay:
     def context_request(self, req: ClientRequest, disagg_request_id: int) -> bytes:
         try:
             return self.relay.build_context_request(
-                req.body, disagg_request_id=disagg_request_id, return_b64=self.tokids_b64
+                req.body, disagg_request_id=disagg_request_id, return_b64=self.tokids_b64, chat=req.chat
             )
         except (RelayError, JSONSpanError) as exc:  # e.g. a duplicated "stream" key
             raise HTTPError(400, f"request body rejected: {exc}", param=getattr(exc, "field", None)) from None
@@ -182,24 +182,35 @@ class FastRelay:
     def read_context(self, req: ClientRequest, body: bytes) -> ContextResult:
         doc = _simd.parse(body, "context worker response", 502)
         try:
-            choice = doc["choices"][0]
-            finish_reason = choice.get("finish_reason")
-            usage = doc.get("usage")
+            usage = doc["usage"]
             completion_tokens = usage.get("completion_tokens") if isinstance(usage, simdjson.Object) else None
-        except (KeyError, IndexError, TypeError):
-            raise HTTPError(502, "context worker response has no choices[0]") from None
-        finished = not _needs_generation(finish_reason, completion_tokens, req.max_tokens)
-        if not finished and not isinstance(choice.get("disaggregated_params"), simdjson.Object):
+        except (KeyError, TypeError):
+            completion_tokens = None
+        del doc
+        try:
+            # The spans leg (3) needs, read once here and handed to build_generation_request.
+            info = self.relay.parse_context_response(body)
+        except RelayError as exc:
+            raise HTTPError(502, f"context worker response cannot be relayed: {exc}") from None
+        finished = not _needs_generation(info.finish_reason, completion_tokens, req.max_tokens)
+        if not finished and info.disaggregated_params is None:
             raise HTTPError(502, "context worker response lacks choices[0].disaggregated_params")
-        return ContextResult(body, finished)
+        return ContextResult(body, finished, info)
 
     def generation_request(self, req: ClientRequest, ctx: ContextResult) -> bytes:
         try:
             return self.relay.build_generation_request(
-                req.body, ctx.body, tokids_b64=self.tokids_b64, strip_history=self.strip_history
+                req.body,
+                ctx.body,
+                tokids_b64=self.tokids_b64,
+                strip_history=self.strip_history,
+                chat=req.chat,
+                ctx_info=ctx.parsed,
             )
-        except (RelayError, JSONSpanError, TokenDecodeError) as exc:
+        except self.relay.ContextResponseError as exc:
             raise HTTPError(502, f"context worker response cannot be relayed: {exc}") from None
+        except (RelayError, JSONSpanError) as exc:
+            raise HTTPError(400, f"request body rejected: {exc}", param=getattr(exc, "field", None)) from None
 
     def finished_answer(self, req: ClientRequest, ctx: ContextResult) -> bytes:
         return self.relay.strip_internal_fields(ctx.body)
@@ -241,7 +252,7 @@ class DisaggregatedParams(_Model):
 
 
 class StreamOptions(_Model):
-    include_usage: bool | None = None
+    include_usage: StrictBool | None = None
 
 
 class ChatMessage(_Model):
@@ -249,11 +260,13 @@ class ChatMessage(_Model):
     content: Any = None
 
 
+# The fields the orchestrator itself acts on are strict (pydantic's lax mode
+# would take "stream": "yes" as true), so both modes refuse the same bodies.
 class _RequestCommon(_Model):
     model: str | None = None
-    stream: bool | None = None
+    stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
+    max_tokens: StrictInt | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -267,7 +280,7 @@ class _RequestCommon(_Model):
 
 class ChatCompletionRequest(_RequestCommon):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: StrictInt | None = None
     prompt_token_ids: list[int] | None = None
 
 

@@ -1,0 +1,733 @@
+"""The orchestrator end to end: real torch worker processes (tiny model) on 127.0.0.1.
+
+Workers are started once for the module (one ``both`` worker as the reference,
+two context and two generation workers); each orchestrator under test runs on
+its own event-loop thread in this process, on real sockets, so a test can
+read its pools and metrics directly. Tests that kill workers start their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+
+from server.auth import SIGNATURE_HEADER
+from server.orchestrator.app import start_server
+from server.orchestrator.config import OrchestratorConfig, build_config
+
+pytestmark = pytest.mark.slow
+
+SECRET = "functional-test-secret"
+WORKER_ARGV = [sys.executable, "-m", "server.cli", "worker", "--model", "tiny", "--host", "127.0.0.1"]
+STARTUP_TIMEOUT_S = 180.0
+
+MESSAGES = [
+    {"role": "system", "content": "You are a terse assistant."},
+    {"role": "user", "content": "Name three colours."},
+    {"role": "assistant", "content": "Red, green, blue."},
+    {"role": "user", "content": "And three fruits?"},
+]
+PROMPT = "Once upon a time, in a land far away,"
+MAX_TOKENS = 8
+
+# Every relay mode and gate combination clients must not be able to tell apart.
+MODES: dict[str, dict[str, Any]] = {
+    "parsed": {"relay": "parsed"},
+    "parsed_gates_on": {"relay": "parsed", "gen_tokids_ctxbytes": True, "gen_strip_message_history": True},
+    "fast_gates_off": {"relay": "fast"},
+    "fast_tokids": {"relay": "fast", "gen_tokids_ctxbytes": True},
+    "fast_gates_on": {"relay": "fast", "gen_tokids_ctxbytes": True, "gen_strip_message_history": True},
+}
+
+
+def eventually(condition: Any, timeout: float = 10.0) -> bool:
+    """Poll ``condition`` until true (bookkeeping may finish just after the client's last byte)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def http_post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(
+        url, data=body, headers={"Content-Type": "application/json", **(headers or {})}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def wait_healthy(
+    url: str, procs: list[subprocess.Popen[bytes]] = (), timeout: float = STARTUP_TIMEOUT_S
+) -> None:  # type: ignore[assignment]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for proc in procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"process {proc.args} exited with {proc.returncode} while starting")
+        try:
+            if http_get(url + "/health", timeout=2)[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not healthy after {timeout} s")
+
+
+class WorkerProcess:
+    def __init__(self, role: str, *, secret: str | None = SECRET) -> None:
+        self.role = role
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ)
+        env.pop("FASTCORE_SHARED_SECRET", None)
+        if secret is not None:
+            env["FASTCORE_SHARED_SECRET"] = secret
+        self.proc = subprocess.Popen([*WORKER_ARGV, "--role", role, "--port", str(self.port)], env=env)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def wait(self) -> WorkerProcess:
+        wait_healthy(self.url, [self.proc])
+        return self
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+class LoopThread:
+    """An event loop on a thread, for servers that a blocking client talks to."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Any, timeout: float = 30) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+class RunningOrchestrator:
+    def __init__(self, loop: LoopThread, config: OrchestratorConfig) -> None:
+        self.loop = loop
+        self.runner, self.orchestrator = loop.run(start_server(config))
+        self.url = f"http://127.0.0.1:{config.port}"
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def metric(self, name: str, **labels: str) -> float:
+        metric = next(m for m in self.orchestrator.registry.metrics if m.name == name)
+        return metric.get(**labels) if hasattr(metric, "get") else float(metric.count(**labels))  # type: ignore[attr-defined]
+
+    def stop(self) -> None:
+        self.loop.run(self.runner.cleanup())
+
+
+def make_config(context: list[str], generation: list[str], **overrides: Any) -> OrchestratorConfig:
+    data: dict[str, Any] = {
+        "port": free_port(),
+        "shared_secret": SECRET,
+        "health_check_interval_s": 0.5,
+        "context_servers": {"urls": context},
+        "generation_servers": {"urls": generation},
+    }
+    data.update(overrides)
+    return build_config(data, environ={})
+
+
+@pytest.fixture(scope="module")
+def workers() -> Iterator[dict[str, list[WorkerProcess]]]:
+    started = {
+        "both": [WorkerProcess("both")],
+        "context": [WorkerProcess("context"), WorkerProcess("context")],
+        "generation": [WorkerProcess("generation"), WorkerProcess("generation")],
+    }
+    try:
+        for group in started.values():
+            for worker in group:
+                worker.wait()
+        yield started
+    finally:
+        for group in started.values():
+            for worker in group:
+                worker.stop()
+
+
+@pytest.fixture(scope="module")
+def loop_thread() -> Iterator[LoopThread]:
+    thread = LoopThread()
+    yield thread
+    thread.close()
+
+
+@pytest.fixture(scope="module")
+def orchestrators(workers, loop_thread) -> Iterator[dict[str, RunningOrchestrator]]:
+    context = [w.address for w in workers["context"]]
+    generation = [w.address for w in workers["generation"]]
+    running = {
+        name: RunningOrchestrator(loop_thread, make_config(context, generation, **mode))
+        for name, mode in MODES.items()
+    }
+    try:
+        for orch in running.values():
+            wait_healthy(orch.url, timeout=30)
+        yield running
+    finally:
+        for orch in running.values():
+            orch.stop()
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def run_request(
+    client: openai.OpenAI, route: str, stream: bool, max_tokens: int = MAX_TOKENS
+) -> dict[str, Any]:
+    """The client-visible result: text, finish reason and usage."""
+    common: dict[str, Any] = {"model": "tiny", "max_tokens": max_tokens, "temperature": 0.0}
+    if stream:
+        common.update(stream=True, stream_options={"include_usage": True})
+    if route == "chat":
+        result = client.chat.completions.create(messages=MESSAGES, **common)
+    else:
+        result = client.completions.create(prompt=PROMPT, **common)
+    if not stream:
+        choice = result.choices[0]
+        text = choice.message.content if route == "chat" else choice.text
+        return {"text": text, "finish_reason": choice.finish_reason, "usage": result.usage.model_dump()}
+    parts, finish, usage = [], None, None
+    for chunk in result:
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump()
+        for choice in chunk.choices:
+            piece = choice.delta.content if route == "chat" else choice.text
+            parts.append(piece or "")
+            finish = choice.finish_reason or finish
+    return {"text": "".join(parts), "finish_reason": finish, "usage": usage}
+
+
+_reference_cache: dict[tuple[str, bool, int], dict[str, Any]] = {}
+
+
+def reference(workers, route: str, stream: bool, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+    key = (route, stream, max_tokens)
+    if key not in _reference_cache:
+        _reference_cache[key] = run_request(_client(workers["both"][0].url), route, stream, max_tokens)
+    return _reference_cache[key]
+
+
+# ---------------------------------------------------------------------------
+# Outputs: every mode equals one `both` worker
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+@pytest.mark.parametrize("route", ["chat", "completions"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_openai_client_output_equals_single_worker(workers, orchestrators, mode, route, stream):
+    expected = reference(workers, route, stream)
+    assert expected["text"], "the tiny model should say something; equality would mean little otherwise"
+    got = run_request(orchestrators[mode].client(), route, stream)
+    assert got == expected
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+@pytest.mark.parametrize("route", ["chat", "completions"])
+@pytest.mark.parametrize("mode", ["parsed", "fast_gates_on"])
+def test_finished_context_response_is_the_answer(workers, orchestrators, mode, route, stream):
+    orch = orchestrators[mode]
+    before = orch.metric("fastcore_orchestrator_finished_by_context_total")
+    got = run_request(orch.client(), route, stream, max_tokens=1)
+    assert got == reference(workers, route, stream, max_tokens=1)
+    assert got["usage"]["completion_tokens"] == 1
+    assert orch.metric("fastcore_orchestrator_finished_by_context_total") == before + 1
+
+
+def test_unary_response_carries_no_internal_fields(orchestrators):
+    for mode in ("parsed", "fast_gates_off", "fast_gates_on"):
+        for path, body in (
+            ("/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 4}),
+            ("/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 4}),
+            ("/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 1}),
+        ):
+            status, data = http_post(orchestrators[mode].url + path, json.dumps(body).encode())
+            assert status == 200, data
+            assert "prompt_token_ids" not in data and "prompt_token_ids_b64" not in data
+            assert all("disaggregated_params" not in c for c in data["choices"])
+            assert data["usage"]["prompt_tokens"] > 1
+
+
+# ---------------------------------------------------------------------------
+# What the generation worker receives, observed by a recording proxy in front of it
+
+
+class RecordingProxy:
+    """Records each request body, then forwards it to a real worker and streams the answer back."""
+
+    def __init__(self, loop: LoopThread, target: str) -> None:
+        self.target = target
+        self.bodies: list[tuple[str, bytes, dict[str, str]]] = []
+        self.port = free_port()
+        self.loop = loop
+        self.runner = loop.run(self._start())
+
+    async def _start(self) -> web.AppRunner:
+        self.session = aiohttp.ClientSession()
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_route("*", "/{tail:.*}", self._forward)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", self.port).start()
+        return runner
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        if request.method == "POST":
+            self.bodies.append((request.path, body, dict(request.headers)))
+        headers = {k: v for k, v in request.headers.items() if k in ("Content-Type", SIGNATURE_HEADER)}
+        async with self.session.request(
+            request.method, self.target + request.path, data=body, headers=headers
+        ) as up:
+            out = web.StreamResponse(
+                status=up.status, headers={"Content-Type": up.headers.get("Content-Type", "")}
+            )
+            await out.prepare(request)
+            async for chunk in up.content.iter_any():
+                await out.write(chunk)
+            await out.write_eof()
+            return out
+
+    def stop(self) -> None:
+        async def _stop() -> None:
+            await self.runner.cleanup()
+            await self.session.close()
+
+        self.loop.run(_stop())
+
+
+@pytest.mark.parametrize(
+    "mode", ["parsed", "fast_gates_off", "fast_tokids", "fast_gates_on", "parsed_gates_on"]
+)
+def test_generation_request_body_per_gate(workers, loop_thread, mode):
+    proxy = RecordingProxy(loop_thread, workers["generation"][0].url)
+    orch = RunningOrchestrator(
+        loop_thread, make_config([workers["context"][0].address], [f"127.0.0.1:{proxy.port}"], **MODES[mode])
+    )
+    try:
+        wait_healthy(orch.url, timeout=30)
+        client = orch.client()
+        assert run_request(client, "chat", False) == reference(workers, "chat", False)
+        assert run_request(client, "completions", True) == reference(workers, "completions", True)
+        (chat_path, chat_body, chat_headers), (comp_path, comp_body, _) = proxy.bodies
+        assert (chat_path, comp_path) == ("/v1/chat/completions", "/v1/completions")
+        assert chat_headers[SIGNATURE_HEADER].startswith("sha256=")
+        chat, comp = json.loads(chat_body), json.loads(comp_body)
+        for sent in (chat, comp):
+            params = sent["disaggregated_params"]
+            assert params["request_type"] == "generation_only"
+            assert params["ctx_usage"]["completion_tokens"] == 1
+            assert isinstance(params["first_gen_tokens"], list) and len(params["first_gen_tokens"]) == 1
+        assert comp["stream"] is True and chat.get("stream") in (None, False)
+        tokids = MODES[mode].get("gen_tokids_ctxbytes", False)
+        if tokids:
+            assert (
+                isinstance(chat["prompt_token_ids_b64"], str) and len(chat["prompt_token_ids_b64"]) % 4 == 0
+            )
+            assert "prompt_token_ids" not in chat or chat["prompt_token_ids"] is None
+            assert isinstance(comp["prompt_token_ids_b64"], str)
+        else:
+            # PROTOCOL.md: gates off, the ids travel as a JSON list.
+            assert "prompt_token_ids_b64" not in chat
+            ids = chat["prompt_token_ids"]
+            assert isinstance(ids, list) and len(ids) > 10 and all(isinstance(i, int) for i in ids)
+            assert isinstance(comp["prompt"], list) and all(isinstance(i, int) for i in comp["prompt"])
+        strip = MODES[mode].get("gen_strip_message_history", False)
+        assert chat["messages"] == (MESSAGES[-1:] if strip else MESSAGES)
+    finally:
+        orch.stop()
+        proxy.stop()
+
+
+# ---------------------------------------------------------------------------
+# Bad input from clients: same answer in every mode
+
+
+BAD_BODIES = [
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [', 400, "byte 31"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": []} trailing', 400, "byte"),
+    ("/v1/chat/completions", b"\xff\xfe{}", 400, "UTF-8"),
+    ("/v1/chat/completions", b"", 400, "byte 0"),
+    ("/v1/chat/completions", b"[1, 2]", 400, "JSON object"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": "hi"}', 400, "messages"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": []}', 400, "messages"),
+    ("/v1/chat/completions", b'{"model": "tiny"}', 400, "messages"),
+    (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "stream": "yes"}',
+        400,
+        "stream",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}',
+        400,
+        "max_tokens",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}',
+        400,
+        "max_tokens",
+    ),
+    ("/v1/completions", b'{"model": "tiny", "prompt": 5}', 400, "prompt"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "stream_options": 3}', 400, "stream_options"),
+]
+INTERNAL = [
+    ("/v1/chat/completions", "disaggregated_params", {"request_type": "generation_only"}),
+    ("/v1/chat/completions", "prompt_token_ids_b64", "AQAAAA=="),
+    ("/v1/chat/completions", "prompt_token_ids", [1, 2, 3]),
+    ("/v1/completions", "disaggregated_params", {"request_type": "context_only"}),
+    ("/v1/completions", "prompt_token_ids_b64", "AQAAAA=="),
+]
+
+
+@pytest.mark.parametrize("mode", ["parsed", "fast_gates_on"])
+@pytest.mark.parametrize(("path", "body", "status", "needle"), BAD_BODIES)
+def test_bad_client_bodies(orchestrators, mode, path, body, status, needle):
+    got_status, data = http_post(orchestrators[mode].url + path, body)
+    assert got_status == status
+    assert needle in data["error"]["message"] or data["error"]["param"] == needle
+    assert data["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("mode", ["parsed", "fast_gates_on"])
+@pytest.mark.parametrize(("path", "field", "value"), INTERNAL)
+def test_internal_fields_from_clients_are_refused(orchestrators, mode, path, field, value):
+    body = {"model": "tiny", "max_tokens": 2, field: value}
+    body.update({"messages": MESSAGES} if "chat" in path else {"prompt": PROMPT})
+    status, data = http_post(orchestrators[mode].url + path, json.dumps(body).encode())
+    assert status == 400
+    assert data["error"]["param"] == field and field in data["error"]["message"]
+
+
+@pytest.mark.parametrize("mode", ["parsed", "fast_gates_on"])
+def test_oversized_body_is_413(workers, loop_thread, mode):
+    config = make_config(
+        [workers["context"][0].address],
+        [workers["generation"][0].address],
+        max_body_bytes=4096,
+        **MODES[mode],
+    )
+    orch = RunningOrchestrator(loop_thread, config)
+    try:
+        wait_healthy(orch.url, timeout=30)
+        big = json.dumps({"model": "tiny", "prompt": "x" * 5000, "max_tokens": 2}).encode()
+        status, data = http_post(orch.url + "/v1/completions", big)
+        assert status == 413 and "4096" in data["error"]["message"]
+
+        # Without a Content-Length (chunked), the limit holds while reading.
+        def chunks() -> Iterator[bytes]:
+            for i in range(0, len(big), 1000):
+                yield big[i : i + 1000]
+
+        request = urllib.request.Request(
+            orch.url + "/v1/completions", data=chunks(), headers={"Content-Type": "application/json"}
+        )
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(request, timeout=30)
+        assert info.value.code == 413
+        assert json.loads(info.value.read())["error"]["code"] == 413
+        small = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode()
+        assert http_post(orch.url + "/v1/completions", small)[0] == 200
+    finally:
+        orch.stop()
+
+
+# ---------------------------------------------------------------------------
+# Workers' errors, faults and the shared secret
+
+
+def test_worker_4xx_reaches_the_client_with_its_body(orchestrators):
+    for mode in ("parsed", "fast_gates_on"):
+        client = orchestrators[mode].client()
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, n=3)
+        assert info.value.status_code == 400
+        assert "n" in str(info.value.body)
+        # A streaming client gets the same 400 (nothing was streamed yet).
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, n=3, stream=True)
+
+
+def test_workers_refuse_unsigned_internal_requests(workers, loop_thread):
+    # The workers hold the secret; an orchestrator without it is refused and
+    # the worker's 403 is what its client sees.
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2,
+            "disaggregated_params": {"request_type": "context_only", "disagg_request_id": 1}}  # fmt: skip
+    status, data = http_post(workers["context"][0].url + "/v1/completions", json.dumps(body).encode())
+    assert status == 403, data
+    config = make_config(
+        [workers["context"][0].address], [workers["generation"][0].address], shared_secret=None
+    )
+    orch = RunningOrchestrator(loop_thread, config)
+    try:
+        wait_healthy(orch.url, timeout=30)
+        status, data = http_post(
+            orch.url + "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode()
+        )
+        assert status == 403 and "error" in data
+    finally:
+        orch.stop()
+
+
+def test_context_worker_down_is_retried_on_the_other(workers, loop_thread):
+    victim = WorkerProcess("context").wait()
+    # A long health interval: the orchestrator still believes the victim is up.
+    config = make_config(
+        [victim.address, workers["context"][0].address],
+        [workers["generation"][0].address],
+        health_check_interval_s=60,
+        max_retries=1,
+    )
+    orch = RunningOrchestrator(loop_thread, config)
+    try:
+        wait_healthy(orch.url, timeout=30)
+        victim.kill()
+        assert orch.orchestrator.context_pool.workers[0].healthy
+        # round_robin starts at the victim.
+        got = run_request(orch.client(), "chat", False)
+        assert got == reference(workers, "chat", False)
+        assert orch.metric("fastcore_orchestrator_retries_total", leg="context") == 1
+        assert not orch.orchestrator.context_pool.workers[0].healthy
+        assert run_request(orch.client(), "completions", True) == reference(workers, "completions", True)
+    finally:
+        orch.stop()
+        victim.stop()
+
+
+def test_all_workers_down_is_503_at_once(loop_thread):
+    config = make_config(
+        [f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"], health_check_interval_s=0.2
+    )
+    orch = RunningOrchestrator(loop_thread, config)
+    try:
+        time.sleep(0.5)
+        status, body = http_get(orch.url + "/health")
+        assert status == 503 and b"context" in body
+        started = time.monotonic()
+        status, data = http_post(
+            orch.url + "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 2}).encode()
+        )
+        assert status == 503 and data["error"]["type"] == "service_unavailable"
+        with pytest.raises(openai.InternalServerError):
+            orch.client().chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, stream=True)
+        # Workers the orchestrator still thinks are up, but are not: 502, no hang.
+        for worker in orch.orchestrator.context_pool.workers + orch.orchestrator.generation_pool.workers:
+            worker.healthy = True
+        status, data = http_post(
+            orch.url + "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 2}).encode()
+        )
+        assert status in (502, 503)
+        assert time.monotonic() - started < 10
+        assert http_get(orch.url + "/v1/models")[0] == 503
+    finally:
+        orch.stop()
+
+
+def test_generation_worker_killed_mid_stream(workers, loop_thread):
+    victim = WorkerProcess("generation").wait()
+    config = make_config(
+        [workers["context"][0].address], [victim.address, workers["generation"][1].address], relay="fast"
+    )
+    orch = RunningOrchestrator(loop_thread, config)
+    try:
+        wait_healthy(orch.url, timeout=30)
+        assert orch.orchestrator.generation_pool.workers[0].healthy
+        client = orch.client()
+        stream = client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=1500, temperature=0.0, stream=True
+        )
+        received = 0
+        with pytest.raises(openai.APIError) as info:
+            for chunk in stream:
+                received += 1
+                if received == 2:
+                    victim.kill()  # round_robin sent this request to the victim
+        assert received >= 2
+        assert "mid-stream" in str(info.value) or "failed" in str(info.value)
+        assert http_get(orch.url + "/health")[0] == 200
+        assert run_request(client, "completions", True) == reference(workers, "completions", True)
+        assert eventually(lambda: orch.orchestrator.generation_pool.workers[1].in_flight == 0)
+    finally:
+        orch.stop()
+        victim.stop()
+
+
+def test_client_disconnect_cancels_the_generation_leg(workers, orchestrators, loop_thread):
+    orch = orchestrators["fast_gates_on"]
+    body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 1500, "stream": True}).encode()
+
+    async def read_two_chunks_then_leave() -> None:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(orch.url + "/v1/completions", data=body) as resp:
+                assert resp.status == 200
+                await resp.content.readuntil(b"\n\n")
+                await resp.content.readuntil(b"\n\n")
+                resp.close()  # drop the connection mid-stream
+
+    before = orch.metric("fastcore_orchestrator_requests_total", route="completions", status="499")
+    asyncio.run(read_two_chunks_then_leave())
+    pools = orch.orchestrator.generation_pool.workers + orch.orchestrator.context_pool.workers
+    assert eventually(lambda: orch.orchestrator.in_flight == 0 and all(w.in_flight == 0 for w in pools))
+    assert (
+        orch.metric("fastcore_orchestrator_requests_total", route="completions", status="499") == before + 1
+    )
+    # The orchestrator serves on.
+    assert run_request(orch.client(), "completions", False) == reference(workers, "completions", False)
+
+
+# ---------------------------------------------------------------------------
+# Health, models, metrics
+
+
+def test_health_models_and_metrics(orchestrators):
+    orch = orchestrators["fast_gates_on"]
+    assert http_get(orch.url + "/health")[0] == 200
+    status, body = http_get(orch.url + "/v1/models")
+    assert status == 200 and json.loads(body)["data"]
+    run_request(orch.client(), "chat", True)
+    status, body = http_get(orch.url + "/metrics")
+    text = body.decode()
+    assert status == 200
+    for needle in (
+        'fastcore_orchestrator_requests_total{route="chat",status="200"}',
+        "fastcore_orchestrator_requests_in_flight ",
+        'fastcore_orchestrator_worker_healthy{pool="generation"',
+        'fastcore_orchestrator_cpu_seconds_count{phase="validate"}',
+        'fastcore_orchestrator_cpu_seconds_count{phase="build_generation"}',
+        'fastcore_orchestrator_cpu_seconds_count{phase="total"}',
+        "fastcore_orchestrator_context_leg_seconds_count",
+        "fastcore_orchestrator_handoff_seconds_count",
+        "fastcore_orchestrator_generation_ttfb_seconds_count",
+        "fastcore_orchestrator_retries_total",
+    ):
+        assert needle in text, needle
+
+
+def test_health_is_503_until_every_pool_has_a_ready_worker(workers, loop_thread):
+    config = make_config(
+        [workers["context"][0].address], [f"127.0.0.1:{free_port()}"], health_check_interval_s=0.2
+    )
+    orch = RunningOrchestrator(loop_thread, config)
+    try:
+        time.sleep(0.5)
+        status, body = http_get(orch.url + "/health")
+        assert status == 503 and b"generation" in body and b"context" not in body
+        # The generation pool's worker comes up: the orchestrator follows.
+        orch.orchestrator.generation_pool.workers[0].url = workers["generation"][0].url
+        wait_healthy(orch.url, timeout=10)
+    finally:
+        orch.stop()
+
+
+# ---------------------------------------------------------------------------
+# Several orchestrator processes on one port
+
+
+def test_workers_flag_runs_processes_on_one_port(workers):
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "server.cli", "orchestrator", "--port", str(port), "--workers", "2",
+        "--context-urls", workers["context"][0].address, "--generation-urls", workers["generation"][0].address,
+        "--gen-tokids-ctxbytes", "--gen-strip-message-history",
+    ]  # fmt: skip
+    env = {**os.environ, "FASTCORE_SHARED_SECRET": SECRET}
+    proc = subprocess.Popen(argv, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, [proc], timeout=60)
+        children = _children(proc.pid)
+        assert len(children) >= 2, children
+        client = _client(url)
+        for _ in range(4):
+            assert run_request(client, "chat", False) == reference(workers, "chat", False)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert all(not os.path.exists(f"/proc/{pid}") or _is_zombie(pid) for pid in children)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
