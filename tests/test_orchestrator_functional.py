@@ -600,7 +600,7 @@ def test_generation_worker_killed_mid_stream(workers, loop_thread):
         )
         received = 0
         with pytest.raises(openai.APIError) as info:
-            for chunk in stream:
+            for _chunk in stream:
                 received += 1
                 if received == 2:
                     victim.kill()  # round_robin sent this request to the victim
