@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from .kv_cache import DecodeAttention, KVCacheFull, PagedKVCache, PrefillAttention
+from .kv_transfer import KVLayout
 from .model import LlamaForCausalLM, ModelConfig
 from .output import Delta, OutputProcessor, SamplingParams, TokenLogprob
 from .tokenizer import Tokenizer
@@ -170,10 +171,22 @@ class TorchEngine:
 
     def submit(self, req: EngineRequest) -> None:
         """Reserve the request's KV and queue it; :class:`KVCacheFull` when it does not fit now."""
+        self.reserve(req)
+        self.enqueue(req)
+
+    def reserve(self, req: EngineRequest) -> None:
+        """Take the KV blocks for the prompt plus ``max_tokens`` (just the prompt for a context leg)."""
         reserve = int(req.prompt_ids.size) + (1 if req.park_as is not None else req.params.max_tokens)
-        reserve = min(reserve, self.max_context)
-        req.blocks = self.cache.allocate(reserve)
+        req.blocks = self.cache.allocate(min(reserve, self.max_context))
         req.seed = req.params.seed if req.params.seed is not None else random.getrandbits(63)
+
+    def unreserve(self, req: EngineRequest) -> None:
+        """Give back a reservation that was never queued (the client left during a KV fetch)."""
+        if req.blocks:
+            self.cache.free(req.blocks)
+            req.blocks = []
+
+    def enqueue(self, req: EngineRequest) -> None:
         with self._wake:
             self._by_id[req.request_id] = req
             self._inbox.append(req)
@@ -213,6 +226,18 @@ class TorchEngine:
         for p in expired:
             self.cache.free(p.blocks)
         return len(expired)
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return KVLayout(self.cache.num_layers, self.cache.kv_heads, self.cache.head_dim, self.dtype)
+
+    @property
+    def kv_used_tokens(self) -> int:
+        return self.cache.used_tokens
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.cache.capacity_tokens
 
     @property
     def parked_count(self) -> int:

@@ -1,0 +1,152 @@
+"""``fastcore-serve worker``: a torch worker (or a synthetic one) on one port."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from .app import ROLES, WorkerSettings
+
+SECRET_ENV = "FASTCORE_SHARED_SECRET"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--role", choices=ROLES, default="both", help="disaggregated role (default both)")
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        help="'tiny' (built in, no download), 'synthetic', or a Hugging Face model directory",
+    )
+    parser.add_argument(
+        "--served-model-name", default=None, help="model name in the API (default: --model's name)"
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8001)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                        help="auto: float32 on CPU and for tiny, else the checkpoint's dtype")  # fmt: skip
+    parser.add_argument("--kv-tokens", type=int, default=None,
+                        help="KV cache size in tokens (default: 65536 for tiny, else from free memory)")  # fmt: skip
+    parser.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one decode batch")
+    parser.add_argument("--kv-ttl", type=float, default=30.0,
+                        help="seconds a context leg's KV waits for its generation worker")  # fmt: skip
+    parser.add_argument("--kv-fetch-timeout", type=float, default=10.0, help="seconds for one KV fetch")
+    parser.add_argument("--public-url", default=None,
+                        help="base URL put in ctx_info_endpoint (default: the Host the request came in on)")  # fmt: skip
+    parser.add_argument("--shared-secret", default=None,
+                        help=f"HMAC secret for internal requests (default: ${SECRET_ENV})")  # fmt: skip
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="torch intra-op threads (default: min(4, CPU count))")  # fmt: skip
+
+
+def resolve_device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    return name
+
+
+def build_engine(args: argparse.Namespace) -> tuple[Any, str, str]:
+    """The engine for ``args``, its model name, and the device it runs on."""
+    import torch
+
+    from .engine import TorchEngine
+
+    threads = args.torch_threads or min(4, os.cpu_count() or 1)
+    torch.set_num_threads(threads)
+    device = resolve_device(args.device)
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if args.model == "synthetic":
+        try:
+            from . import synthetic  # type: ignore[attr-defined]
+        except ImportError:
+            raise SystemExit("--model synthetic: the synthetic engine is not part of this build") from None
+        return synthetic.build_engine(args), args.served_model_name or "synthetic", device  # type: ignore[attr-defined]
+    if args.model == "tiny":
+        from .tiny import build_tiny
+
+        dtype = dtypes.get(args.dtype, torch.float32)
+        config, model, tokenizer = build_tiny(device, dtype)
+        name = "tiny"
+        kv_tokens = args.kv_tokens or 1 << 16
+    else:
+        from .hf import load_model_dir
+
+        dtype_arg = None if args.dtype == "auto" else dtypes[args.dtype]
+        if dtype_arg is None and device == "cpu":
+            dtype_arg = torch.float32
+        config, model, tokenizer = load_model_dir(args.model, device, dtype_arg)
+        name = os.path.basename(os.path.normpath(args.model))
+        kv_tokens = args.kv_tokens or default_kv_tokens(config, model, device)
+    engine = TorchEngine(
+        config,
+        model,
+        tokenizer,
+        device=device,
+        kv_tokens=kv_tokens,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+    )
+    return engine, args.served_model_name or name, device
+
+
+def default_kv_tokens(config: Any, model: Any, device: str) -> int:
+    """Half the free GPU memory (or 2 GiB of host memory) as KV, capped at 64 full contexts."""
+    import torch
+
+    elem = next(model.parameters()).element_size()
+    per_token = 2 * config.num_hidden_layers * config.kv_heads * config.dim_per_head * elem
+    budget = 2 << 30
+    if device == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        budget = free // 2
+    return max(config.max_context, min(budget // per_token, 64 * config.max_context))
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    secret = args.shared_secret if args.shared_secret is not None else os.environ.get(SECRET_ENV)
+    engine, model_name, device = build_engine(args)
+    settings = WorkerSettings(
+        role=args.role,
+        model_name=model_name,
+        shared_secret=secret.encode() if secret else None,
+        kv_ttl_s=args.kv_ttl,
+        kv_fetch_timeout_s=args.kv_fetch_timeout,
+        public_url=args.public_url,
+        device=device,
+    )
+    return asyncio.run(_serve(engine, settings, args.host, args.port))
+
+
+async def _serve(engine: Any, settings: WorkerSettings, host: str, port: int) -> int:
+    from .app import start_worker
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    runner, bound = await start_worker(engine, settings, host, port)
+    print(
+        f"fastcore worker: role={settings.role} model={settings.model_name} device={settings.device} "
+        f"listening on http://{host}:{bound}",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+    return 0
+
+
+__all__ = ["add_arguments", "build_engine", "run"]
