@@ -1,0 +1,379 @@
+"""Zero-parse relay: build the bodies of PROTOCOL.md legs (1) and (3) from raw bytes.
+
+The orchestrator never turns a body into Python objects. One scanner pass
+per body finds the byte spans it needs; one :func:`splice` writes the output.
+The token field (tens of thousands of ids) is copied as bytes, never decoded:
+with the ``gen_tokids_ctxbytes`` gate on, the ``prompt_token_ids_b64`` string
+of the context response reaches the generation worker byte for byte, after a
+check of its alphabet, padding and length.
+
+Errors:
+
+- :class:`fastcore.JSONSpanError` (a ``ValueError`` with ``offset``): the body is
+  not valid JSON, or repeats a key the relay needs.
+- :class:`fastcore.RelayError` (``field`` names the field): a client body the
+  relay refuses (not an object, internal fields). The orchestrator answers 400.
+- :class:`ContextResponseError` (a ``RelayError``): the context worker's
+  response cannot be relayed. The orchestrator answers 502; a malformed
+  context response raises this too, with the ``JSONSpanError`` as its cause.
+
+The module-level functions use the active scanner twin (``fastcore.backend``);
+``Relay(scanner_module)`` binds another one (the tests run both).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from types import ModuleType
+
+from . import _jsonspan_impl
+from .errors import JSONSpanError, RelayError, TokenDecodeError
+
+Span = tuple[int, int]
+
+#: Fields only the orchestrator may set. ``prompt_token_ids`` is internal on
+#: chat only: on completions it is not part of our protocol's inputs, so the
+#: client's value is passed through untouched.
+INTERNAL_FIELDS = ("disaggregated_params", "prompt_token_ids_b64", "prompt_token_ids")
+
+#: Context-leg finish reasons after which a generation leg follows (PROTOCOL.md (2)).
+GENERATION_FOLLOWS = frozenset({"length", "not_finished"})
+
+_WS = re.compile(rb"[ \t\n\r]*")
+_MEMBER_SEPARATOR = re.compile(rb"[ \t\n\r]*,[ \t\n\r]*")
+
+_CLIENT_PATHS = (
+    (),
+    ("messages",),
+    ("disaggregated_params",),
+    ("prompt_token_ids_b64",),
+    ("prompt_token_ids",),
+)
+_ROOT, _MESSAGES, _DISAGG, _B64, _IDS = range(5)
+
+_DP = ("choices", 0, "disaggregated_params")
+_CONTEXT_PATHS = (
+    (),
+    ("choices", 0, "finish_reason"),
+    _DP,
+    ("usage",),
+    ("prompt_token_ids",),
+    ("prompt_token_ids_b64",),
+    (*_DP, "request_type"),
+    (*_DP, "ctx_usage"),
+)
+
+
+class ContextResponseError(RelayError):
+    """The context worker's response cannot be relayed (the orchestrator's 502)."""
+
+
+@dataclass(frozen=True)
+class ContextResponseInfo:
+    """What the orchestrator reads from a context response: small fields as objects, the rest as spans.
+
+    Spans are half-open byte ranges of raw JSON values in the response body
+    (``None``: absent).
+    """
+
+    finish_reason: str | None
+    #: ``finish_reason`` is ``"length"`` or ``"not_finished"``: a generation leg follows.
+    generation_follows: bool
+    #: ``choices[0].disaggregated_params``
+    disaggregated_params: Span | None
+    usage: Span | None
+    #: top-level ``prompt_token_ids`` (may be the span of ``null`` when the b64 form is used)
+    prompt_token_ids: Span | None
+    prompt_token_ids_b64: Span | None
+    #: ``choices[0].disaggregated_params.request_type`` / ``.ctx_usage``: rewritten for leg (3)
+    request_type: Span | None
+    ctx_usage: Span | None
+
+
+def _is_object(body: bytes | bytearray | memoryview, span: Span | None) -> bool:
+    return span is not None and body[span[0]] == 0x7B  # '{'
+
+
+def _is_empty_container(body: bytes | bytearray | memoryview, span: Span) -> bool:
+    return _WS.match(body, span[0] + 1).end() == span[1] - 1  # type: ignore[union-attr]
+
+
+def _member(name: bytes, value: bytes) -> bytes:
+    return b'"' + name + b'":' + value
+
+
+class Relay:
+    """The relay functions bound to one scanner twin (a module with ``find_spans`` etc.)."""
+
+    def __init__(self, scanner: ModuleType) -> None:
+        self.scanner = scanner
+        self._find_spans = scanner.find_spans
+        self._find_member_spans = scanner.find_member_spans
+        self._splice = scanner.splice
+        self._check_token_b64 = scanner.check_token_b64
+
+    # -- client bodies --------------------------------------------------------------------------
+
+    def _scan_client(
+        self, body: bytes, chat: bool | None, extra: tuple[tuple[str | int, ...], ...] = ()
+    ) -> tuple[bool, list[Span | None]]:
+        spans = self._find_spans(body, _CLIENT_PATHS + extra)
+        if not _is_object(body, spans[_ROOT]):
+            raise RelayError("the request body must be a JSON object")
+        if chat is None:
+            chat = spans[_MESSAGES] is not None
+        for index, name in (
+            (_DISAGG, "disaggregated_params"),
+            (_B64, "prompt_token_ids_b64"),
+            (_IDS, "prompt_token_ids"),
+        ):
+            if spans[index] is not None and (chat or index != _IDS):
+                route = "chat completion requests" if index == _IDS else "requests"
+                raise RelayError(f"'{name}' is an internal field and may not be sent in {route}", field=name)
+        return chat, spans
+
+    def check_client_body(self, body: bytes, *, chat: bool) -> None:
+        """Raise unless ``body`` is a JSON object free of internal fields (PROTOCOL.md, "Rules")."""
+        self._scan_client(body, chat)
+
+    def build_context_request(
+        self, client_body: bytes, *, disagg_request_id: int, return_b64: bool, chat: bool | None = None
+    ) -> bytes:
+        """Leg (1): the client's body with ``stream`` false, ``stream_options`` null, and
+        ``disaggregated_params`` added.
+
+        ``chat`` says which route the body came in on; pass it (``None`` guesses
+        from the presence of ``messages``, which a client controls).
+        """
+        if isinstance(disagg_request_id, bool) or not isinstance(disagg_request_id, int):
+            raise TypeError("disagg_request_id must be an int")
+        _, spans = self._scan_client(client_body, chat, (("stream",), ("stream_options",)))
+        stream, stream_options = spans[len(_CLIENT_PATHS) :]
+        root = spans[_ROOT]
+        assert root is not None
+        edits: list[tuple[int, int, bytes]] = []
+        added: list[bytes] = []
+        for span, name, value in (
+            (stream, b"stream", b"false"),
+            (stream_options, b"stream_options", b"null"),
+        ):
+            if span is None:
+                added.append(_member(name, value))
+            else:
+                edits.append((span[0], span[1], value))
+        params = b'{"request_type":"context_only","disagg_request_id":%d' % disagg_request_id
+        if return_b64:
+            params += b',"return_prompt_token_ids_b64":true'
+        added.append(_member(b"disaggregated_params", params + b"}"))
+        edits.sort()
+        edits.append(self._append_members(client_body, root, added))
+        return self._splice(client_body, edits)
+
+    @staticmethod
+    def _append_members(body: bytes, obj: Span, members: list[bytes]) -> tuple[int, int, bytes]:
+        """The edit that adds ``members`` before the closing brace of the object at ``obj``."""
+        text = b",".join(members)
+        if not _is_empty_container(body, obj):
+            text = b"," + text
+        return (obj[1] - 1, obj[1] - 1, text)
+
+    # -- context responses ----------------------------------------------------------------------
+
+    def parse_context_response(self, ctx_response: bytes) -> ContextResponseInfo:
+        """Read leg (2): finish reason and the spans leg (3) needs, in one validating pass."""
+        try:
+            spans = self._find_spans(ctx_response, _CONTEXT_PATHS)
+        except JSONSpanError as exc:
+            raise ContextResponseError(f"context response is not valid JSON: {exc}") from exc
+        root, finish, dp, usage, ids, b64, request_type, ctx_usage = spans
+        if not _is_object(ctx_response, root):
+            raise ContextResponseError("context response is not a JSON object")
+        finish_reason: str | None = None
+        if finish is not None:
+            # A short string: decoding it with the stdlib gets every escape right.
+            raw = bytes(ctx_response[finish[0] : finish[1]])
+            if raw != b"null":
+                if raw[:1] != b'"':
+                    raise ContextResponseError(
+                        "context response: choices[0].finish_reason is not a string", field="finish_reason"
+                    )
+                finish_reason = json.loads(raw)
+        return ContextResponseInfo(
+            finish_reason=finish_reason,
+            generation_follows=finish_reason in GENERATION_FOLLOWS,
+            disaggregated_params=dp,
+            usage=usage,
+            prompt_token_ids=ids,
+            prompt_token_ids_b64=b64,
+            request_type=request_type,
+            ctx_usage=ctx_usage,
+        )
+
+    def _generation_params(self, ctx: bytes, info: ContextResponseInfo) -> bytes:
+        dp = info.disaggregated_params
+        if not _is_object(ctx, dp):
+            raise ContextResponseError(
+                "context response has no choices[0].disaggregated_params object", field="disaggregated_params"
+            )
+        assert dp is not None
+        usage = memoryview(ctx)[info.usage[0] : info.usage[1]] if info.usage is not None else b"null"
+        edits: list[tuple[int, int, object]] = []
+        added: list[bytes] = []
+        if info.request_type is None:
+            added.append(_member(b"request_type", b'"generation_only"'))
+        else:
+            edits.append((info.request_type[0] - dp[0], info.request_type[1] - dp[0], b'"generation_only"'))
+        if info.ctx_usage is None:
+            added.append(_member(b"ctx_usage", bytes(usage)))
+        else:
+            edits.append((info.ctx_usage[0] - dp[0], info.ctx_usage[1] - dp[0], usage))
+        edits.sort(key=lambda edit: edit[0])
+        params = memoryview(ctx)[dp[0] : dp[1]]
+        if added:
+            edits.append(self._append_members(ctx[dp[0] : dp[1]], (0, dp[1] - dp[0]), added))
+        return self._splice(params, edits)
+
+    def build_generation_request(
+        self,
+        client_body: bytes,
+        ctx_response: bytes,
+        *,
+        tokids_b64: bool,
+        strip_history: bool,
+        chat: bool | None = None,
+        ctx_info: ContextResponseInfo | None = None,
+    ) -> bytes:
+        """Leg (3): the client's body plus the context leg's ``disaggregated_params`` and prompt ids.
+
+        ``tokids_b64`` (gate ``gen_tokids_ctxbytes``): relay the context
+        response's ``prompt_token_ids_b64`` string verbatim (both routes);
+        otherwise splice its ``prompt_token_ids`` list in as ``prompt_token_ids``
+        (chat) or as ``prompt`` (completions). ``strip_history`` (gate
+        ``gen_strip_message_history``): ``messages`` keeps its last element.
+        ``ctx_info``: the result of :meth:`parse_context_response` on
+        ``ctx_response``, to spare a second scan.
+        """
+        info = ctx_info if ctx_info is not None else self.parse_context_response(ctx_response)
+        chat, spans = self._scan_client(client_body, chat, (("prompt",), ("messages", -1)))
+        prompt, last_message = spans[len(_CLIENT_PATHS) :]
+        root = spans[_ROOT]
+        assert root is not None
+        ctx_view = memoryview(ctx_response)
+        edits: list[tuple[int, int, object]] = []
+        added: list[bytes | memoryview] = [
+            b'"disaggregated_params":',
+            self._generation_params(ctx_response, info),
+        ]
+
+        if tokids_b64:
+            b64 = info.prompt_token_ids_b64
+            if b64 is None or ctx_response[b64[0]] != 0x22:  # '"'
+                raise ContextResponseError(
+                    "context response has no prompt_token_ids_b64 string (is the context worker's "
+                    "return_prompt_token_ids_b64 support on?)",
+                    field="prompt_token_ids_b64",
+                )
+            try:
+                self._check_token_b64(ctx_response, b64[0] + 1, b64[1] - 1)
+            except TokenDecodeError as exc:
+                raise ContextResponseError(
+                    f"context response: invalid prompt_token_ids_b64: {exc}", field="prompt_token_ids_b64"
+                ) from exc
+            added += [b',"prompt_token_ids_b64":', ctx_view[b64[0] : b64[1]]]
+        else:
+            ids = info.prompt_token_ids
+            if ids is None or ctx_response[ids[0]] != 0x5B:  # '['
+                raise ContextResponseError(
+                    "context response has no prompt_token_ids list", field="prompt_token_ids"
+                )
+            if chat:
+                added += [b',"prompt_token_ids":', ctx_view[ids[0] : ids[1]]]
+            elif prompt is not None:
+                edits.append((prompt[0], prompt[1], ctx_view[ids[0] : ids[1]]))
+            else:
+                added += [b',"prompt":', ctx_view[ids[0] : ids[1]]]
+
+        messages = spans[_MESSAGES]
+        if strip_history and chat and messages is not None and last_message is not None:
+            # Cut everything before and after the last element; keep its raw bytes.
+            edits.append((messages[0], last_message[0], b"["))
+            edits.append((last_message[1], messages[1], b"]"))
+        edits.sort(key=lambda edit: edit[0])
+
+        insert_at = root[1] - 1
+        if not _is_empty_container(client_body, root):
+            edits.append((insert_at, insert_at, b","))
+        # One zero-width edit per piece: the ids stay views into the context response until the final copy.
+        edits.extend((insert_at, insert_at, piece) for piece in added)
+        return self._splice(client_body, edits)
+
+    # -- responses to clients -------------------------------------------------------------------
+
+    def strip_internal_fields(self, body: bytes) -> bytes:
+        """``body`` (a worker's response) without ``disaggregated_params`` in any choice and
+        without top-level ``prompt_token_ids`` / ``prompt_token_ids_b64``."""
+        choices = 8
+        while True:
+            paths: list[tuple[str | int, ...]] = [
+                (),
+                ("prompt_token_ids",),
+                ("prompt_token_ids_b64",),
+                ("choices", choices),
+            ]
+            paths += [("choices", i, "disaggregated_params") for i in range(choices)]
+            spans = self._find_member_spans(body, paths)
+            if spans[3] is None:
+                break
+            choices *= 4  # more choices than asked for: rare (n > 8), scan again
+        if not _is_object(body, spans[0]):
+            raise RelayError("the response body must be a JSON object")
+        members = sorted(span for span in spans[1:3] + spans[4:] if span is not None)
+        if not members:
+            return bytes(body)
+        return self._splice(body, self._deletions(body, members))
+
+    @staticmethod
+    def _deletions(body: bytes, members: list[Span]) -> list[tuple[int, int, bytes]]:
+        """Edits deleting ``members`` (key-to-value spans, sorted) and exactly the commas they leave."""
+        runs: list[list[int]] = []
+        for start, end in members:
+            if runs and _MEMBER_SEPARATOR.fullmatch(body, runs[-1][1], start):
+                runs[-1][1] = end  # adjacent members of one object go as one run
+            else:
+                runs.append([start, end])
+        edits = []
+        for start, end in runs:
+            after = _WS.match(body, end).end()  # type: ignore[union-attr]
+            if body[after] == 0x2C:  # ',': not the last member; take the comma after the run
+                edits.append((start, _WS.match(body, after + 1).end(), b""))  # type: ignore[union-attr]
+                continue
+            comma = body.rfind(b",", 0, start)
+            if comma >= 0 and _WS.fullmatch(body, comma + 1, start):
+                edits.append((comma, end, b""))  # the last member: take the comma before it
+            else:
+                edits.append((start, end, b""))  # the only member
+        return edits
+
+
+_default = Relay(_jsonspan_impl)
+
+check_client_body = _default.check_client_body
+build_context_request = _default.build_context_request
+build_generation_request = _default.build_generation_request
+parse_context_response = _default.parse_context_response
+strip_internal_fields = _default.strip_internal_fields
+
+__all__ = [
+    "GENERATION_FOLLOWS",
+    "INTERNAL_FIELDS",
+    "ContextResponseError",
+    "ContextResponseInfo",
+    "Relay",
+    "build_context_request",
+    "build_generation_request",
+    "check_client_body",
+    "parse_context_response",
+    "strip_internal_fields",
+]

@@ -1,0 +1,635 @@
+"""The JSON span scanner, both twins (``jsonspan`` fixture), against the stdlib and each other."""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import json
+import struct
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fastcore import JSONSpanError, TokenDecodeError
+from tests.conftest import REQUIRE_EXTENSIONS
+
+# The twin fixtures are modules, not per-test state: sharing them across examples is safe.
+STATELESS = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+
+# -- helpers ------------------------------------------------------------------------------------------
+
+
+def outcome(module: ModuleType, fn: str, *args: Any, **kwargs: Any) -> tuple[str, Any]:
+    """What a call did, comparable across twins: its result, or its exception's type, text and offset."""
+    try:
+        return ("ok", getattr(module, fn)(*args, **kwargs))
+    except (ValueError, TypeError, BufferError) as exc:
+        return (type(exc).__name__, (str(exc), getattr(exc, "offset", None)))
+
+
+@pytest.fixture(scope="module")
+def both_twins() -> tuple[ModuleType, ModuleType]:
+    """The two twins side by side, for tests that compare them directly."""
+    import fastcore
+
+    py = importlib.import_module("fastcore._jsonspan_py")
+    if fastcore.NO_EXTENSIONS:
+        pytest.skip("FASTCORE_NO_EXTENSIONS=1")
+    try:
+        c = importlib.import_module("fastcore._jsonspan")
+    except ImportError as exc:
+        if REQUIRE_EXTENSIONS:
+            pytest.fail(f"compiled twin required but not importable: {exc}")
+        pytest.skip(f"fastcore._jsonspan not built: {exc}")
+    return py, c
+
+
+def value_at(doc: Any, path: tuple[Any, ...]) -> Any:
+    for component in path:
+        doc = doc[component]
+    return doc
+
+
+def corpus(directory: Path, prefix: str) -> list[Path]:
+    files = sorted(directory.glob(f"{prefix}_*.json"))
+    assert files, f"no {prefix}_ files in {directory}"
+    return files
+
+
+CONTEXT_RESPONSE = (
+    b'{"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":" Paris",'
+    b'"finish_reason":"length","disaggregated_params":{"request_type":"context_only",'
+    b'"first_gen_tokens":[3681],"ctx_request_id":11,"disagg_request_id":7205759403792793601,'
+    b'"encoded_opaque_state":null,"ctx_info_endpoint":"127.0.0.1:9000","draft_tokens":null}}],'
+    b'"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6},'
+    b'"prompt_token_ids":null,"prompt_token_ids_b64":"AQAAAE4jAADFCQAAr3QAAA0AAAA="}'
+)
+
+
+# -- spans ---------------------------------------------------------------------------------------------
+
+
+def test_spans_of_nested_values(jsonspan: ModuleType) -> None:
+    body = CONTEXT_RESPONSE
+    paths = [
+        ("choices", 0, "disaggregated_params"),
+        ("choices", 0, "finish_reason"),
+        ("usage",),
+        ("prompt_token_ids",),
+        ("prompt_token_ids_b64",),
+        ("choices", 0, "disaggregated_params", "first_gen_tokens", 0),
+        (),
+    ]
+    doc = json.loads(body)
+    spans = jsonspan.find_spans(body, paths)
+    for path, span in zip(paths, spans):
+        assert span is not None, path
+        assert json.loads(body[span[0] : span[1]]) == value_at(doc, path)
+    # A string's span includes its quotes; the whole document's span is the whole document.
+    assert body[spans[1][0] : spans[1][1]] == b'"length"'
+    assert spans[-1] == (0, len(body))
+    assert jsonspan.find_span(body, ("usage",)) == spans[2]
+
+
+def test_absent_paths_and_type_mismatches_are_none(jsonspan: ModuleType) -> None:
+    body = b'{"a": {"b": [10, 20]}, "s": "text", "n": 5}'
+    assert (
+        jsonspan.find_spans(
+            body,
+            [
+                ("missing",),
+                ("a", "c"),
+                ("a", "b", 2),  # past the end
+                ("a", 0),  # an index into an object
+                ("a", "b", "0"),  # a key into an array
+                ("s", 0),  # into a string
+                ("n", "x"),  # into a number
+                ("a", "b", 1, "deeper"),
+            ],
+        )
+        == [None] * 8
+    )
+
+
+def test_minus_one_is_the_last_element(jsonspan: ModuleType) -> None:
+    body = b'{"messages": [{"role": "user"}, 7, {"role": "assistant", "content": "x"}], "empty": []}'
+    span = jsonspan.find_span(body, ("messages", -1))
+    assert span is not None
+    assert json.loads(body[span[0] : span[1]]) == {"role": "assistant", "content": "x"}
+    assert jsonspan.find_span(body, ("empty", -1)) is None
+    assert jsonspan.find_span(b"[1]", (-1,)) == (1, 2)
+    assert jsonspan.find_span(b'{"m": {"a": 1}}', ("m", -1)) is None  # not an array
+    # -1 and a concrete index of the same array in one pass.
+    assert jsonspan.find_spans(b"[4, 5, 6]", [(-1,), (0,), (2,)]) == [(7, 8), (1, 2), (7, 8)]
+
+
+@pytest.mark.parametrize(
+    "path",
+    [("a", -2), ("a", -1, "b"), (-1, 0)],
+)
+def test_other_negative_indexes_are_refused(jsonspan: ModuleType, path: tuple[Any, ...]) -> None:
+    with pytest.raises(ValueError, match="-1"):
+        jsonspan.find_span(b"[]", path)
+
+
+@pytest.mark.parametrize("path", ["abc", b"abc", ("a", True), ("a", 1.0), ("a", None), 5])
+def test_bad_paths_raise_type_error(jsonspan: ModuleType, path: Any) -> None:
+    with pytest.raises(TypeError):
+        jsonspan.find_span(b'{"a": 1}', path)
+
+
+def test_body_types(jsonspan: ModuleType) -> None:
+    body = b'{"k": [1, 2]}'
+    expected = (6, 12)
+    assert jsonspan.find_span(bytearray(body), ("k",)) == expected
+    assert jsonspan.find_span(memoryview(body), ("k",)) == expected
+    assert jsonspan.find_span(memoryview(b"xx" + body)[2:], ("k",)) == expected
+    with pytest.raises(TypeError):
+        jsonspan.find_span(body.decode(), ("k",))
+    with pytest.raises(BufferError):
+        jsonspan.find_span(memoryview(b"x" + body)[::2], ("k",))
+
+
+# -- keys as a parser sees them ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "raw_key, key",
+    [
+        (rb"prompt_token_ids\u005fb64", "prompt_token_ids_b64"),
+        (rb"\u0070rompt", "prompt"),
+        (rb"a\"b", 'a"b'),
+        (rb"a\\b", "a\\b"),
+        (rb"a\/b", "a/b"),
+        (rb"\b\f\n\r\t", "\b\f\n\r\t"),
+        (rb"\u00e9t\u00C9", "étÉ"),
+        ("été".encode(), "été"),
+        (rb"\ud83d\ude00", "\U0001f600"),  # surrogate pair -> one code point
+        ("\U0001f600".encode(), "\U0001f600"),
+        (rb"\ud800", "\ud800"),  # a lone surrogate matches a lone surrogate
+        (rb"\udc00x", "\udc00x"),
+        (rb"\ud800\u0041", "\ud800A"),
+        (rb"\u0000", "\x00"),
+    ],
+)
+def test_escaped_keys_match_decoded(jsonspan: ModuleType, raw_key: bytes, key: str) -> None:
+    body = b'{"other": 0, "' + raw_key + b'": [true]}'
+    assert json.loads(body) == {"other": 0, key: [True]}
+    span = jsonspan.find_span(body, (key,))
+    assert span is not None and body[span[0] : span[1]] == b"[true]"
+    assert jsonspan.find_span(body, (key + "x",)) is None
+
+
+def test_key_text_inside_strings_never_matches(jsonspan: ModuleType) -> None:
+    body = (
+        b'{"note": "\\"choices\\": [{\\"disaggregated_params\\": 1}]", '
+        b'"text": "{\\"usage\\": 5}", "tricky\\\\": "\\\\\\"usage\\\\\\":", '
+        b'"list": ["usage", {"usage": "nested"}], "inner": {"usage": 1, "choices": 2}, '
+        b'"usage": {"real": true}}'
+    )
+    assert json.loads(body)["usage"] == {"real": True}
+    span = jsonspan.find_span(body, ("usage",))
+    assert span is not None and json.loads(body[span[0] : span[1]]) == {"real": True}
+    assert jsonspan.find_span(body, ("choices",)) is None
+    assert jsonspan.find_span(body, ("inner", "choices")) is not None
+
+
+def test_whitespace_everywhere(jsonspan: ModuleType) -> None:
+    body = b' \t\n\r{ \n"a" \t:\r [ 1 ,\n{ "b"\n:\n"c" } ] , "d":null\n}\r\n '
+    spans = jsonspan.find_spans(body, [("a",), ("a", 1, "b"), ("d",), ()])
+    assert [body[s:e] for s, e in spans] == [b'[ 1 ,\n{ "b"\n:\n"c" } ]', b'"c"', b"null", body.strip()]
+
+
+def test_huge_numbers_are_spans_not_values(jsonspan: ModuleType) -> None:
+    big = b"-" + b"9" * 5000 + b".5e+" + b"9" * 400
+    body = b'{"n": ' + big + b', "m": 1e999}'
+    assert jsonspan.find_spans(body, [("n",), ("m",)]) == [(6, 6 + len(big)), (len(body) - 6, len(body) - 1)]
+
+
+# -- duplicate keys ------------------------------------------------------------------------------------
+
+
+def test_duplicate_target_key_raises_with_its_offset(jsonspan: ModuleType) -> None:
+    body = b'{"usage": 1, "x": 2, "usage": 3}'
+    with pytest.raises(JSONSpanError, match="duplicate key 'usage'") as info:
+        jsonspan.find_span(body, ("usage",))
+    assert info.value.offset == body.rindex(b'"usage"')
+    # Spelled differently, the same key.
+    with pytest.raises(JSONSpanError, match="duplicate key"):
+        jsonspan.find_span(b'{"ab": 1, "a\\u0062": 2}', ("ab",))
+    # On the path to the target, too.
+    with pytest.raises(JSONSpanError, match="duplicate key 'choices'"):
+        jsonspan.find_span(b'{"choices": [], "choices": [{"a": 1}]}', ("choices", 0, "a"))
+
+
+def test_duplicates_off_the_path_are_allowed(jsonspan: ModuleType) -> None:
+    body = b'{"x": 1, "x": 2, "a": {"usage": 1}, "b": {"usage": 2}, "usage": [{"k": 1, "k": 2}]}'
+    span = jsonspan.find_span(body, ("usage",))
+    assert span is not None and body[span[0] : span[1]] == b'[{"k": 1, "k": 2}]'
+
+
+# -- malformed input -----------------------------------------------------------------------------------
+
+ERRORS = [
+    (b"", "unexpected end of data", 0),
+    (b"   ", "unexpected end of data", 3),
+    (b'{"a": 1', "unexpected end of data", 7),
+    (b'{"a": "x', "unexpected end of data", 8),
+    (b'["\\', "unexpected end of data", 3),
+    (b'["\\u12', "unexpected end of data", 6),
+    (b"[1.", "unexpected end of data", 3),
+    (b"tru", "unexpected end of data", 3),
+    (b"[,1]", "expected a value", 1),
+    (b"[1,]", "expected a value", 3),
+    (b"\xef\xbb\xbf{}", "expected a value", 0),
+    (b"{'a': 1}", "expected '\"' to start an object key", 1),
+    (b'{"a": 1,}', "expected '\"' to start an object key", 8),
+    (b'{"a" 1}', "expected ':'", 5),
+    (b'{"a": 1 "b": 2}', "expected ',' or '}'", 8),
+    (b"[1 2]", "expected ',' or ']'", 3),
+    (b"[1}", "expected ',' or ']'", 2),
+    (b"{} x", "trailing characters", 3),
+    (b"01", "trailing characters", 1),
+    (b'"a\tb"', "unescaped control character", 2),
+    (b'"a\\xb"', "invalid escape", 2),
+    (b'"a\\u12G4"', "invalid \\u escape", 2),
+    (b'"ok \xc3\xa9 \xff"', "invalid UTF-8", 7),
+    (b'"\xed\xa0\x80"', "invalid UTF-8", 1),  # an encoded surrogate
+    (b'"\xc0\xaf"', "invalid UTF-8", 1),  # overlong
+    (b'"\xf4\x90\x80\x80"', "invalid UTF-8", 1),  # above U+10FFFF
+    (b'"\xe2\x82"', "invalid UTF-8", 1),  # truncated
+    (b"-x", "expected a digit", 1),
+    (b"1.x", "expected a digit", 2),
+    (b"1e+x", "expected a digit", 3),
+    (b"-", "unexpected end of data", 1),
+    (b"nul", "unexpected end of data", 3),
+    (b"nulL", "invalid literal", 3),
+    (b"[truth]", "invalid literal", 4),
+    (b"NaN", "expected a value", 0),
+]
+
+
+@pytest.mark.parametrize("body, message, offset", ERRORS)
+def test_malformed_input_names_the_byte(jsonspan: ModuleType, body: bytes, message: str, offset: int) -> None:
+    with pytest.raises(JSONSpanError) as info:
+        jsonspan.find_span(body, ())
+    assert message in str(info.value)
+    assert info.value.offset == offset
+    assert str(info.value).endswith(f"(byte {offset})")
+    assert isinstance(info.value, ValueError)
+
+
+def test_truncation_at_every_byte_raises(jsonspan: ModuleType) -> None:
+    body = CONTEXT_RESPONSE.replace(b'"text":" Paris"', b'"text":" \\"Par\\u00efs\\" \xc3\xa9\\n"')
+    assert jsonspan.find_span(body, ("usage",)) is not None
+    paths = [("choices", 0, "disaggregated_params"), ("usage",), ("prompt_token_ids_b64",)]
+    for cut in range(len(body)):
+        for validate in (True, False):
+            with pytest.raises(JSONSpanError) as info:
+                jsonspan.find_spans(body[:cut], paths, validate=validate)
+            assert 0 <= info.value.offset <= cut
+
+
+def test_deep_nesting_without_recursion(jsonspan: ModuleType) -> None:
+    depth = 100_000
+    body = b"[" * depth + b"]" * depth
+    for validate in (True, False):
+        assert jsonspan.find_span(body, (0, 0), validate=validate) == (2, 2 * depth - 2)
+        with pytest.raises(JSONSpanError, match="end of data") as info:
+            jsonspan.find_span(body[:-1], (0,), validate=validate)
+        assert info.value.offset == 2 * depth - 1
+    objects = b'{"a":' * depth + b"1" + b"}" * depth
+    assert jsonspan.find_span(objects, ("a",) * 3) is not None
+    with pytest.raises(JSONSpanError, match="expected ',' or '}'"):
+        jsonspan.find_span(b'{"a":' * depth + b"1" + b"]" * depth, ("a",))
+
+
+# -- the JSONTestSuite corpus --------------------------------------------------------------------------
+
+
+def test_json_test_suite_accepts_every_y_file(jsonspan: ModuleType, json_test_suite: Path) -> None:
+    for path in corpus(json_test_suite, "y"):
+        body = path.read_bytes()
+        assert jsonspan.find_span(body, ()) is not None, path.name
+        assert jsonspan.find_spans(body, [(), (0,), ("no such key",)], validate=False)[0] is not None, (
+            path.name
+        )
+
+
+def test_json_test_suite_rejects_every_n_file(jsonspan: ModuleType, json_test_suite: Path) -> None:
+    for path in corpus(json_test_suite, "n"):
+        with pytest.raises(JSONSpanError):
+            jsonspan.find_span(path.read_bytes(), ())
+            pytest.fail(f"{path.name} accepted")
+
+
+def test_json_test_suite_i_files_never_crash(jsonspan: ModuleType, json_test_suite: Path) -> None:
+    for path in corpus(json_test_suite, "i"):
+        for validate in (True, False):
+            try:
+                jsonspan.find_spans(path.read_bytes(), [(), (0,), ("a",)], validate=validate)
+            except JSONSpanError:
+                pass
+
+
+def test_validate_false_never_crashes_on_the_corpus(jsonspan: ModuleType, json_test_suite: Path) -> None:
+    for path in sorted(json_test_suite.glob("*.json")):
+        body = path.read_bytes()
+        for paths in ([()], [(0,)], [(0, 0), (-1,)], [("a",)], []):
+            try:
+                jsonspan.find_spans(body, paths, validate=False)
+            except JSONSpanError as exc:
+                assert 0 <= exc.offset <= len(body)
+
+
+def test_twins_agree_on_the_corpus(both_twins: tuple[ModuleType, ModuleType], json_test_suite: Path) -> None:
+    py, c = both_twins
+    for path in sorted(json_test_suite.glob("*.json")):
+        body = path.read_bytes()
+        for paths in ([()], [(0,), (-1,)], [("a",), (0, 0)], []):
+            for validate in (True, False):
+                expected = outcome(py, "find_spans", body, paths, validate=validate)
+                assert outcome(c, "find_spans", body, paths, validate=validate) == expected, path.name
+        for cut in range(len(body)):
+            assert outcome(c, "find_span", body[:cut], ()) == outcome(py, "find_span", body[:cut], ()), (
+                path,
+                cut,
+            )
+
+
+# -- validate=False ------------------------------------------------------------------------------------
+
+
+def test_validate_false_skips_checks_off_the_path(jsonspan: ModuleType) -> None:
+    body = b'{"junk": [1,,, tru "\\q" {]], "bad": "\xff\x01", "keep": {"a": [1, 2]}}'
+    with pytest.raises(JSONSpanError):
+        jsonspan.find_span(body, ("keep", "a"))
+    span = jsonspan.find_span(body, ("keep", "a"), validate=False)
+    assert span is not None and body[span[0] : span[1]] == b"[1, 2]"
+    # The walked containers keep their grammar.
+    with pytest.raises(JSONSpanError, match="expected ':'"):
+        jsonspan.find_span(b'{"junk" [], "keep": 1}', ("keep",), validate=False)
+    with pytest.raises(JSONSpanError, match="end of data"):
+        jsonspan.find_span(b'{"junk": [1, 2, "]"}', ("keep",), validate=False)
+    # A key on the path must still decode.
+    with pytest.raises(JSONSpanError, match="invalid escape"):
+        jsonspan.find_span(b'{"k\\q": 1}', ("k",), validate=False)
+
+
+# -- hypothesis: generated documents against the json module -------------------------------------------
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(10**30), max_value=10**30)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12),
+    lambda children: (
+        st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=6), children, max_size=5)
+    ),
+    max_leaves=25,
+)
+
+
+@st.composite
+def documents(draw: st.DrawFn) -> tuple[Any, bytes]:
+    value = draw(json_values)
+    ensure_ascii = draw(st.booleans())
+    indent = draw(st.sampled_from([None, 0, 1, "\t", " \r\n"]))
+    separators = draw(st.sampled_from([None, (",", ":"), (" , ", " : ")]))
+    text = json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators)
+    return value, (" " * draw(st.integers(0, 2)) + text + "\n" * draw(st.integers(0, 2))).encode()
+
+
+def all_paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    paths = [prefix]
+    if isinstance(value, dict):
+        for key, child in value.items():
+            paths += all_paths(child, (*prefix, key))
+    elif isinstance(value, list):
+        for index, child in enumerate(value):
+            paths += all_paths(child, (*prefix, index))
+        if value:
+            paths.append((*prefix, -1))
+    return paths
+
+
+@given(documents())
+@settings(max_examples=150, deadline=None, suppress_health_check=STATELESS)
+def test_generated_documents_match_json(jsonspan: ModuleType, doc: tuple[Any, bytes]) -> None:
+    value, body = doc
+    paths = all_paths(value)
+    extendable = [p for p in paths if -1 not in p][:5]
+    paths += [(*p, "absent") for p in extendable] + [(*p, 99) for p in extendable]
+    for validate in (True, False):
+        spans = jsonspan.find_spans(body, paths, validate=validate)
+        for path, span in zip(paths, spans):
+            try:
+                expected = value_at(value, path)
+            except (KeyError, IndexError, TypeError):
+                assert span is None, path
+                continue
+            assert span is not None, path
+            assert json.loads(body[span[0] : span[1]]) == expected, path
+
+
+def json_accepts(body: bytes) -> bool:
+    def refuse(constant: str) -> Any:
+        raise ValueError(constant)
+
+    try:
+        json.loads(body.decode("utf-8"), parse_constant=refuse)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
+@st.composite
+def mutated_documents(draw: st.DrawFn) -> bytes:
+    _, body = draw(documents())
+    data = bytearray(body)
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.integers(0, 2))
+        where = draw(st.integers(0, len(data)))
+        if kind == 0 and data:
+            del data[min(where, len(data) - 1)]
+        elif kind == 1:
+            data[where:where] = draw(
+                st.sampled_from(
+                    [
+                        b'"',
+                        b"\\",
+                        b",",
+                        b"}",
+                        b"]",
+                        b"{",
+                        b"[",
+                        b":",
+                        b"\xc3",
+                        b"\x00",
+                        b"-",
+                        b"e",
+                        b"1",
+                        b" ",
+                    ]
+                )
+            )
+        elif data:
+            data[min(where, len(data) - 1)] = draw(st.integers(0, 255))
+    return bytes(data)
+
+
+@given(mutated_documents())
+@settings(max_examples=300, deadline=None, suppress_health_check=STATELESS)
+def test_mutated_documents_accepted_exactly_when_json_accepts(jsonspan: ModuleType, body: bytes) -> None:
+    try:
+        jsonspan.find_span(body, ())
+        accepted = True
+    except JSONSpanError as exc:
+        assert 0 <= exc.offset <= len(body)
+        accepted = False
+    assert accepted == json_accepts(body), body
+    try:
+        jsonspan.find_spans(body, [(0,), ("a",), (-1,)], validate=False)
+    except JSONSpanError as exc:
+        assert 0 <= exc.offset <= len(body)
+
+
+@given(st.one_of(mutated_documents(), st.binary(max_size=64)), st.booleans())
+@settings(max_examples=300, deadline=None, suppress_health_check=STATELESS)
+def test_twins_agree_on_mutated_documents(
+    both_twins: tuple[ModuleType, ModuleType], body: bytes, validate: bool
+) -> None:
+    py, c = both_twins
+    for paths in ([()], [(0,), (-1,), ("a",)], [("", 0, "a"), (1, -1)]):
+        assert outcome(c, "find_spans", body, paths, validate=validate) == outcome(
+            py, "find_spans", body, paths, validate=validate
+        )
+        assert outcome(c, "find_member_spans", body, paths, validate=validate) == outcome(
+            py, "find_member_spans", body, paths, validate=validate
+        )
+
+
+# -- member spans --------------------------------------------------------------------------------------
+
+
+def test_member_spans_start_at_the_key(jsonspan: ModuleType) -> None:
+    body = b'{"a": 1, "b" :  [2], "c": {"d": 3}}'
+    spans = jsonspan.find_member_spans(body, [("b",), ("c", "d"), ("c",), (), ("b", 0), ("b", -1), ("zz",)])
+    assert [body[span[0] : span[1]] for span in spans[:-1]] == [
+        b'"b" :  [2]',
+        b'"d": 3',
+        b'"c": {"d": 3}',
+        body,
+        b"2",
+        b"2",
+    ]
+    assert spans[-1] is None
+
+
+# -- splice ----------------------------------------------------------------------------------------------
+
+
+def test_splice(jsonspan: ModuleType) -> None:
+    body = b"0123456789"
+    assert jsonspan.splice(body, []) == body
+    assert jsonspan.splice(
+        body, [(0, 0, b"<"), (3, 5, b"-"), (5, 5, bytearray(b"+")), (10, 10, memoryview(b">"))]
+    ) == (b"<012-+56789>")
+    assert jsonspan.splice(bytearray(body), [(0, 10, b"")]) == b""
+    assert jsonspan.splice(memoryview(body)[2:6], [(1, 3, b"x")]) == b"2x5"
+    assert jsonspan.splice(body, [(2, 2, b"a"), (2, 2, b"b"), (2, 4, b"c")]) == b"01abc456789"
+    wide = memoryview(struct.pack("<2i", 1, 2)).cast("i")
+    assert jsonspan.splice(b"[]", [(1, 1, wide)]) == b"[" + struct.pack("<2i", 1, 2) + b"]"
+    assert type(jsonspan.splice(bytearray(b"x"), [])) is bytes
+
+
+@pytest.mark.parametrize(
+    "edits, error, message",
+    [
+        ([(3, 2, b"")], ValueError, "0 <= start <= end"),
+        ([(-1, 2, b"")], ValueError, "0 <= start <= end"),
+        ([(0, 11, b"")], ValueError, "0 <= start <= end"),
+        ([(0, 2**70, b"")], ValueError, "0 <= start <= end"),
+        ([(4, 6, b""), (5, 7, b"")], ValueError, "before the previous edit ends"),
+        ([(4, 6, b""), (1, 2, b"")], ValueError, "before the previous edit ends"),
+        ([(0, 1)], TypeError, "must be a (start, end, replacement) tuple"),
+        ([None], TypeError, "must be a (start, end, replacement) tuple"),
+        ([(0.0, 1, b"")], TypeError, "start and end must be ints"),
+        ([(True, 1, b"")], TypeError, "start and end must be ints"),
+        ([(0, 1, "text")], TypeError, "replacement must be bytes-like"),
+        ([(0, 1, memoryview(b"abcd")[::2])], BufferError, "contiguous"),
+    ],
+)
+def test_splice_rejects_bad_edits(jsonspan: ModuleType, edits: list[Any], error: type, message: str) -> None:
+    with pytest.raises(error) as info:
+        jsonspan.splice(b"0123456789", edits)
+    assert message in str(info.value)
+
+
+def test_splice_rejects_bad_bodies(jsonspan: ModuleType) -> None:
+    with pytest.raises(TypeError):
+        jsonspan.splice("text", [])
+    with pytest.raises(BufferError):
+        jsonspan.splice(memoryview(b"abcd")[::2], [])
+
+
+@given(
+    st.binary(max_size=40),
+    st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40), st.binary(max_size=5)), max_size=6),
+)
+@settings(suppress_health_check=STATELESS)
+def test_splice_matches_slicing(jsonspan: ModuleType, body: bytes, raw: list[tuple[int, int, bytes]]) -> None:
+    points = sorted(min(p, len(body)) for edit in raw for p in edit[:2])
+    edits = [(points[2 * i], points[2 * i + 1], raw[i][2]) for i in range(len(points) // 2)]
+    expected = bytearray()
+    previous = 0
+    for start, end, replacement in edits:
+        expected += body[previous:start] + replacement
+        previous = end
+    expected += body[previous:]
+    assert jsonspan.splice(body, edits) == bytes(expected)
+
+
+# -- the base64 token check ------------------------------------------------------------------------------
+
+
+@given(st.lists(st.integers(0, 2**31 - 1), max_size=40))
+@settings(suppress_health_check=STATELESS)
+def test_token_b64_accepts_encoded_ids(jsonspan: ModuleType, ids: list[int]) -> None:
+    data = base64.b64encode(struct.pack(f"<{len(ids)}i", *ids))
+    assert jsonspan.check_token_b64(data) == len(ids)
+    assert jsonspan.check_token_b64(b'{"x":"' + data + b'"}', 6, 6 + len(data)) == len(ids)
+
+
+@pytest.mark.parametrize(
+    "data, message, offset",
+    [
+        (b"AQAA AAA", "invalid base64 character ' '", 4),
+        (b"AQAAAA-A", "invalid base64 character '-'", 6),
+        (b"AQ\\/AAAA", "invalid base64 character '\\\\'", 2),
+        (b"AQ=AAAAA", "padding '=' before the end", 2),
+        (b"AQAAA===", "padding '=' before the end", 5),
+        (b"AQAAAAA", "not a multiple of 4", None),
+        (b"AQ==", "not a whole number of int32 ids", None),
+        (b"AQAAAAE=", "not a whole number of int32 ids", None),
+        (b"AQAAAAB=", "non-canonical", 6),
+        (b"AQAAAR==", "non-canonical", 5),
+        (b"AQAA====", "padding '=' before the end", 4),
+    ],
+)
+def test_token_b64_errors(jsonspan: ModuleType, data: bytes, message: str, offset: int | None) -> None:
+    with pytest.raises(TokenDecodeError) as info:
+        jsonspan.check_token_b64(b"xx" + data, 2, 2 + len(data))
+    assert message in str(info.value)
+    assert info.value.offset == (None if offset is None else offset + 2)
+
+
+def test_token_b64_range_is_checked(jsonspan: ModuleType) -> None:
+    with pytest.raises(ValueError, match="0 <= start <= end"):
+        jsonspan.check_token_b64(b"AAAA", 2, 8)
+    assert jsonspan.check_token_b64(b"") == 0

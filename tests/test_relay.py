@@ -1,0 +1,563 @@
+"""The zero-parse relay (``fastcore.relay``) on both scanner twins, against parse->modify->dump references."""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+from types import ModuleType
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fastcore import JSONSpanError, RelayError
+from fastcore import relay as relay_module
+from fastcore.relay import ContextResponseError, ContextResponseInfo, Relay
+
+STATELESS = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+
+
+@pytest.fixture
+def relay(jsonspan: ModuleType) -> Relay:
+    return Relay(jsonspan)
+
+
+# -- the references: what a straightforward orchestrator does with json ---------------------------
+
+
+def reference_context_request(client: bytes, disagg_request_id: int, return_b64: bool) -> Any:
+    body = json.loads(client)
+    body["stream"] = False
+    body["stream_options"] = None
+    params: dict[str, Any] = {"request_type": "context_only", "disagg_request_id": disagg_request_id}
+    if return_b64:
+        params["return_prompt_token_ids_b64"] = True
+    body["disaggregated_params"] = params
+    return body
+
+
+def reference_generation_request(client: bytes, ctx: bytes, tokids_b64: bool, strip_history: bool) -> Any:
+    body = json.loads(client)
+    response = json.loads(ctx)
+    params = dict(response["choices"][0]["disaggregated_params"])
+    params["request_type"] = "generation_only"
+    params["ctx_usage"] = response.get("usage")
+    body["disaggregated_params"] = params
+    chat = "messages" in body
+    if tokids_b64:
+        body["prompt_token_ids_b64"] = response["prompt_token_ids_b64"]
+    elif chat:
+        body["prompt_token_ids"] = response["prompt_token_ids"]
+    else:
+        body["prompt"] = response["prompt_token_ids"]
+    if strip_history and chat:
+        body["messages"] = body["messages"][-1:]
+    return body
+
+
+def reference_strip(body: bytes) -> Any:
+    doc = json.loads(body)
+    doc.pop("prompt_token_ids", None)
+    doc.pop("prompt_token_ids_b64", None)
+    for choice in doc.get("choices") or []:
+        if isinstance(choice, dict):
+            choice.pop("disaggregated_params", None)
+    return doc
+
+
+# -- generated bodies ----------------------------------------------------------------------------------
+
+text = st.text(alphabet=st.characters(codec="utf-8"), max_size=30) | st.sampled_from(
+    ['"usage": 1', '\\"prompt_token_ids\\"', "messages", '"}]', "\\", "é\u2028\U0001f600"]
+)
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**40), 2**40)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | text
+)
+values = st.recursive(
+    scalars, lambda kids: st.lists(kids, max_size=3) | st.dictionaries(text, kids, max_size=3), max_leaves=8
+)
+RESERVED = {
+    "messages",
+    "prompt",
+    "stream",
+    "stream_options",
+    "disaggregated_params",
+    "prompt_token_ids",
+    "prompt_token_ids_b64",
+}
+extra_fields = st.dictionaries(text.filter(lambda k: k not in RESERVED), values, max_size=4)
+ids_lists = st.lists(st.integers(0, 2**31 - 1), max_size=50)
+
+
+def dump(draw: st.DrawFn, value: Any) -> bytes:
+    indent = draw(st.sampled_from([None, 0, 2, "\t"]))
+    separators = draw(st.sampled_from([None, (",", ":"), (" ,\n", " :\r\n ")]))
+    ensure_ascii = draw(st.booleans())
+    return (
+        " " * draw(st.integers(0, 2))
+        + json.dumps(value, indent=indent, separators=separators, ensure_ascii=ensure_ascii)
+    ).encode()
+
+
+@st.composite
+def client_bodies(draw: st.DrawFn, chat: bool) -> bytes:
+    body: dict[str, Any] = draw(extra_fields)
+    if chat:
+        message = st.fixed_dictionaries(
+            {"role": st.sampled_from(["system", "user", "assistant"]), "content": text | st.none()}
+        )
+        body["messages"] = draw(st.lists(message, min_size=1, max_size=5))
+    else:
+        body["prompt"] = draw(text | ids_lists)
+    if draw(st.booleans()):
+        body["stream"] = draw(st.booleans())
+    if draw(st.booleans()):
+        body["stream_options"] = draw(st.none() | st.fixed_dictionaries({"include_usage": st.booleans()}))
+    items = list(body.items())
+    order = draw(st.permutations(range(len(items))))
+    return dump(draw, dict(items[i] for i in order))
+
+
+@st.composite
+def context_responses(draw: st.DrawFn) -> bytes:
+    ids = draw(ids_lists)
+    params: dict[str, Any] = {
+        "request_type": "context_only",
+        "first_gen_tokens": draw(st.lists(st.integers(0, 10**6), min_size=1, max_size=2)),
+        "ctx_request_id": draw(st.integers(0, 2**63 - 1)),
+        "disagg_request_id": draw(st.integers(0, 2**63 - 1)),
+        "encoded_opaque_state": draw(
+            st.none() | st.binary(max_size=12).map(lambda b: base64.b64encode(b).decode())
+        ),
+        "ctx_info_endpoint": draw(text),
+        "draft_tokens": None,
+    }
+    params.update(draw(st.dictionaries(text.filter(lambda k: k not in params), values, max_size=2)))
+    if draw(st.booleans()):
+        del params["request_type"]
+    choice = {
+        "index": 0,
+        "text": draw(text),
+        "finish_reason": draw(st.sampled_from(["length", "not_finished"])),
+        "disaggregated_params": params,
+    }
+    response: dict[str, Any] = {"id": "cmpl-x", "object": "text_completion", "choices": [choice]}
+    if draw(st.booleans()):
+        response["usage"] = {"prompt_tokens": len(ids), "completion_tokens": 1, "total_tokens": len(ids) + 1}
+    if draw(st.booleans()):
+        response["prompt_token_ids"] = ids
+        response["prompt_token_ids_b64"] = None
+    else:
+        response["prompt_token_ids"] = None
+        response["prompt_token_ids_b64"] = base64.b64encode(struct.pack(f"<{len(ids)}i", *ids)).decode()
+    # Both forms present, as a worker that was asked for b64 but also sends the list might.
+    if draw(st.booleans()):
+        response["prompt_token_ids"] = ids
+        response["prompt_token_ids_b64"] = base64.b64encode(struct.pack(f"<{len(ids)}i", *ids)).decode()
+    return dump(draw, response)
+
+
+# -- properties against the references ---------------------------------------------------------------
+
+
+@given(st.booleans().flatmap(client_bodies), st.integers(0, 2**63 - 1), st.booleans())
+@settings(max_examples=120, deadline=None, suppress_health_check=STATELESS)
+def test_context_request_matches_reference(
+    relay: Relay, client: bytes, request_id: int, return_b64: bool
+) -> None:
+    out = relay.build_context_request(client, disagg_request_id=request_id, return_b64=return_b64)
+    assert json.loads(out) == reference_context_request(client, request_id, return_b64)
+
+
+@given(st.booleans().flatmap(client_bodies), context_responses(), st.booleans(), st.booleans())
+@settings(max_examples=200, deadline=None, suppress_health_check=STATELESS)
+def test_generation_request_matches_reference(
+    relay: Relay, client: bytes, ctx: bytes, tokids_b64: bool, strip_history: bool
+) -> None:
+    response = json.loads(ctx)
+    if (tokids_b64 and response["prompt_token_ids_b64"] is None) or (
+        not tokids_b64 and response["prompt_token_ids"] is None
+    ):
+        with pytest.raises(ContextResponseError) as info:
+            relay.build_generation_request(client, ctx, tokids_b64=tokids_b64, strip_history=strip_history)
+        assert info.value.field == ("prompt_token_ids_b64" if tokids_b64 else "prompt_token_ids")
+        return
+    out = relay.build_generation_request(client, ctx, tokids_b64=tokids_b64, strip_history=strip_history)
+    assert json.loads(out) == reference_generation_request(client, ctx, tokids_b64, strip_history)
+    if tokids_b64:
+        # The relayed string is the context response's bytes, verbatim.
+        assert json.dumps(response["prompt_token_ids_b64"]).encode() in out
+    # Reusing a parsed ContextResponseInfo gives the same bytes.
+    info = relay.parse_context_response(ctx)
+    assert (
+        relay.build_generation_request(
+            client, ctx, tokids_b64=tokids_b64, strip_history=strip_history, ctx_info=info
+        )
+        == out
+    )
+
+
+@given(context_responses(), st.integers(0, 12), st.booleans())
+@settings(max_examples=100, deadline=None, suppress_health_check=STATELESS)
+def test_strip_internal_fields_matches_reference(
+    relay: Relay, ctx: bytes, extra_choices: int, pretty: bool
+) -> None:
+    doc = json.loads(ctx)
+    doc["choices"] += [
+        {"index": i + 1, "disaggregated_params": {"x": i}} if i % 2 else {"index": i + 1}
+        for i in range(extra_choices)
+    ]
+    body = json.dumps(doc, indent=1 if pretty else None).encode()
+    out = relay.strip_internal_fields(body)
+    assert json.loads(out) == reference_strip(body)
+
+
+# -- build_context_request -----------------------------------------------------------------------------
+
+
+def test_context_request_exact_bytes(relay: Relay) -> None:
+    client = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": true}'
+    assert relay.build_context_request(client, disagg_request_id=7205759403792793601, return_b64=True) == (
+        b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": false,'
+        b'"stream_options":null,"disaggregated_params":{"request_type":"context_only",'
+        b'"disagg_request_id":7205759403792793601,"return_prompt_token_ids_b64":true}}'
+    )
+    assert relay.build_context_request(b" { } ", disagg_request_id=1, return_b64=False) == (
+        b' { "stream":false,"stream_options":null,"disaggregated_params":'
+        b'{"request_type":"context_only","disagg_request_id":1}} '
+    )
+    replaced = relay.build_context_request(
+        b'{"stream_options": {"include_usage": true}, "stream": false, "prompt": "x"}',
+        disagg_request_id=2,
+        return_b64=False,
+    )
+    assert json.loads(replaced) == {
+        "stream_options": None,
+        "stream": False,
+        "prompt": "x",
+        "disaggregated_params": {"request_type": "context_only", "disagg_request_id": 2},
+    }
+
+
+@pytest.mark.parametrize("request_id", [True, 1.0, "7", None])
+def test_context_request_id_must_be_an_int(relay: Relay, request_id: Any) -> None:
+    with pytest.raises(TypeError, match="disagg_request_id"):
+        relay.build_context_request(b"{}", disagg_request_id=request_id, return_b64=False)
+
+
+# -- client bodies the relay refuses -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body, chat, field",
+    [
+        (b'{"messages": [], "disaggregated_params": {}}', True, "disaggregated_params"),
+        (b'{"prompt": "x", "disaggregated_params": null}', False, "disaggregated_params"),
+        (b'{"messages": [], "prompt_token_ids_b64": "AAAA"}', True, "prompt_token_ids_b64"),
+        (b'{"prompt": "x", "prompt_token_ids_b64": "AAAA"}', False, "prompt_token_ids_b64"),
+        (b'{"messages": [], "prompt_token_ids": [1]}', True, "prompt_token_ids"),
+        (
+            b'{"messages": [], "prompt_token_\\u0069ds": [1]}',
+            True,
+            "prompt_token_ids",
+        ),  # spelled with an escape
+        (b'{"prompt_token_ids": [1]}', True, "prompt_token_ids"),  # the route decides, not the body
+    ],
+)
+def test_internal_fields_from_clients_are_refused(relay: Relay, body: bytes, chat: bool, field: str) -> None:
+    for call in (
+        lambda: relay.check_client_body(body, chat=chat),
+        lambda: relay.build_context_request(body, disagg_request_id=1, return_b64=True, chat=chat),
+        lambda: relay.build_generation_request(body, CTX, tokids_b64=True, strip_history=False, chat=chat),
+    ):
+        with pytest.raises(RelayError) as info:
+            call()
+        assert info.value.field == field
+        assert field in str(info.value)
+        assert not isinstance(info.value, ContextResponseError)
+
+
+def test_completions_may_carry_prompt_token_ids(relay: Relay) -> None:
+    body = b'{"prompt": [1, 2], "prompt_token_ids": [1, 2]}'
+    relay.check_client_body(body, chat=False)
+    out = relay.build_context_request(body, disagg_request_id=3, return_b64=False)
+    assert json.loads(out)["prompt_token_ids"] == [1, 2]
+
+
+@pytest.mark.parametrize("body", [b"[]", b'"text"', b"42", b"null", b' [{"messages": []}] '])
+def test_client_body_must_be_an_object(relay: Relay, body: bytes) -> None:
+    with pytest.raises(RelayError, match="must be a JSON object"):
+        relay.check_client_body(body, chat=True)
+    with pytest.raises(RelayError, match="must be a JSON object"):
+        relay.build_context_request(body, disagg_request_id=1, return_b64=False)
+
+
+@pytest.mark.parametrize(
+    "body, offset",
+    [(b'{"messages": [}', 14), (b'{"stream": true, "stream": false}', 17), (b"", 0), (b'{"a": "\xff"}', 7)],
+)
+def test_malformed_client_bodies_name_the_byte(relay: Relay, body: bytes, offset: int) -> None:
+    with pytest.raises(JSONSpanError) as info:
+        relay.build_context_request(body, disagg_request_id=1, return_b64=False)
+    assert info.value.offset == offset
+
+
+# -- context responses ---------------------------------------------------------------------------------
+
+IDS = [1, 9038, 2501, 29871, 13]
+B64 = base64.b64encode(struct.pack("<5i", *IDS)).decode()
+PARAMS = {
+    "request_type": "context_only",
+    "first_gen_tokens": [3681],
+    "ctx_request_id": 11,
+    "disagg_request_id": 7205759403792793601,
+    "encoded_opaque_state": None,
+    "ctx_info_endpoint": "127.0.0.1:9000",
+    "draft_tokens": None,
+}
+
+
+def context_response(finish_reason: Any = "length", **fields: Any) -> bytes:
+    response: dict[str, Any] = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "Paris"},
+                "finish_reason": finish_reason,
+                "disaggregated_params": PARAMS,
+            }
+        ],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+        "prompt_token_ids": IDS,
+        "prompt_token_ids_b64": B64,
+    }
+    response.update(fields)
+    return json.dumps(response).encode()
+
+
+CTX = context_response()
+CHAT = json.dumps(
+    {
+        "model": "m",
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "capital?"}],
+        "stream": True,
+    }
+).encode()
+
+
+@pytest.mark.parametrize(
+    "finish_reason, follows",
+    [("length", True), ("not_finished", True), ("stop", False), (None, False), ("abort", False)],
+)
+def test_parse_context_response(relay: Relay, finish_reason: str | None, follows: bool) -> None:
+    ctx = context_response(finish_reason)
+    info = relay.parse_context_response(ctx)
+    assert isinstance(info, ContextResponseInfo)
+    assert info.finish_reason == finish_reason
+    assert info.generation_follows is follows
+    assert (
+        info.disaggregated_params is not None and json.loads(ctx[slice(*info.disaggregated_params)]) == PARAMS
+    )
+    assert info.usage is not None and json.loads(ctx[slice(*info.usage)])["prompt_tokens"] == 5
+    assert info.prompt_token_ids is not None and json.loads(ctx[slice(*info.prompt_token_ids)]) == IDS
+    assert (
+        info.prompt_token_ids_b64 is not None
+        and ctx[slice(*info.prompt_token_ids_b64)] == f'"{B64}"'.encode()
+    )
+
+
+def test_parse_context_response_decodes_escaped_finish_reason(relay: Relay) -> None:
+    ctx = CTX.replace(b'"finish_reason": "length"', b'"finish_reason": "l\\u0065ngth"')
+    assert relay.parse_context_response(ctx).generation_follows
+
+
+@pytest.mark.parametrize(
+    "ctx, message",
+    [
+        (b'{"choices": [', "not valid JSON"),
+        (b"[]", "not a JSON object"),
+        (context_response(5), "finish_reason is not a string"),
+        (context_response({"x": 1}), "finish_reason is not a string"),
+    ],
+)
+def test_bad_context_responses(relay: Relay, ctx: bytes, message: str) -> None:
+    with pytest.raises(ContextResponseError, match=message) as info:
+        relay.parse_context_response(ctx)
+    if "JSON" in message and "object" not in message:
+        assert isinstance(info.value.__cause__, JSONSpanError)
+
+
+def test_generation_request_exact_bytes(relay: Relay) -> None:
+    out = relay.build_generation_request(CHAT, CTX, tokids_b64=True, strip_history=True)
+    assert out == (
+        b'{"model": "m", "messages": [{"role": "user", "content": "capital?"}], "stream": true,'
+        b'"disaggregated_params":{"request_type": "generation_only", "first_gen_tokens": [3681], '
+        b'"ctx_request_id": 11, "disagg_request_id": 7205759403792793601, "encoded_opaque_state": null, '
+        b'"ctx_info_endpoint": "127.0.0.1:9000", "draft_tokens": null,'
+        b'"ctx_usage":{"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}},'
+        b'"prompt_token_ids_b64":"' + B64.encode() + b'"}'
+    )
+
+
+def test_generation_request_completions(relay: Relay) -> None:
+    client = b'{"model": "m", "prompt": "The capital of France is", "max_tokens": 8}'
+    listed = json.loads(relay.build_generation_request(client, CTX, tokids_b64=False, strip_history=True))
+    assert listed["prompt"] == IDS and "prompt_token_ids" not in listed
+    relayed = json.loads(relay.build_generation_request(client, CTX, tokids_b64=True, strip_history=True))
+    assert relayed["prompt_token_ids_b64"] == B64 and relayed["prompt"] == "The capital of France is"
+    no_prompt = json.loads(
+        relay.build_generation_request(b"{}", CTX, tokids_b64=False, strip_history=False, chat=False)
+    )
+    assert no_prompt["prompt"] == IDS
+
+
+def test_generation_request_replaces_ctx_usage_and_adds_request_type(relay: Relay) -> None:
+    params = {k: v for k, v in PARAMS.items() if k != "request_type"} | {"ctx_usage": "stale"}
+    ctx = json.dumps(
+        {"choices": [{"finish_reason": "length", "disaggregated_params": params}], "prompt_token_ids": IDS}
+    ).encode()
+    out = json.loads(relay.build_generation_request(CHAT, ctx, tokids_b64=False, strip_history=False))
+    assert out["disaggregated_params"]["ctx_usage"] is None  # no usage in the context response
+    assert out["disaggregated_params"]["request_type"] == "generation_only"
+    empty = json.dumps({"choices": [{"disaggregated_params": {}}], "prompt_token_ids": IDS}).encode()
+    out = json.loads(relay.build_generation_request(CHAT, empty, tokids_b64=False, strip_history=False))
+    assert out["disaggregated_params"] == {"request_type": "generation_only", "ctx_usage": None}
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [b"[]", b'[{"role": "user", "content": "only"}]', b'"not a list"', b'[1, [2], {"a": "]"}]'],
+)
+def test_strip_history_edge_cases(relay: Relay, messages: bytes) -> None:
+    client = b'{"messages": ' + messages + b', "model": "m"}'
+    out = relay.build_generation_request(client, CTX, tokids_b64=True, strip_history=True)
+    expected = json.loads(messages)
+    assert json.loads(out)["messages"] == (expected[-1:] if isinstance(expected, list) else expected)
+
+
+@pytest.mark.parametrize(
+    "ctx, tokids_b64, field, message",
+    [
+        (
+            context_response(prompt_token_ids_b64=None),
+            True,
+            "prompt_token_ids_b64",
+            "no prompt_token_ids_b64 string",
+        ),
+        (
+            context_response(prompt_token_ids_b64=[1]),
+            True,
+            "prompt_token_ids_b64",
+            "no prompt_token_ids_b64 string",
+        ),
+        (context_response(prompt_token_ids=None), False, "prompt_token_ids", "no prompt_token_ids list"),
+        (context_response(prompt_token_ids="1 2"), False, "prompt_token_ids", "no prompt_token_ids list"),
+        (
+            context_response(prompt_token_ids_b64="AQAA*AAA"),
+            True,
+            "prompt_token_ids_b64",
+            "invalid base64 character",
+        ),
+        (
+            context_response(prompt_token_ids_b64="AQAAAAA"),
+            True,
+            "prompt_token_ids_b64",
+            "not a multiple of 4",
+        ),
+        (context_response(prompt_token_ids_b64="AQ=A"), True, "prompt_token_ids_b64", "padding"),
+        (
+            context_response(prompt_token_ids_b64="AQAAAAA="),
+            True,
+            "prompt_token_ids_b64",
+            "whole number of int32",
+        ),
+        (context_response(choices=[{"finish_reason": "length"}]), True, "disaggregated_params", "no choices"),
+        (
+            context_response(choices=[{"disaggregated_params": [1]}]),
+            True,
+            "disaggregated_params",
+            "no choices",
+        ),
+        (context_response(choices=[]), False, "disaggregated_params", "no choices"),
+        (b'{"choices": [}', True, None, "not valid JSON"),
+    ],
+    ids=lambda value: value if isinstance(value, str) else None,
+)
+def test_generation_request_refuses_bad_context_responses(
+    relay: Relay, ctx: bytes, tokids_b64: bool, field: str | None, message: str
+) -> None:
+    with pytest.raises(ContextResponseError, match=message) as info:
+        relay.build_generation_request(CHAT, ctx, tokids_b64=tokids_b64, strip_history=False)
+    assert info.value.field == field
+
+
+def test_escaped_base64_is_refused_not_relayed(relay: Relay) -> None:
+    # "\/" is a legal JSON spelling of "/", but the bytes are relayed as they are.
+    ctx = CTX.replace(B64.encode(), b"AQ\\/AAAA")
+    with pytest.raises(ContextResponseError, match="invalid base64 character"):
+        relay.build_generation_request(CHAT, ctx, tokids_b64=True, strip_history=False)
+
+
+# -- strip_internal_fields -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        (b'{"prompt_token_ids": [1]}', b"{}"),
+        (b'{ "prompt_token_ids" : [1] }', b"{  }"),
+        (b'{"prompt_token_ids": [1], "a": 1}', b'{"a": 1}'),
+        (b'{"a": 1, "prompt_token_ids": [1]}', b'{"a": 1}'),
+        (b'{"a": 1, "prompt_token_ids": [1], "b": 2}', b'{"a": 1, "b": 2}'),
+        (b'{"prompt_token_ids": [1], "prompt_token_ids_b64": "AAAA"}', b"{}"),
+        (b'{"prompt_token_ids": [1], "prompt_token_ids_b64": "AAAA", "a": 1}', b'{"a": 1}'),
+        (b'{"a": 1, "prompt_token_ids": [1], "prompt_token_ids_b64": "AAAA"}', b'{"a": 1}'),
+        (b'{"prompt_token_ids": [1], "a": 1, "prompt_token_ids_b64": "AAAA"}', b'{"a": 1}'),
+        (b'{"a": 1, "prompt_token_ids": [1],\n "b": 2, "prompt_token_ids_b64": "AAAA"}', b'{"a": 1, "b": 2}'),
+        (
+            b'{"choices": [{"disaggregated_params": {}}, {"x": 1, "disaggregated_params": {}}], "prompt_token_ids": null}',
+            b'{"choices": [{}, {"x": 1}]}',
+        ),
+        (b'{"a": {"prompt_token_ids": 1}}', b'{"a": {"prompt_token_ids": 1}}'),
+        (b'{"a": "\\"prompt_token_ids\\": 1"}', b'{"a": "\\"prompt_token_ids\\": 1"}'),
+    ],
+)
+def test_strip_internal_fields_at_every_position(relay: Relay, body: bytes, expected: bytes) -> None:
+    out = relay.strip_internal_fields(body)
+    assert out == expected
+    assert json.loads(out) == reference_strip(body)
+
+
+def test_strip_internal_fields_with_many_choices(relay: Relay) -> None:
+    doc = {
+        "choices": [{"index": i, "disaggregated_params": {"i": i}} for i in range(40)],
+        "prompt_token_ids": [1],
+    }
+    out = relay.strip_internal_fields(json.dumps(doc).encode())
+    assert json.loads(out) == {"choices": [{"index": i} for i in range(40)]}
+
+
+def test_strip_internal_fields_errors(relay: Relay) -> None:
+    with pytest.raises(RelayError, match="must be a JSON object"):
+        relay.strip_internal_fields(b"[1]")
+    with pytest.raises(JSONSpanError):
+        relay.strip_internal_fields(b'{"a": ')
+    with pytest.raises(JSONSpanError, match="duplicate key 'prompt_token_ids'"):
+        relay.strip_internal_fields(b'{"prompt_token_ids": 1, "prompt_token_ids": 2}')
+
+
+def test_module_functions_use_the_active_twin() -> None:
+    import fastcore
+
+    assert relay_module._default.scanner is fastcore._jsonspan_impl
+    assert json.loads(relay_module.build_context_request(b"{}", disagg_request_id=5, return_b64=False))[
+        "disaggregated_params"
+    ] == {"request_type": "context_only", "disagg_request_id": 5}
