@@ -17,10 +17,8 @@ from cpython.buffer cimport (
     PyObject_GetBuffer,
 )
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
-from cpython.list cimport PyList_New, PyList_SET_ITEM
-from cpython.long cimport PyLong_FromLong
+from cpython.list cimport PyList_New
 from cpython.object cimport PyObject
-from cpython.ref cimport Py_INCREF
 from libc.stdint cimport INT32_MAX, INT32_MIN, int32_t, int64_t, uint8_t
 
 from fastcore._codec_py import (
@@ -85,6 +83,46 @@ cdef extern from *:
     #endif
     }
 
+    /* Token ids below this bound (2**18 covers the vocabularies of Llama 3,
+     * Qwen 2 and Gemma) are turned into int objects once and shared after:
+     * decode_tokens_list then costs an INCREF per id instead of an
+     * allocation, which is most of what tolist() spends. The cache holds at
+     * most 2**18 ints (about 10 MB) and only the ids actually seen. */
+    #define FC_INT_CACHE_SIZE (1 << 18)
+    static PyObject **fc_int_cache = NULL;
+
+    static inline PyObject *fc_id_to_int(int32_t v) {
+        if ((uint32_t)v < FC_INT_CACHE_SIZE && fc_int_cache != NULL) {
+            PyObject *o = fc_int_cache[v];
+            if (o == NULL) {
+                o = PyLong_FromLong(v);
+                if (o == NULL) return NULL;
+                fc_int_cache[v] = o;
+            }
+            Py_INCREF(o);
+            return o;
+        }
+        return PyLong_FromLong(v);
+    }
+
+    /* Builds list[start:start+n] from ids; returns -1 with an exception set. */
+    static inline int fc_fill_list(PyObject *list, Py_ssize_t start, const int32_t *ids, Py_ssize_t n) {
+        for (Py_ssize_t k = 0; k < n; k++) {
+            PyObject *o = fc_id_to_int(ids[k]);
+            if (o == NULL) return -1;
+            PyList_SET_ITEM(list, start + k, o);
+        }
+        return 0;
+    }
+
+    static int fc_int_cache_init(void) {
+        if (fc_int_cache == NULL) {
+            fc_int_cache = (PyObject **)PyMem_Calloc(FC_INT_CACHE_SIZE, sizeof(PyObject *));
+            if (fc_int_cache == NULL) { PyErr_NoMemory(); return -1; }
+        }
+        return 0;
+    }
+
     static inline int fc_unicode_ascii_data(PyObject *s, const char **data, Py_ssize_t *length) {
     #if PY_VERSION_HEX < 0x030C0000
         if (PyUnicode_READY(s) == -1) return -1;
@@ -99,6 +137,8 @@ cdef extern from *:
     bint fc_read_small_int(PyObject *o, long long *value)
     int32_t fc_to_le32(int32_t v) nogil
     int fc_unicode_ascii_data(object s, const char **data, Py_ssize_t *length) except -1
+    int fc_fill_list(object lst, Py_ssize_t start, const int32_t *ids, Py_ssize_t n) except -1
+    int fc_int_cache_init() except -1
 
 
 cdef extern from "Python.h":
@@ -363,10 +403,11 @@ def decode_tokens_list(data, *, max_tokens=None):
     """The ids in ``data`` as a list of int (decoded a stack chunk at a time)."""
     cdef Source src
     cdef Source piece
-    cdef Py_ssize_t count, start, k, n
+    cdef Py_ssize_t count, start, n
     cdef size_t bad_offset = 0
     cdef int status, pad
     cdef int32_t chunk[CHUNK_IDS]
+    fc_int_cache_init()
     _open_source(data, &src)
     try:
         count = _token_count(&src, max_tokens)
@@ -385,10 +426,7 @@ def decode_tokens_list(data, *, max_tokens=None):
                 raise _decode_error(status, start // 3 * 16 + bad_offset,
                                     <uint8_t>piece.data[bad_offset])
             fc_le32_to_host(chunk, <size_t>n)
-            for k in range(n):
-                item = PyLong_FromLong(chunk[k])
-                Py_INCREF(item)  # PyList_SET_ITEM steals a reference; `item` keeps its own
-                PyList_SET_ITEM(ids, start + k, item)
+            fc_fill_list(ids, start, chunk, n)
         return ids
     finally:
         _close_source(&src)
