@@ -614,9 +614,22 @@ def test_generation_worker_killed_mid_stream(workers, loop_thread):
         victim.stop()
 
 
+def worker_metric(worker: WorkerProcess, sample: str) -> float:
+    status, body = http_get(worker.url + "/metrics")
+    assert status == 200
+    for line in body.decode().splitlines():
+        if line.startswith(sample + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def test_client_disconnect_cancels_the_generation_leg(workers, orchestrators, loop_thread):
     orch = orchestrators["fast_gates_on"]
-    body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 1500, "stream": True}).encode()
+    body = json.dumps(
+        {"model": "tiny", "prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    ).encode()
+    finished = 'fastcore_worker_request_seconds_count{route="completions"}'
+    finished_before = sum(worker_metric(w, finished) for w in workers["generation"])
 
     async def read_two_chunks_then_leave() -> None:
         async with aiohttp.ClientSession() as session:
@@ -633,6 +646,15 @@ def test_client_disconnect_cancels_the_generation_leg(workers, orchestrators, lo
     assert (
         orch.metric("fastcore_orchestrator_requests_total", route="completions", status="499") == before + 1
     )
+    # The generation worker saw the cancel: its sequence left the batch without
+    # running to 1500 tokens (the worker times only requests that complete).
+    assert eventually(
+        lambda: all(
+            worker_metric(w, "fastcore_worker_running_sequences") == 0 for w in workers["generation"]
+        ),
+        timeout=30,
+    )
+    assert sum(worker_metric(w, finished) for w in workers["generation"]) == finished_before
     # The orchestrator serves on.
     assert run_request(orch.client(), "completions", False) == reference(workers, "completions", False)
 

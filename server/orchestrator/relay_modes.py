@@ -444,29 +444,48 @@ def answer_as_sse(answer: bytes, *, chat: bool, include_usage: bool) -> bytes:
         "created": data.get("created", int(time.time())),
         "model": data.get("model"),
     }
-    events = []
+    # The worker's own SSE shape (server/worker/protocol.py, StreamWriterState):
+    # chat opens with a role chunk; text comes next; then a chunk with the
+    # finish reason and an empty delta (chat) or empty text (completions).
+    events: list[dict[str, Any]] = []
     for choice in data.get("choices", []):
-        index = choice.get("index", 0)
+        index, finish = choice.get("index", 0), choice.get("finish_reason")
         if chat:
-            message = choice.get("message") or {}
-            delta = {"role": message.get("role", "assistant"), "content": message.get("content") or ""}
-            body = {"index": index, "delta": delta, "logprobs": choice.get("logprobs"), "finish_reason": None}
-            end = {
-                "index": index,
-                "delta": {},
-                "logprobs": None,
-                "finish_reason": choice.get("finish_reason"),
-            }
+            text = (choice.get("message") or {}).get("content") or ""
+            opening = {"role": "assistant", "content": ""}
+            events.append(
+                {
+                    **head,
+                    "choices": [{"index": index, "delta": opening, "logprobs": None, "finish_reason": None}],
+                }
+            )
+            if text:
+                piece = {
+                    "index": index,
+                    "delta": {"content": text},
+                    "logprobs": choice.get("logprobs"),
+                    "finish_reason": None,
+                }
+                events.append({**head, "choices": [piece]})
+            events.append(
+                {
+                    **head,
+                    "choices": [{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}],
+                }
+            )
         else:
-            body = {
-                "index": index,
-                "text": choice.get("text", ""),
-                "logprobs": choice.get("logprobs"),
-                "finish_reason": None,
-            }
-            end = {"index": index, "text": "", "logprobs": None, "finish_reason": choice.get("finish_reason")}
-        events.append({**head, "choices": [body]})
-        events.append({**head, "choices": [end]})
+            text = choice.get("text") or ""
+            if text:
+                piece = {
+                    "index": index,
+                    "text": text,
+                    "logprobs": choice.get("logprobs"),
+                    "finish_reason": None,
+                }
+                events.append({**head, "choices": [piece]})
+            events.append(
+                {**head, "choices": [{"index": index, "text": "", "logprobs": None, "finish_reason": finish}]}
+            )
     if include_usage and data.get("usage") is not None:
         events.append({**head, "choices": [], "usage": data["usage"]})
     return b"".join(_sse(e) for e in events) + b"data: [DONE]\n\n"
