@@ -396,6 +396,10 @@ async def generate(request: web.Request, state: WorkerState, route: Route) -> we
     try:
         engine.reserve(engine_req)
     except KVCacheFull as exc:
+        if not exc.ever_fits:
+            raise HTTPError(
+                400, f"the request is too large for this worker: {exc}", param="max_tokens"
+            ) from None
         state.metrics.rejected.inc(reason="kv_full")
         raise HTTPError(
             503,

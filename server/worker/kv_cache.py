@@ -20,7 +20,15 @@ from .model import ModelConfig
 
 
 class KVCacheFull(Exception):
-    """Not enough free blocks for a request's reservation."""
+    """Not enough free blocks for a request's reservation.
+
+    ``ever_fits`` is False when the reservation exceeds the whole cache, so
+    waiting would not help (a 400, not a 503).
+    """
+
+    def __init__(self, message: str, *, ever_fits: bool = True) -> None:
+        super().__init__(message)
+        self.ever_fits = ever_fits
 
 
 class PagedKVCache:
@@ -64,6 +72,11 @@ class PagedKVCache:
 
     def allocate(self, num_tokens: int) -> list[int]:
         need = self.blocks_for(num_tokens)
+        if need > self.num_blocks:
+            raise KVCacheFull(
+                f"needs {need * self.block_size} KV tokens; this worker's whole KV cache holds {self.capacity_tokens}",
+                ever_fits=False,
+            )
         with self._lock:
             if need > len(self._free):
                 raise KVCacheFull(

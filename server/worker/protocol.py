@@ -145,10 +145,8 @@ def _ids_from_b64(value: Any, vocab_size: int, max_context: int) -> np.ndarray:
 
     try:
         ids = fastcore.decode_tokens(value, max_tokens=max_context)
-    except (ValueError, OverflowError) as exc:  # TokenDecodeError is a ValueError
-        offset = getattr(exc, "offset", None)
-        where = f" (byte {offset})" if offset is not None else ""
-        raise bad_request(f"'{name}' is invalid: {exc}{where}", name) from None
+    except (ValueError, OverflowError) as exc:  # TokenDecodeError is a ValueError; it names the byte offset
+        raise bad_request(f"'{name}' is invalid: {exc}", name) from None
     if ids.size == 0:
         raise bad_request(f"'{name}' holds no token ids", name)
     bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))

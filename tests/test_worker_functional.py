@@ -1,0 +1,547 @@
+"""Live torch workers on 127.0.0.1: the disaggregated matrix, bad input, admission, cancellation, metrics.
+
+Each worker is the real app (``server.worker.app.start_worker``) around the
+real ``tiny`` model, on a real socket; the test plays the orchestrator's part
+of PROTOCOL.md with plain HTTP. Workers start once per module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import re
+import struct
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+import torch
+
+from server.auth import SIGNATURE_HEADER, sign_body
+from server.worker.app import WorkerSettings, kv_signature, start_worker
+from server.worker.engine import TorchEngine
+from server.worker.tiny import build_tiny
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+CHAT_BODY = {
+    "model": "tiny",
+    "messages": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Tell me about the weather in Lisbon."},
+    ],
+    "max_tokens": 24,
+    "temperature": 0,
+}
+COMPLETION_BODY = {
+    "model": "tiny",
+    "prompt": "Once upon a time, in a land far away",
+    "max_tokens": 24,
+    "temperature": 0,
+}
+ROUTES = {"chat": ("/v1/chat/completions", CHAT_BODY), "completions": ("/v1/completions", COMPLETION_BODY)}
+
+
+class Worker:
+    def __init__(self, runner: Any, port: int, engine: TorchEngine) -> None:
+        self.runner = runner
+        self.url = f"http://127.0.0.1:{port}"
+        self.engine = engine
+
+
+async def launch(role: str = "both", *, kv_tokens: int = 1 << 14, **settings: Any) -> Worker:
+    config, model, tokenizer = build_tiny()
+    engine = TorchEngine(config, model, tokenizer, kv_tokens=kv_tokens)
+    runner, port = await start_worker(engine, WorkerSettings(role=role, **settings))
+    return Worker(runner, port, engine)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread() -> Any:
+    # Several engines share 2 cores in CI; one intra-op thread each avoids oversubscription.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def workers() -> AsyncIterator[dict[str, Worker]]:
+    started = {
+        "both": await launch("both"),
+        "context": await launch("context", kv_ttl_s=30.0),
+        "generation": await launch("generation", kv_fetch_timeout_s=5.0),
+    }
+    yield started
+    for w in started.values():
+        await w.runner.cleanup()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def parse_sse(raw: str) -> list[dict[str, Any]]:
+    events = [e for e in raw.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]", f"stream does not end with [DONE]: {events[-1:]}"
+    assert all(e.startswith("data: ") for e in events)
+    return [json.loads(e[6:]) for e in events[:-1]]
+
+
+async def call(http: aiohttp.ClientSession, url: str, body: Any, **kw: Any) -> tuple[int, Any]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with http.post(url, data=data, headers={"Content-Type": "application/json", **kw}) as resp:
+        text = await resp.text()
+        if resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+            return resp.status, parse_sse(text)
+        return resp.status, json.loads(text)
+
+
+def outcome(route: str, result: Any) -> dict[str, Any]:
+    """Text, finish reason and usage of a response, streamed or not, in one shape."""
+    if isinstance(result, dict):
+        choice = result["choices"][0]
+        text = choice["message"]["content"] if route == "chat" else choice["text"]
+        return {"text": text, "finish_reason": choice["finish_reason"], "usage": result["usage"]}
+    chunks = [c for c in result if c["choices"]]
+    usage = [c["usage"] for c in result if not c["choices"]]
+    if route == "chat":
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    else:
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]]
+    assert len(finishes) == 1 and chunks[-1]["choices"][0]["finish_reason"] == finishes[0]
+    return {"text": text, "finish_reason": finishes[0], "usage": usage[0] if usage else None}
+
+
+async def context_leg(
+    http: aiohttp.ClientSession, ctx: Worker, route: str, body: dict[str, Any], b64: bool
+) -> dict[str, Any]:
+    path = ROUTES[route][0]
+    params: dict[str, Any] = {"request_type": "context_only", "disagg_request_id": 7205759403792793601}
+    if b64:
+        params["return_prompt_token_ids_b64"] = True
+    status, resp = await call(http, ctx.url + path, {**body, "stream": False, "stream_options": None,
+                                                    "disaggregated_params": params})  # fmt: skip
+    assert status == 200, resp
+    return resp
+
+
+def generation_request(route: str, body: dict[str, Any], ctx: dict[str, Any], b64: bool) -> dict[str, Any]:
+    params = dict(ctx["choices"][0]["disaggregated_params"])
+    params["request_type"] = "generation_only"
+    params["ctx_usage"] = ctx["usage"]
+    gen = {**body, "disaggregated_params": params}
+    if b64:
+        gen["prompt_token_ids_b64"] = ctx["prompt_token_ids_b64"]
+    elif route == "chat":
+        gen["prompt_token_ids"] = ctx["prompt_token_ids"]
+    else:
+        gen["prompt"] = ctx["prompt_token_ids"]
+    return gen
+
+
+async def metric(http: aiohttp.ClientSession, worker: Worker, name: str) -> float:
+    async with http.get(worker.url + "/metrics") as resp:
+        text = await resp.text()
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+async def wait_for(predicate: Any, what: str, timeout: float = 10.0) -> None:
+    for _ in range(int(timeout / 0.02)):
+        if await predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+# ---------------------------------------------------------------- the matrix
+
+
+@pytest.mark.parametrize("handoff", ["kv", "recompute"])
+@pytest.mark.parametrize("ids", ["list", "b64"])
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("route", ["chat", "completions"])
+async def test_disaggregated_equals_single_worker(
+    workers: dict[str, Worker], http: aiohttp.ClientSession, route: str, stream: bool, ids: str, handoff: str
+) -> None:
+    path, base = ROUTES[route]
+    body = {**base, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    status, single = await call(http, workers["both"].url + path, body)
+    assert status == 200
+    want = outcome(route, single)
+    assert want["finish_reason"] == "length" and len(want["text"]) > 10
+
+    b64 = ids == "b64"
+    ctx = await context_leg(http, workers["context"], route, body, b64)
+    choice = ctx["choices"][0]
+    assert choice["finish_reason"] == "not_finished"
+    assert ctx["usage"]["completion_tokens"] == 1
+    assert ctx["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+    if b64:
+        assert ctx["prompt_token_ids"] is None
+        raw = base64.b64decode(ctx["prompt_token_ids_b64"], validate=True)
+        assert len(raw) // 4 == want["usage"]["prompt_tokens"]
+    else:
+        assert len(ctx["prompt_token_ids"]) == want["usage"]["prompt_tokens"]
+    endpoint = choice["disaggregated_params"]["ctx_info_endpoint"]
+    if handoff == "recompute":
+        # Take the KV away first: the generation worker then gets 404 and must recompute.
+        async with http.get(endpoint) as resp:
+            assert resp.status == 200
+            assert (await resp.read())[:4] == b"FCKV"
+    gen_worker = workers["generation"]
+    fetched = await metric(http, gen_worker, 'fastcore_worker_kv_handoff_total{event="fetched"}')
+    recomputed = await metric(http, gen_worker, 'fastcore_worker_kv_handoff_total{event="recomputed"}')
+
+    status, gen = await call(http, gen_worker.url + path, generation_request(route, body, ctx, b64))
+    assert status == 200, gen
+    assert outcome(route, gen) == want
+
+    expect_fetched = handoff == "kv"
+    assert (
+        await metric(http, gen_worker, 'fastcore_worker_kv_handoff_total{event="fetched"}')
+        == fetched + expect_fetched
+    )
+    assert await metric(
+        http, gen_worker, 'fastcore_worker_kv_handoff_total{event="recomputed"}'
+    ) == recomputed + (not expect_fetched)
+    async with http.get(endpoint) as resp:  # fetched (by the generation worker or by us): gone
+        assert resp.status == 404
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+async def test_disaggregated_logprobs_and_seeded_sampling(
+    workers: dict[str, Worker], http: aiohttp.ClientSession, route: str
+) -> None:
+    path, base = ROUTES[route]
+    body = {**base, "temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 1234}
+    body.update({"logprobs": True, "top_logprobs": 3} if route == "chat" else {"logprobs": 3})
+    status, single = await call(http, workers["both"].url + path, body)
+    assert status == 200
+    ctx = await context_leg(http, workers["context"], route, body, b64=True)
+    status, gen = await call(
+        http, workers["generation"].url + path, generation_request(route, body, ctx, True)
+    )
+    assert status == 200
+    assert outcome(route, gen) == outcome(route, single)
+    lp_single, lp_gen = single["choices"][0]["logprobs"], gen["choices"][0]["logprobs"]
+    if route == "chat":
+        lp_single, lp_gen = lp_single["content"], lp_gen["content"]
+        assert len(lp_single) == 24 and all(len(e["top_logprobs"]) == 3 for e in lp_single)
+        assert [e["token"] for e in lp_gen] == [e["token"] for e in lp_single]
+        assert [e["logprob"] for e in lp_gen] == pytest.approx([e["logprob"] for e in lp_single], abs=1e-4)
+    else:
+        assert lp_gen["tokens"] == lp_single["tokens"]
+        assert lp_gen["token_logprobs"] == pytest.approx(lp_single["token_logprobs"], abs=1e-4)
+    # Another seed gives another text: the seed is really used.
+    status, other = await call(http, workers["both"].url + path, {**body, "seed": 99})
+    assert outcome(route, other)["text"] != outcome(route, single)["text"]
+
+
+async def test_context_answers_when_first_token_finishes(
+    workers: dict[str, Worker], http: aiohttp.ClientSession
+) -> None:
+    path, base = ROUTES["completions"]
+    status, ctx = await call(http, workers["context"].url + path, {**base, "max_tokens": 1,
+        "disaggregated_params": {"request_type": "context_only", "disagg_request_id": 1}})  # fmt: skip
+    assert status == 200 and ctx["choices"][0]["finish_reason"] == "length"
+    status, single = await call(http, workers["both"].url + path, base)
+    first_char = single["choices"][0]["text"][:1]
+    assert ctx["choices"][0]["text"] == first_char
+    # A stop string met by the first token: "stop", and the text cut before it.
+    status, ctx = await call(http, workers["context"].url + path, {**base, "stop": [first_char],
+        "disaggregated_params": {"request_type": "context_only", "disagg_request_id": 2}})  # fmt: skip
+    assert ctx["choices"][0]["finish_reason"] == "stop" and ctx["choices"][0]["text"] == ""
+    # A finished context leg parks nothing.
+    async with http.get(ctx["choices"][0]["disaggregated_params"]["ctx_info_endpoint"]) as resp:
+        assert resp.status == 404
+
+
+async def test_kv_unreachable_or_expired_recomputes(
+    http: aiohttp.ClientSession, workers: dict[str, Worker]
+) -> None:
+    ctx_worker = await launch("context", kv_ttl_s=0.2)
+    try:
+        path, body = ROUTES["chat"]
+        ctx = await context_leg(http, ctx_worker, "chat", body, b64=True)
+        assert ctx_worker.engine.parked_count == 1
+        await wait_for(lambda: _async(ctx_worker.engine.parked_count == 0), "parked KV to expire")
+        assert await metric(http, ctx_worker, 'fastcore_worker_kv_handoff_total{event="expired"}') == 1
+        assert await metric(http, ctx_worker, "fastcore_worker_kv_used_tokens") == 0
+        gen_worker = workers["generation"]
+        before = await metric(http, gen_worker, 'fastcore_worker_kv_fetch_failures_total{reason="http_404"}')
+        status, gen = await call(http, gen_worker.url + path, generation_request("chat", body, ctx, True))
+        assert status == 200
+        status, single = await call(http, workers["both"].url + path, body)
+        assert outcome("chat", gen) == outcome("chat", single)
+        after = await metric(http, gen_worker, 'fastcore_worker_kv_fetch_failures_total{reason="http_404"}')
+        assert after == before + 1
+        # Context worker gone: connection refused, same answer by recomputing.
+        ctx = await context_leg(http, ctx_worker, "chat", body, b64=False)
+    finally:
+        await ctx_worker.runner.cleanup()
+    before = await metric(http, gen_worker, 'fastcore_worker_kv_fetch_failures_total{reason="unreachable"}')
+    status, gen = await call(http, gen_worker.url + path, generation_request("chat", body, ctx, False))
+    assert status == 200 and outcome("chat", gen) == outcome("chat", single)
+    after = await metric(http, gen_worker, 'fastcore_worker_kv_fetch_failures_total{reason="unreachable"}')
+    assert after == before + 1
+
+
+async def _async(value: Any) -> Any:
+    return value
+
+
+# ---------------------------------------------------------------- batching
+
+
+async def test_concurrent_mixed_lengths_equal_solo_runs(
+    workers: dict[str, Worker], http: aiohttp.ClientSession
+) -> None:
+    url = workers["both"].url + "/v1/completions"
+    bodies = [
+        {
+            "model": "tiny",
+            "prompt": "x" * (1 + 37 * i) + f" request {i}",
+            "max_tokens": 8 + 5 * i,
+            "temperature": 0,
+        }
+        for i in range(8)
+    ]
+    solo = [await call(http, url, b) for b in bodies]
+    steps_before = workers["both"].engine.decode_steps_total
+    together = await asyncio.gather(*(call(http, url, b) for b in bodies))
+    steps = workers["both"].engine.decode_steps_total - steps_before
+    for (s1, r1), (s2, r2) in zip(solo, together):
+        assert s1 == s2 == 200
+        assert outcome("completions", r2) == outcome("completions", r1)
+    # Shared decode steps: far fewer than the sum of the requests' decode steps.
+    assert steps < sum(b["max_tokens"] - 1 for b in bodies)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _b64(ids: list[int]) -> str:
+    return base64.b64encode(struct.pack(f"<{len(ids)}i", *ids)).decode()
+
+
+GEN_PARAMS = {"request_type": "generation_only", "first_gen_tokens": [65], "ctx_request_id": 1,
+              "disagg_request_id": 1, "ctx_info_endpoint": None}  # fmt: skip
+
+BAD_INPUTS = [
+    ("chat", b'{"model": "tiny", "messages": [}', 400, r"not valid JSON.*\(byte 31\)", None),
+    ("chat", b"[1, 2]", 400, "must be a JSON object", None),
+    ("chat", b"\xff\xfe", 400, "not valid UTF-8", None),
+    ("chat", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "'nope' does not exist", "model"),
+    ("chat", {"messages": [], "model": "tiny"}, 400, "'messages' must be a non-empty list", "messages"),
+    ("chat", {"messages": [{"role": "robot", "content": "x"}]}, 400, "role must be one of", "messages"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "'n' must be 1", "n"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "'temperature' must be a number", "temperature"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "'max_tokens' must be >= 1", "max_tokens"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}, 400, "exceeds this model's context", "max_tokens"),
+    ("completions", {"prompt": "x" * 3000}, 400, "the prompt has 3001 tokens; this model's context is 2048", "prompt"),
+    ("completions", {"prompt": [1, 2, 99999]}, 400, r"'prompt\[2\]' = 99999 is outside the vocabulary \[0, 262\)", "prompt"),
+    ("completions", {"prompt": [1, -4]}, 400, r"'prompt\[1\]' = -4 is outside the vocabulary", "prompt"),
+    ("completions", {"prompt": [[1, 2], [3]]}, 400, "batches are not supported", "prompt"),
+    ("completions", {"prompt_token_ids_b64": "AQAAAAIA*AAAAwAA"}, 400, "Invalid base64 character 0x2a at byte 8", "prompt_token_ids_b64"),
+    ("completions", {"prompt_token_ids_b64": "AQAAAA="}, 400, "not a multiple of 4", "prompt_token_ids_b64"),
+    ("completions", {"prompt_token_ids_b64": "AQ==AAAAAAAAAAAA"}, 400, "Misplaced padding character '=' at byte 2", "prompt_token_ids_b64"),
+    ("completions", {"prompt_token_ids_b64": "AQAAAAIA"}, 400, "not a whole number of int32", "prompt_token_ids_b64"),
+    ("chat", {"prompt_token_ids_b64": _b64([5, 262]), "messages": []}, 400, "id 262 at index 1 is outside the vocabulary", "prompt_token_ids_b64"),
+    ("chat", {"prompt_token_ids_b64": _b64([5] * 2049), "messages": []}, 400, "more than max_tokens=2048", "prompt_token_ids_b64"),
+    ("chat", {"prompt_token_ids": [5] * 2048, "messages": []}, 400, "the prompt has 2048 tokens", "prompt"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "disaggregated_params": {**GEN_PARAMS}}, 400,
+     "generation_only request must carry the prompt as token ids", "prompt_token_ids"),
+    ("completions", {"prompt": "hello", "disaggregated_params": {**GEN_PARAMS}}, 400,
+     "generation_only request must carry the prompt as token ids", "prompt"),
+    ("completions", {"prompt": [1, 2], "disaggregated_params": {**GEN_PARAMS, "first_gen_tokens": [300]}}, 400,
+     r"first_gen_tokens\[0\]' = 300 is outside the vocabulary", "disaggregated_params.first_gen_tokens"),
+    ("completions", {"prompt": [1, 2], "disaggregated_params": {"request_type": "both"}}, 400,
+     "request_type' must be", "disaggregated_params"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("route", "body", "status", "message", "param"), BAD_INPUTS)
+async def test_bad_input_is_an_openai_error(
+    workers: dict[str, Worker],
+    http: aiohttp.ClientSession,
+    route: str,
+    body: Any,
+    status: int,
+    message: str,
+    param: str | None,
+) -> None:
+    if isinstance(body, dict):
+        body = {"model": "tiny", **body}
+    got, resp = await call(http, workers["generation"].url + ROUTES[route][0], body)
+    assert got == status, resp
+    error = resp["error"]
+    assert re.search(message, error["message"]), error["message"]
+    assert error["param"] == param
+    assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+
+
+async def test_engine_survives_bad_input(workers: dict[str, Worker], http: aiohttp.ClientSession) -> None:
+    url = workers["generation"].url
+    for route, body, *_ in BAD_INPUTS:
+        await call(
+            http, url + ROUTES[route][0], body if isinstance(body, bytes) else {"model": "tiny", **body}
+        )
+    status, resp = await call(http, url + "/v1/completions", COMPLETION_BODY)
+    assert status == 200 and resp["choices"][0]["finish_reason"] == "length"
+    async with http.get(url + "/health") as health:
+        assert health.status == 200
+
+
+async def test_roles_refuse_the_other_leg(workers: dict[str, Worker], http: aiohttp.ClientSession) -> None:
+    ctx_only = {
+        **COMPLETION_BODY,
+        "disaggregated_params": {"request_type": "context_only", "disagg_request_id": 3},
+    }
+    status, resp = await call(http, workers["generation"].url + "/v1/completions", ctx_only)
+    assert status == 400 and "role is generation" in resp["error"]["message"]
+    gen_only = {**COMPLETION_BODY, "prompt": [1, 2, 3], "disaggregated_params": GEN_PARAMS}
+    status, resp = await call(http, workers["context"].url + "/v1/completions", gen_only)
+    assert status == 400 and "role is context" in resp["error"]["message"]
+
+
+async def test_unknown_routes_and_kv_ids_are_openai_errors(
+    workers: dict[str, Worker], http: aiohttp.ClientSession
+) -> None:
+    url = workers["context"].url
+    for method, path, status in [("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405),
+                                 ("GET", "/kv/123", 404), ("GET", "/kv/abc", 400)]:  # fmt: skip
+        async with http.request(method, url + path) as resp:
+            assert resp.status == status
+            assert "message" in (await resp.json())["error"]
+
+
+async def test_shared_secret_guards_internal_requests(http: aiohttp.ClientSession) -> None:
+    secret = b"s3cret"
+    ctx_worker = await launch("context", shared_secret=secret)
+    gen_worker = await launch("generation", shared_secret=secret)
+    try:
+        url = ctx_worker.url + "/v1/completions"
+        ctx_body = json.dumps({**COMPLETION_BODY,
+            "disaggregated_params": {"request_type": "context_only", "disagg_request_id": 4}}).encode()  # fmt: skip
+        status, resp = await call(http, url, ctx_body)
+        assert status == 403 and SIGNATURE_HEADER in resp["error"]["message"]
+        status, resp = await call(http, url, ctx_body, **{SIGNATURE_HEADER: sign_body(b"wrong", ctx_body)})
+        assert status == 403
+        status, ctx = await call(http, url, ctx_body, **{SIGNATURE_HEADER: sign_body(secret, ctx_body)})
+        assert status == 200
+        # Plain client requests need no signature.
+        status, _ = await call(http, url, COMPLETION_BODY)
+        assert status == 200
+        endpoint = ctx["choices"][0]["disaggregated_params"]["ctx_info_endpoint"]
+        async with http.get(endpoint) as resp:
+            assert resp.status == 403
+        # The generation worker signs its fetch with the same secret: the KV path is taken.
+        gen_body = json.dumps(generation_request("completions", COMPLETION_BODY, ctx, False)).encode()
+        status, gen = await call(http, gen_worker.url + "/v1/completions", gen_body,
+                                 **{SIGNATURE_HEADER: sign_body(secret, gen_body)})  # fmt: skip
+        assert status == 200
+        assert await metric(http, gen_worker, 'fastcore_worker_kv_handoff_total{event="fetched"}') == 1
+        status, plain = await call(http, gen_worker.url + "/v1/completions", COMPLETION_BODY)
+        assert outcome("completions", gen) == outcome("completions", plain)
+        status, resp = await call(http, gen_worker.url + "/v1/completions", gen_body)
+        assert status == 403 and "generation_only" in resp["error"]["message"]
+        path = "/kv/" + str(ctx["choices"][0]["disaggregated_params"]["ctx_request_id"])
+        assert kv_signature(secret, path).startswith("sha256=")
+    finally:
+        await ctx_worker.runner.cleanup()
+        await gen_worker.runner.cleanup()
+
+
+# ---------------------------------------------------------------- admission, cancellation, metrics
+
+
+async def test_full_worker_answers_503_then_recovers(http: aiohttp.ClientSession) -> None:
+    small = await launch("both", kv_tokens=256)
+    try:
+        url = small.url + "/v1/completions"
+        hold = {
+            "model": "tiny",
+            "prompt": "hold the cache",
+            "max_tokens": 200,
+            "temperature": 0,
+            "stream": True,
+        }
+        async with http.post(url, json=hold) as streaming:
+            assert streaming.status == 200
+            await streaming.content.readline()  # admitted and decoding: 16 blocks of 16 taken
+            async with http.post(url, json={**COMPLETION_BODY, "max_tokens": 100}) as full:
+                assert full.status == 503 and full.headers["Retry-After"] == "1"
+                resp = await full.json()
+            assert resp["error"]["code"] == "worker_full" and "worker is full" in resp["error"]["message"]
+            assert resp["error"]["type"] == "service_unavailable"
+            assert await metric(http, small, 'fastcore_worker_rejected_total{reason="kv_full"}') == 1
+            await streaming.read()
+        async with http.post(url, json={**COMPLETION_BODY, "max_tokens": 100}) as resp:
+            assert resp.status == 200
+        # More than the whole cache: waiting would not help, so 400 rather than 503.
+        status, resp = await call(http, url, {**COMPLETION_BODY, "max_tokens": 300})
+        assert status == 400 and "whole KV cache holds 256" in resp["error"]["message"]
+        assert resp["error"]["param"] == "max_tokens"
+    finally:
+        await small.runner.cleanup()
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["sse", "json"])
+async def test_client_disconnect_frees_the_slot(
+    workers: dict[str, Worker], http: aiohttp.ClientSession, stream: bool
+) -> None:
+    worker = workers["both"]
+    generated_before = worker.engine.generated_tokens_total
+    body = {"model": "tiny", "prompt": "a long story", "max_tokens": 2000, "temperature": 0, "ignore_eos": True,
+            "stream": stream}  # fmt: skip
+    async with aiohttp.ClientSession() as own:
+        request = asyncio.ensure_future(own.post(worker.url + "/v1/completions", json=body))
+        await wait_for(lambda: _async(worker.engine.running == 1), "the request to be decoding")
+        if stream:
+            resp = await request
+            await resp.content.readline()
+            resp.close()
+        else:
+            request.cancel()
+    await wait_for(
+        lambda: _async(worker.engine.running == 0 and worker.engine.kv_used_tokens == 0),
+        "the slot to be freed",
+    )
+    # Stopped early, not run to max_tokens.
+    assert worker.engine.generated_tokens_total - generated_before < 2000
+
+
+async def test_metrics_and_info_endpoints(workers: dict[str, Worker], http: aiohttp.ClientSession) -> None:
+    worker = workers["both"]
+    await call(http, worker.url + "/v1/completions", COMPLETION_BODY)
+    async with http.get(worker.url + "/metrics") as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = await resp.text()
+    for name in ("fastcore_worker_queue_depth", "fastcore_worker_running_sequences", "fastcore_worker_kv_used_tokens",
+                 "fastcore_worker_kv_capacity_tokens 16384", "fastcore_worker_decode_tokens_per_second",
+                 "fastcore_worker_generated_tokens_total", 'fastcore_worker_requests_total{route="completions",status="200"}',
+                 "fastcore_worker_time_to_first_token_seconds_count"):  # fmt: skip
+        assert name in text
+    assert await metric(http, worker, "fastcore_worker_decode_tokens_per_second") > 0
+    async with http.get(worker.url + "/server_info") as resp:
+        info = await resp.json()
+    assert info["role"] == "both" and info["vocab_size"] == 262 and info["max_context_length"] == 2048
+    assert info["kv_endpoint"] == "/kv/{ctx_request_id}"
+    async with http.get(worker.url + "/v1/models") as resp:
+        assert (await resp.json())["data"][0]["id"] == "tiny"
+    async with http.get(worker.url + "/health") as resp:
+        assert resp.status == 200
