@@ -15,7 +15,14 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -1076,3 +1083,156 @@ def test_template_that_indexes_content_wrongly_is_a_value_error():
     template = ChatTemplate("{{ messages[0]['content'] + 1 }}")
     with pytest.raises(ChatTemplateError, match="TypeError"):
         template.render([{"role": "user", "content": "text"}])
+
+
+# ---------------------------------------------------------------- served by a live worker
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _post(url: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def _stream_text(raw: bytes, key: Callable[[dict[str, Any]], str | None]) -> tuple[str, bool]:
+    pieces, done = [], False
+    for line in raw.decode().splitlines():
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            done = True
+            continue
+        for choice in json.loads(line[len("data: ") :]).get("choices", []):
+            piece = key(choice)
+            if piece:
+                pieces.append(piece)
+    return "".join(pieces), done
+
+
+@contextmanager
+def serving(model_dir: Path) -> Iterator[str]:
+    port = _free_port()
+    argv = [sys.executable, "-m", "server.cli", "worker", "--model", str(model_dir), "--port", str(port)]
+    argv += ["--device", "cpu", "--kv-tokens", "2048", "--torch-threads", "1"]
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if process.poll() is not None:
+                stderr = process.stderr.read().decode() if process.stderr else ""
+                pytest.fail(f"worker exited with {process.returncode} while starting:\n{stderr[-2000:]}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("worker not healthy after 60 s")
+            time.sleep(0.1)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def reference_greedy(
+    checkpoint: Checkpoint, prompt_ids: list[int], max_tokens: int, eos_ids: list[int]
+) -> tuple[list[int], str]:
+    """Greedy continuation by :func:`reference_logits`, one full forward per token."""
+    ids = list(prompt_ids)
+    for _ in range(max_tokens):
+        logits = reference_logits(checkpoint.weights, checkpoint.config, torch.tensor([ids]))
+        token = int(logits[0, -1].argmax())
+        ids.append(token)
+        if token in eos_ids:
+            return ids[len(prompt_ids) :], "stop"
+    return ids[len(prompt_ids) :], "length"
+
+
+def demote_partial_characters(tokenizer_json: str) -> Callable[[dict[str, torch.Tensor]], None]:
+    """Shrink the output rows of tokens that decode to no whole character
+    (lone UTF-8 bytes, padding ids, special tokens), so that the random
+    model's greedy text is made of characters and can be compared as text."""
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+
+    def edit(weights: dict[str, torch.Tensor]) -> None:
+        head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+        for token in range(head.shape[0]):
+            if tokenizer.decode([token], skip_special_tokens=True) in ("", "\ufffd"):
+                head[token] *= 0.05
+
+    return edit
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_worker_serves_a_checkpoint_with_the_reference_greedy_output(
+    write_checkpoint, trained_tokenizers, family
+):
+    checkpoint = write_checkpoint(family, edit_weights=demote_partial_characters(trained_tokenizers[family]))
+    tokenizer = load_tokenizer(checkpoint.path)
+    messages = [{"role": "user", "content": "Hello world, how are you?"}]
+    chat_prompt = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    chat_ids, chat_finish = reference_greedy(checkpoint, chat_prompt, 6, tokenizer.eos_token_ids)
+    text_prompt = "The quick brown fox"
+    completion_prompt = tokenizer.encode(text_prompt)
+    completion_ids, completion_finish = reference_greedy(
+        checkpoint, completion_prompt, 6, tokenizer.eos_token_ids
+    )
+    generated = [t for t in chat_ids if t not in tokenizer.eos_token_ids]
+    with serving(checkpoint.path) as url:
+        chat = {"model": checkpoint.path.name, "messages": messages, "max_tokens": 6, "temperature": 0}
+        status, raw = _post(url + "/v1/chat/completions", {**chat, "logprobs": True})
+        assert status == 200, raw
+        body = json.loads(raw)
+        assert body["usage"]["prompt_tokens"] == len(chat_prompt)
+        assert body["usage"]["completion_tokens"] == len(chat_ids)
+        assert body["choices"][0]["finish_reason"] == chat_finish
+        # Token by token: the served tokens are the reference's.
+        served_tokens = [entry["token"] for entry in body["choices"][0]["logprobs"]["content"]]
+        assert served_tokens == [tokenizer.decode([token]) for token in chat_ids]
+        content = body["choices"][0]["message"]["content"]
+        expected_text = tokenizer.decode(generated)
+        assert "\ufffd" not in expected_text, "the reference output must be whole characters to compare text"
+        assert content == expected_text and len(expected_text) >= 3, expected_text
+
+        status, raw = _post(url + "/v1/chat/completions", {**chat, "stream": True})
+        assert status == 200, raw
+        streamed, done = _stream_text(raw, lambda choice: choice.get("delta", {}).get("content"))
+        assert done and streamed == content
+
+        completion = {"model": checkpoint.path.name, "prompt": text_prompt, "max_tokens": 6, "temperature": 0}
+        status, raw = _post(url + "/v1/completions", completion)
+        assert status == 200, raw
+        body = json.loads(raw)
+        assert body["usage"]["prompt_tokens"] == len(completion_prompt)
+        expected_text = tokenizer.decode([t for t in completion_ids if t not in tokenizer.eos_token_ids])
+        assert body["usage"]["completion_tokens"] == len(completion_ids)
+        assert "\ufffd" not in expected_text
+        assert body["choices"][0]["text"] == expected_text
+        assert body["choices"][0]["finish_reason"] == completion_finish
+
+        # The template's own refusal reaches the client as a 400 naming it.
+        if family == "mistral":
+            twice_user = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+            status, raw = _post(url + "/v1/chat/completions", {**chat, "messages": twice_user})
+            assert status == 400
+            error = json.loads(raw)["error"]
+            assert "Conversation roles must alternate" in error["message"] and error["param"] == "messages"
