@@ -1,0 +1,255 @@
+"""The Llama-family model against a forward pass written independently here, and its paged paths."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from server.worker.kv_cache import DecodeAttention, KVCacheFull, PagedKVCache, PrefillAttention
+from server.worker.model import LlamaForCausalLM, ModelConfig, rope_inverse_frequencies
+from server.worker.tiny import build_tiny
+
+torch.manual_seed(0)
+
+
+def small_config(**overrides: object) -> ModelConfig:
+    fields: dict[str, object] = dict(
+        vocab_size=97,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rope_theta=500.0,
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)  # type: ignore[arg-type]
+
+
+def random_model(config: ModelConfig, seed: int = 1) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model.eval()
+
+
+def reference_logits(w: dict[str, torch.Tensor], c: ModelConfig, ids: torch.Tensor) -> torch.Tensor:
+    """Plain tensor ops from the weights dict: no code shared with the model."""
+    b, t = ids.shape
+    nh, nkv, hd = c.num_attention_heads, c.kv_heads, c.dim_per_head
+
+    def rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return weight * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + c.rms_norm_eps))
+
+    def linear(x: torch.Tensor, name: str) -> torch.Tensor:
+        y = x @ w[name + ".weight"].T
+        return y + w[name + ".bias"] if name + ".bias" in w else y
+
+    pos = torch.arange(t, dtype=torch.float64)
+    freq = 1.0 / (c.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    angle = torch.outer(pos, freq)  # [t, hd/2]
+    cos, sin = torch.cos(angle).float(), torch.sin(angle).float()
+
+    def rope(x: torch.Tensor) -> torch.Tensor:  # x: [b, heads, t, hd]; pairs (i, i + hd/2)
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+    causal = torch.tril(torch.ones(t, t, dtype=torch.bool))
+    h = w["model.embed_tokens.weight"][ids]
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        x = rms(h, w[p + "input_layernorm.weight"])
+        q = linear(x, p + "self_attn.q_proj").view(b, t, nh, hd).transpose(1, 2)
+        k = linear(x, p + "self_attn.k_proj").view(b, t, nkv, hd).transpose(1, 2)
+        v = linear(x, p + "self_attn.v_proj").view(b, t, nkv, hd).transpose(1, 2)
+        q, k = rope(q), rope(k)
+        k = k.repeat_interleave(nh // nkv, dim=1)
+        v = v.repeat_interleave(nh // nkv, dim=1)
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+        scores = scores.masked_fill(~causal, float("-inf"))
+        attn = torch.softmax(scores, -1) @ v
+        h = h + linear(attn.transpose(1, 2).reshape(b, t, nh * hd), p + "self_attn.o_proj")
+        x = rms(h, w[p + "post_attention_layernorm.weight"])
+        gate = linear(x, p + "mlp.gate_proj")
+        h = h + linear(gate * torch.sigmoid(gate) * linear(x, p + "mlp.up_proj"), p + "mlp.down_proj")
+    h = rms(h, w["model.norm.weight"])
+    head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+    return h @ head.T
+
+
+def hf_keys(c: ModelConfig) -> set[str]:
+    keys = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not c.tie_word_embeddings:
+        keys.add("lm_head.weight")
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        keys |= {p + f"self_attn.{n}_proj.weight" for n in "qkvo"}
+        keys |= {p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
+        keys |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+        if c.attention_bias:
+            keys |= {p + f"self_attn.{n}_proj.bias" for n in "qkv"}
+        if c.o_proj_bias:
+            keys.add(p + "self_attn.o_proj.bias")
+    return keys
+
+
+VARIANTS = {
+    "llama-gqa": {},
+    "qwen2-bias": {"attention_bias": True},
+    "llama-bias": {"attention_bias": True, "o_proj_bias": True},
+    "tied-mha": {"tie_word_embeddings": True, "num_key_value_heads": 6},
+    "head-dim": {"head_dim": 12},
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_logits_match_independent_forward(variant: str) -> None:
+    config = small_config(**VARIANTS[variant])
+    model = random_model(config)
+    state = model.state_dict()
+    assert set(state) == hf_keys(config)
+    ids = torch.randint(0, config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got = model(ids)
+    want = reference_logits(state, config, ids)
+    assert got.shape == (2, 11, config.vocab_size)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+
+
+def test_state_dict_round_trips_through_load_state_dict() -> None:
+    config = small_config(attention_bias=True)
+    a, b = random_model(config, seed=1), random_model(config, seed=2)
+    b.load_state_dict(a.state_dict(), strict=True)
+    ids = torch.randint(0, config.vocab_size, (1, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(a(ids), b(ids), rtol=0, atol=0)
+
+
+def test_forward_rejects_a_flat_input() -> None:
+    config = small_config()
+    with pytest.raises(ValueError, match=r"\[batch, length\]"):
+        random_model(config)(torch.tensor([1, 2, 3]))
+
+
+def test_paged_prefill_and_batched_decode_match_full_forward() -> None:
+    config = small_config()
+    model = random_model(config)
+    cache = PagedKVCache(config, 256, block_size=4)
+    prompts = [
+        torch.randint(0, config.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+        for n in (3, 9, 6)
+    ]
+    full = [torch.cat([p, torch.randint(0, config.vocab_size, (5,))]) for p in prompts]
+    tables, lengths = [], []
+    with torch.no_grad():
+        for p, f in zip(prompts, full):
+            blocks = cache.allocate(len(f))
+            n = len(p)
+            logits = model.forward_step(
+                p, torch.arange(n), PrefillAttention(cache, blocks, 0, n), torch.tensor([n - 1])
+            )
+            torch.testing.assert_close(logits[0], model(f[None, :n])[0, -1], atol=1e-5, rtol=1e-5)
+            tables.append(blocks)
+            lengths.append(n)
+        for _ in range(5):
+            ids = torch.stack([f[n] for f, n in zip(full, lengths)])
+            positions = torch.tensor(lengths)
+            lengths = [n + 1 for n in lengths]
+            logits = model.forward_step(ids, positions, DecodeAttention(cache, tables, lengths))
+            for row, (f, n) in enumerate(zip(full, lengths)):
+                torch.testing.assert_close(logits[row], model(f[None, :n])[0, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_in_two_chunks_matches_one() -> None:
+    config = small_config()
+    model = random_model(config)
+    cache = PagedKVCache(config, 64, block_size=4)
+    ids = torch.randint(0, config.vocab_size, (10,))
+    blocks = cache.allocate(10)
+    with torch.no_grad():
+        model.forward_step(ids[:6], torch.arange(6), PrefillAttention(cache, blocks, 0, 6))
+        second = model.forward_step(ids[6:], torch.arange(6, 10), PrefillAttention(cache, blocks, 6, 4))
+        torch.testing.assert_close(second, model(ids[None])[0, 6:], atol=1e-5, rtol=1e-5)
+
+
+def test_cache_allocation_and_limits() -> None:
+    cache = PagedKVCache(small_config(), 32, block_size=8)
+    a = cache.allocate(9)  # two blocks
+    assert len(a) == 2 and cache.used_tokens == 16
+    with pytest.raises(KVCacheFull, match="16 free") as exc:
+        cache.allocate(17)
+    assert exc.value.ever_fits
+    with pytest.raises(KVCacheFull, match="whole KV cache holds 32") as exc:
+        cache.allocate(33)
+    assert not exc.value.ever_fits
+    cache.free(a)
+    assert cache.used_tokens == 0 and len(cache.allocate(32)) == 4
+
+
+def test_rope_scalings() -> None:
+    base = small_config()
+    plain = rope_inverse_frequencies(base)
+    torch.testing.assert_close(
+        rope_inverse_frequencies(small_config(rope_scaling={"type": "linear", "factor": 4.0})), plain / 4
+    )
+    llama3 = rope_inverse_frequencies(
+        small_config(
+            rope_theta=500000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        )
+    )  # fmt: skip
+    unscaled = rope_inverse_frequencies(small_config(rope_theta=500000.0))
+    wavelen = 2 * math.pi / unscaled
+    # High frequencies (short wavelengths) untouched, low ones divided by the factor.
+    assert torch.equal(llama3[wavelen < 64 / 4], unscaled[wavelen < 64 / 4])
+    torch.testing.assert_close(llama3[wavelen > 64], unscaled[wavelen > 64] / 8)
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
+        rope_inverse_frequencies(small_config(rope_scaling={"rope_type": "yarn", "factor": 2.0}))
+
+
+def test_from_hf_configs() -> None:
+    common = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "eos_token_id": [1, 2]}  # fmt: skip
+    qwen = ModelConfig.from_hf(
+        {**common, "model_type": "qwen2", "sliding_window": 32, "use_sliding_window": False}
+    )
+    assert qwen.attention_bias and not qwen.o_proj_bias and qwen.sliding_window is None
+    assert qwen.eos_token_ids == [1, 2] and qwen.dim_per_head == 16
+    mistral = ModelConfig.from_hf({**common, "model_type": "mistral", "sliding_window": 1024,
+                                   "max_position_embeddings": 32768})  # fmt: skip
+    assert mistral.max_context == 1024 and not mistral.attention_bias
+    llama = ModelConfig.from_hf(
+        {**common, "model_type": "llama", "attention_bias": True, "head_dim": 32, "foo": 1}
+    )
+    assert llama.o_proj_bias and llama.head_dim == 32 and llama.extra == {"foo": 1}
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        ModelConfig.from_hf({**common, "model_type": "gpt2"})
+    with pytest.raises(ValueError, match="lacks vocab_size"):
+        ModelConfig.from_hf({k: v for k, v in common.items() if k != "vocab_size"})
+    with pytest.raises(ValueError, match="not a multiple"):
+        ModelConfig.from_hf({**common, "num_key_value_heads": 3})
+    with pytest.raises(ValueError, match="hidden_act 'gelu'"):
+        ModelConfig.from_hf({**common, "hidden_act": "gelu"})
+
+
+def test_tiny_is_deterministic_and_not_degenerate() -> None:
+    _, a, tok = build_tiny()
+    _, b, _ = build_tiny()
+    for (name, pa), (_, pb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(pa, pb), name
+    outputs = set()
+    for prompt in ("Hello", "The weather in Lisbon", "1, 2, 3"):
+        ids = torch.tensor([tok.encode(prompt)])
+        with torch.no_grad():
+            for _ in range(24):
+                ids = torch.cat([ids, a(ids)[:, -1].argmax(-1, keepdim=True)], 1)
+        generated = ids[0, -24:].tolist()
+        assert len(set(generated)) >= 8, generated  # not one byte over and over
+        outputs.add(tuple(generated))
+    assert len(outputs) == 3  # the prompt matters
