@@ -510,6 +510,26 @@ def test_mistral_without_sliding_window_field_gets_transformers_default(write_ch
     assert model_config.max_context == 4096
 
 
+def test_qwen2_sliding_window_caps_the_context_only_when_enabled(write_checkpoint):
+    off, _, _ = load_model_dir(write_checkpoint("qwen2", config_overrides={"sliding_window": 64}).path)
+    assert off.max_context == 32768
+    overrides = {"sliding_window": 64, "use_sliding_window": True}
+    on, _, _ = load_model_dir(write_checkpoint("qwen2", config_overrides=overrides).path)
+    assert on.max_context == 64
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_loads_onto_cuda_in_the_checkpoint_dtype(write_checkpoint):
+    checkpoint = write_checkpoint("qwen2")
+    _, model, _ = load_model_dir(checkpoint.path, device="cuda")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert {p.device.type for p in model.parameters()} == {"cuda"}
+    ids = sample_ids(checkpoint.config)
+    expected = reference_logits(checkpoint.weights, checkpoint.config, ids)
+    error = (loaded_logits(model, ids.cuda()).cpu() - expected).abs().max().item()
+    assert error < 0.1 * expected.abs().max().item()
+
+
 def test_dtype_override_keeps_rotary_frequencies_in_float32(write_checkpoint):
     checkpoint = write_checkpoint("llama")
     _, model, _ = load_model_dir(checkpoint.path, dtype="bfloat16")
@@ -886,6 +906,22 @@ def test_rendered_chat_encodes_with_one_bos(write_checkpoint):
     tokenizer = load_tokenizer(write_checkpoint("llama").path)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}])
     assert tokenizer.encode(prompt, add_special_tokens=False).count(tokenizer.bos_token_id) == 1
+
+
+def test_tokenizer_larger_than_the_embedding_is_refused(write_checkpoint):
+    checkpoint = write_checkpoint("qwen2", config_overrides={"vocab_size": 256})
+    with pytest.raises(
+        CheckpointError, match=r"token ids up to 299, past the model's vocab_size of 256"
+    ) as caught:
+        load_model_dir(checkpoint.path)
+    assert caught.value.field == "vocab_size"
+
+
+def test_padded_ids_are_valid_and_decode_to_nothing(write_checkpoint):
+    tokenizer = load_tokenizer(write_checkpoint("qwen2").path, model_vocab_size=320)
+    assert tokenizer.vocab_size == 320
+    assert tokenizer.decode([310, 319]) == ""
+    assert load_tokenizer(write_checkpoint("qwen2").path).vocab_size == 300
 
 
 def test_missing_or_broken_tokenizer_json_is_named(write_checkpoint):

@@ -512,9 +512,10 @@ class HFTokenizer:
         self.eos_token_ids: list[int] = list(dict.fromkeys(eos_token_ids))
         self.has_chat_template = chat_template is not None
         self.chat_template = ChatTemplate(chat_template or FALLBACK_CHAT_TEMPLATE, self.special_tokens)
-        # The model's embedding is often padded past the tokenizer (Qwen2:
-        # 151936 rows, ~151665 tokens); ids in between are valid model inputs.
-        self.vocab_size = max(tokenizer.get_vocab_size(with_added_tokens=True), model_vocab_size or 0)
+        # The valid ids are the model's embedding rows, which are often padded
+        # past the tokenizer (Qwen2: 151936 rows, ~151665 tokens); the ids in
+        # between are fine model inputs and decode to "".
+        self.vocab_size = model_vocab_size if model_vocab_size is not None else _id_space(tokenizer)
         bos = self.special_tokens.get("bos_token")
         self.bos_token_id = tokenizer.token_to_id(bos) if bos is not None else None
 
@@ -539,6 +540,11 @@ class HFTokenizer:
             for index, message in enumerate(messages)
         ]
         return self.chat_template.render(flattened, add_generation_prompt=add_generation_prompt, **kwargs)
+
+
+def _id_space(tokenizer: Tokenizer) -> int:
+    """One past the largest id (added tokens may sit above a gap)."""
+    return max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
 
 def load_tokenizer(model_dir: str | Path, *, model_vocab_size: int | None = None) -> HFTokenizer:
@@ -579,6 +585,16 @@ def load_tokenizer(model_dir: str | Path, *, model_vocab_size: int | None = None
         )
 
     _apply_bos_eos_flags(tokenizer, tokenizer_config, special_tokens, tokenizer_config_path)
+
+    if model_vocab_size is not None and _id_space(tokenizer) > model_vocab_size:
+        # Such ids would index past the embedding matrix as soon as a prompt
+        # contained one of those tokens.
+        raise CheckpointError(
+            f"tokenizer.json has token ids up to {_id_space(tokenizer) - 1}, "
+            f"past the model's vocab_size of {model_vocab_size}",
+            tokenizer_path,
+            "vocab_size",
+        )
 
     template_source = _find_chat_template(model_dir, tokenizer_config)
     try:
