@@ -34,6 +34,18 @@ STOP_GRACE_S = 10.0
 POLL_S = 0.2
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it if the launcher dies (even by SIGKILL), so
+    no worker outlives its launcher holding a port (Linux; elsewhere a no-op)."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 @dataclass
 class Child:
     name: str
@@ -42,7 +54,7 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(self.argv, env=env)
+        self.proc = subprocess.Popen(self.argv, env=env, preexec_fn=_die_with_parent)
 
     @property
     def exit_code(self) -> int | None:

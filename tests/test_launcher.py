@@ -27,6 +27,7 @@ STARTUP_TIMEOUT_S = 240.0
 
 def _port_free(port: int) -> bool:
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is no obstacle
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -83,8 +84,12 @@ class Up:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 def _pids_with(*needles: str) -> list[int]:
@@ -97,7 +102,9 @@ def _pids_with(*needles: str) -> list[int]:
                 args = f.read().split(b"\0")
         except OSError:
             continue
-        if all(n.encode() in args for n in needles):
+        # The needles as one run of consecutive arguments ("--port", "8001").
+        wanted = [n.encode() for n in needles]
+        if any(args[i : i + len(wanted)] == wanted for i in range(len(args))):
             pids.append(int(entry))
     return pids
 
@@ -124,7 +131,8 @@ def test_up_serves_prints_a_working_curl_line_and_stops_on_sigint():
             ).stdout
             assert json.loads(out)["choices"][0]["message"]["role"] == "assistant"
         children = _pids_with("--port", str(up.worker_base)) + _pids_with("--port", str(up.worker_base + 1))
-        assert len(children) == 2
+        children += [p for p in _pids_with("--port", str(up.port)) if p != up.proc.pid]
+        assert len(children) == 3
         up.proc.send_signal(signal.SIGINT)
         assert up.proc.wait(60) == 0
         # Every child is gone and every port is free again.
@@ -140,12 +148,12 @@ def test_a_child_that_dies_is_reported_and_up_exits_nonzero():
     try:
         up.wait_for("fastcore-serve is up")
         generation_port = str(up.worker_base + 1)
-        (pid,) = _pids_with("--role", "generation", "--port", generation_port)
+        (pid,) = _pids_with("--port", generation_port)
         os.kill(pid, signal.SIGKILL)
         line = up.wait_for("exited with code", timeout=30)
         assert f"generation worker 0 (pid {pid}, port {generation_port}) exited with code -9" in line
         assert up.proc.wait(60) == 1
-        assert _pids_with("--port", str(up.worker_base)) == []
+        assert _pids_with("--port", str(up.worker_base)) == []  # stopped and reaped
         assert _port_free(up.port)
     finally:
         up.stop()
