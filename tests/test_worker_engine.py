@@ -1,0 +1,209 @@
+"""The engine without HTTP: sampling, cancellation, parking, error isolation; the KV wire format."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from server.worker.engine import EngineRequest, TorchEngine, prompt_checksum
+from server.worker.kv_cache import KVCacheFull
+from server.worker.kv_transfer import KVLayout, KVTransferError, decode_kv, encode_kv
+from server.worker.output import Delta, OutputProcessor, SamplingParams, TokenLogprob
+from server.worker.tiny import build_tiny
+
+
+@pytest.fixture
+def engine() -> Any:
+    torch.set_num_threads(1)
+    config, model, tokenizer = build_tiny()
+    eng = TorchEngine(config, model, tokenizer, kv_tokens=1024)
+    yield eng
+    eng.stop()
+
+
+def make_request(
+    engine: TorchEngine, prompt: str, **params: Any
+) -> tuple[EngineRequest, asyncio.Queue[Delta]]:
+    queue: asyncio.Queue[Delta] = asyncio.Queue()
+    sp = SamplingParams(**{"max_tokens": 16, "temperature": 0.0, "ignore_eos": True, **params})
+    req = EngineRequest(
+        request_id=f"{prompt}-{id(queue)}",
+        prompt_ids=np.asarray(engine.tokenizer.encode(prompt), dtype=np.int32),
+        params=sp,
+        processor=OutputProcessor(engine.tokenizer, sp),
+        on_delta=queue.put_nowait,
+    )
+    return req, queue
+
+
+async def run(engine: TorchEngine, prompt: str, **params: Any) -> tuple[list[int], str | None, list[Delta]]:
+    req, queue = make_request(engine, prompt, **params)
+    engine.submit(req)
+    deltas = []
+    while True:
+        d = await asyncio.wait_for(queue.get(), 30)
+        deltas.append(d)
+        if d.finish_reason:
+            return [t for x in deltas for t in x.token_ids], d.finish_reason, deltas
+
+
+async def test_sampling_controls(engine: TorchEngine) -> None:
+    engine.start(asyncio.get_running_loop())
+    greedy, reason, _ = await run(engine, "sampling")
+    assert reason == "length" and len(greedy) == 16
+    assert (await run(engine, "sampling", temperature=1.5, top_k=1))[0] == greedy
+    assert (await run(engine, "sampling", temperature=1.5, top_p=1e-6))[0] == greedy
+    seeded = (await run(engine, "sampling", temperature=1.5, seed=11))[0]
+    assert seeded != greedy
+    assert (await run(engine, "sampling", temperature=1.5, seed=11))[0] == seeded
+    assert (await run(engine, "sampling", temperature=1.5, seed=12))[0] != seeded
+    # top_k=3 only ever picks one of the three most likely tokens: check against the logprobs.
+    tokens, _, deltas = await run(engine, "sampling", temperature=2.0, top_k=3, seed=5, logprobs=3)
+    assert len(tokens) == 16 and tokens != greedy
+    for d in deltas:
+        for lp in d.logprobs:
+            assert lp.token_id in [t for t, _ in lp.top]
+            assert lp.logprob <= 0 and len(lp.top) == 3
+
+
+async def test_abort_frees_blocks_before_the_next_step(engine: TorchEngine) -> None:
+    engine.start(asyncio.get_running_loop())
+    req, queue = make_request(engine, "long", max_tokens=900)
+    engine.submit(req)
+    await asyncio.wait_for(queue.get(), 30)
+    assert engine.kv_used_tokens > 0
+    engine.abort(req.request_id)
+    for _ in range(500):
+        if engine.kv_used_tokens == 0 and engine.running == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.kv_used_tokens == 0 and engine.running == 0
+    assert engine.generated_tokens_total < 900
+
+
+async def test_admission_refuses_what_does_not_fit(engine: TorchEngine) -> None:
+    req, _ = make_request(engine, "big", max_tokens=1000)
+    engine.submit(req)  # 1000 + prompt of 1024: fits, not yet started
+    other, _ = make_request(engine, "more", max_tokens=100)
+    with pytest.raises(KVCacheFull):
+        engine.submit(other)
+    engine.abort(req.request_id)
+
+
+async def test_a_failing_request_does_not_stop_the_loop(engine: TorchEngine) -> None:
+    engine.start(asyncio.get_running_loop())
+    bad, queue = make_request(engine, "x")
+    bad.prompt_ids = np.asarray([1, 5000], dtype=np.int32)  # past the embedding table
+    engine.submit(bad)
+    delta = await asyncio.wait_for(queue.get(), 30)
+    assert delta.finish_reason == "error" and "prefill failed" in (delta.error or "")
+    assert engine.engine_errors_total == 1 and engine.kv_used_tokens == 0
+    tokens, reason, _ = await run(engine, "still alive")
+    assert reason == "length" and len(tokens) == 16
+
+
+async def test_context_leg_parks_kv_that_expires(engine: TorchEngine) -> None:
+    engine.start(asyncio.get_running_loop())
+    req, queue = make_request(engine, "park me")
+    req.park_as = 42
+    engine.submit(req)
+    first = await asyncio.wait_for(queue.get(), 30)
+    last = await asyncio.wait_for(queue.get(), 30)
+    assert len(first.token_ids) == 1 and last.finish_reason == "not_finished"
+    assert engine.parked_count == 1 and engine.kv_used_tokens > 0
+    assert engine.expire_parked(now=0.0) == 0
+    assert engine.expire_parked(now=float("inf")) == 1
+    assert engine.parked_count == 0 and engine.kv_used_tokens == 0 and engine.take_parked(42) is None
+
+
+async def test_parked_kv_round_trips_and_continues_like_one_engine(engine: TorchEngine) -> None:
+    engine.start(asyncio.get_running_loop())
+    whole, _, _ = await run(engine, "hand me off", max_tokens=12)
+    req, queue = make_request(engine, "hand me off", max_tokens=12)
+    req.park_as = 7
+    engine.submit(req)
+    await asyncio.wait_for(queue.get(), 30)
+    await asyncio.wait_for(queue.get(), 30)
+    parked = engine.take_parked(7)
+    assert parked is not None and parked.first_token == whole[0]
+    k, v = engine.read_parked(parked)
+    assert engine.kv_used_tokens == 0
+    body = b"".join(bytes(p) for p in encode_kv(k, v, prompt_crc32=parked.prompt_crc32,
+                                                first_token=parked.first_token, first_logprob=None))  # fmt: skip
+    payload = decode_kv(
+        body, engine.kv_layout, num_tokens=parked.num_tokens, prompt_crc32=prompt_checksum(req.prompt_ids)
+    )
+    cont, queue = make_request(engine, "hand me off", max_tokens=12)
+    cont.forced_tokens = [payload.first_token]
+    cont.kv_import = (payload.k, payload.v)
+    engine.submit(cont)
+    tokens = []
+    while True:
+        d = await asyncio.wait_for(queue.get(), 30)
+        tokens += d.token_ids
+        if d.finish_reason:
+            break
+    assert tokens == whole
+
+
+# ---------------------------------------------------------------- wire format
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
+
+
+def encoded(tokens: int = 3, dtype: torch.dtype = torch.float32, **kw: Any) -> bytes:
+    k = torch.arange(2 * tokens * 2 * 4, dtype=torch.float32).view(2, tokens, 2, 4).to(dtype)
+    args: dict[str, Any] = {"prompt_crc32": 99, "first_token": 5, "first_logprob": None, **kw}
+    return b"".join(bytes(p) for p in encode_kv(k, -k, **args))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kv_format_round_trip(dtype: torch.dtype) -> None:
+    layout = KVLayout(2, 2, 4, dtype)
+    lp = TokenLogprob(5, -0.25, [(5, -0.25), (9, -2.0)])
+    payload = decode_kv(encoded(dtype=dtype, first_logprob=lp), layout, num_tokens=3, prompt_crc32=99)
+    assert payload.k.dtype == dtype and payload.k.shape == (2, 3, 2, 4)
+    assert torch.equal(payload.v, -payload.k) and float(payload.k[1, 2, 1, 3]) == 47.0
+    assert payload.first_token == 5 and payload.first_logprob == lp
+
+
+def _with_header(header: bytes, payload: bytes = b"") -> bytes:
+    return struct.pack("<4sHHI", b"FCKV", 1, 0, len(header)) + header + payload
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"FCKV", "shorter than its 12-byte prefix"),
+        (b"PKL0" + encoded()[4:], "starts with b'PKL0'"),
+        (encoded()[:4] + b"\x02\x00" + encoded()[6:], "version 2 is not supported"),
+        (struct.pack("<4sHHI", b"FCKV", 1, 0, 1 << 20), "exceeds 65536"),
+        (_with_header(b"{bad"), "not JSON"),
+        (_with_header(b"[1]"), "not a JSON object"),
+        (encoded()[:40], "ends inside its header"),
+        (encoded(tokens=4), "num_tokens is 4, this worker expects 3"),
+        (encoded(prompt_crc32=1), "prompt_crc32 is 1, this worker expects 99"),
+        (encoded(dtype=torch.float16), "dtype is 'float16'"),
+        (encoded()[:-4], "payload is 380 bytes, expected 384"),
+        (encoded() + b"\0" * 4, "payload is 388 bytes, expected 384"),
+    ],
+    ids=lambda case: case if isinstance(case, str) else "",
+)
+def test_kv_format_rejects(body: bytes, message: str) -> None:
+    with pytest.raises(KVTransferError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        decode_kv(body, LAYOUT, num_tokens=3, prompt_crc32=99)
+
+
+def test_kv_format_rejects_a_bad_logprob_and_layout() -> None:
+    good = encoded()
+    header_len = struct.unpack_from("<I", good, 8)[0]
+    header = good[12 : 12 + header_len].replace(b'"first_logprob":null', b'"first_logprob":[1]')
+    with pytest.raises(KVTransferError, match="first_logprob is malformed"):
+        decode_kv(_with_header(header, good[12 + header_len :]), LAYOUT, num_tokens=3, prompt_crc32=99)
+    with pytest.raises(KVTransferError, match="num_layers is 2, this worker expects 3"):
+        decode_kv(good, KVLayout(3, 2, 4, torch.float32), num_tokens=3, prompt_crc32=99)

@@ -1,0 +1,112 @@
+"""Byte tokenizer, incremental detokenization and output processing (stop rules, hold-back)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from server.worker.output import OutputProcessor, SamplingParams, merge_deltas
+from server.worker.tokenizer import ByteTokenizer, IncrementalDetokenizer, Tokenizer
+
+TOK = ByteTokenizer()
+EOS, END = TOK.special_ids["<|eos|>"], TOK.special_ids["<|end|>"]
+
+
+def test_byte_tokenizer_round_trip_and_specials() -> None:
+    assert isinstance(TOK, Tokenizer)
+    text = "héllo <|user|>wörld 🌍"
+    ids = TOK.encode(text)
+    assert ids[0] == TOK.bos_token_id and TOK.special_ids["<|user|>"] in ids
+    assert TOK.decode(ids) == "<|bos|>" + text
+    assert TOK.encode("ab", add_special_tokens=False) == [97, 98]
+    assert TOK.vocab_size == 262 and TOK.eos_token_ids == [EOS, END]
+    assert TOK.decode([0xF0, 0x9F]) == "\ufffd"  # an incomplete character
+    with pytest.raises(ValueError, match=r"token id 262 is outside the vocabulary \[0, 262\)"):
+        TOK.decode([65, 262])
+
+
+def test_chat_template() -> None:
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+        {"role": "assistant", "content": None},
+    ]
+    assert TOK.apply_chat_template(messages) == (
+        "<|bos|><|system|>Be brief.<|end|><|user|>Hi there<|end|><|assistant|><|end|><|assistant|>"
+    )
+    assert TOK.apply_chat_template(messages[:1], add_generation_prompt=False).endswith("<|end|>")
+    with pytest.raises(ValueError, match=r"messages\[0\].role must be one of"):
+        TOK.apply_chat_template([{"role": "tool", "content": "x"}])
+    with pytest.raises(ValueError, match=r"messages\[0\].content\[0\] must be a text part"):
+        TOK.apply_chat_template([{"role": "user", "content": [{"type": "image_url"}]}])
+    with pytest.raises(ValueError, match=r"messages\[0\].content must be a string"):
+        TOK.apply_chat_template([{"role": "user", "content": 5}])
+
+
+@given(
+    st.text(alphabet=st.characters(blacklist_characters="\ufffd", blacklist_categories=("Cs",)), max_size=60)
+)
+def test_incremental_detokenization_never_splits_a_character(text: str) -> None:
+    detok = IncrementalDetokenizer(TOK, TOK.encode("prompt"))
+    deltas = [detok.push([b]) for b in text.encode("utf-8")]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) + detok.flush() == text
+    assert detok.text == text
+
+
+def test_detokenizer_flushes_a_dangling_byte_as_replacement() -> None:
+    detok = IncrementalDetokenizer(TOK)
+    assert detok.push([0x61]) == "a"
+    assert detok.push([0xE2, 0x82]) == ""  # two of the three bytes of "€"
+    assert detok.flush() == "\ufffd"
+
+
+def process(tokens: list[int], **params: object) -> list:
+    sp = SamplingParams(**{"max_tokens": 100, **params})  # type: ignore[arg-type]
+    proc = OutputProcessor(TOK, sp)
+    deltas = []
+    for t in tokens:
+        deltas.append(proc.add(t))
+        if proc.finished:
+            break
+    return deltas
+
+
+def ids(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def test_stop_string_across_tokens_is_cut_and_never_streamed() -> None:
+    deltas = process(ids("hello STOP world"), stop=["STOP", "zzz"])
+    merged = merge_deltas(deltas)
+    assert merged["text"] == "hello " and merged["finish_reason"] == "stop"
+    assert len(merged["token_ids"]) == len("hello STOP")  # the stop string's tokens count
+    streamed = ""
+    for d in deltas:
+        streamed += d.text
+        assert "S" not in streamed  # held back until ruled in or out
+
+
+def test_held_back_text_is_released_at_the_end() -> None:
+    merged = merge_deltas(process(ids("abcST"), stop=["STOP"], max_tokens=5))
+    assert merged == {"text": "abcST", "token_ids": ids("abcST"), "logprobs": [], "finish_reason": "length"}
+
+
+def test_stop_token_ids_and_eos() -> None:
+    merged = merge_deltas(process([*ids("ab"), EOS, *ids("cd")]))
+    assert merged["text"] == "ab" and merged["finish_reason"] == "stop" and merged["token_ids"][-1] == EOS
+    merged = merge_deltas(process([*ids("ab"), EOS, *ids("cd")], ignore_eos=True, max_tokens=5))
+    assert merged["text"] == "ab<|eos|>cd" and merged["finish_reason"] == "length"
+    merged = merge_deltas(process(ids("abcd"), stop_token_ids=[ord("c")]))
+    assert merged["text"] == "ab" and merged["finish_reason"] == "stop"
+
+
+def test_finish_early_and_misuse() -> None:
+    proc = OutputProcessor(TOK, SamplingParams(max_tokens=10))
+    first = proc.add(0xC3)  # first byte of "é"
+    assert first.text == "" and first.finish_reason is None
+    last = proc.finish_early("not_finished")
+    assert last.finish_reason == "not_finished" and last.text == "\ufffd"
+    with pytest.raises(RuntimeError, match="finished request"):
+        proc.add(65)
