@@ -40,13 +40,13 @@ def _cases(ids: np.ndarray) -> dict[str, dict[str, Callable[[], Any]]]:
         "encode from list": {
             "fastcore": lambda: fastcore.encode_tokens(as_list),
             "stdlib": lambda: base64.b64encode(np.asarray(as_list, np.int32).tobytes()),
-            "pybase64": lambda: pybase64.b64encode(np.asarray(as_list, np.int32)),
+            "pybase64": lambda: pybase64.b64encode(np.asarray(as_list, np.int32)),  # type: ignore[arg-type]
             "memcpy": memcpy,
         },
         "encode from ndarray": {
             "fastcore": lambda: fastcore.encode_tokens(ids),
             "stdlib": lambda: base64.b64encode(ids.tobytes()),
-            "pybase64": lambda: pybase64.b64encode(ids),
+            "pybase64": lambda: pybase64.b64encode(ids),  # type: ignore[arg-type]
             "memcpy": memcpy,
         },
         "decode to ndarray": {
@@ -142,8 +142,10 @@ def kernel_table(size: int, min_time: float) -> str:
 
     ids = np.random.default_rng(1).integers(0, 150_000, size, dtype=np.int32)
     b64 = base64.b64encode(ids.tobytes())
-    pyb_encode = time_call(lambda: pybase64.b64encode(ids), min_time=min_time)
-    pyb_decode = time_call(lambda: np.frombuffer(pybase64.b64decode(b64, validate=True), np.int32), min_time=min_time)
+    pyb_encode = time_call(lambda: pybase64.b64encode(ids), min_time=min_time)  # type: ignore[arg-type]
+    pyb_decode = time_call(
+        lambda: np.frombuffer(pybase64.b64decode(b64, validate=True), np.int32), min_time=min_time
+    )
     chosen = _codec._get_simd_path()
     rows = []
     try:
@@ -151,9 +153,7 @@ def kernel_table(size: int, min_time: float) -> str:
             _codec._set_simd_path(path)
             enc = time_call(lambda: _codec.encode_tokens(ids), min_time=min_time)
             dec = time_call(lambda: _codec.decode_tokens(b64), min_time=min_time)
-            rows.append(
-                [path, _us(enc), f"{enc / pyb_encode:.2f}", _us(dec), f"{dec / pyb_decode:.2f}"]
-            )
+            rows.append([path, _us(enc), f"{enc / pyb_encode:.2f}", _us(dec), f"{dec / pyb_decode:.2f}"])
     finally:
         _codec._set_simd_path(chosen)
     headers = ["kernel", "encode µs", "vs pybase64", "decode µs", "vs pybase64"]

@@ -148,6 +148,8 @@ cdef extern from "Python.h":
     bint PyTuple_Check(object o)
     bint PyUnicode_Check(object o)
     bint PyBytes_CheckExact(object o)
+    bint PyBytes_Check(object o)
+    bint PyByteArray_Check(object o)
     bint PyIndex_Check(object o)
     Py_ssize_t PyBytes_GET_SIZE(object o)
     object PyNumber_Index(object o)
@@ -289,7 +291,8 @@ def encode_tokens(ids):
     """
     if PyList_Check(ids) or PyTuple_Check(ids):
         return _encode_sequence(ids)
-    if PyObject_CheckBuffer(ids):
+    # bytes are base64 input or text, never ids: most likely a mix-up.
+    if PyObject_CheckBuffer(ids) and not (PyBytes_Check(ids) or PyByteArray_Check(ids)):
         return _encode_buffer(ids)
     tensor = _tensor_as_numpy(ids, "ids")
     if tensor is None:

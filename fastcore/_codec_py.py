@@ -41,7 +41,9 @@ _INT_CODES = {
 }  # fmt: skip
 _FLOAT_CODES = frozenset("efdgFDGZ")
 _NOT_BASE64 = re.compile(rb"[^A-Za-z0-9+/]")
-_ALPHABET_VALUE = {c: i for i, c in enumerate(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")}
+_ALPHABET_VALUE = {
+    c: i for i, c in enumerate(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")
+}
 
 
 # --------------------------------------------------------------- messages
@@ -113,7 +115,7 @@ def _out_capacity_error(capacity: int, count: int) -> ValueError:
 
 def _max_tokens_limit(max_tokens: object) -> int:
     """``max_tokens`` as a non-negative int (callers pass -1 for None)."""
-    limit = operator.index(max_tokens)  # type: ignore[call-overload]
+    limit = operator.index(max_tokens)  # type: ignore[arg-type]
     if limit < 0:
         raise ValueError(f"max_tokens must be >= 0, got {limit}")
     return limit
@@ -194,6 +196,9 @@ def encode_tokens(ids: Any) -> bytes:
     """Standard base64 of ``ids`` as little-endian int32."""
     if isinstance(ids, (list, tuple)):
         values = _sequence_to_int32(ids)
+    elif isinstance(ids, (bytes, bytearray)):
+        # bytes are base64 input or text, never ids: most likely a mix-up.
+        raise _ids_type_error(ids)
     else:
         try:
             view = memoryview(ids)
