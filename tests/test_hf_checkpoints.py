@@ -541,6 +541,16 @@ def test_dtype_override_keeps_rotary_frequencies_in_float32(write_checkpoint):
     assert error < 0.1 * expected.abs().max().item()
 
 
+def test_torch_initialisers_are_restored_after_loading(write_checkpoint):
+    # The loader switches random initialisation off while it builds the model.
+    original = torch.nn.init.kaiming_uniform_
+    load_model_dir(write_checkpoint("llama").path)
+    with pytest.raises(CheckpointError):
+        load_model_dir(write_checkpoint("llama", config_overrides={"model_type": "gpt2"}).path)
+    assert torch.nn.init.kaiming_uniform_ is original
+    assert torch.nn.Linear(4, 4).weight.abs().sum() > 0
+
+
 def test_unknown_dtype_is_refused():
     with pytest.raises(ValueError, match="unsupported dtype 'int8'"):
         parse_dtype("int8")

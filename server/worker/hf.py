@@ -31,12 +31,10 @@ from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer, processors
 
 from .chat_template import FALLBACK_CHAT_TEMPLATE, ChatTemplate, ChatTemplateError, select_template_source
-from .model import LlamaForCausalLM, ModelConfig
+from .model import SUPPORTED_MODEL_TYPES, LlamaForCausalLM, ModelConfig
 from .tokenizer import message_text
 
 log = logging.getLogger(__name__)
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 # Buffers that old Llama exports saved beside the weights; transformers skips
 # them on load (``_keys_to_ignore_on_load_unexpected``) because the model
@@ -674,6 +672,42 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+# The in-place initialisers nn.Linear and nn.Embedding call in reset_parameters.
+_INIT_FUNCTIONS = (
+    "uniform_",
+    "normal_",
+    "trunc_normal_",
+    "constant_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "orthogonal_",
+)
+
+
+def _leave_uninitialised(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return tensor
+
+
+@contextmanager
+def _skip_random_init() -> Iterator[None]:
+    """Random initialisation off while the model is built, as transformers'
+    ``no_init_weights`` does: every parameter is overwritten by the checkpoint
+    (``load_weights`` refuses one that is not), and filling 1B parameters
+    with kaiming-uniform noise first costs ~20 s on two CPU cores. Unlike
+    building on the meta device, buffers computed in ``__init__`` (the rotary
+    frequencies) keep their values."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
+    for name in _INIT_FUNCTIONS:
+        setattr(torch.nn.init, name, _leave_uninitialised)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(torch.nn.init, name, function)
+
+
 def load_model_dir(
     path: str | Path,
     device: str | torch.device = "cpu",
@@ -699,7 +733,7 @@ def load_model_dir(
     except ValueError as exc:
         raise CheckpointError(str(exc), model_dir / "config.json") from exc
     tokenizer = load_tokenizer(model_dir, model_vocab_size=config.vocab_size)
-    with torch.device(torch_device), _default_dtype(compute_dtype):
+    with torch.device(torch_device), _default_dtype(compute_dtype), _skip_random_init():
         model = LlamaForCausalLM(config)
     load_weights(model, model_dir, tie_word_embeddings=config.tie_word_embeddings)
     model.eval()
