@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import queue
+import re
 import shlex
 import shutil
 import signal
@@ -15,6 +16,7 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -90,6 +92,14 @@ class Up:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def _readme_block(language: str, needle: str) -> str:
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    blocks = re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
+    matching = [b for b in blocks if needle in b]
+    assert matching, f"README has no {language} block with {needle!r}"
+    return matching[0]
 
 
 def _pids_with(*needles: str) -> list[int]:
@@ -199,13 +209,15 @@ def test_bad_counts_are_refused(capsys):
 
 
 @pytest.mark.parametrize("command", [[], ["up"], ["orchestrator"], ["worker"]])
-def test_help_of_each_command(command):
-    out = subprocess.run(
-        [sys.executable, "-m", "server.cli", *command, "--help"], capture_output=True, text=True, timeout=60
-    )
-    assert out.returncode == 0, out.stderr
-    assert "usage: fastcore-serve" in out.stdout
+def test_help_of_each_command(command, capsys):
+    from server import cli
+
+    with pytest.raises(SystemExit) as info:
+        cli.main([*command, "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: fastcore-serve" in out
     if command == ["up"]:
-        assert "--generation-workers" in out.stdout and "--gen-tokids-ctxbytes" in out.stdout
+        assert "--generation-workers" in out and "--gen-tokids-ctxbytes" in out
     if command == ["orchestrator"]:
-        assert "--config" in out.stdout and "--workers" in out.stdout
+        assert "--config" in out and "--workers" in out
