@@ -26,7 +26,7 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import numpy as np
@@ -37,9 +37,7 @@ from server.auth import SIGNATURE_HEADER, sign_body, verify_body
 from server.errors import HTTPError, error_body, error_response
 from server.metrics import CONTENT_TYPE, Registry
 
-from .engine import NOT_FINISHED, EngineRequest, ParkedKV, prompt_checksum
-from .kv_cache import KVCacheFull
-from .kv_transfer import KVLayout, KVPayload, KVTransferError, decode_kv, encode_kv, parse_prefix
+from .engine_api import NOT_FINISHED, Engine, EngineRequest, KVCacheFull, prompt_checksum
 from .output import Delta, OutputProcessor
 from .protocol import (
     CONTEXT_ONLY,
@@ -52,7 +50,9 @@ from .protocol import (
     parse_request,
     usage_body,
 )
-from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .kv_transfer import KVPayload
 
 log = logging.getLogger(__name__)
 
@@ -60,40 +60,6 @@ ROLES = ("both", "context", "generation")
 KV_PATH = "/kv/{ctx_request_id}"
 ENGINE_KEY = web.AppKey("engine", object)
 STATE_KEY = web.AppKey("worker_state", object)
-
-
-class Engine(Protocol):
-    """What the HTTP layer needs from an engine (the torch one, or a synthetic one)."""
-
-    tokenizer: Tokenizer
-    vocab_size: int
-    max_context: int
-
-    def start(self, loop: asyncio.AbstractEventLoop) -> None: ...
-    def stop(self) -> None: ...
-    @property
-    def alive(self) -> bool: ...
-    @property
-    def queue_depth(self) -> int: ...
-    @property
-    def running(self) -> int: ...
-    @property
-    def kv_used_tokens(self) -> int: ...
-    @property
-    def kv_capacity_tokens(self) -> int: ...
-    @property
-    def parked_count(self) -> int: ...
-    @property
-    def tokens_per_second(self) -> float: ...
-    @property
-    def kv_layout(self) -> KVLayout: ...
-    def reserve(self, req: EngineRequest) -> None: ...
-    def unreserve(self, req: EngineRequest) -> None: ...
-    def enqueue(self, req: EngineRequest) -> None: ...
-    def abort(self, request_id: str) -> None: ...
-    def take_parked(self, ctx_request_id: int) -> ParkedKV | None: ...
-    def read_parked(self, parked: ParkedKV) -> tuple[Any, Any]: ...
-    def expire_parked(self, now: float | None = None) -> int: ...
 
 
 @dataclass
@@ -254,6 +220,8 @@ async def handle_kv(request: web.Request) -> web.StreamResponse:
     parked = state.engine.take_parked(ctx_request_id)
     if parked is None:
         raise HTTPError(404, f"no KV held for ctx_request_id {ctx_request_id} (already fetched or expired)")
+    from .kv_transfer import encode_kv  # torch: only engines that park KV get here
+
     loop = asyncio.get_running_loop()
     # The gather (and a device-to-host copy on CUDA) must not run on the event loop.
     k, v = await loop.run_in_executor(None, state.engine.read_parked, parked)
@@ -288,6 +256,8 @@ async def expire_parked_loop(state: WorkerState) -> None:
 
 async def fetch_kv(state: WorkerState, endpoint: str, prompt_ids: np.ndarray) -> KVPayload:
     """The prompt's KV from a context worker; raises ``(reason, message)`` as a ``LookupError``."""
+    from .kv_transfer import KVTransferError, decode_kv, parse_prefix  # torch: only real engines fetch KV
+
     assert state.session is not None
     headers = {}
     if state.settings.shared_secret is not None:

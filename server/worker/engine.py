@@ -35,65 +35,18 @@ import math
 import random
 import threading
 import time
-import zlib
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from .kv_cache import DecodeAttention, KVCacheFull, PagedKVCache, PrefillAttention
+from .engine_api import NOT_FINISHED, EngineRequest, KVCacheFull, ParkedKV, prompt_checksum
+from .kv_cache import DecodeAttention, PagedKVCache, PrefillAttention
 from .kv_transfer import KVLayout
 from .model import LlamaForCausalLM, ModelConfig
-from .output import Delta, OutputProcessor, SamplingParams, TokenLogprob
+from .output import Delta, SamplingParams, TokenLogprob
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-NOT_FINISHED = "not_finished"
-
-
-def prompt_checksum(prompt_ids: np.ndarray) -> int:
-    """CRC-32 of the prompt's int32 bytes: ties parked KV to the exact prompt it belongs to."""
-    return zlib.crc32(np.ascontiguousarray(prompt_ids, dtype="<i4").tobytes())
-
-
-@dataclass
-class ParkedKV:
-    """A context leg's prompt KV, kept for the generation worker until fetched or expired."""
-
-    ctx_request_id: int
-    blocks: list[int]
-    num_tokens: int
-    prompt_crc32: int
-    first_token: int
-    first_logprob: TokenLogprob | None
-    expires_at: float
-
-
-@dataclass
-class EngineRequest:
-    request_id: str
-    prompt_ids: np.ndarray  # int32, 1-D
-    params: SamplingParams
-    processor: OutputProcessor
-    # Called on the event loop with each Delta (from the engine thread via call_soon_threadsafe).
-    on_delta: Callable[[Delta], None]
-    # Tokens a context worker already produced: replayed, not sampled (generation_only).
-    forced_tokens: list[int] = field(default_factory=list)
-    # The prompt's KV from the context worker ([layers, T, kv_heads, head_dim] each), or None to prefill.
-    kv_import: tuple[torch.Tensor, torch.Tensor] | None = None
-    forced_logprobs: list[TokenLogprob | None] = field(default_factory=list)
-    # context_only: stop after the first token and park the prompt's KV under this id.
-    park_as: int | None = None
-    park_ttl_s: float = 30.0
-    blocks: list[int] = field(default_factory=list)
-    cancelled: bool = False
-    submitted_at: float = field(default_factory=time.monotonic)
-    # Engine-thread state.
-    cached_len: int = 0
-    next_token: int = -1
-    seed: int = 0
 
 
 class TorchEngine:

@@ -16,19 +16,8 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from .engine_api import KVCacheFull
 from .model import ModelConfig
-
-
-class KVCacheFull(Exception):
-    """Not enough free blocks for a request's reservation.
-
-    ``ever_fits`` is False when the reservation exceeds the whole cache, so
-    waiting would not help (a 400, not a 503).
-    """
-
-    def __init__(self, message: str, *, ever_fits: bool = True) -> None:
-        super().__init__(message)
-        self.ever_fits = ever_fits
 
 
 class PagedKVCache:

@@ -1,0 +1,122 @@
+"""The contract between the HTTP layer and an engine, without torch.
+
+:class:`Engine` is what ``app.py`` calls; :class:`EngineRequest` is what it
+submits. The torch engine (``engine.py``) implements it, and so can a
+synthetic engine with no model, so the orchestrator's test rigs need no torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from .output import Delta, OutputProcessor, SamplingParams, TokenLogprob
+from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .kv_transfer import KVLayout
+
+#: finish_reason of a context leg after which a generation leg follows.
+NOT_FINISHED = "not_finished"
+
+
+class KVCacheFull(Exception):
+    """Not enough free KV cache for a request's reservation.
+
+    ``ever_fits`` is False when the reservation exceeds the whole cache, so
+    waiting would not help (a 400, not a 503).
+    """
+
+    def __init__(self, message: str, *, ever_fits: bool = True) -> None:
+        super().__init__(message)
+        self.ever_fits = ever_fits
+
+
+def prompt_checksum(prompt_ids: np.ndarray) -> int:
+    """CRC-32 of the prompt's int32 LE bytes: ties parked KV to the exact prompt it belongs to."""
+    return zlib.crc32(np.ascontiguousarray(prompt_ids, dtype="<i4").tobytes())
+
+
+@dataclass
+class ParkedKV:
+    """A context leg's prompt KV, kept for the generation worker until fetched or expired."""
+
+    ctx_request_id: int
+    blocks: list[int]
+    num_tokens: int
+    prompt_crc32: int
+    first_token: int
+    first_logprob: TokenLogprob | None
+    expires_at: float
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_ids: np.ndarray  # int32, 1-D
+    params: SamplingParams
+    processor: OutputProcessor
+    # Called on the event loop with each Delta (from the engine thread via call_soon_threadsafe).
+    on_delta: Callable[[Delta], None]
+    # Tokens a context worker already produced: replayed, not sampled (generation_only).
+    forced_tokens: list[int] = field(default_factory=list)
+    # The prompt's K and V from the context worker ([layers, T, kv_heads, head_dim] tensors), or None to prefill.
+    kv_import: tuple[Any, Any] | None = None
+    forced_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    # context_only: stop after the first token and park the prompt's KV under this id.
+    park_as: int | None = None
+    park_ttl_s: float = 30.0
+    blocks: list[int] = field(default_factory=list)
+    cancelled: bool = False
+    submitted_at: float = field(default_factory=time.monotonic)
+    # Engine-side state.
+    cached_len: int = 0
+    next_token: int = -1
+    seed: int = 0
+
+
+class Engine(Protocol):
+    """What the HTTP layer needs from an engine (the torch one, or a synthetic one)."""
+
+    tokenizer: Tokenizer
+    vocab_size: int
+    max_context: int
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None: ...
+    def stop(self) -> None: ...
+    @property
+    def alive(self) -> bool: ...
+    @property
+    def queue_depth(self) -> int: ...
+    @property
+    def running(self) -> int: ...
+    @property
+    def kv_used_tokens(self) -> int: ...
+    @property
+    def kv_capacity_tokens(self) -> int: ...
+    @property
+    def parked_count(self) -> int: ...
+    @property
+    def tokens_per_second(self) -> float: ...
+    @property
+    def kv_layout(self) -> KVLayout: ...
+    def reserve(self, req: EngineRequest) -> None:
+        """Take the request's KV up front, or raise :class:`KVCacheFull`."""
+
+    def unreserve(self, req: EngineRequest) -> None: ...
+    def enqueue(self, req: EngineRequest) -> None: ...
+    def abort(self, request_id: str) -> None: ...
+    def take_parked(self, ctx_request_id: int) -> ParkedKV | None: ...
+    def read_parked(self, parked: ParkedKV) -> tuple[Any, Any]:
+        """The parked K and V on the host; frees the blocks. Called off the event loop."""
+
+    def expire_parked(self, now: float | None = None) -> int: ...
+
+
+__all__ = ["NOT_FINISHED", "Engine", "EngineRequest", "KVCacheFull", "ParkedKV", "prompt_checksum"]
