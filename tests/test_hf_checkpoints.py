@@ -775,6 +775,26 @@ def test_wrong_shape_names_the_tensor_and_both_shapes(write_checkpoint):
         load_model_dir(checkpoint.path)
 
 
+def test_integer_weights_are_refused(write_checkpoint):
+    checkpoint = write_checkpoint("llama")
+    weights = {name: tensor.clone() for name, tensor in checkpoint.weights.items()}
+    weights["model.layers.0.mlp.up_proj.weight"] = torch.zeros(80, 32, dtype=torch.int32)
+    save_file(weights, str(checkpoint.path / "model.safetensors"))
+    with pytest.raises(
+        CheckpointError, match=re.escape("'model.layers.0.mlp.up_proj.weight' is stored as I32")
+    ):
+        load_model_dir(checkpoint.path)
+
+
+def test_quantized_checkpoint_is_refused_by_its_config(write_checkpoint):
+    quantization = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    checkpoint = write_checkpoint("llama", config_overrides={"quantization_config": quantization})
+    with pytest.raises(
+        CheckpointError, match=r"quantized checkpoints are not supported \(quant_method 'awq'\)"
+    ):
+        load_model_dir(checkpoint.path)
+
+
 def test_old_rotary_inv_freq_buffers_are_ignored(write_checkpoint):
     def add_inv_freq(weights):
         for layer in range(2):

@@ -9,8 +9,9 @@ HFTokenizer)``.
 
 The loader refuses what it would get wrong rather than serving a model that
 quietly computes something else: an unknown ``model_type``, a RoPE scaling
-type the model does not implement, a non-SiLU activation, a weight that is
-missing, left over or of the wrong shape. Each refusal is a
+type the model does not implement, a non-SiLU activation, a quantized export,
+a weight that is missing, left over, of the wrong shape or not stored as
+floating point. Each refusal is a
 :class:`CheckpointError` naming the file and field. Only safetensors are read:
 ``pytorch_model.bin`` is a pickle, and unpickling a downloaded file runs
 whatever code it carries.
@@ -46,6 +47,9 @@ _IGNORED_CHECKPOINT_SUFFIXES = ("rotary_emb.inv_freq",)
 _DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768}
 _DEFAULT_ROPE_THETA = 10000.0
 _DEFAULT_RMS_NORM_EPS = 1e-6
+
+# safetensors' dtype codes of the floating-point types the loader casts from.
+_FLOAT_STORAGE = frozenset({"F16", "BF16", "F32", "F64"})
 
 _DTYPES = {
     "float32": torch.float32,
@@ -203,6 +207,15 @@ def read_config(model_dir: str | Path) -> dict[str, Any]:
             f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}",
             path,
             "model_type",
+        )
+
+    quantization = raw.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, Mapping) else quantization
+        raise CheckpointError(
+            f"quantized checkpoints are not supported (quant_method {method!r}); use unquantized weights",
+            path,
+            "quantization_config",
         )
 
     config = dict(raw)
@@ -419,7 +432,16 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path, *, tie_word_embe
             with safe_open(str(file), framework="pt", device="cpu") as handle:
                 for key in keys:
                     target = targets[key]
-                    shape = tuple(handle.get_slice(key).get_shape())
+                    stored = handle.get_slice(key)
+                    if stored.get_dtype() not in _FLOAT_STORAGE:
+                        # Packed integers (quantized exports) would be cast to
+                        # floats digit for digit: a model of nonsense weights.
+                        raise CheckpointError(
+                            f"tensor {key!r} is stored as {stored.get_dtype()}, not a floating-point type",
+                            file,
+                            key,
+                        )
+                    shape = tuple(stored.get_shape())
                     if shape != tuple(target.shape):
                         raise CheckpointError(
                             f"tensor {key!r} has shape {list(shape)}, the model expects {list(target.shape)}",
