@@ -28,6 +28,7 @@ import pytest
 from aiohttp import web
 
 from server.auth import SIGNATURE_HEADER
+from server.errors import error_body
 from server.orchestrator.app import start_server
 from server.orchestrator.config import OrchestratorConfig, build_config
 
@@ -313,10 +314,25 @@ def test_unary_response_carries_no_internal_fields(orchestrators):
 
 
 class RecordingProxy:
-    """Records each request body, then forwards it to a real worker and streams the answer back."""
+    """Records each request body, then forwards it to a real worker and streams the answer back.
 
-    def __init__(self, loop: LoopThread, target: str) -> None:
+    For fault injection it can instead answer POSTs with ``fail_status``, or
+    with ``garbage`` as a 200 body, or after ``delay_s`` of silence.
+    """
+
+    def __init__(
+        self,
+        loop: LoopThread,
+        target: str,
+        *,
+        fail_status: int | None = None,
+        garbage: bytes | None = None,
+        delay_s: float = 0.0,
+    ) -> None:
         self.target = target
+        self.fail_status = fail_status
+        self.garbage = garbage
+        self.delay_s = delay_s
         self.bodies: list[tuple[str, bytes, dict[str, str]]] = []
         self.port = free_port()
         self.loop = loop
@@ -335,6 +351,13 @@ class RecordingProxy:
         body = await request.read()
         if request.method == "POST":
             self.bodies.append((request.path, body, dict(request.headers)))
+            await asyncio.sleep(self.delay_s)
+            if self.fail_status is not None:
+                return web.Response(
+                    status=self.fail_status, body=error_body(self.fail_status, "injected failure")
+                )
+            if self.garbage is not None:
+                return web.Response(body=self.garbage, content_type="application/json")
         headers = {k: v for k, v in request.headers.items() if k in ("Content-Type", SIGNATURE_HEADER)}
         async with self.session.request(
             request.method, self.target + request.path, data=body, headers=headers
@@ -753,3 +776,94 @@ def _is_zombie(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+# ---------------------------------------------------------------------------
+# Worker 5xx, garbage and silence
+
+
+def _with_proxies(loop_thread, workers, context_proxy=None, generation_proxy=None, **overrides):
+    context = [f"127.0.0.1:{context_proxy.port}"] if context_proxy else []
+    generation = [f"127.0.0.1:{generation_proxy.port}"] if generation_proxy else []
+    config = make_config(
+        [*context, workers["context"][0].address],
+        [*generation, workers["generation"][0].address],
+        **overrides,
+    )
+    orch = RunningOrchestrator(loop_thread, config)
+    wait_healthy(orch.url, timeout=30)
+    eventually(lambda: all(w.healthy for p in orch.orchestrator.pools for w in p.workers), timeout=10)
+    return orch
+
+
+@pytest.mark.parametrize("mode", ["parsed", "fast_gates_on"])
+def test_worker_5xx_is_retried_on_another_worker_of_each_leg(workers, loop_thread, mode):
+    failing_context = RecordingProxy(loop_thread, workers["context"][1].url, fail_status=500)
+    failing_generation = RecordingProxy(loop_thread, workers["generation"][1].url, fail_status=500)
+    orch = _with_proxies(loop_thread, workers, failing_context, failing_generation, **MODES[mode])
+    try:
+        # round_robin tries the failing proxy of each pool first.
+        assert run_request(orch.client(), "chat", True) == reference(workers, "chat", True)
+        assert len(failing_context.bodies) == 1 and len(failing_generation.bodies) == 1
+        assert orch.metric("fastcore_orchestrator_retries_total", leg="context") == 1
+        assert orch.metric("fastcore_orchestrator_retries_total", leg="generation") == 1
+    finally:
+        orch.stop()
+        failing_context.stop()
+        failing_generation.stop()
+
+
+def test_worker_5xx_without_retries_left_is_502_with_its_message(workers, loop_thread):
+    failing = RecordingProxy(loop_thread, workers["generation"][1].url, fail_status=500)
+    config = make_config([workers["context"][0].address], [f"127.0.0.1:{failing.port}"], max_retries=0)
+    orch = RunningOrchestrator(loop_thread, config)
+    try:
+        wait_healthy(orch.url, timeout=30)
+        with pytest.raises(openai.APIStatusError) as info:
+            orch.client().chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, stream=True)
+        assert info.value.status_code == 502
+        assert "injected failure" in str(info.value.body)
+    finally:
+        orch.stop()
+        failing.stop()
+
+
+@pytest.mark.parametrize("mode", ["parsed", "fast_gates_on"])
+def test_malformed_context_response_is_502(workers, loop_thread, mode):
+    garbage = RecordingProxy(loop_thread, workers["context"][0].url, garbage=b'{"choices": [{"index": 0,')
+    config = make_config([f"127.0.0.1:{garbage.port}"], [workers["generation"][0].address], **MODES[mode])
+    orch = RunningOrchestrator(loop_thread, config)
+    try:
+        wait_healthy(orch.url, timeout=30)
+        status, data = http_post(
+            orch.url + "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 4}).encode()
+        )
+        assert status == 502 and "context worker response" in data["error"]["message"]
+        # Valid JSON that is no completion: 502 too, never a 500.
+        garbage.garbage = b'{"choices": []}'
+        status, data = http_post(
+            orch.url + "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 4}).encode()
+        )
+        assert status == 502, data
+    finally:
+        orch.stop()
+        garbage.stop()
+
+
+def test_silent_worker_times_out_with_504(workers, loop_thread):
+    silent = RecordingProxy(loop_thread, workers["generation"][0].url, delay_s=3.0)
+    config = make_config(
+        [workers["context"][0].address], [f"127.0.0.1:{silent.port}"], request_timeout_s=0.5, max_retries=0
+    )
+    orch = RunningOrchestrator(loop_thread, config)
+    try:
+        wait_healthy(orch.url, timeout=30)
+        started = time.monotonic()
+        status, data = http_post(
+            orch.url + "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 4}).encode()
+        )
+        assert status == 504 and "timed out" in data["error"]["message"]
+        assert time.monotonic() - started < 3.0
+    finally:
+        orch.stop()
+        silent.stop()

@@ -181,12 +181,12 @@ class FastRelay:
 
     def read_context(self, req: ClientRequest, body: bytes) -> ContextResult:
         doc = _simd.parse(body, "context worker response", 502)
-        try:
-            usage = doc["usage"]
-            completion_tokens = usage.get("completion_tokens") if isinstance(usage, simdjson.Object) else None
-        except (KeyError, TypeError):
-            completion_tokens = None
-        del doc
+        choices = doc.get("choices") if isinstance(doc, simdjson.Object) else None
+        if not isinstance(choices, simdjson.Array) or len(choices) == 0:
+            raise HTTPError(502, "context worker response has no choices[0]")
+        usage = doc.get("usage")
+        completion_tokens = usage.get("completion_tokens") if isinstance(usage, simdjson.Object) else None
+        del doc, choices, usage  # proxies pin the parser's buffers
         try:
             # The spans leg (3) needs, read once here and handed to build_generation_request.
             info = self.relay.parse_context_response(body)
