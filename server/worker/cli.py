@@ -91,9 +91,8 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str, str]:
     else:
         from .hf import load_model_dir
 
+        # auto: the loader picks (float32 on CPU, the checkpoint's dtype on CUDA).
         dtype_arg = None if args.dtype == "auto" else dtypes[args.dtype]
-        if dtype_arg is None and device == "cpu":
-            dtype_arg = torch.float32
         config, model, tokenizer = load_model_dir(args.model, device, dtype_arg)
         name = os.path.basename(os.path.normpath(args.model))
         kv_tokens = args.kv_tokens or default_kv_tokens(config, model, device)
@@ -125,7 +124,11 @@ def default_kv_tokens(config: Any, model: Any, device: str) -> int:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     secret = args.shared_secret if args.shared_secret is not None else os.environ.get(SECRET_ENV)
-    engine, model_name, device = build_engine(args)
+    try:
+        engine, model_name, device = build_engine(args)
+    except (OSError, ValueError) as exc:  # CheckpointError is a ValueError naming the file and field
+        print(f"fastcore-serve worker: cannot load model {args.model!r}: {exc}", file=sys.stderr)
+        return 2
     settings = WorkerSettings(
         role=args.role,
         model_name=model_name,

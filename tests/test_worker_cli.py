@@ -1,0 +1,113 @@
+"""``fastcore-serve worker`` as a real process: flags, the shared secret from the environment, clean shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from server.auth import SIGNATURE_HEADER, sign_body
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def worker_cmd(*flags: str) -> list[str]:
+    return [sys.executable, "-m", "server.cli", "worker", *flags]
+
+
+def post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(
+        url, data=body, headers={"Content-Type": "application/json", **(headers or {})}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.mark.slow
+def test_worker_process_serves_and_stops_cleanly() -> None:
+    port = free_port()
+    env = {**os.environ, "FASTCORE_SHARED_SECRET": "from-env", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        worker_cmd("--role", "context", "--port", str(port), "--torch-threads", "1", "--device", "cpu"),
+        cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):  # bounded: 60 s for torch to import and the model to build
+            if proc.poll() is not None:
+                pytest.fail(
+                    f"worker exited with {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}"
+                )
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=1) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.1)
+        else:
+            pytest.fail("worker never became healthy")
+        with urllib.request.urlopen(url + "/server_info", timeout=5) as resp:
+            info = json.loads(resp.read())
+        assert info["role"] == "context" and info["device"] == "cpu" and info["model"] == "tiny"
+        body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 4, "temperature": 0,
+                           "disaggregated_params": {"request_type": "context_only", "disagg_request_id": 1}}).encode()  # fmt: skip
+        status, resp_body = post(url + "/v1/completions", body)
+        assert status == 403, resp_body
+        status, resp_body = post(
+            url + "/v1/completions", body, {SIGNATURE_HEADER: sign_body(b"from-env", body)}
+        )
+        assert status == 200 and resp_body["choices"][0]["finish_reason"] == "not_finished"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert code == 0
+    assert proc.stderr is not None and f"listening on http://127.0.0.1:{port}" in proc.stderr.read()
+
+
+def run_worker(*flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(worker_cmd(*flags), cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+
+
+def test_help_lists_the_roles() -> None:
+    done = run_worker("--help")
+    assert done.returncode == 0 and "{both,context,generation}" in done.stdout
+
+
+@pytest.mark.slow
+def test_a_model_directory_that_cannot_load_is_reported(tmp_path: Path) -> None:
+    done = run_worker(
+        "--model", str(tmp_path), "--port", str(free_port()), "--device", "cpu"
+    )  # no config.json
+    assert done.returncode == 2
+    assert "cannot load model" in done.stderr and "config.json" in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_cuda_without_a_gpu_is_refused() -> None:
+    done = run_worker("--device", "cuda", "--port", str(free_port()))
+    assert done.returncode != 0 and "torch sees no CUDA device" in done.stderr
