@@ -404,8 +404,8 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path, *, tie_word_embe
     tensor is read. With tied embeddings ``lm_head.weight`` is not expected
     (transformers ignores it when present, and so does this), and the
     embedding matrix is shared with the head after loading. Tensors are read
-    one at a time, straight to the model's device and cast to its dtype, so
-    peak memory is the model plus one tensor.
+    one at a time (memory-mapped) and copied into the model's own tensors,
+    which casts and moves them, so peak memory is the model plus one tensor.
     """
     model_dir = Path(model_dir)
     locations = find_weight_files(model_dir)
