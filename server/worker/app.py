@@ -58,8 +58,6 @@ log = logging.getLogger(__name__)
 
 ROLES = ("both", "context", "generation")
 KV_PATH = "/kv/{ctx_request_id}"
-ENGINE_KEY = web.AppKey("engine", object)
-STATE_KEY = web.AppKey("worker_state", object)
 
 
 @dataclass
@@ -131,6 +129,9 @@ class WorkerState:
         self.metrics = WorkerMetrics(engine)
         self.session: aiohttp.ClientSession | None = None
         self.expiry_task: asyncio.Task[None] | None = None
+
+
+STATE_KEY = web.AppKey("worker_state", WorkerState)
 
 
 # ---------------------------------------------------------------- middleware
@@ -539,7 +540,6 @@ def create_app(engine: Engine, settings: WorkerSettings) -> web.Application:
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware])
     state = WorkerState(engine, settings)
     app[STATE_KEY] = state
-    app[ENGINE_KEY] = engine
 
     async def on_startup(app: web.Application) -> None:
         engine.start(asyncio.get_running_loop())
@@ -577,10 +577,10 @@ async def start_worker(
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
-    server = site._server
-    assert server is not None
-    bound = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, int(bound)
+    sockets = getattr(site._server, "sockets", None) or []
+    if not sockets:
+        raise RuntimeError(f"worker site on {host}:{port} has no listening socket")
+    return runner, int(sockets[0].getsockname()[1])
 
 
 __all__ = ["KV_PATH", "ROLES", "Engine", "WorkerSettings", "create_app", "kv_signature", "start_worker"]

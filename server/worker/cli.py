@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from .app import ROLES, WorkerSettings
+from .tokenizer import Tokenizer
 
 SECRET_ENV = "FASTCORE_SHARED_SECRET"
 
@@ -80,7 +81,8 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str, str]:
             from . import synthetic  # type: ignore[attr-defined]
         except ImportError:
             raise SystemExit("--model synthetic: the synthetic engine is not part of this build") from None
-        return synthetic.build_engine(args), args.served_model_name or "synthetic", device  # type: ignore[attr-defined]
+        return synthetic.build_engine(args), args.served_model_name or "synthetic", device
+    tokenizer: Tokenizer
     if args.model == "tiny":
         from .tiny import build_tiny
 

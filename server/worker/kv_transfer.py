@@ -104,12 +104,12 @@ def encode_kv(
     # Viewing as bytes works for every dtype (bf16 has no numpy twin).
     return [
         _PREFIX.pack(MAGIC, VERSION, 0, len(head)) + head,
-        memoryview(k.view(torch.uint8).numpy()).cast("B"),
-        memoryview(v.view(torch.uint8).numpy()).cast("B"),
+        k.view(torch.uint8).numpy().data,
+        v.view(torch.uint8).numpy().data,
     ]
 
 
-def parse_prefix(data: bytes) -> int:
+def parse_prefix(data: bytes | bytearray) -> int:
     """Header length from the first 12 bytes; raises on a wrong magic or version."""
     if len(data) < _PREFIX.size:
         raise KVTransferError(f"KV body is {len(data)} bytes, shorter than its {_PREFIX.size}-byte prefix")

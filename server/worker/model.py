@@ -206,6 +206,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    inv_freq: torch.Tensor
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         # Not persistent: HF checkpoints do not carry it, so state_dict keys stay HF's.
