@@ -29,6 +29,8 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, ValidationErr
 
 import fastcore
 from fastcore import JSONSpanError, RelayError
+from fastcore import relay as fastcore_relay
+from fastcore.relay import ContextResponseError
 from server.errors import HTTPError
 
 # Internal fields a client may never send (PROTOCOL.md, "Rules that hold everywhere").
@@ -136,10 +138,10 @@ def _check_max_tokens(key: str, value: int | None) -> int | None:
 class FastRelay:
     name = "fast"
 
-    def __init__(self, *, tokids_b64: bool, strip_history: bool) -> None:
-        from fastcore import relay  # the zero-parse splices (issue 3)
-
-        self.relay = relay
+    def __init__(self, *, tokids_b64: bool, strip_history: bool, relay: Any = None) -> None:
+        # The zero-parse splices of fastcore.relay on the active scanner twin;
+        # tests pass ``fastcore.relay.Relay(twin)`` to run both.
+        self.relay = relay if relay is not None else fastcore_relay
         self.tokids_b64 = tokids_b64
         self.strip_history = strip_history
 
@@ -207,7 +209,7 @@ class FastRelay:
                 chat=req.chat,
                 ctx_info=ctx.parsed,
             )
-        except self.relay.ContextResponseError as exc:
+        except ContextResponseError as exc:
             raise HTTPError(502, f"context worker response cannot be relayed: {exc}") from None
         except (RelayError, JSONSpanError) as exc:
             raise HTTPError(400, f"request body rejected: {exc}", param=getattr(exc, "field", None)) from None
