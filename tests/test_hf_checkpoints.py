@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from server.worker.chat_template import ChatTemplate, ChatTemplateError
+from server.worker.chat_template import ChatTemplate, ChatTemplateError, select_template_source
 from server.worker.hf import (
     CheckpointError,
     find_weight_files,
@@ -44,6 +44,7 @@ from server.worker.hf import (
     read_config,
 )
 from server.worker.tokenizer import IncrementalDetokenizer
+from server.worker.tokenizer import Tokenizer as TokenizerProtocol
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -924,6 +925,17 @@ def test_add_bos_and_add_eos_flags_drive_a_llama_class_tokenizer(write_checkpoin
     assert both.encode("Hello world") == [*ids, 2]
 
 
+def test_add_bos_token_false_drops_the_bos(write_checkpoint):
+    tokenizer = load_tokenizer(write_checkpoint("mistral", tokenizer_overrides={"add_bos_token": False}).path)
+    assert tokenizer.encode("Hello world") == tokenizer.encode("Hello world", add_special_tokens=False)
+    assert 1 not in tokenizer.encode("Hello world")
+
+
+def test_hf_tokenizer_satisfies_the_worker_protocol(write_checkpoint):
+    tokenizer = load_tokenizer(write_checkpoint("llama").path)
+    assert isinstance(tokenizer, TokenizerProtocol)
+
+
 def test_add_eos_token_that_is_not_in_the_vocabulary_is_refused(write_checkpoint):
     checkpoint = write_checkpoint(
         "mistral", tokenizer_overrides={"add_eos_token": True, "eos_token": "<eos>"}
@@ -1117,6 +1129,16 @@ def test_chat_template_jinja_file_wins_and_generation_blocks_render(write_checkp
     assert tokenizer.apply_chat_template([{"role": "assistant", "content": "x"}]) == "<assistant>x"
 
 
+def test_chat_template_json_file_is_read(write_checkpoint):
+    checkpoint = write_checkpoint("qwen2", tokenizer_overrides={"chat_template": None})
+    (checkpoint.path / "chat_template.json").write_text(
+        json.dumps({"chat_template": "[{{ messages|length }}]"})
+    )
+    tokenizer = load_tokenizer(checkpoint.path)
+    assert tokenizer.has_chat_template
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "a"}] * 3) == "[3]"
+
+
 def test_named_template_list_picks_default(write_checkpoint):
     templates = [
         {"name": "tool_use", "template": "TOOLS"},
@@ -1124,6 +1146,14 @@ def test_named_template_list_picks_default(write_checkpoint):
     ]
     checkpoint = write_checkpoint("qwen2", tokenizer_overrides={"chat_template": templates})
     assert load_tokenizer(checkpoint.path).apply_chat_template([{"role": "user", "content": "hey"}]) == "hey!"
+
+
+def test_named_template_list_without_default_takes_the_first():
+    templates = [{"name": "rag", "template": "RAG"}, "junk", {"name": "tool_use", "template": "TOOLS"}]
+    assert select_template_source(templates) == "RAG"
+    assert select_template_source(templates, name="tool_use") == "TOOLS"
+    with pytest.raises(ChatTemplateError, match="not list"):
+        select_template_source(["junk"])
 
 
 def test_template_that_does_not_compile_fails_at_load(write_checkpoint):
