@@ -104,8 +104,8 @@ def encode_kv(
     # Viewing as bytes works for every dtype (bf16 has no numpy twin).
     return [
         _PREFIX.pack(MAGIC, VERSION, 0, len(head)) + head,
-        k.view(torch.uint8).numpy().data,
-        v.view(torch.uint8).numpy().data,
+        k.view(torch.uint8).reshape(-1).numpy().data,  # 1-D, so len() is the byte count
+        v.view(torch.uint8).reshape(-1).numpy().data,
     ]
 
 
