@@ -1221,7 +1221,8 @@ def serving(model_dir: Path) -> Iterator[str]:
     port = _free_port()
     argv = [sys.executable, "-m", "server.cli", "worker", "--model", str(model_dir), "--port", str(port)]
     argv += ["--device", "cpu", "--kv-tokens", "2048", "--torch-threads", "1"]
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    repo_root = Path(__file__).resolve().parent.parent
+    process = subprocess.Popen(argv, cwd=repo_root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
