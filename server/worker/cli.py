@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from .app import ROLES, WorkerSettings
+from .synthetic import add_arguments as add_synthetic_arguments
 from .tokenizer import Tokenizer
 
 SECRET_ENV = "FASTCORE_SHARED_SECRET"
@@ -44,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"HMAC secret for internal requests (default: ${SECRET_ENV})")  # fmt: skip
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch intra-op threads (default: half the CPUs, 1 to 4)")  # fmt: skip
+    add_synthetic_arguments(parser)
 
 
 def default_torch_threads() -> int:
@@ -68,6 +70,10 @@ def resolve_device(name: str) -> str:
 
 def build_engine(args: argparse.Namespace) -> tuple[Any, str, str]:
     """The engine for ``args``, its model name, and the device it runs on."""
+    if args.model == "synthetic":  # no model: no torch on the request path
+        from . import synthetic
+
+        return synthetic.build_engine(args), args.served_model_name or "synthetic", "cpu"
     import torch
 
     from .engine import TorchEngine
@@ -76,12 +82,6 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str, str]:
     torch.set_num_threads(threads)
     device = resolve_device(args.device)
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if args.model == "synthetic":
-        try:
-            from . import synthetic  # type: ignore[attr-defined]
-        except ImportError:
-            raise SystemExit("--model synthetic: the synthetic engine is not part of this build") from None
-        return synthetic.build_engine(args), args.served_model_name or "synthetic", device
     tokenizer: Tokenizer
     if args.model == "tiny":
         from .tiny import build_tiny

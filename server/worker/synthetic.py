@@ -1,0 +1,251 @@
+"""The synthetic engine: the worker's protocol with no model behind it.
+
+``fastcore-serve worker --model synthetic --prompt-tokens N`` serves the same
+routes, roles, bodies and SSE streams as the torch worker (it is the same
+aiohttp app, see ``app.py``), but an "engine step" is a timer: a configurable
+prefill latency, then a configurable latency per token (both 0 by default).
+With instant workers the orchestrator in front of them is the bottleneck,
+which is what ``bench.orchestrator`` and ``bench.load`` measure.
+
+What is real:
+
+- every prompt is ``N`` token ids of real data (seeded, below the vocab size,
+  never an end-of-sequence id), so a context leg returns ``N`` ids as a JSON
+  list or as ``prompt_token_ids_b64`` exactly as the torch worker would, and
+  a generation leg decodes and checks them (``fastcore.decode_tokens``);
+- generated ids are a deterministic function of the prompt length and the
+  position, so a generation worker continuing a context worker's first token
+  produces what a single worker would, and greedy equality tests hold;
+- the KV hand-off runs through the real endpoint and wire format, with a
+  one-layer, one-head, width-1 float16 "cache" (4 bytes per prompt token):
+  headers, checksums and the first token are checked, and next to no fake
+  cache bytes are shipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from .engine_api import NOT_FINISHED, EngineRequest, ParkedKV, prompt_checksum
+
+SYNTHETIC_VOCAB = 32_000
+SYNTHETIC_EOS = SYNTHETIC_VOCAB - 1
+# The generation room above the prompt: max_tokens may be as large as this.
+GENERATION_ROOM = 1 << 16
+
+_WORDS = (
+    "alpha", "beta", "gamma", "delta", "kernel", "token", "cache", "batch", "stream", "decode",
+    "prefill", "worker", "router", "tensor", "layer", "head", "rotary", "norm", "splice", "span",
+)  # fmt: skip
+
+
+class SyntheticTokenizer:
+    """Any text is the same ``prompt_tokens`` ids; id ``i`` decodes to a word.
+
+    ``encode`` returns the precomputed int32 array itself (a sequence of ints):
+    the worker turns it into its prompt without a copy, so a synthetic
+    worker spends no time per prompt token on tokenization.
+    """
+
+    vocab_size = SYNTHETIC_VOCAB
+    eos_token_ids: ClassVar[list[int]] = [SYNTHETIC_EOS]
+    bos_token_id = None
+
+    def __init__(self, prompt_tokens: int, seed: int = 0) -> None:
+        if prompt_tokens < 1:
+            raise ValueError("--prompt-tokens must be at least 1")
+        rng = np.random.default_rng(seed)
+        self.prompt_ids = rng.integers(0, SYNTHETIC_EOS, size=prompt_tokens, dtype=np.int32)
+        self.prompt_ids.setflags(write=False)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> Any:
+        return self.prompt_ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(" " + _WORDS[int(i) % len(_WORDS)] for i in ids)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        return ""  # encode() ignores the text: every prompt is the configured ids
+
+
+def synthetic_token(prompt_len: int, position: int) -> int:
+    """The id generated at ``position`` (0 = first) after a prompt of ``prompt_len`` ids.
+
+    Never EOS, so a request runs to ``max_tokens`` unless a stop rule ends it.
+    """
+    return (prompt_len * 31 + position * 7919 + 1) % SYNTHETIC_EOS
+
+
+class SyntheticEngine:
+    """An :class:`~server.worker.engine_api.Engine` whose steps are timers on the event loop."""
+
+    def __init__(
+        self,
+        prompt_tokens: int,
+        *,
+        prefill_latency_s: float = 0.0,
+        token_latency_s: float = 0.0,
+        max_num_seqs: int = 4096,
+        seed: int = 0,
+    ) -> None:
+        self.tokenizer = SyntheticTokenizer(prompt_tokens, seed)
+        self.vocab_size = SYNTHETIC_VOCAB
+        self.max_context = prompt_tokens + GENERATION_ROOM
+        self.prefill_latency_s = prefill_latency_s
+        self.token_latency_s = token_latency_s
+        self.max_num_seqs = max_num_seqs
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._reserved: set[str] = set()
+        self._parked: dict[int, ParkedKV] = {}
+        self._started_at = time.monotonic()
+        self.generated_tokens_total = 0
+
+    # -- lifecycle ---------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def stop(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        self._tasks.clear()
+
+    @property
+    def alive(self) -> bool:
+        return self._loop is not None and not self._loop.is_closed()
+
+    # -- statistics for /metrics ----------------------------------------------
+    @property
+    def queue_depth(self) -> int:
+        return 0
+
+    @property
+    def running(self) -> int:
+        return len(self._tasks)
+
+    @property
+    def kv_used_tokens(self) -> int:
+        return 0
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.max_context * self.max_num_seqs
+
+    @property
+    def parked_count(self) -> int:
+        return len(self._parked)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens_total / max(1e-9, time.monotonic() - self._started_at)
+
+    @property
+    def kv_layout(self) -> Any:
+        import torch
+
+        from .kv_transfer import KVLayout
+
+        return KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float16)
+
+    # -- requests ----------------------------------------------------------
+    def reserve(self, req: EngineRequest) -> None:
+        from .engine_api import KVCacheFull
+
+        if len(self._reserved) >= self.max_num_seqs:
+            raise KVCacheFull(f"{self.max_num_seqs} sequences are running")
+        self._reserved.add(req.request_id)
+
+    def unreserve(self, req: EngineRequest) -> None:
+        self._reserved.discard(req.request_id)
+
+    def enqueue(self, req: EngineRequest) -> None:
+        assert self._loop is not None, "engine not started"
+        task = self._loop.create_task(self._run(req))
+        self._tasks[req.request_id] = task
+        task.add_done_callback(lambda _t, rid=req.request_id: self._finished(rid))
+
+    def abort(self, request_id: str) -> None:
+        task = self._tasks.get(request_id)
+        if task is not None:
+            task.cancel()
+
+    def _finished(self, request_id: str) -> None:
+        self._tasks.pop(request_id, None)
+        self._reserved.discard(request_id)
+
+    async def _run(self, req: EngineRequest) -> None:
+        prompt_len = int(req.prompt_ids.size)
+        forced = list(req.forced_tokens)
+        if self.prefill_latency_s and not (req.kv_import is not None and forced):
+            await asyncio.sleep(self.prefill_latency_s)
+        position = 0
+        while True:
+            token = forced[position] if position < len(forced) else synthetic_token(prompt_len, position)
+            if position >= len(forced) and position > 0 and self.token_latency_s:
+                await asyncio.sleep(self.token_latency_s)
+            delta = req.processor.add(token, None)
+            self.generated_tokens_total += 1
+            position += 1
+            if req.processor.finished:
+                req.on_delta(delta)
+                return
+            if req.park_as is not None:
+                req.on_delta(delta)
+                req.on_delta(req.processor.finish_early(NOT_FINISHED))
+                self._park(req, token)
+                return
+            req.on_delta(delta)
+            if position >= len(forced) and not self.token_latency_s and position % 64 == 0:
+                await asyncio.sleep(0)  # let other requests in on a long instant stream
+
+    # -- KV hand-off (width-1 tensors, real format and checks) ------------------
+    def _park(self, req: EngineRequest, first_token: int) -> None:
+        assert req.park_as is not None
+        self._parked[req.park_as] = ParkedKV(
+            ctx_request_id=req.park_as,
+            blocks=[],
+            num_tokens=int(req.prompt_ids.size),
+            prompt_crc32=prompt_checksum(req.prompt_ids),
+            first_token=first_token,
+            first_logprob=None,
+            expires_at=time.monotonic() + req.park_ttl_s,
+        )
+
+    def take_parked(self, ctx_request_id: int) -> ParkedKV | None:
+        return self._parked.pop(ctx_request_id, None)
+
+    def read_parked(self, parked: ParkedKV) -> tuple[Any, Any]:
+        import torch
+
+        shape = (1, parked.num_tokens, 1, 1)
+        return torch.zeros(shape, dtype=torch.float16), torch.zeros(shape, dtype=torch.float16)
+
+    def expire_parked(self, now: float | None = None) -> int:
+        now = time.monotonic() if now is None else now
+        expired = [k for k, p in self._parked.items() if p.expires_at <= now]
+        for k in expired:
+            del self._parked[k]
+        return len(expired)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("synthetic model (--model synthetic)")
+    group.add_argument("--prompt-tokens", type=int, default=4096,
+                       help="every prompt is this many token ids (default 4096)")  # fmt: skip
+    group.add_argument("--prefill-latency-ms", type=float, default=0.0, help="time to the first token")
+    group.add_argument("--token-latency-ms", type=float, default=0.0, help="time per further token")
+
+
+def build_engine(args: argparse.Namespace) -> SyntheticEngine:
+    return SyntheticEngine(
+        args.prompt_tokens,
+        prefill_latency_s=args.prefill_latency_ms / 1000.0,
+        token_latency_s=args.token_latency_ms / 1000.0,
+        max_num_seqs=max(args.max_num_seqs, 4096),
+    )
