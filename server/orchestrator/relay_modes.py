@@ -119,6 +119,17 @@ class _SimdParser:
 _simd = _SimdParser()
 
 
+def _has_internal_fields(doc: Any) -> bool:
+    if not isinstance(doc, simdjson.Object):
+        return True  # let the relay's scan say what is wrong
+    if "prompt_token_ids" in doc or "prompt_token_ids_b64" in doc:
+        return True
+    choices = doc.get("choices")
+    if not isinstance(choices, simdjson.Array):
+        return False
+    return any(not isinstance(c, simdjson.Object) or "disaggregated_params" in c for c in choices)
+
+
 def _optional(doc: Any, key: str, kinds: tuple[type, ...], expected: str) -> Any:
     value = doc.get(key)
     if value is None:
@@ -218,7 +229,10 @@ class FastRelay:
         return self.relay.strip_internal_fields(ctx.body)
 
     def client_answer(self, req: ClientRequest, body: bytes) -> bytes:
-        _simd.parse(body, "generation worker response", 502)
+        doc = _simd.parse(body, "generation worker response", 502)
+        if not _has_internal_fields(doc):
+            return body  # the common case: nothing to cut, no second scan
+        del doc
         try:
             return self.relay.strip_internal_fields(body)
         except (RelayError, JSONSpanError) as exc:
