@@ -374,8 +374,8 @@ class ParsedRelay:
         try:
             parsed: Any = model_cls.model_validate(data)
         except ValidationError as exc:
-            message, field = _validation_message(exc)
-            raise HTTPError(400, message, param=field) from None
+            message, location = _validation_message(exc)
+            raise HTTPError(400, message, param=location) from None
         if chat and not parsed.messages:
             raise HTTPError(400, "'messages' must be a non-empty array", param="messages")
         key = "max_completion_tokens" if chat and parsed.max_completion_tokens is not None else "max_tokens"
