@@ -265,6 +265,12 @@ async def test_context_answers_when_first_token_finishes(
     status, ctx = await call(http, workers["context"].url + path, {**base, "stop": [first_char],
         "disaggregated_params": {"request_type": "context_only", "disagg_request_id": 2}})  # fmt: skip
     assert ctx["choices"][0]["finish_reason"] == "stop" and ctx["choices"][0]["text"] == ""
+    # A stop token as the first token: "stop", no text, one completion token.
+    first_id = ctx["choices"][0]["disaggregated_params"]["first_gen_tokens"][0]
+    status, stopped = await call(http, workers["context"].url + path, {**base, "stop_token_ids": [first_id],
+        "disaggregated_params": {"request_type": "context_only", "disagg_request_id": 3}})  # fmt: skip
+    assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["choices"][0]["text"] == ""
+    assert stopped["usage"]["completion_tokens"] == 1
     # A finished context leg parks nothing.
     async with http.get(ctx["choices"][0]["disaggregated_params"]["ctx_info_endpoint"]) as resp:
         assert resp.status == 404
@@ -545,3 +551,18 @@ async def test_metrics_and_info_endpoints(workers: dict[str, Worker], http: aioh
         assert (await resp.json())["data"][0]["id"] == "tiny"
     async with http.get(worker.url + "/health") as resp:
         assert resp.status == 200
+
+
+async def test_a_stopped_engine_is_unhealthy_and_refuses_work(http: aiohttp.ClientSession) -> None:
+    worker = await launch("both")
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, worker.engine.stop)
+        async with http.get(worker.url + "/health") as resp:
+            assert resp.status == 503
+            assert (await resp.json())["error"]["message"] == "the engine is not running"
+        async with http.post(worker.url + "/v1/completions", json=COMPLETION_BODY) as resp:
+            assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+            assert (await resp.json())["error"]["code"] == "engine_down"
+        assert worker.engine.kv_used_tokens == 0
+    finally:
+        await worker.runner.cleanup()

@@ -347,6 +347,9 @@ async def generate(request: web.Request, state: WorkerState, route: Route) -> we
         max_context=engine.max_context,
     )
     _check_role(state, req, raw, request)
+    if not engine.alive:
+        raise HTTPError(503, "the engine is not running", code="engine_down",
+                        headers={"Retry-After": str(state.settings.retry_after_s)})  # fmt: skip
 
     queue: asyncio.Queue[Delta] = asyncio.Queue()
     prompt_tail = req.prompt_ids[-4:].tolist()

@@ -138,11 +138,13 @@ class DecodeAttention:
         longest = max(lengths)
         span = -(-longest // bs) * bs
         offsets = torch.arange(span, dtype=torch.int64)
-        self.gather_slots = (padded[:, offsets // bs] * bs + offsets % bs).to(device)  # [B, span]
+        # Built on the host in one go, then moved: one small copy per step instead of many tiny kernels.
+        gather = padded[:, offsets // bs] * bs + offsets % bs  # [B, span]
         lens = torch.tensor(lengths, dtype=torch.int64)
+        new_slots = gather[torch.arange(len(tables)), lens - 1]
+        self.gather_slots = gather.to(device)
         self.mask = (offsets[None, :] < lens[:, None]).to(device)[:, None, None, :]  # [B, 1, 1, span]
-        last = lens - 1
-        self.new_slots = self.gather_slots[torch.arange(len(tables)), last.to(device)]
+        self.new_slots = new_slots.to(device)
         self.cache = cache
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
