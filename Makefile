@@ -12,6 +12,7 @@ test: build     ## whole suite, compiled and pure-Python twins
 bench: build
 	$(PY) -m bench.codec
 	$(PY) -m bench.relay
+	$(PY) -m bench.worker
 
 lint:
 	ruff check fastcore server bench tests
