@@ -1,0 +1,165 @@
+"""Start and stop the processes a benchmark measures: synthetic workers, an orchestrator, the floor.
+
+Process handling (start, die-with-parent, ordered stop) is the launcher's
+(``server.launcher.Child`` / ``stop_all``); this module only plans the argv of
+a benchmark deployment, pins the orchestrator to its own core, and reads a
+process's CPU time from the kernel's accounting.
+
+Pinning: on a machine with two or more cores the orchestrator (or the floor
+proxy) runs alone on core 0 (``taskset -c 0``), and the workers and the load
+generator share the other cores, so the orchestrator's core is what saturates
+and its CPU time is not inflated by sharing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+from server.launcher import Child, stop_all
+
+PYTHON = [sys.executable, "-m"]
+#: relay modes of the orchestrator benchmarks: name -> orchestrator flags
+MODES: dict[str, list[str]] = {
+    "parsed": ["--relay", "parsed", "--no-gen-tokids-ctxbytes", "--no-gen-strip-message-history"],
+    "gates-off": ["--relay", "fast", "--no-gen-tokids-ctxbytes", "--no-gen-strip-message-history"],
+    "tokids-b64": ["--relay", "fast", "--gen-tokids-ctxbytes", "--no-gen-strip-message-history"],
+    "both-gates": ["--relay", "fast", "--gen-tokids-ctxbytes", "--gen-strip-message-history"],
+}
+FLOOR = "floor"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cores() -> tuple[list[int], list[int]]:
+    """(orchestrator cores, everything else's cores)."""
+    available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(available) < 2:
+        return [], []
+    return available[:1], available[1:]
+
+
+def pinned(argv: list[str], cpus: list[int]) -> list[str]:
+    if not cpus or shutil.which("taskset") is None:
+        return argv
+    return ["taskset", "-c", ",".join(map(str, cpus)), *argv]
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, from /proc (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def wait_healthy(url: str, children: list[Child], timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        dead = [c for c in children if c.exit_code is not None]
+        if dead:
+            raise RuntimeError(f"{dead[0].name} exited with code {dead[0].exit_code} during startup")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} not healthy after {timeout:.0f} s")
+
+
+@dataclass
+class Deployment:
+    """Synthetic context and generation workers plus one front process (an orchestrator mode or the floor)."""
+
+    mode: str
+    prompt_tokens: int
+    context_workers: int = 1
+    generation_workers: int = 1
+    prefill_latency_ms: float = 0.0
+    token_latency_ms: float = 0.0
+    children: list[Child] = field(default_factory=list)
+    workers: list[Child] = field(default_factory=list)
+    front: Child | None = None
+    port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def worker_child(self, role: str, port: int, index: int) -> Child:
+        _, other = cores()
+        argv = [*PYTHON, "server.cli", "worker", "--model", "synthetic", "--role", "both" if self.mode == FLOOR else role,
+                "--prompt-tokens", str(self.prompt_tokens), "--port", str(port),
+                "--prefill-latency-ms", str(self.prefill_latency_ms),
+                "--token-latency-ms", str(self.token_latency_ms)]  # fmt: skip
+        return Child(f"{role} worker {index}", pinned(argv, other), port)
+
+    def start(self, env: dict[str, str] | None = None) -> Deployment:
+        env = dict(os.environ if env is None else env)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        urls: dict[str, list[str]] = {"context": [], "generation": []}
+        for role, count in (("context", self.context_workers), ("generation", self.generation_workers)):
+            for i in range(count):
+                port = free_port()
+                child = self.worker_child(role, port, i)
+                self.workers.append(child)
+                urls[role].append(f"127.0.0.1:{port}")
+        self.port = free_port()
+        front_cpus, _ = cores()
+        if self.mode == FLOOR:
+            argv = [*PYTHON, "bench.passthrough", "--port", str(self.port)]
+            for u in urls["context"]:
+                argv += ["--context", u]
+            for u in urls["generation"]:
+                argv += ["--generation", u]
+        else:
+            argv = [*PYTHON, "server.cli", "orchestrator", "--port", str(self.port),
+                    "--context-urls", ",".join(urls["context"]),
+                    "--generation-urls", ",".join(urls["generation"]),
+                    "--log-level", "WARNING", *MODES[self.mode]]  # fmt: skip
+        self.front = Child(self.mode, pinned(argv, front_cpus), self.port)
+        self.children = [*self.workers, self.front]
+        try:
+            for child in self.children:
+                child.start(env)
+            for w in self.workers:
+                wait_healthy(f"http://127.0.0.1:{w.port}/health", self.children)
+            wait_healthy(self.url + "/health", self.children)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def front_cpu_seconds(self) -> float:
+        assert self.front is not None and self.front.proc is not None
+        return cpu_seconds(self.front.proc.pid)
+
+    def front_rss_bytes(self) -> int:
+        assert self.front is not None and self.front.proc is not None
+        return rss_bytes(self.front.proc.pid)
+
+    def stop(self) -> None:
+        stop_all(self.children, grace_s=10.0)
+
+    def __enter__(self) -> Deployment:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
