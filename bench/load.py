@@ -319,7 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--requests", type=int, default=0, help="requests per level (default 4x concurrency, >=200)"
     )
-    p.add_argument("--duration", type=float, default=30.0, help="time bound per level, seconds")
+    p.add_argument(
+        "--duration", type=float, default=60.0, help="time bound per level (and of --chaos), seconds"
+    )
     p.add_argument("--timeout", type=float, default=60.0, help="per-request timeout, seconds")
     p.add_argument("--prompt-tokens", type=int, default=40_000)
     p.add_argument("--max-tokens", type=int, default=16)
@@ -328,7 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", type=Path, default=None, help="PNG plot path")
     p.add_argument("--compare", action="store_true", help="run every orchestrator mode on synthetic workers")
     p.add_argument("--chaos", action="store_true", help="kill/restart a generation worker during load")
-    p.add_argument("--chaos-interval", type=float, default=3.0)
+    p.add_argument("--chaos-interval", type=float, default=3.0, help="seconds between worker kills")
+    p.add_argument("--chaos-concurrency", type=int, default=64, help="concurrent streams during --chaos")
     p.add_argument("--quick", action="store_true", help="small levels, for a smoke run")
     return p
 
