@@ -171,13 +171,19 @@ def _compile(paths: Iterable[Sequence[str | int]]) -> tuple[_Node, list[tuple[_N
     return root, ends
 
 
-def _as_bytes(body: object) -> bytes:
-    if isinstance(body, bytes):
-        return body
-    view = memoryview(body)  # type: ignore[arg-type]  # TypeError for non-buffers, as the compiled twin
+def _body_view(body: object) -> memoryview:
+    """``body`` as a flat byte view; the same errors, worded the same, as the compiled twin."""
+    try:
+        view = memoryview(body)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"body must be bytes-like, not {type(body).__name__}") from None
     if not view.c_contiguous:
         raise BufferError("body must be a contiguous buffer")
-    return view.tobytes()
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _as_bytes(body: object) -> bytes:
+    return body if isinstance(body, bytes) else _body_view(body).tobytes()
 
 
 def _skip_ws(buf: bytes, pos: int) -> int:
@@ -527,10 +533,7 @@ def splice(body: bytes | bytearray | memoryview, edits: Iterable[Sequence[object
     The output is allocated once; pieces of ``body`` and the replacements are
     copied straight into it.
     """
-    view = memoryview(body)
-    if not view.c_contiguous:
-        raise BufferError("body must be a contiguous buffer")
-    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    view = _body_view(body)
     size = len(view)
     pieces: list[object] = []
     previous = 0

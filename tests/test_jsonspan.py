@@ -354,7 +354,8 @@ def test_twins_agree_on_the_corpus(both_twins: tuple[ModuleType, ModuleType], js
             for validate in (True, False):
                 expected = outcome(py, "find_spans", body, paths, validate=validate)
                 assert outcome(c, "find_spans", body, paths, validate=validate) == expected, path.name
-        for cut in range(len(body)):
+        # Every truncation of the small files (the big ones are 100k brackets: nothing new).
+        for cut in range(len(body)) if len(body) <= 4096 else ():
             assert outcome(c, "find_span", body[:cut], ()) == outcome(py, "find_span", body[:cut], ()), (
                 path,
                 cut,

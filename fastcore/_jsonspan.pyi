@@ -1,0 +1,16 @@
+"""Types of the compiled JSON span scanner (same API as ``fastcore._jsonspan_py``)."""
+
+from collections.abc import Iterable, Sequence
+
+Span = tuple[int, int]
+_Body = bytes | bytearray | memoryview
+
+def find_span(body: _Body, path: Sequence[str | int], *, validate: bool = True) -> Span | None: ...
+def find_spans(
+    body: _Body, paths: Iterable[Sequence[str | int]], *, validate: bool = True
+) -> list[Span | None]: ...
+def find_member_spans(
+    body: _Body, paths: Iterable[Sequence[str | int]], *, validate: bool = True
+) -> list[Span | None]: ...
+def splice(body: _Body, edits: Iterable[Sequence[object]]) -> bytes: ...
+def check_token_b64(body: _Body, start: int = 0, end: int | None = None) -> int: ...
