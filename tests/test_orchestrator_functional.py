@@ -566,8 +566,8 @@ def test_context_worker_down_is_retried_on_the_other(workers, loop_thread):
     orch = RunningOrchestrator(loop_thread, config)
     try:
         wait_healthy(orch.url, timeout=30)
+        assert eventually(lambda: orch.orchestrator.context_pool.workers[0].healthy)
         victim.kill()
-        assert orch.orchestrator.context_pool.workers[0].healthy
         # round_robin starts at the victim.
         got = run_request(orch.client(), "chat", False)
         assert got == reference(workers, "chat", False)
@@ -616,7 +616,8 @@ def test_generation_worker_killed_mid_stream(workers, loop_thread):
     orch = RunningOrchestrator(loop_thread, config)
     try:
         wait_healthy(orch.url, timeout=30)
-        assert orch.orchestrator.generation_pool.workers[0].healthy
+        # /health is 200 once each pool has one worker up; this test needs the victim up too.
+        assert eventually(lambda: orch.orchestrator.generation_pool.workers[0].healthy)
         client = orch.client()
         stream = client.completions.create(
             model="tiny", prompt=PROMPT, max_tokens=1500, temperature=0.0, stream=True
@@ -795,7 +796,7 @@ def _with_proxies(loop_thread, workers, context_proxy=None, generation_proxy=Non
     )
     orch = RunningOrchestrator(loop_thread, config)
     wait_healthy(orch.url, timeout=30)
-    eventually(lambda: all(w.healthy for p in orch.orchestrator.pools for w in p.workers), timeout=10)
+    assert eventually(lambda: all(w.healthy for p in orch.orchestrator.pools for w in p.workers), timeout=10)
     return orch
 
 
