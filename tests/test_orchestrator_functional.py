@@ -9,6 +9,7 @@ read its pools and metrics directly. Tests that kill workers start their own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -334,6 +335,7 @@ class RecordingProxy:
         self.garbage = garbage
         self.delay_s = delay_s
         self.bodies: list[tuple[str, bytes, dict[str, str]]] = []
+        self.cancelled = 0
         self.port = free_port()
         self.loop = loop
         self.runner = loop.run(self._start())
@@ -342,7 +344,7 @@ class RecordingProxy:
         self.session = aiohttp.ClientSession()
         app = web.Application(client_max_size=1 << 30)
         app.router.add_route("*", "/{tail:.*}", self._forward)
-        runner = web.AppRunner(app)
+        runner = web.AppRunner(app, handler_cancellation=True)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", self.port).start()
         return runner
@@ -351,7 +353,11 @@ class RecordingProxy:
         body = await request.read()
         if request.method == "POST":
             self.bodies.append((request.path, body, dict(request.headers)))
-            await asyncio.sleep(self.delay_s)
+            try:
+                await asyncio.sleep(self.delay_s)
+            except asyncio.CancelledError:
+                self.cancelled += 1  # the orchestrator dropped the connection
+                raise
             if self.fail_status is not None:
                 return web.Response(
                     status=self.fail_status, body=error_body(self.fail_status, "injected failure")
@@ -871,3 +877,35 @@ def test_silent_worker_times_out_with_504(workers, loop_thread):
     finally:
         orch.stop()
         silent.stop()
+
+
+def test_client_disconnect_during_the_context_leg_cancels_it(workers, loop_thread):
+    slow_context = RecordingProxy(loop_thread, workers["context"][0].url, delay_s=5.0)
+    config = make_config([f"127.0.0.1:{slow_context.port}"], [workers["generation"][0].address])
+    orch = RunningOrchestrator(loop_thread, config)
+    try:
+        wait_healthy(orch.url, timeout=30)
+        body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "stream": True}).encode()
+
+        async def send_then_leave() -> None:
+            async with aiohttp.ClientSession() as session:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await session.post(
+                        orch.url + "/v1/completions", data=body, timeout=aiohttp.ClientTimeout(total=0.5)
+                    )
+
+        started = time.monotonic()
+        asyncio.run(send_then_leave())
+        assert len(slow_context.bodies) == 1
+        # Well before the proxy's 5 s delay ends, the context leg is gone on both ends.
+        assert eventually(lambda: slow_context.cancelled == 1, timeout=3)
+        assert orch.orchestrator.context_pool.workers[0].in_flight == 0
+        assert time.monotonic() - started < 4.5
+        assert eventually(
+            lambda: (
+                orch.metric("fastcore_orchestrator_requests_total", route="completions", status="499") == 1
+            )
+        )
+    finally:
+        orch.stop()
+        slow_context.stop()
