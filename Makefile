@@ -42,7 +42,7 @@ wheel:
 	$(PY) -m build
 
 plot:
-	$(PY) -m bench.load --compare --plot-only-if-results
+	$(PY) -m bench.load --compare --concurrency 16,64,256,1024
 
 clean:
 	rm -rf build dist *.egg-info fastcore/*.so fastcore/_codec.c fastcore/_jsonspan.c
