@@ -28,13 +28,108 @@ cdef extern from *:
     #else
     #define FC_JS_SSE2 0
     #endif
+    /* AVX2 kernels are compiled for any x86-64 GCC/Clang build and chosen at
+     * run time (fc_js_init), so one wheel serves old and new CPUs. */
+    #if defined(__GNUC__) && defined(__x86_64__)
+    #include <immintrin.h>
+    #define FC_JS_AVX2 1
+    #define FC_JS_TARGET_AVX2 __attribute__((target("avx2")))
+    #else
+    #define FC_JS_AVX2 0
+    #endif
 
-    /* First index in [i, n) holding '"', '\\\\', a control byte or a non-ASCII
-     * byte: everything else in a string needs no decision. The signed compare
-     * with 0x20 catches controls and bytes >= 0x80 at once. */
+    static int fc_js_avx2 = 0;
+
+    static void fc_js_init(void) {
+    #if FC_JS_AVX2
+        __builtin_cpu_init();
+        fc_js_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+    #endif
+    }
+
+    static const char *fc_js_kernel(void) { return fc_js_avx2 ? "avx2" : (FC_JS_SSE2 ? "sse2" : "scalar"); }
+
+    #define FC_JS_BACKSLASH 0x5C
+
+    #if FC_JS_AVX2
+    /* The string-content kernels below, 64 bytes per step: the two halves'
+     * hits are OR-ed so the common no-hit case costs one test and branch. */
+    FC_JS_TARGET_AVX2 static Py_ssize_t fc_js_plain_run_avx2(const uint8_t *p, Py_ssize_t i, Py_ssize_t n) {
+        const __m256i quote = _mm256_set1_epi8('"'), backslash = _mm256_set1_epi8(FC_JS_BACKSLASH);
+        const __m256i space = _mm256_set1_epi8(0x20);
+        while (i + 64 <= n) {
+            __m256i a = _mm256_loadu_si256((const __m256i *)(p + i));
+            __m256i b = _mm256_loadu_si256((const __m256i *)(p + i + 32));
+            __m256i ha = _mm256_or_si256(_mm256_or_si256(_mm256_cmpeq_epi8(a, quote), _mm256_cmpeq_epi8(a, backslash)),
+                                         _mm256_cmpgt_epi8(space, a));
+            __m256i hb = _mm256_or_si256(_mm256_or_si256(_mm256_cmpeq_epi8(b, quote), _mm256_cmpeq_epi8(b, backslash)),
+                                         _mm256_cmpgt_epi8(space, b));
+            __m256i any = _mm256_or_si256(ha, hb);
+            if (!_mm256_testz_si256(any, any)) {
+                unsigned ma = (unsigned)_mm256_movemask_epi8(ha);
+                if (ma) return i + __builtin_ctz(ma);
+                return i + 32 + __builtin_ctz((unsigned)_mm256_movemask_epi8(hb));
+            }
+            i += 64;
+        }
+        return i;
+    }
+
+    FC_JS_TARGET_AVX2 static Py_ssize_t fc_js_quote_or_backslash_avx2(const uint8_t *p, Py_ssize_t i, Py_ssize_t n) {
+        const __m256i quote = _mm256_set1_epi8('"'), backslash = _mm256_set1_epi8(FC_JS_BACKSLASH);
+        while (i + 64 <= n) {
+            __m256i a = _mm256_loadu_si256((const __m256i *)(p + i));
+            __m256i b = _mm256_loadu_si256((const __m256i *)(p + i + 32));
+            __m256i ha = _mm256_or_si256(_mm256_cmpeq_epi8(a, quote), _mm256_cmpeq_epi8(a, backslash));
+            __m256i hb = _mm256_or_si256(_mm256_cmpeq_epi8(b, quote), _mm256_cmpeq_epi8(b, backslash));
+            __m256i any = _mm256_or_si256(ha, hb);
+            if (!_mm256_testz_si256(any, any)) {
+                unsigned ma = (unsigned)_mm256_movemask_epi8(ha);
+                if (ma) return i + __builtin_ctz(ma);
+                return i + 32 + __builtin_ctz((unsigned)_mm256_movemask_epi8(hb));
+            }
+            i += 64;
+        }
+        return i;
+    }
+
+    /* Base64 alphabet: OR-ing 0x20 folds 'A'-'Z' onto 'a'-'z' and leaves
+     * digits, '+' and '/' alone; no byte outside the alphabet folds into it. */
+    FC_JS_TARGET_AVX2 static inline __m256i fc_js_b64_ok_avx2(__m256i v) {
+        __m256i folded = _mm256_or_si256(v, _mm256_set1_epi8(0x20));
+        __m256i letter = _mm256_and_si256(_mm256_cmpgt_epi8(folded, _mm256_set1_epi8('a' - 1)),
+                                          _mm256_cmpgt_epi8(_mm256_set1_epi8('z' + 1), folded));
+        __m256i digit = _mm256_and_si256(_mm256_cmpgt_epi8(v, _mm256_set1_epi8('0' - 1)),
+                                         _mm256_cmpgt_epi8(_mm256_set1_epi8('9' + 1), v));
+        __m256i sign = _mm256_or_si256(_mm256_cmpeq_epi8(v, _mm256_set1_epi8('+')),
+                                       _mm256_cmpeq_epi8(v, _mm256_set1_epi8('/')));
+        return _mm256_or_si256(_mm256_or_si256(letter, digit), sign);
+    }
+
+    FC_JS_TARGET_AVX2 static Py_ssize_t fc_js_b64_run_avx2(const uint8_t *p, Py_ssize_t i, Py_ssize_t n) {
+        while (i + 64 <= n) {
+            __m256i oka = fc_js_b64_ok_avx2(_mm256_loadu_si256((const __m256i *)(p + i)));
+            __m256i okb = fc_js_b64_ok_avx2(_mm256_loadu_si256((const __m256i *)(p + i + 32)));
+            if ((unsigned)_mm256_movemask_epi8(_mm256_and_si256(oka, okb)) != 0xFFFFFFFFu) {
+                unsigned bad = ~(unsigned)_mm256_movemask_epi8(oka);
+                if (bad) return i + __builtin_ctz(bad);
+                return i + 32 + __builtin_ctz(~(unsigned)_mm256_movemask_epi8(okb));
+            }
+            i += 64;
+        }
+        return i;
+    }
+    #endif
+
+    /* First index in [i, n) holding '"', a backslash, a control byte or a
+     * non-ASCII byte: everything else in a string needs no decision. The
+     * signed compare with 0x20 catches controls and bytes >= 0x80 at once. */
     static inline Py_ssize_t fc_js_plain_run(const uint8_t *p, Py_ssize_t i, Py_ssize_t n) {
+    #if FC_JS_AVX2
+        if (fc_js_avx2 && n - i >= 64) i = fc_js_plain_run_avx2(p, i, n);
+    #endif
     #if FC_JS_SSE2
-        const __m128i quote = _mm_set1_epi8('"'), backslash = _mm_set1_epi8('\\\\');
+        const __m128i quote = _mm_set1_epi8('"'), backslash = _mm_set1_epi8(FC_JS_BACKSLASH);
         const __m128i space = _mm_set1_epi8(0x20);
         while (i + 16 <= n) {
             __m128i v = _mm_loadu_si128((const __m128i *)(p + i));
@@ -47,16 +142,19 @@ cdef extern from *:
     #endif
         while (i < n) {
             uint8_t c = p[i];
-            if (c == '"' || c == '\\\\' || c < 0x20 || c >= 0x80) return i;
+            if (c == '"' || c == FC_JS_BACKSLASH || c < 0x20 || c >= 0x80) return i;
             i++;
         }
         return n;
     }
 
-    /* First index in [i, n) holding '"' or '\\\\' (strings, validate=False). */
+    /* First index in [i, n) holding '"' or a backslash (strings, validate=False). */
     static inline Py_ssize_t fc_js_quote_or_backslash(const uint8_t *p, Py_ssize_t i, Py_ssize_t n) {
+    #if FC_JS_AVX2
+        if (fc_js_avx2 && n - i >= 64) i = fc_js_quote_or_backslash_avx2(p, i, n);
+    #endif
     #if FC_JS_SSE2
-        const __m128i quote = _mm_set1_epi8('"'), backslash = _mm_set1_epi8('\\\\');
+        const __m128i quote = _mm_set1_epi8('"'), backslash = _mm_set1_epi8(FC_JS_BACKSLASH);
         while (i + 16 <= n) {
             __m128i v = _mm_loadu_si128((const __m128i *)(p + i));
             int mask = _mm_movemask_epi8(_mm_or_si128(_mm_cmpeq_epi8(v, quote), _mm_cmpeq_epi8(v, backslash)));
@@ -66,7 +164,7 @@ cdef extern from *:
     #endif
         while (i < n) {
             uint8_t c = p[i];
-            if (c == '"' || c == '\\\\') return i;
+            if (c == '"' || c == FC_JS_BACKSLASH) return i;
             i++;
         }
         return n;
@@ -79,6 +177,9 @@ cdef extern from *:
     /* First index in [i, n) outside the standard base64 alphabet. Every
      * alphabet byte is below 0x80, so signed range compares are exact. */
     static inline Py_ssize_t fc_js_b64_run(const uint8_t *p, Py_ssize_t i, Py_ssize_t n) {
+    #if FC_JS_AVX2
+        if (fc_js_avx2 && n - i >= 64) i = fc_js_b64_run_avx2(p, i, n);
+    #endif
     #if FC_JS_SSE2
         const __m128i A = _mm_set1_epi8('A' - 1), Z = _mm_set1_epi8('Z' + 1);
         const __m128i a = _mm_set1_epi8('a' - 1), z = _mm_set1_epi8('z' + 1);
@@ -99,10 +200,30 @@ cdef extern from *:
         return i;
     }
     """
+    void fc_js_init() noexcept
+    const char *fc_js_kernel() noexcept
+    bint fc_js_avx2
     Py_ssize_t fc_js_plain_run(const uint8_t *p, Py_ssize_t i, Py_ssize_t n) noexcept nogil
     Py_ssize_t fc_js_quote_or_backslash(const uint8_t *p, Py_ssize_t i, Py_ssize_t n) noexcept nogil
     Py_ssize_t fc_js_b64_run(const uint8_t *p, Py_ssize_t i, Py_ssize_t n) noexcept nogil
     bint fc_js_is_b64(uint8_t c) noexcept nogil
+
+
+fc_js_init()
+
+#: The string kernel this CPU runs: ``"avx2"``, ``"sse2"`` or ``"scalar"``.
+KERNEL = fc_js_kernel().decode()
+
+
+def _set_kernel(name):
+    """Tests only: force ``"avx2"`` (if supported) or the ``"sse2"`` fallback."""
+    global KERNEL, fc_js_avx2
+    fc_js_init()
+    if name == "sse2":
+        fc_js_avx2 = False
+    elif name != "avx2" or not fc_js_avx2:
+        raise ValueError(f"kernel {name!r} is not available here")
+    KERNEL = fc_js_kernel().decode()
 
 
 # Status codes: the same numbers as _jsonspan_py's E_* constants.

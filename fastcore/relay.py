@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from types import ModuleType
+from typing import NamedTuple
 
 from . import _jsonspan_impl
 from .errors import JSONSpanError, RelayError, TokenDecodeError
@@ -40,6 +40,12 @@ INTERNAL_FIELDS = ("disaggregated_params", "prompt_token_ids_b64", "prompt_token
 
 #: Context-leg finish reasons after which a generation leg follows (PROTOCOL.md (2)).
 GENERATION_FOLLOWS = frozenset({"length", "not_finished"})
+_COMMON_FINISH_REASONS: dict[bytes, str | None] = {
+    b"null": None,
+    **{
+        f'"{reason}"'.encode(): reason for reason in ("length", "not_finished", "stop", "abort", "tool_calls")
+    },
+}
 
 _WS = re.compile(rb"[ \t\n\r]*")
 _MEMBER_SEPARATOR = re.compile(rb"[ \t\n\r]*,[ \t\n\r]*")
@@ -70,8 +76,7 @@ class ContextResponseError(RelayError):
     """The context worker's response cannot be relayed (the orchestrator's 502)."""
 
 
-@dataclass(frozen=True)
-class ContextResponseInfo:
+class ContextResponseInfo(NamedTuple):
     """What the orchestrator reads from a context response: small fields as objects, the rest as spans.
 
     Spans are half-open byte ranges of raw JSON values in the response body
@@ -192,48 +197,55 @@ class Relay:
             raise ContextResponseError("context response is not a JSON object")
         finish_reason: str | None = None
         if finish is not None:
-            # A short string: decoding it with the stdlib gets every escape right.
             raw = bytes(ctx_response[finish[0] : finish[1]])
-            if raw != b"null":
-                if raw[:1] != b'"':
-                    raise ContextResponseError(
-                        "context response: choices[0].finish_reason is not a string", field="finish_reason"
-                    )
-                finish_reason = json.loads(raw)
+            if raw in _COMMON_FINISH_REASONS:
+                finish_reason = _COMMON_FINISH_REASONS[raw]
+            elif raw[:1] == b'"':
+                finish_reason = json.loads(raw)  # a short string with escapes: the stdlib decodes them right
+            else:
+                raise ContextResponseError(
+                    "context response: choices[0].finish_reason is not a string", field="finish_reason"
+                )
         return ContextResponseInfo(
-            finish_reason=finish_reason,
-            generation_follows=finish_reason in GENERATION_FOLLOWS,
-            disaggregated_params=dp,
-            usage=usage,
-            prompt_token_ids=ids,
-            prompt_token_ids_b64=b64,
-            request_type=request_type,
-            ctx_usage=ctx_usage,
+            finish_reason, finish_reason in GENERATION_FOLLOWS, dp, usage, ids, b64, request_type, ctx_usage
         )
 
-    def _generation_params(self, ctx: bytes, info: ContextResponseInfo) -> bytes:
+    @staticmethod
+    def _generation_params(
+        ctx: bytes, view: memoryview, info: ContextResponseInfo
+    ) -> list[bytes | memoryview]:
+        """Leg (3)'s ``disaggregated_params`` as pieces: views of the context response and short bytes."""
         dp = info.disaggregated_params
         if not _is_object(ctx, dp):
             raise ContextResponseError(
                 "context response has no choices[0].disaggregated_params object", field="disaggregated_params"
             )
         assert dp is not None
-        usage = memoryview(ctx)[info.usage[0] : info.usage[1]] if info.usage is not None else b"null"
-        edits: list[tuple[int, int, object]] = []
+        usage = view[info.usage[0] : info.usage[1]] if info.usage is not None else b"null"
+        replaced: list[tuple[int, int, bytes | memoryview]] = []
         added: list[bytes] = []
         if info.request_type is None:
-            added.append(_member(b"request_type", b'"generation_only"'))
+            added.append(b'"request_type":"generation_only"')
         else:
-            edits.append((info.request_type[0] - dp[0], info.request_type[1] - dp[0], b'"generation_only"'))
+            replaced.append((info.request_type[0], info.request_type[1], b'"generation_only"'))
         if info.ctx_usage is None:
-            added.append(_member(b"ctx_usage", bytes(usage)))
+            added.append(b'"ctx_usage":' + bytes(usage))
         else:
-            edits.append((info.ctx_usage[0] - dp[0], info.ctx_usage[1] - dp[0], usage))
-        edits.sort(key=lambda edit: edit[0])
-        params = memoryview(ctx)[dp[0] : dp[1]]
-        if added:
-            edits.append(self._append_members(ctx[dp[0] : dp[1]], (0, dp[1] - dp[0]), added))
-        return self._splice(params, edits)
+            replaced.append((info.ctx_usage[0], info.ctx_usage[1], usage))
+        replaced.sort(key=lambda edit: edit[0])
+        pieces: list[bytes | memoryview] = []
+        previous = dp[0]
+        for start, end, replacement in replaced:
+            pieces += [view[previous:start], replacement]
+            previous = end
+        if not added:
+            pieces.append(view[previous : dp[1]])
+            return pieces
+        pieces.append(view[previous : dp[1] - 1])
+        if not _is_empty_container(ctx, dp):
+            pieces.append(b",")
+        pieces += [b",".join(added), b"}"]
+        return pieces
 
     def build_generation_request(
         self,
@@ -262,10 +274,8 @@ class Relay:
         assert root is not None
         ctx_view = memoryview(ctx_response)
         edits: list[tuple[int, int, object]] = []
-        added: list[bytes | memoryview] = [
-            b'"disaggregated_params":',
-            self._generation_params(ctx_response, info),
-        ]
+        added: list[bytes | memoryview] = [b'"disaggregated_params":']
+        added += self._generation_params(ctx_response, ctx_view, info)
 
         if tokids_b64:
             b64 = info.prompt_token_ids_b64
