@@ -635,6 +635,11 @@ def test_generation_worker_killed_mid_stream(workers, loop_thread):
                 if received == 2:
                     victim.kill()  # round_robin sent this request to the victim
         assert received >= 2
+        assert eventually(
+            lambda: (
+                orch.metric("fastcore_orchestrator_requests_total", route="completions", status="502") == 1
+            )
+        )
         assert "mid-stream" in str(info.value) or "failed" in str(info.value)
         assert http_get(orch.url + "/health")[0] == 200
         assert run_request(client, "completions", True) == reference(workers, "completions", True)

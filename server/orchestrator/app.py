@@ -69,6 +69,13 @@ class ClientGone(Exception):
         self.response = response
 
 
+class RelayedStream(web.StreamResponse):
+    """A relayed SSE stream; ``upstream_failed`` is the status it would have had, had
+    its worker failed before the headers went out."""
+
+    upstream_failed: int | None = None
+
+
 class _Metrics:
     def __init__(self, registry: Registry, in_flight: Any) -> None:
         self.requests = registry.counter(
@@ -240,7 +247,8 @@ class Orchestrator:
         self.in_flight += 1
         try:
             response = await self._run_legs(request, chat)
-            status = response.status
+            # A stream cut by its worker went out as a 200; count it as what it was.
+            status = getattr(response, "upstream_failed", None) or response.status
             return response
         except HTTPError as exc:
             status = exc.status
@@ -438,7 +446,7 @@ class Orchestrator:
     async def _relay_stream(
         self, request: web.Request, worker: Worker, resp: aiohttp.ClientResponse, clock: _CpuClock
     ) -> web.StreamResponse:
-        out = web.StreamResponse(headers=SSE_HEADERS)
+        out = RelayedStream(headers=SSE_HEADERS)
         await out.prepare(request)
         sent = 0
         upstream_error: str | None = None
@@ -464,6 +472,7 @@ class Orchestrator:
             log.warning("%s", upstream_error)
             self._mark_failed(self.generation_pool, worker)
             # Headers are gone: the error travels in-band, as OpenAI streams do.
+            out.upstream_failed = 502
             with contextlib.suppress(ConnectionResetError):
                 await out.write(b"data: " + error_body(502, upstream_error) + b"\n\n")
         clock.finish()
