@@ -4,6 +4,7 @@ and parsed (json.loads -> pydantic -> model_dump_json) build the same bodies for
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 import pytest
@@ -270,3 +271,53 @@ def test_simd_parser_recovers_when_a_document_is_still_referenced():
     held = parser.parse(b'{"a": [1, 2]}', "body", 400)
     again = parser.parse(b'{"b": 3}', "body", 400)  # would raise on a parser whose proxies live on
     assert held["a"][1] == 2 and again["b"] == 3
+
+
+def _python_events(fn: Any) -> int:
+    """Python-level calls (functions and builtins) made by ``fn``: a loop over ids or bytes in
+    Python would show up here, whatever the machine's speed."""
+    events = 0
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        nonlocal events
+        events += 1
+
+    sys.setprofile(count)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return events
+
+
+@pytest.mark.parametrize(("tokids", "strip"), GATES, ids=GATE_IDS)
+def test_fast_mode_python_work_does_not_grow_with_the_prompt(jsonspan, tokids, strip):
+    if jsonspan.__name__.endswith("_py"):
+        pytest.skip("the pure-Python scanner twin is Python work per byte by design")
+    fast = FastRelay(tokids_b64=tokids, strip_history=strip, relay=Relay(jsonspan))
+
+    def pipeline(n_ids: int) -> Any:
+        ids = [i % 32000 for i in range(n_ids)]
+        messages = [{"role": "user", "content": "x" * (4 * n_ids)}, {"role": "user", "content": "last"}]
+        body = json.dumps({"model": "tiny", "messages": messages, "max_tokens": 8}).encode()
+        ctx = json.loads(context_response(True, b64=False))
+        ctx["usage"]["prompt_tokens"] = n_ids
+        if tokids:
+            ctx["prompt_token_ids"] = None
+            ctx["prompt_token_ids_b64"] = fastcore.encode_tokens(ids).decode()
+        else:
+            ctx["prompt_token_ids"] = ids
+        ctx_bytes = json.dumps(ctx).encode()
+        gen = context_response(True, b64=False, finish="length")
+
+        def run() -> None:
+            req = fast.read_client(body, True)
+            fast.context_request(req, DISAGG_ID)
+            fast.generation_request(req, fast.read_context(req, ctx_bytes))
+            fast.client_answer(req, gen)
+
+        run()  # warm: first-call imports and caches
+        return run
+
+    small, large = pipeline(1_000), pipeline(50_000)
+    assert _python_events(small) == _python_events(large)
