@@ -742,13 +742,37 @@ def test_health_is_503_until_every_pool_has_a_ready_worker(workers, loop_thread)
 # Several orchestrator processes on one port
 
 
-def test_workers_flag_runs_processes_on_one_port(workers):
+def test_orchestrator_from_yaml_with_two_processes_on_one_port(workers, tmp_path):
     port = free_port()
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"""
+hostname: 127.0.0.1
+port: 1                          # overridden by --port
+gen_tokids_ctxbytes: true
+gen_strip_message_history: true
+max_retries: 1
+request_timeout_s: 60
+context_servers:
+  router: {{type: round_robin}}
+  urls: ["{workers["context"][0].address}", "{workers["context"][1].address}"]
+generation_servers:
+  router: {{type: least_loaded}}
+  urls: ["{workers["generation"][0].address}", "{workers["generation"][1].address}"]
+"""
+    )
     argv = [
-        sys.executable, "-m", "server.cli", "orchestrator", "--port", str(port), "--workers", "2",
-        "--context-urls", workers["context"][0].address, "--generation-urls", workers["generation"][0].address,
-        "--gen-tokids-ctxbytes", "--gen-strip-message-history",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "server.cli",
+        "orchestrator",
+        "-c",
+        str(config),
+        "--port",
+        str(port),
+        "--workers",
+        "2",
+    ]
     env = {**os.environ, "FASTCORE_SHARED_SECRET": SECRET}
     proc = subprocess.Popen(argv, env=env)
     try:
@@ -757,8 +781,11 @@ def test_workers_flag_runs_processes_on_one_port(workers):
         children = _children(proc.pid)
         assert len(children) >= 2, children
         client = _client(url)
-        for _ in range(4):
+        for _ in range(3):
             assert run_request(client, "chat", False) == reference(workers, "chat", False)
+        # Fresh connections, which the kernel spreads over both processes.
+        for _ in range(3):
+            assert _client(url).completions.create(model="tiny", prompt=PROMPT, max_tokens=2).choices[0].text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         # multiprocessing's resource tracker leaves once the parent's pipe closes.
