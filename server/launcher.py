@@ -17,6 +17,7 @@ environment, so the workers take internal requests only from this orchestrator.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import signal
@@ -182,13 +183,18 @@ def stop_all(children: list[Child], grace_s: float = STOP_GRACE_S) -> None:
             child.proc.wait()
 
 
-def banner(args: argparse.Namespace) -> str:
+def served_model(url: str, default: str) -> str:
+    """The model id the workers serve (a directory's name is not always it)."""
+    try:
+        with urllib.request.urlopen(url + "/v1/models", timeout=5) as resp:
+            return str(json.loads(resp.read())["data"][0]["id"])
+    except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError):
+        return default
+
+
+def banner(args: argparse.Namespace, model: str) -> str:
     url = f"http://{args.host}:{args.port}"
-    body = (
-        '{"model": "'
-        + args.model
-        + '", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16}'
-    )
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16})
     return (
         f"fastcore-serve is up: {url}  (Ctrl-C stops everything)\n"
         f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
@@ -228,7 +234,8 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(POLL_S)
         if stop_requested:
             return 0
-        print(banner(args), flush=True)
+        model = served_model(f"http://{args.host}:{args.port}", args.model)
+        print(banner(args, model), flush=True)
         while not stop_requested:
             if _report_dead(children):
                 return 1
