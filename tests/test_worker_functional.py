@@ -306,6 +306,44 @@ async def test_kv_unreachable_or_expired_recomputes(
     assert after == before + 1
 
 
+async def test_kv_that_does_not_belong_is_not_used(
+    workers: dict[str, Worker], http: aiohttp.ClientSession
+) -> None:
+    path, body = ROUTES["completions"]
+    gen_worker = workers["generation"]
+
+    async def failures(reason: str) -> float:
+        return await metric(http, gen_worker, f'fastcore_worker_kv_fetch_failures_total{{reason="{reason}"}}')
+
+    before = {r: await failures(r) for r in ("mismatch", "no_endpoint")}
+    # Another prompt's KV (the checksum and length differ): refused, the prefill recomputed.
+    ctx = await context_leg(http, workers["context"], "completions", body, b64=False)
+    other = {**body, "prompt": "a different prompt"}
+    gen = generation_request("completions", other, ctx, False)
+    gen["prompt"] = workers["both"].engine.tokenizer.encode(other["prompt"])
+    status, got = await call(http, gen_worker.url + path, gen)
+    status, want = await call(http, workers["both"].url + path, other)
+    assert status == 200
+    # The forced first token came from the other prompt, so only the length and usage are comparable.
+    assert outcome("completions", got)["usage"] == outcome("completions", want)["usage"]
+    assert await failures("mismatch") == before["mismatch"] + 1
+    # A first token that is not the one the KV was made with: refused too.
+    ctx = await context_leg(http, workers["context"], "completions", body, b64=False)
+    gen = generation_request("completions", body, ctx, False)
+    gen["disaggregated_params"]["first_gen_tokens"] = [
+        (ctx["choices"][0]["disaggregated_params"]["first_gen_tokens"][0] + 1) % 256
+    ]
+    status, _ = await call(http, gen_worker.url + path, gen)
+    assert status == 200 and await failures("mismatch") == before["mismatch"] + 2
+    # No endpoint at all: recomputed without trying.
+    gen = generation_request("completions", body, ctx, False)
+    gen["disaggregated_params"]["ctx_info_endpoint"] = None
+    status, got = await call(http, gen_worker.url + path, gen)
+    status, want = await call(http, workers["both"].url + path, body)
+    assert outcome("completions", got) == outcome("completions", want)
+    assert await failures("no_endpoint") == before["no_endpoint"] + 1
+
+
 async def _async(value: Any) -> Any:
     return value
 

@@ -256,8 +256,13 @@ async def expire_parked_loop(state: WorkerState) -> None:
 
 
 async def fetch_kv(state: WorkerState, endpoint: str, prompt_ids: np.ndarray) -> KVPayload:
-    """The prompt's KV from a context worker; raises ``(reason, message)`` as a ``LookupError``."""
-    from .kv_transfer import KVTransferError, decode_kv, parse_prefix  # torch: only real engines fetch KV
+    """The prompt's KV from a context worker, or a :class:`KVFetchError` saying why not."""
+    from .kv_transfer import (  # torch: real engines only
+        KVTransferError,
+        check_header,
+        decode_kv,
+        parse_prefix,
+    )
 
     assert state.session is not None
     headers = {}
@@ -265,30 +270,33 @@ async def fetch_kv(state: WorkerState, endpoint: str, prompt_ids: np.ndarray) ->
         headers[SIGNATURE_HEADER] = kv_signature(state.settings.shared_secret, URL(endpoint).path)
     layout = state.engine.kv_layout
     num_tokens = int(prompt_ids.size)
-    limit = layout.payload_bytes(num_tokens) + (1 << 16) + 12
+    crc = prompt_checksum(prompt_ids)
     timeout = aiohttp.ClientTimeout(total=state.settings.kv_fetch_timeout_s)
     try:
         async with state.session.get(endpoint, headers=headers, timeout=timeout) as resp:
             if resp.status != 200:
                 raise KVFetchError(f"http_{resp.status}", f"context worker answered {resp.status}")
-            if resp.content_length is not None and resp.content_length > limit:
-                raise KVFetchError("malformed", f"KV body of {resp.content_length} bytes exceeds {limit}")
-            prefix = await resp.content.readexactly(12)
-            header_len = parse_prefix(prefix)
-            body = bytearray(prefix)
-            body += await resp.content.readexactly(header_len + layout.payload_bytes(num_tokens))
+            body = bytearray(await resp.content.readexactly(12))
+            header_len = parse_prefix(body)
+            body += await resp.content.readexactly(header_len)
+            try:
+                check_header(body[12:], layout, num_tokens=num_tokens, prompt_crc32=crc)
+            except KVTransferError as exc:
+                raise KVFetchError("mismatch", str(exc)) from None
+            # Sized by this worker's own model and prompt, never by the sender's header.
+            body += await resp.content.readexactly(layout.payload_bytes(num_tokens))
     except KVTransferError as exc:
         raise KVFetchError("malformed", str(exc)) from None
     except asyncio.IncompleteReadError as exc:
         raise KVFetchError(
             "malformed", f"KV body ended early ({len(exc.partial)} bytes short read)"
         ) from None
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
         raise KVFetchError("unreachable", f"{type(exc).__name__}: {exc}") from None
     try:
-        return decode_kv(body, layout, num_tokens=num_tokens, prompt_crc32=prompt_checksum(prompt_ids))
+        return decode_kv(body, layout, num_tokens=num_tokens, prompt_crc32=crc)
     except KVTransferError as exc:
-        raise KVFetchError("mismatch", str(exc)) from None
+        raise KVFetchError("malformed", str(exc)) from None
 
 
 class KVFetchError(LookupError):
@@ -310,6 +318,9 @@ def make_generation_handler(route: Route) -> Any:
             return response
         except HTTPError as exc:
             status = exc.status
+            raise
+        except asyncio.CancelledError:
+            status = 499  # the client went away (nginx's code for it)
             raise
         finally:
             state.metrics.requests.inc(route=route, status=str(status))

@@ -123,14 +123,16 @@ def parse_prefix(data: bytes | bytearray) -> int:
     return int(header_len)
 
 
-def decode_kv(data: bytes | bytearray, layout: KVLayout, *, num_tokens: int, prompt_crc32: int) -> KVPayload:
-    """Check ``data`` against this worker's model and the prompt, then view it as K and V."""
-    header_len = parse_prefix(data)
-    start = _PREFIX.size + header_len
-    if len(data) < start:
-        raise KVTransferError("KV body ends inside its header")
+def check_header(
+    raw: bytes | bytearray, layout: KVLayout, *, num_tokens: int, prompt_crc32: int
+) -> dict[str, Any]:
+    """The parsed header, if it matches this worker's model and the prompt.
+
+    A receiver calls it before reading the payload, so a body meant for
+    another model or prompt is refused without pulling its bytes.
+    """
     try:
-        header = json.loads(bytes(data[_PREFIX.size : start]))
+        header = json.loads(bytes(raw))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise KVTransferError(f"KV header is not JSON: {exc}") from None
     if not isinstance(header, dict):
@@ -146,9 +148,21 @@ def decode_kv(data: bytes | bytearray, layout: KVLayout, *, num_tokens: int, pro
     for key, want in expected.items():
         if header.get(key) != want:
             raise KVTransferError(f"KV header {key} is {header.get(key)!r}, this worker expects {want!r}")
-    first_token = header.get("first_token")
-    if not isinstance(first_token, int):
+    if not isinstance(header.get("first_token"), int):
         raise KVTransferError("KV header first_token is not an integer")
+    return header
+
+
+def decode_kv(data: bytes | bytearray, layout: KVLayout, *, num_tokens: int, prompt_crc32: int) -> KVPayload:
+    """Check ``data`` against this worker's model and the prompt, then view it as K and V."""
+    header_len = parse_prefix(data)
+    start = _PREFIX.size + header_len
+    if len(data) < start:
+        raise KVTransferError("KV body ends inside its header")
+    header = check_header(
+        data[_PREFIX.size : start], layout, num_tokens=num_tokens, prompt_crc32=prompt_crc32
+    )
+    first_token = header["first_token"]
     size = layout.payload_bytes(num_tokens)
     if len(data) - start != size:
         raise KVTransferError(f"KV payload is {len(data) - start} bytes, expected {size}")
@@ -170,4 +184,12 @@ def decode_kv(data: bytes | bytearray, layout: KVLayout, *, num_tokens: int, pro
     return KVPayload(k, v, prompt_crc32, first_token, first_logprob)
 
 
-__all__ = ["KVLayout", "KVPayload", "KVTransferError", "decode_kv", "encode_kv", "parse_prefix"]
+__all__ = [
+    "KVLayout",
+    "KVPayload",
+    "KVTransferError",
+    "check_header",
+    "decode_kv",
+    "encode_kv",
+    "parse_prefix",
+]
