@@ -137,7 +137,10 @@ class HealthChecker:
 
     async def _run(self) -> None:
         while True:
-            await self.check_all()
+            try:
+                await self.check_all()
+            except Exception:  # a checker that dies would freeze every worker's state
+                log.exception("health check round failed")
             await asyncio.sleep(self.interval)
 
     def start(self) -> None:
