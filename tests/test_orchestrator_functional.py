@@ -941,3 +941,36 @@ def test_client_disconnect_during_the_context_leg_cancels_it(workers, loop_threa
     finally:
         orch.stop()
         slow_context.stop()
+
+
+def test_a_dead_orchestrator_process_is_reported_and_takes_the_rest_down(workers):
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "server.cli", "orchestrator", "--port", str(port), "--workers", "2",
+        "--context-urls", workers["context"][0].address, "--generation-urls", workers["generation"][0].address,
+    ]  # fmt: skip
+    env = {**os.environ, "FASTCORE_SHARED_SECRET": SECRET}
+    proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", [proc], timeout=60)
+        # The serving processes, not multiprocessing's resource tracker.
+        servers = [pid for pid in _children(proc.pid) if b"spawn_main" in _cmdline(pid)]
+        assert len(servers) == 2
+        victim = servers[0]
+        os.kill(victim, signal.SIGKILL)
+        assert proc.wait(30) == 1
+        stderr = proc.stderr.read() if proc.stderr else ""
+        assert f"(pid {victim}) exited with code -9" in stderr
+        assert eventually(lambda: all(not os.path.exists(f"/proc/{p}") or _is_zombie(p) for p in servers))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
