@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
@@ -13,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import urllib.request
@@ -221,3 +223,35 @@ def test_help_of_each_command(command, capsys):
         assert "--generation-workers" in out and "--gen-tokids-ctxbytes" in out
     if command == ["orchestrator"]:
         assert "--config" in out and "--workers" in out
+
+
+def test_children_do_not_outlive_a_killed_launcher():
+    """SIGKILL leaves the launcher no chance to stop its children; the kernel does it (PR_SET_PDEATHSIG)."""
+    helper = textwrap.dedent(
+        """
+        import os, sys, time
+        from server.launcher import Child
+        child = Child("sleeper", [sys.executable, "-c", "import time; time.sleep(120)"], 0)
+        child.start(dict(os.environ))
+        print(child.proc.pid, flush=True)
+        time.sleep(120)
+        """
+    )
+    launcher_proc = subprocess.Popen([sys.executable, "-c", helper], stdout=subprocess.PIPE, text=True)
+    try:
+        assert launcher_proc.stdout is not None
+        child_pid = int(launcher_proc.stdout.readline())
+        assert os.path.exists(f"/proc/{child_pid}")
+        launcher_proc.kill()
+        launcher_proc.wait()
+        deadline = time.monotonic() + 10
+        while (
+            os.path.exists(f"/proc/{child_pid}") and open(f"/proc/{child_pid}/stat").read().split()[2] != "Z"
+        ):
+            assert time.monotonic() < deadline, "the child outlived its launcher"
+            time.sleep(0.05)
+    finally:
+        if launcher_proc.poll() is None:
+            launcher_proc.kill()
+        with contextlib.suppress(ProcessLookupError, NameError):
+            os.kill(child_pid, signal.SIGKILL)
