@@ -125,12 +125,24 @@ cdef extern from *:
      * non-ASCII byte: everything else in a string needs no decision. The
      * signed compare with 0x20 catches controls and bytes >= 0x80 at once. */
     static inline Py_ssize_t fc_js_plain_run(const uint8_t *p, Py_ssize_t i, Py_ssize_t n) {
+    #if FC_JS_SSE2
+        const __m128i quote = _mm_set1_epi8('"'), backslash = _mm_set1_epi8(FC_JS_BACKSLASH);
+        const __m128i space = _mm_set1_epi8(0x20);
+        /* Keys, short values and the bytes after an escape mostly end within
+         * 16 bytes: probe those inline before paying for the AVX2 call. */
+        if (i + 16 <= n) {
+            __m128i v = _mm_loadu_si128((const __m128i *)(p + i));
+            __m128i hit = _mm_or_si128(_mm_or_si128(_mm_cmpeq_epi8(v, quote), _mm_cmpeq_epi8(v, backslash)),
+                                       _mm_cmplt_epi8(v, space));
+            int mask = _mm_movemask_epi8(hit);
+            if (mask) return i + __builtin_ctz((unsigned)mask);
+            i += 16;
+        }
+    #endif
     #if FC_JS_AVX2
         if (fc_js_avx2 && n - i >= 64) i = fc_js_plain_run_avx2(p, i, n);
     #endif
     #if FC_JS_SSE2
-        const __m128i quote = _mm_set1_epi8('"'), backslash = _mm_set1_epi8(FC_JS_BACKSLASH);
-        const __m128i space = _mm_set1_epi8(0x20);
         while (i + 16 <= n) {
             __m128i v = _mm_loadu_si128((const __m128i *)(p + i));
             __m128i hit = _mm_or_si128(_mm_or_si128(_mm_cmpeq_epi8(v, quote), _mm_cmpeq_epi8(v, backslash)),
@@ -150,11 +162,19 @@ cdef extern from *:
 
     /* First index in [i, n) holding '"' or a backslash (strings, validate=False). */
     static inline Py_ssize_t fc_js_quote_or_backslash(const uint8_t *p, Py_ssize_t i, Py_ssize_t n) {
+    #if FC_JS_SSE2
+        const __m128i quote = _mm_set1_epi8('"'), backslash = _mm_set1_epi8(FC_JS_BACKSLASH);
+        if (i + 16 <= n) {
+            __m128i v = _mm_loadu_si128((const __m128i *)(p + i));
+            int mask = _mm_movemask_epi8(_mm_or_si128(_mm_cmpeq_epi8(v, quote), _mm_cmpeq_epi8(v, backslash)));
+            if (mask) return i + __builtin_ctz((unsigned)mask);
+            i += 16;
+        }
+    #endif
     #if FC_JS_AVX2
         if (fc_js_avx2 && n - i >= 64) i = fc_js_quote_or_backslash_avx2(p, i, n);
     #endif
     #if FC_JS_SSE2
-        const __m128i quote = _mm_set1_epi8('"'), backslash = _mm_set1_epi8(FC_JS_BACKSLASH);
         while (i + 16 <= n) {
             __m128i v = _mm_loadu_si128((const __m128i *)(p + i));
             int mask = _mm_movemask_epi8(_mm_or_si128(_mm_cmpeq_epi8(v, quote), _mm_cmpeq_epi8(v, backslash)));
@@ -416,7 +436,7 @@ cdef int skip_container(Scanner *s, Py_ssize_t pos, Py_ssize_t *end) noexcept no
     """Past the container opening at ``pos``, by bracket counting only (``validate=False``)."""
     cdef const uint8_t *buf = s.buf
     cdef Py_ssize_t n = s.n, i = pos, depth = 0
-    cdef uint8_t c
+    cdef uint8_t c = 0
     cdef bint escaped
     cdef int code
     while True:
