@@ -14,6 +14,7 @@ import multiprocessing
 import signal
 import sys
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 from .config import ConfigError, OrchestratorConfig, build_config, load_config_file, merge_overrides
@@ -111,9 +112,20 @@ async def serve(config: OrchestratorConfig, *, reuse_port: bool) -> None:
         await runner.cleanup()
 
 
+def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
+    """uvloop when it is installed (the ``server`` extra has it): the same aiohttp code
+    spends less CPU per request on it; plain asyncio otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+    else:
+        uvloop.run(main)
+
+
 def _serve_process(config_data: dict[str, Any], log_level: str) -> None:
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
-    asyncio.run(serve(OrchestratorConfig.model_validate(config_data), reuse_port=True))
+    run_event_loop(serve(OrchestratorConfig.model_validate(config_data), reuse_port=True))
 
 
 def _run_processes(config: OrchestratorConfig, log_level: str) -> int:
@@ -168,5 +180,5 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if config.workers > 1:
         return _run_processes(config, args.log_level)
-    asyncio.run(serve(config, reuse_port=False))
+    run_event_loop(serve(config, reuse_port=False))
     return 0
