@@ -604,3 +604,41 @@ async def test_a_stopped_engine_is_unhealthy_and_refuses_work(http: aiohttp.Clie
         assert worker.engine.kv_used_tokens == 0
     finally:
         await worker.runner.cleanup()
+
+
+async def test_engine_failures_reach_the_client_as_errors(http: aiohttp.ClientSession) -> None:
+    """Fault injection on a live worker: a forward that raises, at prefill and mid-stream."""
+    worker = await launch("both")
+    model = worker.engine.model
+    real_step = model.forward_step
+    calls = {"n": 0, "fail_from": 0}
+
+    def failing_step(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] > calls["fail_from"]:
+            raise RuntimeError("injected fault")
+        return real_step(*args, **kwargs)
+
+    model.forward_step = failing_step  # type: ignore[method-assign]
+    try:
+        url = worker.url + "/v1/completions"
+        status, resp = await call(http, url, COMPLETION_BODY)
+        assert status == 500 and resp["error"]["message"] == "prefill failed: injected fault"
+        assert resp["error"]["code"] == "engine_error"
+        # Mid-stream: the prefill and 3 decode steps work, then the 4th fails.
+        calls.update(n=0, fail_from=4)
+        async with http.post(url, json={**COMPLETION_BODY, "stream": True}) as streamed:
+            assert streamed.status == 200
+            events = [e for e in (await streamed.text()).split("\n\n") if e]
+        chunks = [json.loads(e[6:]) for e in events]
+        texts = [c["choices"][0]["text"] for c in chunks if "choices" in c]
+        assert len(texts) == 4 and all(texts)  # one token from the prefill, three from decode steps
+        assert chunks[-1]["error"]["message"] == "decode step failed: injected fault"
+        assert "data: [DONE]" not in events
+        assert worker.engine.engine_errors_total == 2 and worker.engine.kv_used_tokens == 0
+        # The loop lives on.
+        model.forward_step = real_step  # type: ignore[method-assign]
+        status, resp = await call(http, url, COMPLETION_BODY)
+        assert status == 200 and resp["choices"][0]["finish_reason"] == "length"
+    finally:
+        await worker.runner.cleanup()
