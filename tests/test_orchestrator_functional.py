@@ -892,11 +892,12 @@ def test_malformed_context_response_is_502(workers, loop_thread, mode):
         garbage.stop()
 
 
-def test_silent_worker_times_out_with_504(workers, loop_thread):
-    silent = RecordingProxy(loop_thread, workers["generation"][0].url, delay_s=3.0)
-    config = make_config(
-        [workers["context"][0].address], [f"127.0.0.1:{silent.port}"], request_timeout_s=0.5, max_retries=0
-    )
+@pytest.mark.parametrize("leg", ["context", "generation"])
+def test_silent_worker_times_out_with_504(workers, loop_thread, leg):
+    silent = RecordingProxy(loop_thread, workers[leg][0].url, delay_s=3.0)
+    pools = {"context": [workers["context"][0].address], "generation": [workers["generation"][0].address]}
+    pools[leg] = [f"127.0.0.1:{silent.port}"]
+    config = make_config(pools["context"], pools["generation"], request_timeout_s=0.5, max_retries=1)
     orch = RunningOrchestrator(loop_thread, config)
     try:
         wait_healthy(orch.url, timeout=30)
@@ -904,8 +905,14 @@ def test_silent_worker_times_out_with_504(workers, loop_thread):
         status, data = http_post(
             orch.url + "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 4}).encode()
         )
-        assert status == 504 and "timed out" in data["error"]["message"]
+        assert (
+            status == 504
+            and f"{leg} worker" in data["error"]["message"]
+            and "timed out" in data["error"]["message"]
+        )
         assert time.monotonic() - started < 3.0
+        # A POST that may still be running is not sent again.
+        assert len(silent.bodies) == 1
     finally:
         orch.stop()
         silent.stop()
