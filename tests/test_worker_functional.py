@@ -642,3 +642,40 @@ async def test_engine_failures_reach_the_client_as_errors(http: aiohttp.ClientSe
         assert status == 200 and resp["choices"][0]["finish_reason"] == "length"
     finally:
         await worker.runner.cleanup()
+
+
+async def test_the_official_openai_client_reads_every_shape(
+    workers: dict[str, Worker], http: aiohttp.ClientSession
+) -> None:
+    from openai import AsyncOpenAI, NotFoundError
+
+    worker = workers["both"]
+    client = AsyncOpenAI(base_url=worker.url + "/v1", api_key="unused", max_retries=0)
+    try:
+        _, raw_chat = await call(http, worker.url + "/v1/chat/completions", CHAT_BODY)
+        want = outcome("chat", raw_chat)
+        chat = await client.chat.completions.create(**CHAT_BODY, logprobs=True, top_logprobs=2)
+        assert chat.choices[0].message.content == want["text"] and chat.choices[0].finish_reason == "length"
+        assert chat.usage is not None and chat.usage.completion_tokens == 24
+        assert chat.choices[0].logprobs is not None and len(chat.choices[0].logprobs.content or []) == 24
+        text, usage = "", None
+        stream = await client.chat.completions.create(
+            **CHAT_BODY, stream=True, stream_options={"include_usage": True}
+        )
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            else:
+                usage = chunk.usage
+        assert (
+            text == want["text"] and usage is not None and usage.total_tokens == want["usage"]["total_tokens"]
+        )
+        _, raw_completion = await call(http, worker.url + "/v1/completions", COMPLETION_BODY)
+        completion = await client.completions.create(**COMPLETION_BODY)
+        assert completion.choices[0].text == outcome("completions", raw_completion)["text"]
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["tiny"]
+        with pytest.raises(NotFoundError, match="does not exist"):
+            await client.completions.create(**{**COMPLETION_BODY, "model": "gpt-5"})
+    finally:
+        await client.close()
