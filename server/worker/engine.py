@@ -279,12 +279,12 @@ class TorchEngine:
             else:
                 token, lp = self._sample(logits[-1:], [req])[0]
                 forced, logprobs = [token], [lp]
+                self.generated_tokens_total += 1
         for token, lp in zip(forced, logprobs):
             delta = req.processor.add(token, lp)
             outputs.append((req, delta))
             if req.processor.finished:
                 break
-        self.generated_tokens_total += len(forced)
         if req.processor.finished:
             self._release(req)
             return
