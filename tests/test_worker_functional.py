@@ -393,6 +393,9 @@ BAD_INPUTS = [
     ("chat", {"messages": [], "model": "tiny"}, 400, "'messages' must be a non-empty list", "messages"),
     ("chat", {"messages": [{"role": "robot", "content": "x"}]}, 400, "role must be one of", "messages"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "'n' must be 1", "n"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 0.5}, 400,
+     r"'frequency_penalty' is not supported by this worker \(got 0.5\)", "frequency_penalty"),
+    ("completions", {"prompt": "x", "echo": True}, 400, "'echo' is not supported", "echo"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "'temperature' must be a number", "temperature"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "'max_tokens' must be >= 1", "max_tokens"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}, 400, "exceeds this model's context", "max_tokens"),
@@ -444,7 +447,9 @@ async def test_engine_survives_bad_input(workers: dict[str, Worker], http: aioht
         await call(
             http, url + ROUTES[route][0], body if isinstance(body, bytes) else {"model": "tiny", **body}
         )
-    status, resp = await call(http, url + "/v1/completions", COMPLETION_BODY)
+    # Neutral values of the refused fields are fine: clients send them by default.
+    neutral = {"n": None, "presence_penalty": 0.0, "frequency_penalty": 0, "logit_bias": {}, "echo": False}
+    status, resp = await call(http, url + "/v1/completions", {**COMPLETION_BODY, **neutral})
     assert status == 200 and resp["choices"][0]["finish_reason"] == "length"
     async with http.get(url + "/health") as health:
         assert health.status == 200

@@ -264,6 +264,21 @@ def _prompt(
     return np.asarray(tokenizer.encode(text, add_special_tokens=False), dtype=np.int32), False
 
 
+# Fields this worker does not implement, with the values that mean "off": anything
+# else is refused rather than silently ignored.
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "logit_bias": (None, {}),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "response_format": (None, {"type": "text"}),
+}
+
+
 def parse_request(
     raw: bytes,
     route: Route,
@@ -277,8 +292,11 @@ def parse_request(
     if model != model_name:
         raise HTTPError(404, f"model {model!r} does not exist; this worker serves {model_name!r}",
                         param="model", code="model_not_found")  # fmt: skip
-    n = body.get("n", 1)
-    if n != 1:
+    for name, neutral in _UNSUPPORTED.items():
+        if body.get(name) not in neutral:
+            raise bad_request(f"'{name}' is not supported by this worker (got {body[name]!r})", name)
+    n = body.get("n")
+    if n is not None and n != 1:
         raise bad_request(f"'n' must be 1 (got {n!r}): this worker returns one choice per request", "n")
     stream = _bool_field(body, "stream")
     stream_options = body.get("stream_options")
