@@ -33,7 +33,8 @@ debug:          ## ASan/UBSan build of the extensions, in place
 test-debug: debug  ## compiled-twin tests under the sanitizers
 	# test_codec.py whole: its per-SIMD-kernel tests have ids like [avx2], not [c].
 	$(SAN_ENV) FASTCORE_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_codec.py
-	$(SAN_ENV) FASTCORE_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_jsonspan.py -k "c]"
+	# Scanner and relay whole: most of their ids are [c-...], and the twin-agreement tests have none.
+	$(SAN_ENV) FASTCORE_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_jsonspan.py tests/test_relay.py
 
 fuzz: debug     ## hypothesis fuzz of the scanner under the sanitizers
 	$(SAN_ENV) $(PY) -m tests.fuzz_jsonspan --seconds $${FUZZ_SECONDS:-120}
