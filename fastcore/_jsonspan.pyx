@@ -932,7 +932,7 @@ def find_spans(body, paths, *, validate=True):
 
 def find_span(body, path, *, validate=True):
     """Half-open byte span of the value at ``path`` (a string's span includes its quotes), or ``None``."""
-    return _find(body, [path], validate, False)[0]
+    return _find(body, (path,), validate, False)[0]
 
 
 def find_member_spans(body, paths, *, validate=True):

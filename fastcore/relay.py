@@ -324,6 +324,8 @@ class Relay:
     def strip_internal_fields(self, body: bytes) -> bytes:
         """``body`` (a worker's response) without ``disaggregated_params`` in any choice and
         without top-level ``prompt_token_ids`` / ``prompt_token_ids_b64``."""
+        if not isinstance(body, (bytes, bytearray)):
+            body = bytes(body)  # rfind and friends below
         choices = 8
         while True:
             paths: list[tuple[str | int, ...]] = [
@@ -341,7 +343,7 @@ class Relay:
             raise RelayError("the response body must be a JSON object")
         members = sorted(span for span in spans[1:3] + spans[4:] if span is not None)
         if not members:
-            return bytes(body)
+            return body if isinstance(body, bytes) else bytes(body)
         return self._splice(body, self._deletions(body, members))
 
     @staticmethod

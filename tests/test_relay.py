@@ -563,3 +563,23 @@ def test_module_functions_use_the_active_twin() -> None:
     assert json.loads(relay_module.build_context_request(b"{}", disagg_request_id=5, return_b64=False))[
         "disaggregated_params"
     ] == {"request_type": "context_only", "disagg_request_id": 5}
+
+
+def test_bytes_like_bodies(relay: Relay) -> None:
+    """bytearray and memoryview bodies (e.g. a reused read buffer) give the same bytes out."""
+    expected_context = relay.build_context_request(CHAT, disagg_request_id=9, return_b64=True)
+    expected_generation = relay.build_generation_request(CHAT, CTX, tokids_b64=True, strip_history=True)
+    expected_stripped = relay.strip_internal_fields(CTX)
+    for kind in (bytearray, memoryview):
+        assert (
+            relay.build_context_request(kind(CHAT), disagg_request_id=9, return_b64=True) == expected_context
+        )
+        assert (
+            relay.build_generation_request(kind(CHAT), kind(CTX), tokids_b64=True, strip_history=True)
+            == expected_generation
+        )
+        assert relay.strip_internal_fields(kind(CTX)) == expected_stripped
+        untouched = relay.strip_internal_fields(kind(b'{"a": 1}'))
+        assert untouched == b'{"a": 1}' and type(untouched) is bytes
+    body = b'{"a": 1}'
+    assert relay.strip_internal_fields(body) is body  # nothing to cut: no copy
