@@ -13,6 +13,7 @@ bench: build
 	$(PY) -m bench.codec
 	$(PY) -m bench.relay
 	$(PY) -m bench.worker
+	$(PY) -m bench.orchestrator
 
 lint:
 	ruff check fastcore server bench tests
