@@ -32,6 +32,7 @@ from . import _jsonspan_impl
 from .errors import JSONSpanError, RelayError, TokenDecodeError
 
 Span = tuple[int, int]
+BytesLike = bytes | bytearray | memoryview
 
 #: Fields only the orchestrator may set. ``prompt_token_ids`` is internal on
 #: chat only: on completions it is not part of our protocol's inputs, so the
@@ -97,11 +98,11 @@ class ContextResponseInfo(NamedTuple):
     ctx_usage: Span | None
 
 
-def _is_object(body: bytes | bytearray | memoryview, span: Span | None) -> bool:
+def _is_object(body: BytesLike, span: Span | None) -> bool:
     return span is not None and body[span[0]] == 0x7B  # '{'
 
 
-def _is_empty_container(body: bytes | bytearray | memoryview, span: Span) -> bool:
+def _is_empty_container(body: BytesLike, span: Span) -> bool:
     return _WS.match(body, span[0] + 1).end() == span[1] - 1  # type: ignore[union-attr]
 
 
@@ -122,7 +123,7 @@ class Relay:
     # -- client bodies --------------------------------------------------------------------------
 
     def _scan_client(
-        self, body: bytes, chat: bool | None, extra: tuple[tuple[str | int, ...], ...] = ()
+        self, body: BytesLike, chat: bool | None, extra: tuple[tuple[str | int, ...], ...] = ()
     ) -> tuple[bool, list[Span | None]]:
         spans = self._find_spans(body, _CLIENT_PATHS + extra)
         if not _is_object(body, spans[_ROOT]):
@@ -139,12 +140,12 @@ class Relay:
                 raise RelayError(f"'{name}' is an internal field and may not be sent in {route}", field=name)
         return chat, spans
 
-    def check_client_body(self, body: bytes, *, chat: bool) -> None:
+    def check_client_body(self, body: BytesLike, *, chat: bool) -> None:
         """Raise unless ``body`` is a JSON object free of internal fields (PROTOCOL.md, "Rules")."""
         self._scan_client(body, chat)
 
     def build_context_request(
-        self, client_body: bytes, *, disagg_request_id: int, return_b64: bool, chat: bool | None = None
+        self, client_body: BytesLike, *, disagg_request_id: int, return_b64: bool, chat: bool | None = None
     ) -> bytes:
         """Leg (1): the client's body with ``stream`` false, ``stream_options`` null, and
         ``disaggregated_params`` added.
@@ -177,7 +178,7 @@ class Relay:
         return self._splice(client_body, edits)
 
     @staticmethod
-    def _append_members(body: bytes, obj: Span, members: list[bytes]) -> tuple[int, int, bytes]:
+    def _append_members(body: BytesLike, obj: Span, members: list[bytes]) -> tuple[int, int, bytes]:
         """The edit that adds ``members`` before the closing brace of the object at ``obj``."""
         text = b",".join(members)
         if not _is_empty_container(body, obj):
@@ -186,7 +187,7 @@ class Relay:
 
     # -- context responses ----------------------------------------------------------------------
 
-    def parse_context_response(self, ctx_response: bytes) -> ContextResponseInfo:
+    def parse_context_response(self, ctx_response: BytesLike) -> ContextResponseInfo:
         """Read leg (2): finish reason and the spans leg (3) needs, in one validating pass."""
         try:
             spans = self._find_spans(ctx_response, _CONTEXT_PATHS)
@@ -212,7 +213,7 @@ class Relay:
 
     @staticmethod
     def _generation_params(
-        ctx: bytes, view: memoryview, info: ContextResponseInfo
+        ctx: BytesLike, view: memoryview, info: ContextResponseInfo
     ) -> list[bytes | memoryview]:
         """Leg (3)'s ``disaggregated_params`` as pieces: views of the context response and short bytes."""
         dp = info.disaggregated_params
@@ -249,8 +250,8 @@ class Relay:
 
     def build_generation_request(
         self,
-        client_body: bytes,
-        ctx_response: bytes,
+        client_body: BytesLike,
+        ctx_response: BytesLike,
         *,
         tokids_b64: bool,
         strip_history: bool,
@@ -321,7 +322,7 @@ class Relay:
 
     # -- responses to clients -------------------------------------------------------------------
 
-    def strip_internal_fields(self, body: bytes) -> bytes:
+    def strip_internal_fields(self, body: BytesLike) -> bytes:
         """``body`` (a worker's response) without ``disaggregated_params`` in any choice and
         without top-level ``prompt_token_ids`` / ``prompt_token_ids_b64``."""
         if not isinstance(body, (bytes, bytearray)):
@@ -347,7 +348,7 @@ class Relay:
         return self._splice(body, self._deletions(body, members))
 
     @staticmethod
-    def _deletions(body: bytes, members: list[Span]) -> list[tuple[int, int, bytes]]:
+    def _deletions(body: bytes | bytearray, members: list[Span]) -> list[tuple[int, int, bytes]]:
         """Edits deleting ``members`` (key-to-value spans, sorted) and exactly the commas they leave."""
         runs: list[list[int]] = []
         for start, end in members:

@@ -196,10 +196,10 @@ def test_generation_request_matches_reference(
         original = relay.scanner.find_span(ctx, ("prompt_token_ids_b64",))
         assert out[relayed[0] : relayed[1]] == ctx[original[0] : original[1]]
     # Reusing a parsed ContextResponseInfo gives the same bytes.
-    info = relay.parse_context_response(ctx)
+    parsed = relay.parse_context_response(ctx)
     assert (
         relay.build_generation_request(
-            client, ctx, tokids_b64=tokids_b64, strip_history=strip_history, ctx_info=info
+            client, ctx, tokids_b64=tokids_b64, strip_history=strip_history, ctx_info=parsed
         )
         == out
     )
