@@ -110,3 +110,30 @@ def test_finish_early_and_misuse() -> None:
     assert last.finish_reason == "not_finished" and last.text == "\ufffd"
     with pytest.raises(RuntimeError, match="finished request"):
         proc.add(65)
+
+
+@given(
+    st.text(alphabet="abcSTOP é€", min_size=1, max_size=40),
+    st.lists(st.text(alphabet="abcSTOP é€", min_size=1, max_size=4), max_size=3),
+)
+def test_streamed_text_is_the_text_cut_at_the_earliest_stop(text: str, stops: list[str]) -> None:
+    tokens = list(text.encode())
+    deltas = process(tokens, stop=stops, max_tokens=len(tokens))
+    merged = merge_deltas(deltas)
+    # Brute force: generation stops at the first token after which some stop string is in the
+    # (whole-character) text, cut at the earliest such occurrence.
+    want, stopped = text, False
+    raw = text.encode()
+    for end in range(1, len(raw) + 1):
+        prefix = raw[:end].decode(errors="ignore")
+        cuts = [i for i in (prefix.find(s) for s in stops) if i >= 0]
+        if cuts:
+            want, stopped = prefix[: min(cuts)], True
+            break
+    assert merged["text"] == want
+    assert merged["finish_reason"] == ("stop" if stopped else "length")
+    # Never streamed past the cut, even briefly.
+    streamed = ""
+    for d in deltas:
+        streamed += d.text
+        assert want.startswith(streamed)
