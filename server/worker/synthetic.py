@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -168,14 +169,14 @@ class SyntheticEngine:
         assert self._loop is not None, "engine not started"
         task = self._loop.create_task(self._run(req))
         self._tasks[req.request_id] = task
-        task.add_done_callback(lambda _t, rid=req.request_id: self._finished(rid))
+        task.add_done_callback(functools.partial(self._finished, req.request_id))
 
     def abort(self, request_id: str) -> None:
         task = self._tasks.get(request_id)
         if task is not None:
             task.cancel()
 
-    def _finished(self, request_id: str) -> None:
+    def _finished(self, request_id: str, _task: asyncio.Task[None]) -> None:
         self._tasks.pop(request_id, None)
         self._reserved.discard(request_id)
 
