@@ -634,3 +634,32 @@ def test_token_b64_range_is_checked(jsonspan: ModuleType) -> None:
     with pytest.raises(ValueError, match="0 <= start <= end"):
         jsonspan.check_token_b64(b"AAAA", 2, 8)
     assert jsonspan.check_token_b64(b"") == 0
+
+
+# -- the SIMD kernels ------------------------------------------------------------------------------------
+
+
+def test_kernels_agree_on_every_byte_in_every_lane(both_twins: tuple[ModuleType, ModuleType]) -> None:
+    """Each byte value at lane edges of the 16- and 64-byte steps and in the scalar tail, per kernel."""
+    py, c = both_twins
+    alphabet = set(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")
+    kernels = ["sse2", "avx2"] if c.KERNEL == "avx2" else [c.KERNEL]
+    try:
+        for kernel in kernels:
+            if kernel != "scalar":
+                c._set_kernel(kernel)
+            for position in (0, 15, 16, 31, 32, 63, 64, 79, 100, 140, 143):
+                for value in range(256):
+                    data = bytearray(b"QUJD" * 36)
+                    data[position] = value
+                    result = outcome(c, "check_token_b64", bytes(data))
+                    assert result == outcome(py, "check_token_b64", bytes(data)), (kernel, position, value)
+                    assert (result[0] == "ok") == (value in alphabet), (kernel, position, value)
+                    body = b'["' + bytes(data) + b'"]'
+                    for validate in (True, False):
+                        assert outcome(c, "find_spans", body, [(0,)], validate=validate) == outcome(
+                            py, "find_spans", body, [(0,)], validate=validate
+                        ), (kernel, position, value, validate)
+    finally:
+        if c.KERNEL != kernels[-1] and "avx2" in kernels:
+            c._set_kernel("avx2")
