@@ -373,7 +373,7 @@ def throughput(size: int, min_time: float, scanner: Any) -> list[list[Any]]:
     cases = {
         "token-heavy (b64 ctx response)": (bodies["ctx_b64"], relay._CONTEXT_PATHS),
         "token-heavy (id-list ctx response)": (bodies["ctx_list"], relay._CONTEXT_PATHS),
-        "text-heavy (chat request)": (bodies["client_body"], (*relay._CLIENT_PATHS, ("messages", -1))),
+        "text-heavy (chat request)": (bodies["client_body"], relay._CLIENT_PATHS),
     }
     return [
         [name, f"{len(body) / 1024:,.0f} KiB"] + [f"{v:.2f}" for v in rates(body, paths, scanner, min_time)]

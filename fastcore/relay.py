@@ -17,6 +17,9 @@ Errors:
   response cannot be relayed. The orchestrator answers 502; a malformed
   context response raises this too, with the ``JSONSpanError`` as its cause.
 
+An orchestrator reads each client body once (:func:`read_client_body`) and
+hands the result to both legs; the builders also take raw bytes.
+
 The module-level functions use the active scanner twin (``fastcore.backend``);
 ``Relay(scanner_module)`` binds another one (the tests run both).
 """
@@ -51,14 +54,19 @@ _COMMON_FINISH_REASONS: dict[bytes, str | None] = {
 _WS = re.compile(rb"[ \t\n\r]*")
 _MEMBER_SEPARATOR = re.compile(rb"[ \t\n\r]*,[ \t\n\r]*")
 
+# Everything either leg needs from a client body, found in one pass.
 _CLIENT_PATHS = (
     (),
     ("messages",),
     ("disaggregated_params",),
     ("prompt_token_ids_b64",),
     ("prompt_token_ids",),
+    ("stream",),
+    ("stream_options",),
+    ("prompt",),
+    ("messages", -1),
 )
-_ROOT, _MESSAGES, _DISAGG, _B64, _IDS = range(5)
+_ROOT, _MESSAGES, _DISAGG, _B64, _IDS, _STREAM, _STREAM_OPTIONS, _PROMPT, _LAST_MESSAGE = range(9)
 
 _DP = ("choices", 0, "disaggregated_params")
 _CONTEXT_PATHS = (
@@ -71,6 +79,15 @@ _CONTEXT_PATHS = (
     (*_DP, "request_type"),
     (*_DP, "ctx_usage"),
 )
+
+
+class ClientBody(NamedTuple):
+    """A client body checked and scanned once (:meth:`Relay.read_client_body`), for both legs."""
+
+    body: BytesLike
+    chat: bool
+    #: spans of ``_CLIENT_PATHS``
+    spans: tuple[Span | None, ...]
 
 
 class ContextResponseError(RelayError):
@@ -122,10 +139,15 @@ class Relay:
 
     # -- client bodies --------------------------------------------------------------------------
 
-    def _scan_client(
-        self, body: BytesLike, chat: bool | None, extra: tuple[tuple[str | int, ...], ...] = ()
-    ) -> tuple[bool, list[Span | None]]:
-        spans = self._find_spans(body, _CLIENT_PATHS + extra)
+    def read_client_body(self, body: BytesLike, *, chat: bool | None = None) -> ClientBody:
+        """Validate ``body`` and find what both legs need, once.
+
+        Raises :class:`fastcore.JSONSpanError` (malformed, or a repeated key the
+        relay uses) or :class:`fastcore.RelayError` (not an object; an internal
+        field). ``chat`` says which route the body came in on; pass it (``None``
+        guesses from the presence of ``messages``, which a client controls).
+        """
+        spans = tuple(self._find_spans(body, _CLIENT_PATHS))
         if not _is_object(body, spans[_ROOT]):
             raise RelayError("the request body must be a JSON object")
         if chat is None:
@@ -138,32 +160,43 @@ class Relay:
             if spans[index] is not None and (chat or index != _IDS):
                 route = "chat completion requests" if index == _IDS else "requests"
                 raise RelayError(f"'{name}' is an internal field and may not be sent in {route}", field=name)
-        return chat, spans
+        return ClientBody(body, chat, spans)
+
+    def _client(self, client_body: BytesLike | ClientBody, chat: bool | None) -> ClientBody:
+        if isinstance(client_body, ClientBody):
+            return client_body
+        return self.read_client_body(client_body, chat=chat)
 
     def check_client_body(self, body: BytesLike, *, chat: bool) -> None:
         """Raise unless ``body`` is a JSON object free of internal fields (PROTOCOL.md, "Rules")."""
-        self._scan_client(body, chat)
+        self.read_client_body(body, chat=chat)
 
     def build_context_request(
-        self, client_body: BytesLike, *, disagg_request_id: int, return_b64: bool, chat: bool | None = None
+        self,
+        client_body: BytesLike | ClientBody,
+        *,
+        disagg_request_id: int,
+        return_b64: bool,
+        chat: bool | None = None,
     ) -> bytes:
         """Leg (1): the client's body with ``stream`` false, ``stream_options`` null, and
         ``disaggregated_params`` added.
 
-        ``chat`` says which route the body came in on; pass it (``None`` guesses
-        from the presence of ``messages``, which a client controls).
+        ``client_body``: raw bytes (``chat`` as in :meth:`read_client_body`), or
+        the :class:`ClientBody` read from them, which spares this leg and the
+        next a scan.
         """
         if isinstance(disagg_request_id, bool) or not isinstance(disagg_request_id, int):
             raise TypeError("disagg_request_id must be an int")
-        _, spans = self._scan_client(client_body, chat, (("stream",), ("stream_options",)))
-        stream, stream_options = spans[len(_CLIENT_PATHS) :]
+        client = self._client(client_body, chat)
+        body, spans = client.body, client.spans
         root = spans[_ROOT]
         assert root is not None
         edits: list[tuple[int, int, bytes]] = []
         added: list[bytes] = []
         for span, name, value in (
-            (stream, b"stream", b"false"),
-            (stream_options, b"stream_options", b"null"),
+            (spans[_STREAM], b"stream", b"false"),
+            (spans[_STREAM_OPTIONS], b"stream_options", b"null"),
         ):
             if span is None:
                 added.append(_member(name, value))
@@ -174,8 +207,8 @@ class Relay:
             params += b',"return_prompt_token_ids_b64":true'
         added.append(_member(b"disaggregated_params", params + b"}"))
         edits.sort()
-        edits.append(self._append_members(client_body, root, added))
-        return self._splice(client_body, edits)
+        edits.append(self._append_members(body, root, added))
+        return self._splice(body, edits)
 
     @staticmethod
     def _append_members(body: BytesLike, obj: Span, members: list[bytes]) -> tuple[int, int, bytes]:
@@ -250,7 +283,7 @@ class Relay:
 
     def build_generation_request(
         self,
-        client_body: BytesLike,
+        client_body: BytesLike | ClientBody,
         ctx_response: BytesLike,
         *,
         tokids_b64: bool,
@@ -265,12 +298,14 @@ class Relay:
         otherwise splice its ``prompt_token_ids`` list in as ``prompt_token_ids``
         (chat) or as ``prompt`` (completions). ``strip_history`` (gate
         ``gen_strip_message_history``): ``messages`` keeps its last element.
-        ``ctx_info``: the result of :meth:`parse_context_response` on
-        ``ctx_response``, to spare a second scan.
+        ``client_body``: raw bytes or their :class:`ClientBody`; ``ctx_info``:
+        the result of :meth:`parse_context_response` on ``ctx_response``. Each
+        spares a scan the caller already paid for.
         """
         info = ctx_info if ctx_info is not None else self.parse_context_response(ctx_response)
-        chat, spans = self._scan_client(client_body, chat, (("prompt",), ("messages", -1)))
-        prompt, last_message = spans[len(_CLIENT_PATHS) :]
+        client = self._client(client_body, chat)
+        body, chat, spans = client
+        prompt, last_message = spans[_PROMPT], spans[_LAST_MESSAGE]
         root = spans[_ROOT]
         assert root is not None
         ctx_view = memoryview(ctx_response)
@@ -314,11 +349,11 @@ class Relay:
         edits.sort(key=lambda edit: edit[0])
 
         insert_at = root[1] - 1
-        if not _is_empty_container(client_body, root):
+        if not _is_empty_container(body, root):
             edits.append((insert_at, insert_at, b","))
         # One zero-width edit per piece: the ids stay views into the context response until the final copy.
         edits.extend((insert_at, insert_at, piece) for piece in added)
-        return self._splice(client_body, edits)
+        return self._splice(body, edits)
 
     # -- responses to clients -------------------------------------------------------------------
 
@@ -372,6 +407,7 @@ class Relay:
 
 _default = Relay(_jsonspan_impl)
 
+read_client_body = _default.read_client_body
 check_client_body = _default.check_client_body
 build_context_request = _default.build_context_request
 build_generation_request = _default.build_generation_request
@@ -381,6 +417,7 @@ strip_internal_fields = _default.strip_internal_fields
 __all__ = [
     "GENERATION_FOLLOWS",
     "INTERNAL_FIELDS",
+    "ClientBody",
     "ContextResponseError",
     "ContextResponseInfo",
     "Relay",
@@ -388,5 +425,6 @@ __all__ = [
     "build_generation_request",
     "check_client_body",
     "parse_context_response",
+    "read_client_body",
     "strip_internal_fields",
 ]

@@ -173,6 +173,8 @@ def test_context_request_matches_reference(
 ) -> None:
     out = relay.build_context_request(client, disagg_request_id=request_id, return_b64=return_b64)
     assert json.loads(out) == reference_context_request(client, request_id, return_b64)
+    read = relay.read_client_body(client)
+    assert relay.build_context_request(read, disagg_request_id=request_id, return_b64=return_b64) == out
 
 
 @given(st.booleans().flatmap(client_bodies), context_responses(), st.booleans(), st.booleans())
@@ -195,7 +197,13 @@ def test_generation_request_matches_reference(
         relayed = relay.scanner.find_span(out, ("prompt_token_ids_b64",))
         original = relay.scanner.find_span(ctx, ("prompt_token_ids_b64",))
         assert out[relayed[0] : relayed[1]] == ctx[original[0] : original[1]]
-    # Reusing a parsed ContextResponseInfo gives the same bytes.
+    # Reusing a read client body and a parsed context response gives the same bytes.
+    assert (
+        relay.build_generation_request(
+            relay.read_client_body(client), ctx, tokids_b64=tokids_b64, strip_history=strip_history
+        )
+        == out
+    )
     parsed = relay.parse_context_response(ctx)
     assert (
         relay.build_generation_request(
@@ -283,6 +291,21 @@ def test_internal_fields_from_clients_are_refused(relay: Relay, body: bytes, cha
         assert info.value.field == field
         assert field in str(info.value)
         assert not isinstance(info.value, ContextResponseError)
+
+
+def test_read_client_body_decides_the_route_once(relay: Relay) -> None:
+    chat = relay.read_client_body(CHAT)
+    assert chat.chat and chat.body is CHAT
+    completion = relay.read_client_body(b'{"prompt": "x"}')
+    assert not completion.chat
+    forced = relay.read_client_body(b'{"prompt": "x"}', chat=True)
+    out = json.loads(relay.build_generation_request(forced, CTX, tokids_b64=False, strip_history=False))
+    assert (
+        out["prompt_token_ids"] == IDS and out["prompt"] == "x"
+    )  # chat rules: the ids go in prompt_token_ids
+    with pytest.raises(RelayError) as info:
+        relay.read_client_body(b'{"prompt": "x", "prompt_token_ids": [1]}', chat=True)
+    assert info.value.field == "prompt_token_ids"
 
 
 def test_completions_may_carry_prompt_token_ids(relay: Relay) -> None:
