@@ -10,12 +10,13 @@ between receiving the context response and sending the generation request.
 (c) orjson parse + dump (dicts, id list);
 (d) msgspec typed decode + encode (Structs, id list);
 (e) ``fastcore.relay.build_generation_request``, b64 gate on (the fast path);
-(e') the same with the gate off (the id list spliced verbatim);
+(e+) (e) plus re-validating the raw client body (no ``ClientBody`` kept);
+(e') (e) with the gate off (the id list spliced verbatim);
 (f) a memcpy of (e)'s output size: one allocation and copy, the floor.
 
-The client's request is already parsed for (a)-(d) (they parsed it for the
-context leg); (e) validates the raw client body again and still wins. The
-chat history holds about 4 bytes of text per prompt token, like real chats.
+(a)-(d) start from the client request they parsed for the context leg, and
+(e) from the ``ClientBody`` that ``read_client_body`` made for it: the same
+head start. The chat history holds about 4 bytes of text per prompt token.
 Then the scanner's throughput on a token-heavy and a text-heavy body, beside
 ``json.loads`` / orjson / msgspec parses of the same bytes. Times are best-of
 runs on a shared machine: read the ratios.
@@ -308,19 +309,19 @@ def time_contenders(size: int, min_time: float) -> tuple[dict[str, float], int]:
     request = ChatRequest.model_validate(client)
     m_request = msgspec.convert(client, MRequest)
     client_body, ctx_list, ctx_b64 = bodies["client_body"], bodies["ctx_list"], bodies["ctx_b64"]
-    output = relay.build_generation_request(client_body, ctx_b64, tokids_b64=True, strip_history=False)
+    read = relay.read_client_body(client_body, chat=True)
+    output = relay.build_generation_request(read, ctx_b64, tokids_b64=True, strip_history=False)
     source = bytearray(len(output))
     calls = {
         "a": lambda: pydantic_relay(request, ctx_list, False),
         "b": lambda: pydantic_relay(request, ctx_b64, True),
         "c": lambda: orjson_relay(client, ctx_list),
         "d": lambda: msgspec_relay(m_request, ctx_list),
-        "e": lambda: relay.build_generation_request(
+        "e": lambda: relay.build_generation_request(read, ctx_b64, tokids_b64=True, strip_history=False),
+        "e+": lambda: relay.build_generation_request(
             client_body, ctx_b64, tokids_b64=True, strip_history=False
         ),
-        "e'": lambda: relay.build_generation_request(
-            client_body, ctx_list, tokids_b64=False, strip_history=False
-        ),
+        "e'": lambda: relay.build_generation_request(read, ctx_list, tokids_b64=False, strip_history=False),
         "f": lambda: bytes(source),
     }
     return {name: time_call(call, min_time=min_time) for name, call in calls.items()}, len(output)
@@ -344,6 +345,7 @@ def per_request(
                 us["c"],
                 us["d"],
                 us["e"],
+                us["e+"],
                 us["e'"],
                 us["f"],
                 f"{times['a'] / times['e']:,.0f}x",
@@ -402,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
                 "(c) orjson",
                 "(d) msgspec",
                 "(e) relay b64",
+                "(e+) + client scan",
                 "(e') relay list",
                 "(f) memcpy",
                 "a/e",
@@ -424,15 +427,14 @@ def main(argv: list[str] | None = None) -> int:
     if TARGET_SIZE in results:
         t = results[TARGET_SIZE]
         checks = [
-            ("(e) >= 100x faster than (a)", t["a"] / t["e"], 100),
-            ("(e) >= 10x faster than (b)", t["b"] / t["e"], 10),
-            ("(e) within 5x of (f)", 5 / (t["e"] / t["f"]), 1),
+            ("(e) >= 100x faster than (a)", t["a"] / t["e"], t["a"] / t["e"] >= 100),
+            ("(e) >= 10x faster than (b)", t["b"] / t["e"], t["b"] / t["e"] >= 10),
+            ("(e) within 5x of (f)", t["e"] / t["f"], t["e"] / t["f"] <= 5),
+            ("(e+) within 5x of (f)", t["e+"] / t["f"], t["e+"] / t["f"] <= 5),
         ]
         print(f"\nTargets at {TARGET_SIZE:,} ids:")
-        for name, value, goal in checks:
-            print(
-                f"  {'met ' if value >= goal else 'MISS'} {name}: {value:,.1f}{'x' if goal > 1 else ' (>= 1 meets it)'}"
-            )
+        for name, ratio, met in checks:
+            print(f"  {'met ' if met else 'MISS'} {name}: {ratio:,.1f}x")
         if len(results) > 1:
             small, large = min(results), max(results)
             growth = results[large]["e"] / results[small]["e"]
