@@ -88,6 +88,8 @@ class ClientBody(NamedTuple):
     chat: bool
     #: spans of ``_CLIENT_PATHS``
     spans: tuple[Span | None, ...]
+    #: the object has no members (fields are then added without a leading comma)
+    empty: bool
 
 
 class ContextResponseError(RelayError):
@@ -121,6 +123,10 @@ def _is_object(body: BytesLike, span: Span | None) -> bool:
 
 def _is_empty_container(body: BytesLike, span: Span) -> bool:
     return _WS.match(body, span[0] + 1).end() == span[1] - 1  # type: ignore[union-attr]
+
+
+def _edit_start(edit: tuple[int, int, object]) -> int:
+    return edit[0]
 
 
 def _member(name: bytes, value: bytes) -> bytes:
@@ -160,7 +166,9 @@ class Relay:
             if spans[index] is not None and (chat or index != _IDS):
                 route = "chat completion requests" if index == _IDS else "requests"
                 raise RelayError(f"'{name}' is an internal field and may not be sent in {route}", field=name)
-        return ClientBody(body, chat, spans)
+        root = spans[_ROOT]
+        assert root is not None
+        return ClientBody(body, chat, spans, _is_empty_container(body, root))
 
     def _client(self, client_body: BytesLike | ClientBody, chat: bool | None) -> ClientBody:
         if isinstance(client_body, ClientBody):
@@ -207,16 +215,9 @@ class Relay:
             params += b',"return_prompt_token_ids_b64":true'
         added.append(_member(b"disaggregated_params", params + b"}"))
         edits.sort()
-        edits.append(self._append_members(body, root, added))
+        text = b",".join(added)
+        edits.append((root[1] - 1, root[1] - 1, text if client.empty else b"," + text))
         return self._splice(body, edits)
-
-    @staticmethod
-    def _append_members(body: BytesLike, obj: Span, members: list[bytes]) -> tuple[int, int, bytes]:
-        """The edit that adds ``members`` before the closing brace of the object at ``obj``."""
-        text = b",".join(members)
-        if not _is_empty_container(body, obj):
-            text = b"," + text
-        return (obj[1] - 1, obj[1] - 1, text)
 
     # -- context responses ----------------------------------------------------------------------
 
@@ -266,7 +267,8 @@ class Relay:
             added.append(b'"ctx_usage":' + bytes(usage))
         else:
             replaced.append((info.ctx_usage[0], info.ctx_usage[1], usage))
-        replaced.sort(key=lambda edit: edit[0])
+        if len(replaced) > 1:
+            replaced.sort(key=_edit_start)
         pieces: list[bytes | memoryview] = []
         previous = dp[0]
         for start, end, replacement in replaced:
@@ -304,14 +306,19 @@ class Relay:
         """
         info = ctx_info if ctx_info is not None else self.parse_context_response(ctx_response)
         client = self._client(client_body, chat)
-        body, chat, spans = client
+        body, chat, spans, empty = client
         prompt, last_message = spans[_PROMPT], spans[_LAST_MESSAGE]
         root = spans[_ROOT]
         assert root is not None
         ctx_view = memoryview(ctx_response)
         edits: list[tuple[int, int, object]] = []
-        added: list[bytes | memoryview] = [b'"disaggregated_params":']
-        added += self._generation_params(ctx_response, ctx_view, info)
+        # Small pieces are joined into one short bytes object; the ids stay a
+        # view into the context response until splice's single copy.
+        small: list[bytes | memoryview] = [
+            b'"disaggregated_params":' if empty else b',"disaggregated_params":'
+        ]
+        small += self._generation_params(ctx_response, ctx_view, info)
+        ids_view: memoryview | None = None
 
         if tokids_b64:
             b64 = info.prompt_token_ids_b64
@@ -327,7 +334,8 @@ class Relay:
                 raise ContextResponseError(
                     f"context response: invalid prompt_token_ids_b64: {exc}", field="prompt_token_ids_b64"
                 ) from exc
-            added += [b',"prompt_token_ids_b64":', ctx_view[b64[0] : b64[1]]]
+            small.append(b',"prompt_token_ids_b64":')
+            ids_view = ctx_view[b64[0] : b64[1]]
         else:
             ids = info.prompt_token_ids
             if ids is None or ctx_response[ids[0]] != 0x5B:  # '['
@@ -335,24 +343,26 @@ class Relay:
                     "context response has no prompt_token_ids list", field="prompt_token_ids"
                 )
             if chat:
-                added += [b',"prompt_token_ids":', ctx_view[ids[0] : ids[1]]]
+                small.append(b',"prompt_token_ids":')
+                ids_view = ctx_view[ids[0] : ids[1]]
             elif prompt is not None:
                 edits.append((prompt[0], prompt[1], ctx_view[ids[0] : ids[1]]))
             else:
-                added += [b',"prompt":', ctx_view[ids[0] : ids[1]]]
+                small.append(b',"prompt":')
+                ids_view = ctx_view[ids[0] : ids[1]]
 
         messages = spans[_MESSAGES]
         if strip_history and chat and messages is not None and last_message is not None:
             # Cut everything before and after the last element; keep its raw bytes.
             edits.append((messages[0], last_message[0], b"["))
             edits.append((last_message[1], messages[1], b"]"))
-        edits.sort(key=lambda edit: edit[0])
+            if len(edits) > 2:
+                edits.sort(key=_edit_start)
 
         insert_at = root[1] - 1
-        if not _is_empty_container(body, root):
-            edits.append((insert_at, insert_at, b","))
-        # One zero-width edit per piece: the ids stay views into the context response until the final copy.
-        edits.extend((insert_at, insert_at, piece) for piece in added)
+        edits.append((insert_at, insert_at, b"".join(small)))
+        if ids_view is not None:
+            edits.append((insert_at, insert_at, ids_view))
         return self._splice(body, edits)
 
     # -- responses to clients -------------------------------------------------------------------
