@@ -50,7 +50,8 @@ class ClientRequest:
     include_usage: bool
     max_tokens: int | None
     model: str | None
-    parsed: Any = None  # ParsedRelay's request model
+    # FastRelay: the fastcore.relay.ClientBody (spans found once); ParsedRelay: its request model.
+    parsed: Any = None
 
 
 @dataclass(slots=True)
@@ -182,12 +183,19 @@ class FastRelay:
                 raise HTTPError(400, "'prompt' must be a string or an array", param="prompt")
             key = "max_tokens"
         max_tokens = _check_max_tokens(key, _optional(doc, key, (int,), "an integer"))
-        return ClientRequest(body, chat, bool(stream), bool(include_usage), max_tokens, model)
+        del doc, options  # proxies pin the parser's buffers
+        try:
+            # One scan finds every span both legs splice (ClientBody), so
+            # neither builder scans the client body again.
+            client = self.relay.read_client_body(body, chat=chat)
+        except (RelayError, JSONSpanError) as exc:  # e.g. a duplicated "stream" key
+            raise HTTPError(400, f"request body rejected: {exc}", param=getattr(exc, "field", None)) from None
+        return ClientRequest(body, chat, bool(stream), bool(include_usage), max_tokens, model, client)
 
     def context_request(self, req: ClientRequest, disagg_request_id: int) -> bytes:
         try:
             return self.relay.build_context_request(
-                req.body, disagg_request_id=disagg_request_id, return_b64=self.tokids_b64, chat=req.chat
+                req.parsed, disagg_request_id=disagg_request_id, return_b64=self.tokids_b64
             )
         except (RelayError, JSONSpanError) as exc:  # e.g. a duplicated "stream" key
             raise HTTPError(400, f"request body rejected: {exc}", param=getattr(exc, "field", None)) from None
@@ -213,11 +221,10 @@ class FastRelay:
     def generation_request(self, req: ClientRequest, ctx: ContextResult) -> bytes:
         try:
             return self.relay.build_generation_request(
-                req.body,
+                req.parsed,
                 ctx.body,
                 tokids_b64=self.tokids_b64,
                 strip_history=self.strip_history,
-                chat=req.chat,
                 ctx_info=ctx.parsed,
             )
         except ContextResponseError as exc:
