@@ -13,6 +13,7 @@ bench: build
 	$(PY) -m bench.codec
 	$(PY) -m bench.relay
 	$(PY) -m bench.worker
+	$(PY) -m bench.orchestrator_work
 	$(PY) -m bench.orchestrator
 
 lint:

@@ -1,142 +1,128 @@
-"""The orchestrator's own work per request, fast relay vs the parsed baseline, by prompt length.
+"""The orchestrator's own cost per request, per relay mode, against the pass-through floor.
 
-    python -m bench.orchestrator            # 4k, 40k, 128k prompt ids
-    python -m bench.orchestrator --sizes 1000,40000
+    python -m bench.orchestrator                  # 4k, 40k, 128k prompt tokens
+    python -m bench.orchestrator --prompt-tokens 40000 --requests 400
 
-Each row is one request's synchronous work on the orchestrator's event loop,
-exactly the calls its handler makes (server/orchestrator/relay_modes.py):
-validate the client body, build the context request, read the context
-response, build the generation request, and relay a (non-streaming)
-generation response to the client. Network and workers are left out: this is
-the CPU an orchestrator core spends per request, the thing that caps its
-requests/s. Workload: an agentic chat request (~4 bytes of history per prompt
-token, bench.workload) and its context response with the prompt ids as a JSON
-list (gates off) or as base64 (gen_tokids_ctxbytes).
+For each prompt length and each front process (the four orchestrator modes
+and the floor, a bare aiohttp proxy that carries no ids, see
+``bench/passthrough.py``), starts synthetic workers with zero latency and the
+front pinned to its own core (``bench/deploy.py``), sends streaming chat
+requests with an agentic history (~4 bytes of text per prompt token) from a
+closed loop, and reports, in one run:
 
-Ratios are against the parsed baseline with gates off (what a pydantic
-orchestrator does today) and are measured in the same run.
+- the front process's CPU time per request, from the kernel's accounting
+  (utime + stime over the measured requests);
+- completions/s sustained: with the workers instant, the front's core is what
+  saturates (the workers and this load generator share the other core).
+
+Modes: ``parsed`` (json.loads -> pydantic -> model_dump_json, gates off: what a
+typical pydantic orchestrator does), ``gates-off`` (fast relay, ids as a JSON
+list), ``tokids-b64`` (gen_tokids_ctxbytes), ``both-gates`` (plus
+gen_strip_message_history).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
+import asyncio
 import json
-import random
-from typing import Any
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
-import fastcore
-from bench._timing import format_table, time_call
+from bench._timing import format_table
+from bench.deploy import FLOOR, MODES, Deployment, cores
+from bench.load import RESULTS_DIR, run_concurrency
 from bench.workload import chat_body
-from server.orchestrator.relay_modes import FastRelay, ParsedRelay
 
-VARIANTS: list[tuple[str, type, bool, bool]] = [
-    ("parsed, gates off (baseline)", ParsedRelay, False, False),
-    ("parsed, b64 ids", ParsedRelay, True, False),
-    ("parsed, b64 ids + strip history", ParsedRelay, True, True),
-    ("fast, gates off", FastRelay, False, False),
-    ("fast, b64 ids", FastRelay, True, False),
-    ("fast, b64 ids + strip history", FastRelay, True, True),
-]
+FRONTS = [*MODES, FLOOR]
 
 
-def context_response(ids: list[int], *, b64: bool) -> bytes:
-    body: dict[str, Any] = {
-        "id": "chatcmpl-bench",
-        "object": "chat.completion",
-        "created": 1700000000,
-        "model": "tiny",
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": "The"},
-                "logprobs": None,
-                "finish_reason": "not_finished",
-                "disaggregated_params": {
-                    "request_type": "context_only",
-                    "first_gen_tokens": [450],
-                    "ctx_request_id": 12345,
-                    "disagg_request_id": 7205759403792793601,
-                    "encoded_opaque_state": None,
-                    "ctx_info_endpoint": "http://127.0.0.1:8001/kv/12345",
-                    "draft_tokens": None,
-                },
-            }
-        ],
-        "usage": {"prompt_tokens": len(ids), "completion_tokens": 1, "total_tokens": len(ids) + 1},
-    }
-    if b64:
-        body["prompt_token_ids"] = None
-        body["prompt_token_ids_b64"] = fastcore.encode_tokens(ids).decode()
-    else:
-        body["prompt_token_ids"] = ids
-    return json.dumps(body).encode()
+@dataclass
+class Measurement:
+    front: str
+    prompt_tokens: int
+    requests: int
+    errors: int
+    cpu_ms_per_request: float
+    completions_per_s: float
+    ttft_p50_ms: float | None
 
 
-def generation_response(n_ids: int) -> bytes:
-    return json.dumps(
-        {
-            "id": "chatcmpl-bench",
-            "object": "chat.completion",
-            "created": 1700000000,
-            "model": "tiny",
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": "The answer is short. " * 4},
-                    "logprobs": None,
-                    "finish_reason": "length",
-                }
-            ],
-            "usage": {"prompt_tokens": n_ids, "completion_tokens": 16, "total_tokens": n_ids + 16},
-        }
-    ).encode()
-
-
-def one_request(mode: Any, body: bytes, ctx: bytes, gen: bytes) -> bytes:
-    req = mode.read_client(body, True)
-    mode.context_request(req, 7205759403792793601)
-    result = mode.read_context(req, ctx)
-    mode.generation_request(req, result)
-    return bytes(mode.client_answer(req, gen))
-
-
-def run(sizes: list[int]) -> str:
-    rows = []
-    rng = random.Random(0)
-    for n in sizes:
-        ids = [rng.randrange(32000) for _ in range(n)]
-        body = chat_body(n, stream=False)
-        contexts = {False: context_response(ids, b64=False), True: context_response(ids, b64=True)}
-        gen = generation_response(n)
-        baseline = None
-        for name, cls, tokids, strip in VARIANTS:
-            mode = cls(tokids_b64=tokids, strip_history=strip)
-            call = functools.partial(one_request, mode, body, contexts[tokids], gen)
-            seconds = time_call(call, min_time=0.3)
-            baseline = baseline or seconds
-            rows.append(
-                [
-                    f"{n:,}",
-                    name,
-                    f"{len(body) / 1e3:,.0f} KB + {len(contexts[tokids]) / 1e3:,.0f} KB",
-                    f"{seconds * 1e6:,.1f}",
-                    f"{baseline / seconds:,.1f}x",
-                ]
-            )
-    headers = ["prompt ids", "orchestrator mode", "client body + ctx response", "µs / request", "vs baseline"]
-    return format_table(headers, rows)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.orchestrator", description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--sizes", default="4000,40000,128000", help="prompt lengths in ids (comma-separated)"
+def measure(front: str, prompt_tokens: int, *, requests: int, concurrency: int, max_tokens: int,
+            max_seconds: float) -> Measurement:  # fmt: skip
+    body = chat_body(prompt_tokens, model="synthetic", max_tokens=max_tokens)
+    with Deployment(front, prompt_tokens) as dep:
+        url = dep.url + "/v1/chat/completions"
+        warm = asyncio.run(run_concurrency(url, body, 4, max_requests=20, max_seconds=30, timeout=60,
+                                           label=f"{front} warm-up"))  # fmt: skip
+        if warm.errors:
+            raise RuntimeError(f"{front}: warm-up failed: {warm.error_samples}")
+        cpu0 = dep.front_cpu_seconds()
+        level = asyncio.run(run_concurrency(url, body, concurrency, max_requests=requests, max_seconds=max_seconds,
+                                            timeout=60, label=f"{front} {prompt_tokens // 1000}k"))  # fmt: skip
+        cpu = dep.front_cpu_seconds() - cpu0
+    return Measurement(
+        front=front,
+        prompt_tokens=prompt_tokens,
+        requests=level.requests,
+        errors=level.errors,
+        cpu_ms_per_request=round(1000 * cpu / max(1, level.requests), 3),
+        completions_per_s=level.completions_per_s,
+        ttft_p50_ms=level.ttft_p50_ms,
     )
-    args = parser.parse_args(argv)
-    print(f"fastcore backend: {fastcore.backend}")
-    print(run([int(s) for s in args.sizes.split(",")]))
+
+
+def report(results: list[Measurement]) -> str:
+    out = []
+    for n in sorted({m.prompt_tokens for m in results}):
+        rows = {m.front: m for m in results if m.prompt_tokens == n}
+        base, floor = rows.get("parsed"), rows.get(FLOOR)
+        table = []
+        for front in FRONTS:
+            m = rows.get(front)
+            if m is None:
+                continue
+            vs_base = f"{base.cpu_ms_per_request / m.cpu_ms_per_request:.2f}x" if base else "-"
+            vs_floor = f"{m.cpu_ms_per_request / floor.cpu_ms_per_request:.2f}x" if floor else "-"
+            tput = f"{m.completions_per_s / base.completions_per_s:.2f}x" if base else "-"
+            table.append([front, m.requests, m.errors, f"{m.cpu_ms_per_request:.3f}", vs_base, vs_floor,
+                          f"{m.completions_per_s:.1f}", tput, m.ttft_p50_ms])  # fmt: skip
+        out.append(f"\n### {n:,} prompt tokens\n")
+        out.append(format_table(
+            ["front", "reqs", "errors", "CPU ms/req", "CPU: parsed/this", "CPU: this/floor",
+             "compl/s", "compl/s vs parsed", "TTFT p50 ms"], table))  # fmt: skip
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.orchestrator", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--prompt-tokens", default="4000,40000,128000", help="comma-separated prompt lengths")
+    p.add_argument("--fronts", default=",".join(FRONTS), help=f"comma-separated, from {FRONTS}")
+    p.add_argument("--requests", type=int, default=300, help="measured requests per front and length")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-seconds", type=float, default=60.0, help="time bound per measurement")
+    p.add_argument("--output", type=Path, default=RESULTS_DIR / "orchestrator.json")
+    args = p.parse_args(argv)
+
+    front_cpus, other = cores()
+    print(
+        f"front pinned to CPU {front_cpus or 'none (one core)'}; workers + load generator on {other or 'the same'}"
+    )
+    results = []
+    for n in (int(x) for x in args.prompt_tokens.split(",")):
+        for front in args.fronts.split(","):
+            results.append(measure(front, n, requests=args.requests, concurrency=args.concurrency,
+                                   max_tokens=args.max_tokens, max_seconds=args.max_seconds))  # fmt: skip
+    print(report(results))
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps([asdict(m) for m in results], indent=2))
+    print(f"\nresults: {args.output}")
+    return 1 if any(m.errors for m in results) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
