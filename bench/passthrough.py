@@ -72,7 +72,9 @@ def main() -> None:
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     except ImportError:
         pass
-    web.run_app(make_app(args.context, args.generation), host=args.host, port=args.port, print=None)
+    web.run_app(
+        make_app(args.context, args.generation), host=args.host, port=args.port, print=None, backlog=4096
+    )
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ COMPLETIONS_PATH = "/v1/completions"
 # Enough connections for 1024 concurrent streams plus their context legs;
 # per host unlimited because a pool may be a single worker.
 CONNECTION_LIMIT = 4096
+LISTEN_BACKLOG = 4096
 # A worker's error body is relayed, but not an unbounded one.
 MAX_ERROR_BODY = 64 * 1024
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -490,6 +491,10 @@ async def start_server(
     # with it both upstream legs (aiohttp >= 3.9 leaves it off by default).
     runner = web.AppRunner(orchestrator.build_app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, config.hostname, config.port, reuse_port=reuse_port or None)
+    # A deep accept queue: 1024 clients connecting at once must not overflow
+    # the default of 128 into SYN retries (a 1 s stall each).
+    site = web.TCPSite(
+        runner, config.hostname, config.port, reuse_port=reuse_port or None, backlog=LISTEN_BACKLOG
+    )
     await site.start()
     return runner, orchestrator

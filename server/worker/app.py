@@ -589,7 +589,7 @@ async def start_worker(
     # finally-block aborts the request in the engine, freeing its slot at once.
     runner = web.AppRunner(create_app(engine, settings), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, backlog=4096)  # an orchestrator may open 1000s at once
     await site.start()
     sockets = getattr(site._server, "sockets", None) or []
     if not sockets:
