@@ -12,7 +12,7 @@ from aiohttp import web
 
 from server.orchestrator import cli
 from server.orchestrator.config import ConfigError, OrchestratorConfig, build_config, merge_overrides
-from server.orchestrator.pools import HealthChecker, Pool
+from server.orchestrator.pools import UNHEALTHY_AFTER_TIMEOUTS, HealthChecker, Pool
 
 PROTOCOL_YAML = """
 hostname: 127.0.0.1
@@ -207,5 +207,47 @@ async def test_health_checker_takes_out_and_puts_back():
             checker.mark_unhealthy(pool, pool.workers[0])
             assert not pool.ready
             assert changes[-1] is False
+    finally:
+        await runner.cleanup()
+
+
+async def test_health_timeouts_alone_do_not_take_out_a_serving_worker():
+    """A /health that hangs past the timeout: slow, not dead.
+
+    A worker still serving requests stays in however often its check times
+    out (an overloaded orchestrator must not shed every worker into 503s);
+    one that serves nothing goes out after UNHEALTHY_AFTER_TIMEOUTS timeouts
+    in a row, and comes back when /health answers again.
+    """
+    hang = asyncio.Event()
+
+    async def health(request: web.Request) -> web.Response:
+        if not hang.is_set():
+            await asyncio.sleep(10)
+        return web.Response(status=200)
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = _free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    pool = Pool("p", [f"http://127.0.0.1:{port}"], "round_robin")
+    worker = pool.workers[0]
+    worker.healthy = True
+    try:
+        async with aiohttp.ClientSession() as session:
+            checker = HealthChecker([pool], session, interval=1, timeout=0.05)
+            for _ in range(UNHEALTHY_AFTER_TIMEOUTS + 2):
+                worker.served += 1  # what the orchestrator records per answered leg
+                await checker.check_worker(pool, worker)
+                assert worker.healthy
+            for i in range(UNHEALTHY_AFTER_TIMEOUTS):
+                assert worker.healthy, f"out after only {i} silent timeouts"
+                await checker.check_worker(pool, worker)
+            assert not worker.healthy and not pool.ready
+            hang.set()
+            await checker.check_worker(pool, worker)
+            assert worker.healthy and worker.timeouts == 0
     finally:
         await runner.cleanup()

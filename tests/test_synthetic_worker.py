@@ -13,6 +13,7 @@ import asyncio
 import json
 import re
 import socket
+import struct
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -202,3 +203,41 @@ async def test_cli_serves_synthetic_model(http: aiohttp.ClientSession) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+async def test_kv_fetch_abandoned_midway_is_counted_not_raised(http: aiohttp.ClientSession) -> None:
+    """A generation worker that hangs up during a KV download: the context worker counts it and carries on."""
+    big = 2_000_000  # 8 MB of KV: more than loopback socket buffers absorb
+    runner, port = await start_worker(
+        SyntheticEngine(big), WorkerSettings(role="context", model_name="synthetic")
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        body = relay.build_context_request(
+            json.dumps({"prompt": "x", "max_tokens": 4}).encode(), disagg_request_id=3, return_b64=True
+        )
+        status, raw = await post(http, url + "/v1/completions", body)
+        assert status == 200, raw[:200]
+        endpoint = json.loads(raw)["choices"][0]["disaggregated_params"]["ctx_info_endpoint"]
+        path = endpoint.split(str(port), 1)[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+        await writer.drain()
+        assert (await reader.readexactly(12)).startswith(b"HTTP/1.1 200")
+        # Hang up with a reset, mid-body.
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.close()
+        for _ in range(200):
+            if await metric(http, Worker(runner, port), r'\w+handoff\w*\{event="abandoned"\}') == 1:
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("abandoned KV fetch not counted")
+        # The worker still serves.
+        status, _ = await post(
+            http, url + "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 2}).encode()
+        )
+        assert status == 200
+    finally:
+        await runner.cleanup()

@@ -354,7 +354,9 @@ class Orchestrator:
                     worker.url + path, data=body, headers=headers, timeout=self.context_timeout
                 ) as resp:
                     if resp.status == 200:
-                        return await resp.read()
+                        body = await resp.read()
+                        worker.served += 1
+                        return body
                     failure = await self._worker_failure("context", worker, resp)
                     if resp.status < 500:
                         raise failure
@@ -412,7 +414,9 @@ class Orchestrator:
                 raise
             self.metrics.generation_ttfb.observe(time.perf_counter() - handed_over)
             try:
-                if resp.status != 200:
+                if resp.status == 200:
+                    worker.served += 1
+                else:
                     failure = await self._worker_failure("generation", worker, resp)
                     if resp.status < 500:
                         raise failure

@@ -1,8 +1,14 @@
 """Worker pools: a router per pool and the health checker that keeps them honest.
 
-A worker is routable only while its last ``/health`` answered 200. A worker
-that refuses a connection during a request is taken out at once (so the next
-request does not try it too) and put back by the checker when it recovers.
+A worker is routable while ``/health`` says so. Evidence of a dead worker
+takes it out at once: a refused or reset connection (during a health check
+or a request: the next request does not try it too), or a ``/health`` that
+answers anything but 200. A health check that merely times out is weaker
+evidence: under load the orchestrator's own loop, not the worker, may be what
+is slow, and taking every worker out then would turn overload into an outage
+of 503s. So a worker leaves on timeouts only after ``UNHEALTHY_AFTER_TIMEOUTS``
+checks in a row time out with no request served by it in between. The checker
+puts a worker back when ``/health`` answers 200 again.
 """
 
 from __future__ import annotations
@@ -17,8 +23,11 @@ import aiohttp
 log = logging.getLogger("fastcore.orchestrator")
 
 
+UNHEALTHY_AFTER_TIMEOUTS = 3
+
+
 class Worker:
-    __slots__ = ("healthy", "in_flight", "url")
+    __slots__ = ("healthy", "in_flight", "served", "timeouts", "url")
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -26,6 +35,10 @@ class Worker:
         # own /health is 503 until then.
         self.healthy = False
         self.in_flight = 0
+        # Requests this worker answered since the last health check (passive evidence).
+        self.served = 0
+        # Health checks in a row that timed out.
+        self.timeouts = 0
 
     def __repr__(self) -> str:
         return f"Worker({self.url!r}, healthy={self.healthy}, in_flight={self.in_flight})"
@@ -113,8 +126,15 @@ class HealthChecker:
         try:
             async with self.session.get(worker.url + "/health", timeout=self.timeout) as resp:
                 healthy = resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            worker.timeouts = 0
+        except asyncio.TimeoutError:
+            # Slow, not dead: a request it answered since the last check restarts
+            # the count; only a silent streak takes it out.
+            worker.timeouts = 0 if worker.served else worker.timeouts + 1
+            healthy = worker.healthy and worker.timeouts < UNHEALTHY_AFTER_TIMEOUTS
+        except (aiohttp.ClientError, OSError):
             healthy = False
+        worker.served = 0
         if healthy != worker.healthy:
             log.log(
                 logging.INFO if healthy else logging.WARNING,

@@ -235,11 +235,20 @@ async def handle_kv(request: web.Request) -> web.StreamResponse:
     )
     response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
     response.content_length = sum(len(p) for p in pieces)
-    await response.prepare(request)
-    for piece in pieces:
-        await response.write(piece)
-    await response.write_eof()
-    state.metrics.handoff.inc(event="served")
+    # The generation worker may hang up midway (timeout, cancel, crash) and
+    # recompute the prefill; this handler is then cancelled or its write fails.
+    # The KV is gone either way: count it, without a traceback.
+    served = False
+    try:
+        await response.prepare(request)
+        for piece in pieces:
+            await response.write(piece)
+        await response.write_eof()
+        served = True
+    except ConnectionResetError:
+        pass
+    finally:
+        state.metrics.handoff.inc(event="served" if served else "abandoned")
     return response
 
 
