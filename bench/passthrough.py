@@ -19,6 +19,8 @@ import itertools
 import aiohttp
 from aiohttp import web
 
+from server.orchestrator.app import LISTEN_BACKLOG, READ_BUFSIZE
+
 _HOP_HEADERS = {"Content-Type": "application/json"}
 
 
@@ -29,7 +31,9 @@ def make_app(context_urls: list[str], generation_urls: list[str]) -> web.Applica
 
     async def on_startup(app: web.Application) -> None:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=None)
-        app["session"] = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600))
+        app["session"] = aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=600), read_bufsize=READ_BUFSIZE
+        )
 
     async def on_cleanup(app: web.Application) -> None:
         await app["session"].close()
@@ -72,8 +76,14 @@ def main() -> None:
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     except ImportError:
         pass
+    # The orchestrator's socket settings (server/orchestrator/app.py), so the floor is like for like.
     web.run_app(
-        make_app(args.context, args.generation), host=args.host, port=args.port, print=None, backlog=4096
+        make_app(args.context, args.generation),
+        host=args.host,
+        port=args.port,
+        print=None,
+        backlog=LISTEN_BACKLOG,
+        handler_args={"read_bufsize": READ_BUFSIZE},
     )
 
 

@@ -39,6 +39,9 @@ COMPLETIONS_PATH = "/v1/completions"
 # per host unlimited because a pool may be a single worker.
 CONNECTION_LIMIT = 4096
 LISTEN_BACKLOG = 4096
+# Per-connection read buffer: a context response or client body up to this size
+# is read without aiohttp's flow control pausing and resuming the socket.
+READ_BUFSIZE = 1 << 22
 # A worker's error body is relayed, but not an unbounded one.
 MAX_ERROR_BODY = 64 * 1024
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -177,7 +180,9 @@ class Orchestrator:
 
     async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         connector = aiohttp.TCPConnector(limit=CONNECTION_LIMIT, limit_per_host=0, keepalive_timeout=30)
-        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        self.session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, read_bufsize=READ_BUFSIZE
+        )
         self.health = HealthChecker(
             self.pools,
             self.session,
@@ -493,7 +498,9 @@ async def start_server(
     orchestrator = Orchestrator(config)
     # handler_cancellation: a client that disconnects cancels its handler and
     # with it both upstream legs (aiohttp >= 3.9 leaves it off by default).
-    runner = web.AppRunner(orchestrator.build_app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(
+        orchestrator.build_app(), handler_cancellation=True, access_log=None, read_bufsize=READ_BUFSIZE
+    )
     await runner.setup()
     # A deep accept queue: 1024 clients connecting at once must not overflow
     # the default of 128 into SYN retries (a 1 s stall each).
