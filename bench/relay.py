@@ -34,11 +34,12 @@ from typing import Any
 import msgspec
 import numpy as np
 import orjson
-from pydantic import BaseModel, ConfigDict
 
 import fastcore
 from bench._timing import format_table, time_call
 from fastcore import relay
+from server.orchestrator.relay_modes import ChatCompletionRequest as ChatRequest
+from server.orchestrator.relay_modes import ChatCompletionResponse as ChatResponse
 
 SIZES = (4_000, 40_000, 128_000)
 TARGET_SIZE = 40_000
@@ -112,63 +113,7 @@ def make_bodies(prompt_ids: int, seed: int = 0) -> dict[str, Any]:
     }
 
 
-# -- (a)/(b): a pydantic orchestrator's models -----------------------------------------------------------
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class Usage(_Model):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class DisaggregatedParams(_Model):
-    request_type: str
-    first_gen_tokens: list[int] | None = None
-    ctx_request_id: int | None = None
-    disagg_request_id: int | None = None
-    encoded_opaque_state: str | None = None
-    ctx_info_endpoint: Any = None
-    draft_tokens: list[int] | None = None
-    ctx_usage: Usage | None = None
-
-
-class Message(_Model):
-    role: str
-    content: str | None = None
-
-
-class Choice(_Model):
-    index: int
-    message: Message
-    finish_reason: str | None = None
-    disaggregated_params: DisaggregatedParams | None = None
-
-
-class ChatResponse(_Model):
-    id: str
-    object: str
-    created: int
-    model: str
-    choices: list[Choice]
-    usage: Usage
-    prompt_token_ids: list[int] | None = None
-    prompt_token_ids_b64: str | None = None
-
-
-class ChatRequest(_Model):
-    model: str
-    messages: list[Message]
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stream: bool | None = None
-    disaggregated_params: DisaggregatedParams | None = None
-    prompt_token_ids: list[int] | None = None
-    prompt_token_ids_b64: str | None = None
+# -- (a)/(b): a pydantic orchestrator: the orchestrator's own `relay: parsed` models -----------------------------------------------------------
 
 
 def pydantic_relay(request: ChatRequest, ctx: bytes, b64: bool) -> bytes:
