@@ -148,12 +148,13 @@ def _time_prompt_id_paths(n: int, vocab: int) -> tuple[dict[str, float], int, in
     body_b64 = json.dumps({"prompt_token_ids_b64": fastcore.encode_tokens(ids).decode("ascii")}).encode()
     body_list = json.dumps({"prompt_token_ids": ids.tolist()}).encode()
 
+    head = {"id": "cmpl-bench", "object": "text_completion"}  # the rest of a context response
+
     def ctx_b64() -> bytes:
-        b64 = fastcore.encode_tokens(ids).decode("ascii")
-        return json.dumps({"prompt_token_ids": None, "prompt_token_ids_b64": b64}).encode()
+        return protocol.dump_with_members(head, protocol.prompt_ids_members(ids, b64=True))
 
     def ctx_list() -> bytes:
-        return json.dumps({"prompt_token_ids": ids.tolist()}).encode()
+        return protocol.dump_with_members(head, protocol.prompt_ids_members(ids, b64=False))
 
     def gen_b64() -> np.ndarray:
         return protocol._ids_from_b64(json.loads(body_b64)["prompt_token_ids_b64"], vocab, 1 << 20)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import secrets
 import time
@@ -46,8 +45,10 @@ from .protocol import (
     Route,
     StreamWriterState,
     completion_body,
+    dump_with_members,
     new_response_id,
     parse_request,
+    prompt_ids_members,
     usage_body,
 )
 
@@ -459,8 +460,9 @@ def _context_fields(
     engine_req: EngineRequest,
     token_ids: list[int],
     body: dict[str, Any],
-) -> None:
-    """The context response's extras (PROTOCOL.md (2)): disaggregated_params and the prompt ids."""
+) -> bytes:
+    """The context response's extras (PROTOCOL.md (2)): ``disaggregated_params`` set in ``body``,
+    and the prompt ids returned as JSON members for :func:`dump_with_members`."""
     assert req.disagg is not None and engine_req.park_as is not None
     base = state.settings.public_url or f"{request.scheme}://{request.host}"
     ctx_id = engine_req.park_as
@@ -473,16 +475,10 @@ def _context_fields(
         "ctx_info_endpoint": base.rstrip("/") + KV_PATH.format(ctx_request_id=ctx_id),
         "draft_tokens": None,
     }
-    if req.disagg.return_prompt_token_ids_b64:
-        import fastcore
-
-        # Straight from the int32 array: no Python list on the way to base64.
-        body["prompt_token_ids"] = None
-        body["prompt_token_ids_b64"] = fastcore.encode_tokens(req.prompt_ids).decode("ascii")
-    else:
-        body["prompt_token_ids"] = req.prompt_ids.tolist()
     if body["choices"][0]["finish_reason"] == NOT_FINISHED:
         state.metrics.handoff.inc(event="parked")
+    # Straight from the int32 array: no Python list on the way to base64.
+    return prompt_ids_members(req.prompt_ids, b64=bool(req.disagg.return_prompt_token_ids_b64))
 
 
 async def _respond(
@@ -516,9 +512,8 @@ async def _respond(
         logprobs=logprobs,
         tokenizer=state.engine.tokenizer,
     )
-    if req.is_context_only:
-        _context_fields(request, state, req, engine_req, token_ids, body)
-    return web.Response(body=json.dumps(body).encode(), content_type="application/json")
+    members = _context_fields(request, state, req, engine_req, token_ids, body) if req.is_context_only else b""
+    return web.Response(body=dump_with_members(body, members), content_type="application/json")
 
 
 async def _stream(
