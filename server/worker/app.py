@@ -460,7 +460,7 @@ def _context_fields(
     engine_req: EngineRequest,
     token_ids: list[int],
     body: dict[str, Any],
-) -> bytes:
+) -> list[bytes]:
     """The context response's extras (PROTOCOL.md (2)): ``disaggregated_params`` set in ``body``,
     and the prompt ids returned as JSON members for :func:`dump_with_members`."""
     assert req.disagg is not None and engine_req.park_as is not None
@@ -512,7 +512,7 @@ async def _respond(
         logprobs=logprobs,
         tokenizer=state.engine.tokenizer,
     )
-    members = _context_fields(request, state, req, engine_req, token_ids, body) if req.is_context_only else b""
+    members = _context_fields(request, state, req, engine_req, token_ids, body) if req.is_context_only else []
     return web.Response(body=dump_with_members(body, members), content_type="application/json")
 
 

@@ -279,27 +279,32 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 
-
-def prompt_ids_members(prompt_ids: np.ndarray, *, b64: bool) -> bytes:
-    """A context response's prompt-id members (PROTOCOL.md (2)) as JSON text to append to the body.
+def prompt_ids_members(prompt_ids: np.ndarray, *, b64: bool) -> list[bytes]:
+    """A context response's prompt-id members (PROTOCOL.md (2)), as pieces of JSON text to append.
 
     The base64 form goes from the int32 array to base64 bytes
     (``fastcore.encode_tokens``) and into the body as they are: no Python
     ``str``, no pass of ``json.dumps``' escape scan over ~4/3 bytes per id
-    (base64 never needs escaping). The list form is what a worker without the
-    fast path sends.
+    (base64 never needs escaping), and no copy until :func:`dump_with_members`
+    joins the pieces into the one body allocation. The list form is what a
+    worker without the fast path sends.
     """
     if b64:
         import fastcore
 
-        return b', "prompt_token_ids": null, "prompt_token_ids_b64": "' + fastcore.encode_tokens(prompt_ids) + b'"'
-    return b', "prompt_token_ids": ' + json.dumps(prompt_ids.tolist()).encode()
+        return [
+            b', "prompt_token_ids": null, "prompt_token_ids_b64": "',
+            fastcore.encode_tokens(prompt_ids),
+            b'"',
+        ]
+    return [b', "prompt_token_ids": ', json.dumps(prompt_ids.tolist()).encode()]
 
 
-def dump_with_members(body: dict[str, Any], members: bytes) -> bytes:
+def dump_with_members(body: dict[str, Any], members: list[bytes]) -> bytes:
     """``json.dumps(body)`` with ``members`` (JSON text starting with a comma) before its closing brace."""
     data = json.dumps(body).encode()
-    return data[:-1] + members + b"}" if members else data
+    return b"".join([memoryview(data)[:-1], *members, b"}"]) if members else data
+
 
 def parse_request(
     raw: bytes,
