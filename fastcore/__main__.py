@@ -10,34 +10,11 @@ from __future__ import annotations
 import argparse
 import base64
 import sys
-import time
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
 import fastcore
-
-
-def _seconds_per_call(fn: Callable[[], Any], min_time: float) -> float:
-    # Best of five auto-sized loops (bench/ is not shipped in the wheel).
-    fn()
-    number = 1
-    while True:
-        t0 = time.perf_counter()
-        for _ in range(number):
-            fn()
-        elapsed = time.perf_counter() - t0
-        if elapsed >= min_time / 5 or number >= 1 << 20:
-            break
-        number *= 2
-    best = elapsed / number
-    for _ in range(4):
-        t0 = time.perf_counter()
-        for _ in range(number):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / number)
-    return best
+from fastcore._timing import time_call
 
 
 def benchmark(count: int, min_time: float) -> None:
@@ -60,7 +37,7 @@ def benchmark(count: int, min_time: float) -> None:
     print(f"{count:,} token ids ({megabytes:.2f} MB as int32), MB/s (higher is better):")
     print(f"  {'':22}{'fastcore':>12}{'stdlib+numpy':>14}{'speed-up':>10}")
     for name, ours, stdlib in cases:
-        t_ours, t_stdlib = _seconds_per_call(ours, min_time), _seconds_per_call(stdlib, min_time)
+        t_ours, t_stdlib = time_call(ours, min_time=min_time), time_call(stdlib, min_time=min_time)
         print(f"  {name:22}{megabytes / t_ours:12,.0f}{megabytes / t_stdlib:14,.0f}{t_stdlib / t_ours:9.1f}x")
 
 

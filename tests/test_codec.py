@@ -641,3 +641,19 @@ def test_package_exports_the_active_twin() -> None:
         assert fastcore.encode_tokens is py_twin.encode_tokens
     elif compiled_twin is not None and fastcore.backend != "python":
         assert fastcore.backend == f"cython ({compiled_twin.SIMD_PATH})"
+
+
+def test_python_m_fastcore_benchmark_names_the_backend() -> None:
+    """The installed short benchmark runs, checks its answers first, and names the active backend."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "fastcore", "benchmark", "--ids", "1000", "--min-time", "0.01"],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    import fastcore
+
+    assert f"backend: {fastcore.backend}" in out
+    for case in ("encode from list", "encode from ndarray", "decode to ndarray", "decode to list"):
+        assert case in out
