@@ -219,11 +219,10 @@ async def test_health_timeouts_alone_do_not_take_out_a_serving_worker():
     one that serves nothing goes out after UNHEALTHY_AFTER_TIMEOUTS timeouts
     in a row, and comes back when /health answers again.
     """
-    hang = asyncio.Event()
+    answer = asyncio.Event()  # until set, /health hangs
 
     async def health(request: web.Request) -> web.Response:
-        if not hang.is_set():
-            await asyncio.sleep(10)
+        await answer.wait()
         return web.Response(status=200)
 
     app = web.Application()
@@ -246,8 +245,9 @@ async def test_health_timeouts_alone_do_not_take_out_a_serving_worker():
                 assert worker.healthy, f"out after only {i} silent timeouts"
                 await checker.check_worker(pool, worker)
             assert not worker.healthy and not pool.ready
-            hang.set()
+            answer.set()
             await checker.check_worker(pool, worker)
             assert worker.healthy and worker.timeouts == 0
     finally:
+        answer.set()  # release the hung handlers so the server shuts down at once
         await runner.cleanup()
