@@ -96,9 +96,7 @@ def report(results: list[Measurement]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.orchestrator", description=__doc__.split("\n\n")[0]
-    )
+    p = argparse.ArgumentParser(prog="python -m bench.orchestrator", description=__doc__.split("\n\n")[0])
     p.add_argument("--prompt-tokens", default="4000,40000,128000", help="comma-separated prompt lengths")
     p.add_argument("--fronts", default=",".join(FRONTS), help=f"comma-separated, from {FRONTS}")
     p.add_argument("--requests", type=int, default=300, help="measured requests per front and length")

@@ -129,7 +129,9 @@ def run(sizes: list[int]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.orchestrator_work", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.orchestrator_work", description=__doc__.split("\n")[0]
+    )
     parser.add_argument(
         "--sizes", default="4000,40000,128000", help="prompt lengths in ids (comma-separated)"
     )
