@@ -255,3 +255,24 @@ def test_children_do_not_outlive_a_killed_launcher():
             launcher_proc.kill()
         with contextlib.suppress(ProcessLookupError, NameError):
             os.kill(child_pid, signal.SIGKILL)
+
+
+def test_open_file_limit_is_raised_to_the_hard_limit() -> None:
+    """fastcore-serve lifts a low soft descriptor limit (1024 streams need more) in the process it runs in."""
+    import subprocess
+    import sys
+
+    code = (
+        "import resource\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))\n"
+        "from server.cli import raise_open_file_limit\n"
+        "soft, hard = raise_open_file_limit()\n"
+        "assert soft == resource.getrlimit(resource.RLIMIT_NOFILE)[0]\n"
+        "print(soft, hard)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    soft, hard = (int(x) for x in out.stdout.split())
+    import resource
+
+    assert soft == (hard if hard != resource.RLIM_INFINITY else max(256, 1 << 16))
