@@ -145,15 +145,18 @@ class Relay:
 
     # -- client bodies --------------------------------------------------------------------------
 
-    def read_client_body(self, body: BytesLike, *, chat: bool | None = None) -> ClientBody:
+    def read_client_body(
+        self, body: BytesLike, *, chat: bool | None = None, validate: bool = True
+    ) -> ClientBody:
         """Validate ``body`` and find what both legs need, once.
 
         Raises :class:`fastcore.JSONSpanError` (malformed, or a repeated key the
         relay uses) or :class:`fastcore.RelayError` (not an object; an internal
         field). ``chat`` says which route the body came in on; pass it (``None``
         guesses from the presence of ``messages``, which a client controls).
+        ``validate=False``: as in :meth:`parse_context_response`.
         """
-        spans = tuple(self._find_spans(body, _CLIENT_PATHS))
+        spans = tuple(self._find_spans(body, _CLIENT_PATHS, validate=validate))
         if not _is_object(body, spans[_ROOT]):
             raise RelayError("the request body must be a JSON object")
         if chat is None:
@@ -221,10 +224,18 @@ class Relay:
 
     # -- context responses ----------------------------------------------------------------------
 
-    def parse_context_response(self, ctx_response: BytesLike) -> ContextResponseInfo:
-        """Read leg (2): finish reason and the spans leg (3) needs, in one validating pass."""
+    def parse_context_response(
+        self, ctx_response: BytesLike, *, validate: bool = True
+    ) -> ContextResponseInfo:
+        """Read leg (2): finish reason and the spans leg (3) needs, in one validating pass.
+
+        ``validate=False`` is for a caller that has just validated the same bytes
+        with a full parser (the orchestrator's pysimdjson parse): the scan then
+        checks only the containers on the relay's paths (3x faster on an id
+        list) and still never reads out of bounds.
+        """
         try:
-            spans = self._find_spans(ctx_response, _CONTEXT_PATHS)
+            spans = self._find_spans(ctx_response, _CONTEXT_PATHS, validate=validate)
         except JSONSpanError as exc:
             raise ContextResponseError(f"context response is not valid JSON: {exc}") from exc
         root, finish, dp, usage, ids, b64, request_type, ctx_usage = spans

@@ -211,6 +211,19 @@ def test_generation_request_matches_reference(
         )
         == out
     )
+    # The orchestrator's path: bodies a full parser already validated, scanned with validate=False.
+    assert relay.parse_context_response(ctx, validate=False) == parsed
+    assert relay.read_client_body(client, validate=False) == relay.read_client_body(client)
+    assert (
+        relay.build_generation_request(
+            relay.read_client_body(client, validate=False),
+            ctx,
+            tokids_b64=tokids_b64,
+            strip_history=strip_history,
+            ctx_info=relay.parse_context_response(ctx, validate=False),
+        )
+        == out
+    )
 
 
 @given(context_responses(), st.integers(0, 12), st.booleans())

@@ -187,7 +187,7 @@ class FastRelay:
         try:
             # One scan finds every span both legs splice (ClientBody), so
             # neither builder scans the client body again.
-            client = self.relay.read_client_body(body, chat=chat)
+            client = self.relay.read_client_body(body, chat=chat, validate=False)  # pysimdjson validated it
         except (RelayError, JSONSpanError) as exc:  # e.g. a duplicated "stream" key
             raise HTTPError(400, f"request body rejected: {exc}", param=getattr(exc, "field", None)) from None
         return ClientRequest(body, chat, bool(stream), bool(include_usage), max_tokens, model, client)
@@ -210,7 +210,7 @@ class FastRelay:
         del doc, choices, usage  # proxies pin the parser's buffers
         try:
             # The spans leg (3) needs, read once here and handed to build_generation_request.
-            info = self.relay.parse_context_response(body)
+            info = self.relay.parse_context_response(body, validate=False)  # pysimdjson validated it
         except RelayError as exc:
             raise HTTPError(502, f"context worker response cannot be relayed: {exc}") from None
         finished = not _needs_generation(info.finish_reason, completion_tokens, req.max_tokens)
