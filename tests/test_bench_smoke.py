@@ -1,0 +1,60 @@
+"""The scale benchmarks' own machinery, small: the numbers in the notes come from this code.
+
+A real deployment (synthetic worker processes, an orchestrator or the floor
+proxy, pinned as the benchmark pins them) driven by the load generator for a
+handful of requests; and the statistics it reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bench.deploy import FLOOR, Deployment, cpu_seconds, rss_bytes
+from bench.load import RequestResult, percentile, run_concurrency, summarize
+from bench.workload import agentic_messages, chat_body
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert percentile(values, 50) == 3.0
+    assert percentile(values, 100) == 5.0
+    assert percentile(values, 1) == 1.0
+    assert percentile([], 50) is None
+
+
+def test_summarize_counts_errors_and_timeouts_apart() -> None:
+    results = [
+        RequestResult(True, ttft=0.010, latency=0.020),
+        RequestResult(True, ttft=0.030, latency=0.040),
+        RequestResult(False, error="HTTP 503: full"),
+        RequestResult(False, timed_out=True, error="timed out after 1s"),
+    ]
+    level = summarize("x", results, 2.0, concurrency=4)
+    assert (level.requests, level.errors, level.timeouts) == (4, 2, 1)
+    assert level.completions_per_s == 1.0
+    assert level.ttft_p50_ms == 10.0 and level.latency_p99_ms == 40.0
+
+
+def test_agentic_history_has_about_four_bytes_per_token() -> None:
+    messages = agentic_messages(10_000)
+    text = sum(len(m["content"]) for m in messages)
+    assert 0.9 * 40_000 <= text <= 1.1 * 40_000
+    assert {m["role"] for m in messages} == {"system", "user", "tool", "assistant"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("front", ["both-gates", "parsed", FLOOR])
+def test_a_deployment_serves_the_load_generator(front: str) -> None:
+    with Deployment(front, 2000) as dep:
+        assert cpu_seconds(dep.front.proc.pid) >= 0 and rss_bytes(dep.front.proc.pid) > 0  # type: ignore[union-attr]
+        body = chat_body(2000, model="synthetic", max_tokens=4)
+        level = asyncio.run(
+            run_concurrency(
+                dep.url + "/v1/chat/completions", body, 4, max_requests=12, max_seconds=60, timeout=30
+            )
+        )
+    assert level.requests == 12
+    assert level.errors == 0, level.error_samples
+    assert level.ttft_p50_ms is not None and level.completions_per_s > 0
