@@ -326,8 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=40_000)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--model", default="tiny")
-    p.add_argument("--output", type=Path, default=None, help="JSON results path")
-    p.add_argument("--plot", type=Path, default=None, help="PNG plot path")
+    p.add_argument("--output", type=Path, default=None, help="JSON results path (default bench/results/...)")
+    p.add_argument("--plot", type=Path, default=None, help="PNG plot path (default bench/results/...)")
     p.add_argument("--compare", action="store_true", help="run every orchestrator mode on synthetic workers")
     p.add_argument("--chaos", action="store_true", help="kill/restart a generation worker during load")
     p.add_argument("--chaos-interval", type=float, default=3.0, help="seconds between worker kills")
@@ -378,10 +378,13 @@ def main(argv: list[str] | None = None) -> int:
     url = args.url.rstrip("/") + args.route
     levels = asyncio.run(_run_levels(args, url, label=args.url))
     print(table(levels))
-    if args.output:
-        write_json(levels, args.output, {"url": url, "prompt_tokens": args.prompt_tokens})
-    if args.plot:
-        plot(levels, args.plot, f"{url}, {args.prompt_tokens} prompt tokens")
+    output = args.output or RESULTS_DIR / "load.json"
+    write_json(levels, output, {"url": url, "prompt_tokens": args.prompt_tokens})
+    print(f"\nresults: {output}")
+    if args.rate is None:  # a plot needs concurrency levels on its x axis
+        png = args.plot or RESULTS_DIR / "load.png"
+        plot(levels, png, f"{url}, {args.prompt_tokens:,} prompt tokens")
+        print(f"plot: {png}")
     return 1 if any(lv.errors for lv in levels) else 0
 
 

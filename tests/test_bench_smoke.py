@@ -8,6 +8,8 @@ handful of requests; and the statistics it reports.
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 import pytest
 
@@ -58,3 +60,18 @@ def test_a_deployment_serves_the_load_generator(front: str) -> None:
     assert level.requests == 12
     assert level.errors == 0, level.error_samples
     assert level.ttft_p50_ms is not None and level.completions_per_s > 0
+
+
+@pytest.mark.slow
+def test_load_cli_writes_results_and_a_plot(tmp_path: Path) -> None:
+    from bench import load
+
+    with Deployment("both-gates", 2000) as dep:
+        argv = ["--url", dep.url, "--concurrency", "1,2", "--requests", "6", "--prompt-tokens", "2000",
+                "--max-tokens", "4", "--model", "synthetic",
+                "--output", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")]  # fmt: skip
+        assert load.main(argv) == 0
+    results = json.loads((tmp_path / "r.json").read_text())
+    assert [lv["concurrency"] for lv in results["levels"]] == [1, 2]
+    assert all(lv["requests"] == 6 and lv["errors"] == 0 for lv in results["levels"])
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
