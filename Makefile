@@ -1,6 +1,6 @@
 PY ?= python
 
-.PHONY: build test test-py bench lint debug test-debug fuzz wheel plot clean
+.PHONY: build test test-py bench lint debug test-debug fuzz wheel plot gpu-check clean
 
 build:          ## compile the Cython extensions in place
 	$(PY) setup.py build_ext --inplace
@@ -40,6 +40,10 @@ test-debug: debug  ## compiled-twin tests under the sanitizers
 
 fuzz: debug     ## hypothesis fuzz of the scanner under the sanitizers
 	$(SAN_ENV) $(PY) -m tests.fuzz_jsonspan --seconds $${FUZZ_SECONDS:-120}
+
+gpu-check: build  ## on a CUDA machine: the checkpoint tests (one needs CUDA) and the worker benchmark on the GPU
+	$(PY) -m pytest -q tests/test_hf_checkpoints.py tests/test_worker_cli.py
+	$(PY) -m bench.worker --device cuda
 
 wheel:
 	$(PY) -m build
