@@ -1,6 +1,6 @@
 PY ?= python
 
-.PHONY: build test test-py bench lint debug test-debug fuzz wheel plot gpu-check clean
+.PHONY: build test bench lint debug test-debug fuzz wheel plot gpu-check clean
 
 build:          ## compile the Cython extensions in place
 	$(PY) setup.py build_ext --inplace
