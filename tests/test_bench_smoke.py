@@ -75,3 +75,17 @@ def test_load_cli_writes_results_and_a_plot(tmp_path: Path) -> None:
     assert [lv["concurrency"] for lv in results["levels"]] == [1, 2]
     assert all(lv["requests"] == 6 and lv["errors"] == 0 for lv in results["levels"])
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_hundreds_of_concurrent_streams_complete_without_errors() -> None:
+    """512 streaming requests, 256 at a time, through a real orchestrator: none fails, none times out."""
+    with Deployment("both-gates", 2000) as dep:
+        body = chat_body(2000, model="synthetic", max_tokens=8)
+        level = asyncio.run(
+            run_concurrency(
+                dep.url + "/v1/chat/completions", body, 256, max_requests=512, max_seconds=120, timeout=60
+            )
+        )
+    assert level.requests == 512
+    assert (level.errors, level.timeouts) == (0, 0), level.error_samples
