@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,14 +33,9 @@ import numpy as np
 
 import fastcore
 from bench._timing import format_table, time_call
+from bench.deploy import free_port
 from server.worker import protocol
 from server.worker.cli import default_torch_threads
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 120.0) -> None:
@@ -112,7 +106,7 @@ async def _serving_round(url: str, batch: int, max_tokens: int, prompt_len: int)
 
 
 def bench_serving(batches: list[int], max_tokens: int, prompt_len: int, device: str, threads: int) -> str:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "server.cli", "worker", "--model", "tiny", "--port", str(port),
            "--device", device, "--torch-threads", str(threads)]  # fmt: skip

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import socket
 from pathlib import Path
 from types import ModuleType
 
@@ -20,6 +21,13 @@ import fastcore
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_TESTDATA = ROOT.parent / "shared" / "testdata"
 REQUIRE_EXTENSIONS = os.environ.get("FASTCORE_REQUIRE_EXTENSIONS", "") not in ("", "0")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for a server a test starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _twin(compiled: str, pure: str, which: str) -> ModuleType:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import free_port
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
@@ -1184,12 +1184,6 @@ def test_template_that_indexes_content_wrongly_is_a_value_error():
 # ---------------------------------------------------------------- served by a live worker
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _post(url: str, body: dict[str, Any]) -> tuple[int, bytes]:
     request = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
@@ -1218,7 +1212,7 @@ def _stream_text(raw: bytes, key: Callable[[dict[str, Any]], str | None]) -> tup
 
 @contextmanager
 def serving(model_dir: Path) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "server.cli", "worker", "--model", str(model_dir), "--port", str(port)]
     argv += ["--device", "cpu", "--kv-tokens", "2048", "--torch-threads", "1"]
     repo_root = Path(__file__).resolve().parent.parent

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 
 import aiohttp
 import pytest
 from aiohttp import web
+from conftest import free_port
 
 from server.orchestrator import cli
 from server.orchestrator.config import ConfigError, OrchestratorConfig, build_config, merge_overrides
@@ -164,12 +164,6 @@ def test_pool_not_ready_until_a_worker_is_healthy():
     assert pool.ready
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def test_health_checker_takes_out_and_puts_back():
     """A real /health endpoint that flips between 200 and 503, and a port nobody listens on."""
     status = {"code": 200}
@@ -181,9 +175,9 @@ async def test_health_checker_takes_out_and_puts_back():
     app.router.add_get("/health", health)
     runner = web.AppRunner(app)
     await runner.setup()
-    port = _free_port()
+    port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
-    dead_port = _free_port()
+    dead_port = free_port()
     pool = Pool("p", [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{dead_port}"], "round_robin")
     changes = []
     try:
@@ -229,7 +223,7 @@ async def test_health_timeouts_alone_do_not_take_out_a_serving_worker():
     app.router.add_get("/health", health)
     runner = web.AppRunner(app)
     await runner.setup()
-    port = _free_port()
+    port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     pool = Pool("p", [f"http://127.0.0.1:{port}"], "round_robin")
     worker = pool.workers[0]

@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
+from conftest import free_port
 
 from server.auth import SIGNATURE_HEADER
 from server.errors import error_body
@@ -66,12 +66,6 @@ def eventually(condition: Any, timeout: float = 10.0) -> bool:
             return False
         time.sleep(0.02)
     return True
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:

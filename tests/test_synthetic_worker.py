@@ -23,6 +23,7 @@ import aiohttp
 import numpy as np
 import pytest
 import pytest_asyncio
+from conftest import free_port
 
 import fastcore
 from fastcore import relay
@@ -174,14 +175,8 @@ async def test_latencies_are_configurable() -> None:
         await runner.cleanup()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def test_cli_serves_synthetic_model(http: aiohttp.ClientSession) -> None:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "server.cli", "worker", "--model", "synthetic", "--prompt-tokens", "64",
          "--role", "context", "--port", str(port)],

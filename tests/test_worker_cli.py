@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,16 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port
 
 from server.auth import SIGNATURE_HEADER, sign_body
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def worker_cmd(*flags: str) -> list[str]:
