@@ -33,6 +33,8 @@ MODES: dict[str, list[str]] = {
     "both-gates": ["--relay", "fast", "--gen-tokids-ctxbytes", "--gen-strip-message-history"],
 }
 FLOOR = "floor"
+#: every front process a scale benchmark compares, the floor last
+FRONTS = [*MODES, FLOOR]
 
 
 def free_port() -> int:
@@ -98,6 +100,7 @@ class Deployment:
     workers: list[Child] = field(default_factory=list)
     front: Child | None = None
     port: int = 0
+    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -112,7 +115,7 @@ class Deployment:
         return Child(f"{role} worker {index}", pinned(argv, other), port)
 
     def start(self, env: dict[str, str] | None = None) -> Deployment:
-        env = dict(os.environ if env is None else env)
+        env = self.env = dict(os.environ if env is None else env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         urls: dict[str, list[str]] = {"context": [], "generation": []}
         for role, count in (("context", self.context_workers), ("generation", self.generation_workers)):
@@ -146,6 +149,10 @@ class Deployment:
             self.stop()
             raise
         return self
+
+    def restart(self, child: Child) -> None:
+        """Start ``child`` again, as it was first started (the chaos run's worker revivals)."""
+        child.start(self.env)
 
     def front_cpu_seconds(self) -> float:
         assert self.front is not None and self.front.proc is not None

@@ -20,11 +20,9 @@ import random
 import signal
 import time
 
-from bench.deploy import FLOOR, MODES, Deployment
+from bench.deploy import FRONTS, Deployment
 from bench.load import RESULTS_DIR, LevelResult, _parse_levels, plot, run_concurrency, table, write_json
 from bench.workload import chat_body
-
-FRONTS = [*MODES, FLOOR]
 
 
 def compare(args: argparse.Namespace) -> int:
@@ -107,7 +105,7 @@ async def _chaos_run(args: argparse.Namespace, dep: Deployment) -> dict:
             victim.proc.wait()
             kills += 1
             await asyncio.sleep(1.0)
-            victim.start(dict(__import__("os").environ))
+            dep.restart(victim)
 
     async def sample_rss() -> None:
         t0 = time.monotonic()

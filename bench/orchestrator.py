@@ -31,11 +31,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench._timing import format_table
-from bench.deploy import FLOOR, MODES, Deployment, cores
+from bench.deploy import FLOOR, FRONTS, Deployment, cores
 from bench.load import RESULTS_DIR, run_concurrency
 from bench.workload import chat_body
-
-FRONTS = [*MODES, FLOOR]
 
 
 @dataclass
