@@ -67,6 +67,15 @@ _CLIENT_PATHS = (
     ("messages", -1),
 )
 _ROOT, _MESSAGES, _DISAGG, _B64, _IDS, _STREAM, _STREAM_OPTIONS, _PROMPT, _LAST_MESSAGE = range(9)
+# read_client_request: the same, plus the small fields an orchestrator acts on, in the same pass.
+_CLIENT_REQUEST_PATHS = (
+    *_CLIENT_PATHS,
+    ("model",),
+    ("max_tokens",),
+    ("max_completion_tokens",),
+    ("stream_options", "include_usage"),
+)
+_MODEL, _MAX_TOKENS, _MAX_COMPLETION_TOKENS, _INCLUDE_USAGE = range(9, 13)
 
 _DP = ("choices", 0, "disaggregated_params")
 _CONTEXT_PATHS = (
@@ -79,6 +88,25 @@ _CONTEXT_PATHS = (
     (*_DP, "request_type"),
     (*_DP, "ctx_usage"),
 )
+# read_context_response: the same, plus what an orchestrator checks before relaying, in the same pass.
+_CONTEXT_RESPONSE_PATHS = (*_CONTEXT_PATHS, ("choices", 0), ("usage", "completion_tokens"))
+
+# strip_internal_fields' paths for the first ``choices`` choices, built once per count (a tuple
+# of tuples, so the compiled twin's path cache keeps its compiled form too).
+_STRIP_PATHS: dict[int, tuple[tuple[str | int, ...], ...]] = {}
+
+
+def _strip_paths(choices: int) -> tuple[tuple[str | int, ...], ...]:
+    paths = _STRIP_PATHS.get(choices)
+    if paths is None:
+        paths = _STRIP_PATHS[choices] = (
+            (),
+            ("prompt_token_ids",),
+            ("prompt_token_ids_b64",),
+            ("choices", choices),
+            *(("choices", i, "disaggregated_params") for i in range(choices)),
+        )
+    return paths
 
 
 class ClientBody(NamedTuple):
@@ -90,6 +118,36 @@ class ClientBody(NamedTuple):
     spans: tuple[Span | None, ...]
     #: the object has no members (fields are then added without a leading comma)
     empty: bool
+
+
+class ClientFields(NamedTuple):
+    """Spans of the small client fields an orchestrator acts on (:meth:`Relay.read_client_request`).
+
+    Half-open byte ranges of raw JSON values in the validated body (``None``:
+    absent). The first byte of a span says its type; a scalar is decoded by
+    slicing it out. Each key is unique in its object (a repeat is refused).
+    """
+
+    stream: Span | None
+    stream_options: Span | None
+    #: ``stream_options.include_usage`` (only when ``stream_options`` is an object)
+    include_usage: Span | None
+    model: Span | None
+    max_tokens: Span | None
+    max_completion_tokens: Span | None
+    messages: Span | None
+    #: ``messages[-1]``: ``None`` unless ``messages`` is a non-empty array
+    last_message: Span | None
+    prompt: Span | None
+
+
+class ContextFields(NamedTuple):
+    """Spans an orchestrator checks in a context response (:meth:`Relay.read_context_response`)."""
+
+    #: ``choices[0]``: ``None`` unless ``choices`` is a non-empty array
+    first_choice: Span | None
+    #: ``usage.completion_tokens`` (only when ``usage`` is an object)
+    completion_tokens: Span | None
 
 
 class ContextResponseError(RelayError):
@@ -156,7 +214,38 @@ class Relay:
         guesses from the presence of ``messages``, which a client controls).
         ``validate=False``: as in :meth:`parse_context_response`.
         """
-        spans = tuple(self._find_spans(body, _CLIENT_PATHS, validate=validate))
+        return self._read_client(body, _CLIENT_PATHS, chat, validate)
+
+    def read_client_request(
+        self, body: BytesLike, *, chat: bool | None = None
+    ) -> tuple[ClientBody, ClientFields]:
+        """:meth:`read_client_body` (validating) plus the spans of the small fields an
+        orchestrator checks (``stream``, ``model``, ``max_tokens``...), all in the same one pass.
+
+        Raises as :meth:`read_client_body`, and also for a repeated ``model``,
+        ``max_tokens``, ``max_completion_tokens`` or ``stream_options.include_usage``
+        key. The :class:`ClientBody` serves both builders as
+        :meth:`read_client_body`'s does.
+        """
+        client = self._read_client(body, _CLIENT_REQUEST_PATHS, chat, True)
+        spans = client.spans
+        return client, ClientFields(
+            spans[_STREAM],
+            spans[_STREAM_OPTIONS],
+            spans[_INCLUDE_USAGE],
+            spans[_MODEL],
+            spans[_MAX_TOKENS],
+            spans[_MAX_COMPLETION_TOKENS],
+            spans[_MESSAGES],
+            spans[_LAST_MESSAGE],
+            spans[_PROMPT],
+        )
+
+    def _read_client(
+        self, body: BytesLike, paths: tuple[tuple[str | int, ...], ...], chat: bool | None, validate: bool
+    ) -> ClientBody:
+        # ``paths`` starts with _CLIENT_PATHS: the builders index the spans by its constants.
+        spans = tuple(self._find_spans(body, paths, validate=validate))
         if not _is_object(body, spans[_ROOT]):
             raise RelayError("the request body must be a JSON object")
         if chat is None:
@@ -230,7 +319,7 @@ class Relay:
         """Read leg (2): finish reason and the spans leg (3) needs, in one validating pass.
 
         ``validate=False`` is for a caller that has just validated the same bytes
-        with a full parser (the orchestrator's pysimdjson parse): the scan then
+        (with a full parser, or a validating scan of its own): the scan then
         checks only the containers on the relay's paths (3x faster on an id
         list) and still never reads out of bounds.
         """
@@ -238,7 +327,27 @@ class Relay:
             spans = self._find_spans(ctx_response, _CONTEXT_PATHS, validate=validate)
         except JSONSpanError as exc:
             raise ContextResponseError(f"context response is not valid JSON: {exc}") from exc
-        root, finish, dp, usage, ids, b64, request_type, ctx_usage = spans
+        return self._context_info(ctx_response, spans)
+
+    def read_context_response(self, ctx_response: BytesLike) -> tuple[ContextResponseInfo, ContextFields]:
+        """:meth:`parse_context_response` (validating) plus the spans of ``choices[0]`` and
+        ``usage.completion_tokens``, in the same one pass.
+
+        Raises as :meth:`parse_context_response` (a malformed body: a
+        :class:`ContextResponseError` whose cause is the ``JSONSpanError``),
+        and also for a repeated ``completion_tokens`` key in ``usage``.
+        """
+        try:
+            spans = self._find_spans(ctx_response, _CONTEXT_RESPONSE_PATHS)
+        except JSONSpanError as exc:
+            raise ContextResponseError(f"context response is not valid JSON: {exc}") from exc
+        count = len(_CONTEXT_PATHS)
+        return self._context_info(ctx_response, spans), ContextFields(spans[count], spans[count + 1])
+
+    @staticmethod
+    def _context_info(ctx_response: BytesLike, spans: list[Span | None]) -> ContextResponseInfo:
+        # ``spans`` starts with those of _CONTEXT_PATHS.
+        root, finish, dp, usage, ids, b64, request_type, ctx_usage = spans[: len(_CONTEXT_PATHS)]
         if not _is_object(ctx_response, root):
             raise ContextResponseError("context response is not a JSON object")
         finish_reason: str | None = None
@@ -378,21 +487,19 @@ class Relay:
 
     # -- responses to clients -------------------------------------------------------------------
 
-    def strip_internal_fields(self, body: BytesLike) -> bytes:
+    def strip_internal_fields(self, body: BytesLike, *, validate: bool = True) -> bytes:
         """``body`` (a worker's response) without ``disaggregated_params`` in any choice and
-        without top-level ``prompt_token_ids`` / ``prompt_token_ids_b64``."""
+        without top-level ``prompt_token_ids`` / ``prompt_token_ids_b64``.
+
+        The scan validates the whole body; ``validate=False`` (as in
+        :meth:`parse_context_response`) is for bytes the caller has validated.
+        Returns ``body`` itself (when ``bytes``) if there is nothing to cut.
+        """
         if not isinstance(body, (bytes, bytearray)):
             body = bytes(body)  # rfind and friends below
         choices = 8
         while True:
-            paths: list[tuple[str | int, ...]] = [
-                (),
-                ("prompt_token_ids",),
-                ("prompt_token_ids_b64",),
-                ("choices", choices),
-            ]
-            paths += [("choices", i, "disaggregated_params") for i in range(choices)]
-            spans = self._find_member_spans(body, paths)
+            spans = self._find_member_spans(body, _strip_paths(choices), validate=validate)
             if spans[3] is None:
                 break
             choices *= 4  # more choices than asked for: rare (n > 8), scan again
@@ -429,6 +536,8 @@ class Relay:
 _default = Relay(_jsonspan_impl)
 
 read_client_body = _default.read_client_body
+read_client_request = _default.read_client_request
+read_context_response = _default.read_context_response
 check_client_body = _default.check_client_body
 build_context_request = _default.build_context_request
 build_generation_request = _default.build_generation_request
@@ -439,6 +548,8 @@ __all__ = [
     "GENERATION_FOLLOWS",
     "INTERNAL_FIELDS",
     "ClientBody",
+    "ClientFields",
+    "ContextFields",
     "ContextResponseError",
     "ContextResponseInfo",
     "Relay",
@@ -447,5 +558,7 @@ __all__ = [
     "check_client_body",
     "parse_context_response",
     "read_client_body",
+    "read_client_request",
+    "read_context_response",
     "strip_internal_fields",
 ]
