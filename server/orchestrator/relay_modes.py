@@ -1,11 +1,11 @@
 """How the orchestrator turns a client body into the two legs' bodies, in two modes.
 
 ``FastRelay`` (config ``relay: fast``, the default) never builds Python objects
-for a body: pysimdjson validates each body with a full parse in C and the few
-small fields the orchestrator needs (``stream``, ``max_tokens``,
-``finish_reason``...) are read from its lazy proxies; every outgoing body is
-cut and spliced from the raw bytes by ``fastcore.relay``. Its Python work per
-request does not grow with the prompt.
+for a body: one validating pass of the fastcore span scanner per body checks
+all of it and finds the spans of the few small fields the orchestrator acts on
+(``stream``, ``max_tokens``, ``finish_reason``...), which are decoded from
+those few bytes; every outgoing body is cut and spliced from the raw bytes by
+``fastcore.relay``. Its Python work per request does not grow with the prompt.
 
 ``ParsedRelay`` (``relay: parsed``) is the baseline: what a typical pydantic
 OpenAI orchestrator does (trtllm-serve's disaggregated server, for one):
@@ -20,11 +20,11 @@ Both raise :class:`server.errors.HTTPError`: 400 for a client's bad body,
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
 
-import simdjson
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, ValidationError
 
 import fastcore
@@ -32,6 +32,8 @@ from fastcore import JSONSpanError, RelayError
 from fastcore import relay as fastcore_relay
 from fastcore.relay import ContextResponseError
 from server.errors import HTTPError
+
+Span = tuple[int, int]
 
 # Internal fields a client may never send (PROTOCOL.md, "Rules that hold everywhere").
 INTERNAL_FIELDS_ALWAYS = ("disaggregated_params", "prompt_token_ids_b64")
@@ -88,63 +90,121 @@ def malformed_json_error(body: bytes, what: str) -> str:
         return f"{what} is malformed JSON: {exc.msg} (byte {offset})"
     except RecursionError:
         return f"{what} nests too deeply"
+    except ValueError as exc:  # valid JSON Python will not read: an integer beyond its 4300 digits
+        return f"{what} is not usable: {exc}"
     return f"{what} is malformed JSON"
-
-
-class _SimdParser:
-    """One reusable pysimdjson parser per process (its buffers grow once, then stay).
-
-    A parser refuses to parse while proxies of its last document are alive; a
-    proxy kept alive by a traceback would otherwise wedge it, so a fresh
-    parser replaces it then.
-    """
-
-    def __init__(self) -> None:
-        self._parser = simdjson.Parser()
-
-    def parse(self, body: bytes, what: str, status: int) -> Any:
-        try:
-            try:
-                return self._parser.parse(body)
-            except RuntimeError as exc:
-                if not str(exc).startswith("Tried to re-use"):
-                    raise
-                self._parser = simdjson.Parser()
-                return self._parser.parse(body)
-        except RuntimeError as exc:  # e.g. BIGINT_ERROR: valid JSON, but a number beyond 64 bits
-            raise HTTPError(status, f"{what} is not usable: {exc}") from None
-        except ValueError:  # includes UnicodeDecodeError
-            raise HTTPError(status, malformed_json_error(body, what)) from None
-
-
-_simd = _SimdParser()
-
-
-def _has_internal_fields(doc: Any) -> bool:
-    if not isinstance(doc, simdjson.Object):
-        return True  # let the relay's scan say what is wrong
-    if "prompt_token_ids" in doc or "prompt_token_ids_b64" in doc:
-        return True
-    choices = doc.get("choices")
-    if not isinstance(choices, simdjson.Array):
-        return False
-    return any(not isinstance(c, simdjson.Object) or "disaggregated_params" in c for c in choices)
-
-
-def _optional(doc: Any, key: str, kinds: tuple[type, ...], expected: str) -> Any:
-    value = doc.get(key)
-    if value is None:
-        return None
-    # bool is an int subclass: max_tokens: true is a type error, not 1.
-    if not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool)):
-        raise HTTPError(400, f"'{key}' must be {expected}", param=key)
-    return value
 
 
 def _check_max_tokens(key: str, value: int | None) -> int | None:
     if value is not None and value < 1:
         raise HTTPError(400, f"'{key}' must be at least 1, got {value}", param=key)
     return value
+
+
+# -- FastRelay: small values decoded from the spans of one validating scan -------------------------
+#
+# Every span is a valid JSON value (the scan checked the whole body), so its
+# first byte says its type: 't'/'f'/'n' are exactly true/false/null, '"' a
+# string, '-' or a digit a number, '{' / '[' a container. Containers are never
+# sliced out; scalars the orchestrator keeps are a few bytes.
+
+_QUOTE, _OPEN_OBJECT, _OPEN_ARRAY, _MINUS, _NULL_BYTE, _TRUE_BYTE, _FALSE_BYTE = b'"{[-ntf'
+# An int of more digits than this is not a token count (and int() of thousands
+# of digits is slow, or refused).
+_MAX_INT_DIGITS = 20
+_JSON_KEY = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
+def _span_bool(body: bytes, span: Span | None, key: str) -> bool | None:
+    """A strict boolean (``None``: absent or null); anything else is the client's 400."""
+    if span is None:
+        return None
+    first = body[span[0]]
+    if first == _TRUE_BYTE:
+        return True
+    if first == _FALSE_BYTE:
+        return False
+    if first == _NULL_BYTE:
+        return None
+    raise HTTPError(400, f"'{key}' must be a boolean", param=key)
+
+
+def _is_number(first: int) -> bool:
+    return first == _MINUS or 0x30 <= first <= 0x39
+
+
+def _digits(body: bytes, start: int, end: int) -> int:
+    return end - start - (body[start] == _MINUS)
+
+
+def _span_int(body: bytes, span: Span | None) -> int | None:
+    """The integer at ``span``, or ``None`` (absent, null, not an integer, or over 20 digits)."""
+    if span is None:
+        return None
+    start, end = span
+    if not _is_number(body[start]) or _digits(body, start, end) > _MAX_INT_DIGITS:
+        return None
+    raw = body[start:end]
+    # A valid JSON number is an integer unless it has a fraction or an exponent.
+    if b"." in raw or b"e" in raw or b"E" in raw:
+        return None
+    return int(raw)
+
+
+def _span_max_tokens(body: bytes, span: Span | None, key: str) -> int | None:
+    """``max_tokens`` / ``max_completion_tokens``: an integer (not a bool) or null."""
+    value = _span_int(body, span)
+    if value is None and span is not None:
+        start, end = span
+        first = body[start]
+        if first == _NULL_BYTE:
+            return None
+        if _is_number(first) and _digits(body, start, end) > _MAX_INT_DIGITS:
+            raise HTTPError(400, f"'{key}' must be an integer of at most {_MAX_INT_DIGITS} digits", param=key)
+        raise HTTPError(400, f"'{key}' must be an integer", param=key)
+    return value
+
+
+def _span_str(body: bytes, span: Span | None, key: str) -> str | None:
+    """A string (``None``: absent or null); anything else is the client's 400."""
+    if span is None:
+        return None
+    start, end = span
+    first = body[start]
+    if first == _NULL_BYTE:
+        return None
+    if first != _QUOTE:
+        raise HTTPError(400, f"'{key}' must be a string", param=key)
+    if body.find(b"\\", start + 1, end - 1) < 0:
+        return body[start + 1 : end - 1].decode("utf-8")  # the scan checked its UTF-8
+    value: str = json.loads(body[start:end])  # escapes: a short string, the stdlib decodes them right
+    return value
+
+
+def _duplicate_key(body: bytes, offset: int) -> str | None:
+    """The key whose repeat stopped a scan at ``offset`` (where that key starts)."""
+    match = _JSON_KEY.match(body, offset)
+    if match is None:
+        return None
+    try:
+        key = json.loads(match.group())
+    except ValueError:
+        return None
+    return key if isinstance(key, str) else None
+
+
+def _scan_refusal(body: bytes, exc: JSONSpanError, what: str, status: int) -> HTTPError:
+    """The error for a body the relay's scan stopped on: where it stops being UTF-8 or JSON, or
+    the key it repeats (parsers disagree on which occurrence wins, so neither is guessed)."""
+    try:
+        str(body, "utf-8")  # only on this error path: a second look at the whole body is fine here
+    except UnicodeDecodeError as error:
+        return HTTPError(status, f"{what} is not valid UTF-8 (byte {error.start})")
+    if str(exc).startswith("JSON has duplicate key"):
+        if status == 400:
+            return HTTPError(400, f"{what} rejected: {exc}", param=_duplicate_key(body, exc.offset))
+        return HTTPError(status, f"{what} cannot be relayed: {exc}")
+    return HTTPError(status, f"{what} is malformed JSON: {exc}")
 
 
 class FastRelay:
@@ -158,38 +218,44 @@ class FastRelay:
         self.strip_history = strip_history
 
     def read_client(self, body: bytes, chat: bool) -> ClientRequest:
-        doc = _simd.parse(body, "request body", 400)
-        if not isinstance(doc, simdjson.Object):
-            raise HTTPError(400, "request body must be a JSON object")
-        for field in INTERNAL_FIELDS_ALWAYS + (INTERNAL_FIELDS_CHAT if chat else ()):
-            if field in doc:
-                raise HTTPError(
-                    400, f"'{field}' is an internal field and may not be sent by clients", param=field
-                )
-        stream = _optional(doc, "stream", (bool,), "a boolean")
-        options = _optional(doc, "stream_options", (simdjson.Object,), "an object")
+        try:
+            # One validating scan: the whole body is checked, and it finds every
+            # span both legs splice (ClientBody) and the small fields read here.
+            client, fields = self.relay.read_client_request(body, chat=chat)
+        except JSONSpanError as exc:
+            raise _scan_refusal(body, exc, "request body", 400) from None
+        except RelayError as exc:
+            field = exc.field
+            if field is None:
+                raise HTTPError(400, "request body must be a JSON object") from None
+            raise HTTPError(
+                400, f"'{field}' is an internal field and may not be sent by clients", param=field
+            ) from None
+        stream = _span_bool(body, fields.stream, "stream")
+        options = fields.stream_options
         include_usage = None
         if options is not None:
-            include_usage = _optional(options, "include_usage", (bool,), "a boolean")
-        model = _optional(doc, "model", (str,), "a string")
+            first = body[options[0]]
+            if first == _OPEN_OBJECT:
+                include_usage = _span_bool(body, fields.include_usage, "include_usage")
+            elif first != _NULL_BYTE:
+                raise HTTPError(400, "'stream_options' must be an object", param="stream_options")
+        model = _span_str(body, fields.model, "model")
         if chat:
-            messages = doc.get("messages")
-            if not isinstance(messages, simdjson.Array) or len(messages) == 0:
+            if fields.last_message is None:  # absent, not an array, or empty
                 raise HTTPError(400, "'messages' must be a non-empty array", param="messages")
-            key = "max_completion_tokens" if doc.get("max_completion_tokens") is not None else "max_tokens"
+            # Both are checked, as the parsed relay's model does; the first set one counts.
+            completion = _span_max_tokens(body, fields.max_completion_tokens, "max_completion_tokens")
+            tokens = _span_max_tokens(body, fields.max_tokens, "max_tokens")
+            key, value = (
+                ("max_completion_tokens", completion) if completion is not None else ("max_tokens", tokens)
+            )
         else:
-            prompt = doc.get("prompt")
-            if not isinstance(prompt, (str, simdjson.Array)):
+            prompt = fields.prompt
+            if prompt is None or body[prompt[0]] not in (_QUOTE, _OPEN_ARRAY):
                 raise HTTPError(400, "'prompt' must be a string or an array", param="prompt")
-            key = "max_tokens"
-        max_tokens = _check_max_tokens(key, _optional(doc, key, (int,), "an integer"))
-        del doc, options  # proxies pin the parser's buffers
-        try:
-            # One scan finds every span both legs splice (ClientBody), so
-            # neither builder scans the client body again.
-            client = self.relay.read_client_body(body, chat=chat, validate=False)  # pysimdjson validated it
-        except (RelayError, JSONSpanError) as exc:  # e.g. a duplicated "stream" key
-            raise HTTPError(400, f"request body rejected: {exc}", param=getattr(exc, "field", None)) from None
+            key, value = "max_tokens", _span_max_tokens(body, fields.max_tokens, "max_tokens")
+        max_tokens = _check_max_tokens(key, value)
         return ClientRequest(body, chat, bool(stream), bool(include_usage), max_tokens, model, client)
 
     def context_request(self, req: ClientRequest, disagg_request_id: int) -> bytes:
@@ -197,22 +263,20 @@ class FastRelay:
             return self.relay.build_context_request(
                 req.parsed, disagg_request_id=disagg_request_id, return_b64=self.tokids_b64
             )
-        except (RelayError, JSONSpanError) as exc:  # e.g. a duplicated "stream" key
+        except (RelayError, JSONSpanError) as exc:
             raise HTTPError(400, f"request body rejected: {exc}", param=getattr(exc, "field", None)) from None
 
     def read_context(self, req: ClientRequest, body: bytes) -> ContextResult:
-        doc = _simd.parse(body, "context worker response", 502)
-        choices = doc.get("choices") if isinstance(doc, simdjson.Object) else None
-        if not isinstance(choices, simdjson.Array) or len(choices) == 0:
-            raise HTTPError(502, "context worker response has no choices[0]")
-        usage = doc.get("usage")
-        completion_tokens = usage.get("completion_tokens") if isinstance(usage, simdjson.Object) else None
-        del doc, choices, usage  # proxies pin the parser's buffers
         try:
-            # The spans leg (3) needs, read once here and handed to build_generation_request.
-            info = self.relay.parse_context_response(body, validate=False)  # pysimdjson validated it
-        except RelayError as exc:
+            # One validating scan; the spans leg (3) needs go to build_generation_request.
+            info, fields = self.relay.read_context_response(body)
+        except ContextResponseError as exc:
+            if isinstance(exc.__cause__, JSONSpanError):
+                raise _scan_refusal(body, exc.__cause__, "context worker response", 502) from None
             raise HTTPError(502, f"context worker response cannot be relayed: {exc}") from None
+        if fields.first_choice is None:
+            raise HTTPError(502, "context worker response has no choices[0]")
+        completion_tokens = _span_int(body, fields.completion_tokens)
         finished = not _needs_generation(info.finish_reason, completion_tokens, req.max_tokens)
         if not finished and info.disaggregated_params is None:
             raise HTTPError(502, "context worker response lacks choices[0].disaggregated_params")
@@ -233,16 +297,19 @@ class FastRelay:
             raise HTTPError(400, f"request body rejected: {exc}", param=getattr(exc, "field", None)) from None
 
     def finished_answer(self, req: ClientRequest, ctx: ContextResult) -> bytes:
-        return self.relay.strip_internal_fields(ctx.body)
+        try:
+            # read_context validated these bytes: this scan only finds the members to cut.
+            return self.relay.strip_internal_fields(ctx.body, validate=False)
+        except (RelayError, JSONSpanError) as exc:  # e.g. a choice beyond the first repeats a key
+            raise HTTPError(502, f"context worker response cannot be relayed: {exc}") from None
 
     def client_answer(self, req: ClientRequest, body: bytes) -> bytes:
-        doc = _simd.parse(body, "generation worker response", 502)
-        if not _has_internal_fields(doc):
-            return body  # the common case: nothing to cut, no second scan
-        del doc
         try:
+            # One validating scan; the body itself comes back when there is nothing to cut.
             return self.relay.strip_internal_fields(body)
-        except (RelayError, JSONSpanError) as exc:
+        except JSONSpanError as exc:
+            raise _scan_refusal(body, exc, "generation worker response", 502) from None
+        except RelayError as exc:
             raise HTTPError(502, f"generation worker response cannot be relayed: {exc}") from None
 
 
