@@ -83,7 +83,8 @@ def main() -> None:
         port=args.port,
         print=None,
         backlog=LISTEN_BACKLOG,
-        handler_args={"read_bufsize": READ_BUFSIZE},
+        access_log=None,
+        read_bufsize=READ_BUFSIZE,  # run_app hands extra kwargs to each RequestHandler
     )
 
 
