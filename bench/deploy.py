@@ -35,6 +35,10 @@ MODES: dict[str, list[str]] = {
 FLOOR = "floor"
 #: every front process a scale benchmark compares, the floor last
 FRONTS = [*MODES, FLOOR]
+#: the raw-protocol floor (asyncio Protocols + httptools, ``bench/rawfloor.py``), measured by ``bench.routers``
+RAWFLOOR = "rawfloor"
+#: pass-through fronts (workers run role ``both``): mode -> module
+FLOOR_MODULES: dict[str, str] = {FLOOR: "bench.passthrough", RAWFLOOR: "bench.rawfloor"}
 
 
 def free_port() -> int:
@@ -63,6 +67,37 @@ def cpu_seconds(pid: int) -> float:
         fields = f.read().rsplit(")", 1)[1].split()
     ticks = os.sysconf("SC_CLK_TCK")
     return (int(fields[11]) + int(fields[12])) / ticks
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its live descendants (a launcher and the process it spawned), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, []))
+    return tree
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid`` and its live descendants (a child that exits in between is not counted)."""
+    total = 0.0
+    for p in process_tree(pid):
+        try:
+            total += cpu_seconds(p)
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
 
 
 def rss_bytes(pid: int) -> int:
@@ -108,7 +143,7 @@ class Deployment:
 
     def worker_child(self, role: str, port: int, index: int) -> Child:
         _, other = cores()
-        argv = [*PYTHON, "server.cli", "worker", "--model", "synthetic", "--role", "both" if self.mode == FLOOR else role,
+        argv = [*PYTHON, "server.cli", "worker", "--model", "synthetic", "--role", "both" if self.mode in FLOOR_MODULES else role,
                 "--prompt-tokens", str(self.prompt_tokens), "--port", str(port),
                 "--prefill-latency-ms", str(self.prefill_latency_ms),
                 "--token-latency-ms", str(self.token_latency_ms)]  # fmt: skip
@@ -126,8 +161,8 @@ class Deployment:
                 urls[role].append(f"127.0.0.1:{port}")
         self.port = free_port()
         front_cpus, _ = cores()
-        if self.mode == FLOOR:
-            argv = [*PYTHON, "bench.passthrough", "--port", str(self.port)]
+        if self.mode in FLOOR_MODULES:
+            argv = [*PYTHON, FLOOR_MODULES[self.mode], "--port", str(self.port)]
             for u in urls["context"]:
                 argv += ["--context", u]
             for u in urls["generation"]:

@@ -20,7 +20,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -101,6 +101,30 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: bytes, tim
         return RequestResult(False, ttft=ttft, error=f"{type(exc).__name__}: {exc}")
 
 
+async def one_unary_request(session: aiohttp.ClientSession, url: str, body: bytes, timeout: float) -> RequestResult:
+    """A non-streaming request: TTFT and latency are both the time to the whole response."""
+    t0 = time.perf_counter()
+    try:
+        async with asyncio.timeout(timeout):
+            async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
+                data = await resp.read()
+                if resp.status != 200:
+                    return RequestResult(False, error=f"HTTP {resp.status}: {data[:300].decode(errors='replace')}")
+                elapsed = time.perf_counter() - t0
+                try:
+                    choices = json.loads(data)["choices"]
+                    ok = isinstance(choices, list) and len(choices) > 0
+                except (ValueError, KeyError, TypeError):
+                    ok = False
+                if not ok:
+                    return RequestResult(False, ttft=elapsed, error=f"no choices in: {data[:300].decode(errors='replace')}")
+                return RequestResult(True, ttft=elapsed, latency=elapsed)
+    except TimeoutError:
+        return RequestResult(False, timed_out=True, error=f"timed out after {timeout}s")
+    except (aiohttp.ClientError, ConnectionError) as exc:
+        return RequestResult(False, error=f"{type(exc).__name__}: {exc}")
+
+
 class Progress:
     """A one-line progress bar on stderr (no dependency), quiet when not a tty."""
 
@@ -170,26 +194,37 @@ async def run_concurrency(
     max_seconds: float,
     timeout: float,
     label: str = "",
+    request: Callable[[aiohttp.ClientSession, str, bytes, float], Awaitable[RequestResult]] = one_request,
+    session: aiohttp.ClientSession | None = None,
 ) -> LevelResult:
-    """Closed loop: ``concurrency`` clients, each sending its next request when the last ends."""
+    """Closed loop: ``concurrency`` clients, each sending its next request when the last ends.
+
+    ``request`` is :func:`one_request` (SSE) or :func:`one_unary_request`; ``session``, when given,
+    is used (its keep-alive connections kept) instead of a new one closed at the end.
+    """
     results: list[RequestResult] = []
     progress = Progress(label or f"c={concurrency}", max_requests)
     issued = 0
     deadline = time.perf_counter() + max_seconds
 
-    async with _session() as session:
+    async def client(session: aiohttp.ClientSession) -> None:
+        nonlocal issued
+        while issued < max_requests and time.perf_counter() < deadline:
+            issued += 1
+            r = await request(session, url, body, timeout)
+            results.append(r)
+            progress.update(r.ok)
 
-        async def client() -> None:
-            nonlocal issued
-            while issued < max_requests and time.perf_counter() < deadline:
-                issued += 1
-                r = await one_request(session, url, body, timeout)
-                results.append(r)
-                progress.update(r.ok)
-
+    async def clients(session: aiohttp.ClientSession) -> float:
         t0 = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(concurrency)))
-        duration = time.perf_counter() - t0
+        await asyncio.gather(*(client(session) for _ in range(concurrency)))
+        return time.perf_counter() - t0
+
+    if session is None:
+        async with _session() as own:
+            duration = await clients(own)
+    else:
+        duration = await clients(session)
     progress.close()
     return summarize(label, results, duration, concurrency=concurrency)
 
