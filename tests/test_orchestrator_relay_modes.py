@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import json
 import sys
+from types import ModuleType
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 import fastcore
+from fastcore import _jsonspan_py as jsonspan_py
 from fastcore.relay import Relay
 from server.errors import HTTPError
 from server.orchestrator.relay_modes import (
@@ -315,3 +319,589 @@ def test_fast_mode_python_work_does_not_grow_with_the_prompt(jsonspan, tokids, s
 
     small, large = pipeline(1_000), pipeline(50_000)
     assert _python_events(small) == _python_events(large)
+
+
+# -- client bodies: every refusal, and where the two modes part ----------------------------------
+
+ABSENT = object()  # a field taken out of the base body
+
+
+def fast_relay(jsonspan: ModuleType) -> FastRelay:
+    return FastRelay(tokids_b64=True, strip_history=True, relay=Relay(jsonspan))
+
+
+def small_body(chat: bool, fields: dict[str, Any]) -> bytes:
+    body: dict[str, Any] = {"model": "tiny", "max_tokens": 8}
+    body.update({"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"})
+    body.update(fields)
+    return json.dumps({k: v for k, v in body.items() if v is not ABSENT}).encode()
+
+
+def refusal(mode: Any, body: bytes, chat: bool) -> HTTPError:
+    with pytest.raises(HTTPError) as info:
+        mode.read_client(body, chat)
+    assert info.value.status == 400
+    return info.value
+
+
+FIELD_REFUSALS = [
+    (True, {"stream": "yes"}, "stream"),
+    (True, {"stream": 1}, "stream"),
+    (False, {"stream": []}, "stream"),
+    (False, {"stream": {}}, "stream"),
+    (False, {"stream_options": 3}, "stream_options"),
+    (False, {"stream_options": "x"}, "stream_options"),
+    (False, {"stream_options": []}, "stream_options"),
+    (True, {"stream_options": True}, "stream_options"),
+    (False, {"stream_options": {"include_usage": "yes"}}, "include_usage"),
+    (True, {"stream_options": {"include_usage": 1}}, "include_usage"),
+    (True, {"stream_options": {"include_usage": {}}}, "include_usage"),
+    (True, {"model": 5}, "model"),
+    (False, {"model": True}, "model"),
+    (False, {"model": ["tiny"]}, "model"),
+    (True, {"model": {}}, "model"),
+    (True, {"messages": ABSENT}, "messages"),
+    (True, {"messages": None}, "messages"),
+    (True, {"messages": "hi"}, "messages"),
+    (True, {"messages": []}, "messages"),
+    (True, {"messages": {}}, "messages"),
+    (True, {"messages": 1}, "messages"),
+    (False, {"prompt": ABSENT}, "prompt"),
+    (False, {"prompt": None}, "prompt"),
+    (False, {"prompt": 5}, "prompt"),
+    (False, {"prompt": True}, "prompt"),
+    (False, {"prompt": {}}, "prompt"),
+    (True, {"max_tokens": "ten"}, "max_tokens"),
+    (False, {"max_tokens": "8"}, "max_tokens"),
+    (False, {"max_tokens": 1.5}, "max_tokens"),
+    (False, {"max_tokens": 8.0}, "max_tokens"),
+    (True, {"max_tokens": True}, "max_tokens"),
+    (False, {"max_tokens": False}, "max_tokens"),
+    (False, {"max_tokens": []}, "max_tokens"),
+    (False, {"max_tokens": {}}, "max_tokens"),
+    (True, {"max_tokens": 0}, "max_tokens"),
+    (False, {"max_tokens": -1}, "max_tokens"),
+    (False, {"max_tokens": -(10**19)}, "max_tokens"),
+    (True, {"max_completion_tokens": "ten"}, "max_completion_tokens"),
+    (True, {"max_completion_tokens": 0}, "max_completion_tokens"),
+    (True, {"max_completion_tokens": True}, "max_completion_tokens"),
+    (True, {"max_completion_tokens": 2.0}, "max_completion_tokens"),
+    # Both are checked (as the parsed model does), though max_completion_tokens counts.
+    (True, {"max_completion_tokens": 5, "max_tokens": "ten"}, "max_tokens"),
+    (True, {"disaggregated_params": {"request_type": "generation_only"}}, "disaggregated_params"),
+    (False, {"disaggregated_params": None}, "disaggregated_params"),
+    (True, {"prompt_token_ids_b64": "AQAAAA=="}, "prompt_token_ids_b64"),
+    (False, {"prompt_token_ids_b64": "AQAAAA=="}, "prompt_token_ids_b64"),
+    (True, {"prompt_token_ids": [1, 2]}, "prompt_token_ids"),
+]
+
+
+@pytest.mark.parametrize(("chat", "fields", "param"), FIELD_REFUSALS)
+def test_each_field_is_refused_by_both_modes(jsonspan, chat, fields, param):
+    body = small_body(chat, fields)
+    fast = refusal(fast_relay(jsonspan), body, chat)
+    assert fast.param == param and f"'{param}'" in fast.message
+    parsed = refusal(ParsedRelay(tokids_b64=True, strip_history=True), body, chat)
+    assert param in (parsed.param or "")  # pydantic names the place its own way ("prompt.str")
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "needle"),
+    [
+        (b'{"prompt": "x", "max_tokens": 1e2}', "max_tokens", "must be an integer"),
+        (b'{"prompt": "x", "max_tokens": 1E2}', "max_tokens", "must be an integer"),
+        (b'{"prompt": "x", "max_tokens": 10.0}', "max_tokens", "must be an integer"),
+        (b'{"prompt": "x", "max_tokens": -0}', "max_tokens", "at least 1, got 0"),
+        (b'{"prompt": "x", "max_tokens": -0.0}', "max_tokens", "must be an integer"),
+    ],
+)
+def test_number_spellings_both_modes_refuse(jsonspan, body, param, needle):
+    fast = refusal(fast_relay(jsonspan), body, False)
+    assert fast.param == param and needle in fast.message
+    assert refusal(ParsedRelay(tokids_b64=True, strip_history=True), body, False).param == param
+
+
+@pytest.mark.parametrize(
+    ("chat", "fields", "expected"),
+    [
+        (
+            False,
+            {"stream": None, "stream_options": None, "model": None, "max_tokens": None},
+            (False, False, None, None),
+        ),
+        (False, {"stream": True, "stream_options": {}}, (True, False, 8, "tiny")),
+        (False, {"stream": False, "stream_options": {"include_usage": None}}, (False, False, 8, "tiny")),
+        (
+            True,
+            {"stream": True, "stream_options": {"include_usage": True, "x": [1]}},
+            (True, True, 8, "tiny"),
+        ),
+        (False, {"model": 't\u00e9ny\n"q" \\ \U0001f600'}, (False, False, 8, 't\u00e9ny\n"q" \\ \U0001f600')),
+        (False, {"model": ""}, (False, False, 8, "")),
+        (False, {"max_tokens": 10**20 - 1}, (False, False, 10**20 - 1, "tiny")),
+        (False, {"max_tokens": 1}, (False, False, 1, "tiny")),
+        (True, {"max_completion_tokens": None, "max_tokens": 3}, (False, False, 3, "tiny")),
+        (True, {"max_completion_tokens": 2, "max_tokens": 0}, (False, False, 2, "tiny")),
+        (True, {"max_completion_tokens": 2, "max_tokens": None}, (False, False, 2, "tiny")),
+        (False, {"max_completion_tokens": "ignored on completions"}, (False, False, 8, "tiny")),
+        (False, {"prompt": []}, (False, False, 8, "tiny")),
+        (False, {"prompt": [[1, 2], []]}, (False, False, 8, "tiny")),
+        (False, {"prompt": ["a", "b"]}, (False, False, 8, "tiny")),
+        (False, {"prompt": ""}, (False, False, 8, "tiny")),
+        (False, {"prompt_token_ids": [1, 2]}, (False, False, 8, "tiny")),  # not internal on completions
+        (True, {"prompt": 5}, (False, False, 8, "tiny")),  # not read on chat
+        (False, {"messages": 5}, (False, False, 8, "tiny")),  # not read on completions
+    ],
+)
+@pytest.mark.parametrize("ensure_ascii", [True, False])
+def test_values_both_modes_accept(jsonspan, chat, fields, expected, ensure_ascii):
+    body = small_body(chat, fields)
+    if not ensure_ascii:
+        body = json.dumps(json.loads(body), ensure_ascii=False).encode()
+    for mode in (fast_relay(jsonspan), ParsedRelay(tokids_b64=True, strip_history=True)):
+        req = mode.read_client(body, chat)
+        assert (req.stream, req.include_usage, req.max_tokens, req.model) == expected
+
+
+MALFORMED_CLIENT_BODIES = [
+    (
+        b'{"model": "tiny", "messages": [',
+        "malformed JSON: JSON is malformed: unexpected end of data (byte 31)",
+    ),
+    (b'{"model": "tiny", "messages": []} trailing', "trailing characters after the value (byte 34)"),
+    (b"", "unexpected end of data (byte 0)"),
+    (b"   ", "unexpected end of data (byte 3)"),
+    (b"\xff\xfe{}", "request body is not valid UTF-8 (byte 0)"),
+    (b'{"messages": [{"content": "\xc3("}]}', "request body is not valid UTF-8 (byte 27)"),
+    (b'{"a": 1,}', "expected '\"' to start an object key (byte 8)"),
+    (b'{"max_tokens": 01}', "expected ',' or '}' (byte 16)"),
+    (b'{"max_tokens": 1.}', "expected a digit (byte 17)"),
+    (b'{"stream": tru}', "invalid literal (byte 14)"),
+    (b'{"model": "a\\x"}', "invalid escape (byte 12)"),
+    (b'{"model": "a\nb"}', "unescaped control character in string (byte 12)"),
+    (b'{"messages": ' + b"[" * 100_000, "unexpected end of data (byte 100013)"),
+    (b"[" * 100_000, "unexpected end of data (byte 100000)"),
+    (b'{"a": ' + b"[" * 5000 + b"}", "expected a value (byte 5006)"),
+]
+
+
+@pytest.mark.parametrize(("body", "needle"), MALFORMED_CLIENT_BODIES)
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_malformed_client_bodies_say_where_in_both_modes(jsonspan, body, needle, chat):
+    fast = refusal(fast_relay(jsonspan), body, chat)
+    assert needle in fast.message and fast.message.startswith("request body is ")
+    parsed = refusal(ParsedRelay(tokids_b64=True, strip_history=True), body, chat)
+    assert parsed.message == fast.message
+
+
+@pytest.mark.parametrize(
+    "key", ["stream", "stream_options", "model", "max_tokens", "max_completion_tokens", "messages", "prompt"]
+)
+def test_fast_mode_refuses_a_repeated_field_it_reads_parsed_takes_the_last(jsonspan, key):
+    value = {"stream_options": "{}", "model": '"m"', "messages": '[{"role": "user"}]', "prompt": '"p"'}
+    raw = value.get(key, "null")
+    body = (
+        f'{{"messages": [{{"role": "user"}}], "prompt": "x", "{key}": {raw}, "{key}": {raw}}}'
+        if key not in ("messages", "prompt")
+        else f'{{"messages": [{{"role": "user"}}], "prompt": "x", "{key}": {raw}}}'
+    ).encode()
+    chat = key != "prompt"
+    fast = refusal(fast_relay(jsonspan), body, chat)
+    assert fast.param == key and f"duplicate key '{key}'" in fast.message
+    ParsedRelay(tokids_b64=True, strip_history=True).read_client(body, chat)  # json.loads: the last wins
+
+
+def test_fast_mode_refuses_a_repeated_include_usage(jsonspan):
+    body = b'{"prompt": "x", "stream_options": {"include_usage": true, "include_usage": false}}'
+    assert refusal(fast_relay(jsonspan), body, False).param == "include_usage"
+    # Repeats elsewhere are the workers' business, as in the parsed mode.
+    other = b'{"prompt": "x", "user": 1, "user": 2, "stream_options": {"x": 1, "x": 2}}'
+    assert fast_relay(jsonspan).read_client(other, False).max_tokens is None
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"prompt": "x", "max_tokens": 100000000000000000000}',  # 21 digits
+        b'{"prompt": "x", "max_tokens": -100000000000000000000}',
+        b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}",  # past int()'s 4300 digits
+    ],
+)
+def test_fast_mode_refuses_max_tokens_beyond_20_digits(jsonspan, body):
+    error = refusal(fast_relay(jsonspan), body, False)
+    assert error.param == "max_tokens" and "at most 20 digits" in error.message
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"prompt": "x", "temperature": NaN}',
+        b'{"prompt": "x", "temperature": Infinity}',
+        b'{"prompt": "x", "temperature": -Infinity}',
+        b'\xef\xbb\xbf{"prompt": "x"}',  # a byte order mark
+        '{"prompt": "x"}'.encode("utf-16-le"),
+        '{"prompt": "x"}'.encode("utf-32"),
+        b'{"prompt": "\xed\xa0\x80"}',  # an encoded surrogate (json.loads decodes with surrogatepass)
+    ],
+)
+def test_fast_mode_refuses_what_only_pythons_json_reads(jsonspan, body):
+    """Documented difference: the parsed mode's ``json.loads`` takes these, which RFC 8259 does not."""
+    assert refusal(fast_relay(jsonspan), body, False).param is None
+    ParsedRelay(tokids_b64=True, strip_history=True).read_client(body, False)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # Valid JSON nested deeper than Python's recursion limit: the scanner is iterative.
+        b'{"prompt": "x", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+        b'{"prompt": "x", "x": ' + b'{"a":' * 5000 + b"1" + b"}" * 5000 + b"}",
+        # An integer the fast mode does not read, past Python's int() limit of 4300 digits.
+        b'{"prompt": "x", "seed": 1' + b"0" * 5000 + b"}",
+    ],
+)
+def test_fast_mode_relays_what_the_parsed_mode_cannot_load(jsonspan, body):
+    """Documented difference: the fast mode passes these to the workers; the parsed mode's
+    ``json.loads`` cannot build them and answers a clean 400 (never a RecursionError or 500)."""
+    fast = fast_relay(jsonspan)
+    req = fast.read_client(body, False)
+    assert fast.context_request(req, 1).startswith(body[:-1])
+    parsed = refusal(ParsedRelay(tokids_b64=True, strip_history=True), body, False)
+    assert "nests too deeply" in parsed.message or "is not usable" in parsed.message
+
+
+@pytest.mark.parametrize(
+    ("chat", "fields"),
+    [
+        (True, {"messages": [1, "two"]}),  # the elements are not read
+        (False, {"prompt": [1.5, {"a": None}]}),
+        (False, {"temperature": "hot", "n": "many"}),  # fields the orchestrator does not act on
+    ],
+)
+def test_fast_mode_leaves_the_fields_it_does_not_act_on_to_the_workers(jsonspan, chat, fields):
+    body = small_body(chat, fields)
+    assert fast_relay(jsonspan).read_client(body, chat).max_tokens == 8
+    refusal(ParsedRelay(tokids_b64=True, strip_history=True), body, chat)
+
+
+# -- context and generation worker responses ------------------------------------------------------
+
+
+def fast_502(call: Any) -> HTTPError:
+    with pytest.raises(HTTPError) as info:
+        call()
+    assert info.value.status == 502
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("ctx", "message"),
+    [
+        (
+            b'{"choices": [{"finish_reason": "not_finished",',
+            "context worker response is malformed JSON: JSON is malformed: unexpected end of data (byte 46)",
+        ),
+        (
+            b"",
+            "context worker response is malformed JSON: JSON is malformed: unexpected end of data (byte 0)",
+        ),
+        (b'{"choices": [{}]} x', "trailing characters after the value (byte 18)"),
+        (b'{"choices": [{"text": "\xff"}]}', "context worker response is not valid UTF-8 (byte 23)"),
+        (b'{"choices": [{}], "choices": [{}]}', "cannot be relayed: JSON has duplicate key 'choices'"),
+        (
+            b'{"choices": [{}], "usage": {"completion_tokens": 1, "completion_tokens": 2}}',
+            "duplicate key 'completion_tokens'",
+        ),
+        (
+            b'{"choices": [{"finish_reason": "stop", "finish_reason": "length"}]}',
+            "duplicate key 'finish_reason'",
+        ),
+        (b"[1]", "cannot be relayed: context response is not a JSON object"),
+        (b'"choices"', "not a JSON object"),
+        (b'{"usage": {}}', "has no choices[0]"),
+        (b'{"choices": []}', "has no choices[0]"),
+        (b'{"choices": "x"}', "has no choices[0]"),
+        (b'{"choices": {"0": {"finish_reason": "stop"}}}', "has no choices[0]"),
+        (b'{"choices": [{"finish_reason": 7}]}', "finish_reason is not a string"),
+        (b'{"choices": [{"finish_reason": "not_finished"}]}', "lacks choices[0].disaggregated_params"),
+        (b'{"choices": [{"finish_reason": "length", "disaggregated_params": null}]}', "lacks choices[0]"),
+    ],
+)
+def test_malformed_context_responses_are_502s_that_say_why(jsonspan, ctx, message):
+    fast = fast_relay(jsonspan)
+    req = fast.read_client(small_body(True, {}), True)
+    assert message in fast_502(lambda: fast.read_context(req, ctx)).message
+
+
+@pytest.mark.parametrize(
+    ("completion_tokens", "finished"),
+    [
+        (b"1", True),  # max_tokens 1: the context leg produced the whole answer
+        (b"0", False),
+        (b"-1", False),
+        # Not an integer of at most 20 digits: unknown, so the generation leg runs.
+        (b"1.0", False),
+        (b'"1"', False),
+        (b"true", False),
+        (b"null", False),
+        (b"[1]", False),
+        (b"1" + b"0" * 30, False),
+        (b"1" + b"0" * 5000, False),
+    ],
+)
+def test_completion_tokens_decide_whether_the_answer_is_finished(jsonspan, completion_tokens, finished):
+    fast = fast_relay(jsonspan)
+    req = fast.read_client(small_body(False, {"max_tokens": 1}), False)
+    ctx = context_response(False, b64=True, finish="length").replace(
+        b'"completion_tokens": 1', b'"completion_tokens": ' + completion_tokens
+    )
+    assert completion_tokens in ctx
+    assert fast.read_context(req, ctx).finished is finished
+
+
+def test_a_finished_answer_whose_other_choices_repeat_a_key_is_502(jsonspan):
+    fast = fast_relay(jsonspan)
+    req = fast.read_client(small_body(False, {"max_tokens": 1}), False)
+    ctx = json.loads(context_response(False, b64=True, finish="stop"))
+    ctx["choices"].append({"index": 1})
+    body = (
+        json.dumps(ctx)
+        .encode()
+        .replace(b'{"index": 1}', b'{"disaggregated_params": 1, "disaggregated_params": 2}')
+    )
+    result = fast.read_context(req, body)
+    assert result.finished
+    assert (
+        "duplicate key 'disaggregated_params'" in fast_502(lambda: fast.finished_answer(req, result)).message
+    )
+
+
+GENERATION_RESPONSE = context_response(True, b64=True, finish="stop")
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (
+            GENERATION_RESPONSE[:-1],
+            "generation worker response is malformed JSON: "
+            f"JSON is malformed: unexpected end of data (byte {len(GENERATION_RESPONSE) - 1})",
+        ),
+        (
+            b"",
+            "generation worker response is malformed JSON: JSON is malformed: unexpected end of data (byte 0)",
+        ),
+        (
+            GENERATION_RESPONSE + b"}",
+            f"trailing characters after the value (byte {len(GENERATION_RESPONSE)})",
+        ),
+        (b'{"id": "\xc3\x28"}', "generation worker response is not valid UTF-8 (byte 8)"),
+        (
+            b'{"choices": [{"message": {"content": "a\x01"}}]}',
+            "unescaped control character in string (byte 39)",
+        ),
+        (b"[1]", "generation worker response cannot be relayed: the response body must be a JSON object"),
+        (b"null", "must be a JSON object"),
+        (
+            b'{"prompt_token_ids": [1], "prompt_token_ids": null}',
+            "generation worker response cannot be relayed: JSON has duplicate key 'prompt_token_ids'",
+        ),
+        (
+            b'{"choices": [{"disaggregated_params": {}, "disaggregated_params": {}}]}',
+            "duplicate key 'disaggregated_params'",
+        ),
+    ],
+)
+def test_malformed_generation_responses_are_502s_that_say_why(modes, body, message):
+    fast, parsed = modes
+    req = fast.read_client(small_body(True, {}), True)
+    assert message in fast_502(lambda: fast.client_answer(req, body)).message
+    parsed_req = parsed.read_client(small_body(True, {}), True)
+    fast_502(lambda: parsed.client_answer(parsed_req, body))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"id": "x", "choices": [{"index": 0, "text": "hi"}]}',
+        b'{"choices": [], "usage": {"completion_tokens": 1' + b"0" * 5000 + b"}}",
+        b'{"choices": [{"logprobs": ' + b"[" * 5000 + b"]" * 5000 + b"}]}",
+        b'{"choices": [{"x": {"disaggregated_params": 1}}], "a": {"prompt_token_ids": 1}}',  # not internal there
+    ],
+)
+def test_a_generation_response_with_nothing_to_cut_is_relayed_as_is(jsonspan, body):
+    fast = fast_relay(jsonspan)
+    req = fast.read_client(small_body(True, {}), True)
+    assert fast.client_answer(req, body) is body  # one validating scan, no copy
+
+
+def test_internal_fields_are_cut_from_every_choice_of_a_generation_response(modes):
+    doc = json.loads(GENERATION_RESPONSE)
+    doc["choices"] = [
+        {"index": i, "text": str(i), "finish_reason": "stop"}
+        | ({"disaggregated_params": {"request_type": "generation_only", "i": i}} if i % 3 else {})
+        for i in range(12)
+    ]
+    body = json.dumps(doc).encode()
+    answers = []
+    for mode in modes:
+        req = mode.read_client(small_body(False, {}), False)
+        answers.append(json.loads(mode.client_answer(req, body)))
+    assert answers[0] == answers[1]
+    assert all("disaggregated_params" not in c for c in answers[0]["choices"])
+    assert "prompt_token_ids" not in answers[0] and "prompt_token_ids_b64" not in answers[0]
+
+
+# -- properties: the modes agree on generated bodies; the twins agree on every byte -----------------
+
+STATELESS = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+_texts = st.text(max_size=10)
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**6), 10**6)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | _texts
+)
+_any = st.recursive(
+    _scalars,
+    lambda kids: st.lists(kids, max_size=2) | st.dictionaries(_texts, kids, max_size=2),
+    max_leaves=4,
+)
+_not_a_list = _scalars | st.dictionaries(_texts, _any, max_size=2)
+_counts = st.integers(-3, 40) | st.sampled_from([2**31, 2**63, 10**20 - 1, -(10**20 - 1)])
+_ids = st.integers(0, 2**31 - 1)
+_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant"]), "content": _texts | st.none()}
+)
+# Each field: mostly values a client would send, sometimes anything at all.
+CLIENT_FIELDS = {
+    "stream": st.booleans() | st.none() | _any,
+    "stream_options": st.none()
+    | st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | st.none(), "x": _any})
+    | st.fixed_dictionaries({"include_usage": _any})
+    | _any,
+    "model": _texts | st.none() | _any,
+    "max_tokens": _counts | st.none() | _any,
+    "max_completion_tokens": _counts | st.none() | _any,
+    # The parsed mode validates each message and prompt element; the fast mode leaves that to the
+    # workers (test_fast_mode_leaves_...): elements are drawn from what both take.
+    "messages": st.lists(_message, min_size=1, max_size=3) | st.just([]) | _not_a_list,
+    "prompt": _texts
+    | st.lists(_texts, max_size=3)
+    | st.lists(_ids, max_size=3)
+    | st.lists(st.lists(_ids, max_size=3), max_size=2)
+    | _not_a_list,
+    "temperature": st.floats(0, 2),
+    "user": _texts,
+}
+INTERNAL = {
+    "disaggregated_params": {"request_type": "context_only"},
+    "prompt_token_ids_b64": "AQAAAA==",
+    "prompt_token_ids": [1, 2],
+}
+
+
+@st.composite
+def generated_client_bodies(draw: st.DrawFn) -> bytes:
+    fields = draw(st.fixed_dictionaries({}, optional=CLIENT_FIELDS))
+    for route_field in ("messages", "prompt"):  # mostly present, and mostly usable
+        if draw(st.sampled_from([True, True, True, False])):
+            usable = [{"role": "user", "content": "x"}] if route_field == "messages" else "x"
+            fields[route_field] = draw(CLIENT_FIELDS[route_field]) if draw(st.booleans()) else usable
+    internal = draw(st.sampled_from([*[None] * 12, *INTERNAL]))  # now and then
+    if internal is not None:
+        fields[internal] = INTERNAL[internal]
+    order = draw(st.permutations(list(fields)))
+    indent = draw(st.sampled_from([None, 0, 2]))
+    return json.dumps({k: fields[k] for k in order}, indent=indent, ensure_ascii=draw(st.booleans())).encode()
+
+
+def outcome(call: Any, *args: Any) -> tuple[Any, ...]:
+    """What a relay call gave: its result, or the HTTPError (anything else fails the test)."""
+    try:
+        return ("ok", call(*args))
+    except HTTPError as exc:
+        return ("refused", exc.status, exc.message, exc.param)
+
+
+def _fields(req: Any) -> tuple[Any, ...]:
+    return (req.stream, req.include_usage, req.max_tokens, req.model)
+
+
+@given(body=generated_client_bodies(), chat=st.booleans())
+@settings(max_examples=300, deadline=None, suppress_health_check=STATELESS)
+def test_both_modes_accept_and_refuse_the_same_client_bodies(jsonspan, body, chat):
+    fast = fast_relay(jsonspan)
+    parsed = ParsedRelay(tokids_b64=True, strip_history=True)
+    got = [outcome(lambda mode=mode: _fields(mode.read_client(body, chat))) for mode in (fast, parsed)]
+    event(f"{got[0][0]}: {got[0][-1] if got[0][0] == 'refused' else 'ok'}")
+    assert got[0][0] == got[1][0], (body, got)
+    if got[0][0] == "ok":
+        assert got[0] == got[1]
+        context_requests = [
+            json.loads(m.context_request(m.read_client(body, chat), 5)) for m in (fast, parsed)
+        ]
+        assert context_requests[0] == context_requests[1]
+    else:
+        assert got[0][1] == got[1][1] == 400
+
+
+_MUTATION_BYTES = st.sampled_from([*b'"{}[],:\\ 0-.eEtfnu\x00\x1f\x7f\xc3\xa9\xed\xff\x80\xf4'])
+
+
+@st.composite
+def mutated(draw: st.DrawFn, bodies: Any) -> bytes:
+    body = bytearray(draw(bodies))
+    for _ in range(draw(st.integers(0, 3))):
+        at = draw(st.integers(0, len(body)))
+        kind = draw(st.sampled_from(["cut", "drop", "insert", "replace", "repeat"]))
+        if kind == "cut":
+            del body[at:]
+        elif kind == "drop":
+            del body[at : at + 1]
+        elif kind == "insert":
+            body.insert(at, draw(_MUTATION_BYTES))
+        elif kind == "replace" and at < len(body):
+            body[at] = draw(_MUTATION_BYTES)
+        elif kind == "repeat":
+            end = draw(st.integers(at, min(len(body), at + 40)))
+            body[at:at] = body[at:end]
+    return bytes(body)
+
+
+def _ctx_bodies() -> Any:
+    return st.tuples(st.booleans(), st.booleans(), st.sampled_from(["length", "not_finished", "stop"])).map(
+        lambda t: context_response(t[0], b64=t[1], finish=t[2])
+    )
+
+
+@given(
+    body=mutated(generated_client_bodies() | st.sampled_from([client_body(True), client_body(False)])),
+    ctx=mutated(_ctx_bodies()),
+    gen=mutated(_ctx_bodies()),
+    chat=st.booleans(),
+)
+@settings(max_examples=300, deadline=None, suppress_health_check=STATELESS)
+def test_fast_mode_gives_the_same_answer_on_both_twins_and_only_http_errors(jsonspan, body, ctx, gen, chat):
+    twins = [fast_relay(jsonspan), fast_relay(jsonspan_py)]
+    got = [outcome(lambda fast=fast: _fields(fast.read_client(body, chat))) for fast in twins]
+    event(f"client body {got[0][0]}")
+    assert got[0] == got[1]
+    # Any mutated body either side of the legs: an HTTPError or the same bytes out.
+    good = client_body(chat, max_tokens=1)
+    for call in (
+        lambda fast: fast.context_request(fast.read_client(body, chat), 5) if got[0][0] == "ok" else None,
+        lambda fast: fast.read_context(fast.read_client(good, chat), ctx).parsed,
+        lambda fast: _generation(fast, good, chat, ctx),
+        lambda fast: fast.client_answer(fast.read_client(good, chat), gen),
+    ):
+        assert outcome(call, twins[0]) == outcome(call, twins[1])
+    parsed = ParsedRelay(tokids_b64=True, strip_history=True)
+    outcome(lambda: parsed.read_client(body, chat))  # only HTTPErrors there too
+
+
+def _generation(fast: FastRelay, good: bytes, chat: bool, ctx: bytes) -> Any:
+    req = fast.read_client(good, chat)
+    result = fast.read_context(req, ctx)
+    return fast.finished_answer(req, result) if result.finished else fast.generation_request(req, result)

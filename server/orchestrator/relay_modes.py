@@ -278,7 +278,8 @@ class FastRelay:
             raise HTTPError(502, "context worker response has no choices[0]")
         completion_tokens = _span_int(body, fields.completion_tokens)
         finished = not _needs_generation(info.finish_reason, completion_tokens, req.max_tokens)
-        if not finished and info.disaggregated_params is None:
+        params = info.disaggregated_params
+        if not finished and (params is None or body[params[0]] != _OPEN_OBJECT):
             raise HTTPError(502, "context worker response lacks choices[0].disaggregated_params")
         return ContextResult(body, finished, info)
 
