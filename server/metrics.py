@@ -2,6 +2,10 @@
 
 Single-threaded use from the event loop (or with the GIL as the only lock:
 each update is one dict operation), no dependencies, exposition format 0.0.4.
+
+On a hot path, bind the labels once: ``metric.labels(route="chat")`` returns
+a child whose ``inc()`` / ``observe()`` touch only its own storage (no label
+dict, no key tuple per update).
 """
 
 from __future__ import annotations
@@ -52,21 +56,52 @@ class _Metric:
         return head + "".join(line + "\n" for line in self.samples())
 
 
+class CounterChild:
+    """A counter's series with its labels bound (:meth:`Counter.labels`)."""
+
+    __slots__ = ("key", "values")
+
+    def __init__(self, values: dict[LabelValues, float], key: LabelValues) -> None:
+        self.values = values
+        self.key = key
+        values.setdefault(key, 0.0)
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.values[self.key] += amount
+
+
 class Counter(_Metric):
+    """A counter, incremented directly or read from a callback at scrape time (a total kept elsewhere)."""
+
     kind = "counter"
 
-    def __init__(self, name: str, help_text: str, labelnames: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        name: str,
+        help_text: str,
+        labelnames: Sequence[str] = (),
+        callback: Callable[[], float] | None = None,
+    ) -> None:
         super().__init__(name, help_text, labelnames)
         self.values: dict[LabelValues, float] = {}
+        self.callback = callback
 
     def inc(self, amount: float = 1.0, **labels: str) -> None:
         key = self._key(labels)
         self.values[key] = self.values.get(key, 0.0) + amount
 
+    def labels(self, **labels: str) -> CounterChild:
+        return CounterChild(self.values, self._key(labels))
+
     def get(self, **labels: str) -> float:
+        if self.callback is not None:
+            return float(self.callback())
         return self.values.get(self._key(labels), 0.0)
 
     def samples(self) -> Iterable[str]:
+        if self.callback is not None:
+            yield f"{self.name} {_num(self.callback())}"
+            return
         if not self.values and not self.labelnames:
             yield f"{self.name} 0"
         for key, v in sorted(self.values.items()):
@@ -121,6 +156,22 @@ DEFAULT_BUCKETS = (
 )  # fmt: skip
 
 
+class HistogramChild:
+    """A histogram's series with its labels bound (:meth:`Histogram.labels`)."""
+
+    __slots__ = ("buckets", "counts", "totals")
+
+    def __init__(self, buckets: tuple[float, ...], entry: tuple[list[int], list[float]]) -> None:
+        self.buckets = buckets
+        self.counts, self.totals = entry
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        totals = self.totals
+        totals[0] += value
+        totals[1] += 1
+
+
 class Histogram(_Metric):
     kind = "histogram"
 
@@ -136,11 +187,17 @@ class Histogram(_Metric):
         # per label set: [counts per bucket (non-cumulative) + overflow, sum, count]
         self.values: dict[LabelValues, tuple[list[int], list[float]]] = {}
 
-    def observe(self, value: float, **labels: str) -> None:
-        key = self._key(labels)
+    def _entry(self, key: LabelValues) -> tuple[list[int], list[float]]:
         entry = self.values.get(key)
         if entry is None:
             entry = self.values[key] = ([0] * (len(self.buckets) + 1), [0.0, 0.0])
+        return entry
+
+    def labels(self, **labels: str) -> HistogramChild:
+        return HistogramChild(self.buckets, self._entry(self._key(labels)))
+
+    def observe(self, value: float, **labels: str) -> None:
+        entry = self._entry(self._key(labels))
         entry[0][bisect.bisect_left(self.buckets, value)] += 1
         entry[1][0] += value
         entry[1][1] += 1
@@ -170,8 +227,14 @@ class Registry:
         self.metrics.append(metric)
         return metric
 
-    def counter(self, name: str, help_text: str, labelnames: Sequence[str] = ()) -> Counter:
-        return self._add(Counter(name, help_text, labelnames))  # type: ignore[return-value]
+    def counter(
+        self,
+        name: str,
+        help_text: str,
+        labelnames: Sequence[str] = (),
+        callback: Callable[[], float] | None = None,
+    ) -> Counter:
+        return self._add(Counter(name, help_text, labelnames, callback))  # type: ignore[return-value]
 
     def gauge(
         self,

@@ -1,10 +1,18 @@
-"""The orchestrator: an aiohttp app that runs each request's context and generation legs.
+"""The orchestrator: runs each request's context and generation legs on the lean HTTP layer.
 
 Request path (PROTOCOL.md): read and check the client body; send the context
 request to a context worker (retried on another one on connection errors and
 5xx); if the context response is already the answer, return it; otherwise
 send the generation request to a generation worker and relay its response:
 SSE bytes as they arrive, or the JSON body without internal fields.
+
+Both sides of the hot path are :mod:`server.http`: client connections are
+asyncio protocols framed by httptools (bounded headers, bodies, time and
+connections), and each worker has a pool of keep-alive upstream connections
+that write request bodies as their pieces and hand streamed response bytes
+straight to the client's socket. Per request there is one task, one parsed
+request, one responder and one response object per leg. aiohttp stays off
+the request path: it runs the workers' health checks.
 
 The app keeps no per-request state beyond the request itself, so any number
 of processes (``--workers N``) and hosts can share the load.
@@ -13,18 +21,25 @@ of processes (``--workers N``) and hosts can share the load.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 
 from server.auth import SIGNATURE_HEADER, sign_body
-from server.errors import HTTPError, error_body, error_response
+from server.errors import HTTPError, error_body
+from server.http import (
+    HTTPServer,
+    Limits,
+    Request,
+    Responder,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
 from server.metrics import CONTENT_TYPE, Registry
 
 from .config import OrchestratorConfig
@@ -35,60 +50,46 @@ log = logging.getLogger("fastcore.orchestrator")
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
-# Enough connections for 1024 concurrent streams plus their context legs;
-# per host unlimited because a pool may be a single worker.
-CONNECTION_LIMIT = 4096
 LISTEN_BACKLOG = 4096
-# Per-connection read buffer: a context response or client body up to this size
-# is read without aiohttp's flow control pausing and resuming the socket.
+# Per-connection read buffer of the aiohttp pass-through floor (bench/passthrough.py).
 READ_BUFSIZE = 1 << 22
 # A worker's error body is relayed, but not an unbounded one.
 MAX_ERROR_BODY = 64 * 1024
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+# The per-phase CPU clock (a thread_time() syscall per phase) runs on one
+# request in this many; every request is still counted everywhere else.
+CPU_SAMPLE_EVERY = 8
 
-ORCHESTRATOR: web.AppKey[Orchestrator] = web.AppKey("orchestrator")
+_JSON = b"application/json"
+_SSE = b"text/event-stream"
+_SSE_EXTRA = b"Cache-Control: no-cache\r\n"
+_POST = b"POST"
+_ROUTES = {CHAT_PATH.encode(): True, COMPLETIONS_PATH.encode(): False}
+_GET_ROUTES = (b"/health", b"/metrics", b"/v1/models")
+_PHASES = ("validate", "build_context", "read_context", "build_generation", "relay", "total")
 
 
 class WorkerAnswer(Exception):
     """A worker's own error response, to be relayed to the client as it is."""
 
-    def __init__(self, status: int, body: bytes, content_type: str, headers: dict[str, str]) -> None:
+    def __init__(self, status: int, body: bytes, content_type: bytes, headers: bytes) -> None:
         super().__init__(status)
         self.status = status
         self.body = body
         self.content_type = content_type
         self.headers = headers
 
-    def response(self) -> web.Response:
-        return web.Response(
-            status=self.status, body=self.body, content_type=self.content_type, headers=self.headers
-        )
-
-
-class ClientGone(Exception):
-    """The client disconnected mid-stream; ``response`` is the stream already started."""
-
-    def __init__(self, response: web.StreamResponse) -> None:
-        super().__init__("client disconnected")
-        self.response = response
-
-
-class RelayedStream(web.StreamResponse):
-    """A relayed SSE stream; ``upstream_failed`` is the status it would have had, had
-    its worker failed before the headers went out."""
-
-    upstream_failed: int | None = None
-
 
 class _Metrics:
-    def __init__(self, registry: Registry, in_flight: Any) -> None:
+    def __init__(self, registry: Registry, orchestrator: Orchestrator) -> None:
         self.requests = registry.counter(
             "fastcore_orchestrator_requests_total",
             "Client requests by route and HTTP status.",
             ("route", "status"),
         )
         self.in_flight = registry.gauge(
-            "fastcore_orchestrator_requests_in_flight", "Client requests being served.", callback=in_flight
+            "fastcore_orchestrator_requests_in_flight",
+            "Client requests being served.",
+            callback=lambda: orchestrator.in_flight,
         )
         self.retries = registry.counter(
             "fastcore_orchestrator_retries_total", "Legs retried on another worker.", ("leg",)
@@ -101,23 +102,49 @@ class _Metrics:
         )
         self.cpu = registry.histogram(
             "fastcore_orchestrator_cpu_seconds",
-            "The orchestrator's own CPU time per request on the event loop, by phase.",
+            "The orchestrator's own CPU time per request on the event loop, by phase "
+            f"(thread CPU clock, sampled: one request in {CPU_SAMPLE_EVERY}).",
             ("phase",),
         )
         self.context_leg = registry.histogram(
             "fastcore_orchestrator_context_leg_seconds", "Context request sent -> context response read."
-        )
+        ).labels()
         self.handoff = registry.histogram(
             "fastcore_orchestrator_handoff_seconds",
             "Context response read -> generation request handed to its connection.",
-        )
+        ).labels()
         self.generation_ttfb = registry.histogram(
             "fastcore_orchestrator_generation_ttfb_seconds",
             "Generation request handed over -> first byte of the generation response (its headers).",
-        )
+        ).labels()
         self.finished_by_context = registry.counter(
             "fastcore_orchestrator_finished_by_context_total", "Requests answered by the context leg alone."
+        ).labels()
+        server = lambda: orchestrator.server  # noqa: E731
+        registry.gauge(
+            "fastcore_orchestrator_client_connections",
+            "Open client connections.",
+            callback=lambda: len(server().connections) if server() else 0,
         )
+        registry.counter(
+            "fastcore_orchestrator_connections_refused_total",
+            "Client connections refused at the connection cap (503).",
+            callback=lambda: server().refused if server() else 0,
+        )
+        registry.counter(
+            "fastcore_orchestrator_http_framing_errors_total",
+            "Client requests refused before routing: malformed HTTP, limits on headers or body, timeouts.",
+            callback=lambda: server().framing_errors if server() else 0,
+        )
+        self.cpu_phase = {phase: self.cpu.labels(phase=phase) for phase in _PHASES}
+        self.retries_leg = {leg: self.retries.labels(leg=leg) for leg in ("context", "generation")}
+        self._requests: dict[tuple[str, int], Any] = {}
+
+    def count_request(self, route: str, status: int) -> None:
+        child = self._requests.get((route, status))
+        if child is None:
+            child = self._requests[(route, status)] = self.requests.labels(route=route, status=str(status))
+        child.inc()
 
 
 class _CpuClock:
@@ -127,10 +154,10 @@ class _CpuClock:
     loop is never counted against this one.
     """
 
-    __slots__ = ("histogram", "last", "total")
+    __slots__ = ("last", "phases", "total")
 
-    def __init__(self, histogram: Any) -> None:
-        self.histogram = histogram
+    def __init__(self, phases: dict[str, Any]) -> None:
+        self.phases = phases
         self.total = 0.0
         self.last = time.thread_time()
 
@@ -141,11 +168,29 @@ class _CpuClock:
         now = time.thread_time()
         spent = now - self.last
         self.total += spent
-        self.histogram.observe(spent, phase=phase)
+        self.phases[phase].observe(spent)
         self.last = now
 
     def finish(self) -> None:
-        self.histogram.observe(self.total, phase="total")
+        self.phases["total"].observe(self.total)
+
+
+class _NoClock:
+    """The clock of the requests not sampled."""
+
+    __slots__ = ()
+
+    def start(self) -> None:
+        pass
+
+    def lap(self, phase: str) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+_NO_CLOCK = _NoClock()
 
 
 class Orchestrator:
@@ -164,25 +209,28 @@ class Orchestrator:
         self.pools = [self.context_pool, self.generation_pool]
         self.secret = config.shared_secret_bytes
         self.in_flight = 0
+        self.server: HTTPServer | None = None
         self.registry = Registry()
-        self.metrics = _Metrics(self.registry, lambda: self.in_flight)
-        connect = config.connect_timeout_s
-        self.context_timeout = aiohttp.ClientTimeout(total=config.request_timeout_s, sock_connect=connect)
-        # A stream may run long; what must not happen is a silence that long.
-        self.stream_timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=connect, sock_read=config.request_timeout_s
+        self.metrics = _Metrics(self.registry, self)
+        self.limits = Limits(
+            max_header_bytes=config.max_header_bytes,
+            max_body_bytes=config.max_body_bytes,
+            header_timeout_s=config.client_header_timeout_s,
+            body_timeout_s=config.client_body_timeout_s,
+            keepalive_timeout_s=config.client_keepalive_timeout_s,
+            max_connections=config.max_client_connections,
         )
-        self.unary_timeout = aiohttp.ClientTimeout(total=config.request_timeout_s, sock_connect=connect)
+        # Worker URL -> its keep-alive connections, made on first use (a
+        # worker's URL may change while it is in a pool).
+        self.upstreams: dict[str, UpstreamPool] = {}
         self.session: aiohttp.ClientSession | None = None
         self.health: HealthChecker | None = None
+        self._requests = 0
 
     # -- lifecycle ---------------------------------------------------------
 
-    async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
-        connector = aiohttp.TCPConnector(limit=CONNECTION_LIMIT, limit_per_host=0, keepalive_timeout=30)
-        self.session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, read_bufsize=READ_BUFSIZE
-        )
+    async def start(self, *, reuse_port: bool = False) -> HTTPServer:
+        self.session = aiohttp.ClientSession(auto_decompress=False)
         self.health = HealthChecker(
             self.pools,
             self.session,
@@ -191,106 +239,132 @@ class Orchestrator:
             on_change=self._record_health,
         )
         self.health.start()
+        server = self.server = HTTPServer(self.handle, self.limits)
+        server.on_close.append(self.stop)
         try:
-            yield
-        finally:
+            await server.start(
+                self.config.hostname, self.config.port, reuse_port=reuse_port, backlog=LISTEN_BACKLOG
+            )
+        except BaseException:
+            await self.stop()
+            raise
+        return server
+
+    async def stop(self) -> None:
+        if self.health is not None:
             await self.health.stop()
+        if self.session is not None:
             await self.session.close()
+        for upstream in self.upstreams.values():
+            upstream.close()
 
     def _record_health(self, pool: Pool, worker: Worker) -> None:
         self.metrics.worker_healthy.set(1.0 if worker.healthy else 0.0, pool=pool.name, url=worker.url)
 
-    def build_app(self) -> web.Application:
-        # aiohttp enforces the limit while reading (chunked bodies too); the
-        # 413 it raises is turned into an OpenAI error in _read_body.
-        app = web.Application(client_max_size=self.config.max_body_bytes)
-        app[ORCHESTRATOR] = self
-        app.cleanup_ctx.append(self._lifecycle)
-        app.router.add_post(CHAT_PATH, self.chat_completions)
-        app.router.add_post(COMPLETIONS_PATH, self.completions)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health_endpoint)
-        app.router.add_get("/metrics", self.metrics_endpoint)
-        return app
+    def _upstream(self, worker: Worker) -> UpstreamPool:
+        upstream = self.upstreams.get(worker.url)
+        if upstream is None:
+            upstream = self.upstreams[worker.url] = UpstreamPool(
+                worker.url,
+                connect_timeout_s=self.config.connect_timeout_s,
+                extra_headers=b"Content-Type: application/json\r\n",
+            )
+        return upstream
+
+    # -- routing -------------------------------------------------------------
+
+    async def handle(self, request: Request, out: Responder) -> None:
+        path = request.path
+        chat = _ROUTES.get(path)
+        if chat is not None:
+            if request.method != _POST:
+                out.send_error(405, f"{path.decode()} takes POST", headers=b"Allow: POST\r\n")
+                return
+            await self._serve(request, out, chat)
+            return
+        if path in _GET_ROUTES:
+            if request.method != b"GET":
+                out.send_error(405, f"{path.decode()} takes GET", headers=b"Allow: GET\r\n")
+            elif path == b"/health":
+                self.health_endpoint(out)
+            elif path == b"/metrics":
+                self.metrics_endpoint(out)
+            else:
+                await self.models(out)
+            return
+        out.send_error(
+            404,
+            f"no route {path.decode('utf-8', 'replace')[:200]}: the orchestrator serves "
+            f"POST {CHAT_PATH}, POST {COMPLETIONS_PATH}, GET /v1/models, /health, /metrics",
+        )
 
     # -- small endpoints ---------------------------------------------------
 
-    async def health_endpoint(self, request: web.Request) -> web.Response:
+    def health_endpoint(self, out: Responder) -> None:
         not_ready = [p.name for p in self.pools if not p.ready]
         if not_ready:
-            return error_response(503, "no healthy worker in pool(s): " + ", ".join(not_ready))
-        return web.json_response({"status": "ok"})
+            out.send_error(503, "no healthy worker in pool(s): " + ", ".join(not_ready))
+            return
+        out.send(200, b'{"status": "ok"}')
 
-    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+    def metrics_endpoint(self, out: Responder) -> None:
         for pool in self.pools:
             for worker in pool.workers:
                 self.metrics.worker_in_flight.set(worker.in_flight, pool=pool.name, url=worker.url)
-        return web.Response(body=self.registry.render(), headers={"Content-Type": CONTENT_TYPE})
+        out.send(200, self.registry.render(), CONTENT_TYPE.encode())
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, out: Responder) -> None:
         worker = self.context_pool.choose()
         if worker is None:
-            return error_response(503, "no healthy context worker")
-        assert self.session is not None
+            out.send_error(503, "no healthy context worker")
+            return
         try:
-            async with self.session.get(worker.url + "/v1/models", timeout=self.unary_timeout) as resp:
-                body = await resp.read()
-                return web.Response(status=resp.status, body=body, content_type=resp.content_type)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            return error_response(502, f"context worker {worker.url} failed: {exc!r}")
+            resp = await self._upstream(worker).request(
+                b"GET", b"/v1/models", timeout=self.config.request_timeout_s
+            )
+            try:
+                body = await resp.read(MAX_ERROR_BODY * 16)
+                out.send(resp.status, body, resp.content_type or _JSON)
+            finally:
+                resp.release()
+        except (UpstreamError, UpstreamTimeout) as exc:
+            out.send_error(502, f"context worker {worker.url} failed: {exc}")
 
     # -- completions ---------------------------------------------------------
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, chat=True)
-
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, chat=False)
-
-    async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+    async def _serve(self, request: Request, out: Responder, chat: bool) -> None:
         route = "chat" if chat else "completions"
         status = 500
         self.in_flight += 1
         try:
-            response = await self._run_legs(request, chat)
-            # A stream cut by its worker went out as a 200; count it as what it was.
-            status = getattr(response, "upstream_failed", None) or response.status
-            return response
+            status = await self._run_legs(request.body, out, chat)
         except HTTPError as exc:
             status = exc.status
-            return exc.response()
+            out.send_error(exc.status, exc.message, param=exc.param)
         except WorkerAnswer as exc:
             status = exc.status
-            return exc.response()
-        except ClientGone as exc:
-            status = 499
-            return exc.response
+            out.send(exc.status, exc.body, exc.content_type, exc.headers)
         except asyncio.CancelledError:
-            status = 499  # the client went away; both legs are cancelled with this task
+            status = 499  # the client went away; both legs are closed with this task
             raise
         finally:
             self.in_flight -= 1
-            self.metrics.requests.inc(route=route, status=str(status))
+            self.metrics.count_request(route, status)
 
-    async def _read_body(self, request: web.Request) -> bytes:
-        limit = self.config.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise HTTPError(
-                413, f"request body of {request.content_length} bytes exceeds the limit of {limit} bytes"
-            )
-        try:
-            return await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise HTTPError(413, f"request body exceeds the limit of {limit} bytes") from None
+    def _clock(self) -> _CpuClock | _NoClock:
+        self._requests += 1
+        if self._requests % CPU_SAMPLE_EVERY:
+            return _NO_CLOCK
+        return _CpuClock(self.metrics.cpu_phase)
 
-    async def _run_legs(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        body = await self._read_body(request)
-        clock = _CpuClock(self.metrics.cpu)
+    async def _run_legs(self, body: bytes, out: Responder, chat: bool) -> int:
+        """Serve one completion; the status the client got (a stream cut by its worker counts as 502)."""
+        clock = self._clock()
         req = self.relay.read_client(body, chat)
         clock.lap("validate")
         if not (self.context_pool.ready and self.generation_pool.ready):
             raise HTTPError(503, "no healthy worker: " + ", ".join(p.name for p in self.pools if not p.ready))
-        path = CHAT_PATH if chat else COMPLETIONS_PATH
+        path = CHAT_PATH.encode() if chat else COMPLETIONS_PATH.encode()
         # Random, not a counter: unique across orchestrator processes and hosts
         # without shared state.
         context_body = self.relay.context_request(req, random.getrandbits(63))
@@ -311,64 +385,73 @@ class Orchestrator:
             clock.lap("relay")
             clock.finish()
             self.metrics.finished_by_context.inc()
-            headers = SSE_HEADERS if req.stream else {"Content-Type": "application/json"}
-            return web.Response(body=answer, headers=headers)
+            if req.stream:
+                out.send(200, answer, _SSE, _SSE_EXTRA)
+            else:
+                out.send(200, answer)
+            return 200
 
         generation_body = self.relay.generation_request(req, ctx)
         clock.lap("build_generation")
-        return await self._generation_leg(request, req, path, generation_body, context_done, clock)
+        return await self._generation_leg(out, req, path, generation_body, context_done, clock)
 
-    def _headers(self, body: bytes) -> dict[str, str]:
-        headers = {"Content-Type": "application/json"}
-        if self.secret is not None:
-            headers[SIGNATURE_HEADER] = sign_body(self.secret, body)
-        return headers
+    def _headers(self, body: bytes) -> bytes:
+        if self.secret is None:
+            return b""
+        return b"%s: %s\r\n" % (SIGNATURE_HEADER.encode(), sign_body(self.secret, body).encode())
 
     def _mark_failed(self, pool: Pool, worker: Worker) -> None:
         assert self.health is not None
         self.health.mark_unhealthy(pool, worker)
 
     async def _worker_failure(
-        self, leg: str, worker: Worker, resp: aiohttp.ClientResponse
+        self, leg: str, worker: Worker, resp: UpstreamResponse
     ) -> HTTPError | WorkerAnswer:
         """The error to give the client for a worker's non-200 answer (read, bounded)."""
-        body = await resp.content.read(MAX_ERROR_BODY)
+        try:
+            body = await resp.read(MAX_ERROR_BODY)
+        except UpstreamError as exc:
+            return HTTPError(502, f"{leg} worker {worker.url} answered {resp.status}, then failed: {exc}")
         if resp.status < 500 or resp.status == 503:
             # 4xx is the client's problem and a full worker's 503 carries its
             # Retry-After: both reach the client as the worker sent them.
-            headers = {k: v for k, v in resp.headers.items() if k.lower() == "retry-after"}
-            return WorkerAnswer(resp.status, body, resp.content_type or "application/json", headers)
+            extra = b"Retry-After: %s\r\n" % resp.retry_after if resp.retry_after else b""
+            return WorkerAnswer(resp.status, body, resp.content_type or _JSON, extra)
         text = body.decode("utf-8", "replace")
         return HTTPError(502, f"{leg} worker {worker.url} answered {resp.status}: {text}")
 
-    async def _context_leg(self, path: str, body: bytes) -> bytes:
-        assert self.session is not None
+    async def _context_leg(self, path: bytes, body: bytes) -> bytes:
         tried: list[Worker] = []
         failure: HTTPError | WorkerAnswer | None = None
         headers = self._headers(body)
+        pieces = (body,)
+        timeout = self.config.request_timeout_s
         for attempt in range(self.config.max_retries + 1):
             worker = self.context_pool.choose(exclude=tried)
             if worker is None:
                 break
             if attempt:
-                self.metrics.retries.inc(leg="context")
+                self.metrics.retries_leg["context"].inc()
             tried.append(worker)
             worker.in_flight += 1
             try:
-                async with self.session.post(
-                    worker.url + path, data=body, headers=headers, timeout=self.context_timeout
-                ) as resp:
+                resp = await self._upstream(worker).request(
+                    _POST, path, pieces, headers=headers, timeout=timeout
+                )
+                try:
                     if resp.status == 200:
-                        body = await resp.read()
+                        data = await resp.read()
                         worker.served += 1
-                        return body
+                        return data
                     failure = await self._worker_failure("context", worker, resp)
                     if resp.status < 500:
                         raise failure
-            except aiohttp.ClientConnectionError as exc:
+                finally:
+                    resp.release()
+            except UpstreamError as exc:
                 self._mark_failed(self.context_pool, worker)
-                failure = HTTPError(502, f"context worker {worker.url} failed: {exc!r}")
-            except asyncio.TimeoutError:
+                failure = HTTPError(502, f"context worker {worker.url} failed: {exc}")
+            except UpstreamTimeout:
                 # The POST may still be running there: not retried.
                 raise HTTPError(504, f"context worker {worker.url} timed out") from None
             finally:
@@ -379,18 +462,20 @@ class Orchestrator:
 
     async def _generation_leg(
         self,
-        request: web.Request,
+        out: Responder,
         req: ClientRequest,
-        path: str,
+        path: bytes,
         body: bytes,
         context_done: float,
-        clock: _CpuClock,
-    ) -> web.StreamResponse:
-        assert self.session is not None
+        clock: _CpuClock | _NoClock,
+    ) -> int:
         tried: list[Worker] = []
         failure: HTTPError | WorkerAnswer | None = None
         headers = self._headers(body)
-        timeout = self.stream_timeout if req.stream else self.unary_timeout
+        pieces = (body,)
+        # A stream may run long; what must not happen is a silence that long.
+        limit = self.config.request_timeout_s
+        timeout, read_timeout = (None, limit) if req.stream else (limit, None)
         # Retries stop at the first byte sent to the client: nothing has been
         # sent until a worker answers 200, and the loop below returns then.
         for attempt in range(self.config.max_retries + 1):
@@ -398,20 +483,22 @@ class Orchestrator:
             if worker is None:
                 break
             if attempt:
-                self.metrics.retries.inc(leg="generation")
+                self.metrics.retries_leg["generation"].inc()
             tried.append(worker)
             worker.in_flight += 1
             handed_over = time.perf_counter()
             if attempt == 0:
                 self.metrics.handoff.observe(handed_over - context_done)
             try:
-                resp = await self.session.post(worker.url + path, data=body, headers=headers, timeout=timeout)
-            except aiohttp.ClientConnectionError as exc:
+                resp = await self._upstream(worker).request(
+                    _POST, path, pieces, headers=headers, timeout=timeout, read_timeout=read_timeout
+                )
+            except UpstreamError as exc:
                 worker.in_flight -= 1
                 self._mark_failed(self.generation_pool, worker)
-                failure = HTTPError(502, f"generation worker {worker.url} failed: {exc!r}")
+                failure = HTTPError(502, f"generation worker {worker.url} failed: {exc}")
                 continue
-            except asyncio.TimeoutError:
+            except UpstreamTimeout:
                 worker.in_flight -= 1
                 raise HTTPError(504, f"generation worker {worker.url} timed out") from None
             except BaseException:
@@ -419,93 +506,83 @@ class Orchestrator:
                 raise
             self.metrics.generation_ttfb.observe(time.perf_counter() - handed_over)
             try:
-                if resp.status == 200:
-                    worker.served += 1
-                else:
+                if resp.status != 200:
                     failure = await self._worker_failure("generation", worker, resp)
                     if resp.status < 500:
                         raise failure
                     continue
-                if resp.content_type == "text/event-stream":
-                    return await self._relay_stream(request, worker, resp, clock)
-                return await self._relay_unary(req, worker, resp, clock)
+                worker.served += 1
+                if resp.media_type == _SSE:
+                    return await self._relay_stream(out, worker, resp, clock)
+                return await self._relay_unary(out, req, worker, resp, clock)
             finally:
-                # close(), not release(): a response not read to the end must
-                # drop its connection so the worker sees the cancel.
-                resp.close()
+                # A response not read to the end closes its connection, so the
+                # worker sees the cancel.
+                resp.release()
                 worker.in_flight -= 1
         if failure is None:
             raise HTTPError(503, "no healthy generation worker")
         raise failure
 
     async def _relay_unary(
-        self, req: ClientRequest, worker: Worker, resp: aiohttp.ClientResponse, clock: _CpuClock
-    ) -> web.Response:
+        self,
+        out: Responder,
+        req: ClientRequest,
+        worker: Worker,
+        resp: UpstreamResponse,
+        clock: _CpuClock | _NoClock,
+    ) -> int:
         try:
             body = await resp.read()
-        except aiohttp.ClientError as exc:
-            raise HTTPError(502, f"generation worker {worker.url} failed mid-response: {exc!r}") from None
-        except asyncio.TimeoutError:
+        except UpstreamError as exc:
+            raise HTTPError(502, f"generation worker {worker.url} failed mid-response: {exc}") from None
+        except UpstreamTimeout:
             raise HTTPError(504, f"generation worker {worker.url} timed out") from None
         clock.start()
         answer = self.relay.client_answer(req, body)
         clock.lap("relay")
         clock.finish()
-        return web.Response(body=answer, headers={"Content-Type": "application/json"})
+        out.send(200, answer)
+        return 200
 
     async def _relay_stream(
-        self, request: web.Request, worker: Worker, resp: aiohttp.ClientResponse, clock: _CpuClock
-    ) -> web.StreamResponse:
-        out = RelayedStream(headers=SSE_HEADERS)
-        await out.prepare(request)
-        sent = 0
+        self, out: Responder, worker: Worker, resp: UpstreamResponse, clock: _CpuClock | _NoClock
+    ) -> int:
+        out.start(200, _SSE, _SSE_EXTRA)
+        # Backpressure: while the client's socket buffer is full, the worker's
+        # socket is not read.
+        out.flow = resp
+        if out.paused:
+            resp.pause_reading()
         upstream_error: str | None = None
         try:
-            async for chunk in resp.content.iter_any():
-                await out.write(chunk)
-                sent += len(chunk)
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
-            # aiohttp's write error on a closed client socket is a
-            # ClientConnectionError too: tell the two apart.
-            if request.transport is None or request.transport.is_closing():
-                raise ClientGone(out) from None
-            upstream_error = f"generation worker {worker.url} failed mid-stream: {exc!r}"
-        except asyncio.TimeoutError:
+            await resp.stream(out.write)
+        except UpstreamError as exc:
+            upstream_error = f"generation worker {worker.url} failed mid-stream: {exc}"
+        except UpstreamTimeout:
             upstream_error = (
                 f"generation worker {worker.url} went silent for {self.config.request_timeout_s} s"
             )
-        except ConnectionResetError:
-            raise ClientGone(out) from None
-        if upstream_error is None and sent == 0:
+        finally:
+            out.flow = None
+        if upstream_error is None and resp.size == 0:
             upstream_error = f"generation worker {worker.url} sent an empty stream"
+        status = 200
         if upstream_error is not None:
             log.warning("%s", upstream_error)
             self._mark_failed(self.generation_pool, worker)
             # Headers are gone: the error travels in-band, as OpenAI streams do.
-            out.upstream_failed = 502
-            with contextlib.suppress(ConnectionResetError):
-                await out.write(b"data: " + error_body(502, upstream_error) + b"\n\n")
+            status = 502
+            out.write(b"data: " + error_body(502, upstream_error) + b"\n\n")
         clock.finish()
-        with contextlib.suppress(ConnectionResetError):
-            await out.write_eof()
-        return out
+        out.end()
+        return status
 
 
 async def start_server(
     config: OrchestratorConfig, *, reuse_port: bool = False
-) -> tuple[web.AppRunner, Orchestrator]:
-    """Start serving on ``config.hostname:config.port``; the caller cleans up the runner."""
+) -> tuple[HTTPServer, Orchestrator]:
+    """Start serving on ``config.hostname:config.port``; the caller ``await server.cleanup()``."""
     orchestrator = Orchestrator(config)
-    # handler_cancellation: a client that disconnects cancels its handler and
-    # with it both upstream legs (aiohttp >= 3.9 leaves it off by default).
-    runner = web.AppRunner(
-        orchestrator.build_app(), handler_cancellation=True, access_log=None, read_bufsize=READ_BUFSIZE
-    )
-    await runner.setup()
-    # A deep accept queue: 1024 clients connecting at once must not overflow
-    # the default of 128 into SYN retries (a 1 s stall each).
-    site = web.TCPSite(
-        runner, config.hostname, config.port, reuse_port=reuse_port or None, backlog=LISTEN_BACKLOG
-    )
-    await site.start()
-    return runner, orchestrator
+    server = await orchestrator.start(reuse_port=reuse_port)
+    return server, orchestrator

@@ -63,6 +63,12 @@ class OrchestratorConfig(BaseModel):
     health_check_interval_s: float = Field(2.0, gt=0)
     health_check_timeout_s: float = Field(2.0, gt=0)
     max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
+    # What one client connection may hold (server/http/server.py, Limits).
+    max_header_bytes: int = Field(16 * 1024, ge=1024)
+    client_header_timeout_s: float = Field(10.0, gt=0)
+    client_body_timeout_s: float = Field(60.0, gt=0)
+    client_keepalive_timeout_s: float = Field(60.0, gt=0)
+    max_client_connections: int = Field(8192, ge=1)
     shared_secret: str | None = Field(None, repr=False)  # never in logs
     workers: int = Field(1, ge=1)
     context_servers: PoolConfig = Field(default_factory=PoolConfig)

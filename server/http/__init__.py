@@ -1,0 +1,33 @@
+"""A lean HTTP/1.1 layer for the orchestrator's hot path: asyncio protocols, llhttp framing.
+
+aiohttp's per-request objects (web.Request/Response, ClientSession request
+and response objects, header multidicts, timers) cost the orchestrator more
+CPU per request than the relay itself. This package keeps what a two-leg
+proxy needs and nothing else:
+
+- :mod:`server.http.server`: the listening side. One protocol object per
+  client connection; framing by httptools (llhttp, strict: request smuggling,
+  obs-fold, bare LF, chunk-size overflow are parse errors); bounded header
+  bytes and count, header/body/idle timeouts, connection cap, pipelining with
+  a bounded queue, backpressure from a slow reader to the upstream socket.
+- :mod:`server.http.client`: keep-alive connections per worker, request
+  bodies written as their pieces (vectored), response framing by httptools,
+  streamed bodies handed to a sink as they arrive.
+
+Never hand-written HTTP parsing: only the status line and headers we *write*
+are formatted here.
+"""
+
+from .client import UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout
+from .server import HTTPServer, Limits, Request, Responder
+
+__all__ = [
+    "HTTPServer",
+    "Limits",
+    "Request",
+    "Responder",
+    "UpstreamError",
+    "UpstreamPool",
+    "UpstreamResponse",
+    "UpstreamTimeout",
+]

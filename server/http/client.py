@@ -1,0 +1,444 @@
+"""The upstream side: keep-alive HTTP/1.1 connections to one worker, framing by httptools.
+
+One :class:`UpstreamPool` per worker URL. :meth:`UpstreamPool.request` writes
+the request head and the body's pieces in one vectored write (no join of a
+spliced body) on an idle keep-alive connection or a new one, and returns the
+:class:`UpstreamResponse` once its status line and headers are in. The body
+then either accumulates (:meth:`UpstreamResponse.read`) or goes, piece by
+piece as the socket delivers it, to a sink (:meth:`UpstreamResponse.stream`)
+with no Python object per SSE event.
+
+Deadlines are one timer per request: ``timeout`` bounds the whole exchange,
+``read_timeout`` a silence (a stream may run long; it must not stall that
+long). A response read to the end on a keep-alive connection returns the
+connection to the pool; anything else (a cancel, an early stop, an error)
+closes it, so the worker sees the client leave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from urllib.parse import urlsplit
+
+import httptools
+
+BodyPiece = bytes | bytearray | memoryview
+
+
+class UpstreamError(Exception):
+    """The worker could not be reached, or its connection failed or broke the protocol."""
+
+    def __init__(self, message: str, *, sent: bool = True) -> None:
+        super().__init__(message)
+        #: False when the request provably never reached the worker (connect failed)
+        self.sent = sent
+
+
+class UpstreamTimeout(Exception):
+    """A request's ``timeout`` or ``read_timeout`` ran out."""
+
+
+class UpstreamResponse:
+    """One response: status and the headers the orchestrator uses, then the body."""
+
+    __slots__ = (
+        "_conn",
+        "_done",
+        "_headers",
+        "chunks",
+        "complete",
+        "content_length",
+        "content_type",
+        "error",
+        "headers_done",
+        "keep_alive",
+        "limit",
+        "retry_after",
+        "sink",
+        "size",
+        "status",
+        "truncated",
+    )
+
+    def __init__(self, conn: _Connection) -> None:
+        self._conn = conn
+        self.status = 0
+        self.content_type = b""
+        self.retry_after: bytes | None = None
+        #: None: no Content-Length (close-delimited unless chunked, which is -1)
+        self.content_length: int | None = None
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.limit = 0  # 0: unbounded
+        self.truncated = False
+        self.sink: Callable[[bytes], None] | None = None
+        self.headers_done = False
+        self.complete = False
+        self.keep_alive = False
+        self.error: BaseException | None = None
+        self._headers: asyncio.Future[None] | None = None
+        self._done: asyncio.Future[None] | None = None
+
+    @property
+    def media_type(self) -> bytes:
+        """``content_type`` without parameters, lower case."""
+        return self.content_type.split(b";", 1)[0].strip().lower()
+
+    async def read(self, limit: int = 0) -> bytes:
+        """The whole body; with ``limit``, at most that many bytes (the rest is dropped with the connection)."""
+        if limit:
+            self.limit = limit
+            if self.size > limit:
+                self._truncate()
+        if not self.complete and not self.truncated:
+            await self._wait_done()
+        chunks = self.chunks
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        return body[:limit] if limit else body
+
+    async def stream(self, sink: Callable[[bytes], None]) -> None:
+        """Hand every body piece to ``sink`` as it arrives; return at the end of the body."""
+        for chunk in self.chunks:
+            sink(chunk)
+        self.chunks = []
+        self.sink = sink
+        if not self.complete:
+            await self._wait_done()
+
+    def pause_reading(self) -> None:
+        self._conn.pause()
+
+    def resume_reading(self) -> None:
+        self._conn.resume()
+
+    def release(self) -> None:
+        """Done with the response: its connection goes back to the pool if it can be reused, else closes."""
+        self._conn.finish(self)
+
+    # -- internals -----------------------------------------------------------------
+
+    def _truncate(self) -> None:
+        self.truncated = True
+        kept = b"".join(self.chunks)[: self.limit]
+        self.chunks = [kept]
+        self._wake(self._done, None)
+
+    async def _wait_done(self) -> None:
+        if self.error is not None:
+            raise self.error
+        self._done = self._conn.loop.create_future()
+        await self._done
+
+    @staticmethod
+    def _wake(fut: asyncio.Future[None] | None, exc: BaseException | None) -> None:
+        if fut is not None and not fut.done():
+            if exc is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(exc)
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection to a worker; carries one request at a time."""
+
+    def __init__(self, pool: UpstreamPool) -> None:
+        self.pool = pool
+        self.loop = pool.loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.response: UpstreamResponse | None = None
+        self.closed = False
+        self.requests = 0
+        self.idle_since = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+        self.deadline = 0.0
+        self.read_timeout = 0.0
+        self.last_io = 0.0
+        self.got_bytes = False
+        self.paused = False
+
+    # -- transport events -----------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.pool._forget(self)
+        resp = self.response
+        if resp is None or resp.complete:
+            return
+        if resp.headers_done and resp.content_length is None:
+            self.on_message_complete()  # a close-delimited body ends here
+            return
+        why = f": {exc}" if exc else ""
+        stage = "mid-response" if resp.headers_done else "before answering"
+        self._fail(UpstreamError(f"connection closed {stage}{why}"))
+
+    def data_received(self, data: bytes) -> None:
+        resp = self.response
+        if resp is None:  # bytes nobody asked for: the connection cannot be trusted
+            self.close()
+            return
+        self.got_bytes = True
+        if self.read_timeout:
+            self.last_io = self.loop.time()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            self._fail(exc.__context__ or UpstreamError(f"bad response: {exc}"))
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamError(f"malformed HTTP response: {exc}"))
+
+    # -- parser callbacks ---------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        resp = self.response
+        assert resp is not None
+        key = name.lower()
+        if key == b"content-type":
+            resp.content_type = value
+        elif key == b"content-length":
+            resp.content_length = int(value)
+        elif key == b"retry-after":
+            resp.retry_after = value
+        elif key == b"transfer-encoding":
+            resp.content_length = -1  # chunked: framed, not close-delimited
+
+    def on_headers_complete(self) -> None:
+        resp = self.response
+        assert resp is not None
+        resp.status = self.parser.get_status_code()
+        resp.headers_done = True
+        UpstreamResponse._wake(resp._headers, None)
+
+    def on_body(self, body: bytes) -> None:
+        resp = self.response
+        assert resp is not None
+        if resp.sink is not None:
+            resp.size += len(body)
+            resp.sink(body)
+            return
+        if resp.truncated:
+            return
+        resp.size += len(body)
+        resp.chunks.append(body)
+        if resp.limit and resp.size > resp.limit:
+            resp._truncate()
+
+    def on_message_complete(self) -> None:
+        resp = self.response
+        assert resp is not None
+        resp.complete = True
+        resp.keep_alive = self.parser.should_keep_alive()
+        self._cancel_timer()
+        UpstreamResponse._wake(resp._headers, None)
+        UpstreamResponse._wake(resp._done, None)
+
+    # -- requests -------------------------------------------------------------------
+
+    def send(
+        self, head: bytes, pieces: Sequence[BodyPiece], timeout: float | None, read_timeout: float | None
+    ) -> UpstreamResponse:
+        resp = self.response = UpstreamResponse(self)
+        resp._headers = self.loop.create_future()
+        self.requests += 1
+        self.got_bytes = False
+        now = self.loop.time()
+        self.read_timeout = read_timeout or 0.0
+        self.last_io = now
+        self.deadline = now + timeout if timeout else 0.0
+        if self.deadline or self.read_timeout:
+            self._schedule(now)
+        assert self.transport is not None
+        self.transport.writelines((head, *pieces))
+        return resp
+
+    def _schedule(self, now: float) -> None:
+        when = self.deadline
+        if self.read_timeout:
+            silent = self.last_io + self.read_timeout
+            when = min(when, silent) if when else silent
+        self.timer = self.loop.call_at(max(when, now), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self.timer = None
+        resp = self.response
+        if resp is None or resp.complete:
+            return
+        now = self.loop.time()
+        if (self.deadline and now >= self.deadline) or (
+            self.read_timeout and now >= self.last_io + self.read_timeout
+        ):
+            self._fail(UpstreamTimeout("timed out"))
+            self.close()
+            return
+        self._schedule(now)
+
+    def _cancel_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _fail(self, exc: BaseException) -> None:
+        resp = self.response
+        self._cancel_timer()
+        if resp is None or resp.complete or resp.error is not None:
+            return
+        resp.error = exc
+        UpstreamResponse._wake(resp._headers, exc)
+        UpstreamResponse._wake(resp._done, exc)
+        self.close()
+
+    def finish(self, resp: UpstreamResponse) -> None:
+        if resp is not self.response:
+            return
+        self.response = None
+        self._cancel_timer()
+        if self.paused:
+            self.resume()
+        if resp.complete and resp.keep_alive and not self.closed and not resp.truncated:
+            self.pool._release(self)
+        else:
+            self.close()
+
+    def pause(self) -> None:
+        if not self.paused and not self.closed and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.paused and not self.closed and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.pool._forget(self)
+            if self.transport is not None:
+                self.transport.close()
+
+
+class UpstreamPool:
+    """Keep-alive connections to the worker at ``url`` (``http://host:port[/prefix]``)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        connect_timeout_s: float = 5.0,
+        max_idle: int = 512,
+        idle_timeout_s: float = 30.0,
+        extra_headers: bytes = b"",
+    ) -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"worker URL must be http://host:port, not {url!r}")
+        self.url = url
+        self.host = parts.hostname
+        self.port = parts.port or 80
+        self.prefix = parts.path.rstrip("/").encode()
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self._fixed = b"Host: %s:%d\r\n%s" % (host.encode(), self.port, extra_headers)
+        self.connect_timeout_s = connect_timeout_s
+        self.max_idle = max_idle
+        self.idle_timeout_s = idle_timeout_s
+        self.loop = asyncio.get_event_loop()
+        self.idle: list[_Connection] = []
+        self.open: set[_Connection] = set()
+
+    async def _connect(self) -> _Connection:
+        self.loop = loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: _Connection(self), self.host, self.port),
+                self.connect_timeout_s,
+            )
+        except asyncio.TimeoutError:
+            raise UpstreamError(f"connect timed out after {self.connect_timeout_s} s", sent=False) from None
+        except OSError as exc:
+            raise UpstreamError(f"cannot connect: {exc.strerror or exc}", sent=False) from None
+        self.open.add(conn)
+        return conn
+
+    def _idle_connection(self) -> _Connection | None:
+        idle = self.idle
+        if not idle:
+            return None
+        now = self.loop.time()
+        while idle:
+            conn = idle.pop()
+            if conn.closed:
+                continue
+            if now - conn.idle_since > self.idle_timeout_s:
+                conn.close()
+                continue
+            return conn
+        return None
+
+    async def request(
+        self,
+        method: bytes,
+        path: bytes,
+        pieces: Sequence[BodyPiece] = (),
+        *,
+        headers: bytes = b"",
+        timeout: float | None = None,
+        read_timeout: float | None = None,
+    ) -> UpstreamResponse:
+        """Send a request; return once the response's headers are in.
+
+        ``headers``: extra header lines, each ending in CRLF. Raises
+        :class:`UpstreamError` (``sent`` says whether the worker may have seen
+        the request) or :class:`UpstreamTimeout`. The caller must
+        :meth:`~UpstreamResponse.release` the response.
+        """
+        length = 0
+        for piece in pieces:
+            length += len(piece)
+        head = b"%s %s%s HTTP/1.1\r\n%sContent-Length: %d\r\n%s\r\n" % (
+            method,
+            self.prefix,
+            path,
+            self._fixed,
+            length,
+            headers,
+        )
+        for _attempt in range(2):
+            conn = self._idle_connection()
+            reused = conn is not None
+            if conn is None:
+                conn = await self._connect()
+            resp = conn.send(head, pieces, timeout, read_timeout)
+            try:
+                if not resp.headers_done:
+                    await resp._headers  # type: ignore[misc]
+                return resp
+            except UpstreamError:
+                # An idle connection the worker closed as we reused it: it never
+                # saw the request. Once, on a fresh connection.
+                if reused and not conn.got_bytes and _attempt == 0:
+                    conn.close()
+                    continue
+                raise
+            except BaseException:
+                conn.close()
+                raise
+        raise AssertionError("unreachable")
+
+    def _release(self, conn: _Connection) -> None:
+        if len(self.idle) >= self.max_idle:
+            conn.close()
+            return
+        conn.idle_since = self.loop.time()
+        self.idle.append(conn)
+
+    def _forget(self, conn: _Connection) -> None:
+        self.open.discard(conn)
+
+    def close(self) -> None:
+        for conn in list(self.open):
+            conn.close()
+        self.idle.clear()
