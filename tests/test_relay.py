@@ -619,3 +619,153 @@ def test_bytes_like_bodies(relay: Relay) -> None:
         assert untouched == b'{"a": 1}' and type(untouched) is bytes
     body = b'{"a": 1}'
     assert relay.strip_internal_fields(body) is body  # nothing to cut: no copy
+
+
+# -- read_client_request / read_context_response: the orchestrator's one validating scan ---------------
+
+FIELD_NAMES = ("model", "max_tokens", "max_completion_tokens")
+
+
+@given(
+    st.booleans().flatmap(client_bodies), st.dictionaries(st.sampled_from(FIELD_NAMES), values, max_size=3)
+)
+@settings(max_examples=100, deadline=None, suppress_health_check=STATELESS)
+def test_read_client_request_finds_the_fields_in_the_same_scan(
+    relay: Relay, client: bytes, fields: dict[str, Any]
+) -> None:
+    doc = json.loads(client)
+    doc.update(fields)
+    body = json.dumps(doc).encode()
+    read, spans = relay.read_client_request(body)
+    assert read.chat == ("messages" in doc) and read.body is body and read.empty == (not doc)
+    for name in ("stream", "stream_options", *FIELD_NAMES, "messages", "prompt"):
+        span = getattr(spans, name)
+        assert (span is None) == (name not in doc)
+        if span is not None:
+            assert json.loads(body[span[0] : span[1]]) == doc[name]
+    options = doc.get("stream_options")
+    if isinstance(options, dict) and "include_usage" in options:
+        assert spans.include_usage is not None
+        assert json.loads(body[slice(*spans.include_usage)]) == options["include_usage"]
+    else:
+        assert spans.include_usage is None
+    messages = doc.get("messages")
+    if isinstance(messages, list) and messages:
+        assert spans.last_message is not None
+        assert json.loads(body[slice(*spans.last_message)]) == messages[-1]
+    else:
+        assert spans.last_message is None
+    # Its ClientBody serves both builders exactly as read_client_body's does.
+    plain = relay.read_client_body(body)
+    for a, b in ((read, plain), (plain, body)):
+        assert relay.build_context_request(
+            a, disagg_request_id=3, return_b64=True
+        ) == relay.build_context_request(b, disagg_request_id=3, return_b64=True)
+        for tokids_b64 in (False, True):
+            assert relay.build_generation_request(
+                a, CTX, tokids_b64=tokids_b64, strip_history=True
+            ) == relay.build_generation_request(b, CTX, tokids_b64=tokids_b64, strip_history=True)
+
+
+@pytest.mark.parametrize(
+    "body, key",
+    [
+        (b'{"model": "a", "model": "b"}', "model"),
+        (b'{"max_tokens": 1, "max_tokens": 2}', "max_tokens"),
+        (b'{"max_completion_tokens": 1, "max_completion_tokens": null}', "max_completion_tokens"),
+        (b'{"stream_options": {"include_usage": true, "include_usage": false}}', "include_usage"),
+        (b'{"stream_options": {"include_usage": true, "include_\\u0075sage": true}}', "include_usage"),
+    ],
+)
+def test_read_client_request_refuses_a_repeated_field_read_client_body_does_not_read(
+    relay: Relay, body: bytes, key: str
+) -> None:
+    with pytest.raises(JSONSpanError, match=f"duplicate key '{key}'"):
+        relay.read_client_request(body)
+    relay.read_client_body(body)  # unchanged: it never reads these
+
+
+@pytest.mark.parametrize(
+    "body, error",
+    [
+        (b'{"model": "a"', JSONSpanError),
+        (b'{"model": "a"} x', JSONSpanError),
+        (b'{"model": "\xff"}', JSONSpanError),
+        (b"[1]", RelayError),
+        (b'{"prompt": "x", "prompt_token_ids_b64": "AAAA"}', RelayError),
+    ],
+)
+def test_read_client_request_validates_like_read_client_body(relay: Relay, body: bytes, error: type) -> None:
+    with pytest.raises(error) as info:
+        relay.read_client_request(body, chat=False)
+    with pytest.raises(error) as plain:
+        relay.read_client_body(body, chat=False)
+    assert str(info.value) == str(plain.value)
+
+
+@given(context_responses())
+@settings(max_examples=60, deadline=None, suppress_health_check=STATELESS)
+def test_read_context_response_is_parse_context_response_plus_two_spans(relay: Relay, ctx: bytes) -> None:
+    info, fields = relay.read_context_response(ctx)
+    assert info == relay.parse_context_response(ctx)
+    doc = json.loads(ctx)
+    assert (
+        fields.first_choice is not None and json.loads(ctx[slice(*fields.first_choice)]) == doc["choices"][0]
+    )
+    if "usage" in doc:
+        assert fields.completion_tokens is not None and ctx[slice(*fields.completion_tokens)] == b"1"
+    else:
+        assert fields.completion_tokens is None
+
+
+@pytest.mark.parametrize(
+    "ctx, first_choice, completion_tokens",
+    [
+        (b'{"choices": []}', None, None),
+        (b'{"choices": {"0": 1}, "usage": 5}', None, None),
+        (b'{"choices": [7], "usage": {"completion_tokens": "x"}}', b"7", b'"x"'),
+        (b'{"choices": [{}, {}], "usage": {"prompt_tokens": 1}}', b"{}", None),
+    ],
+)
+def test_read_context_response_fields(
+    relay: Relay, ctx: bytes, first_choice: bytes | None, completion_tokens: bytes | None
+) -> None:
+    _, fields = relay.read_context_response(ctx)
+    assert (ctx[slice(*fields.first_choice)] if fields.first_choice else None) == first_choice
+    assert (ctx[slice(*fields.completion_tokens)] if fields.completion_tokens else None) == completion_tokens
+
+
+def test_read_context_response_refuses_what_parse_context_response_refuses_and_a_repeated_count(
+    relay: Relay,
+) -> None:
+    for ctx in (b'{"choices": [', b"[]", context_response(5), b'{"a": 1} 2'):
+        with pytest.raises(ContextResponseError) as info:
+            relay.read_context_response(ctx)
+        with pytest.raises(ContextResponseError) as plain:
+            relay.parse_context_response(ctx)
+        assert str(info.value) == str(plain.value)
+        assert type(info.value.__cause__) is type(plain.value.__cause__)
+    repeated = b'{"choices": [{}], "usage": {"completion_tokens": 1, "completion_tokens": 2}}'
+    with pytest.raises(ContextResponseError, match="duplicate key 'completion_tokens'") as info:
+        relay.read_context_response(repeated)
+    assert isinstance(info.value.__cause__, JSONSpanError)
+    relay.parse_context_response(repeated)  # unchanged: it never reads it
+
+
+@given(context_responses(), st.integers(0, 12))
+@settings(max_examples=60, deadline=None, suppress_health_check=STATELESS)
+def test_strip_internal_fields_without_validation_on_validated_bytes(
+    relay: Relay, ctx: bytes, extra_choices: int
+) -> None:
+    doc = json.loads(ctx)
+    doc["choices"] += [{"index": i + 1, "disaggregated_params": {"x": i}} for i in range(extra_choices)]
+    body = json.dumps(doc).encode()
+    assert relay.strip_internal_fields(body, validate=False) == relay.strip_internal_fields(body)
+
+
+def test_strip_internal_fields_validates_the_whole_body_by_default(relay: Relay) -> None:
+    # Far from any internal field, still refused: the one scan checks every byte.
+    for body in (b'{"a": [1, 2,]}', b'{"a": "\xff"}', b'{"a": {"b": tru}}', b'{"a": 1} {}'):
+        with pytest.raises(JSONSpanError):
+            relay.strip_internal_fields(body)
+    assert relay.strip_internal_fields(b'{"a": [1, 2,]}', validate=False) == b'{"a": [1, 2,]}'
