@@ -587,6 +587,31 @@ def test_fast_mode_leaves_the_fields_it_does_not_act_on_to_the_workers(jsonspan,
 # -- context and generation worker responses ------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    "finished",
+    [
+        b'{"choices": [7]}',
+        b'{"choices": [{"message": "x", "finish_reason": "stop"}]}',
+        b'{"choices": [{"finish_reason": "stop", "logprobs": ' + b"[" * 5000 + b"]" * 5000 + b"}]}",
+        b'{"choices": [{"finish_reason": "stop"}], "usage": {"completion_tokens": 1' + b"0" * 5000 + b"}}",
+    ],
+)
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_a_finished_answer_that_cannot_stream_is_502(jsonspan, finished, chat):
+    fast = fast_relay(jsonspan)
+    req = fast.read_client(
+        small_body(chat, {"stream": True, "stream_options": {"include_usage": True}}), chat
+    )
+    result = fast.read_context(req, finished)
+    assert result.finished
+    answer = fast.finished_answer(req, result)
+    if finished.startswith(b'{"choices": [{"message": "x"') and not chat:
+        answer_as_sse(answer, chat=chat, include_usage=True)  # completions never read "message"
+        return
+    error = fast_502(lambda: answer_as_sse(answer, chat=chat, include_usage=True))
+    assert error.message.startswith("context worker response cannot be streamed")
+
+
 def fast_502(call: Any) -> HTTPError:
     with pytest.raises(HTTPError) as info:
         call()
@@ -904,4 +929,7 @@ def test_fast_mode_gives_the_same_answer_on_both_twins_and_only_http_errors(json
 def _generation(fast: FastRelay, good: bytes, chat: bool, ctx: bytes) -> Any:
     req = fast.read_client(good, chat)
     result = fast.read_context(req, ctx)
-    return fast.finished_answer(req, result) if result.finished else fast.generation_request(req, result)
+    if not result.finished:
+        return fast.generation_request(req, result)
+    answer = fast.finished_answer(req, result)
+    return answer, answer_as_sse(answer, chat=chat, include_usage=True)

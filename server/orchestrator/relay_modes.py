@@ -527,7 +527,20 @@ def _sse(event: dict[str, Any]) -> bytes:
 
 
 def answer_as_sse(answer: bytes, *, chat: bool, include_usage: bool) -> bytes:
-    """The SSE stream a streaming worker would have sent for the complete ``answer``."""
+    """The SSE stream a streaming worker would have sent for the complete ``answer``.
+
+    ``answer`` is a context worker's finished response, stripped: the fast relay
+    checked only what it acts on, so a shape this cannot stream (nesting past
+    Python's recursion limit, an integer past its 4300 digits, a choice that is
+    not an object) is the worker's 502 here, never an exception of another kind.
+    """
+    try:
+        return _answer_as_sse(answer, chat=chat, include_usage=include_usage)
+    except (ValueError, RecursionError, AttributeError, TypeError) as exc:
+        raise HTTPError(502, f"context worker response cannot be streamed: {exc!r}"[:500]) from None
+
+
+def _answer_as_sse(answer: bytes, *, chat: bool, include_usage: bool) -> bytes:
     data = json.loads(answer)
     head = {
         "id": data.get("id"),
