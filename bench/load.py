@@ -101,7 +101,9 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: bytes, tim
         return RequestResult(False, ttft=ttft, error=f"{type(exc).__name__}: {exc}")
 
 
-async def one_unary_request(session: aiohttp.ClientSession, url: str, body: bytes, timeout: float) -> RequestResult:
+async def one_unary_request(
+    session: aiohttp.ClientSession, url: str, body: bytes, timeout: float
+) -> RequestResult:
     """A non-streaming request: TTFT and latency are both the time to the whole response."""
     t0 = time.perf_counter()
     try:
@@ -109,7 +111,9 @@ async def one_unary_request(session: aiohttp.ClientSession, url: str, body: byte
             async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
                 data = await resp.read()
                 if resp.status != 200:
-                    return RequestResult(False, error=f"HTTP {resp.status}: {data[:300].decode(errors='replace')}")
+                    return RequestResult(
+                        False, error=f"HTTP {resp.status}: {data[:300].decode(errors='replace')}"
+                    )
                 elapsed = time.perf_counter() - t0
                 try:
                     choices = json.loads(data)["choices"]
@@ -117,7 +121,9 @@ async def one_unary_request(session: aiohttp.ClientSession, url: str, body: byte
                 except (ValueError, KeyError, TypeError):
                     ok = False
                 if not ok:
-                    return RequestResult(False, ttft=elapsed, error=f"no choices in: {data[:300].decode(errors='replace')}")
+                    return RequestResult(
+                        False, ttft=elapsed, error=f"no choices in: {data[:300].decode(errors='replace')}"
+                    )
                 return RequestResult(True, ttft=elapsed, latency=elapsed)
     except TimeoutError:
         return RequestResult(False, timed_out=True, error=f"timed out after {timeout}s")

@@ -43,8 +43,17 @@ from bench.rawfloor import LISTEN_BACKLOG, ServerProtocol
 FLAVORS = ("vllm", "sglang")
 ENGINE_ID = "mock-engine-0"
 MAX_MOCK_TOKENS = 256
-PROBE_PATHS = {b"/health", b"/health_generate", b"/v1/models", b"/get_server_info", b"/server_info",
-               b"/get_model_info", b"/model_info", b"/metrics", b"/version"}  # fmt: skip
+PROBE_PATHS = {
+    b"/health",
+    b"/health_generate",
+    b"/v1/models",
+    b"/get_server_info",
+    b"/server_info",
+    b"/get_model_info",
+    b"/model_info",
+    b"/metrics",
+    b"/version",
+}
 _WORDS = ["alpha", "beta", "gamma", "delta", "kernel", "token", "cache", "batch"]
 
 
@@ -98,8 +107,14 @@ class Mocks:
         self.block_ids = itertools.count(1)
         self.issued: set[int] = set()
         self.rooms: dict[int, str] = {}
-        self.stats: dict[str, Any] = {"flavor": flavor, "prefill": 0, "decode": 0, "violations": 0,
-                                      "samples": [], "unknown_paths": {}}  # fmt: skip
+        self.stats: dict[str, Any] = {
+            "flavor": flavor,
+            "prefill": 0,
+            "decode": 0,
+            "violations": 0,
+            "samples": [],
+            "unknown_paths": {},
+        }
 
     def violation(self, problems: list[str]) -> None:
         self.stats["violations"] += 1
@@ -120,9 +135,11 @@ class Mocks:
             problems = check_vllm_prefill(req)
             block = next(self.block_ids)
             self.issued.add(block)
-            extra = (b', "kv_transfer_params": {"do_remote_prefill": true, "do_remote_decode": false, '
-                     b'"remote_engine_id": "%s", "remote_block_ids": [%d], "remote_host": "127.0.0.1", '
-                     b'"remote_port": 5600, "tp_size": 1}') % (ENGINE_ID.encode(), block)  # fmt: skip
+            extra = (
+                b', "kv_transfer_params": {"do_remote_prefill": true, "do_remote_decode": false, '
+                b'"remote_engine_id": "%s", "remote_block_ids": [%d], "remote_host": "127.0.0.1", '
+                b'"remote_port": 5600, "tp_size": 1}'
+            ) % (ENGINE_ID.encode(), block)
         elif self.flavor == "vllm":
             problems = check_vllm_decode(req, self.issued)
         else:
@@ -146,7 +163,9 @@ class Mocks:
         return 200, b"application/json", [completion_json(model, n, chat, prompt_tokens, extra)]
 
     def snapshot(self) -> bytes:
-        return json.dumps({**self.stats, "unpaired": len(self.rooms), "issued_unused": len(self.issued)}).encode()
+        return json.dumps(
+            {**self.stats, "unpaired": len(self.rooms), "issued_unused": len(self.issued)}
+        ).encode()
 
 
 def _text(n: int) -> str:
@@ -158,43 +177,72 @@ def completion_json(model: bytes, n: int, chat: bool, prompt_tokens: int, extra:
         choice = '{"index": 0, "message": {"role": "assistant", "content": "%s"}, "logprobs": null, "finish_reason": "length"}'
     else:
         choice = '{"index": 0, "text": "%s", "logprobs": null, "finish_reason": "length"}'
-    return (b'{"id": "cmpl-mock", "object": "%s", "created": 1700000000, "model": "%s", "choices": [%s], '
-            b'"usage": {"prompt_tokens": %d, "completion_tokens": %d, "total_tokens": %d}%s}') % (
-        b"chat.completion" if chat else b"text_completion", model, (choice % _text(n)).encode(),
-        prompt_tokens, n, prompt_tokens + n, extra)  # fmt: skip
+    return (
+        b'{"id": "cmpl-mock", "object": "%s", "created": 1700000000, "model": "%s", "choices": [%s], '
+        b'"usage": {"prompt_tokens": %d, "completion_tokens": %d, "total_tokens": %d}%s}'
+    ) % (
+        b"chat.completion" if chat else b"text_completion",
+        model,
+        (choice % _text(n)).encode(),
+        prompt_tokens,
+        n,
+        prompt_tokens + n,
+        extra,
+    )
 
 
 def sse_events(model: bytes, n: int, chat: bool, usage_prompt_tokens: int | None) -> list[bytes]:
     """A role chunk (chat), ``n`` content chunks, a finish chunk, a usage chunk if asked, ``[DONE]``."""
     kind = b"chat.completion.chunk" if chat else b"text_completion"
-    head = b'data: {"id": "cmpl-mock", "object": "%s", "created": 1700000000, "model": "%s", "choices": [' % (kind, model)
+    head = b'data: {"id": "cmpl-mock", "object": "%s", "created": 1700000000, "model": "%s", "choices": [' % (
+        kind,
+        model,
+    )
 
     def event(choice: bytes, tail: bytes = b"") -> bytes:
         return head + choice + b"]" + tail + b"}\n\n"
 
     out = []
     if chat:
-        out.append(event(b'{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}'))
+        out.append(
+            event(b'{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}')
+        )
     for i in range(n):
         word = b" " + _WORDS[i % len(_WORDS)].encode()
         if chat:
             out.append(event(b'{"index": 0, "delta": {"content": "%s"}, "finish_reason": null}' % word))
         else:
             out.append(event(b'{"index": 0, "text": "%s", "finish_reason": null}' % word))
-    finish = b'{"index": 0, "delta": {}, "finish_reason": "length"}' if chat else b'{"index": 0, "text": "", "finish_reason": "length"}'
+    finish = (
+        b'{"index": 0, "delta": {}, "finish_reason": "length"}'
+        if chat
+        else b'{"index": 0, "text": "", "finish_reason": "length"}'
+    )
     out.append(event(finish))
     if usage_prompt_tokens is not None:
         p = usage_prompt_tokens
-        out.append(head + b'], "usage": {"prompt_tokens": %d, "completion_tokens": %d, "total_tokens": %d}}\n\n'
-                   % (p, n, p + n))  # fmt: skip
+        out.append(
+            head
+            + b'], "usage": {"prompt_tokens": %d, "completion_tokens": %d, "total_tokens": %d}}\n\n'
+            % (p, n, p + n)
+        )
     out.append(b"data: [DONE]\n\n")
     return out
 
 
 def make_handler(mocks: Mocks, role: str):
-    models = json.dumps({"object": "list", "data": [{"id": "mock", "object": "model", "owned_by": "bench"}]}).encode()
-    info = json.dumps({"model_path": "mock", "served_model_name": "mock", "is_generation": True,
-                       "disaggregation_mode": role, "tokenizer_path": "mock"}).encode()  # fmt: skip
+    models = json.dumps(
+        {"object": "list", "data": [{"id": "mock", "object": "model", "owned_by": "bench"}]}
+    ).encode()
+    info = json.dumps(
+        {
+            "model_path": "mock",
+            "served_model_name": "mock",
+            "is_generation": True,
+            "disaggregation_mode": role,
+            "tokenizer_path": "mock",
+        }
+    ).encode()
 
     def handler(conn: ServerProtocol, method: bytes, path: bytes, body: bytes, keep_alive: bool) -> None:
         if method == b"POST" and path in (b"/v1/chat/completions", b"/v1/completions"):
@@ -231,11 +279,12 @@ def make_handler(mocks: Mocks, role: str):
 async def serve(flavor: str, host: str, prefill_port: int, decode_port: int) -> None:
     mocks = Mocks(flavor)
     loop = asyncio.get_running_loop()
-    servers = [
-        await loop.create_server(lambda h=make_handler(mocks, role): ServerProtocol(h), host, port,
-                                 backlog=LISTEN_BACKLOG)  # fmt: skip
-        for role, port in (("prefill", prefill_port), ("decode", decode_port))
-    ]
+    servers = []
+    for role, port in (("prefill", prefill_port), ("decode", decode_port)):
+        handler = make_handler(mocks, role)
+        servers.append(
+            await loop.create_server(lambda h=handler: ServerProtocol(h), host, port, backlog=LISTEN_BACKLOG)
+        )
     await asyncio.gather(*(s.serve_forever() for s in servers))
 
 

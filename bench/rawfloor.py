@@ -28,7 +28,7 @@ class ServerProtocol(asyncio.Protocol):
     """One client connection: httptools framing; ``handler(conn, method, path, body, keep_alive)``."""
 
     def __init__(self, handler: Callable) -> None:
-        self.handler, self.transport, self.url, self.body = handler, None, b"", []
+        self.handler, self.transport, self.url, self.body, self.task = handler, None, b"", [], None
         self.parser = httptools.HttpRequestParser(self)
 
     def connection_made(self, transport) -> None:
@@ -54,7 +54,9 @@ class ServerProtocol(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         p = self.parser
-        self.handler(self, p.get_method(), self.url.split(b"?", 1)[0], b"".join(self.body), p.should_keep_alive())
+        self.handler(
+            self, p.get_method(), self.url.split(b"?", 1)[0], b"".join(self.body), p.should_keep_alive()
+        )
 
     def respond(self, status: int, ctype: bytes, body: bytes, keep_alive: bool = True) -> None:
         if self.transport is None:
@@ -148,7 +150,9 @@ class Pool:
             c = self.idle.pop()
             conn = c if c.transport is not None and not c.transport.is_closing() else None
         if conn is None:
-            _, conn = await asyncio.get_running_loop().create_connection(lambda: Upstream(self), self.host, self.port)
+            _, conn = await asyncio.get_running_loop().create_connection(
+                lambda: Upstream(self), self.host, self.port
+            )
         conn.sink = sink
         conn.transport.writelines([self.head % path, b"Content-Length: %d\r\n\r\n" % len(body), body])
         return await sink.future
@@ -175,7 +179,7 @@ def make_handler(context: list[str], generation: list[str]) -> Callable:
 
     def handler(conn: ServerProtocol, method: bytes, path: bytes, body: bytes, keep_alive: bool) -> None:
         if method == b"POST" and path in ROUTES:
-            loop.create_task(relay(conn, path, body, keep_alive))
+            conn.task = loop.create_task(relay(conn, path, body, keep_alive))  # referenced while it runs
         elif path == b"/health":
             conn.respond(200, b"text/plain", b"ok", keep_alive)
         else:
