@@ -1,0 +1,774 @@
+"""PD routers' CPU per request, fastcore beside the Rust routers and two Python floors, in one run.
+
+    python -m bench.routers --install          # venvs for sglang-router and vllm-router (PyPI)
+    python -m bench.routers                    # every front, 1 KB and 160 KB prompts, c=16 and 64
+    python -m bench.routers --quick            # a short smoke run
+    python -m bench.routers --fastcore-root /work/before --fastcore-label fastcore-before
+
+Each front (router) runs alone on core 0 (``taskset -c 0``); its workers and
+this closed-loop keep-alive client share the other cores. Requests are chat
+completions with an agentic history (``bench/workload.py``, ~4 bytes per
+prompt token), streaming and not, at each concurrency level; each level is
+warmed up, then N requests (or ``--max-seconds``) are measured. A front's CPU
+is utime+stime of its process tree from /proc over the measured requests,
+divided by the completed ones.
+
+Fronts:
+
+- ``fastcore:MODE``: the orchestrator (``bench.deploy.MODES``) on two instant
+  synthetic workers (one context, one generation); ``LABEL:MODE`` is the same
+  from another checkout (``--fastcore-root``, e.g. a ``git worktree``);
+- ``floor``: ``bench/passthrough.py``, the bare aiohttp pass-through;
+- ``rawfloor``: ``bench/rawfloor.py``, the raw-protocol pass-through (asyncio
+  Protocols, uvloop, httptools): the lower bound for a Python router;
+- ``sglang-router``, ``vllm-router``: the Rust routers from PyPI, each in its
+  own venv (``--install``), in PD mode with round-robin, logging at warn, on
+  instant mocks of their PD protocols (``bench/pd_mocks.py``) that count
+  protocol violations. A router that is not installed is skipped with a note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench._timing import format_table
+from bench.deploy import (
+    FLOOR,
+    MODES,
+    PYTHON,
+    RAWFLOOR,
+    Deployment,
+    cores,
+    free_port,
+    pinned,
+    process_tree,
+    tree_cpu_seconds,
+    wait_healthy,
+)
+from bench.load import RESULTS_DIR, _session, one_request, one_unary_request, run_concurrency
+from bench.workload import chat_body
+from server.launcher import Child, stop_all
+
+ROOT = Path(__file__).resolve().parent.parent
+VENVS = Path(os.environ.get("FASTCORE_BENCH_VENVS", Path.home() / ".cache" / "fastcore-bench"))
+BOOTSTRAP_PORT = 8998  # what the sglang mock expects to see; nothing listens on it
+MODEL = "synthetic"
+
+
+@dataclass(frozen=True)
+class RustRouter:
+    name: str  # front name and venv directory
+    requirement: str  # pip requirement
+    dist: str  # distribution name in site-packages (dist-info prefix)
+    flavor: str  # bench.pd_mocks flavor
+
+    def python(self, venvs: Path) -> Path:
+        return venvs / self.name / "bin" / "python"
+
+    def installed_version(self, venvs: Path) -> str | None:
+        if not self.python(venvs).exists():
+            return None
+        found = glob.glob(
+            str(venvs / self.name / "lib" / "python*" / "site-packages" / f"{self.dist}-*.dist-info")
+        )
+        return Path(found[0]).name.removesuffix(".dist-info").split("-", 1)[1] if found else None
+
+    def argv(self, venvs: Path, port: int, prefill: str, decode: str, metrics_port: int) -> list[str]:
+        py = str(self.python(venvs))
+        common = [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--policy",
+            "round_robin",
+            "--prometheus-port",
+            str(metrics_port),
+            "--prometheus-host",
+            "127.0.0.1",
+            "--worker-startup-check-interval",
+            "1",
+        ]
+        if self.flavor == "sglang":
+            return [
+                py,
+                "-m",
+                "sglang_router.launch_router",
+                "--pd-disaggregation",
+                "--prefill",
+                prefill,
+                str(BOOTSTRAP_PORT),
+                "--decode",
+                decode,
+                *common,
+                "--log-level",
+                "warn",
+            ]
+        return [
+            str(venvs / self.name / "bin" / "vllm-router"),
+            "--vllm-pd-disaggregation",
+            "--prefill",
+            prefill,
+            "--decode",
+            decode,
+            *common,
+            "--log-level",
+            "warning",
+        ]
+
+
+RUST_ROUTERS = {
+    r.name: r
+    for r in (
+        RustRouter("sglang-router", "sglang-router==0.3.2", "sglang_router", "sglang"),
+        RustRouter("vllm-router", "vllm-router==0.1.17", "vllm_router", "vllm"),
+    )
+}
+DEFAULT_FRONTS = ["fastcore:both-gates", "fastcore:parsed", FLOOR, RAWFLOOR, *RUST_ROUTERS]
+
+
+# -- running fronts -------------------------------------------------------------
+
+
+@dataclass
+class Running:
+    """A started front: its URL, the pid whose tree is measured, a stop, and (mocks) a violation count."""
+
+    url: str
+    pid: int
+    stop: Callable[[], None]
+    stats_url: str | None = None
+    log: Path | None = None
+
+    def cpu_seconds(self) -> float:
+        return tree_cpu_seconds(self.pid)
+
+    def sched_seconds(self) -> float:
+        return tree_sched_seconds(self.pid)
+
+    def mock_stats(self) -> dict[str, Any] | None:
+        if self.stats_url is None:
+            return None
+        with urllib.request.urlopen(self.stats_url, timeout=10) as resp:
+            return json.loads(resp.read())
+
+
+def tree_sched_seconds(pid: int) -> float:
+    """On-CPU time of ``pid``'s tree, every thread, from /proc/*/task/*/schedstat (ns; a cross-check
+    of utime+stime, whose clock ticks are 10 ms apart)."""
+    total = 0
+    for p in process_tree(pid):
+        for stat in glob.glob(f"/proc/{p}/task/*/schedstat"):
+            try:
+                with open(stat) as f:
+                    total += int(f.read().split()[0])
+            except (OSError, ValueError, IndexError):
+                pass
+    return total / 1e9
+
+
+def _fastcore_env(root: Path | None) -> dict[str, str]:
+    env = dict(os.environ)
+    if root is not None:
+        # Another checkout's server/ and fastcore/ first on sys.path; PYTHONSAFEPATH keeps the
+        # current directory (this checkout) off it for ``python -m``.
+        env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [env.get("PYTHONPATH")])])
+        env["PYTHONSAFEPATH"] = "1"
+    return env
+
+
+def start_deployment(mode: str, prompt_tokens: int, root: Path | None = None) -> Running:
+    dep = Deployment(mode, prompt_tokens).start(_fastcore_env(root))
+    assert dep.front is not None and dep.front.proc is not None
+    return Running(dep.url, dep.front.proc.pid, dep.stop)
+
+
+def start_rust(router: RustRouter, venvs: Path, workdir: Path) -> Running:
+    front_cpus, other = cores()
+    prefill_port, decode_port, port = free_port(), free_port(), free_port()
+    mocks_argv = [*PYTHON, "bench.pd_mocks", "--flavor", router.flavor]
+    mocks_argv += ["--prefill-port", str(prefill_port), "--decode-port", str(decode_port)]
+    mocks = Child(f"{router.flavor} mocks", pinned(mocks_argv, other), prefill_port)
+    argv = router.argv(
+        venvs, port, f"http://127.0.0.1:{prefill_port}", f"http://127.0.0.1:{decode_port}", free_port()
+    )
+    log = workdir / f"{router.name}.log"
+    front = _LoggedChild(router.name, pinned(argv, front_cpus), port, log=log)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", RUST_LOG="warn", NO_COLOR="1")
+    env.pop("PYTHONPATH", None)
+    children = [mocks, front]
+    try:
+        mocks.start(dict(env, PYTHONPATH=str(ROOT)))
+        wait_healthy(f"http://127.0.0.1:{prefill_port}/health", [mocks], timeout=30)
+        wait_healthy(f"http://127.0.0.1:{decode_port}/health", [mocks], timeout=30)
+        front.start(env)
+        wait_healthy(f"http://127.0.0.1:{port}/health", children, timeout=60)
+    except BaseException:
+        stop_all(children, grace_s=5.0)
+        raise
+    assert front.proc is not None
+    return Running(
+        f"http://127.0.0.1:{port}",
+        front.proc.pid,
+        lambda: stop_all(children, grace_s=5.0),
+        stats_url=f"http://127.0.0.1:{prefill_port}/mock_stats",
+        log=log,
+    )
+
+
+@dataclass
+class _LoggedChild(Child):
+    """A child whose stdout and stderr go to a file (a router's own log, read when it fails)."""
+
+    log: Path | None = None
+
+    def start(self, env: dict[str, str]) -> None:
+        try:
+            from server.launcher import _die_with_parent as preexec
+        except ImportError:  # the launcher's private helper moved: the child then outlives a killed run
+            preexec = None
+        assert self.log is not None
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                self.argv, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=preexec
+            )
+
+
+def wait_serving(url: str, timeout: float = 60.0) -> None:
+    """Until a small chat request succeeds: /health can be 200 before a router has registered workers."""
+    body = chat_body(8, model=MODEL, max_tokens=2, stream=False)
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        req = urllib.request.Request(
+            url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                if resp.status == 200 and b"choices" in resp.read():
+                    return
+        except (urllib.error.URLError, OSError) as exc:
+            last = str(exc)
+        time.sleep(0.25)
+    raise RuntimeError(f"{url} serves no chat completion after {timeout:.0f} s: {last}")
+
+
+# -- measuring ------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    front: str
+    prompt_tokens: int
+    body_bytes: int
+    stream: bool
+    concurrency: int
+    requests: int
+    completed: int
+    errors: int
+    timeouts: int
+    warmup_errors: int
+    violations: int | None
+    cpu_ms_per_request: float | None  # utime+stime (clock ticks) / completed
+    sched_ms_per_request: float | None  # schedstat on-CPU ns / completed (finer grained)
+    completions_per_s: float
+    ttft_p50_ms: float | None
+    duration_s: float
+    time_bound: bool
+    error_samples: list[str] = field(default_factory=list)
+
+    @property
+    def flagged(self) -> bool:
+        return bool(self.errors or self.warmup_errors or self.violations or self.completed == 0)
+
+
+def _violations(stats: dict[str, Any] | None) -> int:
+    return 0 if stats is None else int(stats["violations"]) + int(stats.get("unpaired", 0))
+
+
+async def _level(
+    url: str,
+    body: bytes,
+    concurrency: int,
+    stream: bool,
+    args: argparse.Namespace,
+    running: Running,
+    label: str,
+) -> tuple[Any, int, float, float, int | None]:
+    request = one_request if stream else one_unary_request
+    async with _session() as session:  # one client session: warm-up connections are the measured ones
+        warm = await run_concurrency(
+            url,
+            body,
+            concurrency,
+            max_requests=max(args.warmup, 2 * concurrency),
+            max_seconds=args.max_seconds,
+            timeout=args.timeout,
+            request=request,
+            session=session,
+            label=f"{label} warm-up",
+        )
+        stats0 = running.mock_stats()
+        cpu0, sched0 = running.cpu_seconds(), running.sched_seconds()
+        level = await run_concurrency(
+            url,
+            body,
+            concurrency,
+            max_requests=args.requests,
+            max_seconds=args.max_seconds,
+            timeout=args.timeout,
+            request=request,
+            session=session,
+            label=label,
+        )
+        cpu, sched = running.cpu_seconds() - cpu0, running.sched_seconds() - sched0
+    violations = None
+    if stats0 is not None:
+        await asyncio.sleep(0.2)  # an SGLang prefill still in flight when its decode finished
+        violations = _violations(running.mock_stats()) - _violations(stats0)
+    if warm.errors:
+        level.error_samples += [f"warm-up: {e}" for e in warm.error_samples]
+    return level, warm.errors, cpu, sched, violations
+
+
+def measure_front(front: str, running: Running, prompt_tokens: int, args: argparse.Namespace) -> list[Row]:
+    rows = []
+    for stream in args.streams:
+        body = chat_body(prompt_tokens, model=MODEL, max_tokens=args.max_tokens, stream=stream)
+        for c in args.concurrency:
+            label = f"{front} {prompt_tokens} {'stream' if stream else 'unary'} c={c}"
+            level, warmup_errors, cpu, sched, violations = asyncio.run(
+                _level(running.url + "/v1/chat/completions", body, c, stream, args, running, label)
+            )
+            completed = level.requests - level.errors
+            row = Row(
+                front=front,
+                prompt_tokens=prompt_tokens,
+                body_bytes=len(body),
+                stream=stream,
+                concurrency=c,
+                requests=level.requests,
+                completed=completed,
+                errors=level.errors,
+                timeouts=level.timeouts,
+                warmup_errors=warmup_errors,
+                violations=violations,
+                cpu_ms_per_request=round(1000 * cpu / completed, 4) if completed else None,
+                sched_ms_per_request=round(1000 * sched / completed, 4) if completed else None,
+                completions_per_s=level.completions_per_s,
+                ttft_p50_ms=level.ttft_p50_ms,
+                duration_s=level.duration_s,
+                time_bound=level.requests < args.requests,
+                error_samples=level.error_samples,
+            )
+            rows.append(row)
+            cpu_text = "-" if row.cpu_ms_per_request is None else f"{row.cpu_ms_per_request:.3f}"
+            print(
+                f"  {label}: {row.completed}/{row.requests} ok, {cpu_text} CPU ms/req "
+                f"(schedstat {row.sched_ms_per_request}), "
+                f"{row.completions_per_s:.0f}/s, TTFT p50 {row.ttft_p50_ms} ms"
+                + (f", {violations} protocol violations" if violations else "")
+                + (f"  errors: {row.error_samples[:2]}" if row.errors else ""),
+                flush=True,
+            )
+    return rows
+
+
+def start_front(front: str, prompt_tokens: int, args: argparse.Namespace, workdir: Path) -> Running:
+    if front in RUST_ROUTERS:
+        running = start_rust(RUST_ROUTERS[front], args.venvs, workdir)
+    elif front in (FLOOR, RAWFLOOR):
+        running = start_deployment(front, prompt_tokens)
+    else:
+        label, mode = front.split(":", 1)
+        running = start_deployment(mode, prompt_tokens, None if label == "fastcore" else args.fastcore_root)
+    try:
+        wait_serving(running.url)
+    except BaseException:
+        running.stop()
+        raise
+    return running
+
+
+def check_front(front: str, args: argparse.Namespace) -> str | None:
+    """Why ``front`` cannot run here (None when it can)."""
+    if front in RUST_ROUTERS:
+        router = RUST_ROUTERS[front]
+        if router.installed_version(args.venvs) is None:
+            return f"not installed in {args.venvs / router.name} (python -m bench.routers --install)"
+        return None
+    if front in (FLOOR, RAWFLOOR):
+        return None
+    label, _, mode = front.partition(":")
+    if mode not in MODES:
+        return f"unknown front (fastcore:MODE with MODE in {list(MODES)}, {FLOOR}, {RAWFLOOR}, {list(RUST_ROUTERS)})"
+    if label == "fastcore":
+        return None
+    if label != args.fastcore_label:
+        return f"unknown label {label!r} (fastcore, or --fastcore-label with --fastcore-root)"
+    if args.fastcore_root is None:
+        return "no --fastcore-root"
+    if not glob.glob(str(args.fastcore_root / "fastcore" / "_jsonspan*.so")):
+        return f"extensions not built in {args.fastcore_root} (python setup.py build_ext --inplace there)"
+    return None
+
+
+# -- reporting ------------------------------------------------------------------
+
+
+def _best_rust(rows: list[Row]) -> Row | None:
+    rust = [r for r in rows if r.front in RUST_ROUTERS and not r.flagged and r.cpu_ms_per_request]
+    return min(rust, key=lambda r: r.cpu_ms_per_request or 0.0, default=None)
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+def groups(rows: list[Row]) -> list[tuple[int, bool]]:
+    return sorted({(r.prompt_tokens, r.stream) for r in rows}, key=lambda k: (k[0], not k[1]))
+
+
+def report(rows: list[Row], fronts: list[str]) -> str:
+    out = []
+    for n, stream in groups(rows):
+        sel = [r for r in rows if r.prompt_tokens == n and r.stream == stream]
+        table = []
+        for c in sorted({r.concurrency for r in sel}):
+            at_c = [r for r in sel if r.concurrency == c]
+            best = _best_rust(at_c)
+            raw = next((r for r in at_c if r.front == RAWFLOOR and not r.flagged), None)
+            for front in fronts:
+                r = next((x for x in at_c if x.front == front), None)
+                if r is None:
+                    continue
+                flags = []
+                if r.errors:
+                    flags.append(f"{r.errors} errors")
+                if r.warmup_errors:
+                    flags.append(f"{r.warmup_errors} warm-up errors")
+                if r.violations:
+                    flags.append(f"{r.violations} protocol violations")
+                if r.time_bound:
+                    flags.append("time bound")
+                cpu = "-" if r.cpu_ms_per_request is None else f"{r.cpu_ms_per_request:.3f}"
+                table.append(
+                    [
+                        front,
+                        c,
+                        r.requests,
+                        r.errors,
+                        cpu,
+                        _ratio(r.cpu_ms_per_request, best and best.cpu_ms_per_request),
+                        _ratio(r.cpu_ms_per_request, raw and raw.cpu_ms_per_request),
+                        f"{r.completions_per_s:.0f}",
+                        r.ttft_p50_ms,
+                        "; ".join(flags),
+                    ]
+                )
+        body = sel[0].body_bytes
+        out.append(
+            f"\n### {n:,} prompt tokens ({body / 1024:.0f} KB body), {'streaming' if stream else 'non-streaming'}\n"
+        )
+        out.append(
+            format_table(
+                [
+                    "front",
+                    "conc",
+                    "reqs",
+                    "errors",
+                    "CPU ms/req",
+                    "this/best-rust",
+                    "this/rawfloor",
+                    "compl/s",
+                    "TTFT p50 ms",
+                    "flags",
+                ],
+                table,
+            )
+        )
+    return "\n".join(out)
+
+
+def verdicts(rows: list[Row], front: str = "fastcore:both-gates") -> list[str]:
+    """One line per size x stream: ``front``'s CPU/req against half the best Rust router's."""
+    lines = []
+    for n, stream in groups(rows):
+        sel = [r for r in rows if r.prompt_tokens == n and r.stream == stream]
+        parts, met = [], True
+        for c in sorted({r.concurrency for r in sel}):
+            at_c = [r for r in sel if r.concurrency == c]
+            best, ours = _best_rust(at_c), next((r for r in at_c if r.front == front), None)
+            if best is None or ours is None or ours.cpu_ms_per_request is None or ours.flagged:
+                parts.append(f"c={c}: no comparison")
+                met = False
+                continue
+            ratio = ours.cpu_ms_per_request / (best.cpu_ms_per_request or 1.0)
+            met &= ratio <= 0.5
+            parts.append(
+                f"c={c}: {ours.cpu_ms_per_request:.3f} vs {best.cpu_ms_per_request:.3f} ms/req "
+                f"({best.front}) = {ratio:.2f}x"
+            )
+        kind = "streaming" if stream else "non-streaming"
+        verdict = "MET" if met else "NOT MET"
+        lines.append(
+            f"verdict {n:,} tok {kind}: {front} vs 0.5 x best Rust router: {verdict} ({'; '.join(parts)})"
+        )
+    return lines
+
+
+def plot(rows: list[Row], fronts: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = groups(rows)
+    levels = sorted({r.concurrency for r in rows})
+    present = [f for f in fronts if any(r.front == f for r in rows)]
+    fig, axes = plt.subplots(1, len(levels), figsize=(6.5 * len(levels), 4.8), squeeze=False)
+    width = 0.8 / max(1, len(present))
+    for ax, c in zip(axes[0], levels):
+        for i, front in enumerate(present):
+            ys = []
+            for n, stream in keys:
+                r = next(
+                    (
+                        x
+                        for x in rows
+                        if (x.front, x.prompt_tokens, x.stream, x.concurrency) == (front, n, stream, c)
+                    ),
+                    None,
+                )
+                ys.append(r.cpu_ms_per_request if r and r.cpu_ms_per_request else float("nan"))
+            ax.bar([k + i * width - 0.4 + width / 2 for k in range(len(keys))], ys, width, label=front)
+        ax.set_xticks(range(len(keys)))
+        ax.set_xticklabels([f"{n:,} tok\n{'stream' if s else 'unary'}" for n, s in keys])
+        ax.set_yscale("log")
+        ax.set_ylabel("router CPU ms / request (log)")
+        ax.set_title(f"{c} concurrent streams")
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 7), fontsize=8)
+    fig.suptitle("PD routers: CPU per request on one core (lower is better)")
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _git_rev(root: Path) -> str | None:
+    try:
+        rev = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return rev + ("+dirty" if dirty else "") if rev else None
+
+
+# -- CLI ------------------------------------------------------------------------
+
+
+def install(venvs: Path) -> int:
+    """A venv per Rust router under ``venvs``, its pinned version pip-installed from the package index."""
+    failures = 0
+    for router in RUST_ROUTERS.values():
+        target = venvs / router.name
+        print(f"{router.name}: {router.requirement} -> {target}", flush=True)
+        try:
+            if not router.python(venvs).exists():
+                subprocess.run([sys.executable, "-m", "venv", str(target)], check=True)
+            subprocess.run(
+                [str(router.python(venvs)), "-m", "pip", "install", "-q", router.requirement], check=True
+            )
+            print(f"  installed {router.dist} {router.installed_version(venvs)}")
+        except (OSError, subprocess.CalledProcessError) as exc:
+            failures += 1
+            print(f"  failed: {exc}")
+    return 1 if failures else 0
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.routers",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    p.add_argument(
+        "--install", action="store_true", help="create the Rust routers' venvs and pip install them"
+    )
+    p.add_argument("--venvs", type=Path, default=VENVS, help=f"the Rust routers' venvs (default {VENVS})")
+    p.add_argument(
+        "--fronts",
+        default=None,
+        help=f"comma-separated fronts (default {','.join(DEFAULT_FRONTS)}, plus LABEL:both-gates "
+        "with --fastcore-root)",
+    )
+    p.add_argument(
+        "--fastcore-root",
+        type=Path,
+        default=None,
+        help="another fastcore checkout (with built extensions) to measure as LABEL:MODE",
+    )
+    p.add_argument("--fastcore-label", default="fastcore-before", help="its label (default fastcore-before)")
+    p.add_argument(
+        "--prompt-tokens", default="250,40000", help="comma-separated (~4 bytes/token: 1 KB, 160 KB)"
+    )
+    p.add_argument("--concurrency", default="16,64", help="comma-separated closed-loop levels")
+    p.add_argument("--stream", choices=("both", "stream", "unary"), default="both")
+    p.add_argument("--requests", type=int, default=2000, help="measured requests per level (default 2000)")
+    p.add_argument(
+        "--warmup", type=int, default=50, help="warm-up requests per level (at least 2x concurrency)"
+    )
+    p.add_argument(
+        "--max-seconds", type=float, default=60.0, help="time bound of each level (and its warm-up)"
+    )
+    p.add_argument("--timeout", type=float, default=60.0, help="per-request timeout, seconds")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--quick", action="store_true", help="a smoke run: 100 requests, 10 s per level")
+    p.add_argument("--output", type=Path, default=RESULTS_DIR / "routers.json")
+    p.add_argument("--plot", type=Path, default=RESULTS_DIR / "routers.png")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.install:
+        return install(args.venvs)
+    if args.quick:
+        args.requests = min(args.requests, 100)
+        args.warmup = min(args.warmup, 20)
+        args.max_seconds = min(args.max_seconds, 10.0)
+    args.streams = {"both": [True, False], "stream": [True], "unary": [False]}[args.stream]
+    args.concurrency = _ints(args.concurrency)
+    if args.fastcore_root is not None:
+        args.fastcore_root = args.fastcore_root.resolve()
+    fronts = (
+        args.fronts.split(",")
+        if args.fronts
+        else [
+            *DEFAULT_FRONTS[:2],
+            *([f"{args.fastcore_label}:both-gates"] if args.fastcore_root else []),
+            *DEFAULT_FRONTS[2:],
+        ]
+    )
+
+    front_cpus, other = cores()
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    if other and affinity is not None:
+        os.sched_setaffinity(0, other)  # this client beside the workers, off the front's core
+    try:
+        return _run(args, fronts, front_cpus, other)
+    finally:
+        if affinity is not None:
+            os.sched_setaffinity(0, affinity)
+
+
+def _run(args: argparse.Namespace, fronts: list[str], front_cpus: list[int], other: list[int]) -> int:
+    print(
+        f"front pinned to CPU {front_cpus or 'none (one core)'}; workers, mocks and this client on "
+        f"{other or 'the same'}",
+        flush=True,
+    )
+
+    skipped: dict[str, str] = {}
+    for front in fronts:
+        reason = check_front(front, args)
+        if reason:
+            skipped[front] = reason
+            print(f"skipping {front}: {reason}", flush=True)
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="bench-routers-") as tmp:
+        for n in _ints(args.prompt_tokens):
+            for front in fronts:
+                if front in skipped:
+                    continue
+                try:
+                    try:
+                        running = start_front(front, n, args, Path(tmp))
+                    except Exception as exc:  # once more: a port taken in between, a file mid-edit
+                        print(f"{front} at {n} tokens failed to start ({exc}); trying again", flush=True)
+                        time.sleep(2)
+                        running = start_front(front, n, args, Path(tmp))
+                except Exception as exc:  # a front that cannot start is a note, not the end of the run
+                    log = Path(tmp) / f"{front}.log"
+                    tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
+                    skipped[f"{front} @ {n}"] = f"failed to start: {exc}"
+                    print(f"skipping {front} at {n} tokens: failed to start: {exc}\n{tail}", flush=True)
+                    continue
+                try:
+                    rows.extend(measure_front(front, running, n, args))
+                finally:
+                    running.stop()
+
+    print(report(rows, fronts))
+    print()
+    for line in verdicts(rows):
+        print(line)
+    for front, reason in skipped.items():
+        print(f"note: {front} skipped: {reason}")
+    flagged = [r for r in rows if r.flagged]
+    if flagged:
+        print(
+            f"FLAGGED: {len(flagged)} level(s) with errors or protocol violations: "
+            + ", ".join(
+                f"{r.front} {r.prompt_tokens} {'stream' if r.stream else 'unary'} c={r.concurrency}"
+                for r in flagged
+            )
+        )
+    meta = {
+        "fronts": fronts,
+        "skipped": skipped,
+        "front_cpus": front_cpus,
+        "other_cpus": other,
+        "requests": args.requests,
+        "warmup": args.warmup,
+        "max_seconds": args.max_seconds,
+        "max_tokens": args.max_tokens,
+        "fastcore_rev": _git_rev(ROOT),
+        "fastcore_root": str(args.fastcore_root) if args.fastcore_root else None,
+        "fastcore_root_rev": _git_rev(args.fastcore_root) if args.fastcore_root else None,
+        "rust_routers": {r.name: r.installed_version(args.venvs) for r in RUST_ROUTERS.values()},
+        "verdicts": verdicts(rows),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2))
+    print(f"\nresults: {args.output}")
+    if rows:
+        plot(rows, fronts, args.plot)
+        print(f"plot: {args.plot}")
+    return 1 if flagged or not rows else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
