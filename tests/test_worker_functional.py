@@ -455,6 +455,56 @@ async def test_engine_survives_bad_input(workers: dict[str, Worker], http: aioht
         assert health.status == 200
 
 
+TOKEN_FIELD_BAD_INPUTS = [
+    # (route, raw body, message, param): the token field decoded from the body's bytes
+    ("chat", b'{"model": "tiny", "messages": [], "prompt_token_ids_b64": "AQAAAAIA*AAAAwAA"}',
+     r"Invalid base64 character 0x2a at byte 8 \(request body byte 67\)", "prompt_token_ids_b64"),
+    ("chat", b'{"model": "tiny", "prompt_token_ids": [1], "messages": [], "prompt_token_ids": [2]}',
+     "'prompt_token_ids' more than once", "prompt_token_ids"),
+    ("completions", b'{"model": "tiny", "prompt_token_ids_b64": "AQAAAA==", "prompt_token_ids_b64": "AgAAAA=="}',
+     "'prompt_token_ids_b64' more than once", "prompt_token_ids_b64"),
+    ("completions", b'{"model": "tiny", "prompt": [1, 2], "user": ' + b"[" * 1000 + b"]" * 1000 + b"}",
+     "nests arrays and objects deeper than 512 levels", None),
+    ("completions", b'{"model": "tiny", "prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}",
+     "nests arrays and objects deeper than 512 levels", None),
+    ("chat", b'{"model": "tiny", "messages": [], "seed": ' + b"7" * 5000 + b"}",
+     "an integer too long to convert", None),
+    ("completions", b'{"model": "tiny", "prompt": [1, ' + b"7" * 5000 + b"]}", "an integer too long to convert", None),
+    ("completions", b'{"model": "tiny", "prompt": [1, 2.5]}', r"'prompt\[1\]' must be an integer token id", "prompt"),
+    ("completions", b'{"model": "tiny", "prompt": [1, 2]} trailing', r"not valid JSON.*\(byte 36\)", None),
+    ("chat", b'{"model": "tiny", "messages": [{"role": "user", "content": "\xc3"}]}', r"not valid UTF-8 \(byte 60\)", None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("route", "raw", "message", "param"), TOKEN_FIELD_BAD_INPUTS)
+async def test_token_field_and_parser_limits_are_400s(
+    workers: dict[str, Worker], http: aiohttp.ClientSession, route: str, raw: bytes, message: str, param: Any
+) -> None:
+    status, resp = await call(http, workers["generation"].url + ROUTES[route][0], raw)
+    assert status == 400, resp
+    assert re.search(message, resp["error"]["message"]), resp["error"]["message"]
+    assert resp["error"]["param"] == param and resp["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+async def test_long_id_prompts_in_both_forms_give_one_answer(
+    workers: dict[str, Worker], http: aiohttp.ClientSession, route: str
+) -> None:
+    """Ids far longer than a test prompt, as a list and as base64, escaped or not: the same completion."""
+    ids = [(i * 37 + 11) % 256 for i in range(1500)]
+    body = {"model": "tiny", "max_tokens": 4, "temperature": 0}
+    if route == "chat":
+        body["messages"] = [{"role": "user", "content": "x"}]
+    as_list = {**body, "prompt_token_ids" if route == "chat" else "prompt": ids}
+    as_b64 = {**body, "prompt_token_ids_b64": _b64(ids)}
+    escaped = json.dumps(as_b64).replace("/", "\\/").encode()
+    url = workers["both"].url + ROUTES[route][0]
+    answers = [await call(http, url, b) for b in (as_list, as_b64, escaped)]
+    assert [status for status, _ in answers] == [200, 200, 200]
+    texts = [outcome(route, resp) for _, resp in answers]
+    assert texts[0] == texts[1] == texts[2] and texts[0]["usage"]["prompt_tokens"] == 1500
+
+
 async def test_roles_refuse_the_other_leg(workers: dict[str, Worker], http: aiohttp.ClientSession) -> None:
     ctx_only = {
         **COMPLETION_BODY,
