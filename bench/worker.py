@@ -7,11 +7,18 @@
    run: the gain of continuous batching.
 2. Prompt-id path: per request, what a worker spends on the prompt ids
    with the base64 fast path (context side: ``fastcore.encode_tokens`` straight
-   from the int32 array into the response JSON; generation side: JSON parse
-   plus ``fastcore.decode_tokens`` into an array, range-checked) beside the
-   list path (``tolist`` + JSON list; JSON parse of a list plus a per-id
-   check), for several prompt lengths. These are the worker's own functions
+   from the int32 array into the response JSON; generation side: the body
+   loaded by ``load_request_body``, the ids decoded by ``fastcore.decode_tokens``
+   from a view of its bytes, range-checked) beside the list path (``tolist`` +
+   JSON list; the same loader, the list parsed by pysimdjson into int64), for
+   several prompt lengths. These are the worker's own functions
    (``server.worker.protocol``), not copies.
+3. Generation request parse: ``parse_request`` on whole generation-leg bodies
+   (PROTOCOL.md (3)) as an orchestrator sends them, ids as base64 or as a list,
+   ``messages`` cut to the last one (gate ``gen_strip_message_history``) or the
+   whole agentic history (about 4 bytes of text per prompt id: 160 KB at 40k),
+   with the stdlib loader (``json.loads`` of the whole body: before) and the
+   fast loader (after), in the same run.
 
 Absolute numbers depend on the machine; compare the ratios.
 """
@@ -26,7 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import numpy as np
@@ -34,8 +41,10 @@ import numpy as np
 import fastcore
 from bench._timing import format_table, time_call
 from bench.deploy import free_port
+from bench.workload import agentic_messages
 from server.worker import protocol
 from server.worker.cli import default_torch_threads
+from server.worker.tokenizer import Tokenizer
 
 
 async def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 120.0) -> None:
@@ -151,10 +160,12 @@ def _time_prompt_id_paths(n: int, vocab: int) -> tuple[dict[str, float], int, in
         return protocol.dump_with_members(head, protocol.prompt_ids_members(ids, b64=False))
 
     def gen_b64() -> np.ndarray:
-        return protocol._ids_from_b64(json.loads(body_b64)["prompt_token_ids_b64"], vocab, 1 << 20)
+        body = protocol.load_request_body(body_b64, "chat")
+        return protocol._ids_from_b64(body["prompt_token_ids_b64"], vocab, 1 << 20)
 
     def gen_list() -> np.ndarray:
-        return protocol._ids_from_list(json.loads(body_list)["prompt_token_ids"], "prompt_token_ids", vocab)
+        body = protocol.load_request_body(body_list, "chat")
+        return protocol._ids_from_list(body["prompt_token_ids"], "prompt_token_ids", vocab)
 
     assert np.array_equal(gen_b64(), gen_list())
     calls = {"ctx_b64": ctx_b64, "ctx_list": ctx_list, "gen_b64": gen_b64, "gen_list": gen_list}
@@ -181,6 +192,71 @@ def bench_prompt_ids(lengths: list[int]) -> str:
     return format_table(headers, rows)
 
 
+class _VocabOnly:
+    """All of a tokenizer that ``parse_request`` reads when the prompt comes as ids."""
+
+    vocab_size = 128_256
+
+
+def generation_body(n: int, *, route: str, b64: bool, history: bool) -> tuple[bytes, np.ndarray]:
+    """A generation-leg body (PROTOCOL.md (3)) with ``n`` prompt ids, and the ids."""
+    ids = np.random.default_rng(n).integers(0, _VocabOnly.vocab_size, n, dtype=np.int32)
+    body: dict[str, Any] = {"model": "tiny", "max_tokens": 256, "temperature": 0.7, "top_p": 0.95,
+                            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    if route == "chat":
+        messages = agentic_messages(n)
+        body["messages"] = messages if history else messages[-1:]
+    body["disaggregated_params"] = {
+        "request_type": "generation_only",
+        "first_gen_tokens": [1734],
+        "ctx_request_id": 48213,
+        "disagg_request_id": 7205759403792793601,
+        "encoded_opaque_state": None,
+        "ctx_info_endpoint": "http://127.0.0.1:8101/kv/48213",
+        "draft_tokens": None,
+        "ctx_usage": {"prompt_tokens": n, "completion_tokens": 1, "total_tokens": n + 1},
+    }
+    if b64:
+        body["prompt_token_ids_b64"] = fastcore.encode_tokens(ids).decode("ascii")
+    else:
+        body["prompt_token_ids" if route == "chat" else "prompt"] = ids.tolist()
+    return json.dumps(body).encode(), ids
+
+
+def bench_generation_parse(lengths: list[int]) -> str:
+    tokenizer = cast(Tokenizer, _VocabOnly())
+    rows = []
+    for n in lengths:
+        for b64 in (True, False):
+            for route, history in (("chat", False), ("chat", True), ("completions", False)):
+                raw, ids = generation_body(n, route=route, b64=b64, history=history)
+
+                def run(loader: str, raw: bytes = raw, route: str = route) -> protocol.ParsedRequest:
+                    return protocol.parse_request(raw, route, tokenizer=tokenizer, model_name="tiny",  # type: ignore[arg-type]
+                                                  max_context=1 << 18, loader=loader)  # type: ignore[arg-type]  # fmt: skip
+
+                for loader in ("json", "fast"):
+                    assert np.array_equal(run(loader).prompt_ids, ids)
+                before = time_call(lambda: run("json"))
+                after = time_call(lambda: run("fast"))
+                messages = "-" if route == "completions" else "history" if history else "last"
+                rows.append([
+                    n, "b64" if b64 else "list", route, messages, f"{len(raw) / 1024:.0f}",
+                    f"{before * 1e6:.1f}", f"{after * 1e6:.1f}", f"{before / after:.1f}x",
+                ])  # fmt: skip
+    headers = [
+        "prompt ids",
+        "ids as",
+        "route",
+        "messages",
+        "body KiB",
+        "json.loads µs",
+        "fast µs",
+        "speed-up",
+    ]
+    return format_table(headers, rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.worker", description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="1,8,32", help="concurrent requests per round")
@@ -191,10 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--lengths", default="1000,8000,32000,128000", help="prompt lengths for the id-path table"
     )
+    parser.add_argument(
+        "--gen-lengths", default="4000,40000,128000", help="prompt lengths for the generation-parse table"
+    )
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--torch-threads", type=int, default=default_torch_threads(),
                         help="the worker's torch threads (default: the worker's own default)")  # fmt: skip
-    parser.add_argument("--skip-serving", action="store_true", help="only the prompt-id table")
+    parser.add_argument("--skip-serving", action="store_true", help="only the prompt-id and parse tables")
     args = parser.parse_args(argv)
     print(f"fastcore backend: {fastcore.backend}")
     if not args.skip_serving:
@@ -207,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
         print(bench_serving(batches, args.max_tokens, args.prompt_len, device, args.torch_threads))
     print("\n## Prompt-id path per request: base64 (fastcore) vs JSON list\n")
     print(bench_prompt_ids([int(n) for n in args.lengths.split(",")]))
+    print(
+        "\n## Generation request parse per request (parse_request): json.loads of the body vs the fast loader\n"
+    )
+    print(bench_generation_parse([int(n) for n in args.gen_lengths.split(",")]))
     return 0
 
 
