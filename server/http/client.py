@@ -8,7 +8,8 @@ then either accumulates (:meth:`UpstreamResponse.read`) or goes, piece by
 piece as the socket delivers it, to a sink (:meth:`UpstreamResponse.stream`)
 with no Python object per SSE event.
 
-Deadlines are one timer per request: ``timeout`` bounds the whole exchange,
+Deadlines are checked by one sweeper per event loop (50 ms ticks while
+requests are in flight): ``timeout`` bounds the whole exchange,
 ``read_timeout`` a silence (a stream may run long; it must not stall that
 long). A response read to the end on a keep-alive connection returns the
 connection to the pool; anything else (a cancel, an early stop, an error)
@@ -24,6 +25,10 @@ from urllib.parse import urlsplit
 import httptools
 
 BodyPiece = bytes | bytearray | memoryview
+
+
+# len() of content-type, content-length, retry-after, transfer-encoding
+_WANTED_LENGTHS = frozenset((12, 14, 11, 17))
 
 
 class UpstreamError(Exception):
@@ -151,7 +156,8 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.requests = 0
         self.idle_since = 0.0
-        self.timer: asyncio.TimerHandle | None = None
+        self.timed = False  # in the sweeper's active set
+        self.sweeper = _sweeper(self.loop)
         self.deadline = 0.0
         self.read_timeout = 0.0
         self.last_io = 0.0
@@ -194,6 +200,10 @@ class _Connection(asyncio.Protocol):
     # -- parser callbacks ---------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        # Four names matter, told apart by length first (Date and Server are
+        # in every response and matter not).
+        if len(name) not in _WANTED_LENGTHS:
+            return
         resp = self.response
         assert resp is not None
         key = name.lower()
@@ -250,36 +260,27 @@ class _Connection(asyncio.Protocol):
         self.last_io = now
         self.deadline = now + timeout if timeout else 0.0
         if self.deadline or self.read_timeout:
-            self._schedule(now)
+            self.timed = True
+            self.sweeper.add(self)
         assert self.transport is not None
         self.transport.writelines((head, *pieces))
         return resp
 
-    def _schedule(self, now: float) -> None:
-        when = self.deadline
-        if self.read_timeout:
-            silent = self.last_io + self.read_timeout
-            when = min(when, silent) if when else silent
-        self.timer = self.loop.call_at(max(when, now), self._on_timer)
-
-    def _on_timer(self) -> None:
-        self.timer = None
+    def _check_deadline(self, now: float) -> None:
+        """Called by the sweeper: fail the request whose time is up."""
         resp = self.response
         if resp is None or resp.complete:
+            self._cancel_timer()
             return
-        now = self.loop.time()
         if (self.deadline and now >= self.deadline) or (
             self.read_timeout and now >= self.last_io + self.read_timeout
         ):
             self._fail(UpstreamTimeout("timed out"))
-            self.close()
-            return
-        self._schedule(now)
 
     def _cancel_timer(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        if self.timed:
+            self.timed = False
+            self.sweeper.active.discard(self)
 
     def _fail(self, exc: BaseException) -> None:
         resp = self.response
@@ -319,6 +320,48 @@ class _Connection(asyncio.Protocol):
             self.pool._forget(self)
             if self.transport is not None:
                 self.transport.close()
+
+
+class _Sweeper:
+    """One per event loop: enforces the deadlines of every upstream request in flight.
+
+    A timer handle per request (created, then cancelled) costs more than the
+    rest of a request's client side; a tick that looks at the requests in
+    flight costs nothing per request and runs only while there are some.
+    """
+
+    TICK_S = 0.05
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.active: set[_Connection] = set()
+        self.handle: asyncio.TimerHandle | None = None
+
+    def add(self, conn: _Connection) -> None:
+        self.active.add(conn)
+        if self.handle is None:
+            self.handle = self.loop.call_later(self.TICK_S, self.tick)
+
+    def tick(self) -> None:
+        self.handle = None
+        now = self.loop.time()
+        for conn in list(self.active):
+            conn._check_deadline(now)
+        if self.active:
+            self.handle = self.loop.call_later(self.TICK_S, self.tick)
+
+
+_sweepers: dict[asyncio.AbstractEventLoop, _Sweeper] = {}
+
+
+def _sweeper(loop: asyncio.AbstractEventLoop) -> _Sweeper:
+    sweeper = _sweepers.get(loop)
+    if sweeper is None:
+        if len(_sweepers) > 16:  # loops of finished threads or tests
+            for old in [lp for lp in _sweepers if lp.is_closed()]:
+                del _sweepers[old]
+        sweeper = _sweepers[loop] = _Sweeper(loop)
+    return sweeper
 
 
 class UpstreamPool:

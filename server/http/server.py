@@ -233,7 +233,8 @@ class _Stop(Exception):
     """Raised in a parser callback to stop parsing (the reason is in ``_Connection.failed``)."""
 
 
-_IDLE, _HEADERS, _BODY, _BUSY = range(4)
+# len() of the header names on_header looks at: content-length, transfer-encoding, expect
+_CHECKED_LENGTHS = frozenset((14, 17, 6))
 
 
 class _Connection(asyncio.Protocol):
@@ -244,8 +245,9 @@ class _Connection(asyncio.Protocol):
         "deadline_status",
         "failed",
         "head_bytes",
-        "header_count",
+        "last_read",
         "limits",
+        "max_headers",
         "loop",
         "parser",
         "queue",
@@ -272,7 +274,8 @@ class _Connection(asyncio.Protocol):
         self.reading_paused = False
         self.write_paused = False
         self.head_bytes = 0
-        self.header_count = 0
+        self.last_read = 0
+        self.max_headers = self.limits.max_headers
         self.deadline = 0.0
         #: what a missed deadline answers: 408, or 0 to close silently (idle)
         self.deadline_status = 0
@@ -319,6 +322,7 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.failed is not None or self.closed:
             return
+        self.last_read = len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -350,7 +354,6 @@ class _Connection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self.current = Request()
         self.head_bytes = 0
-        self.header_count = 0
         self._set_deadline(self.limits.header_timeout_s, 408)
 
     def on_url(self, url: bytes) -> None:
@@ -362,29 +365,39 @@ class _Connection(asyncio.Protocol):
             self._stop(414, f"request line exceeds {self.limits.max_header_bytes} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        # The hot path: six headers a request. Only three names matter here,
+        # told apart by length before any lower-casing.
+        headers = self.current.headers  # type: ignore[union-attr]
+        headers.append((name, value))
+        if len(name) in _CHECKED_LENGTHS:
+            self._check_header(name.lower(), value)
+        if len(headers) > self.max_headers:
+            self._stop(431, f"more than {self.max_headers} request headers")
+
+    def _check_header(self, key: bytes, value: bytes) -> None:
         req = self.current
         assert req is not None
-        self.header_count += 1
-        self.head_bytes += len(name) + len(value) + 4
-        if self.header_count > self.limits.max_headers:
-            self._stop(431, f"more than {self.limits.max_headers} request headers")
-        if self.head_bytes > self.limits.max_header_bytes:
-            self._stop(431, f"request headers exceed {self.limits.max_header_bytes} bytes")
-        key = name.lower()
         if key == b"content-length":
             req.content_length = int(value)  # llhttp checked: digits, one header
         elif key == b"transfer-encoding":
-            if value.strip().lower() != b"chunked" or any(k.lower() == key for k, _ in req.headers):
+            if value.strip().lower() != b"chunked" or sum(k.lower() == key for k, _ in req.headers) > 1:
                 self._stop(501, "only 'Transfer-Encoding: chunked' is supported")
         elif key == b"expect":
             if value.strip().lower() != b"100-continue":
                 self._stop(417, "only 'Expect: 100-continue' is supported")
             req.expect_continue = True
-        req.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         req = self.current
         assert req is not None
+        # Header bytes: counted per read while the headers were incomplete
+        # (data_received); the read that completed them is summed only when
+        # it could have carried more than the limit.
+        limit = self.limits.max_header_bytes
+        if self.head_bytes + self.last_read > limit:
+            size = len(req.url) + sum(len(k) + len(v) + 4 for k, v in req.headers)
+            if size > limit:
+                self._stop(431, f"request headers exceed {limit} bytes")
         parser = self.parser
         req.version = parser.get_http_version()
         if req.version not in ("1.1", "1.0"):
