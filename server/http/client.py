@@ -163,6 +163,8 @@ class _Connection(asyncio.Protocol):
         self.last_io = 0.0
         self.got_bytes = False
         self.paused = False
+        #: streamed body pieces of the current read, not yet given to the sink
+        self.pending: list[bytes] = []
 
     # -- transport events -----------------------------------------------------
 
@@ -193,9 +195,21 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
+            self._flush(resp)
             self._fail(exc.__context__ or UpstreamError(f"bad response: {exc}"))
         except httptools.HttpParserError as exc:
+            self._flush(resp)
             self._fail(UpstreamError(f"malformed HTTP response: {exc}"))
+        else:
+            if self.pending:
+                self._flush(resp)
+
+    def _flush(self, resp: UpstreamResponse) -> None:
+        """What one read brought of a streamed body, to the sink in one piece (one write to the client)."""
+        pending = self.pending
+        if pending and resp.sink is not None:
+            self.pending = []
+            resp.sink(pending[0] if len(pending) == 1 else b"".join(pending))
 
     # -- parser callbacks ---------------------------------------------------------
 
@@ -228,7 +242,7 @@ class _Connection(asyncio.Protocol):
         assert resp is not None
         if resp.sink is not None:
             resp.size += len(body)
-            resp.sink(body)
+            self.pending.append(body)  # flushed once the read is parsed
             return
         if resp.truncated:
             return
@@ -426,7 +440,6 @@ class UpstreamPool:
         method: bytes,
         path: bytes,
         pieces: Sequence[BodyPiece] = (),
-        *,
         headers: bytes = b"",
         timeout: float | None = None,
         read_timeout: float | None = None,

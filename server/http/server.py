@@ -233,6 +233,9 @@ class _Stop(Exception):
     """Raised in a parser callback to stop parsing (the reason is in ``_Connection.failed``)."""
 
 
+#: how long a connection that failed keeps reading (and dropping) what its client still sends
+LINGER_S = 2.0
+
 # len() of the header names on_header looks at: content-length, transfer-encoding, expect
 _CHECKED_LENGTHS = frozenset((14, 17, 6))
 
@@ -247,6 +250,7 @@ class _Connection(asyncio.Protocol):
         "head_bytes",
         "last_read",
         "limits",
+        "lingering",
         "loop",
         "max_headers",
         "parser",
@@ -273,6 +277,7 @@ class _Connection(asyncio.Protocol):
         self.failed: tuple[int, str] | None = None
         self.reading_paused = False
         self.write_paused = False
+        self.lingering = False
         self.head_bytes = 0
         self.last_read = 0
         self.max_headers = self.limits.max_headers
@@ -305,7 +310,7 @@ class _Connection(asyncio.Protocol):
             self.task.cancel()
 
     def eof_received(self) -> bool | None:
-        return None  # a half-closed client is a gone client: close, cancel what runs
+        return None  # a half-closed client is a gone client: close, cancel what runs (or end a linger)
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -501,12 +506,22 @@ class _Connection(asyncio.Protocol):
             self._flush_failure()
 
     def _flush_failure(self) -> None:
-        if self.closed or self.failed is None or self.task is not None:
+        if self.closed or self.failed is None or self.task is not None or self.lingering:
             return
         status, message = self.failed
-        self.transport.write(_simple_response(status, message))  # type: ignore[union-attr]
-        self.transport.close()  # type: ignore[union-attr]
-        self.closed = True
+        transport = self.transport
+        assert transport is not None
+        transport.write(_simple_response(status, message))
+        # Lingering close: a client still sending its body (a 413 mid-upload)
+        # must read the answer, not a reset. Its further bytes are dropped;
+        # the connection closes when it does, or after LINGER_S.
+        self.lingering = True
+        if self.reading_paused:
+            self.reading_paused = False
+            transport.resume_reading()
+        if transport.can_write_eof():
+            transport.write_eof()
+        self._set_deadline(LINGER_S, 0)
 
     def _set_deadline(self, seconds: float, status: int) -> None:
         self.deadline = self.loop.time() + seconds
@@ -517,7 +532,7 @@ class _Connection(asyncio.Protocol):
         if self.closed:
             return
         status = self.deadline_status
-        if status == 0 or self.task is not None:
+        if status == 0 or self.task is not None or self.lingering:
             if self.task is None:
                 self.abort()
             return

@@ -63,7 +63,8 @@ _JSON = b"application/json"
 _SSE = b"text/event-stream"
 _SSE_EXTRA = b"Cache-Control: no-cache\r\n"
 _POST = b"POST"
-_ROUTES = {CHAT_PATH.encode(): True, COMPLETIONS_PATH.encode(): False}
+_CHAT, _COMPLETIONS = CHAT_PATH.encode(), COMPLETIONS_PATH.encode()
+_ROUTES = {_CHAT: True, _COMPLETIONS: False}
 _GET_ROUTES = (b"/health", b"/metrics", b"/v1/models")
 _PHASES = ("validate", "build_context", "read_context", "build_generation", "relay", "total")
 
@@ -262,13 +263,14 @@ class Orchestrator:
         self.metrics.worker_healthy.set(1.0 if worker.healthy else 0.0, pool=pool.name, url=worker.url)
 
     def _upstream(self, worker: Worker) -> UpstreamPool:
-        upstream = self.upstreams.get(worker.url)
-        if upstream is None:
-            upstream = self.upstreams[worker.url] = UpstreamPool(
-                worker.url,
-                connect_timeout_s=self.config.connect_timeout_s,
-                extra_headers=b"Content-Type: application/json\r\n",
-            )
+        return self.upstreams.get(worker.url) or self._new_upstream(worker)
+
+    def _new_upstream(self, worker: Worker) -> UpstreamPool:
+        upstream = self.upstreams[worker.url] = UpstreamPool(
+            worker.url,
+            connect_timeout_s=self.config.connect_timeout_s,
+            extra_headers=b"Content-Type: application/json\r\n",
+        )
         return upstream
 
     # -- routing -------------------------------------------------------------
@@ -333,7 +335,6 @@ class Orchestrator:
     # -- completions ---------------------------------------------------------
 
     async def _serve(self, request: Request, out: Responder, chat: bool) -> None:
-        route = "chat" if chat else "completions"
         status = 500
         self.in_flight += 1
         try:
@@ -349,7 +350,7 @@ class Orchestrator:
             raise
         finally:
             self.in_flight -= 1
-            self.metrics.count_request(route, status)
+            self.metrics.count_request("chat" if chat else "completions", status)
 
     def _clock(self) -> _CpuClock | _NoClock:
         self._requests += 1
@@ -364,7 +365,7 @@ class Orchestrator:
         clock.lap("validate")
         if not (self.context_pool.ready and self.generation_pool.ready):
             raise HTTPError(503, "no healthy worker: " + ", ".join(p.name for p in self.pools if not p.ready))
-        path = CHAT_PATH.encode() if chat else COMPLETIONS_PATH.encode()
+        path = _CHAT if chat else _COMPLETIONS
         # Random, not a counter: unique across orchestrator processes and hosts
         # without shared state.
         context_body = self.relay.context_request(req, random.getrandbits(63))
@@ -435,9 +436,8 @@ class Orchestrator:
             tried.append(worker)
             worker.in_flight += 1
             try:
-                resp = await self._upstream(worker).request(
-                    _POST, path, pieces, headers=headers, timeout=timeout
-                )
+                upstream = self.upstreams.get(worker.url) or self._new_upstream(worker)
+                resp = await upstream.request(_POST, path, pieces, headers, timeout)
                 try:
                     if resp.status == 200:
                         data = await resp.read()
@@ -490,9 +490,8 @@ class Orchestrator:
             if attempt == 0:
                 self.metrics.handoff.observe(handed_over - context_done)
             try:
-                resp = await self._upstream(worker).request(
-                    _POST, path, pieces, headers=headers, timeout=timeout, read_timeout=read_timeout
-                )
+                upstream = self.upstreams.get(worker.url) or self._new_upstream(worker)
+                resp = await upstream.request(_POST, path, pieces, headers, timeout, read_timeout)
             except UpstreamError as exc:
                 worker.in_flight -= 1
                 self._mark_failed(self.generation_pool, worker)

@@ -93,11 +93,17 @@ class Pool:
 
     @property
     def ready(self) -> bool:
-        return any(w.healthy for w in self.workers)
+        for worker in self.workers:  # a loop, not any(genexpr): this runs on every request
+            if worker.healthy:
+                return True
+        return False
 
     def choose(self, exclude: Collection[Worker] = ()) -> Worker | None:
         """A healthy worker not in ``exclude`` (those already tried), or None."""
-        candidates = [w for w in self.workers if w.healthy and w not in exclude]
+        if exclude:
+            candidates = [w for w in self.workers if w.healthy and w not in exclude]
+        else:
+            candidates = [w for w in self.workers if w.healthy]
         if not candidates:
             return None
         return self.router.choose(candidates)
