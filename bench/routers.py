@@ -536,6 +536,7 @@ def plot(rows: list[Row], fronts: list[str], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     keys = groups(rows)
     levels = sorted({r.concurrency for r in rows})
@@ -559,6 +560,8 @@ def plot(rows: list[Row], fronts: list[str], path: Path) -> None:
         ax.set_xticks(range(len(keys)))
         ax.set_xticklabels([f"{n:,} tok\n{'stream' if s else 'unary'}" for n, s in keys])
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:.0e}"[0] in "235" else ""))
         ax.set_ylabel("router CPU ms / request (log)")
         ax.set_title(f"{c} concurrent streams")
         ax.grid(True, axis="y", which="both", alpha=0.3)
@@ -700,6 +703,7 @@ def _run(args: argparse.Namespace, fronts: list[str], front_cpus: list[int], oth
         flush=True,
     )
 
+    rev_at_start = _git_rev(ROOT)  # others may commit under a long run: the fastcore fronts start from disk
     skipped: dict[str, str] = {}
     for front in fronts:
         reason = check_front(front, args)
@@ -754,7 +758,8 @@ def _run(args: argparse.Namespace, fronts: list[str], front_cpus: list[int], oth
         "warmup": args.warmup,
         "max_seconds": args.max_seconds,
         "max_tokens": args.max_tokens,
-        "fastcore_rev": _git_rev(ROOT),
+        "fastcore_rev": rev_at_start,
+        "fastcore_rev_at_end": _git_rev(ROOT),
         "fastcore_root": str(args.fastcore_root) if args.fastcore_root else None,
         "fastcore_root_rev": _git_rev(args.fastcore_root) if args.fastcore_root else None,
         "rust_routers": {r.name: r.installed_version(args.venvs) for r in RUST_ROUTERS.values()},
