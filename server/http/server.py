@@ -242,12 +242,14 @@ _CHECKED_LENGTHS = frozenset((14, 17, 6))
 
 class _Connection(asyncio.Protocol):
     __slots__ = (
+        "body_timeout_s",
         "closed",
         "current",
         "deadline",
         "deadline_status",
         "failed",
         "head_bytes",
+        "header_timeout_s",
         "last_read",
         "limits",
         "lingering",
@@ -281,6 +283,8 @@ class _Connection(asyncio.Protocol):
         self.head_bytes = 0
         self.last_read = 0
         self.max_headers = self.limits.max_headers
+        self.header_timeout_s = self.limits.header_timeout_s
+        self.body_timeout_s = self.limits.body_timeout_s
         self.deadline = 0.0
         #: what a missed deadline answers: 408, or 0 to close silently (idle)
         self.deadline_status = 0
@@ -359,7 +363,8 @@ class _Connection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self.current = Request()
         self.head_bytes = 0
-        self._set_deadline(self.limits.header_timeout_s, 408)
+        self.deadline = self.loop.time() + self.header_timeout_s
+        self.deadline_status = 408
 
     def on_url(self, url: bytes) -> None:
         req = self.current
@@ -421,7 +426,7 @@ class _Connection(asyncio.Protocol):
             self._stop(413, f"request body of {req.content_length} bytes exceeds the limit of {limit} bytes")
         if req.expect_continue and self.task is None and not self.queue:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # type: ignore[union-attr]
-        self._set_deadline(self.limits.body_timeout_s, 408)
+        self.deadline = self.loop.time() + self.body_timeout_s
 
     def on_body(self, body: bytes) -> None:
         req = self.current

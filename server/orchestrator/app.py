@@ -55,6 +55,8 @@ LISTEN_BACKLOG = 4096
 READ_BUFSIZE = 1 << 22
 # A worker's error body is relayed, but not an unbounded one.
 MAX_ERROR_BODY = 64 * 1024
+# A worker's whole answer (a context response carries every prompt id): bounded too.
+MAX_WORKER_BODY = 256 * 1024 * 1024
 # The per-phase CPU clock (a thread_time() syscall per phase) runs on one
 # request in this many; every request is still counted everywhere else.
 CPU_SAMPLE_EVERY = 8
@@ -437,7 +439,7 @@ class Orchestrator:
             worker.in_flight += 1
             try:
                 upstream = self.upstreams.get(worker.url) or self._new_upstream(worker)
-                resp = await upstream.request(_POST, path, pieces, headers, timeout)
+                resp = await upstream.request(_POST, path, pieces, headers, timeout, None, MAX_WORKER_BODY)
                 try:
                     if resp.status == 200:
                         data = await resp.read()
@@ -476,6 +478,8 @@ class Orchestrator:
         # A stream may run long; what must not happen is a silence that long.
         limit = self.config.request_timeout_s
         timeout, read_timeout = (None, limit) if req.stream else (limit, None)
+        # Unary: the whole answer is in before the task wakes (one wake-up).
+        max_body = 0 if req.stream else MAX_WORKER_BODY
         # Retries stop at the first byte sent to the client: nothing has been
         # sent until a worker answers 200, and the loop below returns then.
         for attempt in range(self.config.max_retries + 1):
@@ -491,7 +495,7 @@ class Orchestrator:
                 self.metrics.handoff.observe(handed_over - context_done)
             try:
                 upstream = self.upstreams.get(worker.url) or self._new_upstream(worker)
-                resp = await upstream.request(_POST, path, pieces, headers, timeout, read_timeout)
+                resp = await upstream.request(_POST, path, pieces, headers, timeout, read_timeout, max_body)
             except UpstreamError as exc:
                 worker.in_flight -= 1
                 self._mark_failed(self.generation_pool, worker)
