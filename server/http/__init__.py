@@ -18,10 +18,11 @@ Never hand-written HTTP parsing: only the status line and headers we *write*
 are formatted here.
 """
 
-from .client import UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout
+from .client import BodyPiece, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout
 from .server import HTTPServer, Limits, Request, Responder
 
 __all__ = [
+    "BodyPiece",
     "HTTPServer",
     "Limits",
     "Request",

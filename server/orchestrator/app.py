@@ -24,13 +24,15 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiohttp
 
-from server.auth import SIGNATURE_HEADER, sign_body
+from server.auth import SIGNATURE_HEADER, sign_pieces
 from server.errors import HTTPError, error_body
 from server.http import (
+    BodyPiece,
     HTTPServer,
     Limits,
     Request,
@@ -123,21 +125,24 @@ class _Metrics:
         self.finished_by_context = registry.counter(
             "fastcore_orchestrator_finished_by_context_total", "Requests answered by the context leg alone."
         ).labels()
-        server = lambda: orchestrator.server  # noqa: E731
+
+        def server_stat(read: Callable[[HTTPServer], float]) -> Callable[[], float]:
+            return lambda: read(orchestrator.server) if orchestrator.server is not None else 0
+
         registry.gauge(
             "fastcore_orchestrator_client_connections",
             "Open client connections.",
-            callback=lambda: len(server().connections) if server() else 0,
+            callback=server_stat(lambda s: len(s.connections)),
         )
         registry.counter(
             "fastcore_orchestrator_connections_refused_total",
             "Client connections refused at the connection cap (503).",
-            callback=lambda: server().refused if server() else 0,
+            callback=server_stat(lambda s: s.refused),
         )
         registry.counter(
             "fastcore_orchestrator_http_framing_errors_total",
             "Client requests refused before routing: malformed HTTP, limits on headers or body, timeouts.",
-            callback=lambda: server().framing_errors if server() else 0,
+            callback=server_stat(lambda s: s.framing_errors),
         )
         self.cpu_phase = {phase: self.cpu.labels(phase=phase) for phase in _PHASES}
         self.retries_leg = {leg: self.retries.labels(leg=leg) for leg in ("context", "generation")}
@@ -398,10 +403,10 @@ class Orchestrator:
         clock.lap("build_generation")
         return await self._generation_leg(out, req, path, generation_body, context_done, clock)
 
-    def _headers(self, body: bytes) -> bytes:
+    def _headers(self, pieces: Sequence[BodyPiece]) -> bytes:
         if self.secret is None:
             return b""
-        return b"%s: %s\r\n" % (SIGNATURE_HEADER.encode(), sign_body(self.secret, body).encode())
+        return b"%s: %s\r\n" % (SIGNATURE_HEADER.encode(), sign_pieces(self.secret, pieces).encode())
 
     def _mark_failed(self, pool: Pool, worker: Worker) -> None:
         assert self.health is not None
@@ -423,11 +428,13 @@ class Orchestrator:
         text = body.decode("utf-8", "replace")
         return HTTPError(502, f"{leg} worker {worker.url} answered {resp.status}: {text}")
 
-    async def _context_leg(self, path: bytes, body: bytes) -> bytes:
+    async def _context_leg(self, path: bytes, body: bytes | Sequence[BodyPiece]) -> bytes:
         tried: list[Worker] = []
         failure: HTTPError | WorkerAnswer | None = None
-        headers = self._headers(body)
-        pieces = (body,)
+        # A body built as pieces (views into the bodies it was spliced from)
+        # goes out in one vectored write, never joined.
+        pieces: Sequence[BodyPiece] = (body,) if isinstance(body, bytes) else body
+        headers = self._headers(pieces)
         timeout = self.config.request_timeout_s
         for attempt in range(self.config.max_retries + 1):
             worker = self.context_pool.choose(exclude=tried)
@@ -467,14 +474,16 @@ class Orchestrator:
         out: Responder,
         req: ClientRequest,
         path: bytes,
-        body: bytes,
+        body: bytes | Sequence[BodyPiece],
         context_done: float,
         clock: _CpuClock | _NoClock,
     ) -> int:
         tried: list[Worker] = []
         failure: HTTPError | WorkerAnswer | None = None
-        headers = self._headers(body)
-        pieces = (body,)
+        # A body built as pieces (views into the bodies it was spliced from)
+        # goes out in one vectored write, never joined.
+        pieces: Sequence[BodyPiece] = (body,) if isinstance(body, bytes) else body
+        headers = self._headers(pieces)
         # A stream may run long; what must not happen is a silence that long.
         limit = self.config.request_timeout_s
         timeout, read_timeout = (None, limit) if req.stream else (limit, None)
