@@ -27,14 +27,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import json
+from collections.abc import Callable
 from typing import Any
 
 try:
     import orjson
 
-    loads = orjson.loads
+    loads: Callable[[bytes], Any] = orjson.loads
 except ImportError:  # pragma: no cover - orjson is in the bench extra
     loads = json.loads
 
@@ -230,7 +232,7 @@ def sse_events(model: bytes, n: int, chat: bool, usage_prompt_tokens: int | None
     return out
 
 
-def make_handler(mocks: Mocks, role: str):
+def make_handler(mocks: Mocks, role: str) -> Callable[[ServerProtocol, bytes, bytes, bytes, bool], None]:
     models = json.dumps(
         {"object": "list", "data": [{"id": "mock", "object": "model", "owned_by": "bench"}]}
     ).encode()
@@ -283,7 +285,9 @@ async def serve(flavor: str, host: str, prefill_port: int, decode_port: int) -> 
     for role, port in (("prefill", prefill_port), ("decode", decode_port)):
         handler = make_handler(mocks, role)
         servers.append(
-            await loop.create_server(lambda h=handler: ServerProtocol(h), host, port, backlog=LISTEN_BACKLOG)
+            await loop.create_server(
+                functools.partial(ServerProtocol, handler), host, port, backlog=LISTEN_BACKLOG
+            )
         )
     await asyncio.gather(*(s.serve_forever() for s in servers))
 

@@ -28,6 +28,9 @@ class ServerProtocol(asyncio.Protocol):
     """One client connection: httptools framing; ``handler(conn, method, path, body, keep_alive)``."""
 
     def __init__(self, handler: Callable) -> None:
+        self.transport: asyncio.Transport | None
+        self.body: list[bytes]
+        self.task: asyncio.Task[None] | None
         self.handler, self.transport, self.url, self.body, self.task = handler, None, b"", [], None
         self.parser = httptools.HttpRequestParser(self)
 
@@ -71,6 +74,8 @@ class Sink:
     """Where one upstream response goes: collected (context leg) or relayed chunked (generation leg)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, client: ServerProtocol | None = None) -> None:
+        self.future: asyncio.Future[bytes]
+        self.parts: list[bytes]
         self.future, self.client, self.parts, self.status = loop.create_future(), client, [], 0
 
     def headers(self, status: int, ctype: bytes) -> None:
@@ -101,6 +106,8 @@ class Upstream(asyncio.Protocol):
     """A keep-alive connection to one worker, one request at a time, back to its pool when done."""
 
     def __init__(self, pool: Pool) -> None:
+        self.transport: asyncio.Transport | None
+        self.sink: Sink | None
         self.pool, self.transport, self.sink, self.ctype = pool, None, None, b"application/json"
         self.parser = httptools.HttpResponseParser(self)
 
@@ -116,36 +123,38 @@ class Upstream(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self.transport.close()
-            self.sink and self.sink.done(exc)
+            self.transport.close()  # type: ignore[union-attr]  # set while data arrives
+            if self.sink:
+                self.sink.done(exc)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if name.lower() == b"content-type":
             self.ctype = value
 
     def on_headers_complete(self) -> None:
-        self.sink.headers(self.parser.get_status_code(), self.ctype)
+        self.sink.headers(self.parser.get_status_code(), self.ctype)  # type: ignore[union-attr]  # set in flight
 
     def on_body(self, body: bytes) -> None:
-        self.sink.data(body)
+        self.sink.data(body)  # type: ignore[union-attr]  # set while a response is in flight
 
     def on_message_complete(self) -> None:
         sink, self.sink = self.sink, None
         if self.parser.should_keep_alive():
             self.pool.idle.append(self)
         else:
-            self.transport.close()
-        sink.done()
+            self.transport.close()  # type: ignore[union-attr]  # set while data arrives
+        sink.done()  # type: ignore[union-attr]  # set while a response is in flight
 
 
 class Pool:
     def __init__(self, address: str) -> None:
         host, port = address.removeprefix("http://").rsplit(":", 1)
+        self.idle: list[Upstream]
         self.host, self.port, self.idle = host, int(port), []
         self.head = b"POST %%s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n" % address.encode()
 
     async def send(self, path: bytes, body: bytes, sink: Sink) -> bytes:
-        conn = None
+        conn: Upstream | None = None
         while self.idle and conn is None:
             c = self.idle.pop()
             conn = c if c.transport is not None and not c.transport.is_closing() else None
@@ -154,7 +163,9 @@ class Pool:
                 lambda: Upstream(self), self.host, self.port
             )
         conn.sink = sink
-        conn.transport.writelines([self.head % path, b"Content-Length: %d\r\n\r\n" % len(body), body])
+        conn.transport.writelines(  # type: ignore[union-attr]  # open: checked or just connected
+            [self.head % path, b"Content-Length: %d\r\n\r\n" % len(body), body]
+        )
         return await sink.future
 
 
@@ -173,7 +184,8 @@ def make_handler(context: list[str], generation: list[str]) -> Callable:
         except (OSError, httptools.HttpParserError) as exc:
             if sink.client is None or not sink.status:  # nothing sent to the client yet
                 return conn.respond(502, b"text/plain", str(exc).encode(), keep_alive)
-            conn.transport and conn.transport.close()
+            if conn.transport:
+                conn.transport.close()
         if not keep_alive and conn.transport is not None:
             conn.transport.close()
 

@@ -237,6 +237,7 @@ class _LoggedChild(Child):
     log: Path | None = None
 
     def start(self, env: dict[str, str]) -> None:
+        preexec: Callable[[], None] | None
         try:
             from server.launcher import _die_with_parent as preexec
         except ImportError:  # the launcher's private helper moved: the child then outlives a killed run
@@ -473,8 +474,8 @@ def report(rows: list[Row], fronts: list[str]) -> str:
                         r.requests,
                         r.errors,
                         cpu,
-                        _ratio(r.cpu_ms_per_request, best and best.cpu_ms_per_request),
-                        _ratio(r.cpu_ms_per_request, raw and raw.cpu_ms_per_request),
+                        _ratio(r.cpu_ms_per_request, best.cpu_ms_per_request if best else None),
+                        _ratio(r.cpu_ms_per_request, raw.cpu_ms_per_request if raw else None),
                         f"{r.completions_per_s:.0f}",
                         r.ttft_p50_ms,
                         "; ".join(flags),
