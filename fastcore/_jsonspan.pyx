@@ -10,10 +10,14 @@ a time with SSE2, the x86-64 baseline; other targets take the scalar loop.
 """
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.list cimport PyList_New, PyList_SET_ITEM
+from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_FromLongLong
+from cpython.ref cimport Py_INCREF
+from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdint cimport uint8_t
 from libc.stdlib cimport free, malloc, realloc
-from libc.string cimport memcmp, memcpy
+from libc.string cimport memchr, memcmp, memcpy
 
 from fastcore._jsonspan cimport Frame, Node, Scanner
 
@@ -759,17 +763,29 @@ cdef int run(Scanner *s) noexcept nogil:
 
 # -- compiled path sets --------------------------------------------------------------------------------
 
+cdef enum:
+    # How the span of a path is read off its end node.
+    END_VALUE = 0
+    END_LAST = 1  # the path ends with -1: the last element's span
+    END_KEY = 2  # the path ends with a key (find_member_spans: the member spans key to value)
+
+
 cdef class _PathSet:
     """Paths compiled to a flat node array; cached, so a hot caller pays for it once."""
 
     cdef Node *nodes
     cdef int count
+    cdef int *end_nodes  # per path: the index of its end node
+    cdef uint8_t *end_kinds  # per path: END_*
+    cdef Py_ssize_t n_paths
+    cdef object source  # the paths as given (the identity cache checks it)
     cdef list keys  # owns the key bytes the nodes point into
     cdef list labels  # the str key of each node (for the duplicate-key message), or None
-    cdef list ends  # (node index, path ends with -1, path ends with a key)
 
     def __dealloc__(self):
         free(self.nodes)
+        free(self.end_nodes)
+        free(self.end_kinds)
 
 
 cdef _PathSet _build_path_set(object paths):
@@ -788,7 +804,10 @@ cdef _PathSet _build_path_set(object paths):
         cursor += 1
     compiled.count = len(order)
     compiled.nodes = <Node *>malloc(compiled.count * sizeof(Node))
-    if compiled.nodes == NULL:
+    compiled.n_paths = len(ends)
+    compiled.end_nodes = <int *>malloc((compiled.n_paths + 1) * sizeof(int))
+    compiled.end_kinds = <uint8_t *>malloc(compiled.n_paths + 1)
+    if compiled.nodes == NULL or compiled.end_nodes == NULL or compiled.end_kinds == NULL:
         raise MemoryError()
     compiled.keys = []
     compiled.labels = []
@@ -820,11 +839,19 @@ cdef _PathSet _build_path_set(object paths):
         parent = parents[i]
         compiled.nodes[i].next_sibling = compiled.nodes[parent].first_child
         compiled.nodes[parent].first_child = i
-    compiled.ends = [(index_of[id(node)], is_last, isinstance(node.label, str)) for node, is_last in ends]
+    for i in range(compiled.n_paths):
+        node, is_last = ends[i]
+        compiled.end_nodes[i] = index_of[id(node)]
+        compiled.end_kinds[i] = END_LAST if is_last else (END_KEY if isinstance(node.label, str) else END_VALUE)
+    compiled.source = paths
     return compiled
 
 
 cdef dict _path_cache = {}
+# The same sets by the identity of the tuple they were compiled from: a caller that passes the same
+# tuple object every time (a module constant) skips hashing it. Each set keeps its tuple alive, so an
+# id is never reused while its entry is here.
+cdef dict _path_identity = {}
 
 
 cdef inline bint _plain_components(tuple paths):
@@ -839,17 +866,100 @@ cdef inline bint _plain_components(tuple paths):
 
 
 cdef _PathSet _path_set(object paths):
-    cdef tuple key
-    if type(paths) is tuple and _plain_components(<tuple>paths):
-        key = <tuple>paths
-        compiled = _path_cache.get(key)
-        if compiled is None:
-            compiled = _build_path_set(key)
-            if len(_path_cache) >= PATH_CACHE_SIZE:
-                _path_cache.clear()
-            _path_cache[key] = compiled
-        return <_PathSet>compiled
+    if type(paths) is tuple:
+        found = _path_identity.get(id(paths))
+        if found is not None and (<_PathSet>found).source is paths:
+            return <_PathSet>found
+        if _plain_components(<tuple>paths):
+            cached = _path_cache.get(paths)
+            if cached is None:
+                cached = _build_path_set(paths)
+                if len(_path_cache) >= PATH_CACHE_SIZE:
+                    _path_cache.clear()
+                _path_cache[paths] = cached
+                if len(_path_identity) >= PATH_CACHE_SIZE:
+                    _path_identity.clear()
+                _path_identity[id(paths)] = cached
+            return <_PathSet>cached
     return _build_path_set(paths)
+
+
+# -- one scan over a body ------------------------------------------------------------------------------
+
+cdef int _scan_begin(Scanner *s, _PathSet compiled, const uint8_t *buf, Py_ssize_t n, bint validate,
+                     Frame *inline_frames, Node *inline_nodes) except -1:
+    """Set ``s`` up to scan ``buf`` for ``compiled`` (``_scan_end`` frees what it allocates)."""
+    cdef int i
+    cdef Node *node
+    s.buf = buf
+    s.n = n
+    s.validate = validate
+    s.frames = inline_frames
+    s.depth = 0
+    s.capacity = INLINE_FRAMES
+    s.frames_on_heap = False
+    s.scratch = NULL
+    s.scratch_capacity = 0
+    s.error_offset = 0
+    s.error_node = -1
+    s.nodes = inline_nodes
+    if compiled.count > INLINE_NODES:
+        s.nodes = <Node *>malloc(compiled.count * sizeof(Node))
+        if s.nodes == NULL:
+            s.nodes = inline_nodes
+            raise MemoryError()
+    memcpy(s.nodes, compiled.nodes, compiled.count * sizeof(Node))
+    for i in range(compiled.count):
+        node = &s.nodes[i]
+        node.seen = False
+        node.start = -1
+        node.end = -1
+        node.key_start = -1
+        node.last_start = -1
+        node.last_end = -1
+    return 0
+
+
+cdef int _scan_run(Scanner *s, _PathSet compiled) except -1:
+    """Run the scan; raise its error (``JSONSpanError``, ``MemoryError``)."""
+    cdef int code
+    if s.n >= NOGIL_MIN_BYTES:
+        with nogil:
+            code = run(s)
+    else:
+        code = run(s)
+    if code == E_NO_MEMORY:
+        raise MemoryError()
+    if code:
+        raise make_error(code, s.error_offset, compiled.labels[s.error_node] if s.error_node >= 0 else None)
+    return 0
+
+
+cdef inline void _scan_end(Scanner *s, Node *inline_nodes) noexcept:
+    if s.frames_on_heap:
+        free(s.frames)
+    free(s.scratch)
+    if s.nodes != inline_nodes:
+        free(s.nodes)
+
+
+cdef inline void _span_of(Scanner *s, _PathSet compiled, Py_ssize_t path, bint members,
+                          Py_ssize_t *start, Py_ssize_t *end) noexcept:
+    """The span of path number ``path`` after a scan; ``start`` -1 where absent."""
+    cdef Node *node = &s.nodes[compiled.end_nodes[path]]
+    cdef uint8_t kind = compiled.end_kinds[path]
+    if kind == END_LAST:
+        start[0] = node.last_start
+        end[0] = node.last_end
+    elif node.start < 0:
+        start[0] = -1
+        end[0] = -1
+    elif members and kind == END_KEY:
+        start[0] = node.key_start
+        end[0] = node.end
+    else:
+        start[0] = node.start
+        end[0] = node.end
 
 
 # -- entry points --------------------------------------------------------------------------------------
@@ -864,69 +974,35 @@ cdef int _get_body(object body, Py_buffer *view) except -1:
     return 0
 
 
+cdef inline object _span_tuple(Py_ssize_t start, Py_ssize_t end):
+    if start < 0:
+        return None
+    return (start, end)
+
+
 cdef list _find(object body, object paths, bint validate, bint members):
     cdef Py_buffer view
     cdef Scanner s
     cdef Frame inline_frames[INLINE_FRAMES]
     cdef Node inline_nodes[INLINE_NODES]
-    cdef int code, i
-    cdef Node *node
+    cdef Py_ssize_t i, start, end
+    cdef _PathSet compiled
+    cdef list spans
     _get_body(body, &view)
     try:
         compiled = _path_set(paths)
-        s.buf = <const uint8_t *>view.buf
-        s.n = view.len
-        s.validate = validate
-        s.frames = inline_frames
-        s.depth = 0
-        s.capacity = INLINE_FRAMES
-        s.frames_on_heap = False
-        s.scratch = NULL
-        s.scratch_capacity = 0
-        s.error_offset = 0
-        s.error_node = -1
-        s.nodes = inline_nodes
-        if compiled.count > INLINE_NODES:
-            s.nodes = <Node *>malloc(compiled.count * sizeof(Node))
-            if s.nodes == NULL:
-                raise MemoryError()
-        memcpy(s.nodes, compiled.nodes, compiled.count * sizeof(Node))
-        for i in range(compiled.count):
-            node = &s.nodes[i]
-            node.seen = False
-            node.start = -1
-            node.end = -1
-            node.key_start = -1
-            node.last_start = -1
-            node.last_end = -1
+        _scan_begin(&s, compiled, <const uint8_t *>view.buf, view.len, validate, inline_frames, inline_nodes)
         try:
-            if s.n >= NOGIL_MIN_BYTES:
-                with nogil:
-                    code = run(&s)
-            else:
-                code = run(&s)
-            if code == E_NO_MEMORY:
-                raise MemoryError()
-            if code:
-                raise make_error(code, s.error_offset, compiled.labels[s.error_node] if s.error_node >= 0 else None)
-            spans = []
-            for index, is_last, is_key in compiled.ends:
-                node = &s.nodes[<int>index]
-                if is_last:
-                    spans.append((node.last_start, node.last_end) if node.last_start >= 0 else None)
-                elif node.start < 0:
-                    spans.append(None)
-                elif members and is_key:
-                    spans.append((node.key_start, node.end))
-                else:
-                    spans.append((node.start, node.end))
+            _scan_run(&s, compiled)
+            spans = PyList_New(compiled.n_paths)
+            for i in range(compiled.n_paths):
+                _span_of(&s, compiled, i, members, &start, &end)
+                item = _span_tuple(start, end)
+                Py_INCREF(item)
+                PyList_SET_ITEM(spans, i, item)
             return spans
         finally:
-            if s.frames_on_heap:
-                free(s.frames)
-            free(s.scratch)
-            if s.nodes != inline_nodes:
-                free(s.nodes)
+            _scan_end(&s, inline_nodes)
     finally:
         PyBuffer_Release(&view)
 
@@ -1013,6 +1089,49 @@ def splice(body, edits):
         PyBuffer_Release(&view)
 
 
+cdef Py_ssize_t _check_b64(const uint8_t *buf, Py_ssize_t lo, Py_ssize_t hi) except -1:
+    """check_token_b64 on ``buf[lo:hi]`` (offsets absolute): the id count, or TokenDecodeError."""
+    cdef Py_ssize_t i, data_end, padding = 0, length, decoded
+    cdef int last_value
+    cdef uint8_t c
+    if hi - lo >= NOGIL_MIN_BYTES:
+        with nogil:
+            i = fc_js_b64_run(buf, lo, hi)
+    else:
+        i = fc_js_b64_run(buf, lo, hi)
+    data_end = i
+    while i < hi and buf[i] == 0x3D and padding < 2:
+        padding += 1
+        i += 1
+    if i < hi:
+        if padding:
+            raise TokenDecodeError(f"base64 padding '=' before the end of the data (byte {data_end})", data_end)
+        raise TokenDecodeError(f"invalid base64 character {chr(buf[i])!r} (byte {i})", i)
+    length = hi - lo
+    if length % 4:
+        raise TokenDecodeError(f"base64 length {length} is not a multiple of 4", None)
+    if padding:
+        if data_end == lo:
+            raise TokenDecodeError(f"non-canonical base64 padding (byte {data_end - 1})", data_end - 1)
+        c = buf[data_end - 1]
+        if c >= 0x61:
+            last_value = c - 0x61 + 26
+        elif c >= 0x41:
+            last_value = c - 0x41
+        elif c >= 0x30:
+            last_value = c - 0x30 + 52
+        elif c == 0x2B:
+            last_value = 62
+        else:
+            last_value = 63
+        if last_value & (0x0F if padding == 2 else 0x03):
+            raise TokenDecodeError(f"non-canonical base64 padding (byte {data_end - 1})", data_end - 1)
+    decoded = length // 4 * 3 - padding
+    if decoded % 4:
+        raise TokenDecodeError(f"base64 decodes to {decoded} bytes, not a whole number of int32 ids", None)
+    return decoded // 4
+
+
 def check_token_b64(body, start=0, end=None):
     """Check that ``body[start:end]`` is ``prompt_token_ids_b64`` content; return the id count.
 
@@ -1021,10 +1140,7 @@ def check_token_b64(body, start=0, end=None):
     escapes. Raises :class:`fastcore.TokenDecodeError` with the absolute offset.
     """
     cdef Py_buffer view
-    cdef Py_ssize_t size, lo, hi, i, data_end, padding = 0, length, decoded
-    cdef const uint8_t *buf
-    cdef int last_value
-    cdef uint8_t c
+    cdef Py_ssize_t size
     _get_body(body, &view)
     try:
         size = view.len
@@ -1032,44 +1148,686 @@ def check_token_b64(body, start=0, end=None):
             end = size
         if not 0 <= start <= end <= size:
             raise ValueError(f"need 0 <= start <= end <= len(body) = {size}, got ({start}, {end})")
-        lo = start
-        hi = end
-        buf = <const uint8_t *>view.buf
-        if hi - lo >= NOGIL_MIN_BYTES:
-            with nogil:
-                i = fc_js_b64_run(buf, lo, hi)
-        else:
-            i = fc_js_b64_run(buf, lo, hi)
-        data_end = i
-        while i < hi and buf[i] == 0x3D and padding < 2:
-            padding += 1
-            i += 1
-        if i < hi:
-            if padding:
-                raise TokenDecodeError(f"base64 padding '=' before the end of the data (byte {data_end})", data_end)
-            raise TokenDecodeError(f"invalid base64 character {chr(buf[i])!r} (byte {i})", i)
-        length = hi - lo
-        if length % 4:
-            raise TokenDecodeError(f"base64 length {length} is not a multiple of 4", None)
-        if padding:
-            if data_end == lo:
-                raise TokenDecodeError(f"non-canonical base64 padding (byte {data_end - 1})", data_end - 1)
-            c = buf[data_end - 1]
-            if c >= 0x61:
-                last_value = c - 0x61 + 26
-            elif c >= 0x41:
-                last_value = c - 0x41
-            elif c >= 0x30:
-                last_value = c - 0x30 + 52
-            elif c == 0x2B:
-                last_value = 62
-            else:
-                last_value = 63
-            if last_value & (0x0F if padding == 2 else 0x03):
-                raise TokenDecodeError(f"non-canonical base64 padding (byte {data_end - 1})", data_end - 1)
-        decoded = length // 4 * 3 - padding
-        if decoded % 4:
-            raise TokenDecodeError(f"base64 decodes to {decoded} bytes, not a whole number of int32 ids", None)
-        return decoded // 4
+        return _check_b64(<const uint8_t *>view.buf, start, end)
     finally:
         PyBuffer_Release(&view)
+
+
+# -- relay kernels -------------------------------------------------------------------------------------
+#
+# The pure twin's section of the same name states what each does (it is the reference); these take
+# the same decisions in C: one scan with a path set compiled at import, spans kept in C arrays, small
+# fields decoded from their bytes, each output built with one allocation. No Python object is made
+# on the way but the results.
+
+cdef enum:
+    N_CLIENT = 13  # len(CLIENT_REQUEST_PATHS)
+    C_ROOT = 0
+    C_MESSAGES = 1
+    C_DISAGG = 2
+    C_B64 = 3
+    C_IDS = 4
+    C_STREAM = 5
+    C_STREAM_OPTIONS = 6
+    C_PROMPT = 7
+    C_LAST_MESSAGE = 8
+    C_MODEL = 9
+    C_MAX_TOKENS = 10
+    C_MAX_COMPLETION_TOKENS = 11
+    C_INCLUDE_USAGE = 12
+    N_CONTEXT = 10  # len(CONTEXT_RESPONSE_PATHS)
+    X_ROOT = 0
+    X_FINISH = 1
+    X_DP = 2
+    X_USAGE = 3
+    X_IDS = 4
+    X_B64 = 5
+    X_REQUEST_TYPE = 6
+    X_CTX_USAGE = 7
+    X_FIRST_CHOICE = 8
+    X_COMPLETION_TOKENS = 9
+    STRIP_CHOICES = 8  # the choices the first strip scan covers
+    MAX_PIECES = 24
+    INLINE_MEMBERS = 2 + STRIP_CHOICES
+
+import fastcore._jsonspan_py as _py
+
+for _name, _value in (
+    ("C_ROOT", C_ROOT), ("C_MESSAGES", C_MESSAGES), ("C_DISAGG", C_DISAGG), ("C_B64", C_B64), ("C_IDS", C_IDS),
+    ("C_STREAM", C_STREAM), ("C_STREAM_OPTIONS", C_STREAM_OPTIONS), ("C_PROMPT", C_PROMPT),
+    ("C_LAST_MESSAGE", C_LAST_MESSAGE), ("C_MODEL", C_MODEL), ("C_MAX_TOKENS", C_MAX_TOKENS),
+    ("C_MAX_COMPLETION_TOKENS", C_MAX_COMPLETION_TOKENS), ("C_INCLUDE_USAGE", C_INCLUDE_USAGE),
+    ("X_ROOT", X_ROOT), ("X_FINISH", X_FINISH), ("X_DP", X_DP), ("X_USAGE", X_USAGE), ("X_IDS", X_IDS),
+    ("X_B64", X_B64), ("X_REQUEST_TYPE", X_REQUEST_TYPE), ("X_CTX_USAGE", X_CTX_USAGE),
+    ("X_FIRST_CHOICE", X_FIRST_CHOICE), ("X_COMPLETION_TOKENS", X_COMPLETION_TOKENS),
+):
+    if getattr(_py, _name) != _value:  # the twins index the same path tuples
+        raise ImportError(f"fastcore._jsonspan: {_name} differs from the pure twin's")
+if len(_py.CLIENT_REQUEST_PATHS) != N_CLIENT or len(_py.CONTEXT_RESPONSE_PATHS) != N_CONTEXT:
+    raise ImportError("fastcore._jsonspan: the relay path tables differ from the pure twin's")
+
+from fastcore.errors import RelayError
+from json import loads as _json_loads
+
+CLIENT_PATHS = _py.CLIENT_PATHS
+CLIENT_REQUEST_PATHS = _py.CLIENT_REQUEST_PATHS
+CONTEXT_PATHS = _py.CONTEXT_PATHS
+CONTEXT_RESPONSE_PATHS = _py.CONTEXT_RESPONSE_PATHS
+strip_paths = _py.strip_paths
+
+cdef _PathSet _CLIENT_SET = _build_path_set(_py.CLIENT_REQUEST_PATHS)
+cdef _PathSet _CONTEXT_SET = _build_path_set(_py.CONTEXT_RESPONSE_PATHS)
+cdef _PathSet _STRIP_SET = _build_path_set(_py.strip_paths(STRIP_CHOICES))
+cdef dict _strip_sets = {STRIP_CHOICES: _STRIP_SET}
+cdef int _MAX_INT_DIGITS = _py.MAX_INT_DIGITS
+
+cdef str _CONTEXT_502 = _py._CONTEXT_502
+
+
+cdef struct Piece:
+    const char *p
+    Py_ssize_t n
+
+
+cdef inline void _add(Piece *pieces, int *count, const char *p, Py_ssize_t n) noexcept:
+    if n > 0:
+        pieces[count[0]].p = p
+        pieces[count[0]].n = n
+        count[0] += 1
+
+
+cdef bytes _join(Piece *pieces, int count):
+    """The pieces concatenated: one allocation, one copy each."""
+    cdef Py_ssize_t total = 0
+    cdef int k
+    cdef char *out
+    for k in range(count):
+        total += pieces[k].n
+    result = PyBytes_FromStringAndSize(NULL, total)
+    out = PyBytes_AS_STRING(result)
+    if total >= NOGIL_MIN_BYTES:
+        with nogil:
+            for k in range(count):
+                memcpy(out, pieces[k].p, pieces[k].n)
+                out += pieces[k].n
+    else:
+        for k in range(count):
+            memcpy(out, pieces[k].p, pieces[k].n)
+            out += pieces[k].n
+    return result
+
+
+cdef object _as_bytes(object body):
+    """``body`` itself if it is ``bytes``, else a copy (the pure twin's ``_as_bytes``, same errors)."""
+    cdef Py_buffer view
+    if isinstance(body, bytes):
+        return body
+    _get_body(body, &view)
+    try:
+        return PyBytes_FromStringAndSize(<const char *>view.buf, view.len)
+    finally:
+        PyBuffer_Release(&view)
+
+
+cdef inline const uint8_t *_data(object data) noexcept:
+    return <const uint8_t *>PyBytes_AS_STRING(data)
+
+
+cdef int _scan_spans(object data, _PathSet compiled, bint validate, bint members,
+                     Py_ssize_t *starts, Py_ssize_t *ends) except -1:
+    """One scan of the bytes ``data``; the span of each path of ``compiled`` into ``starts``/``ends``."""
+    cdef Scanner s
+    cdef Frame inline_frames[INLINE_FRAMES]
+    cdef Node inline_nodes[INLINE_NODES]
+    cdef Py_ssize_t i
+    _scan_begin(&s, compiled, _data(data), PyBytes_GET_SIZE(data), validate, inline_frames, inline_nodes)
+    try:
+        _scan_run(&s, compiled)
+        for i in range(compiled.n_paths):
+            _span_of(&s, compiled, i, members, &starts[i], &ends[i])
+    finally:
+        _scan_end(&s, inline_nodes)
+    return 0
+
+
+cdef inline bint _is_empty(const uint8_t *buf, Py_ssize_t start, Py_ssize_t end) noexcept:
+    # The container at [start, end) holds only blanks (its span was validated).
+    return skip_ws(buf, start + 1, end) == end - 1
+
+
+cdef inline bint _is_number(uint8_t first) noexcept:
+    return first == 0x2D or is_digit(first)
+
+
+cdef inline bint _integral(const uint8_t *buf, Py_ssize_t start, Py_ssize_t end) noexcept:
+    # A valid JSON number is an integer unless it has a fraction or an exponent.
+    cdef Py_ssize_t k
+    for k in range(start, end):
+        if buf[k] == 0x2E or buf[k] == 0x65 or buf[k] == 0x45:
+            return False
+    return True
+
+
+cdef object _int_of(object data, const uint8_t *buf, Py_ssize_t start, Py_ssize_t end):
+    # The integer spelled by the (valid, integral, at most 20-digit) number at [start, end).
+    cdef bint negative = buf[start] == 0x2D
+    cdef Py_ssize_t k = start + negative
+    cdef long long value = 0
+    if end - k > 18:
+        return int(data[start:end])
+    while k < end:
+        value = value * 10 + (buf[k] - 0x30)
+        k += 1
+    return PyLong_FromLongLong(-value if negative else value)
+
+
+cdef object _int_at(object data, const uint8_t *buf, Py_ssize_t start, Py_ssize_t end):
+    """The pure twin's ``_int_at``: the integer at the span, or ``None``."""
+    if start < 0:
+        return None
+    cdef uint8_t first = buf[start]
+    if not _is_number(first) or end - start - (first == 0x2D) > _MAX_INT_DIGITS:
+        return None
+    if not _integral(buf, start, end):
+        return None
+    return _int_of(data, buf, start, end)
+
+
+cdef object _max_tokens_at(object data, const uint8_t *buf, Py_ssize_t start, Py_ssize_t end, str key):
+    if start < 0:
+        return None
+    cdef uint8_t first = buf[start]
+    if _is_number(first):
+        if end - start - (first == 0x2D) > _MAX_INT_DIGITS:
+            raise RelayError(f"'{key}' must be an integer of at most {_MAX_INT_DIGITS} digits", key)
+        if _integral(buf, start, end):
+            return _int_of(data, buf, start, end)
+    elif first == 0x6E:  # null
+        return None
+    raise RelayError(f"'{key}' must be an integer", key)
+
+
+cdef int _bool_at(const uint8_t *buf, Py_ssize_t start, str key) except -1:
+    """0 false, 1 true, 2 absent or null; else the RelayError."""
+    if start < 0:
+        return 2
+    cdef uint8_t first = buf[start]
+    if first == 0x74:
+        return 1
+    if first == 0x66:
+        return 0
+    if first == 0x6E:
+        return 2
+    raise RelayError(f"'{key}' must be a boolean", key)
+
+
+cdef object _str_at(object data, const uint8_t *buf, Py_ssize_t start, Py_ssize_t end, str key):
+    if start < 0:
+        return None
+    cdef uint8_t first = buf[start]
+    if first == 0x6E:
+        return None
+    if first != 0x22:
+        raise RelayError(f"'{key}' must be a string", key)
+    if memchr(buf + start + 1, 0x5C, end - start - 2) == NULL:
+        return PyUnicode_DecodeUTF8(<const char *>buf + start + 1, end - start - 2, NULL)  # UTF-8 checked
+    return _json_loads(data[start:end])  # escapes: a short string, the stdlib decodes them right
+
+
+cdef tuple _spans_tuple(const Py_ssize_t *starts, const Py_ssize_t *ends, Py_ssize_t count):
+    return tuple([_span_tuple(starts[i], ends[i]) for i in range(count)])
+
+
+cdef class ClientScan:
+    """A client body read by :func:`read_client_request` (see the pure twin's ``ClientScan``)."""
+
+    cdef readonly object body
+    cdef readonly bint chat
+    cdef readonly bint empty
+    cdef readonly bint stream
+    cdef readonly bint include_usage
+    cdef readonly object max_tokens
+    cdef readonly object model
+    cdef Py_ssize_t starts[N_CLIENT]
+    cdef Py_ssize_t ends[N_CLIENT]
+
+    @property
+    def spans(self):
+        return _spans_tuple(self.starts, self.ends, N_CLIENT)
+
+    def _relay_key(self):
+        return (self.body, self.chat, self.spans, self.empty, self.stream, self.include_usage, self.max_tokens,
+                self.model)
+
+    def __eq__(self, other):
+        key = getattr(other, "_relay_key", None)
+        if key is None or type(other).__name__ != "ClientScan":
+            return NotImplemented
+        return self._relay_key() == key()
+
+    __hash__ = None
+
+    def __repr__(self):
+        return (f"ClientScan(chat={self.chat!r}, spans={self.spans!r}, empty={self.empty!r}, "
+                f"stream={self.stream!r}, include_usage={self.include_usage!r}, "
+                f"max_tokens={self.max_tokens!r}, model={self.model!r})")
+
+
+cdef class ContextScan:
+    """A context response read by :func:`read_context_response` (see the pure twin's ``ContextScan``)."""
+
+    cdef readonly object body
+    cdef readonly object finish_reason
+    cdef readonly bint finished
+    cdef Py_ssize_t starts[N_CONTEXT]
+    cdef Py_ssize_t ends[N_CONTEXT]
+
+    @property
+    def spans(self):
+        return _spans_tuple(self.starts, self.ends, N_CONTEXT)
+
+    def _relay_key(self):
+        return (self.body, self.spans, self.finish_reason, self.finished)
+
+    def __eq__(self, other):
+        key = getattr(other, "_relay_key", None)
+        if key is None or type(other).__name__ != "ContextScan":
+            return NotImplemented
+        return self._relay_key() == key()
+
+    __hash__ = None
+
+    def __repr__(self):
+        return (f"ContextScan(spans={self.spans!r}, finish_reason={self.finish_reason!r}, "
+                f"finished={self.finished!r})")
+
+
+def read_client_request(body, chat):
+    """Validate a client body and read what the orchestrator needs of it, in one pass (see the pure twin)."""
+    cdef object data = _as_bytes(body)
+    cdef const uint8_t *buf = _data(data)
+    cdef ClientScan out = ClientScan.__new__(ClientScan)
+    cdef Py_ssize_t *st = out.starts
+    cdef Py_ssize_t *en = out.ends
+    cdef bint is_chat = chat
+    cdef int stream, include_usage = 2
+    cdef uint8_t first
+    cdef str key
+    _scan_spans(data, _CLIENT_SET, True, False, st, en)
+    if buf[st[C_ROOT]] != 0x7B:
+        raise RelayError("request body must be a JSON object")
+    if st[C_DISAGG] >= 0:
+        raise RelayError("'disaggregated_params' is an internal field and may not be sent by clients",
+                         "disaggregated_params")
+    if st[C_B64] >= 0:
+        raise RelayError("'prompt_token_ids_b64' is an internal field and may not be sent by clients",
+                         "prompt_token_ids_b64")
+    if is_chat and st[C_IDS] >= 0:
+        raise RelayError("'prompt_token_ids' is an internal field and may not be sent by clients",
+                         "prompt_token_ids")
+    stream = _bool_at(buf, st[C_STREAM], "stream")
+    if st[C_STREAM_OPTIONS] >= 0:
+        first = buf[st[C_STREAM_OPTIONS]]
+        if first == 0x7B:
+            include_usage = _bool_at(buf, st[C_INCLUDE_USAGE], "include_usage")
+        elif first != 0x6E:
+            raise RelayError("'stream_options' must be an object", "stream_options")
+    out.model = _str_at(data, buf, st[C_MODEL], en[C_MODEL], "model")
+    if is_chat:
+        if st[C_LAST_MESSAGE] < 0:  # absent, not an array, or empty
+            raise RelayError("'messages' must be a non-empty array", "messages")
+        completion = _max_tokens_at(data, buf, st[C_MAX_COMPLETION_TOKENS], en[C_MAX_COMPLETION_TOKENS],
+                                    "max_completion_tokens")
+        tokens = _max_tokens_at(data, buf, st[C_MAX_TOKENS], en[C_MAX_TOKENS], "max_tokens")
+        if completion is not None:
+            key, value = "max_completion_tokens", completion
+        else:
+            key, value = "max_tokens", tokens
+    else:
+        if st[C_PROMPT] < 0 or (buf[st[C_PROMPT]] != 0x22 and buf[st[C_PROMPT]] != 0x5B):
+            raise RelayError("'prompt' must be a string or an array", "prompt")
+        key, value = "max_tokens", _max_tokens_at(data, buf, st[C_MAX_TOKENS], en[C_MAX_TOKENS], "max_tokens")
+    if value is not None and value < 1:
+        raise RelayError(f"'{key}' must be at least 1, got {value}", key)
+    out.body = data
+    out.chat = is_chat
+    out.empty = _is_empty(buf, st[C_ROOT], en[C_ROOT])
+    out.stream = stream == 1
+    out.include_usage = include_usage == 1
+    out.max_tokens = value
+    return out
+
+
+cdef ClientScan _client_scan(object client):
+    if type(client) is not ClientScan:
+        raise TypeError(f"client must be a ClientScan of this twin, not {type(client).__name__}")
+    return <ClientScan>client
+
+
+cdef ContextScan _context_scan(object context):
+    if type(context) is not ContextScan:
+        raise TypeError(f"context must be a ContextScan of this twin, not {type(context).__name__}")
+    return <ContextScan>context
+
+
+cdef extern from "<stdio.h>":
+    int snprintf(char *out, size_t size, const char *fmt, ...) nogil
+
+
+def context_request(client, disagg_request_id, return_b64):
+    """Leg (1) from a read client body (see the pure twin)."""
+    cdef ClientScan c = _client_scan(client)
+    cdef Piece pieces[MAX_PIECES]
+    cdef int count = 0, overflow = 0, length
+    cdef long long request_id
+    cdef char digits[32]
+    cdef const char *buf
+    cdef const char *id_text
+    cdef Py_ssize_t previous = 0, at
+    cdef bint first_added = True
+    if isinstance(disagg_request_id, bool) or not isinstance(disagg_request_id, int):
+        raise TypeError("disagg_request_id must be an int")
+    request_id = PyLong_AsLongLongAndOverflow(disagg_request_id, &overflow)
+    if overflow:
+        big = b"%d" % disagg_request_id
+        id_text = <const char *>PyBytes_AS_STRING(big)
+        length = <int>PyBytes_GET_SIZE(big)
+    else:
+        length = snprintf(digits, sizeof(digits), "%lld", request_id)
+        id_text = digits
+    buf = PyBytes_AS_STRING(c.body)
+    # stream and stream_options come before the root's end and after each other in body order.
+    if c.starts[C_STREAM] >= 0 and c.starts[C_STREAM_OPTIONS] >= 0 and c.starts[C_STREAM_OPTIONS] < c.starts[C_STREAM]:
+        _add(pieces, &count, buf, c.starts[C_STREAM_OPTIONS])
+        _add(pieces, &count, "null", 4)
+        _add(pieces, &count, buf + c.ends[C_STREAM_OPTIONS], c.starts[C_STREAM] - c.ends[C_STREAM_OPTIONS])
+        _add(pieces, &count, "false", 5)
+        previous = c.ends[C_STREAM]
+    else:
+        if c.starts[C_STREAM] >= 0:
+            _add(pieces, &count, buf, c.starts[C_STREAM])
+            _add(pieces, &count, "false", 5)
+            previous = c.ends[C_STREAM]
+        if c.starts[C_STREAM_OPTIONS] >= 0:
+            _add(pieces, &count, buf + previous, c.starts[C_STREAM_OPTIONS] - previous)
+            _add(pieces, &count, "null", 4)
+            previous = c.ends[C_STREAM_OPTIONS]
+    at = c.ends[C_ROOT] - 1
+    _add(pieces, &count, buf + previous, at - previous)
+    if not c.empty:
+        _add(pieces, &count, ",", 1)
+    if c.starts[C_STREAM] < 0:
+        _add(pieces, &count, '"stream":false,', 15)
+    if c.starts[C_STREAM_OPTIONS] < 0:
+        _add(pieces, &count, '"stream_options":null,', 22)
+    _add(pieces, &count, '"disaggregated_params":{"request_type":"context_only","disagg_request_id":', 74)
+    _add(pieces, &count, id_text, length)
+    if return_b64:
+        _add(pieces, &count, ',"return_prompt_token_ids_b64":true', 35)
+    _add(pieces, &count, "}", 1)
+    _add(pieces, &count, buf + at, PyBytes_GET_SIZE(c.body) - at)
+    return _join(pieces, count)
+
+
+cdef inline bint _raw_is(const uint8_t *buf, Py_ssize_t start, Py_ssize_t end, const char *word, Py_ssize_t n) noexcept:
+    return end - start == n and memcmp(buf + start, word, n) == 0
+
+
+def read_context_response(body, max_tokens):
+    """Validate a context response and decide whether a generation leg follows (see the pure twin)."""
+    cdef object data = _as_bytes(body)
+    cdef const uint8_t *buf = _data(data)
+    cdef ContextScan out = ContextScan.__new__(ContextScan)
+    cdef Py_ssize_t *st = out.starts
+    cdef Py_ssize_t *en = out.ends
+    cdef Py_ssize_t start, end
+    cdef bint follows = False, length = False
+    _scan_spans(data, _CONTEXT_SET, True, False, st, en)
+    if buf[st[X_ROOT]] != 0x7B:
+        raise RelayError(_CONTEXT_502 + "context response is not a JSON object")
+    finish_reason = None
+    start = st[X_FINISH]
+    end = en[X_FINISH]
+    if start >= 0:
+        if _raw_is(buf, start, end, '"not_finished"', 14):
+            finish_reason = "not_finished"
+            follows = True
+        elif _raw_is(buf, start, end, '"length"', 8):
+            finish_reason = "length"
+            follows = length = True
+        elif _raw_is(buf, start, end, '"stop"', 6):
+            finish_reason = "stop"
+        elif _raw_is(buf, start, end, "null", 4):
+            pass
+        elif _raw_is(buf, start, end, '"abort"', 7):
+            finish_reason = "abort"
+        elif _raw_is(buf, start, end, '"tool_calls"', 12):
+            finish_reason = "tool_calls"
+        elif buf[start] == 0x22:
+            finish_reason = _json_loads(data[start:end])  # a short string with escapes
+            length = finish_reason == "length"
+            follows = length or finish_reason == "not_finished"
+        else:
+            raise RelayError(_CONTEXT_502 + "context response: choices[0].finish_reason is not a string",
+                             "finish_reason")
+    if st[X_FIRST_CHOICE] < 0:
+        raise RelayError("context worker response has no choices[0]", "choices")
+    if length and max_tokens is not None:
+        completion_tokens = _int_at(data, buf, st[X_COMPLETION_TOKENS], en[X_COMPLETION_TOKENS])
+        if completion_tokens is not None:
+            follows = completion_tokens < max_tokens
+    if follows and (st[X_DP] < 0 or buf[st[X_DP]] != 0x7B):
+        raise RelayError("context worker response lacks choices[0].disaggregated_params", "disaggregated_params")
+    out.body = data
+    out.finish_reason = finish_reason
+    out.finished = not follows
+    return out
+
+
+def generation_request(client, context, tokids_b64, strip_history):
+    """Leg (3) from a read client body and context response (see the pure twin)."""
+    cdef ClientScan c = _client_scan(client)
+    cdef ContextScan x = _context_scan(context)
+    cdef Piece pieces[MAX_PIECES]
+    cdef int count = 0
+    cdef const char *body = PyBytes_AS_STRING(c.body)
+    cdef const char *ctx = PyBytes_AS_STRING(x.body)
+    cdef const uint8_t *cbuf = <const uint8_t *>ctx
+    cdef Py_ssize_t previous = 0, at = c.ends[C_ROOT] - 1, dp0 = x.starts[X_DP], dp1 = x.ends[X_DP]
+    cdef Py_ssize_t rt0 = x.starts[X_REQUEST_TYPE], rt1 = x.ends[X_REQUEST_TYPE]
+    cdef Py_ssize_t cu0 = x.starts[X_CTX_USAGE], cu1 = x.ends[X_CTX_USAGE]
+    cdef Py_ssize_t u0 = x.starts[X_USAGE], u1 = x.ends[X_USAGE], ids0 = -1, ids1 = -1, p
+    cdef const char *usage = "null"
+    cdef Py_ssize_t usage_len = 4
+    cdef bint gate_b64 = tokids_b64, strip = strip_history, replace_prompt = False
+    if dp0 < 0 or cbuf[dp0] != 0x7B:
+        raise RelayError(_CONTEXT_502 + "context response has no choices[0].disaggregated_params object",
+                         "disaggregated_params")
+    if gate_b64:
+        ids0 = x.starts[X_B64]
+        ids1 = x.ends[X_B64]
+        if ids0 < 0 or cbuf[ids0] != 0x22:
+            raise RelayError(
+                _CONTEXT_502 + "context response has no prompt_token_ids_b64 string (is the context "
+                "worker's return_prompt_token_ids_b64 support on?)", "prompt_token_ids_b64")
+        try:
+            _check_b64(cbuf, ids0 + 1, ids1 - 1)
+        except TokenDecodeError as exc:
+            raise RelayError(_CONTEXT_502 + f"context response: invalid prompt_token_ids_b64: {exc}",
+                             "prompt_token_ids_b64") from exc
+    else:
+        ids0 = x.starts[X_IDS]
+        ids1 = x.ends[X_IDS]
+        if ids0 < 0 or cbuf[ids0] != 0x5B:
+            raise RelayError(_CONTEXT_502 + "context response has no prompt_token_ids list", "prompt_token_ids")
+        replace_prompt = not c.chat and c.starts[C_PROMPT] >= 0
+    if u0 >= 0:
+        usage = ctx + u0
+        usage_len = u1 - u0
+    # The client body up to the insertion point, with its edits: the prompt replaced by the ids
+    # (completions, id list), or messages cut to their last element.
+    if replace_prompt:
+        _add(pieces, &count, body, c.starts[C_PROMPT])
+        _add(pieces, &count, ctx + ids0, ids1 - ids0)
+        previous = c.ends[C_PROMPT]
+    elif strip and c.chat and c.starts[C_MESSAGES] >= 0 and c.starts[C_LAST_MESSAGE] >= 0:
+        _add(pieces, &count, body, c.starts[C_MESSAGES])
+        _add(pieces, &count, "[", 1)
+        _add(pieces, &count, body + c.starts[C_LAST_MESSAGE], c.ends[C_LAST_MESSAGE] - c.starts[C_LAST_MESSAGE])
+        _add(pieces, &count, "]", 1)
+        previous = c.ends[C_MESSAGES]
+    _add(pieces, &count, body + previous, at - previous)
+    if c.empty:
+        _add(pieces, &count, '"disaggregated_params":', 23)
+    else:
+        _add(pieces, &count, ',"disaggregated_params":', 24)
+    # The context leg's disaggregated_params: request_type and ctx_usage replaced where present.
+    previous = dp0
+    if rt0 >= 0 and cu0 >= 0 and cu0 < rt0:
+        _add(pieces, &count, ctx + previous, cu0 - previous)
+        _add(pieces, &count, usage, usage_len)
+        _add(pieces, &count, ctx + cu1, rt0 - cu1)
+        _add(pieces, &count, '"generation_only"', 17)
+        previous = rt1
+    else:
+        if rt0 >= 0:
+            _add(pieces, &count, ctx + previous, rt0 - previous)
+            _add(pieces, &count, '"generation_only"', 17)
+            previous = rt1
+        if cu0 >= 0:
+            _add(pieces, &count, ctx + previous, cu0 - previous)
+            _add(pieces, &count, usage, usage_len)
+            previous = cu1
+    if rt0 >= 0 and cu0 >= 0:
+        _add(pieces, &count, ctx + previous, dp1 - previous)
+    else:
+        _add(pieces, &count, ctx + previous, dp1 - 1 - previous)
+        if not _is_empty(cbuf, dp0, dp1):
+            _add(pieces, &count, ",", 1)
+        if rt0 < 0:
+            _add(pieces, &count, '"request_type":"generation_only"', 32)
+            if cu0 < 0:
+                _add(pieces, &count, ",", 1)
+        if cu0 < 0:
+            _add(pieces, &count, '"ctx_usage":', 12)
+            _add(pieces, &count, usage, usage_len)
+        _add(pieces, &count, "}", 1)
+    if gate_b64:
+        _add(pieces, &count, ',"prompt_token_ids_b64":', 24)
+        _add(pieces, &count, ctx + ids0, ids1 - ids0)
+    elif not replace_prompt:
+        if c.chat:
+            _add(pieces, &count, ',"prompt_token_ids":', 20)
+        else:
+            _add(pieces, &count, ',"prompt":', 10)
+        _add(pieces, &count, ctx + ids0, ids1 - ids0)
+    _add(pieces, &count, body + at, PyBytes_GET_SIZE(c.body) - at)
+    return _join(pieces, count)
+
+
+cdef _PathSet _strip_set(Py_ssize_t choices):
+    compiled = _strip_sets.get(choices)
+    if compiled is None:
+        compiled = _strip_sets[choices] = _build_path_set(_py.strip_paths(choices))
+    return <_PathSet>compiled
+
+
+cdef inline bint _separator_only(const uint8_t *buf, Py_ssize_t i, Py_ssize_t end) noexcept:
+    # buf[i:end] is exactly [ \t\n\r]*,[ \t\n\r]*
+    i = skip_ws(buf, i, end)
+    if i >= end or buf[i] != 0x2C:
+        return False
+    return skip_ws(buf, i + 1, end) == end
+
+
+def strip_internal_fields(body, validate=True):
+    """``body`` without the internal fields (see the pure twin)."""
+    cdef object data = _as_bytes(body)
+    cdef const uint8_t *buf = _data(data)
+    cdef Py_ssize_t n = PyBytes_GET_SIZE(data)
+    cdef Py_ssize_t choices = STRIP_CHOICES, paths, count, i, j, runs, start, end, after, comma, previous
+    cdef Py_ssize_t inline_starts[INLINE_MEMBERS + 2]
+    cdef Py_ssize_t inline_ends[INLINE_MEMBERS + 2]
+    cdef Py_ssize_t *st = inline_starts
+    cdef Py_ssize_t *en = inline_ends
+    cdef _PathSet compiled = _STRIP_SET
+    cdef bint check = validate
+    cdef Piece inline_pieces[INLINE_MEMBERS + 1]
+    cdef Piece *pieces = inline_pieces
+    cdef int pieces_count = 0
+    try:
+        while True:
+            _scan_spans(data, compiled, check, True, st, en)
+            if st[3] < 0:
+                break
+            choices *= 4  # more choices than asked for: rare (n > 8), scan again
+            compiled = _strip_set(choices)
+            if st != inline_starts:
+                free(st)
+                free(en)
+            st = <Py_ssize_t *>malloc(compiled.n_paths * sizeof(Py_ssize_t))
+            en = <Py_ssize_t *>malloc(compiled.n_paths * sizeof(Py_ssize_t))
+            if st == NULL or en == NULL:
+                raise MemoryError()
+        if buf[st[0]] != 0x7B:
+            raise RelayError("the response body must be a JSON object")
+        # The members to cut (key-to-value spans), sorted, compacted into st/en from index 0.
+        paths = compiled.n_paths
+        count = 0
+        for i in range(1, paths):
+            if i == 3 or st[i] < 0:
+                continue
+            start = st[i]
+            end = en[i]
+            j = count
+            while j > 0 and (st[j - 1] > start or (st[j - 1] == start and en[j - 1] > end)):
+                st[j] = st[j - 1]
+                en[j] = en[j - 1]
+                j -= 1
+            st[j] = start
+            en[j] = end
+            count += 1
+        if count == 0:
+            return data
+        # Adjacent members of one object go as one run.
+        runs = 0
+        for i in range(count):
+            if runs and _separator_only(buf, en[runs - 1], st[i]):
+                en[runs - 1] = en[i]
+            else:
+                st[runs] = st[i]
+                en[runs] = en[i]
+                runs += 1
+        # Each run with exactly the comma it leaves: the one after it, or (the last member) before it.
+        for i in range(runs):
+            start = st[i]
+            end = en[i]
+            after = skip_ws(buf, end, n)
+            if buf[after] == 0x2C:
+                end = skip_ws(buf, after + 1, n)
+            else:
+                comma = start - 1
+                while comma >= 0 and buf[comma] != 0x2C:
+                    comma -= 1
+                if comma >= 0 and skip_ws(buf, comma + 1, start) == start:
+                    start = comma
+            st[i] = start
+            en[i] = end
+        if runs + 1 > INLINE_MEMBERS + 1:
+            pieces = <Piece *>malloc((runs + 1) * sizeof(Piece))
+            if pieces == NULL:
+                raise MemoryError()
+        previous = 0
+        for i in range(runs):
+            if st[i] < previous:  # as splice would refuse these edits
+                raise ValueError(f"edit {i}: starts at {st[i]}, before the previous edit ends ({previous})")
+            _add(pieces, &pieces_count, <const char *>buf + previous, st[i] - previous)
+            previous = en[i]
+        _add(pieces, &pieces_count, <const char *>buf + previous, n - previous)
+        return _join(pieces, pieces_count)
+    finally:
+        if st != inline_starts:
+            free(st)
+            free(en)
+        if pieces != inline_pieces:
+            free(pieces)

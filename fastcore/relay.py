@@ -32,6 +32,7 @@ from types import ModuleType
 from typing import NamedTuple
 
 from . import _jsonspan_impl
+from . import _jsonspan_py as _paths
 from .errors import JSONSpanError, RelayError, TokenDecodeError
 
 Span = tuple[int, int]
@@ -52,61 +53,19 @@ _COMMON_FINISH_REASONS: dict[bytes, str | None] = {
 }
 
 _WS = re.compile(rb"[ \t\n\r]*")
-_MEMBER_SEPARATOR = re.compile(rb"[ \t\n\r]*,[ \t\n\r]*")
 
-# Everything either leg needs from a client body, found in one pass.
-_CLIENT_PATHS = (
-    (),
-    ("messages",),
-    ("disaggregated_params",),
-    ("prompt_token_ids_b64",),
-    ("prompt_token_ids",),
-    ("stream",),
-    ("stream_options",),
-    ("prompt",),
-    ("messages", -1),
-)
+# The scanner paths and their indexes: one definition (the pure scanner twin's), shared by both twins'
+# relay kernels and the functions here. Everything either leg needs from a client body, in one pass:
+_CLIENT_PATHS = _paths.CLIENT_PATHS
 _ROOT, _MESSAGES, _DISAGG, _B64, _IDS, _STREAM, _STREAM_OPTIONS, _PROMPT, _LAST_MESSAGE = range(9)
 # read_client_request: the same, plus the small fields an orchestrator acts on, in the same pass.
-_CLIENT_REQUEST_PATHS = (
-    *_CLIENT_PATHS,
-    ("model",),
-    ("max_tokens",),
-    ("max_completion_tokens",),
-    ("stream_options", "include_usage"),
-)
+_CLIENT_REQUEST_PATHS = _paths.CLIENT_REQUEST_PATHS
 _MODEL, _MAX_TOKENS, _MAX_COMPLETION_TOKENS, _INCLUDE_USAGE = range(9, 13)
-
-_DP = ("choices", 0, "disaggregated_params")
-_CONTEXT_PATHS = (
-    (),
-    ("choices", 0, "finish_reason"),
-    _DP,
-    ("usage",),
-    ("prompt_token_ids",),
-    ("prompt_token_ids_b64",),
-    (*_DP, "request_type"),
-    (*_DP, "ctx_usage"),
-)
+_CONTEXT_PATHS = _paths.CONTEXT_PATHS
 # read_context_response: the same, plus what an orchestrator checks before relaying, in the same pass.
-_CONTEXT_RESPONSE_PATHS = (*_CONTEXT_PATHS, ("choices", 0), ("usage", "completion_tokens"))
-
-# strip_internal_fields' paths for the first ``choices`` choices, built once per count (a tuple
-# of tuples, so the compiled twin's path cache keeps its compiled form too).
-_STRIP_PATHS: dict[int, tuple[tuple[str | int, ...], ...]] = {}
-
-
-def _strip_paths(choices: int) -> tuple[tuple[str | int, ...], ...]:
-    paths = _STRIP_PATHS.get(choices)
-    if paths is None:
-        paths = _STRIP_PATHS[choices] = (
-            (),
-            ("prompt_token_ids",),
-            ("prompt_token_ids_b64",),
-            ("choices", choices),
-            *(("choices", i, "disaggregated_params") for i in range(choices)),
-        )
-    return paths
+_CONTEXT_RESPONSE_PATHS = _paths.CONTEXT_RESPONSE_PATHS
+# strip_internal_fields' paths for the first ``choices`` choices, built once per count.
+_strip_paths = _paths.strip_paths
 
 
 class ClientBody(NamedTuple):
@@ -200,6 +159,18 @@ class Relay:
         self._find_member_spans = scanner.find_member_spans
         self._splice = scanner.splice
         self._check_token_b64 = scanner.check_token_b64
+        self._strip_internal_fields = scanner.strip_internal_fields
+        # The orchestrator's relay kernels (one call per body; see the scanner's "relay kernels"):
+        #: ``(body, chat) -> ClientScan``
+        self.client_kernel = scanner.read_client_request
+        #: ``(ClientScan, disagg_request_id, return_b64) -> bytes``: leg (1)
+        self.context_request_kernel = scanner.context_request
+        #: ``(body, max_tokens) -> ContextScan``
+        self.context_kernel = scanner.read_context_response
+        #: ``(ClientScan, ContextScan, tokids_b64, strip_history) -> bytes``: leg (3)
+        self.generation_request_kernel = scanner.generation_request
+        #: ``(body, validate) -> bytes``
+        self.strip_kernel = scanner.strip_internal_fields
 
     # -- client bodies --------------------------------------------------------------------------
 
@@ -495,42 +466,7 @@ class Relay:
         :meth:`parse_context_response`) is for bytes the caller has validated.
         Returns ``body`` itself (when ``bytes``) if there is nothing to cut.
         """
-        if not isinstance(body, (bytes, bytearray)):
-            body = bytes(body)  # rfind and friends below
-        choices = 8
-        while True:
-            spans = self._find_member_spans(body, _strip_paths(choices), validate=validate)
-            if spans[3] is None:
-                break
-            choices *= 4  # more choices than asked for: rare (n > 8), scan again
-        if not _is_object(body, spans[0]):
-            raise RelayError("the response body must be a JSON object")
-        members = sorted(span for span in spans[1:3] + spans[4:] if span is not None)
-        if not members:
-            return body if isinstance(body, bytes) else bytes(body)
-        return self._splice(body, self._deletions(body, members))
-
-    @staticmethod
-    def _deletions(body: bytes | bytearray, members: list[Span]) -> list[tuple[int, int, bytes]]:
-        """Edits deleting ``members`` (key-to-value spans, sorted) and exactly the commas they leave."""
-        runs: list[list[int]] = []
-        for start, end in members:
-            if runs and _MEMBER_SEPARATOR.fullmatch(body, runs[-1][1], start):
-                runs[-1][1] = end  # adjacent members of one object go as one run
-            else:
-                runs.append([start, end])
-        edits = []
-        for start, end in runs:
-            after = _WS.match(body, end).end()  # type: ignore[union-attr]
-            if body[after] == 0x2C:  # ',': not the last member; take the comma after the run
-                edits.append((start, _WS.match(body, after + 1).end(), b""))  # type: ignore[union-attr]
-                continue
-            comma = body.rfind(b",", 0, start)
-            if comma >= 0 and _WS.fullmatch(body, comma + 1, start):
-                edits.append((comma, end, b""))  # the last member: take the comma before it
-            else:
-                edits.append((start, end, b""))  # the only member
-        return edits
+        return self._strip_internal_fields(body, validate)
 
 
 _default = Relay(_jsonspan_impl)
@@ -543,6 +479,11 @@ build_context_request = _default.build_context_request
 build_generation_request = _default.build_generation_request
 parse_context_response = _default.parse_context_response
 strip_internal_fields = _default.strip_internal_fields
+client_kernel = _default.client_kernel
+context_request_kernel = _default.context_request_kernel
+context_kernel = _default.context_kernel
+generation_request_kernel = _default.generation_request_kernel
+strip_kernel = _default.strip_kernel
 
 __all__ = [
     "GENERATION_FOLLOWS",

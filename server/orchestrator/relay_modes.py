@@ -30,7 +30,6 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, ValidationErr
 import fastcore
 from fastcore import JSONSpanError, RelayError
 from fastcore import relay as fastcore_relay
-from fastcore.relay import ContextResponseError
 from server.errors import HTTPError
 
 Span = tuple[int, int]
@@ -101,84 +100,15 @@ def _check_max_tokens(key: str, value: int | None) -> int | None:
     return value
 
 
-# -- FastRelay: small values decoded from the spans of one validating scan -------------------------
+# -- FastRelay: one compiled call per body -------------------------------------------------------
 #
-# Every span is a valid JSON value (the scan checked the whole body), so its
-# first byte says its type: 't'/'f'/'n' are exactly true/false/null, '"' a
-# string, '-' or a digit a number, '{' / '[' a container. Containers are never
-# sliced out; scalars the orchestrator keeps are a few bytes.
+# Each body goes through one relay kernel of the fastcore scanner (fastcore.relay.Relay's
+# ``*_kernel``): one validating scan, the small fields the orchestrator acts on decoded from their
+# few bytes, every check, and the output built with one allocation, all in C (or in the pure twin).
+# A refusal is a RelayError carrying the HTTP message and the 400's param; a malformed body, the
+# scan's JSONSpanError, which _scan_refusal words.
 
-_QUOTE, _OPEN_OBJECT, _OPEN_ARRAY, _MINUS, _NULL_BYTE, _TRUE_BYTE, _FALSE_BYTE = b'"{[-ntf'
-# An int of more digits than this is not a token count (and int() of thousands
-# of digits is slow, or refused).
-_MAX_INT_DIGITS = 20
 _JSON_KEY = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-
-
-def _span_bool(body: bytes, span: Span | None, key: str) -> bool | None:
-    """A strict boolean (``None``: absent or null); anything else is the client's 400."""
-    if span is None:
-        return None
-    first = body[span[0]]
-    if first == _TRUE_BYTE:
-        return True
-    if first == _FALSE_BYTE:
-        return False
-    if first == _NULL_BYTE:
-        return None
-    raise HTTPError(400, f"'{key}' must be a boolean", param=key)
-
-
-def _is_number(first: int) -> bool:
-    return first == _MINUS or 0x30 <= first <= 0x39
-
-
-def _digits(body: bytes, start: int, end: int) -> int:
-    return end - start - (body[start] == _MINUS)
-
-
-def _span_int(body: bytes, span: Span | None) -> int | None:
-    """The integer at ``span``, or ``None`` (absent, null, not an integer, or over 20 digits)."""
-    if span is None:
-        return None
-    start, end = span
-    if not _is_number(body[start]) or _digits(body, start, end) > _MAX_INT_DIGITS:
-        return None
-    raw = body[start:end]
-    # A valid JSON number is an integer unless it has a fraction or an exponent.
-    if b"." in raw or b"e" in raw or b"E" in raw:
-        return None
-    return int(raw)
-
-
-def _span_max_tokens(body: bytes, span: Span | None, key: str) -> int | None:
-    """``max_tokens`` / ``max_completion_tokens``: an integer (not a bool) or null."""
-    value = _span_int(body, span)
-    if value is None and span is not None:
-        start, end = span
-        first = body[start]
-        if first == _NULL_BYTE:
-            return None
-        if _is_number(first) and _digits(body, start, end) > _MAX_INT_DIGITS:
-            raise HTTPError(400, f"'{key}' must be an integer of at most {_MAX_INT_DIGITS} digits", param=key)
-        raise HTTPError(400, f"'{key}' must be an integer", param=key)
-    return value
-
-
-def _span_str(body: bytes, span: Span | None, key: str) -> str | None:
-    """A string (``None``: absent or null); anything else is the client's 400."""
-    if span is None:
-        return None
-    start, end = span
-    first = body[start]
-    if first == _NULL_BYTE:
-        return None
-    if first != _QUOTE:
-        raise HTTPError(400, f"'{key}' must be a string", param=key)
-    if body.find(b"\\", start + 1, end - 1) < 0:
-        return body[start + 1 : end - 1].decode("utf-8")  # the scan checked its UTF-8
-    value: str = json.loads(body[start:end])  # escapes: a short string, the stdlib decodes them right
-    return value
 
 
 def _duplicate_key(body: bytes, offset: int) -> str | None:
@@ -211,103 +141,58 @@ class FastRelay:
     name = "fast"
 
     def __init__(self, *, tokids_b64: bool, strip_history: bool, relay: Any = None) -> None:
-        # The zero-parse splices of fastcore.relay on the active scanner twin;
-        # tests pass ``fastcore.relay.Relay(twin)`` to run both.
+        # The relay kernels of the active scanner twin; tests pass ``fastcore.relay.Relay(twin)``
+        # to run both.
         self.relay = relay if relay is not None else fastcore_relay
         self.tokids_b64 = tokids_b64
         self.strip_history = strip_history
+        self._read_client = self.relay.client_kernel
+        self._context_request = self.relay.context_request_kernel
+        self._read_context = self.relay.context_kernel
+        self._generation_request = self.relay.generation_request_kernel
+        self._strip = self.relay.strip_kernel
 
     def read_client(self, body: bytes, chat: bool) -> ClientRequest:
         try:
-            # One validating scan: the whole body is checked, and it finds every
-            # span both legs splice (ClientBody) and the small fields read here.
-            client, fields = self.relay.read_client_request(body, chat=chat)
+            # One validating scan: the whole body is checked, and it finds every span both legs
+            # splice and decodes the small fields read here.
+            scan = self._read_client(body, chat)
         except JSONSpanError as exc:
             raise _scan_refusal(body, exc, "request body", 400) from None
         except RelayError as exc:
-            field = exc.field
-            if field is None:
-                raise HTTPError(400, "request body must be a JSON object") from None
-            raise HTTPError(
-                400, f"'{field}' is an internal field and may not be sent by clients", param=field
-            ) from None
-        stream = _span_bool(body, fields.stream, "stream")
-        options = fields.stream_options
-        include_usage = None
-        if options is not None:
-            first = body[options[0]]
-            if first == _OPEN_OBJECT:
-                include_usage = _span_bool(body, fields.include_usage, "include_usage")
-            elif first != _NULL_BYTE:
-                raise HTTPError(400, "'stream_options' must be an object", param="stream_options")
-        model = _span_str(body, fields.model, "model")
-        if chat:
-            if fields.last_message is None:  # absent, not an array, or empty
-                raise HTTPError(400, "'messages' must be a non-empty array", param="messages")
-            # Both are checked, as the parsed relay's model does; the first set one counts.
-            completion = _span_max_tokens(body, fields.max_completion_tokens, "max_completion_tokens")
-            tokens = _span_max_tokens(body, fields.max_tokens, "max_tokens")
-            key, value = (
-                ("max_completion_tokens", completion) if completion is not None else ("max_tokens", tokens)
-            )
-        else:
-            prompt = fields.prompt
-            if prompt is None or body[prompt[0]] not in (_QUOTE, _OPEN_ARRAY):
-                raise HTTPError(400, "'prompt' must be a string or an array", param="prompt")
-            key, value = "max_tokens", _span_max_tokens(body, fields.max_tokens, "max_tokens")
-        max_tokens = _check_max_tokens(key, value)
-        return ClientRequest(body, chat, bool(stream), bool(include_usage), max_tokens, model, client)
+            raise HTTPError(400, str(exc), param=exc.field) from None
+        return ClientRequest(body, chat, scan.stream, scan.include_usage, scan.max_tokens, scan.model, scan)
 
     def context_request(self, req: ClientRequest, disagg_request_id: int) -> bytes:
-        try:
-            return self.relay.build_context_request(
-                req.parsed, disagg_request_id=disagg_request_id, return_b64=self.tokids_b64
-            )
-        except (RelayError, JSONSpanError) as exc:
-            raise HTTPError(400, f"request body rejected: {exc}", param=getattr(exc, "field", None)) from None
+        return self._context_request(req.parsed, disagg_request_id, self.tokids_b64)
 
     def read_context(self, req: ClientRequest, body: bytes) -> ContextResult:
         try:
-            # One validating scan; the spans leg (3) needs go to build_generation_request.
-            info, fields = self.relay.read_context_response(body)
-        except ContextResponseError as exc:
-            if isinstance(exc.__cause__, JSONSpanError):
-                raise _scan_refusal(body, exc.__cause__, "context worker response", 502) from None
-            raise HTTPError(502, f"context worker response cannot be relayed: {exc}") from None
-        if fields.first_choice is None:
-            raise HTTPError(502, "context worker response has no choices[0]")
-        completion_tokens = _span_int(body, fields.completion_tokens)
-        finished = not _needs_generation(info.finish_reason, completion_tokens, req.max_tokens)
-        params = info.disaggregated_params
-        if not finished and (params is None or body[params[0]] != _OPEN_OBJECT):
-            raise HTTPError(502, "context worker response lacks choices[0].disaggregated_params")
-        return ContextResult(body, finished, info)
+            # One validating scan; its spans go to generation_request.
+            scan = self._read_context(body, req.max_tokens)
+        except JSONSpanError as exc:
+            raise _scan_refusal(body, exc, "context worker response", 502) from None
+        except RelayError as exc:
+            raise HTTPError(502, str(exc)) from None
+        return ContextResult(body, scan.finished, scan)
 
     def generation_request(self, req: ClientRequest, ctx: ContextResult) -> bytes:
         try:
-            return self.relay.build_generation_request(
-                req.parsed,
-                ctx.body,
-                tokids_b64=self.tokids_b64,
-                strip_history=self.strip_history,
-                ctx_info=ctx.parsed,
-            )
-        except ContextResponseError as exc:
-            raise HTTPError(502, f"context worker response cannot be relayed: {exc}") from None
-        except (RelayError, JSONSpanError) as exc:
-            raise HTTPError(400, f"request body rejected: {exc}", param=getattr(exc, "field", None)) from None
+            return self._generation_request(req.parsed, ctx.parsed, self.tokids_b64, self.strip_history)
+        except RelayError as exc:
+            raise HTTPError(502, str(exc)) from None
 
     def finished_answer(self, req: ClientRequest, ctx: ContextResult) -> bytes:
         try:
             # read_context validated these bytes: this scan only finds the members to cut.
-            return self.relay.strip_internal_fields(ctx.body, validate=False)
+            return self._strip(ctx.body, False)
         except (RelayError, JSONSpanError) as exc:  # e.g. a choice beyond the first repeats a key
             raise HTTPError(502, f"context worker response cannot be relayed: {exc}") from None
 
     def client_answer(self, req: ClientRequest, body: bytes) -> bytes:
         try:
             # One validating scan; the body itself comes back when there is nothing to cut.
-            return self.relay.strip_internal_fields(body)
+            return self._strip(body, True)
         except JSONSpanError as exc:
             raise _scan_refusal(body, exc, "generation worker response", 502) from None
         except RelayError as exc:
