@@ -358,10 +358,6 @@ async def test_response_without_body_statuses() -> None:
         assert up.accepted == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: an interim 1xx response (100 Continue) is taken for the final response (RFC 9110 15.2: MUST parse them)",
-)
 async def test_interim_100_continue_skipped() -> None:
     async def serve(up: Upstream, reader: Reader, writer: Writer, index: int) -> None:
         while await up.next_request(reader) is not None:
@@ -718,10 +714,6 @@ async def test_connection_lost_mid_body_raises(framing: str, how: str) -> None:
         resp.release()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a reset during a close-delimited body is taken for its end: a truncated body reads as complete",
-)
 async def test_reset_mid_close_delimited_body_raises() -> None:
     async def serve(up: Upstream, reader: Reader, writer: Writer, index: int) -> None:
         await up.next_request(reader)
@@ -833,10 +825,6 @@ async def test_pause_and_resume_reading() -> None:
         assert up.accepted == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: time paused by backpressure counts as upstream silence: read_timeout cuts a stream whose client reads slowly",
-)
 async def test_read_timeout_not_counted_while_paused() -> None:
     """The orchestrator pauses a worker's stream while its client is slow; the worker was not silent."""
 

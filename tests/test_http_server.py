@@ -542,10 +542,6 @@ async def test_chunked_with_extensions_and_trailers_accepted() -> None:
         assert second.status == 200 and second.header(b"x-url") == b"/after"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: an HTTP/1.0 request with Transfer-Encoding keeps its connection (RFC 9112 6.1: faulty framing, close after it)",
-)
 async def test_http10_with_transfer_encoding_closes_after_it() -> None:
     """A 1.0 hop may not know chunked: what follows such a request must not be read as a request."""
     async with serving() as (_server, port), connected(port) as client:
@@ -560,10 +556,6 @@ async def test_http10_with_transfer_encoding_closes_after_it() -> None:
             assert_json_error(responses[0], 400)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a request with 'Upgrade:' is answered by the handler AND then by a 501: two responses to one request",
-)
 async def test_upgrade_request_gets_exactly_one_response() -> None:
     """Upgrade is not supported: the request may be refused (501) or served ignoring it, not both."""
     async with serving() as (_server, port), connected(port) as client:
@@ -580,9 +572,6 @@ async def test_upgrade_request_gets_exactly_one_response() -> None:
             assert await client.until_closed() == [first]
 
 
-@pytest.mark.xfail(
-    strict=True, reason="BUG: the response to HEAD carries the body, so the next response is misread"
-)
 async def test_head_response_has_no_body() -> None:
     """RFC 9110 9.3.2: the server must not send content in the response to HEAD."""
 
@@ -666,10 +655,6 @@ async def test_url_over_limit_414(step: int) -> None:
         assert MARKER not in bytes(client.stream.raw)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a URL's bytes are counted twice (on_url and the read) when headers span reads: false 431",
-)
 async def test_long_url_under_limit_accepted_over_two_reads() -> None:
     """A 620-byte request head under a 1024-byte limit, its end in a second read."""
     async with serving(max_header_bytes=1024) as (_server, port), connected(port) as client:
@@ -680,10 +665,6 @@ async def test_long_url_under_limit_accepted_over_two_reads() -> None:
         assert resp.status == 200
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the bytes of earlier pipelined requests in the same read count as the next one's header bytes: false 431",
-)
 async def test_pipelined_request_after_large_body_accepted() -> None:
     async with serving(max_header_bytes=1024) as (_server, port), connected(port) as client:
         await client.send(post(b"/1", b"b" * 2000) + b"GET /2 HTTP/1.1\r\n")
@@ -859,11 +840,6 @@ async def test_slow_handler_is_not_a_timeout() -> None:
             assert resp.status == 200 and resp.body == b"late"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a pipelined request's header/body deadline that expires while the previous handler runs is dropped: "
-    "the half-sent request holds the connection forever",
-)
 @pytest.mark.parametrize(
     "partial",
     [b"GET /next HTTP/1.1\r\nX-Partial: ", b"POST /next HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc"],
@@ -976,10 +952,6 @@ async def test_expect_100_continue_before_the_body() -> None:
         assert resp.status == 200 and resp.body == b"hello"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: 'Expect: 100-continue' on a request pipelined behind one being answered never gets its 100 Continue",
-)
 async def test_expect_100_continue_when_pipelined() -> None:
     async def slow(req: Request, out: Responder) -> None:
         if req.path == b"/slow":
@@ -995,9 +967,6 @@ async def test_expect_100_continue_when_pipelined() -> None:
         assert first.status == 200 and cont.status == 100
 
 
-@pytest.mark.xfail(
-    strict=True, reason="BUG: 100 Continue is sent to an HTTP/1.0 client (RFC 9110 15.2: MUST NOT)"
-)
 async def test_no_100_continue_to_http10() -> None:
     async with serving() as (_server, port), connected(port) as client:
         await client.send(b"POST / HTTP/1.0\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n")
@@ -1034,11 +1003,6 @@ async def test_pipelined_queue_full_stops_reading() -> None:
         assert all(r.status == 200 for r in responses)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: pipelined requests are read and answered into the write buffer while the client reads nothing: "
-    "its memory is unbounded (the high-water mark only pauses a Responder.flow)",
-)
 async def test_pipelined_responses_to_a_reader_that_does_not_read_are_bounded() -> None:
     body = b"m" * 65536
 
@@ -1350,11 +1314,6 @@ async def test_handler_returning_without_response_500() -> None:
         assert second.status == 200 and second.header(b"x-url") == b"/after"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a handler that raises CancelledError itself (the connection is not gone) leaves the connection "
-    "open forever: no response, no deadline",
-)
 async def test_handler_raising_cancelled_error_does_not_hang_the_connection() -> None:
     async def cancelled(req: Request, out: Responder) -> None:
         raise asyncio.CancelledError()  # e.g. an awaited future someone else cancelled

@@ -169,6 +169,8 @@ class _Connection(asyncio.Protocol):
         self.last_io = 0.0
         self.got_bytes = False
         self.paused = False
+        #: the message being parsed is an interim 1xx response
+        self.interim = False
         #: streamed body pieces of the current read, not yet given to the sink
         self.pending: list[bytes] = []
 
@@ -183,8 +185,8 @@ class _Connection(asyncio.Protocol):
         resp = self.response
         if resp is None or resp.complete:
             return
-        if resp.headers_done and resp.content_length is None:
-            self.on_message_complete()  # a close-delimited body ends here
+        if resp.headers_done and resp.content_length is None and exc is None:
+            self.on_message_complete()  # a close-delimited body ends with a clean close
             return
         why = f": {exc}" if exc else ""
         stage = "mid-response" if resp.headers_done else "before answering"
@@ -239,7 +241,11 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         resp = self.response
         assert resp is not None
-        resp.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:
+            self.interim = True  # 100 Continue and friends: skipped, the real answer follows
+            return
+        resp.status = status
         resp.headers_done = True
         if not resp._whole:
             fut = resp._headers
@@ -249,6 +255,8 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         resp = self.response
         assert resp is not None
+        if self.interim:
+            return
         if resp.sink is not None:
             resp.size += len(body)
             self.pending.append(body)  # flushed once the read is parsed
@@ -266,6 +274,12 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         resp = self.response
         assert resp is not None
+        if self.interim:
+            self.interim = False
+            resp.content_type = b""
+            resp.content_length = None
+            resp.retry_after = None
+            return
         resp.complete = True
         resp.keep_alive = self.parser.should_keep_alive()
         if self.timed:
@@ -295,6 +309,7 @@ class _Connection(asyncio.Protocol):
             resp.limit = max_body
         self.requests += 1
         self.got_bytes = False
+        self.interim = False
         now = self.loop.time()
         self.read_timeout = read_timeout or 0.0
         self.last_io = now
@@ -312,6 +327,8 @@ class _Connection(asyncio.Protocol):
         if resp is None or resp.complete:
             self._cancel_timer()
             return
+        if self.paused:
+            self.last_io = now  # we stopped reading (backpressure): not the worker's silence
         if (self.deadline and now >= self.deadline) or (
             self.read_timeout and now >= self.last_io + self.read_timeout
         ):
@@ -352,6 +369,7 @@ class _Connection(asyncio.Protocol):
     def resume(self) -> None:
         if self.paused and not self.closed and self.transport is not None:
             self.paused = False
+            self.last_io = self.loop.time()
             self.transport.resume_reading()
 
     def close(self) -> None:

@@ -94,6 +94,7 @@ class Request:
 
     __slots__ = (
         "body",
+        "chunked",
         "chunks",
         "content_length",
         "expect_continue",
@@ -119,6 +120,7 @@ class Request:
         self.size = 0
         self.content_length: int | None = None
         self.expect_continue = False
+        self.chunked = False
         self.keep_alive = True
 
     def header(self, name: bytes) -> bytes | None:
@@ -137,10 +139,22 @@ class Flow(Protocol):
 class Responder:
     """Writes one request's response: whole (:meth:`send`) or streamed (:meth:`start`, :meth:`write`, :meth:`end`)."""
 
-    __slots__ = ("_conn", "_transport", "chunked", "finished", "flow", "keep_alive", "started", "status")
+    __slots__ = (
+        "_conn",
+        "_transport",
+        "chunked",
+        "finished",
+        "flow",
+        "head_only",
+        "keep_alive",
+        "started",
+        "status",
+    )
 
-    def __init__(self, conn: _Connection, keep_alive: bool, http10: bool) -> None:
+    def __init__(self, conn: _Connection, keep_alive: bool, http10: bool, head_only: bool = False) -> None:
         self._conn = conn
+        #: a response to HEAD: headers as for GET, never a body (RFC 9110 9.3.2)
+        self.head_only = head_only
         self._transport: asyncio.Transport = conn.transport  # type: ignore[assignment]
         self.keep_alive = keep_alive
         self.chunked = not http10
@@ -178,7 +192,9 @@ class Responder:
             self._connection(),
             headers,
         )
-        if len(body) < 4096:
+        if self.head_only:
+            self._transport.write(head)
+        elif len(body) < 4096:
             self._transport.write(head + body)
         else:
             self._transport.writelines((head, body))
@@ -205,7 +221,7 @@ class Responder:
 
     def write(self, data: bytes | memoryview) -> None:
         """One piece of a streamed body (no-op once the client is gone)."""
-        if not data or self._conn.closed:
+        if not data or self._conn.closed or self.head_only:
             return
         if self.chunked:
             self._transport.writelines((b"%x\r\n" % len(data), data, b"\r\n"))
@@ -216,7 +232,7 @@ class Responder:
         if self.finished:
             return
         self.finished = True
-        if self.chunked and not self._conn.closed:
+        if self.chunked and not self._conn.closed and not self.head_only:
             self._transport.write(b"0\r\n\r\n")
 
     def abort(self) -> None:
@@ -255,6 +271,7 @@ class _Connection(asyncio.Protocol):
         "lingering",
         "loop",
         "max_headers",
+        "no_more",
         "parser",
         "queue",
         "reading_paused",
@@ -280,6 +297,8 @@ class _Connection(asyncio.Protocol):
         self.reading_paused = False
         self.write_paused = False
         self.lingering = False
+        #: the last request was framed so that nothing after it can be trusted
+        self.no_more = False
         self.head_bytes = 0
         self.last_read = 0
         self.max_headers = self.limits.max_headers
@@ -327,17 +346,24 @@ class _Connection(asyncio.Protocol):
         responder = self.responder
         if responder is not None and responder.flow is not None:
             responder.flow.resume_reading()
+        if self.task is None and self.queue:
+            self._next()
 
     def data_received(self, data: bytes) -> None:
-        if self.failed is not None or self.closed:
+        if self.failed is not None or self.closed or self.no_more:
             return
         self.last_read = len(data)
+        current = self.current
+        # Headers already in progress when this read began: the whole read is header bytes.
+        mid_headers = current is not None and not current.method
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._fail(501, "protocol upgrades (Upgrade, CONNECT) are not supported")
             return
         except httptools.HttpParserCallbackError:
+            if self.no_more and self.failed is None:
+                return  # parsing stopped on purpose (_Stop after a request that ends the connection)
             if self.failed is None:  # a bug in a callback, not a client error
                 log.exception("HTTP parser callback failed")
                 self._fail(500, "internal error while reading the request")
@@ -349,8 +375,11 @@ class _Connection(asyncio.Protocol):
             return
         current = self.current
         if current is not None and not current.method:
-            # Headers still incomplete after this read: bound what they may take.
-            self.head_bytes += len(data)
+            # Headers still incomplete after this read: bound what they may
+            # take. The read they began in is not counted (it may carry the
+            # previous request's tail); the exact sum is taken when they end.
+            if mid_headers:
+                self.head_bytes += len(data)
             if self.head_bytes > self.limits.max_header_bytes:
                 self._fail(431, f"request headers exceed {self.limits.max_header_bytes} bytes")
                 return
@@ -370,8 +399,7 @@ class _Connection(asyncio.Protocol):
         req = self.current
         assert req is not None
         req.url += url
-        self.head_bytes += len(url)
-        if self.head_bytes > self.limits.max_header_bytes:
+        if len(req.url) > self.limits.max_header_bytes:
             self._stop(414, f"request line exceeds {self.limits.max_header_bytes} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -390,6 +418,7 @@ class _Connection(asyncio.Protocol):
         if key == b"content-length":
             req.content_length = int(value)  # llhttp checked: digits, one header
         elif key == b"transfer-encoding":
+            req.chunked = True
             if value.strip().lower() != b"chunked" or sum(k.lower() == key for k, _ in req.headers) > 1:
                 self._stop(501, "only 'Transfer-Encoding: chunked' is supported")
         elif key == b"expect":
@@ -412,6 +441,8 @@ class _Connection(asyncio.Protocol):
         req.version = parser.get_http_version()
         if req.version not in ("1.1", "1.0"):
             self._stop(505, f"HTTP/{req.version} is not supported; use HTTP/1.1")
+        if parser.should_upgrade():
+            self._stop(501, "protocol upgrades (Upgrade, CONNECT) are not supported")
         req.method = parser.get_method()
         url = req.url
         if url[:1] != b"/":
@@ -424,7 +455,10 @@ class _Connection(asyncio.Protocol):
         limit = self.limits.max_body_bytes
         if req.content_length is not None and req.content_length > limit:
             self._stop(413, f"request body of {req.content_length} bytes exceeds the limit of {limit} bytes")
+        if req.version == "1.0":
+            req.expect_continue = False  # RFC 9110 15.2: never a 1xx to HTTP/1.0
         if req.expect_continue and self.task is None and not self.queue:
+            req.expect_continue = False
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # type: ignore[union-attr]
         self.deadline = self.loop.time() + self.body_timeout_s
 
@@ -441,23 +475,39 @@ class _Connection(asyncio.Protocol):
         assert req is not None
         self.current = None
         req.keep_alive = self.parser.should_keep_alive()
+        if req.chunked and req.version == "1.0":
+            # RFC 9112 6.1: chunked framing in HTTP/1.0 is faulty; answer this
+            # one, then close without reading what follows it.
+            req.keep_alive = False
+            self.no_more = True
+            self.queue.append(self._finish_body(req))
+            if self.task is None:
+                self._next()
+            raise _Stop("HTTP/1.0 with Transfer-Encoding")
+        self.queue.append(self._finish_body(req))
+        self.deadline = 0.0
+        if self.task is None:
+            self._next()
+
+    def _finish_body(self, req: Request) -> Request:
         chunks = req.chunks
         if chunks:
             req.body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
             req.chunks = []
-        self.queue.append(req)
-        self.deadline = 0.0
-        if self.task is None:
-            self._next()
+        return req
 
     # -- requests ----------------------------------------------------------------
 
     def _next(self) -> None:
         if self.closed:
             return
+        if self.queue and self.write_paused:
+            return  # a client that does not read gets no more answers buffered (resume_writing)
         if self.queue:
             req = self.queue.popleft()
-            responder = self.responder = Responder(self, req.keep_alive, req.version == "1.0")
+            responder = self.responder = Responder(
+                self, req.keep_alive, req.version == "1.0", req.method == b"HEAD"
+            )
             self.task = self.loop.create_task(self._handle(req, responder))
             if self.reading_paused and len(self.queue) < self.limits.max_pipelined:
                 self.reading_paused = False
@@ -467,14 +517,21 @@ class _Connection(asyncio.Protocol):
         if self.failed is not None:
             self._flush_failure()
             return
-        if self.current is None:
+        current = self.current
+        if current is None:
             self._set_deadline(self.limits.keepalive_timeout_s, 0)
+        elif current.expect_continue and current.method:
+            # Pipelined behind the responses just sent: its turn to send the body.
+            current.expect_continue = False
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # type: ignore[union-attr]
 
     async def _handle(self, req: Request, responder: Responder) -> None:
         try:
             await self.server.handler(req, responder)
         except asyncio.CancelledError:
             self.task = None
+            if not self.closed:  # not our client leaving: the response can't be trusted to finish
+                responder.abort()
             raise
         except Exception:
             log.exception("handler failed on %s %s", req.method.decode(), req.path.decode("latin-1"))
@@ -537,7 +594,7 @@ class _Connection(asyncio.Protocol):
         if self.closed:
             return
         status = self.deadline_status
-        if status == 0 or self.task is not None or self.lingering:
+        if status == 0 or self.lingering:
             if self.task is None:
                 self.abort()
             return
