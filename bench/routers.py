@@ -544,6 +544,7 @@ def plot(rows: list[Row], fronts: list[str], path: Path) -> None:
     present = [f for f in fronts if any(r.front == f for r in rows)]
     fig, axes = plt.subplots(1, len(levels), figsize=(6.5 * len(levels), 4.8), squeeze=False)
     width = 0.8 / max(1, len(present))
+    drawn = False
     for ax, c in zip(axes[0], levels):
         for i, front in enumerate(present):
             ys = []
@@ -556,11 +557,15 @@ def plot(rows: list[Row], fronts: list[str], path: Path) -> None:
                     ),
                     None,
                 )
-                ys.append(r.cpu_ms_per_request if r and r.cpu_ms_per_request else float("nan"))
+                # Clock ticks are 10 ms: a short run may read 0; schedstat's ns then stand in.
+                value = (r.cpu_ms_per_request or r.sched_ms_per_request) if r else None
+                ys.append(value if value else float("nan"))
+                drawn = drawn or bool(value)
             ax.bar([k + i * width - 0.4 + width / 2 for k in range(len(keys))], ys, width, label=front)
         ax.set_xticks(range(len(keys)))
         ax.set_xticklabels([f"{n:,} tok\n{'stream' if s else 'unary'}" for n, s in keys])
-        ax.set_yscale("log")
+        if drawn:  # a log axis needs one positive value
+            ax.set_yscale("log")
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:.0e}"[0] in "235" else ""))
         ax.set_ylabel("router CPU ms / request (log)")
