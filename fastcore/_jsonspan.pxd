@@ -8,7 +8,7 @@ cdef struct Node:
     int next_sibling
     bint is_key  # reached from its parent by a key (else by an index)
     const char *key  # the key as UTF-8 (lone surrogates kept), owned by the compiled path set
-    Py_ssize_t key_len
+    Py_ssize_t key_len  # -1 on an index node
     Py_ssize_t index
     bint has_keys
     bint has_items

@@ -9,6 +9,7 @@ dominate our bodies (string contents, base64 data) are consumed 16 bytes at
 a time with SSE2, the x86-64 baseline; other targets take the scalar loop.
 """
 
+cimport cython
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.list cimport PyList_New, PyList_SET_ITEM
@@ -341,15 +342,13 @@ cdef inline Py_ssize_t utf8_sequence(const uint8_t *p, Py_ssize_t i, Py_ssize_t 
     return 0
 
 
-cdef int scan_string(Scanner *s, Py_ssize_t pos, Py_ssize_t *end, bint *escaped) noexcept nogil:
-    """The string opening at ``pos``: ``end`` past its closing quote; ``escaped`` if it has a backslash."""
+cdef int scan_string_rest(Scanner *s, Py_ssize_t i, Py_ssize_t *end, bint *escaped) noexcept nogil:
+    """scan_string from ``i``, where the run of plain bytes after the opening quote stopped."""
     cdef const uint8_t *buf = s.buf
-    cdef Py_ssize_t n = s.n, i = pos + 1, k, length
+    cdef Py_ssize_t n = s.n, k, length
     cdef uint8_t c, e
-    escaped[0] = False
     if not s.validate:
         while True:
-            i = fc_js_quote_or_backslash(buf, i, n)
             if i >= n:
                 return fail(s, E_EOF, n)
             if buf[i] == 0x22:
@@ -358,9 +357,8 @@ cdef int scan_string(Scanner *s, Py_ssize_t pos, Py_ssize_t *end, bint *escaped)
             escaped[0] = True
             if i + 1 >= n:
                 return fail(s, E_EOF, n)
-            i += 2
+            i = fc_js_quote_or_backslash(buf, i + 2, n)
     while True:
-        i = fc_js_plain_run(buf, i, n)
         if i >= n:
             return fail(s, E_EOF, n)
         c = buf[i]
@@ -371,7 +369,7 @@ cdef int scan_string(Scanner *s, Py_ssize_t pos, Py_ssize_t *end, bint *escaped)
             length = utf8_sequence(buf, i, n)
             if length == 0:
                 return fail(s, E_UTF8, i)
-            i += length
+            i = fc_js_plain_run(buf, i + length, n)
             continue
         if c != 0x5C:
             return fail(s, E_CONTROL, i)
@@ -390,6 +388,26 @@ cdef int scan_string(Scanner *s, Py_ssize_t pos, Py_ssize_t *end, bint *escaped)
             i += 6
         else:
             return fail(s, E_ESCAPE, i)
+        i = fc_js_plain_run(buf, i, n)
+
+
+cdef inline int scan_string(Scanner *s, const uint8_t *buf, Py_ssize_t n, bint validate, Py_ssize_t pos,
+                            Py_ssize_t *end, bint *escaped) noexcept nogil:
+    """The string opening at ``pos``: ``end`` past its closing quote; ``escaped`` if it has a backslash.
+
+    Most strings are plain bytes up to the closing quote: that case stays inline in the caller
+    (``buf``, ``n`` and ``validate`` are ``s``'s, passed in the caller's registers).
+    """
+    cdef Py_ssize_t i
+    escaped[0] = False
+    if validate:
+        i = fc_js_plain_run(buf, pos + 1, n)
+    else:
+        i = fc_js_quote_or_backslash(buf, pos + 1, n)
+    if i < n and buf[i] == 0x22:
+        end[0] = i + 1
+        return 0
+    return scan_string_rest(s, i, end, escaped)
 
 
 cdef int scan_number(Scanner *s, Py_ssize_t i, Py_ssize_t *end) noexcept nogil:
@@ -458,7 +476,7 @@ cdef int skip_container(Scanner *s, Py_ssize_t pos, Py_ssize_t *end) noexcept no
         if i >= n:
             return fail(s, E_EOF, n)
         if c == 0x22:
-            code = scan_string(s, i, &i, &escaped)
+            code = scan_string(s, buf, n, False, i, &i, &escaped)
             if code:
                 return code
             continue
@@ -569,13 +587,15 @@ cdef int match_key(Scanner *s, int parent, Py_ssize_t start, Py_ssize_t end, bin
         if code:
             return code
         key = s.scratch
-    child = s.nodes[parent].first_child
+    cdef Node *nodes = s.nodes
+    child = nodes[parent].first_child
     while child >= 0:
-        if s.nodes[child].is_key and s.nodes[child].key_len == length:
-            if length == 0 or memcmp(s.nodes[child].key, key, length) == 0:
+        # key_len is -1 on index nodes; the first byte spares most memcmp calls.
+        if nodes[child].key_len == length:
+            if length == 0 or (<uint8_t>nodes[child].key[0] == key[0] and memcmp(nodes[child].key, key, length) == 0):
                 found[0] = child
                 return 0
-        child = s.nodes[child].next_sibling
+        child = nodes[child].next_sibling
     found[0] = -1
     return 0
 
@@ -593,30 +613,28 @@ cdef inline int index_child(Scanner *s, int parent, Py_ssize_t index) noexcept n
 
 # -- the walk ------------------------------------------------------------------------------------------
 
-cdef int push_frame(Scanner *s) noexcept nogil:
+cdef int grow_frames(Scanner *s) noexcept nogil:
+    """Double the frame stack (``s.depth`` frames are in use); 0 or E_NO_MEMORY."""
     cdef Frame *grown
-    cdef Py_ssize_t capacity
-    if s.depth == s.capacity:
-        capacity = s.capacity * 2
-        if s.frames_on_heap:
-            grown = <Frame *>realloc(s.frames, capacity * sizeof(Frame))
-        else:
-            grown = <Frame *>malloc(capacity * sizeof(Frame))
-            if grown != NULL:
-                memcpy(grown, s.frames, s.depth * sizeof(Frame))
-        if grown == NULL:
-            return E_NO_MEMORY
-        s.frames = grown
-        s.frames_on_heap = True
-        s.capacity = capacity
-    s.depth += 1
+    cdef Py_ssize_t capacity = s.capacity * 2
+    if s.frames_on_heap:
+        grown = <Frame *>realloc(s.frames, capacity * sizeof(Frame))
+    else:
+        grown = <Frame *>malloc(capacity * sizeof(Frame))
+        if grown != NULL:
+            memcpy(grown, s.frames, s.depth * sizeof(Frame))
+    if grown == NULL:
+        return E_NO_MEMORY
+    s.frames = grown
+    s.frames_on_heap = True
+    s.capacity = capacity
     return 0
 
 
-cdef inline void close_frame(Scanner *s, Frame *frame, Py_ssize_t end) noexcept nogil:
+cdef inline void close_frame(Node *nodes, Frame *frame, Py_ssize_t end) noexcept nogil:
     if frame.node < 0:
         return
-    cdef Node *node = &s.nodes[frame.node]
+    cdef Node *node = &nodes[frame.node]
     if node.last and not frame.is_object and frame.has_last:
         node.last_start = frame.last_start
         node.last_end = frame.last_end
@@ -627,9 +645,14 @@ cdef inline void close_frame(Scanner *s, Frame *frame, Py_ssize_t end) noexcept 
 
 cdef int run(Scanner *s) noexcept nogil:
     """Validate (as ``s.validate`` asks) and record the spans of the nodes; 0 or a status code."""
+    # The scanner's fields live in locals here: every store through a Node or Frame pointer could
+    # alias them otherwise (the build has -fno-strict-aliasing), and they would be reloaded each time.
     cdef const uint8_t *buf = s.buf
-    cdef Py_ssize_t n = s.n, pos, start, key_start
-    cdef int node = 0 if s.nodes != NULL else -1  # the path node of the value about to be parsed
+    cdef Py_ssize_t n = s.n, pos, start, key_start, depth = 0
+    cdef Node *nodes = s.nodes
+    cdef Frame *frames = s.frames
+    cdef bint validate = s.validate
+    cdef int node = 0 if nodes != NULL else -1  # the path node of the value about to be parsed
     cdef int value_node, code
     cdef bint expecting_key = False, escaped, is_object, descend
     cdef Frame *frame
@@ -638,26 +661,26 @@ cdef int run(Scanner *s) noexcept nogil:
     while True:
         if expecting_key:
             # At the first non-blank byte where a member of the innermost object starts.
-            frame = &s.frames[s.depth - 1]
+            frame = &frames[depth - 1]
             if pos >= n:
                 return fail(s, E_EOF, n)
             if buf[pos] != 0x22:
                 return fail(s, E_KEY, pos)
             key_start = pos
-            code = scan_string(s, pos, &pos, &escaped)
+            code = scan_string(s, buf, n, validate, pos, &pos, &escaped)
             if code:
                 return code
             node = -1
-            if frame.node >= 0 and s.nodes[frame.node].has_keys:
+            if frame.node >= 0 and nodes[frame.node].has_keys:
                 code = match_key(s, frame.node, key_start + 1, pos - 1, escaped, &node)
                 if code:
                     return code
                 if node >= 0:
-                    if s.nodes[node].seen:
+                    if nodes[node].seen:
                         s.error_node = node
                         return fail(s, E_DUPLICATE_KEY, key_start)
-                    s.nodes[node].seen = True
-                    s.nodes[node].key_start = key_start
+                    nodes[node].seen = True
+                    nodes[node].key_start = key_start
             pos = skip_ws(buf, pos, n)
             if pos >= n:
                 return fail(s, E_EOF, n)
@@ -673,7 +696,7 @@ cdef int run(Scanner *s) noexcept nogil:
         c = buf[pos]
         value_node = node
         if c == 0x22:
-            code = scan_string(s, pos, &pos, &escaped)
+            code = scan_string(s, buf, n, validate, pos, &pos, &escaped)
         elif c == 0x2D or is_digit(c):
             code = scan_number(s, pos, &pos)
         elif c == 0x74:
@@ -687,16 +710,20 @@ cdef int run(Scanner *s) noexcept nogil:
             if node < 0:
                 descend = False
             elif is_object:
-                descend = s.nodes[node].has_keys
+                descend = nodes[node].has_keys
             else:
-                descend = s.nodes[node].has_items or s.nodes[node].last
-            if not descend and not s.validate:
+                descend = nodes[node].has_items or nodes[node].last
+            if not descend and not validate:
                 code = skip_container(s, pos, &pos)
             else:
-                code = push_frame(s)
-                if code:
-                    return code
-                frame = &s.frames[s.depth - 1]
+                if depth == s.capacity:
+                    s.depth = depth
+                    code = grow_frames(s)
+                    if code:
+                        return code
+                    frames = s.frames
+                depth += 1
+                frame = &frames[depth - 1]
                 frame.node = node
                 frame.is_object = is_object
                 frame.has_last = False
@@ -715,26 +742,26 @@ cdef int run(Scanner *s) noexcept nogil:
                     frame.elem_start = pos
                     continue
                 pos += 1
-                s.depth -= 1
-                close_frame(s, frame, pos)
+                depth -= 1
+                close_frame(nodes, frame, pos)
                 value_node = -1  # close_frame recorded it
         else:
             return fail(s, E_VALUE, pos)
         if code:
             return code
-        if value_node >= 0 and s.nodes[value_node].terminal:
-            s.nodes[value_node].start = start
-            s.nodes[value_node].end = pos
+        if value_node >= 0 and nodes[value_node].terminal:
+            nodes[value_node].start = start
+            nodes[value_node].end = pos
 
         # After a value: separators and closers, possibly several levels up.
         while True:
-            if s.depth == 0:
+            if depth == 0:
                 pos = skip_ws(buf, pos, n)
                 if pos != n:
                     return fail(s, E_TRAILING, pos)
                 return 0
-            frame = &s.frames[s.depth - 1]
-            if not frame.is_object and frame.node >= 0 and s.nodes[frame.node].last:
+            frame = &frames[depth - 1]
+            if not frame.is_object and frame.node >= 0 and nodes[frame.node].last:
                 frame.has_last = True
                 frame.last_start = frame.elem_start
                 frame.last_end = pos
@@ -757,8 +784,8 @@ cdef int run(Scanner *s) noexcept nogil:
             elif c != 0x5D:
                 return fail(s, E_ARRAY_SEPARATOR, pos)
             pos += 1
-            s.depth -= 1
-            close_frame(s, frame, pos)
+            depth -= 1
+            close_frame(nodes, frame, pos)
 
 
 # -- compiled path sets --------------------------------------------------------------------------------
@@ -820,7 +847,7 @@ cdef _PathSet _build_path_set(object paths):
         c_node.next_sibling = -1
         c_node.is_key = isinstance(py_node.label, str)
         c_node.key = NULL
-        c_node.key_len = 0
+        c_node.key_len = -1  # no key: never equal to a key's length
         c_node.index = 0
         if c_node.is_key:
             key = py_node.label.encode("utf-8", "surrogatepass")
@@ -1378,6 +1405,8 @@ cdef tuple _spans_tuple(const Py_ssize_t *starts, const Py_ssize_t *ends, Py_ssi
     return tuple([_span_tuple(starts[i], ends[i]) for i in range(count)])
 
 
+@cython.no_gc  # holds bytes, str and int only: never in a reference cycle
+@cython.auto_pickle(False)
 cdef class ClientScan:
     """A client body read by :func:`read_client_request` (see the pure twin's ``ClientScan``)."""
 
@@ -1413,6 +1442,8 @@ cdef class ClientScan:
                 f"max_tokens={self.max_tokens!r}, model={self.model!r})")
 
 
+@cython.no_gc
+@cython.auto_pickle(False)
 cdef class ContextScan:
     """A context response read by :func:`read_context_response` (see the pure twin's ``ContextScan``)."""
 
@@ -1510,8 +1541,28 @@ cdef ContextScan _context_scan(object context):
     return <ContextScan>context
 
 
-cdef extern from "<stdio.h>":
-    int snprintf(char *out, size_t size, const char *fmt, ...) nogil
+cdef int _decimal(long long value, char *out) noexcept:
+    """``value`` in decimal into ``out`` (at least 20 bytes); the length."""
+    cdef char scratch[24]
+    cdef int length = 0, k
+    cdef unsigned long long magnitude = <unsigned long long>value
+    if value < 0:
+        magnitude = 0 - magnitude
+    while True:
+        scratch[length] = <char>(0x30 + magnitude % 10)
+        length += 1
+        magnitude //= 10
+        if magnitude == 0:
+            break
+    k = 0
+    if value < 0:
+        out[0] = 0x2D
+        k = 1
+    while length:
+        length -= 1
+        out[k] = scratch[length]
+        k += 1
+    return k
 
 
 def context_request(client, disagg_request_id, return_b64):
@@ -1533,7 +1584,7 @@ def context_request(client, disagg_request_id, return_b64):
         id_text = <const char *>PyBytes_AS_STRING(big)
         length = <int>PyBytes_GET_SIZE(big)
     else:
-        length = snprintf(digits, sizeof(digits), "%lld", request_id)
+        length = _decimal(request_id, digits)
         id_text = digits
     buf = PyBytes_AS_STRING(c.body)
     # stream and stream_options come before the root's end and after each other in body order.
