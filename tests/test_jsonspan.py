@@ -24,11 +24,11 @@ STATELESS = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 
 
 def outcome(module: ModuleType, fn: str, *args: Any, **kwargs: Any) -> tuple[str, Any]:
-    """What a call did, comparable across twins: its result, or its exception's type, text and offset."""
+    """What a call did, comparable across twins: its result, or its exception's type, text, offset and field."""
     try:
         return ("ok", getattr(module, fn)(*args, **kwargs))
     except (ValueError, TypeError, BufferError) as exc:
-        return (type(exc).__name__, (str(exc), getattr(exc, "offset", None)))
+        return (type(exc).__name__, (str(exc), getattr(exc, "offset", None), getattr(exc, "field", None)))
 
 
 @pytest.fixture(scope="module")
@@ -663,3 +663,125 @@ def test_kernels_agree_on_every_byte_in_every_lane(both_twins: tuple[ModuleType,
     finally:
         if c.KERNEL != kernels[-1] and "avx2" in kernels:
             c._set_kernel("avx2")
+
+
+# -- relay kernels: the twins agree on every relay-shaped body, however broken --------------------------
+
+_B64_IDS = base64.b64encode(struct.pack("<3i", 1, 9038, 70000)).decode()
+CLIENT_SEEDS = [
+    json.dumps(
+        {
+            "model": "tiny",
+            "messages": [
+                {"role": "system", "content": 'Be "terse" \u00e9'},
+                {"role": "user", "content": "Hi"},
+            ],
+            "max_tokens": 8,
+            "max_completion_tokens": None,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode(),
+    b'{"prompt": [1, 2], "max_tokens": 3, "model": "a\\u00e9", "stream": false, "stream_options": null}',
+    b'{"messages": [], "prompt_token_ids": [1]}',
+    b'{"messages": [{}], "prompt": "x"}',
+    b"{}",
+]
+CONTEXT_SEEDS = [
+    *(
+        json.dumps(
+            {
+                "choices": [
+                    {
+                        "index": 0,
+                        "finish_reason": finish,
+                        "disaggregated_params": {"request_type": "context_only", "ctx_usage": None, "x": [1]},
+                    },
+                    {"index": 1, "disaggregated_params": {}},
+                ],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 1},
+                "prompt_token_ids": [1, 9038, 70000] if ids else None,
+                "prompt_token_ids_b64": None if ids else _B64_IDS,
+            }
+        ).encode()
+        for finish, ids in (("length", False), ("not_finished", True), ("stop", False))
+    ),
+]
+
+
+@st.composite
+def relay_bodies(draw: st.DrawFn, seeds: list[bytes]) -> bytes:
+    data = bytearray(draw(st.sampled_from(seeds)))
+    for _ in range(draw(st.sampled_from([0, 0, 1, 1, 2, 3]))):
+        where = draw(st.integers(0, len(data)))
+        kind = draw(st.integers(0, 3))
+        if kind == 0 and data:
+            del data[min(where, len(data) - 1)]
+        elif kind == 1:
+            data[where:where] = draw(
+                st.sampled_from([b'"', b"\\", b",", b"}", b"]", b"{", b"[", b":", b"1", b"\xc3"])
+            )
+        elif kind == 2 and data:
+            data[min(where, len(data) - 1)] = draw(st.integers(0, 255))
+        else:
+            end = draw(st.integers(where, min(len(data), where + 30)))
+            data[where:where] = data[where:end]  # a repeat: duplicate keys, nested copies
+    return bytes(data)
+
+
+@given(
+    relay_bodies(CLIENT_SEEDS),
+    relay_bodies(CONTEXT_SEEDS + CLIENT_SEEDS[:1]),
+    st.booleans(),
+    st.sampled_from([None, 1, 8]),
+    st.booleans(),
+    st.booleans(),
+)
+@settings(max_examples=400, deadline=None, suppress_health_check=STATELESS)
+def test_twins_agree_on_the_relay_kernels(
+    both_twins: tuple[ModuleType, ModuleType],
+    client: bytes,
+    ctx: bytes,
+    chat: bool,
+    max_tokens: int | None,
+    tokids_b64: bool,
+    strip_history: bool,
+) -> None:
+    py, c = both_twins
+    scans = [outcome(twin, "read_client_request", client, chat) for twin in (py, c)]
+    assert scans[0] == scans[1]
+    contexts = [outcome(twin, "read_context_response", ctx, max_tokens) for twin in (py, c)]
+    assert contexts[0] == contexts[1]
+    for body in (client, ctx):
+        for validate in (True, False):
+            assert outcome(py, "strip_internal_fields", body, validate) == outcome(
+                c, "strip_internal_fields", body, validate
+            )
+    if scans[0][0] != "ok":
+        return
+    for request_id in (0, 2**63 - 1, -(2**70)):
+        assert outcome(py, "context_request", scans[0][1], request_id, tokids_b64) == outcome(
+            c, "context_request", scans[1][1], request_id, tokids_b64
+        )
+    if contexts[0][0] == "ok":
+        assert outcome(
+            py, "generation_request", scans[0][1], contexts[0][1], tokids_b64, strip_history
+        ) == outcome(c, "generation_request", scans[1][1], contexts[1][1], tokids_b64, strip_history)
+
+
+def test_relay_errors_carry_the_field(both_twins: tuple[ModuleType, ModuleType]) -> None:
+    for twin in both_twins:
+        with pytest.raises(ValueError) as info:
+            twin.read_client_request(b'{"stream": 1}', False)
+        assert getattr(info.value, "field", None) == "stream"
+
+
+def test_the_path_cache_keeps_equal_and_rebuilt_tuples_apart(jsonspan: ModuleType) -> None:
+    body = b'{"a": 1, "b": [2, 3]}'
+    for _ in range(3):  # fresh tuples each time, equal to the cached one or not
+        assert jsonspan.find_spans(body, (("a",), ("b", -1))) == [(6, 7), (18, 19)]
+        assert jsonspan.find_spans(body, tuple([("b",)])) == [(14, 20)]
+    paths = [("a",)]
+    assert jsonspan.find_spans(body, paths) == [(6, 7)]
+    paths[0] = ("b",)  # a list is never cached by identity
+    assert jsonspan.find_spans(body, paths) == [(14, 20)]

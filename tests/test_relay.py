@@ -769,3 +769,218 @@ def test_strip_internal_fields_validates_the_whole_body_by_default(relay: Relay)
         with pytest.raises(JSONSpanError):
             relay.strip_internal_fields(body)
     assert relay.strip_internal_fields(b'{"a": [1, 2,]}', validate=False) == b'{"a": [1, 2,]}'
+
+
+# -- relay kernels: the orchestrator's one call per body, against the builders above -----------------
+
+CONTEXT_502 = "context worker response cannot be relayed: "
+
+
+def kernel_outcome(call: Any, *args: Any) -> tuple[Any, ...]:
+    try:
+        return ("ok", call(*args))
+    except (RelayError, JSONSpanError) as exc:
+        return (type(exc).__name__, str(exc), getattr(exc, "field", None), getattr(exc, "offset", None))
+
+
+def client_scan(relay: Relay, body: bytes, chat: bool) -> Any:
+    """The kernel's read of a generated body, or None where it refuses a small field the generator
+    happened to produce (a "model" or "max_tokens" key among the extra fields)."""
+    try:
+        return relay.client_kernel(body, chat)
+    except RelayError as exc:
+        assert exc.field in ("model", "max_tokens", "max_completion_tokens"), exc
+        return None
+
+
+@given(
+    st.booleans().flatmap(lambda chat: st.tuples(st.just(chat), client_bodies(chat))),
+    st.integers(-(2**70), 2**70),
+    st.booleans(),
+)
+@settings(max_examples=120, deadline=None, suppress_health_check=STATELESS)
+def test_kernel_context_request_is_build_context_request(
+    relay: Relay, client: tuple[bool, bytes], request_id: int, return_b64: bool
+) -> None:
+    chat, body = client
+    scan = client_scan(relay, body, chat)
+    if scan is None:
+        return
+    legacy = relay.read_client_body(body, chat=chat)
+    assert scan.spans[: len(legacy.spans)] == legacy.spans and scan.empty == legacy.empty
+    assert scan.body == body and scan.chat is chat
+    built = relay.context_request_kernel(scan, request_id, return_b64)
+    assert built == relay.build_context_request(
+        body, disagg_request_id=request_id, return_b64=return_b64, chat=chat
+    )
+    assert json.loads(built) == reference_context_request(body, request_id, return_b64)
+
+
+@given(
+    st.booleans().flatmap(lambda chat: st.tuples(st.just(chat), client_bodies(chat))),
+    context_responses(),
+    st.booleans(),
+    st.booleans(),
+)
+@settings(max_examples=150, deadline=None, suppress_health_check=STATELESS)
+def test_kernel_generation_request_is_build_generation_request(
+    relay: Relay, client: tuple[bool, bytes], ctx: bytes, tokids_b64: bool, strip_history: bool
+) -> None:
+    chat, body = client
+    scan = client_scan(relay, body, chat)
+    if scan is None:
+        return
+    context = relay.context_kernel(ctx, None)
+    assert context.spans == tuple(relay.scanner.find_spans(ctx, relay_module._CONTEXT_RESPONSE_PATHS))
+    assert not context.finished and context.finish_reason == json.loads(ctx)["choices"][0]["finish_reason"]
+    got = kernel_outcome(relay.generation_request_kernel, scan, context, tokids_b64, strip_history)
+    try:
+        expected = relay.build_generation_request(
+            body, ctx, tokids_b64=tokids_b64, strip_history=strip_history, chat=chat
+        )
+    except ContextResponseError as exc:
+        assert got == ("RelayError", CONTEXT_502 + str(exc), exc.field, None)
+    else:
+        assert got == ("ok", expected)
+
+
+@pytest.mark.parametrize(
+    ("finish_reason", "completion_tokens", "max_tokens", "finished"),
+    [
+        ("length", 1, 1, True),
+        ("length", 1, 2, False),
+        ("length", 1, None, False),
+        ("length", "1", 1, False),  # not an integer: no decision from it
+        ("length", 1.0, 1, False),
+        ("length", 10**19, 10**19, True),
+        ("length", 10**25, 10**24, False),  # past 20 digits: not a token count
+        ("not_finished", 1, 1, False),
+        ("stop", 0, 8, True),
+        ("abort", 0, 8, True),
+        ("tool_calls", 0, 8, True),
+        ("other", 0, 8, True),
+        (None, 0, 8, True),
+    ],
+)
+def test_kernel_decides_whether_a_generation_leg_follows(
+    relay: Relay, finish_reason: Any, completion_tokens: Any, max_tokens: int | None, finished: bool
+) -> None:
+    ctx = context_response(finish_reason, usage={"completion_tokens": completion_tokens})
+    context = relay.context_kernel(ctx, max_tokens)
+    assert (context.finished, context.finish_reason) == (finished, finish_reason)
+    escaped = ctx.replace(b'"length"', b'"\\u006cength"')
+    assert relay.context_kernel(escaped, max_tokens).finished is finished
+
+
+@pytest.mark.parametrize(
+    ("ctx", "message", "field"),
+    [
+        (b"[1]", CONTEXT_502 + "context response is not a JSON object", None),
+        (
+            b'{"choices": [{"finish_reason": 5}]}',
+            CONTEXT_502 + "context response: choices[0].finish_reason is not a string",
+            "finish_reason",
+        ),
+        (b'{"choices": []}', "context worker response has no choices[0]", "choices"),
+        (
+            b'{"choices": [{"finish_reason": "length", "disaggregated_params": []}]}',
+            "context worker response lacks choices[0].disaggregated_params",
+            "disaggregated_params",
+        ),
+    ],
+)
+def test_kernel_refuses_context_responses(relay: Relay, ctx: bytes, message: str, field: str | None) -> None:
+    assert kernel_outcome(relay.context_kernel, ctx, None) == ("RelayError", message, field, None)
+
+
+@pytest.mark.parametrize(
+    ("body", "chat", "message", "field"),
+    [
+        (b"[]", True, "request body must be a JSON object", None),
+        (b'{"prompt_token_ids": [1]}', True, "'prompt_token_ids' is an internal field", "prompt_token_ids"),
+        (b'{"stream": 1, "messages": [1]}', True, "'stream' must be a boolean", "stream"),
+        (
+            b'{"stream_options": [], "prompt": "x"}',
+            False,
+            "'stream_options' must be an object",
+            "stream_options",
+        ),
+        (
+            b'{"stream_options": {"include_usage": 0}}',
+            False,
+            "'include_usage' must be a boolean",
+            "include_usage",
+        ),
+        (b'{"model": 5, "prompt": "x"}', False, "'model' must be a string", "model"),
+        (b'{"messages": []}', True, "'messages' must be a non-empty array", "messages"),
+        (b'{"prompt": 5}', False, "'prompt' must be a string or an array", "prompt"),
+        (b'{"prompt": "x", "max_tokens": 1.0}', False, "'max_tokens' must be an integer", "max_tokens"),
+        (b'{"prompt": "x", "max_tokens": true}', False, "'max_tokens' must be an integer", "max_tokens"),
+        (
+            b'{"messages": [1], "max_completion_tokens": -123456789012345678901}',
+            True,
+            "'max_completion_tokens' must be an integer of at most 20 digits",
+            "max_completion_tokens",
+        ),
+        (
+            b'{"messages": [1], "max_tokens": -12345678901234567890}',
+            True,
+            "'max_tokens' must be at least 1, got -12345678901234567890",
+            "max_tokens",
+        ),
+        (b'{"prompt": "x", "max_tokens": -0}', False, "'max_tokens' must be at least 1, got 0", "max_tokens"),
+    ],
+)
+def test_kernel_refuses_client_bodies(
+    relay: Relay, body: bytes, chat: bool, message: str, field: str | None
+) -> None:
+    got = kernel_outcome(relay.client_kernel, body, chat)
+    assert got[0] == "RelayError" and got[1].startswith(message) and got[2] == field, got
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({}, (False, False, None, None)),
+        ({"stream": True, "stream_options": {"include_usage": True}}, (True, True, None, None)),
+        ({"stream": None, "stream_options": None}, (False, False, None, None)),
+        ({"stream_options": {"include_usage": None}}, (False, False, None, None)),
+        ({"model": "m\u00e9\U0001f600", "max_tokens": 7}, (False, False, 7, "m\u00e9\U0001f600")),
+        ({"model": 'a"\\b\u2028', "max_tokens": 10**19}, (False, False, 10**19, 'a"\\b\u2028')),
+        ({"model": None, "max_tokens": None, "max_completion_tokens": 3}, (False, False, 3, None)),
+        ({"max_tokens": 5, "max_completion_tokens": None}, (False, False, 5, None)),
+        ({"max_tokens": 99999999999999999999}, (False, False, 99999999999999999999, None)),
+    ],
+)
+@pytest.mark.parametrize("ensure_ascii", [False, True])
+def test_kernel_reads_the_small_fields(
+    relay: Relay, fields: dict[str, Any], expected: tuple[Any, ...], ensure_ascii: bool
+) -> None:
+    body = json.dumps({"messages": [{"role": "user"}], **fields}, ensure_ascii=ensure_ascii).encode()
+    scan = relay.client_kernel(body, True)
+    assert (scan.stream, scan.include_usage, scan.max_tokens, scan.model) == expected
+
+
+def test_kernels_take_bytes_like_bodies_and_only_their_own_scans(relay: Relay) -> None:
+    scan = relay.client_kernel(CHAT, True)
+    context = relay.context_kernel(CTX, None)
+    for kind in (bytearray, memoryview):
+        other = relay.client_kernel(kind(CHAT), True)
+        assert type(other.body) is bytes and other == scan
+        assert relay.context_kernel(kind(CTX), None) == context
+        assert relay.strip_kernel(kind(CTX), True) == relay.strip_kernel(CTX, True)
+    with pytest.raises(TypeError, match="body must be bytes-like, not str"):
+        relay.client_kernel("{}", True)
+    with pytest.raises(TypeError, match="client must be a ClientScan"):
+        relay.context_request_kernel(relay.read_client_body(CHAT), 1, True)
+    with pytest.raises(TypeError, match="context must be a ContextScan"):
+        relay.generation_request_kernel(scan, relay.parse_context_response(CTX), True, True)
+    for bad_id in (True, 1.0, "1", None):
+        with pytest.raises(TypeError, match="disagg_request_id must be an int"):
+            relay.context_request_kernel(scan, bad_id, True)
+    assert (
+        scan != context and scan == scan and scan != relay.client_kernel(CHAT.replace(b'"m"', b'"n"'), True)
+    )
+    with pytest.raises(TypeError):
+        hash(scan)
+    assert "ClientScan(" in repr(scan) and "ContextScan(" in repr(context)
