@@ -15,6 +15,14 @@ list (gates off) or as base64 (gen_tokids_ctxbytes).
 
 Ratios are against the parsed baseline with gates off (what a pydantic
 orchestrator does today) and are measured in the same run.
+
+    python -m bench.orchestrator_work --instructions   # 250 and 40k ids, under valgrind
+
+counts the CPU instructions of the fast relay's request instead (callgrind: a
+deterministic count, unlike wall time on a shared machine): the same calls run
+twice under ``valgrind --tool=callgrind``, ``--loops`` apart, and the difference
+of the two totals is divided by the difference of the loop counts, so start-up
+cancels out.
 """
 
 from __future__ import annotations
@@ -22,7 +30,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
 from typing import Any
 
 import fastcore
@@ -128,6 +142,59 @@ def run(sizes: list[int]) -> str:
     return format_table(headers, rows)
 
 
+def _bodies(n: int, tokids: bool) -> tuple[bytes, bytes, bytes]:
+    rng = random.Random(0)
+    ids = [rng.randrange(32000) for _ in range(n)]
+    return chat_body(n, stream=False), context_response(ids, b64=tokids), generation_response(n)
+
+
+def _loop(size: int, tokids: bool, strip: bool, loops: int) -> None:
+    """The measured process: warm up, then ``loops`` requests (``--_loop``)."""
+    mode = FastRelay(tokids_b64=tokids, strip_history=strip)
+    body, ctx, gen = _bodies(size, tokids)
+    one_request(mode, body, ctx, gen)
+    for _ in range(loops):
+        one_request(mode, body, ctx, gen)
+
+
+def count_instructions(size: int, tokids: bool, strip: bool, loops: tuple[int, int]) -> float:
+    """CPU instructions per request of the fast relay (callgrind, difference of two runs)."""
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        raise SystemExit("--instructions needs valgrind on PATH")
+    env = {**os.environ, "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    totals = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for count in loops:
+            out = os.path.join(tmp, f"callgrind.{count}")
+            command = [valgrind, "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable]
+            command += [
+                "-m",
+                "bench.orchestrator_work",
+                "--_loop",
+                f"{size},{int(tokids)},{int(strip)},{count}",
+            ]
+            subprocess.run(command, check=True, env=env, capture_output=True)
+            with open(out) as f:
+                match = re.search(r"^totals: (\d+)", f.read(), re.MULTILINE)
+            assert match is not None, "no totals line in the callgrind output"
+            totals.append(int(match.group(1)))
+    return (totals[1] - totals[0]) / (loops[1] - loops[0])
+
+
+def run_instructions(sizes: list[int], loops: tuple[int, int]) -> str:
+    rows = []
+    for n in sizes:
+        body, _, _ = _bodies(n, False)
+        for name, cls, tokids, strip in VARIANTS:
+            if cls is not FastRelay:
+                continue  # the parsed mode under valgrind takes minutes per size
+            per_request = count_instructions(n, tokids, strip, loops)
+            rows.append([f"{n:,}", name, f"{len(body) / 1e3:,.1f} KB", f"{per_request / 1e3:,.1f}k"])
+    headers = ["prompt ids", "orchestrator mode", "client body", "instructions / request"]
+    return format_table(headers, rows)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m bench.orchestrator_work", description=__doc__.split("\n")[0]
@@ -135,8 +202,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--sizes", default="4000,40000,128000", help="prompt lengths in ids (comma-separated)"
     )
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="count CPU instructions per request of the fast modes under valgrind (default sizes 250,40000)",
+    )
+    parser.add_argument(
+        "--loops", default="100,1100", help="--instructions: the two runs' request counts (comma-separated)"
+    )
+    parser.add_argument("--_loop", help=argparse.SUPPRESS)  # the process --instructions measures
     args = parser.parse_args(argv)
+    if args._loop:
+        size, tokids, strip, loops = (int(v) for v in args._loop.split(","))
+        _loop(size, bool(tokids), bool(strip), loops)
+        return
     print(f"fastcore backend: {fastcore.backend}")
+    if args.instructions:
+        sizes = "250,40000" if args.sizes == parser.get_default("sizes") else args.sizes
+        low, high = (int(v) for v in args.loops.split(","))
+        print(run_instructions([int(v) for v in sizes.split(",")], (low, high)))
+        return
     print(run([int(s) for s in args.sizes.split(",")]))
 
 
