@@ -449,6 +449,70 @@ cdef int scan_number(Scanner *s, Py_ssize_t i, Py_ssize_t *end) noexcept nogil:
     return 0
 
 
+cdef inline Py_ssize_t number_end(const uint8_t *buf, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
+    """Past the well-formed number at ``i``, or -1 (scan_number says what is wrong)."""
+    if buf[i] == 0x2D:
+        i += 1
+        if i >= n:
+            return -1
+    if buf[i] == 0x30:
+        i += 1
+    elif is_digit(buf[i]):
+        i += 1
+        while i < n and is_digit(buf[i]):
+            i += 1
+    else:
+        return -1
+    if i < n and buf[i] == 0x2E:
+        i += 1
+        if i >= n or not is_digit(buf[i]):
+            return -1
+        while i < n and is_digit(buf[i]):
+            i += 1
+    if i < n and (buf[i] == 0x65 or buf[i] == 0x45):
+        i += 1
+        if i < n and (buf[i] == 0x2B or buf[i] == 0x2D):
+            i += 1
+        if i >= n or not is_digit(buf[i]):
+            return -1
+        while i < n and is_digit(buf[i]):
+            i += 1
+    return i
+
+
+cdef Py_ssize_t number_array_end(const uint8_t *buf, Py_ssize_t pos, Py_ssize_t n) noexcept nogil:
+    """Past the array at ``pos`` if it is a non-empty, well-formed list of numbers only, else -1.
+
+    Token-id lists dominate our bodies; this consumes one without the walk's per-value
+    bookkeeping (the pure twin's ``_NUMBER_ARRAY``). On anything else the walk takes the array
+    from its start and finds the exact error.
+    """
+    cdef Py_ssize_t i = skip_ws(buf, pos + 1, n)
+    cdef uint8_t c
+    while True:
+        if i >= n:
+            return -1
+        c = buf[i]
+        if c != 0x2D and not is_digit(c):
+            return -1
+        i = number_end(buf, i, n)
+        if i < 0:
+            return -1
+        if i < n and buf[i] == 0x2C:  # the common case: no blank before the comma
+            i = skip_ws(buf, i + 1, n)
+            continue
+        i = skip_ws(buf, i, n)
+        if i >= n:
+            return -1
+        c = buf[i]
+        if c == 0x2C:
+            i = skip_ws(buf, i + 1, n)
+            continue
+        if c == 0x5D:
+            return i + 1
+        return -1
+
+
 cdef int scan_literal(Scanner *s, Py_ssize_t pos, const char *word, Py_ssize_t length, Py_ssize_t *end) noexcept nogil:
     cdef Py_ssize_t k
     for k in range(length):
@@ -648,7 +712,7 @@ cdef int run(Scanner *s) noexcept nogil:
     # The scanner's fields live in locals here: every store through a Node or Frame pointer could
     # alias them otherwise (the build has -fno-strict-aliasing), and they would be reloaded each time.
     cdef const uint8_t *buf = s.buf
-    cdef Py_ssize_t n = s.n, pos, start, key_start, depth = 0
+    cdef Py_ssize_t n = s.n, pos, start, key_start, depth = 0, array_end
     cdef Node *nodes = s.nodes
     cdef Frame *frames = s.frames
     cdef bint validate = s.validate
@@ -713,8 +777,14 @@ cdef int run(Scanner *s) noexcept nogil:
                 descend = nodes[node].has_keys
             else:
                 descend = nodes[node].has_items or nodes[node].last
+            array_end = -1
+            if not descend and not is_object and validate:
+                array_end = number_array_end(buf, pos, n)
             if not descend and not validate:
                 code = skip_container(s, pos, &pos)
+            elif array_end >= 0:
+                pos = array_end
+                code = 0
             else:
                 if depth == s.capacity:
                     s.depth = depth

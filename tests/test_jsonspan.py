@@ -785,3 +785,42 @@ def test_the_path_cache_keeps_equal_and_rebuilt_tuples_apart(jsonspan: ModuleTyp
     assert jsonspan.find_spans(body, paths) == [(6, 7)]
     paths[0] = ("b",)  # a list is never cached by identity
     assert jsonspan.find_spans(body, paths) == [(14, 20)]
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        b"[1,2]",
+        b"[ 1 , 2 ]",
+        b"[\n-0.5e+3,\t2E-1 ,0]",
+        b"[0]",
+        b"[]",
+        b"[1,]",
+        b"[,1]",
+        b"[01]",
+        b"[1 2]",
+        b"[-]",
+        b"[1.]",
+        b"[1e]",
+        b"[1e+]",
+        b'[1,"a"]',
+        b"[1,[2]]",
+        b"[1,{}]",
+        b"[1,2",
+        b"[1,",
+        b"[1",
+        b"[-",
+        b"[1,2]]",
+        b"[1,true]",
+    ],
+)
+def test_number_arrays_on_and_off_the_path(both_twins: tuple[ModuleType, ModuleType], array: bytes) -> None:
+    # Id lists are consumed in one go when no path enters them; the result must not show it.
+    py, c = both_twins
+    body = b'{"ids": ' + array + b', "x": [' + array + b"]}"
+    for paths in ([("ids",), ("x",)], [("ids", 0), ("x", 0, -1)], [("ids", -1)]):
+        for validate in (True, False):
+            got = outcome(c, "find_spans", body, paths, validate=validate)
+            assert got == outcome(py, "find_spans", body, paths, validate=validate), (paths, validate)
+            if validate:
+                assert (got[0] == "ok") == json_accepts(body)
