@@ -7,6 +7,12 @@ docstring states the semantics; its ``_compile`` and ``make_error`` are
 reused here so paths and errors cannot drift apart). The long runs that
 dominate our bodies (string contents, base64 data) are consumed 16 bytes at
 a time with SSE2, the x86-64 baseline; other targets take the scalar loop.
+
+The relay kernels at the end (``read_client_request``, ``context_request``,
+``read_context_response``, ``generation_request``, ``strip_internal_fields``)
+are the orchestrator's whole per-body work, each one call: a scan with a path
+set compiled at import, spans in C arrays, small fields decoded from their
+bytes, outputs assembled with one allocation.
 """
 
 cimport cython

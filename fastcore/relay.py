@@ -20,6 +20,14 @@ Errors:
 An orchestrator reads each client body once (:func:`read_client_body`) and
 hands the result to both legs; the builders also take raw bytes.
 
+The relay kernels (``client_kernel``, ``context_request_kernel``,
+``context_kernel``, ``generation_request_kernel``, ``strip_kernel``; the
+scanner twin's ``read_client_request``, ``context_request``...) are the same
+work as one call per body, for the orchestrator's hot path: the scan, the
+checks, the small fields it acts on and the output bytes, in C with no Python
+objects in between (server/orchestrator/relay_modes.FastRelay uses them; their
+errors carry its HTTP messages). The builders here produce the same bytes.
+
 The module-level functions use the active scanner twin (``fastcore.backend``);
 ``Relay(scanner_module)`` binds another one (the tests run both).
 """

@@ -1,11 +1,12 @@
 """How the orchestrator turns a client body into the two legs' bodies, in two modes.
 
 ``FastRelay`` (config ``relay: fast``, the default) never builds Python objects
-for a body: one validating pass of the fastcore span scanner per body checks
-all of it and finds the spans of the few small fields the orchestrator acts on
-(``stream``, ``max_tokens``, ``finish_reason``...), which are decoded from
-those few bytes; every outgoing body is cut and spliced from the raw bytes by
-``fastcore.relay``. Its Python work per request does not grow with the prompt.
+for a body: one compiled call per body (a ``fastcore.relay`` kernel) makes one
+validating pass of the fastcore span scanner that checks all of it, decodes the
+few small fields the orchestrator acts on (``stream``, ``max_tokens``,
+``finish_reason``...) from their bytes, and cuts and splices every outgoing
+body from the raw bytes with one allocation. Its Python work per request is
+five calls and does not grow with the prompt.
 
 ``ParsedRelay`` (``relay: parsed``) is the baseline: what a typical pydantic
 OpenAI orchestrator does (trtllm-serve's disaggregated server, for one):
