@@ -8,6 +8,7 @@ reaches the client unchanged.
 from __future__ import annotations
 
 import json
+from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
@@ -28,13 +29,28 @@ _TYPES = {
 }
 
 
+def default_code(status: int) -> str:
+    """The string ``code`` of an error without a more specific one: the status's name, snake-cased."""
+    code = _CODES.get(status)
+    if code is None:
+        try:
+            phrase = HTTPStatus(status).phrase
+        except ValueError:
+            phrase = "client error" if status < 500 else "server error"
+        code = _CODES[status] = phrase.lower().replace(" ", "_").replace("-", "_")
+    return code
+
+
+_CODES: dict[int, str] = {499: "client_closed_request", 413: "request_too_large"}
+
+
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> bytes:
     """The JSON bytes of an OpenAI error object."""
     error: dict[str, Any] = {
         "message": message,
         "type": _TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error"),
         "param": param,
-        "code": code if code is not None else status,
+        "code": code if code is not None else default_code(status),
     }
     return json.dumps({"error": error}).encode()
 

@@ -27,6 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from server.errors import default_code
 from server.http import HTTPServer, Limits, Request, Responder
 
 #: a recognisable marker put in the bad part of a request; an error body must never echo it
@@ -261,7 +262,7 @@ def assert_json_error(resp: Response, status: int, *, closes: bool = True) -> di
     assert set(error) == {"message", "type", "param", "code"}, error
     assert isinstance(error["message"], str) and error["message"]
     assert isinstance(error["type"], str) and error["type"]
-    assert error["code"] == status
+    assert error["code"] == default_code(status) and isinstance(error["code"], str)
     if closes:
         assert resp.header(b"connection") == b"close", resp
     return error

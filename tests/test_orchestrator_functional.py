@@ -510,7 +510,7 @@ def test_oversized_body_is_413(workers, loop_thread, mode):
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(request, timeout=30)
         assert info.value.code == 413
-        assert json.loads(info.value.read())["error"]["code"] == 413
+        assert json.loads(info.value.read())["error"]["code"] == "request_too_large"
         small = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode()
         assert http_post(orch.url + "/v1/completions", small)[0] == 200
     finally:
