@@ -1,35 +1,141 @@
-"""Shared-secret signing of internal requests (orchestrator -> workers).
+"""Shared-secret signing of internal requests (orchestrator -> workers, worker -> worker).
 
 With a shared secret configured, a worker accepts ``context_only`` and
-``generation_only`` requests only when they carry ``SIGNATURE_HEADER``: the
-hex HMAC-SHA256 of the exact body bytes under that secret. The orchestrator
-signs the bodies it builds; clients cannot forge internal fields.
+``generation_only`` requests, and KV fetches, only when they carry
+``SIGNATURE_HEADER``::
+
+    X-Fastcore-Signature: t=<unix seconds>,n=<32 hex nonce>,sha256=<64 hex>
+
+The MAC is HMAC-SHA256 under the secret of ``b"t=<t>,n=<n>\\n"`` followed by
+the exact body bytes (for a KV fetch, which has no body: its path). The
+timestamp and the nonce are inside the MAC, so neither can be changed; a
+:class:`Verifier` accepts a timestamp within ``window_s`` of its own clock and
+each nonce once within that window, so a captured request cannot be replayed.
+
+Verification works on raw bytes before anything is parsed: a header that is
+not ASCII, malformed, stale or replayed is refused with a reason, never an
+exception; digests are compared in constant time.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import os
+import secrets
+import time
+from collections import OrderedDict
 from collections.abc import Sequence
 
 SIGNATURE_HEADER = "X-Fastcore-Signature"
+#: environment variable holding the secret (all processes)
+SECRET_ENV = "FASTCORE_SHARED_SECRET"
+#: seconds a signed request stays valid either side of the receiver's clock
+REPLAY_WINDOW_S = 60.0
+#: nonces remembered per verifier: a bound on memory (~100 bytes each)
+MAX_NONCES = 200_000
+
+Bytes = bytes | bytearray | memoryview
 
 
-def sign_body(secret: bytes, body: bytes | bytearray | memoryview) -> str:
-    """``"sha256=<hex>"`` for ``body`` under ``secret``."""
-    return "sha256=" + hmac.new(secret, body, hashlib.sha256).hexdigest()
-
-
-def sign_pieces(secret: bytes, pieces: Sequence[bytes | bytearray | memoryview]) -> str:
-    """:func:`sign_body` of the concatenation of ``pieces``, without joining them."""
-    mac = hmac.new(secret, digestmod=hashlib.sha256)
+def _mac(secret: bytes, stamp: bytes, pieces: Sequence[Bytes]) -> str:
+    mac = hmac.new(secret, stamp, hashlib.sha256)
     for piece in pieces:
         mac.update(piece)
-    return "sha256=" + mac.hexdigest()
+    return mac.hexdigest()
 
 
-def verify_body(secret: bytes, body: bytes, signature: str | None) -> bool:
-    """Constant-time check of a ``SIGNATURE_HEADER`` value against ``body``."""
-    if not signature:
-        return False
-    return hmac.compare_digest(sign_body(secret, body), signature)
+def sign_pieces(
+    secret: bytes, pieces: Sequence[Bytes], *, now: float | None = None, nonce: str | None = None
+) -> str:
+    """The ``SIGNATURE_HEADER`` value for the concatenation of ``pieces``, without joining them."""
+    t = int(time.time() if now is None else now)
+    n = secrets.token_hex(16) if nonce is None else nonce
+    stamp = b"t=%d,n=%s" % (t, n.encode("ascii"))
+    return "%s,sha256=%s" % (stamp.decode(), _mac(secret, stamp + b"\n", pieces))
+
+
+def sign_body(secret: bytes, body: Bytes, *, now: float | None = None, nonce: str | None = None) -> str:
+    """:func:`sign_pieces` of one body."""
+    return sign_pieces(secret, (body,), now=now, nonce=nonce)
+
+
+class Verifier:
+    """Checks signatures under one secret and remembers the nonces it has accepted."""
+
+    def __init__(self, secret: bytes, *, window_s: float = REPLAY_WINDOW_S, max_nonces: int = MAX_NONCES) -> None:
+        self.secret = secret
+        self.window_s = window_s
+        self.max_nonces = max_nonces
+        # nonce -> when it may be forgotten; insertion order is time order.
+        self._seen: OrderedDict[bytes, float] = OrderedDict()
+
+    def check(self, body: Bytes | Sequence[Bytes], header: bytes | str | None, *, now: float | None = None) -> str | None:
+        """None when ``header`` signs ``body`` (the nonce is then used up), else why not."""
+        if not header:
+            return "missing"
+        if isinstance(header, str):
+            try:
+                header = header.encode("ascii")
+            except UnicodeEncodeError:
+                return "malformed"
+        parts = bytes(header).split(b",")
+        if (
+            len(parts) != 3
+            or not parts[0].startswith(b"t=")
+            or not parts[1].startswith(b"n=")
+            or not parts[2].startswith(b"sha256=")
+        ):
+            return "malformed"
+        t_raw, nonce, digest = parts[0][2:], parts[1][2:], parts[2][7:]
+        if not (t_raw.isdigit() and len(t_raw) <= 12 and 8 <= len(nonce) <= 64 and nonce.isalnum()):
+            return "malformed"
+        pieces = (body,) if isinstance(body, bytes | bytearray | memoryview) else body
+        expected = _mac(self.secret, b"t=%s,n=%s\n" % (t_raw, nonce), pieces).encode()
+        if not hmac.compare_digest(expected, digest):
+            return "bad signature"
+        clock = time.time() if now is None else now
+        if abs(clock - int(t_raw)) > self.window_s:
+            return "stale timestamp"
+        seen = self._seen
+        while seen:
+            oldest, forget_at = next(iter(seen.items()))
+            if forget_at > clock:
+                break
+            del seen[oldest]
+        if nonce in seen:
+            return "replayed"
+        if len(seen) >= self.max_nonces:
+            return "too many signed requests in the replay window"
+        # Kept until its timestamp can no longer pass the window check.
+        seen[bytes(nonce)] = int(t_raw) + self.window_s
+        return None
+
+
+def read_secret(value: str | None, path: str | None, environ: dict[str, str] | None = None) -> bytes | None:
+    """The secret from a file (``--shared-secret-file``), a value, or ``SECRET_ENV``, in that order.
+
+    A file's trailing newline is dropped; an empty secret is none.
+    """
+    if path:
+        with open(path, "rb") as fh:
+            secret = fh.read().rstrip(b"\r\n")
+        if not secret:
+            raise ValueError(f"shared secret file {path} is empty")
+        return secret
+    if value:
+        return value.encode()
+    env = (os.environ if environ is None else environ).get(SECRET_ENV)
+    return env.encode() if env else None
+
+
+__all__ = [
+    "MAX_NONCES",
+    "REPLAY_WINDOW_S",
+    "SECRET_ENV",
+    "SIGNATURE_HEADER",
+    "Verifier",
+    "read_secret",
+    "sign_body",
+    "sign_pieces",
+]
