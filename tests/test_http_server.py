@@ -875,6 +875,7 @@ async def test_connection_cap_503_then_accepts_again() -> None:
                 (resp,) = await refused.until_closed()
                 error = assert_json_error(resp, 503)
                 assert "connections" in error["message"]
+                assert resp.header(b"retry-after") == b"1"
                 assert server.refused == 1
             finally:
                 refused.close()
@@ -898,6 +899,130 @@ async def test_connection_cap_503_then_accepts_again() -> None:
         finally:
             first.close()
             second.close()
+
+
+# -- bytes in flight, Content-Encoding ----------------------------------------------------------
+
+
+def _held(release: asyncio.Event, arrived: list[int]) -> Handler:
+    async def handler(req: Request, out: Responder) -> None:
+        arrived.append(len(req.body))
+        await release.wait()
+        out.send(200, b"%d" % len(req.body), b"text/plain")
+
+    return handler
+
+
+async def test_body_bytes_in_flight_budget_503_with_retry_after() -> None:
+    release, arrived = asyncio.Event(), []
+    async with serving(_held(release, arrived), max_inflight_body_bytes=1000, retry_after_s=3) as (server, port):
+        async with connected(port) as first, connected(port) as second, connected(port) as third:
+            await first.send(post(b"/a", b"a" * 600))
+            assert await eventually(lambda: arrived == [600])
+            assert server.body_bytes == 600
+            # Announced: refused before its body is read.
+            await second.send(post(b"/b", b"b" * 600))
+            (resp,) = await second.until_closed()
+            error = assert_json_error(resp, 503)
+            assert "too many request bytes" in error["message"] and MARKER not in resp.body
+            assert resp.header(b"retry-after") == b"3"
+            # Chunked: refused while reading, once the budget is crossed.
+            await third.send(
+                b"POST /c HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+                + chunked([b"c" * 300, b"c" * 300])
+            )
+            (resp,) = await third.until_closed()
+            assert_json_error(resp, 503)
+            assert server.over_budget == 2
+            release.set()
+            (resp,) = await first.responses(1)
+            assert resp.status == 200 and resp.body == b"600"
+        # Answered or gone, nothing is held any more: the budget is whole again.
+        assert await eventually(lambda: server.body_bytes == 0)
+        async with connected(port) as again:
+            await again.send(post(b"/d", b"d" * 900))
+            (resp,) = await again.responses(1)
+            assert resp.status == 200 and resp.body == b"900"
+        assert server.body_bytes == 0
+
+
+async def test_body_bytes_of_a_vanished_client_are_released() -> None:
+    release, arrived = asyncio.Event(), []
+    async with serving(_held(release, arrived), max_inflight_body_bytes=1000) as (server, port):
+        client = await Client.connect(port)
+        await client.send(post(b"/a", b"a" * 700))
+        assert await eventually(lambda: server.body_bytes == 700)
+        client.abort()  # its handler is cancelled; its bytes are no longer held
+        assert await eventually(lambda: server.body_bytes == 0)
+        half = await Client.connect(port)
+        # Half a body, then gone: the bytes read so far are released too.
+        await half.send(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 900\r\n\r\n" + b"h" * 400)
+        assert await eventually(lambda: server.body_bytes == 400)
+        half.abort()
+        assert await eventually(lambda: server.body_bytes == 0)
+
+
+@pytest.mark.parametrize("encoding", [b"gzip", b"deflate", b"br", b"gzip, identity", b"x" * 50])
+async def test_content_encoding_415(encoding: bytes) -> None:
+    async with serving() as (_server, port), connected(port) as client:
+        await client.send(post(b"/", b"not gzip " + MARKER, extra=b"Content-Encoding: " + encoding + b"\r\n"))
+        (resp,) = await client.until_closed()
+        error = assert_json_error(resp, 415)
+        assert "Content-Encoding" in error["message"] and MARKER not in resp.body
+
+
+async def test_content_encoding_identity_accepted() -> None:
+    async with serving() as (_server, port), connected(port) as client:
+        await client.send(post(b"/", b"plain", extra=b"Content-Encoding: identity\r\n"))
+        (resp,) = await client.responses(1)
+        assert resp.status == 200 and resp.body == b"plain"
+
+
+async def test_send_pieces_one_content_length_body() -> None:
+    pieces = [b"ab", memoryview(b"cdef"), b"", b"g" * 70000]
+
+    async def handler(req: Request, out: Responder) -> None:
+        out.send_pieces(200, pieces, b"application/octet-stream")
+
+    async with serving(handler) as (_server, port), connected(port) as client:
+        await client.send(get() + get())
+        responses = await client.responses(2)
+    for resp in responses:
+        assert resp.header(b"content-length") == b"%d" % (6 + 70000)
+        assert resp.body == b"abcdef" + b"g" * 70000
+
+
+async def test_drain_waits_for_a_slow_reader_and_returns_when_it_leaves() -> None:
+    waited = asyncio.Event()
+    done: list[str] = []
+    piece = b"d" * 65536
+
+    async def handler(req: Request, out: Responder) -> None:
+        out.start(200, b"application/octet-stream")
+        for _ in range(400):  # bounded: 25 MiB at most
+            out.write(piece)
+            if out.paused:
+                waited.set()
+                await out.drain()
+                done.append("resumed" if not out.closed else "gone")
+                if out.closed:
+                    return
+        out.end()
+
+    async with serving(handler, write_high_water=64 * 1024) as (_server, port):
+        client = await Client.connect(port, rcvbuf=8192)
+        await client.send(get())
+        await asyncio.wait_for(waited.wait(), 10)
+        (resp,) = await client.responses(1, timeout=30)
+        assert len(resp.body) == 400 * len(piece) and done and set(done) == {"resumed"}
+        client.close()
+        waited.clear()
+        done.clear()
+        gone = await Client.connect(port, rcvbuf=8192)
+        await gone.send(get())
+        await asyncio.wait_for(waited.wait(), 10)
+        gone.abort()
+        assert await eventually(lambda: done == ["gone"] or not done)
 
 
 # -- pipelining, HTTP/1.0, Connection: close, Expect -----------------------------------------------

@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ctypes
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from email.utils import formatdate
 from http import HTTPStatus
@@ -59,6 +60,11 @@ class Limits:
     body_timeout_s: float = 60.0
     keepalive_timeout_s: float = 60.0
     max_connections: int = 8192
+    #: request body bytes held by the whole server at once (received, not yet
+    #: answered); a request that would go past it is a 503 with Retry-After
+    max_inflight_body_bytes: int = 512 * 1024 * 1024
+    #: seconds a 503 at a server-wide cap (connections, body bytes) asks the client to wait
+    retry_after_s: int = 1
     #: complete requests queued behind the one being answered on a connection
     max_pipelined: int = 16
     #: the client write buffer above which a relayed stream's upstream stops being read
@@ -199,10 +205,44 @@ class Responder:
         else:
             self._transport.writelines((head, body))
 
-    def send_error(
-        self, status: int, message: str, *, param: str | None = None, headers: bytes = b""
+    def send_pieces(
+        self, status: int, pieces: Sequence[bytes | memoryview], content_type: bytes, headers: bytes = b""
     ) -> None:
-        self.send(status, error_body(status, message, param=param), JSON, headers)
+        """:meth:`send` of a body given as pieces (Content-Length their sum), written without joining."""
+        if self.started:
+            raise RuntimeError("response already started")
+        self.started = self.finished = True
+        self.status = status
+        if self._conn.closed:
+            return
+        head = b"%sContent-Type: %s\r\nContent-Length: %d\r\n%s%s%s\r\n" % (
+            status_line(status),
+            content_type,
+            sum(len(p) for p in pieces),
+            date_header(),
+            self._connection(),
+            headers,
+        )
+        self._transport.writelines((head,) if self.head_only else (head, *pieces))
+
+    def send_error(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: bytes = b"",
+    ) -> None:
+        self.send(status, error_body(status, message, param=param, code=code), JSON, headers)
+
+    async def drain(self) -> None:
+        """Wait while the client's write buffer is above the high-water mark (returns at once if gone)."""
+        conn = self._conn
+        while conn.write_paused and not conn.closed:
+            if conn.drained is None or conn.drained.done():
+                conn.drained = conn.loop.create_future()
+            await conn.drained
 
     def start(self, status: int, content_type: bytes, headers: bytes = b"") -> None:
         """Headers of a streamed response (chunked; close-delimited to an HTTP/1.0 client)."""
@@ -252,8 +292,8 @@ class _Stop(Exception):
 #: how long a connection that failed keeps reading (and dropping) what its client still sends
 LINGER_S = 2.0
 
-# len() of the header names on_header looks at: content-length, transfer-encoding, expect
-_CHECKED_LENGTHS = frozenset((14, 17, 6))
+# len() of the header names on_header looks at: content-length, transfer-encoding, expect, content-encoding
+_CHECKED_LENGTHS = frozenset((14, 17, 6, 16))
 
 
 class _Connection(asyncio.Protocol):
@@ -279,6 +319,8 @@ class _Connection(asyncio.Protocol):
         "server",
         "task",
         "transport",
+        "drained",
+        "held",
         "write_paused",
     )
 
@@ -296,7 +338,11 @@ class _Connection(asyncio.Protocol):
         self.failed: tuple[int, str] | None = None
         self.reading_paused = False
         self.write_paused = False
+        #: set while a handler waits in Responder.drain; resolved on resume_writing or close
+        self.drained: asyncio.Future[None] | None = None
         self.lingering = False
+        #: body bytes of this connection's requests not yet answered (the server-wide budget)
+        self.held = 0
         #: the last request was framed so that nothing after it can be trusted
         self.no_more = False
         self.head_bytes = 0
@@ -317,7 +363,9 @@ class _Connection(asyncio.Protocol):
         if len(server.connections) > self.limits.max_connections:
             server.refused += 1
             self.transport.write(  # type: ignore[union-attr]
-                _simple_response(503, "the server has too many open connections; retry later")
+                _simple_response(
+                    503, "the server has too many open connections; retry later", self.limits.retry_after_s
+                )
             )
             self.transport.close()  # type: ignore[union-attr]
             self.closed = True
@@ -325,8 +373,17 @@ class _Connection(asyncio.Protocol):
         self.transport.set_write_buffer_limits(high=self.limits.write_high_water)  # type: ignore[union-attr]
         self._set_deadline(self.limits.header_timeout_s, 0)
 
+    def _wake_drain(self) -> None:
+        drained = self.drained
+        if drained is not None:
+            self.drained = None
+            if not drained.done():
+                drained.set_result(None)
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._wake_drain()
+        self._release(self.held)
         self.server.connections.discard(self)
         self.queue.clear()
         if self.task is not None:
@@ -343,6 +400,7 @@ class _Connection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.write_paused = False
+        self._wake_drain()
         responder = self.responder
         if responder is not None and responder.flow is not None:
             responder.flow.resume_reading()
@@ -425,6 +483,11 @@ class _Connection(asyncio.Protocol):
             if value.strip().lower() != b"100-continue":
                 self._stop(417, "only 'Expect: 100-continue' is supported")
             req.expect_continue = True
+        elif key == b"content-encoding":
+            # A compressed body would reach JSON readers as garbage (or be a
+            # decompression bomb): refused up front, never decoded.
+            if value.strip().lower() not in (b"identity", b""):
+                self._stop(415, "Content-Encoding is not supported: send the request body uncompressed")
 
     def on_headers_complete(self) -> None:
         req = self.current
@@ -453,8 +516,11 @@ class _Connection(asyncio.Protocol):
         else:
             req.path, req.query = url[:query], url[query + 1 :]
         limit = self.limits.max_body_bytes
-        if req.content_length is not None and req.content_length > limit:
-            self._stop(413, f"request body of {req.content_length} bytes exceeds the limit of {limit} bytes")
+        if req.content_length is not None:
+            if req.content_length > limit:
+                self._stop(413, f"request body of {req.content_length} bytes exceeds the limit of {limit} bytes")
+            if self.server.body_bytes + req.content_length > self.limits.max_inflight_body_bytes:
+                self._over_budget()
         if req.version == "1.0":
             req.expect_continue = False  # RFC 9110 15.2: never a 1xx to HTTP/1.0
         if req.expect_continue and self.task is None and not self.queue:
@@ -465,10 +531,31 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         req = self.current
         assert req is not None
-        req.size += len(body)
+        n = len(body)
+        req.size += n
         if req.size > self.limits.max_body_bytes:
             self._stop(413, f"request body exceeds the limit of {self.limits.max_body_bytes} bytes")
+        self.held += n
+        server = self.server
+        server.body_bytes += n
+        if server.body_bytes > TRIM_AFTER_BYTES:
+            server.burst = True
+        if server.body_bytes > self.limits.max_inflight_body_bytes:
+            self._over_budget()
         req.chunks.append(body)
+
+    def _over_budget(self) -> None:
+        self.server.over_budget += 1
+        self._stop(503, "the server holds too many request bytes at once; retry later")
+
+    def _release(self, n: int) -> None:
+        """Body bytes of a request answered (or of a connection gone) no longer count against the budget."""
+        n = min(n, self.held)
+        self.held -= n
+        server = self.server
+        server.body_bytes -= n
+        if server.burst and server.body_bytes < TRIM_AFTER_BYTES // 4:
+            server.end_burst()
 
     def on_message_complete(self) -> None:
         req = self.current
@@ -530,6 +617,7 @@ class _Connection(asyncio.Protocol):
             await self.server.handler(req, responder)
         except asyncio.CancelledError:
             self.task = None
+            self._release(req.size)
             if not self.closed:  # not our client leaving: the response can't be trusted to finish
                 responder.abort()
             raise
@@ -541,6 +629,7 @@ class _Connection(asyncio.Protocol):
             else:
                 responder.abort()
         self.task = None
+        self._release(req.size)
         if not responder.finished:
             if not responder.started:
                 responder.send_error(500, "the handler sent no response")
@@ -573,7 +662,7 @@ class _Connection(asyncio.Protocol):
         status, message = self.failed
         transport = self.transport
         assert transport is not None
-        transport.write(_simple_response(status, message))
+        transport.write(_simple_response(status, message, self.limits.retry_after_s if status == 503 else 0))
         # Lingering close: a client still sending its body (a 413 mid-upload)
         # must read the answer, not a reset. Its further bytes are dropped;
         # the connection closes when it does, or after LINGER_S.
@@ -608,14 +697,30 @@ class _Connection(asyncio.Protocol):
             self.transport.close()  # type: ignore[union-attr]
 
 
-def _simple_response(status: int, message: str) -> bytes:
+def _simple_response(status: int, message: str, retry_after_s: int = 0) -> bytes:
     body = error_body(status, message)
-    return b"%sContent-Type: application/json\r\nContent-Length: %d\r\n%sConnection: close\r\n\r\n%s" % (
+    retry = b"Retry-After: %d\r\n" % retry_after_s if retry_after_s else b""
+    return b"%sContent-Type: application/json\r\nContent-Length: %d\r\n%s%sConnection: close\r\n\r\n%s" % (
         status_line(status),
         len(body),
         date_header(),
+        retry,
         body,
     )
+
+
+def _malloc_trim() -> Callable[[], None] | None:
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+    return lambda: trim(0)
+
+
+#: glibc's malloc_trim(0), or None where there is none
+malloc_trim = _malloc_trim()
+#: body bytes in flight past which a server trims the C heap once the burst is over
+TRIM_AFTER_BYTES = 64 * 1024 * 1024
 
 
 class HTTPServer:
@@ -635,6 +740,13 @@ class HTTPServer:
         self.refused = 0
         self.framing_errors = 0
         self.timeouts = 0
+        #: request body bytes held now (all connections), and requests refused for the budget
+        self.body_bytes = 0
+        self.over_budget = 0
+        #: body bytes went past TRIM_AFTER_BYTES since the last trim
+        self.burst = False
+        self._trim: asyncio.TimerHandle | None = None
+        self.trims = 0
 
     @property
     def sockets(self) -> Any:
@@ -648,6 +760,24 @@ class HTTPServer:
         limits = self.limits
         self._tick = max(0.02, min(1.0, limits.header_timeout_s / 4, limits.body_timeout_s / 4))
         self._sweeper = self.loop.call_later(self._tick, self._sweep)
+
+    def end_burst(self) -> None:
+        """A burst of large bodies is over: give the C heap back to the OS a moment later.
+
+        Python frees a body's memory, but glibc keeps the freed heap (its mmap
+        threshold rises after large frees, so later bodies come from the heap):
+        without a trim the process would rest near its peak RSS. The trim runs
+        once per burst, after the handlers that held the bodies are done.
+        """
+        self.burst = False
+        if malloc_trim is not None and self._trim is None:
+            self._trim = self.loop.call_later(0.5, self._run_trim)
+
+    def _run_trim(self) -> None:
+        self._trim = None
+        if malloc_trim is not None:
+            malloc_trim()
+            self.trims += 1
 
     def _sweep(self) -> None:
         now = self.loop.time()
@@ -666,6 +796,9 @@ class HTTPServer:
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
+        if self._trim is not None:
+            self._trim.cancel()
+            self._trim = None
         for conn in list(self.connections):
             if conn.task is None:
                 conn.abort()
