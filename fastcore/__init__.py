@@ -7,6 +7,11 @@ Two compiled modules, each with a pure-Python twin of identical behaviour:
 - the JSON span scanner (``find_span`` / ``find_spans`` / ``splice``): byte
   spans of values in raw JSON, so bodies are relayed without being parsed.
 
+The JSON limits every process enforces (``JSON_MAX_DEPTH``,
+``JSON_MAX_NUMBER_CHARS``) are defined once, in :mod:`fastcore.limits`, and
+exported here: the scanner, the relay kernels and the servers built on this
+package all read them from there.
+
 The backend is chosen here, once: the compiled twins unless they are missing
 or ``FASTCORE_NO_EXTENSIONS=1`` is set. ``fastcore.backend`` says which is
 active and which SIMD kernel the codec dispatched to.
@@ -18,6 +23,7 @@ import os
 from types import ModuleType
 
 from .errors import JSONSpanError, RelayError, TokenDecodeError
+from .limits import JSON_MAX_DEPTH, JSON_MAX_NUMBER_CHARS
 
 __version__ = "0.1.0"
 
@@ -52,6 +58,8 @@ splice = _jsonspan_impl.splice
 backend: str = f"{_kind} ({_codec_impl.SIMD_PATH})" if _kind == "cython" else "python"
 
 __all__ = [
+    "JSON_MAX_DEPTH",
+    "JSON_MAX_NUMBER_CHARS",
     "JSONSpanError",
     "RelayError",
     "TokenDecodeError",

@@ -30,6 +30,7 @@ from fastcore._jsonspan cimport Frame, Node, Scanner
 
 from fastcore._jsonspan_py import _compile, make_error
 from fastcore.errors import TokenDecodeError
+from fastcore.limits import JSON_MAX_DEPTH, JSON_MAX_NUMBER_CHARS
 
 cdef extern from *:
     """
@@ -279,6 +280,8 @@ cdef enum:
     E_DIGIT = 12
     E_LITERAL = 13
     E_DUPLICATE_KEY = 14
+    E_DEPTH = 15
+    E_NUMBER_LENGTH = 16
     E_NO_MEMORY = 100
 
 cdef enum:
@@ -287,6 +290,12 @@ cdef enum:
     # Below this size releasing the GIL costs more than it frees.
     NOGIL_MIN_BYTES = 65536
     PATH_CACHE_SIZE = 256
+
+# fastcore.limits, read once: the frame stack never grows past _MAX_DEPTH frames.
+cdef Py_ssize_t _MAX_DEPTH = JSON_MAX_DEPTH
+cdef Py_ssize_t _MAX_NUMBER_CHARS = JSON_MAX_NUMBER_CHARS
+if _MAX_DEPTH < 1 or _MAX_NUMBER_CHARS < 1:
+    raise ImportError("fastcore.limits: JSON_MAX_DEPTH and JSON_MAX_NUMBER_CHARS must be positive")
 
 
 # -- small scanners ----------------------------------------------------------------------------------
@@ -417,8 +426,9 @@ cdef inline int scan_string(Scanner *s, const uint8_t *buf, Py_ssize_t n, bint v
 
 
 cdef int scan_number(Scanner *s, Py_ssize_t i, Py_ssize_t *end) noexcept nogil:
+    """Past the number at ``i``; a malformed one fails where it breaks, a long one at ``i``."""
     cdef const uint8_t *buf = s.buf
-    cdef Py_ssize_t n = s.n
+    cdef Py_ssize_t n = s.n, start = i
     cdef uint8_t c
     if buf[i] == 0x2D:  # '-'
         i += 1
@@ -451,12 +461,16 @@ cdef int scan_number(Scanner *s, Py_ssize_t i, Py_ssize_t *end) noexcept nogil:
             return fail(s, E_DIGIT, i)
         while i < n and is_digit(buf[i]):
             i += 1
+    if i - start > _MAX_NUMBER_CHARS:
+        return fail(s, E_NUMBER_LENGTH, start)
     end[0] = i
     return 0
 
 
 cdef inline Py_ssize_t number_end(const uint8_t *buf, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
-    """Past the well-formed number at ``i``, or -1 (scan_number says what is wrong)."""
+    """Past the well-formed number at ``i`` within the length limit, or -1 (scan_number says what
+    is wrong)."""
+    cdef Py_ssize_t start = i
     if buf[i] == 0x2D:
         i += 1
         if i >= n:
@@ -483,6 +497,8 @@ cdef inline Py_ssize_t number_end(const uint8_t *buf, Py_ssize_t i, Py_ssize_t n
             return -1
         while i < n and is_digit(buf[i]):
             i += 1
+    if i - start > _MAX_NUMBER_CHARS:
+        return -1
     return i
 
 
@@ -530,10 +546,13 @@ cdef int scan_literal(Scanner *s, Py_ssize_t pos, const char *word, Py_ssize_t l
     return 0
 
 
-cdef int skip_container(Scanner *s, Py_ssize_t pos, Py_ssize_t *end) noexcept nogil:
-    """Past the container opening at ``pos``, by bracket counting only (``validate=False``)."""
+cdef int skip_container(Scanner *s, Py_ssize_t pos, Py_ssize_t outer, Py_ssize_t *end) noexcept nogil:
+    """Past the container opening at ``pos``, by bracket counting only (``validate=False``).
+
+    ``outer``: the containers open around it; the depth limit counts them too.
+    """
     cdef const uint8_t *buf = s.buf
-    cdef Py_ssize_t n = s.n, i = pos, depth = 0
+    cdef Py_ssize_t n = s.n, i = pos, depth = 0, limit = _MAX_DEPTH - outer
     cdef uint8_t c = 0
     cdef bint escaped
     cdef int code
@@ -550,7 +569,12 @@ cdef int skip_container(Scanner *s, Py_ssize_t pos, Py_ssize_t *end) noexcept no
             if code:
                 return code
             continue
-        depth += 1 if (c == 0x5B or c == 0x7B) else -1
+        if c == 0x5B or c == 0x7B:
+            depth += 1
+            if depth > limit:
+                return fail(s, E_DEPTH, i)
+        else:
+            depth -= 1
         i += 1
         if depth == 0:
             end[0] = i
@@ -684,9 +708,11 @@ cdef inline int index_child(Scanner *s, int parent, Py_ssize_t index) noexcept n
 # -- the walk ------------------------------------------------------------------------------------------
 
 cdef int grow_frames(Scanner *s) noexcept nogil:
-    """Double the frame stack (``s.depth`` frames are in use); 0 or E_NO_MEMORY."""
+    """Double the frame stack, up to _MAX_DEPTH frames (``s.depth`` are in use); 0 or E_NO_MEMORY."""
     cdef Frame *grown
     cdef Py_ssize_t capacity = s.capacity * 2
+    if capacity > _MAX_DEPTH:
+        capacity = _MAX_DEPTH
     if s.frames_on_heap:
         grown = <Frame *>realloc(s.frames, capacity * sizeof(Frame))
     else:
@@ -776,6 +802,16 @@ cdef int run(Scanner *s) noexcept nogil:
         elif c == 0x6E:
             code = scan_literal(s, pos, b"null", 4, &pos)
         elif c == 0x7B or c == 0x5B:
+            if depth == s.capacity:
+                # The stack is full: the depth limit (the stack's largest size) or time to grow. The
+                # check comes before the number-array path, which opens a level without a frame.
+                if depth >= _MAX_DEPTH:
+                    return fail(s, E_DEPTH, pos)
+                s.depth = depth
+                code = grow_frames(s)
+                if code:
+                    return code
+                frames = s.frames
             is_object = c == 0x7B
             if node < 0:
                 descend = False
@@ -787,17 +823,11 @@ cdef int run(Scanner *s) noexcept nogil:
             if not descend and not is_object and validate:
                 array_end = number_array_end(buf, pos, n)
             if not descend and not validate:
-                code = skip_container(s, pos, &pos)
+                code = skip_container(s, pos, depth, &pos)
             elif array_end >= 0:
                 pos = array_end
                 code = 0
             else:
-                if depth == s.capacity:
-                    s.depth = depth
-                    code = grow_frames(s)
-                    if code:
-                        return code
-                    frames = s.frames
                 depth += 1
                 frame = &frames[depth - 1]
                 frame.node = node
@@ -999,7 +1029,7 @@ cdef int _scan_begin(Scanner *s, _PathSet compiled, const uint8_t *buf, Py_ssize
     s.validate = validate
     s.frames = inline_frames
     s.depth = 0
-    s.capacity = INLINE_FRAMES
+    s.capacity = INLINE_FRAMES if INLINE_FRAMES < _MAX_DEPTH else _MAX_DEPTH
     s.frames_on_heap = False
     s.scratch = NULL
     s.scratch_capacity = 0

@@ -28,6 +28,12 @@ Semantics shared by both twins:
   the full grammar, but skips every other container by bracket counting and
   every string by looking for its closing quote only, without checking what
   lies inside. It never reads outside the body.
+- The limits of :mod:`fastcore.limits` hold in both modes: a container opened
+  deeper than ``JSON_MAX_DEPTH`` levels (the document is level 1) raises at its
+  bracket, skipped containers included; a number token longer than
+  ``JSON_MAX_NUMBER_CHARS`` raises at its first byte once the token is scanned
+  (``validate=False`` does not look at the numbers inside skipped containers).
+  Either ``JSONSpanError`` has ``limit`` set to the constant's name.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import re
 from collections.abc import Iterable, Sequence
 
 from .errors import JSONSpanError, RelayError, TokenDecodeError
+from .limits import JSON_MAX_DEPTH, JSON_MAX_NUMBER_CHARS
 
 Path = tuple[str | int, ...]
 Span = tuple[int, int]
@@ -56,6 +63,8 @@ E_UTF8 = 11
 E_DIGIT = 12
 E_LITERAL = 13
 E_DUPLICATE_KEY = 14
+E_DEPTH = 15
+E_NUMBER_LENGTH = 16
 
 MESSAGES = {
     E_EOF: "JSON is malformed: unexpected end of data",
@@ -71,14 +80,17 @@ MESSAGES = {
     E_UTF8: "JSON is malformed: invalid UTF-8 in string",
     E_DIGIT: "JSON is malformed: expected a digit",
     E_LITERAL: "JSON is malformed: invalid literal",
+    E_DEPTH: f"JSON nests arrays and objects deeper than the limit of {JSON_MAX_DEPTH} levels",
+    E_NUMBER_LENGTH: f"JSON has a number longer than the limit of {JSON_MAX_NUMBER_CHARS} characters",
 }
+_LIMITS = {E_DEPTH: "JSON_MAX_DEPTH", E_NUMBER_LENGTH: "JSON_MAX_NUMBER_CHARS"}
 
 
 def make_error(code: int, offset: int, key: str | None = None) -> JSONSpanError:
     """The one place status codes become exceptions (the compiled twin calls it too)."""
     if code == E_DUPLICATE_KEY:
         return JSONSpanError(f"JSON has duplicate key {key!r} in one object on the requested path", offset)
-    return JSONSpanError(MESSAGES[code], offset)
+    return JSONSpanError(MESSAGES[code], offset, _LIMITS.get(code))
 
 
 class _Fail(Exception):
@@ -95,10 +107,14 @@ _STRING_RUN_UNCHECKED = re.compile(rb'[^"\\]*')
 _SKIP_RUN = re.compile(rb'[^"\[\]{}]*')
 _NUMBER = re.compile(rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 # Token-id lists dominate our bodies; one match consumes a well-formed one. On
-# anything else the byte-level path below runs and finds the exact error.
+# anything else the byte-level path below runs and finds the exact error. Its
+# numbers are bounded so that none it takes passes JSON_MAX_NUMBER_CHARS
+# (3 * _RUN + 5 characters at most); a longer one fails the match and the
+# byte-level path decides.
+_RUN = (JSON_MAX_NUMBER_CHARS - 5) // 3
+_BOUNDED_NUMBER = rb"-?(?:0|[1-9][0-9]{0,%d})(?:\.[0-9]{1,%d})?(?:[eE][+-]?[0-9]{1,%d})?" % (_RUN, _RUN, _RUN)
 _NUMBER_ARRAY = re.compile(
-    rb"\[[ \t\n\r]*(?:(?:-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)[ \t\n\r]*,[ \t\n\r]*)*+"
-    rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?[ \t\n\r]*\]"
+    rb"\[[ \t\n\r]*(?:" + _BOUNDED_NUMBER + rb"[ \t\n\r]*,[ \t\n\r]*)*+" + _BOUNDED_NUMBER + rb"[ \t\n\r]*\]"
 )
 _HEX = frozenset(b"0123456789abcdefABCDEF")
 _DIGITS = frozenset(b"0123456789")
@@ -282,6 +298,14 @@ def _decode_key(buf: bytes, start: int, end: int) -> bytes:
 
 
 def _scan_number(buf: bytes, pos: int, n: int) -> int:
+    """Past the number at ``pos``; a malformed one fails where it breaks, a long one at ``pos``."""
+    end = _number_end(buf, pos, n)
+    if end - pos > JSON_MAX_NUMBER_CHARS:
+        raise _Fail(E_NUMBER_LENGTH, pos)
+    return end
+
+
+def _number_end(buf: bytes, pos: int, n: int) -> int:
     m = _NUMBER.match(buf, pos)
     if m is not None:
         end = m.end()
@@ -334,8 +358,12 @@ def _scan_literal(buf: bytes, pos: int, n: int, word: bytes) -> int:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _skip_container(buf: bytes, pos: int, n: int) -> int:
-    """Past the container opening at ``pos``, by bracket counting only (``validate=False``)."""
+def _skip_container(buf: bytes, pos: int, n: int, outer: int) -> int:
+    """Past the container opening at ``pos``, by bracket counting only (``validate=False``).
+
+    ``outer``: the containers open around it; the depth limit counts them too.
+    """
+    limit = JSON_MAX_DEPTH - outer
     depth = 0
     i = pos
     while True:
@@ -346,7 +374,12 @@ def _skip_container(buf: bytes, pos: int, n: int) -> int:
         if c == _QUOTE:
             i, _ = _scan_string(buf, j, n, False)
             continue
-        depth += 1 if c in (_OPEN_OBJECT, _OPEN_ARRAY) else -1
+        if c == _OPEN_OBJECT or c == _OPEN_ARRAY:
+            depth += 1
+            if depth > limit:
+                raise _Fail(E_DEPTH, j)
+        else:
+            depth -= 1
         i = j + 1
         if depth == 0:
             return i
@@ -416,10 +449,12 @@ def _scan(buf: bytes, root: _Node | None, validate: bool) -> None:
         elif c == ord("n"):
             pos = _scan_literal(buf, pos, n, b"null")
         elif c == _OPEN_OBJECT or c == _OPEN_ARRAY:
+            if len(stack) >= JSON_MAX_DEPTH:
+                raise _Fail(E_DEPTH, pos)
             is_object = c == _OPEN_OBJECT
             descend = node is not None and (bool(node.keys) if is_object else bool(node.items) or node.last)
             if not descend and not validate:
-                pos = _skip_container(buf, pos, n)
+                pos = _skip_container(buf, pos, n, len(stack))
             elif not descend and not is_object and (m := _NUMBER_ARRAY.match(buf, pos)) is not None:
                 pos = m.end()
             else:

@@ -22,14 +22,18 @@ class TokenDecodeError(binascii.Error):
 
 
 class JSONSpanError(ValueError):
-    """Malformed JSON (or an ambiguous duplicate key) met by the span scanner.
+    """Malformed JSON (or an ambiguous duplicate key, or a limit passed) met by the span scanner.
 
-    ``offset`` is the byte offset where the scanner stopped.
+    ``offset`` is the byte offset where the scanner stopped. ``limit`` names the
+    :mod:`fastcore.limits` constant the document passes (``"JSON_MAX_DEPTH"``,
+    ``"JSON_MAX_NUMBER_CHARS"``), else ``None``: valid JSON refused by policy,
+    which a server words differently from malformed JSON.
     """
 
-    def __init__(self, message: str, offset: int) -> None:
+    def __init__(self, message: str, offset: int, limit: str | None = None) -> None:
         super().__init__(f"{message} (byte {offset})")
         self.offset = offset
+        self.limit = limit
 
 
 class RelayError(ValueError):

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastcore import JSONSpanError, TokenDecodeError
+from fastcore.limits import JSON_MAX_DEPTH, JSON_MAX_NUMBER_CHARS
 from tests.conftest import REQUIRE_EXTENSIONS
 
 # The twin fixtures are modules, not per-test state: sharing them across examples is safe.
@@ -205,7 +206,7 @@ def test_whitespace_everywhere(jsonspan: ModuleType) -> None:
 
 
 def test_huge_numbers_are_spans_not_values(jsonspan: ModuleType) -> None:
-    big = b"-" + b"9" * 5000 + b".5e+" + b"9" * 400
+    big = b"-" + b"9" * 200 + b".5e+" + b"9" * 50  # 255 characters: within JSON_MAX_NUMBER_CHARS
     body = b'{"n": ' + big + b', "m": 1e999}'
     assert jsonspan.find_spans(body, [("n",), ("m",)]) == [(6, 6 + len(big)), (len(body) - 6, len(body) - 1)]
 
@@ -295,17 +296,140 @@ def test_truncation_at_every_byte_raises(jsonspan: ModuleType) -> None:
 
 
 def test_deep_nesting_without_recursion(jsonspan: ModuleType) -> None:
-    depth = 100_000
+    depth = JSON_MAX_DEPTH  # the deepest document the limit allows, walked without recursion
     body = b"[" * depth + b"]" * depth
     for validate in (True, False):
         assert jsonspan.find_span(body, (0, 0), validate=validate) == (2, 2 * depth - 2)
         with pytest.raises(JSONSpanError, match="end of data") as info:
             jsonspan.find_span(body[:-1], (0,), validate=validate)
-        assert info.value.offset == 2 * depth - 1
+        assert info.value.offset == 2 * depth - 1 and info.value.limit is None
     objects = b'{"a":' * depth + b"1" + b"}" * depth
     assert jsonspan.find_span(objects, ("a",) * 3) is not None
     with pytest.raises(JSONSpanError, match="expected ',' or '}'"):
         jsonspan.find_span(b'{"a":' * depth + b"1" + b"]" * depth, ("a",))
+
+
+# -- limits (fastcore.limits) --------------------------------------------------------------------------
+
+
+def nested(depth: int, layout: str) -> tuple[bytes, int]:
+    """A document nesting ``depth`` containers (itself level 1), and the offset of its deepest bracket."""
+    inner = depth - 1
+    if layout == "arrays":
+        return b"[" * depth + b"]" * depth, depth - 1
+    if layout == "objects":
+        return b'{"a":' * inner + b"{}" + b"}" * inner, 5 * inner
+    if layout == "numbers":  # the innermost level is a number list: the scanners' fast path, no frame
+        return b'{"x":' + b"[" * (inner - 1) + b"[1,2]" + b"]" * (inner - 1) + b"}", 5 + inner - 1
+    if layout == "member":  # deep inside a member off the paths, after one on them
+        return b'{"p":[1],"x":' + b"[" * inner + b"]" * inner + b"}", 13 + inner - 1
+    raise AssertionError(layout)
+
+
+LIMIT_PATHS = [[()], [("x",)], [("x", 0, 0)], [("a", "a")], [("p",), ("x",)]]
+
+
+@pytest.mark.parametrize("layout", ["arrays", "objects", "numbers", "member"])
+@pytest.mark.parametrize("validate", [True, False])
+def test_depth_limit_is_exact_everywhere(jsonspan: ModuleType, layout: str, validate: bool) -> None:
+    """JSON_MAX_DEPTH levels pass and one more fails at its bracket, on the paths or off them, walked
+    or skipped (``validate=False`` counts brackets, and the levels open around the skipped value)."""
+    for paths in LIMIT_PATHS:
+        body, _ = nested(JSON_MAX_DEPTH, layout)
+        jsonspan.find_spans(body, paths, validate=validate)
+        body, deepest = nested(JSON_MAX_DEPTH + 1, layout)
+        with pytest.raises(JSONSpanError, match=f"deeper than the limit of {JSON_MAX_DEPTH} levels") as info:
+            jsonspan.find_spans(body, paths, validate=validate)
+        assert info.value.offset == deepest and body[deepest] in b"[{", (paths, deepest)
+        assert info.value.limit == "JSON_MAX_DEPTH"
+
+
+def test_depth_limit_stops_before_the_end(jsonspan: ModuleType) -> None:
+    """A document of a million open brackets fails at the first one past the limit: no stack of a
+    million frames, and the same answer truncated (the limit comes before the end of data)."""
+    body = b"[" * 1_000_000
+    for validate in (True, False):
+        with pytest.raises(JSONSpanError, match="deeper than") as info:
+            jsonspan.find_span(body, (), validate=validate)
+        assert info.value.offset == JSON_MAX_DEPTH
+
+
+def number_in(token: bytes, layout: str) -> tuple[bytes, int]:
+    """A document holding ``token`` as a number, and the token's offset."""
+    prefix = {"scalar": b"", "member": b'{"a":', "list": b'{"b":[1,', "deep": b'{"c":[[{"d":'}[layout]
+    suffix = {"scalar": b"", "member": b"}", "list": b",2]}", "deep": b"}]]}"}[layout]
+    return prefix + token + suffix, len(prefix)
+
+
+def number_tokens(length: int) -> list[bytes]:
+    return [
+        b"1" * length,
+        b"-" + b"2" * (length - 1),
+        b"3." + b"4" * (length - 2),
+        b"-0." + b"5" * (length - 3),
+        b"6" * (length - 4) + b"e+78",
+        b"9.5" + b"0" * (length - 6) + b"E-1",
+    ]
+
+
+@pytest.mark.parametrize("layout", ["scalar", "member", "list", "deep"])
+def test_number_length_limit_is_exact(jsonspan: ModuleType, layout: str) -> None:
+    """A number of JSON_MAX_NUMBER_CHARS characters passes, one more fails at its first byte, in every
+    form (sign, fraction, exponent) and place (in a number list, the fast path, too)."""
+    for token in number_tokens(JSON_MAX_NUMBER_CHARS):
+        assert len(token) == JSON_MAX_NUMBER_CHARS
+        body, offset = number_in(token, layout)
+        assert jsonspan.find_spans(body, [(), ("a",)]) == [(0, len(body)), (5, 5 + len(token)) if layout == "member" else None]
+    for token in number_tokens(JSON_MAX_NUMBER_CHARS + 1):
+        body, offset = number_in(token, layout)
+        for paths in ([()], [("a",)], [("b", 1)], [("c", 0, 0, "d")]):
+            with pytest.raises(JSONSpanError, match=f"number longer than the limit of {JSON_MAX_NUMBER_CHARS}") as info:
+                jsonspan.find_spans(body, paths)
+            assert info.value.offset == offset and info.value.limit == "JSON_MAX_NUMBER_CHARS"
+
+
+def test_number_length_limit_without_validation(jsonspan: ModuleType) -> None:
+    """``validate=False`` checks the numbers it scans (on the paths) and, like everything else in them,
+    not those inside skipped containers."""
+    token = b"1" * (JSON_MAX_NUMBER_CHARS + 1)
+    with pytest.raises(JSONSpanError, match="number longer") as info:
+        jsonspan.find_spans(b'{"a":' + token + b"}", [("b",)], validate=False)
+    assert info.value.offset == 5
+    assert jsonspan.find_spans(b'{"a":[' + token + b"]}", [("b",)], validate=False) == [None]
+
+
+def test_a_malformed_long_number_is_malformed_and_a_long_string_is_no_number(jsonspan: ModuleType) -> None:
+    token = b"1" * (JSON_MAX_NUMBER_CHARS + 10)
+    with pytest.raises(JSONSpanError, match="expected a digit") as info:
+        jsonspan.find_span(b"[" + token + b".x]", ())
+    assert info.value.offset == len(token) + 2 and info.value.limit is None
+    digits = b'"' + token * 100 + b'"'
+    assert jsonspan.find_span(b'{"s":' + digits + b"}", ("s",)) == (5, 5 + len(digits))
+
+
+def test_the_limits_are_one_definition() -> None:
+    import fastcore
+    from fastcore import limits
+
+    assert (fastcore.JSON_MAX_DEPTH, fastcore.JSON_MAX_NUMBER_CHARS) == (limits.JSON_MAX_DEPTH, limits.JSON_MAX_NUMBER_CHARS)
+    assert {"JSON_MAX_DEPTH", "JSON_MAX_NUMBER_CHARS"} <= set(fastcore.__all__)
+
+
+def test_twins_agree_at_the_limits(both_twins: tuple[ModuleType, ModuleType]) -> None:
+    py, c = both_twins
+    bodies = []
+    for depth in (JSON_MAX_DEPTH - 1, JSON_MAX_DEPTH, JSON_MAX_DEPTH + 1):
+        bodies += [nested(depth, layout)[0] for layout in ("arrays", "objects", "numbers", "member")]
+    for length in (JSON_MAX_NUMBER_CHARS, JSON_MAX_NUMBER_CHARS + 1):
+        bodies += [number_in(t, layout)[0] for t in number_tokens(length) for layout in ("scalar", "member", "list", "deep")]
+    for body in bodies:
+        for cut in (len(body), len(body) - 1, len(body) // 2):
+            for paths in LIMIT_PATHS:
+                for validate in (True, False):
+                    args = (body[:cut], paths)
+                    assert outcome(py, "find_spans", *args, validate=validate) == outcome(
+                        c, "find_spans", *args, validate=validate
+                    ), (body[:40], cut, paths, validate)
 
 
 # -- the JSONTestSuite corpus --------------------------------------------------------------------------
