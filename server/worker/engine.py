@@ -84,7 +84,9 @@ class TorchEngine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Insertion order is parking order: the first entry is the oldest.
         self._parked: dict[int, ParkedKV] = {}
+        self._parked_tokens = 0
         self._parked_lock = threading.Lock()
         # Statistics read by /metrics (single writers, read under the GIL).
         self.prompt_tokens_total = 0
@@ -146,7 +148,7 @@ class TorchEngine:
             self._wake.notify()
 
     def abort(self, request_id: str) -> None:
-        """Cancel a request; the engine frees its blocks before its next forward."""
+        """Cancel a request; the engine frees its blocks before its next forward (and never parks it)."""
         req = self._by_id.get(request_id)
         if req is None:
             return
@@ -154,9 +156,38 @@ class TorchEngine:
         with self._wake:
             self._wake.notify()
 
+    def _unpark(self, ctx_request_id: int) -> ParkedKV | None:
+        """Remove an entry from the parked set (caller holds ``_parked_lock``)."""
+        parked = self._parked.pop(ctx_request_id, None)
+        if parked is not None:
+            self._parked_tokens -= len(parked.blocks) * self.cache.block_size
+        return parked
+
     def take_parked(self, ctx_request_id: int) -> ParkedKV | None:
         with self._parked_lock:
-            return self._parked.pop(ctx_request_id, None)
+            return self._unpark(ctx_request_id)
+
+    def discard_parked(self, ctx_request_id: int) -> bool:
+        with self._parked_lock:
+            parked = self._unpark(ctx_request_id)
+        if parked is None:
+            return False
+        self.cache.free(parked.blocks)
+        return True
+
+    def evict_parked(self, tokens: int) -> int:
+        """Free the oldest parked entries until ``tokens`` KV tokens are freed; returns how many went."""
+        evicted: list[ParkedKV] = []
+        freed = 0
+        with self._parked_lock:
+            while freed < tokens and self._parked:
+                parked = self._unpark(next(iter(self._parked)))
+                assert parked is not None
+                evicted.append(parked)
+                freed += len(parked.blocks) * self.cache.block_size
+        for parked in evicted:
+            self.cache.free(parked.blocks)
+        return len(evicted)
 
     def read_parked(self, parked: ParkedKV) -> tuple[torch.Tensor, torch.Tensor]:
         """The parked K and V on the CPU, then the blocks go back to the pool (call off the loop)."""
@@ -166,19 +197,16 @@ class TorchEngine:
         finally:
             self.cache.free(parked.blocks)
 
-    def release_parked(self, parked: ParkedKV) -> None:
-        self.cache.free(parked.blocks)
-
     def expire_parked(self, now: float | None = None) -> int:
         """Free the KV of context legs whose generation leg never came; returns how many."""
         now = time.monotonic() if now is None else now
         with self._parked_lock:
-            expired = [p for p in self._parked.values() if p.expires_at <= now]
-            for p in expired:
-                del self._parked[p.ctx_request_id]
-        for p in expired:
+            expired = [p.ctx_request_id for p in self._parked.values() if p.expires_at <= now]
+            gone = [self._unpark(ctx_id) for ctx_id in expired]
+        for p in gone:
+            assert p is not None
             self.cache.free(p.blocks)
-        return len(expired)
+        return len(gone)
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -195,6 +223,10 @@ class TorchEngine:
     @property
     def parked_count(self) -> int:
         return len(self._parked)
+
+    @property
+    def parked_tokens(self) -> int:
+        return self._parked_tokens
 
     # ------------------------------------------------------------ engine thread
 
@@ -306,10 +338,18 @@ class TorchEngine:
             first_logprob=first_logprob,
             expires_at=time.monotonic() + req.park_ttl_s,
         )
-        req.blocks = []  # now owned by the parked entry
-        self._by_id.pop(req.request_id, None)
+        req.blocks = []  # now owned by the parked entry, or freed here
         with self._parked_lock:
-            self._parked[parked.ctx_request_id] = parked
+            # Checked under the lock discard_parked takes: a client that left
+            # during the prefill (the app aborts, then discards) has either set
+            # ``cancelled`` before this, or finds the entry parked after it.
+            cancelled = req.cancelled
+            if not cancelled:
+                self._parked[parked.ctx_request_id] = parked
+                self._parked_tokens += len(parked.blocks) * self.cache.block_size
+        if cancelled:
+            self.cache.free(parked.blocks)
+        self._by_id.pop(req.request_id, None)
 
     def _decode_step(self, outputs: list[tuple[EngineRequest, Delta]]) -> None:
         batch = list(self._running)

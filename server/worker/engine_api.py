@@ -103,6 +103,10 @@ class Engine(Protocol):
     @property
     def parked_count(self) -> int: ...
     @property
+    def parked_tokens(self) -> int:
+        """KV tokens held by parked entries (part of ``kv_used_tokens``)."""
+
+    @property
     def tokens_per_second(self) -> float: ...
     @property
     def kv_layout(self) -> KVLayout: ...
@@ -111,8 +115,23 @@ class Engine(Protocol):
 
     def unreserve(self, req: EngineRequest) -> None: ...
     def enqueue(self, req: EngineRequest) -> None: ...
-    def abort(self, request_id: str) -> None: ...
+    def abort(self, request_id: str) -> None:
+        """Cancel a request. A context leg cancelled before it parks is never parked."""
+
     def take_parked(self, ctx_request_id: int) -> ParkedKV | None: ...
+    def discard_parked(self, ctx_request_id: int) -> bool:
+        """Free a parked entry nobody will fetch (its client left); False if none is held.
+
+        After :meth:`abort` of the same request, this frees its KV whether the
+        engine parked it before or parks it during the abort: no window leaks it.
+        """
+
+    def evict_parked(self, tokens: int) -> int:
+        """Free the oldest parked entries until ``tokens`` KV tokens are freed (or none is left).
+
+        Returns how many entries went. Their generation legs get 404 and recompute the prefill.
+        """
+
     def read_parked(self, parked: ParkedKV) -> tuple[Any, Any]:
         """The parked K and V on the host; frees the blocks. Called off the event loop."""
 

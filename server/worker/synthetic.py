@@ -2,7 +2,7 @@
 
 ``fastcore-serve worker --model synthetic --prompt-tokens N`` serves the same
 routes, roles, bodies and SSE streams as the torch worker (it is the same
-aiohttp app, see ``app.py``), but an "engine step" is a timer: a configurable
+app, see ``app.py``), but an "engine step" is a timer: a configurable
 prefill latency, then a configurable latency per token (both 0 by default).
 With instant workers the orchestrator in front of them is the bottleneck,
 which is what ``bench.orchestrator`` and ``bench.load`` measure.
@@ -143,6 +143,10 @@ class SyntheticEngine:
         return len(self._parked)
 
     @property
+    def parked_tokens(self) -> int:
+        return 0  # a parked entry holds no cache here (kv_used_tokens is 0 too)
+
+    @property
     def tokens_per_second(self) -> float:
         return self.generated_tokens_total / max(1e-9, time.monotonic() - self._started_at)
 
@@ -220,6 +224,13 @@ class SyntheticEngine:
 
     def take_parked(self, ctx_request_id: int) -> ParkedKV | None:
         return self._parked.pop(ctx_request_id, None)
+
+    def discard_parked(self, ctx_request_id: int) -> bool:
+        # Everything runs on the loop: an aborted leg's task never parks, one that has is here.
+        return self.take_parked(ctx_request_id) is not None
+
+    def evict_parked(self, tokens: int) -> int:
+        return 0  # no parked entry holds cache: evicting one would free none
 
     def read_parked(self, parked: ParkedKV) -> tuple[Any, Any]:
         import torch
