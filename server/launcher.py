@@ -11,7 +11,9 @@ exits non-zero.
 Each child is a ``python -m server.cli ...`` process, so what ``up`` runs is
 exactly what a user would run by hand. A shared secret (random unless
 ``FASTCORE_SHARED_SECRET`` is set) is handed to all of them through the
-environment, so the workers take internal requests only from this orchestrator.
+environment, never the command line (which ``ps`` shows), so the workers take
+internal requests only from this orchestrator; each generation worker fetches
+KV only from this deployment's context workers (``--kv-allow``).
 """
 
 from __future__ import annotations
@@ -109,6 +111,12 @@ def plan(args: argparse.Namespace) -> list[Child]:
     urls: dict[str, list[str]] = {"context": [], "generation": []}
     for role, count in (("context", args.context_workers), ("generation", args.generation_workers)):
         for i in range(count):
+            # A generation worker fetches KV from this deployment's context workers only.
+            allow = (
+                [arg for url in urls["context"] for arg in ("--kv-allow", url)]
+                if role == "generation"
+                else []
+            )
             argv = [
                 *python,
                 "worker",
@@ -123,6 +131,7 @@ def plan(args: argparse.Namespace) -> list[Child]:
             ]
             if args.device:
                 argv += ["--device", args.device]
+            argv += allow
             children.append(Child(f"{role} worker {i}", argv, port))
             urls[role].append(f"{args.host}:{port}")
             port += 1

@@ -557,9 +557,10 @@ async def test_shared_secret_guards_internal_requests(http: aiohttp.ClientSessio
         status, plain = await call(http, gen_worker.url + "/v1/completions", COMPLETION_BODY)
         assert outcome("completions", gen) == outcome("completions", plain)
         status, resp = await call(http, gen_worker.url + "/v1/completions", gen_body)
-        assert status == 403 and "generation_only" in resp["error"]["message"]
+        assert status == 403 and resp["error"]["code"] == "missing_signature"
+        assert SIGNATURE_HEADER in resp["error"]["message"]
         path = "/kv/" + str(ctx["choices"][0]["disaggregated_params"]["ctx_request_id"])
-        assert kv_signature(secret, path).startswith("sha256=")
+        assert kv_signature(secret, path).startswith("t=")
     finally:
         await ctx_worker.runner.cleanup()
         await gen_worker.runner.cleanup()

@@ -1,4 +1,10 @@
-"""The worker's aiohttp app: OpenAI routes, the disaggregated roles, the KV hand-off endpoint, metrics.
+"""The worker's HTTP app: OpenAI routes, the disaggregated roles, the KV hand-off endpoint, metrics.
+
+The listening side is the project's own lean HTTP server (:mod:`server.http`,
+the orchestrator's too): strict framing, bounded headers, bodies, time and
+connections, every error in OpenAI's JSON shape, no ``Server`` banner. A
+client that disconnects cancels its handler, which frees what the request
+holds in the engine at once.
 
 The HTTP layer only talks to an engine through the :class:`Engine` protocol
 (submit a request, receive :class:`~server.worker.output.Delta` objects on the
@@ -14,26 +20,44 @@ Roles (PROTOCOL.md):
 - ``generation``: plain requests and ``generation_only`` legs: the prompt from
   the ids (never re-tokenized), the KV fetched from ``ctx_info_endpoint``, or
   the prefill recomputed when it cannot be had (counted in ``/metrics``).
+
+Parked KV is what a hostile or broken client can pin without a connection, so
+it is bounded three ways: a context leg whose client is gone frees it at once
+(nobody else knows its id); parked entries together hold at most
+``max_parked_fraction`` of the cache, the oldest going first; and a request
+that does not fit evicts parked entries, oldest first, before it is refused
+with 503. An evicted entry's generation leg finds 404 and recomputes the
+prefill.
+
+With a shared secret, internal requests (the two legs, KV fetches) must carry
+a :mod:`server.auth` signature, checked on the raw bytes before anything is
+parsed; a generation worker fetches KV only from the hosts its settings
+allow (loopback by default without a secret).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
+import json
 import logging
+import re
 import secrets
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import numpy as np
-from aiohttp import web
-from yarl import URL
 
-from server.auth import SIGNATURE_HEADER, sign_body, verify_body
-from server.errors import HTTPError, error_body, error_response
+import fastcore
+from server.auth import SIGNATURE_HEADER, Verifier, sign_body
+from server.errors import HTTPError, error_body
+from server.http import HTTPServer, Limits, Request, Responder
 from server.metrics import CONTENT_TYPE, Registry
 
 from .engine_api import NOT_FINISHED, Engine, EngineRequest, KVCacheFull, prompt_checksum
@@ -59,6 +83,76 @@ log = logging.getLogger(__name__)
 
 ROLES = ("both", "context", "generation")
 KV_PATH = "/kv/{ctx_request_id}"
+#: the only paths a generation worker fetches KV from (a ctx_request_id is 62 random bits)
+KV_PATH_RE = re.compile(r"/kv/[0-9]{1,20}")
+LISTEN_BACKLOG = 4096  # an orchestrator may open 1000s of connections at once
+
+_POST = b"POST"
+_GET = (b"GET", b"HEAD")
+_KV_PREFIX = b"/kv/"
+_SIGNATURE = SIGNATURE_HEADER.lower().encode()
+_JSON = b"application/json"
+_SSE = b"text/event-stream"
+_SSE_HEADERS = b"Cache-Control: no-cache\r\nX-Accel-Buffering: no\r\n"
+_GENERATION_ROUTES: dict[bytes, Route] = {b"/v1/chat/completions": "chat", b"/v1/completions": "completions"}
+
+
+def _host_port(entry: str) -> tuple[str, int | None]:
+    """``HOST[:PORT]`` (an IPv6 address in brackets) as a lower-case host and a port or None."""
+    parts = urlsplit("//" + entry.strip())
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    host = parts.hostname
+    if not host or port == -1 or parts.path or parts.query or parts.fragment or parts.username is not None:
+        raise ValueError(f"KV source {entry!r} is not HOST[:PORT]")
+    return host, port
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class KVSources:
+    """Where a generation worker may fetch KV from: the host (and port) of ``ctx_info_endpoint``.
+
+    With entries, only those (a host without a port allows any port; names
+    are compared as written, never resolved). Without: loopback only, unless
+    ``any_host`` (a shared secret is set, so only signed callers name an
+    endpoint). Whatever the host, only ``GET /kv/<digits>`` over http(s) is
+    ever fetched: a caller cannot point the fetch at another service's path.
+    """
+
+    def __init__(self, entries: Sequence[str], *, any_host: bool) -> None:
+        self.entries = [_host_port(e) for e in entries]
+        self.any_host = any_host
+
+    def allows(self, endpoint: str) -> bool:
+        try:
+            parts = urlsplit(endpoint)
+            port = parts.port
+        except ValueError:
+            return False
+        host = parts.hostname
+        if (
+            parts.scheme not in ("http", "https")
+            or not host
+            or parts.username is not None
+            or parts.query
+            or parts.fragment
+            or not KV_PATH_RE.fullmatch(parts.path)
+        ):
+            return False
+        if not self.entries:
+            return self.any_host or _is_loopback(host)
+        port = port or (443 if parts.scheme == "https" else 80)
+        return any(h == host and (p is None or p == port) for h, p in self.entries)
 
 
 @dataclass
@@ -70,19 +164,44 @@ class WorkerSettings:
     shared_secret: bytes | None = None
     kv_ttl_s: float = 30.0
     kv_fetch_timeout_s: float = 10.0
+    #: the most of the KV cache parked entries may hold together; beyond it the oldest go
+    max_parked_fraction: float = 0.5
+    #: hosts (``HOST[:PORT]``) a generation worker fetches KV from; see :class:`KVSources`
+    kv_allow: tuple[str, ...] = ()
     # Base URL put in ctx_info_endpoint; default: the Host the request came in on.
     public_url: str | None = None
     retry_after_s: int = 1
+    # The listening side's bounds (server.http.Limits).
     max_body_bytes: int = 64 << 20
+    max_header_bytes: int = 16 * 1024
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    keepalive_timeout_s: float = 75.0
+    max_connections: int = 8192
     device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if not 0.0 <= self.max_parked_fraction <= 1.0:
+            raise ValueError(f"max_parked_fraction must be within [0, 1], got {self.max_parked_fraction}")
+        self.kv_allow = tuple(self.kv_allow)
+        for entry in self.kv_allow:
+            _host_port(entry)
+
+    def limits(self) -> Limits:
+        return Limits(
+            max_header_bytes=self.max_header_bytes,
+            max_body_bytes=self.max_body_bytes,
+            header_timeout_s=self.header_timeout_s,
+            body_timeout_s=self.body_timeout_s,
+            keepalive_timeout_s=self.keepalive_timeout_s,
+            max_connections=self.max_connections,
+        )
 
 
 class WorkerMetrics:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, app: WorkerApp) -> None:
         r = self.registry = Registry()
         self.requests = r.counter("fastcore_worker_requests_total", "Requests by route and HTTP status",
                                   ("route", "status"))  # fmt: skip
@@ -101,6 +220,8 @@ class WorkerMetrics:
                 callback=lambda: engine.kv_used_tokens / max(1, engine.kv_capacity_tokens))  # fmt: skip
         r.gauge("fastcore_worker_kv_parked", "Context legs' KV waiting for a generation worker",
                 callback=lambda: engine.parked_count)  # fmt: skip
+        r.gauge("fastcore_worker_kv_parked_tokens", "KV cache tokens held by parked entries",
+                callback=lambda: engine.parked_tokens)  # fmt: skip
         r.gauge("fastcore_worker_decode_tokens_per_second", "Decode tokens per second over the last 5 s",
                 callback=lambda: engine.tokens_per_second)  # fmt: skip
         self.prompt_tokens = r.counter("fastcore_worker_prompt_tokens_total", "Prompt tokens admitted")
@@ -109,11 +230,13 @@ class WorkerMetrics:
         )
         self.handoff = r.counter(
             "fastcore_worker_kv_handoff_total",
-            "KV hand-off events: parked/served/expired (context side), fetched/recomputed (generation side)",
+            "KV hand-off events. Context side: parked, served, expired, abandoned (the fetcher hung up "
+            "mid-download), cancelled (the context leg's client left: freed at once), evicted (parked "
+            "KV freed for the parked bound or to admit a request). Generation side: fetched, recomputed",
             ("event",),
         )
         self.fetch_failures = r.counter("fastcore_worker_kv_fetch_failures_total",
-                                        "KV fetches that failed, by reason", ("reason",))  # fmt: skip
+                                        "KV fetches that failed or were not tried, by reason", ("reason",))  # fmt: skip
         self.rejected = r.counter(
             "fastcore_worker_rejected_total", "Requests refused with 503, by reason", ("reason",)
         )
@@ -122,191 +245,17 @@ class WorkerMetrics:
         )
         self.latency = r.histogram("fastcore_worker_request_seconds", "Arrival to last token", ("route",))
 
+        def server_stat(read: Callable[[HTTPServer], float]) -> Callable[[], float]:
+            return lambda: read(app.server) if app.server is not None else 0
 
-class WorkerState:
-    def __init__(self, engine: Engine, settings: WorkerSettings) -> None:
-        self.engine = engine
-        self.settings = settings
-        self.metrics = WorkerMetrics(engine)
-        self.session: aiohttp.ClientSession | None = None
-        self.expiry_task: asyncio.Task[None] | None = None
-
-
-STATE_KEY = web.AppKey("worker_state", WorkerState)
-
-
-# ---------------------------------------------------------------- middleware
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except HTTPError as exc:
-        return exc.response()
-    except web.HTTPException as exc:
-        # aiohttp's own 404/405/413 would otherwise be HTML: keep every error OpenAI-shaped.
-        if exc.status < 400:
-            raise
-        return error_response(exc.status, exc.reason if exc.status != 413 else "request body too large")
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception:
-        log.exception("unhandled error on %s", request.path)
-        return error_response(500, "internal error in the worker")
-
-
-# ---------------------------------------------------------------- simple routes
-
-
-async def handle_health(request: web.Request) -> web.Response:
-    state: WorkerState = request.app[STATE_KEY]
-    if not state.engine.alive:
-        return error_response(503, "the engine is not running")
-    return web.json_response({"status": "ok", "role": state.settings.role})
-
-
-async def handle_models(request: web.Request) -> web.Response:
-    state: WorkerState = request.app[STATE_KEY]
-    model = {
-        "id": state.settings.model_name,
-        "object": "model",
-        "created": 0,
-        "owned_by": "fastcore",
-        "max_model_len": state.engine.max_context,
-    }
-    return web.json_response({"object": "list", "data": [model]})
-
-
-async def handle_server_info(request: web.Request) -> web.Response:
-    state: WorkerState = request.app[STATE_KEY]
-    engine = state.engine
-    return web.json_response(
-        {
-            "role": state.settings.role,
-            "model": state.settings.model_name,
-            "max_context_length": engine.max_context,
-            "vocab_size": engine.vocab_size,
-            "kv_endpoint": KV_PATH,
-            "kv_capacity_tokens": engine.kv_capacity_tokens,
-            "kv_ttl_s": state.settings.kv_ttl_s,
-            "device": state.settings.device,
-        }
-    )
-
-
-async def handle_metrics(request: web.Request) -> web.Response:
-    state: WorkerState = request.app[STATE_KEY]
-    return web.Response(body=state.metrics.registry.render(), headers={"Content-Type": CONTENT_TYPE})
-
-
-# ---------------------------------------------------------------- KV hand-off, context side
-
-
-def kv_signature(secret: bytes, path: str) -> str:
-    """A KV fetch has no body, so the signature covers the path."""
-    return sign_body(secret, path.encode())
-
-
-async def handle_kv(request: web.Request) -> web.StreamResponse:
-    state: WorkerState = request.app[STATE_KEY]
-    secret = state.settings.shared_secret
-    if secret is not None and not verify_body(
-        secret, request.path.encode(), request.headers.get(SIGNATURE_HEADER)
-    ):
-        raise HTTPError(403, "KV fetch without a valid signature")
-    try:
-        ctx_request_id = int(request.match_info["ctx_request_id"])
-    except ValueError:
-        raise HTTPError(400, "ctx_request_id must be an integer", param="ctx_request_id") from None
-    parked = state.engine.take_parked(ctx_request_id)
-    if parked is None:
-        raise HTTPError(404, f"no KV held for ctx_request_id {ctx_request_id} (already fetched or expired)")
-    from .kv_transfer import encode_kv  # torch: only engines that park KV get here
-
-    loop = asyncio.get_running_loop()
-    # The gather (and a device-to-host copy on CUDA) must not run on the event loop.
-    k, v = await loop.run_in_executor(None, state.engine.read_parked, parked)
-    pieces = encode_kv(
-        k,
-        v,
-        prompt_crc32=parked.prompt_crc32,
-        first_token=parked.first_token,
-        first_logprob=parked.first_logprob,
-    )
-    response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
-    response.content_length = sum(len(p) for p in pieces)
-    # The generation worker may hang up midway (timeout, cancel, crash) and
-    # recompute the prefill; this handler is then cancelled or its write fails.
-    # The KV is gone either way: count it, without a traceback.
-    served = False
-    try:
-        await response.prepare(request)
-        for piece in pieces:
-            await response.write(piece)
-        await response.write_eof()
-        served = True
-    except ConnectionResetError:
-        pass
-    finally:
-        state.metrics.handoff.inc(event="served" if served else "abandoned")
-    return response
-
-
-async def expire_parked_loop(state: WorkerState) -> None:
-    period = max(0.05, min(1.0, state.settings.kv_ttl_s / 4))
-    while True:
-        await asyncio.sleep(period)
-        expired = state.engine.expire_parked()
-        if expired:
-            state.metrics.handoff.inc(expired, event="expired")
-
-
-# ---------------------------------------------------------------- KV hand-off, generation side
-
-
-async def fetch_kv(state: WorkerState, endpoint: str, prompt_ids: np.ndarray) -> KVPayload:
-    """The prompt's KV from a context worker, or a :class:`KVFetchError` saying why not."""
-    from .kv_transfer import (  # torch: real engines only
-        KVTransferError,
-        check_header,
-        decode_kv,
-        parse_prefix,
-    )
-
-    assert state.session is not None
-    headers = {}
-    if state.settings.shared_secret is not None:
-        headers[SIGNATURE_HEADER] = kv_signature(state.settings.shared_secret, URL(endpoint).path)
-    layout = state.engine.kv_layout
-    num_tokens = int(prompt_ids.size)
-    crc = prompt_checksum(prompt_ids)
-    timeout = aiohttp.ClientTimeout(total=state.settings.kv_fetch_timeout_s)
-    try:
-        async with state.session.get(endpoint, headers=headers, timeout=timeout) as resp:
-            if resp.status != 200:
-                raise KVFetchError(f"http_{resp.status}", f"context worker answered {resp.status}")
-            body = bytearray(await resp.content.readexactly(12))
-            header_len = parse_prefix(body)
-            body += await resp.content.readexactly(header_len)
-            try:
-                check_header(body[12:], layout, num_tokens=num_tokens, prompt_crc32=crc)
-            except KVTransferError as exc:
-                raise KVFetchError("mismatch", str(exc)) from None
-            # Sized by this worker's own model and prompt, never by the sender's header.
-            body += await resp.content.readexactly(layout.payload_bytes(num_tokens))
-    except KVTransferError as exc:
-        raise KVFetchError("malformed", str(exc)) from None
-    except asyncio.IncompleteReadError as exc:
-        raise KVFetchError(
-            "malformed", f"KV body ended early ({len(exc.partial)} bytes short read)"
-        ) from None
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-        raise KVFetchError("unreachable", f"{type(exc).__name__}: {exc}") from None
-    try:
-        return decode_kv(body, layout, num_tokens=num_tokens, prompt_crc32=crc)
-    except KVTransferError as exc:
-        raise KVFetchError("malformed", str(exc)) from None
+        r.gauge("fastcore_worker_client_connections", "Open client connections",
+                callback=server_stat(lambda s: len(s.connections)))  # fmt: skip
+        r.counter("fastcore_worker_connections_refused_total",
+                  "Client connections refused at the connection cap (503)",
+                  callback=server_stat(lambda s: s.refused))  # fmt: skip
+        r.counter("fastcore_worker_http_framing_errors_total",
+                  "Requests refused before routing: malformed HTTP, limits on headers or body, timeouts",
+                  callback=server_stat(lambda s: s.framing_errors))  # fmt: skip
 
 
 class KVFetchError(LookupError):
@@ -315,135 +264,34 @@ class KVFetchError(LookupError):
         self.reason = reason
 
 
-# ---------------------------------------------------------------- completions
+def kv_signature(secret: bytes, path: str) -> str:
+    """The signature of a KV fetch: it has no body, so it signs the path (nonce and time included)."""
+    return sign_body(secret, path.encode())
 
 
-def make_generation_handler(route: Route) -> Any:
-    async def handler(request: web.Request) -> web.StreamResponse:
-        state: WorkerState = request.app[STATE_KEY]
-        status = 500
-        try:
-            response = await generate(request, state, route)
-            status = response.status
-            return response
-        except HTTPError as exc:
-            status = exc.status
-            raise
-        except asyncio.CancelledError:
-            status = 499  # the client went away (nginx's code for it)
-            raise
-        finally:
-            state.metrics.requests.inc(route=route, status=str(status))
-
-    return handler
+def _header_lines(headers: dict[str, str] | None) -> bytes:
+    if not headers:
+        return b""
+    return "".join(f"{name}: {value}\r\n" for name, value in headers.items()).encode("latin-1")
 
 
-def _check_role(state: WorkerState, req: ParsedRequest, raw: bytes, request: web.Request) -> None:
-    if req.disagg is None:
+def _send_error(out: Responder, exc: HTTPError) -> None:
+    if out.started:  # a stream already under way cannot change its status
+        out.abort()
         return
-    role = state.settings.role
-    kind = req.disagg.request_type
-    if kind == CONTEXT_ONLY and role == "generation":
-        raise HTTPError(400, "this worker's role is generation: it does not take context_only requests",
-                        param="disaggregated_params")  # fmt: skip
-    if kind == GENERATION_ONLY and role == "context":
-        raise HTTPError(400, "this worker's role is context: it does not take generation_only requests",
-                        param="disaggregated_params")  # fmt: skip
-    secret = state.settings.shared_secret
-    if secret is not None and not verify_body(secret, raw, request.headers.get(SIGNATURE_HEADER)):
-        raise HTTPError(
-            403, f"{kind} request without a valid {SIGNATURE_HEADER}", param="disaggregated_params"
-        )
-
-
-async def generate(request: web.Request, state: WorkerState, route: Route) -> web.StreamResponse:
-    arrived = time.monotonic()
-    raw = await request.read()
-    engine = state.engine
-    req = parse_request(
-        raw,
-        route,
-        tokenizer=engine.tokenizer,
-        model_name=state.settings.model_name,
-        max_context=engine.max_context,
+    out.send_error(
+        exc.status, exc.message, param=exc.param, code=exc.code, headers=_header_lines(exc.headers)
     )
-    _check_role(state, req, raw, request)
-    if not engine.alive:
-        raise HTTPError(503, "the engine is not running", code="engine_down",
-                        headers={"Retry-After": str(state.settings.retry_after_s)})  # fmt: skip
 
-    queue: asyncio.Queue[Delta] = asyncio.Queue()
-    prompt_tail = req.prompt_ids[-4:].tolist()
-    engine_req = EngineRequest(
-        request_id=uuid.uuid4().hex,
-        prompt_ids=req.prompt_ids,
-        params=req.params,
-        processor=OutputProcessor(engine.tokenizer, req.params, prompt_tail),
-        on_delta=queue.put_nowait,
-    )
-    if req.is_context_only:
-        engine_req.park_as = secrets.randbits(62)
-        engine_req.park_ttl_s = state.settings.kv_ttl_s
-    elif req.is_generation_only:
-        assert req.disagg is not None
-        engine_req.forced_tokens = list(req.disagg.first_gen_tokens)
 
+def _carries_disagg(raw: bytes) -> bool:
+    """Whether the body has a non-null top-level ``disaggregated_params``, found without parsing
+    or tokenizing (one lax scan of the top-level object, as parse_request's own first step)."""
     try:
-        engine.reserve(engine_req)
-    except KVCacheFull as exc:
-        if not exc.ever_fits:
-            raise HTTPError(
-                400, f"the request is too large for this worker: {exc}", param="max_tokens"
-            ) from None
-        state.metrics.rejected.inc(reason="kv_full")
-        raise HTTPError(
-            503,
-            f"the worker is full: {exc}",
-            code="worker_full",
-            headers={"Retry-After": str(state.settings.retry_after_s)},
-        ) from None
-
-    queued = False
-    try:
-        if req.is_generation_only:
-            await _attach_context_kv(state, req, engine_req)
-        engine.enqueue(engine_req)
-        queued = True
-        state.metrics.prompt_tokens.inc(int(req.prompt_ids.size))
-        if req.stream and not req.is_context_only:
-            return await _stream(request, state, req, engine_req, queue, arrived)
-        return await _respond(request, state, req, engine_req, queue, arrived)
-    finally:
-        if not queued:
-            engine.unreserve(engine_req)
-        elif not engine_req.processor.finished:
-            # Client gone or handler failed: free the slot now, not when max_tokens runs out.
-            engine.abort(engine_req.request_id)
-
-
-async def _attach_context_kv(state: WorkerState, req: ParsedRequest, engine_req: EngineRequest) -> None:
-    assert req.disagg is not None
-    endpoint = req.disagg.ctx_info_endpoint
-    first = req.disagg.first_gen_tokens
-    if not endpoint or len(first) != 1:
-        reason = "no_endpoint" if not endpoint else "several_first_tokens"
-        state.metrics.fetch_failures.inc(reason=reason)
-        state.metrics.handoff.inc(event="recomputed")
-        return
-    try:
-        payload = await fetch_kv(state, endpoint, req.prompt_ids)
-    except KVFetchError as exc:
-        log.info("KV fetch from %s failed (%s): %s; recomputing the prefill", endpoint, exc.reason, exc)
-        state.metrics.fetch_failures.inc(reason=exc.reason)
-        state.metrics.handoff.inc(event="recomputed")
-        return
-    if payload.first_token != first[0]:
-        state.metrics.fetch_failures.inc(reason="mismatch")
-        state.metrics.handoff.inc(event="recomputed")
-        return
-    engine_req.kv_import = (payload.k, payload.v)
-    engine_req.forced_logprobs = [payload.first_logprob if req.params.logprobs is not None else None]
-    state.metrics.handoff.inc(event="fetched")
+        span = fastcore.find_span(raw, ("disaggregated_params",), validate=False)
+    except fastcore.JSONSpanError:
+        return False  # malformed: parse_request answers 400 before any tokenizing
+    return span is not None and raw[span[0] : span[0] + 4] != b"null"
 
 
 async def _next_delta(queue: asyncio.Queue[Delta]) -> Delta:
@@ -453,152 +301,509 @@ async def _next_delta(queue: asyncio.Queue[Delta]) -> Delta:
     return delta
 
 
-def _context_fields(
-    request: web.Request,
-    state: WorkerState,
-    req: ParsedRequest,
-    engine_req: EngineRequest,
-    token_ids: list[int],
-    body: dict[str, Any],
-) -> list[bytes]:
-    """The context response's extras (PROTOCOL.md (2)): ``disaggregated_params`` set in ``body``,
-    and the prompt ids returned as JSON members for :func:`dump_with_members`."""
-    assert req.disagg is not None and engine_req.park_as is not None
-    base = state.settings.public_url or f"{request.scheme}://{request.host}"
-    ctx_id = engine_req.park_as
-    body["choices"][0]["disaggregated_params"] = {
-        "request_type": CONTEXT_ONLY,
-        "first_gen_tokens": token_ids,
-        "ctx_request_id": ctx_id,
-        "disagg_request_id": req.disagg.disagg_request_id,
-        "encoded_opaque_state": None,
-        "ctx_info_endpoint": base.rstrip("/") + KV_PATH.format(ctx_request_id=ctx_id),
-        "draft_tokens": None,
-    }
-    if body["choices"][0]["finish_reason"] == NOT_FINISHED:
-        state.metrics.handoff.inc(event="parked")
-    # Straight from the int32 array: no Python list on the way to base64.
-    return prompt_ids_members(req.prompt_ids, b64=bool(req.disagg.return_prompt_token_ids_b64))
+class WorkerApp:
+    """One worker: its engine, settings, metrics, signature verifier and HTTP server."""
 
+    def __init__(self, engine: Engine, settings: WorkerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.server: HTTPServer | None = None
+        self.metrics = WorkerMetrics(engine, self)
+        secret = settings.shared_secret
+        # One per worker: it remembers the nonces it has accepted, so a replay is refused.
+        self.verifier = Verifier(secret) if secret is not None else None
+        self.kv_sources = KVSources(settings.kv_allow, any_host=secret is not None)
+        self.max_parked_tokens = int(settings.max_parked_fraction * engine.kv_capacity_tokens)
+        self.session: aiohttp.ClientSession | None = None
+        self.expiry_task: asyncio.Task[None] | None = None
+        #: base of ctx_info_endpoint for a request without a Host header
+        self.bound_url = ""
+        self._simple: dict[bytes, Callable[[Responder], None]] = {
+            b"/health": self.health,
+            b"/v1/models": self.models,
+            b"/server_info": self.server_info,
+            b"/metrics": self.metrics_endpoint,
+        }
 
-async def _respond(
-    request: web.Request,
-    state: WorkerState,
-    req: ParsedRequest,
-    engine_req: EngineRequest,
-    queue: asyncio.Queue[Delta],
-    arrived: float,
-) -> web.Response:
-    deltas: list[Delta] = []
-    while True:
-        delta = await _next_delta(queue)
-        if not deltas:
-            state.metrics.ttft.observe(time.monotonic() - arrived, route=req.route)
-        deltas.append(delta)
-        if delta.finish_reason is not None:
-            break
-    state.metrics.latency.observe(time.monotonic() - arrived, route=req.route)
-    token_ids = [t for d in deltas for t in d.token_ids]
-    state.metrics.generated_tokens.inc(len(token_ids))
-    logprobs = [lp for d in deltas for lp in d.logprobs] if req.want_logprobs else None
-    body = completion_body(
-        route=req.route,
-        response_id=new_response_id(req.route),
-        created=int(time.time()),
-        model=req.model,
-        text="".join(d.text for d in deltas),
-        finish_reason=deltas[-1].finish_reason,
-        usage=usage_body(int(req.prompt_ids.size), len(token_ids)),
-        logprobs=logprobs,
-        tokenizer=state.engine.tokenizer,
-    )
-    members = _context_fields(request, state, req, engine_req, token_ids, body) if req.is_context_only else []
-    return web.Response(body=dump_with_members(body, members), content_type="application/json")
+    # -- lifecycle -----------------------------------------------------------
 
+    async def start(self, host: str, port: int) -> tuple[HTTPServer, int]:
+        self.engine.start(asyncio.get_running_loop())
+        self.session = aiohttp.ClientSession()
+        self.expiry_task = asyncio.create_task(self._expire_parked_loop())
+        server = self.server = HTTPServer(self.handle, self.settings.limits())
+        server.on_close.append(self.stop)
+        try:
+            await server.start(host, port, backlog=LISTEN_BACKLOG)
+        except BaseException:
+            await self.stop()
+            raise
+        if not server.sockets:
+            await server.cleanup()
+            raise RuntimeError(f"worker on {host}:{port} has no listening socket")
+        bound = server.sockets[0].getsockname()
+        self.bound_url = f"http://{host}:{bound[1]}" if ":" not in host else f"http://[{host}]:{bound[1]}"
+        return server, int(bound[1])
 
-async def _stream(
-    request: web.Request,
-    state: WorkerState,
-    req: ParsedRequest,
-    engine_req: EngineRequest,
-    queue: asyncio.Queue[Delta],
-    arrived: float,
-) -> web.StreamResponse:
-    # Wait for the first output before committing to a 200, so an engine error is still a JSON error.
-    first = await _next_delta(queue)
-    state.metrics.ttft.observe(time.monotonic() - arrived, route=req.route)
-    response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    )
-    await response.prepare(request)
-    writer = StreamWriterState(req, state.engine.tokenizer)
-    num_tokens = 0
-    await response.write(writer.start())
-    delta = first
-    while True:
-        if delta.error is not None:
-            await response.write(b"data: " + error_body(500, delta.error) + b"\n\n")
-            break
-        num_tokens += len(delta.token_ids)
-        await response.write(writer.delta(delta))
-        if delta.finish_reason is not None:
-            await response.write(writer.end(usage_body(int(req.prompt_ids.size), num_tokens)))
-            break
-        delta = await queue.get()
-    state.metrics.generated_tokens.inc(num_tokens)
-    state.metrics.latency.observe(time.monotonic() - arrived, route=req.route)
-    await response.write_eof()
-    return response
-
-
-# ---------------------------------------------------------------- app
-
-
-def create_app(engine: Engine, settings: WorkerSettings) -> web.Application:
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware])
-    state = WorkerState(engine, settings)
-    app[STATE_KEY] = state
-
-    async def on_startup(app: web.Application) -> None:
-        engine.start(asyncio.get_running_loop())
-        state.session = aiohttp.ClientSession()
-        state.expiry_task = asyncio.create_task(expire_parked_loop(state))
-
-    async def on_cleanup(app: web.Application) -> None:
-        if state.expiry_task is not None:
-            state.expiry_task.cancel()
+    async def stop(self) -> None:
+        if self.expiry_task is not None:
+            self.expiry_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await state.expiry_task
-        if state.session is not None:
-            await state.session.close()
-        await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+                await self.expiry_task
+        if self.session is not None:
+            await self.session.close()
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
 
-    app.on_startup.append(on_startup)
-    app.on_cleanup.append(on_cleanup)
-    app.router.add_post("/v1/chat/completions", make_generation_handler("chat"))
-    app.router.add_post("/v1/completions", make_generation_handler("completions"))
-    app.router.add_get("/v1/models", handle_models)
-    app.router.add_get("/health", handle_health)
-    app.router.add_get("/server_info", handle_server_info)
-    app.router.add_get("/metrics", handle_metrics)
-    app.router.add_get(KV_PATH, handle_kv)
-    return app
+    async def _expire_parked_loop(self) -> None:
+        period = max(0.05, min(1.0, self.settings.kv_ttl_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            expired = self.engine.expire_parked()
+            if expired:
+                self.metrics.handoff.inc(expired, event="expired")
+
+    # -- routing -------------------------------------------------------------
+
+    async def handle(self, request: Request, out: Responder) -> None:
+        path = request.path
+        try:
+            route = _GENERATION_ROUTES.get(path)
+            if route is not None:
+                if request.method != _POST:
+                    raise HTTPError(405, f"{path.decode()} takes POST", headers={"Allow": "POST"})
+                await self.generate(request, out, route)
+                return
+            simple = self._simple.get(path)
+            if simple is not None:
+                if request.method not in _GET:
+                    raise HTTPError(405, f"{path.decode()} takes GET", headers={"Allow": "GET, HEAD"})
+                simple(out)
+                return
+            if path.startswith(_KV_PREFIX):
+                # GET only: a HEAD would hand the KV over to nobody.
+                if request.method != b"GET":
+                    raise HTTPError(405, "the KV endpoint takes GET", headers={"Allow": "GET"})
+                await self.kv(request, out)
+                return
+            raise HTTPError(
+                404,
+                f"no route {path.decode('utf-8', 'replace')[:200]}: this worker serves POST "
+                "/v1/chat/completions, POST /v1/completions, GET /v1/models, /health, /server_info, "
+                f"/metrics, {KV_PATH}",
+            )
+        except HTTPError as exc:
+            _send_error(out, exc)
+        except Exception:
+            log.exception("unhandled error on %s", path.decode("utf-8", "replace"))
+            _send_error(out, HTTPError(500, "internal error in the worker"))
+
+    # -- simple routes ---------------------------------------------------------
+
+    def health(self, out: Responder) -> None:
+        if not self.engine.alive:
+            out.send_error(503, "the engine is not running")
+            return
+        out.send(200, json.dumps({"status": "ok", "role": self.settings.role}).encode())
+
+    def models(self, out: Responder) -> None:
+        model = {
+            "id": self.settings.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "fastcore",
+            "max_model_len": self.engine.max_context,
+        }
+        out.send(200, json.dumps({"object": "list", "data": [model]}).encode())
+
+    def server_info(self, out: Responder) -> None:
+        engine, settings = self.engine, self.settings
+        info = {
+            "role": settings.role,
+            "model": settings.model_name,
+            "max_context_length": engine.max_context,
+            "vocab_size": engine.vocab_size,
+            "kv_endpoint": KV_PATH,
+            "kv_capacity_tokens": engine.kv_capacity_tokens,
+            "kv_ttl_s": settings.kv_ttl_s,
+            "max_parked_tokens": self.max_parked_tokens,
+            "device": settings.device,
+        }
+        out.send(200, json.dumps(info).encode())
+
+    def metrics_endpoint(self, out: Responder) -> None:
+        out.send(200, self.metrics.registry.render(), CONTENT_TYPE.encode())
+
+    # -- KV hand-off, context side -----------------------------------------------
+
+    async def kv(self, request: Request, out: Responder) -> None:
+        if self.verifier is not None:
+            reason = self.verifier.check(request.path, request.header(_SIGNATURE))
+            if reason is not None:
+                raise HTTPError(403, f"KV fetch refused: {SIGNATURE_HEADER} {reason}", code="bad_signature")
+        raw_id = request.path[len(_KV_PREFIX) :]
+        if not (raw_id.isdigit() and len(raw_id) <= 20):
+            raise HTTPError(400, "ctx_request_id must be an integer", param="ctx_request_id")
+        ctx_request_id = int(raw_id)
+        parked = self.engine.take_parked(ctx_request_id)
+        if parked is None:
+            raise HTTPError(
+                404, f"no KV held for ctx_request_id {ctx_request_id} (already fetched or expired)"
+            )
+        # The generation worker may hang up midway (timeout, cancel, crash) and
+        # recompute the prefill; this handler is then cancelled. The KV is gone
+        # either way (read_parked frees it): count it, without a traceback.
+        served = False
+        try:
+            from .kv_transfer import encode_kv  # torch: only engines that park KV get here
+
+            # The gather (and a device-to-host copy on CUDA) must not run on the event loop.
+            k, v = await asyncio.get_running_loop().run_in_executor(None, self.engine.read_parked, parked)
+            pieces = encode_kv(
+                k,
+                v,
+                prompt_crc32=parked.prompt_crc32,
+                first_token=parked.first_token,
+                first_logprob=parked.first_logprob,
+            )
+            out.send_pieces(200, pieces, b"application/octet-stream")
+            await out.drain()
+            served = not out.closed
+        finally:
+            self.metrics.handoff.inc(event="served" if served else "abandoned")
+
+    # -- KV hand-off, generation side ------------------------------------------
+
+    async def fetch_kv(self, endpoint: str, prompt_ids: np.ndarray) -> KVPayload:
+        """The prompt's KV from a context worker, or a :class:`KVFetchError` saying why not."""
+        from .kv_transfer import (  # torch: real engines only
+            KVTransferError,
+            check_header,
+            decode_kv,
+            parse_prefix,
+        )
+
+        assert self.session is not None
+        headers = {}
+        if self.settings.shared_secret is not None:
+            headers[SIGNATURE_HEADER] = kv_signature(self.settings.shared_secret, urlsplit(endpoint).path)
+        layout = self.engine.kv_layout
+        num_tokens = int(prompt_ids.size)
+        crc = prompt_checksum(prompt_ids)
+        timeout = aiohttp.ClientTimeout(total=self.settings.kv_fetch_timeout_s)
+        try:
+            async with self.session.get(
+                endpoint, headers=headers, timeout=timeout, allow_redirects=False
+            ) as resp:
+                if resp.status != 200:
+                    raise KVFetchError(f"http_{resp.status}", f"context worker answered {resp.status}")
+                body = bytearray(await resp.content.readexactly(12))
+                header_len = parse_prefix(body)
+                body += await resp.content.readexactly(header_len)
+                try:
+                    check_header(body[12:], layout, num_tokens=num_tokens, prompt_crc32=crc)
+                except KVTransferError as exc:
+                    raise KVFetchError("mismatch", str(exc)) from None
+                # Sized by this worker's own model and prompt, never by the sender's header.
+                body += await resp.content.readexactly(layout.payload_bytes(num_tokens))
+        except KVTransferError as exc:
+            raise KVFetchError("malformed", str(exc)) from None
+        except asyncio.IncompleteReadError as exc:
+            raise KVFetchError(
+                "malformed", f"KV body ended early ({len(exc.partial)} bytes short read)"
+            ) from None
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise KVFetchError("unreachable", f"{type(exc).__name__}: {exc}") from None
+        try:
+            return decode_kv(body, layout, num_tokens=num_tokens, prompt_crc32=crc)
+        except KVTransferError as exc:
+            raise KVFetchError("malformed", str(exc)) from None
+
+    async def _attach_context_kv(self, req: ParsedRequest, engine_req: EngineRequest) -> None:
+        assert req.disagg is not None
+        metrics = self.metrics
+        endpoint = req.disagg.ctx_info_endpoint
+        first = req.disagg.first_gen_tokens
+        reason = None
+        if not endpoint:
+            reason = "no_endpoint"
+        elif len(first) != 1:
+            reason = "several_first_tokens"
+        elif not self.kv_sources.allows(endpoint):
+            log.info(
+                "ctx_info_endpoint %.200r is not an allowed KV source; recomputing the prefill", endpoint
+            )
+            reason = "not_allowed"
+        if reason is not None:
+            metrics.fetch_failures.inc(reason=reason)
+            metrics.handoff.inc(event="recomputed")
+            return
+        assert endpoint is not None
+        try:
+            payload = await self.fetch_kv(endpoint, req.prompt_ids)
+        except KVFetchError as exc:
+            log.info("KV fetch from %s failed (%s): %s; recomputing the prefill", endpoint, exc.reason, exc)
+            metrics.fetch_failures.inc(reason=exc.reason)
+            metrics.handoff.inc(event="recomputed")
+            return
+        if payload.first_token != first[0]:
+            metrics.fetch_failures.inc(reason="mismatch")
+            metrics.handoff.inc(event="recomputed")
+            return
+        engine_req.kv_import = (payload.k, payload.v)
+        engine_req.forced_logprobs = [payload.first_logprob if req.params.logprobs is not None else None]
+        metrics.handoff.inc(event="fetched")
+
+    # -- completions -------------------------------------------------------------
+
+    async def generate(self, request: Request, out: Responder, route: Route) -> None:
+        status = 500
+        try:
+            status = await self._generate(request, out, route)
+        except HTTPError as exc:
+            status = exc.status
+            _send_error(out, exc)
+        except asyncio.CancelledError:
+            status = 499  # the client went away (nginx's code for it)
+            raise
+        finally:
+            self.metrics.requests.inc(route=route, status=str(status))
+
+    def _authenticate(self, raw: bytes, header: bytes | None) -> bool:
+        """Check the signature on the raw bytes, before anything is parsed; True if signed.
+
+        A signature present is checked (a 403 names why it fails, whatever the
+        header holds); an unsigned body that carries ``disaggregated_params`` is
+        refused before any tokenizing or engine work.
+        """
+        verifier = self.verifier
+        if verifier is None:
+            return False
+        if header is not None:
+            reason = verifier.check(raw, header)
+            if reason is not None:
+                raise HTTPError(403, f"{SIGNATURE_HEADER} refused: {reason}", code="bad_signature")
+            return True
+        if _carries_disagg(raw):
+            raise HTTPError(403, f"disaggregated_params without a {SIGNATURE_HEADER}: internal requests "
+                            "must be signed", param="disaggregated_params", code="missing_signature")  # fmt: skip
+        return False
+
+    def _check_role(self, req: ParsedRequest, signed: bool) -> None:
+        if req.disagg is None:
+            return
+        role = self.settings.role
+        kind = req.disagg.request_type
+        if self.verifier is not None and not signed:
+            # _carries_disagg found none, yet the parser did: refuse all the same.
+            raise HTTPError(403, f"{kind} request without a {SIGNATURE_HEADER}",
+                            param="disaggregated_params", code="missing_signature")  # fmt: skip
+        if kind == CONTEXT_ONLY and role == "generation":
+            raise HTTPError(400, "this worker's role is generation: it does not take context_only requests",
+                            param="disaggregated_params")  # fmt: skip
+        if kind == GENERATION_ONLY and role == "context":
+            raise HTTPError(400, "this worker's role is context: it does not take generation_only requests",
+                            param="disaggregated_params")  # fmt: skip
+
+    def _reserve(self, engine_req: EngineRequest) -> None:
+        """Take the request's KV; parked entries, oldest first, give way before a 503."""
+        engine = self.engine
+        while True:
+            try:
+                engine.reserve(engine_req)
+                return
+            except KVCacheFull as exc:
+                if not exc.ever_fits:
+                    raise HTTPError(
+                        400, f"the request is too large for this worker: {exc}", param="max_tokens"
+                    ) from None
+                # A parked entry is the cheapest KV to lose: its generation leg recomputes the prefill.
+                evicted = engine.evict_parked(1) if engine.parked_tokens > 0 else 0
+                if not evicted:
+                    self.metrics.rejected.inc(reason="kv_full")
+                    raise HTTPError(
+                        503,
+                        f"the worker is full: {exc}",
+                        code="worker_full",
+                        headers={"Retry-After": str(self.settings.retry_after_s)},
+                    ) from None
+                self.metrics.handoff.inc(evicted, event="evicted")
+
+    async def _generate(self, request: Request, out: Responder, route: Route) -> int:
+        arrived = time.monotonic()
+        raw = request.body
+        signed = self._authenticate(raw, request.header(_SIGNATURE))
+        engine = self.engine
+        req = parse_request(
+            raw,
+            route,
+            tokenizer=engine.tokenizer,
+            model_name=self.settings.model_name,
+            max_context=engine.max_context,
+        )
+        self._check_role(req, signed)
+        if not engine.alive:
+            raise HTTPError(503, "the engine is not running", code="engine_down",
+                            headers={"Retry-After": str(self.settings.retry_after_s)})  # fmt: skip
+
+        queue: asyncio.Queue[Delta] = asyncio.Queue()
+        prompt_tail = req.prompt_ids[-4:].tolist()
+        engine_req = EngineRequest(
+            request_id=uuid.uuid4().hex,
+            prompt_ids=req.prompt_ids,
+            params=req.params,
+            processor=OutputProcessor(engine.tokenizer, req.params, prompt_tail),
+            on_delta=queue.put_nowait,
+        )
+        if req.is_context_only:
+            engine_req.park_as = secrets.randbits(62)
+            engine_req.park_ttl_s = self.settings.kv_ttl_s
+        elif req.is_generation_only:
+            assert req.disagg is not None
+            engine_req.forced_tokens = list(req.disagg.first_gen_tokens)
+        self._reserve(engine_req)
+
+        queued = answered = False
+        try:
+            if req.is_generation_only:
+                await self._attach_context_kv(req, engine_req)
+            engine.enqueue(engine_req)
+            queued = True
+            self.metrics.prompt_tokens.inc(int(req.prompt_ids.size))
+            if req.stream and not req.is_context_only:
+                answered = await self._stream(out, req, queue, arrived)
+            else:
+                answered = await self._respond(request, out, req, engine_req, queue, arrived)
+            return 200
+        finally:
+            if not queued:
+                engine.unreserve(engine_req)
+            elif not answered:
+                # Client gone or handler failed: free the slot now, not when
+                # max_tokens runs out, and a context leg's KV, parked already
+                # or about to be: its id never left this worker, so nobody
+                # could ever fetch it.
+                engine.abort(engine_req.request_id)
+                if engine_req.park_as is not None and engine.discard_parked(engine_req.park_as):
+                    self.metrics.handoff.inc(event="cancelled")
+
+    def _context_fields(
+        self,
+        request: Request,
+        req: ParsedRequest,
+        engine_req: EngineRequest,
+        token_ids: list[int],
+        body: dict[str, Any],
+    ) -> list[bytes]:
+        """The context response's extras (PROTOCOL.md (2)): ``disaggregated_params`` set in ``body``,
+        and the prompt ids returned as JSON members for :func:`dump_with_members`."""
+        assert req.disagg is not None and engine_req.park_as is not None
+        host = request.header(b"host")
+        base = self.settings.public_url or (f"http://{host.decode('latin-1')}" if host else self.bound_url)
+        ctx_id = engine_req.park_as
+        body["choices"][0]["disaggregated_params"] = {
+            "request_type": CONTEXT_ONLY,
+            "first_gen_tokens": token_ids,
+            "ctx_request_id": ctx_id,
+            "disagg_request_id": req.disagg.disagg_request_id,
+            "encoded_opaque_state": None,
+            "ctx_info_endpoint": base.rstrip("/") + KV_PATH.format(ctx_request_id=ctx_id),
+            "draft_tokens": None,
+        }
+        if body["choices"][0]["finish_reason"] == NOT_FINISHED:
+            self.metrics.handoff.inc(event="parked")
+            over = self.engine.parked_tokens - self.max_parked_tokens
+            if over > 0:
+                self.metrics.handoff.inc(self.engine.evict_parked(over), event="evicted")
+        # Straight from the int32 array: no Python list on the way to base64.
+        return prompt_ids_members(req.prompt_ids, b64=bool(req.disagg.return_prompt_token_ids_b64))
+
+    async def _respond(
+        self,
+        request: Request,
+        out: Responder,
+        req: ParsedRequest,
+        engine_req: EngineRequest,
+        queue: asyncio.Queue[Delta],
+        arrived: float,
+    ) -> bool:
+        """The whole answer as one JSON body; whether it reached a connected client."""
+        metrics = self.metrics
+        deltas: list[Delta] = []
+        while True:
+            delta = await _next_delta(queue)
+            if not deltas:
+                metrics.ttft.observe(time.monotonic() - arrived, route=req.route)
+            deltas.append(delta)
+            if delta.finish_reason is not None:
+                break
+        metrics.latency.observe(time.monotonic() - arrived, route=req.route)
+        token_ids = [t for d in deltas for t in d.token_ids]
+        metrics.generated_tokens.inc(len(token_ids))
+        logprobs = [lp for d in deltas for lp in d.logprobs] if req.want_logprobs else None
+        body = completion_body(
+            route=req.route,
+            response_id=new_response_id(req.route),
+            created=int(time.time()),
+            model=req.model,
+            text="".join(d.text for d in deltas),
+            finish_reason=deltas[-1].finish_reason,
+            usage=usage_body(int(req.prompt_ids.size), len(token_ids)),
+            logprobs=logprobs,
+            tokenizer=self.engine.tokenizer,
+        )
+        members = (
+            self._context_fields(request, req, engine_req, token_ids, body) if req.is_context_only else []
+        )
+        out.send(200, dump_with_members(body, members), _JSON)
+        return not out.closed
+
+    async def _stream(
+        self, out: Responder, req: ParsedRequest, queue: asyncio.Queue[Delta], arrived: float
+    ) -> bool:
+        """The answer as SSE events; whether the stream reached its end on a connected client."""
+        # Wait for the first output before committing to a 200, so an engine error is still a JSON error.
+        first = await _next_delta(queue)
+        self.metrics.ttft.observe(time.monotonic() - arrived, route=req.route)
+        out.start(200, _SSE, _SSE_HEADERS)
+        writer = StreamWriterState(req, self.engine.tokenizer)
+        num_tokens = 0
+        out.write(writer.start())
+        delta = first
+        while True:
+            if delta.error is not None:
+                out.write(b"data: " + error_body(500, delta.error) + b"\n\n")
+                break
+            num_tokens += len(delta.token_ids)
+            out.write(writer.delta(delta))
+            if delta.finish_reason is not None:
+                out.write(writer.end(usage_body(int(req.prompt_ids.size), num_tokens)))
+                break
+            await out.drain()  # a client that does not read holds no more than the high-water mark
+            delta = await queue.get()
+        self.metrics.generated_tokens.inc(num_tokens)
+        self.metrics.latency.observe(time.monotonic() - arrived, route=req.route)
+        out.end()
+        return not out.closed
 
 
 async def start_worker(
     engine: Engine, settings: WorkerSettings, host: str = "127.0.0.1", port: int = 0
-) -> tuple[web.AppRunner, int]:
-    """Serve on ``host:port`` (0: a free port); returns the runner and the bound port."""
-    # handler_cancellation: a client that disconnects cancels its handler, whose
-    # finally-block aborts the request in the engine, freeing its slot at once.
-    runner = web.AppRunner(create_app(engine, settings), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=4096)  # an orchestrator may open 1000s at once
-    await site.start()
-    sockets = getattr(site._server, "sockets", None) or []
-    if not sockets:
-        raise RuntimeError(f"worker site on {host}:{port} has no listening socket")
-    return runner, int(sockets[0].getsockname()[1])
+) -> tuple[HTTPServer, int]:
+    """Serve on ``host:port`` (0: a free port); returns the server and the bound port.
+
+    ``await server.cleanup()`` stops it: the listening socket, the connections,
+    the KV session, the expiry task and the engine.
+    """
+    return await WorkerApp(engine, settings).start(host, port)
 
 
-__all__ = ["KV_PATH", "ROLES", "Engine", "WorkerSettings", "create_app", "kv_signature", "start_worker"]
+__all__ = [
+    "KV_PATH",
+    "ROLES",
+    "Engine",
+    "KVSources",
+    "WorkerApp",
+    "WorkerSettings",
+    "kv_signature",
+    "start_worker",
+]

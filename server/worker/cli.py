@@ -10,11 +10,11 @@ import signal
 import sys
 from typing import Any
 
+from server.auth import SECRET_ENV, read_secret
+
 from .app import ROLES, WorkerSettings
 from .synthetic import add_arguments as add_synthetic_arguments
 from .tokenizer import Tokenizer
-
-SECRET_ENV = "FASTCORE_SHARED_SECRET"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,8 +41,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-fetch-timeout", type=float, default=10.0, help="seconds for one KV fetch")
     parser.add_argument("--public-url", default=None,
                         help="base URL put in ctx_info_endpoint (default: the Host the request came in on)")  # fmt: skip
+    parser.add_argument("--max-parked-fraction", type=float, default=0.5,
+                        help="most of the KV cache that parked context KV may hold; the oldest go first (default 0.5)")  # fmt: skip
+    parser.add_argument("--kv-allow", action="append", default=[], metavar="HOST[:PORT]",
+                        help="a host a generation worker may fetch KV from (repeatable; default: loopback "
+                             "only without a shared secret, any host with one)")  # fmt: skip
+    parser.add_argument("--shared-secret-file", default=None, metavar="PATH",
+                        help="file holding the HMAC secret for internal requests")  # fmt: skip
     parser.add_argument("--shared-secret", default=None,
-                        help=f"HMAC secret for internal requests (default: ${SECRET_ENV})")  # fmt: skip
+                        help=f"the HMAC secret itself: visible to anyone who can run ps; prefer "
+                             f"--shared-secret-file or ${SECRET_ENV} (the default)")  # fmt: skip
+    limits = parser.add_argument_group("HTTP limits (what one client may hold)")
+    limits.add_argument("--header-timeout", type=float, default=10.0,
+                        help="seconds to send a request's headers (408 after; default 10)")  # fmt: skip
+    limits.add_argument("--body-timeout", type=float, default=60.0,
+                        help="seconds to send a request's body (408 after; default 60)")  # fmt: skip
+    limits.add_argument("--keepalive-timeout", type=float, default=75.0,
+                        help="seconds an idle keep-alive connection stays open (default 75)")  # fmt: skip
+    limits.add_argument("--max-connections", type=int, default=8192,
+                        help="open client connections; 503 beyond (default 8192)")  # fmt: skip
+    limits.add_argument("--max-body-bytes", type=int, default=64 << 20,
+                        help="request body size limit, 413 above it (default 64 MiB)")  # fmt: skip
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch intra-op threads (default: half the CPUs, 1 to 4)")  # fmt: skip
     add_synthetic_arguments(parser)
@@ -125,21 +144,36 @@ def default_kv_tokens(config: Any, model: Any, device: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    secret = args.shared_secret if args.shared_secret is not None else os.environ.get(SECRET_ENV)
+    try:
+        secret = read_secret(args.shared_secret, args.shared_secret_file)
+    except (OSError, ValueError) as exc:
+        print(f"fastcore-serve worker: cannot read the shared secret: {exc}", file=sys.stderr)
+        return 2
     try:
         engine, model_name, device = build_engine(args)
     except (OSError, ValueError) as exc:  # CheckpointError is a ValueError naming the file and field
         print(f"fastcore-serve worker: cannot load model {args.model!r}: {exc}", file=sys.stderr)
         return 2
-    settings = WorkerSettings(
-        role=args.role,
-        model_name=model_name,
-        shared_secret=secret.encode() if secret else None,
-        kv_ttl_s=args.kv_ttl,
-        kv_fetch_timeout_s=args.kv_fetch_timeout,
-        public_url=args.public_url,
-        device=device,
-    )
+    try:
+        settings = WorkerSettings(
+            role=args.role,
+            model_name=model_name,
+            shared_secret=secret,
+            kv_ttl_s=args.kv_ttl,
+            kv_fetch_timeout_s=args.kv_fetch_timeout,
+            max_parked_fraction=args.max_parked_fraction,
+            kv_allow=tuple(args.kv_allow),
+            public_url=args.public_url,
+            max_body_bytes=args.max_body_bytes,
+            header_timeout_s=args.header_timeout,
+            body_timeout_s=args.body_timeout,
+            keepalive_timeout_s=args.keepalive_timeout,
+            max_connections=args.max_connections,
+            device=device,
+        )
+    except ValueError as exc:
+        print(f"fastcore-serve worker: {exc}", file=sys.stderr)
+        return 2
     return asyncio.run(_serve(engine, settings, args.host, args.port))
 
 
@@ -150,7 +184,7 @@ async def _serve(engine: Any, settings: WorkerSettings, host: str, port: int) ->
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    runner, bound = await start_worker(engine, settings, host, port)
+    server, bound = await start_worker(engine, settings, host, port)
     print(
         f"fastcore worker: role={settings.role} model={settings.model_name} device={settings.device} "
         f"listening on http://{host}:{bound}",
@@ -160,7 +194,7 @@ async def _serve(engine: Any, settings: WorkerSettings, host: str, port: int) ->
     try:
         await stop.wait()
     finally:
-        await runner.cleanup()
+        await server.cleanup()
     return 0
 
 
