@@ -122,6 +122,22 @@ def test_shared_secret_from_environment_unless_configured():
     assert "s3" not in repr(build_config({}, environ={"FASTCORE_SHARED_SECRET": "s3"}))
 
 
+def test_shared_secret_from_a_file_first(tmp_path):
+    path = tmp_path / "secret"
+    path.write_bytes(b"from-file\xff\n")
+    config = build_config({"shared_secret_file": str(path)}, environ={"FASTCORE_SHARED_SECRET": "s3"})
+    assert config.shared_secret_bytes == b"from-file\xff"  # any bytes, the newline dropped
+    args = cli.config_from_args(
+        _args("--context-urls", "127.0.0.1:1", "--generation-urls", "127.0.0.1:2", "--shared-secret-file", str(path))
+    )
+    assert args.shared_secret_bytes == b"from-file\xff"
+    with pytest.raises(ConfigError, match="shared_secret_file: .*No such file"):
+        build_config({"shared_secret_file": str(tmp_path / "missing")}, environ={})
+    (tmp_path / "empty").write_bytes(b"")
+    with pytest.raises(ConfigError, match="shared_secret_file: .*empty"):
+        build_config({"shared_secret_file": str(tmp_path / "empty")}, environ={})
+
+
 def test_merge_overrides_skips_none_and_does_not_mutate():
     data = {"context_servers": {"urls": ["a"]}}
     merged = merge_overrides(data, {"context_servers.router.type": "least_loaded", "port": None})

@@ -28,7 +28,7 @@ import pytest
 from aiohttp import web
 from conftest import free_port
 
-from server.auth import SIGNATURE_HEADER
+from server.auth import SIGNATURE_HEADER, Verifier
 from server.errors import error_body
 from server.orchestrator.app import start_server
 from server.orchestrator.config import OrchestratorConfig, build_config
@@ -394,7 +394,8 @@ def test_generation_request_body_per_gate(workers, loop_thread, mode):
         assert run_request(client, "completions", True) == reference(workers, "completions", True)
         (chat_path, chat_body, chat_headers), (comp_path, comp_body, _) = proxy.bodies
         assert (chat_path, comp_path) == ("/v1/chat/completions", "/v1/completions")
-        assert chat_headers[SIGNATURE_HEADER].startswith("sha256=")
+        # Signed over the exact bytes sent, with a fresh timestamp and nonce (checked as a worker does).
+        assert Verifier(SECRET.encode()).check(chat_body, chat_headers[SIGNATURE_HEADER]) is None
         chat, comp = json.loads(chat_body), json.loads(comp_body)
         for sent in (chat, comp):
             params = sent["disaggregated_params"]
@@ -512,6 +513,36 @@ def test_oversized_body_is_413(workers, loop_thread, mode):
         assert info.value.code == 413
         assert json.loads(info.value.read())["error"]["code"] == "request_too_large"
         small = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode()
+        assert http_post(orch.url + "/v1/completions", small)[0] == 200
+    finally:
+        orch.stop()
+
+
+def test_compressed_body_415_and_body_budget_503_with_retry_after(workers, loop_thread):
+    config = make_config(
+        [workers["context"][0].address], [workers["generation"][0].address], max_inflight_body_bytes=4096,
+        retry_after_s=7,
+    )
+    orch = RunningOrchestrator(loop_thread, config)
+    try:
+        wait_healthy(orch.url, timeout=30)
+        small = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode()
+        request = urllib.request.Request(
+            orch.url + "/v1/completions", data=small,
+            headers={"Content-Type": "application/json", "Content-Encoding": "gzip"},
+        )  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(request, timeout=30)
+        assert info.value.code == 415
+        assert json.loads(info.value.read())["error"]["code"] == "unsupported_media_type"
+        # Under the per-request limit, over what the whole process may hold at once.
+        big = json.dumps({"model": "tiny", "prompt": "x" * 5000, "max_tokens": 2}).encode()
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(urllib.request.Request(orch.url + "/v1/completions", data=big), timeout=30)
+        assert info.value.code == 503 and info.value.headers["Retry-After"] == "7"
+        assert "too many request bytes" in json.loads(info.value.read())["error"]["message"]
+        assert orch.metric("fastcore_orchestrator_body_budget_refused_total") == 1
+        assert orch.metric("fastcore_orchestrator_client_body_bytes") == 0
         assert http_post(orch.url + "/v1/completions", small)[0] == 200
     finally:
         orch.stop()
@@ -833,32 +864,46 @@ def _with_proxies(loop_thread, workers, context_proxy=None, generation_proxy=Non
 
 
 @pytest.mark.parametrize("mode", ["parsed", "fast_gates_on"])
-def test_worker_5xx_is_retried_on_another_worker_of_each_leg(workers, loop_thread, mode):
-    failing_context = RecordingProxy(loop_thread, workers["context"][1].url, fail_status=500)
-    failing_generation = RecordingProxy(loop_thread, workers["generation"][1].url, fail_status=500)
-    orch = _with_proxies(loop_thread, workers, failing_context, failing_generation, **MODES[mode])
+def test_full_worker_503_is_retried_on_another_worker_of_each_leg(workers, loop_thread, mode):
+    full_context = RecordingProxy(loop_thread, workers["context"][1].url, fail_status=503)
+    full_generation = RecordingProxy(loop_thread, workers["generation"][1].url, fail_status=503)
+    orch = _with_proxies(loop_thread, workers, full_context, full_generation, **MODES[mode])
     try:
-        # round_robin tries the failing proxy of each pool first.
+        # round_robin tries the full proxy of each pool first.
         assert run_request(orch.client(), "chat", True) == reference(workers, "chat", True)
-        assert len(failing_context.bodies) == 1 and len(failing_generation.bodies) == 1
+        assert len(full_context.bodies) == 1 and len(full_generation.bodies) == 1
         assert orch.metric("fastcore_orchestrator_retries_total", leg="context") == 1
         assert orch.metric("fastcore_orchestrator_retries_total", leg="generation") == 1
     finally:
         orch.stop()
-        failing_context.stop()
-        failing_generation.stop()
+        full_context.stop()
+        full_generation.stop()
 
 
-def test_worker_5xx_without_retries_left_is_502_with_its_message(workers, loop_thread):
-    failing = RecordingProxy(loop_thread, workers["generation"][1].url, fail_status=500)
-    config = make_config([workers["context"][0].address], [f"127.0.0.1:{failing.port}"], max_retries=0)
-    orch = RunningOrchestrator(loop_thread, config)
+@pytest.mark.parametrize("leg", ["context", "generation"])
+def test_worker_500_is_not_retried_and_is_502_naming_the_leg(workers, loop_thread, leg):
+    # A 500 may be the body's doing: another worker would fail the same way.
+    failing = RecordingProxy(loop_thread, workers[leg][1].url, fail_status=500)
+    pools = {"context": [workers["context"][0].address], "generation": [workers["generation"][0].address]}
+    pools[leg] = [f"127.0.0.1:{failing.port}", workers[leg][0].address]
+    orch = RunningOrchestrator(loop_thread, make_config(pools["context"], pools["generation"], max_retries=1))
     try:
         wait_healthy(orch.url, timeout=30)
-        with pytest.raises(openai.APIStatusError) as info:
-            orch.client().chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, stream=True)
-        assert info.value.status_code == 502
-        assert "injected failure" in str(info.value.body)
+        for stream in (True, False):
+            with pytest.raises(openai.APIStatusError) as info:
+                orch.client().chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, stream=stream)
+            assert info.value.status_code == 502
+            body = info.value.body
+            assert isinstance(body, dict)
+            error = body.get("error", body)  # the SDK hands over the error object itself
+            assert error["message"] == f"the {leg} leg failed: its worker answered 500"
+            assert error["code"] == f"{leg}_leg_failed"
+            # Neither the worker's address nor its body reaches the client.
+            assert str(failing.port) not in str(info.value.body) and "injected" not in str(info.value.body)
+            # round_robin: the next request starts on the healthy worker; skip it.
+            run_request(orch.client(), "chat", False)
+        assert len(failing.bodies) == 2
+        assert orch.metric("fastcore_orchestrator_retries_total", leg=leg) == 0
     finally:
         orch.stop()
         failing.stop()
@@ -901,8 +946,9 @@ def test_silent_worker_times_out_with_504(workers, loop_thread, leg):
         )
         assert (
             status == 504
-            and f"{leg} worker" in data["error"]["message"]
-            and "timed out" in data["error"]["message"]
+            and data["error"]["message"] == f"the {leg} leg timed out after 0.5 s"
+            and data["error"]["code"] == f"{leg}_leg_timeout"
+            and str(silent.port) not in data["error"]["message"]
         )
         assert time.monotonic() - started < 3.0
         # A POST that may still be running is not sent again.

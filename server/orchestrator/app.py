@@ -144,6 +144,16 @@ class _Metrics:
             "Client requests refused before routing: malformed HTTP, limits on headers or body, timeouts.",
             callback=server_stat(lambda s: s.framing_errors),
         )
+        registry.gauge(
+            "fastcore_orchestrator_client_body_bytes",
+            "Client request body bytes held now (received, not yet answered).",
+            callback=server_stat(lambda s: s.body_bytes),
+        )
+        registry.counter(
+            "fastcore_orchestrator_body_budget_refused_total",
+            "Client requests refused (503) because the process held too many body bytes.",
+            callback=server_stat(lambda s: s.over_budget),
+        )
         self.cpu_phase = {phase: self.cpu.labels(phase=phase) for phase in _PHASES}
         self.retries_leg = {leg: self.retries.labels(leg=leg) for leg in ("context", "generation")}
         self._requests: dict[tuple[str, int], Any] = {}
@@ -227,6 +237,8 @@ class Orchestrator:
             body_timeout_s=config.client_body_timeout_s,
             keepalive_timeout_s=config.client_keepalive_timeout_s,
             max_connections=config.max_client_connections,
+            max_inflight_body_bytes=config.max_inflight_body_bytes,
+            retry_after_s=config.retry_after_s,
         )
         # Worker URL -> its keep-alive connections, made on first use (a
         # worker's URL may change while it is in a pool).
@@ -337,7 +349,8 @@ class Orchestrator:
             finally:
                 resp.release()
         except (UpstreamError, UpstreamTimeout) as exc:
-            out.send_error(502, f"context worker {worker.url} failed: {exc}")
+            log.warning("GET /v1/models from context worker %s failed: %s", worker.url, exc)
+            out.send_error(502, "the models request to a context worker failed", code="context_leg_failed")
 
     # -- completions ---------------------------------------------------------
 
@@ -348,7 +361,8 @@ class Orchestrator:
             status = await self._run_legs(request.body, out, chat)
         except HTTPError as exc:
             status = exc.status
-            out.send_error(exc.status, exc.message, param=exc.param)
+            extra = b"".join(b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in exc.headers.items()) if exc.headers else b""
+            out.send_error(exc.status, exc.message, param=exc.param, code=exc.code, headers=extra)
         except WorkerAnswer as exc:
             status = exc.status
             out.send(exc.status, exc.body, exc.content_type, exc.headers)
@@ -371,7 +385,7 @@ class Orchestrator:
         req = self.relay.read_client(body, chat)
         clock.lap("validate")
         if not (self.context_pool.ready and self.generation_pool.ready):
-            raise HTTPError(503, "no healthy worker: " + ", ".join(p.name for p in self.pools if not p.ready))
+            raise self._unavailable("no healthy worker: " + ", ".join(p.name for p in self.pools if not p.ready))
         path = _CHAT if chat else _COMPLETIONS
         # Random, not a counter: unique across orchestrator processes and hosts
         # without shared state.
@@ -403,6 +417,9 @@ class Orchestrator:
         clock.lap("build_generation")
         return await self._generation_leg(out, req, path, generation_body, context_done, clock)
 
+    def _unavailable(self, message: str) -> HTTPError:
+        return HTTPError(503, message, code="no_healthy_worker", headers={"Retry-After": str(self.config.retry_after_s)})
+
     def _headers(self, pieces: Sequence[BodyPiece]) -> bytes:
         if self.secret is None:
             return b""
@@ -415,18 +432,23 @@ class Orchestrator:
     async def _worker_failure(
         self, leg: str, worker: Worker, resp: UpstreamResponse
     ) -> HTTPError | WorkerAnswer:
-        """The error to give the client for a worker's non-200 answer (read, bounded)."""
+        """The error to give the client for a worker's non-200 answer (read, bounded).
+
+        4xx is the client's problem and a full worker's 503 carries its
+        Retry-After: both reach the client as the worker sent them. Any other
+        5xx is a 502 that names the leg and the status; the worker's address
+        and its body stay in this process's log.
+        """
         try:
             body = await resp.read(MAX_ERROR_BODY)
         except UpstreamError as exc:
-            return HTTPError(502, f"{leg} worker {worker.url} answered {resp.status}, then failed: {exc}")
+            log.warning("%s worker %s answered %d, then failed: %s", leg, worker.url, resp.status, exc)
+            return leg_failed(leg, f"its worker answered {resp.status}, then failed")
         if resp.status < 500 or resp.status == 503:
-            # 4xx is the client's problem and a full worker's 503 carries its
-            # Retry-After: both reach the client as the worker sent them.
             extra = b"Retry-After: %s\r\n" % resp.retry_after if resp.retry_after else b""
             return WorkerAnswer(resp.status, body, resp.content_type or _JSON, extra)
-        text = body.decode("utf-8", "replace")
-        return HTTPError(502, f"{leg} worker {worker.url} answered {resp.status}: {text}")
+        log.warning("%s worker %s answered %d: %s", leg, worker.url, resp.status, body[:500].decode("utf-8", "replace"))
+        return leg_failed(leg, f"its worker answered {resp.status}")
 
     async def _context_leg(self, path: bytes, body: bytes | Sequence[BodyPiece]) -> bytes:
         tried: list[Worker] = []
@@ -453,20 +475,23 @@ class Orchestrator:
                         worker.served += 1
                         return data
                     failure = await self._worker_failure("context", worker, resp)
-                    if resp.status < 500:
+                    if resp.status != 503:
+                        # A 4xx, or a 5xx the body may have caused: another
+                        # worker would answer (or fail) the same; not retried.
                         raise failure
                 finally:
                     resp.release()
             except UpstreamError as exc:
                 self._mark_failed(self.context_pool, worker)
-                failure = HTTPError(502, f"context worker {worker.url} failed: {exc}")
+                log.warning("context worker %s failed: %s", worker.url, exc)
+                failure = leg_failed("context", "its worker did not answer")
             except UpstreamTimeout:
                 # The POST may still be running there: not retried.
-                raise HTTPError(504, f"context worker {worker.url} timed out") from None
+                raise leg_timed_out("context", timeout) from None
             finally:
                 worker.in_flight -= 1
         if failure is None:
-            raise HTTPError(503, "no healthy context worker")
+            raise self._unavailable("no healthy context worker")
         raise failure
 
     async def _generation_leg(
@@ -508,11 +533,12 @@ class Orchestrator:
             except UpstreamError as exc:
                 worker.in_flight -= 1
                 self._mark_failed(self.generation_pool, worker)
-                failure = HTTPError(502, f"generation worker {worker.url} failed: {exc}")
+                log.warning("generation worker %s failed: %s", worker.url, exc)
+                failure = leg_failed("generation", "its worker did not answer")
                 continue
             except UpstreamTimeout:
                 worker.in_flight -= 1
-                raise HTTPError(504, f"generation worker {worker.url} timed out") from None
+                raise leg_timed_out("generation", limit) from None
             except BaseException:
                 worker.in_flight -= 1
                 raise
@@ -520,8 +546,8 @@ class Orchestrator:
             try:
                 if resp.status != 200:
                     failure = await self._worker_failure("generation", worker, resp)
-                    if resp.status < 500:
-                        raise failure
+                    if resp.status != 503:
+                        raise failure  # as on the context leg: only a full worker is retried
                     continue
                 worker.served += 1
                 if resp.media_type == _SSE:
@@ -533,7 +559,7 @@ class Orchestrator:
                 resp.release()
                 worker.in_flight -= 1
         if failure is None:
-            raise HTTPError(503, "no healthy generation worker")
+            raise self._unavailable("no healthy generation worker")
         raise failure
 
     async def _relay_unary(
@@ -547,9 +573,10 @@ class Orchestrator:
         try:
             body = await resp.read()
         except UpstreamError as exc:
-            raise HTTPError(502, f"generation worker {worker.url} failed mid-response: {exc}") from None
+            log.warning("generation worker %s failed mid-response: %s", worker.url, exc)
+            raise leg_failed("generation", "its worker failed mid-response") from None
         except UpstreamTimeout:
-            raise HTTPError(504, f"generation worker {worker.url} timed out") from None
+            raise leg_timed_out("generation", self.config.request_timeout_s) from None
         clock.start()
         answer = self.relay.client_answer(req, body)
         clock.lap("relay")
@@ -567,28 +594,37 @@ class Orchestrator:
         if out.paused:
             resp.pause_reading()
         upstream_error: str | None = None
+        detail = ""
         try:
             await resp.stream(out.write)
         except UpstreamError as exc:
-            upstream_error = f"generation worker {worker.url} failed mid-stream: {exc}"
+            upstream_error, detail = "its worker failed mid-stream", str(exc)
         except UpstreamTimeout:
-            upstream_error = (
-                f"generation worker {worker.url} went silent for {self.config.request_timeout_s} s"
-            )
+            upstream_error = f"its worker went silent for {self.config.request_timeout_s:g} s"
         finally:
             out.flow = None
         if upstream_error is None and resp.size == 0:
-            upstream_error = f"generation worker {worker.url} sent an empty stream"
+            upstream_error = "its worker sent an empty stream"
         status = 200
         if upstream_error is not None:
-            log.warning("%s", upstream_error)
+            log.warning("generation worker %s: %s %s", worker.url, upstream_error, detail)
             self._mark_failed(self.generation_pool, worker)
             # Headers are gone: the error travels in-band, as OpenAI streams do.
             status = 502
-            out.write(b"data: " + error_body(502, upstream_error) + b"\n\n")
+            error = leg_failed("generation", upstream_error)
+            out.write(b"data: " + error_body(502, error.message, code=error.code) + b"\n\n")
         clock.finish()
         out.end()
         return status
+
+
+def leg_failed(leg: str, why: str) -> HTTPError:
+    """A 502 that names the leg, never the worker's address or an exception's text (those are logged)."""
+    return HTTPError(502, f"the {leg} leg failed: {why}", code=f"{leg}_leg_failed")
+
+
+def leg_timed_out(leg: str, seconds: float) -> HTTPError:
+    return HTTPError(504, f"the {leg} leg timed out after {seconds:g} s", code=f"{leg}_leg_timeout")
 
 
 async def start_server(

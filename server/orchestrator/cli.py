@@ -59,6 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-check-interval-s", type=float, help="seconds between worker /health checks")
     parser.add_argument("--max-body-bytes", type=int, help="client body size limit (413 above it)")
     parser.add_argument("--workers", type=int, help="orchestrator processes sharing the port (SO_REUSEPORT)")
+    parser.add_argument(
+        "--shared-secret-file",
+        metavar="PATH",
+        help="file holding the secret that signs internal requests (else $FASTCORE_SHARED_SECRET)",
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
 
 
@@ -77,6 +82,7 @@ _OVERRIDES = {
     "health_check_interval_s": "health_check_interval_s",
     "max_body_bytes": "max_body_bytes",
     "workers": "workers",
+    "shared_secret_file": "shared_secret_file",
 }
 
 

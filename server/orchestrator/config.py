@@ -14,7 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-SHARED_SECRET_ENV = "FASTCORE_SHARED_SECRET"
+from server.auth import SECRET_ENV as SHARED_SECRET_ENV
+from server.auth import read_secret
 
 
 class ConfigError(ValueError):
@@ -69,14 +70,19 @@ class OrchestratorConfig(BaseModel):
     client_body_timeout_s: float = Field(60.0, gt=0)
     client_keepalive_timeout_s: float = Field(60.0, gt=0)
     max_client_connections: int = Field(8192, ge=1)
+    # Client request body bytes this process holds at once (503 + Retry-After beyond).
+    max_inflight_body_bytes: int = Field(512 * 1024 * 1024, gt=0)
+    retry_after_s: int = Field(1, ge=1)
     shared_secret: str | None = Field(None, repr=False)  # never in logs
+    # A file holding the secret (not in argv, not in the config file itself).
+    shared_secret_file: str | None = None
     workers: int = Field(1, ge=1)
     context_servers: PoolConfig = Field(default_factory=PoolConfig)
     generation_servers: PoolConfig = Field(default_factory=PoolConfig)
 
     @property
     def shared_secret_bytes(self) -> bytes | None:
-        return self.shared_secret.encode() if self.shared_secret else None
+        return self.shared_secret.encode("utf-8", "surrogateescape") if self.shared_secret else None
 
     def check_runnable(self) -> None:
         """Refuse to start without a worker in each pool."""
@@ -100,8 +106,13 @@ def build_config(data: dict[str, Any], *, environ: dict[str, str] | None = None)
         config = OrchestratorConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_describe(exc)) from None
-    if config.shared_secret is None and environ.get(SHARED_SECRET_ENV):
-        config = config.model_copy(update={"shared_secret": environ[SHARED_SECRET_ENV]})
+    if config.shared_secret_file is not None or config.shared_secret is None:
+        try:
+            secret = read_secret(config.shared_secret, config.shared_secret_file, environ)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"shared_secret_file: {exc}") from None
+        if secret is not None:
+            config = config.model_copy(update={"shared_secret": secret.decode("utf-8", "surrogateescape")})
     return config
 
 
