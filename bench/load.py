@@ -4,6 +4,7 @@
     python -m bench.load --url http://127.0.0.1:8000 --rate 50 --duration 20
     python -m bench.load --compare            # every orchestrator mode + the floor, one plot
     python -m bench.load --chaos              # kill/restart a generation worker under load
+    python -m bench.load --abuse              # honest load beside abandon floods, slowloris, huge bodies
 
 Every level is bounded in requests and in time and stops by itself. Requests
 stream (SSE); TTFT is the time to the first ``data:`` event, end-to-end latency
@@ -30,6 +31,10 @@ from bench._timing import format_table
 from bench.workload import chat_body
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+DEFAULT_URL = "http://127.0.0.1:8000"
+#: defaults of the flags whose default depends on the mode (``--abuse`` has its own: bench/abuse.py)
+LOAD_DEFAULTS = {"concurrency": "16,64,256,1024", "prompt_tokens": 40_000, "max_tokens": 16,
+                 "duration": 60.0, "timeout": 60.0}  # fmt: skip
 
 
 @dataclass
@@ -353,19 +358,25 @@ def _parse_levels(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of the server under load")
+    p.add_argument("--url", default=None, help=f"base URL of the server under load (default {DEFAULT_URL}; "
+                   "with --abuse: the target instead of a deployment of its own)")  # fmt: skip
     p.add_argument("--route", default="/v1/chat/completions")
-    p.add_argument("--concurrency", default="16,64,256,1024", help="comma-separated closed-loop levels")
+    p.add_argument(
+        "--concurrency", default=None, help="comma-separated closed-loop levels (default 16,64,256,1024)"
+    )
     p.add_argument("--rate", type=float, default=None, help="open-loop requests/s instead of levels")
     p.add_argument(
         "--requests", type=int, default=0, help="requests per level (default 4x concurrency, >=200)"
     )
     p.add_argument(
-        "--duration", type=float, default=60.0, help="time bound per level (and of --chaos), seconds"
+        "--duration",
+        type=float,
+        default=None,
+        help="time bound per level (and of --chaos), seconds (default 60)",
     )
-    p.add_argument("--timeout", type=float, default=60.0, help="per-request timeout, seconds")
-    p.add_argument("--prompt-tokens", type=int, default=40_000)
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--timeout", type=float, default=None, help="per-request timeout, seconds (default 60)")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="default 40,000")
+    p.add_argument("--max-tokens", type=int, default=None, help="default 16")
     p.add_argument("--model", default="tiny")
     p.add_argument("--output", type=Path, default=None, help="JSON results path (default bench/results/...)")
     p.add_argument("--plot", type=Path, default=None, help="PNG plot path (default bench/results/...)")
@@ -373,6 +384,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chaos", action="store_true", help="kill/restart a generation worker during load")
     p.add_argument("--chaos-interval", type=float, default=3.0, help="seconds between worker kills")
     p.add_argument("--chaos-concurrency", type=int, default=64, help="concurrent streams during --chaos")
+    p.add_argument("--abuse", action="store_true",
+                   help="honest load, clean and beside hostile clients (bench/abuse.py)")  # fmt: skip
+    p.add_argument("--context-metrics", default=None,
+                   help="--abuse --url: the context worker's base URL, for its KV gauge")  # fmt: skip
+    p.add_argument("--abandon-batch", type=int, default=None, help="--abuse: abandoned requests per round")
+    p.add_argument("--slowloris", type=int, default=None, help="--abuse: slow-header connections")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="--abuse: the target's body limit (default the orchestrator's)")  # fmt: skip
+    p.add_argument("--header-timeout-s", type=float, default=None,
+                   help="--abuse: the target's header timeout (default the orchestrator's)")  # fmt: skip
+    p.add_argument("--keepalive-timeout-s", type=float, default=None,
+                   help="--abuse: the target's keep-alive timeout (default the orchestrator's)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="small levels, for a smoke run")
     return p
 
@@ -412,10 +435,18 @@ async def _run_levels(args: argparse.Namespace, url: str, label: str) -> list[Le
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.abuse:
+        from bench import abuse
+
+        return abuse.main(args)
+    for name, default in LOAD_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     if args.compare or args.chaos:
         from bench import load_modes
 
         return load_modes.main(args)
+    args.url = args.url or DEFAULT_URL
     url = args.url.rstrip("/") + args.route
     levels = asyncio.run(_run_levels(args, url, label=args.url))
     print(table(levels))
