@@ -75,7 +75,6 @@ def test_flags_alone_suffice():
 @pytest.mark.parametrize(
     ("data", "where"),
     [
-        ({"prot": 1}, "prot"),
         ({"port": "eighty"}, "port"),
         ({"port": 70000}, "port"),
         ({"relay": "slow"}, "relay"),
@@ -87,6 +86,82 @@ def test_flags_alone_suffice():
 def test_bad_config_names_the_key(data, where):
     with pytest.raises(ConfigError, match=where.replace(".", r"\.")):
         build_config(data, environ={})
+
+
+TRTLLM_YAML = """
+hostname: localhost
+port: 8000
+backend: pytorch
+free_gpu_memory_fraction: 0.25
+context_servers:
+  num_instances: 2
+  tensor_parallel_size: 1
+  router: {type: round_robin}
+  urls: ["localhost:8001", "localhost:8002"]
+generation_servers:
+  num_instances: 1
+  max_batch_size: 256
+  router:
+    type: load_balancing
+    args: {use_tokens: false}
+  urls: ["localhost:8003"]
+"""
+
+
+def test_trtllm_serve_yaml_loads_unchanged_and_unused_keys_are_warned_once(tmp_path, caplog):
+    path = tmp_path / "disagg_config.yaml"
+    path.write_text(TRTLLM_YAML)
+    with caplog.at_level("WARNING", logger="fastcore.orchestrator"):
+        config = cli.config_from_args(_args("-c", str(path)))
+    assert config.hostname == "localhost" and config.port == 8000
+    assert config.context_servers.num_instances == 2 and len(config.context_servers.urls) == 2
+    assert config.generation_servers.router.type == "load_balancing"
+    assert config.generation_servers.router.kind == "least_loaded"
+    assert Pool("generation", config.generation_servers.urls, config.generation_servers.router.kind).router.name == (
+        "least_loaded"
+    )
+    warnings = [r.getMessage() for r in caplog.records if "not used" in r.getMessage()]
+    assert warnings == [
+        "config keys not used by the fastcore orchestrator (ignored): backend, free_gpu_memory_fraction, "
+        "context_servers.tensor_parallel_size, generation_servers.max_batch_size"
+    ]
+
+
+def test_num_instances_other_than_the_urls_is_a_warning(caplog):
+    config = build_config(
+        {"context_servers": {"num_instances": 3, "urls": ["h:1"]}, "generation_servers": {"urls": ["h:2"]}},
+        environ={},
+    )
+    with caplog.at_level("WARNING", logger="fastcore.orchestrator"):
+        config.check_runnable()
+    assert any("context_servers.num_instances is 3 but 1 urls" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        ({"context_servers": {"num_instances": 2}}, r"context_servers\.urls: .*num_instances: 2"),
+        ({"disagg_cluster": {"cluster_uri": "etcd://127.0.0.1:2379", "cluster_name": "demo"}}, "disagg_cluster: .*not built yet"),
+        ({"conditional_disagg_config": {"max_local_prefill_length": 512}}, "conditional_disagg_config: .*not built yet"),
+        ({"generation_servers": {"urls": ["h:2"], "router": {"type": "kv_cache_aware"}}}, "kv_cache_aware.*not built yet"),
+        ({"generation_servers": {"urls": ["h:2"], "router": {"type": "conversation"}}}, "conversation.*not built yet"),
+        ({"generation_servers": {"urls": ["h:2"], "router": {"type": "load_balancing", "args": {"use_tokens": True}}}}, "use_tokens: .*not built yet"),
+        ({"generation_servers": {"urls": ["h:2"], "router": {"type": "load_balancing", "args": {"speed": 1}}}}, r"router\.args: speed"),
+        ({"generation_servers": {"urls": ["h:2"], "router": {"type": "round_robin", "args": {"use_tokens": False}}}}, r"router\.args: use_tokens"),
+    ],
+)
+def test_trtllm_serve_sections_not_built_yet_are_refused_with_a_message(data, match):
+    data = {"context_servers": {"urls": ["h:1"]}, "generation_servers": {"urls": ["h:2"]}} | data
+    config = build_config(data, environ={})
+    with pytest.raises(ConfigError, match=match):
+        config.check_runnable()
+
+
+def test_trtllm_serve_sections_are_validated_before_being_refused():
+    with pytest.raises(ConfigError, match=r"disagg_cluster\.cluster_uri"):
+        build_config({"disagg_cluster": {"cluster_name": "demo"}}, environ={})
+    with pytest.raises(ConfigError, match=r"context_servers\.num_instances"):
+        build_config({"context_servers": {"num_instances": -1}}, environ={})
 
 
 def test_missing_pool_is_refused():

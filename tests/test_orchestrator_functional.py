@@ -400,6 +400,7 @@ def test_generation_request_body_per_gate(workers, loop_thread, mode):
         for sent in (chat, comp):
             params = sent["disaggregated_params"]
             assert params["request_type"] == "generation_only"
+            assert (1 << 40) <= params["disagg_request_id"] < (1 << 63)
             assert params["ctx_usage"]["completion_tokens"] == 1
             assert isinstance(params["first_gen_tokens"], list) and len(params["first_gen_tokens"]) == 1
         assert comp["stream"] is True and chat.get("stream") in (None, False)

@@ -59,6 +59,8 @@ READ_BUFSIZE = 1 << 22
 MAX_ERROR_BODY = 64 * 1024
 # A worker's whole answer (a context response carries every prompt id): bounded too.
 MAX_WORKER_BODY = 256 * 1024 * 1024
+#: disagg_request_id range (PROTOCOL.md (1)): trtllm-serve keeps [0, 2^40) for its own
+DISAGG_ID_MIN, DISAGG_ID_END = 1 << 40, 1 << 63
 # The per-phase CPU clock (a thread_time() syscall per phase) runs on one
 # request in this many; every request is still counted everywhere else.
 CPU_SAMPLE_EVERY = 8
@@ -220,9 +222,9 @@ class Orchestrator:
             tokids_b64=config.gen_tokids_ctxbytes,
             strip_history=config.gen_strip_message_history,
         )
-        self.context_pool = Pool("context", config.context_servers.urls, config.context_servers.router.type)
+        self.context_pool = Pool("context", config.context_servers.urls, config.context_servers.router.kind)
         self.generation_pool = Pool(
-            "generation", config.generation_servers.urls, config.generation_servers.router.type
+            "generation", config.generation_servers.urls, config.generation_servers.router.kind
         )
         self.pools = [self.context_pool, self.generation_pool]
         self.secret = config.shared_secret_bytes
@@ -388,8 +390,9 @@ class Orchestrator:
             raise self._unavailable("no healthy worker: " + ", ".join(p.name for p in self.pools if not p.ready))
         path = _CHAT if chat else _COMPLETIONS
         # Random, not a counter: unique across orchestrator processes and hosts
-        # without shared state.
-        context_body = self.relay.context_request(req, random.getrandbits(63))
+        # without shared state; from [2^40, 2^63), as trtllm-serve keeps the
+        # ids below 2^40 for the ones it makes itself.
+        context_body = self.relay.context_request(req, random.randrange(DISAGG_ID_MIN, DISAGG_ID_END))
         clock.lap("build_context")
 
         started = time.perf_counter()

@@ -7,6 +7,7 @@ shared secret from the environment included), so handlers never look at
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -18,21 +19,42 @@ from server.auth import SECRET_ENV as SHARED_SECRET_ENV
 from server.auth import read_secret
 
 
+log = logging.getLogger("fastcore.orchestrator")
+
+
 class ConfigError(ValueError):
     """A config file or flag the orchestrator cannot start with; says which key."""
+
+
+#: trtllm-serve's router names -> ours (``load_balancing``: fewest requests in flight)
+ROUTER_ALIASES = {"load_balancing": "least_loaded"}
+#: router types trtllm-serve has that are not built here yet
+UNBUILT_ROUTERS = ("kv_cache_aware", "conversation")
 
 
 class RouterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["round_robin", "least_loaded"] = "round_robin"
+    type: Literal["round_robin", "least_loaded", "load_balancing", "kv_cache_aware", "conversation"] = (
+        "round_robin"
+    )
+    # trtllm-serve's router arguments (load_balancing: use_tokens).
+    args: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        """The router this pool runs (trtllm-serve's aliases resolved)."""
+        return ROUTER_ALIASES.get(self.type, self.type)
 
 
 class PoolConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # trtllm-serve passes a server group's other keys to the workers it launches.
+    model_config = ConfigDict(extra="allow")
 
     router: RouterConfig = Field(default_factory=RouterConfig)
     urls: list[str] = Field(default_factory=list)
+    # trtllm-serve's count of workers to launch; here informational, as the urls are given.
+    num_instances: int | None = Field(None, ge=0)
 
     @field_validator("urls")
     @classmethod
@@ -47,8 +69,30 @@ class PoolConfig(BaseModel):
         return out
 
 
+class ConditionalDisaggConfig(BaseModel):
+    """trtllm-serve's conditional disaggregation: short remainders prefilled on the generation worker."""
+
+    model_config = ConfigDict(extra="allow")
+
+    max_local_prefill_length: int = Field(0, ge=0)
+
+
+class DisaggClusterConfig(BaseModel):
+    """trtllm-serve's worker discovery through a store (etcd) instead of urls."""
+
+    model_config = ConfigDict(extra="allow")
+
+    cluster_uri: str
+    cluster_name: str = ""
+    heartbeat_interval_sec: float = Field(5.0, gt=0)
+    inactive_timeout_sec: float = Field(10.0, gt=0)
+    minimal_instances: dict[str, int] = Field(default_factory=dict)
+
+
 class OrchestratorConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # trtllm-serve's disaggregated YAML loads unchanged: keys not used here
+    # (it hands them to the workers it launches) are warned about, not refused.
+    model_config = ConfigDict(extra="allow")
 
     hostname: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -79,16 +123,60 @@ class OrchestratorConfig(BaseModel):
     workers: int = Field(1, ge=1)
     context_servers: PoolConfig = Field(default_factory=PoolConfig)
     generation_servers: PoolConfig = Field(default_factory=PoolConfig)
+    conditional_disagg_config: ConditionalDisaggConfig | None = None
+    disagg_cluster: DisaggClusterConfig | None = None
+
+    def unused_keys(self) -> list[str]:
+        """Keys of the file this orchestrator does not use (dotted, in file order)."""
+        keys = list(self.model_extra or ())
+        for name in ("context_servers", "generation_servers"):
+            keys += [f"{name}.{k}" for k in getattr(self, name).model_extra or ()]
+        return keys
 
     @property
     def shared_secret_bytes(self) -> bytes | None:
         return self.shared_secret.encode("utf-8", "surrogateescape") if self.shared_secret else None
 
     def check_runnable(self) -> None:
-        """Refuse to start without a worker in each pool."""
+        """Refuse to start without a worker in each pool, or on a section not built yet."""
+        if self.disagg_cluster is not None:
+            raise ConfigError(
+                "disagg_cluster: worker discovery through a cluster store is not built yet; "
+                "list the workers in context_servers.urls and generation_servers.urls"
+            )
+        if self.conditional_disagg_config is not None:
+            raise ConfigError(
+                "conditional_disagg_config: prefilling short remainders on the generation worker is not "
+                "built yet; remove the section to run every request through both legs"
+            )
         for name in ("context_servers", "generation_servers"):
-            if not getattr(self, name).urls:
-                raise ConfigError(f"{name}.urls: at least one worker URL is required")
+            pool: PoolConfig = getattr(self, name)
+            if not pool.urls:
+                launch = f" (num_instances: {pool.num_instances}: launching workers is trtllm-serve's job)"
+                raise ConfigError(
+                    f"{name}.urls: at least one worker URL is required"
+                    + (launch if pool.num_instances else "")
+                )
+            if pool.num_instances is not None and pool.num_instances != len(pool.urls):
+                log.warning(
+                    "%s.num_instances is %d but %d urls are listed: the urls are used",
+                    name,
+                    pool.num_instances,
+                    len(pool.urls),
+                )
+            router = pool.router
+            if router.type in UNBUILT_ROUTERS:
+                raise ConfigError(f"{name}.router.type: {router.type!r} routing is not built yet; "
+                                  "use round_robin or load_balancing")  # fmt: skip
+            known = {"use_tokens"} if router.kind == "least_loaded" else set()
+            unknown = sorted(set(router.args) - known)
+            if unknown:
+                raise ConfigError(f"{name}.router.args: {', '.join(unknown)}: not arguments of {router.type}")
+            if router.args.get("use_tokens"):
+                raise ConfigError(
+                    f"{name}.router.args.use_tokens: balancing by tokens in flight is not built yet; "
+                    "use_tokens: false balances by requests in flight"
+                )
 
 
 def _describe(exc: ValidationError) -> str:
@@ -113,6 +201,9 @@ def build_config(data: dict[str, Any], *, environ: dict[str, str] | None = None)
             raise ConfigError(f"shared_secret_file: {exc}") from None
         if secret is not None:
             config = config.model_copy(update={"shared_secret": secret.decode("utf-8", "surrogateescape")})
+    unused = config.unused_keys()
+    if unused:
+        log.warning("config keys not used by the fastcore orchestrator (ignored): %s", ", ".join(unused))
     return config
 
 
