@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import os
 import secrets
 import time
@@ -112,6 +113,47 @@ class Verifier:
         return None
 
 
+#: trtllm-serve's header on generation requests that name where the KV is (disagg_auth.py)
+TRTLLM_AUTH_HEADER = "x-trtllm-disagg-auth"
+
+
+def trtllm_disagg_message(ctx_info_endpoint: object, encoded_opaque_state: object) -> bytes:
+    """What trtllm-serve's ``x-trtllm-disagg-auth`` signs.
+
+    The UTF-8 of ``{"ctx_info_endpoint":E,"encoded_opaque_state":S}`` (sorted
+    keys, no spaces, absent values ``null``); E is the first element when the
+    endpoint is a list.
+    """
+    if isinstance(ctx_info_endpoint, list):
+        ctx_info_endpoint = ctx_info_endpoint[0] if ctx_info_endpoint else None
+    return json.dumps(
+        {"ctx_info_endpoint": ctx_info_endpoint, "encoded_opaque_state": encoded_opaque_state},
+        sort_keys=True,
+        separators=(",", ":"),
+    ).encode()
+
+
+def trtllm_disagg_auth(key: bytes, ctx_info_endpoint: object, encoded_opaque_state: object) -> str:
+    """The ``x-trtllm-disagg-auth`` value: ``sha256=<hex>`` of :func:`trtllm_disagg_message` under ``key``."""
+    message = trtllm_disagg_message(ctx_info_endpoint, encoded_opaque_state)
+    return "sha256=" + hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def check_trtllm_disagg_auth(
+    key: bytes, ctx_info_endpoint: object, encoded_opaque_state: object, header: bytes | str | None
+) -> bool:
+    """Constant-time check of an ``x-trtllm-disagg-auth`` header (any bytes: False, never an error)."""
+    if not header:
+        return False
+    if isinstance(header, str):
+        try:
+            header = header.encode("ascii")
+        except UnicodeEncodeError:
+            return False
+    expected = trtllm_disagg_auth(key, ctx_info_endpoint, encoded_opaque_state).encode()
+    return hmac.compare_digest(expected, bytes(header).strip())
+
+
 def read_secret(value: str | None, path: str | None, environ: dict[str, str] | None = None) -> bytes | None:
     """The secret from a file (``--shared-secret-file``), a value, or ``SECRET_ENV``, in that order.
 
@@ -134,8 +176,12 @@ __all__ = [
     "REPLAY_WINDOW_S",
     "SECRET_ENV",
     "SIGNATURE_HEADER",
+    "TRTLLM_AUTH_HEADER",
     "Verifier",
+    "check_trtllm_disagg_auth",
     "read_secret",
     "sign_body",
     "sign_pieces",
+    "trtllm_disagg_auth",
+    "trtllm_disagg_message",
 ]

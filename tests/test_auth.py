@@ -4,7 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from server.auth import SECRET_ENV, Verifier, read_secret, sign_body, sign_pieces
+import hashlib
+import hmac
+
+from server.auth import (
+    SECRET_ENV,
+    Verifier,
+    check_trtllm_disagg_auth,
+    read_secret,
+    sign_body,
+    sign_pieces,
+    trtllm_disagg_auth,
+    trtllm_disagg_message,
+)
 
 SECRET = b"s3cret"
 BODY = b'{"model":"tiny","disaggregated_params":{"request_type":"context_only"}}'
@@ -92,3 +104,37 @@ def test_read_secret_prefers_file_then_value_then_environment(tmp_path) -> None:
     path.write_bytes(b"\n")
     with pytest.raises(ValueError, match="empty"):
         read_secret(None, str(path), {})
+
+
+def test_trtllm_disagg_auth_matches_the_protocol_example() -> None:
+    # PROTOCOL: key k, E "tcp://h:1", S "AAAA".
+    message = b'{"ctx_info_endpoint":"tcp://h:1","encoded_opaque_state":"AAAA"}'
+    assert trtllm_disagg_message("tcp://h:1", "AAAA") == message
+    expected = "sha256=" + hmac.new(b"k", message, hashlib.sha256).hexdigest()
+    assert trtllm_disagg_auth(b"k", "tcp://h:1", "AAAA") == expected
+    # A list endpoint signs its first element; absent values are null.
+    assert trtllm_disagg_auth(b"k", ["tcp://h:1", "tcp://h:2"], "AAAA") == expected
+    assert trtllm_disagg_message(None, None) == b'{"ctx_info_endpoint":null,"encoded_opaque_state":null}'
+    assert trtllm_disagg_message("http://h/kv/1", None) == (
+        b'{"ctx_info_endpoint":"http://h/kv/1","encoded_opaque_state":null}'
+    )
+
+
+@pytest.mark.parametrize(
+    ("header", "ok"),
+    [
+        (lambda good: good, True),
+        (lambda good: good.encode(), True),
+        (lambda good: good[:-1] + ("0" if good[-1] != "0" else "1"), False),
+        (lambda good: good.replace("sha256=", ""), False),
+        (lambda good: "\u00e9", False),
+        (lambda good: b"\xc3\xa9", False),
+        (lambda good: None, False),
+        (lambda good: "", False),
+    ],
+)
+def test_check_trtllm_disagg_auth(header, ok) -> None:
+    good = trtllm_disagg_auth(b"k", "tcp://h:1", "AAAA")
+    assert check_trtllm_disagg_auth(b"k", "tcp://h:1", "AAAA", header(good)) is ok
+    assert not check_trtllm_disagg_auth(b"other", "tcp://h:1", "AAAA", good)
+    assert not check_trtllm_disagg_auth(b"k", "tcp://h:2", "AAAA", good)
