@@ -89,7 +89,9 @@ _LIMITS = {E_DEPTH: "JSON_MAX_DEPTH", E_NUMBER_LENGTH: "JSON_MAX_NUMBER_CHARS"}
 def make_error(code: int, offset: int, key: str | None = None) -> JSONSpanError:
     """The one place status codes become exceptions (the compiled twin calls it too)."""
     if code == E_DUPLICATE_KEY:
-        return JSONSpanError(f"JSON has duplicate key {key!r} in one object on the requested path", offset)
+        return JSONSpanError(
+            f"JSON has duplicate key {key!r} in one object on the requested path", offset, key=key
+        )
     return JSONSpanError(MESSAGES[code], offset, _LIMITS.get(code))
 
 

@@ -27,13 +27,16 @@ class JSONSpanError(ValueError):
     ``offset`` is the byte offset where the scanner stopped. ``limit`` names the
     :mod:`fastcore.limits` constant the document passes (``"JSON_MAX_DEPTH"``,
     ``"JSON_MAX_NUMBER_CHARS"``), else ``None``: valid JSON refused by policy,
-    which a server words differently from malformed JSON.
+    which a server words differently from malformed JSON. ``key`` is the key a
+    duplicate-key error repeats, else ``None``.
     """
 
-    def __init__(self, message: str, offset: int, limit: str | None = None) -> None:
+    def __init__(self, message: str, offset: int, limit: str | None = None, key: str | None = None) -> None:
         super().__init__(f"{message} (byte {offset})")
         self.offset = offset
         self.limit = limit
+        #: the repeated key, for a duplicate-key error
+        self.key = key
 
 
 class RelayError(ValueError):

@@ -226,14 +226,14 @@ BODY_ERRORS = [
     ("chat", b"[1, 2]", "must be a JSON object"),
     ("chat", b'"x"', "must be a JSON object"),
     ("chat", b"", r"not valid JSON: unexpected end of data \(byte 0\)"),
-    # Parser limits: valid JSON, still a 400.
-    ("chat", b'{"seed": ' + b"9" * 5000 + b', "messages": []}', "an integer too long to convert"),
-    ("chat", b'{"prompt_token_ids": [1, ' + b"9" * 5000 + b"]}", "an integer too long to convert"),
-    ("completions", b'{"prompt": [1], "user": ' + b"[" * 1000 + b"]" * 1000 + b"}", "nests arrays and objects deeper than 512"),
-    ("completions", b'{"prompt": [1], "user": ' + b"[" * 1100 + b"]" * 1100 + b"}", "deeper than 512"),
-    ("completions", b'{"prompt": ' + b"[" * 1000 + b"1" + b"]" * 1000 + b"}", "deeper than 512"),
-    ("chat", b'{"prompt_token_ids": ' + b"[" * 5000 + b"]" * 5000 + b"}", "deeper than 512"),
-    ("chat", b'{"x": ' + b'{"a": ' * 600 + b"1" + b"}" * 600 + b', "prompt_token_ids": [1]}', "deeper than 512"),
+    # fastcore's limits (JSON_MAX_NUMBER_CHARS, JSON_MAX_DEPTH): valid JSON, still a 400 that says where.
+    ("chat", b'{"seed": ' + b"9" * 5000 + b', "messages": []}', r"rejected: JSON has a number longer than the limit of 256 characters \(byte 9\)"),
+    ("chat", b'{"prompt_token_ids": [1, ' + b"9" * 5000 + b"]}", r"number longer than the limit of 256 characters \(byte 25\)"),
+    ("completions", b'{"prompt": [1], "user": ' + b"[" * 1000 + b"]" * 1000 + b"}", r"rejected: JSON nests arrays and objects deeper than the limit of 512 levels \(byte 535\)"),
+    ("completions", b'{"prompt": [1], "user": ' + b"[" * 1100 + b"]" * 1100 + b"}", r"deeper than the limit of 512 levels \(byte 535\)"),
+    ("completions", b'{"prompt": ' + b"[" * 1000 + b"1" + b"]" * 1000 + b"}", r"deeper than the limit of 512 levels \(byte 522\)"),
+    ("chat", b'{"prompt_token_ids": ' + b"[" * 5000 + b"]" * 5000 + b"}", r"deeper than the limit of 512 levels \(byte 532\)"),
+    ("chat", b'{"x": ' + b'{"a": ' * 600 + b"1" + b"}" * 600 + b', "prompt_token_ids": [1]}', r"deeper than the limit of 512 levels \(byte 3072\)"),
 ]  # fmt: skip
 
 
@@ -263,7 +263,7 @@ def test_nesting_limit_is_exact(jsonspan: ModuleType) -> None:
 
     for loader in ("fast", "json"):
         assert parse(body(MAX_NESTING), "completions", loader, jsonspan).prompt_ids.tolist() == [1]
-        with pytest.raises(HTTPError, match="deeper than 512"):
+        with pytest.raises(HTTPError, match="deeper than the limit of 512 levels"):
             parse(body(MAX_NESTING + 1), "completions", loader, jsonspan)
 
 
@@ -413,3 +413,142 @@ def test_fast_loader_equals_json_loads_on_damaged_bodies(
     if isinstance(fast, tuple) and "more than once" in fast[2]:
         return  # the reference silently keeps the last copy; the fast loader refuses
     assert fast == ref
+
+
+# ---------------------------------------------------------------- one policy with the orchestrator
+
+
+def both_loaders(raw: bytes, route: str, scanner: ModuleType) -> HTTPError:
+    """The 400 the fast loader gives ``raw``; the reference gives the same one."""
+    fast = error(raw, route, scanner)
+    with pytest.raises(HTTPError) as info:
+        parse(raw, route, "json")
+    assert (info.value.status, info.value.param, info.value.message) == (fast.status, fast.param, fast.message)
+    return fast
+
+
+@pytest.mark.parametrize("where", ["user", "metadata", "prompt"])
+def test_number_length_limit_is_exact(jsonspan: ModuleType, where: str) -> None:
+    """A number of JSON_MAX_NUMBER_CHARS characters passes both loaders, one more is the scanner's
+    400 with its offset, in a field the worker ignores, nested, or in the token field (general path)."""
+    limit = fastcore.JSON_MAX_NUMBER_CHARS
+
+    def body(token: bytes) -> tuple[bytes, int]:
+        head = {"user": b'{"prompt": [1], "user": ', "metadata": b'{"prompt": [1], "metadata": {"a": [[',
+                "prompt": b'{"prompt": [1, '}[where]  # fmt: skip
+        tail = {"user": b"}", "metadata": b"]]}}", "prompt": b"]}"}[where]
+        return head + token + tail, len(head)
+
+    for token in (b"1" + b"0" * (limit - 1), b"-0." + b"5" * (limit - 3)):
+        raw, _ = body(token)
+        if where == "prompt":  # not a token id (the limit is not what refuses it)
+            message = both_loaders(raw, "completions", jsonspan).message
+            assert "outside the vocabulary" in message or "must be an integer token id" in message
+        else:
+            assert parse(raw, "completions", "fast", jsonspan).prompt_ids.tolist() == [1]
+            assert parse(raw, "completions", "json").prompt_ids.tolist() == [1]
+    for token in (b"1" + b"0" * limit, b"-0." + b"5" * (limit - 2)):
+        raw, offset = body(token)
+        exc = both_loaders(raw, "completions", jsonspan)
+        assert exc.param is None and exc.message == (
+            f"request body rejected: JSON has a number longer than the limit of {limit} characters (byte {offset})"
+        )
+
+
+def test_a_long_string_of_digits_is_no_number(jsonspan: ModuleType) -> None:
+    raw = b'{"prompt": "' + b"7" * 1000 + b'"}'
+    assert parse(raw, "completions", "fast", jsonspan).prompt_ids.size == 1001  # BOS + 1000 bytes
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("max_tokens", "2"), ("model", '"tiny"'), ("temperature", "0.5"), ("stream", "false"), ("n", "1"),
+     ("user", '"u"'), ("messages", '[{"role": "user", "content": "x"}]')],
+)  # fmt: skip
+def test_a_repeated_top_level_key_is_refused(jsonspan: ModuleType, key: str, value: str) -> None:
+    """json.loads and pysimdjson keep the last copy, the orchestrator refuses a repeat of what it reads:
+    the worker refuses any repeat at the top level, naming the key and the second copy's byte."""
+    head = f'{{"messages": [{{"role": "user", "content": "hi"}}], "{key}": {value}, '.encode()
+    raw = head + f'"{key}": {value}}}'.encode()
+    if key == "messages":
+        raw = f'{{"messages": {value}, "max_tokens": 2, "messages": {value}}}'.encode()
+        head = raw[: raw.rindex(b'"messages"')]
+    exc = both_loaders(raw, "chat", jsonspan)
+    assert exc.param == key
+    assert exc.message == (
+        f"request body has the key '{key}' more than once (byte {len(head)}): parsers differ on which one counts"
+    )
+
+
+@pytest.mark.parametrize("parent", ["disaggregated_params", "stream_options"])
+def test_a_repeated_key_inside_the_checked_objects_is_refused(jsonspan: ModuleType, parent: str) -> None:
+    inner = '"request_type": "context_only", ' if parent == "disaggregated_params" else ""
+    head = f'{{"prompt": [1], "{parent}": {{{inner}"include_usage": true, '.encode()
+    raw = head + b'"include_usage": false}}'
+    exc = both_loaders(raw, "completions", jsonspan)
+    assert exc.param == parent and f"'{parent}.include_usage' more than once (byte {len(head)})" in exc.message
+    # Repeats deeper (in a message) are one reading for every parser here (the last): not refused.
+    deep = b'{"messages": [{"role": "user", "role": "user", "content": "x"}]}'
+    assert parse(deep, "chat", "fast", jsonspan).prompt_ids.size > 0
+
+
+def test_a_body_with_a_repeat_and_a_limit_is_refused_by_both_loaders(jsonspan: ModuleType) -> None:
+    """Which of the two speaks may differ (the fast loader's first scan counts depth before it knows
+    the keys); both are 400s that name their problem."""
+    deep = b"[" * 600 + b"]" * 600
+    for raw in (b'{"prompt": [1], "n": 1, "n": 1, "user": ' + deep + b"}",
+                b'{"prompt": [1], "user": ' + deep + b', "n": 1, "n": 1}'):  # fmt: skip
+        for loader in ("fast", "json"):
+            with pytest.raises(HTTPError) as info:
+                parse(raw, "completions", loader, jsonspan)
+            assert info.value.status == 400
+            assert "deeper than the limit" in info.value.message or "'n' more than once" in info.value.message
+
+
+STRICT_FIELDS = [
+    # (route, field, value as JSON): each a 400 with param = field, from both loaders
+    ("chat", "n", "true"), ("chat", "n", "1.0"), ("chat", "n", "2"), ("completions", "n", '"1"'),
+    ("chat", "max_tokens", "true"), ("chat", "max_tokens", "1.0"), ("chat", "max_tokens", "0"),
+    ("chat", "max_completion_tokens", "false"), ("chat", "max_completion_tokens", "2.5"),
+    ("completions", "max_tokens", "1e1"), ("chat", "stream", "1"), ("chat", "stream", '"true"'),
+    ("chat", "temperature", "true"), ("chat", "top_p", "false"), ("chat", "temperature", '"0.5"'),
+    ("chat", "logprobs", "1"), ("completions", "logprobs", "true"), ("completions", "logprobs", "1.0"),
+    ("chat", "seed", "true"), ("chat", "seed", "1.5"), ("chat", "top_k", "2.0"),
+    ("chat", "stop", "1"), ("chat", "stop", '["a", 2]'), ("chat", "ignore_eos", "0"),
+    ("chat", "model", "5"), ("chat", "stop_token_ids", "0"), ("chat", "stop_token_ids", "true"),
+    ("chat", "best_of", "true"), ("chat", "echo", "0"), ("chat", "presence_penalty", "false"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("route", "field", "value"), STRICT_FIELDS)
+def test_fields_are_strictly_typed(jsonspan: ModuleType, route: str, field: str, value: str) -> None:
+    prompt = '"messages": [{"role": "user", "content": "x"}]' if route == "chat" else '"prompt": [1]'
+    raw = f'{{{prompt}, "{field}": {value}}}'.encode()
+    assert both_loaders(raw, route, jsonspan).param == field
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        (b'{"prompt": [1], "stream_options": {"include_usage": 1}}', "include_usage"),
+        (b'{"prompt": [1], "disaggregated_params": {"request_type": "context_only", '
+         b'"return_prompt_token_ids_b64": 1}}', "disaggregated_params"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2, "max_tokens": "x"}',
+         "max_tokens"),
+    ],
+)  # fmt: skip
+def test_nested_and_paired_fields_are_strictly_typed(jsonspan: ModuleType, raw: bytes, param: str) -> None:
+    route = "chat" if b"messages" in raw else "completions"
+    assert both_loaders(raw, route, jsonspan).param == param
+
+
+def test_fields_read_as_the_orchestrator_reads_them(jsonspan: ModuleType) -> None:
+    """``model`` null is absent; completions has no ``max_completion_tokens`` (the orchestrator reads
+    ``max_tokens`` there); chat's ``max_completion_tokens`` wins, and only it must be >= 1."""
+    req = parse(b'{"prompt": [1], "model": null, "max_tokens": 3, "max_completion_tokens": 9}', "completions",
+                "fast", jsonspan)  # fmt: skip
+    assert req.model == "tiny" and req.params.max_tokens == 3
+    chat = b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0, "max_completion_tokens": 4}'
+    assert parse(chat, "chat", "fast", jsonspan).params.max_tokens == 4
+    for neutral in (b'"n": 1', b'"best_of": 1', b'"echo": false', b'"presence_penalty": 0.0', b'"stop_token_ids": []'):
+        assert parse(b'{"prompt": [1], ' + neutral + b"}", "completions", "fast", jsonspan).prompt_ids.size == 1

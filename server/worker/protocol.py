@@ -112,19 +112,24 @@ def _brief(value: Any) -> str:
 #   valid JSON: integers beyond 64 bits, 1e400, lone surrogate escapes).
 #
 # Either way the body is strict RFC 8259 JSON or a 400 that says where it is not
-# (byte offset), nests at most MAX_NESTING levels, and holds no integer too long
-# for Python to convert: bodies no parser limit turns into a 500.
+# (byte offset), within fastcore's limits (nesting, number length: the policy the
+# orchestrator's scanner enforces too, so a body one side passes the other never
+# fails on), and without a repeated key at the top level, in
+# ``disaggregated_params`` or in ``stream_options`` (json.loads and pysimdjson keep
+# the last copy, the orchestrator refuses a repeat of what it reads: neither
+# copy is guessed). One validating scan of the bytes pysimdjson reads checks all
+# of it (_check_members).
 
-#: Deepest nesting of arrays and objects a body may have (the body itself is level 1).
-#: Below json.loads' recursion limit (~1000) and pysimdjson's (1024), so both loaders
-#: refuse the same bodies, whatever the caller's stack depth.
-MAX_NESTING = 512
+#: Deepest nesting of arrays and objects a body may have (the body itself is level 1):
+#: fastcore's policy, below json.loads' recursion limit (~1000) and pysimdjson's (1024).
+MAX_NESTING = fastcore.JSON_MAX_DEPTH
 
-#: Top-level keys the worker refuses to see twice: the prompt's token fields (which
-#: one a parser keeps differs between parsers) and the internal parameters.
+#: Top-level keys found by the first scan: the prompt's token fields (which one a
+#: parser keeps differs between parsers) and the internal parameters.
 _SINGLE_KEYS = ("prompt_token_ids_b64", "prompt_token_ids", "prompt", "disaggregated_params")
 _BODY_PATHS = ((), *((key,) for key in _SINGLE_KEYS))
-_DUPLICATE_KEY = re.compile(r"duplicate key '([A-Za-z0-9_]+)'")
+#: Objects whose keys are checked for repeats, besides the body's own.
+_CHECKED_OBJECTS = ("disaggregated_params", "stream_options")
 _OPEN_BRACE, _QUOTE, _OPEN_BRACKET, _N = b'{"[n'
 
 
@@ -145,45 +150,68 @@ class RawJSON:
         self.scanner = scanner
 
     def value(self) -> Any:
-        value = _loads(memoryview(self.data)[self.start : self.end], self.data, self.scanner)
-        if _nests_deeper(value, MAX_NESTING - 1):  # the value sits inside the body object
-            raise _nesting_error()
-        return value
+        if self.data[self.start] != _QUOTE:
+            # The body's first scan skipped this container counting brackets (so its depth is
+            # checked): its numbers' lengths are checked here, on this rare general path.
+            error = _limit_refusal(self.data, self.scanner)
+            if error is not None:
+                raise error
+        return _loads(memoryview(self.data)[self.start : self.end], self.data, self.scanner)
 
     def __repr__(self) -> str:
         return f"RawJSON({self.end - self.start} bytes at {self.start})"
 
 
-def _nesting_error() -> HTTPError:
-    return bad_request(f"request body nests arrays and objects deeper than {MAX_NESTING} levels")
+def _scan_error(raw: bytes, exc: JSONSpanError, scanner: ModuleType) -> HTTPError:
+    """The 400 for a scan of ``raw`` that stopped: a limit passed, a repeated key, or malformed JSON."""
+    if exc.limit is not None:
+        # fastcore's policy (fastcore.limits): the orchestrator words it the same way.
+        return bad_request(f"request body rejected: {exc}")
+    if exc.key is not None:
+        name = param = exc.key
+        for parent in _CHECKED_OBJECTS:  # the repeat may be inside one of the checked objects
+            try:
+                span = scanner.find_span(raw, (parent,), validate=False)
+            except JSONSpanError:  # the parent repeats too, later: its own repeat is the next 400
+                span = None
+            if span is not None and span[0] < exc.offset < span[1]:
+                name, param = f"{parent}.{exc.key}", parent
+                break
+        return bad_request(
+            f"request body has the key '{name}' more than once (byte {exc.offset}): "
+            "parsers differ on which one counts",
+            param,
+        )
+    return bad_request(f"request body is not valid JSON: {str(exc).removeprefix('JSON is malformed: ')}")
 
 
-def _limit_error(exc: BaseException) -> HTTPError:
-    """The 400 for valid JSON that Python's parser cannot turn into values."""
-    if isinstance(exc, RecursionError):
-        return _nesting_error()
-    return bad_request(
+def _limit_refusal(raw: bytes, scanner: ModuleType) -> HTTPError | None:
+    """The 400 for ``raw`` past fastcore's limits (byte offset), or None: within them, or malformed
+    first (the caller's parser words that)."""
+    try:
+        scanner.find_span(raw, ())
+    except JSONSpanError as exc:
+        if exc.limit is not None:
+            return _scan_error(raw, exc, scanner)
+    return None
+
+
+def _limit_error(exc: BaseException, raw: bytes, scanner: ModuleType) -> HTTPError:
+    """The 400 for valid JSON that Python's parser cannot turn into values (nesting, integer length):
+    past fastcore's limits, whose scan says where; Python's own limit otherwise."""
+    error = _limit_refusal(raw, scanner)
+    if error is not None:
+        return error
+    if isinstance(exc, RecursionError):  # pragma: no cover - the limits are far below Python's
+        return bad_request("request body nests arrays and objects too deeply")
+    return bad_request(  # pragma: no cover - as above
         f"request body holds an integer too long to convert (more than {sys.get_int_max_str_digits()} digits)"
     )
 
 
-def _nests_deeper(value: Any, limit: int) -> bool:
-    """Whether ``value`` nests containers deeper than ``limit`` levels (iterative: no recursion)."""
-    if type(value) is not dict and type(value) is not list:
-        return False
-    stack = [(value, 1)]
-    while stack:
-        container, depth = stack.pop()
-        if depth > limit:
-            return True
-        for item in container.values() if type(container) is dict else container:
-            if type(item) is dict or type(item) is list:
-                stack.append((item, depth + 1))
-    return False
-
-
 def _malformed(raw: bytes, scanner: ModuleType) -> HTTPError | None:
-    """The 400 saying where ``raw`` stops being JSON (byte offset), or None when it is valid."""
+    """The 400 saying where ``raw`` stops being JSON or passes a limit (byte offset), or None when
+    it is valid."""
     try:
         raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -191,8 +219,38 @@ def _malformed(raw: bytes, scanner: ModuleType) -> HTTPError | None:
     try:
         scanner.find_span(raw, ())
     except JSONSpanError as exc:
-        return bad_request(f"request body is not valid JSON: {str(exc).removeprefix('JSON is malformed: ')}")
+        return _scan_error(raw, exc, scanner)
     return None
+
+
+def _member_paths(body: dict[str, Any]) -> tuple[tuple[str, ...], ...]:
+    """Scanner paths of every key of ``body`` and of its checked objects: a scan for them refuses a
+    repeat of any (each distinct key is requested, so each copy after the first is one)."""
+    paths: list[tuple[str, ...]] = [(key,) for key in body]
+    for parent in _CHECKED_OBJECTS:
+        inner = body.get(parent)
+        if type(inner) is dict:
+            paths += [(parent, key) for key in inner]
+    return tuple(paths)
+
+
+def _check_members(data: bytes, body: dict[str, Any], raw: bytes, scanner: ModuleType) -> None:
+    """One validating scan of ``data`` (what became ``body``; ``raw`` itself or ``raw`` with its token
+    value cut to ``null``): the grammar, fastcore's limits and repeated keys (:func:`_member_paths`).
+
+    A 400 says where in ``raw``: an error is found again by a scan of ``raw``, which holds every
+    byte of ``data`` at or after the same offset.
+    """
+    paths = _member_paths(body)
+    try:
+        scanner.find_spans(data, paths)
+    except JSONSpanError as exc:
+        if data is not raw:
+            try:
+                scanner.find_spans(raw, paths)
+            except JSONSpanError as found:
+                exc = found
+        raise _scan_error(raw, exc, scanner) from None
 
 
 def _loads(data: bytes | memoryview, raw: bytes, scanner: ModuleType) -> Any:
@@ -202,7 +260,7 @@ def _loads(data: bytes | memoryview, raw: bytes, scanner: ModuleType) -> Any:
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise _malformed(raw, scanner) or bad_request("request body is not valid JSON") from None
     except (RecursionError, ValueError) as exc:
-        raise _limit_error(exc) from None
+        raise _limit_error(exc, raw, scanner) from None
 
 
 class _Simdjson:
@@ -259,7 +317,10 @@ def load_json_body(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object via ``json.loads``, or a 400 that says where it is malformed (byte offset).
 
     The reference the fast loader (:func:`load_request_body`) is held to, and the
-    "before" of ``bench.worker``.
+    "before" of ``bench.worker``. ``json.loads`` gives the values; the policy on
+    top (fastcore's limits, no repeated key) is the fast loader's, checked by the
+    same scan: what ``json.loads`` alone reads but RFC 8259 does not (``NaN``)
+    still passes here.
     """
     try:
         text = raw.decode("utf-8")
@@ -271,11 +332,14 @@ def load_json_body(raw: bytes) -> dict[str, Any]:
         offset = len(text[: exc.pos].encode("utf-8"))
         raise bad_request(f"request body is not valid JSON: {exc.msg} (byte {offset})") from None
     except (RecursionError, ValueError) as exc:
-        raise _limit_error(exc) from None
+        raise _limit_error(exc, raw, fastcore) from None
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
-    if _nests_deeper(body, MAX_NESTING):
-        raise _nesting_error()
+    try:
+        _check_members(raw, body, raw, fastcore)
+    except HTTPError as exc:
+        if "not valid JSON" not in exc.message:  # json.loads decides the grammar here
+            raise
     return body
 
 
@@ -303,11 +367,13 @@ def load_request_body(raw: bytes, route: Route, *, scanner: ModuleType | None = 
     last, other parsers the first: the orchestrator and the worker must not read
     different prompts). ``scanner``: a scanner twin (default: fastcore's active one).
 
-    The scan is ``validate=False``: it walks the top-level object with the full
-    grammar and skips the insides of other values; every byte it skips is
-    validated after, by pysimdjson (the body with the token value spliced to
-    ``null``) or by the token field's strict decoder, so a malformed body is a
-    400 all the same, its offset from a validating scan.
+    The first scan is ``validate=False``: it walks the top-level object with the
+    full grammar and skips the insides of other values (counting their depth);
+    every byte it skips is validated after, by one validating scan of the body
+    with the token value spliced to ``null`` (:func:`_check_members`: grammar,
+    limits, a repeated key at the top level, in ``disaggregated_params`` or
+    ``stream_options``) or by the token field's strict decoder, so a malformed
+    body is a 400 all the same, its offset from a validating scan.
     """
     if not isinstance(raw, bytes):
         raw = bytes(raw)
@@ -315,18 +381,8 @@ def load_request_body(raw: bytes, route: Route, *, scanner: ModuleType | None = 
     try:
         spans = jsonspan.find_spans(raw, _BODY_PATHS, validate=False)
     except JSONSpanError as exc:
-        error = _malformed(raw, jsonspan)
-        if error is not None:
-            raise error from None
-        duplicate = _DUPLICATE_KEY.search(str(exc))
-        if duplicate is None:  # pragma: no cover - the validating scan fails where the lax one does
-            raise bad_request(f"request body is not valid JSON: {exc}") from None
-        name = duplicate.group(1)
-        raise bad_request(
-            f"request body has the key '{name}' more than once (byte {exc.offset}): "
-            "parsers differ on which one counts",
-            name,
-        ) from None
+        # Where the whole body first goes wrong (a validating scan), else what this scan found.
+        raise _malformed(raw, jsonspan) or _scan_error(raw, exc, jsonspan) from None
     root = spans[0]
     assert root is not None
     if raw[root[0]] != _OPEN_BRACE:
@@ -344,8 +400,7 @@ def load_request_body(raw: bytes, route: Route, *, scanner: ModuleType | None = 
             raise error from None
         # Valid JSON that pysimdjson refuses: the stdlib's values, as load_json_body gives.
         body = _loads(rest, raw, jsonspan)
-    if _nests_deeper(body, MAX_NESTING):
-        raise _nesting_error()
+    _check_members(rest, body, raw, jsonspan)
     if field is not None:
         body[_SINGLE_KEYS[field]] = RawJSON(raw, start, end, jsonspan)
     return body
@@ -478,7 +533,10 @@ def _parse_disagg(body: dict[str, Any], vocab_size: int) -> DisaggParams | None:
             f"'{name}.request_type' must be '{CONTEXT_ONLY}' or '{GENERATION_ONLY}', got {_brief(kind)}", name
         )
     params = DisaggParams(request_type=kind, disagg_request_id=raw.get("disagg_request_id"), raw=raw)
-    params.return_prompt_token_ids_b64 = raw.get("return_prompt_token_ids_b64") is True
+    want_b64 = raw.get("return_prompt_token_ids_b64")
+    if want_b64 is not None and type(want_b64) is not bool:
+        raise bad_request(f"'{name}.return_prompt_token_ids_b64' must be a boolean", name)
+    params.return_prompt_token_ids_b64 = want_b64 is True
     if kind == GENERATION_ONLY:
         first = raw.get("first_gen_tokens")
         if not isinstance(first, list) or not first:
@@ -579,7 +637,8 @@ def _prompt(
 
 
 # Fields this worker does not implement, with the values that mean "off": anything
-# else is refused rather than silently ignored.
+# else is refused rather than silently ignored. A value matches by type too (``true``
+# is not 1, ``0.0`` is not ``false``).
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
@@ -591,6 +650,29 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tools": (None, []),
     "response_format": (None, {"type": "text"}),
 }
+
+
+def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    return any(type(value) is type(off) and value == off for off in neutral)
+
+
+def _token_limit(body: dict[str, Any], route: Route) -> tuple[str, int | None]:
+    """The request's token limit and the field it came from, read as the orchestrator reads it
+    (fastcore's read_client_request): chat checks both fields' types and the first set one
+    counts (``max_completion_tokens``), completions has ``max_tokens`` only."""
+    tokens = _int_field(body, "max_tokens")
+    if route == "chat":
+        completion = _int_field(body, "max_completion_tokens")
+        if completion is not None:
+            tokens = completion
+            key = "max_completion_tokens"
+        else:
+            key = "max_tokens"
+    else:
+        key = "max_tokens"
+    if tokens is not None and tokens < 1:
+        raise bad_request(f"'{key}' must be >= 1, got {tokens}", key)
+    return key, tokens
 
 
 def prompt_ids_members(prompt_ids: np.ndarray, *, b64: bool) -> list[bytes]:
@@ -638,23 +720,32 @@ def parse_request(
     ``scanner``: the span scanner twin of the fast loader (default: the active one).
     """
     body = load_request_body(raw, route, scanner=scanner) if loader == "fast" else load_json_body(raw)
-    model = body.get("model", model_name)
+    # Every field is read strictly, by type (no bool for a number, no 1.0 for an int), and as
+    # the orchestrator reads the ones it acts on: a body is never read two ways.
+    model = body.get("model")
+    if model is None:  # absent or null, as the orchestrator reads it
+        model = model_name
+    elif type(model) is not str:
+        raise bad_request("'model' must be a string", "model")
     if model != model_name:
         raise HTTPError(404, f"model {_brief(model)} does not exist; this worker serves {model_name!r}",
                         param="model", code="model_not_found")  # fmt: skip
     for name, neutral in _UNSUPPORTED.items():
-        if body.get(name) not in neutral:
+        if not _is_neutral(body.get(name), neutral):
             raise bad_request(f"'{name}' is not supported by this worker (got {_brief(body[name])})", name)
     n = body.get("n")
-    if n is not None and n != 1:
-        raise bad_request(f"'n' must be 1 (got {_brief(n)}): this worker returns one choice per request", "n")
+    if n is not None and (type(n) is not int or n != 1):
+        raise bad_request(
+            f"'n' must be the integer 1 (got {_brief(n)}): this worker returns one choice per request", "n"
+        )
     stream = _bool_field(body, "stream")
     stream_options = body.get("stream_options")
     include_usage = False
     if stream_options is not None:
         if not isinstance(stream_options, dict):
             raise bad_request("'stream_options' must be an object", "stream_options")
-        include_usage = stream_options.get("include_usage") is True
+        include_usage = _bool_field(stream_options, "include_usage")
+    key, max_tokens = _token_limit(body, route)
     disagg = _parse_disagg(body, tokenizer.vocab_size)
     prompt_ids, from_ids = _prompt(body, route, tokenizer, disagg, max_context)
     if prompt_ids.size >= max_context:
@@ -664,19 +755,18 @@ def parse_request(
             "messages" if route == "chat" and not from_ids else "prompt",
         )
     room = max_context - int(prompt_ids.size)
-    max_tokens = _int_field(body, "max_completion_tokens", minimum=1)
-    if max_tokens is None:
-        max_tokens = _int_field(body, "max_tokens", minimum=1)
     if max_tokens is None:
         max_tokens = room
     elif max_tokens > room:
         raise bad_request(
-            f"max_tokens ({max_tokens}) plus the prompt ({prompt_ids.size} tokens) exceeds "
+            f"{key} ({max_tokens}) plus the prompt ({prompt_ids.size} tokens) exceeds "
             f"this model's context of {max_context} tokens",
-            "max_tokens",
+            key,
         )
-    stop_token_ids = body.get("stop_token_ids") or []
-    if stop_token_ids:
+    stop_token_ids = body.get("stop_token_ids")
+    if stop_token_ids is None or stop_token_ids == []:
+        stop_token_ids = []
+    else:
         stop_token_ids = _ids_from_list(stop_token_ids, "stop_token_ids", tokenizer.vocab_size).tolist()
     top_k = _int_field(body, "top_k", minimum=-1)
     params = SamplingParams(
