@@ -121,6 +121,54 @@ async def test_context_leg_parks_kv_that_expires(engine: TorchEngine) -> None:
     assert engine.parked_count == 0 and engine.kv_used_tokens == 0 and engine.take_parked(42) is None
 
 
+async def park(engine: TorchEngine, prompt: str, ctx_id: int) -> EngineRequest:
+    req, queue = make_request(engine, prompt)
+    req.park_as = ctx_id
+    engine.submit(req)
+    while (await asyncio.wait_for(queue.get(), 30)).finish_reason is None:
+        pass
+    return req
+
+
+async def test_an_aborted_context_leg_is_freed_whenever_it_parks(engine: TorchEngine) -> None:
+    """abort then discard_parked frees the KV before the park, during it, or after it."""
+    engine.start(asyncio.get_running_loop())
+    # After: parked already (abort finds nothing running), discard frees it.
+    req = await park(engine, "parked before the abort", 1)
+    assert engine.parked_count == 1 and engine.parked_tokens == engine.kv_used_tokens > 0
+    engine.abort(req.request_id)
+    assert engine.discard_parked(1) and not engine.discard_parked(1)
+    assert engine.parked_count == 0 and engine.parked_tokens == 0 and engine.kv_used_tokens == 0
+    # Before: aborted as soon as it is queued, the leg is never parked, whichever
+    # point of its prefill the engine thread had reached.
+    for i in range(20):
+        req, _ = make_request(engine, f"aborted early {i}" * (i + 1))
+        req.park_as = 100 + i
+        engine.submit(req)
+        await asyncio.sleep(0.001 * (i % 4))
+        engine.abort(req.request_id)
+        engine.discard_parked(100 + i)
+    for _ in range(500):
+        if engine.kv_used_tokens == 0 and engine.queue_depth == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.kv_used_tokens == 0 and engine.parked_count == 0 and engine.parked_tokens == 0
+
+
+async def test_evict_parked_takes_the_oldest_first(engine: TorchEngine) -> None:
+    engine.start(asyncio.get_running_loop())
+    for ctx_id in (1, 2, 3):
+        await park(engine, f"entry {ctx_id} " * 10, ctx_id)
+    held = engine.parked_tokens
+    assert held == engine.kv_used_tokens and engine.parked_count == 3
+    assert engine.evict_parked(0) == 0
+    assert engine.evict_parked(1) == 1  # one token to free: one entry, the oldest
+    assert engine.take_parked(1) is None and engine.parked_count == 2
+    assert engine.evict_parked(held) == 2  # more than is held: all that is left
+    assert engine.parked_count == 0 and engine.parked_tokens == 0 and engine.kv_used_tokens == 0
+    assert engine.evict_parked(16) == 0
+
+
 async def test_parked_kv_round_trips_and_continues_like_one_engine(engine: TorchEngine) -> None:
     engine.start(asyncio.get_running_loop())
     whole, _, _ = await run(engine, "hand me off", max_tokens=12)

@@ -231,8 +231,9 @@ class WorkerMetrics:
         self.handoff = r.counter(
             "fastcore_worker_kv_handoff_total",
             "KV hand-off events. Context side: parked, served, expired, abandoned (the fetcher hung up "
-            "mid-download), cancelled (the context leg's client left: freed at once), evicted (parked "
-            "KV freed for the parked bound or to admit a request). Generation side: fetched, recomputed",
+            "mid-download), cancelled (a context leg's client left before its answer: its KV freed at "
+            "once, parked or not), evicted (parked KV freed for the parked bound or to admit a request). "
+            "Generation side: fetched, recomputed",
             ("event",),
         )
         self.fetch_failures = r.counter("fastcore_worker_kv_fetch_failures_total",
@@ -683,7 +684,8 @@ class WorkerApp:
                 # or about to be: its id never left this worker, so nobody
                 # could ever fetch it.
                 engine.abort(engine_req.request_id)
-                if engine_req.park_as is not None and engine.discard_parked(engine_req.park_as):
+                if engine_req.park_as is not None:
+                    engine.discard_parked(engine_req.park_as)
                     self.metrics.handoff.inc(event="cancelled")
 
     def _context_fields(
@@ -755,6 +757,12 @@ class WorkerApp:
             self._context_fields(request, req, engine_req, token_ids, body) if req.is_context_only else []
         )
         out.send(200, dump_with_members(body, members), _JSON)
+        if engine_req.park_as is not None:
+            # A reset read in the same loop pass as the engine's output closes
+            # the connection in the next one: yield once, so that this handler
+            # is cancelled (and the KV freed) rather than the KV kept for a
+            # client that never got its id.
+            await asyncio.sleep(0)
         return not out.closed
 
     async def _stream(
