@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import fastcore
 from fastcore import _jsonspan_py as jsonspan_py
+from fastcore.limits import JSON_MAX_DEPTH, JSON_MAX_NUMBER_CHARS
 from fastcore.relay import Relay
 from server.errors import HTTPError
 from server.orchestrator.relay_modes import (
@@ -479,9 +480,9 @@ MALFORMED_CLIENT_BODIES = [
     (b'{"stream": tru}', "invalid literal (byte 14)"),
     (b'{"model": "a\\x"}', "invalid escape (byte 12)"),
     (b'{"model": "a\nb"}', "unescaped control character in string (byte 12)"),
-    (b'{"messages": ' + b"[" * 100_000, "unexpected end of data (byte 100013)"),
-    (b"[" * 100_000, "unexpected end of data (byte 100000)"),
-    (b'{"a": ' + b"[" * 5000 + b"}", "expected a value (byte 5006)"),
+    (b'{"messages": ' + b"[" * 500, "unexpected end of data (byte 513)"),
+    (b"[" * 500, "unexpected end of data (byte 500)"),
+    (b'{"a": ' + b"[" * 500 + b"}", "expected a value (byte 506)"),
 ]
 
 
@@ -497,7 +498,7 @@ def test_malformed_client_bodies_say_where_in_both_modes(jsonspan, body, needle,
 @pytest.mark.parametrize(
     "key", ["stream", "stream_options", "model", "max_tokens", "max_completion_tokens", "messages", "prompt"]
 )
-def test_fast_mode_refuses_a_repeated_field_it_reads_parsed_takes_the_last(jsonspan, key):
+def test_both_modes_refuse_a_repeated_field_they_read(jsonspan, key):
     value = {"stream_options": "{}", "model": '"m"', "messages": '[{"role": "user"}]', "prompt": '"p"'}
     raw = value.get(key, "null")
     body = (
@@ -508,15 +509,21 @@ def test_fast_mode_refuses_a_repeated_field_it_reads_parsed_takes_the_last(jsons
     chat = key != "prompt"
     fast = refusal(fast_relay(jsonspan), body, chat)
     assert fast.param == key and f"duplicate key '{key}'" in fast.message
-    ParsedRelay(tokids_b64=True, strip_history=True).read_client(body, chat)  # json.loads: the last wins
+    # json.loads would keep the last copy and send only it on: the parsed mode refuses it the same way.
+    parsed = refusal(ParsedRelay(tokids_b64=True, strip_history=True), body, chat)
+    assert (parsed.param, parsed.message) == (fast.param, fast.message)
 
 
 def test_fast_mode_refuses_a_repeated_include_usage(jsonspan):
     body = b'{"prompt": "x", "stream_options": {"include_usage": true, "include_usage": false}}'
     assert refusal(fast_relay(jsonspan), body, False).param == "include_usage"
-    # Repeats elsewhere are the workers' business, as in the parsed mode.
+    assert refusal(ParsedRelay(tokids_b64=True, strip_history=True), body, False).param == "include_usage"
+    # Repeats of fields it does not read the fast mode leaves to the workers (which refuse them); the
+    # parsed mode, which would send one copy on, refuses them itself.
     other = b'{"prompt": "x", "user": 1, "user": 2, "stream_options": {"x": 1, "x": 2}}'
     assert fast_relay(jsonspan).read_client(other, False).max_tokens is None
+    parsed = refusal(ParsedRelay(tokids_b64=True, strip_history=True), other, False)
+    assert parsed.param == "user" and "duplicate key 'user'" in parsed.message and "(byte 27)" in parsed.message
 
 
 @pytest.mark.parametrize(
@@ -524,7 +531,7 @@ def test_fast_mode_refuses_a_repeated_include_usage(jsonspan):
     [
         b'{"prompt": "x", "max_tokens": 100000000000000000000}',  # 21 digits
         b'{"prompt": "x", "max_tokens": -100000000000000000000}',
-        b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}",  # past int()'s 4300 digits
+        b'{"prompt": "x", "max_tokens": 1' + b"0" * 255 + b"}",  # the longest number the limit allows
     ],
 )
 def test_fast_mode_refuses_max_tokens_beyond_20_digits(jsonspan, body):
@@ -544,30 +551,117 @@ def test_fast_mode_refuses_max_tokens_beyond_20_digits(jsonspan, body):
         b'{"prompt": "\xed\xa0\x80"}',  # an encoded surrogate (json.loads decodes with surrogatepass)
     ],
 )
-def test_fast_mode_refuses_what_only_pythons_json_reads(jsonspan, body):
-    """Documented difference: the parsed mode's ``json.loads`` takes these, which RFC 8259 does not."""
-    assert refusal(fast_relay(jsonspan), body, False).param is None
-    ParsedRelay(tokids_b64=True, strip_history=True).read_client(body, False)
+def test_both_modes_refuse_what_only_pythons_json_reads(jsonspan, body):
+    """The parsed mode's ``json.loads`` takes these, which RFC 8259 does not: its scan of the body
+    (the one that finds repeated keys) refuses them as the fast mode does."""
+    fast = refusal(fast_relay(jsonspan), body, False)
+    assert fast.param is None
+    parsed = refusal(ParsedRelay(tokids_b64=True, strip_history=True), body, False)
+    assert parsed.param is None and parsed.message.startswith("request body is ")
+
+
+def deep_value(levels: int, kind: str) -> bytes:
+    """A JSON value nesting ``levels`` containers."""
+    if kind == "arrays":
+        return b"[" * levels + b"]" * levels
+    if kind == "numbers":  # the innermost a number list: the scanners' fast path
+        return b"[" * (levels - 1) + b"[1,2]" + b"]" * (levels - 1)
+    return b'{"a":' * (levels - 1) + b"{}" + b"}" * (levels - 1)
+
+
+#: Where limit_body puts the value, and the levels open around it there.
+LIMIT_FIELDS = {"x": 1, "messages": 3, "stream_options": 2, "seed": 1, "max_tokens": 1}
+
+
+def limit_body(field: str, value: bytes, chat: bool) -> tuple[bytes, int]:
+    """A client body (for the route) with ``value`` in ``field``, read by the relay or not, and the
+    value's offset. ``messages``: the last message's content; ``stream_options``: a member of it."""
+    head = b'{"messages": [{"role": "user", "content": "x"}], ' if chat else b'{"prompt": "x", '
+    if field == "messages":
+        head = b'{"messages": [{"role": "user", "content": "y"}, {"role": "user", "content": '
+        return head + value + b"}]}", len(head)
+    head += b'"' + field.encode() + b'": '
+    if field == "stream_options":
+        head += b'{"include_usage": true, "x": '
+        return head + value + b"}}", len(head)
+    return head + value + b"}", len(head)
+
+
+@pytest.mark.parametrize("field", ["x", "messages", "stream_options"])
+@pytest.mark.parametrize("kind", ["arrays", "numbers", "objects"])
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_both_modes_hold_the_depth_limit_exactly(jsonspan, field, kind, chat):
+    """JSON_MAX_DEPTH levels pass both modes and one more is refused by both, the same 400 with the
+    offset of the bracket past the limit, in a field the relay reads or one it skips over."""
+    chat = chat or field == "messages"
+    outer = LIMIT_FIELDS[field]
+    body, offset = limit_body(field, deep_value(JSON_MAX_DEPTH - outer, kind), chat)
+    fast_relay(jsonspan).read_client(body, chat)
+    ParsedRelay(tokids_b64=True, strip_history=True).read_client(body, chat)
+    body, offset = limit_body(field, deep_value(JSON_MAX_DEPTH - outer + 1, kind), chat)
+    deepest = offset + (JSON_MAX_DEPTH - outer) * (5 if kind == "objects" else 1)
+    assert body[deepest] in b"[{"
+    fast = refusal(fast_relay(jsonspan), body, chat)
+    assert fast.message == (
+        f"request body rejected: JSON nests arrays and objects deeper than the limit of {JSON_MAX_DEPTH} "
+        f"levels (byte {deepest})"
+    ) and fast.param is None
+    parsed = refusal(ParsedRelay(tokids_b64=True, strip_history=True), body, chat)
+    assert (parsed.message, parsed.param) == (fast.message, fast.param)
+
+
+@pytest.mark.parametrize("field", ["x", "messages", "seed", "stream_options", "max_tokens"])
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_both_modes_hold_the_number_length_limit_exactly(jsonspan, field, chat):
+    """A number of JSON_MAX_NUMBER_CHARS characters passes (or is refused for what it is), one more is
+    the same 400 from both modes with its offset, in a field the relay skips over or one it reads."""
+    chat = chat or field == "messages"
+    fast_mode, parsed_mode = fast_relay(jsonspan), ParsedRelay(tokids_b64=True, strip_history=True)
+    for length in (JSON_MAX_NUMBER_CHARS, JSON_MAX_NUMBER_CHARS + 1):
+        token = b"9" * length if field in ("max_tokens", "seed") else b"-0." + b"7" * (length - 3)
+        body, offset = limit_body(field, token, chat)
+        if length == JSON_MAX_NUMBER_CHARS:
+            if field == "max_tokens":  # within the limit, past the 20 digits of a token count
+                assert refusal(fast_mode, body, chat).param == "max_tokens"
+            else:
+                fast_mode.read_client(body, chat)
+                parsed_mode.read_client(body, chat)
+            continue
+        fast = refusal(fast_mode, body, chat)
+        assert fast.message == (
+            f"request body rejected: JSON has a number longer than the limit of {JSON_MAX_NUMBER_CHARS} "
+            f"characters (byte {offset})"
+        ) and fast.param is None
+        parsed = refusal(parsed_mode, body, chat)
+        assert (parsed.message, parsed.param) == (fast.message, fast.param)
 
 
 @pytest.mark.parametrize(
     "body",
     [
-        # Valid JSON nested deeper than Python's recursion limit: the scanner is iterative.
+        # Valid JSON nested deeper than Python's recursion limit: refused by the scan, never a RecursionError.
         b'{"prompt": "x", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}",
         b'{"prompt": "x", "x": ' + b'{"a":' * 5000 + b"1" + b"}" * 5000 + b"}",
-        # An integer the fast mode does not read, past Python's int() limit of 4300 digits.
+        # An integer past Python's int() limit of 4300 digits: never a ValueError.
         b'{"prompt": "x", "seed": 1' + b"0" * 5000 + b"}",
     ],
 )
-def test_fast_mode_relays_what_the_parsed_mode_cannot_load(jsonspan, body):
-    """Documented difference: the fast mode passes these to the workers; the parsed mode's
-    ``json.loads`` cannot build them and answers a clean 400 (never a RecursionError or 500)."""
-    fast = fast_relay(jsonspan)
-    req = fast.read_client(body, False)
-    assert fast.context_request(req, 1).startswith(body[:-1])
+def test_both_modes_refuse_what_python_cannot_load(jsonspan, body):
+    fast = refusal(fast_relay(jsonspan), body, False)
     parsed = refusal(ParsedRelay(tokids_b64=True, strip_history=True), body, False)
-    assert "nests too deeply" in parsed.message or "is not usable" in parsed.message
+    assert fast.message == parsed.message and "rejected: JSON" in fast.message and "limit of" in fast.message
+
+
+def test_a_context_response_past_the_limits_is_502(jsonspan):
+    """The workers answer within the limits; a response past them is the worker's 502, not relayed."""
+    fast = fast_relay(jsonspan)
+    req = fast.read_client(small_body(True, {}), True)
+    for extra in (b'"x": ' + deep_value(JSON_MAX_DEPTH, "arrays"), b'"x": 1' + b"0" * JSON_MAX_NUMBER_CHARS):
+        ctx = context_response(True, b64=True)
+        ctx = ctx[:-1] + b", " + extra + b"}"
+        error = fast_502(lambda: fast.read_context(req, ctx))
+        assert error.message.startswith("context worker response cannot be relayed: JSON")
+        assert "limit of" in error.message
 
 
 @pytest.mark.parametrize(
@@ -592,8 +686,6 @@ def test_fast_mode_leaves_the_fields_it_does_not_act_on_to_the_workers(jsonspan,
     [
         b'{"choices": [7]}',
         b'{"choices": [{"message": "x", "finish_reason": "stop"}]}',
-        b'{"choices": [{"finish_reason": "stop", "logprobs": ' + b"[" * 5000 + b"]" * 5000 + b"}]}",
-        b'{"choices": [{"finish_reason": "stop"}], "usage": {"completion_tokens": 1' + b"0" * 5000 + b"}}",
     ],
 )
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
@@ -671,7 +763,7 @@ def test_malformed_context_responses_are_502s_that_say_why(jsonspan, ctx, messag
         (b"null", False),
         (b"[1]", False),
         (b"1" + b"0" * 30, False),
-        (b"1" + b"0" * 5000, False),
+        (b"1" + b"0" * 255, False),
     ],
 )
 def test_completion_tokens_decide_whether_the_answer_is_finished(jsonspan, completion_tokens, finished):
@@ -749,8 +841,8 @@ def test_malformed_generation_responses_are_502s_that_say_why(modes, body, messa
     "body",
     [
         b'{"id": "x", "choices": [{"index": 0, "text": "hi"}]}',
-        b'{"choices": [], "usage": {"completion_tokens": 1' + b"0" * 5000 + b"}}",
-        b'{"choices": [{"logprobs": ' + b"[" * 5000 + b"]" * 5000 + b"}]}",
+        b'{"choices": [], "usage": {"completion_tokens": 1' + b"0" * 255 + b"}}",
+        b'{"choices": [{"logprobs": ' + b"[" * 509 + b"]" * 509 + b"}]}",  # 512 levels
         b'{"choices": [{"x": {"disaggregated_params": 1}}], "a": {"prompt_token_ids": 1}}',  # not internal there
     ],
 )
@@ -933,3 +1025,25 @@ def _generation(fast: FastRelay, good: bytes, chat: bool, ctx: bytes) -> Any:
         return fast.generation_request(req, result)
     answer = fast.finished_answer(req, result)
     return answer, answer_as_sse(answer, chat=chat, include_usage=True)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("n", True), ("n", 1.0), ("n", "1"), ("seed", "5"), ("seed", True), ("top_k", 1.0), ("temperature", True),
+     ("temperature", "0.5"), ("top_p", False), ("model", 5), ("stop", [1]), ("stop", 1)],
+)  # fmt: skip
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_the_parsed_mode_reads_fields_strictly(field, value, chat):
+    """Lax pydantic would convert these (``true`` to 1, ``"5"`` to 5) and send the converted value on,
+    a reading the workers (which refuse them) never make: the parsed mode refuses them."""
+    error = refusal(ParsedRelay(tokids_b64=True, strip_history=True), small_body(chat, {field: value}), chat)
+    assert error.param is not None and error.param.split(".")[0] == field
+
+
+def test_the_parsed_mode_sends_strict_numbers_on_unchanged():
+    parsed = ParsedRelay(tokids_b64=True, strip_history=True)
+    body = small_body(False, {"temperature": 1, "top_p": 0.5, "n": 1, "seed": 7, "top_k": 3, "stop": ["x"]})
+    sent = json.loads(parsed.context_request(parsed.read_client(body, False), 1))
+    assert (sent["temperature"], sent["top_p"], sent["n"], sent["seed"], sent["top_k"], sent["stop"]) == (
+        1.0, 0.5, 1, 7, 3, ["x"]
+    )

@@ -15,18 +15,23 @@ honours the same gates and gives clients the same outputs, so one deployment
 can measure the difference.
 
 Both raise :class:`server.errors.HTTPError`: 400 for a client's bad body,
-502 for a worker's unusable one.
+502 for a worker's unusable one. Both hold a client body to the same policy as
+the workers (server/worker/protocol.py): RFC 8259 JSON within fastcore's limits
+(``fastcore.JSON_MAX_DEPTH``, ``fastcore.JSON_MAX_NUMBER_CHARS``), the fields
+they act on strictly typed, no repeated key they would read one way and a worker
+another (the fast mode refuses a repeat of the fields it reads and leaves other
+repeats to the workers, which refuse them; the parsed mode, whose ``json.loads``
+would keep the last copy and send only it on, refuses any top-level repeat).
 """
 
 from __future__ import annotations
 
 import json
-import re
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 import fastcore
 from fastcore import JSONSpanError, RelayError
@@ -82,6 +87,8 @@ def malformed_json_error(body: bytes, what: str) -> str:
     try:
         fastcore.find_span(body, ())
     except JSONSpanError as exc:
+        if exc.limit is not None:
+            return f"{what} rejected: {exc}"
         return f"{what} is malformed JSON: {exc}"
     try:
         json.loads(body)
@@ -109,31 +116,17 @@ def _check_max_tokens(key: str, value: int | None) -> int | None:
 # A refusal is a RelayError carrying the HTTP message and the 400's param; a malformed body, the
 # scan's JSONSpanError, which _scan_refusal words.
 
-_JSON_KEY = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-
-
-def _duplicate_key(body: bytes, offset: int) -> str | None:
-    """The key whose repeat stopped a scan at ``offset`` (where that key starts)."""
-    match = _JSON_KEY.match(body, offset)
-    if match is None:
-        return None
-    try:
-        key = json.loads(match.group())
-    except ValueError:
-        return None
-    return key if isinstance(key, str) else None
-
-
 def _scan_refusal(body: bytes, exc: JSONSpanError, what: str, status: int) -> HTTPError:
-    """The error for a body the relay's scan stopped on: where it stops being UTF-8 or JSON, or
-    the key it repeats (parsers disagree on which occurrence wins, so neither is guessed)."""
+    """The error for a body the relay's scan stopped on: where it stops being UTF-8 or JSON, where
+    it passes one of fastcore's limits (the workers refuse the same bodies), or the key it repeats
+    (parsers disagree on which occurrence wins, so neither is guessed)."""
     try:
         str(body, "utf-8")  # only on this error path: a second look at the whole body is fine here
     except UnicodeDecodeError as error:
         return HTTPError(status, f"{what} is not valid UTF-8 (byte {error.start})")
-    if str(exc).startswith("JSON has duplicate key"):
+    if exc.limit is not None or exc.key is not None:
         if status == 400:
-            return HTTPError(400, f"{what} rejected: {exc}", param=_duplicate_key(body, exc.offset))
+            return HTTPError(400, f"{what} rejected: {exc}", param=exc.key)
         return HTTPError(status, f"{what} cannot be relayed: {exc}")
     return HTTPError(status, f"{what} is malformed JSON: {exc}")
 
@@ -237,19 +230,20 @@ class ChatMessage(_Model):
     content: Any = None
 
 
-# The fields the orchestrator itself acts on are strict (pydantic's lax mode
-# would take "stream": "yes" as true), so both modes refuse the same bodies.
+# Every typed field is strict (pydantic's lax mode would take "stream": "yes" as true,
+# "n": true or "seed": "5" as ints, and send the converted value on): both modes and the
+# workers read one body one way. A number field takes an int (sent on as a float).
 class _RequestCommon(_Model):
-    model: str | None = None
+    model: StrictStr | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     max_tokens: StrictInt | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    n: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None
+    n: StrictInt | None = None
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
     logprobs: Any = None
     disaggregated_params: DisaggregatedParams | None = None
     prompt_token_ids_b64: str | None = None
@@ -312,6 +306,21 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     return f"'{field}': {err['msg']}" if field else err["msg"], field
 
 
+def _check_client_members(body: bytes, data: dict[str, Any]) -> None:
+    """One validating scan of the client ``body`` (``json.loads`` made ``data`` of it) for every
+    top-level key and those of ``stream_options``: a repeat (``json.loads`` kept the last copy, and
+    only it would be sent on), fastcore's limits and what RFC 8259 refuses (``NaN``, a byte order
+    mark) are the fast mode's and the workers' 400s, worded as the fast mode words them."""
+    paths: list[tuple[str, ...]] = [(key,) for key in data]
+    options = data.get("stream_options")
+    if type(options) is dict:
+        paths += [("stream_options", key) for key in options]
+    try:
+        fastcore.find_spans(body, paths)
+    except JSONSpanError as exc:
+        raise _scan_refusal(body, exc, "request body", 400) from None
+
+
 class ParsedRelay:
     name = "parsed"
 
@@ -326,6 +335,7 @@ class ParsedRelay:
             raise HTTPError(400, malformed_json_error(body, "request body")) from None
         if not isinstance(data, dict):
             raise HTTPError(400, "request body must be a JSON object")
+        _check_client_members(body, data)
         for field in INTERNAL_FIELDS_ALWAYS + (INTERNAL_FIELDS_CHAT if chat else ()):
             if field in data:
                 raise HTTPError(
