@@ -203,6 +203,13 @@ def test_plan_defaults_and_flags():
     assert "--no-gen-tokids-ctxbytes" in orchestrator and "--no-gen-strip-message-history" in orchestrator
     assert orchestrator[orchestrator.index("--relay") + 1] == "parsed"
     assert all(c.argv[c.argv.index("--device") + 1] == "cpu" for c in children[:-1])
+    # Generation workers fetch KV from this deployment's context workers only.
+    for gen in children[2:5]:
+        allowed = [gen.argv[i + 1] for i, a in enumerate(gen.argv) if a == "--kv-allow"]
+        assert allowed == ["127.0.0.1:9001", "127.0.0.1:9002"]
+    assert all("--kv-allow" not in c.argv for c in children[:2])
+    # The shared secret travels in the environment, never on a command line (ps shows those).
+    assert not any("secret" in a for c in children for a in c.argv)
 
 
 def test_bad_counts_are_refused(capsys):

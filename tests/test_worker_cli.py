@@ -105,3 +105,67 @@ def test_a_model_directory_that_cannot_load_is_reported(tmp_path: Path) -> None:
 def test_cuda_without_a_gpu_is_refused() -> None:
     done = run_worker("--device", "cuda", "--port", str(free_port()))
     assert done.returncode != 0 and "torch sees no CUDA device" in done.stderr
+
+
+def start_synthetic(port: int, *flags: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    cmd = worker_cmd(
+        "--model", "synthetic", "--prompt-tokens", "8", "--role", "context", "--port", str(port), *flags
+    )
+    return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def wait_healthy(proc: subprocess.Popen[str], url: str) -> None:
+    for _ in range(300):
+        if proc.poll() is not None:
+            pytest.fail(f"worker exited with {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    pytest.fail("worker never became healthy")
+
+
+def test_the_secret_from_a_file_stays_off_the_command_line(tmp_path: Path) -> None:
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("from-a-file\n")
+    port = free_port()
+    # The file wins over the environment; the trailing newline is not part of the secret.
+    proc = start_synthetic(
+        port, "--shared-secret-file", str(secret_file), env={"FASTCORE_SHARED_SECRET": "env"}
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url)
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        assert b"from-a-file" not in cmdline
+        body = json.dumps({"prompt": "hi", "max_tokens": 2,
+                           "disaggregated_params": {"request_type": "context_only"}}).encode()  # fmt: skip
+        assert post(url + "/v1/completions", body, {SIGNATURE_HEADER: sign_body(b"env", body)})[0] == 403
+        status, _ = post(url + "/v1/completions", body, {SIGNATURE_HEADER: sign_body(b"from-a-file", body)})
+        assert status == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--shared-secret-file", "/nonexistent/secret"), "cannot read the shared secret"),
+        (("--kv-allow", "host/path"), "is not HOST[:PORT]"),
+        (("--max-parked-fraction", "1.5"), "max_parked_fraction must be within [0, 1]"),
+    ],
+)
+def test_bad_hardening_flags_are_refused(flags: tuple[str, ...], message: str, tmp_path: Path) -> None:
+    done = run_worker("--model", "synthetic", "--port", str(free_port()), *flags)
+    assert done.returncode == 2 and message in done.stderr
+
+
+def test_an_empty_secret_file_is_refused(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    done = run_worker("--model", "synthetic", "--port", str(free_port()), "--shared-secret-file", str(empty))
+    assert done.returncode == 2 and "is empty" in done.stderr
