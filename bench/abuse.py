@@ -42,6 +42,7 @@ import asyncio
 import json
 import os
 import secrets
+import signal
 import socket
 import struct
 import tempfile
@@ -653,17 +654,57 @@ class UpDeployment:
         self.stop()
 
 
-def metric(url: str, name: str) -> float | None:
-    """One unlabelled sample from a Prometheus /metrics page, None when it cannot be read."""
+#: the counters whose per-phase increase the report shows (each process has the ones of its kind)
+COUNTERS = (
+    "fastcore_orchestrator_requests_total",
+    "fastcore_worker_requests_total",
+    "fastcore_worker_rejected_total",
+    "fastcore_worker_kv_handoff_total",
+    "fastcore_worker_kv_fetch_failures_total",
+)
+
+
+def scrape(url: str) -> dict[str, float] | None:
+    """Every sample of a Prometheus /metrics page (``name{labels}`` -> value), None when unreadable."""
     try:
         with urllib.request.urlopen(url, timeout=5) as resp:
             text = resp.read().decode()
     except (urllib.error.URLError, OSError):
         return None
+    samples = {}
     for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return None
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            try:
+                samples[key] = float(value)
+            except ValueError:
+                pass
+    return samples
+
+
+def metric(url: str, name: str) -> float | None:
+    """One unlabelled sample from a /metrics page, None when it cannot be read."""
+    return (scrape(url) or {}).get(name)
+
+
+def counters(urls: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Per process, the samples of :data:`COUNTERS` (the ``_created`` samples left out)."""
+    out = {}
+    for name, url in urls.items():
+        samples = scrape(url) or {}
+        out[name] = {k: v for k, v in samples.items() if k.split("{")[0] in COUNTERS}
+    return out
+
+
+def counter_deltas(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+) -> dict[str, dict[str, float]]:
+    """Per process, how much each counter grew (the ones that did)."""
+    out: dict[str, dict[str, float]] = {}
+    for name, samples in after.items():
+        grew = {k: v - before.get(name, {}).get(k, 0.0) for k, v in samples.items()}
+        out[name] = {k: d for k, d in grew.items() if d}
+    return out
 
 
 # -- the run ----------------------------------------------------------------------------------
@@ -678,6 +719,8 @@ class AbuseRun:
     rss: dict[str, dict[str, int]] = field(default_factory=dict)
     kv: dict[str, Any] = field(default_factory=dict)
     orchestrator_metrics: dict[str, float | None] = field(default_factory=dict)
+    #: per phase, per process: how much each of :data:`COUNTERS` grew
+    counters: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
 
 
 async def _sample_kv(url: str | None, stop: asyncio.Event, samples: list[float]) -> None:
@@ -691,9 +734,14 @@ async def _sample_kv(url: str | None, stop: asyncio.Event, samples: list[float])
             pass
 
 
-async def run_abuse(base_url: str, s: AbuseSettings, *, kv_url: str | None = None,
+async def run_abuse(base_url: str, s: AbuseSettings, *, worker_metrics: dict[str, str] | None = None,
                     dep: UpDeployment | None = None, model: str = "tiny") -> AbuseRun:  # fmt: skip
-    """Warm up, the clean phase, then the abuse phase; the KV left on the context worker at the end."""
+    """Warm up, the clean phase, then the abuse phase; the KV left on the context worker at the end.
+
+    ``worker_metrics``: the workers' /metrics URLs by name (``context worker ...`` is the KV gauge's).
+    """
+    metrics_urls = {"orchestrator": base_url.rstrip("/") + "/metrics", **(worker_metrics or {})}
+    kv_url = next((u for n, u in metrics_urls.items() if n.startswith("context")), None)
     url = base_url.rstrip("/") + CHAT
     host_port = base_url.split("://", 1)[-1].split("/", 1)[0]
     host, _, port = host_port.rpartition(":")
@@ -703,10 +751,12 @@ async def run_abuse(base_url: str, s: AbuseSettings, *, kv_url: str | None = Non
     await run_concurrency(url, body, 2, max_requests=8, max_seconds=30, timeout=s.timeout, label="warm-up")
     if dep:
         rss["before"] = dep.rss()
+    snapshots = [await asyncio.to_thread(counters, metrics_urls)]
     clean = await run_concurrency(url, body, s.concurrency, max_requests=s.requests,
                                   max_seconds=s.max_seconds, timeout=s.timeout, label="clean")  # fmt: skip
     if dep:
         rss["after clean"] = dep.rss()
+    snapshots.append(await asyncio.to_thread(counters, metrics_urls))
 
     attack = Attack(host, int(port), s)
     kv_stop, kv_samples = asyncio.Event(), list[float]()
@@ -738,10 +788,14 @@ async def run_abuse(base_url: str, s: AbuseSettings, *, kv_url: str | None = Non
         kv["capacity"] = metric(kv_url, "fastcore_worker_kv_capacity_tokens")
     if dep:
         rss["at end"] = dep.rss()
-    orch = {name: metric(base_url.rstrip("/") + "/metrics", name) for name in (
+    snapshots.append(await asyncio.to_thread(counters, metrics_urls))
+    phases = {"clean": counter_deltas(snapshots[0], snapshots[1]),
+              "abuse": counter_deltas(snapshots[1], snapshots[2])}  # fmt: skip
+    orch_samples = scrape(metrics_urls["orchestrator"]) or {}
+    orch = {name: orch_samples.get(name) for name in (
         "fastcore_orchestrator_client_connections", "fastcore_orchestrator_http_framing_errors_total",
         "fastcore_orchestrator_connections_refused_total")}  # fmt: skip
-    return AbuseRun(clean, abuse, attack.stats, s, rss, kv, orch)
+    return AbuseRun(clean, abuse, attack.stats, s, rss, kv, orch, phases)
 
 
 # -- the report -------------------------------------------------------------------------------
@@ -811,6 +865,10 @@ def attacker_summary(run: AbuseRun) -> str:
         lines.append("orchestrator at end: " + ", ".join(
             f"{k.removeprefix('fastcore_orchestrator_')} {v:g}" for k, v in run.orchestrator_metrics.items()
             if v is not None))  # fmt: skip
+    for proc, grew in run.counters.get("abuse", {}).items():
+        if grew:
+            lines.append(f"{proc} counters, abuse phase (+ warm-down): " + ", ".join(
+                f"{k.removeprefix('fastcore_').replace(chr(34), '')} +{v:g}" for k, v in sorted(grew.items())))  # fmt: skip
     if a.crashed:
         lines.append(f"attacker errors (bench bugs): {len(a.crashed)}: {a.crashed[:3]}")
     return "\n".join(lines)
@@ -824,6 +882,10 @@ def report(run: AbuseRun) -> str:
     return "\n".join(lines)
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def main(args: argparse.Namespace) -> int:
     """``--abuse``: its own deployment unless ``--url``; the report; 1 if an honest request failed."""
     s = settings_from_args(args)
@@ -831,27 +893,29 @@ def main(args: argparse.Namespace) -> int:
 
     raise_open_file_limit()  # several hundred attacker sockets beside the honest clients
     dep: UpDeployment | None = None
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the deployment as Ctrl-C does
     try:
         if args.url:
-            base, kv_url = (
-                args.url,
-                (args.context_metrics.rstrip("/") + "/metrics" if args.context_metrics else None),
-            )
-            run = asyncio.run(run_abuse(base, s, kv_url=kv_url, model=args.model))
+            ctx = args.context_metrics
+            workers = {"context worker": ctx.rstrip("/") + "/metrics"} if ctx else {}
+            run = asyncio.run(run_abuse(args.url, s, worker_metrics=workers, model=args.model))
         else:
             limits: dict[str, Any] = dict(QUICK_LIMITS) if args.quick else {}
             dep = UpDeployment(model=args.model, limits=limits).start()
-            kv_url = f"http://127.0.0.1:{dep.child('context').port}/metrics"
-            run = asyncio.run(run_abuse(dep.url, s, kv_url=kv_url, dep=dep, model=args.model))
+            workers = {
+                c.name: f"http://127.0.0.1:{c.port}/metrics" for c in dep.children if "worker" in c.name
+            }
+            run = asyncio.run(run_abuse(dep.url, s, worker_metrics=workers, dep=dep, model=args.model))
     finally:
         if dep is not None:
             dep.stop()
+        signal.signal(signal.SIGTERM, previous)
     print(report(run))
     out = args.output or RESULTS_DIR / ("abuse_quick.json" if args.quick else "abuse.json")
     write_json([run.clean, run.abuse], out, {
         "url": args.url or "own deployment (fastcore-serve up, tiny)",
         "settings": asdict(s), "attack": asdict(run.attack), "rss": run.rss, "kv": run.kv,
-        "orchestrator_metrics": run.orchestrator_metrics})  # fmt: skip
+        "orchestrator_metrics": run.orchestrator_metrics, "counters": run.counters})  # fmt: skip
     print(f"\nresults: {out}")
     return 1 if run.clean.errors or run.abuse.errors else 0
 
