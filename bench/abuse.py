@@ -785,7 +785,11 @@ async def run_abuse(base_url: str, s: AbuseSettings, *, worker_metrics: dict[str
             value = metric(kv_url, "fastcore_worker_kv_used_tokens")
         kv["at_end"] = value
         kv["settle_s"] = round(time.perf_counter() - t1, 1)
-        kv["capacity"] = metric(kv_url, "fastcore_worker_kv_capacity_tokens")
+        samples = scrape(kv_url) or {}
+        # what is left in parked entries: context legs whose generation leg never came (KV TTL frees them)
+        kv["parked_at_end"] = samples.get("fastcore_worker_kv_parked")
+        kv["parked_tokens_at_end"] = samples.get("fastcore_worker_kv_parked_tokens")
+        kv["capacity"] = samples.get("fastcore_worker_kv_capacity_tokens")
     if dep:
         rss["at end"] = dep.rss()
     snapshots.append(await asyncio.to_thread(counters, metrics_urls))
