@@ -151,6 +151,9 @@ class AbuseSettings:
 def settings_from_args(args: argparse.Namespace) -> AbuseSettings:
     """The preset (``--quick`` or full) with the flags given on the command line applied."""
     s = AbuseSettings.quick() if args.quick else AbuseSettings.full()
+    if args.url:  # a target this run did not configure: the config's default limits unless told
+        s.header_timeout_s = DEFAULTS.client_header_timeout_s
+        s.keepalive_timeout_s = DEFAULTS.client_keepalive_timeout_s
     if args.concurrency:
         s.concurrency = int(args.concurrency.split(",")[0])
     for flag in ("requests", "prompt_tokens", "max_tokens", "abandon_batch", "slowloris", "max_body_bytes",
@@ -162,7 +165,9 @@ def settings_from_args(args: argparse.Namespace) -> AbuseSettings:
     if args.timeout is not None:
         s.timeout = args.timeout
     # Long enough to see slow connections dropped: the header timeout (and a short keep-alive one).
-    waited = max(s.header_timeout_s, s.keepalive_timeout_s) if args.quick else s.header_timeout_s
+    waited = (
+        max(s.header_timeout_s, s.keepalive_timeout_s) if args.quick and not args.url else s.header_timeout_s
+    )
     s.min_window_s = waited + (1.5 if args.quick else 2.0)
     return s
 
