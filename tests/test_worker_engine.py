@@ -142,17 +142,17 @@ async def test_an_aborted_context_leg_is_freed_whenever_it_parks(engine: TorchEn
     # Before: aborted as soon as it is queued, the leg is never parked, whichever
     # point of its prefill the engine thread had reached.
     for i in range(20):
-        req, _ = make_request(engine, f"aborted early {i}" * (i + 1))
+        req, _ = make_request(engine, "aborted early " * (1 + i % 5))
         req.park_as = 100 + i
         engine.submit(req)
         await asyncio.sleep(0.001 * (i % 4))
         engine.abort(req.request_id)
         engine.discard_parked(100 + i)
-    for _ in range(500):
-        if engine.kv_used_tokens == 0 and engine.queue_depth == 0:
-            break
-        await asyncio.sleep(0.01)
-    assert engine.kv_used_tokens == 0 and engine.parked_count == 0 and engine.parked_tokens == 0
+        for _ in range(1000):
+            if engine.kv_used_tokens == 0 and engine.queue_depth == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.kv_used_tokens == 0 and engine.parked_count == 0 and engine.parked_tokens == 0, i
 
 
 async def test_evict_parked_takes_the_oldest_first(engine: TorchEngine) -> None:
