@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import re
 import struct
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -570,7 +572,7 @@ async def test_shared_secret_guards_internal_requests(http: aiohttp.ClientSessio
 
 
 async def test_full_worker_answers_503_then_recovers(http: aiohttp.ClientSession) -> None:
-    small = await launch("both", kv_tokens=256)
+    small = await launch("both", kv_tokens=256, admission_wait_s=0)
     try:
         url = small.url + "/v1/completions"
         hold = {
@@ -596,6 +598,88 @@ async def test_full_worker_answers_503_then_recovers(http: aiohttp.ClientSession
         status, resp = await call(http, url, {**COMPLETION_BODY, "max_tokens": 300})
         assert status == 400 and "whole KV cache holds 256" in resp["error"]["message"]
         assert resp["error"]["param"] == "max_tokens"
+    finally:
+        await small.runner.cleanup()
+
+
+def slow_down(worker: Worker, seconds: float) -> None:
+    """Every forward step of ``worker``'s model takes ``seconds`` longer (time for a test to act)."""
+    model = worker.engine.model
+    real_step = model.forward_step
+
+    def slow_step(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(seconds)
+        return real_step(*args, **kwargs)
+
+    model.forward_step = slow_step  # type: ignore[method-assign]
+
+
+HOLD = {"model": "tiny", "prompt": "hold the cache", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+        "stream": True}  # fmt: skip
+
+
+async def test_request_that_does_not_fit_waits_for_room_then_runs(http: aiohttp.ClientSession) -> None:
+    small = await launch("both", kv_tokens=256, admission_wait_s=60)
+    slow_down(small, 0.005)  # the holder still decodes while the waiter queues
+    try:
+        url = small.url + "/v1/completions"
+        async with http.post(url, json=HOLD) as streaming:
+            await streaming.content.readline()  # admitted and decoding: 16 blocks of 16 taken
+            waiting = asyncio.ensure_future(call(http, url, {**COMPLETION_BODY, "max_tokens": 100}))
+            for _ in range(200):
+                if await metric(http, small, "fastcore_worker_waiting_for_kv") == 1:
+                    break
+                await asyncio.sleep(0.01)
+            assert await metric(http, small, "fastcore_worker_waiting_for_kv") == 1
+            assert not waiting.done()
+            await streaming.read()  # the holder finishes: its KV frees, the waiter is admitted
+        status, resp = await waiting
+        assert status == 200 and resp["usage"]["completion_tokens"] > 0
+        assert await metric(http, small, "fastcore_worker_admission_waits_total") == 1
+        assert await metric(http, small, "fastcore_worker_waiting_for_kv") == 0
+        assert await metric(http, small, 'fastcore_worker_rejected_total{reason="kv_full"}') == 0
+    finally:
+        await small.runner.cleanup()
+
+
+async def test_admission_wait_is_bounded_in_time_and_in_waiters(http: aiohttp.ClientSession) -> None:
+    small = await launch("both", kv_tokens=256, admission_wait_s=0.3, max_waiting=1)
+    slow_down(small, 0.01)  # the holder's 240 steps outlive every wait below
+    try:
+        url = small.url + "/v1/completions"
+        body = {**COMPLETION_BODY, "max_tokens": 100}
+        async with aiohttp.ClientSession() as own:
+            holder = await own.post(url, json={**HOLD, "prompt": "x", "max_tokens": 240})  # the whole cache
+            await holder.content.readline()
+            started = time.monotonic()
+            first = asyncio.ensure_future(call(http, url, body))
+            for _ in range(200):
+                if await metric(http, small, "fastcore_worker_waiting_for_kv") == 1:
+                    break
+                await asyncio.sleep(0.005)
+            # The one waiting slot is taken: refused at once, not after the wait.
+            status, resp = await call(http, url, body)
+            assert status == 503 and resp["error"]["code"] == "worker_full"
+            assert time.monotonic() - started < 0.3 + 0.25
+            status, resp = await first  # waited its 0.3 s, then 503
+            assert status == 503 and time.monotonic() - started >= 0.3
+            # A waiter whose client leaves is gone from the queue at once.
+            gone = asyncio.ensure_future(own.post(url, json=body))
+            for _ in range(200):
+                if await metric(http, small, "fastcore_worker_waiting_for_kv") == 1:
+                    break
+                await asyncio.sleep(0.005)
+            assert await metric(http, small, "fastcore_worker_waiting_for_kv") == 1
+            gone.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await gone
+            await own.close()
+            for _ in range(200):
+                if await metric(http, small, "fastcore_worker_waiting_for_kv") == 0:
+                    break
+                await asyncio.sleep(0.005)
+            assert await metric(http, small, "fastcore_worker_waiting_for_kv") == 0
+        assert await metric(http, small, 'fastcore_worker_rejected_total{reason="kv_full"}') == 2
     finally:
         await small.runner.cleanup()
 

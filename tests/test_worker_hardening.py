@@ -232,6 +232,44 @@ async def test_an_abandon_flood_leaves_no_kv_behind_and_honest_requests_are_serv
         await ctx.server.cleanup()
 
 
+async def test_honest_requests_during_an_abandon_flood_wait_for_room_instead_of_503() -> None:
+    """The flood and honest traffic at once: each round asks for 4x the cache; honest legs queue, none fails."""
+    ctx = await torch_worker("context", kv_tokens=4096, kv_ttl_s=120.0)
+    model = ctx.engine.model
+    real_step = model.forward_step
+
+    def slow_step(*args: Any, **kwargs: Any) -> torch.Tensor:
+        time.sleep(0.01)
+        return real_step(*args, **kwargs)
+
+    model.forward_step = slow_step  # type: ignore[method-assign]
+    try:
+        bodies = [json.dumps(context_body("y" * (400 + i), i)).encode() for i in range(40)]
+
+        async def flood() -> None:
+            for rnd in range(4):
+                await asyncio.gather(
+                    *(abandon(ctx.port, b, delay=0.005 * (i % 5), reset=bool((i + rnd) % 2)) for i, b in enumerate(bodies))
+                )
+
+        async def honest(i: int) -> int:
+            await asyncio.sleep(0.02 * i)
+            resp = await post(ctx.port, "/v1/completions", context_body("z" * 1500, 1000 + i))
+            if resp.status == 200:  # fetch it, as its generation worker would: the KV goes back
+                endpoint = resp.json()["choices"][0]["disaggregated_params"]["ctx_info_endpoint"]
+                await get(ctx.port, endpoint.split(str(ctx.port), 1)[1])
+            return resp.status
+
+        _, statuses = await asyncio.gather(flood(), asyncio.gather(*(honest(i) for i in range(6))))
+        assert list(statuses) == [200] * 6
+        assert await metric(ctx.port, 'fastcore_worker_rejected_total{reason="kv_full"}') == 0
+        assert await metric(ctx.port, "fastcore_worker_admission_waits_total") > 0
+        await wait_for(lambda: ctx.engine.kv_used_tokens == 0, "the flood's KV to be freed")
+    finally:
+        model.forward_step = real_step  # type: ignore[method-assign]
+        await ctx.server.cleanup()
+
+
 async def test_a_client_gone_after_its_leg_parked_frees_the_kv() -> None:
     """The other order: the engine parks first, then the handler learns its client left.
 
@@ -294,7 +332,7 @@ async def test_parked_kv_is_bounded_the_oldest_going_first() -> None:
 
 
 async def test_a_request_that_does_not_fit_evicts_parked_kv_before_a_503() -> None:
-    ctx = await torch_worker("context", kv_tokens=1024, max_parked_fraction=1.0)
+    ctx = await torch_worker("context", kv_tokens=1024, max_parked_fraction=1.0, admission_wait_s=0)
     try:
         ids = []
         for i in range(4):  # 4 x 256 tokens: the whole cache parked

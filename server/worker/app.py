@@ -38,6 +38,7 @@ allow (loopback by default without a secret).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ipaddress
 import json
@@ -85,6 +86,8 @@ ROLES = ("both", "context", "generation")
 KV_PATH = "/kv/{ctx_request_id}"
 #: the only paths a generation worker fetches KV from (a ctx_request_id is 62 random bits)
 KV_PATH_RE = re.compile(r"/kv/[0-9]{1,20}")
+#: how often requests waiting for KV room look again (frees happen on the engine thread too)
+ADMISSION_POLL_S = 0.01
 LISTEN_BACKLOG = 4096  # an orchestrator may open 1000s of connections at once
 
 _POST = b"POST"
@@ -171,6 +174,10 @@ class WorkerSettings:
     # Base URL put in ctx_info_endpoint; default: the Host the request came in on.
     public_url: str | None = None
     retry_after_s: int = 1
+    #: how long a request that does not fit in the KV cache waits for room before its 503
+    admission_wait_s: float = 10.0
+    #: requests waiting for KV at once; one more is refused at once (503)
+    max_waiting: int = 256
     # The listening side's bounds (server.http.Limits).
     max_body_bytes: int = 64 << 20
     max_header_bytes: int = 16 * 1024
@@ -178,11 +185,14 @@ class WorkerSettings:
     body_timeout_s: float = 60.0
     keepalive_timeout_s: float = 75.0
     max_connections: int = 8192
+    max_inflight_body_bytes: int = 1 << 30
     device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.admission_wait_s < 0 or self.max_waiting < 0:
+            raise ValueError("admission_wait_s and max_waiting must not be negative")
         if not 0.0 <= self.max_parked_fraction <= 1.0:
             raise ValueError(f"max_parked_fraction must be within [0, 1], got {self.max_parked_fraction}")
         self.kv_allow = tuple(self.kv_allow)
@@ -197,6 +207,8 @@ class WorkerSettings:
             body_timeout_s=self.body_timeout_s,
             keepalive_timeout_s=self.keepalive_timeout_s,
             max_connections=self.max_connections,
+            max_inflight_body_bytes=self.max_inflight_body_bytes,
+            retry_after_s=self.retry_after_s,
         )
 
 
@@ -241,6 +253,11 @@ class WorkerMetrics:
         self.rejected = r.counter(
             "fastcore_worker_rejected_total", "Requests refused with 503, by reason", ("reason",)
         )
+        self.waited = r.counter(
+            "fastcore_worker_admission_waits_total", "Requests that waited for KV room before admission"
+        ).labels()
+        r.gauge("fastcore_worker_waiting_for_kv", "Requests waiting for KV room now",
+                callback=lambda: len(app._waiting))  # fmt: skip
         self.ttft = r.histogram(
             "fastcore_worker_time_to_first_token_seconds", "Arrival to first token", ("route",)
         )
@@ -319,6 +336,9 @@ class WorkerApp:
         self.expiry_task: asyncio.Task[None] | None = None
         #: base of ctx_info_endpoint for a request without a Host header
         self.bound_url = ""
+        #: requests waiting for KV room, woken in arrival order (:meth:`_reserve`)
+        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._wake_timer: asyncio.TimerHandle | None = None
         self._simple: dict[bytes, Callable[[Responder], None]] = {
             b"/health": self.health,
             b"/v1/models": self.models,
@@ -605,29 +625,78 @@ class WorkerApp:
             raise HTTPError(400, "this worker's role is context: it does not take generation_only requests",
                             param="disaggregated_params")  # fmt: skip
 
-    def _reserve(self, engine_req: EngineRequest) -> None:
-        """Take the request's KV; parked entries, oldest first, give way before a 503."""
+    async def _reserve(self, engine_req: EngineRequest) -> None:
+        """Take the request's KV. When it does not fit: parked entries, oldest first, give way;
+        then the request waits for room (bounded in time and in waiters) before its 503.
+
+        Requests whose clients left hold their KV until the engine drops them
+        (before its next step), and a burst of admissions holds it until its
+        prefills run: a short wait turns those moments into latency instead of
+        errors. A waiting request holds no KV; its client leaving ends the
+        wait (the task is cancelled). Arrivals queue behind those already
+        waiting.
+        """
         engine = self.engine
+        settings = self.settings
+        loop = asyncio.get_running_loop()
+        deadline: float | None = None
+        why = "requests are already waiting for KV"
         while True:
-            try:
-                engine.reserve(engine_req)
-                return
-            except KVCacheFull as exc:
-                if not exc.ever_fits:
-                    raise HTTPError(
-                        400, f"the request is too large for this worker: {exc}", param="max_tokens"
-                    ) from None
-                # A parked entry is the cheapest KV to lose: its generation leg recomputes the prefill.
-                evicted = engine.evict_parked(1) if engine.parked_tokens > 0 else 0
-                if not evicted:
-                    self.metrics.rejected.inc(reason="kv_full")
-                    raise HTTPError(
-                        503,
-                        f"the worker is full: {exc}",
-                        code="worker_full",
-                        headers={"Retry-After": str(self.settings.retry_after_s)},
-                    ) from None
-                self.metrics.handoff.inc(evicted, event="evicted")
+            if deadline is not None or not self._waiting:
+                try:
+                    engine.reserve(engine_req)
+                    return
+                except KVCacheFull as exc:
+                    if not exc.ever_fits:
+                        raise HTTPError(
+                            400, f"the request is too large for this worker: {exc}", param="max_tokens"
+                        ) from None
+                    # A parked entry is the cheapest KV to lose: its generation leg recomputes the prefill.
+                    evicted = engine.evict_parked(1) if engine.parked_tokens > 0 else 0
+                    if evicted:
+                        self.metrics.handoff.inc(evicted, event="evicted")
+                        continue
+                    why = str(exc)
+            now = loop.time()
+            if deadline is None:
+                full = len(self._waiting) >= settings.max_waiting
+                deadline = now if full else now + settings.admission_wait_s
+                if not full:
+                    self.metrics.waited.inc()
+            if now >= deadline:
+                self.metrics.rejected.inc(reason="kv_full")
+                raise HTTPError(
+                    503,
+                    f"the worker is full: {why}",
+                    code="worker_full",
+                    headers={"Retry-After": str(settings.retry_after_s)},
+                )
+            await self._wait_for_kv(deadline - now)
+
+    async def _wait_for_kv(self, timeout: float) -> None:
+        """Until KV may have been freed (looked at every ADMISSION_POLL_S), or ``timeout``."""
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        self._waiting.append(waiter)
+        if self._wake_timer is None:
+            self._wake_timer = loop.call_later(ADMISSION_POLL_S, self._wake_waiters)
+        try:
+            await asyncio.wait_for(waiter, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            with contextlib.suppress(ValueError):
+                self._waiting.remove(waiter)
+
+    def _wake_waiters(self) -> None:
+        # Frees happen on the engine thread too (finished sequences): a short
+        # poll while anyone waits is simpler than a cross-thread signal per free.
+        self._wake_timer = None
+        # Each woken request leaves the queue itself when it runs, so one
+        # arriving meanwhile still queues behind it.
+        for waiter in self._waiting:
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def _generate(self, request: Request, out: Responder, route: Route) -> int:
         arrived = time.monotonic()
@@ -661,7 +730,7 @@ class WorkerApp:
         elif req.is_generation_only:
             assert req.disagg is not None
             engine_req.forced_tokens = list(req.disagg.first_gen_tokens)
-        self._reserve(engine_req)
+        await self._reserve(engine_req)
 
         queued = answered = False
         try:

@@ -43,6 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="base URL put in ctx_info_endpoint (default: the Host the request came in on)")  # fmt: skip
     parser.add_argument("--max-parked-fraction", type=float, default=0.5,
                         help="most of the KV cache that parked context KV may hold; the oldest go first (default 0.5)")  # fmt: skip
+    parser.add_argument("--admission-wait", type=float, default=10.0,
+                        help="seconds a request that does not fit in the KV cache waits for room before "
+                             "its 503 (default 10)")  # fmt: skip
+    parser.add_argument("--max-waiting", type=int, default=256,
+                        help="requests waiting for KV room at once; 503 at once beyond (default 256)")  # fmt: skip
     parser.add_argument("--kv-allow", action="append", default=[], metavar="HOST[:PORT]",
                         help="a host a generation worker may fetch KV from (repeatable; default: loopback "
                              "only without a shared secret, any host with one)")  # fmt: skip
@@ -62,6 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="open client connections; 503 beyond (default 8192)")  # fmt: skip
     limits.add_argument("--max-body-bytes", type=int, default=64 << 20,
                         help="request body size limit, 413 above it (default 64 MiB)")  # fmt: skip
+    limits.add_argument("--max-inflight-body-bytes", type=int, default=1 << 30,
+                        help="request body bytes held at once by the whole worker; 503 beyond (default 1 GiB)")  # fmt: skip
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch intra-op threads (default: half the CPUs, 1 to 4)")  # fmt: skip
     add_synthetic_arguments(parser)
@@ -162,6 +169,8 @@ def run(args: argparse.Namespace) -> int:
             kv_ttl_s=args.kv_ttl,
             kv_fetch_timeout_s=args.kv_fetch_timeout,
             max_parked_fraction=args.max_parked_fraction,
+            admission_wait_s=args.admission_wait,
+            max_waiting=args.max_waiting,
             kv_allow=tuple(args.kv_allow),
             public_url=args.public_url,
             max_body_bytes=args.max_body_bytes,
@@ -169,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
             body_timeout_s=args.body_timeout,
             keepalive_timeout_s=args.keepalive_timeout,
             max_connections=args.max_connections,
+            max_inflight_body_bytes=args.max_inflight_body_bytes,
             device=device,
         )
     except ValueError as exc:
