@@ -55,6 +55,49 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
     return json.dumps({"error": error}).encode()
 
 
+def normalise_error_body(status: int, body: bytes, *, limit: int = 2000) -> bytes:
+    """A worker's error body in this module's OpenAI shape, whatever shape it came in.
+
+    fastcore workers already answer ``{"error": {...}}`` (kept as sent).
+    trtllm-serve answers ``{"object": "error", "message", "type", "param",
+    "code"}`` from its handlers, ``{"error": "<text>"}`` for validation errors
+    and ``{"detail": ...}`` from its framework; anything else (not JSON) keeps
+    its text as the message, cut at ``limit`` characters.
+    """
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        data = None
+    if isinstance(data, dict):
+        inner = data.get("error")
+        if isinstance(inner, dict) and isinstance(inner.get("message"), str):
+            if isinstance(inner.get("code"), str) and set(inner) == {"message", "type", "param", "code"}:
+                return body  # ours already
+            data = inner
+        if isinstance(data.get("message"), str) and (data is inner or data.get("object") == "error"):
+            return error_body(
+                status, data["message"][:limit], param=_param(data.get("param")), code=_code(data.get("code"))
+            )
+        if isinstance(inner, str):
+            return error_body(status, inner[:limit])
+        if "detail" in data:
+            detail = data["detail"]
+            if isinstance(detail, list):  # a framework's validation errors: their messages
+                detail = "; ".join(str(d.get("msg", d)) if isinstance(d, dict) else str(d) for d in detail)
+            return error_body(status, str(detail)[:limit])
+    text = body.decode("utf-8", "replace").strip()[:limit]
+    return error_body(status, text or f"the worker answered {status} with no message")
+
+
+def _param(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _code(value: Any) -> str | None:
+    """A string code kept; a number (trtllm-serve's status) gives way to the default."""
+    return value if isinstance(value, str) and value else None
+
+
 def error_response(
     status: int,
     message: str,

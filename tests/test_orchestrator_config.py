@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 
 import aiohttp
 import pytest
@@ -336,3 +337,50 @@ async def test_health_timeouts_alone_do_not_take_out_a_serving_worker():
     finally:
         answer.set()  # release the hung handlers so the server shuts down at once
         await runner.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("answer", "b64"),
+    [
+        ((200, {"role": "context", "prompt_token_ids_b64_completions": True}), True),
+        ((200, {"role": "context", "prompt_token_ids_b64_completions": False}), False),
+        ((200, {"role": "context"}), False),  # a fastcore worker of before, or another server
+        ((200, {"disaggregated_params": {}, "max_batch_size": 8}), False),  # trtllm-serve's /server_info
+        ((200, {"prompt_token_ids_b64_completions": 1}), False),  # true means the JSON true
+        ((200, [1, 2]), False),
+        ((404, {"detail": "Not Found"}), False),
+        ((200, "not json"), False),
+    ],
+)
+async def test_b64_on_completions_only_when_server_info_says_so(answer, b64):
+    status, info = answer
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def server_info(request: web.Request) -> web.Response:
+        body = info if isinstance(info, str) else json.dumps(info)
+        return web.Response(status=status, text=body, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/server_info", server_info)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    pool = Pool("context", [f"http://127.0.0.1:{port}"], "round_robin")
+    try:
+        async with aiohttp.ClientSession() as session:
+            checker = HealthChecker([pool], session, interval=0.05, timeout=1)
+            assert not pool.b64_completions  # nothing heard yet: the list
+            await checker.check_all()
+            assert pool.ready and pool.b64_completions is b64
+    finally:
+        await runner.cleanup()
+    # One worker that cannot is enough for the pool to ask for the list.
+    mixed = Pool("context", ["http://a", "http://b"], "round_robin")
+    mixed.workers[0].b64_completions = True
+    assert not mixed.b64_completions
+    mixed.workers[1].b64_completions = True
+    assert mixed.b64_completions

@@ -30,7 +30,7 @@ from typing import Any
 import aiohttp
 
 from server.auth import SIGNATURE_HEADER, sign_pieces
-from server.errors import HTTPError, error_body
+from server.errors import HTTPError, error_body, normalise_error_body
 from server.http import (
     BodyPiece,
     HTTPServer,
@@ -438,7 +438,7 @@ class Orchestrator:
         """The error to give the client for a worker's non-200 answer (read, bounded).
 
         4xx is the client's problem and a full worker's 503 carries its
-        Retry-After: both reach the client as the worker sent them. Any other
+        Retry-After: both reach the client with the worker's status and message. Any other
         5xx is a 502 that names the leg and the status; the worker's address
         and its body stay in this process's log.
         """
@@ -449,7 +449,8 @@ class Orchestrator:
             return leg_failed(leg, f"its worker answered {resp.status}, then failed")
         if resp.status < 500 or resp.status == 503:
             extra = b"Retry-After: %s\r\n" % resp.retry_after if resp.retry_after else b""
-            return WorkerAnswer(resp.status, body, resp.content_type or _JSON, extra)
+            # In our OpenAI shape whatever the worker's (trtllm-serve has three of its own).
+            return WorkerAnswer(resp.status, normalise_error_body(resp.status, body), _JSON, extra)
         log.warning("%s worker %s answered %d: %s", leg, worker.url, resp.status, body[:500].decode("utf-8", "replace"))
         return leg_failed(leg, f"its worker answered {resp.status}")
 

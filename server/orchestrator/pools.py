@@ -26,8 +26,13 @@ log = logging.getLogger("fastcore.orchestrator")
 UNHEALTHY_AFTER_TIMEOUTS = 3
 
 
+#: the /server_info field in which a fastcore worker says it answers completions with
+#: prompt_token_ids_b64 when asked (trtllm-serve answers them with the list only)
+B64_COMPLETIONS_FIELD = "prompt_token_ids_b64_completions"
+
+
 class Worker:
-    __slots__ = ("healthy", "in_flight", "served", "timeouts", "url")
+    __slots__ = ("b64_completions", "healthy", "in_flight", "served", "timeouts", "url")
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -39,6 +44,8 @@ class Worker:
         self.served = 0
         # Health checks in a row that timed out.
         self.timeouts = 0
+        # From /server_info, read each time the worker becomes healthy.
+        self.b64_completions = False
 
     def __repr__(self) -> str:
         return f"Worker({self.url!r}, healthy={self.healthy}, in_flight={self.in_flight})"
@@ -92,6 +99,15 @@ class Pool:
         self.router = ROUTERS[router]()
 
     @property
+    def b64_completions(self) -> bool:
+        """Every worker said it answers completions with ``prompt_token_ids_b64`` (PROTOCOL.md (1)).
+
+        Any worker of the pool may take a request, so one that cannot (a
+        trtllm-serve server, or one not heard from yet) means the list.
+        """
+        return all(w.b64_completions for w in self.workers)
+
+    @property
     def ready(self) -> bool:
         for worker in self.workers:  # a loop, not any(genexpr): this runs on every request
             if worker.healthy:
@@ -141,6 +157,8 @@ class HealthChecker:
         except (aiohttp.ClientError, OSError):
             healthy = False
         worker.served = 0
+        if healthy and not worker.healthy:
+            worker.b64_completions = await self.read_capabilities(worker)
         if healthy != worker.healthy:
             log.log(
                 logging.INFO if healthy else logging.WARNING,
@@ -151,6 +169,17 @@ class HealthChecker:
             )
             worker.healthy = healthy
         self.on_change(pool, worker)
+
+    async def read_capabilities(self, worker: Worker) -> bool:
+        """Whether ``worker``'s ``/server_info`` says it answers completions in base64 (False on any doubt)."""
+        try:
+            async with self.session.get(worker.url + "/server_info", timeout=self.timeout) as resp:
+                if resp.status != 200:
+                    return False
+                info = await resp.json(content_type=None)
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
+            return False
+        return isinstance(info, dict) and info.get(B64_COMPLETIONS_FIELD) is True
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check_worker(p, w) for p in self.pools for w in p.workers))
