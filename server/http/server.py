@@ -172,8 +172,8 @@ class Responder:
 
     @property
     def closed(self) -> bool:
-        """The client is gone."""
-        return self._conn.closed
+        """The client is gone (or its connection is closing: nothing written now would reach it)."""
+        return self._conn.closed or self._transport.is_closing()
 
     @property
     def paused(self) -> bool:
