@@ -198,6 +198,13 @@ def test_shared_secret_from_environment_unless_configured():
     assert "s3" not in repr(build_config({}, environ={"FASTCORE_SHARED_SECRET": "s3"}))
 
 
+def test_trtllm_auth_key_is_its_own_key_or_the_shared_secret():
+    assert build_config({"internal_request_auth_key": "k"}, environ={"FASTCORE_SHARED_SECRET": "s"}).trtllm_auth_key == b"k"
+    assert build_config({}, environ={"FASTCORE_SHARED_SECRET": "s"}).trtllm_auth_key == b"s"
+    assert build_config({}, environ={}).trtllm_auth_key is None
+    assert "'k'" not in repr(build_config({"internal_request_auth_key": "k"}, environ={}))
+
+
 def test_shared_secret_from_a_file_first(tmp_path):
     path = tmp_path / "secret"
     path.write_bytes(b"from-file\xff\n")

@@ -120,6 +120,8 @@ class OrchestratorConfig(BaseModel):
     shared_secret: str | None = Field(None, repr=False)  # never in logs
     # A file holding the secret (not in argv, not in the config file itself).
     shared_secret_file: str | None = None
+    # trtllm-serve's key for x-trtllm-disagg-auth on generation legs; default: the shared secret.
+    internal_request_auth_key: str | None = Field(None, repr=False)
     workers: int = Field(1, ge=1)
     context_servers: PoolConfig = Field(default_factory=PoolConfig)
     generation_servers: PoolConfig = Field(default_factory=PoolConfig)
@@ -136,6 +138,13 @@ class OrchestratorConfig(BaseModel):
     @property
     def shared_secret_bytes(self) -> bytes | None:
         return self.shared_secret.encode("utf-8", "surrogateescape") if self.shared_secret else None
+
+    @property
+    def trtllm_auth_key(self) -> bytes | None:
+        """The key of trtllm-serve's ``x-trtllm-disagg-auth``: its own config key, else the shared secret."""
+        if self.internal_request_auth_key:
+            return self.internal_request_auth_key.encode()
+        return self.shared_secret_bytes
 
     def check_runnable(self) -> None:
         """Refuse to start without a worker in each pool, or on a section not built yet."""
