@@ -182,22 +182,28 @@ class Responder:
     def _connection(self) -> bytes:
         return b"" if self.keep_alive else b"Connection: close\r\n"
 
-    def send(self, status: int, body: bytes, content_type: bytes = JSON, headers: bytes = b"") -> None:
-        """The whole response. ``headers``: extra header lines, each ending in CRLF."""
+    def _whole(self, status: int, length: int, content_type: bytes, headers: bytes) -> bytes | None:
+        """Start a whole response: its head, or None when the client is gone."""
         if self.started:
             raise RuntimeError("response already started")
         self.started = self.finished = True
         self.status = status
         if self._conn.closed:
-            return
-        head = b"%sContent-Type: %s\r\nContent-Length: %d\r\n%s%s%s\r\n" % (
+            return None
+        return b"%sContent-Type: %s\r\nContent-Length: %d\r\n%s%s%s\r\n" % (
             status_line(status),
             content_type,
-            len(body),
+            length,
             date_header(),
             self._connection(),
             headers,
         )
+
+    def send(self, status: int, body: bytes, content_type: bytes = JSON, headers: bytes = b"") -> None:
+        """The whole response. ``headers``: extra header lines, each ending in CRLF."""
+        head = self._whole(status, len(body), content_type, headers)
+        if head is None:
+            return
         if self.head_only:
             self._transport.write(head)
         elif len(body) < 4096:
@@ -209,21 +215,9 @@ class Responder:
         self, status: int, pieces: Sequence[bytes | memoryview], content_type: bytes, headers: bytes = b""
     ) -> None:
         """:meth:`send` of a body given as pieces (Content-Length their sum), written without joining."""
-        if self.started:
-            raise RuntimeError("response already started")
-        self.started = self.finished = True
-        self.status = status
-        if self._conn.closed:
-            return
-        head = b"%sContent-Type: %s\r\nContent-Length: %d\r\n%s%s%s\r\n" % (
-            status_line(status),
-            content_type,
-            sum(len(p) for p in pieces),
-            date_header(),
-            self._connection(),
-            headers,
-        )
-        self._transport.writelines((head,) if self.head_only else (head, *pieces))
+        head = self._whole(status, sum(len(p) for p in pieces), content_type, headers)
+        if head is not None:
+            self._transport.writelines((head,) if self.head_only else (head, *pieces))
 
     def send_error(
         self,
