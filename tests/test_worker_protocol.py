@@ -12,9 +12,10 @@ import struct
 from types import ModuleType
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 import fastcore
@@ -552,3 +553,97 @@ def test_fields_read_as_the_orchestrator_reads_them(jsonspan: ModuleType) -> Non
     assert parse(chat, "chat", "fast", jsonspan).params.max_tokens == 4
     for neutral in (b'"n": 1', b'"best_of": 1', b'"echo": false', b'"presence_penalty": 0.0', b'"stop_token_ids": []'):
         assert parse(b'{"prompt": [1], ' + neutral + b"}", "completions", "fast", jsonspan).prompt_ids.size == 1
+
+# ---------------------------------------------------------------- msgpack bodies (X-TRTLLM-Msgpack: 1)
+
+
+def _without_offsets(message: str) -> str:
+    """A 400's message without byte offsets: a msgpack body's JSON twin has other offsets."""
+    return re.sub(r" \((request body )?byte \d+\)", "", message)
+
+
+@FIXED_HYPOTHESIS
+@given(request_bodies())
+@example(("chat", json.dumps(generation_body("chat", "b64", [1, 2], history=True)).encode()))
+@example(("completions", json.dumps(generation_body("completions", "list", [1, 2])).encode()))
+def test_a_msgpack_body_is_parsed_as_its_json_twin(case: tuple[str, bytes]) -> None:
+    """msgpack_to_json feeds parse_request: the same request, or the same 400 naming the same field."""
+    route, raw = case
+    try:
+        packed = msgspec.msgpack.encode(json.loads(raw))
+    except (OverflowError, UnicodeEncodeError):  # integers beyond 64 bits, lone surrogates: not msgpack
+        assume(False)
+    try:
+        got = outcome(protocol.msgpack_to_json(packed), route, "fast")
+    except HTTPError as exc:
+        got = (exc.status, exc.param, exc.message)
+    want = outcome(raw, route, "json")
+    if isinstance(want, dict) or isinstance(got, dict):
+        assert got == want
+        return
+    assert got[:2] == want[:2] and _without_offsets(got[2]) == _without_offsets(want[2]), (got, want)
+
+
+@pytest.mark.parametrize("where", ["body", "disaggregated_params"])
+def test_msgpack_nesting_limit_is_the_json_limit(where: str) -> None:
+    """Arrays nested to the deepest level JSON takes pass; one more is refused, as JSON is."""
+    outer = 1 if where == "body" else 2  # the body is a level, and so is disaggregated_params
+    for levels in (MAX_NESTING - outer, MAX_NESTING - outer + 1):
+        value: Any = None
+        for _ in range(levels):
+            value = [value]
+        body = {"x": value} if where == "body" else {"disaggregated_params": {"x": value}}
+        packed = msgspec.msgpack.encode(body)
+        if outer + levels <= MAX_NESTING:
+            fastcore.find_span(json.dumps(body).encode(), ())  # the JSON twin passes the limit too
+            assert json.loads(protocol.msgpack_to_json(packed)) == body
+        else:
+            with pytest.raises(fastcore.JSONSpanError, match="deeper than the limit"):
+                fastcore.find_span(json.dumps(body).encode(), ())
+            with pytest.raises(HTTPError, match="deeper than the limit of 512 levels"):
+                protocol.msgpack_to_json(packed)
+
+
+@pytest.mark.parametrize("parent", [None, "disaggregated_params", "stream_options"])
+@pytest.mark.parametrize("entries", [2, 20, 70_000], ids=["fixmap", "map16", "map32"])
+def test_a_repeated_msgpack_key_is_refused(parent: str | None, entries: int) -> None:
+    """msgspec keeps the last copy, as json.loads does: a repeat is refused and named, at the
+    top level and inside the objects the JSON path checks, whatever the map's header size."""
+    pairs = b"".join(msgspec.msgpack.encode(f"k{i}") + b"\x01" for i in range(entries - 1))
+    pairs += msgspec.msgpack.encode("k0") + b"\x02"
+    header = bytes([0x80 | entries]) if entries < 16 else (
+        b"\xde" + entries.to_bytes(2, "big") if entries <= 0xFFFF else b"\xdf" + entries.to_bytes(4, "big"))  # fmt: skip
+    mapping = header + pairs
+    raw = mapping if parent is None else b"\x81" + msgspec.msgpack.encode(parent) + mapping
+    with pytest.raises(HTTPError) as info:
+        protocol.msgpack_to_json(raw)
+    name = "k0" if parent is None else f"{parent}.k0"
+    assert info.value.status == 400 and f"the key '{name}' more than once" in info.value.message
+    assert info.value.param == ("k0" if parent is None else parent)
+    # Elsewhere a repeat is what json.loads makes of it too: the last copy.
+    raw = b"\x81\xa4user" + mapping
+    assert json.loads(protocol.msgpack_to_json(raw))["user"]["k0"] == 2
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"", "not valid msgpack: it is empty"),
+        (b"\xc1", "not valid msgpack: MessagePack data is malformed"),
+        (b"\x81\xa1a", "not valid msgpack: Input data was truncated"),
+        (b"\x81\xa1a\x01\x00", "trailing characters"),
+        (b"\x91\x01", "must be a JSON object"),
+        (b"\x81\x01\x02", "request body: msgpack map keys must be strings"),
+        (b"\x81\xa1a\x81\x01\x02", "'a': msgpack map keys must be strings (got 1)"),
+        (b"\x81\xaestream_options\x81\x01\x02", "'stream_options': msgpack map keys must be strings"),
+        (b"\x81\xa1a\xc4\x01x", "'a' is a msgpack bin value"),
+        (b"\x81\xa1a\x92\x01\xd4\x01\x00", "'a[1]' is a msgpack ext value"),
+        (b"\x81\xa1a\xcb\x7f\xf0\x00\x00\x00\x00\x00\x00", "'a' is inf, which JSON cannot carry"),
+        (b"\x81\xa1a" + b"\x91" * 100_000 + b"\xc0", "deeper than the limit of 512 levels"),
+        (b"\x81\xa1a\xa2\xff\xfe", "not valid msgpack"),
+    ],
+)
+def test_msgpack_body_errors(raw: bytes, message: str) -> None:
+    with pytest.raises(HTTPError) as info:
+        protocol.msgpack_to_json(raw)
+    assert info.value.status == 400 and message in info.value.message, info.value.message
