@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import free_port
 
-from server.auth import SIGNATURE_HEADER, sign_body
+from server.auth import SIGNATURE_HEADER, TRTLLM_AUTH_HEADER, sign_body, trtllm_disagg_auth
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -169,3 +169,52 @@ def test_an_empty_secret_file_is_refused(tmp_path: Path) -> None:
     empty.write_text("\n")
     done = run_worker("--model", "synthetic", "--port", str(free_port()), "--shared-secret-file", str(empty))
     assert done.returncode == 2 and "is empty" in done.stderr
+
+
+def test_the_trtllm_key_from_a_file_and_the_trtllm_orchestrator_flag(tmp_path: Path) -> None:
+    """--internal-request-auth-key-file: a key apart from the shared secret (never the env's
+    secret in its place); --accept-trtllm-orchestrator: unsigned legs, completions' ids as a list."""
+    key_file = tmp_path / "trtllm-key"
+    key_file.write_text("trtllm-key\n")
+    port = free_port()
+    proc = start_synthetic(port, "--internal-request-auth-key-file", str(key_file), "--accept-trtllm-orchestrator",
+                           env={"FASTCORE_SHARED_SECRET": "env"})  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url)
+        with urllib.request.urlopen(url + "/server_info", timeout=10) as resp:
+            info = json.loads(resp.read())
+        assert info["internal_auth"] == {"fastcore_signature": True, "trtllm_disagg_auth": True,
+                                         "accept_trtllm_orchestrator": True}  # fmt: skip
+        assert info["prompt_token_ids_b64_completions"] is False
+        body = json.dumps({"prompt": "hi", "max_tokens": 2, "disaggregated_params": {
+            "request_type": "context_only", "return_prompt_token_ids_b64": True}}).encode()  # fmt: skip
+        status, doc = post(url + "/v1/completions", body)  # unsigned, as trtllm's orchestrator sends it
+        assert (
+            status == 200 and isinstance(doc["prompt_token_ids"], list) and "prompt_token_ids_b64" not in doc
+        )
+        # The trtllm header is checked under the file's key (before the role: this is a context worker).
+        endpoint = "http://127.0.0.1:1/kv/5"
+        leg = json.dumps({"prompt": [1, 2], "max_tokens": 2, "disaggregated_params": {
+            "request_type": "generation_only", "first_gen_tokens": [3], "ctx_info_endpoint": endpoint}}).encode()  # fmt: skip
+        for key, want in ((b"env", 403), (b"trtllm-key", 400)):
+            status, doc = post(
+                url + "/v1/completions", leg, {TRTLLM_AUTH_HEADER: trtllm_disagg_auth(key, endpoint, None)}
+            )
+            assert status == want, doc
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_an_empty_trtllm_key_file_is_refused(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    done = run_worker(
+        "--model", "synthetic", "--port", str(free_port()), "--internal-request-auth-key-file", str(empty)
+    )
+    assert (
+        done.returncode == 2
+        and "cannot read the internal request auth key" in done.stderr
+        and "is empty" in done.stderr
+    )

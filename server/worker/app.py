@@ -29,10 +29,38 @@ that does not fit evicts parked entries, oldest first, before it is refused
 with 503. An evicted entry's generation leg finds 404 and recomputes the
 prefill.
 
-With a shared secret, internal requests (the two legs, KV fetches) must carry
-a :mod:`server.auth` signature, checked on the raw bytes before anything is
-parsed; a generation worker fetches KV only from the hosts its settings
-allow (loopback by default without a secret).
+Internal requests (the two legs) are authenticated by one of two means
+(:meth:`WorkerApp._authorize`):
+
+- fastcore's own :mod:`server.auth` signature (``X-Fastcore-Signature``) over
+  the body's bytes as sent, checked before anything is parsed: what fastcore's
+  orchestrator sends. A valid one authenticates any leg.
+- trtllm-serve's ``x-trtllm-disagg-auth`` (HMAC over ``ctx_info_endpoint`` and
+  ``encoded_opaque_state``), the only header trtllm-serve's orchestrator
+  sends, and only on generation legs that carry one of those two fields. The
+  key is ``trtllm_auth_key``, the shared secret unless given apart.
+
+With a trtllm key, a leg carrying ``ctx_info_endpoint`` or
+``encoded_opaque_state`` without a valid fastcore signature needs a valid
+``x-trtllm-disagg-auth``, or is refused (403). With a shared secret, every other
+leg without a valid fastcore signature (a context leg, a generation leg with
+neither field: trtllm's orchestrator signs neither) is refused (403) unless
+``accept_trtllm_orchestrator`` is set. That flag makes the worker a drop-in for
+trtllm-serve behind trtllm's orchestrator: such legs are accepted unsigned (a
+caller can then park KV and run prefills, as it could with plain requests;
+fetching the KV still needs the fastcore signature), and a completions context
+leg answers ``prompt_token_ids`` as a list even when asked for base64, since
+trtllm's completion response model has no ``prompt_token_ids_b64`` (it refuses
+unknown fields). ``/server_info`` says which.
+
+KV fetches always need the fastcore signature when a secret is set; a
+generation worker fetches KV only from the hosts its settings allow (loopback
+by default without a secret).
+
+Bodies flagged ``X-TRTLLM-Msgpack: 1`` (trtllm-serve's orchestrator with
+``TRTLLM_SERVE_ENABLE_MSGSPEC=1``) are msgpack; they become JSON
+(:func:`~server.worker.protocol.msgpack_to_json`) and are validated as JSON
+bodies are. A fastcore signature signs the bytes as sent, msgpack or not.
 """
 
 from __future__ import annotations
@@ -56,7 +84,7 @@ import aiohttp
 import numpy as np
 
 import fastcore
-from server.auth import SIGNATURE_HEADER, Verifier, sign_body
+from server.auth import SIGNATURE_HEADER, TRTLLM_AUTH_HEADER, Verifier, check_trtllm_disagg_auth, sign_body
 from server.errors import HTTPError, error_body
 from server.http import HTTPServer, Limits, Request, Responder
 from server.metrics import CONTENT_TYPE, Registry
@@ -71,6 +99,7 @@ from .protocol import (
     StreamWriterState,
     completion_body,
     dump_with_members,
+    msgpack_to_json,
     new_response_id,
     parse_request,
     prompt_ids_members,
@@ -94,6 +123,9 @@ _POST = b"POST"
 _GET = (b"GET", b"HEAD")
 _KV_PREFIX = b"/kv/"
 _SIGNATURE = SIGNATURE_HEADER.lower().encode()
+_TRTLLM_AUTH = TRTLLM_AUTH_HEADER.lower().encode()
+#: trtllm-serve's flag for a msgpack body (openai_server._MsgspecRequest); only "1" means msgpack
+_MSGPACK = b"x-trtllm-msgpack"
 _JSON = b"application/json"
 _SSE = b"text/event-stream"
 _SSE_HEADERS = b"Cache-Control: no-cache\r\nX-Accel-Buffering: no\r\n"
@@ -165,6 +197,12 @@ class WorkerSettings:
     role: str = "both"
     model_name: str = "tiny"
     shared_secret: bytes | None = None
+    #: the key of trtllm-serve's ``x-trtllm-disagg-auth`` (its ``internal_request_auth_key``);
+    #: None: the shared secret
+    trtllm_auth_key: bytes | None = None
+    #: a trtllm-serve orchestrator fronts this worker: its unsigned legs are accepted, and
+    #: completions answer the prompt ids as a list (see the module docstring)
+    accept_trtllm_orchestrator: bool = False
     kv_ttl_s: float = 30.0
     kv_fetch_timeout_s: float = 10.0
     #: the most of the KV cache parked entries may hold together; beyond it the oldest go
@@ -330,6 +368,7 @@ class WorkerApp:
         secret = settings.shared_secret
         # One per worker: it remembers the nonces it has accepted, so a replay is refused.
         self.verifier = Verifier(secret) if secret is not None else None
+        self.trtllm_key = settings.trtllm_auth_key if settings.trtllm_auth_key is not None else secret
         self.kv_sources = KVSources(settings.kv_allow, any_host=secret is not None)
         self.max_parked_tokens = int(settings.max_parked_fraction * engine.kv_capacity_tokens)
         self.session: aiohttp.ClientSession | None = None
@@ -448,6 +487,19 @@ class WorkerApp:
             "kv_ttl_s": settings.kv_ttl_s,
             "max_parked_tokens": self.max_parked_tokens,
             "device": settings.device,
+            # What an orchestrator may ask of a context leg: return_prompt_token_ids_b64 is
+            # honoured on these routes (else the list is answered).
+            "prompt_token_ids_b64_chat": True,
+            "prompt_token_ids_b64_completions": not settings.accept_trtllm_orchestrator,
+            # Bodies flagged X-TRTLLM-Msgpack: 1 are decoded as msgpack.
+            "msgpack_requests": True,
+            # Legs this worker accepts: a fastcore signature needed (else unsigned); an
+            # x-trtllm-disagg-auth accepted (and needed) on legs naming where the KV is.
+            "internal_auth": {
+                "fastcore_signature": self.verifier is not None,
+                "trtllm_disagg_auth": self.trtllm_key is not None,
+                "accept_trtllm_orchestrator": settings.accept_trtllm_orchestrator,
+            },
         }
         out.send(200, json.dumps(info).encode())
 
@@ -589,35 +641,56 @@ class WorkerApp:
         finally:
             self.metrics.requests.inc(route=route, status=str(status))
 
-    def _authenticate(self, raw: bytes, header: bytes | None) -> bool:
-        """Check the signature on the raw bytes, before anything is parsed; True if signed.
-
-        A signature present is checked (a 403 names why it fails, whatever the
-        header holds); an unsigned body that carries ``disaggregated_params`` is
-        refused before any tokenizing or engine work.
-        """
+    def _authenticate(self, request: Request) -> bool:
+        """Check a fastcore signature on the body's bytes as sent, before anything is parsed;
+        True if signed. A signature present is checked (a 403 names why it fails, whatever the
+        header holds)."""
         verifier = self.verifier
-        if verifier is None:
+        header = request.header(_SIGNATURE)
+        if verifier is None or header is None:
             return False
-        if header is not None:
-            reason = verifier.check(raw, header)
-            if reason is not None:
-                raise HTTPError(403, f"{SIGNATURE_HEADER} refused: {reason}", code="bad_signature")
-            return True
-        if _carries_disagg(raw):
+        reason = verifier.check(request.body, header)
+        if reason is not None:
+            raise HTTPError(403, f"{SIGNATURE_HEADER} refused: {reason}", code="bad_signature")
+        return True
+
+    def _refuse_unsigned_early(self, body: bytes, request: Request) -> None:
+        """With a shared secret, an unsigned body carrying ``disaggregated_params`` that nothing
+        else can admit (no ``x-trtllm-disagg-auth``, no ``accept_trtllm_orchestrator``) is refused
+        before any tokenizing or engine work; :meth:`_authorize` decides the rest after parsing."""
+        if self.settings.accept_trtllm_orchestrator or request.header(_TRTLLM_AUTH) is not None:
+            return
+        if _carries_disagg(body):
             raise HTTPError(403, f"disaggregated_params without a {SIGNATURE_HEADER}: internal requests "
                             "must be signed", param="disaggregated_params", code="missing_signature")  # fmt: skip
-        return False
 
-    def _check_role(self, req: ParsedRequest, signed: bool) -> None:
+    def _authorize(self, req: ParsedRequest, signed: bool, trtllm_header: bytes | None) -> None:
+        """Whether the leg may run (the rules of the module docstring); a 403 if not."""
+        disagg = req.disagg
+        if disagg is None or signed:
+            return
+        endpoint = disagg.raw.get("ctx_info_endpoint")
+        opaque = disagg.raw.get("encoded_opaque_state")
+        key = self.trtllm_key
+        if key is not None and (endpoint is not None or opaque is not None):
+            if trtllm_header is None:
+                raise HTTPError(403, f"a {disagg.request_type} request naming ctx_info_endpoint or "
+                                f"encoded_opaque_state must carry {TRTLLM_AUTH_HEADER} or {SIGNATURE_HEADER}",
+                                param="disaggregated_params", code="missing_signature")  # fmt: skip
+            if not check_trtllm_disagg_auth(key, endpoint, opaque, trtllm_header):
+                raise HTTPError(403, f"{TRTLLM_AUTH_HEADER} refused: it does not sign this request's "
+                                "ctx_info_endpoint and encoded_opaque_state",
+                                param="disaggregated_params", code="bad_signature")  # fmt: skip
+            return
+        if self.verifier is not None and not self.settings.accept_trtllm_orchestrator:
+            raise HTTPError(403, f"{disagg.request_type} request without a {SIGNATURE_HEADER}",
+                            param="disaggregated_params", code="missing_signature")  # fmt: skip
+
+    def _check_role(self, req: ParsedRequest) -> None:
         if req.disagg is None:
             return
         role = self.settings.role
         kind = req.disagg.request_type
-        if self.verifier is not None and not signed:
-            # _carries_disagg found none, yet the parser did: refuse all the same.
-            raise HTTPError(403, f"{kind} request without a {SIGNATURE_HEADER}",
-                            param="disaggregated_params", code="missing_signature")  # fmt: skip
         if kind == CONTEXT_ONLY and role == "generation":
             raise HTTPError(400, "this worker's role is generation: it does not take context_only requests",
                             param="disaggregated_params")  # fmt: skip
@@ -700,17 +773,21 @@ class WorkerApp:
 
     async def _generate(self, request: Request, out: Responder, route: Route) -> int:
         arrived = time.monotonic()
-        raw = request.body
-        signed = self._authenticate(raw, request.header(_SIGNATURE))
+        signed = self._authenticate(request)
+        # A msgpack body becomes the JSON of the same object: one validation for both.
+        body = msgpack_to_json(request.body) if request.header(_MSGPACK) == b"1" else request.body
+        if self.verifier is not None and not signed:
+            self._refuse_unsigned_early(body, request)
         engine = self.engine
         req = parse_request(
-            raw,
+            body,
             route,
             tokenizer=engine.tokenizer,
             model_name=self.settings.model_name,
             max_context=engine.max_context,
         )
-        self._check_role(req, signed)
+        self._authorize(req, signed, request.header(_TRTLLM_AUTH))
+        self._check_role(req)
         if not engine.alive:
             raise HTTPError(503, "the engine is not running", code="engine_down",
                             headers={"Retry-After": str(self.settings.retry_after_s)})  # fmt: skip
@@ -785,8 +862,13 @@ class WorkerApp:
             over = self.engine.parked_tokens - self.max_parked_tokens
             if over > 0:
                 self.metrics.handoff.inc(self.engine.evict_parked(over), event="evicted")
-        # Straight from the int32 array: no Python list on the way to base64.
-        return prompt_ids_members(req.prompt_ids, b64=bool(req.disagg.return_prompt_token_ids_b64))
+        # Base64 only when asked, and on completions only when not fronted by trtllm-serve's
+        # orchestrator, whose completion response model refuses the field. Straight from the
+        # int32 array: no Python list on the way to base64.
+        b64 = req.disagg.return_prompt_token_ids_b64 and (
+            req.route == "chat" or not self.settings.accept_trtllm_orchestrator
+        )
+        return prompt_ids_members(req.prompt_ids, b64=b64)
 
     async def _respond(
         self,

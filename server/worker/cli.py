@@ -56,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shared-secret", default=None,
                         help=f"the HMAC secret itself: visible to anyone who can run ps; prefer "
                              f"--shared-secret-file or ${SECRET_ENV} (the default)")  # fmt: skip
+    parser.add_argument("--internal-request-auth-key-file", default=None, metavar="PATH",
+                        help="file holding the key of trtllm-serve's x-trtllm-disagg-auth (its config's "
+                             "internal_request_auth_key; default: the shared secret)")  # fmt: skip
+    parser.add_argument("--accept-trtllm-orchestrator", action="store_true",
+                        help="a trtllm-serve orchestrator fronts this worker: accept its unsigned legs "
+                             "(context legs, generation legs not naming the KV) despite a shared secret, "
+                             "and answer completions' prompt ids as a list (trtllm's response model)")  # fmt: skip
     limits = parser.add_argument_group("HTTP limits (what one client may hold)")
     limits.add_argument("--header-timeout", type=float, default=10.0,
                         help="seconds to send a request's headers (408 after; default 10)")  # fmt: skip
@@ -156,6 +163,14 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"fastcore-serve worker: cannot read the shared secret: {exc}", file=sys.stderr)
         return 2
+    trtllm_key = None
+    if args.internal_request_auth_key_file:
+        try:
+            # read_secret's file rules (trailing newline dropped, empty refused), never its fallbacks.
+            trtllm_key = read_secret(None, args.internal_request_auth_key_file, environ={})
+        except (OSError, ValueError) as exc:
+            print(f"fastcore-serve worker: cannot read the internal request auth key: {exc}", file=sys.stderr)
+            return 2
     try:
         engine, model_name, device = build_engine(args)
     except (OSError, ValueError) as exc:  # CheckpointError is a ValueError naming the file and field
@@ -166,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
             role=args.role,
             model_name=model_name,
             shared_secret=secret,
+            trtllm_auth_key=trtllm_key,
+            accept_trtllm_orchestrator=args.accept_trtllm_orchestrator,
             kv_ttl_s=args.kv_ttl,
             kv_fetch_timeout_s=args.kv_fetch_timeout,
             max_parked_fraction=args.max_parked_fraction,
