@@ -21,6 +21,7 @@ of processes (``--workers N``) and hosts can share the load.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import time
@@ -29,7 +30,8 @@ from typing import Any
 
 import aiohttp
 
-from server.auth import SIGNATURE_HEADER, sign_pieces
+import fastcore
+from server.auth import SIGNATURE_HEADER, TRTLLM_AUTH_HEADER, sign_pieces, trtllm_disagg_auth
 from server.errors import HTTPError, error_body, normalise_error_body
 from server.http import (
     BodyPiece,
@@ -59,6 +61,12 @@ READ_BUFSIZE = 1 << 22
 MAX_ERROR_BODY = 64 * 1024
 # A worker's whole answer (a context response carries every prompt id): bounded too.
 MAX_WORKER_BODY = 256 * 1024 * 1024
+_TRTLLM_AUTH = TRTLLM_AUTH_HEADER.encode()
+#: what x-trtllm-disagg-auth signs, in a context response
+_TRTLLM_AUTH_PATHS = (
+    ("choices", 0, "disaggregated_params", "ctx_info_endpoint"),
+    ("choices", 0, "disaggregated_params", "encoded_opaque_state"),
+)
 #: disagg_request_id range (PROTOCOL.md (1)): trtllm-serve keeps [0, 2^40) for its own
 DISAGG_ID_MIN, DISAGG_ID_END = 1 << 40, 1 << 63
 # The per-phase CPU clock (a thread_time() syscall per phase) runs on one
@@ -228,6 +236,7 @@ class Orchestrator:
         )
         self.pools = [self.context_pool, self.generation_pool]
         self.secret = config.shared_secret_bytes
+        self.trtllm_key = config.trtllm_auth_key
         self.in_flight = 0
         self.server: HTTPServer | None = None
         self.registry = Registry()
@@ -418,7 +427,23 @@ class Orchestrator:
 
         generation_body = self.relay.generation_request(req, ctx)
         clock.lap("build_generation")
-        return await self._generation_leg(out, req, path, generation_body, context_done, clock)
+        auth = self._trtllm_auth(ctx.body) if self.trtllm_key is not None else b""
+        return await self._generation_leg(out, req, path, generation_body, context_done, clock, auth)
+
+    def _trtllm_auth(self, context_response: bytes) -> bytes:
+        """trtllm-serve's ``x-trtllm-disagg-auth`` line for the generation leg (PROTOCOL.md).
+
+        It signs the context response's ``ctx_info_endpoint`` and
+        ``encoded_opaque_state``, which leg (3) carries verbatim; a leg with
+        neither needs none. Only with a key configured: one more (lax) scan of
+        the context response, for two short values.
+        """
+        assert self.trtllm_key is not None
+        spans = fastcore.find_spans(context_response, _TRTLLM_AUTH_PATHS, validate=False)
+        endpoint, state = (None if sp is None else json.loads(context_response[sp[0] : sp[1]]) for sp in spans)
+        if endpoint is None and state is None:
+            return b""
+        return b"%s: %s\r\n" % (_TRTLLM_AUTH, trtllm_disagg_auth(self.trtllm_key, endpoint, state).encode())
 
     def _unavailable(self, message: str) -> HTTPError:
         return HTTPError(503, message, code="no_healthy_worker", headers={"Retry-After": str(self.config.retry_after_s)})
@@ -506,13 +531,14 @@ class Orchestrator:
         body: bytes | Sequence[BodyPiece],
         context_done: float,
         clock: _CpuClock | _NoClock,
+        extra_headers: bytes = b"",
     ) -> int:
         tried: list[Worker] = []
         failure: HTTPError | WorkerAnswer | None = None
         # A body built as pieces (views into the bodies it was spliced from)
         # goes out in one vectored write, never joined.
         pieces: Sequence[BodyPiece] = (body,) if isinstance(body, bytes) else body
-        headers = self._headers(pieces)
+        headers = self._headers(pieces) + extra_headers
         # A stream may run long; what must not happen is a silence that long.
         limit = self.config.request_timeout_s
         timeout, read_timeout = (None, limit) if req.stream else (limit, None)
