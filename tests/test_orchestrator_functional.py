@@ -720,6 +720,41 @@ def test_client_disconnect_cancels_the_generation_leg(workers, orchestrators, lo
     assert run_request(orch.client(), "completions", False) == reference(workers, "completions", False)
 
 
+@pytest.mark.parametrize("how", ["client_left", "generation_refused"])
+def test_parked_kv_is_released_when_the_generation_leg_is_given_up(workers, loop_thread, how):
+    # The generation "worker" never fetches: it answers 400 (a leg that failed), or
+    # holds the request until the client leaves.
+    proxy = RecordingProxy(
+        loop_thread, workers["generation"][0].url,
+        **({"fail_status": 400} if how == "generation_refused" else {"delay_s": 30.0}),
+    )  # fmt: skip
+    ctx = workers["context"][0]
+    orch = RunningOrchestrator(loop_thread, make_config([ctx.address], [f"127.0.0.1:{proxy.port}"]))
+    released = 'fastcore_worker_kv_handoff_total{event="released"}'
+    try:
+        wait_healthy(orch.url, timeout=30)
+        before = worker_metric(ctx, released)
+        body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 8}).encode()
+        if how == "generation_refused":
+            assert http_post(orch.url + "/v1/completions", body)[0] == 400
+        else:
+
+            async def leave_during_the_generation_leg() -> None:
+                async with aiohttp.ClientSession() as session:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        async with asyncio.timeout(1.0):
+                            await session.post(orch.url + "/v1/completions", data=body)
+
+            asyncio.run(leave_during_the_generation_leg())
+        # Signed (the workers have the secret): the release is accepted, and the KV freed
+        # long before its TTL.
+        assert eventually(lambda: worker_metric(ctx, released) == before + 1)
+        assert orch.metric("fastcore_orchestrator_kv_released_total", status="200") == 1
+    finally:
+        orch.stop()
+        proxy.stop()
+
+
 # ---------------------------------------------------------------------------
 # Health, models, metrics
 

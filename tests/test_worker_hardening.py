@@ -396,6 +396,36 @@ async def test_a_replayed_signed_context_leg_is_refused() -> None:
         await ctx.server.cleanup()
 
 
+async def test_parked_kv_released_by_a_signed_delete_only() -> None:
+    ctx = await torch_worker("context", shared_secret=SECRET)
+    try:
+        first = await post(ctx.port, "/v1/completions", body := json.dumps(context_body("release me")).encode(),
+                           **{SIGNATURE_HEADER: sign_body(SECRET, body)})  # fmt: skip
+        assert first.status == 200 and ctx.engine.parked_count == 1
+        path = f"/kv/{first.json()['choices'][0]['disaggregated_params']['ctx_request_id']}"
+
+        async def delete(signature: str | None) -> Response:
+            headers = {SIGNATURE_HEADER: signature} if signature is not None else {}
+            return await exchange(ctx.port, request("DELETE", path, headers=headers, port=ctx.port))
+
+        # Unsigned, a fetch's signature, or another path's: refused, nothing freed.
+        assert assert_openai_error(await delete(None), 403)["code"] == "bad_signature"
+        assert assert_openai_error(await delete(kv_signature(SECRET, path)), 403)["code"] == "bad_signature"
+        assert assert_openai_error(await delete(sign_body(SECRET, b"DELETE /kv/1")), 403)["code"] == "bad_signature"
+        assert ctx.engine.parked_count == 1
+        released = await delete(sign_body(SECRET, b"DELETE " + path.encode()))
+        assert released.status == 200 and released.json() == {"released": True}
+        assert ctx.engine.parked_count == 0 and ctx.engine.kv_used_tokens == 0
+        assert await metric(ctx.port, handoff("released")) == 1
+        # Gone: a second release is a 404, and so is the fetch.
+        assert_openai_error(await delete(sign_body(SECRET, b"DELETE " + path.encode())), 404)
+        assert_openai_error(await get(ctx.port, path, **{SIGNATURE_HEADER: kv_signature(SECRET, path)}), 404)
+        put = await exchange(ctx.port, request("PUT", path, port=ctx.port))
+        assert assert_openai_error(put, 405) and put.headers["allow"] == "GET, DELETE"
+    finally:
+        await ctx.server.cleanup()
+
+
 # ---------------------------------------------------------------- signatures before parsing
 
 

@@ -24,6 +24,7 @@ import asyncio
 import json
 import logging
 import random
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,7 +32,7 @@ from typing import Any
 import aiohttp
 
 import fastcore
-from server.auth import SIGNATURE_HEADER, TRTLLM_AUTH_HEADER, sign_pieces, trtllm_disagg_auth
+from server.auth import SIGNATURE_HEADER, TRTLLM_AUTH_HEADER, sign_body, sign_pieces, trtllm_disagg_auth
 from server.errors import HTTPError, error_body, normalise_error_body
 from server.http import (
     BodyPiece,
@@ -67,6 +68,10 @@ _TRTLLM_AUTH_PATHS = (
     ("choices", 0, "disaggregated_params", "ctx_info_endpoint"),
     ("choices", 0, "disaggregated_params", "encoded_opaque_state"),
 )
+_KV_ENDPOINT_PATH = (("choices", 0, "disaggregated_params", "ctx_info_endpoint"),)
+#: a fastcore context worker's KV endpoint, at the end of ctx_info_endpoint
+_KV_PATH = re.compile(r"/kv/[0-9]{1,20}\Z")
+KV_RELEASE_TIMEOUT_S = 5.0
 #: disagg_request_id range (PROTOCOL.md (1)): trtllm-serve keeps [0, 2^40) for its own
 DISAGG_ID_MIN, DISAGG_ID_END = 1 << 40, 1 << 63
 # The per-phase CPU clock (a thread_time() syscall per phase) runs on one
@@ -108,6 +113,12 @@ class _Metrics:
         )
         self.retries = registry.counter(
             "fastcore_orchestrator_retries_total", "Legs retried on another worker.", ("leg",)
+        )
+        self.kv_released = registry.counter(
+            "fastcore_orchestrator_kv_released_total",
+            "Context legs' parked KV released (DELETE) after their generation leg was given up, by answer "
+            "(404: the generation worker had fetched it already).",
+            ("status",),
         )
         self.worker_healthy = registry.gauge(
             "fastcore_orchestrator_worker_healthy", "1 while a worker passes /health.", ("pool", "url")
@@ -254,6 +265,8 @@ class Orchestrator:
         # Worker URL -> its keep-alive connections, made on first use (a
         # worker's URL may change while it is in a pool).
         self.upstreams: dict[str, UpstreamPool] = {}
+        #: fire-and-forget tasks (KV releases), kept referenced until done
+        self._background: set[asyncio.Task[None]] = set()
         self.session: aiohttp.ClientSession | None = None
         self.health: HealthChecker | None = None
         self._requests = 0
@@ -405,7 +418,7 @@ class Orchestrator:
         clock.lap("build_context")
 
         started = time.perf_counter()
-        context_response = await self._context_leg(path, context_body)
+        context_response, context_worker = await self._context_leg(path, context_body)
         context_done = time.perf_counter()
         self.metrics.context_leg.observe(context_done - started)
 
@@ -428,7 +441,13 @@ class Orchestrator:
         generation_body = self.relay.generation_request(req, ctx)
         clock.lap("build_generation")
         auth = self._trtllm_auth(ctx.body) if self.trtllm_key is not None else b""
-        return await self._generation_leg(out, req, path, generation_body, context_done, clock, auth)
+        try:
+            return await self._generation_leg(out, req, path, generation_body, context_done, clock, auth)
+        except BaseException:
+            # The client left or the leg failed: the context worker may still
+            # hold the prompt's KV for a fetch that will never come.
+            self._release_kv_soon(context_worker, context_response)
+            raise
 
     def _trtllm_auth(self, context_response: bytes) -> bytes:
         """trtllm-serve's ``x-trtllm-disagg-auth`` line for the generation leg (PROTOCOL.md).
@@ -444,6 +463,37 @@ class Orchestrator:
         if endpoint is None and state is None:
             return b""
         return b"%s: %s\r\n" % (_TRTLLM_AUTH, trtllm_disagg_auth(self.trtllm_key, endpoint, state).encode())
+
+    def _release_kv_soon(self, worker: Worker, context_response: bytes) -> None:
+        """``DELETE`` the context leg's parked KV on ``worker``, in the background (best effort).
+
+        Only a fastcore endpoint (``.../kv/<id>``) is released, and only on the
+        worker that answered (never a host the response names). A 404 (the
+        generation worker fetched it first) is the common answer and fine.
+        """
+        try:
+            (span,) = fastcore.find_spans(context_response, _KV_ENDPOINT_PATH, validate=False)
+            endpoint = json.loads(context_response[span[0] : span[1]]) if span is not None else None
+        except (fastcore.JSONSpanError, ValueError):
+            return
+        match = _KV_PATH.search(endpoint) if isinstance(endpoint, str) else None
+        if match is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._release_kv(worker, match.group(0).encode()))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _release_kv(self, worker: Worker, path: bytes) -> None:
+        headers = b""
+        if self.secret is not None:
+            signature = sign_body(self.secret, b"DELETE " + path)
+            headers = b"%s: %s\r\n" % (SIGNATURE_HEADER.encode(), signature.encode())
+        try:
+            resp = await self._upstream(worker).request(b"DELETE", path, (), headers, KV_RELEASE_TIMEOUT_S, None, 1 << 16)
+            resp.release()
+            self.metrics.kv_released.labels(status=str(resp.status)).inc()
+        except (UpstreamError, UpstreamTimeout) as exc:
+            log.info("releasing %s on context worker %s failed: %s", path.decode(), worker.url, exc)
 
     def _unavailable(self, message: str) -> HTTPError:
         return HTTPError(503, message, code="no_healthy_worker", headers={"Retry-After": str(self.config.retry_after_s)})
@@ -479,7 +529,7 @@ class Orchestrator:
         log.warning("%s worker %s answered %d: %s", leg, worker.url, resp.status, body[:500].decode("utf-8", "replace"))
         return leg_failed(leg, f"its worker answered {resp.status}")
 
-    async def _context_leg(self, path: bytes, body: bytes | Sequence[BodyPiece]) -> bytes:
+    async def _context_leg(self, path: bytes, body: bytes | Sequence[BodyPiece]) -> tuple[bytes, Worker]:
         tried: list[Worker] = []
         failure: HTTPError | WorkerAnswer | None = None
         # A body built as pieces (views into the bodies it was spliced from)
@@ -502,7 +552,7 @@ class Orchestrator:
                     if resp.status == 200:
                         data = await resp.read()
                         worker.served += 1
-                        return data
+                        return data, worker
                     failure = await self._worker_failure("context", worker, resp)
                     if resp.status != 503:
                         # A 4xx, or a 5xx the body may have caused: another

@@ -282,7 +282,8 @@ class WorkerMetrics:
             "fastcore_worker_kv_handoff_total",
             "KV hand-off events. Context side: parked, served, expired, abandoned (the fetcher hung up "
             "mid-download), cancelled (a context leg's client left before its answer: its KV freed at "
-            "once, parked or not), evicted (parked KV freed for the parked bound or to admit a request). "
+            "once, parked or not), released (DELETE by an orchestrator that gave up on the leg), "
+            "evicted (parked KV freed for the parked bound or to admit a request). "
             "Generation side: fetched, recomputed",
             ("event",),
         )
@@ -440,10 +441,13 @@ class WorkerApp:
                 simple(out)
                 return
             if path.startswith(_KV_PREFIX):
-                # GET only: a HEAD would hand the KV over to nobody.
-                if request.method != b"GET":
-                    raise HTTPError(405, "the KV endpoint takes GET", headers={"Allow": "GET"})
-                await self.kv(request, out)
+                # GET or DELETE only: a HEAD would hand the KV over to nobody.
+                if request.method == b"GET":
+                    await self.kv(request, out)
+                elif request.method == b"DELETE":
+                    self.release_kv(request, out)
+                else:
+                    raise HTTPError(405, "the KV endpoint takes GET or DELETE", headers={"Allow": "GET, DELETE"})
                 return
             raise HTTPError(
                 404,
@@ -508,15 +512,30 @@ class WorkerApp:
 
     # -- KV hand-off, context side -----------------------------------------------
 
-    async def kv(self, request: Request, out: Responder) -> None:
+    def _kv_id(self, request: Request, signed: bytes, what: str) -> int:
+        """The ctx_request_id of a KV request whose signature (over ``signed``) holds."""
         if self.verifier is not None:
-            reason = self.verifier.check(request.path, request.header(_SIGNATURE))
+            reason = self.verifier.check(signed, request.header(_SIGNATURE))
             if reason is not None:
-                raise HTTPError(403, f"KV fetch refused: {SIGNATURE_HEADER} {reason}", code="bad_signature")
+                raise HTTPError(403, f"KV {what} refused: {SIGNATURE_HEADER} {reason}", code="bad_signature")
         raw_id = request.path[len(_KV_PREFIX) :]
         if not (raw_id.isdigit() and len(raw_id) <= 20):
             raise HTTPError(400, "ctx_request_id must be an integer", param="ctx_request_id")
-        ctx_request_id = int(raw_id)
+        return int(raw_id)
+
+    def release_kv(self, request: Request, out: Responder) -> None:
+        """``DELETE /kv/{id}``: the orchestrator gave up on the generation leg; free the parked KV now.
+
+        Signed over ``DELETE <path>`` (a fetch's signature cannot release).
+        """
+        ctx_request_id = self._kv_id(request, b"DELETE " + request.path, "release")
+        if not self.engine.discard_parked(ctx_request_id):
+            raise HTTPError(404, f"no KV held for ctx_request_id {ctx_request_id} (already fetched or expired)")
+        self.metrics.handoff.inc(event="released")
+        out.send(200, b'{"released": true}')
+
+    async def kv(self, request: Request, out: Responder) -> None:
+        ctx_request_id = self._kv_id(request, request.path, "fetch")
         parked = self.engine.take_parked(ctx_request_id)
         if parked is None:
             raise HTTPError(
