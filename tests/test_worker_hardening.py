@@ -498,7 +498,7 @@ async def test_framework_errors_are_openai_json_without_a_server_banner(syntheti
     assert head.status == 200 and head.body == b""
     # HEAD would hand parked KV to nobody: the KV endpoint takes GET only.
     refused = await exchange(port, request("HEAD", "/kv/5"), head_only=True)
-    assert refused.status == 405 and refused.headers["allow"] == "GET"
+    assert refused.status == 405 and refused.headers["allow"] == "GET, DELETE"
     # Malformed HTTP: a 400 in OpenAI's shape that does not echo the request's bytes.
     garbage = await exchange(port, b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header <script>\r\n\r\n")
     assert_openai_error(garbage, 400)
