@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import struct
 from typing import Any
 
@@ -167,6 +168,19 @@ async def test_evict_parked_takes_the_oldest_first(engine: TorchEngine) -> None:
     assert engine.evict_parked(held) == 2  # more than is held: all that is left
     assert engine.parked_count == 0 and engine.parked_tokens == 0 and engine.kv_used_tokens == 0
     assert engine.evict_parked(16) == 0
+
+
+async def test_evict_parked_spares_entries_parked_after_a_time(engine: TorchEngine) -> None:
+    engine.start(asyncio.get_running_loop())
+    await park(engine, "old " * 10, 1)
+    cut = time.monotonic()
+    await park(engine, "new " * 10, 2)
+    held = engine.parked_tokens
+    assert engine.evict_parked(held, parked_before=cut) == 1  # the old one only, though more was asked
+    assert engine.take_parked(1) is None and engine.parked_count == 1
+    assert engine.evict_parked(held, parked_before=cut) == 0
+    assert engine.evict_parked(held) == 1  # no bound: it goes too
+    assert engine.kv_used_tokens == 0
 
 
 async def test_parked_kv_round_trips_and_continues_like_one_engine(engine: TorchEngine) -> None:

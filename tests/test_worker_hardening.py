@@ -362,6 +362,24 @@ async def test_a_request_that_does_not_fit_evicts_parked_kv_before_a_503() -> No
         await ctx.server.cleanup()
 
 
+async def test_a_fresh_parked_entry_is_spared_while_waiting_and_evicted_at_the_deadline() -> None:
+    # A request that does not fit waits rather than evict KV parked just now (its
+    # generation leg is likely fetching it); when the wait runs out, it goes before any 503.
+    ctx = await torch_worker("context", kv_tokens=1024, max_parked_fraction=1.0, admission_wait_s=0.4)
+    try:
+        for i in range(4):  # 4 x 256 tokens: the whole cache parked, all of it fresh
+            assert (await post(ctx.port, "/v1/completions", context_body("q" * 239, i))).status == 200
+        started = time.monotonic()
+        plain = await post(ctx.port, "/v1/completions", {"prompt": "r" * 100, "max_tokens": 100, "temperature": 0})
+        assert plain.status == 200, plain.body[:300]
+        assert time.monotonic() - started >= 0.4  # it waited out its wait before evicting
+        assert await metric(ctx.port, handoff("evicted")) == 1
+        assert await metric(ctx.port, "fastcore_worker_admission_waits_total") == 1
+        assert await metric(ctx.port, 'fastcore_worker_rejected_total{reason="kv_full"}') == 0
+    finally:
+        await ctx.server.cleanup()
+
+
 async def test_a_replayed_signed_context_leg_is_refused() -> None:
     ctx = await torch_worker("context", shared_secret=SECRET)
     try:

@@ -115,6 +115,8 @@ ROLES = ("both", "context", "generation")
 KV_PATH = "/kv/{ctx_request_id}"
 #: the only paths a generation worker fetches KV from (a ctx_request_id is 62 random bits)
 KV_PATH_RE = re.compile(r"/kv/[0-9]{1,20}")
+#: parked entries younger than this are evicted only by a request about to be refused
+PARKED_GRACE_S = 1.0
 #: how often requests waiting for KV room look again (frees happen on the engine thread too)
 ADMISSION_POLL_S = 0.01
 LISTEN_BACKLOG = 4096  # an orchestrator may open 1000s of connections at once
@@ -743,8 +745,12 @@ class WorkerApp:
                         raise HTTPError(
                             400, f"the request is too large for this worker: {exc}", param="max_tokens"
                         ) from None
-                    # A parked entry is the cheapest KV to lose: its generation leg recomputes the prefill.
-                    evicted = engine.evict_parked(1) if engine.parked_tokens > 0 else 0
+                    # A parked entry is the cheapest KV to lose: its generation leg
+                    # recomputes the prefill. One parked just now is likely about to
+                    # be fetched: while the request may still wait, only older ones go.
+                    waiting_left = settings.admission_wait_s > 0 and (deadline is None or loop.time() < deadline)
+                    before = time.monotonic() - PARKED_GRACE_S if waiting_left else None
+                    evicted = engine.evict_parked(1, before) if engine.parked_tokens > 0 else 0
                     if evicted:
                         self.metrics.handoff.inc(evicted, event="evicted")
                         continue

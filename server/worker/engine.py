@@ -175,13 +175,17 @@ class TorchEngine:
         self.cache.free(parked.blocks)
         return True
 
-    def evict_parked(self, tokens: int) -> int:
-        """Free the oldest parked entries until ``tokens`` KV tokens are freed; returns how many went."""
+    def evict_parked(self, tokens: int, parked_before: float | None = None) -> int:
+        """Free the oldest parked entries (parked before ``parked_before``, if given) until
+        ``tokens`` KV tokens are freed; returns how many went."""
         evicted: list[ParkedKV] = []
         freed = 0
         with self._parked_lock:
             while freed < tokens and self._parked:
-                parked = self._unpark(next(iter(self._parked)))
+                oldest = next(iter(self._parked.values()))
+                if parked_before is not None and oldest.parked_at >= parked_before:
+                    break
+                parked = self._unpark(oldest.ctx_request_id)
                 assert parked is not None
                 evicted.append(parked)
                 freed += len(parked.blocks) * self.cache.block_size
@@ -337,6 +341,7 @@ class TorchEngine:
             first_token=first_token,
             first_logprob=first_logprob,
             expires_at=time.monotonic() + req.park_ttl_s,
+            parked_at=time.monotonic(),
         )
         req.blocks = []  # now owned by the parked entry, or freed here
         with self._parked_lock:

@@ -54,6 +54,8 @@ class ParkedKV:
     first_token: int
     first_logprob: TokenLogprob | None
     expires_at: float
+    #: time.monotonic() when parked (entries are kept in this order)
+    parked_at: float = 0.0
 
 
 @dataclass
@@ -126,9 +128,10 @@ class Engine(Protocol):
         engine parked it before or parks it during the abort: no window leaks it.
         """
 
-    def evict_parked(self, tokens: int) -> int:
+    def evict_parked(self, tokens: int, parked_before: float | None = None) -> int:
         """Free the oldest parked entries until ``tokens`` KV tokens are freed (or none is left).
 
+        ``parked_before``: only entries parked before that ``time.monotonic()``.
         Returns how many entries went. Their generation legs get 404 and recompute the prefill.
         """
 

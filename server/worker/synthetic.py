@@ -220,6 +220,7 @@ class SyntheticEngine:
             first_token=first_token,
             first_logprob=None,
             expires_at=time.monotonic() + req.park_ttl_s,
+            parked_at=time.monotonic(),
         )
 
     def take_parked(self, ctx_request_id: int) -> ParkedKV | None:
@@ -229,7 +230,7 @@ class SyntheticEngine:
         # Everything runs on the loop: an aborted leg's task never parks, one that has is here.
         return self.take_parked(ctx_request_id) is not None
 
-    def evict_parked(self, tokens: int) -> int:
+    def evict_parked(self, tokens: int, parked_before: float | None = None) -> int:
         return 0  # no parked entry holds cache: evicting one would free none
 
     def read_parked(self, parked: ParkedKV) -> tuple[Any, Any]:
