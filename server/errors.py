@@ -134,6 +134,12 @@ class HTTPError(Exception):
         self.code = code
         self.headers = headers
 
+    def header_lines(self) -> bytes:
+        """The extra headers as HTTP header lines (``Name: value\\r\\n`` each)."""
+        if not self.headers:
+            return b""
+        return "".join(f"{name}: {value}\r\n" for name, value in self.headers.items()).encode("latin-1")
+
     def response(self) -> web.Response:
         return error_response(
             self.status, self.message, param=self.param, code=self.code, headers=self.headers

@@ -100,3 +100,51 @@ async def test_memory_returns_near_baseline_after_a_burst_of_large_bodies() -> N
     finally:
         proc.kill()
         proc.wait()
+
+
+async def post_chat(port: int, content_bytes: int, extra: bytes = b"") -> bytes:
+    body = b'{"model": "synthetic", "max_tokens": 2, ' + extra + b'"messages": [{"role": "user", "content": "' + b"a" * content_bytes + b'"}]}'
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
+        )
+        writer.write(body)
+        await writer.drain()
+        response = await asyncio.wait_for(reader.read(), 60)
+    finally:
+        writer.close()
+    return response.split(b"\r\n", 1)[0]
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="RSS read from /proc")
+@pytest.mark.parametrize("mode", ["both-gates", "parsed"])
+async def test_orchestrator_memory_returns_near_baseline_after_large_requests(mode: str) -> None:
+    """The real orchestrator over synthetic workers: 3 rounds of 6 chats of 8 MB each, half refused.
+
+    What held the memory before was not the heap but a reference cycle: an
+    error raised from a local kept the legs' frames (and the bodies in them)
+    alive until the next full collection.
+    """
+    from bench.deploy import Deployment
+
+    with Deployment(mode, prompt_tokens=64) as deployment:
+        pid = deployment.front.proc.pid  # type: ignore[union-attr]
+        assert (await post_chat(deployment.port, 10)).startswith(b"HTTP/1.1 200")
+        base = rss_mib(pid)
+        peak = base
+        for _ in range(3):
+            # Answered (200) and refused by the context worker (400: best_of), half each.
+            burst = asyncio.gather(
+                *[post_chat(deployment.port, 8 << 20, b'"best_of": 2, ' if i % 2 else b"") for i in range(6)]
+            )
+            while not burst.done():
+                peak = max(peak, rss_mib(pid))
+                await asyncio.sleep(0.02)
+            assert sorted(s[:12] for s in burst.result()) == [b"HTTP/1.1 200"] * 3 + [b"HTTP/1.1 400"] * 3
+        assert peak - base > 40, f"the burst did not load memory (base {base:.0f} MiB, peak {peak:.0f} MiB)"
+        deadline = time.monotonic() + 5
+        while (after := rss_mib(pid)) >= base + 30 and time.monotonic() < deadline:
+            await asyncio.sleep(0.25)
+        assert after < base + 30, f"RSS {after:.0f} MiB after the requests: baseline {base:.0f}, peak {peak:.0f}"

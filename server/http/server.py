@@ -532,8 +532,6 @@ class _Connection(asyncio.Protocol):
         self.held += n
         server = self.server
         server.body_bytes += n
-        if server.body_bytes > TRIM_AFTER_BYTES:
-            server.burst = True
         if server.body_bytes > self.limits.max_inflight_body_bytes:
             self._over_budget()
         req.chunks.append(body)
@@ -548,8 +546,10 @@ class _Connection(asyncio.Protocol):
         self.held -= n
         server = self.server
         server.body_bytes -= n
-        if server.burst and server.body_bytes < TRIM_AFTER_BYTES // 4:
-            server.end_burst()
+        if n >= LARGE_BODY_BYTES:
+            server.large_bytes += n
+            if server.large_bytes > TRIM_AFTER_BYTES and server.body_bytes < TRIM_AFTER_BYTES // 4:
+                server.end_burst()
 
     def on_message_complete(self) -> None:
         req = self.current
@@ -713,7 +713,9 @@ def _malloc_trim() -> Callable[[], None] | None:
 
 #: glibc's malloc_trim(0), or None where there is none
 malloc_trim = _malloc_trim()
-#: body bytes in flight past which a server trims the C heap once the burst is over
+#: bodies of at least this size count towards a trim of the C heap
+LARGE_BODY_BYTES = 1024 * 1024
+#: bytes of large bodies answered, past which the C heap is trimmed (once little is held)
 TRIM_AFTER_BYTES = 64 * 1024 * 1024
 
 
@@ -737,8 +739,8 @@ class HTTPServer:
         #: request body bytes held now (all connections), and requests refused for the budget
         self.body_bytes = 0
         self.over_budget = 0
-        #: body bytes went past TRIM_AFTER_BYTES since the last trim
-        self.burst = False
+        #: bytes of large bodies answered since the last trim
+        self.large_bytes = 0
         self._trim: asyncio.TimerHandle | None = None
         self.trims = 0
 
@@ -763,7 +765,7 @@ class HTTPServer:
         without a trim the process would rest near its peak RSS. The trim runs
         once per burst, after the handlers that held the bodies are done.
         """
-        self.burst = False
+        self.large_bytes = 0
         if malloc_trim is not None and self._trim is None:
             self._trim = self.loop.call_later(0.5, self._run_trim)
 

@@ -384,10 +384,14 @@ class Orchestrator:
         try:
             status = await self._run_legs(request.body, out, chat)
         except HTTPError as exc:
+            # An answer, not a failure: its traceback would keep the legs' frames
+            # (and the bodies they hold) alive in a reference cycle until the
+            # next full garbage collection; the leg raised it from a local.
+            exc.__traceback__ = None
             status = exc.status
-            extra = b"".join(b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in exc.headers.items()) if exc.headers else b""
-            out.send_error(exc.status, exc.message, param=exc.param, code=exc.code, headers=extra)
+            out.send_error(exc.status, exc.message, param=exc.param, code=exc.code, headers=exc.header_lines())
         except WorkerAnswer as exc:
+            exc.__traceback__ = None
             status = exc.status
             out.send(exc.status, exc.body, exc.content_type, exc.headers)
         except asyncio.CancelledError:

@@ -328,18 +328,13 @@ def kv_signature(secret: bytes, path: str) -> str:
     return sign_body(secret, path.encode())
 
 
-def _header_lines(headers: dict[str, str] | None) -> bytes:
-    if not headers:
-        return b""
-    return "".join(f"{name}: {value}\r\n" for name, value in headers.items()).encode("latin-1")
-
 
 def _send_error(out: Responder, exc: HTTPError) -> None:
     if out.started:  # a stream already under way cannot change its status
         out.abort()
         return
     out.send_error(
-        exc.status, exc.message, param=exc.param, code=exc.code, headers=_header_lines(exc.headers)
+        exc.status, exc.message, param=exc.param, code=exc.code, headers=exc.header_lines()
     )
 
 
