@@ -241,6 +241,14 @@ class Orchestrator:
             tokids_b64=config.gen_tokids_ctxbytes,
             strip_history=config.gen_strip_message_history,
         )
+        # Completions ask for prompt_token_ids_b64 only when every context worker
+        # says it answers them so (/server_info); trtllm-serve answers them
+        # with the list only, and its completion models refuse the field.
+        self.list_relay = (
+            make_relay(config.relay, tokids_b64=False, strip_history=config.gen_strip_message_history)
+            if config.gen_tokids_ctxbytes
+            else self.relay
+        )
         self.context_pool = Pool("context", config.context_servers.urls, config.context_servers.router.kind)
         self.generation_pool = Pool(
             "generation", config.generation_servers.urls, config.generation_servers.router.kind
@@ -410,7 +418,8 @@ class Orchestrator:
     async def _run_legs(self, body: bytes, out: Responder, chat: bool) -> int:
         """Serve one completion; the status the client got (a stream cut by its worker counts as 502)."""
         clock = self._clock()
-        req = self.relay.read_client(body, chat)
+        relay = self.relay if chat or self.context_pool.b64_completions else self.list_relay
+        req = relay.read_client(body, chat)
         clock.lap("validate")
         if not (self.context_pool.ready and self.generation_pool.ready):
             raise self._unavailable("no healthy worker: " + ", ".join(p.name for p in self.pools if not p.ready))
@@ -418,7 +427,7 @@ class Orchestrator:
         # Random, not a counter: unique across orchestrator processes and hosts
         # without shared state; from [2^40, 2^63), as trtllm-serve keeps the
         # ids below 2^40 for the ones it makes itself.
-        context_body = self.relay.context_request(req, random.randrange(DISAGG_ID_MIN, DISAGG_ID_END))
+        context_body = relay.context_request(req, random.randrange(DISAGG_ID_MIN, DISAGG_ID_END))
         clock.lap("build_context")
 
         started = time.perf_counter()
@@ -427,10 +436,10 @@ class Orchestrator:
         self.metrics.context_leg.observe(context_done - started)
 
         clock.start()
-        ctx = self.relay.read_context(req, context_response)
+        ctx = relay.read_context(req, context_response)
         clock.lap("read_context")
         if ctx.finished:
-            answer = self.relay.finished_answer(req, ctx)
+            answer = relay.finished_answer(req, ctx)
             if req.stream:
                 answer = answer_as_sse(answer, chat=chat, include_usage=req.include_usage)
             clock.lap("relay")
@@ -442,7 +451,7 @@ class Orchestrator:
                 out.send(200, answer)
             return 200
 
-        generation_body = self.relay.generation_request(req, ctx)
+        generation_body = relay.generation_request(req, ctx)
         clock.lap("build_generation")
         auth = self._trtllm_auth(ctx.body) if self.trtllm_key is not None else b""
         try:
