@@ -1308,7 +1308,7 @@ cdef enum:
     C_MAX_TOKENS = 10
     C_MAX_COMPLETION_TOKENS = 11
     C_INCLUDE_USAGE = 12
-    N_CONTEXT = 10  # len(CONTEXT_RESPONSE_PATHS)
+    N_CONTEXT = 12  # len(CONTEXT_RESPONSE_PATHS)
     X_ROOT = 0
     X_FINISH = 1
     X_DP = 2
@@ -1319,6 +1319,8 @@ cdef enum:
     X_CTX_USAGE = 7
     X_FIRST_CHOICE = 8
     X_COMPLETION_TOKENS = 9
+    X_CTX_INFO_ENDPOINT = 10
+    X_ENCODED_OPAQUE_STATE = 11
     STRIP_CHOICES = 8  # the choices the first strip scan covers
     MAX_PIECES = 24
     INLINE_MEMBERS = 2 + STRIP_CHOICES
@@ -1333,14 +1335,26 @@ for _name, _value in (
     ("X_ROOT", X_ROOT), ("X_FINISH", X_FINISH), ("X_DP", X_DP), ("X_USAGE", X_USAGE), ("X_IDS", X_IDS),
     ("X_B64", X_B64), ("X_REQUEST_TYPE", X_REQUEST_TYPE), ("X_CTX_USAGE", X_CTX_USAGE),
     ("X_FIRST_CHOICE", X_FIRST_CHOICE), ("X_COMPLETION_TOKENS", X_COMPLETION_TOKENS),
+    ("X_CTX_INFO_ENDPOINT", X_CTX_INFO_ENDPOINT), ("X_ENCODED_OPAQUE_STATE", X_ENCODED_OPAQUE_STATE),
 ):
     if getattr(_py, _name) != _value:  # the twins index the same path tuples
         raise ImportError(f"fastcore._jsonspan: {_name} differs from the pure twin's")
 if len(_py.CLIENT_REQUEST_PATHS) != N_CLIENT or len(_py.CONTEXT_RESPONSE_PATHS) != N_CONTEXT:
     raise ImportError("fastcore._jsonspan: the relay path tables differ from the pure twin's")
 
+from fastcore import protocol as _protocol
 from fastcore.errors import RelayError
 from json import loads as _json_loads
+
+# The C below spells some of fastcore.protocol's names as literals (with their lengths) and reads the
+# internal fields by span index: an import that would disagree with the protocol module fails here.
+if (_py.CLIENT_INTERNAL != ((C_DISAGG, "disaggregated_params"), (C_B64, "prompt_token_ids_b64"),
+                            (C_IDS, "prompt_token_ids"))
+        or _protocol.CONTEXT_ONLY != "context_only" or _protocol.GENERATION_ONLY != "generation_only"
+        or _protocol.RETURN_PROMPT_TOKEN_IDS_B64 != "return_prompt_token_ids_b64"
+        or _protocol.GENERATION_FOLLOWS != ("length", "not_finished")
+        or _protocol.COMMON_FINISH_REASONS != ("length", "not_finished", "stop", "abort", "tool_calls")):
+    raise ImportError("fastcore._jsonspan: its literals differ from fastcore.protocol's names")
 
 CLIENT_PATHS = _py.CLIENT_PATHS
 CLIENT_REQUEST_PATHS = _py.CLIENT_REQUEST_PATHS
@@ -1566,6 +1580,16 @@ cdef class ContextScan:
     def _relay_key(self):
         return (self.body, self.spans, self.finish_reason, self.finished)
 
+    def auth_fields(self):
+        """``ctx_info_endpoint`` and ``encoded_opaque_state`` of ``choices[0].disaggregated_params``,
+        decoded when asked (see the pure twin)."""
+        return (self._json_at(X_CTX_INFO_ENDPOINT), self._json_at(X_ENCODED_OPAQUE_STATE))
+
+    cdef object _json_at(self, int index):
+        if self.starts[index] < 0:
+            return None
+        return _json_loads(self.body[self.starts[index]:self.ends[index]])
+
     def __eq__(self, other):
         key = getattr(other, "_relay_key", None)
         if key is None or type(other).__name__ != "ContextScan":
@@ -1593,15 +1617,9 @@ def read_client_request(body, chat):
     _scan_spans(data, _CLIENT_SET, True, False, st, en)
     if buf[st[C_ROOT]] != 0x7B:
         raise RelayError("request body must be a JSON object")
-    if st[C_DISAGG] >= 0:
-        raise RelayError("'disaggregated_params' is an internal field and may not be sent by clients",
-                         "disaggregated_params")
-    if st[C_B64] >= 0:
-        raise RelayError("'prompt_token_ids_b64' is an internal field and may not be sent by clients",
-                         "prompt_token_ids_b64")
-    if is_chat and st[C_IDS] >= 0:
-        raise RelayError("'prompt_token_ids' is an internal field and may not be sent by clients",
-                         "prompt_token_ids")
+    if st[C_DISAGG] >= 0 or st[C_B64] >= 0 or st[C_IDS] >= 0:
+        # One of them is there: the one rule (which are internal on which route) decides.
+        _py.check_internal_fields(_spans_tuple(st, en, N_CLIENT), is_chat)
     stream = _bool_at(buf, st[C_STREAM], "stream")
     if st[C_STREAM_OPTIONS] >= 0:
         first = buf[st[C_STREAM_OPTIONS]]
@@ -1803,16 +1821,21 @@ def generation_request(client, context, tokids_b64, strip_history):
     if gate_b64:
         ids0 = x.starts[X_B64]
         ids1 = x.ends[X_B64]
-        if ids0 < 0 or cbuf[ids0] != 0x22:
+        # The list fallback (see the pure twin's _token_b64): no b64 string (absent or null) but the list.
+        if (ids0 < 0 or cbuf[ids0] == 0x6E) and x.starts[X_IDS] >= 0 and cbuf[x.starts[X_IDS]] == 0x5B:
+            gate_b64 = False
+        elif ids0 < 0 or cbuf[ids0] != 0x22:
             raise RelayError(
                 _CONTEXT_502 + "context response has no prompt_token_ids_b64 string (is the context "
-                "worker's return_prompt_token_ids_b64 support on?)", "prompt_token_ids_b64")
-        try:
-            _check_b64(cbuf, ids0 + 1, ids1 - 1)
-        except TokenDecodeError as exc:
-            raise RelayError(_CONTEXT_502 + f"context response: invalid prompt_token_ids_b64: {exc}",
-                             "prompt_token_ids_b64") from exc
-    else:
+                "worker's return_prompt_token_ids_b64 support on?) and no prompt_token_ids list",
+                "prompt_token_ids_b64")
+        else:
+            try:
+                _check_b64(cbuf, ids0 + 1, ids1 - 1)
+            except TokenDecodeError as exc:
+                raise RelayError(_CONTEXT_502 + f"context response: invalid prompt_token_ids_b64: {exc}",
+                                 "prompt_token_ids_b64") from exc
+    if not gate_b64:
         ids0 = x.starts[X_IDS]
         ids1 = x.ends[X_IDS]
         if ids0 < 0 or cbuf[ids0] != 0x5B:

@@ -42,6 +42,7 @@ import json
 import re
 from collections.abc import Iterable, Sequence
 
+from . import protocol as P
 from .errors import JSONSpanError, RelayError, TokenDecodeError
 from .limits import JSON_MAX_DEPTH, JSON_MAX_NUMBER_CHARS
 
@@ -663,22 +664,22 @@ def check_token_b64(body: bytes | bytearray | memoryview, start: int = 0, end: i
 #: Everything either leg needs from a client body, found in one pass (fastcore.relay's read_client_body).
 CLIENT_PATHS: tuple[Path, ...] = (
     (),
-    ("messages",),
-    ("disaggregated_params",),
-    ("prompt_token_ids_b64",),
-    ("prompt_token_ids",),
-    ("stream",),
-    ("stream_options",),
-    ("prompt",),
-    ("messages", -1),
+    (P.MESSAGES,),
+    (P.DISAGGREGATED_PARAMS,),
+    (P.PROMPT_TOKEN_IDS_B64,),
+    (P.PROMPT_TOKEN_IDS,),
+    (P.STREAM,),
+    (P.STREAM_OPTIONS,),
+    (P.PROMPT,),
+    (P.MESSAGES, -1),
 )
 #: The same, plus the small fields the orchestrator acts on (read_client_request).
 CLIENT_REQUEST_PATHS: tuple[Path, ...] = (
     *CLIENT_PATHS,
-    ("model",),
-    ("max_tokens",),
-    ("max_completion_tokens",),
-    ("stream_options", "include_usage"),
+    (P.MODEL,),
+    (P.MAX_TOKENS,),
+    (P.MAX_COMPLETION_TOKENS,),
+    (P.STREAM_OPTIONS, P.INCLUDE_USAGE),
 )
 (
     C_ROOT,
@@ -695,21 +696,46 @@ CLIENT_REQUEST_PATHS: tuple[Path, ...] = (
     C_MAX_COMPLETION_TOKENS,
     C_INCLUDE_USAGE,
 ) = range(13)
+#: The client-body spans of the internal fields, and each field's name: a client may send none of
+#: ``fastcore.protocol.internal_request_fields(chat)`` (the one rule; both twins' kernels and
+#: fastcore.relay's builders enforce it from here).
+CLIENT_INTERNAL: tuple[tuple[int, str], ...] = (
+    (C_DISAGG, P.DISAGGREGATED_PARAMS),
+    (C_B64, P.PROMPT_TOKEN_IDS_B64),
+    (C_IDS, P.PROMPT_TOKEN_IDS),
+)
 
-_DP: Path = ("choices", 0, "disaggregated_params")
+
+def check_internal_fields(spans: Sequence[Span | None], chat: bool) -> None:
+    """Raise ``RelayError`` (the 400's message, ``field``) for an internal field in a client body's
+    ``spans`` (those of ``CLIENT_PATHS`` first)."""
+    forbidden = P.internal_request_fields(chat)
+    for index, name in CLIENT_INTERNAL:
+        if spans[index] is not None and name in forbidden:
+            raise RelayError(P.internal_field_message(name), name)
+
+
+_DP: Path = (P.CHOICES, 0, P.DISAGGREGATED_PARAMS)
 #: What leg (3) needs from a context response (fastcore.relay's parse_context_response).
 CONTEXT_PATHS: tuple[Path, ...] = (
     (),
-    ("choices", 0, "finish_reason"),
+    (P.CHOICES, 0, P.FINISH_REASON),
     _DP,
-    ("usage",),
-    ("prompt_token_ids",),
-    ("prompt_token_ids_b64",),
-    (*_DP, "request_type"),
-    (*_DP, "ctx_usage"),
+    (P.USAGE,),
+    (P.PROMPT_TOKEN_IDS,),
+    (P.PROMPT_TOKEN_IDS_B64,),
+    (*_DP, P.REQUEST_TYPE),
+    (*_DP, P.CTX_USAGE),
 )
-#: The same, plus what the orchestrator checks before relaying (read_context_response).
-CONTEXT_RESPONSE_PATHS: tuple[Path, ...] = (*CONTEXT_PATHS, ("choices", 0), ("usage", "completion_tokens"))
+#: The same, plus what the orchestrator checks before relaying and what it signs trtllm-serve's
+#: ``x-trtllm-disagg-auth`` over (read_context_response; ContextScan.auth_fields decodes the last two).
+CONTEXT_RESPONSE_PATHS: tuple[Path, ...] = (
+    *CONTEXT_PATHS,
+    (P.CHOICES, 0),
+    (P.USAGE, P.COMPLETION_TOKENS),
+    (*_DP, P.CTX_INFO_ENDPOINT),
+    (*_DP, P.ENCODED_OPAQUE_STATE),
+)
 (
     X_ROOT,
     X_FINISH,
@@ -721,7 +747,9 @@ CONTEXT_RESPONSE_PATHS: tuple[Path, ...] = (*CONTEXT_PATHS, ("choices", 0), ("us
     X_CTX_USAGE,
     X_FIRST_CHOICE,
     X_COMPLETION_TOKENS,
-) = range(10)
+    X_CTX_INFO_ENDPOINT,
+    X_ENCODED_OPAQUE_STATE,
+) = range(12)
 
 _STRIP_PATHS: dict[int, tuple[Path, ...]] = {}
 
@@ -735,10 +763,9 @@ def strip_paths(choices: int) -> tuple[Path, ...]:
     if paths is None:
         paths = _STRIP_PATHS[choices] = (
             (),
-            ("prompt_token_ids",),
-            ("prompt_token_ids_b64",),
-            ("choices", choices),
-            *(("choices", i, "disaggregated_params") for i in range(choices)),
+            *((name,) for name in P.INTERNAL_RESPONSE_FIELDS),
+            (P.CHOICES, choices),
+            *((P.CHOICES, i, name) for i in range(choices) for name in P.INTERNAL_CHOICE_FIELDS),
         )
     return paths
 
@@ -748,10 +775,11 @@ MAX_INT_DIGITS = 20
 _NULL, _TRUE, _FALSE, _MINUS = b"ntf-"
 _COMMON_FINISH_REASONS: dict[bytes, str | None] = {
     b"null": None,
-    **{f'"{r}"'.encode(): r for r in ("length", "not_finished", "stop", "abort", "tool_calls")},
+    **{f'"{r}"'.encode(): r for r in P.COMMON_FINISH_REASONS},
 }
 _MEMBER_SEPARATOR = re.compile(rb"[ \t\n\r]*,[ \t\n\r]*")
 _CONTEXT_502 = "context worker response cannot be relayed: "
+_GENERATION_ONLY = json.dumps(P.GENERATION_ONLY).encode()
 
 
 class _Scan:
@@ -815,6 +843,19 @@ class ContextScan(_Scan):
         self.spans = spans
         self.finish_reason = finish_reason
         self.finished = finished  # the context response is the answer: no generation leg
+
+    def auth_fields(self) -> tuple[object, object]:
+        """``choices[0].disaggregated_params``' ``ctx_info_endpoint`` and ``encoded_opaque_state``,
+        decoded (``None`` where absent): what trtllm-serve's ``x-trtllm-disagg-auth`` signs. Decoded
+        only when asked: the scan found their spans at no extra pass."""
+        return _json_at(self.body, self.spans[X_CTX_INFO_ENDPOINT]), _json_at(
+            self.body, self.spans[X_ENCODED_OPAQUE_STATE]
+        )
+
+
+def _json_at(buf: bytes, span: Span | None) -> object:
+    """The JSON value at ``span`` of a validated body, decoded (``None`` when absent)."""
+    return None if span is None else json.loads(buf[span[0] : span[1]])
 
 
 def _is_empty(buf: bytes, span: Span) -> bool:
@@ -894,13 +935,7 @@ def read_client_request(body: bytes | bytearray | memoryview, chat: bool) -> Cli
     assert root is not None  # a scan that succeeds has the document's span
     if buf[root[0]] != _OPEN_OBJECT:
         raise RelayError("request body must be a JSON object")
-    for index, name in (
-        (C_DISAGG, "disaggregated_params"),
-        (C_B64, "prompt_token_ids_b64"),
-        (C_IDS, "prompt_token_ids"),
-    ):
-        if spans[index] is not None and (chat or index != C_IDS):
-            raise RelayError(f"'{name}' is an internal field and may not be sent by clients", name)
+    check_internal_fields(spans, chat)
     stream = _bool_at(buf, spans[C_STREAM], "stream")
     include_usage = None
     options = spans[C_STREAM_OPTIONS]
@@ -960,10 +995,10 @@ def context_request(client: ClientScan, disagg_request_id: int, return_b64: bool
             added.append(b'"' + name + b'":' + value)
         else:
             edits.append((span[0], span[1], value))
-    params = b'{"request_type":"context_only","disagg_request_id":%d' % disagg_request_id
+    params = b'{"request_type":"%s","disagg_request_id":%d' % (P.CONTEXT_ONLY.encode(), disagg_request_id)
     if return_b64:
-        params += b',"return_prompt_token_ids_b64":true'
-    added.append(b'"disaggregated_params":' + params + b"}")
+        params += b',"%s":true' % P.RETURN_PROMPT_TOKEN_IDS_B64.encode()
+    added.append(b'"%s":' % P.DISAGGREGATED_PARAMS.encode() + params + b"}")
     edits.sort()
     text = b",".join(added)
     root = spans[C_ROOT]
@@ -1000,8 +1035,8 @@ def read_context_response(body: bytes | bytearray | memoryview, max_tokens: int 
             )
     if spans[X_FIRST_CHOICE] is None:
         raise RelayError("context worker response has no choices[0]", "choices")
-    follows = finish_reason == "length" or finish_reason == "not_finished"
-    if follows and finish_reason == "length" and max_tokens is not None:
+    follows = finish_reason in P.GENERATION_FOLLOWS
+    if follows and finish_reason == P.FINISH_LENGTH and max_tokens is not None:
         # Our context worker says "length" when the client's max_tokens is 1: that leg already
         # produced everything the client asked for.
         completion_tokens = _int_at(buf, spans[X_COMPLETION_TOKENS])
@@ -1022,7 +1057,8 @@ def generation_request(
     generation_only, ``ctx_usage`` the context leg's ``usage``) and prompt ids.
 
     ``tokids_b64`` (gate ``gen_tokids_ctxbytes``): the context response's ``prompt_token_ids_b64``
-    string, checked and copied verbatim; otherwise its ``prompt_token_ids`` list as
+    string, checked and copied verbatim, or, when the worker answered with the list only, the list
+    (:func:`_token_b64`); otherwise its ``prompt_token_ids`` list as
     ``prompt_token_ids`` (chat) or ``prompt`` (completions). ``strip_history`` (gate
     ``gen_strip_message_history``): chat ``messages`` keeps its last element. Raises ``RelayError``
     with the 502's message when the context response lacks what the leg needs.
@@ -1043,9 +1079,9 @@ def generation_request(
     added: list[bytes] = []
     request_type, ctx_usage = found[X_REQUEST_TYPE], found[X_CTX_USAGE]
     if request_type is None:
-        added.append(b'"request_type":"generation_only"')
+        added.append(b'"request_type":' + _GENERATION_ONLY)
     else:
-        replaced.append((request_type[0], request_type[1], b'"generation_only"'))
+        replaced.append((request_type[0], request_type[1], _GENERATION_ONLY))
     if ctx_usage is None:
         added.append(b'"ctx_usage":' + usage)
     else:
@@ -1066,21 +1102,8 @@ def generation_request(
     else:
         pieces.append(view[previous : params[1]])
     edits: list[tuple[int, int, bytes | memoryview]] = []
-    if tokids_b64:
-        b64 = found[X_B64]
-        if b64 is None or ctx[b64[0]] != _QUOTE:
-            raise RelayError(
-                _CONTEXT_502 + "context response has no prompt_token_ids_b64 string (is the context "
-                "worker's return_prompt_token_ids_b64 support on?)",
-                "prompt_token_ids_b64",
-            )
-        try:
-            check_token_b64(ctx, b64[0] + 1, b64[1] - 1)
-        except TokenDecodeError as exc:
-            raise RelayError(
-                _CONTEXT_502 + f"context response: invalid prompt_token_ids_b64: {exc}",
-                "prompt_token_ids_b64",
-            ) from exc
+    b64 = _token_b64(ctx, found) if tokids_b64 else None
+    if b64 is not None:
         pieces += [b',"prompt_token_ids_b64":', view[b64[0] : b64[1]]]
     else:
         ids = found[X_IDS]
@@ -1104,6 +1127,32 @@ def generation_request(
     assert root is not None
     edits.append((root[1] - 1, root[1] - 1, b"".join(pieces)))
     return splice(body, edits)
+
+
+def _token_b64(ctx: bytes, found: tuple[Span | None, ...]) -> Span | None:
+    """The checked ``prompt_token_ids_b64`` string of a context response (gate on), or ``None`` for
+    the list fallback: a worker asked for base64 that answers with the ``prompt_token_ids`` list only
+    (``prompt_token_ids_b64`` absent or null, as trtllm-serve's completions and its chat responses
+    when not asked) is relayed with the list (PROTOCOL.md (2)). ``RelayError`` (502): neither form,
+    a ``prompt_token_ids_b64`` that is not a string, or not valid token base64."""
+    b64 = found[X_B64]
+    if b64 is None or ctx[b64[0]] == _NULL:
+        ids = found[X_IDS]
+        if ids is not None and ctx[ids[0]] == _OPEN_ARRAY:
+            return None
+    if b64 is None or ctx[b64[0]] != _QUOTE:
+        raise RelayError(
+            _CONTEXT_502 + "context response has no prompt_token_ids_b64 string (is the context "
+            "worker's return_prompt_token_ids_b64 support on?) and no prompt_token_ids list",
+            "prompt_token_ids_b64",
+        )
+    try:
+        check_token_b64(ctx, b64[0] + 1, b64[1] - 1)
+    except TokenDecodeError as exc:
+        raise RelayError(
+            _CONTEXT_502 + f"context response: invalid prompt_token_ids_b64: {exc}", "prompt_token_ids_b64"
+        ) from exc
+    return b64
 
 
 def strip_internal_fields(body: bytes | bytearray | memoryview, validate: bool = True) -> bytes:

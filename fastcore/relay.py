@@ -41,24 +41,18 @@ from typing import NamedTuple
 
 from . import _jsonspan_impl
 from . import _jsonspan_py as _paths
+from . import protocol
 from .errors import JSONSpanError, RelayError, TokenDecodeError
 
 Span = tuple[int, int]
 BytesLike = bytes | bytearray | memoryview
 
-#: Fields only the orchestrator may set. ``prompt_token_ids`` is internal on
-#: chat only: on completions it is not part of our protocol's inputs, so the
-#: client's value is passed through untouched.
-INTERNAL_FIELDS = ("disaggregated_params", "prompt_token_ids_b64", "prompt_token_ids")
+#: Fields only the orchestrator may set (``fastcore.protocol`` says which on which route).
+INTERNAL_FIELDS = protocol.INTERNAL_FIELDS
 
 #: Context-leg finish reasons after which a generation leg follows (PROTOCOL.md (2)).
-GENERATION_FOLLOWS = frozenset({"length", "not_finished"})
-_COMMON_FINISH_REASONS: dict[bytes, str | None] = {
-    b"null": None,
-    **{
-        f'"{reason}"'.encode(): reason for reason in ("length", "not_finished", "stop", "abort", "tool_calls")
-    },
-}
+GENERATION_FOLLOWS = frozenset(protocol.GENERATION_FOLLOWS)
+_COMMON_FINISH_REASONS = _paths._COMMON_FINISH_REASONS
 
 _WS = re.compile(rb"[ \t\n\r]*")
 
@@ -229,14 +223,7 @@ class Relay:
             raise RelayError("the request body must be a JSON object")
         if chat is None:
             chat = spans[_MESSAGES] is not None
-        for index, name in (
-            (_DISAGG, "disaggregated_params"),
-            (_B64, "prompt_token_ids_b64"),
-            (_IDS, "prompt_token_ids"),
-        ):
-            if spans[index] is not None and (chat or index != _IDS):
-                route = "chat completion requests" if index == _IDS else "requests"
-                raise RelayError(f"'{name}' is an internal field and may not be sent in {route}", field=name)
+        _paths.check_internal_fields(spans, chat)
         root = spans[_ROOT]
         assert root is not None
         return ClientBody(body, chat, spans, _is_empty_container(body, root))
@@ -395,7 +382,8 @@ class Relay:
         """Leg (3): the client's body plus the context leg's ``disaggregated_params`` and prompt ids.
 
         ``tokids_b64`` (gate ``gen_tokids_ctxbytes``): relay the context
-        response's ``prompt_token_ids_b64`` string verbatim (both routes);
+        response's ``prompt_token_ids_b64`` string verbatim (both routes), or
+        the list when the response has only the list (absent or null base64);
         otherwise splice its ``prompt_token_ids`` list in as ``prompt_token_ids``
         (chat) or as ``prompt`` (completions). ``strip_history`` (gate
         ``gen_strip_message_history``): ``messages`` keeps its last element.
@@ -419,12 +407,15 @@ class Relay:
         small += self._generation_params(ctx_response, ctx_view, info)
         ids_view: memoryview | None = None
 
+        b64 = info.prompt_token_ids_b64
+        ids = info.prompt_token_ids
+        if (b64 is None or ctx_response[b64[0]] == 0x6E) and ids is not None and ctx_response[ids[0]] == 0x5B:
+            tokids_b64 = False  # asked for base64, got the list: relay the list (PROTOCOL.md (2))
         if tokids_b64:
-            b64 = info.prompt_token_ids_b64
             if b64 is None or ctx_response[b64[0]] != 0x22:  # '"'
                 raise ContextResponseError(
                     "context response has no prompt_token_ids_b64 string (is the context worker's "
-                    "return_prompt_token_ids_b64 support on?)",
+                    "return_prompt_token_ids_b64 support on?) and no prompt_token_ids list",
                     field="prompt_token_ids_b64",
                 )
             try:
@@ -436,7 +427,6 @@ class Relay:
             small.append(b',"prompt_token_ids_b64":')
             ids_view = ctx_view[b64[0] : b64[1]]
         else:
-            ids = info.prompt_token_ids
             if ids is None or ctx_response[ids[0]] != 0x5B:  # '['
                 raise ContextResponseError(
                     "context response has no prompt_token_ids list", field="prompt_token_ids"

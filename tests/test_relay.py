@@ -46,7 +46,8 @@ def reference_generation_request(client: bytes, ctx: bytes, tokids_b64: bool, st
     params["ctx_usage"] = response.get("usage")
     body["disaggregated_params"] = params
     chat = "messages" in body
-    if tokids_b64:
+    # Asked for base64, got only the list (null or absent b64): the list goes on (PROTOCOL.md (2)).
+    if tokids_b64 and response.get("prompt_token_ids_b64") is not None:
         body["prompt_token_ids_b64"] = response["prompt_token_ids_b64"]
     elif chat:
         body["prompt_token_ids"] = response["prompt_token_ids"]
@@ -153,6 +154,8 @@ def context_responses(draw: st.DrawFn) -> bytes:
     if draw(st.booleans()):
         response["prompt_token_ids"] = ids
         response["prompt_token_ids_b64"] = None
+        if draw(st.booleans()):  # trtllm-serve's completions responses have no such key
+            del response["prompt_token_ids_b64"]
     else:
         response["prompt_token_ids"] = None
         response["prompt_token_ids_b64"] = base64.b64encode(struct.pack(f"<{len(ids)}i", *ids)).decode()
@@ -183,7 +186,7 @@ def test_generation_request_matches_reference(
     relay: Relay, client: bytes, ctx: bytes, tokids_b64: bool, strip_history: bool
 ) -> None:
     response = json.loads(ctx)
-    if (tokids_b64 and response["prompt_token_ids_b64"] is None) or (
+    if (tokids_b64 and response.get("prompt_token_ids_b64") is None and response["prompt_token_ids"] is None) or (
         not tokids_b64 and response["prompt_token_ids"] is None
     ):
         with pytest.raises(ContextResponseError) as info:
@@ -192,7 +195,7 @@ def test_generation_request_matches_reference(
         return
     out = relay.build_generation_request(client, ctx, tokids_b64=tokids_b64, strip_history=strip_history)
     assert json.loads(out) == reference_generation_request(client, ctx, tokids_b64, strip_history)
-    if tokids_b64:
+    if tokids_b64 and response.get("prompt_token_ids_b64") is not None:
         # The relayed string is the context response's bytes, verbatim.
         relayed = relay.scanner.find_span(out, ("prompt_token_ids_b64",))
         original = relay.scanner.find_span(ctx, ("prompt_token_ids_b64",))
@@ -485,7 +488,7 @@ def test_strip_history_edge_cases(relay: Relay, messages: bytes) -> None:
     "ctx, tokids_b64, field, message",
     [
         (
-            context_response(prompt_token_ids_b64=None),
+            context_response(prompt_token_ids_b64=None, prompt_token_ids=None),
             True,
             "prompt_token_ids_b64",
             "no prompt_token_ids_b64 string",
@@ -984,3 +987,82 @@ def test_kernels_take_bytes_like_bodies_and_only_their_own_scans(relay: Relay) -
     with pytest.raises(TypeError):
         hash(scan)
     assert "ClientScan(" in repr(scan) and "ContextScan(" in repr(context)
+
+
+# -- the list fallback, trtllm-serve's extra params, the auth fields --------------------------------------
+
+COMPLETION = json.dumps({"model": "m", "prompt": "capital?", "max_tokens": 4}).encode()
+
+
+@pytest.mark.parametrize("chat", [True, False])
+@pytest.mark.parametrize("b64", ["null", "absent"])
+def test_asked_for_base64_and_got_the_list_relays_the_list(relay: Relay, chat: bool, b64: str) -> None:
+    # trtllm-serve's chat responses carry "prompt_token_ids_b64": null unless asked; its completions
+    # responses carry no such key. Either way the orchestrator relays the list (PROTOCOL.md (2)).
+    fields: dict[str, Any] = {"prompt_token_ids": IDS, "prompt_token_ids_b64": None}
+    ctx = json.loads(context_response(**fields))
+    if b64 == "absent":
+        del ctx["prompt_token_ids_b64"]
+    raw = json.dumps(ctx).encode()
+    client = CHAT if chat else COMPLETION
+    scan = relay.client_kernel(client, chat)
+    kernel = relay.generation_request_kernel(scan, relay.context_kernel(raw, None), True, False)
+    built = relay.build_generation_request(client, raw, tokids_b64=True, strip_history=False, chat=chat)
+    assert kernel == built
+    out = json.loads(kernel)
+    assert "prompt_token_ids_b64" not in out
+    assert out["prompt_token_ids" if chat else "prompt"] == IDS
+
+
+def test_a_base64_string_wins_over_the_list_and_a_non_string_is_502(relay: Relay) -> None:
+    scan = relay.client_kernel(CHAT, True)
+    both = context_response(prompt_token_ids=IDS, prompt_token_ids_b64=B64)
+    out = json.loads(relay.generation_request_kernel(scan, relay.context_kernel(both, None), True, False))
+    assert out["prompt_token_ids_b64"] == B64 and "prompt_token_ids" not in out
+    bad = context_response(prompt_token_ids=IDS, prompt_token_ids_b64=7)
+    with pytest.raises(RelayError, match="no prompt_token_ids_b64 string") as info:
+        relay.generation_request_kernel(scan, relay.context_kernel(bad, None), True, False)
+    assert info.value.field == "prompt_token_ids_b64"
+
+
+def test_trtllm_serves_extra_params_reach_the_generation_leg_verbatim(relay: Relay) -> None:
+    from fastcore import protocol
+
+    extras = {
+        "schedule_style": 1,
+        "ctx_dp_rank": 3,
+        "first_gen_log_probs": [{"1": -0.5}],
+        "first_gen_logits": None,
+        "resolved_thinking": True,
+    }
+    assert set(extras) == set(protocol.TRTLLM_EXTRA_DISAGG_FIELDS)
+    ctx = context_response(choices=[{"index": 0, "finish_reason": "length", "message": {"role": "assistant"},
+                                     "disaggregated_params": {**PARAMS, **extras}}])
+    scan = relay.client_kernel(CHAT, True)
+    out = json.loads(relay.generation_request_kernel(scan, relay.context_kernel(ctx, None), True, False))
+    params = out["disaggregated_params"]
+    assert params == {**PARAMS, **extras, "request_type": "generation_only",
+                      "ctx_usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}}
+
+
+@pytest.mark.parametrize(
+    "params, expected",
+    [
+        ({"ctx_info_endpoint": "tcp://h:1", "encoded_opaque_state": "AAAA"}, ("tcp://h:1", "AAAA")),
+        ({"ctx_info_endpoint": ["tcp://h:1", "tcp://h:2"]}, (["tcp://h:1", "tcp://h:2"], None)),
+        ({"encoded_opaque_state": "QQ==", "ctx_info_endpoint": None}, (None, "QQ==")),
+        ({}, (None, None)),
+    ],
+)
+def test_the_auth_fields_of_a_context_response(relay: Relay, params: dict[str, Any], expected: tuple) -> None:
+    choice = {"index": 0, "finish_reason": "length", "disaggregated_params": {"request_type": "context_only", **params}}
+    scan = relay.context_kernel(context_response(choices=[choice]), None)
+    assert scan.auth_fields() == expected
+
+
+def test_a_repeated_auth_field_is_refused(relay: Relay) -> None:
+    # Two copies would let the signer and the generation worker read different values.
+    ctx = CTX.replace(b'"ctx_info_endpoint": "127.0.0.1:9000"', b'"ctx_info_endpoint": "a", "ctx_info_endpoint": "b"')
+    assert ctx != CTX
+    with pytest.raises(JSONSpanError, match="ctx_info_endpoint"):
+        relay.context_kernel(ctx, None)
