@@ -14,12 +14,14 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import fastcore
+import msgspec
 from fastcore import _jsonspan_py as jsonspan_py
 from fastcore.limits import JSON_MAX_DEPTH, JSON_MAX_NUMBER_CHARS
 from fastcore.relay import Relay
 from server.errors import HTTPError
 from server.orchestrator.relay_modes import (
     FastRelay,
+    ParsedMsgpackRelay,
     ParsedRelay,
     answer_as_sse,
     malformed_json_error,
@@ -232,7 +234,7 @@ def test_integers_beyond_64_bits_pass_through_both_modes(modes):
     # Neither mode reads "seed": both relay it, digit for digit.
     body = b'{"prompt": "x", "seed": 123456789012345678901234}'
     for mode in modes:
-        context_request = mode.context_request(mode.read_client(body, False), 1)
+        context_request = mode.context_request(mode.read_client(body, False), DISAGG_ID)
         assert json.loads(context_request)["seed"] == 123456789012345678901234
 
 
@@ -254,16 +256,113 @@ def test_unusable_context_responses_are_502_in_both_modes(modes, ctx):
         assert info.value.status == 502
 
 
-def test_context_response_without_the_ids_the_gate_needs_is_502(modes):
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_context_response_without_the_ids_the_gate_needs_is_502(modes, chat):
     fast, _ = modes
-    # The gate asks for one form; the worker sent the other.
-    ctx = context_response(True, b64=not fast.tokids_b64)
+    # Gate off: the worker sent base64 only. Gate on: it sent neither form.
+    ctx = context_response(chat, b64=True)
+    if fast.tokids_b64:
+        ctx = json.dumps({**json.loads(ctx), "prompt_token_ids_b64": None}).encode()
     for mode in modes:
-        req = mode.read_client(client_body(True), True)
+        req = mode.read_client(client_body(chat), chat)
         result = mode.read_context(req, ctx)
         with pytest.raises(HTTPError) as info:
             mode.generation_request(req, result)
         assert info.value.status == 502 and "prompt_token_ids" in info.value.message
+
+
+@pytest.mark.parametrize("b64", ["null", "absent"])
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_asked_for_base64_and_got_the_list_both_modes_relay_the_list(jsonspan, chat, b64):
+    # trtllm-serve: chat responses carry "prompt_token_ids_b64": null unless asked; completions none.
+    ctx = json.loads(context_response(chat, b64=False))
+    if b64 == "absent":
+        ctx.pop("prompt_token_ids_b64", None)
+    else:
+        ctx["prompt_token_ids_b64"] = None
+    raw = json.dumps(ctx).encode()
+    fast = FastRelay(tokids_b64=True, strip_history=False, relay=Relay(jsonspan))
+    parsed = ParsedRelay(tokids_b64=True, strip_history=False)
+    sent = []
+    for mode in (fast, parsed):
+        req = mode.read_client(client_body(chat), chat)
+        sent.append(json.loads(mode.generation_request(req, mode.read_context(req, raw))))
+    assert sent[0] == sent[1]
+    assert "prompt_token_ids_b64" not in sent[0]
+    assert sent[0]["prompt_token_ids" if chat else "prompt"] == PROMPT_IDS
+
+
+@pytest.mark.parametrize("chat, ask, asked", [(True, False, True), (False, False, False), (False, True, True)])
+def test_completions_ask_for_base64_only_when_told(jsonspan, chat, ask, asked):
+    for mode in (
+        FastRelay(tokids_b64=True, strip_history=False, relay=Relay(jsonspan)),
+        ParsedRelay(tokids_b64=True, strip_history=False),
+    ):
+        req = mode.read_client(client_body(chat), chat)
+        params = json.loads(mode.context_request(req, DISAGG_ID, ask_b64_completions=ask))["disaggregated_params"]
+        assert params.get("return_prompt_token_ids_b64", False) is asked
+    gate_off = FastRelay(tokids_b64=False, strip_history=False, relay=Relay(jsonspan))
+    req = gate_off.read_client(client_body(chat), chat)
+    assert "return_prompt_token_ids_b64" not in json.loads(gate_off.context_request(req, DISAGG_ID, True))["disaggregated_params"]
+
+
+@pytest.mark.parametrize("bad", [0, 2**40 - 1, 2**63, -1, True])
+def test_a_disagg_request_id_outside_the_protocols_range_is_refused(jsonspan, bad):
+    for mode in (FastRelay(tokids_b64=True, strip_history=False, relay=Relay(jsonspan)),
+                 ParsedRelay(tokids_b64=True, strip_history=False)):
+        with pytest.raises(ValueError, match=r"\[2\^40, 2\^63\)"):
+            mode.context_request(mode.read_client(client_body(True), True), bad)
+
+
+def test_both_modes_read_the_auth_fields(jsonspan):
+    ctx = json.loads(context_response(True, b64=True))
+    ctx["choices"][0]["disaggregated_params"]["encoded_opaque_state"] = "AAAA"
+    raw = json.dumps(ctx).encode()
+    for mode in (FastRelay(tokids_b64=True, strip_history=False, relay=Relay(jsonspan)),
+                 ParsedRelay(tokids_b64=True, strip_history=False)):
+        req = mode.read_client(client_body(True), True)
+        assert mode.auth_fields(mode.read_context(req, raw)) == ("http://127.0.0.1:8001/kv/17", "AAAA")
+
+
+def test_the_parsed_mode_relays_trtllm_serves_extra_params(jsonspan):
+    extras = {"schedule_style": 0, "ctx_dp_rank": 2, "first_gen_log_probs": [[-0.1]], "resolved_thinking": False}
+    ctx = json.loads(context_response(True, b64=True))
+    ctx["choices"][0]["disaggregated_params"].update(extras)
+    raw = json.dumps(ctx).encode()
+    sent = []
+    for mode in (FastRelay(tokids_b64=True, strip_history=False, relay=Relay(jsonspan)),
+                 ParsedRelay(tokids_b64=True, strip_history=False)):
+        req = mode.read_client(client_body(True), True)
+        sent.append(json.loads(mode.generation_request(req, mode.read_context(req, raw))))
+    assert sent[0] == sent[1]
+    assert extras.items() <= sent[1]["disaggregated_params"].items()
+
+
+@pytest.mark.parametrize("tokids", [False, True])
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_the_msgpack_mode_sends_the_parsed_modes_objects_as_msgpack(chat, tokids):
+    parsed = ParsedRelay(tokids_b64=tokids, strip_history=True)
+    packed = ParsedMsgpackRelay(tokids_b64=tokids, strip_history=True)
+    assert parsed.leg_headers == b"" and packed.leg_headers == b"X-TRTLLM-Msgpack: 1\r\n"
+    ctx = context_response(chat, b64=tokids)
+    legs = []
+    for mode in (parsed, packed):
+        req = mode.read_client(client_body(chat), chat)
+        result = mode.read_context(req, ctx)
+        legs.append((mode.context_request(req, DISAGG_ID), mode.generation_request(req, result),
+                     mode.client_answer(req, ctx)))
+    (json_ctx, json_gen, json_answer), (mp_ctx, mp_gen, mp_answer) = legs
+    assert msgspec.msgpack.decode(mp_ctx) == json.loads(json_ctx)
+    assert msgspec.msgpack.decode(mp_gen) == json.loads(json_gen)
+    assert mp_answer == json_answer  # responses stay JSON
+
+
+def test_the_msgpack_mode_refuses_what_msgpack_cannot_carry():
+    packed = ParsedMsgpackRelay(tokids_b64=False, strip_history=False)
+    req = packed.read_client(client_body(True, big=2**70), True)
+    with pytest.raises(HTTPError) as info:
+        packed.context_request(req, DISAGG_ID)
+    assert info.value.status == 400 and "msgpack" in info.value.message
 
 
 def test_malformed_json_messages_give_the_byte_offset():
@@ -957,7 +1056,7 @@ def test_both_modes_accept_and_refuse_the_same_client_bodies(jsonspan, body, cha
     if got[0][0] == "ok":
         assert got[0] == got[1]
         context_requests = [
-            json.loads(m.context_request(m.read_client(body, chat), 5)) for m in (fast, parsed)
+            json.loads(m.context_request(m.read_client(body, chat), DISAGG_ID)) for m in (fast, parsed)
         ]
         assert context_requests[0] == context_requests[1]
     else:
@@ -1008,7 +1107,7 @@ def test_fast_mode_gives_the_same_answer_on_both_twins_and_only_http_errors(json
     # Any mutated body either side of the legs: an HTTPError or the same bytes out.
     good = client_body(chat, max_tokens=1)
     for call in (
-        lambda fast: fast.context_request(fast.read_client(body, chat), 5) if got[0][0] == "ok" else None,
+        lambda fast: fast.context_request(fast.read_client(body, chat), DISAGG_ID) if got[0][0] == "ok" else None,
         lambda fast: fast.read_context(fast.read_client(good, chat), ctx).parsed,
         lambda fast: _generation(fast, good, chat, ctx),
         lambda fast: fast.client_answer(fast.read_client(good, chat), gen),
@@ -1043,7 +1142,7 @@ def test_the_parsed_mode_reads_fields_strictly(field, value, chat):
 def test_the_parsed_mode_sends_strict_numbers_on_unchanged():
     parsed = ParsedRelay(tokids_b64=True, strip_history=True)
     body = small_body(False, {"temperature": 1, "top_p": 0.5, "n": 1, "seed": 7, "top_k": 3, "stop": ["x"]})
-    sent = json.loads(parsed.context_request(parsed.read_client(body, False), 1))
+    sent = json.loads(parsed.context_request(parsed.read_client(body, False), DISAGG_ID))
     assert (sent["temperature"], sent["top_p"], sent["n"], sent["seed"], sent["top_k"], sent["stop"]) == (
         1.0, 0.5, 1, 7, 3, ["x"]
     )

@@ -513,8 +513,8 @@ class Orchestrator:
 
     def _headers(self, pieces: Sequence[BodyPiece]) -> bytes:
         if self.secret is None:
-            return b""
-        return b"%s: %s\r\n" % (SIGNATURE_HEADER.encode(), sign_pieces(self.secret, pieces).encode())
+            return self.relay.leg_headers
+        return self.relay.leg_headers + b"%s: %s\r\n" % (SIGNATURE_HEADER.encode(), sign_pieces(self.secret, pieces).encode())
 
     def _mark_failed(self, pool: Pool, worker: Worker) -> None:
         assert self.health is not None

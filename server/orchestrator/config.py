@@ -101,7 +101,7 @@ class OrchestratorConfig(BaseModel):
     # "parsed" is the baseline a typical pydantic orchestrator implements
     # (json.loads -> models -> model_dump_json), kept so one deployment can
     # compare both; "fast" never parses bodies in Python.
-    relay: Literal["fast", "parsed"] = "fast"
+    relay: Literal["fast", "parsed", "parsed-msgpack"] = "fast"
     max_retries: int = Field(1, ge=0)
     request_timeout_s: float = Field(180.0, gt=0)
     connect_timeout_s: float = Field(5.0, gt=0)

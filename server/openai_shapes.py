@@ -1,0 +1,97 @@
+"""The OpenAI streaming shapes, built in one place (torch-free).
+
+A streamed response is the worker's SSE writer's (server/worker/protocol.py ``StreamWriterState``):
+chat opens with a role chunk; each piece of text is a chunk; a chunk with the finish reason and an
+empty delta (chat) or empty text (completions) closes each choice; the usage chunk follows when the
+client asked for it (``stream_options.include_usage``); then ``[DONE]``. The orchestrator streams a
+context leg's finished answer with :func:`answer_stream`; the worker's writer can build its chunks
+with :func:`stream_chunk` / :func:`usage_chunk` / :func:`sse_event` so both stay the same shape.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from fastcore import protocol
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    """One SSE ``data:`` event of ``payload`` as compact JSON."""
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def chunk_object(chat: bool) -> str:
+    """The ``object`` of a streamed chunk on the chat or completions route."""
+    return protocol.OBJECT_CHAT_COMPLETION_CHUNK if chat else protocol.OBJECT_TEXT_COMPLETION
+
+
+def stream_chunk(
+    *,
+    chat: bool,
+    response_id: Any,
+    created: Any,
+    model: Any,
+    index: int = 0,
+    text: str | None = None,
+    role: bool = False,
+    finish_reason: str | None = None,
+    logprobs: Any = None,
+) -> dict[str, Any]:
+    """One chunk of one choice. Chat: ``delta`` holds the role (``role``) and/or ``text`` (``None``:
+    no content key, as in the closing chunk); completions: ``text`` (``None`` is ``""``).
+    ``logprobs`` is already in the route's wire shape."""
+    choice: dict[str, Any]
+    if chat:
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    else:
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"id": response_id, "object": chunk_object(chat), "created": created, "model": model, "choices": [choice]}
+
+
+def usage_chunk(*, chat: bool, response_id: Any, created: Any, model: Any, usage: Any) -> dict[str, Any]:
+    """The closing usage chunk (no choices)."""
+    return {
+        "id": response_id,
+        "object": chunk_object(chat),
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage,
+    }
+
+
+def answer_stream(answer: dict[str, Any], *, chat: bool, include_usage: bool) -> bytes:
+    """The SSE stream a streaming worker would have sent for the complete (parsed) ``answer``.
+
+    Raises ``AttributeError`` / ``TypeError`` for a shape that is no OpenAI response (a choice that
+    is not an object...): the caller words it.
+    """
+    head = {
+        "chat": chat,
+        "response_id": answer.get("id"),
+        "created": answer.get("created", int(time.time())),
+        "model": answer.get("model"),
+    }
+    events: list[dict[str, Any]] = []
+    for choice in answer.get(protocol.CHOICES, []):
+        index, finish = choice.get("index", 0), choice.get(protocol.FINISH_REASON)
+        if chat:
+            text = (choice.get("message") or {}).get("content") or ""
+            events.append(stream_chunk(**head, index=index, text="", role=True))
+        else:
+            text = choice.get("text") or ""
+        if text:
+            events.append(stream_chunk(**head, index=index, text=text, logprobs=choice.get("logprobs")))
+        events.append(stream_chunk(**head, index=index, text=None if chat else "", finish_reason=finish))
+    if include_usage and answer.get(protocol.USAGE) is not None:
+        events.append(usage_chunk(**head, usage=answer[protocol.USAGE]))
+    return b"".join(sse_event(e) for e in events) + SSE_DONE
