@@ -39,9 +39,8 @@ import re
 from types import ModuleType
 from typing import NamedTuple
 
-from . import _jsonspan_impl
+from . import _jsonspan_impl, protocol
 from . import _jsonspan_py as _paths
-from . import protocol
 from .errors import JSONSpanError, RelayError, TokenDecodeError
 
 Span = tuple[int, int]

@@ -34,7 +34,6 @@ from .relay_common import (
     scan_refusal,
 )
 
-
 # -- the OpenAI models in pydantic, as a typical orchestrator has them ----------------------------------
 # Unknown fields are kept (extra="allow": trtllm-serve's extra disaggregated_params members among them,
 # fastcore.protocol.TRTLLM_EXTRA_DISAGG_FIELDS) and dumps leave out what the sender left out
