@@ -32,6 +32,7 @@ from typing import Any
 import aiohttp
 
 import fastcore
+from fastcore.protocol import DISAGG_REQUEST_ID_END, DISAGG_REQUEST_ID_MIN
 from server.auth import SIGNATURE_HEADER, TRTLLM_AUTH_HEADER, sign_body, sign_pieces, trtllm_disagg_auth
 from server.errors import HTTPError, error_body, normalise_error_body
 from server.http import (
@@ -49,7 +50,7 @@ from server.metrics import CONTENT_TYPE, Registry
 
 from .config import OrchestratorConfig
 from .pools import HealthChecker, Pool, Worker
-from .relay_modes import ClientRequest, answer_as_sse, make_relay
+from .relay_modes import ClientRequest, ContextResult, answer_as_sse, make_relay
 
 log = logging.getLogger("fastcore.orchestrator")
 
@@ -63,17 +64,10 @@ MAX_ERROR_BODY = 64 * 1024
 # A worker's whole answer (a context response carries every prompt id): bounded too.
 MAX_WORKER_BODY = 256 * 1024 * 1024
 _TRTLLM_AUTH = TRTLLM_AUTH_HEADER.encode()
-#: what x-trtllm-disagg-auth signs, in a context response
-_TRTLLM_AUTH_PATHS = (
-    ("choices", 0, "disaggregated_params", "ctx_info_endpoint"),
-    ("choices", 0, "disaggregated_params", "encoded_opaque_state"),
-)
 _KV_ENDPOINT_PATH = (("choices", 0, "disaggregated_params", "ctx_info_endpoint"),)
 #: a fastcore context worker's KV endpoint, at the end of ctx_info_endpoint
 _KV_PATH = re.compile(r"/kv/[0-9]{1,20}\Z")
 KV_RELEASE_TIMEOUT_S = 5.0
-#: disagg_request_id range (PROTOCOL.md (1)): trtllm-serve keeps [0, 2^40) for its own
-DISAGG_ID_MIN, DISAGG_ID_END = 1 << 40, 1 << 63
 # The per-phase CPU clock (a thread_time() syscall per phase) runs on one
 # request in this many; every request is still counted everywhere else.
 CPU_SAMPLE_EVERY = 8
@@ -241,14 +235,6 @@ class Orchestrator:
             tokids_b64=config.gen_tokids_ctxbytes,
             strip_history=config.gen_strip_message_history,
         )
-        # Completions ask for prompt_token_ids_b64 only when every context worker
-        # says it answers them so (/server_info); trtllm-serve answers them
-        # with the list only, and its completion models refuse the field.
-        self.list_relay = (
-            make_relay(config.relay, tokids_b64=False, strip_history=config.gen_strip_message_history)
-            if config.gen_tokids_ctxbytes
-            else self.relay
-        )
         self.context_pool = Pool("context", config.context_servers.urls, config.context_servers.router.kind)
         self.generation_pool = Pool(
             "generation", config.generation_servers.urls, config.generation_servers.router.kind
@@ -397,7 +383,9 @@ class Orchestrator:
             # next full garbage collection; the leg raised it from a local.
             exc.__traceback__ = None
             status = exc.status
-            out.send_error(exc.status, exc.message, param=exc.param, code=exc.code, headers=exc.header_lines())
+            out.send_error(
+                exc.status, exc.message, param=exc.param, code=exc.code, headers=exc.header_lines()
+            )
         except WorkerAnswer as exc:
             exc.__traceback__ = None
             status = exc.status
@@ -418,16 +406,25 @@ class Orchestrator:
     async def _run_legs(self, body: bytes, out: Responder, chat: bool) -> int:
         """Serve one completion; the status the client got (a stream cut by its worker counts as 502)."""
         clock = self._clock()
-        relay = self.relay if chat or self.context_pool.b64_completions else self.list_relay
+        relay = self.relay
         req = relay.read_client(body, chat)
         clock.lap("validate")
         if not (self.context_pool.ready and self.generation_pool.ready):
-            raise self._unavailable("no healthy worker: " + ", ".join(p.name for p in self.pools if not p.ready))
+            raise self._unavailable(
+                "no healthy worker: " + ", ".join(p.name for p in self.pools if not p.ready)
+            )
         path = _CHAT if chat else _COMPLETIONS
         # Random, not a counter: unique across orchestrator processes and hosts
         # without shared state; from [2^40, 2^63), as trtllm-serve keeps the
         # ids below 2^40 for the ones it makes itself.
-        context_body = relay.context_request(req, random.randrange(DISAGG_ID_MIN, DISAGG_ID_END))
+        # Completions ask for prompt_token_ids_b64 only when every context worker
+        # says it answers them so (/server_info): trtllm-serve answers them with
+        # the list only, and its completion models refuse the field.
+        context_body = relay.context_request(
+            req,
+            random.randrange(DISAGG_REQUEST_ID_MIN, DISAGG_REQUEST_ID_END),
+            self.context_pool.b64_completions,
+        )
         clock.lap("build_context")
 
         started = time.perf_counter()
@@ -453,7 +450,7 @@ class Orchestrator:
 
         generation_body = relay.generation_request(req, ctx)
         clock.lap("build_generation")
-        auth = self._trtllm_auth(ctx.body) if self.trtllm_key is not None else b""
+        auth = self._trtllm_auth(ctx) if self.trtllm_key is not None else b""
         try:
             return await self._generation_leg(out, req, path, generation_body, context_done, clock, auth)
         except BaseException:
@@ -462,17 +459,15 @@ class Orchestrator:
             self._release_kv_soon(context_worker, context_response)
             raise
 
-    def _trtllm_auth(self, context_response: bytes) -> bytes:
+    def _trtllm_auth(self, ctx: ContextResult) -> bytes:
         """trtllm-serve's ``x-trtllm-disagg-auth`` line for the generation leg (PROTOCOL.md).
 
         It signs the context response's ``ctx_info_endpoint`` and
-        ``encoded_opaque_state``, which leg (3) carries verbatim; a leg with
-        neither needs none. Only with a key configured: one more (lax) scan of
-        the context response, for two short values.
+        ``encoded_opaque_state`` (found by the relay's own scan), which leg (3)
+        carries verbatim; a leg with neither needs none.
         """
         assert self.trtllm_key is not None
-        spans = fastcore.find_spans(context_response, _TRTLLM_AUTH_PATHS, validate=False)
-        endpoint, state = (None if sp is None else json.loads(context_response[sp[0] : sp[1]]) for sp in spans)
+        endpoint, state = self.relay.auth_fields(ctx)
         if endpoint is None and state is None:
             return b""
         return b"%s: %s\r\n" % (_TRTLLM_AUTH, trtllm_disagg_auth(self.trtllm_key, endpoint, state).encode())
@@ -502,19 +497,26 @@ class Orchestrator:
             signature = sign_body(self.secret, b"DELETE " + path)
             headers = b"%s: %s\r\n" % (SIGNATURE_HEADER.encode(), signature.encode())
         try:
-            resp = await self._upstream(worker).request(b"DELETE", path, (), headers, KV_RELEASE_TIMEOUT_S, None, 1 << 16)
+            resp = await self._upstream(worker).request(
+                b"DELETE", path, (), headers, KV_RELEASE_TIMEOUT_S, None, 1 << 16
+            )
             resp.release()
             self.metrics.kv_released.labels(status=str(resp.status)).inc()
         except (UpstreamError, UpstreamTimeout) as exc:
             log.info("releasing %s on context worker %s failed: %s", path.decode(), worker.url, exc)
 
     def _unavailable(self, message: str) -> HTTPError:
-        return HTTPError(503, message, code="no_healthy_worker", headers={"Retry-After": str(self.config.retry_after_s)})
+        return HTTPError(
+            503, message, code="no_healthy_worker", headers={"Retry-After": str(self.config.retry_after_s)}
+        )
 
     def _headers(self, pieces: Sequence[BodyPiece]) -> bytes:
         if self.secret is None:
             return self.relay.leg_headers
-        return self.relay.leg_headers + b"%s: %s\r\n" % (SIGNATURE_HEADER.encode(), sign_pieces(self.secret, pieces).encode())
+        return self.relay.leg_headers + b"%s: %s\r\n" % (
+            SIGNATURE_HEADER.encode(),
+            sign_pieces(self.secret, pieces).encode(),
+        )
 
     def _mark_failed(self, pool: Pool, worker: Worker) -> None:
         assert self.health is not None
@@ -539,7 +541,13 @@ class Orchestrator:
             extra = b"Retry-After: %s\r\n" % resp.retry_after if resp.retry_after else b""
             # In our OpenAI shape whatever the worker's (trtllm-serve has three of its own).
             return WorkerAnswer(resp.status, normalise_error_body(resp.status, body), _JSON, extra)
-        log.warning("%s worker %s answered %d: %s", leg, worker.url, resp.status, body[:500].decode("utf-8", "replace"))
+        log.warning(
+            "%s worker %s answered %d: %s",
+            leg,
+            worker.url,
+            resp.status,
+            body[:500].decode("utf-8", "replace"),
+        )
         return leg_failed(leg, f"its worker answered {resp.status}")
 
     async def _context_leg(self, path: bytes, body: bytes | Sequence[BodyPiece]) -> tuple[bytes, Worker]:
