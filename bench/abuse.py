@@ -60,9 +60,10 @@ from bench._timing import format_table
 from bench.deploy import free_port, process_tree, rss_bytes, wait_healthy
 from bench.load import RESULTS_DIR, LevelResult, percentile, run_concurrency, write_json
 from bench.workload import agentic_messages
+from server.auth import SECRET_ENV as SHARED_SECRET_ENV
 from server.launcher import Child, plan, stop_all
 from server.launcher import add_arguments as add_launcher_arguments
-from server.orchestrator.config import SHARED_SECRET_ENV, OrchestratorConfig
+from server.orchestrator.config import OrchestratorConfig
 
 CHAT = "/v1/chat/completions"
 #: the orchestrator's default client limits (``server/orchestrator/config.py``)

@@ -53,7 +53,8 @@ def sign_pieces(
     t = int(time.time() if now is None else now)
     n = secrets.token_hex(16) if nonce is None else nonce
     stamp = b"t=%d,n=%s" % (t, n.encode("ascii"))
-    return "%s,sha256=%s" % (stamp.decode(), _mac(secret, stamp + b"\n", pieces))
+    digest = _mac(secret, stamp + b"\n", pieces)
+    return f"{stamp.decode()},sha256={digest}"
 
 
 def sign_body(secret: bytes, body: Bytes, *, now: float | None = None, nonce: str | None = None) -> str:
@@ -64,14 +65,18 @@ def sign_body(secret: bytes, body: Bytes, *, now: float | None = None, nonce: st
 class Verifier:
     """Checks signatures under one secret and remembers the nonces it has accepted."""
 
-    def __init__(self, secret: bytes, *, window_s: float = REPLAY_WINDOW_S, max_nonces: int = MAX_NONCES) -> None:
+    def __init__(
+        self, secret: bytes, *, window_s: float = REPLAY_WINDOW_S, max_nonces: int = MAX_NONCES
+    ) -> None:
         self.secret = secret
         self.window_s = window_s
         self.max_nonces = max_nonces
         # nonce -> when it may be forgotten; insertion order is time order.
         self._seen: OrderedDict[bytes, float] = OrderedDict()
 
-    def check(self, body: Bytes | Sequence[Bytes], header: bytes | str | None, *, now: float | None = None) -> str | None:
+    def check(
+        self, body: Bytes | Sequence[Bytes], header: bytes | str | None, *, now: float | None = None
+    ) -> str | None:
         """None when ``header`` signs ``body`` (the nonce is then used up), else why not."""
         if not header:
             return "missing"

@@ -31,7 +31,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from server.orchestrator.config import SHARED_SECRET_ENV
+from server.auth import SECRET_ENV as SHARED_SECRET_ENV
 
 STOP_GRACE_S = 10.0
 POLL_S = 0.2

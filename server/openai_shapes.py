@@ -54,7 +54,13 @@ def stream_chunk(
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
-    return {"id": response_id, "object": chunk_object(chat), "created": created, "model": model, "choices": [choice]}
+    return {
+        "id": response_id,
+        "object": chunk_object(chat),
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
 
 
 def usage_chunk(*, chat: bool, response_id: Any, created: Any, model: Any, usage: Any) -> dict[str, Any]:

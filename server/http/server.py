@@ -297,9 +297,11 @@ class _Connection(asyncio.Protocol):
         "current",
         "deadline",
         "deadline_status",
+        "drained",
         "failed",
         "head_bytes",
         "header_timeout_s",
+        "held",
         "last_read",
         "limits",
         "lingering",
@@ -313,8 +315,6 @@ class _Connection(asyncio.Protocol):
         "server",
         "task",
         "transport",
-        "drained",
-        "held",
         "write_paused",
     )
 
@@ -512,7 +512,9 @@ class _Connection(asyncio.Protocol):
         limit = self.limits.max_body_bytes
         if req.content_length is not None:
             if req.content_length > limit:
-                self._stop(413, f"request body of {req.content_length} bytes exceeds the limit of {limit} bytes")
+                self._stop(
+                    413, f"request body of {req.content_length} bytes exceeds the limit of {limit} bytes"
+                )
             if self.server.body_bytes + req.content_length > self.limits.max_inflight_body_bytes:
                 self._over_budget()
         if req.version == "1.0":

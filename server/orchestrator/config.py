@@ -15,9 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from server.auth import SECRET_ENV as SHARED_SECRET_ENV
 from server.auth import read_secret
-
 
 log = logging.getLogger("fastcore.orchestrator")
 

@@ -44,7 +44,11 @@ def needs_generation(finish_reason: Any, completion_tokens: Any, max_tokens: int
         return False
     # Our context worker says "length" when the client's max_tokens is 1: that
     # leg already produced everything the client asked for.
-    if finish_reason == protocol.FINISH_LENGTH and max_tokens is not None and isinstance(completion_tokens, int):
+    if (
+        finish_reason == protocol.FINISH_LENGTH
+        and max_tokens is not None
+        and isinstance(completion_tokens, int)
+    ):
         return completion_tokens < max_tokens
     return True
 
@@ -79,8 +83,6 @@ def check_max_tokens(key: str, value: int | None) -> int | None:
     return value
 
 
-
-
 def scan_refusal(body: bytes, exc: JSONSpanError, what: str, status: int) -> HTTPError:
     """The error for a body the relay's scan stopped on: where it stops being UTF-8 or JSON, where
     it passes one of fastcore's limits (the workers refuse the same bodies), or the key it repeats
@@ -96,11 +98,8 @@ def scan_refusal(body: bytes, exc: JSONSpanError, what: str, status: int) -> HTT
     return HTTPError(status, f"{what} is malformed JSON: {exc}")
 
 
-
 def check_disagg_request_id(disagg_request_id: int) -> None:
     """Refuse an id outside [2^40, 2^63) (``fastcore.protocol``): the app draws every id from there,
     so another one is a bug of the caller, not a client's error."""
     if not protocol.is_disagg_request_id(disagg_request_id):
-        raise ValueError(
-            f"disagg_request_id must be an int in [2^40, 2^63), got {disagg_request_id!r}"
-        )
+        raise ValueError(f"disagg_request_id must be an int in [2^40, 2^63), got {disagg_request_id!r}")

@@ -102,4 +102,3 @@ class FastRelay:
             raise scan_refusal(body, exc, "generation worker response", 502) from None
         except RelayError as exc:
             raise HTTPError(502, f"generation worker response cannot be relayed: {exc}") from None
-

@@ -246,8 +246,11 @@ class ParsedRelay:
             update["prompt_token_ids_b64"] = response.prompt_token_ids_b64
         else:
             if response.prompt_token_ids is None:
-                raise HTTPError(502, "context worker response lacks prompt_token_ids" + (
-                    " and prompt_token_ids_b64" if self.tokids_b64 else ""))
+                raise HTTPError(
+                    502,
+                    "context worker response lacks prompt_token_ids"
+                    + (" and prompt_token_ids_b64" if self.tokids_b64 else ""),
+                )
             update["prompt_token_ids" if req.chat else "prompt"] = response.prompt_token_ids
         if self.strip_history and req.chat:
             update["messages"] = req.parsed.messages[-1:]

@@ -328,14 +328,11 @@ def kv_signature(secret: bytes, path: str) -> str:
     return sign_body(secret, path.encode())
 
 
-
 def _send_error(out: Responder, exc: HTTPError) -> None:
     if out.started:  # a stream already under way cannot change its status
         out.abort()
         return
-    out.send_error(
-        exc.status, exc.message, param=exc.param, code=exc.code, headers=exc.header_lines()
-    )
+    out.send_error(exc.status, exc.message, param=exc.param, code=exc.code, headers=exc.header_lines())
 
 
 def _carries_disagg(raw: bytes) -> bool:
@@ -444,7 +441,9 @@ class WorkerApp:
                 elif request.method == b"DELETE":
                     self.release_kv(request, out)
                 else:
-                    raise HTTPError(405, "the KV endpoint takes GET or DELETE", headers={"Allow": "GET, DELETE"})
+                    raise HTTPError(
+                        405, "the KV endpoint takes GET or DELETE", headers={"Allow": "GET, DELETE"}
+                    )
                 return
             raise HTTPError(
                 404,
@@ -527,7 +526,9 @@ class WorkerApp:
         """
         ctx_request_id = self._kv_id(request, b"DELETE " + request.path, "release")
         if not self.engine.discard_parked(ctx_request_id):
-            raise HTTPError(404, f"no KV held for ctx_request_id {ctx_request_id} (already fetched or expired)")
+            raise HTTPError(
+                404, f"no KV held for ctx_request_id {ctx_request_id} (already fetched or expired)"
+            )
         self.metrics.handoff.inc(event="released")
         out.send(200, b'{"released": true}')
 
@@ -743,7 +744,9 @@ class WorkerApp:
                     # A parked entry is the cheapest KV to lose: its generation leg
                     # recomputes the prefill. One parked just now is likely about to
                     # be fetched: while the request may still wait, only older ones go.
-                    waiting_left = settings.admission_wait_s > 0 and (deadline is None or loop.time() < deadline)
+                    waiting_left = settings.admission_wait_s > 0 and (
+                        deadline is None or loop.time() < deadline
+                    )
                     before = time.monotonic() - PARKED_GRACE_S if waiting_left else None
                     evicted = engine.evict_parked(1, before) if engine.parked_tokens > 0 else 0
                     if evicted:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import reprlib
 import sys
 import threading
@@ -247,12 +246,13 @@ def _check_members(data: bytes, body: dict[str, Any], raw: bytes, scanner: Modul
     try:
         scanner.find_spans(data, paths)
     except JSONSpanError as exc:
-        if data is not raw:
+        error = exc
+        if data is not raw:  # the offset as in the body the client sent
             try:
                 scanner.find_spans(raw, paths)
             except JSONSpanError as found:
-                exc = found
-        raise _scan_error(raw, exc, scanner) from None
+                error = found
+        raise _scan_error(raw, error, scanner) from None
 
 
 def _loads(data: bytes | memoryview, raw: bytes, scanner: ModuleType) -> Any:
