@@ -549,9 +549,7 @@ class _Connection(asyncio.Protocol):
         server = self.server
         server.body_bytes -= n
         if n >= LARGE_BODY_BYTES:
-            server.large_bytes += n
-            if server.large_bytes > TRIM_AFTER_BYTES and server.body_bytes < TRIM_AFTER_BYTES // 4:
-                server.end_burst()
+            server.trim_when_quiet()
 
     def on_message_complete(self) -> None:
         req = self.current
@@ -715,10 +713,10 @@ def _malloc_trim() -> Callable[[], None] | None:
 
 #: glibc's malloc_trim(0), or None where there is none
 malloc_trim = _malloc_trim()
-#: bodies of at least this size count towards a trim of the C heap
+#: answering a body of at least this size leads to a trim of the C heap
 LARGE_BODY_BYTES = 1024 * 1024
-#: bytes of large bodies answered, past which the C heap is trimmed (once little is held)
-TRIM_AFTER_BYTES = 64 * 1024 * 1024
+#: seconds without a large body answered before that trim
+TRIM_QUIET_S = 0.5
 
 
 class HTTPServer:
@@ -741,8 +739,6 @@ class HTTPServer:
         #: request body bytes held now (all connections), and requests refused for the budget
         self.body_bytes = 0
         self.over_budget = 0
-        #: bytes of large bodies answered since the last trim
-        self.large_bytes = 0
         self._trim: asyncio.TimerHandle | None = None
         self.trims = 0
 
@@ -759,17 +755,20 @@ class HTTPServer:
         self._tick = max(0.02, min(1.0, limits.header_timeout_s / 4, limits.body_timeout_s / 4))
         self._sweeper = self.loop.call_later(self._tick, self._sweep)
 
-    def end_burst(self) -> None:
-        """A burst of large bodies is over: give the C heap back to the OS a moment later.
+    def trim_when_quiet(self) -> None:
+        """Give the C heap back to the OS once large bodies stop coming (TRIM_QUIET_S after the last).
 
         Python frees a body's memory, but glibc keeps the freed heap (its mmap
         threshold rises after large frees, so later bodies come from the heap):
-        without a trim the process would rest near its peak RSS. The trim runs
-        once per burst, after the handlers that held the bodies are done.
+        without a trim the process would rest near its peak RSS. Each large
+        body answered pushes the trim back, so it runs once, after the burst,
+        however slowly the burst's requests are handled.
         """
-        self.large_bytes = 0
-        if malloc_trim is not None and self._trim is None:
-            self._trim = self.loop.call_later(0.5, self._run_trim)
+        if malloc_trim is None:
+            return
+        if self._trim is not None:
+            self._trim.cancel()
+        self._trim = self.loop.call_later(TRIM_QUIET_S, self._run_trim)
 
     def _run_trim(self) -> None:
         self._trim = None
