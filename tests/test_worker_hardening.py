@@ -16,6 +16,7 @@ import struct
 import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -249,7 +250,10 @@ async def test_honest_requests_during_an_abandon_flood_wait_for_room_instead_of_
         async def flood() -> None:
             for rnd in range(4):
                 await asyncio.gather(
-                    *(abandon(ctx.port, b, delay=0.005 * (i % 5), reset=bool((i + rnd) % 2)) for i, b in enumerate(bodies))
+                    *(
+                        abandon(ctx.port, b, delay=0.005 * (i % 5), reset=bool((i + rnd) % 2))
+                        for i, b in enumerate(bodies)
+                    )
                 )
 
         async def honest(i: int) -> int:
@@ -312,6 +316,50 @@ async def test_a_client_gone_after_its_leg_parked_frees_the_kv() -> None:
         await ctx.server.cleanup()
 
 
+async def test_a_kv_fetch_abandoned_while_the_executor_is_busy_still_frees_the_kv() -> None:
+    """A fetch whose client leaves before its read has started (every executor thread busy).
+
+    The handler takes the parked entry, then awaits the read on the executor;
+    cancelling that await used to cancel the job before it ran, and nothing
+    freed the blocks again (seen after ``bench.load --abuse`` as one context
+    leg's KV held, not parked, until restart).
+    """
+    ctx = await torch_worker("context", kv_ttl_s=120.0)
+    loop = asyncio.get_running_loop()
+    previous = getattr(loop, "_default_executor", None)  # restored below; asyncio has no getter
+    busy = ThreadPoolExecutor(max_workers=1)
+    loop.set_default_executor(busy)
+    gate = threading.Event()
+    client = None
+    try:
+        resp = await post(ctx.port, "/v1/completions", context_body("fetched late"))
+        assert resp.status == 200, resp.body
+        ctx_id = json.loads(resp.body)["choices"][0]["disaggregated_params"]["ctx_request_id"]
+        assert ctx.engine.parked_count == 1
+        blocker = loop.run_in_executor(None, gate.wait, 30)
+        client = socket.create_connection(("127.0.0.1", ctx.port))
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        client.sendall(request("GET", f"/kv/{ctx_id}", b"", port=ctx.port))
+        await wait_for(lambda: ctx.engine.parked_count == 0, "the fetch to take the parked entry")
+        client.close()
+        for _ in range(500):  # the handler, cancelled, counts the fetch abandoned
+            if await metric(ctx.port, handoff("abandoned")) == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert await metric(ctx.port, handoff("abandoned")) == 1
+        assert ctx.engine.kv_used_tokens > 0  # the read has not run yet: the blocks are still out
+        gate.set()
+        await blocker
+        await wait_for(lambda: ctx.engine.kv_used_tokens == 0, "the fetched KV to be freed")
+    finally:
+        gate.set()
+        if client is not None:
+            client.close()
+        loop._default_executor = previous  # type: ignore[attr-defined]
+        busy.shutdown(wait=False)
+        await ctx.server.cleanup()
+
+
 async def test_parked_kv_is_bounded_the_oldest_going_first() -> None:
     ctx = await torch_worker("context", kv_tokens=2048, max_parked_fraction=0.25)  # 512 tokens parked at most
     try:
@@ -370,7 +418,9 @@ async def test_a_fresh_parked_entry_is_spared_while_waiting_and_evicted_at_the_d
         for i in range(4):  # 4 x 256 tokens: the whole cache parked, all of it fresh
             assert (await post(ctx.port, "/v1/completions", context_body("q" * 239, i))).status == 200
         started = time.monotonic()
-        plain = await post(ctx.port, "/v1/completions", {"prompt": "r" * 100, "max_tokens": 100, "temperature": 0})
+        plain = await post(
+            ctx.port, "/v1/completions", {"prompt": "r" * 100, "max_tokens": 100, "temperature": 0}
+        )
         assert plain.status == 200, plain.body[:300]
         assert time.monotonic() - started >= 0.4  # it waited out its wait before evicting
         assert await metric(ctx.port, handoff("evicted")) == 1
@@ -429,7 +479,10 @@ async def test_parked_kv_released_by_a_signed_delete_only() -> None:
         # Unsigned, a fetch's signature, or another path's: refused, nothing freed.
         assert assert_openai_error(await delete(None), 403)["code"] == "bad_signature"
         assert assert_openai_error(await delete(kv_signature(SECRET, path)), 403)["code"] == "bad_signature"
-        assert assert_openai_error(await delete(sign_body(SECRET, b"DELETE /kv/1")), 403)["code"] == "bad_signature"
+        assert (
+            assert_openai_error(await delete(sign_body(SECRET, b"DELETE /kv/1")), 403)["code"]
+            == "bad_signature"
+        )
         assert ctx.engine.parked_count == 1
         released = await delete(sign_body(SECRET, b"DELETE " + path.encode()))
         assert released.status == 200 and released.json() == {"released": True}

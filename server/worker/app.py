@@ -533,6 +533,8 @@ class WorkerApp:
         out.send(200, b'{"released": true}')
 
     async def kv(self, request: Request, out: Responder) -> None:
+        from .kv_transfer import encode_kv  # torch: only engines that park KV get here
+
         ctx_request_id = self._kv_id(request, request.path, "fetch")
         parked = self.engine.take_parked(ctx_request_id)
         if parked is None:
@@ -544,10 +546,11 @@ class WorkerApp:
         # either way (read_parked frees it): count it, without a traceback.
         served = False
         try:
-            from .kv_transfer import encode_kv  # torch: only engines that park KV get here
-
             # The gather (and a device-to-host copy on CUDA) must not run on the event loop.
-            k, v = await asyncio.get_running_loop().run_in_executor(None, self.engine.read_parked, parked)
+            # Shielded: the read owns the blocks from here, and a cancelled executor
+            # future whose job had not started yet (executor busy) would never free them.
+            read = asyncio.get_running_loop().run_in_executor(None, self.engine.read_parked, parked)
+            k, v = await asyncio.shield(read)
             pieces = encode_kv(
                 k,
                 v,
