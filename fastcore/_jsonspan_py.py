@@ -942,24 +942,24 @@ def read_client_request(body: bytes | bytearray | memoryview, chat: bool) -> Cli
     if options is not None:
         first = buf[options[0]]
         if first == _OPEN_OBJECT:
-            include_usage = _bool_at(buf, spans[C_INCLUDE_USAGE], "include_usage")
+            include_usage = _bool_at(buf, spans[C_INCLUDE_USAGE], P.INCLUDE_USAGE)
         elif first != _NULL:
-            raise RelayError("'stream_options' must be an object", "stream_options")
+            raise RelayError("'stream_options' must be an object", P.STREAM_OPTIONS)
     model = _str_at(buf, spans[C_MODEL], "model")
     if chat:
         if spans[C_LAST_MESSAGE] is None:  # absent, not an array, or empty
             raise RelayError("'messages' must be a non-empty array", "messages")
         # Both are checked (as a request model would); the first set one counts.
-        completion = _max_tokens_at(buf, spans[C_MAX_COMPLETION_TOKENS], "max_completion_tokens")
-        tokens = _max_tokens_at(buf, spans[C_MAX_TOKENS], "max_tokens")
+        completion = _max_tokens_at(buf, spans[C_MAX_COMPLETION_TOKENS], P.MAX_COMPLETION_TOKENS)
+        tokens = _max_tokens_at(buf, spans[C_MAX_TOKENS], P.MAX_TOKENS)
         key, value = (
-            ("max_completion_tokens", completion) if completion is not None else ("max_tokens", tokens)
+            (P.MAX_COMPLETION_TOKENS, completion) if completion is not None else (P.MAX_TOKENS, tokens)
         )
     else:
         prompt = spans[C_PROMPT]
         if prompt is None or buf[prompt[0]] not in (_QUOTE, _OPEN_ARRAY):
             raise RelayError("'prompt' must be a string or an array", "prompt")
-        key, value = "max_tokens", _max_tokens_at(buf, spans[C_MAX_TOKENS], "max_tokens")
+        key, value = P.MAX_TOKENS, _max_tokens_at(buf, spans[C_MAX_TOKENS], P.MAX_TOKENS)
     if value is not None and value < 1:
         raise RelayError(f"'{key}' must be at least 1, got {value}", key)
     return ClientScan(buf, chat, spans, _is_empty(buf, root), bool(stream), bool(include_usage), value, model)
@@ -1031,7 +1031,7 @@ def read_context_response(body: bytes | bytearray | memoryview, max_tokens: int 
             finish_reason = json.loads(raw)  # a short string with escapes: the stdlib decodes them right
         else:
             raise RelayError(
-                _CONTEXT_502 + "context response: choices[0].finish_reason is not a string", "finish_reason"
+                _CONTEXT_502 + "context response: choices[0].finish_reason is not a string", P.FINISH_REASON
             )
     if spans[X_FIRST_CHOICE] is None:
         raise RelayError("context worker response has no choices[0]", "choices")
@@ -1045,7 +1045,7 @@ def read_context_response(body: bytes | bytearray | memoryview, max_tokens: int 
     params = spans[X_DP]
     if follows and (params is None or buf[params[0]] != _OPEN_OBJECT):
         raise RelayError(
-            "context worker response lacks choices[0].disaggregated_params", "disaggregated_params"
+            "context worker response lacks choices[0].disaggregated_params", P.DISAGGREGATED_PARAMS
         )
     return ContextScan(buf, spans, finish_reason, not follows)
 
@@ -1071,7 +1071,7 @@ def generation_request(
     if params is None or ctx[params[0]] != _OPEN_OBJECT:
         raise RelayError(
             _CONTEXT_502 + "context response has no choices[0].disaggregated_params object",
-            "disaggregated_params",
+            P.DISAGGREGATED_PARAMS,
         )
     usage_span = found[X_USAGE]
     usage = ctx[usage_span[0] : usage_span[1]] if usage_span is not None else b"null"
@@ -1109,7 +1109,7 @@ def generation_request(
         ids = found[X_IDS]
         if ids is None or ctx[ids[0]] != _OPEN_ARRAY:
             raise RelayError(
-                _CONTEXT_502 + "context response has no prompt_token_ids list", "prompt_token_ids"
+                _CONTEXT_502 + "context response has no prompt_token_ids list", P.PROMPT_TOKEN_IDS
             )
         prompt = spans[C_PROMPT]
         if client.chat:
@@ -1144,13 +1144,13 @@ def _token_b64(ctx: bytes, found: tuple[Span | None, ...]) -> Span | None:
         raise RelayError(
             _CONTEXT_502 + "context response has no prompt_token_ids_b64 string (is the context "
             "worker's return_prompt_token_ids_b64 support on?) and no prompt_token_ids list",
-            "prompt_token_ids_b64",
+            P.PROMPT_TOKEN_IDS_B64,
         )
     try:
         check_token_b64(ctx, b64[0] + 1, b64[1] - 1)
     except TokenDecodeError as exc:
         raise RelayError(
-            _CONTEXT_502 + f"context response: invalid prompt_token_ids_b64: {exc}", "prompt_token_ids_b64"
+            _CONTEXT_502 + f"context response: invalid prompt_token_ids_b64: {exc}", P.PROMPT_TOKEN_IDS_B64
         ) from exc
     return b64
 

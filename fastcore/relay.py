@@ -58,6 +58,13 @@ _WS = re.compile(rb"[ \t\n\r]*")
 # The scanner paths and their indexes: one definition (the pure scanner twin's), shared by both twins'
 # relay kernels and the functions here. Everything either leg needs from a client body, in one pass:
 _CLIENT_PATHS = _paths.CLIENT_PATHS
+#: Leg (1)'s ``disaggregated_params`` as JSON text, built from the protocol's names.
+_DISAGGREGATED_PARAMS = protocol.DISAGGREGATED_PARAMS.encode()
+_CONTEXT_PARAMS_OPEN = (
+    f'{{"{protocol.REQUEST_TYPE}":"{protocol.CONTEXT_ONLY}","{protocol.DISAGG_REQUEST_ID}":'.encode() + b"%d"
+)
+_ASK_B64 = f',"{protocol.RETURN_PROMPT_TOKEN_IDS_B64}":true'.encode()
+
 _ROOT, _MESSAGES, _DISAGG, _B64, _IDS, _STREAM, _STREAM_OPTIONS, _PROMPT, _LAST_MESSAGE = range(9)
 # read_client_request: the same, plus the small fields an orchestrator acts on, in the same pass.
 _CLIENT_REQUEST_PATHS = _paths.CLIENT_REQUEST_PATHS
@@ -267,10 +274,10 @@ class Relay:
                 added.append(_member(name, value))
             else:
                 edits.append((span[0], span[1], value))
-        params = b'{"request_type":"context_only","disagg_request_id":%d' % disagg_request_id
+        params = _CONTEXT_PARAMS_OPEN % disagg_request_id
         if return_b64:
-            params += b',"return_prompt_token_ids_b64":true'
-        added.append(_member(b"disaggregated_params", params + b"}"))
+            params += _ASK_B64
+        added.append(_member(_DISAGGREGATED_PARAMS, params + b"}"))
         edits.sort()
         text = b",".join(added)
         edits.append((root[1] - 1, root[1] - 1, text if client.empty else b"," + text))
@@ -324,7 +331,7 @@ class Relay:
                 finish_reason = json.loads(raw)  # a short string with escapes: the stdlib decodes them right
             else:
                 raise ContextResponseError(
-                    "context response: choices[0].finish_reason is not a string", field="finish_reason"
+                    "context response: choices[0].finish_reason is not a string", field=protocol.FINISH_REASON
                 )
         return ContextResponseInfo(
             finish_reason, finish_reason in GENERATION_FOLLOWS, dp, usage, ids, b64, request_type, ctx_usage
@@ -338,7 +345,8 @@ class Relay:
         dp = info.disaggregated_params
         if not _is_object(ctx, dp):
             raise ContextResponseError(
-                "context response has no choices[0].disaggregated_params object", field="disaggregated_params"
+                "context response has no choices[0].disaggregated_params object",
+                field=protocol.DISAGGREGATED_PARAMS,
             )
         assert dp is not None
         usage = view[info.usage[0] : info.usage[1]] if info.usage is not None else b"null"
@@ -415,20 +423,21 @@ class Relay:
                 raise ContextResponseError(
                     "context response has no prompt_token_ids_b64 string (is the context worker's "
                     "return_prompt_token_ids_b64 support on?) and no prompt_token_ids list",
-                    field="prompt_token_ids_b64",
+                    field=protocol.PROMPT_TOKEN_IDS_B64,
                 )
             try:
                 self._check_token_b64(ctx_response, b64[0] + 1, b64[1] - 1)
             except TokenDecodeError as exc:
                 raise ContextResponseError(
-                    f"context response: invalid prompt_token_ids_b64: {exc}", field="prompt_token_ids_b64"
+                    f"context response: invalid prompt_token_ids_b64: {exc}",
+                    field=protocol.PROMPT_TOKEN_IDS_B64,
                 ) from exc
             small.append(b',"prompt_token_ids_b64":')
             ids_view = ctx_view[b64[0] : b64[1]]
         else:
             if ids is None or ctx_response[ids[0]] != 0x5B:  # '['
                 raise ContextResponseError(
-                    "context response has no prompt_token_ids list", field="prompt_token_ids"
+                    "context response has no prompt_token_ids list", field=protocol.PROMPT_TOKEN_IDS
                 )
             if chat:
                 small.append(b',"prompt_token_ids":')

@@ -28,6 +28,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from fastcore import protocol as wire
+
 SIGNATURE_HEADER = "X-Fastcore-Signature"
 #: environment variable holding the secret (all processes)
 SECRET_ENV = "FASTCORE_SHARED_SECRET"
@@ -119,7 +121,7 @@ class Verifier:
 
 
 #: trtllm-serve's header on generation requests that name where the KV is (disagg_auth.py)
-TRTLLM_AUTH_HEADER = "x-trtllm-disagg-auth"
+TRTLLM_AUTH_HEADER = wire.X_TRTLLM_DISAGG_AUTH
 
 
 def trtllm_disagg_message(ctx_info_endpoint: object, encoded_opaque_state: object) -> bytes:
@@ -132,7 +134,7 @@ def trtllm_disagg_message(ctx_info_endpoint: object, encoded_opaque_state: objec
     if isinstance(ctx_info_endpoint, list):
         ctx_info_endpoint = ctx_info_endpoint[0] if ctx_info_endpoint else None
     return json.dumps(
-        {"ctx_info_endpoint": ctx_info_endpoint, "encoded_opaque_state": encoded_opaque_state},
+        {wire.CTX_INFO_ENDPOINT: ctx_info_endpoint, wire.ENCODED_OPAQUE_STATE: encoded_opaque_state},
         sort_keys=True,
         separators=(",", ":"),
     ).encode()

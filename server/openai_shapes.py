@@ -1,11 +1,11 @@
-"""The OpenAI streaming shapes, built in one place (torch-free).
+"""The OpenAI response and streaming shapes, built in one place (torch-free).
 
-A streamed response is the worker's SSE writer's (server/worker/protocol.py ``StreamWriterState``):
+A whole answer is :func:`answer_object`. A streamed response is the worker's SSE writer's
+(server/worker/protocol.py ``StreamWriterState``, which builds its events with these functions):
 chat opens with a role chunk; each piece of text is a chunk; a chunk with the finish reason and an
 empty delta (chat) or empty text (completions) closes each choice; the usage chunk follows when the
 client asked for it (``stream_options.include_usage``); then ``[DONE]``. The orchestrator streams a
-context leg's finished answer with :func:`answer_stream`; the worker's writer can build its chunks
-with :func:`stream_chunk` / :func:`usage_chunk` / :func:`sse_event` so both stay the same shape.
+context leg's finished answer with :func:`answer_stream`, so both stay the same shape.
 """
 
 from __future__ import annotations
@@ -27,6 +27,35 @@ def sse_event(payload: dict[str, Any]) -> bytes:
 def chunk_object(chat: bool) -> str:
     """The ``object`` of a streamed chunk on the chat or completions route."""
     return protocol.OBJECT_CHAT_COMPLETION_CHUNK if chat else protocol.OBJECT_TEXT_COMPLETION
+
+
+def answer_object(
+    *,
+    chat: bool,
+    response_id: Any,
+    created: Any,
+    model: Any,
+    text: str,
+    finish_reason: str | None,
+    usage: Any,
+    logprobs: Any = None,
+) -> dict[str, Any]:
+    """A whole (non-streamed) ``chat.completion`` or ``text_completion`` with one choice.
+    ``logprobs`` is already in the route's wire shape."""
+    choice: dict[str, Any]
+    if chat:
+        message = {"role": "assistant", "content": text}
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {
+        "id": response_id,
+        "object": protocol.OBJECT_CHAT_COMPLETION if chat else protocol.OBJECT_TEXT_COMPLETION,
+        "created": created,
+        "model": model,
+        protocol.CHOICES: [choice],
+        protocol.USAGE: usage,
+    }
 
 
 def stream_chunk(

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 from fastcore import protocol
 
@@ -35,3 +37,42 @@ def test_disagg_request_id_range() -> None:
 def test_generation_follows() -> None:
     assert protocol.GENERATION_FOLLOWS == ("length", "not_finished")
     assert set(protocol.GENERATION_FOLLOWS) <= set(protocol.COMMON_FINISH_REASONS)
+
+
+#: Names only this protocol defines (not the OpenAI fields every server spells).
+_PROTOCOL_NAMES = {
+    *protocol.INTERNAL_FIELDS,
+    *protocol.REQUEST_TYPES,
+    protocol.REQUEST_TYPE,
+    protocol.DISAGG_REQUEST_ID,
+    protocol.RETURN_PROMPT_TOKEN_IDS_B64,
+    protocol.FIRST_GEN_TOKENS,
+    protocol.CTX_REQUEST_ID,
+    protocol.ENCODED_OPAQUE_STATE,
+    protocol.CTX_INFO_ENDPOINT,
+    protocol.DRAFT_TOKENS,
+    protocol.CTX_USAGE,
+    protocol.FINISH_NOT_FINISHED,
+    protocol.CHAT_COMPLETIONS_PATH,
+    protocol.COMPLETIONS_PATH,
+    protocol.X_TRTLLM_DISAGG_AUTH,
+    protocol.X_TRTLLM_MSGPACK,
+    protocol.X_TRTLLM_MSGPACK.lower(),
+}
+
+
+def test_the_protocol_names_are_spelled_only_in_fastcore_protocol() -> None:
+    """No module of the package or the servers spells a protocol name as a literal of its own:
+    each imports it from fastcore.protocol (error messages may mention names inside longer text)."""
+    root = Path(__file__).resolve().parent.parent
+    sources = [p for p in (root / "fastcore").glob("*.py") if p.name != "protocol.py"]
+    sources += sorted((root / "server").rglob("*.py"))
+    assert len(sources) > 20
+    found = []
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, (str, bytes)):
+                text = node.value.decode("latin-1") if isinstance(node.value, bytes) else node.value
+                if text in _PROTOCOL_NAMES:
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: {text!r}")
+    assert found == [], "\n".join(found)

@@ -32,6 +32,7 @@ from typing import Any
 import aiohttp
 
 import fastcore
+from fastcore import protocol
 from fastcore.protocol import DISAGG_REQUEST_ID_END, DISAGG_REQUEST_ID_MIN
 from server.auth import SIGNATURE_HEADER, TRTLLM_AUTH_HEADER, sign_body, sign_pieces, trtllm_disagg_auth
 from server.errors import HTTPError, error_body, normalise_error_body
@@ -54,8 +55,8 @@ from .relay_modes import ClientRequest, ContextResult, answer_as_sse, make_relay
 
 log = logging.getLogger("fastcore.orchestrator")
 
-CHAT_PATH = "/v1/chat/completions"
-COMPLETIONS_PATH = "/v1/completions"
+CHAT_PATH = protocol.CHAT_COMPLETIONS_PATH
+COMPLETIONS_PATH = protocol.COMPLETIONS_PATH
 LISTEN_BACKLOG = 4096
 # Per-connection read buffer of the aiohttp pass-through floor (bench/passthrough.py).
 READ_BUFSIZE = 1 << 22
@@ -64,7 +65,7 @@ MAX_ERROR_BODY = 64 * 1024
 # A worker's whole answer (a context response carries every prompt id): bounded too.
 MAX_WORKER_BODY = 256 * 1024 * 1024
 _TRTLLM_AUTH = TRTLLM_AUTH_HEADER.encode()
-_KV_ENDPOINT_PATH = (("choices", 0, "disaggregated_params", "ctx_info_endpoint"),)
+_KV_ENDPOINT_PATH = (("choices", 0, protocol.DISAGGREGATED_PARAMS, protocol.CTX_INFO_ENDPOINT),)
 #: a fastcore context worker's KV endpoint, at the end of ctx_info_endpoint
 _KV_PATH = re.compile(r"/kv/[0-9]{1,20}\Z")
 KV_RELEASE_TIMEOUT_S = 5.0

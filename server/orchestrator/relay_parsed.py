@@ -152,9 +152,9 @@ def _check_client_members(body: bytes, data: dict[str, Any]) -> None:
     only it would be sent on), fastcore's limits and what RFC 8259 refuses (``NaN``, a byte order
     mark) are the fast mode's and the workers' 400s, worded as the fast mode words them."""
     paths: list[tuple[str, ...]] = [(key,) for key in data]
-    options = data.get("stream_options")
+    options = data.get(protocol.STREAM_OPTIONS)
     if type(options) is dict:
-        paths += [("stream_options", key) for key in options]
+        paths += [(protocol.STREAM_OPTIONS, key) for key in options]
     try:
         fastcore.find_spans(body, paths)
     except JSONSpanError as exc:
@@ -191,7 +191,11 @@ class ParsedRelay:
             raise HTTPError(400, message, param=location) from None
         if chat and not parsed.messages:
             raise HTTPError(400, "'messages' must be a non-empty array", param="messages")
-        key = "max_completion_tokens" if chat and parsed.max_completion_tokens is not None else "max_tokens"
+        key = (
+            protocol.MAX_COMPLETION_TOKENS
+            if chat and parsed.max_completion_tokens is not None
+            else protocol.MAX_TOKENS
+        )
         max_tokens = check_max_tokens(key, getattr(parsed, key))
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
         return ClientRequest(body, chat, bool(parsed.stream), include_usage, max_tokens, parsed.model, parsed)
@@ -204,7 +208,7 @@ class ParsedRelay:
         params = DisaggregatedParams(request_type=protocol.CONTEXT_ONLY, disagg_request_id=disagg_request_id)
         if self.tokids_b64 and (req.chat or ask_b64_completions):
             params.return_prompt_token_ids_b64 = True
-        update = {"stream": False, "stream_options": None, "disaggregated_params": params}
+        update = {"stream": False, protocol.STREAM_OPTIONS: None, protocol.DISAGGREGATED_PARAMS: params}
         return self._leg_body(req.parsed.model_copy(update=update), 400, "request body")
 
     def _leg_body(self, leg: BaseModel, status: int, what: str) -> bytes:
@@ -238,12 +242,12 @@ class ParsedRelay:
     def generation_request(self, req: ClientRequest, ctx: ContextResult) -> bytes:
         response = ctx.parsed
         params = response.choices[0].disaggregated_params.model_copy(
-            update={"request_type": protocol.GENERATION_ONLY, "ctx_usage": response.usage}
+            update={protocol.REQUEST_TYPE: protocol.GENERATION_ONLY, protocol.CTX_USAGE: response.usage}
         )
-        update: dict[str, Any] = {"disaggregated_params": params}
+        update: dict[str, Any] = {protocol.DISAGGREGATED_PARAMS: params}
         # Asked for base64 and got only the list (null or absent): the list goes on (PROTOCOL.md (2)).
         if self.tokids_b64 and response.prompt_token_ids_b64 is not None:
-            update["prompt_token_ids_b64"] = response.prompt_token_ids_b64
+            update[protocol.PROMPT_TOKEN_IDS_B64] = response.prompt_token_ids_b64
         else:
             if response.prompt_token_ids is None:
                 raise HTTPError(
@@ -251,7 +255,7 @@ class ParsedRelay:
                     "context worker response lacks prompt_token_ids"
                     + (" and prompt_token_ids_b64" if self.tokids_b64 else ""),
                 )
-            update["prompt_token_ids" if req.chat else "prompt"] = response.prompt_token_ids
+            update[protocol.PROMPT_TOKEN_IDS if req.chat else "prompt"] = response.prompt_token_ids
         if self.strip_history and req.chat:
             update["messages"] = req.parsed.messages[-1:]
         return self._leg_body(req.parsed.model_copy(update=update), 502, "context worker response")

@@ -84,6 +84,7 @@ import aiohttp
 import numpy as np
 
 import fastcore
+from fastcore import protocol as wire
 from server.auth import SIGNATURE_HEADER, TRTLLM_AUTH_HEADER, Verifier, check_trtllm_disagg_auth, sign_body
 from server.errors import HTTPError, error_body
 from server.http import HTTPServer, Limits, Request, Responder
@@ -127,11 +128,14 @@ _KV_PREFIX = b"/kv/"
 _SIGNATURE = SIGNATURE_HEADER.lower().encode()
 _TRTLLM_AUTH = TRTLLM_AUTH_HEADER.lower().encode()
 #: trtllm-serve's flag for a msgpack body (openai_server._MsgspecRequest); only "1" means msgpack
-_MSGPACK = b"x-trtllm-msgpack"
+_MSGPACK = wire.X_TRTLLM_MSGPACK.lower().encode()
 _JSON = b"application/json"
 _SSE = b"text/event-stream"
 _SSE_HEADERS = b"Cache-Control: no-cache\r\nX-Accel-Buffering: no\r\n"
-_GENERATION_ROUTES: dict[bytes, Route] = {b"/v1/chat/completions": "chat", b"/v1/completions": "completions"}
+_GENERATION_ROUTES: dict[bytes, Route] = {
+    wire.CHAT_COMPLETIONS_PATH.encode(): "chat",
+    wire.COMPLETIONS_PATH.encode(): "completions",
+}
 
 
 def _host_port(entry: str) -> tuple[str, int | None]:
@@ -339,7 +343,7 @@ def _carries_disagg(raw: bytes) -> bool:
     """Whether the body has a non-null top-level ``disaggregated_params``, found without parsing
     or tokenizing (one lax scan of the top-level object, as parse_request's own first step)."""
     try:
-        span = fastcore.find_span(raw, ("disaggregated_params",), validate=False)
+        span = fastcore.find_span(raw, (wire.DISAGGREGATED_PARAMS,), validate=False)
     except fastcore.JSONSpanError:
         return False  # malformed: parse_request answers 400 before any tokenizing
     return span is not None and raw[span[0] : span[0] + 4] != b"null"
@@ -516,7 +520,7 @@ class WorkerApp:
                 raise HTTPError(403, f"KV {what} refused: {SIGNATURE_HEADER} {reason}", code="bad_signature")
         raw_id = request.path[len(_KV_PREFIX) :]
         if not (raw_id.isdigit() and len(raw_id) <= 20):
-            raise HTTPError(400, "ctx_request_id must be an integer", param="ctx_request_id")
+            raise HTTPError(400, "ctx_request_id must be an integer", param=wire.CTX_REQUEST_ID)
         return int(raw_id)
 
     def release_kv(self, request: Request, out: Responder) -> None:
@@ -682,29 +686,29 @@ class WorkerApp:
             return
         if _carries_disagg(body):
             raise HTTPError(403, f"disaggregated_params without a {SIGNATURE_HEADER}: internal requests "
-                            "must be signed", param="disaggregated_params", code="missing_signature")  # fmt: skip
+                            "must be signed", param=wire.DISAGGREGATED_PARAMS, code="missing_signature")  # fmt: skip
 
     def _authorize(self, req: ParsedRequest, signed: bool, trtllm_header: bytes | None) -> None:
         """Whether the leg may run (the rules of the module docstring); a 403 if not."""
         disagg = req.disagg
         if disagg is None or signed:
             return
-        endpoint = disagg.raw.get("ctx_info_endpoint")
-        opaque = disagg.raw.get("encoded_opaque_state")
+        endpoint = disagg.raw.get(wire.CTX_INFO_ENDPOINT)
+        opaque = disagg.raw.get(wire.ENCODED_OPAQUE_STATE)
         key = self.trtllm_key
         if key is not None and (endpoint is not None or opaque is not None):
             if trtllm_header is None:
                 raise HTTPError(403, f"a {disagg.request_type} request naming ctx_info_endpoint or "
                                 f"encoded_opaque_state must carry {TRTLLM_AUTH_HEADER} or {SIGNATURE_HEADER}",
-                                param="disaggregated_params", code="missing_signature")  # fmt: skip
+                                param=wire.DISAGGREGATED_PARAMS, code="missing_signature")  # fmt: skip
             if not check_trtllm_disagg_auth(key, endpoint, opaque, trtllm_header):
                 raise HTTPError(403, f"{TRTLLM_AUTH_HEADER} refused: it does not sign this request's "
                                 "ctx_info_endpoint and encoded_opaque_state",
-                                param="disaggregated_params", code="bad_signature")  # fmt: skip
+                                param=wire.DISAGGREGATED_PARAMS, code="bad_signature")  # fmt: skip
             return
         if self.verifier is not None and not self.settings.accept_trtllm_orchestrator:
             raise HTTPError(403, f"{disagg.request_type} request without a {SIGNATURE_HEADER}",
-                            param="disaggregated_params", code="missing_signature")  # fmt: skip
+                            param=wire.DISAGGREGATED_PARAMS, code="missing_signature")  # fmt: skip
 
     def _check_role(self, req: ParsedRequest) -> None:
         if req.disagg is None:
@@ -713,10 +717,10 @@ class WorkerApp:
         kind = req.disagg.request_type
         if kind == CONTEXT_ONLY and role == "generation":
             raise HTTPError(400, "this worker's role is generation: it does not take context_only requests",
-                            param="disaggregated_params")  # fmt: skip
+                            param=wire.DISAGGREGATED_PARAMS)  # fmt: skip
         if kind == GENERATION_ONLY and role == "context":
             raise HTTPError(400, "this worker's role is context: it does not take generation_only requests",
-                            param="disaggregated_params")  # fmt: skip
+                            param=wire.DISAGGREGATED_PARAMS)  # fmt: skip
 
     async def _reserve(self, engine_req: EngineRequest) -> None:
         """Take the request's KV. When it does not fit: parked entries, oldest first, give way;
@@ -742,7 +746,7 @@ class WorkerApp:
                 except KVCacheFull as exc:
                     if not exc.ever_fits:
                         raise HTTPError(
-                            400, f"the request is too large for this worker: {exc}", param="max_tokens"
+                            400, f"the request is too large for this worker: {exc}", param=wire.MAX_TOKENS
                         ) from None
                     # A parked entry is the cheapest KV to lose: its generation leg
                     # recomputes the prefill. One parked just now is likely about to
@@ -874,16 +878,16 @@ class WorkerApp:
         host = request.header(b"host")
         base = self.settings.public_url or (f"http://{host.decode('latin-1')}" if host else self.bound_url)
         ctx_id = engine_req.park_as
-        body["choices"][0]["disaggregated_params"] = {
-            "request_type": CONTEXT_ONLY,
-            "first_gen_tokens": token_ids,
-            "ctx_request_id": ctx_id,
-            "disagg_request_id": req.disagg.disagg_request_id,
-            "encoded_opaque_state": None,
-            "ctx_info_endpoint": base.rstrip("/") + KV_PATH.format(ctx_request_id=ctx_id),
-            "draft_tokens": None,
+        body[wire.CHOICES][0][wire.DISAGGREGATED_PARAMS] = {
+            wire.REQUEST_TYPE: CONTEXT_ONLY,
+            wire.FIRST_GEN_TOKENS: token_ids,
+            wire.CTX_REQUEST_ID: ctx_id,
+            wire.DISAGG_REQUEST_ID: req.disagg.disagg_request_id,
+            wire.ENCODED_OPAQUE_STATE: None,
+            wire.CTX_INFO_ENDPOINT: base.rstrip("/") + KV_PATH.format(ctx_request_id=ctx_id),
+            wire.DRAFT_TOKENS: None,
         }
-        if body["choices"][0]["finish_reason"] == NOT_FINISHED:
+        if body[wire.CHOICES][0][wire.FINISH_REASON] == NOT_FINISHED:
             self.metrics.handoff.inc(event="parked")
             over = self.engine.parked_tokens - self.max_parked_tokens
             if over > 0:

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from fastcore import protocol
+
 from .output import Delta, OutputProcessor, SamplingParams, TokenLogprob
 from .tokenizer import Tokenizer
 
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
     from .kv_transfer import KVLayout
 
 #: finish_reason of a context leg after which a generation leg follows.
-NOT_FINISHED = "not_finished"
+NOT_FINISHED = protocol.FINISH_NOT_FINISHED
 
 
 class KVCacheFull(Exception):

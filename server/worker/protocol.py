@@ -35,6 +35,8 @@ import simdjson
 
 import fastcore
 from fastcore import JSONSpanError
+from fastcore import protocol as wire
+from server import openai_shapes
 from server.errors import HTTPError
 
 from .output import Delta, SamplingParams, TokenLogprob
@@ -42,8 +44,8 @@ from .tokenizer import Tokenizer
 
 Route = Literal["chat", "completions"]
 
-CONTEXT_ONLY = "context_only"
-GENERATION_ONLY = "generation_only"
+CONTEXT_ONLY = wire.CONTEXT_ONLY
+GENERATION_ONLY = wire.GENERATION_ONLY
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 
@@ -127,10 +129,10 @@ MAX_NESTING = fastcore.JSON_MAX_DEPTH
 
 #: Top-level keys found by the first scan: the prompt's token fields (which one a
 #: parser keeps differs between parsers) and the internal parameters.
-_SINGLE_KEYS = ("prompt_token_ids_b64", "prompt_token_ids", "prompt", "disaggregated_params")
+_SINGLE_KEYS = (wire.PROMPT_TOKEN_IDS_B64, wire.PROMPT_TOKEN_IDS, wire.PROMPT, wire.DISAGGREGATED_PARAMS)
 _BODY_PATHS = ((), *((key,) for key in _SINGLE_KEYS))
 #: Objects whose keys are checked for repeats, besides the body's own.
-_CHECKED_OBJECTS = ("disaggregated_params", "stream_options")
+_CHECKED_OBJECTS = (wire.DISAGGREGATED_PARAMS, wire.STREAM_OPTIONS)
 _OPEN_BRACE, _QUOTE, _OPEN_BRACKET, _N = b'{"[n'
 
 
@@ -621,7 +623,7 @@ def _ids_from_list(value: Any, name: str, vocab_size: int) -> np.ndarray:
 
 
 def _decode_b64(value: Any, max_context: int) -> np.ndarray:
-    name = "prompt_token_ids_b64"
+    name = wire.PROMPT_TOKEN_IDS_B64
     if isinstance(value, RawJSON):
         inner = memoryview(value.data)[value.start + 1 : value.end - 1]
         try:
@@ -652,7 +654,7 @@ def _ids_from_b64(value: Any, vocab_size: int, max_context: int) -> np.ndarray:
     ``value``: the string, or the :class:`RawJSON` of it in the body (decoded from
     the body's bytes: no ``str`` either).
     """
-    name = "prompt_token_ids_b64"
+    name = wire.PROMPT_TOKEN_IDS_B64
     ids = _decode_b64(value, max_context)
     if ids.size == 0:
         raise bad_request(f"'{name}' holds no token ids", name)
@@ -666,32 +668,32 @@ def _ids_from_b64(value: Any, vocab_size: int, max_context: int) -> np.ndarray:
 
 
 def _parse_disagg(body: dict[str, Any], vocab_size: int) -> DisaggParams | None:
-    raw = body.get("disaggregated_params")
+    name = wire.DISAGGREGATED_PARAMS
+    raw = body.get(name)
     if raw is None:
         return None
-    name = "disaggregated_params"
     if not isinstance(raw, dict):
         raise bad_request(f"'{name}' must be an object", name)
-    kind = raw.get("request_type")
-    if kind not in (CONTEXT_ONLY, GENERATION_ONLY):
+    kind = raw.get(wire.REQUEST_TYPE)
+    if kind not in wire.REQUEST_TYPES:
         raise bad_request(
             f"'{name}.request_type' must be '{CONTEXT_ONLY}' or '{GENERATION_ONLY}', got {_brief(kind)}", name
         )
-    params = DisaggParams(request_type=kind, disagg_request_id=raw.get("disagg_request_id"), raw=raw)
-    want_b64 = raw.get("return_prompt_token_ids_b64")
+    params = DisaggParams(request_type=kind, disagg_request_id=raw.get(wire.DISAGG_REQUEST_ID), raw=raw)
+    want_b64 = raw.get(wire.RETURN_PROMPT_TOKEN_IDS_B64)
     if want_b64 is not None and type(want_b64) is not bool:
         raise bad_request(f"'{name}.return_prompt_token_ids_b64' must be a boolean", name)
     params.return_prompt_token_ids_b64 = want_b64 is True
     if kind == GENERATION_ONLY:
-        first = raw.get("first_gen_tokens")
+        first = raw.get(wire.FIRST_GEN_TOKENS)
         if not isinstance(first, list) or not first:
             raise bad_request(f"'{name}.first_gen_tokens' must be a non-empty list of token ids", name)
         params.first_gen_tokens = _ids_from_list(first, f"{name}.first_gen_tokens", vocab_size).tolist()
-        ctx_id = raw.get("ctx_request_id")
+        ctx_id = raw.get(wire.CTX_REQUEST_ID)
         if ctx_id is not None and (not isinstance(ctx_id, int) or isinstance(ctx_id, bool)):
             raise bad_request(f"'{name}.ctx_request_id' must be an integer", name)
         params.ctx_request_id = ctx_id
-        endpoint = raw.get("ctx_info_endpoint")
+        endpoint = raw.get(wire.CTX_INFO_ENDPOINT)
         if endpoint is not None and not isinstance(endpoint, str):
             raise bad_request(f"'{name}.ctx_info_endpoint' must be a string", name)
         params.ctx_info_endpoint = endpoint
@@ -732,10 +734,10 @@ def _prompt(
     max_context: int,
 ) -> tuple[np.ndarray, bool]:
     vocab = tokenizer.vocab_size
-    if "prompt_token_ids_b64" in body and body["prompt_token_ids_b64"] is not None:
-        return _ids_from_b64(body["prompt_token_ids_b64"], vocab, max_context), True
-    if route == "chat" and body.get("prompt_token_ids") is not None:
-        return _ids_from_list(body["prompt_token_ids"], "prompt_token_ids", vocab), True
+    if body.get(wire.PROMPT_TOKEN_IDS_B64) is not None:
+        return _ids_from_b64(body[wire.PROMPT_TOKEN_IDS_B64], vocab, max_context), True
+    if route == "chat" and body.get(wire.PROMPT_TOKEN_IDS) is not None:
+        return _ids_from_list(body[wire.PROMPT_TOKEN_IDS], wire.PROMPT_TOKEN_IDS, vocab), True
     if route == "completions":
         prompt = body.get("prompt")
         if isinstance(prompt, RawJSON):
@@ -764,7 +766,7 @@ def _prompt(
         raise bad_request(
             "a generation_only request must carry the prompt as token ids "
             "('prompt_token_ids' or 'prompt_token_ids_b64')",
-            "prompt_token_ids",
+            wire.PROMPT_TOKEN_IDS,
         )
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -805,16 +807,16 @@ def _token_limit(body: dict[str, Any], route: Route) -> tuple[str, int | None]:
     """The request's token limit and the field it came from, read as the orchestrator reads it
     (fastcore's read_client_request): chat checks both fields' types and the first set one
     counts (``max_completion_tokens``), completions has ``max_tokens`` only."""
-    tokens = _int_field(body, "max_tokens")
+    tokens = _int_field(body, wire.MAX_TOKENS)
     if route == "chat":
-        completion = _int_field(body, "max_completion_tokens")
+        completion = _int_field(body, wire.MAX_COMPLETION_TOKENS)
         if completion is not None:
             tokens = completion
-            key = "max_completion_tokens"
+            key = wire.MAX_COMPLETION_TOKENS
         else:
-            key = "max_tokens"
+            key = wire.MAX_TOKENS
     else:
-        key = "max_tokens"
+        key = wire.MAX_TOKENS
     if tokens is not None and tokens < 1:
         raise bad_request(f"'{key}' must be >= 1, got {tokens}", key)
     return key, tokens
@@ -831,14 +833,12 @@ def prompt_ids_members(prompt_ids: np.ndarray, *, b64: bool) -> list[bytes]:
     worker without the fast path sends.
     """
     if b64:
-        import fastcore
+        return [_B64_MEMBERS_OPEN, fastcore.encode_tokens(prompt_ids), b'"']
+    return [_LIST_MEMBER_OPEN, json.dumps(prompt_ids.tolist()).encode()]
 
-        return [
-            b', "prompt_token_ids": null, "prompt_token_ids_b64": "',
-            fastcore.encode_tokens(prompt_ids),
-            b'"',
-        ]
-    return [b', "prompt_token_ids": ', json.dumps(prompt_ids.tolist()).encode()]
+
+_B64_MEMBERS_OPEN = f', "{wire.PROMPT_TOKEN_IDS}": null, "{wire.PROMPT_TOKEN_IDS_B64}": "'.encode()
+_LIST_MEMBER_OPEN = f', "{wire.PROMPT_TOKEN_IDS}": '.encode()
 
 
 def dump_with_members(body: dict[str, Any], members: list[bytes]) -> bytes:
@@ -884,12 +884,12 @@ def parse_request(
             f"'n' must be the integer 1 (got {_brief(n)}): this worker returns one choice per request", "n"
         )
     stream = _bool_field(body, "stream")
-    stream_options = body.get("stream_options")
+    stream_options = body.get(wire.STREAM_OPTIONS)
     include_usage = False
     if stream_options is not None:
         if not isinstance(stream_options, dict):
-            raise bad_request("'stream_options' must be an object", "stream_options")
-        include_usage = _bool_field(stream_options, "include_usage")
+            raise bad_request("'stream_options' must be an object", wire.STREAM_OPTIONS)
+        include_usage = _bool_field(stream_options, wire.INCLUDE_USAGE)
     key, max_tokens = _token_limit(body, route)
     disagg = _parse_disagg(body, tokenizer.vocab_size)
     prompt_ids, from_ids = _prompt(body, route, tokenizer, disagg, max_context)
@@ -950,8 +950,8 @@ def new_response_id(route: Route) -> str:
 
 def usage_body(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
+        wire.PROMPT_TOKENS: prompt_tokens,
+        wire.COMPLETION_TOKENS: completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
 
@@ -1011,25 +1011,9 @@ def completion_body(
 ) -> dict[str, Any]:
     """A whole (non-streamed) ``chat.completion`` or ``text_completion`` object."""
     lp = _logprobs_field(route, logprobs, tokenizer) if tokenizer is not None else None
-    if route == "chat":
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": lp,
-            "finish_reason": finish_reason,
-        }
-        kind = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
-        kind = "text_completion"
-    return {
-        "id": response_id,
-        "object": kind,
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "usage": usage,
-    }
+    return openai_shapes.answer_object(chat=route == "chat", response_id=response_id, created=created,
+                                       model=model, text=text, finish_reason=finish_reason, usage=usage,
+                                       logprobs=lp)  # fmt: skip
 
 
 def stream_chunk(
@@ -1045,41 +1029,23 @@ def stream_chunk(
     tokenizer: Tokenizer | None = None,
     text_offset: int = 0,
 ) -> dict[str, Any]:
-    """One SSE chunk. Chat: ``delta`` holds the role (first chunk) and/or content."""
+    """One SSE chunk (:func:`server.openai_shapes.stream_chunk`) with the engine's logprobs in wire shape."""
     lp = _logprobs_field(route, logprobs, tokenizer, text_offset) if tokenizer is not None else None
-    if route == "chat":
-        delta: dict[str, Any] = {}
-        if role:
-            delta["role"] = "assistant"
-        if text is not None:
-            delta["content"] = text
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
-        kind = "chat.completion.chunk"
-    else:
-        choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
-        kind = "text_completion"
-    return {"id": response_id, "object": kind, "created": created, "model": model, "choices": [choice]}
+    return openai_shapes.stream_chunk(chat=route == "chat", response_id=response_id, created=created,
+                                      model=model, text=text, role=role, finish_reason=finish_reason,
+                                      logprobs=lp)  # fmt: skip
 
 
 def usage_chunk(
     *, route: Route, response_id: str, created: int, model: str, usage: dict[str, int]
 ) -> dict[str, Any]:
-    kind = "chat.completion.chunk" if route == "chat" else "text_completion"
-    return {
-        "id": response_id,
-        "object": kind,
-        "created": created,
-        "model": model,
-        "choices": [],
-        "usage": usage,
-    }
+    return openai_shapes.usage_chunk(
+        chat=route == "chat", response_id=response_id, created=created, model=model, usage=usage
+    )
 
 
-def sse_event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
+sse_event = openai_shapes.sse_event
+SSE_DONE = openai_shapes.SSE_DONE
 
 
 class StreamWriterState:
