@@ -28,6 +28,7 @@ PYTHON = [sys.executable, "-m"]
 #: relay modes of the orchestrator benchmarks: name -> orchestrator flags
 MODES: dict[str, list[str]] = {
     "parsed": ["--relay", "parsed", "--no-gen-tokids-ctxbytes", "--no-gen-strip-message-history"],
+    "parsed-msgpack": ["--relay", "parsed-msgpack", "--no-gen-tokids-ctxbytes", "--no-gen-strip-message-history"],
     "gates-off": ["--relay", "fast", "--no-gen-tokids-ctxbytes", "--no-gen-strip-message-history"],
     "tokids-b64": ["--relay", "fast", "--gen-tokids-ctxbytes", "--no-gen-strip-message-history"],
     "both-gates": ["--relay", "fast", "--gen-tokids-ctxbytes", "--gen-strip-message-history"],

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.auth import SECRET_ENV as SHARED_SECRET_ENV
+from server.orchestrator.config import RELAY_MODES
 
 STOP_GRACE_S = 10.0
 POLL_S = 0.2
@@ -94,7 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="send only the last message to generation workers (default on)",
     )
-    parser.add_argument("--relay", choices=("fast", "parsed"), default="fast", help="orchestrator relay mode")
+    parser.add_argument("--relay", choices=RELAY_MODES, default="fast",
+                        help="orchestrator relay mode (default fast)")  # fmt: skip
     parser.add_argument(
         "--startup-timeout-s", type=float, default=300.0, help="give up if not healthy by then (default 300)"
     )

@@ -52,6 +52,12 @@ MAX_TOKENS = 8
 MODES: dict[str, dict[str, Any]] = {
     "parsed": {"relay": "parsed"},
     "parsed_gates_on": {"relay": "parsed", "gen_tokids_ctxbytes": True, "gen_strip_message_history": True},
+    "parsed_msgpack": {"relay": "parsed-msgpack"},
+    "parsed_msgpack_gates_on": {
+        "relay": "parsed-msgpack",
+        "gen_tokids_ctxbytes": True,
+        "gen_strip_message_history": True,
+    },
     "fast_gates_off": {"relay": "fast"},
     "fast_tokids": {"relay": "fast", "gen_tokids_ctxbytes": True},
     "fast_gates_on": {"relay": "fast", "gen_tokids_ctxbytes": True, "gen_strip_message_history": True},

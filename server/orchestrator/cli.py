@@ -17,7 +17,14 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-from .config import ConfigError, OrchestratorConfig, build_config, load_config_file, merge_overrides
+from .config import (
+    RELAY_MODES,
+    ConfigError,
+    OrchestratorConfig,
+    build_config,
+    load_config_file,
+    merge_overrides,
+)
 
 log = logging.getLogger("fastcore.orchestrator")
 
@@ -52,7 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="send only the last message to the generation worker (default off)",
     )
     parser.add_argument(
-        "--relay", choices=("fast", "parsed"), help="fast: zero-parse splices; parsed: the pydantic baseline"
+        "--relay",
+        choices=RELAY_MODES,
+        help="fast: zero-parse splices; parsed: the pydantic baseline; parsed-msgpack: it with msgpack legs "
+        "(as newer trtllm-serve orchestrators send them)",
     )
     parser.add_argument("--max-retries", type=int, help="context/generation leg retries on another worker")
     parser.add_argument("--request-timeout-s", type=float, help="per-leg timeout in seconds")

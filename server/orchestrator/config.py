@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -19,6 +19,10 @@ from server.auth import read_secret
 
 log = logging.getLogger("fastcore.orchestrator")
 
+
+#: the orchestrator's relay modes (server/orchestrator/relay_modes.py implements them)
+RelayModeName = Literal["fast", "parsed", "parsed-msgpack"]
+RELAY_MODES: tuple[str, ...] = get_args(RelayModeName)
 
 class ConfigError(ValueError):
     """A config file or flag the orchestrator cannot start with; says which key."""
@@ -98,8 +102,9 @@ class OrchestratorConfig(BaseModel):
     gen_strip_message_history: bool = False
     # "parsed" is the baseline a typical pydantic orchestrator implements
     # (json.loads -> models -> model_dump_json), kept so one deployment can
-    # compare both; "fast" never parses bodies in Python.
-    relay: Literal["fast", "parsed", "parsed-msgpack"] = "fast"
+    # compare both; "parsed-msgpack" the same with msgpack leg bodies, as newer
+    # trtllm-serve orchestrators send them; "fast" never parses bodies in Python.
+    relay: RelayModeName = "fast"
     max_retries: int = Field(1, ge=0)
     request_timeout_s: float = Field(180.0, gt=0)
     connect_timeout_s: float = Field(5.0, gt=0)
