@@ -47,7 +47,7 @@ def test_agentic_history_has_about_four_bytes_per_token() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("front", ["both-gates", "parsed", FLOOR])
+@pytest.mark.parametrize("front", ["both-gates", "parsed", "parsed-msgpack", FLOOR])
 def test_a_deployment_serves_the_load_generator(front: str) -> None:
     with Deployment(front, 2000) as dep:
         assert cpu_seconds(dep.front.proc.pid) >= 0 and rss_bytes(dep.front.proc.pid) > 0  # type: ignore[union-attr]
@@ -89,3 +89,18 @@ def test_hundreds_of_concurrent_streams_complete_without_errors() -> None:
         )
     assert level.requests == 512
     assert (level.errors, level.timeouts) == (0, 0), level.error_samples
+
+
+def test_the_relay_benchmark_races_every_contender_on_the_same_request(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """bench.relay checks first that every contender (the msgpack leg decoded) builds the request
+    the fast relay builds, then prints one row per size with each contender's time."""
+    from bench import relay as bench_relay
+
+    assert bench_relay.main(["--sizes", "1000", "--min-time", "0.01"]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("| prompt ids"))
+    assert "(a') pydantic msgpack" in header and "a'/e" in header
+    row = next(line for line in out.splitlines() if line.startswith("| 1,000"))
+    assert len(row.split("|")) == len(header.split("|"))
