@@ -55,8 +55,8 @@ from typing import Any
 import aiohttp
 import pytest
 import pytest_asyncio
-import torch
 from pydantic import ValidationError
+from tiny_workers import LiveWorker, one_torch_thread, tiny_worker  # noqa: F401 (an autouse fixture)
 from trtllm_standin import (
     AUTH_HEADER,
     MSGPACK_HEADER,
@@ -71,9 +71,6 @@ from trtllm_standin import (
 )
 
 from server.auth import SIGNATURE_HEADER, sign_body
-from server.worker.app import WorkerSettings, start_worker
-from server.worker.engine import TorchEngine
-from server.worker.tiny import build_tiny
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -104,36 +101,15 @@ MODELS = {
 DEAD_ENDPOINT = "http://127.0.0.1:1/kv/5"
 
 
-class Worker:
-    def __init__(self, server: Any, port: int) -> None:
-        self.server = server
-        self.url = f"http://127.0.0.1:{port}"
-
-
-async def launch(role: str, **settings: Any) -> Worker:
-    config, model, tokenizer = build_tiny()
-    engine = TorchEngine(config, model, tokenizer, kv_tokens=1 << 13)
-    server, port = await start_worker(engine, WorkerSettings(role=role, **settings))
-    return Worker(server, port)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def workers() -> AsyncIterator[dict[str, Worker]]:
+async def workers() -> AsyncIterator[dict[str, LiveWorker]]:
     trtllm = {"accept_trtllm_orchestrator": True}
     started = {
-        "both": await launch("both"),
-        "ctx-open": await launch("context", **trtllm),
-        "gen-open": await launch("generation", **trtllm),
-        "ctx-auth": await launch("context", shared_secret=SECRET, **trtllm),
-        "gen-auth": await launch("generation", shared_secret=SECRET, **trtllm),
+        "both": await tiny_worker("both"),
+        "ctx-open": await tiny_worker("context", **trtllm),
+        "gen-open": await tiny_worker("generation", **trtllm),
+        "ctx-auth": await tiny_worker("context", shared_secret=SECRET, **trtllm),
+        "gen-auth": await tiny_worker("generation", shared_secret=SECRET, **trtllm),
     }
     yield started
     for worker in started.values():
@@ -315,7 +291,7 @@ def assert_openai_error(doc: dict[str, Any], status_code: str) -> None:
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "sse"])
 @pytest.mark.parametrize("route", ["chat", "completions"])
 async def test_trtllm_orchestrator_gets_the_single_worker_tokens(
-    workers: dict[str, Worker],
+    workers: dict[str, LiveWorker],
     http: aiohttp.ClientSession,
     route: str,
     stream: bool,
@@ -367,7 +343,7 @@ async def test_trtllm_orchestrator_gets_the_single_worker_tokens(
 
 
 async def test_every_field_of_trtllms_disaggregated_params_is_taken(
-    workers: dict[str, Worker], http: aiohttp.ClientSession
+    workers: dict[str, LiveWorker], http: aiohttp.ClientSession
 ) -> None:
     """A generation leg with every DisaggregatedParams field trtllm models set (ctx_dp_rank,
     the first-token logprobs, resolved_thinking, ...): the worker reads what it needs."""
@@ -400,7 +376,7 @@ async def test_every_field_of_trtllms_disaggregated_params_is_taken(
 
 
 async def test_a_context_answer_that_finishes_is_the_answer(
-    workers: dict[str, Worker], http: aiohttp.ClientSession
+    workers: dict[str, LiveWorker], http: aiohttp.ClientSession
 ) -> None:
     """A stop string met by the first token: the context answer says "stop", so trtllm's
     orchestrator sends no generation leg and answers with it (its hand-off removed)."""
@@ -422,11 +398,11 @@ async def test_a_context_answer_that_finishes_is_the_answer(
 @pytest.mark.parametrize("route", ["chat", "completions"])
 @pytest.mark.parametrize("asked", [False, True])
 async def test_base64_prompt_ids_only_when_asked(
-    workers: dict[str, Worker], http: aiohttp.ClientSession, route: str, asked: bool
+    workers: dict[str, LiveWorker], http: aiohttp.ClientSession, route: str, asked: bool
 ) -> None:
     """A fastcore worker (no trtllm orchestrator in front) answers base64 on both routes, and only
     when asked; one fronted by trtllm's orchestrator answers the list on completions."""
-    plain = await launch("context")
+    plain = await tiny_worker("context")
     try:
         path, base = ROUTES[route]
         params: dict[str, Any] = {"request_type": "context_only", "disagg_request_id": 9}
@@ -471,7 +447,7 @@ def generation_leg(endpoint: str | None = DEAD_ENDPOINT, **extra: Any) -> dict[s
 
 @pytest.mark.parametrize("wire", ["json", "msgpack"])
 async def test_a_generation_leg_naming_the_kv_needs_a_valid_trtllm_header(
-    workers: dict[str, Worker], http: aiohttp.ClientSession, wire: str
+    workers: dict[str, LiveWorker], http: aiohttp.ClientSession, wire: str
 ) -> None:
     url = workers["gen-auth"].url + "/v1/completions"
     leg = generation_leg()
@@ -511,7 +487,7 @@ async def test_a_generation_leg_naming_the_kv_needs_a_valid_trtllm_header(
 
 
 async def test_a_fastcore_signature_authenticates_without_the_trtllm_header(
-    workers: dict[str, Worker], http: aiohttp.ClientSession
+    workers: dict[str, LiveWorker], http: aiohttp.ClientSession
 ) -> None:
     """Over msgpack too: the signature is over the body's bytes as sent."""
     url = workers["gen-auth"].url + "/v1/completions"
@@ -527,11 +503,11 @@ async def test_a_fastcore_signature_authenticates_without_the_trtllm_header(
 
 
 async def test_unsigned_legs_that_do_not_name_the_kv_need_the_trtllm_flag(
-    workers: dict[str, Worker], http: aiohttp.ClientSession
+    workers: dict[str, LiveWorker], http: aiohttp.ClientSession
 ) -> None:
     """trtllm's context legs, and generation legs without ctx_info_endpoint, carry no auth: with a
     secret they pass only on a worker started with accept_trtllm_orchestrator."""
-    strict = await launch("both", shared_secret=SECRET)
+    strict = await tiny_worker("both", shared_secret=SECRET)
     try:
         leg = json.dumps(generation_leg(endpoint=None)).encode()
         context = json.dumps(
@@ -555,9 +531,9 @@ async def test_unsigned_legs_that_do_not_name_the_kv_need_the_trtllm_flag(
 
 
 async def test_a_separate_trtllm_key_and_a_key_without_a_secret(http: aiohttp.ClientSession) -> None:
-    separate = await launch("generation", shared_secret=SECRET, trtllm_auth_key=OTHER_KEY,
+    separate = await tiny_worker("generation", shared_secret=SECRET, trtllm_auth_key=OTHER_KEY,
                             accept_trtllm_orchestrator=True)  # fmt: skip
-    key_only = await launch("generation", trtllm_auth_key=OTHER_KEY)
+    key_only = await tiny_worker("generation", trtllm_auth_key=OTHER_KEY)
     try:
         body = json.dumps(generation_leg()).encode()
         for worker in (separate, key_only):
@@ -620,7 +596,7 @@ def _deep(levels: int) -> bytes:
     ids=lambda v: v if isinstance(v, str) else None,
 )
 async def test_hostile_msgpack_bodies_are_400s_naming_the_problem(
-    workers: dict[str, Worker], http: aiohttp.ClientSession, body: bytes, needle: str
+    workers: dict[str, LiveWorker], http: aiohttp.ClientSession, body: bytes, needle: str
 ) -> None:
     status, doc = await status_of(http, workers["both"].url + "/v1/completions", body, {MSGPACK_HEADER: "1"})
     assert status == 400, doc
@@ -629,7 +605,7 @@ async def test_hostile_msgpack_bodies_are_400s_naming_the_problem(
 
 
 async def test_a_body_without_the_msgpack_flag_is_json(
-    workers: dict[str, Worker], http: aiohttp.ClientSession
+    workers: dict[str, LiveWorker], http: aiohttp.ClientSession
 ) -> None:
     body = msgpack_encode(COMPLETION_BODY)
     for headers in ({}, {MSGPACK_HEADER: "0"}):

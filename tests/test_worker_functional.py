@@ -21,11 +21,10 @@ import aiohttp
 import pytest
 import pytest_asyncio
 import torch
+from tiny_workers import LiveWorker, one_torch_thread, tiny_worker  # noqa: F401 (an autouse fixture)
 
 from server.auth import SIGNATURE_HEADER, sign_body
-from server.worker.app import WorkerSettings, kv_signature, start_worker
-from server.worker.engine import TorchEngine
-from server.worker.tiny import build_tiny
+from server.worker.app import kv_signature
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -47,39 +46,16 @@ COMPLETION_BODY = {
 ROUTES = {"chat": ("/v1/chat/completions", CHAT_BODY), "completions": ("/v1/completions", COMPLETION_BODY)}
 
 
-class Worker:
-    def __init__(self, runner: Any, port: int, engine: TorchEngine) -> None:
-        self.runner = runner
-        self.url = f"http://127.0.0.1:{port}"
-        self.engine = engine
-
-
-async def launch(role: str = "both", *, kv_tokens: int = 1 << 14, **settings: Any) -> Worker:
-    config, model, tokenizer = build_tiny()
-    engine = TorchEngine(config, model, tokenizer, kv_tokens=kv_tokens)
-    runner, port = await start_worker(engine, WorkerSettings(role=role, **settings))
-    return Worker(runner, port, engine)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Any:
-    # Several engines share 2 cores in CI; one intra-op thread each avoids oversubscription.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def workers() -> AsyncIterator[dict[str, Worker]]:
+async def workers() -> AsyncIterator[dict[str, LiveWorker]]:
     started = {
-        "both": await launch("both"),
-        "context": await launch("context", kv_ttl_s=30.0),
-        "generation": await launch("generation", kv_fetch_timeout_s=5.0),
+        "both": await tiny_worker("both"),
+        "context": await tiny_worker("context", kv_ttl_s=30.0),
+        "generation": await tiny_worker("generation", kv_fetch_timeout_s=5.0),
     }
     yield started
     for w in started.values():
-        await w.runner.cleanup()
+        await w.server.cleanup()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -126,7 +102,7 @@ def outcome(route: str, result: Any) -> dict[str, Any]:
 
 
 async def context_leg(
-    http: aiohttp.ClientSession, ctx: Worker, route: str, body: dict[str, Any], b64: bool
+    http: aiohttp.ClientSession, ctx: LiveWorker, route: str, body: dict[str, Any], b64: bool
 ) -> dict[str, Any]:
     path = ROUTES[route][0]
     params: dict[str, Any] = {"request_type": "context_only", "disagg_request_id": 7205759403792793601}
@@ -152,7 +128,7 @@ def generation_request(route: str, body: dict[str, Any], ctx: dict[str, Any], b6
     return gen
 
 
-async def metric(http: aiohttp.ClientSession, worker: Worker, name: str) -> float:
+async def metric(http: aiohttp.ClientSession, worker: LiveWorker, name: str) -> float:
     async with http.get(worker.url + "/metrics") as resp:
         text = await resp.text()
     match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
@@ -175,7 +151,12 @@ async def wait_for(predicate: Any, what: str, timeout: float = 10.0) -> None:
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 @pytest.mark.parametrize("route", ["chat", "completions"])
 async def test_disaggregated_equals_single_worker(
-    workers: dict[str, Worker], http: aiohttp.ClientSession, route: str, stream: bool, ids: str, handoff: str
+    workers: dict[str, LiveWorker],
+    http: aiohttp.ClientSession,
+    route: str,
+    stream: bool,
+    ids: str,
+    handoff: str,
 ) -> None:
     path, base = ROUTES[route]
     body = {**base, "stream": stream}
@@ -226,7 +207,7 @@ async def test_disaggregated_equals_single_worker(
 
 @pytest.mark.parametrize("route", ["chat", "completions"])
 async def test_disaggregated_logprobs_and_seeded_sampling(
-    workers: dict[str, Worker], http: aiohttp.ClientSession, route: str
+    workers: dict[str, LiveWorker], http: aiohttp.ClientSession, route: str
 ) -> None:
     path, base = ROUTES[route]
     body = {**base, "temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 1234}
@@ -254,7 +235,7 @@ async def test_disaggregated_logprobs_and_seeded_sampling(
 
 
 async def test_context_answers_when_first_token_finishes(
-    workers: dict[str, Worker], http: aiohttp.ClientSession
+    workers: dict[str, LiveWorker], http: aiohttp.ClientSession
 ) -> None:
     path, base = ROUTES["completions"]
     status, ctx = await call(http, workers["context"].url + path, {**base, "max_tokens": 1,
@@ -279,9 +260,9 @@ async def test_context_answers_when_first_token_finishes(
 
 
 async def test_kv_unreachable_or_expired_recomputes(
-    http: aiohttp.ClientSession, workers: dict[str, Worker]
+    http: aiohttp.ClientSession, workers: dict[str, LiveWorker]
 ) -> None:
-    ctx_worker = await launch("context", kv_ttl_s=0.2)
+    ctx_worker = await tiny_worker("context", kv_ttl_s=0.2)
     try:
         path, body = ROUTES["chat"]
         ctx = await context_leg(http, ctx_worker, "chat", body, b64=True)
@@ -300,7 +281,7 @@ async def test_kv_unreachable_or_expired_recomputes(
         # Context worker gone: connection refused, same answer by recomputing.
         ctx = await context_leg(http, ctx_worker, "chat", body, b64=False)
     finally:
-        await ctx_worker.runner.cleanup()
+        await ctx_worker.server.cleanup()
     before = await metric(http, gen_worker, 'fastcore_worker_kv_fetch_failures_total{reason="unreachable"}')
     status, gen = await call(http, gen_worker.url + path, generation_request("chat", body, ctx, False))
     assert status == 200 and outcome("chat", gen) == outcome("chat", single)
@@ -309,7 +290,7 @@ async def test_kv_unreachable_or_expired_recomputes(
 
 
 async def test_kv_that_does_not_belong_is_not_used(
-    workers: dict[str, Worker], http: aiohttp.ClientSession
+    workers: dict[str, LiveWorker], http: aiohttp.ClientSession
 ) -> None:
     path, body = ROUTES["completions"]
     gen_worker = workers["generation"]
@@ -354,7 +335,7 @@ async def _async(value: Any) -> Any:
 
 
 async def test_concurrent_mixed_lengths_equal_solo_runs(
-    workers: dict[str, Worker], http: aiohttp.ClientSession
+    workers: dict[str, LiveWorker], http: aiohttp.ClientSession
 ) -> None:
     url = workers["both"].url + "/v1/completions"
     bodies = [
@@ -425,7 +406,7 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize(("route", "body", "status", "message", "param"), BAD_INPUTS)
 async def test_bad_input_is_an_openai_error(
-    workers: dict[str, Worker],
+    workers: dict[str, LiveWorker],
     http: aiohttp.ClientSession,
     route: str,
     body: Any,
@@ -443,7 +424,7 @@ async def test_bad_input_is_an_openai_error(
     assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
 
 
-async def test_engine_survives_bad_input(workers: dict[str, Worker], http: aiohttp.ClientSession) -> None:
+async def test_engine_survives_bad_input(workers: dict[str, LiveWorker], http: aiohttp.ClientSession) -> None:
     url = workers["generation"].url
     for route, body, *_ in BAD_INPUTS:
         await call(
@@ -480,7 +461,12 @@ TOKEN_FIELD_BAD_INPUTS = [
 
 @pytest.mark.parametrize(("route", "raw", "message", "param"), TOKEN_FIELD_BAD_INPUTS)
 async def test_token_field_and_parser_limits_are_400s(
-    workers: dict[str, Worker], http: aiohttp.ClientSession, route: str, raw: bytes, message: str, param: Any
+    workers: dict[str, LiveWorker],
+    http: aiohttp.ClientSession,
+    route: str,
+    raw: bytes,
+    message: str,
+    param: Any,
 ) -> None:
     status, resp = await call(http, workers["generation"].url + ROUTES[route][0], raw)
     assert status == 400, resp
@@ -490,7 +476,7 @@ async def test_token_field_and_parser_limits_are_400s(
 
 @pytest.mark.parametrize("route", ["chat", "completions"])
 async def test_long_id_prompts_in_both_forms_give_one_answer(
-    workers: dict[str, Worker], http: aiohttp.ClientSession, route: str
+    workers: dict[str, LiveWorker], http: aiohttp.ClientSession, route: str
 ) -> None:
     """Ids far longer than a test prompt, as a list and as base64, escaped or not: the same completion."""
     ids = [(i * 37 + 11) % 256 for i in range(1500)]
@@ -507,7 +493,9 @@ async def test_long_id_prompts_in_both_forms_give_one_answer(
     assert texts[0] == texts[1] == texts[2] and texts[0]["usage"]["prompt_tokens"] == 1500
 
 
-async def test_roles_refuse_the_other_leg(workers: dict[str, Worker], http: aiohttp.ClientSession) -> None:
+async def test_roles_refuse_the_other_leg(
+    workers: dict[str, LiveWorker], http: aiohttp.ClientSession
+) -> None:
     ctx_only = {
         **COMPLETION_BODY,
         "disaggregated_params": {"request_type": "context_only", "disagg_request_id": 3},
@@ -520,7 +508,7 @@ async def test_roles_refuse_the_other_leg(workers: dict[str, Worker], http: aioh
 
 
 async def test_unknown_routes_and_kv_ids_are_openai_errors(
-    workers: dict[str, Worker], http: aiohttp.ClientSession
+    workers: dict[str, LiveWorker], http: aiohttp.ClientSession
 ) -> None:
     url = workers["context"].url
     for method, path, status in [("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405),
@@ -532,8 +520,8 @@ async def test_unknown_routes_and_kv_ids_are_openai_errors(
 
 async def test_shared_secret_guards_internal_requests(http: aiohttp.ClientSession) -> None:
     secret = b"s3cret"
-    ctx_worker = await launch("context", shared_secret=secret)
-    gen_worker = await launch("generation", shared_secret=secret)
+    ctx_worker = await tiny_worker("context", shared_secret=secret)
+    gen_worker = await tiny_worker("generation", shared_secret=secret)
     try:
         url = ctx_worker.url + "/v1/completions"
         ctx_body = json.dumps({**COMPLETION_BODY,
@@ -564,15 +552,15 @@ async def test_shared_secret_guards_internal_requests(http: aiohttp.ClientSessio
         path = "/kv/" + str(ctx["choices"][0]["disaggregated_params"]["ctx_request_id"])
         assert kv_signature(secret, path).startswith("t=")
     finally:
-        await ctx_worker.runner.cleanup()
-        await gen_worker.runner.cleanup()
+        await ctx_worker.server.cleanup()
+        await gen_worker.server.cleanup()
 
 
 # ---------------------------------------------------------------- admission, cancellation, metrics
 
 
 async def test_full_worker_answers_503_then_recovers(http: aiohttp.ClientSession) -> None:
-    small = await launch("both", kv_tokens=256, admission_wait_s=0)
+    small = await tiny_worker("both", kv_tokens=256, admission_wait_s=0)
     try:
         url = small.url + "/v1/completions"
         hold = {
@@ -599,10 +587,10 @@ async def test_full_worker_answers_503_then_recovers(http: aiohttp.ClientSession
         assert status == 400 and "whole KV cache holds 256" in resp["error"]["message"]
         assert resp["error"]["param"] == "max_tokens"
     finally:
-        await small.runner.cleanup()
+        await small.server.cleanup()
 
 
-def slow_down(worker: Worker, seconds: float) -> None:
+def slow_down(worker: LiveWorker, seconds: float) -> None:
     """Every forward step of ``worker``'s model takes ``seconds`` longer (time for a test to act)."""
     model = worker.engine.model
     real_step = model.forward_step
@@ -619,7 +607,7 @@ HOLD = {"model": "tiny", "prompt": "hold the cache", "max_tokens": 200, "tempera
 
 
 async def test_request_that_does_not_fit_waits_for_room_then_runs(http: aiohttp.ClientSession) -> None:
-    small = await launch("both", kv_tokens=256, admission_wait_s=60)
+    small = await tiny_worker("both", kv_tokens=256, admission_wait_s=60)
     slow_down(small, 0.005)  # the holder still decodes while the waiter queues
     try:
         url = small.url + "/v1/completions"
@@ -639,11 +627,11 @@ async def test_request_that_does_not_fit_waits_for_room_then_runs(http: aiohttp.
         assert await metric(http, small, "fastcore_worker_waiting_for_kv") == 0
         assert await metric(http, small, 'fastcore_worker_rejected_total{reason="kv_full"}') == 0
     finally:
-        await small.runner.cleanup()
+        await small.server.cleanup()
 
 
 async def test_admission_wait_is_bounded_in_time_and_in_waiters(http: aiohttp.ClientSession) -> None:
-    small = await launch("both", kv_tokens=256, admission_wait_s=0.3, max_waiting=1)
+    small = await tiny_worker("both", kv_tokens=256, admission_wait_s=0.3, max_waiting=1)
     slow_down(small, 0.01)  # the holder's 240 steps outlive every wait below
     try:
         url = small.url + "/v1/completions"
@@ -681,12 +669,12 @@ async def test_admission_wait_is_bounded_in_time_and_in_waiters(http: aiohttp.Cl
             assert await metric(http, small, "fastcore_worker_waiting_for_kv") == 0
         assert await metric(http, small, 'fastcore_worker_rejected_total{reason="kv_full"}') == 2
     finally:
-        await small.runner.cleanup()
+        await small.server.cleanup()
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["sse", "json"])
 async def test_client_disconnect_frees_the_slot(
-    workers: dict[str, Worker], http: aiohttp.ClientSession, stream: bool
+    workers: dict[str, LiveWorker], http: aiohttp.ClientSession, stream: bool
 ) -> None:
     worker = workers["both"]
     generated_before = worker.engine.generated_tokens_total
@@ -709,7 +697,9 @@ async def test_client_disconnect_frees_the_slot(
     assert worker.engine.generated_tokens_total - generated_before < 2000
 
 
-async def test_metrics_and_info_endpoints(workers: dict[str, Worker], http: aiohttp.ClientSession) -> None:
+async def test_metrics_and_info_endpoints(
+    workers: dict[str, LiveWorker], http: aiohttp.ClientSession
+) -> None:
     worker = workers["both"]
     await call(http, worker.url + "/v1/completions", COMPLETION_BODY)
     async with http.get(worker.url + "/metrics") as resp:
@@ -732,7 +722,7 @@ async def test_metrics_and_info_endpoints(workers: dict[str, Worker], http: aioh
 
 
 async def test_a_stopped_engine_is_unhealthy_and_refuses_work(http: aiohttp.ClientSession) -> None:
-    worker = await launch("both")
+    worker = await tiny_worker("both")
     try:
         await asyncio.get_running_loop().run_in_executor(None, worker.engine.stop)
         async with http.get(worker.url + "/health") as resp:
@@ -743,12 +733,12 @@ async def test_a_stopped_engine_is_unhealthy_and_refuses_work(http: aiohttp.Clie
             assert (await resp.json())["error"]["code"] == "engine_down"
         assert worker.engine.kv_used_tokens == 0
     finally:
-        await worker.runner.cleanup()
+        await worker.server.cleanup()
 
 
 async def test_engine_failures_reach_the_client_as_errors(http: aiohttp.ClientSession) -> None:
     """Fault injection on a live worker: a forward that raises, at prefill and mid-stream."""
-    worker = await launch("both")
+    worker = await tiny_worker("both")
     model = worker.engine.model
     real_step = model.forward_step
     calls = {"n": 0, "fail_from": 0}
@@ -781,11 +771,11 @@ async def test_engine_failures_reach_the_client_as_errors(http: aiohttp.ClientSe
         status, resp = await call(http, url, COMPLETION_BODY)
         assert status == 200 and resp["choices"][0]["finish_reason"] == "length"
     finally:
-        await worker.runner.cleanup()
+        await worker.server.cleanup()
 
 
 async def test_the_official_openai_client_reads_every_shape(
-    workers: dict[str, Worker], http: aiohttp.ClientSession
+    workers: dict[str, LiveWorker], http: aiohttp.ClientSession
 ) -> None:
     from openai import AsyncOpenAI, NotFoundError
 

@@ -22,49 +22,18 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import torch
+from tiny_workers import LiveWorker, one_torch_thread, synthetic_worker, tiny_worker  # noqa: F401 (an autouse fixture)
 
 from server.auth import SIGNATURE_HEADER, sign_body
-from server.worker.app import KVSources, WorkerSettings, kv_signature, start_worker
-from server.worker.engine import TorchEngine
-from server.worker.synthetic import SyntheticEngine
-from server.worker.tiny import build_tiny
+from server.worker.app import KVSources, WorkerSettings, kv_signature
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 SECRET = b"hardening-secret"
 
 
-class Live:
-    def __init__(self, server: Any, port: int, engine: Any) -> None:
-        self.server = server
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        self.engine = engine
-
-
-async def torch_worker(role: str = "both", *, kv_tokens: int = 4096, **settings: Any) -> Live:
-    config, model, tokenizer = build_tiny()
-    engine = TorchEngine(config, model, tokenizer, kv_tokens=kv_tokens)
-    server, port = await start_worker(engine, WorkerSettings(role=role, **settings))
-    return Live(server, port, engine)
-
-
-async def synthetic_worker(role: str = "both", **settings: Any) -> Live:
-    engine = SyntheticEngine(64)
-    server, port = await start_worker(engine, WorkerSettings(role=role, model_name="synthetic", **settings))
-    return Live(server, port, engine)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def synthetic() -> AsyncIterator[Live]:
+async def synthetic() -> AsyncIterator[LiveWorker]:
     worker = await synthetic_worker(
         "context",
         shared_secret=SECRET,
@@ -185,7 +154,7 @@ async def abandon(port: int, body: bytes, delay: float, reset: bool) -> None:
 
 async def test_an_abandon_flood_leaves_no_kv_behind_and_honest_requests_are_served() -> None:
     """Rounds of context legs whose clients hang up mid-leg: their KV is freed at once, not after kv_ttl."""
-    ctx = await torch_worker("context", kv_tokens=4096, kv_ttl_s=120.0)
+    ctx = await tiny_worker("context", kv_tokens=4096, kv_ttl_s=120.0)
     model = ctx.engine.model
     real_step = model.forward_step
 
@@ -235,7 +204,7 @@ async def test_an_abandon_flood_leaves_no_kv_behind_and_honest_requests_are_serv
 
 async def test_honest_requests_during_an_abandon_flood_wait_for_room_instead_of_503() -> None:
     """The flood and honest traffic at once: each round asks for 4x the cache; honest legs queue, none fails."""
-    ctx = await torch_worker("context", kv_tokens=4096, kv_ttl_s=120.0)
+    ctx = await tiny_worker("context", kv_tokens=4096, kv_ttl_s=120.0)
     model = ctx.engine.model
     real_step = model.forward_step
 
@@ -280,7 +249,7 @@ async def test_a_client_gone_after_its_leg_parked_frees_the_kv() -> None:
     The loop is held up while the engine thread finishes the prefill and the
     client resets the connection, so the park lands before the cancel.
     """
-    ctx = await torch_worker("context", kv_ttl_s=120.0)
+    ctx = await tiny_worker("context", kv_ttl_s=120.0)
     loop = asyncio.get_running_loop()
     model = ctx.engine.model
     real_step = model.forward_step
@@ -324,7 +293,7 @@ async def test_a_kv_fetch_abandoned_while_the_executor_is_busy_still_frees_the_k
     freed the blocks again (seen after ``bench.load --abuse`` as one context
     leg's KV held, not parked, until restart).
     """
-    ctx = await torch_worker("context", kv_ttl_s=120.0)
+    ctx = await tiny_worker("context", kv_ttl_s=120.0)
     loop = asyncio.get_running_loop()
     previous = getattr(loop, "_default_executor", None)  # restored below; asyncio has no getter
     busy = ThreadPoolExecutor(max_workers=1)
@@ -361,7 +330,7 @@ async def test_a_kv_fetch_abandoned_while_the_executor_is_busy_still_frees_the_k
 
 
 async def test_parked_kv_is_bounded_the_oldest_going_first() -> None:
-    ctx = await torch_worker("context", kv_tokens=2048, max_parked_fraction=0.25)  # 512 tokens parked at most
+    ctx = await tiny_worker("context", kv_tokens=2048, max_parked_fraction=0.25)  # 512 tokens parked at most
     try:
         ids = []
         for i in range(3):  # 13 blocks of 16 each: the third goes over 512
@@ -380,7 +349,7 @@ async def test_parked_kv_is_bounded_the_oldest_going_first() -> None:
 
 
 async def test_a_request_that_does_not_fit_evicts_parked_kv_before_a_503() -> None:
-    ctx = await torch_worker("context", kv_tokens=1024, max_parked_fraction=1.0, admission_wait_s=0)
+    ctx = await tiny_worker("context", kv_tokens=1024, max_parked_fraction=1.0, admission_wait_s=0)
     try:
         ids = []
         for i in range(4):  # 4 x 256 tokens: the whole cache parked
@@ -413,7 +382,7 @@ async def test_a_request_that_does_not_fit_evicts_parked_kv_before_a_503() -> No
 async def test_a_fresh_parked_entry_is_spared_while_waiting_and_evicted_at_the_deadline() -> None:
     # A request that does not fit waits rather than evict KV parked just now (its
     # generation leg is likely fetching it); when the wait runs out, it goes before any 503.
-    ctx = await torch_worker("context", kv_tokens=1024, max_parked_fraction=1.0, admission_wait_s=0.4)
+    ctx = await tiny_worker("context", kv_tokens=1024, max_parked_fraction=1.0, admission_wait_s=0.4)
     try:
         for i in range(4):  # 4 x 256 tokens: the whole cache parked, all of it fresh
             assert (await post(ctx.port, "/v1/completions", context_body("q" * 239, i))).status == 200
@@ -431,7 +400,7 @@ async def test_a_fresh_parked_entry_is_spared_while_waiting_and_evicted_at_the_d
 
 
 async def test_a_replayed_signed_context_leg_is_refused() -> None:
-    ctx = await torch_worker("context", shared_secret=SECRET)
+    ctx = await tiny_worker("context", shared_secret=SECRET)
     try:
         body = json.dumps(context_body("replay me")).encode()
         signature = sign_body(SECRET, body)
@@ -465,7 +434,7 @@ async def test_a_replayed_signed_context_leg_is_refused() -> None:
 
 
 async def test_parked_kv_released_by_a_signed_delete_only() -> None:
-    ctx = await torch_worker("context", shared_secret=SECRET)
+    ctx = await tiny_worker("context", shared_secret=SECRET)
     try:
         first = await post(ctx.port, "/v1/completions", body := json.dumps(context_body("release me")).encode(),
                            **{SIGNATURE_HEADER: sign_body(SECRET, body)})  # fmt: skip
@@ -512,7 +481,7 @@ async def test_parked_kv_released_by_a_signed_delete_only() -> None:
     ],
     ids=["non-ascii", "empty", "short", "not-a-time", "binary", "old-scheme"],
 )
-async def test_any_signature_header_bytes_are_a_403_never_a_500(synthetic: Live, header: bytes) -> None:
+async def test_any_signature_header_bytes_are_a_403_never_a_500(synthetic: LiveWorker, header: bytes) -> None:
     body = json.dumps({"prompt": "x", "max_tokens": 2}).encode()
     error = assert_openai_error(
         await post(synthetic.port, "/v1/completions", body, **{SIGNATURE_HEADER: header}), 403
@@ -533,13 +502,13 @@ UNSIGNED_DISAGG = [
 
 @pytest.mark.parametrize("raw", UNSIGNED_DISAGG, ids=["plain", "escaped-key", "not-an-object"])
 async def test_an_unsigned_internal_request_is_refused_before_it_is_parsed(
-    synthetic: Live, raw: bytes
+    synthetic: LiveWorker, raw: bytes
 ) -> None:
     error = assert_openai_error(await post(synthetic.port, "/v1/completions", raw), 403)
     assert error["code"] == "missing_signature" and error["param"] == "disaggregated_params"
 
 
-async def test_unsigned_plain_requests_still_go_through_the_parser(synthetic: Live) -> None:
+async def test_unsigned_plain_requests_still_go_through_the_parser(synthetic: LiveWorker) -> None:
     # No disaggregated_params (or a null one): the parser's own answers.
     assert (await post(synthetic.port, "/v1/completions", {"prompt": "x", "max_tokens": 2})).status == 200
     null = b'{"prompt": "x", "max_tokens": 2, "disaggregated_params": null}'
@@ -556,7 +525,7 @@ async def test_unsigned_plain_requests_still_go_through_the_parser(synthetic: Li
 # ---------------------------------------------------------------- the HTTP layer
 
 
-async def test_framework_errors_are_openai_json_without_a_server_banner(synthetic: Live) -> None:
+async def test_framework_errors_are_openai_json_without_a_server_banner(synthetic: LiveWorker) -> None:
     port = synthetic.port
     ok = await get(port, "/health")
     assert ok.status == 200 and "server" not in ok.headers
@@ -580,7 +549,7 @@ async def test_framework_errors_are_openai_json_without_a_server_banner(syntheti
 
 
 @pytest.mark.parametrize("raw_id", ["abc", "+5", "1_000", "1" * 21, ""])
-async def test_kv_ids_that_are_not_ascii_digits_are_400s(synthetic: Live, raw_id: str) -> None:
+async def test_kv_ids_that_are_not_ascii_digits_are_400s(synthetic: LiveWorker, raw_id: str) -> None:
     path = "/kv/" + raw_id
     resp = await get(synthetic.port, path, **{SIGNATURE_HEADER: kv_signature(SECRET, path)})
     assert assert_openai_error(resp, 400)["param"] == "ctx_request_id"
@@ -641,12 +610,12 @@ def generation_body(endpoint: str) -> dict[str, Any]:
 async def test_kv_is_fetched_only_from_allowed_sources() -> None:
     listener = Listener()
     listen_port = await listener.start()
-    ctx = await torch_worker("context")
-    gen = await torch_worker("generation", kv_allow=(f"127.0.0.1:{ctx.port}",))
-    loose = await torch_worker("generation")  # no secret, no list: loopback only
+    ctx = await tiny_worker("context")
+    gen = await tiny_worker("generation", kv_allow=(f"127.0.0.1:{ctx.port}",))
+    loose = await tiny_worker("generation")  # no secret, no list: loopback only
     try:
 
-        async def failures(worker: Live) -> float:
+        async def failures(worker: LiveWorker) -> float:
             return await metric(worker.port, 'fastcore_worker_kv_fetch_failures_total{reason="not_allowed"}')
 
         refused = [
