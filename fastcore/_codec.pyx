@@ -23,6 +23,7 @@ from libc.stdint cimport INT32_MAX, INT32_MIN, int32_t, int64_t, uint8_t
 
 from fastcore._codec_py import (
     _changed_size_error,
+    _char_error,
     _check_out_format,
     _data_type_error,
     _decode_error,
@@ -350,13 +351,15 @@ cdef Py_ssize_t _token_count(const Source *src, object max_tokens) except -1:
     """Everything the length alone decides, before any allocation."""
     cdef Py_ssize_t limit = -1 if max_tokens is None else _max_tokens_limit(max_tokens)
     cdef Py_ssize_t nbytes
+    # A length problem is raised only after a look for a bad character (error path only: a
+    # copy and one scan), which is what a caller needs to hear about first.
     if src.length % 4:
-        raise _length_error(src.length)
+        raise _char_error(src.data[:src.length]) or _length_error(src.length)
     nbytes = src.length // 4 * 3 - _pad_count(src)
     if limit >= 0 and nbytes // 4 > limit:
-        raise _too_many_error(nbytes // 4, limit)
+        raise _char_error(src.data[:src.length]) or _too_many_error(nbytes // 4, limit)
     if nbytes % 4:
-        raise _partial_id_error(nbytes)
+        raise _char_error(src.data[:src.length]) or _partial_id_error(nbytes)
     return nbytes // 4
 
 

@@ -230,34 +230,49 @@ def _source_bytes(data: Any) -> bytes:
     return view.tobytes()
 
 
+def _pad_count(raw: bytes) -> int:
+    """How many ``=`` end ``raw`` as padding (at most 2)."""
+    if not raw or raw[-1] != 0x3D:
+        return 0
+    return 2 if len(raw) >= 2 and raw[-2] == 0x3D else 1
+
+
+def _char_error(raw: bytes) -> TokenDecodeError | None:
+    """The error for the first byte of ``raw`` that is no base64 character (or a ``=`` that is
+    no final padding), whatever the length; None when there is none.
+
+    The length checks consult it before they raise: a bad character is what a caller needs
+    to hear about first (it usually explains the length too).
+    """
+    bad = _NOT_BASE64.search(raw, 0, len(raw) - _pad_count(raw))
+    if bad is None:
+        return None
+    offset = bad.start()
+    byte = raw[offset]
+    return _decode_error(MISPLACED_PAD if byte == 0x3D else BAD_CHAR, offset, byte)
+
+
 def _token_count(raw: bytes, max_tokens: object) -> int:
     """Checks everything that the length alone decides; returns the id count."""
     length = len(raw)
     limit = -1 if max_tokens is None else _max_tokens_limit(max_tokens)
     if length % 4:
-        raise _length_error(length)
-    pad = 0
-    if length and raw[-1] == 0x3D:
-        pad = 2 if raw[-2] == 0x3D else 1
-    nbytes = length // 4 * 3 - pad
+        raise _char_error(raw) or _length_error(length)
+    nbytes = length // 4 * 3 - _pad_count(raw)
     if limit >= 0 and nbytes // 4 > limit:
-        raise _too_many_error(nbytes // 4, limit)
+        raise _char_error(raw) or _too_many_error(nbytes // 4, limit)
     if nbytes % 4:
-        raise _partial_id_error(nbytes)
+        raise _char_error(raw) or _partial_id_error(nbytes)
     return nbytes // 4
 
 
 def _decode_validated(raw: bytes) -> bytes:
     """The decoded bytes of ``raw``, whose length _token_count accepted."""
     length = len(raw)
-    pad = 0
-    if length and raw[-1] == 0x3D:
-        pad = 2 if raw[-2] == 0x3D else 1
-    bad = _NOT_BASE64.search(raw, 0, length - pad)
-    if bad is not None:
-        offset = bad.start()
-        byte = raw[offset]
-        raise _decode_error(MISPLACED_PAD if byte == 0x3D else BAD_CHAR, offset, byte)
+    pad = _pad_count(raw)
+    error = _char_error(raw)
+    if error is not None:
+        raise error
     if pad:
         last = length - pad - 1
         if _ALPHABET_VALUE[raw[last]] & (3 if pad == 1 else 15):

@@ -517,7 +517,11 @@ def test_token_decode_error_is_a_binascii_error(codec: ModuleType) -> None:
     [
         (b"AQAAAA=", "Invalid base64 length 7: not a multiple of 4", None),
         (b"AQAA A==", "Invalid base64 character 0x20 at byte 4", 4),
-        (b"AQAAAA==\n", "Invalid base64 length 9: not a multiple of 4", None),
+        # a bad character is named before any length problem (the scanner's check_token_b64 agrees)
+        (b"AQAAAA==\n", "Misplaced padding character '=' at byte 6", 6),
+        (b"AAAA!AAAAAAA", "Invalid base64 character 0x21 at byte 4", 4),
+        (b"AA!", "Invalid base64 character 0x21 at byte 2", 2),
+        (b"AQAAA\n", "Invalid base64 character 0x0a at byte 5", 5),
         (b"AQAA\nA==", "Invalid base64 character 0x0a at byte 4", 4),
         (b"AQAAAAIA*AA=", "Invalid base64 character 0x2a at byte 8", 8),
         (b"AQAAAAIA-AA=", "Invalid base64 character 0x2d at byte 8", 8),  # URL-safe alphabet
@@ -536,7 +540,8 @@ def test_token_decode_error_is_a_binascii_error(codec: ModuleType) -> None:
             10,
         ),
         (b"AQAA", "Invalid token data: 3 bytes decoded, not a whole number of int32 ids", None),
-        (b"AQAAAA=A", "Invalid token data: 6 bytes decoded, not a whole number of int32 ids", None),
+        (b"AQAAAA=A", "Misplaced padding character '=' at byte 6", 6),
+        (b"AQAAAQ", "Invalid base64 length 6: not a multiple of 4", None),
         (b"AQA=", "Invalid token data: 2 bytes decoded, not a whole number of int32 ids", None),
         ("AQAAAé==", "Non-ASCII character U+00E9 at byte 5", 5),
     ],
@@ -557,9 +562,11 @@ def test_max_tokens(codec: ModuleType) -> None:
     assert codec.decode_tokens(data, max_tokens=10).tolist() == list(range(10))
     error = decode_error(codec, data, max_tokens=9)
     assert str(error) == "base64 data holds 10 token ids, more than max_tokens=9" and error.offset is None
-    # Decided from the length alone: the bad byte is never reached.
-    error = decode_error(codec, b"*" * 4000, max_tokens=100)
-    assert "more than max_tokens=100" in str(error)
+    # Too many ids, decided from the length; a bad byte is named first.
+    error = decode_error(codec, b"A" * 4000, max_tokens=100)
+    assert "more than max_tokens=100" in str(error) and error.offset is None
+    error = decode_error(codec, b"A" * 3999 + b"*", max_tokens=100)
+    assert str(error) == "Invalid base64 character 0x2a at byte 3999" and error.offset == 3999
     assert codec.decode_tokens_list(b"", max_tokens=0) == []
     with pytest.raises(ValueError, match=r"^max_tokens must be >= 0, got -1$"):
         codec.decode_tokens(data, max_tokens=-1)
