@@ -1,73 +1,127 @@
-"""A small Prometheus text-format registry shared by the workers and the orchestrator.
+"""Prometheus metrics of the workers and the orchestrator, through ``prometheus_client``.
 
-Single-threaded use from the event loop (or with the GIL as the only lock:
-each update is one dict operation), no dependencies, exposition format 0.0.4.
+A thin layer over prometheus_client that keeps this module's small API
+(``Registry.counter/gauge/histogram``, ``.labels()`` children for the hot
+path, ``render()`` -> bytes, :data:`CONTENT_TYPE`):
 
-On a hot path, bind the labels once: ``metric.labels(route="chat")`` returns
-a child whose ``inc()`` / ``observe()`` touch only its own storage (no label
-dict, no key tuple per update).
+- each :class:`Registry` is its own ``CollectorRegistry`` (several servers in
+  one process, as in the tests, never collide; the global ``REGISTRY`` is not
+  used);
+- ``metric.labels(route="chat")`` returns prometheus_client's own child, bound
+  once: its ``inc()`` / ``observe()`` are the whole per-request cost;
+- a metric given a ``callback`` is read at scrape time (a total or a level kept
+  elsewhere, e.g. the engine's KV tokens in use);
+- :meth:`Registry.before_collect` hooks run before each scrape (a gauge set from
+  state that is cheaper to read then than to track on every change).
+
+Multiprocess mode (``orchestrator --workers N``): the parent makes a fresh
+directory (:class:`SharedMetricsDir`) and exports ``PROMETHEUS_MULTIPROC_DIR``
+to the children it spawns, so that prometheus_client, imported fresh in each
+child, keeps every value in a per-process mmap file there; a scrape, whichever
+process takes it, renders the sum over all of them (``MultiProcessCollector``).
+Counters of a process that exited stay counted (totals never go back); gauges
+use a ``live*`` mode, and the parent drops a dead child's gauge files.
+Callback metrics cannot be read from another process at scrape time, so in this
+mode each process writes its callbacks' values into its own file: right before
+it renders a scrape (its own part exact) and every :data:`SYNC_INTERVAL_S`
+seconds (:meth:`Registry.keep_synced`; the other processes' parts at most that
+old), and once more when it stops.
+
+``_created`` samples are disabled (process-wide): the hand-written registry
+had none and multiprocess mode has none, so both modes render the same series.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-from collections.abc import Callable, Iterable, Sequence
+import asyncio
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import values as _values
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 LabelValues = tuple[str, ...]
 
+#: Prometheus text format 0.0.4 (what :func:`prometheus_client.generate_latest` writes).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
+#: The environment variable that puts prometheus_client in multiprocess mode (read at its import).
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+#: Whether this process keeps its values in mmap files (prometheus_client chose at import time).
+MULTIPROCESS: bool = _values.ValueClass is not _values.MutexValue
 
+#: Multiprocess mode: seconds between two writes of a process's callback metrics into its file.
+SYNC_INTERVAL_S = 1.0
 
-def _labels(names: Sequence[str], values: LabelValues, extra: str = "") -> str:
-    parts = [f'{n}="{_escape(v)}"' for n, v in zip(names, values)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
+prometheus_client.disable_created_metrics()
 
+# Seconds, from 50 µs (the orchestrator's own CPU per request) to 2 minutes.
+DEFAULT_BUCKETS = (
+    5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0,
+)  # fmt: skip
 
-def _num(v: float) -> str:
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    return repr(float(v)) if not float(v).is_integer() else str(int(v))
+#: Gauges' multiprocess modes: summed over live processes unless said otherwise.
+DEFAULT_GAUGE_MODE = "livesum"
 
 
 class _Metric:
+    """One metric family: its prometheus_client object and the children bound so far."""
+
     kind = ""
 
-    def __init__(self, name: str, help_text: str, labelnames: Sequence[str] = ()) -> None:
+    def __init__(self, name: str, help_text: str, labelnames: Sequence[str], native: Any) -> None:
         self.name = name
         self.help = help_text
         self.labelnames = tuple(labelnames)
+        self.native = native
+        self._children: dict[LabelValues, Any] = {}
 
-    def _key(self, labels: dict[str, str] | None) -> LabelValues:
-        labels = labels or {}
-        return tuple(str(labels.get(n, "")) for n in self.labelnames)
+    def _child(self, labels: dict[str, str]) -> Any:
+        if not self.labelnames:
+            return self.native
+        key = tuple(str(labels.get(n, "")) for n in self.labelnames)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.native.labels(*key)
+        return child
 
-    def samples(self) -> Iterable[str]:
-        raise NotImplementedError
+    def labels(self, **labels: str) -> Any:
+        """The series of these labels (a missing label is ""), bound for the hot path."""
+        return self._child(labels)
 
-    def render(self) -> str:
-        head = f"# HELP {self.name} {self.help}\n# TYPE {self.name} {self.kind}\n"
-        return head + "".join(line + "\n" for line in self.samples())
+    def _sample(self, suffix: str, labels: dict[str, str]) -> float:
+        """This process's value of one sample (0 when the series does not exist yet)."""
+        want = {n: str(labels.get(n, "")) for n in self.labelnames}
+        for family in self.native.collect():
+            for sample in family.samples:
+                if sample.name == family.name + suffix and sample.labels == want:
+                    return float(sample.value)
+        return 0.0
 
 
-class CounterChild:
-    """A counter's series with its labels bound (:meth:`Counter.labels`)."""
+class _Callback:
+    """A collector reading one unlabelled value at scrape time (single-process mode)."""
 
-    __slots__ = ("key", "values")
+    def __init__(self, kind: str, name: str, help_text: str, read: Callable[[], float]) -> None:
+        self.family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        self.name = name
+        self.help = help_text
+        self.read = read
 
-    def __init__(self, values: dict[LabelValues, float], key: LabelValues) -> None:
-        self.values = values
-        self.key = key
-        values.setdefault(key, 0.0)
+    def describe(self) -> Iterable[Metric]:
+        return [self.family(self.name, self.help)]
 
-    def inc(self, amount: float = 1.0) -> None:
-        self.values[self.key] += amount
+    def collect(self) -> Iterable[Metric]:
+        return [self.family(self.name, self.help, value=float(self.read()))]
 
 
 class Counter(_Metric):
@@ -79,37 +133,39 @@ class Counter(_Metric):
         self,
         name: str,
         help_text: str,
-        labelnames: Sequence[str] = (),
+        labelnames: Sequence[str],
+        registry: CollectorRegistry,
         callback: Callable[[], float] | None = None,
     ) -> None:
-        super().__init__(name, help_text, labelnames)
-        self.values: dict[LabelValues, float] = {}
+        if not name.endswith("_total"):
+            # prometheus_client renders a counter as <name>_total: any other name would change.
+            raise ValueError(f"counter {name}: a counter's name ends in _total")
+        if callback is not None and labelnames:
+            raise ValueError(f"counter {name}: a callback counter has no labels")
         self.callback = callback
+        if callback is not None and not MULTIPROCESS:
+            registry.register(_Callback("counter", name, help_text, callback))
+            native = None
+        else:
+            native = prometheus_client.Counter(name, help_text, labelnames, registry=registry)
+        super().__init__(name, help_text, labelnames, native)
 
     def inc(self, amount: float = 1.0, **labels: str) -> None:
-        key = self._key(labels)
-        self.values[key] = self.values.get(key, 0.0) + amount
-
-    def labels(self, **labels: str) -> CounterChild:
-        return CounterChild(self.values, self._key(labels))
+        self._child(labels).inc(amount)
 
     def get(self, **labels: str) -> float:
         if self.callback is not None:
             return float(self.callback())
-        return self.values.get(self._key(labels), 0.0)
-
-    def samples(self) -> Iterable[str]:
-        if self.callback is not None:
-            yield f"{self.name} {_num(self.callback())}"
-            return
-        if not self.values and not self.labelnames:
-            yield f"{self.name} 0"
-        for key, v in sorted(self.values.items()):
-            yield f"{self.name}{_labels(self.labelnames, key)} {_num(v)}"
+        return self._sample("_total", labels)
 
 
 class Gauge(_Metric):
-    """A gauge set directly or read from a callback at scrape time."""
+    """A gauge set directly or read from a callback at scrape time.
+
+    ``multiprocess_mode``: how the processes' values add up in multiprocess mode
+    (prometheus_client's modes; ``livesum`` by default, ``livemin`` / ``livemax``
+    for a level every process sees on its own).
+    """
 
     kind = "gauge"
 
@@ -117,59 +173,40 @@ class Gauge(_Metric):
         self,
         name: str,
         help_text: str,
-        labelnames: Sequence[str] = (),
+        labelnames: Sequence[str],
+        registry: CollectorRegistry,
         callback: Callable[[], float] | None = None,
+        multiprocess_mode: str = DEFAULT_GAUGE_MODE,
     ) -> None:
-        super().__init__(name, help_text, labelnames)
-        self.values: dict[LabelValues, float] = {}
+        if callback is not None and labelnames:
+            raise ValueError(f"gauge {name}: a callback gauge has no labels")
         self.callback = callback
+        if callback is not None and not MULTIPROCESS:
+            registry.register(_Callback("gauge", name, help_text, callback))
+            native = None
+        else:
+            native = prometheus_client.Gauge(
+                name,
+                help_text,
+                labelnames,
+                registry=registry,
+                multiprocess_mode=multiprocess_mode,  # type: ignore[arg-type]
+            )
+        super().__init__(name, help_text, labelnames, native)
 
     def set(self, value: float, **labels: str) -> None:
-        self.values[self._key(labels)] = float(value)
+        self._child(labels).set(value)
 
     def inc(self, amount: float = 1.0, **labels: str) -> None:
-        key = self._key(labels)
-        self.values[key] = self.values.get(key, 0.0) + amount
+        self._child(labels).inc(amount)
 
     def dec(self, amount: float = 1.0, **labels: str) -> None:
-        self.inc(-amount, **labels)
+        self._child(labels).dec(amount)
 
     def get(self, **labels: str) -> float:
         if self.callback is not None:
             return float(self.callback())
-        return self.values.get(self._key(labels), 0.0)
-
-    def samples(self) -> Iterable[str]:
-        if self.callback is not None:
-            yield f"{self.name} {_num(self.callback())}"
-            return
-        if not self.values and not self.labelnames:
-            yield f"{self.name} 0"
-        for key, v in sorted(self.values.items()):
-            yield f"{self.name}{_labels(self.labelnames, key)} {_num(v)}"
-
-
-# Seconds, from 50 µs (the orchestrator's own CPU per request) to 2 minutes.
-DEFAULT_BUCKETS = (
-    5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
-    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0,
-)  # fmt: skip
-
-
-class HistogramChild:
-    """A histogram's series with its labels bound (:meth:`Histogram.labels`)."""
-
-    __slots__ = ("buckets", "counts", "totals")
-
-    def __init__(self, buckets: tuple[float, ...], entry: tuple[list[int], list[float]]) -> None:
-        self.buckets = buckets
-        self.counts, self.totals = entry
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        totals = self.totals
-        totals[0] += value
-        totals[1] += 1
+        return self._sample("", labels)
 
 
 class Histogram(_Metric):
@@ -179,53 +216,49 @@ class Histogram(_Metric):
         self,
         name: str,
         help_text: str,
-        labelnames: Sequence[str] = (),
+        labelnames: Sequence[str],
+        registry: CollectorRegistry,
         buckets: Sequence[float] = DEFAULT_BUCKETS,
     ) -> None:
-        super().__init__(name, help_text, labelnames)
         self.buckets = tuple(sorted(buckets))
-        # per label set: [counts per bucket (non-cumulative) + overflow, sum, count]
-        self.values: dict[LabelValues, tuple[list[int], list[float]]] = {}
-
-    def _entry(self, key: LabelValues) -> tuple[list[int], list[float]]:
-        entry = self.values.get(key)
-        if entry is None:
-            entry = self.values[key] = ([0] * (len(self.buckets) + 1), [0.0, 0.0])
-        return entry
-
-    def labels(self, **labels: str) -> HistogramChild:
-        return HistogramChild(self.buckets, self._entry(self._key(labels)))
+        native = prometheus_client.Histogram(
+            name, help_text, labelnames, registry=registry, buckets=self.buckets
+        )
+        super().__init__(name, help_text, labelnames, native)
 
     def observe(self, value: float, **labels: str) -> None:
-        entry = self._entry(self._key(labels))
-        entry[0][bisect.bisect_left(self.buckets, value)] += 1
-        entry[1][0] += value
-        entry[1][1] += 1
+        self._child(labels).observe(value)
 
     def count(self, **labels: str) -> int:
-        entry = self.values.get(self._key(labels))
-        return int(entry[1][1]) if entry else 0
-
-    def samples(self) -> Iterable[str]:
-        for key, (counts, (total, n)) in sorted(self.values.items()):
-            cumulative = 0
-            for bound, c in zip((*self.buckets, math.inf), counts):
-                cumulative += c
-                le = 'le="' + _num(bound) + '"'
-                yield f"{self.name}_bucket{_labels(self.labelnames, key, le)} {cumulative}"
-            yield f"{self.name}_sum{_labels(self.labelnames, key)} {_num(total)}"
-            yield f"{self.name}_count{_labels(self.labelnames, key)} {int(n)}"
+        return int(self._sample("_count", labels))
 
 
 class Registry:
+    """The metrics of one server: its own ``CollectorRegistry``, rendered by :meth:`render`."""
+
     def __init__(self) -> None:
         self.metrics: list[_Metric] = []
+        self.collectors = CollectorRegistry()
+        self._hooks: list[Callable[[], None]] = []
+        # Multiprocess mode: the callback metrics written into this process's file.
+        self._synced: list[tuple[_Metric, Callable[[], float]]] = []
+        self._synced_totals: dict[str, float] = {}
+        if MULTIPROCESS:
+            self._exposed = CollectorRegistry()
+            MultiProcessCollector(self._exposed)
+        else:
+            self._exposed = self.collectors
 
-    def _add(self, metric: _Metric) -> _Metric:
-        if any(m.name == metric.name for m in self.metrics):
-            raise ValueError(f"metric {metric.name} registered twice")
+    def _add(self, metric: _Metric) -> Any:
         self.metrics.append(metric)
+        callback = getattr(metric, "callback", None)
+        if callback is not None and MULTIPROCESS:
+            self._synced.append((metric, callback))
         return metric
+
+    def _check_free(self, name: str) -> None:
+        if any(m.name == name for m in self.metrics):
+            raise ValueError(f"metric {name} registered twice")
 
     def counter(
         self,
@@ -234,7 +267,8 @@ class Registry:
         labelnames: Sequence[str] = (),
         callback: Callable[[], float] | None = None,
     ) -> Counter:
-        return self._add(Counter(name, help_text, labelnames, callback))  # type: ignore[return-value]
+        self._check_free(name)
+        return self._add(Counter(name, help_text, labelnames, self.collectors, callback))
 
     def gauge(
         self,
@@ -242,8 +276,10 @@ class Registry:
         help_text: str,
         labelnames: Sequence[str] = (),
         callback: Callable[[], float] | None = None,
+        multiprocess_mode: str = DEFAULT_GAUGE_MODE,
     ) -> Gauge:
-        return self._add(Gauge(name, help_text, labelnames, callback))  # type: ignore[return-value]
+        self._check_free(name)
+        return self._add(Gauge(name, help_text, labelnames, self.collectors, callback, multiprocess_mode))
 
     def histogram(
         self,
@@ -252,7 +288,71 @@ class Registry:
         labelnames: Sequence[str] = (),
         buckets: Sequence[float] = DEFAULT_BUCKETS,
     ) -> Histogram:
-        return self._add(Histogram(name, help_text, labelnames, buckets))  # type: ignore[return-value]
+        self._check_free(name)
+        return self._add(Histogram(name, help_text, labelnames, self.collectors, buckets))
+
+    def before_collect(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` before each scrape (and, in multiprocess mode, at each :meth:`sync`)."""
+        self._hooks.append(hook)
+
+    def sync(self) -> None:
+        """Bring the values read at scrape time up to date in this process's own metrics
+        (the hooks; in multiprocess mode, the callbacks too, written into its file)."""
+        for hook in self._hooks:
+            hook()
+        for metric, read in self._synced:
+            value = float(read())
+            if metric.kind == "counter":
+                grown = value - self._synced_totals.get(metric.name, 0.0)
+                if grown > 0:
+                    metric.native.inc(grown)
+                    self._synced_totals[metric.name] = value
+            else:
+                metric.native.set(value)
+
+    async def keep_synced(self, interval: float = SYNC_INTERVAL_S) -> None:
+        """Multiprocess mode: :meth:`sync` every ``interval`` seconds, until cancelled
+        (returns at once in a single process, where a scrape reads everything itself)."""
+        if not MULTIPROCESS:
+            return
+        while True:
+            await asyncio.sleep(interval)
+            self.sync()
 
     def render(self) -> bytes:
-        return "".join(m.render() for m in self.metrics).encode()
+        """The Prometheus text page: this process's metrics, or in multiprocess mode all processes'."""
+        self.sync()
+        return generate_latest(self._exposed)
+
+
+class SharedMetricsDir:
+    """The parent's side of multiprocess mode: a fresh directory for its children's files.
+
+    ``with shared.exported(): proc.start()`` gives the children spawned inside
+    it ``PROMETHEUS_MULTIPROC_DIR`` (they must import prometheus_client after:
+    a spawned child imports it fresh); the parent's own environment is left as
+    it was. :meth:`process_dead` when a child has exited, :meth:`remove` at the end.
+    """
+
+    def __init__(self) -> None:
+        self.path = tempfile.mkdtemp(prefix="fastcore-metrics-")
+
+    @contextlib.contextmanager
+    def exported(self) -> Iterator[str]:
+        before = os.environ.get(MULTIPROC_ENV)
+        os.environ[MULTIPROC_ENV] = self.path
+        try:
+            yield self.path
+        finally:
+            if before is None:
+                os.environ.pop(MULTIPROC_ENV, None)
+            else:
+                os.environ[MULTIPROC_ENV] = before
+
+    def process_dead(self, pid: int | None) -> None:
+        """Drop an exited child's live gauges (its counters and histograms stay counted)."""
+        if pid is not None:
+            mark_process_dead(pid, self.path)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)

@@ -115,12 +115,23 @@ class _Metrics:
             "(404: the generation worker had fetched it already).",
             ("status",),
         )
+        # With --workers N, each process checks health on its own: 1 while every process sees it pass.
         self.worker_healthy = registry.gauge(
-            "fastcore_orchestrator_worker_healthy", "1 while a worker passes /health.", ("pool", "url")
+            "fastcore_orchestrator_worker_healthy",
+            "1 while a worker passes /health.",
+            ("pool", "url"),
+            multiprocess_mode="livemin",
         )
         self.worker_in_flight = registry.gauge(
             "fastcore_orchestrator_worker_in_flight", "Requests in flight per worker.", ("pool", "url")
         )
+
+        def worker_in_flight() -> None:
+            for pool in orchestrator.pools:
+                for worker in pool.workers:
+                    self.worker_in_flight.set(worker.in_flight, pool=pool.name, url=worker.url)
+
+        registry.before_collect(worker_in_flight)
         self.cpu = registry.histogram(
             "fastcore_orchestrator_cpu_seconds",
             "The orchestrator's own CPU time per request on the event loop, by phase "
@@ -348,9 +359,6 @@ class Orchestrator:
         out.send(200, b'{"status": "ok"}')
 
     def metrics_endpoint(self, out: Responder) -> None:
-        for pool in self.pools:
-            for worker in pool.workers:
-                self.metrics.worker_in_flight.set(worker.in_flight, pool=pool.name, url=worker.url)
         out.send(200, self.registry.render(), CONTENT_TYPE.encode())
 
     async def models(self, out: Responder) -> None:

@@ -113,6 +113,8 @@ async def serve(config: OrchestratorConfig, *, reuse_port: bool) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     runner, orchestrator = await start_server(config, reuse_port=reuse_port)
+    # --workers N: this process's scrape-time values written where the others' scrapes read them.
+    metrics_sync = asyncio.ensure_future(orchestrator.registry.keep_synced())
     log.info(
         "orchestrator listening on http://%s:%d (pid %d, relay %s, gen_tokids_ctxbytes=%s, gen_strip_message_history=%s)",
         config.hostname,
@@ -125,7 +127,9 @@ async def serve(config: OrchestratorConfig, *, reuse_port: bool) -> None:
     try:
         await stop.wait()
     finally:
+        metrics_sync.cancel()
         await runner.cleanup()
+        orchestrator.registry.sync()  # the last totals of a process that stops
 
 
 def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
@@ -145,7 +149,13 @@ def _serve_process(config_data: dict[str, Any], log_level: str) -> None:
 
 
 def _run_processes(config: OrchestratorConfig, log_level: str) -> int:
-    """N processes on one port; one that dies takes the others down (and is reported)."""
+    """N processes on one port; one that dies takes the others down (and is reported).
+
+    Their metrics go through one fresh directory (prometheus_client's multiprocess
+    mode): a scrape, whichever process takes it, answers the sum over all of them.
+    """
+    from server.metrics import SharedMetricsDir
+
     ctx = multiprocessing.get_context("spawn")
     data = config.model_dump()
     procs = [
@@ -160,13 +170,16 @@ def _run_processes(config: OrchestratorConfig, log_level: str) -> int:
 
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
-    for proc in procs:
-        proc.start()
+    metrics_dir = SharedMetricsDir()
+    with metrics_dir.exported():  # the spawned children import prometheus_client with it set
+        for proc in procs:
+            proc.start()
     exit_code = 0
     while not stopping:
         dead = [p for p in procs if p.exitcode is not None]
         if dead:
             for proc in dead:
+                metrics_dir.process_dead(proc.pid)
                 print(
                     f"fastcore-serve orchestrator: {proc.name} (pid {proc.pid}) exited with code {proc.exitcode}",
                     file=sys.stderr,
@@ -182,6 +195,8 @@ def _run_processes(config: OrchestratorConfig, log_level: str) -> int:
         if proc.exitcode is None:
             proc.kill()
             proc.join()
+        metrics_dir.process_dead(proc.pid)
+    metrics_dir.remove()
     return exit_code
 
 
