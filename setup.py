@@ -1,51 +1,176 @@
 """Build the Cython extensions; all metadata lives in pyproject.toml.
 
-FASTCORE_DEBUG_BUILD=1 builds with AddressSanitizer/UBSan (``make debug``).
+Every compiled module has a pure-Python twin, so the extensions are an
+optimisation, not a requirement:
+
+- when they cannot be built (no C compiler, a compiler that fails, no
+  Cython), the build says so in one line and goes on without them: the
+  wheel is then pure (``py3-none-any``) and ``fastcore.backend`` is
+  ``"python"``;
+- ``FASTCORE_NO_EXTENSIONS=1`` builds the pure package without trying;
+- ``FASTCORE_REQUIRE_EXTENSIONS=1`` makes a failed build an error (CI, release
+  wheels, ``make build``).
+
+These are the variables ``fastcore/__init__.py`` and ``tests/conftest.py``
+read at run time, with the same meaning at build time.
+
+Release flags: the objects are compiled without debug info (``-g0`` after
+the interpreter's own ``-g``) and linked with ``--strip-debug``, so a wheel's
+``.so`` files carry code and symbols only. FASTCORE_DEBUG_BUILD=1 builds with
+debug info and AddressSanitizer/UBSan instead (``make debug``).
 """
+
 import os
+import re
 import sys
 
-from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.bdist_wheel import bdist_wheel
+from setuptools.command.build_ext import build_ext
+from setuptools.errors import CCompilerError, ExecError, PlatformError
 
-debug = os.environ.get("FASTCORE_DEBUG_BUILD") == "1"
 
-compile_args = ["-O3", "-fno-strict-aliasing"]
-link_args: list[str] = []
-if sys.platform == "win32":
-    compile_args = ["/O2"]
-elif debug:
-    sanitize = "-fsanitize=address,undefined"
-    compile_args = ["-O1", "-g", "-fno-omit-frame-pointer", sanitize, "-fno-sanitize-recover=undefined"]
-    link_args = [sanitize]
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0")
 
-extensions = [
-    Extension(
-        "fastcore._codec",
-        ["fastcore/_codec.pyx", "fastcore/_b64simd.c"],
-        include_dirs=["fastcore"],
-        extra_compile_args=compile_args,
-        extra_link_args=link_args,
-    ),
-    Extension(
-        "fastcore._jsonspan",
-        ["fastcore/_jsonspan.pyx"],
-        include_dirs=["fastcore"],
-        extra_compile_args=compile_args,
-        extra_link_args=link_args,
-    ),
-]
 
-setup(
-    ext_modules=cythonize(
+NO_EXTENSIONS = _flag("FASTCORE_NO_EXTENSIONS")
+REQUIRE_EXTENSIONS = _flag("FASTCORE_REQUIRE_EXTENSIONS")
+DEBUG = os.environ.get("FASTCORE_DEBUG_BUILD") == "1"
+
+if NO_EXTENSIONS and REQUIRE_EXTENSIONS:
+    sys.exit("FASTCORE_NO_EXTENSIONS=1 and FASTCORE_REQUIRE_EXTENSIONS=1 contradict each other: set one")
+
+
+def _fallback_line(reason: str) -> str:
+    return (
+        f"fastcore-serve: C extensions not built ({reason}): installing the pure-Python twins"
+        " (fastcore.backend == 'python'); FASTCORE_REQUIRE_EXTENSIONS=1 makes this an error"
+    )
+
+
+class build_ext_or_pure(build_ext):
+    """build_ext that falls back to the pure-Python twins when compiling fails.
+
+    On a failure no compiled module is kept, not even one that did build:
+    ``fastcore`` loads the two compiled twins together or neither, and a pure
+    wheel must carry no ``.so``.
+    """
+
+    _building = "the extensions"
+
+    def build_extension(self, ext: Extension) -> None:
+        self._building = ext.name
+        super().build_extension(ext)
+
+    def run(self) -> None:
+        inplace = self.inplace  # setuptools clears it while building, and restores it only on success
+        try:
+            super().run()
+        except (CCompilerError, ExecError, PlatformError) as exc:
+            if REQUIRE_EXTENSIONS:
+                raise
+            self.inplace = inplace
+            self._drop_extensions(f"{self._building}: {self._short_reason(exc)}")
+
+    def _short_reason(self, exc: Exception) -> str:
+        # A failed compile's message repeats the whole command line; say
+        # which program failed and how instead.
+        detail = str(exc)
+        status = re.search(r"returned non-zero exit status (-?\d+)", detail)
+        compiler = getattr(self.compiler, "compiler_so", None) or ["the compiler"]
+        if status:
+            detail = f"{compiler[0]} exited with status {status.group(1)}"
+        elif len(detail) > 160:
+            detail = detail[:157] + "..."
+        return f"{type(exc).__name__}, {detail}"
+
+    def _drop_extensions(self, reason: str) -> None:
+        build_py = self.get_finalized_command("build_py")
+        for ext in self.extensions:
+            inplace_file, regular_file = self._get_inplace_equivalent(build_py, ext)
+            stale = [regular_file, inplace_file] if self.inplace else [regular_file]
+            for path in stale:
+                if os.path.exists(path):
+                    os.remove(path)
+        self.extensions = []
+        self.distribution.ext_modules = []
+        print(_fallback_line(reason), file=sys.stderr, flush=True)
+
+
+class bdist_wheel_or_pure(bdist_wheel):
+    """bdist_wheel whose tag follows what was built: ``py3-none-any`` without extensions.
+
+    bdist_wheel decides purity from the declared extensions before anything
+    is built; build first, then decide from what build_ext kept.
+    """
+
+    def run(self) -> None:
+        if NO_EXTENSIONS:
+            print(
+                "fastcore-serve: FASTCORE_NO_EXTENSIONS=1: a pure-Python wheel", file=sys.stderr, flush=True
+            )
+        if not self.skip_build:
+            self.run_command("build")
+        if not self.distribution.has_ext_modules():
+            self.root_is_pure = True
+        super().run()
+
+
+def _extensions() -> list[Extension]:
+    if NO_EXTENSIONS:
+        return []
+    try:
+        from Cython.Build import cythonize
+    except ImportError as exc:
+        # Cython is a build requirement (pyproject.toml), so only a
+        # --no-build-isolation build without it gets here.
+        if REQUIRE_EXTENSIONS:
+            raise
+        print(_fallback_line(f"Cython not importable: {exc}"), file=sys.stderr, flush=True)
+        return []
+
+    compile_args = ["-O3", "-g0", "-fno-strict-aliasing"]
+    link_args: list[str] = ["-Wl,--strip-debug"] if sys.platform.startswith("linux") else []
+    if sys.platform == "win32":
+        compile_args = ["/O2"]
+        link_args = []
+    elif DEBUG:
+        sanitize = "-fsanitize=address,undefined"
+        compile_args = ["-O1", "-g", "-fno-omit-frame-pointer", sanitize, "-fno-sanitize-recover=undefined"]
+        link_args = [sanitize]
+
+    extensions = [
+        Extension(
+            "fastcore._codec",
+            ["fastcore/_codec.pyx", "fastcore/_b64simd.c"],
+            include_dirs=["fastcore"],
+            depends=["fastcore/_b64simd.h"],
+            extra_compile_args=compile_args,
+            extra_link_args=link_args,
+        ),
+        Extension(
+            "fastcore._jsonspan",
+            ["fastcore/_jsonspan.pyx"],
+            include_dirs=["fastcore"],
+            extra_compile_args=compile_args,
+            extra_link_args=link_args,
+        ),
+    ]
+    return cythonize(
         extensions,
         language_level=3,
         compiler_directives={
-            "boundscheck": debug,
+            "boundscheck": DEBUG,
             "wraparound": False,
             "cdivision": True,
-            "initializedcheck": debug,
+            "initializedcheck": DEBUG,
             "embedsignature": True,
         },
     )
+
+
+setup(
+    ext_modules=_extensions(),
+    cmdclass={"build_ext": build_ext_or_pure, "bdist_wheel": bdist_wheel_or_pure},
 )
