@@ -19,7 +19,8 @@ import pytest
 import fastcore
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED_TESTDATA = ROOT.parent / "shared" / "testdata"
+#: JSONTestSuite's parsing corpus, in the repository (tests/data/JSONTestSuite/README.md says whence)
+JSON_TEST_SUITE = Path(__file__).resolve().parent / "data" / "JSONTestSuite"
 REQUIRE_EXTENSIONS = os.environ.get("FASTCORE_REQUIRE_EXTENSIONS", "") not in ("", "0")
 
 
@@ -55,7 +56,6 @@ def jsonspan(request: pytest.FixtureRequest) -> ModuleType:
 
 @pytest.fixture(scope="session")
 def json_test_suite() -> Path:
-    path = SHARED_TESTDATA / "JSONTestSuite"
-    if not path.is_dir():
-        pytest.fail(f"test corpus missing: {path} (expected beside the project as ../shared)")
-    return path
+    if not any(JSON_TEST_SUITE.glob("*.json")):
+        pytest.fail(f"test corpus missing: {JSON_TEST_SUITE} (part of the repository and of the sdist)")
+    return JSON_TEST_SUITE
