@@ -11,7 +11,9 @@ so this file stays a dispatcher.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import socket
 import sys
 
 # sub-command -> (module with add_arguments(parser) and run(args) -> int, help)
@@ -22,16 +24,109 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+#: third-party modules of the ``worker`` extra; any other missing one is the ``server`` extra's
+WORKER_EXTRA_MODULES = frozenset({"torch", "safetensors", "tokenizers", "jinja2"})
+
+
+#: the extra a sub-command needs as a whole (``up`` runs torch workers by default; the worker
+#: extra includes the server one)
+COMMAND_EXTRAS = {"up": "worker", "orchestrator": "server", "worker": "server"}
+
+
+def extra_for(exc: ModuleNotFoundError, command: str | None = None) -> str | None:
+    """The extra that installs the missing module (at least ``command``'s), or None when it is
+    none of our optional dependencies (a bug of ours, or a broken install: the traceback stays)."""
+    top = (exc.name or "").partition(".")[0]
+    if not top or top in ("fastcore", "server"):
+        return None
+    needs = {
+        "worker" if top in WORKER_EXTRA_MODULES else "server",
+        COMMAND_EXTRAS.get(command or "", "server"),
+    }
+    return "worker" if "worker" in needs else "server"
+
+
+def missing_extra(exc: ModuleNotFoundError, command: str | None = None) -> str | None:
+    """ "<module> is not installed; ... pip install ..." for a missing optional dependency (or None,
+    as :func:`extra_for`)."""
+    extra = extra_for(exc, command)
+    if extra is None:
+        return None
+    top = (exc.name or "").partition(".")[0]
+    return f"{top} is not installed; this needs the {extra} extra: pip install 'fastcore-serve[{extra}]'"
+
+
+def version() -> str:
+    import fastcore  # numpy only: importable from the bare wheel
+
+    return f"fastcore-serve {fastcore.__version__} (fastcore backend: {fastcore.backend})"
+
+
+def build_parser(unavailable: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    """The parser of every sub-command. One whose module needs a missing extra is still listed
+    (its help says what to install) and its reason goes in ``unavailable``."""
     parser = argparse.ArgumentParser(
         prog="fastcore-serve",
         description="Disaggregated LLM serving with a zero-parse token-id relay.",
     )
+    parser.add_argument("--version", action="version", version=version())
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
     for name, (module, help_text) in COMMANDS.items():
+        try:
+            add_arguments = importlib.import_module(module).add_arguments
+        except ModuleNotFoundError as exc:
+            why, extra = missing_extra(exc, name), extra_for(exc, name)
+            if why is None:
+                raise
+            sp = sub.add_parser(name, help=f"{help_text} [needs the {extra} extra]",
+                                description=f"{help_text}. {why}")  # fmt: skip
+            if unavailable is not None:
+                unavailable[name] = why
+            continue
         sp = sub.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(module).add_arguments(sp)
+        add_arguments(sp)
     return parser
+
+
+#: why a listening socket cannot bind, by errno (the rest keep their own message)
+_LISTEN_ERRORS = {
+    errno.EADDRINUSE: "the port is already in use",
+    errno.EACCES: "permission denied (ports below 1024 need privileges)",
+    errno.EADDRNOTAVAIL: "the address is not one of this machine's",
+}
+
+
+def listen_problem(exc: OSError) -> str | None:
+    """What a failed bind means to a user, or None when it is no port/address problem."""
+    return _LISTEN_ERRORS.get(exc.errno or 0)
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on right now (a trial bind), or None.
+
+    Checked before a slow start (loading a model, spawning children) so a busy
+    port is one line at once; the real bind still reports a port taken meanwhile.
+    """
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"the host does not resolve ({exc.strerror})"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as trial:
+        trial.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            trial.bind(address)
+        except OSError as exc:
+            return listen_problem(exc) or str(exc)
+    return None
+
+
+def cannot_listen(command: str, host: str, port: int, why: str, flag: str = "--port") -> str:
+    """The one line a sub-command prints for a port it cannot use."""
+    hint = "--host" if why.startswith(("the address", "the host")) else flag
+    return f"fastcore-serve {command}: cannot listen on {host}:{port}: {why}; choose another with {hint}"
 
 
 def raise_open_file_limit() -> tuple[int, int] | None:
@@ -58,12 +153,25 @@ def raise_open_file_limit() -> tuple[int, int] | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
         argv.insert(0, "up")  # the default is a whole local deployment
-    args = build_parser().parse_args(argv)
+    unavailable: dict[str, str] = {}
+    parser = build_parser(unavailable)
+    wants_help = any(a in ("-h", "--help") for a in argv[1:])
+    if argv[0] in unavailable and not wants_help:  # before parsing: its flags are unknown here
+        print(f"fastcore-serve {argv[0]}: {unavailable[argv[0]]}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     raise_open_file_limit()
     module = importlib.import_module(COMMANDS[args.command][0])
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except ModuleNotFoundError as exc:  # imported on first use (torch, for a model)
+        why = missing_extra(exc, args.command)
+        if why is None:
+            raise
+        print(f"fastcore-serve {args.command}: {why}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ KV only from this deployment's context workers (``--kv-allow``).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import secrets
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.auth import SECRET_ENV as SHARED_SECRET_ENV
+from server.cli import cannot_listen, missing_extra, port_problem
 from server.orchestrator.config import RELAY_MODES
 
 STOP_GRACE_S = 10.0
@@ -67,7 +69,10 @@ class Child:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", default="tiny", help="worker model: tiny (built in) or a Hugging Face directory"
+        "--model",
+        default="tiny",
+        help="worker model: tiny (built in: seeded random weights, so random text), synthetic (no model), "
+        "or a Hugging Face directory (default tiny)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address of every process (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="orchestrator port (default 8000)")
@@ -218,6 +223,18 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"fastcore-serve up: {exc}", file=sys.stderr)
         return 2
+    if args.model != "synthetic" and importlib.util.find_spec("torch") is None:
+        print(f"fastcore-serve up: {missing_extra(ModuleNotFoundError(name='torch'))}", file=sys.stderr)
+        return 2
+    # Every port before any child starts: one line instead of a child's traceback.
+    for child in children:
+        why = port_problem(args.host, child.port)
+        if why is not None:
+            flag = "--port" if child.name == "orchestrator" else "--worker-base-port"
+            print(
+                cannot_listen("up", args.host, child.port, f"{why} (the {child.name})", flag), file=sys.stderr
+            )
+            return 2
     stop_requested = False
 
     def _request_stop(signum: int, frame: Any) -> None:

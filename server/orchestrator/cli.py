@@ -17,6 +17,8 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
+from server.cli import cannot_listen, listen_problem, port_problem
+
 from .config import (
     RELAY_MODES,
     ConfigError,
@@ -34,7 +36,12 @@ def _urls(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-c", "--config", metavar="YAML", help="config file (PROTOCOL.md); flags override it")
+    parser.add_argument(
+        "-c",
+        "--config",
+        metavar="YAML",
+        help="config file (docs/configuration.md; trtllm-serve's disaggregated YAML loads too); flags override it",
+    )
     parser.add_argument("--host", dest="hostname", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port to listen on (default 8000)")
     parser.add_argument(
@@ -112,7 +119,14 @@ async def serve(config: OrchestratorConfig, *, reuse_port: bool) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    runner, orchestrator = await start_server(config, reuse_port=reuse_port)
+    try:
+        runner, orchestrator = await start_server(config, reuse_port=reuse_port)
+    except OSError as exc:  # the port was taken after run()'s check
+        why = listen_problem(exc)
+        if why is None:
+            raise
+        print(cannot_listen("orchestrator", config.hostname, config.port, why), file=sys.stderr)
+        raise SystemExit(2) from None
     # --workers N: this process's scrape-time values written where the others' scrapes read them.
     metrics_sync = asyncio.ensure_future(orchestrator.registry.keep_synced())
     log.info(
@@ -208,6 +222,10 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(args)
     except ConfigError as exc:
         print(f"fastcore-serve orchestrator: {exc}", file=sys.stderr)
+        return 2
+    why = port_problem(config.hostname, config.port)
+    if why is not None:
+        print(cannot_listen("orchestrator", config.hostname, config.port, why), file=sys.stderr)
         return 2
     if config.workers > 1:
         return _run_processes(config, args.log_level)

@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from server.auth import SECRET_ENV, read_secret
+from server.cli import cannot_listen, listen_problem, port_problem
 
 from .app import ROLES, WorkerSettings
 from .synthetic import add_arguments as add_synthetic_arguments
@@ -22,14 +23,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="tiny",
-        help="'tiny' (built in, no download), 'synthetic', or a Hugging Face model directory",
+        help="'tiny' (built in, seeded random weights: random text, no download), 'synthetic' (no model: "
+        "canned tokens at a set speed), or a Hugging Face model directory (default tiny)",
     )
     parser.add_argument(
         "--served-model-name", default=None, help="model name in the API (default: --model's name)"
     )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8001)
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument(
+        "--port", type=int, default=8001, help="port to listen on (default 8001; 0: any free)"
+    )
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto: cuda when torch sees a GPU, else cpu (default auto)")  # fmt: skip
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                         help="auto: float32 on CPU and for tiny, else the checkpoint's dtype")  # fmt: skip
     parser.add_argument("--kv-tokens", type=int, default=None,
@@ -171,6 +176,10 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as exc:
             print(f"fastcore-serve worker: cannot read the internal request auth key: {exc}", file=sys.stderr)
             return 2
+    why = port_problem(args.host, args.port)
+    if why is not None:  # before loading a model, which may take minutes
+        print(cannot_listen("worker", args.host, args.port, why), file=sys.stderr)
+        return 2
     try:
         engine, model_name, device = build_engine(args)
     except (OSError, ValueError) as exc:  # CheckpointError is a ValueError naming the file and field
@@ -211,7 +220,14 @@ async def _serve(engine: Any, settings: WorkerSettings, host: str, port: int) ->
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    server, bound = await start_worker(engine, settings, host, port)
+    try:
+        server, bound = await start_worker(engine, settings, host, port)
+    except OSError as exc:  # the port was taken after run()'s check
+        why = listen_problem(exc)
+        if why is None:
+            raise
+        print(cannot_listen("worker", host, port, why), file=sys.stderr)
+        return 2
     print(
         f"fastcore worker: role={settings.role} model={settings.model_name} device={settings.device} "
         f"listening on http://{host}:{bound}",
