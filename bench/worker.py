@@ -14,7 +14,7 @@
    several prompt lengths. These are the worker's own functions
    (``server.worker.protocol``), not copies.
 3. Generation request parse: ``parse_request`` on whole generation-leg bodies
-   (PROTOCOL.md (3)) as an orchestrator sends them, ids as base64 or as a list,
+   (docs/protocol.md (3)) as an orchestrator sends them, ids as base64 or as a list,
    ``messages`` cut to the last one (gate ``gen_strip_message_history``) or the
    whole agentic history (about 4 bytes of text per prompt id: 160 KB at 40k),
    with the stdlib loader (``json.loads`` of the whole body: before) and the
@@ -199,7 +199,7 @@ class _VocabOnly:
 
 
 def generation_body(n: int, *, route: str, b64: bool, history: bool) -> tuple[bytes, np.ndarray]:
-    """A generation-leg body (PROTOCOL.md (3)) with ``n`` prompt ids, and the ids."""
+    """A generation-leg body (docs/protocol.md (3)) with ``n`` prompt ids, and the ids."""
     ids = np.random.default_rng(n).integers(0, _VocabOnly.vocab_size, n, dtype=np.int32)
     body: dict[str, Any] = {"model": "tiny", "max_tokens": 256, "temperature": 0.7, "top_p": 0.95,
                             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip

@@ -1,6 +1,6 @@
 """Pure-Python twin of ``fastcore._codec``: the int32 <-> base64 token codec.
 
-The wire form (PROTOCOL.md, ``prompt_token_ids_b64``) is standard base64
+The wire form (docs/protocol.md, ``prompt_token_ids_b64``) is standard base64
 (RFC 4648 section 4, ``=`` padded, no line breaks) of the ids as
 little-endian int32. Decoding is strict: only the standard alphabet, ``=``
 only as final padding, a length that is a multiple of 4, a decoded length

@@ -1133,7 +1133,7 @@ def _token_b64(ctx: bytes, found: tuple[Span | None, ...]) -> Span | None:
     """The checked ``prompt_token_ids_b64`` string of a context response (gate on), or ``None`` for
     the list fallback: a worker asked for base64 that answers with the ``prompt_token_ids`` list only
     (``prompt_token_ids_b64`` absent or null, as trtllm-serve's completions and its chat responses
-    when not asked) is relayed with the list (PROTOCOL.md (2)). ``RelayError`` (502): neither form,
+    when not asked) is relayed with the list (docs/protocol.md (2)). ``RelayError`` (502): neither form,
     a ``prompt_token_ids_b64`` that is not a string, or not valid token base64."""
     b64 = found[X_B64]
     if b64 is None or ctx[b64[0]] == _NULL:

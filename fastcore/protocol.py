@@ -1,4 +1,4 @@
-"""The wire protocol's names, defined once (``/work/shared/PROTOCOL.md``).
+"""The wire protocol's names, defined once (``docs/protocol.md``).
 
 Every process of a deployment (orchestrator relay modes, the relay kernels of
 both scanner twins, the workers) reads the names of wire fields, internal
@@ -97,13 +97,13 @@ FINISH_NOT_FINISHED: Final = "not_finished"
 FINISH_STOP: Final = "stop"
 FINISH_ABORT: Final = "abort"
 FINISH_TOOL_CALLS: Final = "tool_calls"
-#: Context-leg finish reasons after which a generation leg follows (PROTOCOL.md (2)); any other
+#: Context-leg finish reasons after which a generation leg follows (docs/protocol.md (2)); any other
 #: one means the context response is the answer.
 GENERATION_FOLLOWS: Final = (FINISH_LENGTH, FINISH_NOT_FINISHED)
 #: The finish reasons the relay kernels decode without a JSON decoder (others are decoded too).
 COMMON_FINISH_REASONS: Final = (FINISH_LENGTH, FINISH_NOT_FINISHED, FINISH_STOP, FINISH_ABORT, FINISH_TOOL_CALLS)
 
-# -- internal fields ("Rules that hold everywhere", PROTOCOL.md (4)) ------------------------------------
+# -- internal fields ("Rules that hold everywhere", docs/protocol.md (4)) ------------------------------------
 
 #: Fields a client may never send, on either route.
 INTERNAL_REQUEST_FIELDS: Final = (DISAGGREGATED_PARAMS, PROMPT_TOKEN_IDS_B64)

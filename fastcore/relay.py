@@ -1,4 +1,4 @@
-"""Zero-parse relay: build the bodies of PROTOCOL.md legs (1) and (3) from raw bytes.
+"""Zero-parse relay: build the bodies of docs/protocol.md legs (1) and (3) from raw bytes.
 
 The orchestrator never turns a body into Python objects. One scanner pass
 per body finds the byte spans it needs; one :func:`splice` writes the output.
@@ -49,7 +49,7 @@ BytesLike = bytes | bytearray | memoryview
 #: Fields only the orchestrator may set (``fastcore.protocol`` says which on which route).
 INTERNAL_FIELDS = protocol.INTERNAL_FIELDS
 
-#: Context-leg finish reasons after which a generation leg follows (PROTOCOL.md (2)).
+#: Context-leg finish reasons after which a generation leg follows (docs/protocol.md (2)).
 GENERATION_FOLLOWS = frozenset(protocol.GENERATION_FOLLOWS)
 _COMMON_FINISH_REASONS = _paths._COMMON_FINISH_REASONS
 
@@ -240,7 +240,7 @@ class Relay:
         return self.read_client_body(client_body, chat=chat)
 
     def check_client_body(self, body: BytesLike, *, chat: bool) -> None:
-        """Raise unless ``body`` is a JSON object free of internal fields (PROTOCOL.md, "Rules")."""
+        """Raise unless ``body`` is a JSON object free of internal fields (docs/protocol.md, "Rules")."""
         self.read_client_body(body, chat=chat)
 
     def build_context_request(
@@ -417,7 +417,7 @@ class Relay:
         b64 = info.prompt_token_ids_b64
         ids = info.prompt_token_ids
         if (b64 is None or ctx_response[b64[0]] == 0x6E) and ids is not None and ctx_response[ids[0]] == 0x5B:
-            tokids_b64 = False  # asked for base64, got the list: relay the list (PROTOCOL.md (2))
+            tokids_b64 = False  # asked for base64, got the list: relay the list (docs/protocol.md (2))
         if tokids_b64:
             if b64 is None or ctx_response[b64[0]] != 0x22:  # '"'
                 raise ContextResponseError(

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parent.parent
-CORPUS = ROOT.parent / "shared" / "testdata" / "JSONTestSuite"
+CORPUS = ROOT / "tests" / "data" / "JSONTestSuite"
 
 PY: ModuleType = importlib.import_module("fastcore._jsonspan_py")
 C: ModuleType = importlib.import_module("fastcore._jsonspan")

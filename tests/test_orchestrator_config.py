@@ -128,6 +128,27 @@ def test_trtllm_serve_yaml_loads_unchanged_and_unused_keys_are_warned_once(tmp_p
     ]
 
 
+def test_router_arguments_beside_type_as_trtllm_serve_writes_them():
+    """trtllm-serve's extract_router_config takes every key of ``router`` but ``type`` as an argument."""
+    pools = {"context_servers": {"urls": ["h:1"]}}
+    config = build_config(
+        pools | {"generation_servers": {"urls": ["h:2"], "router": {"type": "load_balancing", "use_tokens": False}}},
+        environ={},
+    )
+    config.check_runnable()
+    assert config.generation_servers.router.args == {"use_tokens": False}
+    assert config.generation_servers.router.kind == "least_loaded"
+    config = build_config(
+        pools | {"generation_servers": {"urls": ["h:2"], "router": {"type": "load_balancing", "use_tokens": True}}},
+        environ={},
+    )
+    with pytest.raises(ConfigError, match="use_tokens: .*not built yet"):
+        config.check_runnable()
+    twice = {"type": "load_balancing", "use_tokens": False, "args": {"use_tokens": True}}
+    with pytest.raises(ConfigError, match="router argument 'use_tokens' given twice"):
+        build_config(pools | {"generation_servers": {"urls": ["h:2"], "router": twice}}, environ={})
+
+
 def test_num_instances_other_than_the_urls_is_a_warning(caplog):
     config = build_config(
         {"context_servers": {"num_instances": 3, "urls": ["h:1"]}, "generation_servers": {"urls": ["h:2"]}},

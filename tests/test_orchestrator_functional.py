@@ -418,7 +418,7 @@ def test_generation_request_body_per_gate(workers, loop_thread, mode):
             assert "prompt_token_ids" not in chat or chat["prompt_token_ids"] is None
             assert isinstance(comp["prompt_token_ids_b64"], str)
         else:
-            # PROTOCOL.md: gates off, the ids travel as a JSON list.
+            # docs/protocol.md: gates off, the ids travel as a JSON list.
             assert "prompt_token_ids_b64" not in chat
             ids = chat["prompt_token_ids"]
             assert isinstance(ids, list) and len(ids) > 10 and all(isinstance(i, int) for i in ids)

@@ -126,13 +126,13 @@ def test_both_modes_build_the_same_bodies(modes, chat, stream):
     assert outputs[0] == outputs[1]
 
     context_request, generation_request = outputs[0]
-    # PROTOCOL.md (1)
+    # docs/protocol.md (1)
     assert context_request["stream"] is False and context_request["stream_options"] is None
     expected_params = {"request_type": "context_only", "disagg_request_id": DISAGG_ID}
     if fast.tokids_b64:
         expected_params["return_prompt_token_ids_b64"] = True
     assert context_request["disaggregated_params"] == expected_params
-    # PROTOCOL.md (3)
+    # docs/protocol.md (3)
     params = generation_request["disaggregated_params"]
     assert params["request_type"] == "generation_only" and params["ctx_usage"]["completion_tokens"] == 1
     assert params["first_gen_tokens"] == [42] and params["ctx_request_id"] == 17

@@ -46,7 +46,7 @@ def reference_generation_request(client: bytes, ctx: bytes, tokids_b64: bool, st
     params["ctx_usage"] = response.get("usage")
     body["disaggregated_params"] = params
     chat = "messages" in body
-    # Asked for base64, got only the list (null or absent b64): the list goes on (PROTOCOL.md (2)).
+    # Asked for base64, got only the list (null or absent b64): the list goes on (docs/protocol.md (2)).
     if tokids_b64 and response.get("prompt_token_ids_b64") is not None:
         body["prompt_token_ids_b64"] = response["prompt_token_ids_b64"]
     elif chat:
@@ -998,7 +998,7 @@ COMPLETION = json.dumps({"model": "m", "prompt": "capital?", "max_tokens": 4}).e
 @pytest.mark.parametrize("b64", ["null", "absent"])
 def test_asked_for_base64_and_got_the_list_relays_the_list(relay: Relay, chat: bool, b64: str) -> None:
     # trtllm-serve's chat responses carry "prompt_token_ids_b64": null unless asked; its completions
-    # responses carry no such key. Either way the orchestrator relays the list (PROTOCOL.md (2)).
+    # responses carry no such key. Either way the orchestrator relays the list (docs/protocol.md (2)).
     fields: dict[str, Any] = {"prompt_token_ids": IDS, "prompt_token_ids_b64": None}
     ctx = json.loads(context_response(**fields))
     if b64 == "absent":

@@ -44,7 +44,7 @@ DISAGG_ID = (1 << 40) + 12345
 
 
 def ctx_params(**extra: Any) -> dict[str, Any]:
-    """The ``disaggregated_params`` an orchestrator adds to a context leg (PROTOCOL.md (1))."""
+    """The ``disaggregated_params`` an orchestrator adds to a context leg (docs/protocol.md (1))."""
     return {"request_type": "context_only", "disagg_request_id": DISAGG_ID, **extra}
 
 
@@ -414,7 +414,7 @@ async def test_auth_is_enforced_with_a_key(
 
 
 async def test_auth_value_is_trtllms_canonical_json() -> None:
-    # PROTOCOL.md's example: key k, E "tcp://h:1", S "AAAA"
+    # docs/protocol.md's example: key k, E "tcp://h:1", S "AAAA"
     import hashlib
     import hmac
 

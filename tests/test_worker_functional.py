@@ -2,7 +2,7 @@
 
 Each worker is the real app (``server.worker.app.start_worker``) around the
 real ``tiny`` model, on a real socket; the test plays the orchestrator's part
-of PROTOCOL.md with plain HTTP. Workers start once per module.
+of docs/protocol.md with plain HTTP. Workers start once per module.
 """
 
 from __future__ import annotations

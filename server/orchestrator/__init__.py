@@ -1,1 +1,1 @@
-"""The disaggregated-serving orchestrator (PROTOCOL.md): config, pools, relay modes, app, CLI."""
+"""The disaggregated-serving orchestrator (docs/protocol.md): config, pools, relay modes, app, CLI."""

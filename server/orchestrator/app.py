@@ -1,6 +1,6 @@
 """The orchestrator: runs each request's context and generation legs on the lean HTTP layer.
 
-Request path (PROTOCOL.md): read and check the client body; send the context
+Request path (docs/protocol.md): read and check the client body; send the context
 request to a context worker (retried on another one on connection errors and
 5xx); if the context response is already the answer, return it; otherwise
 send the generation request to a generation worker and relay its response:
@@ -469,7 +469,7 @@ class Orchestrator:
             raise
 
     def _trtllm_auth(self, ctx: ContextResult) -> bytes:
-        """trtllm-serve's ``x-trtllm-disagg-auth`` line for the generation leg (PROTOCOL.md).
+        """trtllm-serve's ``x-trtllm-disagg-auth`` line for the generation leg (docs/protocol.md).
 
         It signs the context response's ``ctx_info_endpoint`` and
         ``encoded_opaque_state`` (found by the relay's own scan), which leg (3)

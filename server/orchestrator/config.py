@@ -1,4 +1,4 @@
-"""The orchestrator's one typed config object: PROTOCOL.md's YAML plus CLI overrides.
+"""The orchestrator's one typed config object: docs/protocol.md's YAML plus CLI overrides.
 
 Everything the request path needs is resolved here, once, at startup (the
 shared secret from the environment included), so handlers never look at
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from server.auth import read_secret
 
@@ -23,6 +23,7 @@ log = logging.getLogger("fastcore.orchestrator")
 #: the orchestrator's relay modes (server/orchestrator/relay_modes.py implements them)
 RelayModeName = Literal["fast", "parsed", "parsed-msgpack"]
 RELAY_MODES: tuple[str, ...] = get_args(RelayModeName)
+
 
 class ConfigError(ValueError):
     """A config file or flag the orchestrator cannot start with; says which key."""
@@ -40,8 +41,25 @@ class RouterConfig(BaseModel):
     type: Literal["round_robin", "least_loaded", "load_balancing", "kv_cache_aware", "conversation"] = (
         "round_robin"
     )
-    # trtllm-serve's router arguments (load_balancing: use_tokens).
+    # trtllm-serve's router arguments (load_balancing: use_tokens). trtllm-serve writes them
+    # beside ``type`` (its extract_router_config); ``args:`` holds them too.
     args: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _arguments_beside_type(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        beside = {k: v for k, v in data.items() if k not in ("type", "args")}
+        if not beside:
+            return data
+        args = data.get("args")
+        if args is not None and not isinstance(args, dict):
+            return data  # the field's own validation words it
+        both = sorted(set(beside) & set(args or {}))
+        if both:
+            raise ValueError(f"router argument {both[0]!r} given twice: beside 'type' and under 'args'")
+        return {"type": data.get("type", "round_robin"), "args": {**(args or {}), **beside}}
 
     @property
     def kind(self) -> str:
@@ -61,7 +79,7 @@ class PoolConfig(BaseModel):
     @field_validator("urls")
     @classmethod
     def _normalise_urls(cls, urls: list[str]) -> list[str]:
-        # PROTOCOL.md writes workers as "host:port"; aiohttp needs a scheme.
+        # docs/protocol.md writes workers as "host:port"; aiohttp needs a scheme.
         out = []
         for url in urls:
             url = url.strip().rstrip("/")

@@ -100,7 +100,7 @@ class Pool:
 
     @property
     def b64_completions(self) -> bool:
-        """Every worker said it answers completions with ``prompt_token_ids_b64`` (PROTOCOL.md (1)).
+        """Every worker said it answers completions with ``prompt_token_ids_b64`` (docs/protocol.md (1)).
 
         Any worker of the pool may take a request, so one that cannot (a
         trtllm-serve server, or one not heard from yet) means the list.

@@ -245,7 +245,7 @@ class ParsedRelay:
             update={protocol.REQUEST_TYPE: protocol.GENERATION_ONLY, protocol.CTX_USAGE: response.usage}
         )
         update: dict[str, Any] = {protocol.DISAGGREGATED_PARAMS: params}
-        # Asked for base64 and got only the list (null or absent): the list goes on (PROTOCOL.md (2)).
+        # Asked for base64 and got only the list (null or absent): the list goes on (docs/protocol.md (2)).
         if self.tokids_b64 and response.prompt_token_ids_b64 is not None:
             update[protocol.PROMPT_TOKEN_IDS_B64] = response.prompt_token_ids_b64
         else:

@@ -11,7 +11,7 @@ The HTTP layer only talks to an engine through the :class:`Engine` protocol
 event loop, abort, parked KV), so a synthetic engine without a model can sit
 behind the same routes.
 
-Roles (PROTOCOL.md):
+Roles (docs/protocol.md):
 
 - ``both``: plain requests, and either disaggregated leg;
 - ``context``: plain requests and ``context_only`` legs: prefill, first token,
@@ -872,7 +872,7 @@ class WorkerApp:
         token_ids: list[int],
         body: dict[str, Any],
     ) -> list[bytes]:
-        """The context response's extras (PROTOCOL.md (2)): ``disaggregated_params`` set in ``body``,
+        """The context response's extras (docs/protocol.md (2)): ``disaggregated_params`` set in ``body``,
         and the prompt ids returned as JSON members for :func:`dump_with_members`."""
         assert req.disagg is not None and engine_req.park_as is not None
         host = request.header(b"host")

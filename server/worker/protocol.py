@@ -4,7 +4,7 @@
 ``/v1/completions`` into a :class:`ParsedRequest`: validated sampling
 parameters, the prompt as int32 ids (tokenized, or taken as given from
 ``prompt_token_ids`` / ``prompt_token_ids_b64`` / a list ``prompt``), and the
-``disaggregated_params`` of PROTOCOL.md. Every problem raises
+``disaggregated_params`` of docs/protocol.md. Every problem raises
 :class:`server.errors.HTTPError` with a 400/404 naming the field.
 
 The body is never ``json.loads``-ed whole: a scan of the raw bytes finds the
@@ -823,7 +823,7 @@ def _token_limit(body: dict[str, Any], route: Route) -> tuple[str, int | None]:
 
 
 def prompt_ids_members(prompt_ids: np.ndarray, *, b64: bool) -> list[bytes]:
-    """A context response's prompt-id members (PROTOCOL.md (2)), as pieces of JSON text to append.
+    """A context response's prompt-id members (docs/protocol.md (2)), as pieces of JSON text to append.
 
     The base64 form goes from the int32 array to base64 bytes
     (``fastcore.encode_tokens``) and into the body as they are: no Python
