@@ -76,7 +76,7 @@ wheel: $(RELEASE_PY)  ## sdist + manylinux wheel (stripped, LICENSE inside), in 
 	$(MAKE) --no-print-directory check-dist
 
 # Fails unless dist/ holds one manylinux wheel whose .so files have no debug
-# sections, with the LICENSE in wheel and sdist, and the build logged no warning
+# sections and no RPATH/RUNPATH, with the LICENSE in wheel and sdist, and the build logged no warning
 # (`warning:` is how setuptools, distutils, gcc, pip and Python's warnings say it).
 check-dist: $(RELEASE_PY)
 	@set -e; whl=$$(ls $(DIST)/*.whl); sdist=$$(ls $(DIST)/*.tar.gz); \
@@ -89,7 +89,8 @@ check-dist: $(RELEASE_PY)
 	for so in $$sos; do \
 		file "$$so" | sed "s|$$tmp/whl/||"; \
 		if readelf -S --wide "$$so" | grep -q '\.debug_'; then echo "FAIL: debug sections in $$so"; exit 1; fi; \
-		echo "  $$(stat -c %s "$$so") bytes, no .debug_* section"; \
+		if readelf -d "$$so" | grep -qE 'RPATH|RUNPATH'; then echo "FAIL: a build machine's path in $$so:"; readelf -d "$$so" | grep -E 'RPATH|RUNPATH'; exit 1; fi; \
+		echo "  $$(stat -c %s "$$so") bytes, no .debug_* section, no RPATH/RUNPATH"; \
 	done; \
 	ls "$$tmp"/whl/*.dist-info/licenses/LICENSE >/dev/null || { echo "FAIL: no LICENSE in the wheel"; exit 1; }; \
 	grep -q '^License-Expression: Apache-2.0$$' "$$tmp"/whl/*.dist-info/METADATA || { echo "FAIL: no License-Expression"; exit 1; }; \

@@ -59,6 +59,16 @@ class build_ext_or_pure(build_ext):
 
     _building = "the extensions"
 
+    def build_extensions(self) -> None:
+        # Some interpreters (pyenv's, for one) link extensions with
+        # -Wl,-rpath to their own lib directory: a path on the build machine
+        # that would be baked into the wheel's .so as a RUNPATH. The
+        # extensions need no library but libc, so they take no rpath.
+        linker = getattr(self.compiler, "linker_so", None)
+        if linker:
+            self.compiler.linker_so = [a for a in linker if not a.startswith(("-Wl,-rpath", "-Wl,-R"))]
+        super().build_extensions()
+
     def build_extension(self, ext: Extension) -> None:
         self._building = ext.name
         super().build_extension(ext)

@@ -172,6 +172,10 @@ def test_wheel_tag_and_contents(installed: Installed, tmp_path: Path) -> None:
                 ["readelf", "-S", "--wide", str(tmp_path / so)], capture_output=True, text=True, check=True
             ).stdout
             assert ".debug_" not in sections, f"{so} keeps debug info"
+            dynamic = subprocess.run(
+                ["readelf", "-d", str(tmp_path / so)], capture_output=True, text=True, check=True
+            ).stdout
+            assert "RPATH" not in dynamic and "RUNPATH" not in dynamic, f"{so} keeps a build machine's path"
     else:
         assert installed.wheel.name == "fastcore_serve-0.1.0-py3-none-any.whl"
         assert "Root-Is-Purelib: true" in wheel_file.splitlines()
