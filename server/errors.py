@@ -144,3 +144,14 @@ class HTTPError(Exception):
         return error_response(
             self.status, self.message, param=self.param, code=self.code, headers=self.headers
         )
+
+
+def check_not_empty(body: bytes) -> None:
+    """A 400 that says what to send, for a body with no JSON in it at all (empty or whitespace):
+    "malformed JSON at byte 0" would blame a body that was never sent."""
+    if not body or body.isspace():
+        raise HTTPError(
+            400,
+            "the request body is empty: send a JSON object (Content-Type: application/json)",
+            code="empty_body",
+        )

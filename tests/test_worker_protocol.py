@@ -226,7 +226,8 @@ BODY_ERRORS = [
     ("chat", b'{"prompt_token_ids_b64": "AQAA\xff"}', r"not valid UTF-8 \(byte 30\)"),
     ("chat", b"[1, 2]", "must be a JSON object"),
     ("chat", b'"x"', "must be a JSON object"),
-    ("chat", b"", r"not valid JSON: unexpected end of data \(byte 0\)"),
+    ("chat", b"", r"^the request body is empty: send a JSON object \(Content-Type: application/json\)$"),
+    ("completions", b"\n ", r"^the request body is empty: send a JSON object"),
     # fastcore's limits (JSON_MAX_NUMBER_CHARS, JSON_MAX_DEPTH): valid JSON, still a 400 that says where.
     ("chat", b'{"seed": ' + b"9" * 5000 + b', "messages": []}', r"rejected: JSON has a number longer than the limit of 256 characters \(byte 9\)"),
     ("chat", b'{"prompt_token_ids": [1, ' + b"9" * 5000 + b"]}", r"number longer than the limit of 256 characters \(byte 25\)"),

@@ -35,7 +35,7 @@ import fastcore
 from fastcore import protocol
 from fastcore.protocol import DISAGG_REQUEST_ID_END, DISAGG_REQUEST_ID_MIN
 from server.auth import SIGNATURE_HEADER, TRTLLM_AUTH_HEADER, sign_body, sign_pieces, trtllm_disagg_auth
-from server.errors import HTTPError, error_body, normalise_error_body
+from server.errors import HTTPError, check_not_empty, error_body, normalise_error_body
 from server.http import (
     BodyPiece,
     HTTPServer,
@@ -416,6 +416,7 @@ class Orchestrator:
         """Serve one completion; the status the client got (a stream cut by its worker counts as 502)."""
         clock = self._clock()
         relay = self.relay
+        check_not_empty(body)
         req = relay.read_client(body, chat)
         clock.lap("validate")
         if not (self.context_pool.ready and self.generation_pool.ready):

@@ -37,7 +37,7 @@ import fastcore
 from fastcore import JSONSpanError
 from fastcore import protocol as wire
 from server import openai_shapes
-from server.errors import HTTPError
+from server.errors import HTTPError, check_not_empty
 
 from .output import Delta, SamplingParams, TokenLogprob
 from .tokenizer import Tokenizer
@@ -326,6 +326,7 @@ def load_json_body(raw: bytes) -> dict[str, Any]:
     same scan: what ``json.loads`` alone reads but RFC 8259 does not (``NaN``)
     still passes here.
     """
+    check_not_empty(raw)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -381,6 +382,7 @@ def load_request_body(raw: bytes, route: Route, *, scanner: ModuleType | None = 
     """
     if not isinstance(raw, bytes):
         raw = bytes(raw)
+    check_not_empty(raw)
     jsonspan = scanner if scanner is not None else fastcore
     try:
         spans = jsonspan.find_spans(raw, _BODY_PATHS, validate=False)
@@ -873,7 +875,7 @@ def parse_request(
     elif type(model) is not str:
         raise bad_request("'model' must be a string", "model")
     if model != model_name:
-        raise HTTPError(404, f"model {_brief(model)} does not exist; this worker serves {model_name!r}",
+        raise HTTPError(404, f"model {_brief(model)} does not exist; the model served is {model_name!r} (GET /v1/models lists it)",
                         param="model", code="model_not_found")  # fmt: skip
     for name, neutral in _UNSUPPORTED.items():
         if not _is_neutral(body.get(name), neutral):
