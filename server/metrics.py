@@ -98,6 +98,13 @@ class _Metric:
         """The series of these labels (a missing label is ""), bound for the hot path."""
         return self._child(labels)
 
+    def remove(self, **labels: str) -> None:
+        """Drop the series of these labels (a worker that left): no stale value stays on the page.
+        In multiprocess mode a value already written to this process's file stays in it."""
+        key = tuple(str(labels.get(n, "")) for n in self.labelnames)
+        if self._children.pop(key, None) is not None:
+            self.native.remove(*key)
+
     def _sample(self, suffix: str, labels: dict[str, str]) -> float:
         """This process's value of one sample (0 when the series does not exist yet)."""
         want = {n: str(labels.get(n, "")) for n in self.labelnames}

@@ -163,7 +163,7 @@ def test_num_instances_other_than_the_urls_is_a_warning(caplog):
     ("data", "match"),
     [
         ({"context_servers": {"num_instances": 2}}, r"context_servers\.urls: .*num_instances: 2"),
-        ({"disagg_cluster": {"cluster_uri": "etcd://127.0.0.1:2379", "cluster_name": "demo"}}, "disagg_cluster: .*not built yet"),
+        ({"disagg_cluster": {"cluster_uri": "http://127.0.0.1:8000"}, "workers": 2}, r"http:// registry is kept by one orchestrator process"),
         ({"conditional_disagg_config": {"max_local_prefill_length": 512}}, "conditional_disagg_config: .*not built yet"),
         ({"generation_servers": {"urls": ["h:2"], "router": {"type": "kv_cache_aware"}}}, "kv_cache_aware.*not built yet"),
         ({"generation_servers": {"urls": ["h:2"], "router": {"type": "conversation"}}}, "conversation.*not built yet"),
@@ -412,3 +412,33 @@ async def test_b64_on_completions_only_when_server_info_says_so(answer, b64):
     assert not mixed.b64_completions
     mixed.workers[1].b64_completions = True
     assert mixed.b64_completions
+
+
+def test_disagg_cluster_is_validated_and_needs_no_urls():
+    config = build_config(
+        {"disagg_cluster": {"cluster_uri": "etcd://127.0.0.1:2379/", "cluster_name": "demo",
+                            "minimal_instances": {"context_servers": 2, "generation_servers": 0}}},
+        environ={},
+    )  # fmt: skip
+    config.check_runnable()  # discovered workers only: no urls needed
+    cluster = config.disagg_cluster
+    assert cluster is not None and cluster.cluster_uri == "etcd://127.0.0.1:2379"
+    assert (cluster.minimal("context"), cluster.minimal("generation")) == (2, 0)
+    assert build_config({"disagg_cluster": {"cluster_uri": "http://h:1"}}, environ={}).disagg_cluster.minimal(
+        "context"
+    ) == 1
+    for bad, match in [
+        ({"cluster_uri": "zk://h:1"}, r"disagg_cluster\.cluster_uri: .*etcd://HOST:PORT or http://HOST:PORT"),
+        ({"cluster_uri": "etcd://"}, r"disagg_cluster\.cluster_uri"),
+        ({"cluster_uri": "etcd://h:1", "minimal_instances": {"ctx": 1}}, r"minimal_instances: .*not ctx"),
+        ({"cluster_uri": "etcd://h:1", "minimal_instances": {"context_servers": -1}}, r"integers >= 0"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            build_config({"disagg_cluster": bad}, environ={})
+
+
+def test_cluster_flags_override_the_file(tmp_path):
+    config = cli.config_from_args(_args("--cluster-uri", "etcd://127.0.0.1:2379", "--cluster-name", "x",
+                                        "--model", "tiny"))  # fmt: skip
+    assert config.disagg_cluster is not None and config.disagg_cluster.cluster_name == "x"
+    assert config.model == "tiny"

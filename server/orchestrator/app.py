@@ -27,7 +27,7 @@ import random
 import re
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -50,6 +50,9 @@ from server.http import (
 from server.metrics import CONTENT_TYPE, Registry
 
 from .config import OrchestratorConfig
+
+if TYPE_CHECKING:
+    from .discovery import Discovery
 from .pools import HealthChecker, Pool, Worker
 from .relay_modes import ClientRequest, ContextResult, answer_as_sse, make_relay
 
@@ -132,6 +135,33 @@ class _Metrics:
                     self.worker_in_flight.set(worker.in_flight, pool=pool.name, url=worker.url)
 
         registry.before_collect(worker_in_flight)
+        discovery = orchestrator.discovery
+        if discovery is not None:
+            registry.gauge(
+                "fastcore_orchestrator_cluster_connected",
+                "1 while the cluster registry (disagg_cluster) is reachable; 0: serving the last known workers.",
+                callback=lambda: 1.0 if discovery.connected else 0.0,
+            )
+            registry.counter(
+                "fastcore_orchestrator_cluster_resyncs_total",
+                "Full reads of the cluster registry after the first (one per reconnection).",
+                callback=lambda: discovery.resyncs,
+            )
+            self.cluster_workers = registry.gauge(
+                "fastcore_orchestrator_cluster_workers", "Workers discovered through the cluster, per pool.",
+                ("pool",),
+            )  # fmt: skip
+            registry.gauge(
+                "fastcore_orchestrator_cluster_refused_workers",
+                "Registered workers refused now (another model, an unknown role).",
+                callback=lambda: len(discovery.refused),
+            )
+
+            def cluster_workers() -> None:
+                for name in discovery.pools:
+                    self.cluster_workers.set(discovery.count(name), pool=name)
+
+            registry.before_collect(cluster_workers)
         self.cpu = registry.histogram(
             "fastcore_orchestrator_cpu_seconds",
             "The orchestrator's own CPU time per request on the event loop, by phase "
@@ -252,6 +282,21 @@ class Orchestrator:
             "generation", config.generation_servers.urls, config.generation_servers.router.kind
         )
         self.pools = [self.context_pool, self.generation_pool]
+        #: fire-and-forget tasks (KV releases, first health checks), kept referenced until done
+        self._background: set[asyncio.Task[None]] = set()
+        self.discovery: Discovery | None = None
+        if config.disagg_cluster is not None:
+            from .discovery import Discovery, schedule_check  # server.cluster: only with discovery
+
+            self.discovery = Discovery(
+                config.disagg_cluster,
+                {"context": self.context_pool, "generation": self.generation_pool},
+                model=config.model,
+                hostname=config.hostname,
+                port=config.port,
+                check_now=schedule_check(lambda: self.health, self._background),
+                on_removed=self._worker_left,
+            )
         self.secret = config.shared_secret_bytes
         self.trtllm_key = config.trtllm_auth_key
         self.in_flight = 0
@@ -271,8 +316,6 @@ class Orchestrator:
         # Worker URL -> its keep-alive connections, made on first use (a
         # worker's URL may change while it is in a pool).
         self.upstreams: dict[str, UpstreamPool] = {}
-        #: fire-and-forget tasks (KV releases), kept referenced until done
-        self._background: set[asyncio.Task[None]] = set()
         self.session: aiohttp.ClientSession | None = None
         self.health: HealthChecker | None = None
         self._requests = 0
@@ -289,6 +332,8 @@ class Orchestrator:
             on_change=self._record_health,
         )
         self.health.start()
+        if self.discovery is not None:
+            await self.discovery.start(self.session)
         server = self.server = HTTPServer(self.handle, self.limits)
         server.on_close.append(self.stop)
         try:
@@ -301,6 +346,8 @@ class Orchestrator:
         return server
 
     async def stop(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
         if self.health is not None:
             await self.health.stop()
         if self.session is not None:
@@ -309,7 +356,19 @@ class Orchestrator:
             upstream.close()
 
     def _record_health(self, pool: Pool, worker: Worker) -> None:
-        self.metrics.worker_healthy.set(1.0 if worker.healthy else 0.0, pool=pool.name, url=worker.url)
+        if worker in pool.workers:  # a first check may end after its worker left
+            self.metrics.worker_healthy.set(1.0 if worker.healthy else 0.0, pool=pool.name, url=worker.url)
+
+    def _worker_left(self, pool: Pool, worker: Worker) -> None:
+        """A discovered worker is gone from the cluster: no series of it stays; its connections
+        close once no other pool still has it."""
+        worker.healthy = False
+        self.metrics.worker_healthy.remove(pool=pool.name, url=worker.url)
+        self.metrics.worker_in_flight.remove(pool=pool.name, url=worker.url)
+        if not any(w.url == worker.url for p in self.pools for w in p.workers):
+            upstream = self.upstreams.pop(worker.url, None)
+            if upstream is not None:
+                upstream.close()
 
     def _upstream(self, worker: Worker) -> UpstreamPool:
         return self.upstreams.get(worker.url) or self._new_upstream(worker)
@@ -343,6 +402,9 @@ class Orchestrator:
             else:
                 await self.models(out)
             return
+        if self.discovery is not None and self.discovery.handles(path):
+            await self.discovery.handle(request, out)
+            return
         out.send_error(
             404,
             f"no route {path.decode('utf-8', 'replace')[:200]}: the orchestrator serves "
@@ -352,6 +414,12 @@ class Orchestrator:
     # -- small endpoints ---------------------------------------------------
 
     def health_endpoint(self, out: Responder) -> None:
+        if self.discovery is not None:
+            short = self.discovery.missing()
+            if short:
+                out.send_error(503, "waiting for disagg_cluster.minimal_instances: " + ", ".join(short),
+                               code="not_enough_workers")  # fmt: skip
+                return
         not_ready = [p.name for p in self.pools if not p.ready]
         if not_ready:
             out.send_error(503, "no healthy worker in pool(s): " + ", ".join(not_ready))

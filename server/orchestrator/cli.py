@@ -76,6 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-check-interval-s", type=float, help="seconds between worker /health checks")
     parser.add_argument("--max-body-bytes", type=int, help="client body size limit (413 above it)")
     parser.add_argument("--workers", type=int, help="orchestrator processes sharing the port (SO_REUSEPORT)")
+    parser.add_argument("--model", help="the model served: discovered workers of another are refused "
+                        "(default: the first discovered worker's)")  # fmt: skip
+    parser.add_argument("--cluster-uri", metavar="URI",
+                        help="discover workers: etcd://HOST:PORT, or http://HOST:PORT (this orchestrator "
+                        "keeps the registry when it is its own address)")  # fmt: skip
+    parser.add_argument("--cluster-name", help="the cluster's namespace in the store (default empty)")
     parser.add_argument(
         "--shared-secret-file",
         metavar="PATH",
@@ -100,6 +106,9 @@ _OVERRIDES = {
     "max_body_bytes": "max_body_bytes",
     "workers": "workers",
     "shared_secret_file": "shared_secret_file",
+    "model": "model",
+    "cluster_uri": "disagg_cluster.cluster_uri",
+    "cluster_name": "disagg_cluster.cluster_name",
 }
 
 

@@ -98,15 +98,41 @@ class ConditionalDisaggConfig(BaseModel):
 
 
 class DisaggClusterConfig(BaseModel):
-    """trtllm-serve's worker discovery through a store (etcd) instead of urls."""
+    """trtllm-serve's worker discovery through a store (etcd) instead of urls (server/cluster)."""
 
     model_config = ConfigDict(extra="allow")
 
+    # etcd://HOST:PORT[,HOST:PORT...], or http://HOST:PORT: the orchestrator there keeps the registry
     cluster_uri: str
+    # namespace: the key prefix of this cluster's workers
     cluster_name: str = ""
     heartbeat_interval_sec: float = Field(5.0, gt=0)
+    # a worker not heard from for this long is gone (its etcd lease's TTL)
     inactive_timeout_sec: float = Field(10.0, gt=0)
+    # /health is 503 until this many healthy workers per pool: {context_servers: 1, generation_servers: 1}
     minimal_instances: dict[str, int] = Field(default_factory=dict)
+
+    @field_validator("cluster_uri")
+    @classmethod
+    def _known_scheme(cls, uri: str) -> str:
+        scheme, sep, rest = uri.partition("://")
+        if not sep or scheme not in ("etcd", "http") or not rest.strip("/"):
+            raise ValueError(f"must be etcd://HOST:PORT or http://HOST:PORT, got {uri!r}")
+        return uri.rstrip("/")
+
+    @field_validator("minimal_instances")
+    @classmethod
+    def _pool_counts(cls, counts: dict[str, int]) -> dict[str, int]:
+        unknown = sorted(set(counts) - {"context_servers", "generation_servers"})
+        if unknown:
+            raise ValueError(f"keys are context_servers and generation_servers, not {', '.join(unknown)}")
+        if any(type(n) is not int or n < 0 for n in counts.values()):
+            raise ValueError("counts must be integers >= 0")
+        return counts
+
+    def minimal(self, pool: str) -> int:
+        """The healthy workers ``pool`` ("context" or "generation") needs before /health is 200."""
+        return self.minimal_instances.get(f"{pool}_servers", 1)
 
 
 class OrchestratorConfig(BaseModel):
@@ -116,6 +142,9 @@ class OrchestratorConfig(BaseModel):
 
     hostname: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    # the model this deployment serves; discovered workers of another model are refused (with a
+    # log line). None: the first discovered worker's model.
+    model: str | None = None
     gen_tokids_ctxbytes: bool = False
     gen_strip_message_history: bool = False
     # "parsed" is the baseline a typical pydantic orchestrator implements
@@ -168,11 +197,13 @@ class OrchestratorConfig(BaseModel):
         return self.shared_secret_bytes
 
     def check_runnable(self) -> None:
-        """Refuse to start without a worker in each pool, or on a section not built yet."""
-        if self.disagg_cluster is not None:
+        """Refuse to start without a worker in each pool (none needed with discovery), or on a
+        section not built yet."""
+        cluster = self.disagg_cluster
+        if cluster is not None and cluster.cluster_uri.startswith("http://") and self.workers > 1:
             raise ConfigError(
-                "disagg_cluster: worker discovery through a cluster store is not built yet; "
-                "list the workers in context_servers.urls and generation_servers.urls"
+                "disagg_cluster.cluster_uri: an http:// registry is kept by one orchestrator process; "
+                "with workers > 1 use etcd:// (or workers: 1)"
             )
         if self.conditional_disagg_config is not None:
             raise ConfigError(
@@ -181,7 +212,7 @@ class OrchestratorConfig(BaseModel):
             )
         for name in ("context_servers", "generation_servers"):
             pool: PoolConfig = getattr(self, name)
-            if not pool.urls:
+            if not pool.urls and cluster is None:
                 launch = f" (num_instances: {pool.num_instances}: launching workers is trtllm-serve's job)"
                 raise ConfigError(
                     f"{name}.urls: at least one worker URL is required"

@@ -97,6 +97,26 @@ class Pool:
         self.name = name
         self.workers = [Worker(u) for u in urls]
         self.router = ROUTERS[router]()
+        self.static = frozenset(urls)
+        #: URLs of the workers that discovery added (server/orchestrator/discovery.py)
+        self.discovered: set[str] = set()
+
+    def sync_discovered(self, urls: Collection[str]) -> tuple[list[Worker], list[Worker]]:
+        """Make the discovered workers exactly ``urls`` (the configured ones stay whatever
+        discovery says); returns (added, removed). A removed worker's requests in flight go on:
+        only new requests stop choosing it."""
+        wanted = set(urls) - self.static
+        added = [Worker(url) for url in sorted(wanted - self.discovered)]
+        gone = self.discovered - wanted
+        removed = [w for w in self.workers if w.url in gone]
+        if added or removed:
+            # A new list, never an in-place edit: a health round iterating the old one is unaffected.
+            self.workers = [w for w in self.workers if w.url not in gone] + added
+            self.discovered = wanted
+        return added, removed
+
+    def healthy_count(self) -> int:
+        return sum(1 for w in self.workers if w.healthy)
 
     @property
     def b64_completions(self) -> bool:
