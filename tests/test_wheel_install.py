@@ -127,18 +127,12 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
     pins = [f"{name}=={importlib.metadata.version(name)}" for name in ("numpy", "pytest", "hypothesis")]
     run([str(python), "-m", "pip", "install", "--quiet", str(wheel), *pins], cwd=base, env=clean_env())
 
-    # conftest.py finds the JSON corpus at tests/data, or in shared/testdata
-    # beside the project (ROOT.parent): lay both out the same way here.
+    # conftest.py finds the JSON corpus at tests/data: copy it beside the tests.
     project = base / "project"
     (project / "tests").mkdir(parents=True)
     for name in ("conftest.py", "test_codec.py", "test_jsonspan.py"):
         shutil.copy2(ROOT / "tests" / name, project / "tests" / name)
-    if (ROOT / "tests" / "data").is_dir():
-        shutil.copytree(ROOT / "tests" / "data", project / "tests" / "data")
-    shared_testdata = ROOT.parent / "shared" / "testdata"
-    if shared_testdata.is_dir():
-        (base / "shared").mkdir()
-        (base / "shared" / "testdata").symlink_to(shared_testdata, target_is_directory=True)
+    shutil.copytree(ROOT / "tests" / "data", project / "tests" / "data")
     (project / "pytest.ini").write_text(
         "[pytest]\naddopts = -ra --strict-markers -p no:cacheprovider\n"
         "markers =\n    slow: long-running tests (large inputs, live processes)\n"
