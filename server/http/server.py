@@ -179,6 +179,11 @@ class Responder:
     def paused(self) -> bool:
         return self._conn.write_paused
 
+    @property
+    def peer(self) -> object:
+        """The client's address (``transport.get_extra_info("peername")``)."""
+        return self._transport.get_extra_info("peername")
+
     def _connection(self) -> bytes:
         return b"" if self.keep_alive else b"Connection: close\r\n"
 
