@@ -144,7 +144,10 @@ class EmbeddedRegistry:
             out.send_error(413, f"cluster registry: a registration takes at most {MAX_RECORD_BYTES} bytes")
             return
         try:
-            obj = json.loads(request.body)
+            try:
+                obj = json.loads(request.body)
+            except json.JSONDecodeError as exc:
+                raise RecordError(f"a registration must be JSON: {exc.msg} at byte {exc.pos}") from None
             if not isinstance(obj, dict):
                 raise RecordError('a registration is {"worker": <record>, "ttl_s": <seconds>}')
             record = WorkerRecord.from_obj(obj.get("worker"))

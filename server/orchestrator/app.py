@@ -296,6 +296,7 @@ class Orchestrator:
                 port=config.port,
                 check_now=schedule_check(lambda: self.health, self._background),
                 on_removed=self._worker_left,
+                secret=config.shared_secret_bytes,
             )
         self.secret = config.shared_secret_bytes
         self.trtllm_key = config.trtllm_auth_key

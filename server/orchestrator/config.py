@@ -130,6 +130,15 @@ class DisaggClusterConfig(BaseModel):
             raise ValueError("counts must be integers >= 0")
         return counts
 
+    @model_validator(mode="after")
+    def _heartbeat_below_timeout(self) -> DisaggClusterConfig:
+        if self.heartbeat_interval_sec >= self.inactive_timeout_sec:
+            raise ValueError(
+                f"heartbeat_interval_sec ({self.heartbeat_interval_sec:g}) must be below inactive_timeout_sec "
+                f"({self.inactive_timeout_sec:g}): a worker would expire between two heartbeats"
+            )
+        return self
+
     def minimal(self, pool: str) -> int:
         """The healthy workers ``pool`` ("context" or "generation") needs before /health is 200."""
         return self.minimal_instances.get(f"{pool}_servers", 1)

@@ -43,12 +43,13 @@ ROLE_POOLS = {"context": ("context",), "generation": ("generation",), "both": ("
 _LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "0.0.0.0", "::", ""})
 
 
-def cluster_settings(config: DisaggClusterConfig) -> ClusterSettings:
+def cluster_settings(config: DisaggClusterConfig, secret: bytes | None = None) -> ClusterSettings:
     return ClusterSettings(
         cluster_uri=config.cluster_uri,
         cluster_name=config.cluster_name,
         heartbeat_interval_s=config.heartbeat_interval_sec,
         inactive_timeout_s=config.inactive_timeout_sec,
+        secret=secret,
     )
 
 
@@ -74,9 +75,10 @@ class Discovery:
         port: int,
         check_now: Callable[[Pool, Worker], None],
         on_removed: Callable[[Pool, Worker], None],
+        secret: bytes | None = None,
     ) -> None:
         self.config = config
-        self.settings = cluster_settings(config)
+        self.settings = cluster_settings(config, secret)
         self.pools = pools
         self.model = model
         self.check_now = check_now

@@ -149,6 +149,11 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str, str]:
     if args.model == "synthetic":  # no model: no torch on the request path
         from . import synthetic
 
+        if args.role != "both":
+            # A KV hand-off needs torch (kv_transfer): imported here, before the port opens,
+            # not by the first hand-off, which would stall the loop (heartbeats included) ~2 s.
+            from . import kv_transfer  # noqa: F401
+
         return synthetic.build_engine(args), args.served_model_name or "synthetic", "cpu"
     import torch
 
