@@ -28,7 +28,12 @@ PYTHON = [sys.executable, "-m"]
 #: relay modes of the orchestrator benchmarks: name -> orchestrator flags
 MODES: dict[str, list[str]] = {
     "parsed": ["--relay", "parsed", "--no-gen-tokids-ctxbytes", "--no-gen-strip-message-history"],
-    "parsed-msgpack": ["--relay", "parsed-msgpack", "--no-gen-tokids-ctxbytes", "--no-gen-strip-message-history"],
+    "parsed-msgpack": [
+        "--relay",
+        "parsed-msgpack",
+        "--no-gen-tokids-ctxbytes",
+        "--no-gen-strip-message-history",
+    ],
     "gates-off": ["--relay", "fast", "--no-gen-tokids-ctxbytes", "--no-gen-strip-message-history"],
     "tokids-b64": ["--relay", "fast", "--gen-tokids-ctxbytes", "--no-gen-strip-message-history"],
     "both-gates": ["--relay", "fast", "--gen-tokids-ctxbytes", "--gen-strip-message-history"],
@@ -132,9 +137,17 @@ class Deployment:
     generation_workers: int = 1
     prefill_latency_ms: float = 0.0
     token_latency_ms: float = 0.0
+    #: discovery instead of urls: workers register here (etcd://... or an orchestrator's http://...)
+    cluster_uri: str | None = None
+    cluster_name: str = "bench"
+    heartbeat_s: float = 0.5
+    inactive_timeout_s: float = 2.0
+    #: orchestrator processes, each on its own port (several only with discovery)
+    orchestrators: int = 1
     children: list[Child] = field(default_factory=list)
     workers: list[Child] = field(default_factory=list)
     front: Child | None = None
+    fronts: list[Child] = field(default_factory=list)
     port: int = 0
     env: dict[str, str] = field(default_factory=dict)
 
@@ -142,12 +155,25 @@ class Deployment:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def urls(self) -> list[str]:
+        """Every orchestrator's base URL."""
+        return [f"http://127.0.0.1:{f.port}" for f in self.fronts]
+
+    def cluster_flags(self) -> list[str]:
+        if self.cluster_uri is None:
+            return []
+        return ["--cluster-uri", self.cluster_uri, "--cluster-name", self.cluster_name]
+
     def worker_child(self, role: str, port: int, index: int) -> Child:
         _, other = cores()
         argv = [*PYTHON, "server.cli", "worker", "--model", "synthetic", "--role", "both" if self.mode in FLOOR_MODULES else role,
                 "--prompt-tokens", str(self.prompt_tokens), "--port", str(port),
                 "--prefill-latency-ms", str(self.prefill_latency_ms),
                 "--token-latency-ms", str(self.token_latency_ms)]  # fmt: skip
+        if self.cluster_uri is not None:
+            argv += [*self.cluster_flags(), "--heartbeat-interval-sec", str(self.heartbeat_s),
+                     "--inactive-timeout-sec", str(self.inactive_timeout_s)]  # fmt: skip
         return Child(f"{role} worker {index}", pinned(argv, other), port)
 
     def start(self, env: dict[str, str] | None = None) -> Deployment:
@@ -162,7 +188,16 @@ class Deployment:
                 urls[role].append(f"127.0.0.1:{port}")
         self.port = free_port()
         front_cpus, _ = cores()
-        if self.mode in FLOOR_MODULES:
+        if self.orchestrators > 1 and self.cluster_uri is None:
+            raise ValueError("several orchestrators share their workers through discovery: set cluster_uri")
+        if self.cluster_uri is not None:
+            ports = [self.port] + [free_port() for _ in range(self.orchestrators - 1)]
+            for i, port in enumerate(ports):
+                argv = [*PYTHON, "server.cli", "orchestrator", "--port", str(port), "--model", "synthetic",
+                        *self.cluster_flags(), "--health-check-interval-s", "0.5",
+                        "--log-level", "WARNING", *MODES[self.mode]]  # fmt: skip
+                self.fronts.append(Child(f"{self.mode} orchestrator {i}", pinned(argv, front_cpus), port))
+        elif self.mode in FLOOR_MODULES:
             argv = [*PYTHON, FLOOR_MODULES[self.mode], "--port", str(self.port)]
             for u in urls["context"]:
                 argv += ["--context", u]
@@ -173,14 +208,19 @@ class Deployment:
                     "--context-urls", ",".join(urls["context"]),
                     "--generation-urls", ",".join(urls["generation"]),
                     "--log-level", "WARNING", *MODES[self.mode]]  # fmt: skip
-        self.front = Child(self.mode, pinned(argv, front_cpus), self.port)
-        self.children = [*self.workers, self.front]
+        if not self.fronts:
+            self.fronts = [Child(self.mode, pinned(argv, front_cpus), self.port)]
+        self.front = self.fronts[0]
+        # With discovery the orchestrators start first: the workers register with a running
+        # registry (an embedded one lives in the first orchestrator).
+        self.children = [*self.fronts, *self.workers] if self.cluster_uri else [*self.workers, *self.fronts]
         try:
             for child in self.children:
                 child.start(env)
             for w in self.workers:
                 wait_healthy(f"http://127.0.0.1:{w.port}/health", self.children)
-            wait_healthy(self.url + "/health", self.children)
+            for url in self.urls:
+                wait_healthy(url + "/health", self.children)
         except BaseException:
             self.stop()
             raise

@@ -4,6 +4,7 @@
     python -m bench.load --url http://127.0.0.1:8000 --rate 50 --duration 20
     python -m bench.load --compare            # every orchestrator mode + the floor, one plot
     python -m bench.load --chaos              # kill/restart a generation worker under load
+    python -m bench.load --cluster            # the same with etcd discovery, 2 orchestrators, etcd killed too
     python -m bench.load --abuse              # honest load beside abandon floods, slowloris, huge bodies
 
 Every level is bounded in requests and in time and stops by itself. Requests
@@ -382,6 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", type=Path, default=None, help="PNG plot path (default bench/results/...)")
     p.add_argument("--compare", action="store_true", help="run every orchestrator mode on synthetic workers")
     p.add_argument("--chaos", action="store_true", help="kill/restart a generation worker during load")
+    p.add_argument("--cluster", action="store_true",
+                   help="the chaos run with discovery: etcd, 2 orchestrators, 2+2 registered workers; "
+                        "kills workers and etcd, reports failures and time to reroute")  # fmt: skip
     p.add_argument("--chaos-interval", type=float, default=3.0, help="seconds between worker kills")
     p.add_argument("--chaos-concurrency", type=int, default=64, help="concurrent streams during --chaos")
     p.add_argument("--abuse", action="store_true",
@@ -442,6 +446,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, default in LOAD_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
+    if args.cluster:
+        from bench import cluster_chaos
+
+        return cluster_chaos.main(args)
     if args.compare or args.chaos:
         from bench import load_modes
 

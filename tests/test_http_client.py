@@ -871,3 +871,39 @@ async def test_pool_close_closes_every_connection() -> None:
         pool.close()
         assert not pool.open and not pool.idle
         assert await eventually(lambda: up.client_closed == 3)
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_an_idle_connection_whose_transport_is_closing_is_not_written_to(loop_kind: str) -> None:
+    """A worker dies: its idle connection's transport is closing before connection_lost has run.
+    Writing there raises under uvloop (it did: a 500 from the orchestrator); the pool skips it,
+    and a request that finds one is retried on a fresh connection, never sent into the void."""
+    if loop_kind == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        factory = uvloop.new_event_loop
+    else:
+        factory = asyncio.new_event_loop
+
+    async def serve(up: Upstream, reader: Reader, writer: Writer, index: int) -> None:
+        while (req := await up.next_request(reader)) is not None:
+            writer.write(echo_response(req))
+
+    async def scenario() -> None:
+        async with Upstream(serve) as up, pool_for(up) as pool:
+            await fetch(pool, body=b"first")
+            (conn,) = pool.idle
+            assert conn.transport is not None
+            conn.transport.abort()  # closing now; connection_lost comes on a later loop turn
+            _, body = await fetch(pool, body=b"second")
+            assert body == b"second" and up.accepted == 2
+            # and a connection that closes between the pool's check and the write: not sent
+            await fetch(pool, body=b"third")
+            (conn,) = pool.idle
+            assert conn.transport is not None
+            conn.transport.abort()
+            with pytest.raises(UpstreamError) as info:
+                conn.send(b"POST / HTTP/1.1\r\n\r\n", (), None, None, 0)
+            assert info.value.sent is False
+
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(scenario())

@@ -302,6 +302,12 @@ class _Connection(asyncio.Protocol):
         read_timeout: float | None,
         max_body: int,
     ) -> UpstreamResponse:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            # The worker closed (or died) and connection_lost has not run yet: writing would
+            # raise (uvloop: RuntimeError). Nothing was sent, so the request may go elsewhere.
+            self.closed = True
+            raise UpstreamError("connection closed before the request was sent", sent=False)
         resp = self.response = UpstreamResponse(self)
         resp._headers = self.loop.create_future()
         if max_body:
@@ -317,8 +323,7 @@ class _Connection(asyncio.Protocol):
         if self.deadline or self.read_timeout:
             self.timed = True
             self.sweeper.add(self)
-        assert self.transport is not None
-        self.transport.writelines((head, *pieces))
+        transport.writelines((head, *pieces))
         return resp
 
     def _check_deadline(self, now: float) -> None:
@@ -471,7 +476,7 @@ class UpstreamPool:
         now = self.loop.time()
         while idle:
             conn = idle.pop()
-            if conn.closed:
+            if conn.closed or conn.transport is None or conn.transport.is_closing():
                 continue
             if now - conn.idle_since > self.idle_timeout_s:
                 conn.close()
@@ -515,15 +520,15 @@ class UpstreamPool:
             reused = conn is not None
             if conn is None:
                 conn = await self._connect()
-            resp = conn.send(head, pieces, timeout, read_timeout, max_body)
             try:
+                resp = conn.send(head, pieces, timeout, read_timeout, max_body)
                 if not resp.complete and not (resp.headers_done and not max_body):
                     await resp._headers  # type: ignore[misc]
                 return resp
-            except UpstreamError:
+            except UpstreamError as exc:
                 # An idle connection the worker closed as we reused it: it never
                 # saw the request. Once, on a fresh connection.
-                if reused and not conn.got_bytes and _attempt == 0:
+                if reused and _attempt == 0 and (not exc.sent or not conn.got_bytes):
                     conn.close()
                     continue
                 raise
