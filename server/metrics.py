@@ -38,6 +38,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -103,7 +104,11 @@ class _Metric:
         In multiprocess mode a value already written to this process's file stays in it."""
         key = tuple(str(labels.get(n, "")) for n in self.labelnames)
         if self._children.pop(key, None) is not None:
-            self.native.remove(*key)
+            with warnings.catch_warnings():
+                # prometheus_client warns that multiprocess mode cannot drop a written value:
+                # said once in this docstring rather than on every worker that leaves.
+                warnings.simplefilter("ignore", UserWarning)
+                self.native.remove(*key)
 
     def _sample(self, suffix: str, labels: dict[str, str]) -> float:
         """This process's value of one sample (0 when the series does not exist yet)."""

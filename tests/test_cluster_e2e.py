@@ -162,3 +162,40 @@ def test_minimal_instances_gate_health_and_a_wrong_model_is_refused(
         assert time.monotonic() - start < TTL_S
     finally:
         stop_all([*children[1:], orch], grace_s=10.0)
+
+
+def test_an_orchestrator_of_several_processes_discovers_in_each(etcd: LocalEtcd) -> None:
+    """--workers 2: each process watches etcd itself; the scrape (summed over processes) says
+    each discovered worker once, and every request (whichever process takes it) is served."""
+    port = free_port()
+    env = dict(__import__("os").environ, PYTHONUNBUFFERED="1")
+    cluster = ["--cluster-uri", etcd.uri, "--cluster-name", "multi"]
+    orch = Child("orchestrator", [sys.executable, "-m", "server.cli", "orchestrator", "--port", str(port),
+                                  "--workers", "2", "--model", "synthetic", *cluster], port)  # fmt: skip
+    children = [orch]
+    try:
+        orch.start(env)
+        for role in ("context", "generation"):
+            p = free_port()
+            child = Child(role, [*WORKER, "--role", role, "--port", str(p), *cluster], p)
+            children.append(child)
+            child.start(env)
+        eventually(lambda: http(f"http://127.0.0.1:{port}/health")[0] == 200, timeout=60)
+        body = json.dumps({"model": "synthetic", "prompt": "hi", "max_tokens": 2}).encode()
+        for _ in range(12):  # new connections: the kernel spreads them over both processes
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json", "Connection": "close"})  # fmt: skip
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                assert resp.status == 200
+        # each process rewrites its callback gauges into its file every second: fresh within that
+        eventually(lambda: b"fastcore_orchestrator_cluster_connected 1.0" in http(f"http://127.0.0.1:{port}/metrics")[1],
+                   timeout=3.0)  # fmt: skip
+        for _ in range(6):
+            page = http(f"http://127.0.0.1:{port}/metrics")[1].decode()
+            assert 'fastcore_orchestrator_cluster_workers{pool="context"} 1.0' in page
+            assert 'fastcore_orchestrator_cluster_workers{pool="generation"} 1.0' in page
+            assert "fastcore_orchestrator_cluster_connected 1.0" in page, "\n".join(
+                ln for ln in page.splitlines() if "cluster" in ln
+            )
+    finally:
+        stop_all([*children[1:], orch], grace_s=10.0)

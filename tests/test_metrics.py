@@ -410,10 +410,16 @@ def test_orchestrator_processes_answer_the_sum_on_every_scrape(tmp_path):
         statuses = [_post(url + "/v1/completions", body) for _ in range(requests)]
         assert statuses == [200] * requests
         # Each process counted its own share: the kernel spread the connections over both.
-        shares = []
-        for path in sorted(glob.glob(os.path.join(metrics_dir, "counter_*.db"))):
-            (family,) = [m for m in MultiProcessCollector.merge([path]) if m.name.endswith("requests")]
-            shares.append(sum(s.value for s in family.samples))
+        # A request is counted just after its response is written: the last may lag the client.
+        deadline = time.monotonic() + 5.0
+        while True:
+            shares = []
+            for path in sorted(glob.glob(os.path.join(metrics_dir, "counter_*.db"))):
+                (family,) = [m for m in MultiProcessCollector.merge([path]) if m.name.endswith("requests")]
+                shares.append(sum(s.value for s in family.samples))
+            if sum(shares) == requests or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         assert len(shares) == 2 and all(shares) and sum(shares) == requests, shares
         # The other process's in-flight levels are at most one sync old (SYNC_INTERVAL_S).
         deadline = time.monotonic() + 10 * metrics.SYNC_INTERVAL_S

@@ -141,20 +141,23 @@ class _Metrics:
                 "fastcore_orchestrator_cluster_connected",
                 "1 while the cluster registry (disagg_cluster) is reachable; 0: serving the last known workers.",
                 callback=lambda: 1.0 if discovery.connected else 0.0,
+                multiprocess_mode="livemin",  # 0 when any process of --workers N has lost it
             )
             registry.counter(
                 "fastcore_orchestrator_cluster_resyncs_total",
                 "Full reads of the cluster registry after the first (one per reconnection).",
                 callback=lambda: discovery.resyncs,
             )
+            # Every process of --workers N discovers the same set: the scrape says it once.
             self.cluster_workers = registry.gauge(
                 "fastcore_orchestrator_cluster_workers", "Workers discovered through the cluster, per pool.",
-                ("pool",),
+                ("pool",), multiprocess_mode="livemax",
             )  # fmt: skip
             registry.gauge(
                 "fastcore_orchestrator_cluster_refused_workers",
                 "Registered workers refused now (another model, an unknown role).",
                 callback=lambda: len(discovery.refused),
+                multiprocess_mode="livemax",
             )
 
             def cluster_workers() -> None:
