@@ -5,7 +5,9 @@ Two compiled modules, each with a pure-Python twin of identical behaviour:
 - the token codec (``encode_tokens`` / ``decode_tokens*``): int32 token ids
   <-> standard base64 of their little-endian bytes;
 - the JSON span scanner (``find_span`` / ``find_spans`` / ``splice``): byte
-  spans of values in raw JSON, so bodies are relayed without being parsed.
+  spans of values in raw JSON, so bodies are relayed without being parsed;
+  ``chunk_hashes``: chained 64-bit hashes of a span's fixed-size chunks, the
+  orchestrator's prefix-cache routing keys.
 
 The JSON limits every process enforces (``JSON_MAX_DEPTH``,
 ``JSON_MAX_NUMBER_CHARS``) are defined once, in :mod:`fastcore.limits`, and
@@ -53,6 +55,7 @@ decode_tokens_into = _codec_impl.decode_tokens_into
 find_span = _jsonspan_impl.find_span
 find_spans = _jsonspan_impl.find_spans
 splice = _jsonspan_impl.splice
+chunk_hashes = _jsonspan_impl.chunk_hashes
 
 #: ``"cython (avx2)"``, ``"cython (scalar)"`` or ``"python"``.
 backend: str = f"{_kind} ({_codec_impl.SIMD_PATH})" if _kind == "cython" else "python"
@@ -64,6 +67,7 @@ __all__ = [
     "RelayError",
     "TokenDecodeError",
     "backend",
+    "chunk_hashes",
     "decode_tokens",
     "decode_tokens_into",
     "decode_tokens_list",

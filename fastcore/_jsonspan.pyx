@@ -19,7 +19,7 @@ cimport cython
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.list cimport PyList_New, PyList_SET_ITEM
-from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_FromLongLong
+from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_FromLongLong, PyLong_FromUnsignedLongLong
 from cpython.ref cimport Py_INCREF
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdint cimport uint8_t
@@ -1282,6 +1282,109 @@ def check_token_b64(body, start=0, end=None):
         if not 0 <= start <= end <= size:
             raise ValueError(f"need 0 <= start <= end <= len(body) = {size}, got ({start}, {end})")
         return _check_b64(<const uint8_t *>view.buf, start, end)
+    finally:
+        PyBuffer_Release(&view)
+
+
+
+# -- chunk hashes --------------------------------------------------------------------------------------
+#
+# The pure twin's section of the same name defines the hash; this is the same arithmetic in C (its
+# constants are the twin's, checked at import below), four independent lanes per step.
+
+cdef extern from *:
+    """
+    #include <stdint.h>
+    #include <string.h>
+    #define FC_CH_SEED0 0x243F6A8885A308D3ULL
+    #define FC_CH_SEED1 0x13198A2E03707344ULL
+    #define FC_CH_SEED2 0xA4093822299F31D0ULL
+    #define FC_CH_SEED3 0x082EFA98EC4E6C89ULL
+    #define FC_CH_P0 0x9E3779B97F4A7C15ULL
+    #define FC_CH_P1 0xC2B2AE3D27D4EB4FULL
+    #define FC_CH_P2 0x165667B19E3779F9ULL
+    #define FC_CH_P3 0xD6E8FEB86659FD93ULL
+    #define FC_CH_CHAIN_SEED 0x452821E638D01377ULL
+    #define FC_CH_CHAIN_MUL 0x9FB21C651E98DF25ULL
+
+    static inline uint64_t fc_ch_load(const uint8_t *p) {
+        uint64_t v;
+        memcpy(&v, p, 8);
+    #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+        v = __builtin_bswap64(v);
+    #endif
+        return v;
+    }
+    static inline uint64_t fc_ch_rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+    #define FC_CH_STEP(a, w, prime) do { (a) = ((a) ^ (w)) * (prime); (a) ^= (a) >> 29; } while (0)
+
+    /* out[i] = the chained hash of chunks 0..i of p (n full chunks of `chunk` bytes, a multiple of 32). */
+    static void fc_chunk_hashes(const uint8_t *p, Py_ssize_t n, Py_ssize_t chunk, uint64_t *out) {
+        uint64_t h = FC_CH_CHAIN_SEED;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const uint8_t *q = p + i * chunk, *stop = q + chunk;
+            uint64_t a0 = FC_CH_SEED0, a1 = FC_CH_SEED1, a2 = FC_CH_SEED2, a3 = FC_CH_SEED3;
+            for (; q < stop; q += 32) {
+                FC_CH_STEP(a0, fc_ch_load(q), FC_CH_P0);
+                FC_CH_STEP(a1, fc_ch_load(q + 8), FC_CH_P1);
+                FC_CH_STEP(a2, fc_ch_load(q + 16), FC_CH_P2);
+                FC_CH_STEP(a3, fc_ch_load(q + 24), FC_CH_P3);
+            }
+            uint64_t x = (h * FC_CH_CHAIN_MUL) ^ (a0 ^ fc_ch_rotl(a1, 17) ^ fc_ch_rotl(a2, 31) ^ fc_ch_rotl(a3, 47));
+            x ^= x >> 33;
+            x *= 0xFF51AFD7ED558CCDULL;
+            x ^= x >> 33;
+            x *= 0xC4CEB9FE1A85EC53ULL;
+            h = x ^ (x >> 33);
+            out[i] = h;
+        }
+    }
+    """
+    ctypedef unsigned long long fc_u64 "uint64_t"
+    void fc_chunk_hashes(const uint8_t *p, Py_ssize_t n, Py_ssize_t chunk, fc_u64 *out) noexcept nogil
+
+import fastcore._jsonspan_py as _py_chunk
+
+if (_py_chunk.CHUNK_LANE_SEEDS, _py_chunk.CHUNK_PRIMES, _py_chunk.CHUNK_CHAIN_SEED, _py_chunk.CHUNK_CHAIN_MUL) != (
+    (0x243F6A8885A308D3, 0x13198A2E03707344, 0xA4093822299F31D0, 0x082EFA98EC4E6C89),
+    (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93),
+    0x452821E638D01377,
+    0x9FB21C651E98DF25,
+):
+    raise ImportError("fastcore._jsonspan: chunk hash constants differ from fastcore._jsonspan_py's")
+
+cdef object _check_chunk_args = _py_chunk.check_chunk_args
+
+
+def chunk_hashes(data, start, end, chunk):
+    """The chained 64-bit hashes of the full ``chunk``-byte chunks of ``data[start:end]``.
+
+    ``fastcore._jsonspan_py.chunk_hashes`` defines them (same ints, same errors).
+    """
+    cdef Py_buffer view
+    cdef Py_ssize_t lo, hi, size, n, i
+    cdef fc_u64 *out
+    cdef list result
+    _get_body(data, &view)
+    try:
+        lo, hi, size = _check_chunk_args(view.len, start, end, chunk)
+        n = (hi - lo) // size
+        result = PyList_New(n)
+        if n == 0:
+            return result
+        out = <fc_u64 *>malloc(n * sizeof(fc_u64))
+        if out == NULL:
+            raise MemoryError()
+        try:
+            with nogil:
+                fc_chunk_hashes(<const uint8_t *>view.buf + lo, n, size, out)
+            for i in range(n):
+                item = PyLong_FromUnsignedLongLong(out[i])
+                Py_INCREF(item)
+                PyList_SET_ITEM(result, i, item)
+        finally:
+            free(out)
+        return result
     finally:
         PyBuffer_Release(&view)
 
