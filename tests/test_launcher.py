@@ -497,3 +497,38 @@ def test_up_cluster_refuses_a_busy_etcd_port(capsys, monkeypatch, tmp_path):
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1:{port}" in err and "(the etcd's client port)" in err
     assert "--etcd-port" in err
+
+
+def _flag_table(heading: str) -> dict[str, str]:
+    """flag -> default cell of the first table under ``## heading`` in docs/configuration.md."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    body = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in body.splitlines() if line.startswith("| `")]
+    table = {}
+    for row in rows:
+        flag, default = (cell.strip() for cell in row.strip("|").split("|")[:2])
+        table[flag.strip("`")] = default
+    return table
+
+
+def test_configuration_md_documents_the_cluster_flags_of_up_and_worker():
+    from server.worker import cli as worker_cli
+
+    up = argparse.ArgumentParser()
+    launcher.add_arguments(up)
+    (group,) = [g for g in up._action_groups if g.title and g.title.startswith("cluster")]
+    up_flags = {a.option_strings[0]: a for a in group._group_actions}
+    documented = _flag_table("`fastcore-serve up --cluster`")
+    assert set(documented) == set(up_flags)
+    assert documented["--cluster-name"] == f"`{launcher.DEFAULT_CLUSTER_NAME}`"
+
+    worker = argparse.ArgumentParser()
+    worker_cli.add_arguments(worker)
+    (group,) = [g for g in worker._action_groups if g.title and g.title.startswith("cluster")]
+    worker_flags = {a.option_strings[0]: a for a in group._group_actions} | {
+        "--public-url": next(a for a in worker._actions if "--public-url" in a.option_strings)
+    }
+    documented = _flag_table("Worker flags for a cluster")
+    assert set(documented) == set(worker_flags)
+    for flag in ("--heartbeat-interval-sec", "--inactive-timeout-sec"):
+        assert float(documented[flag].strip("`")) == worker_flags[flag].default
