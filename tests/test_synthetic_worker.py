@@ -236,3 +236,61 @@ async def test_kv_fetch_abandoned_midway_is_counted_not_raised(http: aiohttp.Cli
         assert status == 200
     finally:
         await runner.cleanup()
+
+
+# -- the text mode and its modelled prefix cache (--prompt-tokens 0) ------------------------------
+
+
+async def _text_worker(**kw: Any) -> tuple[Any, int, SyntheticEngine]:
+    engine = SyntheticEngine(0, **kw)
+    server, port = await start_worker(engine, WorkerSettings(role="both", model_name="synthetic"))
+    return server, port, engine
+
+
+async def test_text_mode_ids_follow_the_text_and_shared_prefixes_hit_the_modelled_cache() -> None:
+    server, port, engine = await _text_worker(kv_tokens=1 << 16)
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    history = [{"role": "user", "content": "x" * 4000}]
+    try:
+        async with aiohttp.ClientSession() as session:
+            usages = []
+            for turn in range(3):
+                body = {"model": "synthetic", "messages": history, "max_tokens": 4}
+                async with session.post(url, json=body) as r:
+                    assert r.status == 200
+                    answer = await r.json()
+                usages.append(answer["usage"]["prompt_tokens"])
+                history = [
+                    *history,
+                    answer["choices"][0]["message"],
+                    {"role": "user", "content": f"more {turn} " * 50},
+                ]
+            async with session.get(f"http://127.0.0.1:{port}/server_info") as r:
+                info = await r.json()
+        # one id per 4 bytes of the rendered template: prompts grow with the conversation
+        assert usages[0] == -(-len("<|user|>\n" + "x" * 4000 + "\n<|assistant|>\n") // 4)
+        assert usages[0] < usages[1] < usages[2]
+        # turn 1 computed everything, turns 2 and 3 only what follows the previous prompt's full blocks
+        assert engine.prefix_hit_tokens >= (usages[0] // 16 + usages[1] // 16 - 4) * 16
+        assert engine.prefill_computed_tokens + engine.prefix_hit_tokens == sum(usages)
+        assert info["local_prefill"] is True and info["prefix_caching"] is True
+    finally:
+        await server.cleanup()
+
+
+async def test_the_modelled_cache_evicts_least_recently_used_and_can_be_off() -> None:
+    small = SyntheticEngine(0, kv_tokens=64)  # 4 blocks
+    ids = np.arange(80, dtype=np.int32)  # 5 full blocks
+    hit, hashes = small._prefix(ids)
+    small._remember(hashes)
+    assert hit == 0 and small.prefix_cached_tokens == 64 and small.prefix_evicted_blocks == 1
+    # the first block was evicted: the chain is broken at once, nothing hits
+    assert small._prefix(ids)[0] == 0
+    off = SyntheticEngine(0, prefix_caching=False)
+    off._remember(off._prefix(ids)[1])
+    assert off._prefix(ids)[0] == 0 and off.prefix_cached_tokens == 0
+
+
+async def test_text_mode_refuses_a_negative_prompt_size() -> None:
+    with pytest.raises(ValueError, match="--prompt-tokens"):
+        SyntheticEngine(-1)

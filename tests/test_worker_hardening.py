@@ -123,6 +123,8 @@ async def wait_for(predicate: Any, what: str, timeout: float = 20.0) -> None:
 
 
 def context_body(prompt: str, disagg_id: int = 1, **extra: Any) -> dict[str, Any]:
+    """A context leg. Prompts that must each hold their own KV (no shared prefix blocks for the
+    prefix cache to reuse) start with their index."""
     return {
         "model": "tiny",
         "prompt": prompt,
@@ -164,7 +166,7 @@ async def test_an_abandon_flood_leaves_no_kv_behind_and_honest_requests_are_serv
 
     model.forward_step = slow_step  # type: ignore[method-assign]
     try:
-        bodies = [json.dumps(context_body("y" * (400 + i), i)).encode() for i in range(40)]
+        bodies = [json.dumps(context_body(f"{i:03d}" + "y" * (397 + i), i)).encode() for i in range(40)]
         for rnd in range(3):
             await asyncio.gather(
                 *(
@@ -214,7 +216,7 @@ async def test_honest_requests_during_an_abandon_flood_wait_for_room_instead_of_
 
     model.forward_step = slow_step  # type: ignore[method-assign]
     try:
-        bodies = [json.dumps(context_body("y" * (400 + i), i)).encode() for i in range(40)]
+        bodies = [json.dumps(context_body(f"{i:03d}" + "y" * (397 + i), i)).encode() for i in range(40)]
 
         async def flood() -> None:
             for rnd in range(4):
@@ -227,7 +229,7 @@ async def test_honest_requests_during_an_abandon_flood_wait_for_room_instead_of_
 
         async def honest(i: int) -> int:
             await asyncio.sleep(0.02 * i)
-            resp = await post(ctx.port, "/v1/completions", context_body("z" * 1500, 1000 + i))
+            resp = await post(ctx.port, "/v1/completions", context_body(f"{i:03d}" + "z" * 1497, 1000 + i))
             if resp.status == 200:  # fetch it, as its generation worker would: the KV goes back
                 endpoint = resp.json()["choices"][0]["disaggregated_params"]["ctx_info_endpoint"]
                 await get(ctx.port, endpoint.split(str(ctx.port), 1)[1])
@@ -334,7 +336,7 @@ async def test_parked_kv_is_bounded_the_oldest_going_first() -> None:
     try:
         ids = []
         for i in range(3):  # 13 blocks of 16 each: the third goes over 512
-            resp = await post(ctx.port, "/v1/completions", context_body("p" * 200, i))
+            resp = await post(ctx.port, "/v1/completions", context_body(f"{i:03d}" + "p" * 197, i))
             assert resp.status == 200
             ids.append(resp.json()["choices"][0]["disaggregated_params"]["ctx_request_id"])
         assert ctx.engine.parked_count == 2 and ctx.engine.parked_tokens <= 512
@@ -353,7 +355,7 @@ async def test_a_request_that_does_not_fit_evicts_parked_kv_before_a_503() -> No
     try:
         ids = []
         for i in range(4):  # 4 x 256 tokens: the whole cache parked
-            resp = await post(ctx.port, "/v1/completions", context_body("q" * 239, i))
+            resp = await post(ctx.port, "/v1/completions", context_body(f"{i:03d}" + "q" * 236, i))
             assert resp.status == 200
             ids.append(resp.json()["choices"][0]["disaggregated_params"]["ctx_request_id"])
         assert ctx.engine.kv_used_tokens == ctx.engine.kv_capacity_tokens == 1024
@@ -385,7 +387,9 @@ async def test_a_fresh_parked_entry_is_spared_while_waiting_and_evicted_at_the_d
     ctx = await tiny_worker("context", kv_tokens=1024, max_parked_fraction=1.0, admission_wait_s=0.4)
     try:
         for i in range(4):  # 4 x 256 tokens: the whole cache parked, all of it fresh
-            assert (await post(ctx.port, "/v1/completions", context_body("q" * 239, i))).status == 200
+            assert (
+                await post(ctx.port, "/v1/completions", context_body(f"{i:03d}" + "q" * 236, i))
+            ).status == 200
         started = time.monotonic()
         plain = await post(
             ctx.port, "/v1/completions", {"prompt": "r" * 100, "max_tokens": 100, "temperature": 0}

@@ -30,10 +30,12 @@ class LiveWorker:
         self.engine = engine
 
 
-async def tiny_worker(role: str = "both", *, kv_tokens: int = 1 << 14, **settings: Any) -> LiveWorker:
+async def tiny_worker(
+    role: str = "both", *, kv_tokens: int = 1 << 14, prefix_caching: bool = True, **settings: Any
+) -> LiveWorker:
     """A worker on the built-in tiny model (a fresh engine each: its own KV cache of ``kv_tokens``)."""
     config, model, tokenizer = build_tiny()
-    engine = TorchEngine(config, model, tokenizer, kv_tokens=kv_tokens)
+    engine = TorchEngine(config, model, tokenizer, kv_tokens=kv_tokens, prefix_caching=prefix_caching)
     server, port = await start_worker(engine, WorkerSettings(role=role, **settings))
     return LiveWorker(server, port, engine)
 

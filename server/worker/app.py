@@ -281,6 +281,16 @@ class WorkerMetrics:
         r.gauge("fastcore_worker_decode_tokens_per_second", "Decode tokens per second over the last 5 s",
                 callback=lambda: engine.tokens_per_second)  # fmt: skip
         self.prompt_tokens = r.counter("fastcore_worker_prompt_tokens_total", "Prompt tokens admitted")
+        r.counter("fastcore_worker_prefix_cache_hit_tokens_total",
+                  "Prompt tokens whose KV came from the prefix cache (not computed)",
+                  callback=lambda: engine.prefix_hit_tokens)  # fmt: skip
+        r.counter("fastcore_worker_prefill_computed_tokens_total",
+                  "Prompt (and replayed) tokens prefilled: computed, not from the cache or a KV hand-off",
+                  callback=lambda: engine.prefill_computed_tokens)  # fmt: skip
+        r.gauge("fastcore_worker_prefix_cache_tokens", "Tokens in registered full blocks (held or evictable)",
+                callback=lambda: engine.prefix_cached_tokens)  # fmt: skip
+        r.counter("fastcore_worker_prefix_cache_evicted_blocks_total",
+                  "Cached blocks evicted to make room", callback=lambda: engine.prefix_evicted_blocks)  # fmt: skip
         self.generated_tokens = r.counter(
             "fastcore_worker_generated_tokens_total", "Completion tokens returned"
         )
@@ -501,6 +511,11 @@ class WorkerApp:
             "prompt_token_ids_b64_completions": not settings.accept_trtllm_orchestrator,
             # Bodies flagged X-TRTLLM-Msgpack: 1 are decoded as msgpack.
             "msgpack_requests": True,
+            # A plain request (no disaggregated_params) is served whole, prefill included, whatever
+            # the role: an orchestrator may skip the context leg (conditional disaggregation).
+            "local_prefill": True,
+            # Full KV blocks are reused across requests that share a prefix (server/worker/kv_cache.py).
+            "prefix_caching": bool(getattr(engine, "prefix_caching", False)),
             # Legs this worker accepts: a fastcore signature needed (else unsigned); an
             # x-trtllm-disagg-auth accepted (and needed) on legs naming where the KV is.
             "internal_auth": {

@@ -40,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-tokens", type=int, default=None,
                         help="KV cache size in tokens (default: 65536 for tiny, else from free memory)")  # fmt: skip
     parser.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV of full blocks a prompt shares with an earlier one (default on)")  # fmt: skip
     parser.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one decode batch")
     parser.add_argument("--kv-ttl", type=float, default=30.0,
                         help="seconds a context leg's KV waits for its generation worker")  # fmt: skip
@@ -186,6 +188,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str, str]:
         device=device,
         kv_tokens=kv_tokens,
         block_size=args.block_size,
+        prefix_caching=args.prefix_caching,
         max_num_seqs=args.max_num_seqs,
     )
     return engine, args.served_model_name or name, device

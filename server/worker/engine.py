@@ -63,6 +63,7 @@ class TorchEngine:
         block_size: int = 16,
         max_num_seqs: int = 64,
         prefill_tokens_per_step: int = 2048,
+        prefix_caching: bool = True,
     ) -> None:
         self.config = config
         self.model = model
@@ -72,8 +73,9 @@ class TorchEngine:
         self.vocab_size = config.vocab_size
         self.max_context = config.max_context
         self.cache = PagedKVCache(
-            config, kv_tokens, block_size=block_size, device=self.device, dtype=self.dtype
-        )
+            config, kv_tokens, block_size=block_size, device=self.device, dtype=self.dtype,
+            prefix_caching=prefix_caching,
+        )  # fmt: skip
         self.max_num_seqs = max_num_seqs
         self.prefill_tokens_per_step = prefill_tokens_per_step
         self._inbox: collections.deque[EngineRequest] = collections.deque()
@@ -132,7 +134,9 @@ class TorchEngine:
     def reserve(self, req: EngineRequest) -> None:
         """Take the KV blocks for the prompt plus ``max_tokens`` (just the prompt for a context leg)."""
         reserve = int(req.prompt_ids.size) + (1 if req.park_as is not None else req.params.max_tokens)
-        req.blocks = self.cache.allocate(min(reserve, self.max_context))
+        req.blocks, req.cached_prefix = self.cache.allocate_prefix(
+            req.prompt_ids, min(reserve, self.max_context)
+        )
         req.seed = req.params.seed if req.params.seed is not None else random.getrandbits(63)
 
     def unreserve(self, req: EngineRequest) -> None:
@@ -225,6 +229,26 @@ class TorchEngine:
         return self.cache.capacity_tokens
 
     @property
+    def prefix_caching(self) -> bool:
+        return self.cache.prefix_caching
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        return self.cache.hit_tokens_total
+
+    @property
+    def prefill_computed_tokens(self) -> int:
+        return self.prompt_tokens_total
+
+    @property
+    def prefix_cached_tokens(self) -> int:
+        return self.cache.cached_blocks * self.cache.block_size
+
+    @property
+    def prefix_evicted_blocks(self) -> int:
+        return self.cache.evicted_blocks_total
+
+    @property
     def parked_count(self) -> int:
         return len(self._parked)
 
@@ -267,6 +291,11 @@ class TorchEngine:
 
     def _release(self, req: EngineRequest) -> None:
         if req.blocks:
+            if req.cached_len and not req.cancelled:  # what it computed, generated tokens included
+                ids = req.prompt_ids
+                if req.generated:
+                    ids = np.concatenate([ids, np.asarray(req.generated, dtype=np.int32)])
+                req.registered = self.cache.register(req.blocks, ids, req.cached_len, req.registered)
             self.cache.free(req.blocks)
             req.blocks = []
         self._by_id.pop(req.request_id, None)
@@ -279,7 +308,7 @@ class TorchEngine:
             if budget <= 0:
                 break
             req = self._waiting.popleft()
-            budget -= int(req.prompt_ids.size)
+            budget -= int(req.prompt_ids.size) - req.cached_prefix
             try:
                 self._start(req, outputs)
             except Exception as exc:  # a bad request must not take the loop down
@@ -295,21 +324,30 @@ class TorchEngine:
             if len(forced) != 1:
                 raise ValueError("a KV import continues from exactly one first token")
             k, v = req.kv_import
-            self.cache.write(req.blocks, k, v)
+            # A cached prefix is already here (and shared): only the rest is written.
+            self.cache.write(req.blocks, k, v, start=req.cached_prefix)
             req.kv_import = None
             req.cached_len = prompt_len
+            req.registered = self.cache.register(req.blocks, req.prompt_ids, prompt_len)
             logprobs = req.forced_logprobs or [None] * len(forced)
         else:
-            # Recompute the context: the prompt plus all but the last forced token.
+            # Recompute the context: the prompt plus all but the last forced token, from the
+            # end of the cached prefix on (at most prompt_len - 1: the last prompt id's logits
+            # are always computed).
             ids = torch.cat([prompt, torch.tensor(forced[:-1], dtype=torch.int32)]) if forced else prompt
             total = int(ids.numel())
-            attention = PrefillAttention(self.cache, req.blocks, 0, total)
-            rows = torch.arange(prompt_len - 1, total, device=self.device)
+            start = req.cached_prefix
+            attention = PrefillAttention(self.cache, req.blocks, start, total - start)
+            rows = torch.arange(prompt_len - 1 - start, total - start, device=self.device)
             logits = self.model.forward_step(
-                ids.to(self.device, torch.int64), torch.arange(total, device=self.device), attention, rows
+                ids[start:].to(self.device, torch.int64),
+                torch.arange(start, total, device=self.device),
+                attention,
+                rows,
             )
-            self.prompt_tokens_total += total
+            self.prompt_tokens_total += total - start
             req.cached_len = total
+            req.registered = self.cache.register(req.blocks, ids.numpy(), total)
             if forced:
                 logprobs = [self._forced_logprob(req, logits[i], t) for i, t in enumerate(forced)]
             else:
@@ -317,6 +355,7 @@ class TorchEngine:
                 forced, logprobs = [token], [lp]
                 self.generated_tokens_total += 1
         for token, lp in zip(forced, logprobs):
+            req.generated.append(token)
             delta = req.processor.add(token, lp)
             outputs.append((req, delta))
             if req.processor.finished:
@@ -378,6 +417,7 @@ class TorchEngine:
         for req, (token, lp) in zip(batch, sampled):
             req.cached_len += 1
             req.next_token = token
+            req.generated.append(token)
             delta = req.processor.add(token, lp)
             outputs.append((req, delta))
             if req.processor.finished:

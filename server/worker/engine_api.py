@@ -8,6 +8,7 @@ synthetic engine with no model, so the orchestrator's test rigs need no torch.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 import zlib
 from collections.abc import Callable
@@ -80,9 +81,31 @@ class EngineRequest:
     cancelled: bool = False
     submitted_at: float = field(default_factory=time.monotonic)
     # Engine-side state.
+    #: prompt tokens whose KV came from the prefix cache (shared blocks: never written)
+    cached_prefix: int = 0
+    #: every token produced (forced or sampled), in order: the sequence is prompt_ids + these
+    generated: list[int] = field(default_factory=list)
+    #: (blocks registered in the prefix cache, the last one's hash)
+    registered: tuple[int, bytes] = (0, b"")
     cached_len: int = 0
     next_token: int = -1
     seed: int = 0
+
+
+def chain_block_hashes(
+    ids: np.ndarray, block_size: int, count: int, first: int = 0, digest: bytes = b""
+) -> list[tuple[bytes, bytes]]:
+    """(chained hash, ids' bytes) of full blocks ``first..count-1`` of ``ids``: block ``i``'s hash
+    covers blocks ``0..i`` (BLAKE2b-128 of the previous hash and the block's int32 LE ids);
+    ``digest`` is block ``first - 1``'s hash (b"" for the first block). The prefix cache's keys."""
+    raw = np.ascontiguousarray(ids[first * block_size : count * block_size], dtype="<i4").tobytes()
+    step = block_size * 4
+    out = []
+    for i in range(count - first):
+        chunk = raw[i * step : (i + 1) * step]
+        digest = hashlib.blake2b(digest + chunk, digest_size=16).digest()
+        out.append((digest, chunk))
+    return out
 
 
 class Engine(Protocol):
@@ -104,6 +127,16 @@ class Engine(Protocol):
     def kv_used_tokens(self) -> int: ...
     @property
     def kv_capacity_tokens(self) -> int: ...
+    # The prefix cache (docs: server/worker/kv_cache.py): tokens served from it, tokens prefilled,
+    # tokens it holds, blocks it evicted.
+    @property
+    def prefix_hit_tokens(self) -> int: ...
+    @property
+    def prefill_computed_tokens(self) -> int: ...
+    @property
+    def prefix_cached_tokens(self) -> int: ...
+    @property
+    def prefix_evicted_blocks(self) -> int: ...
     @property
     def parked_count(self) -> int: ...
     @property

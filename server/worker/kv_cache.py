@@ -7,16 +7,28 @@ size is the worker's KV token budget: requests reserve
 ``ceil((prompt + max_tokens) / block_size)`` blocks on admission, so a request
 that was admitted never runs out of cache, and one that does not fit is
 refused up front (503) instead of failing midway.
+
+Prefix caching (``prefix_caching=True``): a full block whose KV is computed is
+registered under a chained hash of its token ids (block ``i``'s hash covers
+blocks ``0..i``) together with the ids themselves. A new sequence starts from
+its longest registered full-block prefix (:meth:`PagedKVCache.allocate_prefix`):
+those blocks are shared (reference-counted, read only: a sequence writes only
+positions past its cached prefix, into blocks of its own) and only the rest is
+prefilled. A hit needs the hash *and* the ids to match, so a hash collision can
+never hand a sequence another prefix's KV. A block whose last user frees it
+stays cached, least recently used first out, until an allocation needs room.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .engine_api import KVCacheFull
+from .engine_api import KVCacheFull, chain_block_hashes
 from .model import ModelConfig
 
 
@@ -29,6 +41,7 @@ class PagedKVCache:
         block_size: int = 16,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        prefix_caching: bool = False,
     ) -> None:
         self.block_size = block_size
         self.num_blocks = max(1, num_tokens // block_size)
@@ -43,6 +56,17 @@ class PagedKVCache:
         self._free = list(range(self.num_blocks - 1, -1, -1))
         # Taken by the event loop (admission, hand-off) and the engine thread (frees).
         self._lock = threading.Lock()
+        self.prefix_caching = prefix_caching
+        #: users of each block (0: free, or cached and evictable)
+        self._refs = [0] * self.num_blocks
+        #: registered full blocks: chained hash -> block, and block -> (hash, its token ids' bytes)
+        self._by_hash: dict[bytes, int] = {}
+        self._cached: dict[int, tuple[bytes, bytes]] = {}
+        #: cached blocks nobody uses, least recently used first: reused by a hit, or evicted for room
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        # Statistics (/metrics): prompt tokens served from the cache, and cached blocks evicted.
+        self.hit_tokens_total = 0
+        self.evicted_blocks_total = 0
 
     @property
     def capacity_tokens(self) -> int:
@@ -50,34 +74,123 @@ class PagedKVCache:
 
     @property
     def used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        """Blocks some sequence (or parked entry) holds; cached blocks nobody holds are not used."""
+        return self.num_blocks - len(self._free) - len(self._evictable)
 
     @property
     def used_tokens(self) -> int:
         return self.used_blocks * self.block_size
 
+    @property
+    def cached_blocks(self) -> int:
+        """Registered full blocks (held or evictable)."""
+        return len(self._cached)
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def allocate(self, num_tokens: int) -> list[int]:
-        need = self.blocks_for(num_tokens)
+    def _check_fits(self, need: int, available: int) -> None:
         if need > self.num_blocks:
             raise KVCacheFull(
                 f"needs {need * self.block_size} KV tokens; this worker's whole KV cache holds {self.capacity_tokens}",
                 ever_fits=False,
             )
-        with self._lock:
-            if need > len(self._free):
-                raise KVCacheFull(
-                    f"needs {need * self.block_size} KV tokens, {len(self._free) * self.block_size} free "
-                    f"of {self.capacity_tokens}"
-                )
-            blocks = [self._free.pop() for _ in range(need)]
+        if need > available:
+            raise KVCacheFull(
+                f"needs {need * self.block_size} KV tokens, {available * self.block_size} free "
+                f"of {self.capacity_tokens}"
+            )
+
+    def _take(self, count: int) -> list[int]:
+        """``count`` blocks nobody holds: free ones first, then the least recently used cached ones
+        (their registration dropped). Caller holds the lock and checked there is room."""
+        blocks = []
+        for _ in range(count):
+            if self._free:
+                block = self._free.pop()
+            else:
+                block, _ = self._evictable.popitem(last=False)
+                digest, _ = self._cached.pop(block)
+                del self._by_hash[digest]
+                self.evicted_blocks_total += 1
+            self._refs[block] = 1
+            blocks.append(block)
         return blocks
+
+    def allocate(self, num_tokens: int) -> list[int]:
+        need = self.blocks_for(num_tokens)
+        with self._lock:
+            self._check_fits(need, len(self._free) + len(self._evictable))
+            return self._take(need)
+
+    def block_hashes(
+        self, ids: np.ndarray, count: int, first: int = 0, digest: bytes = b""
+    ) -> list[tuple[bytes, bytes]]:
+        """:func:`~server.worker.engine_api.chain_block_hashes` at this cache's block size."""
+        return chain_block_hashes(ids, self.block_size, count, first, digest)
+
+    def allocate_prefix(self, ids: np.ndarray, num_tokens: int) -> tuple[list[int], int]:
+        """Blocks for a sequence of ``num_tokens`` whose first tokens are ``ids``: its longest cached
+        full-block prefix (shared), then fresh blocks. Returns (blocks, cached tokens). The last id is
+        never served from the cache: its logits are what a prefill must compute."""
+        need = self.blocks_for(num_tokens)
+        if not self.prefix_caching or ids.size < 2:
+            return self.allocate(num_tokens), 0
+        wanted = self.block_hashes(ids, min((int(ids.size) - 1) // self.block_size, need))
+        with self._lock:
+            hits = []
+            for digest, chunk in wanted:
+                block = self._by_hash.get(digest)
+                if block is None or self._cached[block][1] != chunk:
+                    break
+                hits.append(block)
+            reusable = sum(1 for b in hits if self._refs[b] == 0)  # evictable now, held once taken
+            self._check_fits(need - len(hits), len(self._free) + len(self._evictable) - reusable)
+            for block in hits:
+                if self._refs[block] == 0:
+                    del self._evictable[block]
+                self._refs[block] += 1
+            blocks = hits + self._take(need - len(hits))
+        cached = len(hits) * self.block_size
+        self.hit_tokens_total += cached
+        return blocks, cached
+
+    def register(
+        self, blocks: list[int], ids: np.ndarray, num_tokens: int, done: tuple[int, bytes] = (0, b"")
+    ) -> tuple[int, bytes]:
+        """Register the full blocks among the first ``num_tokens`` positions (their KV computed) of a
+        sequence whose ids start with ``ids``, so later sequences may start from them.
+
+        ``done``: (blocks already registered, the last one's hash) from an earlier call for this
+        sequence, so a long one is hashed once; returns the new pair."""
+        if not self.prefix_caching:
+            return done
+        first, digest = done
+        count = min(num_tokens, int(ids.size)) // self.block_size
+        if count <= first:
+            return done
+        hashes = self.block_hashes(ids, count, first, digest)
+        with self._lock:
+            for block, (digest, chunk) in zip(blocks[first:count], hashes):
+                if block in self._cached:
+                    continue  # a shared prefix block, or registered before
+                if digest in self._by_hash:
+                    continue  # the same prefix computed twice at once: the first copy is the one kept
+                self._by_hash[digest] = block
+                self._cached[block] = (digest, chunk)
+        return count, hashes[-1][0]
 
     def free(self, blocks: list[int]) -> None:
         with self._lock:
-            self._free.extend(blocks)
+            for block in blocks:
+                refs = self._refs[block] - 1
+                self._refs[block] = refs
+                if refs > 0:
+                    continue
+                if block in self._cached:
+                    self._evictable[block] = None  # most recently used: last out
+                else:
+                    self._free.append(block)
 
     def slots(self, blocks: list[int], start: int, end: int) -> torch.Tensor:
         """Flat slot indices of positions ``start..end-1`` of a sequence with these blocks."""
@@ -90,11 +203,15 @@ class PagedKVCache:
         idx = self.slots(blocks, 0, num_tokens)
         return self.k.index_select(1, idx), self.v.index_select(1, idx)
 
-    def write(self, blocks: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store K and V (``[layers, T, kv_heads, head_dim]``) at positions ``0..T-1``."""
-        idx = self.slots(blocks, 0, k.shape[1])
-        self.k.index_copy_(1, idx, k.to(self.device, self.dtype))
-        self.v.index_copy_(1, idx, v.to(self.device, self.dtype))
+    def write(self, blocks: list[int], k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
+        """Store K and V (``[layers, T, kv_heads, head_dim]`` of positions ``0..T-1``) at positions
+        ``start..T-1`` (those before ``start`` are a shared cached prefix: never written)."""
+        end = k.shape[1]
+        if start >= end:
+            return
+        idx = self.slots(blocks, start, end)
+        self.k.index_copy_(1, idx, k[:, start:].to(self.device, self.dtype))
+        self.v.index_copy_(1, idx, v[:, start:].to(self.device, self.dtype))
 
 
 class PrefillAttention:

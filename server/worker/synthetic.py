@@ -20,6 +20,15 @@ What is real:
   one-layer, one-head, width-1 float16 "cache" (4 bytes per prompt token):
   headers, checksums and the first token are checked, and next to no fake
   cache bytes are shipped.
+
+With ``--prompt-tokens 0`` the prompt is the text instead: its chat template
+is ``<|role|>\ncontent\n`` per message (then ``<|assistant|>\n``), and every 4
+bytes of it are one id, so prompts that share text share ids (an agentic
+conversation's turns do). The prefix cache is then modelled like the torch
+engine's: full blocks of 16 ids keyed by the same chained hash, least recently
+used first out beyond ``--kv-tokens``, and a prefill costs
+``--prefill-latency-ms`` plus ``--prefill-ms-per-1k-tokens`` per 1,000 ids
+not served from the cache.
 """
 
 from __future__ import annotations
@@ -28,17 +37,22 @@ import argparse
 import asyncio
 import functools
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
-from .engine_api import NOT_FINISHED, EngineRequest, ParkedKV, prompt_checksum
+from .engine_api import NOT_FINISHED, EngineRequest, ParkedKV, chain_block_hashes, prompt_checksum
 
 SYNTHETIC_VOCAB = 32_000
 SYNTHETIC_EOS = SYNTHETIC_VOCAB - 1
 # The generation room above the prompt: max_tokens may be as large as this.
 GENERATION_ROOM = 1 << 16
+#: the longest prompt of the text mode (--prompt-tokens 0), in ids
+TEXT_MAX_CONTEXT = 1 << 20
+#: the modelled prefix cache's block size (the torch engine's default)
+BLOCK_SIZE = 16
 
 _WORDS = (
     "alpha", "beta", "gamma", "delta", "kernel", "token", "cache", "batch", "stream", "decode",
@@ -59,20 +73,40 @@ class SyntheticTokenizer:
     bos_token_id = None
 
     def __init__(self, prompt_tokens: int, seed: int = 0) -> None:
-        if prompt_tokens < 1:
-            raise ValueError("--prompt-tokens must be at least 1")
+        if prompt_tokens < 0:
+            raise ValueError("--prompt-tokens must be at least 1 (or 0: the text's own ids)")
+        #: --prompt-tokens 0: ids from the text (4 bytes each) instead of one fixed prompt
+        self.from_text = prompt_tokens == 0
         rng = np.random.default_rng(seed)
         self.prompt_ids = rng.integers(0, SYNTHETIC_EOS, size=prompt_tokens, dtype=np.int32)
         self.prompt_ids.setflags(write=False)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> Any:
-        return self.prompt_ids
+        if not self.from_text:
+            return self.prompt_ids
+        raw = text.encode("utf-8", "surrogatepass")
+        raw += b"\0" * (-len(raw) % 4)
+        ids = (np.frombuffer(raw, dtype="<u4") % SYNTHETIC_EOS).astype(np.int32)
+        return ids if ids.size else np.zeros(1, dtype=np.int32)
 
     def decode(self, ids: Sequence[int]) -> str:
         return "".join(" " + _WORDS[int(i) % len(_WORDS)] for i in ids)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        return ""  # encode() ignores the text: every prompt is the configured ids
+        if not self.from_text:
+            return ""  # encode() ignores the text: every prompt is the configured ids
+        parts = [f"<|{m.get('role', '')}|>\n{_text(m.get('content'))}\n" for m in messages]
+        if add_generation_prompt:
+            parts.append("<|assistant|>\n")
+        return "".join(parts)
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return "" if content is None else str(content)
 
 
 def synthetic_token(prompt_len: int, position: int) -> int:
@@ -94,11 +128,22 @@ class SyntheticEngine:
         token_latency_s: float = 0.0,
         max_num_seqs: int = 4096,
         seed: int = 0,
+        prefill_s_per_token: float = 0.0,
+        kv_tokens: int = 1 << 20,
+        prefix_caching: bool = True,
     ) -> None:
         self.tokenizer = SyntheticTokenizer(prompt_tokens, seed)
         self.vocab_size = SYNTHETIC_VOCAB
-        self.max_context = prompt_tokens + GENERATION_ROOM
+        self.max_context = (TEXT_MAX_CONTEXT if prompt_tokens == 0 else prompt_tokens) + GENERATION_ROOM
         self.prefill_latency_s = prefill_latency_s
+        self.prefill_s_per_token = prefill_s_per_token
+        self.prefix_caching = prefix_caching
+        #: the modelled prefix cache: chained block hash -> None, least recently used first
+        self._blocks: OrderedDict[bytes, None] = OrderedDict()
+        self._max_blocks = max(1, kv_tokens // BLOCK_SIZE)
+        self.prefix_hit_tokens = 0
+        self.prefill_computed_tokens = 0
+        self.prefix_evicted_blocks = 0
         self.token_latency_s = token_latency_s
         self.max_num_seqs = max_num_seqs
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -184,11 +229,50 @@ class SyntheticEngine:
         self._tasks.pop(request_id, None)
         self._reserved.discard(request_id)
 
+    @property
+    def prefix_cached_tokens(self) -> int:
+        return len(self._blocks) * BLOCK_SIZE
+
+    def _prefix(self, ids: np.ndarray) -> tuple[int, list[bytes]]:
+        """Ids of ``ids`` the modelled cache serves (never the last one), and every full block's hash."""
+        hashes = [h for h, _ in chain_block_hashes(ids, BLOCK_SIZE, int(ids.size) // BLOCK_SIZE)]
+        hit = 0
+        if self.prefix_caching:
+            for digest in hashes[: (int(ids.size) - 1) // BLOCK_SIZE]:
+                if digest not in self._blocks:
+                    break
+                self._blocks.move_to_end(digest)
+                hit += 1
+        return hit * BLOCK_SIZE, hashes
+
+    def _remember(self, hashes: list[bytes]) -> None:
+        if not self.prefix_caching:
+            return
+        for digest in hashes:
+            self._blocks[digest] = None
+            self._blocks.move_to_end(digest)
+        while len(self._blocks) > self._max_blocks:
+            self._blocks.popitem(last=False)
+            self.prefix_evicted_blocks += 1
+
     async def _run(self, req: EngineRequest) -> None:
         prompt_len = int(req.prompt_ids.size)
         forced = list(req.forced_tokens)
-        if self.prefill_latency_s and not (req.kv_import is not None and forced):
-            await asyncio.sleep(self.prefill_latency_s)
+        imported = req.kv_import is not None and bool(forced)
+        modelled = self.tokenizer.from_text
+        if modelled:
+            hit, hashes = self._prefix(req.prompt_ids)
+            if not imported:
+                self.prefix_hit_tokens += hit
+                self.prefill_computed_tokens += prompt_len - hit
+                delay = self.prefill_latency_s + (prompt_len - hit) * self.prefill_s_per_token
+                if delay:
+                    await asyncio.sleep(delay)
+            self._remember(hashes)  # computed here, or handed over: this worker holds it now
+        elif not imported:
+            self.prefill_computed_tokens += prompt_len
+            if self.prefill_latency_s:
+                await asyncio.sleep(self.prefill_latency_s)
         position = 0
         while True:
             token = forced[position] if position < len(forced) else synthetic_token(prompt_len, position)
@@ -253,6 +337,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="every prompt is this many token ids (default 4096)")  # fmt: skip
     group.add_argument("--prefill-latency-ms", type=float, default=0.0, help="time to the first token")
     group.add_argument("--token-latency-ms", type=float, default=0.0, help="time per further token")
+    group.add_argument("--prefill-ms-per-1k-tokens", type=float, default=0.0,
+                       help="--prompt-tokens 0: prefill time per 1,000 prompt ids not served from the "
+                            "modelled prefix cache (default 0)")  # fmt: skip
 
 
 def build_engine(args: argparse.Namespace) -> SyntheticEngine:
@@ -261,4 +348,7 @@ def build_engine(args: argparse.Namespace) -> SyntheticEngine:
         prefill_latency_s=args.prefill_latency_ms / 1000.0,
         token_latency_s=args.token_latency_ms / 1000.0,
         max_num_seqs=max(args.max_num_seqs, 4096),
+        prefill_s_per_token=args.prefill_ms_per_1k_tokens / 1e6,
+        kv_tokens=args.kv_tokens or (1 << 20),
+        prefix_caching=args.prefix_caching,
     )
