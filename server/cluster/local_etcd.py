@@ -77,8 +77,15 @@ class LocalEtcd:
             "--initial-cluster", f"fastcore={peer}",
             "--log-level", "warn",
         ]  # fmt: skip
+        from server.launcher import _die_with_parent  # the launcher's children's rule: die with it
+
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            # Its own session: a terminal's Ctrl-C (sent to the whole foreground group) reaches the
+            # launcher, which stops etcd last, after the workers have deregistered.
+            self.proc = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True, preexec_fn=_die_with_parent,
+            )  # fmt: skip
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
