@@ -164,19 +164,45 @@ def test_num_instances_other_than_the_urls_is_a_warning(caplog):
     [
         ({"context_servers": {"num_instances": 2}}, r"context_servers\.urls: .*num_instances: 2"),
         ({"disagg_cluster": {"cluster_uri": "http://127.0.0.1:8000"}, "workers": 2}, r"http:// registry is kept by one orchestrator process"),
-        ({"conditional_disagg_config": {"max_local_prefill_length": 512}}, "conditional_disagg_config: .*not built yet"),
-        ({"generation_servers": {"urls": ["h:2"], "router": {"type": "kv_cache_aware"}}}, "kv_cache_aware.*not built yet"),
-        ({"generation_servers": {"urls": ["h:2"], "router": {"type": "conversation"}}}, "conversation.*not built yet"),
+        ({"conditional_disagg_config": {"max_local_prefill_length": 512}}, "conditional_disagg_config: .*needs generation_servers.router.type: kv_cache_aware.*'round_robin'"),
+        ({"conditional_disagg_config": {"max_local_prefill_length": 512}, "context_servers": {"urls": ["h:1"], "router": {"type": "kv_cache_aware"}}}, "conditional_disagg_config: .*needs generation_servers"),
+        ({"generation_servers": {"urls": ["h:2"], "router": {"type": "kv_cache_aware", "block_size": 3}}}, r"generation_servers\.router\.args: block_size: not arguments of kv_cache_aware"),
+        ({"generation_servers": {"urls": ["h:2"], "router": {"type": "conversation", "args": {"use_tokens": False}}}}, r"router\.args: use_tokens: not arguments of conversation"),
+        ({"generation_servers": {"urls": ["h:2"], "router": {"type": "kv_cache_aware", "chunk_bytes": 100}}}, r"generation_servers\.router\.args\.chunk_bytes must be a multiple of 32, got 100"),
+        ({"generation_servers": {"urls": ["h:2"], "router": {"type": "kv_cache_aware", "chunk_bytes": 16}}}, r"router\.args\.chunk_bytes must be an integer in \[32, "),
+        ({"generation_servers": {"urls": ["h:2"], "router": {"type": "kv_cache_aware", "max_cached_tokens": 0}}}, r"router\.args\.max_cached_tokens must be an integer >= 1, got 0"),
+        ({"generation_servers": {"urls": ["h:2"], "router": {"type": "kv_cache_aware", "load_weight": -1}}}, r"router\.args\.load_weight must be a number >= 0"),
+        ({"generation_servers": {"urls": ["h:2"], "router": {"type": "kv_cache_aware", "load_weight": True}}}, r"router\.args\.load_weight must be a number"),
+        ({"generation_servers": {"urls": ["h:2"], "router": {"type": "kv_cache_aware", "max_load_ratio": 0.5}}}, r"router\.args\.max_load_ratio must be a number >= 1"),
+        ({"context_servers": {"urls": ["h:1"], "router": {"type": "conversation", "virtual_nodes": 0}}}, r"context_servers\.router\.args\.virtual_nodes must be an integer in \[1, 10000\], got 0"),
+        ({"context_servers": {"urls": ["h:1"], "router": {"type": "conversation", "virtual_nodes": "8"}}}, r"virtual_nodes must be an integer"),
         ({"generation_servers": {"urls": ["h:2"], "router": {"type": "load_balancing", "args": {"use_tokens": True}}}}, "use_tokens: .*not built yet"),
         ({"generation_servers": {"urls": ["h:2"], "router": {"type": "load_balancing", "args": {"speed": 1}}}}, r"router\.args: speed"),
         ({"generation_servers": {"urls": ["h:2"], "router": {"type": "round_robin", "args": {"use_tokens": False}}}}, r"router\.args: use_tokens"),
     ],
 )
-def test_trtllm_serve_sections_not_built_yet_are_refused_with_a_message(data, match):
+def test_sections_not_runnable_are_refused_with_a_message(data, match):
     data = {"context_servers": {"urls": ["h:1"]}, "generation_servers": {"urls": ["h:2"]}} | data
     config = build_config(data, environ={})
     with pytest.raises(ConfigError, match=match):
         config.check_runnable()
+
+
+def test_routers_and_conditional_disaggregation_are_runnable():
+    data = {
+        "context_servers": {"urls": ["h:1"], "router": {"type": "conversation", "virtual_nodes": 64}},
+        "generation_servers": {
+            "urls": ["h:2"],
+            "router": {"type": "kv_cache_aware", "chunk_bytes": 256, "max_cached_tokens": 1000,
+                       "load_weight": 10, "max_load_ratio": 1.5},
+        },
+        "conditional_disagg_config": {"max_local_prefill_length": 2048},
+    }  # fmt: skip
+    config = build_config(data, environ={})
+    config.check_runnable()
+    assert config.generation_servers.router.args["chunk_bytes"] == 256
+    assert config.conditional_disagg_config is not None
+    assert config.conditional_disagg_config.max_local_prefill_length == 2048
 
 
 def test_trtllm_serve_sections_are_validated_before_being_refused():

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from .discovery import Discovery
 from .pools import HealthChecker, Pool, Worker
 from .relay_modes import ClientRequest, ContextResult, answer_as_sse, make_relay
+from .routing import BYTES_PER_TOKEN, CONVERSATION_HEADER, KvCacheAwareRouter, RequestKey, request_key
 
 log = logging.getLogger("fastcore.orchestrator")
 
@@ -165,6 +166,41 @@ class _Metrics:
                     self.cluster_workers.set(discovery.count(name), pool=name)
 
             registry.before_collect(cluster_workers)
+        self.by_path = registry.counter(
+            "fastcore_orchestrator_requests_by_path_total",
+            "Completions by path: disaggregated (context leg, then generation leg) or local_prefill "
+            "(conditional_disagg_config: the generation worker prefilled the request itself).",
+            ("path",),
+        )
+        self.path_disaggregated = self.by_path.labels(path="disaggregated")
+        self.path_local = self.by_path.labels(path="local_prefill")
+        kv_pools = [p for p in orchestrator.pools if isinstance(p.router, KvCacheAwareRouter)]
+        if kv_pools:
+            hits = registry.counter(
+                "fastcore_orchestrator_prefix_hit_chunks_total",
+                "kv_cache_aware routing: prompt chunks expected to be cached on the chosen worker, per pool.",
+                ("pool",),
+            )
+            routed = registry.counter(
+                "fastcore_orchestrator_prefix_chunks_total",
+                "kv_cache_aware routing: prompt chunks routed (hit or not), per pool.",
+                ("pool",),
+            )
+            seen: dict[str, tuple[int, int]] = {p.name: (0, 0) for p in kv_pools}
+            for pool in kv_pools:
+                hits.inc(0, pool=pool.name)
+                routed.inc(0, pool=pool.name)
+
+            def prefix_counts() -> None:
+                for pool in kv_pools:
+                    router = pool.router
+                    assert isinstance(router, KvCacheAwareRouter)
+                    hit0, all0 = seen[pool.name]
+                    hits.inc(router.hit_chunks - hit0, pool=pool.name)
+                    routed.inc(router.routed_chunks - all0, pool=pool.name)
+                    seen[pool.name] = (router.hit_chunks, router.routed_chunks)
+
+            registry.before_collect(prefix_counts)
         self.cpu = registry.histogram(
             "fastcore_orchestrator_cpu_seconds",
             "The orchestrator's own CPU time per request on the event loop, by phase "
@@ -280,11 +316,20 @@ class Orchestrator:
             tokids_b64=config.gen_tokids_ctxbytes,
             strip_history=config.gen_strip_message_history,
         )
-        self.context_pool = Pool("context", config.context_servers.urls, config.context_servers.router.kind)
+        ctx_router, gen_router = config.context_servers.router, config.generation_servers.router
+        self.context_pool = Pool("context", config.context_servers.urls, ctx_router.kind, ctx_router.args)
         self.generation_pool = Pool(
-            "generation", config.generation_servers.urls, config.generation_servers.router.kind
+            "generation", config.generation_servers.urls, gen_router.kind, gen_router.args
         )
         self.pools = [self.context_pool, self.generation_pool]
+        # Routing keys are computed per request only when a pool's router reads them.
+        self.needs_key = any(p.needs_key for p in self.pools)
+        self.needs_conversation = any("conversation" in p.router.key_kinds for p in self.pools)
+        #: conditional disaggregation: remainders up to this many tokens are prefilled on the
+        #: generation worker (config.check_runnable made sure its router is kv_cache_aware)
+        self.max_local_prefill: int | None = None
+        if config.conditional_disagg_config is not None:
+            self.max_local_prefill = config.conditional_disagg_config.max_local_prefill_length
         #: fire-and-forget tasks (KV releases, first health checks), kept referenced until done
         self._background: set[asyncio.Task[None]] = set()
         self.discovery: Discovery | None = None
@@ -457,7 +502,8 @@ class Orchestrator:
         status = 500
         self.in_flight += 1
         try:
-            status = await self._run_legs(request.body, out, chat)
+            header = request.header(CONVERSATION_HEADER) if self.needs_conversation else None
+            status = await self._run_legs(request.body, out, chat, header)
         except HTTPError as exc:
             # An answer, not a failure: its traceback would keep the legs' frames
             # (and the bodies they hold) alive in a reference cycle until the
@@ -484,8 +530,12 @@ class Orchestrator:
             return _NO_CLOCK
         return _CpuClock(self.metrics.cpu_phase)
 
-    async def _run_legs(self, body: bytes, out: Responder, chat: bool) -> int:
-        """Serve one completion; the status the client got (a stream cut by its worker counts as 502)."""
+    async def _run_legs(
+        self, body: bytes, out: Responder, chat: bool, conversation: bytes | None = None
+    ) -> int:
+        """Serve one completion; the status the client got (a stream cut by its worker counts as 502).
+
+        ``conversation``: the ``X-Conversation-Id`` header (read only for a conversation router)."""
         clock = self._clock()
         relay = self.relay
         check_not_empty(body)
@@ -496,6 +546,19 @@ class Orchestrator:
                 "no healthy worker: " + ", ".join(p.name for p in self.pools if not p.ready)
             )
         path = _CHAT if chat else _COMPLETIONS
+        key = request_key(body, chat, conversation) if self.needs_key else None
+        generation_worker: Worker | None = None
+        if self.max_local_prefill is not None:
+            # Conditional disaggregation: the generation worker first, by its prefix index; a short
+            # enough uncached remainder on it (and a worker that says local_prefill) skips leg (1).
+            generation_worker = self.generation_pool.choose(key=key)
+            if generation_worker is not None and self._prefill_locally(generation_worker, key):
+                clock.lap("build_context")
+                self.metrics.path_local.inc()
+                return await self._generation_leg(
+                    out, req, path, body, time.perf_counter(), clock, b"", key, generation_worker, local=True
+                )
+        self.metrics.path_disaggregated.inc()
         # Random, not a counter: unique across orchestrator processes and hosts
         # without shared state; from [2^40, 2^63), as trtllm-serve keeps the
         # ids below 2^40 for the ones it makes itself.
@@ -510,7 +573,7 @@ class Orchestrator:
         clock.lap("build_context")
 
         started = time.perf_counter()
-        context_response, context_worker = await self._context_leg(path, context_body)
+        context_response, context_worker = await self._context_leg(path, context_body, key)
         context_done = time.perf_counter()
         self.metrics.context_leg.observe(context_done - started)
 
@@ -534,12 +597,26 @@ class Orchestrator:
         clock.lap("build_generation")
         auth = self._trtllm_auth(ctx) if self.trtllm_key is not None else b""
         try:
-            return await self._generation_leg(out, req, path, generation_body, context_done, clock, auth)
+            return await self._generation_leg(
+                out, req, path, generation_body, context_done, clock, auth, key, generation_worker
+            )
         except BaseException:
             # The client left or the leg failed: the context worker may still
             # hold the prompt's KV for a fetch that will never come.
             self._release_kv_soon(context_worker, context_response)
             raise
+
+    def _prefill_locally(self, worker: Worker, key: RequestKey | None) -> bool:
+        """Whether ``worker`` (chosen by the generation pool's kv_cache_aware router, which set
+        ``key.hit_chunks``) should serve the request alone: it says ``local_prefill`` and the
+        request's expected uncached remainder there (prompt bytes / BYTES_PER_TOKEN minus the
+        expected hit) is at most ``max_local_prefill_length`` tokens."""
+        if not worker.local_prefill or key is None or self.max_local_prefill is None:
+            return False
+        router = self.generation_pool.router
+        assert isinstance(router, KvCacheAwareRouter)
+        remainder = (key.prompt_bytes - key.hit_chunks * router.chunk_bytes) / BYTES_PER_TOKEN
+        return remainder <= self.max_local_prefill
 
     def _trtllm_auth(self, ctx: ContextResult) -> bytes:
         """trtllm-serve's ``x-trtllm-disagg-auth`` line for the generation leg (docs/protocol.md).
@@ -600,6 +677,12 @@ class Orchestrator:
             sign_pieces(self.secret, pieces).encode(),
         )
 
+    def _plain_headers(self, pieces: Sequence[BodyPiece]) -> bytes:
+        """Headers of a plain JSON request (no relay-mode flags), signed when there is a secret."""
+        if self.secret is None:
+            return b""
+        return b"%s: %s\r\n" % (SIGNATURE_HEADER.encode(), sign_pieces(self.secret, pieces).encode())
+
     def _mark_failed(self, pool: Pool, worker: Worker) -> None:
         assert self.health is not None
         self.health.mark_unhealthy(pool, worker)
@@ -632,7 +715,9 @@ class Orchestrator:
         )
         return leg_failed(leg, f"its worker answered {resp.status}")
 
-    async def _context_leg(self, path: bytes, body: bytes | Sequence[BodyPiece]) -> tuple[bytes, Worker]:
+    async def _context_leg(
+        self, path: bytes, body: bytes | Sequence[BodyPiece], key: RequestKey | None = None
+    ) -> tuple[bytes, Worker]:
         tried: list[Worker] = []
         failure: HTTPError | WorkerAnswer | None = None
         # A body built as pieces (views into the bodies it was spliced from)
@@ -641,7 +726,7 @@ class Orchestrator:
         headers = self._headers(pieces)
         timeout = self.config.request_timeout_s
         for attempt in range(self.config.max_retries + 1):
-            worker = self.context_pool.choose(exclude=tried)
+            worker = self.context_pool.choose(exclude=tried, key=key)
             if worker is None:
                 break
             if attempt:
@@ -685,13 +770,24 @@ class Orchestrator:
         context_done: float,
         clock: _CpuClock | _NoClock,
         extra_headers: bytes = b"",
+        key: RequestKey | None = None,
+        first: Worker | None = None,
+        local: bool = False,
     ) -> int:
+        """Leg (3), or with ``local`` the client's own body as a plain request (conditional
+        disaggregation: retried only on other workers that say ``local_prefill``). ``first``: the
+        worker already chosen for it (conditional disaggregation chose it before leg (1))."""
         tried: list[Worker] = []
         failure: HTTPError | WorkerAnswer | None = None
         # A body built as pieces (views into the bodies it was spliced from)
         # goes out in one vectored write, never joined.
         pieces: Sequence[BodyPiece] = (body,) if isinstance(body, bytes) else body
-        headers = self._headers(pieces) + extra_headers
+        if local:
+            # The client's JSON as it came: no msgpack flag whatever the relay mode.
+            headers = self._plain_headers(pieces)
+            tried = [w for w in self.generation_pool.workers if not w.local_prefill]
+        else:
+            headers = self._headers(pieces) + extra_headers
         # A stream may run long; what must not happen is a silence that long.
         limit = self.config.request_timeout_s
         timeout, read_timeout = (None, limit) if req.stream else (limit, None)
@@ -700,7 +796,10 @@ class Orchestrator:
         # Retries stop at the first byte sent to the client: nothing has been
         # sent until a worker answers 200, and the loop below returns then.
         for attempt in range(self.config.max_retries + 1):
-            worker = self.generation_pool.choose(exclude=tried)
+            if attempt == 0 and first is not None and first.healthy:
+                worker: Worker | None = first
+            else:
+                worker = self.generation_pool.choose(exclude=tried, key=key)
             if worker is None:
                 break
             if attempt:
@@ -708,7 +807,7 @@ class Orchestrator:
             tried.append(worker)
             worker.in_flight += 1
             handed_over = time.perf_counter()
-            if attempt == 0:
+            if attempt == 0 and not local:
                 self.metrics.handoff.observe(handed_over - context_done)
             try:
                 upstream = self.upstreams.get(worker.url) or self._new_upstream(worker)

@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from server.auth import read_secret
 
+from .routing import ROUTER_ARGS, make_router
+
 log = logging.getLogger("fastcore.orchestrator")
 
 
@@ -31,8 +33,6 @@ class ConfigError(ValueError):
 
 #: trtllm-serve's router names -> ours (``load_balancing``: fewest requests in flight)
 ROUTER_ALIASES = {"load_balancing": "least_loaded"}
-#: router types trtllm-serve has that are not built here yet
-UNBUILT_ROUTERS = ("kv_cache_aware", "conversation")
 
 
 class RouterConfig(BaseModel):
@@ -214,10 +214,14 @@ class OrchestratorConfig(BaseModel):
                 "disagg_cluster.cluster_uri: an http:// registry is kept by one orchestrator process; "
                 "with workers > 1 use etcd:// (or workers: 1)"
             )
-        if self.conditional_disagg_config is not None:
+        if (
+            self.conditional_disagg_config is not None
+            and self.generation_servers.router.kind != "kv_cache_aware"
+        ):
             raise ConfigError(
-                "conditional_disagg_config: prefilling short remainders on the generation worker is not "
-                "built yet; remove the section to run every request through both legs"
+                "conditional_disagg_config: prefilling short remainders on the generation worker needs "
+                "generation_servers.router.type: kv_cache_aware (it estimates the uncached remainder); "
+                f"got {self.generation_servers.router.type!r}"
             )
         for name in ("context_servers", "generation_servers"):
             pool: PoolConfig = getattr(self, name)
@@ -235,13 +239,13 @@ class OrchestratorConfig(BaseModel):
                     len(pool.urls),
                 )
             router = pool.router
-            if router.type in UNBUILT_ROUTERS:
-                raise ConfigError(f"{name}.router.type: {router.type!r} routing is not built yet; "
-                                  "use round_robin or load_balancing")  # fmt: skip
-            known = {"use_tokens"} if router.kind == "least_loaded" else set()
-            unknown = sorted(set(router.args) - known)
+            unknown = sorted(set(router.args) - ROUTER_ARGS[router.kind])
             if unknown:
                 raise ConfigError(f"{name}.router.args: {', '.join(unknown)}: not arguments of {router.type}")
+            try:
+                make_router(router.kind, router.args)
+            except ValueError as exc:
+                raise ConfigError(f"{name}.router.args.{exc}") from None
             if router.args.get("use_tokens"):
                 raise ConfigError(
                     f"{name}.router.args.use_tokens: balancing by tokens in flight is not built yet; "

@@ -17,8 +17,23 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Collection
+from typing import Any
 
 import aiohttp
+
+from .routing import ROUTERS, LeastLoadedRouter, RequestKey, RoundRobinRouter, Router, make_router
+
+__all__ = [
+    "B64_COMPLETIONS_FIELD",
+    "ROUTERS",
+    "Capabilities",
+    "HealthChecker",
+    "LeastLoadedRouter",
+    "Pool",
+    "RoundRobinRouter",
+    "Router",
+    "Worker",
+]
 
 log = logging.getLogger("fastcore.orchestrator")
 
@@ -29,10 +44,51 @@ UNHEALTHY_AFTER_TIMEOUTS = 3
 #: the /server_info field in which a fastcore worker says it answers completions with
 #: prompt_token_ids_b64 when asked (trtllm-serve answers them with the list only)
 B64_COMPLETIONS_FIELD = "prompt_token_ids_b64_completions"
+#: the /server_info field in which a fastcore generation worker says it serves a plain request
+#: (no disaggregated_params) by prefilling locally: conditional disaggregation may send it one
+LOCAL_PREFILL_FIELD = "local_prefill"
+#: the worker's KV cache size in tokens (bounds a kv_cache_aware router's index of it)
+KV_CAPACITY_FIELD = "kv_capacity_tokens"
+
+
+class Capabilities:
+    """What a worker's ``/server_info`` says it can do (everything False / None on any doubt)."""
+
+    __slots__ = ("b64_completions", "kv_capacity_tokens", "local_prefill")
+
+    def __init__(
+        self,
+        b64_completions: bool = False,
+        local_prefill: bool = False,
+        kv_capacity_tokens: int | None = None,
+    ) -> None:
+        self.b64_completions = b64_completions
+        self.local_prefill = local_prefill
+        self.kv_capacity_tokens = kv_capacity_tokens
+
+    @classmethod
+    def of(cls, info: object) -> Capabilities:
+        if not isinstance(info, dict):
+            return cls()
+        capacity = info.get(KV_CAPACITY_FIELD)
+        return cls(
+            info.get(B64_COMPLETIONS_FIELD) is True,
+            info.get(LOCAL_PREFILL_FIELD) is True,
+            capacity if type(capacity) is int and capacity > 0 else None,
+        )
 
 
 class Worker:
-    __slots__ = ("b64_completions", "healthy", "in_flight", "served", "timeouts", "url")
+    __slots__ = (
+        "b64_completions",
+        "healthy",
+        "in_flight",
+        "kv_capacity_tokens",
+        "local_prefill",
+        "served",
+        "timeouts",
+        "url",
+    )
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -46,57 +102,28 @@ class Worker:
         self.timeouts = 0
         # From /server_info, read each time the worker becomes healthy.
         self.b64_completions = False
+        self.local_prefill = False
+        self.kv_capacity_tokens: int | None = None
+
+    def set_capabilities(self, caps: Capabilities) -> None:
+        self.b64_completions = caps.b64_completions
+        self.local_prefill = caps.local_prefill
+        self.kv_capacity_tokens = caps.kv_capacity_tokens
 
     def __repr__(self) -> str:
         return f"Worker({self.url!r}, healthy={self.healthy}, in_flight={self.in_flight})"
 
 
-class Router:
-    name = ""
-
-    def choose(self, candidates: list[Worker]) -> Worker:
-        raise NotImplementedError
-
-
-class RoundRobinRouter(Router):
-    name = "round_robin"
-
-    def __init__(self) -> None:
-        self._next = 0
-
-    def choose(self, candidates: list[Worker]) -> Worker:
-        worker = candidates[self._next % len(candidates)]
-        self._next += 1
-        return worker
-
-
-class LeastLoadedRouter(Router):
-    """Fewest in-flight requests; ties go round robin so idle workers share load."""
-
-    name = "least_loaded"
-
-    def __init__(self) -> None:
-        self._tiebreak = 0
-
-    def choose(self, candidates: list[Worker]) -> Worker:
-        least = min(w.in_flight for w in candidates)
-        tied = [w for w in candidates if w.in_flight == least]
-        worker = tied[self._tiebreak % len(tied)]
-        self._tiebreak += 1
-        return worker
-
-
-ROUTERS: dict[str, Callable[[], Router]] = {
-    "round_robin": RoundRobinRouter,
-    "least_loaded": LeastLoadedRouter,
-}
-
-
 class Pool:
-    def __init__(self, name: str, urls: list[str], router: str) -> None:
+    def __init__(
+        self, name: str, urls: list[str], router: str, router_args: dict[str, Any] | None = None
+    ) -> None:
         self.name = name
         self.workers = [Worker(u) for u in urls]
-        self.router = ROUTERS[router]()
+        self.router: Router = make_router(router, router_args)
+        #: the router reads a per-request key (RequestKey); round_robin and least_loaded do not
+        self.needs_key = self.router.needs_key
+        self.router.sync(self.workers)
         self.static = frozenset(urls)
         #: URLs of the workers that discovery added (server/orchestrator/discovery.py)
         self.discovered: set[str] = set()
@@ -113,6 +140,9 @@ class Pool:
             # A new list, never an in-place edit: a health round iterating the old one is unaffected.
             self.workers = [w for w in self.workers if w.url not in gone] + added
             self.discovered = wanted
+            for worker in removed:
+                self.router.forget(worker)
+            self.router.sync(self.workers)
         return added, removed
 
     def healthy_count(self) -> int:
@@ -134,15 +164,20 @@ class Pool:
                 return True
         return False
 
-    def choose(self, exclude: Collection[Worker] = ()) -> Worker | None:
-        """A healthy worker not in ``exclude`` (those already tried), or None."""
+    def choose(self, exclude: Collection[Worker] = (), key: RequestKey | None = None) -> Worker | None:
+        """A healthy worker not in ``exclude`` (those already tried), or None. ``key``: the request's
+        routing key, for a router that ``needs_key`` (None: it routes as least_loaded would)."""
         if exclude:
             candidates = [w for w in self.workers if w.healthy and w not in exclude]
         else:
             candidates = [w for w in self.workers if w.healthy]
         if not candidates:
             return None
-        return self.router.choose(candidates)
+        return self.router.choose(candidates, key)
+
+    def forget(self, worker: Worker) -> None:
+        """``worker`` turned unhealthy or came back: its router state (a prefix index) is stale."""
+        self.router.forget(worker)
 
 
 class HealthChecker:
@@ -178,8 +213,10 @@ class HealthChecker:
             healthy = False
         worker.served = 0
         if healthy and not worker.healthy:
-            worker.b64_completions = await self.read_capabilities(worker)
+            worker.set_capabilities(await self.read_capabilities(worker))
         if healthy != worker.healthy:
+            # Down or back: a worker that comes back may have restarted with an empty cache.
+            pool.forget(worker)
             log.log(
                 logging.INFO if healthy else logging.WARNING,
                 "%s worker %s is %s",
@@ -190,16 +227,17 @@ class HealthChecker:
             worker.healthy = healthy
         self.on_change(pool, worker)
 
-    async def read_capabilities(self, worker: Worker) -> bool:
-        """Whether ``worker``'s ``/server_info`` says it answers completions in base64 (False on any doubt)."""
+    async def read_capabilities(self, worker: Worker) -> Capabilities:
+        """What ``worker``'s ``/server_info`` says: completions in base64, ``local_prefill``,
+        ``kv_capacity_tokens`` (False / None on any doubt)."""
         try:
             async with self.session.get(worker.url + "/server_info", timeout=self.timeout) as resp:
                 if resp.status != 200:
-                    return False
+                    return Capabilities()
                 info = await resp.json(content_type=None)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
-            return False
-        return isinstance(info, dict) and info.get(B64_COMPLETIONS_FIELD) is True
+            return Capabilities()
+        return Capabilities.of(info)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check_worker(p, w) for p in self.pools for w in p.workers))
@@ -208,6 +246,7 @@ class HealthChecker:
         if worker.healthy:
             log.warning("%s worker %s failed a request; out until /health recovers", pool.name, worker.url)
             worker.healthy = False
+            pool.forget(worker)
             self.on_change(pool, worker)
 
     async def _run(self) -> None:

@@ -1,0 +1,401 @@
+"""Routers: which worker of a pool takes a request (config ``<pool>.router.type``, trtllm-serve's names).
+
+- ``round_robin``: in turn.
+- ``least_loaded`` (trtllm-serve's ``load_balancing``): fewest requests in flight, ties in turn.
+- ``conversation``: a conversation's requests stick to one worker, by consistent hashing.
+- ``kv_cache_aware``: the worker expected to hold the longest cached prefix of the prompt,
+  balanced against load.
+
+A router gets the healthy candidates and, when it says ``needs_key``, the request's
+:class:`RequestKey` (computed once per request, from the raw body, only when a pool's router needs
+one: round_robin and least_loaded requests pay nothing). ``forget(worker)`` drops what a router
+knows of a worker; the pool and the health checker call it when the worker leaves the pool, turns
+unhealthy or comes back (it may have restarted with an empty cache). ``sync(workers)`` gives the
+router the pool's member list whenever it changes.
+
+Bad input never raises here: a body whose span cannot be found, a ``conversation_id`` that is an
+object: the request has no key of that kind and is routed to the least loaded worker.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import fastcore
+from fastcore import JSONSpanError
+from fastcore import protocol as P
+
+if TYPE_CHECKING:
+    from .pools import Worker
+
+#: the request's top-level member naming its conversation (trtllm-serve's), and the header fallback
+CONVERSATION_FIELD = "conversation_id"
+CONVERSATION_HEADER = b"x-conversation-id"
+#: JSON bytes per prompt token, to turn span lengths into token estimates (agentic chat text: ~4)
+BYTES_PER_TOKEN = 4
+#: ids longer than this are not conversation ids (hashing megabytes per request is not routing)
+MAX_CONVERSATION_ID_BYTES = 1024
+
+_CHAT_PATHS = ((CONVERSATION_FIELD,), (P.MESSAGES,))
+_COMPLETION_PATHS = ((CONVERSATION_FIELD,), (P.PROMPT,))
+_QUOTE, _MINUS = ord('"'), ord("-")
+
+
+class RequestKey:
+    """What the routers read of one request: its conversation id and its prompt span's chunk hashes.
+
+    ``conversation``: the id's bytes (a string's decoded UTF-8, an integer's digits), or None.
+    ``span``: the ``messages`` (chat) or ``prompt`` (completions) value's byte span, or None.
+    Hashes are computed on first use per chunk size and kept (both pools may ask).
+    ``hit_chunks``: set by the kv_cache_aware router to the expected hit on the worker it chose.
+    """
+
+    __slots__ = ("_hashes", "body", "conversation", "hit_chunks", "span")
+
+    def __init__(self, body: bytes, conversation: bytes | None, span: tuple[int, int] | None) -> None:
+        self.body = body
+        self.conversation = conversation
+        self.span = span
+        self.hit_chunks = 0
+        self._hashes: tuple[int, list[int]] | None = None
+
+    @property
+    def prompt_bytes(self) -> int:
+        return 0 if self.span is None else self.span[1] - self.span[0]
+
+    def hashes(self, chunk: int) -> list[int]:
+        """The chained hashes of the span's full ``chunk``-byte chunks ([] without a span)."""
+        if self.span is None:
+            return []
+        cached = self._hashes
+        if cached is not None and cached[0] == chunk:
+            return cached[1]
+        hashes = fastcore.chunk_hashes(self.body, self.span[0], self.span[1], chunk)
+        self._hashes = (chunk, hashes)
+        return hashes
+
+
+def _conversation_of(body: bytes, span: tuple[int, int] | None) -> bytes | None:
+    """A string's UTF-8 or an integer's digits; None for anything else (object, float, null...)."""
+    if span is None:
+        return None
+    start, end = span
+    if end - start > MAX_CONVERSATION_ID_BYTES + 2:
+        return None
+    first = body[start]
+    if first == _QUOTE:
+        raw = body[start + 1 : end - 1]
+        if b"\\" not in raw:
+            return raw or None
+        try:
+            value = json.loads(body[start:end])
+        except ValueError:
+            return None
+        return value.encode("utf-8", "surrogatepass") or None
+    raw = body[start:end]
+    digits = raw[1:] if first == _MINUS else raw
+    if digits.isdigit():  # an integer: no fraction, no exponent
+        return raw
+    return None
+
+
+def request_key(body: bytes, chat: bool, header: bytes | None) -> RequestKey:
+    """The routing key of a client body (already validated by the relay): one non-validating scan
+    finds ``conversation_id`` and the prompt span. Never raises on a body's content."""
+    try:
+        conversation, prompt = fastcore.find_spans(
+            body, _CHAT_PATHS if chat else _COMPLETION_PATHS, validate=False
+        )
+    except JSONSpanError:  # e.g. a repeated conversation_id: no key, least loaded
+        conversation = prompt = None
+    cid = _conversation_of(body, conversation)
+    if cid is None and header:
+        header = header.strip()
+        if 0 < len(header) <= MAX_CONVERSATION_ID_BYTES:
+            cid = header
+    return RequestKey(body, cid, prompt)
+
+
+def _point(data: bytes) -> int:
+    """A stable 64-bit point on the ring (never Python's salted ``hash()``)."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+class Router:
+    name = ""
+    #: this router reads a RequestKey (Pool.choose gets one only then)
+    needs_key = False
+    #: the key's kinds it reads: "conversation", "prefix"
+    key_kinds: frozenset[str] = frozenset()
+
+    def choose(self, candidates: list[Worker], key: RequestKey | None = None) -> Worker:
+        raise NotImplementedError
+
+    def sync(self, workers: Sequence[Worker]) -> None:
+        """The pool's members changed (all of them, healthy or not)."""
+
+    def forget(self, worker: Worker) -> None:
+        """``worker`` left, turned unhealthy or came back: drop what is known of it."""
+
+
+class RoundRobinRouter(Router):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, candidates: list[Worker], key: RequestKey | None = None) -> Worker:
+        worker = candidates[self._next % len(candidates)]
+        self._next += 1
+        return worker
+
+
+class LeastLoadedRouter(Router):
+    """Fewest in-flight requests; ties go round robin so idle workers share load."""
+
+    name = "least_loaded"
+
+    def __init__(self) -> None:
+        self._tiebreak = 0
+
+    def choose(self, candidates: list[Worker], key: RequestKey | None = None) -> Worker:
+        least = min(w.in_flight for w in candidates)
+        tied = [w for w in candidates if w.in_flight == least]
+        worker = tied[self._tiebreak % len(tied)]
+        self._tiebreak += 1
+        return worker
+
+
+def _int_arg(args: dict[str, Any], name: str, default: int, low: int, high: int | None = None) -> int:
+    value = args.get(name, default)
+    if type(value) is not int or value < low or (high is not None and value > high):
+        bound = f"an integer in [{low}, {high}]" if high is not None else f"an integer >= {low}"
+        raise ValueError(f"{name} must be {bound}, got {value!r}")
+    return value
+
+
+def _float_arg(args: dict[str, Any], name: str, default: float, low: float) -> float:
+    value = args.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= low:
+        raise ValueError(f"{name} must be a number >= {low:g}, got {value!r}")
+    return float(value)
+
+
+class ConversationRouter(Router):
+    """One conversation, one worker: consistent hashing of the conversation id.
+
+    The ring holds ``virtual_nodes`` points per member worker (blake2b of ``"<url>#<i>"``); a
+    request's id (its body's ``conversation_id``, else the ``X-Conversation-Id`` header) hashes to a
+    point (blake2b of its bytes) and goes to the first healthy worker clockwise from it. A joining
+    worker takes about 1/N of the conversations; an unhealthy or departed one's conversations move
+    to their next worker on the ring while every other conversation stays. A request without an
+    id goes to the least loaded worker.
+    """
+
+    name = "conversation"
+    needs_key = True
+    key_kinds = frozenset({"conversation"})
+    ARGS = frozenset({"virtual_nodes"})
+
+    def __init__(self, args: dict[str, Any] | None = None) -> None:
+        args = args or {}
+        self.virtual_nodes = _int_arg(args, "virtual_nodes", 100, 1, 10_000)
+        self._fallback = LeastLoadedRouter()
+        self._points: list[int] = []
+        self._urls: list[str] = []
+        self._members: frozenset[str] = frozenset()
+
+    def sync(self, workers: Sequence[Worker]) -> None:
+        members = frozenset(w.url for w in workers)
+        if members == self._members:
+            return
+        ring = sorted(
+            (_point(f"{url}#{i}".encode()), url) for url in members for i in range(self.virtual_nodes)
+        )
+        self._points = [p for p, _ in ring]
+        self._urls = [u for _, u in ring]
+        self._members = members
+
+    def owner(self, conversation: bytes, healthy: dict[str, Worker]) -> Worker | None:
+        """The first worker of ``healthy`` (url -> worker) clockwise from the id's point."""
+        points, urls = self._points, self._urls
+        n = len(points)
+        if not n:
+            return None
+        start = bisect.bisect_left(points, _point(conversation))
+        for i in range(n):
+            worker = healthy.get(urls[(start + i) % n])
+            if worker is not None:
+                return worker
+        return None
+
+    def choose(self, candidates: list[Worker], key: RequestKey | None = None) -> Worker:
+        if key is not None and key.conversation is not None:
+            worker = self.owner(key.conversation, {w.url: w for w in candidates})
+            if worker is not None:
+                return worker
+        return self._fallback.choose(candidates)
+
+
+class _PrefixIndex:
+    """One worker's approximate cache: chunk hash -> recency, bounded to ``limit`` entries.
+
+    Within a request the prefix's hashes get the higher recency, so eviction drops the tails of
+    chains first and what stays of a chain is (nearly always) a prefix of it, as in a prefix cache.
+    Eviction is amortized: past 5/4 of the bound, the oldest are dropped down to the bound.
+    """
+
+    __slots__ = ("entries", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.entries: dict[int, int] = {}
+
+    def longest_prefix(self, hashes: list[int]) -> int:
+        """How many leading hashes this worker holds (binary search: chains are prefix-closed)."""
+        entries = self.entries
+        if not entries or not hashes or hashes[0] not in entries:
+            return 0
+        lo, hi = 1, len(hashes)  # hashes[:lo] held; find the largest
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if hashes[mid - 1] in entries:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def add(self, hashes: list[int], clock: int) -> None:
+        n = len(hashes)
+        self.entries.update(zip(hashes, range(clock + n, clock, -1)))
+        if len(self.entries) > self.limit + (self.limit >> 2):
+            keep = sorted(self.entries.items(), key=lambda item: item[1], reverse=True)[: self.limit]
+            self.entries = dict(keep)
+
+
+class KvCacheAwareRouter(Router):
+    """The worker with the longest expected prefix hit, balanced against load.
+
+    Keys: :func:`fastcore.chunk_hashes` of the prompt span's raw bytes (``messages`` on chat,
+    ``prompt`` on completions), in ``chunk_bytes`` chunks. Each worker has a bounded index of the
+    hashes routed to it (:class:`_PrefixIndex`): ``max_cached_tokens`` tokens' worth, or the
+    worker's own ``kv_capacity_tokens`` (``/server_info``) when it says, at ``BYTES_PER_TOKEN``
+    bytes per token. After routing, the request's hashes go into the chosen worker's index (it will
+    cache them). A worker's index is cleared when it leaves the pool, turns unhealthy or comes back.
+
+    Score of a candidate: ``hit_tokens - load_weight * (in_flight - mean_in_flight)``, where
+    ``hit_tokens`` = hit chunks x ``chunk_bytes`` / ``BYTES_PER_TOKEN`` and the mean is over the
+    candidates; a worker with more than ``max_load_ratio`` x the mean in flight (and at least one
+    more than the mean) gets no credit for its hit, so a hot prefix cannot pile every request onto
+    one worker. The highest score wins; ties go to the fewest in flight, then in turn. A request
+    without a span (or shorter than one chunk) goes to the least loaded worker.
+    """
+
+    name = "kv_cache_aware"
+    needs_key = True
+    key_kinds = frozenset({"prefix"})
+    ARGS = frozenset({"chunk_bytes", "max_cached_tokens", "load_weight", "max_load_ratio"})
+
+    def __init__(self, args: dict[str, Any] | None = None) -> None:
+        from fastcore._jsonspan_py import CHUNK_MAX
+
+        args = args or {}
+        self.chunk_bytes = _int_arg(args, "chunk_bytes", 512, 32, CHUNK_MAX)
+        if self.chunk_bytes % 32:
+            raise ValueError(f"chunk_bytes must be a multiple of 32, got {self.chunk_bytes}")
+        self.max_cached_tokens = _int_arg(args, "max_cached_tokens", 262_144, 1)
+        self.load_weight = _float_arg(args, "load_weight", 1024.0, 0.0)
+        self.max_load_ratio = _float_arg(args, "max_load_ratio", 1.5, 1.0)
+        self._fallback = LeastLoadedRouter()
+        self._indexes: dict[Worker, _PrefixIndex] = {}
+        self._clock = 0
+        self._tiebreak = 0
+        #: chunks routed with a key, and of them those expected to hit (/metrics)
+        self.routed_chunks = 0
+        self.hit_chunks = 0
+
+    def _limit(self, worker: Worker) -> int:
+        tokens = worker.kv_capacity_tokens or self.max_cached_tokens
+        return max(1, tokens * BYTES_PER_TOKEN // self.chunk_bytes)
+
+    def index(self, worker: Worker) -> _PrefixIndex:
+        index = self._indexes.get(worker)
+        if index is None:
+            index = self._indexes[worker] = _PrefixIndex(self._limit(worker))
+        return index
+
+    def forget(self, worker: Worker) -> None:
+        self._indexes.pop(worker, None)
+
+    def sync(self, workers: Sequence[Worker]) -> None:
+        members = set(workers)
+        for worker in [w for w in self._indexes if w not in members]:
+            del self._indexes[worker]
+
+    def expected_hit(self, worker: Worker, key: RequestKey) -> int:
+        """Chunks of ``key``'s prompt that ``worker`` is expected to hold."""
+        index = self._indexes.get(worker)
+        return 0 if index is None else index.longest_prefix(key.hashes(self.chunk_bytes))
+
+    def choose(self, candidates: list[Worker], key: RequestKey | None = None) -> Worker:
+        hashes = key.hashes(self.chunk_bytes) if key is not None else []
+        if not hashes:
+            if key is not None:
+                key.hit_chunks = 0
+            return self._fallback.choose(candidates)
+        assert key is not None
+        mean = sum(w.in_flight for w in candidates) / len(candidates)
+        hot = max(mean * self.max_load_ratio, mean + 1)
+        per_chunk = self.chunk_bytes / BYTES_PER_TOKEN
+        best: list[tuple[float, int, int, Worker]] = []
+        best_score = None
+        indexes = self._indexes
+        for worker in candidates:
+            index = indexes.get(worker)
+            hit = index.longest_prefix(hashes) if index is not None else 0
+            credit = hit if worker.in_flight <= hot else 0
+            score = credit * per_chunk - self.load_weight * (worker.in_flight - mean)
+            if best_score is None or score > best_score:
+                best_score, best = score, [(score, worker.in_flight, hit, worker)]
+            elif score == best_score:
+                best.append((score, worker.in_flight, hit, worker))
+        if len(best) > 1:
+            least = min(b[1] for b in best)
+            best = [b for b in best if b[1] == least]
+        _, _, hit, worker = best[self._tiebreak % len(best)]
+        self._tiebreak += 1
+        key.hit_chunks = hit
+        self.routed_chunks += len(hashes)
+        self.hit_chunks += hit
+        self.routed(worker, hashes)
+        return worker
+
+    def routed(self, worker: Worker, hashes: list[int]) -> None:
+        """``worker`` took a request with these chunks: it will cache them."""
+        self.index(worker).add(hashes, self._clock)
+        self._clock += len(hashes)
+
+
+#: config router kind -> the args it takes
+ROUTER_ARGS: dict[str, frozenset[str]] = {
+    "round_robin": frozenset(),
+    "least_loaded": frozenset({"use_tokens"}),
+    "conversation": ConversationRouter.ARGS,
+    "kv_cache_aware": KvCacheAwareRouter.ARGS,
+}
+
+ROUTERS: dict[str, Callable[..., Router]] = {
+    "round_robin": lambda args=None: RoundRobinRouter(),
+    "least_loaded": lambda args=None: LeastLoadedRouter(),
+    "conversation": ConversationRouter,
+    "kv_cache_aware": KvCacheAwareRouter,
+}
+
+
+def make_router(kind: str, args: dict[str, Any] | None = None) -> Router:
+    """The router ``kind`` with ``args`` (``ValueError`` naming a bad argument's value)."""
+    return ROUTERS[kind](args or {})

@@ -1,0 +1,605 @@
+"""Routers (server/orchestrator/routing.py): conversation and kv_cache_aware, and conditional disaggregation.
+
+Unit tests drive the routers and pools directly; the end-to-end tests run an orchestrator in the
+test's loop against stub workers written here as real aiohttp servers on 127.0.0.1 (real sockets,
+nothing of ours mocked): they record every request they get, so which worker served what is seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from server.orchestrator.app import start_server
+from server.orchestrator.config import build_config
+from server.orchestrator.pools import Capabilities, HealthChecker, Pool, Worker
+from server.orchestrator.routing import (
+    BYTES_PER_TOKEN,
+    ConversationRouter,
+    KvCacheAwareRouter,
+    RequestKey,
+    make_router,
+    request_key,
+)
+from tests.conftest import free_port
+
+
+def workers(n: int, in_flight: int = 0) -> list[Worker]:
+    out = [Worker(f"http://w{i}") for i in range(n)]
+    for w in out:
+        w.healthy = True
+        w.in_flight = in_flight
+    return out
+
+
+def chat(messages: list[dict[str, Any]], **extra: Any) -> bytes:
+    return json.dumps({"model": "m", "messages": messages, "max_tokens": 4, **extra}).encode()
+
+
+def history(seed: int, turns: int, size: int = 3000) -> list[dict[str, Any]]:
+    """A conversation's messages after ``turns`` turns; each turn appends to the last."""
+    msgs = [{"role": "system", "content": f"conversation {seed} " + "s" * 200}]
+    for t in range(turns):
+        msgs.append({"role": "user", "content": f"{seed}-{t} " + "u" * size})
+        msgs.append({"role": "assistant", "content": f"{seed}-{t} " + "a" * size})
+    return msgs
+
+
+# -- request keys -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "header", "expected"),
+    [
+        ('"conv-1"', None, b"conv-1"),
+        ('"caf\\u00e9"', None, "café".encode()),
+        ("42", None, b"42"),
+        ("-7", None, b"-7"),
+        ("4.5", None, None),  # neither a string nor an integer
+        ("1e3", None, None),
+        ('{"id": 1}', None, None),  # an object: no id, never an exception
+        ("[1]", None, None),
+        ("null", None, None),
+        ('""', None, None),
+        ('{"id": 1}', b"from-header", b"from-header"),  # a bad body id falls back to the header
+        ('"body"', b"header", b"body"),  # the body's id wins
+        (None, b"  hdr  ", b"hdr"),
+        (None, b"", None),
+        (None, b"x" * 2000, None),  # too long to be an id
+        ('"' + "x" * 2000 + '"', None, None),
+    ],
+)
+def test_conversation_id_of_a_body(value: str | None, header: bytes | None, expected: bytes | None) -> None:
+    members = '"model":"m","messages":[{"role":"user","content":"hi"}]'
+    body = ("{" + members + (f',"conversation_id":{value}' if value is not None else "") + "}").encode()
+    assert request_key(body, True, header).conversation == expected
+
+
+def test_prompt_span_is_the_raw_messages_or_prompt_value() -> None:
+    body = chat([{"role": "user", "content": "x" * 100}])
+    key = request_key(body, True, None)
+    assert key.span is not None and body[key.span[0] : key.span[1]].startswith(b'[{"role"')
+    assert key.prompt_bytes == len(json.dumps([{"role": "user", "content": "x" * 100}]))
+    completion = b'{"model":"m","prompt":"' + b"p" * 200 + b'"}'
+    key = request_key(completion, False, None)
+    assert key.span is not None and completion[key.span[0] : key.span[1]] == b'"' + b"p" * 200 + b'"'
+    assert key.hashes(64) == key.hashes(64) and len(key.hashes(64)) == 202 // 64
+    assert len(key.hashes(32)) == 202 // 32  # another chunk size: computed again, not the cached list
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"conversation_id":"a","conversation_id":"b","messages":[]}',  # repeated: the scan refuses it
+        b"not json at all",
+        b'{"model":"m"}',  # no messages: no span
+        b'{"messages": 12}',  # a span, shorter than a chunk
+    ],
+)
+def test_bad_bodies_route_least_loaded(body: bytes) -> None:
+    key = request_key(body, True, None)
+    assert key.conversation is None
+    assert key.hashes(32) == []
+    pool = workers(3)
+    pool[0].in_flight, pool[1].in_flight, pool[2].in_flight = 2, 0, 1
+    for router in (ConversationRouter(), KvCacheAwareRouter()):
+        assert router.choose(pool, key) is pool[1]
+        assert router.choose(pool, None) is pool[1]
+
+
+# -- conversation -----------------------------------------------------------------------------------
+
+
+def owners(router: ConversationRouter, pool: list[Worker], n: int = 2000) -> dict[bytes, str]:
+    router.sync(pool)
+    return {
+        cid: router.choose(pool, RequestKey(b"", cid, None)).url
+        for cid in (f"conv-{i}".encode() for i in range(n))
+    }
+
+
+def test_conversation_sticks_and_spreads() -> None:
+    pool = workers(4)
+    router = ConversationRouter({"virtual_nodes": 64})
+    first = owners(router, pool)
+    pool[0].in_flight = 50  # load does not move a conversation
+    assert owners(router, pool) == first
+    shares = {w.url: list(first.values()).count(w.url) / len(first) for w in pool}
+    assert all(0.12 < share < 0.40 for share in shares.values()), shares
+
+
+def test_a_joining_worker_moves_about_a_fifth() -> None:
+    pool = workers(4)
+    router = ConversationRouter()
+    before = owners(router, pool)
+    after = owners(router, pool + workers(5)[4:])
+    moved = [cid for cid in before if before[cid] != after[cid]]
+    assert 0.10 < len(moved) / len(before) < 0.32
+    assert all(after[cid] == "http://w4" for cid in moved)  # only to the new worker
+
+
+def test_a_dead_worker_moves_only_its_conversations() -> None:
+    pool = workers(4)
+    router = ConversationRouter()
+    before = owners(router, pool)
+    router.sync(pool)
+    healthy = [w for w in pool if w.url != "http://w2"]
+    after = {cid: router.choose(healthy, RequestKey(b"", cid, None)).url for cid in before}
+    for cid, url in before.items():
+        if url == "http://w2":
+            assert after[cid] != "http://w2"
+        else:
+            assert after[cid] == url
+    # Back in: every conversation goes home.
+    assert owners(router, pool) == before
+    # Gone from the pool (discovery): the ring is rebuilt without it; the others stay.
+    assert {cid: u for cid, u in owners(router, healthy).items() if before[cid] != "http://w2"} == {
+        cid: u for cid, u in before.items() if u != "http://w2"
+    }
+
+
+def test_the_ring_is_stable_across_processes() -> None:
+    """blake2b, never the salted hash(): another interpreter with another hash seed agrees."""
+    code = (
+        "from server.orchestrator.pools import Worker\n"
+        "from server.orchestrator.routing import ConversationRouter, RequestKey\n"
+        "ws = [Worker(f'http://w{i}') for i in range(5)]\n"
+        "r = ConversationRouter(); r.sync(ws)\n"
+        "print(','.join(r.choose(ws, RequestKey(b'', f'c{i}'.encode(), None)).url for i in range(200)))\n"
+    )
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout
+        for seed in ("1", "2")
+    ]  # fmt: skip
+    assert runs[0] == runs[1] and runs[0].count("http://w") == 200
+
+
+def test_no_id_goes_least_loaded_and_empty_ring_falls_back() -> None:
+    pool = workers(3)
+    pool[0].in_flight = 3
+    pool[2].in_flight = 1
+    router = ConversationRouter()
+    router.sync(pool)
+    assert router.choose(pool, RequestKey(b"", None, None)) is pool[1]
+    unsynced = ConversationRouter()  # no members known: least loaded too
+    assert unsynced.choose(pool, RequestKey(b"", b"c", None)) is pool[1]
+
+
+# -- kv_cache_aware ------------------------------------------------------------------------------------
+
+
+def key_of(messages: list[dict[str, Any]]) -> RequestKey:
+    return request_key(chat(messages), True, None)
+
+
+def test_the_next_turn_goes_where_the_prefix_is() -> None:
+    pool = workers(4)
+    router = KvCacheAwareRouter({"chunk_bytes": 256})
+    homes = {}
+    for conv in range(8):
+        homes[conv] = router.choose(pool, key_of(history(conv, 1)))
+    # New conversations spread (no hit anywhere: load, then in turn).
+    assert len({w.url for w in homes.values()}) == 4
+    for conv in range(8):
+        key = key_of(history(conv, 2))
+        assert router.choose(pool, key) is homes[conv]
+        assert key.hit_chunks >= len(key_of(history(conv, 1)).hashes(256)) - 1
+        assert key.hit_chunks < len(key.hashes(256))
+    assert router.hit_chunks > 0 and router.routed_chunks > router.hit_chunks
+
+
+def test_load_outweighs_a_hit_on_a_hot_worker() -> None:
+    pool = workers(2)
+    router = KvCacheAwareRouter({"chunk_bytes": 256, "max_load_ratio": 1.5, "load_weight": 1.0})
+    home = router.choose(pool, key_of(history(1, 1)))
+    other = pool[1] if home is pool[0] else pool[0]
+    home.in_flight = 10  # > 1.5x the mean (5) and > mean + 1: its hit earns nothing
+    key = key_of(history(1, 2))
+    assert router.choose(pool, key) is other and key.hit_chunks == 0
+    home.in_flight = other.in_flight = 0
+    home = router.choose(pool, key_of(history(5, 1)))
+    other = pool[1] if home is pool[0] else pool[0]
+    home.in_flight = 1  # mildly busier: the hit wins
+    key = key_of(history(5, 2))
+    assert router.choose(pool, key) is home and key.hit_chunks > 0
+    # load_weight large: one request more than the mean costs more than any hit.
+    heavy = KvCacheAwareRouter({"chunk_bytes": 256, "load_weight": 1e9})
+    home.in_flight = other.in_flight = 0
+    first = heavy.choose(pool, key_of(history(2, 1)))
+    first.in_flight = 1
+    assert heavy.choose(pool, key_of(history(2, 2))) is not first
+
+
+def test_the_index_is_bounded_and_keeps_prefixes() -> None:
+    (worker,) = workers(1)
+    router = KvCacheAwareRouter({"chunk_bytes": 32, "max_cached_tokens": 80})  # 80*4/32 = 10 chunks
+    assert router._limit(worker) == 10
+    keys = [key_of(history(c, 1, size=100)) for c in range(5)]
+    for key in keys:
+        router.choose([worker], key)
+    index = router.index(worker)
+    assert len(index.entries) <= 10 + 10 // 4
+    newest = keys[-1].hashes(32)
+    held = index.longest_prefix(newest)
+    assert held > 0 and all(h in index.entries for h in newest[:held])  # what stays is a prefix
+    # The oldest are gone but for the first chunk, '[{"role": "system", "content": "c', every conversation's.
+    assert index.longest_prefix(keys[0].hashes(32)) == 1
+    worker.kv_capacity_tokens = 800  # the worker said how much it caches
+    router.forget(worker)
+    assert router._limit(worker) == 100 and router.index(worker).entries == {}
+
+
+def test_forget_sync_and_pool_events_clear_an_index() -> None:
+    pool = Pool("generation", ["http://a", "http://b"], "kv_cache_aware", {"chunk_bytes": 64})
+    for w in pool.workers:
+        w.healthy = True
+    router = pool.router
+    assert isinstance(router, KvCacheAwareRouter) and pool.needs_key
+    key = key_of(history(3, 1))
+    chosen = pool.choose(key=key)
+    assert chosen is not None and router.expected_hit(chosen, key) == len(key.hashes(64))
+    # Leaves the pool through discovery: its index goes.
+    pool.static = frozenset({"http://a"} - {chosen.url})
+    pool.discovered = {chosen.url}
+    pool.sync_discovered([])
+    assert chosen not in router._indexes
+    # A health event clears it too.
+    (rest,) = pool.workers
+    pool.choose(key=key)
+    assert router.expected_hit(rest, key) > 0
+    pool.forget(rest)
+    assert router.expected_hit(rest, key) == 0
+
+
+def test_round_robin_and_least_loaded_take_no_key() -> None:
+    for kind in ("round_robin", "least_loaded"):
+        assert not make_router(kind).needs_key
+    assert make_router("conversation").key_kinds == {"conversation"}
+    assert make_router("kv_cache_aware").key_kinds == {"prefix"}
+
+
+@pytest.mark.parametrize(
+    ("info", "b64", "local", "capacity"),
+    [
+        ({"local_prefill": True, "kv_capacity_tokens": 4096}, False, True, 4096),
+        ({"local_prefill": 1, "kv_capacity_tokens": -5}, False, False, None),
+        ({"local_prefill": "yes", "kv_capacity_tokens": True}, False, False, None),
+        ({"prompt_token_ids_b64_completions": True}, True, False, None),
+        ([1], False, False, None),
+    ],
+)
+def test_capabilities_of_server_info(info: Any, b64: bool, local: bool, capacity: int | None) -> None:
+    caps = Capabilities.of(info)
+    assert (caps.b64_completions, caps.local_prefill, caps.kv_capacity_tokens) == (b64, local, capacity)
+
+
+# -- stub workers ---------------------------------------------------------------------------------------
+
+
+class StubWorker:
+    """A real HTTP worker on 127.0.0.1 that records the bodies it gets and answers in protocol shape."""
+
+    def __init__(self, role: str, *, local_prefill: bool = False, capacity: int | None = None) -> None:
+        self.role = role
+        self.info: dict[str, Any] = {"role": role, "model": "m", "local_prefill": local_prefill}
+        if capacity is not None:
+            self.info["kv_capacity_tokens"] = capacity
+        self.bodies: list[dict[str, Any]] = []
+        self.healthy = True
+        self.full = False  # answer 503 (a full worker: retried elsewhere)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.runner: web.AppRunner | None = None
+
+    async def start(self) -> StubWorker:
+        app = web.Application(client_max_size=1 << 26)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/server_info", self._server_info)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        return self
+
+    async def stop(self) -> None:
+        assert self.runner is not None
+        await self.runner.cleanup()
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def _server_info(self, request: web.Request) -> web.Response:
+        return web.json_response(self.info)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        if self.full:
+            return web.json_response({"error": {"message": "full"}}, status=503, headers={"Retry-After": "1"})
+        params = body.get("disaggregated_params")
+        if params is not None and params["request_type"] == "context_only":
+            return web.json_response(
+                {
+                    "id": "c", "object": "chat.completion", "created": 1, "model": "m",
+                    "choices": [{
+                        "index": 0, "message": {"role": "assistant", "content": "A"}, "finish_reason": "length",
+                        "disaggregated_params": {
+                            "request_type": "context_only", "first_gen_tokens": [7], "ctx_request_id": 5,
+                            "disagg_request_id": params["disagg_request_id"], "encoded_opaque_state": None,
+                            "ctx_info_endpoint": None, "draft_tokens": None,
+                        },
+                    }],
+                    "prompt_token_ids": [1, 2, 3],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+                }
+            )  # fmt: skip
+        where = "local" if params is None else "generation"
+        answer = {
+            "id": "g", "object": "chat.completion", "created": 1, "model": "m",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": f"{where}:{self.port}"},
+                         "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+        }  # fmt: skip
+        if not body.get("stream"):
+            return web.json_response(answer)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = {"id": "g", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                 "choices": [{"index": 0, "delta": {"content": f"{where}:{self.port}"}, "finish_reason": "stop"}]}  # fmt: skip
+        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+async def orchestrator(ctx: list[StubWorker], gen: list[StubWorker], **config: Any) -> tuple[Any, Any, str]:
+    port = free_port()
+    data = {
+        "port": port,
+        "health_check_interval_s": 0.05,
+        "context_servers": {"urls": [w.url for w in ctx]},
+        "generation_servers": {"urls": [w.url for w in gen]},
+    }
+    for name in ("context_servers", "generation_servers"):
+        data[name].update(config.pop(name, {}))
+    server, orch = await start_server(build_config(data | config, environ={}))
+    for _ in range(200):
+        if all(w.healthy for p in orch.pools for w in p.workers):
+            break
+        await asyncio.sleep(0.02)
+    return server, orch, f"http://127.0.0.1:{port}"
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: bytes, **headers: str) -> tuple[int, str]:
+    async with session.post(url + "/v1/chat/completions", data=body, headers=headers) as resp:
+        return resp.status, await resp.text()
+
+
+def served(worker: StubWorker) -> list[Any]:
+    return [b.get("conversation_id") for b in worker.bodies]
+
+
+async def metric(session: aiohttp.ClientSession, url: str, line: str) -> float:
+    async with session.get(url + "/metrics") as resp:
+        text = await resp.text()
+    for row in text.splitlines():
+        if row.startswith(line + " "):
+            return float(row.split()[-1])
+    raise AssertionError(f"{line} not in /metrics")
+
+
+# -- end to end -----------------------------------------------------------------------------------------
+
+
+async def test_conversation_routing_end_to_end() -> None:
+    ctx = [await StubWorker("context").start()]
+    gen = [await StubWorker("generation").start() for _ in range(3)]
+    server, orch, url = await orchestrator(ctx, gen, generation_servers={"router": {"type": "conversation"}})
+    try:
+        async with aiohttp.ClientSession() as session:
+            for turn in range(3):
+                for conv in range(6):
+                    status, _ = await post(
+                        session, url, chat(history(conv, turn + 1, 50), conversation_id=f"c{conv}")
+                    )
+                    assert status == 200
+            homes = {}
+            for w in gen:
+                for cid in served(w):
+                    assert homes.setdefault(cid, w.url) == w.url, "a conversation moved"
+            assert len(homes) == 6
+            # The header names the conversation when the body does not (and must agree with the body).
+            status, _ = await post(session, url, chat(history(0, 1, 50)), **{"X-Conversation-Id": "c0"})
+            assert status == 200
+            home = next(w for w in gen if w.url == homes["c0"])
+            assert home.bodies[-1].get("conversation_id") is None  # the header-routed one landed home
+            # A bad conversation_id (an object) is no error: least loaded.
+            status, _ = await post(session, url, chat(history(0, 1, 50), conversation_id={"no": 1}))
+            assert status == 200
+            # Its worker goes unhealthy: its conversations move, the others stay.
+            home.healthy = False
+            for _ in range(100):
+                if not any(w.url == home.url and w.healthy for w in orch.generation_pool.workers):
+                    break
+                await asyncio.sleep(0.02)
+            before = {w.url: len(w.bodies) for w in gen}
+            for conv in range(6):
+                assert (await post(session, url, chat(history(conv, 4, 50), conversation_id=f"c{conv}")))[
+                    0
+                ] == 200
+            for w in gen:
+                moved_here = served(w)[before[w.url] :]
+                for cid in moved_here:
+                    assert homes[cid] == w.url or homes[cid] == home.url
+            assert len(home.bodies) == before[home.url]
+    finally:
+        await server.cleanup()
+        for w in ctx + gen:
+            await w.stop()
+
+
+async def test_kv_cache_aware_routing_end_to_end_and_metrics() -> None:
+    ctx = [await StubWorker("context").start() for _ in range(2)]
+    gen = [await StubWorker("generation").start() for _ in range(2)]
+    router = {"router": {"type": "kv_cache_aware", "chunk_bytes": 256}}
+    server, _, url = await orchestrator(ctx, gen, context_servers=router, generation_servers=router)
+    try:
+        async with aiohttp.ClientSession() as session:
+            for turn in range(1, 4):
+                for conv in range(4):
+                    assert (await post(session, url, chat(history(conv, turn, 1000), user=f"u{conv}")))[
+                        0
+                    ] == 200
+            for pool in (ctx, gen):
+                homes: dict[str, str] = {}
+                for w in pool:
+                    for body in w.bodies:
+                        assert homes.setdefault(body["user"], w.url) == w.url, "a conversation left its cache"
+                assert len(set(homes.values())) == 2  # and the conversations spread
+            hits = await metric(
+                session, url, 'fastcore_orchestrator_prefix_hit_chunks_total{pool="generation"}'
+            )
+            total = await metric(session, url, 'fastcore_orchestrator_prefix_chunks_total{pool="generation"}')
+            assert 0 < hits < total
+            assert (
+                await metric(
+                    session, url, 'fastcore_orchestrator_requests_by_path_total{path="disaggregated"}'
+                )
+                == 12
+            )
+    finally:
+        await server.cleanup()
+        for w in ctx + gen:
+            await w.stop()
+
+
+async def test_conditional_disaggregation_end_to_end() -> None:
+    """Short uncached remainders go straight to a local_prefill generation worker; long ones take both
+    legs, the generation leg on the worker chosen first."""
+    ctx = [await StubWorker("context").start()]
+    gen = [await StubWorker("generation", local_prefill=True).start(), await StubWorker("generation").start()]
+    server, _, url = await orchestrator(
+        ctx, gen,
+        generation_servers={"router": {"type": "kv_cache_aware", "chunk_bytes": 256}},
+        conditional_disagg_config={"max_local_prefill_length": 1000},
+    )  # fmt: skip
+    try:
+        async with aiohttp.ClientSession() as session:
+            by_path = 'fastcore_orchestrator_requests_by_path_total{path="%s"}'
+            # Turn 1, 6 KB of history (~1500 tokens uncached): both legs.
+            long = chat(history(1, 1, 3000), stream=True)
+            status, text = await post(session, url, long)
+            assert status == 200 and "generation:" in text
+            assert len(ctx[0].bodies) == 1
+            home = next(w for w in gen if w.bodies)
+            assert home is gen[0]  # no hit anywhere, no load: the first in turn
+            # Turn 2 on the same worker: ~6 KB cached, ~2 KB new: ~600 tokens uncached (<= 1000).
+            turn2 = [*history(1, 1, 3000), {"role": "user", "content": "n" * 2000}]
+            status, text = await post(session, url, chat(turn2, stream=True))
+            assert status == 200 and f"local:{home.port}" in text, text
+            assert len(ctx[0].bodies) == 1  # no context leg
+            assert "disaggregated_params" not in home.bodies[-1]
+            assert home.bodies[-1]["messages"] == turn2  # the client's request, as it came
+            assert await metric(session, url, by_path % "local_prefill") == 1
+            # A short new conversation (< 1000 tokens) on a worker that says local_prefill: local,
+            # unary this time; the other worker, which does not say it, never gets a plain request.
+            for conv in range(10, 16):
+                status, text = await post(session, url, chat(history(conv, 1, 200)))
+                assert status == 200
+            assert all("disaggregated_params" in b for b in gen[1].bodies)
+            assert any("disaggregated_params" not in b for b in gen[0].bodies)
+            assert await metric(session, url, by_path % "local_prefill") >= 1
+            assert await metric(session, url, by_path % "disaggregated") >= 1
+            # The local worker is full (503): the retry may go to no worker that cannot prefill.
+            gen[0].full = True
+            before = (len(gen[0].bodies), len(gen[1].bodies))
+            status, _ = await post(session, url, chat(turn2))
+            assert status == 503
+            assert (len(gen[0].bodies), len(gen[1].bodies)) == (before[0] + 1, before[1])
+            # A long remainder on the same worker still takes both legs (the generation leg on it).
+            gen[0].full = False
+            status, _ = await post(session, url, chat([*turn2, {"role": "user", "content": "z" * 8000}]))
+            assert status == 200 and "disaggregated_params" in gen[0].bodies[-1]
+    finally:
+        await server.cleanup()
+        for w in ctx + gen:
+            await w.stop()
+
+
+async def test_without_a_local_prefill_worker_every_request_takes_both_legs() -> None:
+    ctx = [await StubWorker("context").start()]
+    gen = [await StubWorker("generation").start()]
+    server, _, url = await orchestrator(
+        ctx, gen,
+        generation_servers={"router": {"type": "kv_cache_aware"}},
+        conditional_disagg_config={"max_local_prefill_length": 100000},
+    )  # fmt: skip
+    try:
+        async with aiohttp.ClientSession() as session:
+            for i in range(3):
+                assert (await post(session, url, chat(history(i, 1, 10))))[0] == 200
+            assert len(ctx[0].bodies) == 3
+            assert all("disaggregated_params" in b for b in gen[0].bodies)
+    finally:
+        await server.cleanup()
+        for w in ctx + gen:
+            await w.stop()
+
+
+async def test_health_events_clear_the_index_and_read_capabilities() -> None:
+    stub = await StubWorker("generation", local_prefill=True, capacity=2048).start()
+    pool = Pool("generation", [stub.url], "kv_cache_aware", {"chunk_bytes": 64})
+    router = pool.router
+    assert isinstance(router, KvCacheAwareRouter)
+    try:
+        async with aiohttp.ClientSession() as session:
+            checker = HealthChecker([pool], session, interval=1, timeout=1)
+            await checker.check_all()
+            (worker,) = pool.workers
+            assert worker.healthy and worker.local_prefill and worker.kv_capacity_tokens == 2048
+            assert router._limit(worker) == 2048 * BYTES_PER_TOKEN // 64
+            key = key_of(history(1, 1))
+            pool.choose(key=key)
+            assert router.expected_hit(worker, key) > 0
+            await checker.check_all()  # still healthy: the index stays
+            assert router.expected_hit(worker, key) > 0
+            stub.healthy = False
+            await checker.check_all()
+            assert not worker.healthy and router.expected_hit(worker, key) == 0
+            stub.healthy = True
+            await checker.check_all()
+            pool.choose(key=key)
+            checker.mark_unhealthy(pool, worker)  # a failed request
+            assert router.expected_hit(worker, key) == 0
+    finally:
+        await stub.stop()
