@@ -144,6 +144,9 @@ class Deployment:
     inactive_timeout_s: float = 2.0
     #: orchestrator processes, each on its own port (several only with discovery)
     orchestrators: int = 1
+    #: more flags for every worker, and for the orchestrator(s) (e.g. ``-c FILE``: flags override it)
+    worker_args: list[str] = field(default_factory=list)
+    orchestrator_args: list[str] = field(default_factory=list)
     children: list[Child] = field(default_factory=list)
     workers: list[Child] = field(default_factory=list)
     front: Child | None = None
@@ -171,6 +174,7 @@ class Deployment:
                 "--prompt-tokens", str(self.prompt_tokens), "--port", str(port),
                 "--prefill-latency-ms", str(self.prefill_latency_ms),
                 "--token-latency-ms", str(self.token_latency_ms)]  # fmt: skip
+        argv += self.worker_args
         if self.cluster_uri is not None:
             argv += [*self.cluster_flags(), "--heartbeat-interval-sec", str(self.heartbeat_s),
                      "--inactive-timeout-sec", str(self.inactive_timeout_s)]  # fmt: skip
@@ -195,7 +199,7 @@ class Deployment:
             for i, port in enumerate(ports):
                 argv = [*PYTHON, "server.cli", "orchestrator", "--port", str(port), "--model", "synthetic",
                         *self.cluster_flags(), "--health-check-interval-s", "0.5",
-                        "--log-level", "WARNING", *MODES[self.mode]]  # fmt: skip
+                        "--log-level", "WARNING", *MODES[self.mode], *self.orchestrator_args]  # fmt: skip
                 self.fronts.append(Child(f"{self.mode} orchestrator {i}", pinned(argv, front_cpus), port))
         elif self.mode in FLOOR_MODULES:
             argv = [*PYTHON, FLOOR_MODULES[self.mode], "--port", str(self.port)]
@@ -207,7 +211,7 @@ class Deployment:
             argv = [*PYTHON, "server.cli", "orchestrator", "--port", str(self.port),
                     "--context-urls", ",".join(urls["context"]),
                     "--generation-urls", ",".join(urls["generation"]),
-                    "--log-level", "WARNING", *MODES[self.mode]]  # fmt: skip
+                    "--log-level", "WARNING", *MODES[self.mode], *self.orchestrator_args]  # fmt: skip
         if not self.fronts:
             self.fronts = [Child(self.mode, pinned(argv, front_cpus), self.port)]
         self.front = self.fronts[0]
