@@ -186,6 +186,10 @@ WORKER_FAMILIES = {
     "fastcore_worker_kv_parked_tokens": "gauge",
     "fastcore_worker_decode_tokens_per_second": "gauge",
     "fastcore_worker_prompt_tokens_total": "counter",
+    "fastcore_worker_prefix_cache_hit_tokens_total": "counter",
+    "fastcore_worker_prefill_computed_tokens_total": "counter",
+    "fastcore_worker_prefix_cache_tokens": "gauge",
+    "fastcore_worker_prefix_cache_evicted_blocks_total": "counter",
     "fastcore_worker_generated_tokens_total": "counter",
     "fastcore_worker_kv_handoff_total": "counter",
     "fastcore_worker_kv_fetch_failures_total": "counter",
@@ -197,7 +201,7 @@ WORKER_FAMILIES = {
     "fastcore_worker_client_connections": "gauge",
     "fastcore_worker_connections_refused_total": "counter",
     "fastcore_worker_http_framing_errors_total": "counter",
-}  # the hand-written registry's page of a synthetic worker, before the switch
+}  # the hand-written registry's page of a synthetic worker before the switch, and the prefix cache's
 
 
 async def test_two_workers_in_one_process_keep_their_own_metrics():

@@ -603,3 +603,36 @@ async def test_health_events_clear_the_index_and_read_capabilities() -> None:
             assert router.expected_hit(worker, key) == 0
     finally:
         await stub.stop()
+
+
+async def test_a_worker_restarted_between_two_health_checks_loses_its_index() -> None:
+    """/health never failed, but the process behind the URL is new (its cache empty): the
+    worker's /health says its instance, and a new one clears the router's index of it."""
+    from server.worker.app import WorkerSettings, start_worker
+    from server.worker.synthetic import SyntheticEngine
+
+    port = free_port()
+    settings = WorkerSettings(role="generation", model_name="synthetic")
+    server, _ = await start_worker(SyntheticEngine(0), settings, port=port)
+    pool = Pool("generation", [f"http://127.0.0.1:{port}"], "kv_cache_aware")
+    (worker,) = pool.workers
+    body = json.dumps({"model": "synthetic", "messages": [{"role": "user", "content": "x" * 4096}]}).encode()
+    key = request_key(body, True, None)
+    async with aiohttp.ClientSession() as session:
+        checker = HealthChecker([pool], session, interval=60.0, timeout=2.0)
+        try:
+            await checker.check_worker(pool, worker)
+            assert worker.healthy and worker.instance and worker.local_prefill
+            first = worker.instance
+            assert pool.choose(key=key) is worker
+            router = pool.router
+            assert isinstance(router, KvCacheAwareRouter) and router.expected_hit(worker, key) > 0
+            await checker.check_worker(pool, worker)  # the same process: the index stays
+            assert router.expected_hit(worker, key) > 0
+            await server.cleanup()
+            server, _ = await start_worker(SyntheticEngine(0), settings, port=port)
+            await checker.check_worker(pool, worker)
+            assert worker.healthy and worker.instance != first
+            assert router.expected_hit(worker, key) == 0
+        finally:
+            await server.cleanup()

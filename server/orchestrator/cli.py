@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--generation-urls", type=_urls, metavar="HOST:PORT,...", help="generation workers (comma-separated)"
     )
-    routers = ("round_robin", "least_loaded", "load_balancing")
+    routers = ("round_robin", "least_loaded", "load_balancing", "conversation", "kv_cache_aware")
     parser.add_argument("--context-router", choices=routers, help="router of the context pool")
     parser.add_argument("--generation-router", choices=routers, help="router of the generation pool")
     parser.add_argument(

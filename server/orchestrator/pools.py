@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import Callable, Collection
 from typing import Any
@@ -78,11 +79,27 @@ class Capabilities:
         )
 
 
+#: the most of a /health body read (it is a small JSON object)
+MAX_HEALTH_BODY = 4096
+
+
+def _instance(body: bytes) -> str | None:
+    """The ``instance`` of a fastcore worker's /health body (None from any other server)."""
+    if b'"instance"' not in body:
+        return None
+    try:
+        value = json.loads(body).get("instance")
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
 class Worker:
     __slots__ = (
         "b64_completions",
         "healthy",
         "in_flight",
+        "instance",
         "kv_capacity_tokens",
         "local_prefill",
         "served",
@@ -104,6 +121,9 @@ class Worker:
         self.b64_completions = False
         self.local_prefill = False
         self.kv_capacity_tokens: int | None = None
+        # The worker process's id, from its /health (a fastcore worker says it): a new one is
+        # a restart, whose cache is empty even though /health never failed.
+        self.instance: str | None = None
 
     def set_capabilities(self, caps: Capabilities) -> None:
         self.b64_completions = caps.b64_completions
@@ -203,7 +223,15 @@ class HealthChecker:
         try:
             async with self.session.get(worker.url + "/health", timeout=self.timeout) as resp:
                 healthy = resp.status == 200
+                body = await resp.content.read(MAX_HEALTH_BODY) if healthy else b""
             worker.timeouts = 0
+            instance = _instance(body)
+            if healthy and worker.healthy and instance != worker.instance and worker.instance is not None:
+                log.info("%s worker %s restarted (instance %s): its cache is empty", pool.name, worker.url,
+                         instance)  # fmt: skip
+                pool.forget(worker)
+                worker.set_capabilities(await self.read_capabilities(worker))
+            worker.instance = instance
         except asyncio.TimeoutError:
             # Slow, not dead: a request it answered since the last check restarts
             # the count; only a silent streak takes it out.

@@ -374,6 +374,8 @@ class WorkerApp:
         self.settings = settings
         self.server: HTTPServer | None = None
         self.metrics = WorkerMetrics(engine, self)
+        #: this process's id (in /health and /server_info): a restarted worker has a new one
+        self.instance = uuid.uuid4().hex
         secret = settings.shared_secret
         # One per worker: it remembers the nonces it has accepted, so a replay is refused.
         self.verifier = Verifier(secret) if secret is not None else None
@@ -477,7 +479,9 @@ class WorkerApp:
         if not self.engine.alive:
             out.send_error(503, "the engine is not running")
             return
-        out.send(200, json.dumps({"status": "ok", "role": self.settings.role}).encode())
+        out.send(
+            200, json.dumps({"status": "ok", "role": self.settings.role, "instance": self.instance}).encode()
+        )
 
     def models(self, out: Responder) -> None:
         model = {
@@ -497,6 +501,7 @@ class WorkerApp:
         engine, settings = self.engine, self.settings
         info = {
             "role": settings.role,
+            "instance": self.instance,
             "model": settings.model_name,
             "max_context_length": engine.max_context,
             "vocab_size": engine.vocab_size,
