@@ -636,3 +636,61 @@ async def test_a_worker_restarted_between_two_health_checks_loses_its_index() ->
             assert router.expected_hit(worker, key) == 0
         finally:
             await server.cleanup()
+
+
+async def test_conditional_disaggregation_with_real_workers_answers_as_one_worker_would() -> None:
+    """Synthetic text-mode workers (the worker's whole protocol, a modelled prefix cache): a long
+    first turn takes both legs, its follow-up (a short uncached remainder on the generation worker
+    that now holds the prefix) is prefilled there; both answer what a single worker answers."""
+    from server.worker.app import WorkerSettings, start_worker
+    from server.worker.synthetic import SyntheticEngine
+
+    started = [
+        await start_worker(SyntheticEngine(0), WorkerSettings(role=role, model_name="synthetic"))
+        for role in ("context", "generation", "both")
+    ]
+    ctx_port, gen_port, ref_port = (port for _, port in started)
+    config = build_config(
+        {
+            "port": free_port(),
+            "health_check_interval_s": 0.2,
+            "gen_tokids_ctxbytes": True,
+            "context_servers": {"urls": [f"127.0.0.1:{ctx_port}"], "router": {"type": "kv_cache_aware"}},
+            "generation_servers": {"urls": [f"127.0.0.1:{gen_port}"], "router": {"type": "kv_cache_aware"}},
+            "conditional_disagg_config": {"max_local_prefill_length": 1024},
+        },
+        environ={},
+    )
+    server, orch = await start_server(config)
+    url = f"http://127.0.0.1:{config.port}"
+    history = [{"role": "user", "content": "the agent reads the file " * 400}]
+    try:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(100):
+                if orch.context_pool.ready and orch.generation_pool.ready:
+                    break
+                await asyncio.sleep(0.05)
+            answers = []
+            for turn in range(3):
+                body = {"model": "synthetic", "messages": history, "max_tokens": 6}
+                async with session.post(url + "/v1/chat/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    got = await r.json()
+                async with session.post(f"http://127.0.0.1:{ref_port}/v1/chat/completions", json=body) as r:
+                    want = await r.json()
+                assert got["choices"][0]["message"] == want["choices"][0]["message"], turn
+                assert got["usage"] == want["usage"], turn
+                answers.append(got)
+                history = [
+                    *history,
+                    got["choices"][0]["message"],
+                    {"role": "user", "content": f"and {turn}?"},
+                ]
+            async with session.get(url + "/metrics") as r:
+                page = await r.text()
+        assert 'fastcore_orchestrator_requests_by_path_total{path="disaggregated"} 1.0' in page
+        assert 'fastcore_orchestrator_requests_by_path_total{path="local_prefill"} 2.0' in page
+    finally:
+        await server.cleanup()
+        for s, _ in started:
+            await s.cleanup()
