@@ -694,3 +694,75 @@ async def test_conditional_disaggregation_with_real_workers_answers_as_one_worke
         await server.cleanup()
         for s, _ in started:
             await s.cleanup()
+
+
+def test_load_balancing_with_use_tokens_weighs_prompts_not_requests() -> None:
+    router = make_router("least_loaded", {"use_tokens": True})
+    a, b = Worker("http://a:1"), Worker("http://b:1")
+    a.in_flight, a.in_flight_tokens = 1, 40_000  # one long prompt
+    b.in_flight, b.in_flight_tokens = 3, 3_000  # three short ones
+    assert router.choose([a, b]) is b
+    assert make_router("least_loaded", {}).choose([a, b]) is a  # by requests: the opposite
+    b.in_flight_tokens = 40_000  # equal tokens: fewer requests wins
+    assert router.choose([a, b]) is a
+
+
+async def test_use_tokens_accounting_returns_to_zero_on_every_path() -> None:
+    """Tokens in flight go up by each request's estimate on both legs and back down whatever the
+    outcome (answered, refused, worker gone)."""
+    from server.worker.app import WorkerSettings, start_worker
+    from server.worker.synthetic import SyntheticEngine
+
+    started = [
+        await start_worker(SyntheticEngine(64), WorkerSettings(role=role, model_name="synthetic"))
+        for role in ("context", "generation")
+    ]
+    ctx_port, gen_port = (port for _, port in started)
+    dead = free_port()
+    lb = {"type": "load_balancing", "use_tokens": True}
+    config = build_config(
+        {
+            "port": free_port(),
+            "health_check_interval_s": 0.2,
+            "context_servers": {"urls": [f"127.0.0.1:{ctx_port}"], "router": lb},
+            "generation_servers": {"urls": [f"127.0.0.1:{gen_port}", f"127.0.0.1:{dead}"], "router": lb},
+        },
+        environ={},
+    )
+    server, orch = await start_server(config)
+    url = f"http://127.0.0.1:{config.port}"
+    try:
+        for _ in range(100):
+            if orch.context_pool.ready and orch.generation_pool.ready:
+                break
+            await asyncio.sleep(0.05)
+        # the dead worker looks healthy to the router once: its refused connection is the error path
+        dead_worker = next(w for w in orch.generation_pool.workers if w.url.endswith(f":{dead}"))
+        dead_worker.healthy = True
+        async with aiohttp.ClientSession() as session:
+            seen = []
+            body = {
+                "model": "synthetic",
+                "messages": [{"role": "user", "content": "x" * 4000}],
+                "max_tokens": 2,
+            }
+
+            async def watch() -> None:
+                while True:
+                    seen.append(sum(w.in_flight_tokens for p in orch.pools for w in p.workers))
+                    await asyncio.sleep(0)
+
+            watcher = asyncio.ensure_future(watch())
+            for stream in (False, True, False):
+                async with session.post(url + "/v1/chat/completions", json=body | {"stream": stream}) as r:
+                    assert r.status == 200
+                    await r.read()
+            async with session.post(url + "/v1/chat/completions", json=body | {"model": "other"}) as r:
+                assert r.status == 404  # refused by the worker (no such model): counted, then given back
+            watcher.cancel()
+        assert max(seen) > 0, "tokens were counted while legs ran"
+        assert all(w.in_flight_tokens == 0 and w.in_flight == 0 for p in orch.pools for w in p.workers)
+    finally:
+        await server.cleanup()
+        for s, _ in started:
+            await s.cleanup()

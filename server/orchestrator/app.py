@@ -324,6 +324,7 @@ class Orchestrator:
         self.pools = [self.context_pool, self.generation_pool]
         # Routing keys are computed per request only when a pool's router reads them.
         self.needs_key = any(p.needs_key for p in self.pools)
+        self.count_tokens = any(getattr(p.router, "use_tokens", False) for p in self.pools)
         self.needs_conversation = any("conversation" in p.router.key_kinds for p in self.pools)
         #: conditional disaggregation: remainders up to this many tokens are prefilled on the
         #: generation worker (config.check_runnable made sure its router is kv_cache_aware)
@@ -547,6 +548,8 @@ class Orchestrator:
             )
         path = _CHAT if chat else _COMPLETIONS
         key = request_key(body, chat, conversation) if self.needs_key else None
+        # load_balancing with use_tokens: a request weighs its prompt's estimated tokens
+        tokens = len(body) // BYTES_PER_TOKEN if self.count_tokens else 0
         generation_worker: Worker | None = None
         if self.max_local_prefill is not None:
             # Conditional disaggregation: the generation worker first, by its prefix index; a short
@@ -556,8 +559,9 @@ class Orchestrator:
                 clock.lap("build_context")
                 self.metrics.path_local.inc()
                 return await self._generation_leg(
-                    out, req, path, body, time.perf_counter(), clock, b"", key, generation_worker, local=True
-                )
+                    out, req, path, body, time.perf_counter(), clock, b"", key, generation_worker, local=True,
+                    tokens=tokens,
+                )  # fmt: skip
         self.metrics.path_disaggregated.inc()
         # Random, not a counter: unique across orchestrator processes and hosts
         # without shared state; from [2^40, 2^63), as trtllm-serve keeps the
@@ -573,7 +577,7 @@ class Orchestrator:
         clock.lap("build_context")
 
         started = time.perf_counter()
-        context_response, context_worker = await self._context_leg(path, context_body, key)
+        context_response, context_worker = await self._context_leg(path, context_body, key, tokens)
         context_done = time.perf_counter()
         self.metrics.context_leg.observe(context_done - started)
 
@@ -598,7 +602,16 @@ class Orchestrator:
         auth = self._trtllm_auth(ctx) if self.trtllm_key is not None else b""
         try:
             return await self._generation_leg(
-                out, req, path, generation_body, context_done, clock, auth, key, generation_worker
+                out,
+                req,
+                path,
+                generation_body,
+                context_done,
+                clock,
+                auth,
+                key,
+                generation_worker,
+                tokens=tokens,
             )
         except BaseException:
             # The client left or the leg failed: the context worker may still
@@ -716,7 +729,7 @@ class Orchestrator:
         return leg_failed(leg, f"its worker answered {resp.status}")
 
     async def _context_leg(
-        self, path: bytes, body: bytes | Sequence[BodyPiece], key: RequestKey | None = None
+        self, path: bytes, body: bytes | Sequence[BodyPiece], key: RequestKey | None = None, tokens: int = 0
     ) -> tuple[bytes, Worker]:
         tried: list[Worker] = []
         failure: HTTPError | WorkerAnswer | None = None
@@ -733,6 +746,7 @@ class Orchestrator:
                 self.metrics.retries_leg["context"].inc()
             tried.append(worker)
             worker.in_flight += 1
+            worker.in_flight_tokens += tokens
             try:
                 upstream = self.upstreams.get(worker.url) or self._new_upstream(worker)
                 resp = await upstream.request(_POST, path, pieces, headers, timeout, None, MAX_WORKER_BODY)
@@ -757,6 +771,7 @@ class Orchestrator:
                 raise leg_timed_out("context", timeout) from None
             finally:
                 worker.in_flight -= 1
+                worker.in_flight_tokens -= tokens
         if failure is None:
             raise self._unavailable("no healthy context worker")
         raise failure
@@ -773,6 +788,7 @@ class Orchestrator:
         key: RequestKey | None = None,
         first: Worker | None = None,
         local: bool = False,
+        tokens: int = 0,
     ) -> int:
         """Leg (3), or with ``local`` the client's own body as a plain request (conditional
         disaggregation: retried only on other workers that say ``local_prefill``). ``first``: the
@@ -806,6 +822,7 @@ class Orchestrator:
                 self.metrics.retries_leg["generation"].inc()
             tried.append(worker)
             worker.in_flight += 1
+            worker.in_flight_tokens += tokens
             handed_over = time.perf_counter()
             if attempt == 0 and not local:
                 self.metrics.handoff.observe(handed_over - context_done)
@@ -814,15 +831,18 @@ class Orchestrator:
                 resp = await upstream.request(_POST, path, pieces, headers, timeout, read_timeout, max_body)
             except UpstreamError as exc:
                 worker.in_flight -= 1
+                worker.in_flight_tokens -= tokens
                 self._mark_failed(self.generation_pool, worker)
                 log.warning("generation worker %s failed: %s", worker.url, exc)
                 failure = leg_failed("generation", "its worker did not answer")
                 continue
             except UpstreamTimeout:
                 worker.in_flight -= 1
+                worker.in_flight_tokens -= tokens
                 raise leg_timed_out("generation", limit) from None
             except BaseException:
                 worker.in_flight -= 1
+                worker.in_flight_tokens -= tokens
                 raise
             self.metrics.generation_ttfb.observe(time.perf_counter() - handed_over)
             try:
@@ -840,6 +860,7 @@ class Orchestrator:
                 # worker sees the cancel.
                 resp.release()
                 worker.in_flight -= 1
+                worker.in_flight_tokens -= tokens
         if failure is None:
             raise self._unavailable("no healthy generation worker")
         raise failure

@@ -246,11 +246,6 @@ class OrchestratorConfig(BaseModel):
                 make_router(router.kind, router.args)
             except ValueError as exc:
                 raise ConfigError(f"{name}.router.args.{exc}") from None
-            if router.args.get("use_tokens"):
-                raise ConfigError(
-                    f"{name}.router.args.use_tokens: balancing by tokens in flight is not built yet; "
-                    "use_tokens: false balances by requests in flight"
-                )
 
 
 def _describe(exc: ValidationError) -> str:

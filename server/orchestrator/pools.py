@@ -99,6 +99,7 @@ class Worker:
         "b64_completions",
         "healthy",
         "in_flight",
+        "in_flight_tokens",
         "instance",
         "kv_capacity_tokens",
         "local_prefill",
@@ -113,6 +114,8 @@ class Worker:
         # own /health is 503 until then.
         self.healthy = False
         self.in_flight = 0
+        # Their prompts' estimated tokens (counted only for a load_balancing router with use_tokens).
+        self.in_flight_tokens = 0
         # Requests this worker answered since the last health check (passive evidence).
         self.served = 0
         # Health checks in a row that timed out.

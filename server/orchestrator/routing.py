@@ -155,14 +155,26 @@ class RoundRobinRouter(Router):
 
 
 class LeastLoadedRouter(Router):
-    """Fewest in-flight requests; ties go round robin so idle workers share load."""
+    """Fewest in-flight requests; ties go round robin so idle workers share load.
+
+    ``use_tokens`` (trtllm-serve's ``load_balancing`` argument): fewest in-flight prompt tokens
+    instead, a request weighing its body's bytes / ``BYTES_PER_TOKEN`` (no parse), so one 40k-token
+    prompt counts as much as forty 1k-token ones; ties by requests, then in turn."""
 
     name = "least_loaded"
+    ARGS = frozenset({"use_tokens"})
 
-    def __init__(self) -> None:
+    def __init__(self, args: dict[str, Any] | None = None) -> None:
         self._tiebreak = 0
+        use = (args or {}).get("use_tokens", False)
+        if not isinstance(use, bool):
+            raise ValueError(f"use_tokens must be true or false, got {use!r}")
+        self.use_tokens = use
 
     def choose(self, candidates: list[Worker], key: RequestKey | None = None) -> Worker:
+        if self.use_tokens:
+            least_tokens = min(w.in_flight_tokens for w in candidates)
+            candidates = [w for w in candidates if w.in_flight_tokens == least_tokens]
         least = min(w.in_flight for w in candidates)
         tied = [w for w in candidates if w.in_flight == least]
         worker = tied[self._tiebreak % len(tied)]
@@ -383,14 +395,14 @@ class KvCacheAwareRouter(Router):
 #: config router kind -> the args it takes
 ROUTER_ARGS: dict[str, frozenset[str]] = {
     "round_robin": frozenset(),
-    "least_loaded": frozenset({"use_tokens"}),
+    "least_loaded": LeastLoadedRouter.ARGS,
     "conversation": ConversationRouter.ARGS,
     "kv_cache_aware": KvCacheAwareRouter.ARGS,
 }
 
 ROUTERS: dict[str, Callable[..., Router]] = {
     "round_robin": lambda args=None: RoundRobinRouter(),
-    "least_loaded": lambda args=None: LeastLoadedRouter(),
+    "least_loaded": LeastLoadedRouter,
     "conversation": ConversationRouter,
     "kv_cache_aware": KvCacheAwareRouter,
 }
