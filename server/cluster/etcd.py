@@ -33,6 +33,19 @@ class EtcdCompacted(EtcdError):
     """The watch's start revision was compacted away: read everything again."""
 
 
+#: what a call to the store (etcd, or an embedded registry) may raise when it is away, restarting or
+#: answering junk: the registration and the watcher retry on these, and let anything else surface
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+    EtcdUnavailable,
+    EtcdError,
+    aiohttp.ClientError,
+    asyncio.TimeoutError,
+    OSError,
+    ValueError,
+    KeyError,
+)
+
+
 def _b64(data: str | bytes) -> str:
     return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
 
@@ -198,4 +211,12 @@ def _watch_events(line: bytes) -> list[Event]:
     ]
 
 
-__all__ = ["EtcdClient", "EtcdCompacted", "EtcdError", "EtcdUnavailable", "Event", "prefix_end"]
+__all__ = [
+    "TRANSIENT_ERRORS",
+    "EtcdClient",
+    "EtcdCompacted",
+    "EtcdError",
+    "EtcdUnavailable",
+    "Event",
+    "prefix_end",
+]

@@ -23,20 +23,12 @@ import aiohttp
 from server.auth import SIGNATURE_HEADER
 
 from .embedded import REGISTRY_PATH, sign_registry
-from .etcd import EtcdClient, EtcdError, EtcdUnavailable
+from .etcd import TRANSIENT_ERRORS, EtcdClient, EtcdError
 from .records import ClusterSettings, WorkerRecord
 
 log = logging.getLogger("fastcore.cluster")
 
-_TRANSIENT = (
-    EtcdUnavailable,
-    EtcdError,
-    aiohttp.ClientError,
-    asyncio.TimeoutError,
-    OSError,
-    ValueError,
-    KeyError,
-)
+_TRANSIENT = TRANSIENT_ERRORS
 
 
 class WorkerRegistration:
@@ -88,7 +80,7 @@ class WorkerRegistration:
             try:
                 await asyncio.wait_for(self._deregister(), 2.0)
                 log.info("cluster: worker %s deregistered", self.record.worker_id)
-            except (*_TRANSIENT, asyncio.TimeoutError) as exc:
+            except _TRANSIENT as exc:  # a timeout is one of them
                 log.warning("cluster: could not deregister (%r); the registration expires in %gs",
                             exc, self.settings.inactive_timeout_s)  # fmt: skip
         self.registered = False

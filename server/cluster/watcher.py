@@ -24,20 +24,12 @@ import aiohttp
 from server.auth import SIGNATURE_HEADER
 
 from .embedded import LONG_POLL_S, REGISTRY_PATH, sign_registry
-from .etcd import EtcdClient, EtcdError, EtcdUnavailable
+from .etcd import TRANSIENT_ERRORS, EtcdClient, EtcdError
 from .records import ClusterSettings, RecordError, WorkerRecord
 
 log = logging.getLogger("fastcore.cluster")
 
-_TRANSIENT = (
-    EtcdUnavailable,
-    EtcdError,
-    aiohttp.ClientError,
-    asyncio.TimeoutError,
-    OSError,
-    ValueError,
-    KeyError,
-)
+_TRANSIENT = TRANSIENT_ERRORS
 
 
 class ClusterWatcher:
