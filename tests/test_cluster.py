@@ -13,35 +13,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import aiohttp
 import pytest
-from conftest import free_port
+from conftest import free_port, need_etcd
 
 from server.cluster import ClusterSettings, ClusterWatcher, RecordError, WorkerRecord, WorkerRegistration
 from server.cluster.etcd import EtcdClient, EtcdCompacted, EtcdError, _watch_events, prefix_end
-from server.cluster.local_etcd import INSTALL_HINT, LocalEtcd, find_etcd
+from server.cluster.local_etcd import LocalEtcd
 
 HEARTBEAT_S = 0.3
 TTL_S = 2.0
-
-
-def need_etcd() -> None:
-    if find_etcd() is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must have an etcd binary: {INSTALL_HINT}")
-        pytest.skip(f"no etcd binary: {INSTALL_HINT}")
-
-
-@pytest.fixture(scope="module")
-def etcd() -> Iterator[LocalEtcd]:
-    need_etcd()
-    server = LocalEtcd(free_port(), free_port()).start()
-    yield server
-    server.stop()
 
 
 def settings(etcd: LocalEtcd | str, name: str, **kw: float) -> ClusterSettings:

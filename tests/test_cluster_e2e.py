@@ -15,11 +15,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 
 import pytest
-from conftest import free_port
-from test_cluster import need_etcd
+from conftest import free_port, need_etcd
 
 from bench import cluster_chaos
 from server.cluster.local_etcd import LocalEtcd
@@ -78,14 +76,6 @@ def eventually(check: object, timeout: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("not within the time")
         time.sleep(0.05)
-
-
-@pytest.fixture
-def etcd() -> Iterator[LocalEtcd]:
-    need_etcd()
-    server = LocalEtcd(free_port(), free_port()).start()
-    yield server
-    server.stop()
 
 
 def test_minimal_instances_gate_health_and_a_wrong_model_is_refused(

@@ -13,13 +13,13 @@ import asyncio
 import json
 import logging
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import pytest
 from conftest import free_port
-from test_cluster import need_etcd, until
+from test_cluster import until
 from tiny_workers import LiveWorker, one_torch_thread, synthetic_worker  # noqa: F401
 
 from server.auth import SIGNATURE_HEADER
@@ -32,14 +32,6 @@ SECRET = "cluster-test-secret"
 HEARTBEAT_S = 0.2
 TTL_S = 1.0
 CHAT = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-
-
-@pytest.fixture(scope="module")
-def etcd() -> Iterator[LocalEtcd]:
-    need_etcd()
-    server = LocalEtcd(free_port(), free_port()).start()
-    yield server
-    server.stop()
 
 
 def cluster_config(uri: str | None = None, port: int | None = None, **cluster: Any) -> dict[str, Any]:
