@@ -241,3 +241,21 @@ async def test_live_workers_answer_the_same_with_reuse_chat_and_completions() ->
 
 
 _ = torch  # the tiny model's engine runs on torch
+
+
+async def test_parked_entries_sharing_a_prefix_count_its_blocks_once(engines: list[TorchEngine]) -> None:
+    """Context legs whose prompts share a cached prefix park the same blocks: the parked KV (its
+    /metrics gauge and the parked bound) counts them once, so it equals the KV in use."""
+    reuse = engines[0]
+    reuse.start(asyncio.get_running_loop())
+    for i, tail in enumerate(("one", "two", "three")):
+        req, queue = make_request(reuse, PROMPT + tail, max_tokens=4)
+        req.park_as = 100 + i
+        reuse.submit(req)
+        await asyncio.wait_for(queue.get(), 30)
+        await asyncio.wait_for(queue.get(), 30)
+    assert reuse.parked_count == 3 and reuse.prefix_hit_tokens > 0
+    assert reuse.parked_tokens == reuse.kv_used_tokens
+    # eviction counts what it really frees: asking for all the parked KV takes every entry
+    reuse.evict_parked(reuse.parked_tokens)
+    assert reuse.parked_count == 0 and reuse.parked_tokens == 0 and reuse.kv_used_tokens == 0

@@ -89,6 +89,9 @@ class TorchEngine:
         # Insertion order is parking order: the first entry is the oldest.
         self._parked: dict[int, ParkedKV] = {}
         self._parked_tokens = 0
+        # Parked entries per block: entries whose prompts share a cached prefix share its blocks,
+        # which count once in _parked_tokens (the KV parked entries really hold).
+        self._parked_blocks: dict[int, int] = {}
         self._parked_lock = threading.Lock()
         # Statistics read by /metrics (single writers, read under the GIL).
         self.prompt_tokens_total = 0
@@ -164,7 +167,13 @@ class TorchEngine:
         """Remove an entry from the parked set (caller holds ``_parked_lock``)."""
         parked = self._parked.pop(ctx_request_id, None)
         if parked is not None:
-            self._parked_tokens -= len(parked.blocks) * self.cache.block_size
+            for block in parked.blocks:
+                users = self._parked_blocks[block] - 1
+                if users:
+                    self._parked_blocks[block] = users
+                else:
+                    del self._parked_blocks[block]
+                    self._parked_tokens -= self.cache.block_size
         return parked
 
     def take_parked(self, ctx_request_id: int) -> ParkedKV | None:
@@ -183,16 +192,16 @@ class TorchEngine:
         """Free the oldest parked entries (parked before ``parked_before``, if given) until
         ``tokens`` KV tokens are freed; returns how many went."""
         evicted: list[ParkedKV] = []
-        freed = 0
         with self._parked_lock:
-            while freed < tokens and self._parked:
+            start = self._parked_tokens
+            # freed: parked KV gone (a block another parked entry still shares is not freed)
+            while start - self._parked_tokens < tokens and self._parked:
                 oldest = next(iter(self._parked.values()))
                 if parked_before is not None and oldest.parked_at >= parked_before:
                     break
                 parked = self._unpark(oldest.ctx_request_id)
                 assert parked is not None
                 evicted.append(parked)
-                freed += len(parked.blocks) * self.cache.block_size
         for parked in evicted:
             self.cache.free(parked.blocks)
         return len(evicted)
@@ -390,7 +399,11 @@ class TorchEngine:
             cancelled = req.cancelled
             if not cancelled:
                 self._parked[parked.ctx_request_id] = parked
-                self._parked_tokens += len(parked.blocks) * self.cache.block_size
+                for block in parked.blocks:
+                    users = self._parked_blocks.get(block, 0)
+                    if not users:
+                        self._parked_tokens += self.cache.block_size
+                    self._parked_blocks[block] = users + 1
         if cancelled:
             self.cache.free(parked.blocks)
         self._by_id.pop(req.request_id, None)
