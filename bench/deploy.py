@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import sys
 import time
 import urllib.error
@@ -23,6 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from server.launcher import Child, stop_all
+from server.ports import reserve_ports
 
 PYTHON = [sys.executable, "-m"]
 #: relay modes of the orchestrator benchmarks: name -> orchestrator flags
@@ -48,9 +48,8 @@ FLOOR_MODULES: dict[str, str] = {FLOOR: "bench.passthrough", RAWFLOOR: "bench.ra
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port held for a process about to listen on it (server.ports: nothing else takes it meanwhile)."""
+    return reserve_ports(1)[0]
 
 
 def cores() -> tuple[list[int], list[int]]:

@@ -11,9 +11,7 @@ so this file stays a dispatcher.
 from __future__ import annotations
 
 import argparse
-import errno
 import importlib
-import socket
 import sys
 
 # sub-command -> (module with add_arguments(parser) and run(args) -> int, help)
@@ -86,41 +84,6 @@ def build_parser(unavailable: dict[str, str] | None = None) -> argparse.Argument
         sp = sub.add_parser(name, help=help_text, description=help_text)
         add_arguments(sp)
     return parser
-
-
-#: why a listening socket cannot bind, by errno (the rest keep their own message)
-_LISTEN_ERRORS = {
-    errno.EADDRINUSE: "the port is already in use",
-    errno.EACCES: "permission denied (ports below 1024 need privileges)",
-    errno.EADDRNOTAVAIL: "the address is not one of this machine's",
-}
-
-
-def listen_problem(exc: OSError) -> str | None:
-    """What a failed bind means to a user, or None when it is no port/address problem."""
-    return _LISTEN_ERRORS.get(exc.errno or 0)
-
-
-def port_problem(host: str, port: int) -> str | None:
-    """Why ``host:port`` cannot be listened on right now (a trial bind), or None.
-
-    Checked before a slow start (loading a model, spawning children) so a busy
-    port is one line at once; the real bind still reports a port taken meanwhile.
-    """
-    if port == 0:
-        return None
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        return f"the host does not resolve ({exc.strerror})"
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as trial:
-        trial.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            trial.bind(address)
-        except OSError as exc:
-            return listen_problem(exc) or str(exc)
-    return None
 
 
 def cannot_listen(command: str, host: str, port: int, why: str, flag: str = "--port") -> str:

@@ -35,7 +35,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -45,8 +44,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.auth import SECRET_ENV as SHARED_SECRET_ENV
-from server.cli import cannot_listen, missing_extra, port_problem
+from server.cli import cannot_listen, missing_extra
 from server.orchestrator.config import RELAY_MODES
+from server.ports import port_problem, release_ports, reserve_ports
 
 STOP_GRACE_S = 10.0
 POLL_S = 0.2
@@ -310,26 +310,6 @@ def discovered(url: str) -> dict[str, float]:
     return counts
 
 
-def free_port_pair(host: str, taken: set[int]) -> tuple[int, int]:
-    """Two free ports (the OS's pick) that are none of ``taken``."""
-    held: list[socket.socket] = []
-    try:
-        ports: list[int] = []
-        for _ in range(100):
-            s = socket.socket()
-            held.append(s)
-            s.bind((host, 0))
-            port = int(s.getsockname()[1])
-            if port not in taken:
-                ports.append(port)
-            if len(ports) == 2:
-                return ports[0], ports[1]
-        raise OSError("no free ports")
-    finally:
-        for s in held:
-            s.close()
-
-
 def registry_hint(args: argparse.Namespace) -> str:
     """The --cluster-uri of this deployment's embedded registry (the orchestrator's address)."""
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
@@ -387,15 +367,17 @@ def run(args: argparse.Namespace) -> int:
     if args.model != "synthetic" and importlib.util.find_spec("torch") is None:
         print(f"fastcore-serve up: {missing_extra(ModuleNotFoundError(name='torch'))}", file=sys.stderr)
         return 2
-    # Every port before any child starts: one line instead of a child's traceback.
+    # Every port before any child starts: a line per unusable port (all of them, so that what one
+    # run says does not depend on which other ports happen to be taken) instead of a traceback.
+    busy = []
     for child in children:
         why = port_problem(args.host, child.port)
         if why is not None:
             flag = "--port" if child.name == "orchestrator" else "--worker-base-port"
-            print(
-                cannot_listen("up", args.host, child.port, f"{why} (the {child.name})", flag), file=sys.stderr
-            )
-            return 2
+            busy.append(cannot_listen("up", args.host, child.port, f"{why} (the {child.name})", flag))
+    if busy:
+        print("\n".join(busy), file=sys.stderr)
+        return 2
     etcd_ports: tuple[int, int] | None = None
     if local_etcd:
         if args.etcd_port is not None:
@@ -407,7 +389,9 @@ def run(args: argparse.Namespace) -> int:
                                         "--etcd-port"), file=sys.stderr)  # fmt: skip
                     return 2
         else:
-            etcd_ports = free_port_pair("127.0.0.1", {c.port for c in children})
+            # Held until etcd listens on them (it binds with SO_REUSEADDR: see server.ports).
+            client, peer = reserve_ports(2, avoid={c.port for c in children})
+            etcd_ports = (client, peer)
     cluster_uri = args.cluster_uri.rstrip("/") if args.cluster_uri else None
     if etcd_ports is not None:
         cluster_uri = f"etcd://127.0.0.1:{etcd_ports[0]}"
@@ -433,9 +417,11 @@ def run(args: argparse.Namespace) -> int:
             try:
                 etcd.start()
             except (RuntimeError, TimeoutError, OSError) as exc:
+                release_ports(etcd_ports)
                 print(f"fastcore-serve up --cluster: etcd did not start: {exc}{_etcd_log_tail(etcd.log_path)}",
                       file=sys.stderr)  # fmt: skip
                 return 1
+            release_ports(etcd_ports)
             watched.append(Child("etcd", [etcd.binary], etcd.client_port, etcd.proc))
         for child in children:
             child.start(env)

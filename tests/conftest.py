@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 
 import fastcore
+from server.ports import reserve_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 #: JSONTestSuite's parsing corpus, in the repository (tests/data/JSONTestSuite/README.md says whence)
@@ -27,10 +27,14 @@ REQUIRE_EXTENSIONS = os.environ.get("FASTCORE_REQUIRE_EXTENSIONS", "") not in ("
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now (for a server a test starts)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 held for a server a test starts: nothing else can take it meanwhile
+    (``server.ports.reserve_ports``), so no test depends on which ports other processes hold."""
+    return reserve_ports(1)[0]
+
+
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive held ports (``up --worker-base-port`` numbers workers so)."""
+    return reserve_ports(n, consecutive=True)[0]
 
 
 def _twin(compiled: str, pure: str, which: str) -> ModuleType:

@@ -16,9 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import free_port, free_ports
 
 import fastcore
-from server import cli
+from server import cli, ports
 
 ROOT = Path(__file__).resolve().parent.parent
 #: every third-party module of the server and worker extras
@@ -149,12 +150,40 @@ def test_an_orchestrator_on_a_busy_port_is_one_line_naming_the_port_and_the_flag
 
 
 def test_up_checks_every_port_before_it_starts_anything(busy_port: int) -> None:
-    line = one_line(run_cli("up", "--model", "synthetic", "--port", str(busy_port)))
+    """Every port the plan needs is checked, and every busy one named, whatever else the machine
+    holds: the other ports are held for the test (free_ports), the orchestrator's is busy."""
+    workers = free_ports(2)
+    line = one_line(run_cli("up", "--model", "synthetic", "--port", str(busy_port),
+                            "--worker-base-port", str(workers)))  # fmt: skip
     assert line == f"fastcore-serve up: cannot listen on 127.0.0.1:{busy_port}: the port is already in use " \
         "(the orchestrator); choose another with --port"  # fmt: skip
-    line = one_line(run_cli("up", "--model", "synthetic", "--worker-base-port", str(busy_port)))
-    assert f"cannot listen on 127.0.0.1:{busy_port}: the port is already in use (the context worker 0); " \
-        "choose another with --worker-base-port" in line  # fmt: skip
+    # A listener with SO_REUSEADDR may join our reservation of the context worker's port (see
+    # server.ports): that port is busy, the generation worker's next to it stays held for us.
+    with socket.socket() as context:
+        context.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        context.bind(("127.0.0.1", workers))
+        context.listen()
+        line = one_line(run_cli("up", "--model", "synthetic", "--port", str(free_port()),
+                                "--worker-base-port", str(workers)))  # fmt: skip
+    assert line == f"fastcore-serve up: cannot listen on 127.0.0.1:{workers}: the port is already in use " \
+        "(the context worker 0); choose another with --worker-base-port"  # fmt: skip
+
+
+def test_up_names_every_busy_port_not_only_the_first() -> None:
+    orchestrator, workers = free_port(), free_ports(2)
+    with socket.socket() as a, socket.socket() as b:
+        for held, port in ((a, orchestrator), (b, workers + 1)):
+            held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            held.bind(("127.0.0.1", port))
+            held.listen()
+        done = run_cli("up", "--model", "synthetic", "--port", str(orchestrator), "--worker-base-port", str(workers))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.splitlines() == [
+        f"fastcore-serve up: cannot listen on 127.0.0.1:{workers + 1}: the port is already in use (the "
+        "generation worker 0); choose another with --worker-base-port",
+        f"fastcore-serve up: cannot listen on 127.0.0.1:{orchestrator}: the port is already in use (the "
+        "orchestrator); choose another with --port",
+    ]
 
 
 def test_an_address_not_of_this_machine_points_at_host() -> None:
@@ -166,7 +195,7 @@ def test_an_address_not_of_this_machine_points_at_host() -> None:
 def test_a_port_taken_between_the_check_and_the_bind_is_one_line_too(busy_port: int) -> None:
     """The real bind's error reads the same as the early check's."""
     error = OSError(98, "Address already in use")
-    assert cli.listen_problem(error) == "the port is already in use"
-    assert cli.listen_problem(OSError(2, "No such file")) is None
-    assert cli.port_problem("127.0.0.1", busy_port) == "the port is already in use"
-    assert cli.port_problem("127.0.0.1", 0) is None
+    assert ports.listen_problem(error) == "the port is already in use"
+    assert ports.listen_problem(OSError(2, "No such file")) is None
+    assert ports.port_problem("127.0.0.1", busy_port) == "the port is already in use"
+    assert ports.port_problem("127.0.0.1", 0) is None

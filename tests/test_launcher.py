@@ -22,8 +22,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import free_port, free_ports
 
 from server import launcher
+from server.ports import port_problem
 
 pytestmark = pytest.mark.slow
 
@@ -31,31 +33,16 @@ STARTUP_TIMEOUT_S = 240.0
 
 
 def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is no obstacle
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
-def consecutive_free_ports(n: int) -> int:
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
-        if base + n < 65535 and all(_port_free(base + i) for i in range(n)):
-            return base
-    raise RuntimeError("no run of free ports")
+    """Nothing listens on ``port`` (our own reservations do not count: see server.ports)."""
+    return port_problem("127.0.0.1", port) is None
 
 
 class Up:
     """``python -m server.cli up ...`` with its output read line by line on a thread."""
 
     def __init__(self, *extra: str, port: int | None = None, env: dict[str, str] | None = None) -> None:
-        self.port = port if port is not None else consecutive_free_ports(1)
-        self.worker_base = consecutive_free_ports(2)
+        self.port = port if port is not None else free_port()
+        self.worker_base = free_ports(2)
         argv = [sys.executable, "-m", "server.cli", "up", "--port", str(self.port)]
         argv += ["--worker-base-port", str(self.worker_base), *extra]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -391,7 +378,7 @@ def test_up_cluster_starts_an_etcd_serves_and_stops_everything_on_sigint():
 
 
 def test_up_cluster_with_the_embedded_registry():
-    port = consecutive_free_ports(1)
+    port = free_port()
     uri = f"http://127.0.0.1:{port}"
     up = Up("--cluster-uri", uri, "--model", "synthetic", "--startup-timeout-s", "120", port=port)
     try:
@@ -402,7 +389,7 @@ def test_up_cluster_with_the_embedded_registry():
 
 
 def test_up_cluster_without_an_etcd_binary_says_what_to_do_in_one_line():
-    port = consecutive_free_ports(1)
+    port = free_port()
     env = dict(os.environ, FASTCORE_ETCD="", PATH="/nonexistent")
     out = subprocess.run(
         [sys.executable, "-m", "server.cli", "up", "--cluster", "--model", "synthetic", "--port", str(port)],
@@ -491,8 +478,8 @@ def test_up_cluster_refuses_a_busy_etcd_port(capsys, monkeypatch, tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        assert launcher.run(_parse_up("--cluster", "--model", "synthetic", "--port", str(consecutive_free_ports(1)),
-                                      "--worker-base-port", str(consecutive_free_ports(2)),
+        assert launcher.run(_parse_up("--cluster", "--model", "synthetic", "--port", str(free_port()),
+                                      "--worker-base-port", str(free_ports(2)),
                                       "--etcd-port", str(port))) == 2  # fmt: skip
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1:{port}" in err and "(the etcd's client port)" in err

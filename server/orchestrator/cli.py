@@ -17,7 +17,8 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-from server.cli import cannot_listen, listen_problem, port_problem
+from server.cli import cannot_listen
+from server.ports import listen_problem, port_problem
 
 from .config import (
     RELAY_MODES,

@@ -11,7 +11,8 @@ import sys
 from typing import Any
 
 from server.auth import SECRET_ENV, read_secret
-from server.cli import cannot_listen, listen_problem, port_problem
+from server.cli import cannot_listen
+from server.ports import listen_problem, port_problem
 
 from .app import ROLES, WorkerSettings
 from .synthetic import add_arguments as add_synthetic_arguments
