@@ -65,7 +65,7 @@ sdist: $(RELEASE_PY)  ## the source distribution, in dist/
 	rm -f $(DIST)/*.tar.gz
 	$(RELEASE_PY) -m build --sdist --outdir $(DIST) .
 
-wheel: $(RELEASE_PY)  ## sdist + manylinux wheel (stripped, LICENSE inside), in dist/, checked by check-dist
+wheel: $(RELEASE_PY)  ## sdist + manylinux wheel (no debug sections; .symtab kept so perf/gdb name the kernels; LICENSE inside), in dist/, checked by check-dist
 	rm -rf $(DIST)/raw && mkdir -p $(DIST)/raw
 	rm -f $(DIST)/*.whl $(DIST)/*.tar.gz
 	env -u PYTHONDONTWRITEBYTECODE FASTCORE_REQUIRE_EXTENSIONS=1 $(RELEASE_PY) -m build --outdir $(DIST)/raw . >$(DIST)/raw/build.log 2>&1 \
@@ -90,7 +90,7 @@ check-dist: $(RELEASE_PY)
 		file "$$so" | sed "s|$$tmp/whl/||"; \
 		if readelf -S --wide "$$so" | grep -q '\.debug_'; then echo "FAIL: debug sections in $$so"; exit 1; fi; \
 		if readelf -d "$$so" | grep -qE 'RPATH|RUNPATH'; then echo "FAIL: a build machine's path in $$so:"; readelf -d "$$so" | grep -E 'RPATH|RUNPATH'; exit 1; fi; \
-		echo "  $$(stat -c %s "$$so") bytes, no .debug_* section, no RPATH/RUNPATH"; \
+		echo "  $$(stat -c %s "$$so") bytes, no .debug_* section (.symtab kept: perf and gdb name the kernels), no RPATH/RUNPATH"; \
 	done; \
 	ls "$$tmp"/whl/*.dist-info/licenses/LICENSE >/dev/null || { echo "FAIL: no LICENSE in the wheel"; exit 1; }; \
 	grep -q '^License-Expression: Apache-2.0$$' "$$tmp"/whl/*.dist-info/METADATA || { echo "FAIL: no License-Expression"; exit 1; }; \
