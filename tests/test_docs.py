@@ -373,3 +373,17 @@ def test_the_json_corpus_is_in_the_repository_with_its_licence(json_test_suite: 
     assert "nst/JSONTestSuite" in (json_test_suite / "README.md").read_text()
     counts = {prefix: len(list(json_test_suite.glob(f"{prefix}_*.json"))) for prefix in "yni"}
     assert counts == {"y": 95, "n": 188, "i": 35}
+
+
+def test_the_readme_library_example_runs_as_written() -> None:
+    """The first code a user who imports the codec reads: it must run and say what it says."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## The library\n", 1)[1].split("\n## ", 1)[0]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    scope: dict[str, object] = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    import fastcore
+
+    assert fastcore.decode_tokens_list(scope["b64"]) == [128000, 9906, 0]  # type: ignore[arg-type]
+    body = scope["body"]
+    assert body[scope["start"] : scope["end"]] == b'"AQAAAAIAAAA="'  # type: ignore[index]
