@@ -1327,3 +1327,23 @@ def test_worker_serves_a_checkpoint_with_the_reference_greedy_output(
             assert status == 400
             error = json.loads(raw)["error"]
             assert "Conversation roles must alternate" in error["message"] and error["param"] == "messages"
+
+
+def test_a_lone_surrogate_is_a_400_naming_the_field_not_the_tokenizers_error(write_checkpoint):
+    """The Hugging Face tokenizer cannot take a lone surrogate (a \\uD800 escape with no pair):
+    the worker answers 400 naming where it is, before the tokenizer sees it (issue 19, item 6)."""
+    checkpoint = write_checkpoint("qwen2")
+    with pytest.raises((UnicodeEncodeError, TypeError, ValueError)):
+        load_tokenizer(checkpoint.path).encode("a\ud800b")
+    with serving(checkpoint.path) as url:
+        model = checkpoint.path.name
+        for path, body, field in (
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages[0].content"),
+            ("/v1/completions", {"prompt": "a\udfffb"}, "prompt"),
+        ):
+            status, raw = _post(url + path, {"model": model, "max_tokens": 2, **body})  # json.dumps: \ud800
+            assert status == 400, raw
+            error = json.loads(raw)["error"]
+            assert f"'{field}' holds a lone surrogate" in error["message"] and error["code"] == "invalid_unicode"
+        status, raw = _post(url + "/v1/completions", {"model": model, "max_tokens": 2, "prompt": "a\U0001f600b"})
+        assert status == 200, raw

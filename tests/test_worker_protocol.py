@@ -270,12 +270,18 @@ def test_nesting_limit_is_exact(jsonspan: ModuleType) -> None:
 
 
 def test_pysimdjson_refusals_fall_back_to_the_stdlib(jsonspan: ModuleType) -> None:
-    """Valid JSON pysimdjson will not parse (beyond 64 bits, 1e400, lone surrogates) parses as before."""
-    raw = (b'{"prompt": [1], "seed": 18446744073709551616, "user": "\\ud800", "top_p": 5e-324, '
+    """Valid JSON pysimdjson will not parse (beyond 64 bits, 1e400) parses as before; a lone
+    surrogate (which it does not parse either) is a 400 naming the string, from both loaders."""
+    raw = (b'{"prompt": [1], "seed": 18446744073709551616, "user": "\\ud83d\\ude00", "top_p": 5e-324, '
            b'"metadata": {"n": -9223372036854775809, "x": 1e400}}')  # fmt: skip
     req = parse(raw, "completions", "fast", jsonspan)
     assert comparable(req) == comparable(parse(raw, "completions", "json"))
-    assert req.params.seed == 2**64 and req.body["user"] == "\ud800"
+    assert req.params.seed == 2**64 and req.body["user"] == "\U0001f600"
+    lone = raw.replace(b"\\ud83d\\ude00", b"\\ud800")
+    for loader in ("fast", "json"):
+        with pytest.raises(HTTPError, match="'user' holds a lone surrogate") as info:
+            parse(lone, "completions", loader, jsonspan)
+        assert info.value.status == 400 and info.value.param == "user"
 
 
 def test_client_values_in_messages_are_bounded(jsonspan: ModuleType) -> None:

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, 
 import fastcore
 from fastcore import JSONSpanError, protocol
 from server.errors import HTTPError
+from server.surrogates import check_no_lone_surrogates
 
 from .relay_common import (
     ClientRequest,
@@ -180,6 +181,8 @@ class ParsedRelay:
         if not isinstance(data, dict):
             raise HTTPError(400, "request body must be a JSON object")
         _check_client_members(body, data)
+        # Before pydantic: its JSON (and msgpack) writer would fail on one, a 500.
+        check_no_lone_surrogates(body, data)
         for field in protocol.internal_request_fields(chat):
             if field in data:
                 raise HTTPError(400, protocol.internal_field_message(field), param=field)

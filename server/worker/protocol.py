@@ -38,6 +38,7 @@ from fastcore import JSONSpanError
 from fastcore import protocol as wire
 from server import openai_shapes
 from server.errors import HTTPError, check_not_empty
+from server.surrogates import check_no_lone_surrogates
 
 from .output import Delta, SamplingParams, TokenLogprob
 from .tokenizer import Tokenizer
@@ -867,6 +868,7 @@ def parse_request(
     ``scanner``: the span scanner twin of the fast loader (default: the active one).
     """
     body = load_request_body(raw, route, scanner=scanner) if loader == "fast" else load_json_body(raw)
+    check_no_lone_surrogates(raw, body, lazy=RawJSON)
     # Every field is read strictly, by type (no bool for a number, no 1.0 for an int), and as
     # the orchestrator reads the ones it acts on: a body is never read two ways.
     model = body.get("model")
