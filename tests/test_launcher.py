@@ -423,6 +423,36 @@ def test_fastcore_etcd_names_the_binary(monkeypatch, tmp_path):
         local_etcd.LocalEtcd(1, 2)
 
 
+def test_a_sigkilled_launchers_etcd_data_is_removed_at_the_next_start(monkeypatch, tmp_path):
+    """A SIGKILLed ``up --cluster`` cannot remove its etcd data directory: the next start does,
+    by the dead owner's pid in its name; a live owner's and another naming's are left alone."""
+    from server.cluster import local_etcd
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)  # fmt: skip
+    dead_pid = int(gone.stdout)
+    stale = tmp_path / f"fastcore-etcd-{dead_pid}-abc123"
+    (stale / "member" / "wal").mkdir(parents=True)
+    (stale / "member" / "wal" / "0.wal").write_bytes(b"x" * 4096)
+    alive = tmp_path / f"fastcore-etcd-{os.getpid()}-def456"
+    alive.mkdir()
+    other = tmp_path / "fastcore-etcd-notapid"
+    other.mkdir()
+    binary = tmp_path / "etcd"  # found, never started
+    binary.write_text("#!/bin/sh\nexit 1\n")
+    binary.chmod(0o755)
+    monkeypatch.setenv("FASTCORE_ETCD", str(binary))
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    etcd = local_etcd.LocalEtcd(1, 2)
+    try:
+        assert not stale.exists()
+        assert alive.is_dir() and other.is_dir()
+        assert os.path.basename(etcd.data_dir).startswith(f"fastcore-etcd-{os.getpid()}-")
+    finally:
+        etcd.stop()
+    assert not os.path.exists(etcd.data_dir)
+
+
 def test_plan_with_a_cluster():
     args = _parse_up("--cluster", "--context-workers", "2", "--model", "/models/Qwen2-0.5B/")
     children = launcher.plan(args, "etcd://127.0.0.1:2379")

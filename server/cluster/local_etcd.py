@@ -39,6 +39,33 @@ def find_etcd() -> str | None:
     return shutil.which("etcd")
 
 
+#: temporary data directories are named ``<prefix><owner pid>-<random>`` in the temp dir
+DATA_DIR_PREFIX = "fastcore-etcd-"
+
+
+def remove_stale_data_dirs(parent: str | None = None) -> list[str]:
+    """Remove the data directories left by owners that are gone (a SIGKILLed ``up --cluster``);
+    returns what was removed. A directory whose owner still runs, or that is not ours (another
+    user's, or not named by a pid), is left alone."""
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(parent):
+            if not entry.name.startswith(DATA_DIR_PREFIX) or not entry.is_dir(follow_symlinks=False):
+                continue
+            pid = entry.name[len(DATA_DIR_PREFIX) :].partition("-")[0]
+            if not pid.isdigit() or entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(entry.path)
+            except OSError:
+                continue  # alive (another user's process may have reused the pid): not ours to judge
+    return removed
+
+
 class LocalEtcd:
     """One etcd member on 127.0.0.1: ``start``, ``kill`` (SIGKILL), ``start`` again on the same data."""
 
@@ -51,7 +78,15 @@ class LocalEtcd:
         self.binary = binary
         self.client_port = client_port
         self.peer_port = peer_port
-        self._tmp = None if data_dir is not None else tempfile.TemporaryDirectory(prefix="fastcore-etcd-")
+        if data_dir is None:
+            remove_stale_data_dirs()
+        # The owner's pid in the name: a launcher that was SIGKILLed cannot remove its directory
+        # (62 MB after one run), the next start finds it by the dead pid.
+        self._tmp = (
+            None
+            if data_dir is not None
+            else tempfile.TemporaryDirectory(prefix=f"{DATA_DIR_PREFIX}{os.getpid()}-")
+        )
         self.data_dir = data_dir if data_dir is not None else self._tmp.name  # type: ignore[union-attr]
         self.log_path = log_path or os.path.join(self.data_dir, "etcd.log")
         self.proc: subprocess.Popen[bytes] | None = None
@@ -128,4 +163,4 @@ class LocalEtcd:
         self.stop()
 
 
-__all__ = ["ETCD_ENV", "INSTALL_HINT", "LocalEtcd", "find_etcd"]
+__all__ = ["DATA_DIR_PREFIX", "ETCD_ENV", "INSTALL_HINT", "LocalEtcd", "find_etcd", "remove_stale_data_dirs"]
