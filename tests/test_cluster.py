@@ -11,6 +11,7 @@ tests/test_cluster_orchestrator.py, whole processes in tests/test_cluster_e2e.py
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import time
@@ -21,8 +22,10 @@ import pytest
 from conftest import free_port, need_etcd
 
 from server.cluster import ClusterSettings, ClusterWatcher, RecordError, WorkerRecord, WorkerRegistration
+from server.cluster import watcher as watcher_module
 from server.cluster.etcd import EtcdClient, EtcdCompacted, EtcdError, _watch_events, prefix_end
 from server.cluster.local_etcd import LocalEtcd
+from server.cluster.records import MAX_RECORD_BYTES, check_worker_url, parse_entry
 
 HEARTBEAT_S = 0.3
 TTL_S = 2.0
@@ -85,7 +88,23 @@ def test_a_record_round_trips_through_its_json() -> None:
         ({"url": "ftp://x:1"}, "url"),
         ({"url": "http://x:1/v1"}, "url"),
         ({"url": "http://x:99999"}, "url"),
+        # where prompts would go: only plain http to a worker's own address (server.cluster.records)
+        ({"url": "https://x:1"}, "plain http"),
+        ({"url": "http://user:pw@x:1"}, "no userinfo"),
+        ({"url": "http://169.254.169.254:80"}, "link-local"),
+        ({"url": "http://[fe80::1]:80"}, "link-local"),
+        ({"url": "http://[::ffff:169.254.169.254]:80"}, "link-local"),
+        ({"url": "http://[fe80::1%25eth0]:80"}, "zone id"),
+        ({"url": "http://2852039166:80"}, "four decimal numbers"),
+        ({"url": "http://0xa9.0xfe.0xa9.0xfe:80"}, "four decimal numbers"),
+        ({"url": "http://0.0.0.0:80"}, "unspecified"),
+        ({"url": "http://x"}, "explicit port"),
+        ({"url": "http://x:1?q"}, "no path, query"),
+        ({"url": "http://x y:1"}, "no spaces"),
         ({"capabilities": []}, "capabilities"),
+        ({"capabilities": {"a": {"b": {"c": 1}}}}, "one level deep"),
+        ({"capabilities": {"a": [1]}}, "scalars"),
+        ({"capabilities": {f"k{i}": i for i in range(65)}}, "at most 64"),
     ],
 )
 def test_a_bad_record_is_refused_naming_the_field(change: dict[str, object], field: str) -> None:
@@ -100,9 +119,35 @@ def test_records_that_are_not_json_objects_or_too_big_are_refused() -> None:
     with pytest.raises(RecordError, match="object"):
         WorkerRecord.from_json(b"[1]")
     with pytest.raises(RecordError, match="at most"):
-        WorkerRecord.from_json(b" " * ((64 << 10) + 1))
+        WorkerRecord.from_json(b" " * (MAX_RECORD_BYTES + 1))
     with pytest.raises(RecordError, match="JSON"):
-        WorkerRecord.from_json(b"[" * 20_000)
+        WorkerRecord.from_json(b"[" * 4000)
+    # what a real worker registers fits with room to spare; a 62 KB one no longer does
+    padded = json.loads(record("w-1").to_json()) | {"capabilities": {"pad": "x" * (62 << 10)}}
+    with pytest.raises(RecordError, match=f"at most {MAX_RECORD_BYTES} bytes"):
+        WorkerRecord.from_json(json.dumps(padded))
+
+
+def test_good_urls_pass() -> None:
+    for url in (
+        "http://127.0.0.1:8001",
+        "http://[::1]:9",
+        "http://gen-0.workers.svc:80",
+        "http://my_worker:1",
+    ):
+        assert check_worker_url(url) == url
+
+
+def test_a_store_entry_names_its_own_worker_in_utf8() -> None:
+    prefix = "/fastcore/t/workers/"
+    value = record("w-1").to_json()
+    assert parse_entry(prefix, b"/fastcore/t/workers/w-1", value) == ("w-1", record("w-1"))
+    with pytest.raises(RecordError, match="not UTF-8"):
+        parse_entry(prefix, b"/fastcore/t/workers/w-\xff", value)
+    with pytest.raises(RecordError, match="is not its key's 'w-2'"):
+        parse_entry(prefix, b"/fastcore/t/workers/w-2", value)  # it would take w-2's place
+    with pytest.raises(RecordError, match="worker id"):
+        parse_entry(prefix, b"/fastcore/t/workers/a/b", value)
 
 
 @pytest.mark.parametrize(
@@ -179,29 +224,72 @@ async def test_a_crashed_worker_is_gone_when_its_lease_expires(etcd: LocalEtcd) 
     await watcher.stop()
 
 
-async def test_junk_under_the_prefix_is_ignored_and_logged_once(
+async def test_a_prefix_full_of_junk_is_skipped_counted_and_summarized_never_blocking_sync(
     etcd: LocalEtcd, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A restarted orchestrator syncs past junk: a key that is not UTF-8 (it used to raise on every
+    full read: 503 until the key was deleted), a record under another worker's key, records too big,
+    values that are not records; one summary line for the read, rate-limited lines for the watch."""
     s = settings(etcd, "junk")
     seen = Seen()
+    junk = 3 * 16 + 5  # several pages of the paged full read (RANGE_PAGE keys a request)
     async with aiohttp.ClientSession() as session:
         client = EtcdClient(s.etcd_endpoints(), session)
-        await client.put(s.key("bad"), b"{not a record")
+        raw_prefix = s.prefix.encode()
+        body = {"key": base64.b64encode(raw_prefix + b"bad-\xff\xfe").decode(),
+                "value": base64.b64encode(record("x").to_json()).decode()}  # fmt: skip
+        async with session.post(s.etcd_endpoints()[0] + "/v3/kv/put", json=body) as r:
+            assert r.status == 200
+        await client.put(s.key("impostor"), record("good", port=3333).to_json())  # another worker's id
+        await client.put(s.key("huge"), b'{"pad": "' + b"x" * (62 << 10) + b'"}')
+        for i in range(junk):
+            await client.put(s.key(f"junk-{i}"), b"{not a record")
+        await client.put(s.key("good"), record("good", port=3333).to_json())
         watcher = ClusterWatcher(s, seen)
         with caplog.at_level(logging.WARNING, logger="fastcore.cluster"):
             await watcher.start()
-            reg = WorkerRegistration(s, record("good", port=3333))
+            assert watcher.connected and set(seen.last) == {"good"}
+            assert watcher.ignored == junk + 3
+            summary = [r.getMessage() for r in caplog.records]
+            assert len(summary) == 1 and f"{junk + 3} unusable entries ignored" in summary[0], summary
+            caplog.clear()
+            for i in range(40):  # junk arriving through the watch: a few lines, then a count
+                await client.put(s.key(f"late-{i}"), b"[junk]")
+            reg = WorkerRegistration(s, record("later", port=4444))
             await reg.start()
-            await until(lambda: "good" in seen.last, 1.0)
-            await client.put(s.key("bad"), b"[still junk]")
-            await client.put(s.key("bad"), b"[still junk]")  # the same reason again: no second line
-            await asyncio.sleep(0.3)
-        assert set(seen.last) == {"good"}
+            await until(lambda: "later" in seen.last, 2.0)
+        assert watcher.ignored == junk + 3 + 40
         lines = [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()]
-        assert len(lines) == 2, lines  # the first value, then the second (another reason)
-        assert all(s.key("bad") in line for line in lines)
-        await client.delete(s.key("bad"))
+        assert len(lines) == watcher.complaints.burst, lines
+        await client.delete(s.key("good"))
+        await until(lambda: "good" not in seen.last, 1.0)
+        async with session.post(s.etcd_endpoints()[0] + "/v3/kv/deleterange",
+                                json={"key": base64.b64encode(raw_prefix).decode(),
+                                      "range_end": base64.b64encode(prefix_end(raw_prefix)).decode()}) as r:  # fmt: skip
+            assert r.status == 200
         await reg.stop()
+        await watcher.stop()
+
+
+async def test_the_watcher_keeps_at_most_max_workers_records(
+    etcd: LocalEtcd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(watcher_module, "MAX_WORKERS", 3)
+    s = settings(etcd, "bounded")
+    seen = Seen()
+    async with aiohttp.ClientSession() as session:
+        client = EtcdClient(s.etcd_endpoints(), session)
+        for i in range(5):
+            await client.put(s.key(f"w{i}"), record(f"w{i}", port=1000 + i).to_json())
+        watcher = ClusterWatcher(s, seen)
+        await watcher.start()
+        assert len(seen.last) == 3 and watcher.ignored == 2
+        await client.put(s.key("w9"), record("w9", port=1009).to_json())  # through the watch
+        await asyncio.sleep(0.3)
+        assert len(seen.last) == 3 and watcher.ignored == 3
+        for i in (*range(5), 9):
+            await client.delete(s.key(f"w{i}"))
+        await until(lambda: not seen.last, 1.0)
         await watcher.stop()
 
 

@@ -64,9 +64,14 @@ class Running:
         }
 
 
-async def orchestrator(data: dict[str, Any], secret: str | None = None) -> Running:
+async def orchestrator(data: dict[str, Any], secret: str | None = None, *, unsigned: bool = True) -> Running:
+    """``unsigned``: without a secret, the embedded registry takes loopback peers (the opt-in flag)."""
     if secret is not None:
         data = data | {"shared_secret": secret}
+    elif unsigned:
+        data = data | {
+            "disagg_cluster": data["disagg_cluster"] | {"allow_unsigned_loopback_registration": True}
+        }
     server, orch = await start_server(build_config(data, environ={}))
     return Running(server, orch)
 
@@ -155,6 +160,18 @@ async def test_embedded_registry_refuses_bad_registrations_with_4xx(session: aio
             ("PUT", "/w1", b"{nope", 400, "JSON"),
             ("PUT", "/w1", {"worker": good | {"role": "prefill"}}, 400, "role"),
             ("PUT", "/w1", {"worker": good | {"url": "http://x/v1"}}, 400, "url"),
+            ("PUT", "/w1", {"worker": good | {"url": "https://127.0.0.1:9"}}, 400, "plain http"),
+            ("PUT", "/w1", {"worker": good | {"url": "http://a:b@127.0.0.1:9"}}, 400, "userinfo"),
+            ("PUT", "/w1", {"worker": good | {"url": "http://169.254.169.254:80"}}, 400, "link-local"),
+            ("PUT", "/w1", {"worker": good | {"url": "http://[fe80::1%25lo]:80"}}, 400, "zone id"),
+            ("PUT", "/w1", {"worker": good | {"capabilities": {"pad": "x" * 5000}}}, 413, "at most"),
+            (
+                "PUT",
+                "/w1",  # 1.4 KB of UTF-8 in the body, 4.2 KB as the JSON the registry keeps and lists
+                json.dumps({"worker": good | {"capabilities": {"s": "\u00e9" * 700}}}, ensure_ascii=False).encode(),
+                400,
+                "at most 4096 bytes",
+            ),
             ("PUT", "/w1", {"worker": good, "ttl_s": "soon"}, 400, "ttl_s"),
             ("PUT", "/w1", [good], 400, "registration"),
             ("PUT", "/other", {"worker": good}, 400, "path names worker"),
@@ -251,6 +268,55 @@ def non_loopback_address() -> str | None:
         except OSError:
             return None
     return None if address.startswith("127.") else address
+
+
+async def test_without_a_secret_or_the_opt_in_nobody_may_register(session: aiohttp.ClientSession) -> None:
+    """Unsigned registrations would let any local process take a share of the prompts: refused."""
+    orch = await orchestrator(cluster_config(), unsigned=False)
+    ctx = await synthetic_worker("context")
+    good = json.loads(WorkerRecord("w1", "context", "synthetic", ctx.url).to_json())
+    try:
+        for method, path, body in (
+            ("PUT", "/w1", {"worker": good}),
+            ("GET", "", None),
+            ("DELETE", "/w1", None),
+        ):
+            async with session.request(method, orch.url + "/cluster/v1/workers" + path, json=body) as r:
+                answer = await r.json()
+                assert r.status == 403, (method, answer)
+                assert "allow_unsigned_loopback_registration" in answer["error"]["message"]
+                assert "FASTCORE_SHARED_SECRET" in answer["error"]["message"]
+        reg = WorkerRegistration(worker_settings(orch), WorkerRecord("w1", "context", "synthetic", ctx.url))
+        assert await reg.start(wait_s=0.5) is False
+        await reg.stop()
+        assert not orch.urls("context")
+    finally:
+        await ctx.server.cleanup()
+        await orch.server.cleanup()
+
+
+async def test_the_listing_is_serialized_once_per_change(session: aiohttp.ClientSession) -> None:
+    orch = await orchestrator(cluster_config())
+    base = orch.url + "/cluster/v1/workers"
+    assert orch.orch.discovery is not None
+    registry = orch.orch.discovery.embedded
+    assert registry is not None
+    try:
+        for i in range(3):
+            rec = WorkerRecord(f"w{i}", "context", "synthetic", f"http://127.0.0.1:{9 + i}", {"n": i})
+            async with session.put(f"{base}/w{i}", json={"worker": json.loads(rec.to_json())}) as r:
+                assert r.status == 200
+        listing = registry.listing()
+        assert registry.listing() is listing, "every GET between two changes shares one serialization"
+        async with session.get(base) as r:
+            assert await r.read() == listing
+        answer = json.loads(listing)
+        assert answer["version"] == registry.version and answer["workers"]["w2"]["capabilities"] == {"n": 2}
+        async with session.delete(f"{base}/w0") as r:
+            assert r.status == 200
+        assert registry.listing() is not listing and "w0" not in json.loads(registry.listing())["workers"]
+    finally:
+        await orch.server.cleanup()
 
 
 async def test_without_a_secret_only_this_host_may_register(session: aiohttp.ClientSession) -> None:

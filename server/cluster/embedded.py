@@ -11,9 +11,15 @@ orchestrator's port:
   with ``after`` equal to the current version it waits (up to 20 s) for a change.
 
 With a shared secret (``FASTCORE_SHARED_SECRET``) every request carries
-``X-Fastcore-Signature`` over ``METHOD SP URL LF BODY`` (:func:`sign_registry`);
-without one, only loopback peers may use it (a registration names where the
-orchestrator sends traffic). It holds at most ``max_workers`` records.
+``X-Fastcore-Signature`` over ``METHOD SP URL LF BODY`` (:func:`sign_registry`).
+Without one the registry refuses every request (403): a registration names
+where the orchestrator sends prompts, so an unsigned one would let any local
+process take a share of them. ``allow_unsigned_loopback_registration`` opts
+into the unsigned mode, loopback peers only, for a single-user host.
+
+It holds at most ``max_workers`` records of at most ``MAX_RECORD_BYTES`` each,
+and a GET answers one listing serialized once per change (many pollers share
+its bytes).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from urllib.parse import parse_qs
 
 from server.auth import SIGNATURE_HEADER, Verifier, sign_pieces
 
-from .records import MAX_RECORD_BYTES, ClusterSettings, RecordError, WorkerRecord
+from .records import MAX_RECORD_BYTES, MAX_WORKERS, ClusterSettings, RecordError, WorkerRecord
 
 log = logging.getLogger("fastcore.cluster")
 
@@ -38,6 +44,10 @@ REGISTRY_PATH = b"/cluster/v1/workers"
 LONG_POLL_S = 20.0
 _SIGNATURE = SIGNATURE_HEADER.lower().encode()
 _LOOPBACK = ("127.", "::1", "::ffff:127.")
+#: a PUT body: the record and {"worker": ..., "ttl_s": ...} around it
+_MAX_PUT_BYTES = MAX_RECORD_BYTES + 256
+#: the config key that opts into unsigned registrations from loopback peers
+UNSIGNED_FLAG = "allow_unsigned_loopback_registration"
 
 
 def sign_registry(secret: bytes, method: str, url: str, body: bytes = b"") -> str:
@@ -46,10 +56,19 @@ def sign_registry(secret: bytes, method: str, url: str, body: bytes = b"") -> st
 
 
 class EmbeddedRegistry:
-    def __init__(self, settings: ClusterSettings, *, max_workers: int = 4096) -> None:
+    def __init__(
+        self,
+        settings: ClusterSettings,
+        *,
+        max_workers: int = MAX_WORKERS,
+        allow_unsigned_loopback: bool = False,
+    ) -> None:
         self.settings = settings
         self.max_workers = max_workers
         self.verifier = Verifier(settings.secret) if settings.secret is not None else None
+        self.allow_unsigned_loopback = allow_unsigned_loopback
+        #: (version, the GET answer's bytes): serialized once per change, shared by every GET
+        self._listing: tuple[int, bytes] | None = None
         #: worker_id -> (record, monotonic expiry)
         self._records: dict[str, tuple[WorkerRecord, float]] = {}
         self.version = 0
@@ -127,6 +146,12 @@ class EmbeddedRegistry:
 
     def _refused(self, request: Any, out: Any) -> str | None:
         if self.verifier is None:
+            if not self.allow_unsigned_loopback:
+                return (
+                    "no shared secret is set, so registrations are refused (set FASTCORE_SHARED_SECRET on "
+                    f"the orchestrator and the workers, or disagg_cluster.{UNSIGNED_FLAG}: true to let any "
+                    "process on this host register)"
+                )
             peer = out.peer
             host = peer[0] if isinstance(peer, tuple) and peer else ""
             if not str(host).startswith(_LOOPBACK):
@@ -140,8 +165,9 @@ class EmbeddedRegistry:
         return None if reason is None else f"{SIGNATURE_HEADER} {reason}"
 
     def _put(self, worker_id: str, request: Any, out: Any) -> None:
-        if len(request.body) > MAX_RECORD_BYTES:
-            out.send_error(413, f"cluster registry: a registration takes at most {MAX_RECORD_BYTES} bytes")
+        if len(request.body) > _MAX_PUT_BYTES:
+            out.send_error(413, f"cluster registry: a registration takes at most {_MAX_PUT_BYTES} bytes "
+                           f"(its record at most {MAX_RECORD_BYTES})")  # fmt: skip
             return
         try:
             try:
@@ -154,6 +180,8 @@ class EmbeddedRegistry:
             ttl = obj.get("ttl_s", self.settings.inactive_timeout_s)
             if type(ttl) not in (int, float) or not 0 < ttl <= 3600:
                 raise RecordError("registration field 'ttl_s' must be a number of seconds in (0, 3600]")
+            if len(record.to_json()) > MAX_RECORD_BYTES:  # what the store and its followers hold
+                raise RecordError(f"the worker record takes at most {MAX_RECORD_BYTES} bytes as JSON")
         except (ValueError, RecursionError) as exc:  # RecordError is a ValueError
             out.send_error(400, f"cluster registry: {exc}", code="bad_registration")
             return
@@ -186,8 +214,21 @@ class EmbeddedRegistry:
                     await asyncio.wait_for(changed.wait(), LONG_POLL_S)
         if out.closed:
             return
-        workers = {worker_id: json.loads(record.to_json()) for worker_id, record in self.snapshot().items()}
-        out.send(200, json.dumps({"version": self.version, "workers": workers}).encode())
+        out.send(200, self.listing())
+
+    def listing(self) -> bytes:
+        """``{"version": N, "workers": {id: record}}``, serialized once per version."""
+        cached = self._listing
+        if cached is None or cached[0] != self.version:
+            workers = b",".join(
+                json.dumps(worker_id).encode() + b":" + record.to_json()
+                for worker_id, (record, _) in self._records.items()
+            )
+            cached = self._listing = (
+                self.version,
+                b'{"version":%d,"workers":{%s}}' % (self.version, workers),
+            )
+        return cached[1]
 
 
-__all__ = ["LONG_POLL_S", "REGISTRY_PATH", "EmbeddedRegistry", "sign_registry"]
+__all__ = ["LONG_POLL_S", "REGISTRY_PATH", "UNSIGNED_FLAG", "EmbeddedRegistry", "sign_registry"]

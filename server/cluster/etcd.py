@@ -19,6 +19,8 @@ import aiohttp
 
 #: the most bytes one watch message may take before the stream is dropped (and resynced)
 MAX_WATCH_MESSAGE = 16 << 20
+#: keys per request of a paged full read (etcd's values reach 1.5 MiB by default: 16 bound a page)
+RANGE_PAGE = 16
 
 
 class EtcdUnavailable(Exception):
@@ -148,6 +150,27 @@ class EtcdClient:
             for kv in answer.get("kvs", ())
         ]
         return kvs, int(answer["header"]["revision"])
+
+    async def range_prefix_pages(
+        self, prefix: str, page: int = RANGE_PAGE
+    ) -> AsyncIterator[tuple[list[tuple[bytes, bytes]], int]]:
+        """Every key under ``prefix`` with its value, ``page`` keys a request, all at the revision of
+        the first (one consistent snapshot); yields (kvs, revision) per page. Paged so that a prefix
+        full of large values costs one page of memory at a time, not the whole prefix."""
+        raw = prefix.encode()
+        body: dict[str, Any] = {"key": _b64(raw), "range_end": _b64(prefix_end(raw)), "limit": str(page)}
+        while True:
+            answer = await self._post("/v3/kv/range", body)
+            revision = int(answer["header"]["revision"])
+            kvs = [
+                (base64.b64decode(kv["key"]), base64.b64decode(kv.get("value", "")))
+                for kv in answer.get("kvs", ())
+            ]
+            yield kvs, revision
+            if not answer.get("more") or not kvs:
+                return
+            body["key"] = _b64(kvs[-1][0] + b"\0")  # the next key after the last one read
+            body["revision"] = str(revision)
 
     async def status(self, *, timeout_s: float | None = None) -> None:
         """Raises unless some endpoint answers."""

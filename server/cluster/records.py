@@ -8,6 +8,7 @@ way: docs/protocol.md, "Cluster discovery", is the contract.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 import secrets
@@ -18,8 +19,15 @@ from urllib.parse import urlsplit
 
 #: roles a worker may register with (server.worker.app.ROLES)
 ROLES = ("context", "generation", "both")
-#: the most bytes one record may take (a value in etcd, a PUT body in the embedded registry)
-MAX_RECORD_BYTES = 64 << 10
+#: the most bytes one record may take (a value in etcd, a PUT body in the embedded registry). A real
+#: record is ~700 bytes (its capabilities are the worker's /server_info, ~540); 4 KiB leaves room
+#: for long model names and new fields while bounding what one registration can make us hold.
+MAX_RECORD_BYTES = 4 << 10
+#: the most records an orchestrator keeps (the embedded registry's bound, the watcher's too): with
+#: MAX_RECORD_BYTES this bounds a registry's memory (~1024 x ~20 KB parsed, docs/protocol.md)
+MAX_WORKERS = 1024
+#: a record's capabilities: at most this many members (nested ones counted), nested at most one level
+MAX_CAPABILITIES = 64
 #: the key prefix of every fastcore cluster
 KEY_ROOT = "/fastcore"
 _NAME = re.compile(r"[A-Za-z0-9._-]{0,128}")
@@ -86,7 +94,88 @@ def new_worker_id(role: str, port: int) -> str:
     return f"{role}-{host}-{port}-{secrets.token_hex(4)}"
 
 
-def _string(obj: dict[str, Any], name: str, limit: int = 2048) -> str:
+def check_worker_url(url: str) -> str:
+    """``url`` (``http://HOST:PORT``) if an orchestrator may send traffic there, else a RecordError.
+
+    A registration names where prompts go, so only what a worker really is passes: plain http (the
+    workers serve no TLS), a host and an explicit port, no path, query, fragment or userinfo, no
+    IPv6 zone id, no link-local (169.254/16 holds cloud metadata services; fe80::/10), unspecified
+    (0.0.0.0, ::) or multicast address, and no IPv4 spelling a resolver would read but a reader
+    would not (``2852039166``, ``0xa9.0xfe.1``: inet_aton forms). A DNS name is taken as named: what
+    it resolves to is not checked here (docs/protocol.md, "Cluster discovery").
+    """
+
+    def bad(why: str) -> RecordError:
+        return RecordError(f"worker record field 'url' must be http://HOST:PORT ({why}), got {url[:300]!r}")
+
+    if not url.isascii() or any(c.isspace() or ord(c) < 0x21 for c in url):
+        raise bad("ASCII, no spaces or control characters")
+    where = urlsplit(url)
+    if where.scheme != "http":
+        raise bad("plain http: workers serve no TLS")
+    if "@" in where.netloc:
+        raise bad("no userinfo")
+    if where.path or where.query or where.fragment or url.endswith(("?", "#")):
+        raise bad("no path, query or fragment")
+    host = where.hostname
+    if not host:
+        raise bad("a host")
+    try:
+        port = where.port
+    except ValueError as exc:
+        raise bad(str(exc)) from None
+    if port is None or port == 0:
+        raise bad("an explicit port in 1-65535")
+    if "%" in host:
+        raise bad("no IPv6 zone id")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        address = None
+    if address is None:
+        if where.netloc.startswith("["):
+            raise bad("a bracketed host must be an IPv6 address")
+        try:
+            socket.inet_aton(host)
+        except OSError:
+            pass
+        else:  # a resolver reads it as an IPv4 address that is not written as one
+            raise bad("an IPv4 address as four decimal numbers")
+        if not _HOSTNAME.fullmatch(host):
+            raise bad("a DNS name of letters, digits, '-', '_' and '.'")
+        return url
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if address.is_link_local or address.is_unspecified or address.is_multicast:
+        raise bad("not a link-local, unspecified or multicast address")
+    return url
+
+
+_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+_HOSTNAME = re.compile(rf"(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*\.?")
+
+
+def _check_capabilities(capabilities: object) -> dict[str, Any]:
+    """A flat object of scalars (one level of nesting), at most MAX_CAPABILITIES members in all."""
+    if not isinstance(capabilities, dict):
+        raise RecordError("worker record field 'capabilities' must be an object")
+    count = 0
+    for value in capabilities.values():
+        count += 1
+        if isinstance(value, dict):
+            count += len(value)
+            if any(isinstance(v, dict | list) for v in value.values()):
+                raise RecordError("worker record field 'capabilities' nests objects at most one level deep")
+        elif isinstance(value, list):
+            raise RecordError("worker record field 'capabilities' holds scalars and objects of scalars")
+    if count > MAX_CAPABILITIES:
+        raise RecordError(
+            f"worker record field 'capabilities' has {count} members, at most {MAX_CAPABILITIES}"
+        )
+    return capabilities
+
+
+def _string(obj: dict[str, Any], name: str, limit: int = 512) -> str:
     value = obj.get(name)
     if not isinstance(value, str) or not value or len(value) > limit:
         raise RecordError(
@@ -129,17 +218,8 @@ class WorkerRecord:
         role = _string(obj, "role")
         if role not in ROLES:
             raise RecordError(f"worker record field 'role' must be one of {', '.join(ROLES)}, got {role!r}")
-        url = _string(obj, "url").rstrip("/")
-        where = urlsplit(url)
-        if where.scheme not in ("http", "https") or not where.hostname or where.path or where.query:
-            raise RecordError(f"worker record field 'url' must be http(s)://HOST:PORT, got {url!r}")
-        try:
-            where.port  # noqa: B018 - raises on a bad port
-        except ValueError as exc:
-            raise RecordError(f"worker record field 'url': {exc}") from None
-        capabilities = obj.get("capabilities", {})
-        if not isinstance(capabilities, dict):
-            raise RecordError("worker record field 'capabilities' must be an object")
+        url = check_worker_url(_string(obj, "url", 300).rstrip("/"))
+        capabilities = _check_capabilities(obj.get("capabilities", {}))
         return cls(worker_id, role, _string(obj, "model"), url, capabilities)
 
     @classmethod
@@ -153,12 +233,35 @@ class WorkerRecord:
         return cls.from_obj(obj)
 
 
+def parse_entry(prefix: str, key: bytes, value: bytes) -> tuple[str, WorkerRecord]:
+    """One store entry (key, value) under ``prefix``: its worker id and record, else a RecordError.
+
+    The key must be UTF-8, end in a valid worker id, and name the same worker as its record (a
+    record under another worker's key would take that worker's place). The one place a store entry
+    is read: another record layout (e.g. trtllm-serve's) is another branch here.
+    """
+    try:
+        text = key.decode()
+    except UnicodeDecodeError:
+        raise RecordError("the key is not UTF-8") from None
+    worker_id = text[len(prefix) :] if text.startswith(prefix) else ""
+    if not _WORKER_ID.fullmatch(worker_id):
+        raise RecordError("the key does not end in a worker id (letters, digits and . _ : -)")
+    record = WorkerRecord.from_json(value)
+    if record.worker_id != worker_id:
+        raise RecordError(f"the record's worker_id {record.worker_id!r} is not its key's {worker_id!r}")
+    return worker_id, record
+
+
 __all__ = [
     "KEY_ROOT",
     "MAX_RECORD_BYTES",
+    "MAX_WORKERS",
     "ROLES",
     "ClusterSettings",
     "RecordError",
     "WorkerRecord",
+    "check_worker_url",
     "new_worker_id",
+    "parse_entry",
 ]

@@ -9,6 +9,12 @@ again the watcher reads everything again (``resyncs``) and watches from there.
 
 http:// naming another orchestrator's embedded registry: long polls of
 ``GET /cluster/v1/workers?after=<version>``.
+
+A store full of junk costs bounded memory and log lines and never blocks a
+sync: an entry whose key or record is unusable (not UTF-8, a record under
+another worker's key, too big, ...) is skipped and counted (``ignored``), past
+``MAX_WORKERS`` records the rest are skipped too, a full read logs one summary
+line, and the watch's warnings are rate-limited (:class:`Complaints`).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import Callable
 
 import aiohttp
@@ -25,11 +32,39 @@ from server.auth import SIGNATURE_HEADER
 
 from .embedded import LONG_POLL_S, REGISTRY_PATH, sign_registry
 from .etcd import TRANSIENT_ERRORS, EtcdClient, EtcdError
-from .records import ClusterSettings, RecordError, WorkerRecord
+from .records import MAX_RECORD_BYTES, MAX_WORKERS, ClusterSettings, RecordError, WorkerRecord, parse_entry
 
 log = logging.getLogger("fastcore.cluster")
 
 _TRANSIENT = TRANSIENT_ERRORS
+#: the most bytes an embedded registry's listing may take (MAX_WORKERS records and their ids)
+MAX_LISTING_BYTES = MAX_WORKERS * (MAX_RECORD_BYTES + 256) + 64
+
+
+class Complaints:
+    """Warnings about unusable store entries, at most ``burst`` per ``period_s``; the rest are
+    counted and summarized in one line when the next period begins. Memory: a few counters."""
+
+    def __init__(self, period_s: float = 60.0, burst: int = 5) -> None:
+        self.period_s, self.burst = period_s, burst
+        #: every complaint ever made (logged or not)
+        self.total = 0
+        self._window = -period_s
+        self._logged = self._suppressed = 0
+
+    def __call__(self, key: str, why: str) -> None:
+        self.total += 1
+        now = time.monotonic()
+        if now - self._window >= self.period_s:
+            if self._suppressed:
+                log.warning("cluster: %d more unusable entries ignored in the last %gs (not logged one by one)",
+                            self._suppressed, self.period_s)  # fmt: skip
+            self._window, self._logged, self._suppressed = now, 0, 0
+        if self._logged < self.burst:
+            self._logged += 1
+            log.warning("cluster: ignoring %s: %s", key[:300], why)
+        else:
+            self._suppressed += 1
 
 
 class ClusterWatcher:
@@ -48,8 +83,9 @@ class ClusterWatcher:
         #: full reads after the first one (one per reconnection)
         self.resyncs = 0
         self.workers: dict[str, WorkerRecord] = {}
-        #: key -> why its value was unusable (logged once)
-        self._bad: dict[str, str] = {}
+        #: store entries skipped (unusable, or past MAX_WORKERS), counted on every read and event
+        self.ignored = 0
+        self.complaints = Complaints()
         self._task: asyncio.Task[None] | None = None
         self._probe: asyncio.Task[None] | None = None
         self._synced = asyncio.Event()
@@ -86,16 +122,31 @@ class ClusterWatcher:
 
     # -- applying what the store says ------------------------------------------------
 
-    def _record(self, key: str, value: bytes) -> WorkerRecord | None:
-        try:
-            record = WorkerRecord.from_json(value)
-        except RecordError as exc:
-            if self._bad.get(key) != str(exc):
-                self._bad[key] = str(exc)
-                log.warning("cluster: ignoring %s: %s", key, exc)
-            return None
-        self._bad.pop(key, None)
-        return record
+    def _read_all(self, entries: list[tuple[bytes, bytes]], prefix: str, records: dict[str, WorkerRecord],
+                  skipped: dict[str, int]) -> None:  # fmt: skip
+        """Add the usable ones of ``entries`` to ``records``; count the others by reason in ``skipped``."""
+        for key, value in entries:
+            try:
+                worker_id, record = parse_entry(prefix, key, value)
+            except RecordError as exc:
+                reason = str(exc).split(":", 1)[0][:120]
+                skipped[reason] = skipped.get(reason, 0) + 1
+                continue
+            if len(records) >= MAX_WORKERS and worker_id not in records:
+                over = f"past the {MAX_WORKERS}-worker bound"
+                skipped[over] = skipped.get(over, 0) + 1
+                continue
+            records[worker_id] = record
+
+    def _summarize(self, skipped: dict[str, int]) -> None:
+        if not skipped:
+            return
+        count = sum(skipped.values())
+        self.ignored += count
+        reasons = "; ".join(f"{n} x {why}" for why, n in sorted(skipped.items(), key=lambda kv: -kv[1])[:5])
+        log.warning(
+            "cluster: %s: %d unusable entries ignored (%s)", self.settings.cluster_uri, count, reasons
+        )
 
     def _replace(self, records: dict[str, WorkerRecord]) -> None:
         if not self.connected:
@@ -123,12 +174,13 @@ class ClusterWatcher:
         backoff = 0.05
         while True:
             try:
-                kvs, revision = await self._etcd.range_prefix(prefix)
-                records = {}
-                for key, value in kvs:
-                    record = self._record(key.decode("utf-8", "replace"), value)
-                    if record is not None:
-                        records[key.decode()[len(prefix) :]] = record
+                records: dict[str, WorkerRecord] = {}
+                skipped: dict[str, int] = {}
+                revision = 0
+                async for kvs, page_revision in self._etcd.range_prefix_pages(prefix):
+                    self._read_all(kvs, prefix, records, skipped)
+                    revision = page_revision
+                self._summarize(skipped)
                 self._replace(records)
                 backoff = 0.05
                 await self._follow(prefix, revision + 1)
@@ -143,15 +195,20 @@ class ClusterWatcher:
         async for events in self._etcd.watch_prefix(prefix, revision):
             changed = False
             for event in events:
-                key = event.key.decode("utf-8", "replace")
-                worker_id = key[len(prefix) :]
+                worker_id = event.key.decode("utf-8", "replace")[len(prefix) :]
                 if event.kind == "DELETE":
-                    self._bad.pop(key, None)
                     changed |= self.workers.pop(worker_id, None) is not None
                     continue
-                record = self._record(key, event.value)
-                if record is None:
+                try:
+                    worker_id, record = parse_entry(prefix, event.key, event.value)
+                except RecordError as exc:
+                    self.ignored += 1
+                    self.complaints(event.key.decode("utf-8", "replace"), str(exc))
                     changed |= self.workers.pop(worker_id, None) is not None
+                    continue
+                if len(self.workers) >= MAX_WORKERS and worker_id not in self.workers:
+                    self.ignored += 1
+                    self.complaints(worker_id, f"past the {MAX_WORKERS}-worker bound")
                 elif self.workers.get(worker_id) != record:
                     self.workers[worker_id] = record
                     changed = True
@@ -191,19 +248,24 @@ class ClusterWatcher:
                 async with self.session.get(
                     self.settings.cluster_uri + url, headers=headers, timeout=timeout
                 ) as r:
-                    raw = await r.read()
+                    raw = await r.content.read(MAX_LISTING_BYTES + 1)
+                    if len(raw) > MAX_LISTING_BYTES:
+                        raise EtcdError(f"registry {self.settings.cluster_uri}: a listing above "
+                                        f"{MAX_LISTING_BYTES} bytes")  # fmt: skip
                     if r.status != 200:
                         raise EtcdError(
                             f"registry {self.settings.cluster_uri}: HTTP {r.status}: {raw[:300]!r}"
                         )
                 answer = json.loads(raw)
-                records = {}
-                for worker_id, obj in answer["workers"].items():
-                    record = self._record(str(worker_id), json.dumps(obj).encode())
-                    if record is not None:
-                        records[str(worker_id)] = record
+                records: dict[str, WorkerRecord] = {}
+                skipped: dict[str, int] = {}
+                entries = [(str(worker_id).encode(), json.dumps(obj).encode())
+                           for worker_id, obj in answer["workers"].items()]  # fmt: skip
+                self._read_all(entries, "", records, skipped)
+                del entries
                 new_version = int(answer["version"])
                 if version is None or new_version != version or not self.connected:
+                    self._summarize(skipped)
                     self._replace(records)
                 version = new_version
                 backoff = 0.05

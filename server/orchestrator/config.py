@@ -111,6 +111,9 @@ class DisaggClusterConfig(BaseModel):
     inactive_timeout_sec: float = Field(10.0, gt=0)
     # /health is 503 until this many healthy workers per pool: {context_servers: 1, generation_servers: 1}
     minimal_instances: dict[str, int] = Field(default_factory=dict)
+    # http:// registry without a shared secret: take unsigned registrations from loopback peers
+    # (any local process may then register a worker and receive prompts); off: refused (403)
+    allow_unsigned_loopback_registration: bool = False
 
     @field_validator("cluster_uri")
     @classmethod

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from server.cluster import ClusterSettings, ClusterWatcher, EmbeddedRegistry, WorkerRecord
+from server.cluster.embedded import UNSIGNED_FLAG
 
 from .pools import Pool, Worker
 
@@ -88,7 +89,15 @@ class Discovery:
         self.embedded: EmbeddedRegistry | None = None
         self.watcher: ClusterWatcher | None = None
         if hosts_registry(config.cluster_uri, hostname, port):
-            self.embedded = EmbeddedRegistry(self.settings)
+            self.embedded = EmbeddedRegistry(
+                self.settings, allow_unsigned_loopback=config.allow_unsigned_loopback_registration
+            )
+            if secret is None and not config.allow_unsigned_loopback_registration:
+                log.warning(
+                    "cluster: no shared secret: the registry at %s refuses every registration (set "
+                    "FASTCORE_SHARED_SECRET here and on the workers, or disagg_cluster.%s: true)",
+                    config.cluster_uri, UNSIGNED_FLAG,
+                )
 
     # -- lifecycle -------------------------------------------------------------
 

@@ -291,7 +291,7 @@ async def _serve(engine: Any, settings: WorkerSettings, host: str, port: int, cl
     registration = None
     try:
         if cluster is not None:
-            from server.cluster import WorkerRecord, WorkerRegistration, new_worker_id
+            from server.cluster import RecordError, WorkerRecord, WorkerRegistration, new_worker_id
 
             record = WorkerRecord(
                 worker_id=new_worker_id(settings.role, bound),
@@ -300,6 +300,11 @@ async def _serve(engine: Any, settings: WorkerSettings, host: str, port: int, cl
                 url=advertised_url(settings, host, bound),
                 capabilities=app.info(),
             )
+            try:  # what every orchestrator would refuse, said here once instead
+                WorkerRecord.from_json(record.to_json())
+            except RecordError as exc:
+                print(f"fastcore worker: cannot register: {exc} (--public-url, --host)", file=sys.stderr)
+                return 2
             registration = WorkerRegistration(cluster, record)
             await registration.start()
         await stop.wait()
