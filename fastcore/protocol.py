@@ -41,6 +41,8 @@ FINISH_REASON: Final = "finish_reason"
 USAGE: Final = "usage"
 PROMPT_TOKENS: Final = "prompt_tokens"
 COMPLETION_TOKENS: Final = "completion_tokens"
+#: vLLM's and trtllm-serve's per-tenant prefix-cache isolation: a non-empty string, passed to both legs
+CACHE_SALT: Final = "cache_salt"
 
 #: The prompt as token ids: a JSON list (chat requests, context responses).
 PROMPT_TOKEN_IDS: Final = "prompt_token_ids"

@@ -2,6 +2,9 @@
 
 - a lone UTF-16 surrogate in any string of a request is a 400 naming the field, on every worker
   role and through every relay mode of the orchestrator (it was a tokenizer's 500, a 502);
+- ``cache_salt`` (vLLM's, trtllm-serve's): requests with different salts share no prefix-cache
+  block, on the torch engine and the synthetic one's modelled cache, and the orchestrator passes it
+  to both legs (a guess at another tenant's prompt was 3 chunks of hits, TTFT 2.8 vs 20 ms);
 
 Real workers (``tiny_workers``: the tiny torch model, the synthetic engine) and orchestrators
 (``start_server``) in this test's event loop, on 127.0.0.1; raw HTTP from
@@ -23,6 +26,8 @@ from tiny_workers import LiveWorker, one_torch_thread, synthetic_worker, tiny_wo
 
 from server.orchestrator.app import start_server
 from server.orchestrator.config import build_config
+from server.worker.app import WorkerSettings, start_worker
+from server.worker.synthetic import SyntheticEngine
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -107,3 +112,100 @@ async def test_a_lone_surrogate_through_the_orchestrator_is_a_400_in_every_relay
         assert resp.status == 200, resp.body[:300]
     finally:
         await server.cleanup()
+
+
+# ---------------------------------------------------------------- item 5: cache_salt
+
+#: long enough for several full 16-id blocks of the tiny model's byte tokenizer
+SECRET_PROMPT = "The victim's confidential system prompt, which another tenant would love to confirm. " * 2
+
+
+def completion(prompt: str, salt: Any = None, **extra: Any) -> bytes:
+    body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, **extra}
+    if salt is not None:
+        body["cache_salt"] = salt
+    return json.dumps(body).encode()
+
+
+async def hits_of(
+    worker: LiveWorker, body: bytes, path: str = COMPLETIONS, port: int | None = None
+) -> tuple[int, str]:
+    """(prefix-cache hit tokens on ``worker`` this request caused, its text), sent to ``port``
+    (default: the worker itself)."""
+    before = worker.engine.prefix_hit_tokens
+    resp = await post(port or worker.port, path, body)
+    assert resp.status == 200, resp.body[:300]
+    choice = resp.json()["choices"][0]
+    return worker.engine.prefix_hit_tokens - before, choice.get("text") or choice["message"]["content"]
+
+
+async def test_requests_with_different_cache_salts_share_no_cached_prefix() -> None:
+    worker = await tiny_worker("both")
+    try:
+        hits, text = await hits_of(worker, completion(SECRET_PROMPT, "tenant-a"))
+        assert hits == 0
+        # The oracle: the same prompt from another tenant (or none) finds nothing cached.
+        for salt in ("tenant-b", None, "tenant-a "):
+            assert await hits_of(worker, completion(SECRET_PROMPT, salt)) == (0, text), salt
+        # The same tenant reuses its own prefix: the salt isolates, it does not disable.
+        hits, again = await hits_of(worker, completion(SECRET_PROMPT, "tenant-a"))
+        assert hits >= 64 and again == text
+        # Unsalted requests share among themselves, as before.
+        assert (await hits_of(worker, completion(SECRET_PROMPT)))[0] >= 64
+    finally:
+        await worker.server.cleanup()
+
+
+async def test_the_synthetic_workers_modelled_cache_is_salted_too() -> None:
+    engine = SyntheticEngine(0)  # prompt_tokens 0: ids from the text, the prefix cache modelled
+    server, port = await start_worker(engine, WorkerSettings(model_name="synthetic"))
+    worker = LiveWorker(server, port, engine)
+    try:
+        first = {"model": "synthetic", "prompt": SECRET_PROMPT * 4, "max_tokens": 2, "cache_salt": "a"}
+        await hits_of(worker, json.dumps(first).encode())
+        assert (await hits_of(worker, json.dumps({**first, "cache_salt": "b"}).encode()))[0] == 0
+        assert (await hits_of(worker, json.dumps({**first, "cache_salt": None}).encode()))[0] == 0
+        assert (await hits_of(worker, json.dumps(first).encode()))[0] > 0
+    finally:
+        await server.cleanup()
+
+
+@pytest.mark.parametrize("relay", ["fast", "parsed", "parsed-msgpack"])
+async def test_the_orchestrator_passes_cache_salt_to_both_legs(relay: str) -> None:
+    ctx, gen = await tiny_worker("context"), await tiny_worker("generation")
+    server, _, port = await orchestrator(ctx, gen, relay=relay, gen_tokids_ctxbytes=relay == "fast",
+                                         gen_strip_message_history=relay == "fast")  # fmt: skip
+    try:
+        messages = [{"role": "system", "content": SECRET_PROMPT}, {"role": "user", "content": "hi"}]
+        chat = {"model": "tiny", "messages": messages, "max_tokens": 3, "temperature": 0}
+        salted = json.dumps({**chat, "cache_salt": "tenant-a"}).encode()
+        hits, text = await hits_of(ctx, salted, CHAT, port)
+        assert hits == 0
+        # Another tenant's guess: no hit on the context worker, the same answer.
+        guess = json.dumps({**chat, "cache_salt": "tenant-b"}).encode()
+        assert await hits_of(ctx, guess, CHAT, port) == (0, text)
+        assert (await hits_of(ctx, json.dumps(chat).encode(), CHAT, port))[0] == 0
+        assert (await hits_of(ctx, salted, CHAT, port))[0] >= 64
+        # The generation leg carried the salt: the KV it imported is cached under tenant-a's root.
+        assert (await hits_of(gen, salted, CHAT))[0] >= 64
+        assert (await hits_of(gen, json.dumps({**chat, "cache_salt": "tenant-c"}).encode(), CHAT))[0] == 0
+    finally:
+        await server.cleanup()
+        await ctx.server.cleanup()
+        await gen.server.cleanup()
+
+
+@pytest.mark.parametrize("salt", [5, "", "   ", [], True, {"a": 1}])
+async def test_a_cache_salt_that_is_not_a_non_empty_string_is_a_400_naming_it(
+    tiny_pair: tuple[LiveWorker, LiveWorker], salt: Any
+) -> None:
+    ctx, _ = tiny_pair
+    for relay in ("fast", "parsed"):
+        server, _, port = await orchestrator(*tiny_pair, relay=relay)
+        try:
+            for target in (ctx.port, port):
+                error = assert_openai_error(await post(target, COMPLETIONS, completion("hi", salt)), 400)
+                assert error["param"] == "cache_salt"
+                assert "'cache_salt' must be a non-empty string" in error["message"]
+        finally:
+            await server.cleanup()

@@ -90,7 +90,7 @@ from server.errors import HTTPError, error_body
 from server.http import HTTPServer, Limits, Request, Responder
 from server.metrics import CONTENT_TYPE, Registry
 
-from .engine_api import NOT_FINISHED, Engine, EngineRequest, KVCacheFull, prompt_checksum
+from .engine_api import NOT_FINISHED, Engine, EngineRequest, KVCacheFull, cache_salt_root, prompt_checksum
 from .output import Delta, OutputProcessor
 from .protocol import (
     CONTEXT_ONLY,
@@ -854,6 +854,7 @@ class WorkerApp:
             params=req.params,
             processor=OutputProcessor(engine.tokenizer, req.params, prompt_tail),
             on_delta=queue.put_nowait,
+            cache_root=cache_salt_root(req.cache_salt),
         )
         if req.is_context_only:
             engine_req.park_as = secrets.randbits(62)

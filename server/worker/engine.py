@@ -138,8 +138,9 @@ class TorchEngine:
         """Take the KV blocks for the prompt plus ``max_tokens`` (just the prompt for a context leg)."""
         reserve = int(req.prompt_ids.size) + (1 if req.park_as is not None else req.params.max_tokens)
         req.blocks, req.cached_prefix = self.cache.allocate_prefix(
-            req.prompt_ids, min(reserve, self.max_context)
+            req.prompt_ids, min(reserve, self.max_context), req.cache_root
         )
+        req.registered = (0, req.cache_root)
         req.seed = req.params.seed if req.params.seed is not None else random.getrandbits(63)
 
     def unreserve(self, req: EngineRequest) -> None:
@@ -337,7 +338,7 @@ class TorchEngine:
             self.cache.write(req.blocks, k, v, start=req.cached_prefix)
             req.kv_import = None
             req.cached_len = prompt_len
-            req.registered = self.cache.register(req.blocks, req.prompt_ids, prompt_len)
+            req.registered = self.cache.register(req.blocks, req.prompt_ids, prompt_len, req.registered)
             logprobs = req.forced_logprobs or [None] * len(forced)
         else:
             # Recompute the context: the prompt plus all but the last forced token, from the
@@ -356,7 +357,7 @@ class TorchEngine:
             )
             self.prompt_tokens_total += total - start
             req.cached_len = total
-            req.registered = self.cache.register(req.blocks, ids.numpy(), total)
+            req.registered = self.cache.register(req.blocks, ids.numpy(), total, req.registered)
             if forced:
                 logprobs = [self._forced_logprob(req, logits[i], t) for i, t in enumerate(forced)]
             else:

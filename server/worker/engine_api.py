@@ -90,6 +90,19 @@ class EngineRequest:
     cached_len: int = 0
     next_token: int = -1
     seed: int = 0
+    #: the chain's root in the prefix cache (:func:`cache_salt_root` of the request's ``cache_salt``):
+    #: requests with different salts never share a cached block
+    cache_root: bytes = b""
+
+
+def cache_salt_root(salt: str | None) -> bytes:
+    """The hash the prefix-cache chain starts from (block -1's): b"" without a salt, else
+    BLAKE2b-128 of a domain tag and the salt's UTF-8, so a salted request's first block (and so
+    every block after it) is keyed apart from every other salt's and from unsalted ones
+    (vLLM salts its first block's hash the same way)."""
+    if salt is None:
+        return b""
+    return hashlib.blake2b(b"fastcore cache_salt\0" + salt.encode(), digest_size=16).digest()
 
 
 def chain_block_hashes(

@@ -129,14 +129,15 @@ class PagedKVCache:
         """:func:`~server.worker.engine_api.chain_block_hashes` at this cache's block size."""
         return chain_block_hashes(ids, self.block_size, count, first, digest)
 
-    def allocate_prefix(self, ids: np.ndarray, num_tokens: int) -> tuple[list[int], int]:
+    def allocate_prefix(self, ids: np.ndarray, num_tokens: int, root: bytes = b"") -> tuple[list[int], int]:
         """Blocks for a sequence of ``num_tokens`` whose first tokens are ``ids``: its longest cached
         full-block prefix (shared), then fresh blocks. Returns (blocks, cached tokens). The last id is
-        never served from the cache: its logits are what a prefill must compute."""
+        never served from the cache: its logits are what a prefill must compute. ``root``: the
+        chain's start (the request's cache_salt; :meth:`register` gets it as ``done``'s hash)."""
         need = self.blocks_for(num_tokens)
         if not self.prefix_caching or ids.size < 2:
             return self.allocate(num_tokens), 0
-        wanted = self.block_hashes(ids, min((int(ids.size) - 1) // self.block_size, need))
+        wanted = self.block_hashes(ids, min((int(ids.size) - 1) // self.block_size, need), 0, root)
         with self._lock:
             hits = []
             for digest, chunk in wanted:

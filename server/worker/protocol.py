@@ -77,6 +77,8 @@ class ParsedRequest:
     disagg: DisaggParams | None
     # Chat: logprobs as {"content": [...]}; completions: the legacy columns.
     want_logprobs: bool = False
+    #: vLLM's and trtllm-serve's ``cache_salt``: requests with different salts share no cached KV
+    cache_salt: str | None = None
 
     @property
     def is_context_only(self) -> bool:
@@ -942,7 +944,22 @@ def parse_request(
         prompt_from_ids=from_ids,
         disagg=disagg,
         want_logprobs=params.logprobs is not None,
+        cache_salt=_cache_salt(body),
     )
+
+
+def _cache_salt(body: dict[str, Any]) -> str | None:
+    """``cache_salt`` as vLLM and trtllm-serve read it: absent or null is none; anything but a
+    string with a non-blank character is a 400 (their wording)."""
+    salt = body.get(wire.CACHE_SALT)
+    if salt is None:
+        return None
+    if type(salt) is not str or not salt.strip():
+        raise bad_request(
+            f"Parameter '{wire.CACHE_SALT}' must be a non-empty string if provided (got {_brief(salt)})",
+            wire.CACHE_SALT,
+        )
+    return salt
 
 
 # ---------------------------------------------------------------- responses

@@ -233,9 +233,10 @@ class SyntheticEngine:
     def prefix_cached_tokens(self) -> int:
         return len(self._blocks) * BLOCK_SIZE
 
-    def _prefix(self, ids: np.ndarray) -> tuple[int, list[bytes]]:
-        """Ids of ``ids`` the modelled cache serves (never the last one), and every full block's hash."""
-        hashes = [h for h, _ in chain_block_hashes(ids, BLOCK_SIZE, int(ids.size) // BLOCK_SIZE)]
+    def _prefix(self, ids: np.ndarray, root: bytes = b"") -> tuple[int, list[bytes]]:
+        """Ids of ``ids`` the modelled cache serves (never the last one), and every full block's hash
+        (chained from ``root``: the request's cache_salt, as the torch engine's cache does)."""
+        hashes = [h for h, _ in chain_block_hashes(ids, BLOCK_SIZE, int(ids.size) // BLOCK_SIZE, 0, root)]
         hit = 0
         if self.prefix_caching:
             for digest in hashes[: (int(ids.size) - 1) // BLOCK_SIZE]:
@@ -261,7 +262,7 @@ class SyntheticEngine:
         imported = req.kv_import is not None and bool(forced)
         modelled = self.tokenizer.from_text
         if modelled:
-            hit, hashes = self._prefix(req.prompt_ids)
+            hit, hashes = self._prefix(req.prompt_ids, req.cache_root)
             if not imported:
                 self.prefix_hit_tokens += hit
                 self.prefill_computed_tokens += prompt_len - hit
