@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import subprocess
 import sys
@@ -130,8 +131,12 @@ def test_conversation_sticks_and_spreads() -> None:
     pool = workers(4)
     router = ConversationRouter({"virtual_nodes": 64})
     first = owners(router, pool)
-    pool[0].in_flight = 50  # load does not move a conversation
+    for w in pool:
+        w.in_flight = 5  # an even load moves nothing
     assert owners(router, pool) == first
+    unbounded = ConversationRouter({"virtual_nodes": 64, "load_factor": 0})
+    pool[0].in_flight = 50  # without the bound, no load moves a conversation
+    assert owners(unbounded, pool) == first
     shares = {w.url: list(first.values()).count(w.url) / len(first) for w in pool}
     assert all(0.12 < share < 0.40 for share in shares.values()), shares
 
@@ -183,6 +188,37 @@ def test_the_ring_is_stable_across_processes() -> None:
         for seed in ("1", "2")
     ]  # fmt: skip
     assert runs[0] == runs[1] and runs[0].count("http://w") == 200
+
+
+def test_one_hot_conversation_cannot_pin_its_load_on_one_worker() -> None:
+    """Bounded loads: requests of one id pile on its worker only up to load_factor x the mean, then
+    go to the next workers on the ring; once the load is gone the conversation is home again."""
+    pool = workers(4)
+    router = ConversationRouter({"load_factor": 1.25})
+    router.sync(pool)
+    hot = RequestKey(b"", b"the-one-conversation", None)
+    home = router.choose(pool, hot)
+    for n in range(1, 41):  # 40 requests in flight at once, none finishing
+        chosen = router.choose(pool, hot)
+        chosen.in_flight += 1
+        assert max(w.in_flight for w in pool) <= math.ceil(1.25 * n / 4), [w.in_flight for w in pool]
+    # the home worker holds its bound (13 = ceil(1.25 x 40 / 4)), the ring's next ones the rest
+    assert home.in_flight == max(w.in_flight for w in pool) == 13
+    assert sum(w.in_flight for w in pool) == 40
+    for w in pool:
+        w.in_flight = 0
+    assert router.choose(pool, hot) is home
+    # the overflow follows the ring's order: a second worker, not a random one
+    home.in_flight = 3
+    ring_next = router.owner(hot.conversation or b"", {w.url: w for w in pool if w is not home})
+    assert router.choose(pool, hot) is ring_next
+
+
+def test_conversation_load_factor_is_checked() -> None:
+    for bad in (0.5, -1, "x", True):
+        with pytest.raises(ValueError, match="load_factor"):
+            ConversationRouter({"load_factor": bad})
+    assert ConversationRouter({"load_factor": 0}).capacity(workers(2)) == math.inf
 
 
 def test_no_id_goes_least_loaded_and_empty_ring_falls_back() -> None:
@@ -258,6 +294,18 @@ def test_the_index_is_bounded_and_keeps_prefixes() -> None:
     worker.kv_capacity_tokens = 800  # the worker said how much it caches
     router.forget(worker)
     assert router._limit(worker) == 100 and router.index(worker).entries == {}
+
+
+def test_a_worker_cannot_make_its_index_unbounded() -> None:
+    """kv_capacity_tokens is the worker's word: max_index_tokens caps the index it sizes."""
+    (worker,) = workers(1)
+    worker.kv_capacity_tokens = 4_500_000_000
+    router = KvCacheAwareRouter({"chunk_bytes": 32, "max_index_tokens": 800})  # 800*4/32 = 100 chunks
+    assert router._limit(worker) == 100
+    for c in range(60):  # 60 distinct prompts of ~13 chunks each: 780 chunks offered
+        router.choose([worker], key_of(history(1000 + c, 1, size=100)))
+    assert len(router.index(worker).entries) <= 100 + 100 // 4
+    assert KvCacheAwareRouter()._limit(worker) == (1 << 20) * 4 // 512  # the default bound
 
 
 def test_forget_sync_and_pool_events_clear_an_index() -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -198,7 +199,7 @@ def _float_arg(args: dict[str, Any], name: str, default: float, low: float) -> f
 
 
 class ConversationRouter(Router):
-    """One conversation, one worker: consistent hashing of the conversation id.
+    """One conversation, one worker: consistent hashing of the conversation id, with bounded loads.
 
     The ring holds ``virtual_nodes`` points per member worker (blake2b of ``"<url>#<i>"``); a
     request's id (its body's ``conversation_id``, else the ``X-Conversation-Id`` header) hashes to a
@@ -206,16 +207,26 @@ class ConversationRouter(Router):
     worker takes about 1/N of the conversations; an unhealthy or departed one's conversations move
     to their next worker on the ring while every other conversation stays. A request without an
     id goes to the least loaded worker.
+
+    Bounded loads (Mirrokni, Thorup, Zadimoghaddam, "Consistent Hashing with Bounded Loads", 2018):
+    a worker already holding ``ceil(load_factor x (in flight + 1) / healthy workers)`` requests is
+    skipped for the next one clockwise, so one id (or a few hot ones: the client chooses them) can
+    pin at most about ``load_factor`` x its share on a worker; the others take the overflow, and
+    the conversation goes home again once its worker is below the bound. ``load_factor: 0``: no
+    bound (an id always goes to its worker, whatever its load).
     """
 
     name = "conversation"
     needs_key = True
     key_kinds = frozenset({"conversation"})
-    ARGS = frozenset({"virtual_nodes"})
+    ARGS = frozenset({"virtual_nodes", "load_factor"})
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:
         args = args or {}
         self.virtual_nodes = _int_arg(args, "virtual_nodes", 100, 1, 10_000)
+        self.load_factor = _float_arg(args, "load_factor", 1.25, 0.0)
+        if 0 < self.load_factor < 1:
+            raise ValueError(f"load_factor must be 0 (no bound) or >= 1, got {self.load_factor:g}")
         self._fallback = LeastLoadedRouter()
         self._points: list[int] = []
         self._urls: list[str] = []
@@ -232,8 +243,11 @@ class ConversationRouter(Router):
         self._urls = [u for _, u in ring]
         self._members = members
 
-    def owner(self, conversation: bytes, healthy: dict[str, Worker]) -> Worker | None:
-        """The first worker of ``healthy`` (url -> worker) clockwise from the id's point."""
+    def owner(
+        self, conversation: bytes, healthy: dict[str, Worker], capacity: float = math.inf
+    ) -> Worker | None:
+        """The first worker of ``healthy`` (url -> worker) clockwise from the id's point with fewer
+        than ``capacity`` requests in flight."""
         points, urls = self._points, self._urls
         n = len(points)
         if not n:
@@ -241,13 +255,22 @@ class ConversationRouter(Router):
         start = bisect.bisect_left(points, _point(conversation))
         for i in range(n):
             worker = healthy.get(urls[(start + i) % n])
-            if worker is not None:
+            if worker is not None and worker.in_flight < capacity:
                 return worker
         return None
 
+    def capacity(self, candidates: list[Worker]) -> float:
+        """The most requests a worker may hold before the ring skips it (inf: no bound)."""
+        if not self.load_factor:
+            return math.inf
+        total = sum(w.in_flight for w in candidates)
+        return math.ceil(self.load_factor * (total + 1) / len(candidates))
+
     def choose(self, candidates: list[Worker], key: RequestKey | None = None) -> Worker:
         if key is not None and key.conversation is not None:
-            worker = self.owner(key.conversation, {w.url: w for w in candidates})
+            # Some candidate is always below the capacity (load_factor >= 1): the walk finds one.
+            capacity = self.capacity(candidates)
+            worker = self.owner(key.conversation, {w.url: w for w in candidates}, capacity)
             if worker is not None:
                 return worker
         return self._fallback.choose(candidates)
@@ -296,7 +319,8 @@ class KvCacheAwareRouter(Router):
     ``prompt`` on completions), in ``chunk_bytes`` chunks. Each worker has a bounded index of the
     hashes routed to it (:class:`_PrefixIndex`): ``max_cached_tokens`` tokens' worth, or the
     worker's own ``kv_capacity_tokens`` (``/server_info``) when it says, at ``BYTES_PER_TOKEN``
-    bytes per token. After routing, the request's hashes go into the chosen worker's index (it will
+    bytes per token, and never more than ``max_index_tokens`` tokens' worth: a worker's word is not
+    trusted with the orchestrator's memory (one reporting 4.5e9 tokens grew its index without bound). After routing, the request's hashes go into the chosen worker's index (it will
     cache them). A worker's index is cleared when it leaves the pool, turns unhealthy or comes back.
 
     Score of a candidate: ``hit_tokens - load_weight * (in_flight - mean_in_flight)``, where
@@ -310,7 +334,9 @@ class KvCacheAwareRouter(Router):
     name = "kv_cache_aware"
     needs_key = True
     key_kinds = frozenset({"prefix"})
-    ARGS = frozenset({"chunk_bytes", "max_cached_tokens", "load_weight", "max_load_ratio"})
+    ARGS = frozenset(
+        {"chunk_bytes", "max_cached_tokens", "max_index_tokens", "load_weight", "max_load_ratio"}
+    )
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:
         from fastcore._jsonspan_py import CHUNK_MAX
@@ -320,6 +346,8 @@ class KvCacheAwareRouter(Router):
         if self.chunk_bytes % 32:
             raise ValueError(f"chunk_bytes must be a multiple of 32, got {self.chunk_bytes}")
         self.max_cached_tokens = _int_arg(args, "max_cached_tokens", 262_144, 1)
+        #: the orchestrator's own bound on any worker's index (~100 bytes per chunk entry)
+        self.max_index_tokens = _int_arg(args, "max_index_tokens", 1 << 20, 1)
         self.load_weight = _float_arg(args, "load_weight", 1024.0, 0.0)
         self.max_load_ratio = _float_arg(args, "max_load_ratio", 1.5, 1.0)
         self._fallback = LeastLoadedRouter()
@@ -331,7 +359,7 @@ class KvCacheAwareRouter(Router):
         self.hit_chunks = 0
 
     def _limit(self, worker: Worker) -> int:
-        tokens = worker.kv_capacity_tokens or self.max_cached_tokens
+        tokens = min(worker.kv_capacity_tokens or self.max_cached_tokens, self.max_index_tokens)
         return max(1, tokens * BYTES_PER_TOKEN // self.chunk_bytes)
 
     def index(self, worker: Worker) -> _PrefixIndex:
