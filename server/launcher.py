@@ -74,7 +74,11 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(self.argv, env=env, preexec_fn=_die_with_parent)
+        # Its own session: a terminal's Ctrl-C (sent to the whole foreground group) reaches only
+        # the launcher, which stops the children in its order (stop_all: with a cluster the
+        # workers first, so they deregister while the orchestrator's registry still runs).
+        # _die_with_parent still takes them down if the launcher dies.
+        self.proc = subprocess.Popen(self.argv, env=env, preexec_fn=_die_with_parent, start_new_session=True)
 
     @property
     def exit_code(self) -> int | None:

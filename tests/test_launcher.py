@@ -45,7 +45,9 @@ class Up:
         self.worker_base = free_ports(2)
         argv = [sys.executable, "-m", "server.cli", "up", "--port", str(self.port)]
         argv += ["--worker-base-port", str(self.worker_base), *extra]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        # Its own process group, so a test can send SIGINT to the group as a terminal's Ctrl-C does.
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                     start_new_session=True)  # fmt: skip
         self.lines: queue.Queue[tuple[str, str]] = queue.Queue()
         self.stderr: list[str] = []
         for name, stream in (("out", self.proc.stdout), ("err", self.proc.stderr)):
@@ -311,7 +313,7 @@ def _serve_and_stop_on_sigint(up: Up) -> list[str]:
     children = _pids_with("--port", str(up.worker_base)) + _pids_with("--port", str(up.worker_base + 1))
     children += [p for p in _pids_with("--port", str(up.port)) if p != up.proc.pid]
     assert len(children) == 3
-    up.proc.send_signal(signal.SIGINT)
+    os.killpg(up.proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole foreground group
     assert up.proc.wait(60) == 0
     for pid in children:
         assert _gone(pid)
