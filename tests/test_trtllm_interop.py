@@ -97,6 +97,7 @@ def _client(url: str) -> Any:
 def test_orchestrator_fronts_trtllm_serve_workers(clusters, orchestrators, mode, route, stream, auth):
     cluster = clusters[auth]
     ctx_before, gen_before = len(cluster.context.requests), len(cluster.generation.requests)
+    unsigned_before = cluster.generation.standin.unauthenticated_protected
     got = run_request(orchestrators[(auth, mode)].client(), route, stream)
     expected = run_request(_client(cluster.both.url), route, stream)
     assert expected["text"], "the stand-in says something; equality would mean little otherwise"
@@ -111,6 +112,9 @@ def test_orchestrator_fronts_trtllm_serve_workers(clusters, orchestrators, mode,
     assert (1 << 40) <= params["disagg_request_id"] < (1 << 63)
     # The generation leg's prompt is the one the context leg tokenized (no re-tokenizing).
     assert gen_leg.kv_match is True and gen_leg.prompt_source in ("ids", "b64")
+    # Without a key trtllm serves protected fields with a FutureWarning (the stand-in counts it).
+    unsigned = cluster.generation.standin.unauthenticated_protected - unsigned_before
+    assert unsigned == (0 if cluster.key is not None else 1)
     if cluster.key is not None:
         assert check_trtllm_disagg_auth(
             cluster.key, params.get("ctx_info_endpoint"), params.get("encoded_opaque_state"),
