@@ -632,6 +632,10 @@ def test_all_workers_down_is_503_at_once(loop_thread):
             orch.url + "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 2}).encode()
         )
         assert status == 503 and data["error"]["type"] == "service_unavailable"
+        assert data["error"]["code"] == "no_healthy_worker"
+        # One condition, one answer: /v1/models with no healthy worker reads the same.
+        status, models = http_get(orch.url + "/v1/models")
+        assert status == 503 and json.loads(models)["error"]["code"] == "no_healthy_worker"
         with pytest.raises(openai.InternalServerError):
             orch.client().chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, stream=True)
         # Workers the orchestrator still thinks are up, but are not: 502, no hang.
