@@ -161,20 +161,28 @@ def check_trtllm_disagg_auth(
     return hmac.compare_digest(expected, bytes(header).strip())
 
 
-def read_secret(value: str | None, path: str | None, environ: dict[str, str] | None = None) -> bytes | None:
-    """The secret from a file (``--shared-secret-file``), a value, or ``SECRET_ENV``, in that order.
+def read_secret(
+    value: str | None,
+    path: str | None,
+    environ: dict[str, str] | None = None,
+    *,
+    env_name: str = SECRET_ENV,
+    what: str = "shared secret",
+) -> bytes | None:
+    """The secret from a file (``--shared-secret-file``), a value, or ``env_name``, in that order.
 
-    A file's trailing newline is dropped; an empty secret is none.
+    A file's trailing newline is dropped; an empty secret is none. (The same rules read the
+    metrics token: ``env_name`` and ``what`` name it.)
     """
     if path:
         with open(path, "rb") as fh:
             secret = fh.read().rstrip(b"\r\n")
         if not secret:
-            raise ValueError(f"shared secret file {path} is empty")
+            raise ValueError(f"{what} file {path} is empty")
         return secret
     if value:
         return value.encode()
-    env = (os.environ if environ is None else environ).get(SECRET_ENV)
+    env = (os.environ if environ is None else environ).get(env_name)
     return env.encode() if env else None
 
 

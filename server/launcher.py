@@ -45,6 +45,7 @@ from typing import Any
 
 from server.auth import SECRET_ENV as SHARED_SECRET_ENV
 from server.cli import cannot_listen, missing_extra
+from server.metrics_access import METRICS_TOKEN_ENV
 from server.orchestrator.config import RELAY_MODES
 from server.ports import port_problem, release_ports, reserve_ports
 
@@ -300,10 +301,16 @@ _CLUSTER_WORKERS = re.compile(
 )
 
 
-def discovered(url: str) -> dict[str, float]:
-    """The orchestrator's discovered workers per pool (its /metrics), {} when it cannot say."""
+def discovered(url: str, environ: dict[str, str] | None = None) -> dict[str, float]:
+    """The orchestrator's discovered workers per pool (its /metrics), {} when it cannot say.
+
+    With ``$FASTCORE_METRICS_TOKEN`` (which the children inherit) the page asks for it."""
+    token = (os.environ if environ is None else environ).get(METRICS_TOKEN_ENV)
+    request = urllib.request.Request(url + "/metrics")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(url + "/metrics", timeout=2) as resp:
+        with urllib.request.urlopen(request, timeout=2) as resp:
             page = resp.read().decode("utf-8", "replace")
     except (urllib.error.URLError, OSError):
         return {}

@@ -5,6 +5,9 @@
 - ``cache_salt`` (vLLM's, trtllm-serve's): requests with different salts share no prefix-cache
   block, on the torch engine and the synthetic one's modelled cache, and the orchestrator passes it
   to both legs (a guess at another tenant's prompt was 3 chunks of hits, TTFT 2.8 vs 20 ms);
+- ``GET /metrics`` (hit counters, worker URLs, KV fetch failure reasons) is served with a metrics
+  token only to ``Authorization: Bearer <token>``, loopback included, and without one only to
+  loopback peers (it was served to anyone);
 
 Real workers (``tiny_workers``: the tiny torch model, the synthetic engine) and orchestrators
 (``start_server``) in this test's event loop, on 127.0.0.1; raw HTTP from
@@ -209,3 +212,125 @@ async def test_a_cache_salt_that_is_not_a_non_empty_string_is_a_400_naming_it(
                 assert "'cache_salt' must be a non-empty string" in error["message"]
         finally:
             await server.cleanup()
+
+
+# ---------------------------------------------------------------- item 5: who reads /metrics
+
+TOKEN = "metrics-token-0123456789"
+
+
+def assert_metrics_refused(resp: Response) -> None:
+    error = assert_openai_error(resp, 401)
+    assert resp.headers["www-authenticate"] == 'Bearer realm="metrics"'
+    assert error["code"] == "metrics_token_required" and "Authorization: Bearer" in error["message"]
+    assert b"fastcore_" not in resp.body and b"127.0.0.1" not in resp.body
+
+
+async def test_a_workers_metrics_need_the_token_when_one_is_set() -> None:
+    worker = await tiny_worker("both", metrics_token=TOKEN.encode())
+    try:
+        assert (await post(worker.port, COMPLETIONS, completion(SECRET_PROMPT))).status == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN},
+                        {"Authorization": f"Basic {TOKEN}"}, {"Authorization": f"Bearer {TOKEN}x"}):  # fmt: skip
+            assert_metrics_refused(await get(worker.port, "/metrics", **headers))
+        for scheme in ("Bearer", "bearer"):
+            page = await get(worker.port, "/metrics", Authorization=f"{scheme} {TOKEN}")
+            assert page.status == 200 and b"fastcore_worker_prefix_cache_hit_tokens_total" in page.body
+        # Only /metrics: health and completions need no token.
+        assert (await get(worker.port, "/health")).status == 200
+    finally:
+        await worker.server.cleanup()
+
+
+async def test_the_orchestrators_metrics_need_the_token_and_name_workers_only_then(
+    tiny_pair: tuple[LiveWorker, LiveWorker],
+) -> None:
+    server, _, port = await orchestrator(*tiny_pair, metrics_token=TOKEN)
+    try:
+        assert (await post(port, COMPLETIONS, completion("hello"))).status == 200
+        assert_metrics_refused(await get(port, "/metrics"))
+        assert_metrics_refused(await get(port, "/metrics", Authorization="Bearer nope"))
+        page = await get(port, "/metrics", Authorization=f"Bearer {TOKEN}")
+        assert page.status == 200 and tiny_pair[0].url.encode() in page.body
+    finally:
+        await server.cleanup()
+
+
+async def test_without_a_token_metrics_stay_served_to_loopback_peers(
+    tiny_pair: tuple[LiveWorker, LiveWorker],
+) -> None:
+    """What tests, ``up`` and a Prometheus on the same host read, as before."""
+    server, _, port = await orchestrator(*tiny_pair)
+    try:
+        for target in (port, tiny_pair[0].port):
+            page = await get(target, "/metrics")
+            assert page.status == 200 and b"fastcore_" in page.body
+    finally:
+        await server.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("peer", "loopback"),
+    [
+        (("127.0.0.1", 5), True),
+        (("127.8.9.10", 5), True),
+        (("::1", 5, 0, 0), True),
+        (("::ffff:127.0.0.1", 5, 0, 0), True),
+        (("10.0.0.7", 5), False),
+        (("192.168.1.2", 5), False),
+        (("::ffff:10.0.0.7", 5, 0, 0), False),
+        (("2001:db8::1", 5, 0, 0), False),
+        (("fe80::1%eth0", 5, 0, 2), False),
+        (None, False),
+        (("not an address", 5), False),
+    ],
+)
+async def test_without_a_token_only_loopback_peers_may_read_metrics(peer: Any, loopback: bool) -> None:
+    """The peer check itself (this machine's tests reach servers over loopback only): any other
+    address is a 403 that says how to allow it; with a token the address does not matter."""
+    from server.metrics_access import MetricsAccess
+
+    refused = MetricsAccess(None).refusal(None, peer)
+    if loopback:
+        assert refused is None
+    else:
+        assert refused is not None and refused.status == 403 and "metrics_token_file" in refused.message
+    with_token = MetricsAccess(TOKEN.encode())
+    assert with_token.refusal(f"Bearer {TOKEN}".encode(), peer) is None
+    assert with_token.refusal(None, peer).status == 401  # type: ignore[union-attr]
+
+
+async def test_the_token_comes_from_the_file_then_the_config_then_the_environment(tmp_path: Any) -> None:
+    base = {"context_servers": {"urls": ["127.0.0.1:1"]}, "generation_servers": {"urls": ["127.0.0.1:2"]}}
+    env = {"FASTCORE_METRICS_TOKEN": "from-env"}
+    assert build_config(base, environ=env).metrics_token == "from-env"
+    assert build_config(base, environ={}).metrics_token is None
+    assert build_config({**base, "metrics_token": "inline"}, environ=env).metrics_token == "inline"
+    path = tmp_path / "token"
+    path.write_text("from-file\n")
+    config = build_config({**base, "metrics_token_file": str(path)}, environ=env)
+    assert config.metrics_token == "from-file" and "from-file" not in repr(config)
+    path.write_text("")
+    with pytest.raises(ValueError, match=r"metrics_token_file: metrics token file .* is empty"):
+        build_config({**base, "metrics_token_file": str(path)}, environ=env)
+
+
+async def test_up_reads_the_discovered_workers_with_the_token() -> None:
+    """``fastcore-serve up`` waits on the orchestrator's /metrics (its cluster series): it sends the
+    token its children inherit."""
+    from server.launcher import discovered
+
+    port = free_port()
+    config = build_config(
+        {"port": port, "metrics_token": TOKEN, "disagg_cluster": {"cluster_uri": f"http://127.0.0.1:{port}"}},
+        environ={},
+    )
+    server, _ = await start_server(config)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        loop = asyncio.get_running_loop()  # urllib blocks: off the loop that serves the orchestrator
+        assert await loop.run_in_executor(None, discovered, url, {}) == {}
+        with_token = await loop.run_in_executor(None, discovered, url, {"FASTCORE_METRICS_TOKEN": TOKEN})
+        assert with_token == {"context": 0.0, "generation": 0.0}
+    finally:
+        await server.cleanup()

@@ -48,6 +48,7 @@ from server.http import (
     UpstreamTimeout,
 )
 from server.metrics import CONTENT_TYPE, Registry
+from server.metrics_access import MetricsAccess
 
 from .config import OrchestratorConfig
 
@@ -353,6 +354,7 @@ class Orchestrator:
         self.server: HTTPServer | None = None
         self.registry = Registry()
         self.metrics = _Metrics(self.registry, self)
+        self.metrics_access = MetricsAccess(config.metrics_token_bytes)
         self.limits = Limits(
             max_header_bytes=config.max_header_bytes,
             max_body_bytes=config.max_body_bytes,
@@ -448,7 +450,7 @@ class Orchestrator:
             elif path == b"/health":
                 self.health_endpoint(out)
             elif path == b"/metrics":
-                self.metrics_endpoint(out)
+                self.metrics_endpoint(request, out)
             else:
                 await self.models(out)
             return
@@ -476,7 +478,13 @@ class Orchestrator:
             return
         out.send(200, b'{"status": "ok"}')
 
-    def metrics_endpoint(self, out: Responder) -> None:
+    def metrics_endpoint(self, request: Request, out: Responder) -> None:
+        """The page, to whom ``metrics_token`` allows (server/metrics_access.py): it names every
+        worker URL and counts prefix-cache hits, an oracle of other clients' prompts."""
+        refused = self.metrics_access.refusal(request.header(b"authorization"), out.peer)
+        if refused is not None:
+            out.send_error(refused.status, refused.message, code=refused.code, headers=refused.header_lines())
+            return
         out.send(200, self.registry.render(), CONTENT_TYPE.encode())
 
     async def models(self, out: Responder) -> None:

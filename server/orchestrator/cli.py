@@ -88,6 +88,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="file holding the secret that signs internal requests (else $FASTCORE_SHARED_SECRET)",
     )
+    parser.add_argument(
+        "--metrics-token-file",
+        metavar="PATH",
+        help="file holding the bearer token GET /metrics asks for (else $FASTCORE_METRICS_TOKEN; "
+        "none: /metrics is served to loopback clients only)",
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
 
 
@@ -107,6 +113,7 @@ _OVERRIDES = {
     "max_body_bytes": "max_body_bytes",
     "workers": "workers",
     "shared_secret_file": "shared_secret_file",
+    "metrics_token_file": "metrics_token_file",
     "model": "model",
     "cluster_uri": "disagg_cluster.cluster_uri",
     "cluster_name": "disagg_cluster.cluster_name",

@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from server.auth import read_secret
+from server.metrics_access import METRICS_TOKEN_ENV
 
 from .routing import ROUTER_ARGS, make_router
 
@@ -184,6 +185,10 @@ class OrchestratorConfig(BaseModel):
     shared_secret_file: str | None = None
     # trtllm-serve's key for x-trtllm-disagg-auth on generation legs; default: the shared secret.
     internal_request_auth_key: str | None = Field(None, repr=False)
+    # GET /metrics (server/metrics_access.py): with a token, only to Authorization: Bearer <token>;
+    # without, only to loopback peers. The file (or $FASTCORE_METRICS_TOKEN) rather than the value.
+    metrics_token: str | None = Field(None, repr=False)
+    metrics_token_file: str | None = None
     workers: int = Field(1, ge=1)
     context_servers: PoolConfig = Field(default_factory=PoolConfig)
     generation_servers: PoolConfig = Field(default_factory=PoolConfig)
@@ -200,6 +205,10 @@ class OrchestratorConfig(BaseModel):
     @property
     def shared_secret_bytes(self) -> bytes | None:
         return self.shared_secret.encode("utf-8", "surrogateescape") if self.shared_secret else None
+
+    @property
+    def metrics_token_bytes(self) -> bytes | None:
+        return self.metrics_token.encode("utf-8", "surrogateescape") if self.metrics_token else None
 
     @property
     def trtllm_auth_key(self) -> bytes | None:
@@ -273,6 +282,14 @@ def build_config(data: dict[str, Any], *, environ: dict[str, str] | None = None)
             raise ConfigError(f"shared_secret_file: {exc}") from None
         if secret is not None:
             config = config.model_copy(update={"shared_secret": secret.decode("utf-8", "surrogateescape")})
+    if config.metrics_token_file is not None or config.metrics_token is None:
+        try:
+            token = read_secret(config.metrics_token, config.metrics_token_file, environ,
+                                env_name=METRICS_TOKEN_ENV, what="metrics token")  # fmt: skip
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"metrics_token_file: {exc}") from None
+        if token is not None:
+            config = config.model_copy(update={"metrics_token": token.decode("utf-8", "surrogateescape")})
     unused = config.unused_keys()
     if unused:
         log.warning("config keys not used by the fastcore orchestrator (ignored): %s", ", ".join(unused))

@@ -89,6 +89,7 @@ from server.auth import SIGNATURE_HEADER, TRTLLM_AUTH_HEADER, Verifier, check_tr
 from server.errors import HTTPError, error_body
 from server.http import HTTPServer, Limits, Request, Responder
 from server.metrics import CONTENT_TYPE, Registry
+from server.metrics_access import MetricsAccess
 
 from .engine_api import NOT_FINISHED, Engine, EngineRequest, KVCacheFull, cache_salt_root, prompt_checksum
 from .output import Delta, OutputProcessor
@@ -125,6 +126,7 @@ LISTEN_BACKLOG = 4096  # an orchestrator may open 1000s of connections at once
 _POST = b"POST"
 _GET = (b"GET", b"HEAD")
 _KV_PREFIX = b"/kv/"
+_METRICS = b"/metrics"
 _SIGNATURE = SIGNATURE_HEADER.lower().encode()
 _TRTLLM_AUTH = TRTLLM_AUTH_HEADER.lower().encode()
 #: trtllm-serve's flag for a msgpack body (openai_server._MsgspecRequest); only "1" means msgpack
@@ -203,6 +205,8 @@ class WorkerSettings:
     role: str = "both"
     model_name: str = "tiny"
     shared_secret: bytes | None = None
+    #: the bearer token GET /metrics asks for; None: /metrics is served to loopback peers only
+    metrics_token: bytes | None = None
     #: the key of trtllm-serve's ``x-trtllm-disagg-auth`` (its ``internal_request_auth_key``);
     #: None: the shared secret
     trtllm_auth_key: bytes | None = None
@@ -381,6 +385,8 @@ class WorkerApp:
         self.verifier = Verifier(secret) if secret is not None else None
         self.trtllm_key = settings.trtllm_auth_key if settings.trtllm_auth_key is not None else secret
         self.kv_sources = KVSources(settings.kv_allow, any_host=secret is not None)
+        #: GET /metrics: counts prefix-cache hits and names KV fetch failures (server/metrics_access.py)
+        self.metrics_access = MetricsAccess(settings.metrics_token)
         self.max_parked_tokens = int(settings.max_parked_fraction * engine.kv_capacity_tokens)
         self.session: aiohttp.ClientSession | None = None
         self.expiry_task: asyncio.Task[None] | None = None
@@ -448,6 +454,10 @@ class WorkerApp:
             if simple is not None:
                 if request.method not in _GET:
                     raise HTTPError(405, f"{path.decode()} takes GET", headers={"Allow": "GET, HEAD"})
+                if path == _METRICS:
+                    refused = self.metrics_access.refusal(request.header(b"authorization"), out.peer)
+                    if refused is not None:
+                        raise refused
                 simple(out)
                 return
             if path.startswith(_KV_PREFIX):

@@ -12,6 +12,7 @@ from typing import Any
 
 from server.auth import SECRET_ENV, read_secret
 from server.cli import cannot_listen
+from server.metrics_access import METRICS_TOKEN_ENV
 from server.ports import listen_problem, port_problem
 
 from .app import ROLES, WorkerSettings
@@ -67,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--internal-request-auth-key-file", default=None, metavar="PATH",
                         help="file holding the key of trtllm-serve's x-trtllm-disagg-auth (its config's "
                              "internal_request_auth_key; default: the shared secret)")  # fmt: skip
+    parser.add_argument("--metrics-token-file", default=None, metavar="PATH",
+                        help="file holding the bearer token GET /metrics asks for (else "
+                             "$FASTCORE_METRICS_TOKEN; none: /metrics is served to loopback clients only)")  # fmt: skip
     parser.add_argument("--accept-trtllm-orchestrator", action="store_true",
                         help="a trtllm-serve orchestrator fronts this worker: accept its unsigned legs "
                              "(context legs, generation legs not naming the KV) despite a shared secret, "
@@ -215,6 +219,13 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"fastcore-serve worker: cannot read the shared secret: {exc}", file=sys.stderr)
         return 2
+    try:
+        metrics_token = read_secret(
+            None, args.metrics_token_file, env_name=METRICS_TOKEN_ENV, what="metrics token"
+        )
+    except (OSError, ValueError) as exc:
+        print(f"fastcore-serve worker: cannot read the metrics token: {exc}", file=sys.stderr)
+        return 2
     trtllm_key = None
     if args.internal_request_auth_key_file:
         try:
@@ -243,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
             role=args.role,
             model_name=model_name,
             shared_secret=secret,
+            metrics_token=metrics_token,
             trtllm_auth_key=trtllm_key,
             accept_trtllm_orchestrator=args.accept_trtllm_orchestrator,
             kv_ttl_s=args.kv_ttl,
