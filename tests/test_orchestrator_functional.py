@@ -934,7 +934,9 @@ def test_worker_500_is_not_retried_and_is_502_naming_the_leg(workers, loop_threa
     failing = RecordingProxy(loop_thread, workers[leg][1].url, fail_status=500)
     pools = {"context": [workers["context"][0].address], "generation": [workers["generation"][0].address]}
     pools[leg] = [f"127.0.0.1:{failing.port}", workers[leg][0].address]
-    orch = RunningOrchestrator(loop_thread, make_config(pools["context"], pools["generation"], max_retries=1))
+    # context_fallback: fail: the context leg's error itself (tests/test_faults.py: the fallback).
+    config = make_config(pools["context"], pools["generation"], max_retries=1, context_fallback="fail")
+    orch = RunningOrchestrator(loop_thread, config)
     try:
         wait_healthy(orch.url, timeout=30)
         for stream in (True, False):
@@ -984,7 +986,9 @@ def test_silent_worker_times_out_with_504(workers, loop_thread, leg):
     silent = RecordingProxy(loop_thread, workers[leg][0].url, delay_s=3.0)
     pools = {"context": [workers["context"][0].address], "generation": [workers["generation"][0].address]}
     pools[leg] = [f"127.0.0.1:{silent.port}"]
-    config = make_config(pools["context"], pools["generation"], request_timeout_s=0.5, max_retries=1)
+    config = make_config(
+        pools["context"], pools["generation"], request_timeout_s=0.5, max_retries=1, context_fallback="fail"
+    )
     orch = RunningOrchestrator(loop_thread, config)
     try:
         wait_healthy(orch.url, timeout=30)

@@ -26,7 +26,7 @@ import logging
 import random
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -86,6 +86,25 @@ _CHAT, _COMPLETIONS = CHAT_PATH.encode(), COMPLETIONS_PATH.encode()
 _ROUTES = {_CHAT: True, _COMPLETIONS: False}
 _GET_ROUTES = (b"/health", b"/metrics", b"/v1/models")
 _PHASES = ("validate", "build_context", "read_context", "build_generation", "relay", "total")
+
+
+#: a context worker's statuses that say "not me, not now" (full, draining, rate-limited): the leg
+#: is retried on another worker, then falls back; any other 4xx is the client's answer
+REFUSED_STATUSES = frozenset((429, 503))
+#: why a request fell back to local prefill (``fastcore_orchestrator_context_fallbacks_total``)
+FALLBACK_REASONS = ("no_worker", "circuit_open", "refused", "failed", "timeout")
+#: seconds a shutdown waits for its last KV releases to reach the context workers
+STOP_RELEASES_S = 1.0
+
+
+class ContextUnavailable(Exception):
+    """No context worker took the request: ``reason`` (one of FALLBACK_REASONS) and ``error``, the
+    answer the client gets when it does not fall back to local prefill."""
+
+    def __init__(self, reason: str, error: HTTPError | WorkerAnswer) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.error = error
 
 
 class WorkerAnswer(Exception):
@@ -175,6 +194,40 @@ class _Metrics:
         )
         self.path_disaggregated = self.by_path.labels(path="disaggregated")
         self.path_local = self.by_path.labels(path="local_prefill")
+        self.path_fallback = self.by_path.labels(path="context_fallback")
+        fallbacks = registry.counter(
+            "fastcore_orchestrator_context_fallbacks_total",
+            "Requests served whole by a local_prefill generation worker because no context worker took "
+            "them (context_fallback), by reason: no_worker (none healthy), circuit_open (every healthy "
+            "one's breaker open), refused (429/503 from each tried), failed (connection or 5xx), timeout "
+            "(context_timeout_s).",
+            ("reason",),
+        )
+        self.fallbacks = {reason: fallbacks.labels(reason=reason) for reason in FALLBACK_REASONS}
+        for child in self.fallbacks.values():
+            child.inc(0)
+        self.breaker_opened = registry.counter(
+            "fastcore_orchestrator_circuit_opened_total",
+            "Worker circuit breakers opened (failed legs in a row, a timed-out leg, a failed probe).",
+            ("pool",),
+        )
+        for pool in orchestrator.pools:
+            self.breaker_opened.inc(0, pool=pool.name)
+        self.breaker_state = registry.gauge(
+            "fastcore_orchestrator_worker_circuit_state",
+            "A worker's circuit breaker: 0 closed, 1 half-open (one probe leg), 2 open (no legs).",
+            ("pool", "url"),
+            multiprocess_mode="livemax",
+        )
+
+        def breaker_states() -> None:
+            for pool in orchestrator.pools:
+                for worker in pool.workers:
+                    breaker = worker.breaker
+                    breaker.allows(time.monotonic())  # an open one past its time reads half-open
+                    self.breaker_state.set(breaker.state, pool=pool.name, url=worker.url)
+
+        registry.before_collect(breaker_states)
         kv_pools = [p for p in orchestrator.pools if isinstance(p.router, KvCacheAwareRouter)]
         if kv_pools:
             hits = registry.counter(
@@ -318,10 +371,18 @@ class Orchestrator:
             strip_history=config.gen_strip_message_history,
         )
         ctx_router, gen_router = config.context_servers.router, config.generation_servers.router
-        self.context_pool = Pool("context", config.context_servers.urls, ctx_router.kind, ctx_router.args)
-        self.generation_pool = Pool(
-            "generation", config.generation_servers.urls, gen_router.kind, gen_router.args
+        breakers = {
+            "breaker_failures": config.circuit_breaker_failures,
+            "breaker_open_s": config.circuit_breaker_open_s,
+        }
+        self.context_pool = Pool(
+            "context", config.context_servers.urls, ctx_router.kind, ctx_router.args, **breakers
         )
+        self.generation_pool = Pool(
+            "generation", config.generation_servers.urls, gen_router.kind, gen_router.args, **breakers
+        )
+        #: no context worker takes a request: a local_prefill generation worker serves it whole
+        self.fallback = config.context_fallback == "local_prefill"
         self.pools = [self.context_pool, self.generation_pool]
         # Routing keys are computed per request only when a pool's router reads them.
         self.needs_key = any(p.needs_key for p in self.pools)
@@ -351,6 +412,10 @@ class Orchestrator:
         self.secret = config.shared_secret_bytes
         self.trtllm_key = config.trtllm_auth_key
         self.in_flight = 0
+        #: the tasks serving completions now: a drain that runs out of time cancels them
+        self._serving: set[asyncio.Task[Any]] = set()
+        #: set by :meth:`drain`: new completions are refused (503), those in flight go on
+        self.draining = False
         self.server: HTTPServer | None = None
         self.registry = Registry()
         self.metrics = _Metrics(self.registry, self)
@@ -397,7 +462,30 @@ class Orchestrator:
             raise
         return server
 
+    async def drain(self, timeout: float) -> int:
+        """SIGTERM: stop listening and refuse new completions (503), let those in flight finish for
+        ``timeout`` seconds, then cancel the rest (each cancel closes its legs' connections and
+        releases its parked KV, as a client hang-up does). Returns how many were cancelled."""
+        self.draining = True
+        server = self.server
+        if server is not None and server.server is not None:
+            server.server.close()  # no new connections; keep-alive ones get 503s
+        deadline = time.monotonic() + timeout
+        while self._serving and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        left = list(self._serving)
+        for task in left:
+            task.cancel()
+        if left:
+            log.warning("drain: %d request(s) still running after %g s: cancelled", len(left), timeout)
+            await asyncio.gather(*left, return_exceptions=True)
+        return len(left)
+
     async def stop(self) -> None:
+        releases = list(self._background)
+        if releases:
+            # The KV releases of requests cancelled by the shutdown: sent before the connections close.
+            await asyncio.wait(releases, timeout=STOP_RELEASES_S)
         if self.discovery is not None:
             await self.discovery.stop()
         if self.health is not None:
@@ -417,6 +505,7 @@ class Orchestrator:
         worker.healthy = False
         self.metrics.worker_healthy.remove(pool=pool.name, url=worker.url)
         self.metrics.worker_in_flight.remove(pool=pool.name, url=worker.url)
+        self.metrics.breaker_state.remove(pool=pool.name, url=worker.url)
         if not any(w.url == worker.url for p in self.pools for w in p.workers):
             upstream = self.upstreams.pop(worker.url, None)
             if upstream is not None:
@@ -442,6 +531,12 @@ class Orchestrator:
             if request.method != _POST:
                 out.send_error(405, f"{path.decode()} takes POST", headers=b"Allow: POST\r\n")
                 return
+            if self.draining:
+                out.keep_alive = False
+                out.send_error(503, "the orchestrator is shutting down", code="shutting_down",
+                               headers=b"Retry-After: %d\r\n" % self.config.retry_after_s)  # fmt: skip
+                self.metrics.count_request("chat" if chat else "completions", 503)
+                return
             await self._serve(request, out, chat)
             return
         if path in _GET_ROUTES:
@@ -466,6 +561,9 @@ class Orchestrator:
     # -- small endpoints ---------------------------------------------------
 
     def health_endpoint(self, out: Responder) -> None:
+        if self.draining:
+            out.send_error(503, "the orchestrator is shutting down", code="shutting_down")
+            return
         if self.discovery is not None:
             short = self.discovery.missing()
             if short:
@@ -490,7 +588,9 @@ class Orchestrator:
     async def models(self, out: Responder) -> None:
         worker = self.context_pool.choose()
         if worker is None:
-            out.send_error(503, "no healthy context worker")
+            # The same answer as a completion's with no healthy worker: one code for one condition.
+            exc = self._unavailable("no healthy context worker")
+            out.send_error(exc.status, exc.message, code=exc.code, headers=exc.header_lines())
             return
         try:
             resp = await self._upstream(worker).request(
@@ -510,6 +610,9 @@ class Orchestrator:
     async def _serve(self, request: Request, out: Responder, chat: bool) -> None:
         status = 500
         self.in_flight += 1
+        task = asyncio.current_task()
+        assert task is not None
+        self._serving.add(task)
         try:
             header = request.header(CONVERSATION_HEADER) if self.needs_conversation else None
             status = await self._run_legs(request.body, out, chat, header)
@@ -531,6 +634,7 @@ class Orchestrator:
             raise
         finally:
             self.in_flight -= 1
+            self._serving.discard(task)
             self.metrics.count_request("chat" if chat else "completions", status)
 
     def _clock(self) -> _CpuClock | _NoClock:
@@ -550,7 +654,7 @@ class Orchestrator:
         check_not_empty(body)
         req = relay.read_client(body, chat)
         clock.lap("validate")
-        if not (self.context_pool.ready and self.generation_pool.ready):
+        if not (self.generation_pool.ready and (self.context_pool.ready or self.fallback)):
             raise self._unavailable(
                 "no healthy worker: " + ", ".join(p.name for p in self.pools if not p.ready)
             )
@@ -570,24 +674,26 @@ class Orchestrator:
                     out, req, path, body, time.perf_counter(), clock, b"", key, generation_worker, local=True,
                     tokens=tokens,
                 )  # fmt: skip
-        self.metrics.path_disaggregated.inc()
         # Random, not a counter: unique across orchestrator processes and hosts
         # without shared state; from [2^40, 2^63), as trtllm-serve keeps the
         # ids below 2^40 for the ones it makes itself.
         # Completions ask for prompt_token_ids_b64 only when every context worker
         # says it answers them so (/server_info): trtllm-serve answers them with
         # the list only, and its completion models refuse the field.
-        context_body = relay.context_request(
-            req,
-            random.randrange(DISAGG_REQUEST_ID_MIN, DISAGG_REQUEST_ID_END),
-            self.context_pool.b64_completions,
-        )
+        disagg_id = random.randrange(DISAGG_REQUEST_ID_MIN, DISAGG_REQUEST_ID_END)
+        context_body = relay.context_request(req, disagg_id, self.context_pool.b64_completions)
         clock.lap("build_context")
 
         started = time.perf_counter()
-        context_response, context_worker = await self._context_leg(path, context_body, key, tokens)
+        try:
+            context_response, context_worker = await self._context_leg(
+                path, context_body, self._context_timeout(len(body)), disagg_id, key, tokens
+            )
+        except ContextUnavailable as exc:
+            return await self._fall_back(exc, out, req, path, body, clock, key, tokens)
         context_done = time.perf_counter()
         self.metrics.context_leg.observe(context_done - started)
+        self.metrics.path_disaggregated.inc()
 
         clock.start()
         ctx = relay.read_context(req, context_response)
@@ -626,6 +732,37 @@ class Orchestrator:
             # hold the prompt's KV for a fetch that will never come.
             self._release_kv_soon(context_worker, context_response)
             raise
+
+    def _context_timeout(self, body_bytes: int) -> float:
+        """Leg (1)'s deadline: ``context_timeout_s`` plus its allowance per 1,000 estimated prompt tokens
+        (body bytes / BYTES_PER_TOKEN), never above ``request_timeout_s``."""
+        config = self.config
+        allowance = config.context_timeout_per_1k_tokens_s * body_bytes / (BYTES_PER_TOKEN * 1000)
+        return min(config.request_timeout_s, config.context_timeout_s + allowance)
+
+    async def _fall_back(
+        self,
+        exc: ContextUnavailable,
+        out: Responder,
+        req: ClientRequest,
+        path: bytes,
+        body: bytes,
+        clock: _CpuClock | _NoClock,
+        key: RequestKey | None,
+        tokens: int,
+    ) -> int:
+        """No context worker took the request: with ``context_fallback: local_prefill`` and a healthy
+        generation worker that says ``local_prefill``, it serves the client's body whole (conditional
+        disaggregation's local path: the same answers, streams and usage); else the leg's error."""
+        if not self.fallback or not any(w.healthy and w.local_prefill for w in self.generation_pool.workers):
+            raise exc.error
+        log.debug("context leg unavailable (%s): prefilling on a generation worker", exc.reason)
+        self.metrics.fallbacks[exc.reason].inc()
+        self.metrics.path_fallback.inc()
+        clock.start()
+        return await self._generation_leg(
+            out, req, path, body, time.perf_counter(), clock, b"", key, None, local=True, tokens=tokens
+        )
 
     def _prefill_locally(self, worker: Worker, key: RequestKey | None) -> bool:
         """Whether ``worker`` (chosen by the generation pool's kv_cache_aware router, which set
@@ -667,7 +804,15 @@ class Orchestrator:
         match = _KV_PATH.search(endpoint) if isinstance(endpoint, str) else None
         if match is None:
             return
-        task = asyncio.get_running_loop().create_task(self._release_kv(worker, match.group(0).encode()))
+        self._in_background(self._release_kv(worker, match.group(0).encode()))
+
+    def _release_lost_kv_soon(self, worker: Worker, disagg_id: int) -> None:
+        """``DELETE /kv/by-request/<disagg_id>`` on the context worker whose answer was lost (best
+        effort: a fastcore worker frees what it parked for the leg; 404 when it parked nothing)."""
+        self._in_background(self._release_kv(worker, b"/kv/by-request/%d" % disagg_id))
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -736,18 +881,42 @@ class Orchestrator:
         )
         return leg_failed(leg, f"its worker answered {resp.status}")
 
+    def _breaker_failed(self, pool: Pool, worker: Worker, *, at_once: bool = False) -> None:
+        if worker.breaker.failed(at_once=at_once):
+            log.warning("%s worker %s: circuit breaker open (no new legs for %g s)", pool.name, worker.url,
+                        worker.breaker.open_for)  # fmt: skip
+            self.metrics.breaker_opened.inc(pool=pool.name)
+
     async def _context_leg(
-        self, path: bytes, body: bytes | Sequence[BodyPiece], key: RequestKey | None = None, tokens: int = 0
+        self,
+        path: bytes,
+        body: bytes | Sequence[BodyPiece],
+        timeout: float,
+        disagg_id: int,
+        key: RequestKey | None = None,
+        tokens: int = 0,
     ) -> tuple[bytes, Worker]:
+        """Leg (1): the context answer and the worker that gave it.
+
+        A refusal (429, 503) or a dead connection is retried on another worker; a
+        4xx is the client's answer (raised as the worker's); otherwise, when no
+        context worker took the request (none routable, each refused or failed,
+        a 5xx, ``timeout`` ran out), :class:`ContextUnavailable` says why. A 5xx
+        and a timed-out POST are not sent to another context worker (the body may
+        be the cause; the POST may still run there). A leg whose answer was lost
+        (cut mid-body, timed out) may have parked KV whose id never arrived: it is
+        released by ``disagg_id``.
+        """
         tried: list[Worker] = []
         failure: HTTPError | WorkerAnswer | None = None
+        reason = "failed"
         # A body built as pieces (views into the bodies it was spliced from)
         # goes out in one vectored write, never joined.
         pieces: Sequence[BodyPiece] = (body,) if isinstance(body, bytes) else body
         headers = self._headers(pieces)
-        timeout = self.config.request_timeout_s
+        pool = self.context_pool
         for attempt in range(self.config.max_retries + 1):
-            worker = self.context_pool.choose(exclude=tried, key=key)
+            worker = pool.choose(exclude=tried, key=key)
             if worker is None:
                 break
             if attempt:
@@ -755,6 +924,7 @@ class Orchestrator:
             tried.append(worker)
             worker.in_flight += 1
             worker.in_flight_tokens += tokens
+            worker.breaker.chosen()
             try:
                 upstream = self.upstreams.get(worker.url) or self._new_upstream(worker)
                 resp = await upstream.request(_POST, path, pieces, headers, timeout, None, MAX_WORKER_BODY)
@@ -762,27 +932,41 @@ class Orchestrator:
                     if resp.status == 200:
                         data = await resp.read()
                         worker.served += 1
+                        worker.breaker.succeeded()
                         return data, worker
                     failure = await self._worker_failure("context", worker, resp)
-                    if resp.status != 503:
-                        # A 4xx, or a 5xx the body may have caused: another
-                        # worker would answer (or fail) the same; not retried.
-                        raise failure
+                    if resp.status in REFUSED_STATUSES:
+                        reason = "refused"
+                        continue
+                    if resp.status < 500:
+                        raise failure  # the client's answer: another worker would give the same
+                    self._breaker_failed(pool, worker)
+                    raise ContextUnavailable("failed", failure)
                 finally:
                     resp.release()
             except UpstreamError as exc:
-                self._mark_failed(self.context_pool, worker)
+                self._mark_failed(pool, worker)
+                self._breaker_failed(pool, worker)
+                if exc.sent:
+                    self._release_lost_kv_soon(worker, disagg_id)
                 log.warning("context worker %s failed: %s", worker.url, exc)
                 failure = leg_failed("context", "its worker did not answer")
+                reason = "failed"
             except UpstreamTimeout:
-                # The POST may still be running there: not retried.
-                raise leg_timed_out("context", timeout) from None
+                # The connection is closed (the worker sees the cancel when it can) and not
+                # retried elsewhere: the deadline is spent.
+                self._breaker_failed(pool, worker, at_once=True)
+                self._release_lost_kv_soon(worker, disagg_id)
+                log.warning("context worker %s: no answer in %g s", worker.url, timeout)
+                raise ContextUnavailable("timeout", leg_timed_out("context", timeout)) from None
             finally:
                 worker.in_flight -= 1
                 worker.in_flight_tokens -= tokens
+                worker.breaker.ended()
         if failure is None:
-            raise self._unavailable("no healthy context worker")
-        raise failure
+            reason = "circuit_open" if pool.all_open() else "no_worker"
+            raise ContextUnavailable(reason, self._unavailable("no healthy context worker"))
+        raise ContextUnavailable(reason, failure)
 
     async def _generation_leg(
         self,
@@ -831,6 +1015,7 @@ class Orchestrator:
             tried.append(worker)
             worker.in_flight += 1
             worker.in_flight_tokens += tokens
+            worker.breaker.chosen()
             handed_over = time.perf_counter()
             if attempt == 0 and not local:
                 self.metrics.handoff.observe(handed_over - context_done)
@@ -841,25 +1026,33 @@ class Orchestrator:
                 worker.in_flight -= 1
                 worker.in_flight_tokens -= tokens
                 self._mark_failed(self.generation_pool, worker)
+                self._breaker_failed(self.generation_pool, worker)
+                worker.breaker.ended()
                 log.warning("generation worker %s failed: %s", worker.url, exc)
                 failure = leg_failed("generation", "its worker did not answer")
                 continue
             except UpstreamTimeout:
                 worker.in_flight -= 1
                 worker.in_flight_tokens -= tokens
+                self._breaker_failed(self.generation_pool, worker, at_once=True)
+                worker.breaker.ended()
                 raise leg_timed_out("generation", limit) from None
             except BaseException:
                 worker.in_flight -= 1
                 worker.in_flight_tokens -= tokens
+                worker.breaker.ended()
                 raise
             self.metrics.generation_ttfb.observe(time.perf_counter() - handed_over)
             try:
                 if resp.status != 200:
                     failure = await self._worker_failure("generation", worker, resp)
-                    if resp.status != 503:
-                        raise failure  # as on the context leg: only a full worker is retried
+                    if resp.status >= 500 and resp.status != 503:
+                        self._breaker_failed(self.generation_pool, worker)
+                    if resp.status not in REFUSED_STATUSES:
+                        raise failure  # as on the context leg: only a refusing worker is retried
                     continue
                 worker.served += 1
+                worker.breaker.succeeded()
                 if resp.media_type == _SSE:
                     return await self._relay_stream(out, worker, resp, clock)
                 return await self._relay_unary(out, req, worker, resp, clock)
@@ -869,6 +1062,7 @@ class Orchestrator:
                 resp.release()
                 worker.in_flight -= 1
                 worker.in_flight_tokens -= tokens
+                worker.breaker.ended()
         if failure is None:
             raise self._unavailable("no healthy generation worker")
         raise failure
@@ -920,6 +1114,7 @@ class Orchestrator:
         if upstream_error is not None:
             log.warning("generation worker %s: %s %s", worker.url, upstream_error, detail)
             self._mark_failed(self.generation_pool, worker)
+            self._breaker_failed(self.generation_pool, worker)
             # Headers are gone: the error travels in-band, as OpenAI streams do.
             status = 502
             error = leg_failed("generation", upstream_error)

@@ -74,6 +74,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-retries", type=int, help="context/generation leg retries on another worker")
     parser.add_argument("--request-timeout-s", type=float, help="per-leg timeout in seconds")
+    parser.add_argument(
+        "--context-timeout-s",
+        type=float,
+        help="the context leg's own deadline in seconds (plus its per-1k-tokens allowance)",
+    )
+    parser.add_argument(
+        "--context-fallback",
+        choices=("local_prefill", "fail"),
+        help="no context worker takes a request: a generation worker prefills it, or fail",
+    )
+    parser.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        help="SIGTERM: seconds requests in flight may take before they are cancelled",
+    )
     parser.add_argument("--health-check-interval-s", type=float, help="seconds between worker /health checks")
     parser.add_argument("--max-body-bytes", type=int, help="client body size limit (413 above it)")
     parser.add_argument("--workers", type=int, help="orchestrator processes sharing the port (SO_REUSEPORT)")
@@ -109,6 +124,9 @@ _OVERRIDES = {
     "relay": "relay",
     "max_retries": "max_retries",
     "request_timeout_s": "request_timeout_s",
+    "context_timeout_s": "context_timeout_s",
+    "context_fallback": "context_fallback",
+    "drain_timeout_s": "drain_timeout_s",
     "health_check_interval_s": "health_check_interval_s",
     "max_body_bytes": "max_body_bytes",
     "workers": "workers",
@@ -157,6 +175,8 @@ async def serve(config: OrchestratorConfig, *, reuse_port: bool) -> None:
     )
     try:
         await stop.wait()
+        # SIGTERM: stop accepting, let requests in flight finish up to the deadline, cancel the rest.
+        await orchestrator.drain(config.drain_timeout_s)
     finally:
         metrics_sync.cancel()
         await runner.cleanup()
@@ -222,7 +242,7 @@ def _run_processes(config: OrchestratorConfig, log_level: str) -> int:
         if proc.exitcode is None:
             proc.terminate()
     for proc in procs:
-        proc.join(10)
+        proc.join(config.drain_timeout_s + 10)  # each drains its requests first
         if proc.exitcode is None:
             proc.kill()
             proc.join()

@@ -26,6 +26,8 @@ log = logging.getLogger("fastcore.orchestrator")
 #: the orchestrator's relay modes (server/orchestrator/relay_modes.py implements them)
 RelayModeName = Literal["fast", "parsed", "parsed-msgpack"]
 RELAY_MODES: tuple[str, ...] = get_args(RelayModeName)
+#: what a request does when no context worker can take it (docs/configuration.md, Faults)
+ContextFallback = Literal["local_prefill", "fail"]
 
 
 class ConfigError(ValueError):
@@ -167,6 +169,18 @@ class OrchestratorConfig(BaseModel):
     relay: RelayModeName = "fast"
     max_retries: int = Field(1, ge=0)
     request_timeout_s: float = Field(180.0, gt=0)
+    # Faults (docs/protocol.md#faults): the context leg's own deadline (never above
+    # request_timeout_s), plus an allowance per 1,000 estimated prompt tokens (body bytes / 4).
+    context_timeout_s: float = Field(30.0, gt=0)
+    context_timeout_per_1k_tokens_s: float = Field(0.25, ge=0)
+    # No context worker can take the request: a local_prefill generation worker serves it whole.
+    context_fallback: ContextFallback = "local_prefill"
+    # Per-worker circuit breakers: failed legs in a row that open one (a timed-out leg: at once),
+    # and the seconds it stays open before a probe leg.
+    circuit_breaker_failures: int = Field(3, ge=1)
+    circuit_breaker_open_s: float = Field(5.0, gt=0)
+    # SIGTERM: requests in flight may finish for this long, then they are cancelled.
+    drain_timeout_s: float = Field(30.0, ge=0)
     connect_timeout_s: float = Field(5.0, gt=0)
     health_check_interval_s: float = Field(2.0, gt=0)
     health_check_timeout_s: float = Field(2.0, gt=0)

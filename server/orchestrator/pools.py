@@ -9,6 +9,12 @@ is slow, and taking every worker out then would turn overload into an outage
 of 503s. So a worker leaves on timeouts only after ``UNHEALTHY_AFTER_TIMEOUTS``
 checks in a row time out with no request served by it in between. The checker
 puts a worker back when ``/health`` answers 200 again.
+
+Beside health, each worker has a :class:`CircuitBreaker` fed by the legs
+themselves: failures in a row (a timed-out leg at once) open it, and an open
+worker gets no new legs until one probe leg, let through after a while,
+succeeds. A frozen worker (its socket accepts, nothing answers) is out after
+its first timed-out leg, not after three health checks.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -28,6 +35,7 @@ __all__ = [
     "B64_COMPLETIONS_FIELD",
     "ROUTERS",
     "Capabilities",
+    "CircuitBreaker",
     "HealthChecker",
     "LeastLoadedRouter",
     "Pool",
@@ -94,9 +102,79 @@ def _instance(body: bytes) -> str | None:
     return value if isinstance(value, str) else None
 
 
+class CircuitBreaker:
+    """One worker's breaker: closed (legs go), open (none), half-open (one probe leg at a time).
+
+    ``failures`` failed legs in a row open it; so does one timed-out leg (each costs a
+    client the whole timeout) and a failed probe. It stays open ``open_s``, doubled
+    by each failed probe up to ``MAX_OPEN_FACTOR`` times; then the next leg chosen
+    for the worker is its probe, and no other leg goes there until the probe ends:
+    a success closes the breaker, a failure opens it again, no verdict (the client
+    left, a 4xx) lets the next leg probe.
+    """
+
+    CLOSED, HALF_OPEN, OPEN = 0, 1, 2
+    #: a worker that keeps failing its probes waits at most this many times ``open_s``
+    MAX_OPEN_FACTOR = 8
+
+    __slots__ = ("failures", "open_for", "open_s", "opened", "opened_at", "probing", "state", "threshold")
+
+    def __init__(self, threshold: int = 3, open_s: float = 5.0) -> None:
+        self.threshold = threshold
+        self.open_s = open_s
+        self.state = self.CLOSED
+        self.failures = 0
+        self.open_for = open_s
+        self.opened_at = 0.0
+        self.probing = False
+        #: times it opened (for /metrics)
+        self.opened = 0
+
+    def allows(self, now: float) -> bool:
+        """Whether a new leg may go to the worker now (an open breaker past its time turns half-open)."""
+        if self.state == self.OPEN:
+            if now - self.opened_at < self.open_for:
+                return False
+            self.state = self.HALF_OPEN
+            self.probing = False
+        return not self.probing
+
+    def chosen(self) -> None:
+        """A leg goes to the worker: in half-open, it is the probe."""
+        if self.state == self.HALF_OPEN:
+            self.probing = True
+
+    def succeeded(self) -> None:
+        self.failures = 0
+        self.probing = False
+        if self.state != self.CLOSED:
+            self.state = self.CLOSED
+            self.open_for = self.open_s
+
+    def failed(self, *, at_once: bool = False) -> bool:
+        """Count a failed leg; True when this opened the breaker."""
+        self.failures += 1
+        probe = self.state == self.HALF_OPEN
+        if self.state == self.OPEN or not (at_once or probe or self.failures >= self.threshold):
+            return False
+        if probe:
+            self.open_for = min(self.open_for * 2, self.open_s * self.MAX_OPEN_FACTOR)
+        self.state = self.OPEN
+        self.opened_at = time.monotonic()
+        self.probing = False
+        self.opened += 1
+        return True
+
+    def ended(self) -> None:
+        """The leg is over, whatever its verdict: a probe without one lets the next leg probe."""
+        if self.state == self.HALF_OPEN:
+            self.probing = False
+
+
 class Worker:
     __slots__ = (
         "b64_completions",
+        "breaker",
         "healthy",
         "in_flight",
         "in_flight_tokens",
@@ -108,8 +186,9 @@ class Worker:
         "url",
     )
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, breaker: CircuitBreaker | None = None) -> None:
         self.url = url
+        self.breaker = breaker if breaker is not None else CircuitBreaker()
         # Not routable until the first health check says so: the orchestrator's
         # own /health is 503 until then.
         self.healthy = False
@@ -139,10 +218,19 @@ class Worker:
 
 class Pool:
     def __init__(
-        self, name: str, urls: list[str], router: str, router_args: dict[str, Any] | None = None
+        self,
+        name: str,
+        urls: list[str],
+        router: str,
+        router_args: dict[str, Any] | None = None,
+        *,
+        breaker_failures: int = 3,
+        breaker_open_s: float = 5.0,
     ) -> None:
         self.name = name
-        self.workers = [Worker(u) for u in urls]
+        self.breaker_failures = breaker_failures
+        self.breaker_open_s = breaker_open_s
+        self.workers = [self._worker(u) for u in urls]
         self.router: Router = make_router(router, router_args)
         #: the router reads a per-request key (RequestKey); round_robin and least_loaded do not
         self.needs_key = self.router.needs_key
@@ -156,7 +244,7 @@ class Pool:
         discovery says); returns (added, removed). A removed worker's requests in flight go on:
         only new requests stop choosing it."""
         wanted = set(urls) - self.static
-        added = [Worker(url) for url in sorted(wanted - self.discovered)]
+        added = [self._worker(url) for url in sorted(wanted - self.discovered)]
         gone = self.discovered - wanted
         removed = [w for w in self.workers if w.url in gone]
         if added or removed:
@@ -167,6 +255,9 @@ class Pool:
                 self.router.forget(worker)
             self.router.sync(self.workers)
         return added, removed
+
+    def _worker(self, url: str) -> Worker:
+        return Worker(url, CircuitBreaker(self.breaker_failures, self.breaker_open_s))
 
     def healthy_count(self) -> int:
         return sum(1 for w in self.workers if w.healthy)
@@ -188,15 +279,26 @@ class Pool:
         return False
 
     def choose(self, exclude: Collection[Worker] = (), key: RequestKey | None = None) -> Worker | None:
-        """A healthy worker not in ``exclude`` (those already tried), or None. ``key``: the request's
-        routing key, for a router that ``needs_key`` (None: it routes as least_loaded would)."""
-        if exclude:
-            candidates = [w for w in self.workers if w.healthy and w not in exclude]
-        else:
-            candidates = [w for w in self.workers if w.healthy]
+        """A healthy worker not in ``exclude`` (those already tried) whose breaker lets a leg through,
+        or None. ``key``: the request's routing key, for a router that ``needs_key`` (None: it routes
+        as least_loaded would). The leg that goes there marks its breaker (:meth:`CircuitBreaker.chosen`)."""
+        now = time.monotonic()
+        candidates = [
+            w
+            for w in self.workers
+            if w.healthy
+            and (w.breaker.state == CircuitBreaker.CLOSED or w.breaker.allows(now))
+            and not (exclude and w in exclude)
+        ]
         if not candidates:
             return None
         return self.router.choose(candidates, key)
+
+    def all_open(self) -> bool:
+        """Some worker is healthy, and every healthy one's breaker is open (or probing)."""
+        now = time.monotonic()
+        healthy = [w for w in self.workers if w.healthy]
+        return bool(healthy) and not any(w.breaker.allows(now) for w in healthy)
 
     def forget(self, worker: Worker) -> None:
         """``worker`` turned unhealthy or came back: its router state (a prefix index) is stale."""

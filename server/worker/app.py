@@ -127,6 +127,11 @@ _POST = b"POST"
 _GET = (b"GET", b"HEAD")
 _KV_PREFIX = b"/kv/"
 _METRICS = b"/metrics"
+#: ``DELETE /kv/by-request/<disagg_request_id>``: an orchestrator whose context answer was lost
+#: (cut mid-body, timed out) releases the KV it never learnt the id of (docs/protocol.md#faults)
+_KV_BY_REQUEST = b"/kv/by-request/"
+#: parked entries remembered by their disagg_request_id (oldest forgotten first)
+MAX_PARKED_BY_REQUEST = 16384
 _SIGNATURE = SIGNATURE_HEADER.lower().encode()
 _TRTLLM_AUTH = TRTLLM_AUTH_HEADER.lower().encode()
 #: trtllm-serve's flag for a msgpack body (openai_server._MsgspecRequest); only "1" means msgpack
@@ -392,6 +397,14 @@ class WorkerApp:
         self.expiry_task: asyncio.Task[None] | None = None
         #: base of ctx_info_endpoint for a request without a Host header
         self.bound_url = ""
+        #: disagg_request_id -> ctx_request_id of parked KV, for a release by the request's id
+        self._parked_by_request: collections.OrderedDict[int, int] = collections.OrderedDict()
+        #: set by :meth:`drain` (SIGTERM): /health and new completions answer 503, KV is still served
+        self.draining = False
+        #: completions being served now
+        self.active = 0
+        #: fire-and-forget tasks (KV releases after a failed fetch), kept referenced until done
+        self._background: set[asyncio.Task[None]] = set()
         #: requests waiting for KV room, woken in arrival order (:meth:`_reserve`)
         self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
         self._wake_timer: asyncio.TimerHandle | None = None
@@ -422,7 +435,24 @@ class WorkerApp:
         self.bound_url = f"http://{host}:{bound[1]}" if ":" not in host else f"http://[{host}]:{bound[1]}"
         return server, int(bound[1])
 
+    async def drain(self, timeout: float) -> bool:
+        """SIGTERM (after the cluster deregistration): refuse new completions and fail /health (503,
+        so orchestrators stop choosing this worker), keep serving KV fetches, and wait up to
+        ``timeout`` for the requests in flight and the parked KV to be done. True if all were."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.active or self.engine.parked_count:
+            if loop.time() >= deadline:
+                log.warning("drain: %d request(s) and %d parked KV entries left after %g s",
+                            self.active, self.engine.parked_count, timeout)  # fmt: skip
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
     async def stop(self) -> None:
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=1.0)
         if self.expiry_task is not None:
             self.expiry_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -486,6 +516,9 @@ class WorkerApp:
     # -- simple routes ---------------------------------------------------------
 
     def health(self, out: Responder) -> None:
+        if self.draining:
+            out.send_error(503, "the worker is draining (shutting down)", code="draining")
+            return
         if not self.engine.alive:
             out.send_error(503, "the engine is not running")
             return
@@ -546,22 +579,33 @@ class WorkerApp:
 
     # -- KV hand-off, context side -----------------------------------------------
 
-    def _kv_id(self, request: Request, signed: bytes, what: str) -> int:
-        """The ctx_request_id of a KV request whose signature (over ``signed``) holds."""
+    def _kv_id(self, request: Request, signed: bytes, what: str, prefix: bytes = _KV_PREFIX) -> int:
+        """The id at the end of a KV request's path (after ``prefix``) whose signature (over ``signed``)
+        holds: a ctx_request_id, or after ``/kv/by-request/`` a disagg_request_id."""
         if self.verifier is not None:
             reason = self.verifier.check(signed, request.header(_SIGNATURE))
             if reason is not None:
                 raise HTTPError(403, f"KV {what} refused: {SIGNATURE_HEADER} {reason}", code="bad_signature")
-        raw_id = request.path[len(_KV_PREFIX) :]
+        raw_id = request.path[len(prefix) :]
         if not (raw_id.isdigit() and len(raw_id) <= 20):
-            raise HTTPError(400, "ctx_request_id must be an integer", param=wire.CTX_REQUEST_ID)
+            field = wire.CTX_REQUEST_ID if prefix == _KV_PREFIX else wire.DISAGG_REQUEST_ID
+            raise HTTPError(400, f"{field} must be an integer", param=field)
         return int(raw_id)
 
     def release_kv(self, request: Request, out: Responder) -> None:
         """``DELETE /kv/{id}``: the orchestrator gave up on the generation leg; free the parked KV now.
 
-        Signed over ``DELETE <path>`` (a fetch's signature cannot release).
+        Signed over ``DELETE <path>`` (a fetch's signature cannot release). ``/kv/by-request/<id>``
+        names the entry by the leg's ``disagg_request_id`` instead.
         """
+        if request.path.startswith(_KV_BY_REQUEST):
+            disagg_id = self._kv_id(request, b"DELETE " + request.path, "release", _KV_BY_REQUEST)
+            ctx_request_id = self._parked_by_request.pop(disagg_id, None)
+            if ctx_request_id is None or not self.engine.discard_parked(ctx_request_id):
+                raise HTTPError(404, f"no KV held for disagg_request_id {disagg_id}")
+            self.metrics.handoff.inc(event="released")
+            out.send(200, b'{"released": true}')
+            return
         ctx_request_id = self._kv_id(request, b"DELETE " + request.path, "release")
         if not self.engine.discard_parked(ctx_request_id):
             raise HTTPError(
@@ -649,6 +693,25 @@ class WorkerApp:
         except KVTransferError as exc:
             raise KVFetchError("malformed", str(exc)) from None
 
+    def _release_kv_soon(self, endpoint: str) -> None:
+        """``DELETE`` a KV entry this worker gave up fetching, in the background (best effort)."""
+        task = asyncio.get_running_loop().create_task(self._release_kv(endpoint))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _release_kv(self, endpoint: str) -> None:
+        assert self.session is not None
+        headers = {}
+        if self.settings.shared_secret is not None:
+            signed = b"DELETE " + urlsplit(endpoint).path.encode()
+            headers[SIGNATURE_HEADER] = sign_body(self.settings.shared_secret, signed)
+        try:
+            timeout = aiohttp.ClientTimeout(total=min(2.0, self.settings.kv_fetch_timeout_s))
+            async with self.session.delete(endpoint, headers=headers, timeout=timeout, allow_redirects=False):
+                pass
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            log.info("releasing the KV at %s failed: %s", endpoint, exc)
+
     async def _attach_context_kv(self, req: ParsedRequest, engine_req: EngineRequest) -> None:
         assert req.disagg is not None
         metrics = self.metrics
@@ -675,6 +738,10 @@ class WorkerApp:
             log.info("KV fetch from %s failed (%s): %s; recomputing the prefill", endpoint, exc.reason, exc)
             metrics.fetch_failures.inc(reason=exc.reason)
             metrics.handoff.inc(event="recomputed")
+            if exc.reason == "unreachable" or exc.reason.startswith("http_5"):
+                # The KV may still be parked there (the fetch never reached it, or timed out
+                # before it was read): nobody else will fetch it, so say so now, not at its TTL.
+                self._release_kv_soon(endpoint)
             return
         if payload.first_token != first[0]:
             metrics.fetch_failures.inc(reason="mismatch")
@@ -688,7 +755,11 @@ class WorkerApp:
 
     async def generate(self, request: Request, out: Responder, route: Route) -> None:
         status = 500
+        self.active += 1
         try:
+            if self.draining:
+                raise HTTPError(503, "the worker is draining (shutting down): send it elsewhere",
+                                code="draining", headers={"Retry-After": str(self.settings.retry_after_s)})  # fmt: skip
             status = await self._generate(request, out, route)
         except HTTPError as exc:
             status = exc.status
@@ -697,6 +768,7 @@ class WorkerApp:
             status = 499  # the client went away (nginx's code for it)
             raise
         finally:
+            self.active -= 1
             self.metrics.requests.inc(route=route, status=str(status))
 
     def _authenticate(self, request: Request) -> bool:
@@ -924,6 +996,12 @@ class WorkerApp:
         }
         if body[wire.CHOICES][0][wire.FINISH_REASON] == NOT_FINISHED:
             self.metrics.handoff.inc(event="parked")
+            disagg_id = req.disagg.disagg_request_id
+            if type(disagg_id) is int:
+                by_request = self._parked_by_request
+                by_request[disagg_id] = ctx_id
+                if len(by_request) > MAX_PARKED_BY_REQUEST:
+                    by_request.popitem(last=False)
             over = self.engine.parked_tokens - self.max_parked_tokens
             if over > 0:
                 self.metrics.handoff.inc(self.engine.evict_parked(over), event="evicted")

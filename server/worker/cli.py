@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-ttl", type=float, default=30.0,
                         help="seconds a context leg's KV waits for its generation worker")  # fmt: skip
     parser.add_argument("--kv-fetch-timeout", type=float, default=10.0, help="seconds for one KV fetch")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="SIGTERM: seconds the requests in flight and parked KV get before the worker "
+                             "stops (it deregisters and refuses new requests first; default 30)")  # fmt: skip
     parser.add_argument("--public-url", default=None,
                         help="base URL put in ctx_info_endpoint (default: the Host the request came in on)")  # fmt: skip
     parser.add_argument("--max-parked-fraction", type=float, default=0.5,
@@ -275,10 +278,17 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"fastcore-serve worker: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(_serve(engine, settings, args.host, args.port, cluster))
+    return asyncio.run(_serve(engine, settings, args.host, args.port, cluster, args.drain_timeout))
 
 
-async def _serve(engine: Any, settings: WorkerSettings, host: str, port: int, cluster: Any = None) -> int:
+async def _serve(
+    engine: Any,
+    settings: WorkerSettings,
+    host: str,
+    port: int,
+    cluster: Any = None,
+    drain_timeout: float = 30.0,
+) -> int:
     from .app import WorkerApp
 
     stop = asyncio.Event()
@@ -323,6 +333,9 @@ async def _serve(engine: Any, settings: WorkerSettings, host: str, port: int, cl
     finally:
         if registration is not None:  # first: no new traffic is sent here while the server stops
             await registration.stop()
+        # Then refuse new requests (and fail /health: static orchestrators stop choosing it too),
+        # finish what it has, let its parked KV be fetched; the server's close cancels what is left.
+        await app.drain(drain_timeout)
         await server.cleanup()
     return 0
 
