@@ -628,7 +628,7 @@ async def test_too_many_headers_431() -> None:
     async with serving(max_headers=10) as (_server, port):
         async with connected(port) as client:
             await client.send(
-                b"GET / HTTP/1.1\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(10)) + b"\r\n"
+                b"GET / HTTP/1.1\r\nHost: t\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(9)) + b"\r\n"
             )
             (resp,) = await client.responses(1)
             assert resp.status == 200 and resp.header(b"x-headers") == b"10"
@@ -681,7 +681,7 @@ async def test_body_at_limit_accepted() -> None:
     async with serving(max_body_bytes=4096) as (_server, port), connected(port) as client:
         await client.send(
             post(b"/cl", body)
-            + b"POST /te HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + b"POST /te HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
             + chunked([body[:1000], body[1000:]])
         )
         first, second = await client.responses(2)
@@ -843,7 +843,7 @@ async def test_slow_handler_is_not_a_timeout() -> None:
 
 @pytest.mark.parametrize(
     "partial",
-    [b"GET /next HTTP/1.1\r\nX-Partial: ", b"POST /next HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc"],
+    [b"GET /next HTTP/1.1\r\nX-Partial: ", b"POST /next HTTP/1.1\r\nHost: t\r\nContent-Length: 10\r\n\r\nabc"],
     ids=["headers", "body"],
 )
 async def test_partial_pipelined_request_times_out_behind_slow_handler(partial: bytes) -> None:
@@ -915,7 +915,8 @@ def _held(release: asyncio.Event, arrived: list[int]) -> Handler:
 
 async def test_body_bytes_in_flight_budget_503_with_retry_after() -> None:
     release, arrived = asyncio.Event(), []
-    async with serving(_held(release, arrived), max_inflight_body_bytes=1000, retry_after_s=3) as (server, port):
+    budget = {"max_inflight_body_bytes": 1000, "peer_share": 1.0}  # the server-wide bound alone
+    async with serving(_held(release, arrived), retry_after_s=3, **budget) as (server, port):
         async with connected(port) as first, connected(port) as second, connected(port) as third:
             await first.send(post(b"/a", b"a" * 600))
             assert await eventually(lambda: arrived == [600])
@@ -948,18 +949,24 @@ async def test_body_bytes_in_flight_budget_503_with_retry_after() -> None:
 
 async def test_body_bytes_of_a_vanished_client_are_released() -> None:
     release, arrived = asyncio.Event(), []
-    async with serving(_held(release, arrived), max_inflight_body_bytes=1000) as (server, port):
+    async with serving(_held(release, arrived), max_inflight_body_bytes=1000, peer_share=1.0) as (server, port):
         client = await Client.connect(port)
         await client.send(post(b"/a", b"a" * 700))
         assert await eventually(lambda: server.body_bytes == 700)
         client.abort()  # its handler is cancelled; its bytes are no longer held
         assert await eventually(lambda: server.body_bytes == 0)
         half = await Client.connect(port)
-        # Half a body, then gone: the bytes read so far are released too.
+        # Half a body, then gone: its Content-Length, held from its headers on, is released too.
         await half.send(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 900\r\n\r\n" + b"h" * 400)
-        assert await eventually(lambda: server.body_bytes == 400)
+        assert await eventually(lambda: server.body_bytes == 900)
         half.abort()
-        assert await eventually(lambda: server.body_bytes == 0)
+        assert await eventually(lambda: server.body_bytes == 0 and not server.peers)
+        # Half a chunked body: what arrived is held, and released.
+        half = await Client.connect(port)
+        await half.send(b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked([b"h" * 300])[:-5])
+        assert await eventually(lambda: server.body_bytes == 300)
+        half.abort()
+        assert await eventually(lambda: server.body_bytes == 0 and not server.peers)
 
 
 @pytest.mark.parametrize("encoding", [b"gzip", b"deflate", b"br", b"gzip, identity", b"x" * 50])

@@ -33,6 +33,7 @@ import asyncio
 import collections
 import ctypes
 import logging
+import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -60,15 +61,25 @@ class Limits:
     body_timeout_s: float = 60.0
     keepalive_timeout_s: float = 60.0
     max_connections: int = 8192
-    #: request body bytes held by the whole server at once (received, not yet
+    #: request body bytes held by the whole server at once (a Content-Length is
+    #: counted whole from the headers, a chunked body as it arrives; until
     #: answered); a request that would go past it is a 503 with Retry-After
     max_inflight_body_bytes: int = 512 * 1024 * 1024
+    #: one client IP holding more than this share of ``max_connections`` (or of
+    #: ``max_inflight_body_bytes``) may not take their last share: that part is
+    #: kept for the other clients (503 + Retry-After). 1.0: no per-client bound
+    #: (a server whose one client is a proxy or the orchestrator)
+    peer_share: float = 0.25
     #: seconds a 503 at a server-wide cap (connections, body bytes) asks the client to wait
     retry_after_s: int = 1
     #: complete requests queued behind the one being answered on a connection
     max_pipelined: int = 16
     #: the client write buffer above which a relayed stream's upstream stops being read
     write_high_water: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.peer_share <= 1.0:
+            raise ValueError(f"peer_share must be within (0, 1], got {self.peer_share}")
 
 
 _REASONS: dict[int, bytes] = {s.value: s.phrase.encode() for s in HTTPStatus}
@@ -105,6 +116,8 @@ class Request:
         "content_length",
         "expect_continue",
         "headers",
+        "held",
+        "hosts",
         "keep_alive",
         "method",
         "path",
@@ -124,6 +137,10 @@ class Request:
         self.body = b""
         self.chunks: list[bytes] = []
         self.size = 0
+        #: body bytes counted against the budgets (a Content-Length whole, from its headers)
+        self.held = 0
+        #: Host header lines (RFC 9112 3.2: exactly one)
+        self.hosts = 0
         self.content_length: int | None = None
         self.expect_continue = False
         self.chunked = False
@@ -291,13 +308,38 @@ class _Stop(Exception):
 #: how long a connection that failed keeps reading (and dropping) what its client still sends
 LINGER_S = 2.0
 
-# len() of the header names on_header looks at: content-length, transfer-encoding, expect, content-encoding
-_CHECKED_LENGTHS = frozenset((14, 17, 6, 16))
+#: how often a half-closed client is checked for a reset (the peer had closed, not only half-closed)
+HALF_CLOSE_PROBE_S = 0.05
+#: bytes of the previous read kept to find a chunk-size line that two reads split
+_SIZE_LINE_TAIL = 64
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+# len() of the header names on_header looks at: content-length, transfer-encoding, expect, content-encoding, host
+_CHECKED_LENGTHS = frozenset((14, 17, 6, 16, 4))
+
+
+class _Peer:
+    """What one client IP holds: its open connections and body bytes (bounded by ``Limits.peer_share``)."""
+
+    __slots__ = ("body_bytes", "connections", "ip")
+
+    def __init__(self, ip: str) -> None:
+        self.ip = ip
+        self.connections: set[_Connection] = set()
+        self.body_bytes = 0
+
+
+#: the peer of a connection not yet made
+_NO_PEER = _Peer("")
 
 
 class _Connection(asyncio.Protocol):
     __slots__ = (
         "body_timeout_s",
+        "chunk_body",
+        "chunk_state",
+        "chunk_header_in_read",
+        "client_eof",
         "closed",
         "current",
         "deadline",
@@ -306,7 +348,6 @@ class _Connection(asyncio.Protocol):
         "failed",
         "head_bytes",
         "header_timeout_s",
-        "held",
         "last_read",
         "limits",
         "lingering",
@@ -314,11 +355,16 @@ class _Connection(asyncio.Protocol):
         "max_headers",
         "no_more",
         "parser",
+        "peer",
         "queue",
         "reading_paused",
         "responder",
         "server",
+        "size_line_tail",
         "task",
+        "trailer_bytes",
+        "trailer_read",
+        "trailers",
         "transport",
         "write_paused",
     )
@@ -340,10 +386,23 @@ class _Connection(asyncio.Protocol):
         #: set while a handler waits in Responder.drain; resolved on resume_writing or close
         self.drained: asyncio.Future[None] | None = None
         self.lingering = False
-        #: body bytes of this connection's requests not yet answered (the server-wide budget)
-        self.held = 0
+        #: the client's IP and what it holds (set on connection_made)
+        self.peer: _Peer = _NO_PEER
+        #: the client half-closed (shut its sending side) after complete requests: answer them, then close
+        self.client_eof = False
         #: the last request was framed so that nothing after it can be trusted
         self.no_more = False
+        # Chunked bodies: 0 between chunks, 1 after a chunk's size line, 2 in its data
+        # (1 until the message ends after the last, empty, chunk: its trailer section).
+        self.chunk_state = 0
+        #: data bytes of the current chunk within the current read
+        self.chunk_body = 0
+        self.chunk_header_in_read = False
+        self.size_line_tail = b""
+        #: trailer fields, their bytes (exact, per field), and bytes of reads wholly in the trailer section
+        self.trailers = 0
+        self.trailer_bytes = 0
+        self.trailer_read = 0
         self.head_bytes = 0
         self.last_read = 0
         self.max_headers = self.limits.max_headers
@@ -358,14 +417,11 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         server = self.server
-        server.connections.add(self)
-        if len(server.connections) > self.limits.max_connections:
+        peername = transport.get_extra_info("peername")
+        refusal = server.admit(self, peername[0] if isinstance(peername, tuple) and peername else "")
+        if refusal is not None:
             server.refused += 1
-            self.transport.write(  # type: ignore[union-attr]
-                _simple_response(
-                    503, "the server has too many open connections; retry later", self.limits.retry_after_s
-                )
-            )
+            self.transport.write(_simple_response(503, refusal, self.limits.retry_after_s))  # type: ignore[union-attr]
             self.transport.close()  # type: ignore[union-attr]
             self.closed = True
             return
@@ -382,14 +438,56 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._wake_drain()
-        self._release(self.held)
-        self.server.connections.discard(self)
+        # The running request's bytes are released by its task, cancelled here.
+        if self.current is not None:
+            self._release(self.current)
+            self.current = None
+        for req in self.queue:
+            self._release(req)
         self.queue.clear()
+        self.server.forget(self)
         if self.task is not None:
             self.task.cancel()
 
     def eof_received(self) -> bool | None:
-        return None  # a half-closed client is a gone client: close, cancel what runs (or end a linger)
+        """The client shut its sending side (FIN).
+
+        RFC 9112 9.6 lets a client half-close after its request and still
+        read the answer: complete requests are answered, then the connection
+        closes. But a FIN is also what a client that closed altogether sends;
+        such a client resets the connection when it receives bytes, so an
+        interim ``100 Continue`` (RFC 9110 15.2: a 1.1 client parses 1xx it
+        did not ask for) is sent as a probe and the socket is checked for that
+        reset (:meth:`_check_half_closed`): a gone client's request is still
+        cancelled, within milliseconds on a LAN.
+        """
+        if self.lingering or self.failed is not None or (self.task is None and not self.queue):
+            return None  # nothing is due (a partial request can never end): close, end a linger
+        self.client_eof = self.no_more = True
+        if self.current is not None:
+            self._release(self.current)
+            self.current = None
+        responder = self.responder
+        if responder is not None and responder.chunked and not responder.started:  # never a 1xx to HTTP/1.0
+            self.transport.write(_CONTINUE)  # type: ignore[union-attr]
+        self.loop.call_later(HALF_CLOSE_PROBE_S, self._check_half_closed)
+        return True
+
+    def _check_half_closed(self) -> None:
+        """A half-closed client's socket: closed once a reset says the client is gone, else checked again."""
+        if self.closed or self.transport is None:
+            return
+        sock = self.transport.get_extra_info("socket")
+        if sock is None:
+            return  # not a socket: nothing to probe, the response's writes will tell
+        try:
+            gone = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) != 0
+        except OSError:
+            gone = True
+        if gone:
+            self.abort()
+        else:
+            self.loop.call_later(HALF_CLOSE_PROBE_S, self._check_half_closed)
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -413,6 +511,9 @@ class _Connection(asyncio.Protocol):
         current = self.current
         # Headers already in progress when this read began: the whole read is header bytes.
         mid_headers = current is not None and not current.method
+        # Likewise a trailer section (after the last chunk's size line): bounded like headers.
+        mid_trailers = self.chunk_state == 1 and current is not None
+        self.chunk_header_in_read = False
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -440,15 +541,62 @@ class _Connection(asyncio.Protocol):
             if self.head_bytes > self.limits.max_header_bytes:
                 self._fail(431, f"request headers exceed {self.limits.max_header_bytes} bytes")
                 return
+        elif current is not None and current.chunked:
+            self._after_chunked_read(data, mid_trailers)
+            if self.failed is not None:
+                return
         if len(self.queue) >= self.limits.max_pipelined and not self.reading_paused:
             self.reading_paused = True
             self.transport.pause_reading()  # type: ignore[union-attr]
+
+    def _after_chunked_read(self, data: bytes, mid_trailers: bool) -> None:
+        """A read of a chunked body: bound its trailer section, refuse a declared chunk past the body limit."""
+        limit = self.limits.max_header_bytes
+        if mid_trailers and self.chunk_state == 1 and not self.chunk_header_in_read:
+            # llhttp hands a field to httptools piece by piece, which joins
+            # them by concatenation: only a bound keeps that linear. The read
+            # the section began in is not counted (the exact sum is taken per field).
+            self.trailer_read += len(data)
+            if self.trailer_read > limit:
+                self._fail(431, f"request trailers exceed {limit} bytes")
+                return
+        if self.chunk_header_in_read:
+            self._check_chunk_size(data)
+        self.size_line_tail = data[-_SIZE_LINE_TAIL:]
+
+    def _check_chunk_size(self, data: bytes) -> None:
+        """413 when the size line of the chunk open at the end of ``data`` goes past the body limit.
+
+        httptools does not expose the chunk size llhttp read (its
+        ``content_length``), so it is read again here from the line llhttp
+        accepted: the open chunk's data is the read's last ``chunk_body``
+        bytes, and its size line ("hex[;ext]" CRLF, no LF inside: llhttp
+        strict) just before them. A line not wholly within the last two reads
+        is left to the byte count of :meth:`on_body`.
+        """
+        end = len(data) - self.chunk_body
+        text = data[end - 4096 : end] if end >= 4096 else self.size_line_tail + data[:end]
+        if not text.endswith(b"\r\n"):
+            return
+        start = text.rfind(b"\n", 0, len(text) - 1)
+        if start < 0:
+            return
+        try:
+            size = int(text[start + 1 : -2].split(b";", 1)[0], 16)
+        except ValueError:
+            return  # not a size line: the trailer section of the last chunk
+        req = self.current
+        assert req is not None
+        limit = self.limits.max_body_bytes
+        if req.size - self.chunk_body + size > limit:
+            self._fail(413, f"a chunk of {size} bytes takes the request body past the limit of {limit} bytes")
 
     # -- parser callbacks --------------------------------------------------------
 
     def on_message_begin(self) -> None:
         self.current = Request()
         self.head_bytes = 0
+        self.size_line_tail = b""
         self.deadline = self.loop.time() + self.header_timeout_s
         self.deadline_status = 408
 
@@ -460,19 +608,49 @@ class _Connection(asyncio.Protocol):
             self._stop(414, f"request line exceeds {self.limits.max_header_bytes} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        # The hot path: six headers a request. Only three names matter here,
+        # The hot path: six headers a request. Only five names matter here,
         # told apart by length before any lower-casing.
-        headers = self.current.headers  # type: ignore[union-attr]
+        req = self.current
+        assert req is not None
+        if req.method:
+            self._trailer(name, value)
+            return
+        headers = req.headers
         headers.append((name, value))
         if len(name) in _CHECKED_LENGTHS:
             self._check_header(name.lower(), value)
         if len(headers) > self.max_headers:
             self._stop(431, f"more than {self.max_headers} request headers")
 
+    def _trailer(self, name: bytes, value: bytes) -> None:
+        """A trailer field (after a chunked body, RFC 9112 7.1.2): bounded like headers, then dropped.
+
+        Nothing here reads trailers, and RFC 9110 6.5.1 forbids merging them
+        into the headers unless their fields allow it: a field there must not
+        route, authenticate or encode the request.
+        """
+        self.trailers += 1
+        self.trailer_bytes += len(name) + len(value) + 4
+        if self.trailer_bytes > self.limits.max_header_bytes:
+            self._stop(431, f"request trailers exceed {self.limits.max_header_bytes} bytes")
+        if self.trailers > self.max_headers:
+            self._stop(431, f"more than {self.max_headers} request trailer fields")
+
+    def on_chunk_header(self) -> None:
+        self.chunk_state = 1
+        self.chunk_body = 0
+        self.chunk_header_in_read = True
+        self.trailers = self.trailer_bytes = self.trailer_read = 0
+
+    def on_chunk_complete(self) -> None:
+        self.chunk_state = 0
+
     def _check_header(self, key: bytes, value: bytes) -> None:
         req = self.current
         assert req is not None
-        if key == b"content-length":
+        if key == b"host":
+            req.hosts += 1
+        elif key == b"content-length":
             req.content_length = int(value)  # llhttp checked: digits, one header
         elif key == b"transfer-encoding":
             req.chunked = True
@@ -503,6 +681,9 @@ class _Connection(asyncio.Protocol):
         req.version = parser.get_http_version()
         if req.version not in ("1.1", "1.0"):
             self._stop(505, f"HTTP/{req.version} is not supported; use HTTP/1.1")
+        if req.hosts != 1 and (req.hosts or req.version == "1.1"):
+            # RFC 9112 3.2: a 400 to an HTTP/1.1 request without Host, to any with more than one.
+            self._stop(400, f"the request has {req.hosts} Host headers; send exactly one")
         if parser.should_upgrade():
             self._stop(501, "protocol upgrades (Upgrade, CONNECT) are not supported")
         req.method = parser.get_method()
@@ -520,8 +701,9 @@ class _Connection(asyncio.Protocol):
                 self._stop(
                     413, f"request body of {req.content_length} bytes exceeds the limit of {limit} bytes"
                 )
-            if self.server.body_bytes + req.content_length > self.limits.max_inflight_body_bytes:
-                self._over_budget()
+            # Counted whole now: a server that admitted every body and refused
+            # them part-way when the budget ran out would answer none.
+            self._hold(req, req.content_length)
         if req.version == "1.0":
             req.expect_continue = False  # RFC 9110 15.2: never a 1xx to HTTP/1.0
         if req.expect_continue and self.task is None and not self.queue:
@@ -536,23 +718,40 @@ class _Connection(asyncio.Protocol):
         req.size += n
         if req.size > self.limits.max_body_bytes:
             self._stop(413, f"request body exceeds the limit of {self.limits.max_body_bytes} bytes")
-        self.held += n
-        server = self.server
-        server.body_bytes += n
-        if server.body_bytes > self.limits.max_inflight_body_bytes:
-            self._over_budget()
+        if req.chunked:
+            self.chunk_state = 2
+            self.chunk_body += n
+            self._hold(req, n)
         req.chunks.append(body)
 
-    def _over_budget(self) -> None:
-        self.server.over_budget += 1
-        self._stop(503, "the server holds too many request bytes at once; retry later")
+    def _hold(self, req: Request, n: int) -> None:
+        """Count ``n`` body bytes of ``req`` against the budgets, or stop with a 503."""
+        server, peer = self.server, self.peer
+        budget = self.limits.max_inflight_body_bytes
+        total = server.body_bytes + n
+        if total > budget:
+            server.over_budget += 1
+            self._stop(503, "the server holds too many request bytes at once; retry later")
+        kept = budget * self.limits.peer_share  # the last part, for clients under their share
+        if peer.body_bytes + n > kept and total > budget - kept:
+            server.over_budget += 1
+            self._stop(503, "this client's requests hold too many of the server's request bytes; retry later")
+        req.held += n
+        peer.body_bytes += n
+        server.body_bytes = total
 
-    def _release(self, n: int) -> None:
-        """Body bytes of a request answered (or of a connection gone) no longer count against the budget."""
-        n = min(n, self.held)
-        self.held -= n
+    def _release(self, req: Request) -> None:
+        """The body bytes of a request answered (or dropped) no longer count against the budgets."""
+        n = req.held
+        if not n:
+            return
+        req.held = 0
+        peer = self.peer
+        peer.body_bytes -= n
         server = self.server
         server.body_bytes -= n
+        if self.closed:
+            server.forget(self)  # the last bytes of a client gone may be these
         if n >= LARGE_BODY_BYTES:
             server.trim_when_quiet()
 
@@ -560,6 +759,7 @@ class _Connection(asyncio.Protocol):
         req = self.current
         assert req is not None
         self.current = None
+        self.chunk_state = 0
         req.keep_alive = self.parser.should_keep_alive()
         if req.chunked and req.version == "1.0":
             # RFC 9112 6.1: chunked framing in HTTP/1.0 is faulty; answer this
@@ -600,6 +800,9 @@ class _Connection(asyncio.Protocol):
                 self.transport.resume_reading()  # type: ignore[union-attr]
             return
         self.responder = None
+        if self.client_eof:
+            self.abort()  # half-closed: every complete request answered (close flushes them first)
+            return
         if self.failed is not None:
             self._flush_failure()
             return
@@ -616,7 +819,7 @@ class _Connection(asyncio.Protocol):
             await self.server.handler(req, responder)
         except asyncio.CancelledError:
             self.task = None
-            self._release(req.size)
+            self._release(req)
             if not self.closed:  # not our client leaving: the response can't be trusted to finish
                 responder.abort()
             raise
@@ -628,7 +831,7 @@ class _Connection(asyncio.Protocol):
             else:
                 responder.abort()
         self.task = None
-        self._release(req.size)
+        self._release(req)
         if not responder.finished:
             if not responder.started:
                 responder.send_error(500, "the handler sent no response")
@@ -652,6 +855,11 @@ class _Connection(asyncio.Protocol):
         if self.failed is None:
             self.failed = (status, message)
             self.server.framing_errors += 1
+        current = self.current
+        if current is not None:  # never handled: its bytes go back now, not when the linger ends
+            self._release(current)
+            current.chunks = []
+            self.current = None
         if self.task is None:
             self._flush_failure()
 
@@ -695,6 +903,18 @@ class _Connection(asyncio.Protocol):
             self.closed = True
             self.transport.close()  # type: ignore[union-attr]
 
+    @property
+    def evictable(self) -> bool:
+        """Nothing is being answered or due, and no body is arriving: idle, or sending its headers."""
+        current = self.current
+        return (
+            not self.closed
+            and self.task is None
+            and not self.queue
+            and self.failed is None
+            and (current is None or not current.method)
+        )
+
 
 def _simple_response(status: int, message: str, retry_after_s: int = 0) -> bytes:
     body = error_body(status, message)
@@ -732,6 +952,8 @@ class HTTPServer:
         self.limits = limits or Limits()
         self.loop = asyncio.get_event_loop()
         self.connections: set[_Connection] = set()
+        #: client IP -> its connections and body bytes (while it holds either)
+        self.peers: dict[str, _Peer] = {}
         self.server: asyncio.base_events.Server | None = None
         self._sweeper: asyncio.TimerHandle | None = None
         self._tick = 1.0
@@ -739,6 +961,8 @@ class HTTPServer:
         self.on_close: list[Callable[[], Awaitable[None]]] = []
         # Counters for /metrics.
         self.refused = 0
+        #: idle or slow connections closed to make room for a newcomer at the connection cap
+        self.evicted = 0
         self.framing_errors = 0
         self.timeouts = 0
         #: request body bytes held now (all connections), and requests refused for the budget
@@ -759,6 +983,51 @@ class HTTPServer:
         limits = self.limits
         self._tick = max(0.02, min(1.0, limits.header_timeout_s / 4, limits.body_timeout_s / 4))
         self._sweeper = self.loop.call_later(self._tick, self._sweep)
+
+    def admit(self, conn: _Connection, ip: str) -> str | None:
+        """Count a new connection; None, or why it is refused.
+
+        At the cap, an idle or slow connection of the client holding the
+        most is closed to make room: a slowloris's own connections, not an
+        honest newcomer, pay for it. A client holding more than
+        ``peer_share`` of the cap may not take the last ``peer_share``: some
+        room stays for the others whatever one client does, and a server
+        with a single client (a proxy in front, the orchestrator for a
+        worker) still uses all but that last part of its cap.
+        """
+        peer = self.peers.get(ip)
+        if peer is None:
+            peer = self.peers[ip] = _Peer(ip)
+        conn.peer = peer
+        cap = self.limits.max_connections
+        kept = cap * self.limits.peer_share  # the last part, for clients under their share
+        total = len(self.connections)
+        refusal = None
+        if kept < cap and len(peer.connections) >= kept and total >= cap - kept:
+            refusal = "this client holds too many of the server's connections; retry later"
+        elif total >= cap and not self._evict():
+            refusal = "the server has too many open connections; retry later"
+        self.connections.add(conn)
+        peer.connections.add(conn)
+        return refusal
+
+    def _evict(self) -> bool:
+        """Close an idle or slow connection of the client holding the most (False when it has none)."""
+        heaviest = max(self.peers.values(), key=lambda p: len(p.connections))
+        for conn in heaviest.connections:
+            if conn.evictable:
+                self.evicted += 1
+                conn.abort()
+                return True
+        return False
+
+    def forget(self, conn: _Connection) -> None:
+        """A connection is closed: it no longer counts (nor does its client, once it holds nothing)."""
+        self.connections.discard(conn)
+        peer = conn.peer
+        peer.connections.discard(conn)
+        if not peer.connections and not peer.body_bytes and self.peers.get(peer.ip) is peer:
+            del self.peers[peer.ip]
 
     def trim_when_quiet(self) -> None:
         """Give the C heap back to the OS once large bodies stop coming (TRIM_QUIET_S after the last).
