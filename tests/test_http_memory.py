@@ -106,6 +106,79 @@ async def test_memory_returns_near_baseline_after_a_burst_of_large_bodies() -> N
         proc.wait()
 
 
+REFUSING_SERVER = r"""
+import asyncio, sys
+from server.http import HTTPServer, Limits
+
+async def main():
+    async def handler(req, out):
+        copy = bytes(req.body[:-1]) + b"}"  # a relayed copy, built while the body is held
+        await asyncio.sleep(0.2)
+        out.send(200, b'{"n": %d}' % len(copy))
+
+    server = HTTPServer(handler, Limits(max_inflight_body_bytes=128 << 20))
+    await server.start("127.0.0.1", 0)
+    print(server.server.sockets[0].getsockname()[1], flush=True)
+    await asyncio.sleep(120)  # bounded: the test kills it long before
+
+if sys.argv[1] == "uvloop":
+    import uvloop
+    uvloop.run(main())
+else:
+    asyncio.run(main())
+"""
+
+
+async def post_status(port: int, body: bytes) -> str:
+    """The status of a POST of ``body``, or the error that ended it (a refused client may be reset)."""
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"POST / HTTP/1.1\r\nHost: t\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body))
+            writer.write(body)
+            await writer.drain()
+            return (await asyncio.wait_for(reader.read(), 60))[9:12].decode()
+        finally:
+            writer.close()
+    except (ConnectionError, OSError) as exc:
+        return type(exc).__name__
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="RSS read from /proc")
+@pytest.mark.skipif(malloc_trim is None, reason="glibc's malloc_trim returns the heap; elsewhere nothing to test")
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+async def test_memory_returns_near_baseline_after_a_burst_mostly_refused(loop: str) -> None:
+    """Issue 19: 200 concurrent 30 MB bodies left RSS at the burst's peak (the refused ones' bytes
+    stayed with their connections until a cyclic collection); here 48 of 16 MB against a 128 MiB
+    budget, twice: back within 64 MiB of the baseline after each, and the admitted ones answered."""
+    pytest.importorskip(loop)
+    proc = subprocess.Popen([sys.executable, "-c", REFUSING_SERVER, loop], stdout=subprocess.PIPE, cwd=ROOT)
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        base = rss_mib(proc.pid)
+        body = b'{"x": "' + b"a" * (16 << 20) + b'"}'
+        for _ in range(2):
+            peak = base
+            burst = asyncio.gather(*[post_status(port, body) for _ in range(48)])
+            while not burst.done():
+                peak = max(peak, rss_mib(proc.pid))
+                await asyncio.sleep(0.02)
+            assert peak - base > 100, f"the burst did not load memory (base {base:.0f} MiB, peak {peak:.0f} MiB)"
+            deadline = time.monotonic() + 30
+            while (after := rss_mib(proc.pid)) >= base + 64 and time.monotonic() < deadline:
+                await asyncio.sleep(0.25)
+            assert after < base + 64, f"RSS {after:.0f} MiB after the burst: baseline {base:.0f}, peak {peak:.0f}"
+            # A Content-Length is held whole from its headers: the bodies admitted are answered
+            # (were the budget counted as bytes arrive, every body could pass the headers and be refused part-way).
+            statuses = burst.result()
+            assert "200" in statuses, statuses
+            assert set(statuses) <= {"200", "503", "BrokenPipeError", "ConnectionResetError"}, statuses
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 async def post_chat(port: int, content_bytes: int, extra: bytes = b"") -> bytes:
     body = b'{"model": "synthetic", "max_tokens": 2, ' + extra + b'"messages": [{"role": "user", "content": "' + b"a" * content_bytes + b'"}]}'
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
