@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import aiohttp
 import pytest
 import pytest_asyncio
 import torch
@@ -680,3 +681,68 @@ async def test_kv_sources_parse_and_match() -> None:
             WorkerSettings(kv_allow=(bad,))
     with pytest.raises(ValueError, match="max_parked_fraction"):
         WorkerSettings(max_parked_fraction=1.5)
+
+
+# -- streams whose client never reads ---------------------------------------------------------------
+
+
+#: a long served-model name: every SSE chunk echoes it, so a never-read stream fills the socket
+#: buffers (a few MB on loopback) in ~1.5k tokens instead of ~20k
+LONG_MODEL = "synthetic-" + "x" * 2000
+
+
+def _never_reading_stream(port: int) -> socket.socket:
+    """A streamed completion without max_tokens (so up to the context's end) on a socket that is
+    never read: a receive buffer as small as the kernel allows, so the worker's send side fills."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    body = json.dumps({"model": LONG_MODEL, "prompt": "hi", "stream": True, "ignore_eos": True}).encode()
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: w\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    return sock
+
+
+async def test_a_stream_whose_client_stops_reading_is_dropped_and_its_kv_freed() -> None:
+    """Never-read streams held a small worker's whole capacity until max_tokens (65k tokens each
+    here); past stream_stall_timeout_s of a full write buffer they are dropped, their slots freed
+    long before their max_tokens, and the worker serves again."""
+    from server.worker.app import WorkerApp
+    from server.worker.synthetic import SyntheticEngine
+
+    engine = SyntheticEngine(64, token_latency_s=0.001)
+    engine.max_num_seqs = 2  # the whole "KV": two sequences
+    room = engine.max_context - 64  # each stream's max_tokens
+    settings = WorkerSettings(model_name=LONG_MODEL, admission_wait_s=0, stream_stall_timeout_s=0.5)
+    app = WorkerApp(engine, settings)
+    server, port = await app.start("127.0.0.1", 0)
+    socks = [_never_reading_stream(port) for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 30
+        while engine.running < 2:
+            assert time.monotonic() < deadline, "the streams did not start"
+            await asyncio.sleep(0.02)
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        plain = {"model": LONG_MODEL, "prompt": "hi", "max_tokens": 2}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url, json=plain) as r:
+                assert r.status == 503  # full: both slots held by clients that read nothing
+            deadline = time.monotonic() + 300  # a safety net only: the check is the token count
+            while engine.running:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            assert app.stalled_streams == 2
+            assert engine.generated_tokens_total < room, "the streams ran to max_tokens"
+            async with session.post(url, json=plain) as r:
+                assert r.status == 200, await r.text()
+    finally:
+        for sock in socks:
+            sock.close()
+        await server.cleanup()
+
+
+async def test_stream_stall_timeout_is_checked() -> None:
+    with pytest.raises(ValueError, match="stream_stall_timeout_s"):
+        WorkerSettings(stream_stall_timeout_s=0)

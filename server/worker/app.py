@@ -231,6 +231,9 @@ class WorkerSettings:
     admission_wait_s: float = 10.0
     #: requests waiting for KV at once; one more is refused at once (503)
     max_waiting: int = 256
+    #: a stream whose client reads nothing for this long (its write buffer stays above the high-water
+    #: mark) is dropped and its KV freed: a client that never reads cannot hold KV until max_tokens
+    stream_stall_timeout_s: float = 30.0
     # The listening side's bounds (server.http.Limits).
     max_body_bytes: int = 64 << 20
     max_header_bytes: int = 16 * 1024
@@ -246,6 +249,8 @@ class WorkerSettings:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.admission_wait_s < 0 or self.max_waiting < 0:
             raise ValueError("admission_wait_s and max_waiting must not be negative")
+        if not self.stream_stall_timeout_s > 0:
+            raise ValueError(f"stream_stall_timeout_s must be > 0, got {self.stream_stall_timeout_s}")
         if not 0.0 <= self.max_parked_fraction <= 1.0:
             raise ValueError(f"max_parked_fraction must be within [0, 1], got {self.max_parked_fraction}")
         self.kv_allow = tuple(self.kv_allow)
@@ -393,6 +398,8 @@ class WorkerApp:
         #: GET /metrics: counts prefix-cache hits and names KV fetch failures (server/metrics_access.py)
         self.metrics_access = MetricsAccess(settings.metrics_token)
         self.max_parked_tokens = int(settings.max_parked_fraction * engine.kv_capacity_tokens)
+        #: streams dropped because their client stopped reading (stream_stall_timeout_s)
+        self.stalled_streams = 0
         self.session: aiohttp.ClientSession | None = None
         self.expiry_task: asyncio.Task[None] | None = None
         #: base of ctx_info_endpoint for a request without a Host header
@@ -1080,12 +1087,28 @@ class WorkerApp:
             if delta.finish_reason is not None:
                 out.write(writer.end(usage_body(int(req.prompt_ids.size), num_tokens)))
                 break
-            await out.drain()  # a client that does not read holds no more than the high-water mark
+            if out.paused and not await self._drained(out):
+                return False  # dropped: the caller frees its KV now, not at max_tokens
             delta = await queue.get()
         self.metrics.generated_tokens.inc(num_tokens)
         self.metrics.latency.observe(time.monotonic() - arrived, route=req.route)
         out.end()
         return not out.closed
+
+
+    async def _drained(self, out: Responder) -> bool:
+        """Wait while the client's write buffer is above the high-water mark (a client that does not
+        read holds no more than that); False, the connection dropped, when it has not come back down
+        within ``stream_stall_timeout_s``: 40 never-read streams without max_tokens held a small
+        worker's whole KV until they finished."""
+        try:
+            async with asyncio.timeout(self.settings.stream_stall_timeout_s):
+                await out.drain()
+        except TimeoutError:
+            self.stalled_streams += 1
+            out.abort()
+            return False
+        return True
 
 
 async def start_worker(

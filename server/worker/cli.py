@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "its 503 (default 10)")  # fmt: skip
     parser.add_argument("--max-waiting", type=int, default=256,
                         help="requests waiting for KV room at once; 503 at once beyond (default 256)")  # fmt: skip
+    parser.add_argument("--stream-stall-timeout", type=float, default=30.0,
+                        help="seconds a stream's client may read nothing (its write buffer full) before the "
+                             "stream is dropped and its KV freed (default 30)")  # fmt: skip
     parser.add_argument("--kv-allow", action="append", default=[], metavar="HOST[:PORT]",
                         help="a host a generation worker may fetch KV from (repeatable; default: loopback "
                              "only without a shared secret, any host with one)")  # fmt: skip
@@ -265,6 +268,7 @@ def run(args: argparse.Namespace) -> int:
             max_parked_fraction=args.max_parked_fraction,
             admission_wait_s=args.admission_wait,
             max_waiting=args.max_waiting,
+            stream_stall_timeout_s=args.stream_stall_timeout,
             kv_allow=tuple(args.kv_allow),
             public_url=args.public_url,
             max_body_bytes=args.max_body_bytes,
