@@ -4,15 +4,24 @@ A worker registers one JSON object (:class:`WorkerRecord`) under
 ``/fastcore/<cluster_name>/workers/<worker_id>`` (etcd; the embedded registry
 keeps the same records in memory). Other tools may register workers the same
 way: docs/protocol.md, "Cluster discovery", is the contract.
+
+trtllm-serve's workers register ``{"worker_id", "host", "port", "role"}`` (role
+0 = context, 1 = generation: its ``ServerRole``) under
+``/trtllm-disagg/<cluster_name>/workers/<worker_id>`` (its
+``disagg_auto_scaling.py``). Orchestrators read both layouts under both
+prefixes (``key_prefixes``), and a record may carry trtllm-serve's fields and
+ours at once; a worker writes one layout (``record_format``).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import re
 import secrets
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -30,6 +39,13 @@ MAX_WORKERS = 1024
 MAX_CAPABILITIES = 64
 #: the key prefix of every fastcore cluster
 KEY_ROOT = "/fastcore"
+#: the key prefix of every trtllm-serve cluster (its get_worker_key_prefix)
+TRTLLM_KEY_ROOT = "/trtllm-disagg"
+#: record layouts / key prefixes: ours and trtllm-serve's
+LAYOUTS = ("fastcore", "trtllm")
+#: trtllm-serve's ServerRole values a worker may register with -> our roles (2+: encoders, ...)
+TRTLLM_ROLES = {0: "context", 1: "generation"}
+_TRTLLM_ROLE_NAMES = {0: "CONTEXT", 1: "GENERATION", 2: "MM_ENCODER", 3: "VISUAL_GEN", 4: "EMBEDDING"}
 _NAME = re.compile(r"[A-Za-z0-9._-]{0,128}")
 _WORKER_ID = re.compile(r"[A-Za-z0-9._:-]{1,200}")
 
@@ -51,6 +67,13 @@ class ClusterSettings:
     inactive_timeout_s: float = 10.0
     #: with a shared secret, the embedded registry's requests are signed (server.auth)
     secret: bytes | None = field(default=None, repr=False)
+    #: the key prefixes an orchestrator reads (LAYOUTS): ours, trtllm-serve's, or both
+    key_prefixes: tuple[str, ...] = LAYOUTS
+    #: the layout a worker registers in: "fastcore" (its record, our prefix) or "trtllm"
+    #: (trtllm-serve's four fields under its prefix, its HTTP storage API on http://)
+    record_format: str = "fastcore"
+    #: trtllm-serve's HTTP cluster storage bearer key (``Authorization: Bearer``); None: the secret
+    api_key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         scheme, sep, rest = self.cluster_uri.partition("://")
@@ -69,6 +92,10 @@ class ClusterSettings:
                 f"heartbeat_interval_sec ({self.heartbeat_interval_s:g}) must be below inactive_timeout_sec "
                 f"({self.inactive_timeout_s:g}): a worker would expire between two heartbeats"
             )
+        if not self.key_prefixes or set(self.key_prefixes) - set(LAYOUTS):
+            raise RecordError(f"key_prefixes: one or more of {', '.join(LAYOUTS)}, got {list(self.key_prefixes)}")
+        if self.record_format not in LAYOUTS:
+            raise RecordError(f"record_format must be one of {', '.join(LAYOUTS)}, got {self.record_format!r}")
 
     @property
     def etcd(self) -> bool:
@@ -79,17 +106,40 @@ class ClusterSettings:
         hosts = self.cluster_uri.removeprefix("etcd://").strip("/").split(",")
         return [f"http://{h.strip()}" for h in hosts if h.strip()]
 
+    def prefix_of(self, layout: str) -> str:
+        """The key prefix of this cluster's workers in ``layout`` (ends in '/'). trtllm-serve's takes
+        the name as it is ('/trtllm-disagg//workers/' when empty), ours says 'default'."""
+        if layout == "trtllm":
+            return f"{TRTLLM_KEY_ROOT}/{self.cluster_name}/workers/"
+        return f"{KEY_ROOT}/{self.cluster_name or 'default'}/workers/"
+
     @property
     def prefix(self) -> str:
-        """The key prefix of this cluster's workers (ends in '/')."""
-        return f"{KEY_ROOT}/{self.cluster_name or 'default'}/workers/"
+        """The key prefix this worker registers under (its ``record_format``'s)."""
+        return self.prefix_of(self.record_format)
+
+    @property
+    def prefixes(self) -> list[str]:
+        """The key prefixes an orchestrator reads (``key_prefixes``)."""
+        return [self.prefix_of(layout) for layout in self.key_prefixes]
 
     def key(self, worker_id: str) -> str:
         return self.prefix + worker_id
 
+    @property
+    def bearer_key(self) -> bytes | None:
+        """trtllm-serve's HTTP storage key: ``api_key``, else the shared secret."""
+        return self.api_key if self.api_key is not None else self.secret
 
-def new_worker_id(role: str, port: int) -> str:
-    """A worker's id: unique per process start (a restarted worker is a new member)."""
+
+def new_worker_id(role: str, port: int, layout: str = "fastcore", host: str = "") -> str:
+    """A worker's id: unique per process start (a restarted worker is a new member).
+
+    ``layout="trtllm"``: trtllm-serve's shape, ``<ROLE>-<host>:<port>-<ms>-<pid>-<nnn>``."""
+    if layout == "trtllm":
+        where = re.sub(r"[^A-Za-z0-9._:-]", "-", host)[:64] or "host"
+        return (f"{role.upper()}-{where}:{port}-{int(time.time() * 1000)}-{os.getpid()}-"
+                f"{secrets.randbelow(1000):03}")  # fmt: skip
     host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:64] or "host"
     return f"{role}-{host}-{port}-{secrets.token_hex(4)}"
 
@@ -184,9 +234,24 @@ def _string(obj: dict[str, Any], name: str, limit: int = 512) -> str:
     return value
 
 
+def _host_port_url(obj: dict[str, Any]) -> str:
+    """trtllm-serve's ``host`` and ``port`` as ``http://HOST:PORT`` (IPv6 bracketed), checked."""
+    host, port = obj.get("host"), obj.get("port")
+    if not isinstance(host, str) or not host or len(host) > 253:
+        raise RecordError("worker record field 'host' must be a non-empty string of at most 253 characters")
+    if type(port) is not int or not 0 < port < 65536:
+        raise RecordError(f"worker record field 'port' must be an integer in 1-65535, got {port!r}"[:200])
+    return check_worker_url(f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}")
+
+
 @dataclass(frozen=True)
 class WorkerRecord:
-    """One registered worker: who it is, what it serves and where."""
+    """One registered worker: who it is, what it serves and where.
+
+    ``layout`` is how it was (or will be) written: ``fastcore`` (``role`` a name, ``url``, ``model``,
+    ``capabilities``) or ``trtllm`` (trtllm-serve's ``host``, ``port`` and ``role`` as its
+    ServerRole number; ``model`` "" when the record names none: unknown, not checked).
+    """
 
     worker_id: str
     role: str
@@ -195,32 +260,63 @@ class WorkerRecord:
     url: str
     #: its /server_info (what a context leg may ask of it, auth, KV capacity, ...)
     capabilities: dict[str, Any] = field(default_factory=dict)
+    layout: str = "fastcore"
 
     def to_json(self) -> bytes:
-        return json.dumps(
-            {
+        if self.layout == "trtllm":
+            # trtllm-serve reads WorkerInfo(**value): exactly these four unless we add ours
+            where = urlsplit(self.url)
+            number = {name: n for n, name in TRTLLM_ROLES.items()}.get(self.role)
+            if number is None:
+                raise RecordError(f"trtllm-serve's records have one role, CONTEXT or GENERATION, not {self.role!r}")
+            obj: dict[str, Any] = {"worker_id": self.worker_id, "host": where.hostname,
+                                   "port": where.port, "role": number}  # fmt: skip
+            if self.model:
+                obj["model"] = self.model
+            if self.capabilities:
+                obj["capabilities"] = self.capabilities
+        else:
+            obj = {
                 "worker_id": self.worker_id,
                 "role": self.role,
                 "model": self.model,
                 "url": self.url,
                 "capabilities": self.capabilities,
-            },
-            separators=(",", ":"),
-        ).encode()
+            }
+        return json.dumps(obj, separators=(",", ":")).encode()
 
     @classmethod
     def from_obj(cls, obj: object) -> WorkerRecord:
+        """Either layout, or both in one record (trtllm-serve's fields plus ours): a numeric
+        ``role`` is trtllm-serve's ServerRole; ``host`` + ``port`` stand for ``url`` (both given:
+        they must agree)."""
         if not isinstance(obj, dict):
             raise RecordError("a worker record must be a JSON object")
         worker_id = _string(obj, "worker_id", 200)
         if not _WORKER_ID.fullmatch(worker_id):
             raise RecordError("worker record field 'worker_id' takes letters, digits and . _ : - only")
-        role = _string(obj, "role")
-        if role not in ROLES:
-            raise RecordError(f"worker record field 'role' must be one of {', '.join(ROLES)}, got {role!r}")
-        url = check_worker_url(_string(obj, "url", 300).rstrip("/"))
+        role = obj.get("role")
+        layout = "fastcore"
+        if type(role) is int:
+            if role not in TRTLLM_ROLES:
+                name = _TRTLLM_ROLE_NAMES.get(role, "unknown")
+                raise RecordError(f"worker record field 'role' {role} (trtllm-serve's {name}): only 0 "
+                                  "(CONTEXT) and 1 (GENERATION) serve here")  # fmt: skip
+            role, layout = TRTLLM_ROLES[role], "trtllm"
+        else:
+            role = _string(obj, "role")
+            if role not in ROLES:
+                raise RecordError(f"worker record field 'role' must be one of {', '.join(ROLES)} "
+                                  f"(or trtllm-serve's 0, 1), got {role!r}")  # fmt: skip
+        if "host" in obj or "port" in obj:
+            url = _host_port_url(obj)
+            if "url" in obj and check_worker_url(_string(obj, "url", 300).rstrip("/")) != url:
+                raise RecordError(f"worker record fields 'url' and 'host'/'port' disagree ({url})")
+        else:
+            url = check_worker_url(_string(obj, "url", 300).rstrip("/"))
         capabilities = _check_capabilities(obj.get("capabilities", {}))
-        return cls(worker_id, role, _string(obj, "model"), url, capabilities)
+        model = _string(obj, "model") if layout == "fastcore" or "model" in obj else ""
+        return cls(worker_id, role, model, url, capabilities, layout)
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> WorkerRecord:
@@ -238,7 +334,7 @@ def parse_entry(prefix: str, key: bytes, value: bytes) -> tuple[str, WorkerRecor
 
     The key must be UTF-8, end in a valid worker id, and name the same worker as its record (a
     record under another worker's key would take that worker's place). The one place a store entry
-    is read: another record layout (e.g. trtllm-serve's) is another branch here.
+    is read: either layout under either prefix (:meth:`WorkerRecord.from_obj`).
     """
     try:
         text = key.decode()
@@ -255,9 +351,12 @@ def parse_entry(prefix: str, key: bytes, value: bytes) -> tuple[str, WorkerRecor
 
 __all__ = [
     "KEY_ROOT",
+    "LAYOUTS",
     "MAX_RECORD_BYTES",
     "MAX_WORKERS",
     "ROLES",
+    "TRTLLM_KEY_ROOT",
+    "TRTLLM_ROLES",
     "ClusterSettings",
     "RecordError",
     "WorkerRecord",

@@ -8,6 +8,15 @@ than the TTL) it registers again under a new one.
 
 http:// (an orchestrator's embedded registry): every heartbeat is a PUT of
 the record; a clean stop is a DELETE.
+
+``record_format: trtllm``: trtllm-serve's record under its prefix, so a
+trtllm-serve orchestrator discovers this worker. etcd: as above (trtllm-serve
+also keeps one lease per key and refreshes it). http://: trtllm-serve's storage
+API, as its ``HttpClusterStorageClient`` and ``DisaggClusterWorker`` use it:
+``POST /set`` with the record and ``ttl``, ``GET /expire`` per heartbeat (a 400:
+the key is gone, register again), ``DELETE /delete`` on a clean stop, with
+``Authorization: Bearer <key>`` when a key is set (never over plain HTTP to a
+host that is not loopback, trtllm-serve's own rule).
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import contextlib
 import json
 import logging
 import math
+from urllib.parse import urlencode, urlsplit
 
 import aiohttp
 
@@ -24,7 +34,9 @@ from server.auth import SIGNATURE_HEADER
 
 from .embedded import REGISTRY_PATH, sign_registry
 from .etcd import TRANSIENT_ERRORS, EtcdClient, EtcdError
-from .records import ClusterSettings, WorkerRecord
+from .records import ClusterSettings, RecordError, WorkerRecord
+
+_LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 
 log = logging.getLogger("fastcore.cluster")
 
@@ -41,6 +53,17 @@ class WorkerRegistration:
     ) -> None:
         self.settings = settings
         self.record = record
+        self.trtllm = settings.record_format == "trtllm"
+        if self.trtllm != (record.layout == "trtllm"):
+            raise RecordError(f"record_format {settings.record_format} needs a record of that layout")
+        if self.trtllm:
+            record.to_json()  # a role trtllm-serve has (no "both"), else the RecordError says so
+            host = (urlsplit(settings.cluster_uri).hostname or "").lower()
+            if not settings.etcd and settings.bearer_key is not None and host not in _LOOPBACK_HOSTS:
+                raise RecordError(
+                    f"cluster_uri {settings.cluster_uri}: trtllm-serve's storage API takes its bearer key "
+                    "over plain HTTP from loopback only (its HttpClusterStorageClient refuses this too)"
+                )
         self._own_session = session is None
         self.session = session
         self.registered = False
@@ -119,7 +142,11 @@ class WorkerRegistration:
             backoff = min(backoff * 2, self.settings.heartbeat_interval_s)
 
     async def _register(self) -> None:
-        if self._etcd is not None:
+        if self._etcd is None and self.trtllm:
+            item = {"key": self.key, "value": self.record.to_json().decode(), "overwrite_if_exists": True,
+                    "ttl": max(1, math.ceil(self.settings.inactive_timeout_s))}  # fmt: skip
+            await self._http("POST", "/set", json.dumps(item).encode())
+        elif self._etcd is not None:
             lease, _ = await self._etcd.grant(max(2, math.ceil(self.settings.inactive_timeout_s)))
             await self._etcd.put(self.key, self.record.to_json(), lease=lease)
             self._lease = lease
@@ -132,6 +159,9 @@ class WorkerRegistration:
         if self._etcd is not None:
             assert self._lease is not None
             return await self._etcd.keepalive(self._lease) > 0
+        if self.trtllm:  # trtllm-serve's heartbeat: 400 when the key is gone
+            ttl = max(1, math.ceil(self.settings.inactive_timeout_s))
+            return await self._http("GET", f"/expire?{_query(key=self.key, ttl=ttl)}", b"", ok=(200, 400)) == 200
         await self._put()
         return True
 
@@ -139,6 +169,9 @@ class WorkerRegistration:
         if self._etcd is not None:
             if self._lease is not None:
                 await self._etcd.revoke(self._lease)
+            return
+        if self.trtllm:
+            await self._http("DELETE", f"/delete?{_query(key=self.key)}", b"", ok=(200, 400))
             return
         url = REGISTRY_PATH.decode() + "/" + self.record.worker_id
         await self._http("DELETE", url, b"", ok=(200, 404))
@@ -151,10 +184,13 @@ class WorkerRegistration:
         ).encode()
         await self._http("PUT", REGISTRY_PATH.decode() + "/" + self.record.worker_id, body)
 
-    async def _http(self, method: str, url: str, body: bytes, *, ok: tuple[int, ...] = (200,)) -> None:
+    async def _http(self, method: str, url: str, body: bytes, *, ok: tuple[int, ...] = (200,)) -> int:
         assert self.session is not None
         headers = {"Content-Type": "application/json"}
-        if self.settings.secret is not None:
+        if self.trtllm:
+            if self.settings.bearer_key is not None:
+                headers["Authorization"] = "Bearer " + self.settings.bearer_key.decode("utf-8", "surrogateescape")
+        elif self.settings.secret is not None:
             headers[SIGNATURE_HEADER] = sign_registry(self.settings.secret, method, url, body)
         timeout = aiohttp.ClientTimeout(total=min(5.0, self.settings.inactive_timeout_s))
         async with self.session.request(
@@ -165,6 +201,11 @@ class WorkerRegistration:
                 raise EtcdError(
                     f"registry {self.settings.cluster_uri}: {method} HTTP {resp.status}: {raw[:300]!r}"
                 )
+            return resp.status
+
+
+def _query(**params: object) -> str:
+    return urlencode(params)
 
 
 __all__ = ["WorkerRegistration"]

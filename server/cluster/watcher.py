@@ -1,6 +1,7 @@
 """The orchestrator's view of a cluster: every registered worker, kept current.
 
-etcd: a full read of the prefix, then a watch from the revision after it;
+etcd: a full read of each key prefix (``key_prefixes``: ours and
+trtllm-serve's), then a watch of each from the revision after the reads;
 every change calls ``on_change`` with the whole set. A probe every
 ``heartbeat_interval_s`` notices an etcd that stopped answering (a dead
 process breaks the watch at once, a partition does not). While etcd is
@@ -83,6 +84,8 @@ class ClusterWatcher:
         #: full reads after the first one (one per reconnection)
         self.resyncs = 0
         self.workers: dict[str, WorkerRecord] = {}
+        #: worker id -> the key prefix its record is under (etcd: one watch per prefix)
+        self._origin: dict[str, str] = {}
         #: store entries skipped (unusable, or past MAX_WORKERS), counted on every read and event
         self.ignored = 0
         self.complaints = Complaints()
@@ -123,13 +126,14 @@ class ClusterWatcher:
     # -- applying what the store says ------------------------------------------------
 
     def _read_all(self, entries: list[tuple[bytes, bytes]], prefix: str, records: dict[str, WorkerRecord],
-                  skipped: dict[str, int]) -> None:  # fmt: skip
-        """Add the usable ones of ``entries`` to ``records``; count the others by reason in ``skipped``."""
+                  skipped: dict[str, int], origin: dict[str, str] | None = None) -> None:  # fmt: skip
+        """Add the usable ones of ``entries`` to ``records`` (``origin``: worker id -> ``prefix``);
+        count the others by reason in ``skipped``."""
         for key, value in entries:
             try:
                 worker_id, record = parse_entry(prefix, key, value)
             except RecordError as exc:
-                reason = str(exc).split(":", 1)[0][:120]
+                reason = str(exc).split(":", 1)[0].split(", got", 1)[0][:120]  # grouped: no sizes
                 skipped[reason] = skipped.get(reason, 0) + 1
                 continue
             if len(records) >= MAX_WORKERS and worker_id not in records:
@@ -137,6 +141,8 @@ class ClusterWatcher:
                 skipped[over] = skipped.get(over, 0) + 1
                 continue
             records[worker_id] = record
+            if origin is not None:
+                origin[worker_id] = prefix
 
     def _summarize(self, skipped: dict[str, int]) -> None:
         if not skipped:
@@ -170,23 +176,28 @@ class ClusterWatcher:
 
     async def _run_etcd(self) -> None:
         assert self._etcd is not None
-        prefix = self.settings.prefix
+        prefixes = self.settings.prefixes
         backoff = 0.05
         while True:
             try:
                 records: dict[str, WorkerRecord] = {}
+                origin: dict[str, str] = {}
                 skipped: dict[str, int] = {}
                 revision = 0
-                async for kvs, page_revision in self._etcd.range_prefix_pages(prefix):
-                    self._read_all(kvs, prefix, records, skipped)
-                    revision = page_revision
+                for prefix in prefixes:  # one bound over all of them: MAX_WORKERS in all
+                    async for kvs, page_revision in self._etcd.range_prefix_pages(prefix):
+                        self._read_all(kvs, prefix, records, skipped, origin)
+                        revision = max(revision, page_revision)
                 self._summarize(skipped)
+                self._origin = origin
                 self._replace(records)
                 backoff = 0.05
-                await self._follow(prefix, revision + 1)
-                raise EtcdError("the watch stream ended")
-            except _TRANSIENT as exc:
-                self._lost(exc)
+                # one watch per prefix, from the revision after the reads; any of them ending is a resync
+                async with asyncio.TaskGroup() as group:
+                    for prefix in prefixes:
+                        group.create_task(self._follow(prefix, revision + 1))
+            except* _TRANSIENT as group_exc:
+                self._lost(group_exc.exceptions[0])
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.settings.heartbeat_interval_s)
 
@@ -197,23 +208,33 @@ class ClusterWatcher:
             for event in events:
                 worker_id = event.key.decode("utf-8", "replace")[len(prefix) :]
                 if event.kind == "DELETE":
-                    changed |= self.workers.pop(worker_id, None) is not None
+                    changed |= self._drop(worker_id, prefix)
                     continue
                 try:
                     worker_id, record = parse_entry(prefix, event.key, event.value)
                 except RecordError as exc:
                     self.ignored += 1
                     self.complaints(event.key.decode("utf-8", "replace"), str(exc))
-                    changed |= self.workers.pop(worker_id, None) is not None
+                    changed |= self._drop(worker_id, prefix)
                     continue
                 if len(self.workers) >= MAX_WORKERS and worker_id not in self.workers:
                     self.ignored += 1
                     self.complaints(worker_id, f"past the {MAX_WORKERS}-worker bound")
                 elif self.workers.get(worker_id) != record:
                     self.workers[worker_id] = record
+                    self._origin[worker_id] = prefix
                     changed = True
             if changed:
                 self.on_change(dict(self.workers))
+        raise EtcdError(f"the watch of {prefix} ended")
+
+    def _drop(self, worker_id: str, prefix: str) -> bool:
+        """Forget ``worker_id`` if its record came from ``prefix`` (the same id under the other
+        prefix is another entry); True if it was known."""
+        if self._origin.get(worker_id, prefix) != prefix:
+            return False
+        self._origin.pop(worker_id, None)
+        return self.workers.pop(worker_id, None) is not None
 
     async def _probe_etcd(self) -> None:
         """Breaks the watch when etcd stops answering, so that its return is a resync."""

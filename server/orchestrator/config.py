@@ -117,6 +117,13 @@ class DisaggClusterConfig(BaseModel):
     # http:// registry without a shared secret: take unsigned registrations from loopback peers
     # (any local process may then register a worker and receive prompts); off: refused (403)
     allow_unsigned_loopback_registration: bool = False
+    # the key prefixes read: ours (/fastcore/<name>/workers/) and trtllm-serve's
+    # (/trtllm-disagg/<name>/workers/); records of either layout are read under either
+    key_prefixes: list[Literal["fastcore", "trtllm"]] = Field(
+        default_factory=lambda: ["fastcore", "trtllm"], min_length=1
+    )
+    # trtllm-serve's HTTP cluster storage bearer key (Authorization: Bearer); default: the shared secret
+    api_key: str | None = Field(None, repr=False)
 
     @field_validator("cluster_uri")
     @classmethod

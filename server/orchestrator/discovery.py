@@ -9,7 +9,8 @@ set goes through :meth:`Discovery.apply`:
   (role ``both``); its URL becomes a pool member and is health-checked at once,
   so it takes traffic as soon as its ``/health`` passes (well within a second);
 - a worker serving another model than the deployment's (config ``model``, else
-  the first worker discovered) is refused, with one log line per worker;
+  the first worker discovered) is refused, with one log line per worker; a
+  trtllm-serve record names no model, so it is not checked;
 - a worker whose registration is gone (clean shutdown, or its lease expired)
   leaves the pool; its requests in flight finish, new ones go elsewhere;
 - statically configured ``urls`` stay whatever discovery says.
@@ -51,6 +52,8 @@ def cluster_settings(config: DisaggClusterConfig, secret: bytes | None = None) -
         heartbeat_interval_s=config.heartbeat_interval_sec,
         inactive_timeout_s=config.inactive_timeout_sec,
         secret=secret,
+        key_prefixes=tuple(dict.fromkeys(config.key_prefixes)),
+        api_key=config.api_key.encode() if config.api_key else None,
     )
 
 
@@ -92,7 +95,7 @@ class Discovery:
             self.embedded = EmbeddedRegistry(
                 self.settings, allow_unsigned_loopback=config.allow_unsigned_loopback_registration
             )
-            if secret is None and not config.allow_unsigned_loopback_registration:
+            if secret is None and not config.api_key and not config.allow_unsigned_loopback_registration:
                 log.warning(
                     "cluster: no shared secret: the registry at %s refuses every registration (set "
                     "FASTCORE_SHARED_SECRET here and on the workers, or disagg_cluster.%s: true)",
@@ -152,6 +155,8 @@ class Discovery:
         why = None
         if record.role not in ROLE_POOLS:
             why = f"role {record.role!r} is none of {', '.join(ROLE_POOLS)}"
+        elif not record.model:
+            pass  # trtllm-serve's records name no model: it cannot be checked here
         elif self.model is None:
             self.model = record.model
             log.info("cluster: serving model %r (the first worker discovered, %s)", record.model, record.url)

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 from typing import Any
+from urllib.parse import urlsplit
 
 from server.auth import SECRET_ENV, read_secret
 from server.cli import cannot_listen
@@ -108,6 +109,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--inactive-timeout-sec", type=float, default=10.0,
                          help="seconds without a heartbeat before the cluster forgets this worker "
                               "(its etcd lease's TTL; default 10)")  # fmt: skip
+    cluster.add_argument("--cluster-record-format", choices=("fastcore", "trtllm"), default="fastcore",
+                         help="register fastcore's record (default), or trtllm-serve's {worker_id, host, "
+                              "port, role} under /trtllm-disagg/ (its HTTP storage API on http://) so a "
+                              "trtllm-serve orchestrator discovers this worker")  # fmt: skip
     add_synthetic_arguments(parser)
 
 
@@ -123,6 +128,7 @@ def cluster_settings(args: argparse.Namespace, secret: bytes | None) -> Any:
         heartbeat_interval_s=args.heartbeat_interval_sec,
         inactive_timeout_s=args.inactive_timeout_sec,
         secret=secret,
+        record_format=args.cluster_record_format,
     )
 
 
@@ -319,19 +325,26 @@ async def _serve(
         if cluster is not None:
             from server.cluster import RecordError, WorkerRecord, WorkerRegistration, new_worker_id
 
-            record = WorkerRecord(
-                worker_id=new_worker_id(settings.role, bound),
-                role=settings.role,
-                model=settings.model_name,
-                url=advertised_url(settings, host, bound),
-                capabilities=app.info(),
-            )
+            url = advertised_url(settings, host, bound)
+            if cluster.record_format == "trtllm":  # trtllm-serve reads exactly its four fields
+                record = WorkerRecord(
+                    worker_id=new_worker_id(settings.role, bound, "trtllm", urlsplit(url).hostname or host),
+                    role=settings.role, model="", url=url, layout="trtllm",
+                )  # fmt: skip
+            else:
+                record = WorkerRecord(
+                    worker_id=new_worker_id(settings.role, bound),
+                    role=settings.role,
+                    model=settings.model_name,
+                    url=url,
+                    capabilities=app.info(),
+                )
             try:  # what every orchestrator would refuse, said here once instead
                 WorkerRecord.from_json(record.to_json())
+                registration = WorkerRegistration(cluster, record)
             except RecordError as exc:
-                print(f"fastcore worker: cannot register: {exc} (--public-url, --host)", file=sys.stderr)
+                print(f"fastcore worker: cannot register: {exc} (--public-url, --host, --role)", file=sys.stderr)
                 return 2
-            registration = WorkerRegistration(cluster, record)
             await registration.start()
         await stop.wait()
     finally:
