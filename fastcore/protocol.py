@@ -41,6 +41,9 @@ FINISH_REASON: Final = "finish_reason"
 USAGE: Final = "usage"
 PROMPT_TOKENS: Final = "prompt_tokens"
 COMPLETION_TOKENS: Final = "completion_tokens"
+#: OpenAI's ``usage.prompt_tokens_details.cached_tokens``: prompt tokens served from the prefix cache
+PROMPT_TOKENS_DETAILS: Final = "prompt_tokens_details"
+CACHED_TOKENS: Final = "cached_tokens"
 #: vLLM's and trtllm-serve's per-tenant prefix-cache isolation: a non-empty string, passed to both legs
 CACHE_SALT: Final = "cache_salt"
 

@@ -234,6 +234,17 @@ def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
+def comparable_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Usage without ``prompt_tokens_details`` (checked to be there): how much of the prompt the
+    serving worker's prefix cache held depends on that worker's history, not on the answer."""
+    if usage is None:
+        return None
+    usage = dict(usage)
+    details = usage.pop("prompt_tokens_details")
+    assert isinstance(details["cached_tokens"], int) and 0 <= details["cached_tokens"] < usage["prompt_tokens"]
+    return usage
+
+
 def run_request(
     client: openai.OpenAI, route: str, stream: bool, max_tokens: int = MAX_TOKENS
 ) -> dict[str, Any]:
@@ -248,7 +259,7 @@ def run_request(
     if not stream:
         choice = result.choices[0]
         text = choice.message.content if route == "chat" else choice.text
-        return {"text": text, "finish_reason": choice.finish_reason, "usage": result.usage.model_dump()}
+        return {"text": text, "finish_reason": choice.finish_reason, "usage": comparable_usage(result.usage.model_dump())}
     parts, finish, usage = [], None, None
     for chunk in result:
         if chunk.usage is not None:
@@ -257,7 +268,7 @@ def run_request(
             piece = choice.delta.content if route == "chat" else choice.text
             parts.append(piece or "")
             finish = choice.finish_reason or finish
-    return {"text": "".join(parts), "finish_reason": finish, "usage": usage}
+    return {"text": "".join(parts), "finish_reason": finish, "usage": comparable_usage(usage)}
 
 
 _reference_cache: dict[tuple[str, bool, int], dict[str, Any]] = {}

@@ -28,7 +28,7 @@ from conftest import free_port
 import fastcore
 from fastcore import relay
 from server.worker.app import WorkerSettings, start_worker
-from server.worker.synthetic import SYNTHETIC_EOS, SyntheticEngine, synthetic_token
+from server.worker.synthetic import SYNTHETIC_EOS, PrefillQueue, SyntheticEngine, synthetic_token
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -294,3 +294,186 @@ async def test_the_modelled_cache_evicts_least_recently_used_and_can_be_off() ->
 async def test_text_mode_refuses_a_negative_prompt_size() -> None:
     with pytest.raises(ValueError, match="--prompt-tokens"):
         SyntheticEngine(-1)
+
+
+# -- bytes per token, the shared prefill compute, usage.prompt_tokens_details.cached_tokens ----------
+
+RENDERED = "<|user|>\n{}\n<|assistant|>\n"
+
+
+@pytest.mark.parametrize("width", [1, 3, 4, 8])
+async def test_text_mode_takes_bytes_per_token_and_publishes_it(width: int) -> None:
+    server, port, engine = await _text_worker(kv_tokens=1 << 16, bytes_per_token=width)
+    content = "words of a prompt " * 40
+    try:
+        async with aiohttp.ClientSession() as session:
+            body = {"model": "synthetic", "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+            async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                usage = (await r.json())["usage"]
+            async with session.get(f"http://127.0.0.1:{port}/server_info") as r:
+                info = await r.json()
+        assert usage["prompt_tokens"] == -(-len(RENDERED.format(content)) // width)
+        assert info["bytes_per_token"] == width
+        # the modelled cache is the KV a cache-aware router sizes its view of this worker by
+        assert info["kv_capacity_tokens"] == 1 << 16
+    finally:
+        await server.cleanup()
+
+
+async def test_four_bytes_per_token_keeps_the_ids_of_before() -> None:
+    text = "an agentic prompt, é and 🙂 included"
+    raw = text.encode() + b"\0" * (-len(text.encode()) % 4)
+    expected = np.frombuffer(raw, dtype="<u4") % SYNTHETIC_EOS
+    assert np.array_equal(SyntheticEngine(0).tokenizer.encode(text), expected)
+    three = SyntheticEngine(0, bytes_per_token=3).tokenizer.encode("abcdef")
+    assert three.tolist() == [(ord("a") + 256 * ord("b") + 65536 * ord("c")) % SYNTHETIC_EOS,
+                              (ord("d") + 256 * ord("e") + 65536 * ord("f")) % SYNTHETIC_EOS]  # fmt: skip
+
+
+@pytest.mark.parametrize("width", [0, 9, -1])
+async def test_bytes_per_token_outside_1_to_8_is_refused(width: int) -> None:
+    with pytest.raises(ValueError, match="--bytes-per-token must be an integer from 1 to 8"):
+        SyntheticEngine(0, bytes_per_token=width)
+
+
+async def test_fixed_prompts_publish_no_bytes_per_token() -> None:
+    assert SyntheticEngine(64).bytes_per_token is None
+    assert SyntheticEngine(0, bytes_per_token=3).bytes_per_token == 3
+
+
+async def _chat(session: aiohttp.ClientSession, url: str, content: str, **extra: Any) -> dict[str, Any]:
+    body = {"model": "synthetic", "messages": [{"role": "user", "content": content}], "max_tokens": 2, **extra}
+    async with session.post(url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        if not extra.get("stream"):
+            return await r.json()
+        raw = await r.read()
+    return client_visible(raw, True, "chat")[2][0]  # the streamed usage chunk's usage
+
+
+async def test_prefills_queue_for_the_shared_compute_first_come_first_served() -> None:
+    """A long uncached prompt holds the compute: a short one sent after it answers after it, and a
+    copy of the long one queued behind it finds its blocks cached by the time its turn comes."""
+    server, port, engine = await _text_worker(kv_tokens=1 << 16, prefill_tokens_per_s=20_000)
+    url = f"http://127.0.0.1:{port}"
+    long_text, short_text = "a long prompt " * 1000, "short"  # ~3,500 ids: 0.18 s of compute
+    finished: list[str] = []
+    try:
+        async with aiohttp.ClientSession() as session:
+
+            async def send(name: str, content: str) -> dict[str, Any]:
+                answer = await _chat(session, url, content)
+                finished.append(name)
+                return answer
+
+            first = asyncio.create_task(send("long", long_text))
+            while engine.running == 0:  # the long one is in the engine (and so first in the queue)
+                await asyncio.sleep(0.001)
+            copy = asyncio.create_task(send("copy", long_text))
+            while engine.running < 2:
+                await asyncio.sleep(0.001)
+            short = asyncio.create_task(send("short", short_text))
+            answers = await asyncio.gather(first, copy, short)
+        # Without a shared compute the short prompt's own timer ends first.
+        assert finished == ["long", "copy", "short"]
+        long_usage, copy_usage, _ = (a["usage"] for a in answers)
+        assert long_usage["prompt_tokens_details"]["cached_tokens"] == 0
+        cached = copy_usage["prompt_tokens_details"]["cached_tokens"]
+        assert cached == (copy_usage["prompt_tokens"] - 1) // 16 * 16 > 0
+        assert engine.prefill_computed_tokens + engine.prefix_hit_tokens == sum(
+            a["usage"]["prompt_tokens"] for a in answers
+        )
+        # busy for what was computed, at the configured rate
+        assert engine.prefill_queue is not None
+        assert engine.prefill_queue.busy_s == pytest.approx(engine.prefill_computed_tokens / 20_000)
+    finally:
+        await server.cleanup()
+
+
+async def test_a_cancelled_prefill_leaves_the_queue() -> None:
+    """Waiting: it leaves without taking a turn. Running: the rest of its turn goes to the next."""
+    queue = PrefillQueue(1000.0)
+    order: list[str] = []
+
+    async def job(name: str, tokens: int) -> None:
+        await queue.run(lambda: tokens)
+        order.append(name)
+
+    head = asyncio.create_task(job("head", 200))
+    await asyncio.sleep(0)
+    waiting = asyncio.create_task(job("waiting", 10_000))
+    last = asyncio.create_task(job("last", 10))
+    await asyncio.sleep(0)
+    assert queue.waiting == 2
+    waiting.cancel()
+    await asyncio.gather(head, last)
+    assert order == ["head", "last"] and queue.waiting == 0
+    assert queue.busy_s == pytest.approx(0.21)
+    running = asyncio.create_task(job("running", 10_000))
+    await asyncio.sleep(0)
+    after = asyncio.create_task(job("after", 10))
+    await asyncio.sleep(0.01)
+    running.cancel()
+    await after  # it did not wait out the cancelled one's 10 s
+    assert order == ["head", "last", "after"]
+    assert 0.21 + 0.01 <= queue.busy_s < 1.0
+
+
+async def test_prefill_rate_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="--prefill-tokens-per-s must be > 0"):
+        SyntheticEngine(0, prefill_tokens_per_s=-5)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_usage_says_how_many_prompt_tokens_the_cache_served(stream: bool) -> None:
+    server, port, engine = await _text_worker(kv_tokens=1 << 16)
+    url = f"http://127.0.0.1:{port}"
+    extra: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+    try:
+        async with aiohttp.ClientSession() as session:
+            first = await _chat(session, url, "x" * 2000, **extra)
+            second = await _chat(session, url, "x" * 2000, **extra)
+        first = first if stream else first["usage"]
+        second = second if stream else second["usage"]
+        assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert second["prompt_tokens_details"]["cached_tokens"] == engine.prefix_hit_tokens > 0
+    finally:
+        await server.cleanup()
+
+
+async def test_generation_leg_reports_the_context_workers_cached_tokens(http: aiohttp.ClientSession) -> None:
+    """The context worker prefilled the client's prompt: the generation leg's usage carries that
+    worker's cached_tokens (ctx_usage, as trtllm-serve's generation workers do), not its own."""
+    ctx_server, ctx_port, ctx_engine = await _text_worker(kv_tokens=1 << 16)
+    engine = SyntheticEngine(0, kv_tokens=1 << 16)
+    gen_server, gen_port = await start_worker(engine, WorkerSettings(role="generation", model_name="synthetic"))
+    try:
+        client_body = json.dumps({"model": "synthetic", "messages": [{"role": "user", "content": "y" * 3000}],
+                                  "max_tokens": 3}).encode()  # fmt: skip
+        path = "/v1/chat/completions"
+        usages = []
+        for n in range(2):
+            ctx_body = relay.build_context_request(client_body, disagg_request_id=70 + n, return_b64=True)
+            status, ctx = await post(http, f"http://127.0.0.1:{ctx_port}{path}", ctx_body)
+            assert status == 200, ctx
+            gen_body = relay.build_generation_request(client_body, ctx, tokids_b64=True, strip_history=True)
+            status, gen = await post(http, f"http://127.0.0.1:{gen_port}{path}", gen_body)
+            assert status == 200, gen
+            ctx_cached = json.loads(ctx)["usage"]["prompt_tokens_details"]["cached_tokens"]
+            usages.append((ctx_cached, json.loads(gen)["usage"]["prompt_tokens_details"]["cached_tokens"]))
+        assert usages[0] == (0, 0)
+        assert usages[1][0] == usages[1][1] == ctx_engine.prefix_hit_tokens > 0
+        # the generation worker holds the imported prompt's blocks now
+        assert engine.prefix_cached_tokens > 0
+        # A leg whose KV is not its prompt's (refused: the prefill recomputed here) reports this
+        # worker's own count, not the context worker's.
+        other = json.dumps({"model": "synthetic", "messages": [{"role": "user", "content": "z" * 3000}],
+                            "max_tokens": 3}).encode()  # fmt: skip
+        gen_body = relay.build_generation_request(other, ctx, tokids_b64=False, strip_history=False)
+        status, gen = await post(http, f"http://127.0.0.1:{gen_port}{path}", gen_body)
+        assert status == 200, gen
+        assert json.loads(gen)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    finally:
+        await ctx_server.cleanup()
+        await gen_server.cleanup()

@@ -83,12 +83,23 @@ async def call(http: aiohttp.ClientSession, url: str, body: Any, **kw: Any) -> t
         return resp.status, json.loads(text)
 
 
+def comparable_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Usage without ``prompt_tokens_details`` (checked to be there): how much of the prompt the
+    serving worker's prefix cache held depends on that worker's history, not on the answer."""
+    if usage is None:
+        return None
+    usage = dict(usage)
+    details = usage.pop("prompt_tokens_details")
+    assert isinstance(details["cached_tokens"], int) and 0 <= details["cached_tokens"] < usage["prompt_tokens"]
+    return usage
+
+
 def outcome(route: str, result: Any) -> dict[str, Any]:
-    """Text, finish reason and usage of a response, streamed or not, in one shape."""
+    """Text, finish reason and usage (without cached_tokens) of a response, streamed or not, in one shape."""
     if isinstance(result, dict):
         choice = result["choices"][0]
         text = choice["message"]["content"] if route == "chat" else choice["text"]
-        return {"text": text, "finish_reason": choice["finish_reason"], "usage": result["usage"]}
+        return {"text": text, "finish_reason": choice["finish_reason"], "usage": comparable_usage(result["usage"])}
     chunks = [c for c in result if c["choices"]]
     usage = [c["usage"] for c in result if not c["choices"]]
     if route == "chat":
@@ -98,7 +109,7 @@ def outcome(route: str, result: Any) -> dict[str, Any]:
         text = "".join(c["choices"][0]["text"] for c in chunks)
     finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]]
     assert len(finishes) == 1 and chunks[-1]["choices"][0]["finish_reason"] == finishes[0]
-    return {"text": text, "finish_reason": finishes[0], "usage": usage[0] if usage else None}
+    return {"text": text, "finish_reason": finishes[0], "usage": comparable_usage(usage[0] if usage else None)}
 
 
 async def context_leg(

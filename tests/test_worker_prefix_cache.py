@@ -11,6 +11,7 @@ tokens computed, and /metrics says how many were served from the cache.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import aiohttp
@@ -259,3 +260,26 @@ async def test_parked_entries_sharing_a_prefix_count_its_blocks_once(engines: li
     # eviction counts what it really frees: asking for all the parked KV takes every entry
     reuse.evict_parked(reuse.parked_tokens)
     assert reuse.parked_count == 0 and reuse.parked_tokens == 0 and reuse.kv_used_tokens == 0
+
+
+async def test_usage_reports_the_prompt_tokens_served_from_the_cache() -> None:
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's field), unary and streamed: 0 on a cold
+    cache, the reused full blocks after (never the last prompt id)."""
+    worker = await tiny_worker()
+    try:
+        async with aiohttp.ClientSession() as session:
+            chat = {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4,
+                    "temperature": 0}  # fmt: skip
+            cold = (await _post(session, worker.url + "/v1/chat/completions", chat))["usage"]
+            warm = (await _post(session, worker.url + "/v1/chat/completions", chat))["usage"]
+            streamed = {**chat, "stream": True, "stream_options": {"include_usage": True}}
+            async with session.post(worker.url + "/v1/chat/completions", json=streamed) as r:
+                events = [e[6:] for e in (await r.text()).split("\n\n") if e.startswith("data: {")]
+            stream_usage = [u for u in (json.loads(e).get("usage") for e in events) if u][0]
+        assert cold["prompt_tokens_details"] == {"cached_tokens": 0}
+        expected = (warm["prompt_tokens"] - 1) // BS * BS
+        assert expected > 0
+        assert warm["prompt_tokens_details"] == {"cached_tokens": expected}
+        assert stream_usage["prompt_tokens_details"] == {"cached_tokens": expected}
+    finally:
+        await worker.server.cleanup()

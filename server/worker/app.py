@@ -105,7 +105,7 @@ from .protocol import (
     new_response_id,
     parse_request,
     prompt_ids_members,
-    usage_body,
+    request_usage,
 )
 
 if TYPE_CHECKING:
@@ -571,6 +571,8 @@ class WorkerApp:
             "local_prefill": True,
             # Full KV blocks are reused across requests that share a prefix (server/worker/kv_cache.py).
             "prefix_caching": bool(getattr(engine, "prefix_caching", False)),
+            # The synthetic text mode's text bytes per prompt id (--bytes-per-token); absent otherwise.
+            **({"bytes_per_token": bpt} if (bpt := getattr(engine, "bytes_per_token", None)) else {}),
             # Legs this worker accepts: a fastcore signature needed (else unsigned); an
             # x-trtllm-disagg-auth accepted (and needed) on legs naming where the KV is.
             "internal_auth": {
@@ -755,6 +757,7 @@ class WorkerApp:
             metrics.handoff.inc(event="recomputed")
             return
         engine_req.kv_import = (payload.k, payload.v)
+        engine_req.kv_imported = True
         engine_req.forced_logprobs = [payload.first_logprob if req.params.logprobs is not None else None]
         metrics.handoff.inc(event="fetched")
 
@@ -961,7 +964,7 @@ class WorkerApp:
             queued = True
             self.metrics.prompt_tokens.inc(int(req.prompt_ids.size))
             if req.stream and not req.is_context_only:
-                answered = await self._stream(out, req, queue, arrived)
+                answered = await self._stream(out, req, engine_req, queue, arrived)
             else:
                 answered = await self._respond(request, out, req, engine_req, queue, arrived)
             return 200
@@ -1050,7 +1053,7 @@ class WorkerApp:
             model=req.model,
             text="".join(d.text for d in deltas),
             finish_reason=deltas[-1].finish_reason,
-            usage=usage_body(int(req.prompt_ids.size), len(token_ids)),
+            usage=request_usage(req, len(token_ids), engine_req),
             logprobs=logprobs,
             tokenizer=self.engine.tokenizer,
         )
@@ -1067,7 +1070,12 @@ class WorkerApp:
         return not out.closed
 
     async def _stream(
-        self, out: Responder, req: ParsedRequest, queue: asyncio.Queue[Delta], arrived: float
+        self,
+        out: Responder,
+        req: ParsedRequest,
+        engine_req: EngineRequest,
+        queue: asyncio.Queue[Delta],
+        arrived: float,
     ) -> bool:
         """The answer as SSE events; whether the stream reached its end on a connected client."""
         # Wait for the first output before committing to a 200, so an engine error is still a JSON error.
@@ -1085,7 +1093,7 @@ class WorkerApp:
             num_tokens += len(delta.token_ids)
             out.write(writer.delta(delta))
             if delta.finish_reason is not None:
-                out.write(writer.end(usage_body(int(req.prompt_ids.size), num_tokens)))
+                out.write(writer.end(request_usage(req, num_tokens, engine_req)))
                 break
             if out.paused and not await self._drained(out):
                 return False  # dropped: the caller frees its KV now, not at max_tokens

@@ -73,6 +73,8 @@ class EngineRequest:
     forced_tokens: list[int] = field(default_factory=list)
     # The prompt's K and V from the context worker ([layers, T, kv_heads, head_dim] tensors), or None to prefill.
     kv_import: tuple[Any, Any] | None = None
+    #: the prompt's KV came from the context worker (kv_import is dropped once written; this stays)
+    kv_imported: bool = False
     forced_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     # context_only: stop after the first token and park the prompt's KV under this id.
     park_as: int | None = None

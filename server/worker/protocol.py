@@ -27,7 +27,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 import numpy as np
@@ -42,6 +42,9 @@ from server.surrogates import check_no_lone_surrogates
 
 from .output import Delta, SamplingParams, TokenLogprob
 from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .engine_api import EngineRequest
 
 Route = Literal["chat", "completions"]
 
@@ -969,12 +972,34 @@ def new_response_id(route: Route) -> str:
     return ("chatcmpl-" if route == "chat" else "cmpl-") + uuid.uuid4().hex
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {
         wire.PROMPT_TOKENS: prompt_tokens,
         wire.COMPLETION_TOKENS: completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        # OpenAI's field (trtllm-serve's UsageInfo has it too): prompt tokens served from the prefix cache
+        wire.PROMPT_TOKENS_DETAILS: {wire.CACHED_TOKENS: cached_tokens},
     }
+
+
+def request_usage(req: ParsedRequest, completion_tokens: int, engine_req: EngineRequest) -> dict[str, Any]:
+    """A request's ``usage``; ``cached_tokens``: the prompt tokens this worker's prefix cache served
+    (``engine_req.cached_prefix``).
+
+    A generation leg that imported its context worker's KV reports that worker's count instead,
+    from the context leg's usage the orchestrator relays (``disaggregated_params.ctx_usage``), as
+    trtllm-serve's generation workers do: the context worker prefilled the client's prompt. One
+    that recomputed the prefill (the KV unreachable or not the prompt's) reports its own. A
+    ``cached_tokens`` there that is not a non-negative integer is ignored."""
+    cached = engine_req.cached_prefix
+    if engine_req.kv_imported and req.disagg is not None:
+        ctx_usage = req.disagg.raw.get(wire.CTX_USAGE)
+        details = ctx_usage.get(wire.PROMPT_TOKENS_DETAILS) if isinstance(ctx_usage, dict) else None
+        value = details.get(wire.CACHED_TOKENS) if isinstance(details, dict) else None
+        if type(value) is int and value >= 0:
+            cached = value
+    prompt_tokens = int(req.prompt_ids.size)
+    return usage_body(prompt_tokens, completion_tokens, min(cached, prompt_tokens))
 
 
 def chat_logprobs(logprobs: list[TokenLogprob], tokenizer: Tokenizer) -> dict[str, Any]:
@@ -1137,6 +1162,7 @@ __all__ = [
     "parse_request",
     "sse_event",
     "stream_chunk",
+    "request_usage",
     "usage_body",
     "usage_chunk",
 ]

@@ -22,13 +22,23 @@ What is real:
   cache bytes are shipped.
 
 With ``--prompt-tokens 0`` the prompt is the text instead: its chat template
-is ``<|role|>\ncontent\n`` per message (then ``<|assistant|>\n``), and every 4
-bytes of it are one id, so prompts that share text share ids (an agentic
-conversation's turns do). The prefix cache is then modelled like the torch
-engine's: full blocks of 16 ids keyed by the same chained hash, least recently
-used first out beyond ``--kv-tokens``, and a prefill costs
-``--prefill-latency-ms`` plus ``--prefill-ms-per-1k-tokens`` per 1,000 ids
-not served from the cache.
+is ``<|role|>\ncontent\n`` per message (then ``<|assistant|>\n``), and every
+``--bytes-per-token`` bytes of it (4 by default; 1 to 8, so that traces made
+with other tokenizers can be replayed) are one id, so prompts that share text
+share ids (an agentic conversation's turns do). The prefix cache is then
+modelled like the torch engine's (:class:`PrefixCacheModel`): full blocks of
+16 ids keyed by the same chained hash, least recently used first out beyond
+``--kv-tokens`` (which ``kv_capacity_tokens`` then reports), and a prefill
+costs ``--prefill-latency-ms`` plus ``--prefill-ms-per-1k-tokens`` per 1,000
+ids not served from the cache. A response's ``usage`` says how many prompt ids
+the cache served (``prompt_tokens_details.cached_tokens``).
+
+``--prefill-tokens-per-s R`` makes the prefill compute one resource of the
+worker (:class:`PrefillQueue`), as a real engine's is: the ids each request
+must compute queue first come first served at ``R`` ids a second, so one long
+uncached prompt delays every prompt behind it, and routing that saves prefill
+saves time-to-first-token under load. Without it each request's prefill is a
+timer of its own (nothing queues).
 """
 
 from __future__ import annotations
@@ -37,8 +47,8 @@ import argparse
 import asyncio
 import functools
 import time
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -53,6 +63,9 @@ GENERATION_ROOM = 1 << 16
 TEXT_MAX_CONTEXT = 1 << 20
 #: the modelled prefix cache's block size (the torch engine's default)
 BLOCK_SIZE = 16
+#: text bytes per id of the text mode (--bytes-per-token): the default, and the range taken
+DEFAULT_BYTES_PER_TOKEN = 4
+MAX_BYTES_PER_TOKEN = 8
 
 _WORDS = (
     "alpha", "beta", "gamma", "delta", "kernel", "token", "cache", "batch", "stream", "decode",
@@ -72,11 +85,17 @@ class SyntheticTokenizer:
     eos_token_ids: ClassVar[list[int]] = [SYNTHETIC_EOS]
     bos_token_id = None
 
-    def __init__(self, prompt_tokens: int, seed: int = 0) -> None:
+    def __init__(self, prompt_tokens: int, seed: int = 0, bytes_per_token: int = DEFAULT_BYTES_PER_TOKEN) -> None:
         if prompt_tokens < 0:
             raise ValueError("--prompt-tokens must be at least 1 (or 0: the text's own ids)")
-        #: --prompt-tokens 0: ids from the text (4 bytes each) instead of one fixed prompt
+        if not (type(bytes_per_token) is int and 1 <= bytes_per_token <= MAX_BYTES_PER_TOKEN):
+            raise ValueError(f"--bytes-per-token must be an integer from 1 to {MAX_BYTES_PER_TOKEN}, "
+                             f"got {bytes_per_token!r}")  # fmt: skip
+        #: --prompt-tokens 0: ids from the text (``bytes_per_token`` bytes each) instead of one fixed prompt
         self.from_text = prompt_tokens == 0
+        self.bytes_per_token = bytes_per_token
+        #: the little-endian value of each id's bytes (uint64 arithmetic wraps: still deterministic)
+        self._weights = (np.uint64(256) ** np.arange(bytes_per_token, dtype=np.uint64)).astype(np.uint64)
         rng = np.random.default_rng(seed)
         self.prompt_ids = rng.integers(0, SYNTHETIC_EOS, size=prompt_tokens, dtype=np.int32)
         self.prompt_ids.setflags(write=False)
@@ -85,8 +104,13 @@ class SyntheticTokenizer:
         if not self.from_text:
             return self.prompt_ids
         raw = text.encode("utf-8", "surrogatepass")
-        raw += b"\0" * (-len(raw) % 4)
-        ids = (np.frombuffer(raw, dtype="<u4") % SYNTHETIC_EOS).astype(np.int32)
+        width = self.bytes_per_token
+        raw += b"\0" * (-len(raw) % width)
+        if width in (1, 2, 4, 8):  # one id per little-endian unsigned integer of the text
+            values = np.frombuffer(raw, dtype=f"<u{width}")
+        else:
+            values = np.frombuffer(raw, dtype=np.uint8).reshape(-1, width).astype(np.uint64) @ self._weights
+        ids = (values.astype(np.uint64) % np.uint64(SYNTHETIC_EOS)).astype(np.int32)
         return ids if ids.size else np.zeros(1, dtype=np.int32)
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -117,6 +141,136 @@ def synthetic_token(prompt_len: int, position: int) -> int:
     return (prompt_len * 31 + position * 7919 + 1) % SYNTHETIC_EOS
 
 
+class PrefixCacheModel:
+    """The torch engine's prefix cache without the KV: which full blocks of ``BLOCK_SIZE`` ids are
+    held, keyed by the same chained hash (:func:`chain_block_hashes`), least recently used first
+    out beyond ``capacity_tokens``. The synthetic engine keeps one per worker; ``bench.trace``
+    replays a whole trace through one of the fleet's total size (its pooled oracle)."""
+
+    def __init__(self, capacity_tokens: int, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.capacity_tokens = capacity_tokens
+        #: chained block hash -> None, least recently used first
+        self._blocks: OrderedDict[bytes, None] = OrderedDict()
+        self._max_blocks = max(1, capacity_tokens // BLOCK_SIZE)
+        self.evicted_blocks = 0
+
+    @property
+    def cached_tokens(self) -> int:
+        return len(self._blocks) * BLOCK_SIZE
+
+    def lookup(self, ids: np.ndarray, root: bytes = b"") -> tuple[int, list[bytes]]:
+        """Ids of ``ids`` the cache serves (never the last one: its logits are computed), and every
+        full block's hash (chained from ``root``: the request's cache_salt, as the torch engine's
+        cache does). The blocks that hit become the most recently used."""
+        hashes = [h for h, _ in chain_block_hashes(ids, BLOCK_SIZE, int(ids.size) // BLOCK_SIZE, 0, root)]
+        hit = 0
+        if self.enabled:
+            blocks = self._blocks
+            for digest in hashes[: (int(ids.size) - 1) // BLOCK_SIZE]:
+                if digest not in blocks:
+                    break
+                blocks.move_to_end(digest)
+                hit += 1
+        return hit * BLOCK_SIZE, hashes
+
+    def remember(self, hashes: list[bytes]) -> None:
+        """The blocks a prefill computed (or a KV import brought): held now, most recently used."""
+        if not self.enabled:
+            return
+        blocks = self._blocks
+        for digest in hashes:
+            blocks[digest] = None
+            blocks.move_to_end(digest)
+        while len(blocks) > self._max_blocks:
+            blocks.popitem(last=False)
+            self.evicted_blocks += 1
+
+
+class _PrefillJob:
+    __slots__ = ("computed", "cost", "done", "timer")
+
+    def __init__(
+        self, cost: Callable[[], int], computed: Callable[[], None] | None, done: asyncio.Future[None]
+    ) -> None:
+        self.cost = cost
+        self.computed = computed
+        self.done = done
+        self.timer: asyncio.TimerHandle | None = None
+
+    def finish(self) -> None:
+        if self.computed is not None:
+            self.computed()
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+class PrefillQueue:
+    """A worker's prefill compute, shared: ``tokens_per_s`` ids a second, first come first served.
+
+    This is chunked prefill with a per-step token budget (vLLM's, trtllm's) in the limit of short
+    steps: each step's budget goes to the oldest request still prefilling, so a request's first
+    token waits for the uncached ids of every request ahead of it. A request's cost is asked for
+    when its turn comes (``cost()``), as an engine looks its prefix up when it schedules it, and
+    ``computed()`` is called the moment its ids are (the blocks are cached then): so a prefix that
+    an earlier request in the queue computes is a hit by the time it counts. A request cancelled
+    while waiting leaves the queue; one cancelled during its turn has spent the time it ran.
+    """
+
+    def __init__(self, tokens_per_s: float) -> None:
+        if not tokens_per_s > 0:
+            raise ValueError(f"--prefill-tokens-per-s must be > 0, got {tokens_per_s}")
+        self.tokens_per_s = tokens_per_s
+        self._jobs: deque[_PrefillJob] = deque()
+        #: seconds spent prefilling (busy), for utilisation
+        self.busy_s = 0.0
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued behind the one prefilling now."""
+        return max(0, len(self._jobs) - 1)
+
+    async def run(self, cost: Callable[[], int], computed: Callable[[], None] | None = None) -> None:
+        """Wait for this request's turn, then for its ``cost()`` ids to be computed."""
+        job = _PrefillJob(cost, computed, asyncio.get_running_loop().create_future())
+        self._jobs.append(job)
+        if len(self._jobs) == 1:
+            self._start_head()
+        try:
+            await job.done
+        except asyncio.CancelledError:
+            self._leave(job)
+            raise
+
+    def _start_head(self) -> None:
+        while self._jobs:
+            job = self._jobs[0]
+            seconds = max(0, job.cost()) / self.tokens_per_s
+            if seconds > 0:
+                self.busy_s += seconds
+                job.timer = asyncio.get_running_loop().call_later(seconds, self._finish_head)
+                return
+            self._jobs.popleft()  # all cached: nothing to compute, no turn taken
+            job.finish()
+
+    def _finish_head(self) -> None:
+        self._jobs.popleft().finish()
+        self._start_head()
+
+    def _leave(self, job: _PrefillJob) -> None:
+        if self._jobs and self._jobs[0] is job:
+            if job.timer is not None:  # the rest of its turn is given to the next
+                self.busy_s -= max(0.0, job.timer.when() - asyncio.get_running_loop().time())
+                job.timer.cancel()
+            self._jobs.popleft()
+            self._start_head()
+        else:
+            try:
+                self._jobs.remove(job)
+            except ValueError:
+                pass
+
+
 class SyntheticEngine:
     """An :class:`~server.worker.engine_api.Engine` whose steps are timers on the event loop."""
 
@@ -131,19 +285,21 @@ class SyntheticEngine:
         prefill_s_per_token: float = 0.0,
         kv_tokens: int = 1 << 20,
         prefix_caching: bool = True,
+        bytes_per_token: int = DEFAULT_BYTES_PER_TOKEN,
+        prefill_tokens_per_s: float = 0.0,
     ) -> None:
-        self.tokenizer = SyntheticTokenizer(prompt_tokens, seed)
+        self.tokenizer = SyntheticTokenizer(prompt_tokens, seed, bytes_per_token)
         self.vocab_size = SYNTHETIC_VOCAB
         self.max_context = (TEXT_MAX_CONTEXT if prompt_tokens == 0 else prompt_tokens) + GENERATION_ROOM
         self.prefill_latency_s = prefill_latency_s
         self.prefill_s_per_token = prefill_s_per_token
         self.prefix_caching = prefix_caching
-        #: the modelled prefix cache: chained block hash -> None, least recently used first
-        self._blocks: OrderedDict[bytes, None] = OrderedDict()
-        self._max_blocks = max(1, kv_tokens // BLOCK_SIZE)
+        #: the modelled prefix cache (text mode)
+        self.cache = PrefixCacheModel(kv_tokens, prefix_caching)
+        #: the shared prefill compute (--prefill-tokens-per-s), or None: every prefill its own timer
+        self.prefill_queue = PrefillQueue(prefill_tokens_per_s) if prefill_tokens_per_s else None
         self.prefix_hit_tokens = 0
         self.prefill_computed_tokens = 0
-        self.prefix_evicted_blocks = 0
         self.token_latency_s = token_latency_s
         self.max_num_seqs = max_num_seqs
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -169,7 +325,16 @@ class SyntheticEngine:
     # -- statistics for /metrics ----------------------------------------------
     @property
     def queue_depth(self) -> int:
-        return 0
+        return 0 if self.prefill_queue is None else self.prefill_queue.waiting
+
+    @property
+    def bytes_per_token(self) -> int | None:
+        """Text bytes per prompt id (/server_info), in the text mode; None when every prompt is fixed ids."""
+        return self.tokenizer.bytes_per_token if self.tokenizer.from_text else None
+
+    @property
+    def prefix_evicted_blocks(self) -> int:
+        return self.cache.evicted_blocks
 
     @property
     def running(self) -> int:
@@ -181,6 +346,9 @@ class SyntheticEngine:
 
     @property
     def kv_capacity_tokens(self) -> int:
+        # The text mode's modelled cache is its KV: what a cache-aware router should size its view by.
+        if self.tokenizer.from_text:
+            return self.cache.capacity_tokens
         return self.max_context * self.max_num_seqs
 
     @property
@@ -231,49 +399,63 @@ class SyntheticEngine:
 
     @property
     def prefix_cached_tokens(self) -> int:
-        return len(self._blocks) * BLOCK_SIZE
+        return self.cache.cached_tokens
 
     def _prefix(self, ids: np.ndarray, root: bytes = b"") -> tuple[int, list[bytes]]:
-        """Ids of ``ids`` the modelled cache serves (never the last one), and every full block's hash
-        (chained from ``root``: the request's cache_salt, as the torch engine's cache does)."""
-        hashes = [h for h, _ in chain_block_hashes(ids, BLOCK_SIZE, int(ids.size) // BLOCK_SIZE, 0, root)]
-        hit = 0
-        if self.prefix_caching:
-            for digest in hashes[: (int(ids.size) - 1) // BLOCK_SIZE]:
-                if digest not in self._blocks:
-                    break
-                self._blocks.move_to_end(digest)
-                hit += 1
-        return hit * BLOCK_SIZE, hashes
+        return self.cache.lookup(ids, root)
 
     def _remember(self, hashes: list[bytes]) -> None:
-        if not self.prefix_caching:
+        self.cache.remember(hashes)
+
+    async def _prefill(self, req: EngineRequest) -> None:
+        """The prompt's prefill: counted, timed, queued for the shared compute when there is one;
+        its full blocks are held once computed (text mode)."""
+        prompt_len = int(req.prompt_ids.size)
+        modelled = self.tokenizer.from_text
+        hashes: list[bytes] = []
+
+        def uncached() -> int:  # looked up when the prefill is scheduled
+            nonlocal hashes
+            hit = 0
+            if modelled:
+                hit, hashes = self._prefix(req.prompt_ids, req.cache_root)
+            req.cached_prefix = hit
+            self.prefix_hit_tokens += hit
+            self.prefill_computed_tokens += prompt_len - hit
+            return prompt_len - hit
+
+        def computed() -> None:
+            if modelled:
+                self._remember(hashes)
+
+        queue = self.prefill_queue
+        if queue is None:
+            to_compute = uncached()
+            delay = self.prefill_latency_s + (to_compute * self.prefill_s_per_token if modelled else 0.0)
+            if delay:
+                await asyncio.sleep(delay)
+            computed()
             return
-        for digest in hashes:
-            self._blocks[digest] = None
-            self._blocks.move_to_end(digest)
-        while len(self._blocks) > self._max_blocks:
-            self._blocks.popitem(last=False)
-            self.prefix_evicted_blocks += 1
+        if self.prefill_latency_s:  # fixed overhead, in parallel with others'
+            await asyncio.sleep(self.prefill_latency_s)
+        if modelled and self.prefill_s_per_token:  # --prefill-ms-per-1k-tokens still adds its own
+            await queue.run(uncached)
+            await asyncio.sleep((prompt_len - req.cached_prefix) * self.prefill_s_per_token)
+            computed()
+        else:
+            await queue.run(uncached, computed)
 
     async def _run(self, req: EngineRequest) -> None:
         prompt_len = int(req.prompt_ids.size)
         forced = list(req.forced_tokens)
         imported = req.kv_import is not None and bool(forced)
         modelled = self.tokenizer.from_text
-        if modelled:
-            hit, hashes = self._prefix(req.prompt_ids, req.cache_root)
-            if not imported:
-                self.prefix_hit_tokens += hit
-                self.prefill_computed_tokens += prompt_len - hit
-                delay = self.prefill_latency_s + (prompt_len - hit) * self.prefill_s_per_token
-                if delay:
-                    await asyncio.sleep(delay)
-            self._remember(hashes)  # computed here, or handed over: this worker holds it now
-        elif not imported:
-            self.prefill_computed_tokens += prompt_len
-            if self.prefill_latency_s:
-                await asyncio.sleep(self.prefill_latency_s)
+        if imported:  # the context worker computed it: no prefill here, but this worker holds it now
+            if modelled:
+                req.cached_prefix, hashes = self._prefix(req.prompt_ids, req.cache_root)
+                self._remember(hashes)
+        else:
+            await self._prefill(req)
         position = 0
         while True:
             token = forced[position] if position < len(forced) else synthetic_token(prompt_len, position)
@@ -340,7 +522,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--token-latency-ms", type=float, default=0.0, help="time per further token")
     group.add_argument("--prefill-ms-per-1k-tokens", type=float, default=0.0,
                        help="--prompt-tokens 0: prefill time per 1,000 prompt ids not served from the "
-                            "modelled prefix cache (default 0)")  # fmt: skip
+                            "modelled prefix cache, each request on its own timer (default 0)")  # fmt: skip
+    group.add_argument("--prefill-tokens-per-s", type=float, default=0.0,
+                       help="the worker's prefill compute: prompt ids not served from the cache are computed "
+                            "at this rate, shared first come first served, so prefills queue (default 0: "
+                            "no shared compute)")  # fmt: skip
+    group.add_argument("--bytes-per-token", type=int, default=DEFAULT_BYTES_PER_TOKEN,
+                       help=f"--prompt-tokens 0: text bytes per prompt id, 1 to {MAX_BYTES_PER_TOKEN} "
+                            f"(/server_info's bytes_per_token; default {DEFAULT_BYTES_PER_TOKEN})")  # fmt: skip
 
 
 def build_engine(args: argparse.Namespace) -> SyntheticEngine:
@@ -352,4 +541,6 @@ def build_engine(args: argparse.Namespace) -> SyntheticEngine:
         prefill_s_per_token=args.prefill_ms_per_1k_tokens / 1e6,
         kv_tokens=args.kv_tokens or (1 << 20),
         prefix_caching=args.prefix_caching,
+        bytes_per_token=args.bytes_per_token,
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
     )
