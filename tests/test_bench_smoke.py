@@ -136,3 +136,17 @@ def test_the_agentic_benchmark_on_the_tiny_model_reuses_real_kv_blocks() -> None
     from bench import agentic
 
     assert agentic.main(["--tiny"]) == 0  # 0: every turn answered and the workers' caches hit
+
+
+def test_the_cluster_abuse_benchmark_runs_every_phase(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import cluster_abuse
+
+    assert cluster_abuse.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "| 403 x50 " in out and "| 413 x40 " in out and "| 400 x6 " in out  # refused, not stored
+    assert "etcd: skipped" in out or "s after start" in out  # a prefix of junk never blocks the sync
+    assert "| load_factor 1.25 (default)       | 400               | 125 " in out
+    streams = [
+        c.strip() for c in out.split("streams (never read")[1].strip().splitlines()[-1].split("|")[1:-1]
+    ]
+    assert streams[:2] == ["8", "8"] and streams[4] == "8"  # every slot held, then every stream dropped
