@@ -454,7 +454,11 @@ async def post(session: aiohttp.ClientSession, url: str, body: bytes, **headers:
 
 
 def served(worker: StubWorker) -> list[Any]:
-    return [b.get("conversation_id") for b in worker.bodies]
+    """The conversation of each leg the worker got: trtllm-serve's conversation_params (a top-level
+    conversation_id never reaches a worker: trtllm-serve's forbid it)."""
+    for body in worker.bodies:
+        assert "conversation_id" not in body, body
+    return [(b.get("conversation_params") or {}).get("conversation_id") for b in worker.bodies]
 
 
 async def metric(session: aiohttp.ClientSession, url: str, line: str) -> float:
@@ -490,7 +494,7 @@ async def test_conversation_routing_end_to_end() -> None:
             status, _ = await post(session, url, chat(history(0, 1, 50)), **{"X-Conversation-Id": "c0"})
             assert status == 200
             home = next(w for w in gen if w.url == homes["c0"])
-            assert home.bodies[-1].get("conversation_id") is None  # the header-routed one landed home
+            assert served(home)[-1] is None  # the header-routed one landed home
             # A bad conversation_id (an object) is no error: least loaded.
             status, _ = await post(session, url, chat(history(0, 1, 50), conversation_id={"no": 1}))
             assert status == 200
@@ -814,3 +818,100 @@ async def test_use_tokens_accounting_returns_to_zero_on_every_path() -> None:
         await server.cleanup()
         for s, _ in started:
             await s.cleanup()
+
+
+# -- trtllm-serve's conversation field and headers --------------------------------------------------
+
+
+class _Headers:
+    def __init__(self, **headers: bytes) -> None:
+        self.headers = {k.replace("_", "-").encode(): v for k, v in headers.items()}
+
+    def header(self, name: bytes) -> bytes | None:
+        return self.headers.get(name)
+
+
+def test_trtllm_conversation_params_and_headers_name_the_conversation() -> None:
+    from server.orchestrator.routing import conversation_header
+
+    body = b'{"messages":[],"conversation_params":{"conversation_id":"p1"},"conversation_id":"top"}'
+    assert request_key(body, True, b"hdr").conversation == b"p1"  # the body's conversation_params wins
+    assert request_key(b'{"prompt":"x","conversation_params":{"conversation_id":"p2"}}', False, None).conversation == b"p2"
+    assert request_key(b'{"messages":[],"conversation_params":"bad"}', True, b"h").conversation == b"h"
+    # headers in trtllm-serve's order, then ours; blank ones skipped
+    names = ["x_session_id", "x_correlation_id", "x_session_affinity", "x_multi_turn_session_id", "x_conversation_id"]
+    for i, name in enumerate(names):
+        later = {n: f"v{j}".encode() for j, n in enumerate(names) if j >= i}
+        assert conversation_header(_Headers(**later)) == f"v{i}".encode()
+    assert conversation_header(_Headers(x_session_id=b"  ", x_correlation_id=b"c")) == b"c"
+    assert conversation_header(_Headers()) is None
+
+
+@pytest.mark.parametrize(
+    ("body", "legs"),
+    [
+        (b'{"conversation_id":"a","messages":[]}', {"conversation_params": {"conversation_id": "a"}, "messages": []}),
+        (b'{"messages":[] , "conversation_id" : 42 }', {"messages": [], "conversation_params": {"conversation_id": "42"}}),
+        (b'{"messages":[],"conversation_params":{"conversation_id":"p"},"conversation_id":"a"}',
+         {"messages": [], "conversation_params": {"conversation_id": "p"}}),
+        (b'{"conversation_id":{"x":1} ,\n "messages":[]}', {"messages": []}),  # no id: dropped
+        (b'{"conversation\\u005fid":"a","messages":[]}', {"conversation_params": {"conversation_id": "a"}, "messages": []}),
+        (b'{"conversation_id":"a"}', {"conversation_params": {"conversation_id": "a"}}),
+    ],
+)
+def test_a_top_level_conversation_id_never_reaches_a_leg(body: bytes, legs: dict[str, Any]) -> None:
+    from server.orchestrator.routing import conversation_to_params
+
+    moved = conversation_to_params(body)
+    assert json.loads(moved) == legs
+    assert request_key(moved, True, None).conversation == request_key(body, True, None).conversation
+
+
+def test_bodies_without_a_top_level_conversation_id_are_relayed_as_they_are() -> None:
+    from server.orchestrator.routing import conversation_to_params
+
+    for body in (b'{"messages":[]}', b'{"messages":[],"conversation_params":{"conversation_id":"p"}}',
+                 b'{"conversation_id":"a","conversation_id":"b"}', b"not json"):  # fmt: skip
+        assert conversation_to_params(body) is body
+
+
+async def test_one_conversation_id_cannot_pin_its_load_on_one_worker_end_to_end() -> None:
+    """12 requests of one conversation in flight at once over 3 generation workers (real sockets):
+    bounded loads cap its home at ceil(1.25 x 12 / 3) = 5 and the ring's next workers take the rest
+    (without the bound all 12 sat on one worker)."""
+
+    class HeldWorker(StubWorker):
+        """Holds each leg it gets until ``release`` is set."""
+
+        def __init__(self, role: str) -> None:
+            super().__init__(role)
+            self.held = 0
+            self.release = asyncio.Event()
+
+        async def _chat(self, request: web.Request) -> web.StreamResponse:
+            self.held += 1
+            await self.release.wait()
+            return await super()._chat(request)
+
+    ctx = [await StubWorker("context").start()]
+    gen = [await HeldWorker("generation").start() for _ in range(3)]
+    server, orch, url = await orchestrator(
+        ctx, gen, generation_servers={"router": {"type": "conversation", "args": {"load_factor": 1.25}}}
+    )
+    try:
+        async with aiohttp.ClientSession() as session:
+            body = chat(history(7, 1, 50), conversation_id="one-hot-conversation")
+            sent = [asyncio.ensure_future(post(session, url, body)) for _ in range(12)]
+            for _ in range(500):
+                if sum(w.held for w in gen) == 12:
+                    break
+                await asyncio.sleep(0.01)
+            held = sorted(w.held for w in gen)
+            assert sum(held) == 12 and held[-1] <= 5, held
+            for w in gen:
+                w.release.set()
+            assert [status for status, _ in await asyncio.gather(*sent)] == [200] * 12
+    finally:
+        await server.cleanup()
+        for w in ctx + gen:
+            await w.stop()

@@ -56,7 +56,14 @@ if TYPE_CHECKING:
     from .discovery import Discovery
 from .pools import HealthChecker, Pool, Worker
 from .relay_modes import ClientRequest, ContextResult, answer_as_sse, make_relay
-from .routing import BYTES_PER_TOKEN, CONVERSATION_HEADER, KvCacheAwareRouter, RequestKey, request_key
+from .routing import (
+    BYTES_PER_TOKEN,
+    KvCacheAwareRouter,
+    RequestKey,
+    conversation_header,
+    conversation_to_params,
+    request_key,
+)
 
 log = logging.getLogger("fastcore.orchestrator")
 
@@ -614,8 +621,9 @@ class Orchestrator:
         assert task is not None
         self._serving.add(task)
         try:
-            header = request.header(CONVERSATION_HEADER) if self.needs_conversation else None
-            status = await self._run_legs(request.body, out, chat, header)
+            header = conversation_header(request) if self.needs_conversation else None
+            # our top-level conversation_id into trtllm-serve's conversation_params: workers forbid it
+            status = await self._run_legs(conversation_to_params(request.body), out, chat, header)
         except HTTPError as exc:
             # An answer, not a failure: its traceback would keep the legs' frames
             # (and the bodies they hold) alive in a reference cycle until the

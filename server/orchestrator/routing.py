@@ -33,16 +33,25 @@ from fastcore import protocol as P
 if TYPE_CHECKING:
     from .pools import Worker
 
-#: the request's top-level member naming its conversation (trtllm-serve's), and the header fallback
+#: trtllm-serve's conversation: the body's ``conversation_params.conversation_id`` (canonical), else
+#: the first non-empty of its headers (its conversation_id.py CONVERSATION_ID_HEADERS), in order
+CONVERSATION_PARAMS = "conversation_params"
 CONVERSATION_FIELD = "conversation_id"
+TRTLLM_CONVERSATION_HEADERS = (b"x-session-id", b"x-correlation-id", b"x-session-affinity",
+                               b"x-multi-turn-session-id")  # fmt: skip
+#: ours, older: a top-level ``conversation_id`` (moved into conversation_params before the legs:
+#: trtllm-serve's workers forbid unknown fields) and this header, read after trtllm-serve's
 CONVERSATION_HEADER = b"x-conversation-id"
+CONVERSATION_HEADERS = (*TRTLLM_CONVERSATION_HEADERS, CONVERSATION_HEADER)
 #: JSON bytes per prompt token, to turn span lengths into token estimates (agentic chat text: ~4)
 BYTES_PER_TOKEN = 4
 #: ids longer than this are not conversation ids (hashing megabytes per request is not routing)
 MAX_CONVERSATION_ID_BYTES = 1024
 
-_CHAT_PATHS = ((CONVERSATION_FIELD,), (P.MESSAGES,))
-_COMPLETION_PATHS = ((CONVERSATION_FIELD,), (P.PROMPT,))
+_NESTED = (CONVERSATION_PARAMS, CONVERSATION_FIELD)
+_CHAT_PATHS = (_NESTED, (CONVERSATION_FIELD,), (P.MESSAGES,))
+_COMPLETION_PATHS = (_NESTED, (CONVERSATION_FIELD,), (P.PROMPT,))
+_MOVE_PATHS = ((CONVERSATION_FIELD,), (CONVERSATION_PARAMS,))
 _QUOTE, _MINUS = ord('"'), ord("-")
 
 
@@ -104,21 +113,67 @@ def _conversation_of(body: bytes, span: tuple[int, int] | None) -> bytes | None:
     return None
 
 
+def conversation_header(request: Any) -> bytes | None:
+    """The first non-empty conversation header of ``request`` (trtllm-serve's four, then ours)."""
+    for name in CONVERSATION_HEADERS:
+        value = request.header(name)
+        if value is not None and value.strip():
+            return value
+    return None
+
+
 def request_key(body: bytes, chat: bool, header: bytes | None) -> RequestKey:
     """The routing key of a client body (already validated by the relay): one non-validating scan
-    finds ``conversation_id`` and the prompt span. Never raises on a body's content."""
+    finds the conversation id (``conversation_params.conversation_id``, else a top-level
+    ``conversation_id``, else ``header``) and the prompt span. Never raises on a body's content."""
     try:
-        conversation, prompt = fastcore.find_spans(
+        nested, conversation, prompt = fastcore.find_spans(
             body, _CHAT_PATHS if chat else _COMPLETION_PATHS, validate=False
         )
     except JSONSpanError:  # e.g. a repeated conversation_id: no key, least loaded
-        conversation = prompt = None
-    cid = _conversation_of(body, conversation)
+        nested = conversation = prompt = None
+    cid = _conversation_of(body, nested)
+    if cid is None:
+        cid = _conversation_of(body, conversation)
     if cid is None and header:
         header = header.strip()
         if 0 < len(header) <= MAX_CONVERSATION_ID_BYTES:
             cid = header
     return RequestKey(body, cid, prompt)
+
+
+def conversation_to_params(body: bytes) -> bytes:
+    """``body`` with a top-level ``conversation_id`` (ours) moved to trtllm-serve's
+    ``conversation_params: {"conversation_id": ...}``, so that no leg carries a field trtllm-serve's
+    workers forbid: dropped when ``conversation_params`` is there already (it is canonical) or the
+    value is no id (a string or an integer). ``body`` itself when it has none (one byte search)."""
+    if b"conversation" not in body:
+        return body
+    try:
+        top, params = fastcore.find_spans(body, _MOVE_PATHS, validate=False)
+    except JSONSpanError:
+        return body  # a repeated member: the relay's own validation words the 400
+    if top is None:
+        return body
+    start, end = top
+    # the member's key: the last quote pair before the colon (the decoded name has no quote in it)
+    colon = body.rindex(b":", 0, start)
+    key_start = body.rindex(b'"', 0, body.rindex(b'"', 0, colon))
+    before = body[:key_start].rstrip()
+    if before.endswith(b","):
+        cut = (len(before) - 1, end)
+    else:  # the first member: take the comma after it
+        rest = end
+        while rest < len(body) and body[rest] in b" \t\r\n":
+            rest += 1
+        cut = (key_start, rest + 1 if rest < len(body) and body[rest] == ord(",") else end)
+    if params is None and _conversation_of(body, top) is not None:
+        value = body[start:end]
+        if value[:1] != b'"':  # an integer id: trtllm-serve's conversation_id is a string
+            value = b'"' + value + b'"'
+        member = b'"conversation_params":{"conversation_id":' + value + b"}"
+        return body[:key_start] + member + body[end:]
+    return body[: cut[0]] + body[cut[1] :]
 
 
 def _point(data: bytes) -> int:
