@@ -435,6 +435,7 @@ class Orchestrator:
             keepalive_timeout_s=config.client_keepalive_timeout_s,
             max_connections=config.max_client_connections,
             max_inflight_body_bytes=config.max_inflight_body_bytes,
+            peer_share=config.client_ip_share,
             retry_after_s=config.retry_after_s,
         )
         # Worker URL -> its keep-alive connections, made on first use (a

@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from server.auth import read_secret
+from server.http.server import PEER_SHARE
 from server.metrics_access import METRICS_TOKEN_ENV
 
 from .routing import ROUTER_ARGS, make_router
@@ -200,6 +201,9 @@ class OrchestratorConfig(BaseModel):
     max_client_connections: int = Field(8192, ge=1)
     # Client request body bytes this process holds at once (503 + Retry-After beyond).
     max_inflight_body_bytes: int = Field(512 * 1024 * 1024, gt=0)
+    # One client IP past this share of max_client_connections (or max_inflight_body_bytes) may not
+    # take their last share (server/http Limits.peer_share); 1.0 behind a proxy that is every client.
+    client_ip_share: float = Field(PEER_SHARE, gt=0, le=1)
     retry_after_s: int = Field(1, ge=1)
     shared_secret: str | None = Field(None, repr=False)  # never in logs
     # A file holding the secret (not in argv, not in the config file itself).

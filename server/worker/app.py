@@ -88,6 +88,7 @@ from fastcore import protocol as wire
 from server.auth import SIGNATURE_HEADER, TRTLLM_AUTH_HEADER, Verifier, check_trtllm_disagg_auth, sign_body
 from server.errors import HTTPError, error_body
 from server.http import HTTPServer, Limits, Request, Responder
+from server.http.server import PEER_SHARE
 from server.metrics import CONTENT_TYPE, Registry
 from server.metrics_access import MetricsAccess
 
@@ -242,6 +243,8 @@ class WorkerSettings:
     keepalive_timeout_s: float = 75.0
     max_connections: int = 8192
     max_inflight_body_bytes: int = 1 << 30
+    #: one client IP's share of max_connections and max_inflight_body_bytes (Limits.peer_share)
+    client_ip_share: float = PEER_SHARE
     device: str = "cpu"
 
     def __post_init__(self) -> None:
@@ -266,6 +269,7 @@ class WorkerSettings:
             keepalive_timeout_s=self.keepalive_timeout_s,
             max_connections=self.max_connections,
             max_inflight_body_bytes=self.max_inflight_body_bytes,
+            peer_share=self.client_ip_share,
             retry_after_s=self.retry_after_s,
         )
 

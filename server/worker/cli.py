@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 
 from server.auth import SECRET_ENV, read_secret
 from server.cli import cannot_listen
+from server.http.server import PEER_SHARE
 from server.metrics_access import METRICS_TOKEN_ENV
 from server.ports import listen_problem, port_problem
 
@@ -95,6 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="request body size limit, 413 above it (default 64 MiB)")  # fmt: skip
     limits.add_argument("--max-inflight-body-bytes", type=int, default=1 << 30,
                         help="request body bytes held at once by the whole worker; 503 beyond (default 1 GiB)")  # fmt: skip
+    limits.add_argument("--client-ip-share", type=_share, default=PEER_SHARE,
+                        help="one client IP past this share of the connections or body bytes may not take "
+                             f"their last share, kept for the others; 1: no per-client bound (default {PEER_SHARE})")  # fmt: skip
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch intra-op threads (default: half the CPUs, 1 to 4)")  # fmt: skip
     cluster = parser.add_argument_group(
@@ -114,6 +118,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                               "port, role} under /trtllm-disagg/ (its HTTP storage API on http://) so a "
                               "trtllm-serve orchestrator discovers this worker")  # fmt: skip
     add_synthetic_arguments(parser)
+
+
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be within (0, 1], got {text}")
+    return value
 
 
 def cluster_settings(args: argparse.Namespace, secret: bytes | None) -> Any:
@@ -283,6 +294,7 @@ def run(args: argparse.Namespace) -> int:
             keepalive_timeout_s=args.keepalive_timeout,
             max_connections=args.max_connections,
             max_inflight_body_bytes=args.max_inflight_body_bytes,
+            client_ip_share=args.client_ip_share,
             device=device,
         )
     except ValueError as exc:
