@@ -48,6 +48,8 @@ from server.errors import error_body
 log = logging.getLogger("fastcore.http")
 
 JSON = b"application/json"
+#: the default of Limits.peer_share (and of the config keys that set it)
+PEER_SHARE = 0.25
 
 
 @dataclass(slots=True)
@@ -69,7 +71,7 @@ class Limits:
     #: ``max_inflight_body_bytes``) may not take their last share: that part is
     #: kept for the other clients (503 + Retry-After). 1.0: no per-client bound
     #: (a server whose one client is a proxy or the orchestrator)
-    peer_share: float = 0.25
+    peer_share: float = PEER_SHARE
     #: seconds a 503 at a server-wide cap (connections, body bytes) asks the client to wait
     retry_after_s: int = 1
     #: complete requests queued behind the one being answered on a connection
