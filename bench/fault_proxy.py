@@ -10,12 +10,18 @@ fault is set. Faults apply to new requests; ``mode`` is one of:
   error body (``/health`` still forwarded: the worker looks alive);
 - ``reset``: forward a completion POST, then cut its answer mid-body (the
   status line and half of the body, then the connection closes);
+- ``hold``: forward a completion POST, keep its answer (the worker has done
+  the work, parked the KV; its answer never arrives);
 - ``freeze``: accept and read every request, answer none (what a SIGSTOPped
   worker's kernel does; ``/health`` hangs too);
 - ``refuse``: stop listening and drop every connection (connections refused);
 - ``kv_refuse``: a KV fetch (``GET /kv/...``) is dropped as it arrives;
 - ``kv_timeout``: a KV fetch is read and never answered;
-- ``kv_truncate``: a KV fetch is forwarded and cut after half of its body.
+- ``kv_truncate``: a KV fetch is forwarded and cut after half of its body;
+- ``kv_delay``: a KV fetch is forwarded after ``delay_s`` (a slow transfer).
+
+A worker that cannot be reached (killed) or breaks a connection makes the
+proxy reset the client's connection, as the worker itself would have.
 
 Everything runs on the caller's event loop: ``await FaultProxy(url).start()``.
 """
@@ -32,13 +38,14 @@ from server.errors import error_body
 
 #: headers never forwarded (hop-by-hop, or recomputed by aiohttp)
 _HOP = frozenset(("connection", "keep-alive", "transfer-encoding", "content-length", "te", "upgrade"))
-MODES = ("pass", "reset", "freeze", "refuse", "kv_refuse", "kv_timeout", "kv_truncate")
+MODES = ("pass", "reset", "hold", "freeze", "refuse", "kv_refuse", "kv_timeout", "kv_truncate", "kv_delay")
 
 
 class FaultProxy:
-    def __init__(self, target: str, mode: str = "pass") -> None:
+    def __init__(self, target: str, mode: str = "pass", delay_s: float = 0.3) -> None:
         self.target = target.rstrip("/")
         self.mode = mode
+        self.delay_s = delay_s
         self.port = 0
         #: requests seen by kind ("post", "kv", "other")
         self.seen: dict[str, int] = {"post": 0, "kv": 0, "other": 0}
@@ -78,7 +85,7 @@ class FaultProxy:
             await self._close_listener()
         elif was == "refuse" and mode != "refuse":
             await self._reopen()
-        if was in ("freeze", "kv_timeout") and mode != was:
+        if was in ("freeze", "hold", "kv_timeout") and mode != was:
             self._release_hung()
 
     async def _close_listener(self) -> None:
@@ -135,6 +142,8 @@ class FaultProxy:
         if kv and mode == "kv_timeout":
             await self._hang()
             raise web.HTTPServiceUnavailable()
+        if kv and mode == "kv_delay":
+            await asyncio.sleep(self.delay_s)
         cut = (post and mode == "reset") or (kv and mode == "kv_truncate")
         return await self._relay(request, body, cut)
 
@@ -144,8 +153,10 @@ class FaultProxy:
         try:
             return await self._exchange(request, body or None, headers, cut)
         except aiohttp.ClientError:
-            return web.Response(status=502, body=error_body(502, "the proxy's worker did not answer"),
-                                content_type="application/json")  # fmt: skip
+            # The worker is gone or broke the connection: so does the proxy.
+            assert request.transport is not None
+            request.transport.abort()
+            return web.Response(status=502)
 
     async def _exchange(
         self, request: web.Request, body: bytes | None, headers: dict[str, str], cut: bool
@@ -158,6 +169,10 @@ class FaultProxy:
             for name, value in up.headers.items():
                 if name.lower() not in _HOP:
                     out.headers[name] = value
+            if request.method == "POST" and self.mode == "hold":
+                await up.read()
+                await self._hang()
+                raise web.HTTPServiceUnavailable()
             if cut:
                 data = await up.read()
                 out.content_length = len(data)

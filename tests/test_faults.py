@@ -150,6 +150,8 @@ async def same_as_reference(session: aiohttp.ClientSession, s: Stack) -> None:
         status, got = await chat(session, s.url, stream, **extra)
         assert status == 200, got
         _, want = await chat(session, s.ref_url, stream, **extra)
+        for answer in (got, want):  # which prefix each worker had cached is no part of the answer
+            (answer.get("usage") or {}).pop("prompt_tokens_details", None)
         if stream:
             assert got == want
         else:
@@ -373,6 +375,52 @@ async def test_a_client_hang_up_frees_both_workers_in_every_phase() -> None:
         await asyncio.gather(task, return_exceptions=True)
         assert await eventually(lambda: s.kv_left() == 0)
         assert s.context[0].metrics.handoff.get(event="served") == 1
+
+
+async def test_a_hang_up_while_the_context_answer_is_in_flight_releases_its_kv_by_request_id() -> None:
+    """The context worker answered and parked the KV, the answer has not reached the orchestrator
+    when the client leaves: the KV's id was never read, so it is released by disagg_request_id
+    (else it stays parked until its TTL)."""
+    async with stack() as s:
+        await s.proxies[0].set_mode("hold")
+        ctx = s.context[0].engine
+        task = asyncio.ensure_future(leave_after(s.url, 30.0))
+        assert await eventually(lambda: ctx.parked_count == 1)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert await eventually(lambda: s.kv_left() == 0)
+        assert s.context[0].metrics.handoff.get(event="released") == 1
+
+
+async def test_an_abandoned_upstream_response_resets_its_connection() -> None:
+    """A response given up before its end closes with a reset, not a FIN: the worker's server need
+    not probe a half-close before it aborts the sequence."""
+    from server.http import UpstreamPool
+
+    seen: asyncio.Future[bytes | str] = asyncio.get_running_loop().create_future()
+
+    async def worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)  # the body, b"{}"
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        writer.write(b"5\r\ndata:\r\n")
+        await writer.drain()
+        try:
+            seen.set_result(await reader.read(100))  # b"": a FIN
+        except ConnectionResetError:
+            seen.set_result("reset")
+
+    server = await asyncio.start_server(worker, "127.0.0.1", 0)
+    pool = UpstreamPool(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    try:
+        resp = await pool.request(b"POST", b"/v1/completions", (b"{}",))
+        resp.release()  # the client left mid-stream
+        assert await asyncio.wait_for(seen, 10) == "reset"
+    finally:
+        pool.close()
+        server.close()
 
 
 async def test_a_failed_kv_fetch_leaves_no_kv_parked_on_the_context_worker() -> None:

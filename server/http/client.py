@@ -19,6 +19,8 @@ closes it, so the worker sees the client leave.
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
 
@@ -352,7 +354,7 @@ class _Connection(asyncio.Protocol):
         resp.error = exc
         UpstreamResponse._wake(resp._headers, exc)
         UpstreamResponse._wake(resp._done, exc)
-        self.close()
+        self.close(reset=isinstance(exc, UpstreamTimeout))  # a silent worker may still be running it
 
     def finish(self, resp: UpstreamResponse) -> None:
         if resp is not self.response:
@@ -364,7 +366,10 @@ class _Connection(asyncio.Protocol):
         if resp.complete and resp.keep_alive and not self.closed and not resp.truncated:
             self.pool._release(self)
         else:
-            self.close()
+            # A response given up before its end (the client left, a leg failed): a reset, not
+            # a FIN, so the worker's server knows at once that nobody reads it and aborts the
+            # sequence (a FIN alone may be a half-close it has to probe first).
+            self.close(reset=not resp.complete)
 
     def pause(self) -> None:
         if not self.paused and not self.closed and self.transport is not None:
@@ -377,12 +382,23 @@ class _Connection(asyncio.Protocol):
             self.last_io = self.loop.time()
             self.transport.resume_reading()
 
-    def close(self) -> None:
+    def close(self, *, reset: bool = False) -> None:
         if not self.closed:
             self.closed = True
             self.pool._forget(self)
-            if self.transport is not None:
-                self.transport.close()
+            transport = self.transport
+            if transport is None:
+                return
+            if reset:
+                sock = transport.get_extra_info("socket")
+                try:
+                    # SO_LINGER on, 0 s: close() sends RST (Linux, BSD)
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                except (AttributeError, OSError):
+                    pass
+                transport.abort()
+            else:
+                transport.close()
 
 
 class _Sweeper:
@@ -533,7 +549,7 @@ class UpstreamPool:
                     continue
                 raise
             except BaseException:
-                conn.close()
+                conn.close(reset=True)  # cancelled (the client left) before the answer: abort it there
                 raise
         raise AssertionError("unreachable")
 

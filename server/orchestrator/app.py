@@ -968,6 +968,11 @@ class Orchestrator:
                 self._release_lost_kv_soon(worker, disagg_id)
                 log.warning("context worker %s: no answer in %g s", worker.url, timeout)
                 raise ContextUnavailable("timeout", leg_timed_out("context", timeout)) from None
+            except asyncio.CancelledError:
+                # The client left (or a drain ran out): the leg's connection is reset, but its
+                # answer may be in flight already, the KV parked behind an id never read.
+                self._release_lost_kv_soon(worker, disagg_id)
+                raise
             finally:
                 worker.in_flight -= 1
                 worker.in_flight_tokens -= tokens
