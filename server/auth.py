@@ -4,13 +4,18 @@ With a shared secret configured, a worker accepts ``context_only`` and
 ``generation_only`` requests, and KV fetches, only when they carry
 ``SIGNATURE_HEADER``::
 
-    X-Fastcore-Signature: t=<unix seconds>,n=<32 hex nonce>,sha256=<64 hex>
+    X-Fastcore-Signature: t=<unix seconds>,n=<32 hex nonce>[,d=<destination>],sha256=<64 hex>
 
-The MAC is HMAC-SHA256 under the secret of ``b"t=<t>,n=<n>\\n"`` followed by
-the exact body bytes (for a KV fetch, which has no body: its path). The
-timestamp and the nonce are inside the MAC, so neither can be changed; a
-:class:`Verifier` accepts a timestamp within ``window_s`` of its own clock and
-each nonce once within that window, so a captured request cannot be replayed.
+The MAC is HMAC-SHA256 under the secret of ``b"t=<t>,n=<n>[,d=<d>]\\n"``
+followed by the exact body bytes (for a KV fetch, which has no body: its
+path). The timestamp, the nonce and the destination are inside the MAC, so
+none can be changed; a :class:`Verifier` accepts a timestamp within
+``window_s`` of its own clock and each nonce once within that window, so a
+captured request cannot be replayed to the worker it was sent to. Nonces are
+remembered per process, so the destination ``d`` (the receiving worker's
+``instance`` id, from its ``/health``) is what stops a replay to another
+worker, or to the same worker after a restart: a worker refuses a leg bound
+to another instance, and a leg bound to none.
 
 Verification works on raw bytes before anything is parsed: a header that is
 not ASCII, malformed, stale or replayed is refused with a reason, never an
@@ -23,6 +28,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import secrets
 import time
 from collections import OrderedDict
@@ -48,20 +54,43 @@ def _mac(secret: bytes, stamp: bytes, pieces: Sequence[Bytes]) -> str:
     return mac.hexdigest()
 
 
+#: what a destination may hold: a worker's instance id is 32 hex
+_DESTINATION_RE = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
+#: :meth:`Verifier.check`'s reason for a signature bound to another worker (or to none)
+WRONG_DESTINATION = "signed for another worker"
+
+
 def sign_pieces(
-    secret: bytes, pieces: Sequence[Bytes], *, now: float | None = None, nonce: str | None = None
+    secret: bytes,
+    pieces: Sequence[Bytes],
+    *,
+    now: float | None = None,
+    nonce: str | None = None,
+    destination: str | None = None,
 ) -> str:
-    """The ``SIGNATURE_HEADER`` value for the concatenation of ``pieces``, without joining them."""
+    """The ``SIGNATURE_HEADER`` value for the concatenation of ``pieces``, without joining them;
+    bound to ``destination`` (the receiving worker's instance id) when given."""
     t = int(time.time() if now is None else now)
     n = secrets.token_hex(16) if nonce is None else nonce
     stamp = b"t=%d,n=%s" % (t, n.encode("ascii"))
+    if destination is not None:
+        if not _DESTINATION_RE.fullmatch(destination.encode("ascii", "replace")):
+            raise ValueError(f"a signature's destination must match {_DESTINATION_RE.pattern.decode()}")
+        stamp += b",d=" + destination.encode("ascii")
     digest = _mac(secret, stamp + b"\n", pieces)
     return f"{stamp.decode()},sha256={digest}"
 
 
-def sign_body(secret: bytes, body: Bytes, *, now: float | None = None, nonce: str | None = None) -> str:
+def sign_body(
+    secret: bytes,
+    body: Bytes,
+    *,
+    now: float | None = None,
+    nonce: str | None = None,
+    destination: str | None = None,
+) -> str:
     """:func:`sign_pieces` of one body."""
-    return sign_pieces(secret, (body,), now=now, nonce=nonce)
+    return sign_pieces(secret, (body,), now=now, nonce=nonce, destination=destination)
 
 
 class Verifier:
@@ -77,9 +106,19 @@ class Verifier:
         self._seen: OrderedDict[bytes, float] = OrderedDict()
 
     def check(
-        self, body: Bytes | Sequence[Bytes], header: bytes | str | None, *, now: float | None = None
+        self,
+        body: Bytes | Sequence[Bytes],
+        header: bytes | str | None,
+        *,
+        now: float | None = None,
+        destination: str | None = None,
+        bound: bool = False,
     ) -> str | None:
-        """None when ``header`` signs ``body`` (the nonce is then used up), else why not."""
+        """None when ``header`` signs ``body`` (the nonce is then used up), else why not.
+
+        ``destination``: this receiver's id; a signature bound to another is refused
+        (:data:`WRONG_DESTINATION`), and so is an unbound one when ``bound`` (legs must be
+        bound; a KV fetch, whose sender cannot know the context worker's id, need not)."""
         if not header:
             return "missing"
         if isinstance(header, str):
@@ -88,6 +127,11 @@ class Verifier:
             except UnicodeEncodeError:
                 return "malformed"
         parts = bytes(header).split(b",")
+        dest = None
+        if len(parts) == 4 and parts[2].startswith(b"d="):
+            dest = parts.pop(2)[2:]
+            if not _DESTINATION_RE.fullmatch(dest):
+                return "malformed"
         if (
             len(parts) != 3
             or not parts[0].startswith(b"t=")
@@ -99,12 +143,17 @@ class Verifier:
         if not (t_raw.isdigit() and len(t_raw) <= 12 and 8 <= len(nonce) <= 64 and nonce.isalnum()):
             return "malformed"
         pieces = (body,) if isinstance(body, bytes | bytearray | memoryview) else body
-        expected = _mac(self.secret, b"t=%s,n=%s\n" % (t_raw, nonce), pieces).encode()
+        stamp = b"t=%s,n=%s" % (t_raw, nonce) + (b"" if dest is None else b",d=" + dest)
+        expected = _mac(self.secret, stamp + b"\n", pieces).encode()
         if not hmac.compare_digest(expected, digest):
             return "bad signature"
         clock = time.time() if now is None else now
         if abs(clock - int(t_raw)) > self.window_s:
             return "stale timestamp"
+        if (dest is None and bound) or (
+            dest is not None and (destination is None or dest != destination.encode("ascii", "replace"))
+        ):
+            return WRONG_DESTINATION
         seen = self._seen
         while seen:
             oldest, forget_at = next(iter(seen.items()))
@@ -192,6 +241,7 @@ __all__ = [
     "SECRET_ENV",
     "SIGNATURE_HEADER",
     "TRTLLM_AUTH_HEADER",
+    "WRONG_DESTINATION",
     "Verifier",
     "check_trtllm_disagg_auth",
     "read_secret",

@@ -10,10 +10,13 @@ exits non-zero.
 
 Each child is a ``python -m server.cli ...`` process, so what ``up`` runs is
 exactly what a user would run by hand. A shared secret (random unless
-``FASTCORE_SHARED_SECRET`` is set) is handed to all of them through the
-environment, never the command line (which ``ps`` shows), so the workers take
-internal requests only from this orchestrator; each generation worker fetches
-KV only from this deployment's context workers (``--kv-allow``).
+``FASTCORE_SHARED_SECRET`` is set) is handed to all of them in a file only
+this user can read (``--shared-secret-file``, 0600 in a 0700 temporary
+directory, removed once they are up), never the command line (which ``ps``
+shows) nor their environment (``/proc/<pid>/environ``, inherited by whatever
+they start), so the workers take internal requests only from this
+orchestrator; each generation worker fetches KV only from this deployment's
+context workers (``--kv-allow``).
 
 ``--cluster``: the same deployment found through cluster discovery instead of
 urls: a local etcd (on free ports, or ``--etcd-port`` and the next one; data
@@ -34,9 +37,11 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -246,6 +251,20 @@ def plan(args: argparse.Namespace, cluster_uri: str | None = None) -> list[Child
     return children
 
 
+def write_secret_file(secret: str) -> str:
+    """A new file holding ``secret``, readable by this user only (0600, in a 0700 directory)."""
+    directory = tempfile.mkdtemp(prefix="fastcore-up-")
+    path = os.path.join(directory, "shared-secret")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret)
+    return path
+
+
+def remove_secret_file(path: str) -> None:
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as resp:
@@ -416,8 +435,12 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, _request_stop)
     signal.signal(signal.SIGTERM, _request_stop)
+    # The secret reaches the children in a 0600 file (--shared-secret-file), not their environment:
+    # a process's environment is in /proc/<pid>/environ and passes to everything it starts.
     env = dict(os.environ)
-    env.setdefault(SHARED_SECRET_ENV, secrets.token_hex(32))
+    secret_file = write_secret_file(env.pop(SHARED_SECRET_ENV, None) or secrets.token_hex(32))
+    for child in children:
+        child.argv += ["--shared-secret-file", secret_file]
     etcd = None
     watched = list(children)
     try:
@@ -458,6 +481,8 @@ def run(args: argparse.Namespace) -> int:
                 )
                 return 1
             time.sleep(POLL_S)
+        # Every child read it at start (an orchestrator's processes get it from their parent).
+        remove_secret_file(secret_file)
         if stop_requested:
             return 0
         model = served_model(base, args.model)
@@ -482,6 +507,7 @@ def run(args: argparse.Namespace) -> int:
         print("fastcore-serve: stopping", flush=True)
         return 0
     finally:
+        remove_secret_file(secret_file)
         if cluster:
             # The workers first (they deregister, from the orchestrator's registry too), then the
             # orchestrator, then the etcd they deregistered from.

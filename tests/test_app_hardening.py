@@ -8,6 +8,10 @@
 - ``GET /metrics`` (hit counters, worker URLs, KV fetch failure reasons) is served with a metrics
   token only to ``Authorization: Bearer <token>``, loopback included, and without one only to
   loopback peers (it was served to anyone);
+- a signed leg names its destination (the worker's instance id): replayed to another worker (whose
+  nonce memory never saw it) it is a 403; the orchestrator signs each attempt for its worker and
+  recovers from a worker restarted between health checks; without a secret a generation worker
+  fetches KV from loopback only for a loopback caller;
 
 Real workers (``tiny_workers``: the tiny torch model, the synthetic engine) and orchestrators
 (``start_server``) in this test's event loop, on 127.0.0.1; raw HTTP from
@@ -24,12 +28,13 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from conftest import free_port
-from test_worker_hardening import Response, assert_openai_error, get, post
+from test_worker_hardening import Response, assert_openai_error, get, instance_of, post
 from tiny_workers import LiveWorker, one_torch_thread, synthetic_worker, tiny_worker  # noqa: F401 (autouse)
 
+from server.auth import SIGNATURE_HEADER, sign_body
 from server.orchestrator.app import start_server
 from server.orchestrator.config import build_config
-from server.worker.app import WorkerSettings, start_worker
+from server.worker.app import KVSources, WorkerSettings, start_worker
 from server.worker.synthetic import SyntheticEngine
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -334,3 +339,80 @@ async def test_up_reads_the_discovered_workers_with_the_token() -> None:
         assert with_token == {"context": 0.0, "generation": 0.0}
     finally:
         await server.cleanup()
+
+
+# ---------------------------------------------------------------- item 9: where a signature goes
+
+SECRET = b"app-hardening-secret"
+
+
+def context_leg(prompt: str) -> bytes:
+    disagg = {"request_type": "context_only", "disagg_request_id": 7}
+    return json.dumps({"model": "synthetic", "prompt": prompt, "max_tokens": 2,
+                       "disaggregated_params": disagg}).encode()  # fmt: skip
+
+
+async def test_a_signed_leg_replayed_to_another_worker_is_refused() -> None:
+    a = await synthetic_worker("context", shared_secret=SECRET)
+    b = await synthetic_worker("context", shared_secret=SECRET)
+    try:
+        body = context_leg("for a only")
+        for_a = sign_body(SECRET, body, destination=await instance_of(a.port))
+        # b never saw the nonce: only the destination stops it (it was a 200 before).
+        error = assert_openai_error(await post(b.port, COMPLETIONS, body, **{SIGNATURE_HEADER: for_a}), 403)
+        assert error["code"] == "wrong_destination" and "signed for another worker" in error["message"]
+        assert b.engine.parked_count == 0
+        assert (await post(a.port, COMPLETIONS, body, **{SIGNATURE_HEADER: for_a})).status == 200
+        # A leg bound to no worker is refused everywhere.
+        unbound = sign_body(SECRET, body)
+        for worker in (a, b):
+            resp = await post(worker.port, COMPLETIONS, body, **{SIGNATURE_HEADER: unbound})
+            assert assert_openai_error(resp, 403)["code"] == "wrong_destination"
+    finally:
+        await a.server.cleanup()
+        await b.server.cleanup()
+
+
+async def test_the_orchestrator_signs_each_leg_for_its_worker_and_survives_a_restart() -> None:
+    ctx = await synthetic_worker("context", shared_secret=SECRET)
+    gen = await synthetic_worker("generation", shared_secret=SECRET)
+    server, orch, port = await orchestrator(ctx, gen, shared_secret=SECRET.decode())
+    body = json.dumps({"model": "synthetic", "prompt": "hello there", "max_tokens": 3}).encode()
+    try:
+        assert (await post(port, COMPLETIONS, body)).status == 200
+        # A worker restarted between two health checks: the orchestrator still signs for the old
+        # instance. The context worker refuses; the request is prefilled on the generation worker.
+        ctx_worker, gen_worker = orch.context_pool.workers[0], orch.generation_pool.workers[0]
+        ctx_worker.instance = "0" * 32
+        resp = await post(port, COMPLETIONS, body)
+        assert resp.status == 200, resp.body[:300]
+        assert not ctx_worker.healthy  # out until /health gives its new id
+        # The generation worker: no other to take it, a 503 to retry (never the internal 403).
+        gen_worker.instance = "0" * 32
+        error = assert_openai_error(await post(port, COMPLETIONS, body), 503)
+        assert error["code"] == "no_healthy_worker"
+        for _ in range(200):
+            if ctx_worker.healthy and gen_worker.healthy:
+                break
+            await asyncio.sleep(0.05)
+        assert ctx_worker.instance == await instance_of(ctx.port)
+        assert gen_worker.instance == await instance_of(gen.port)
+        assert (await post(port, COMPLETIONS, body)).status == 200
+    finally:
+        await server.cleanup()
+        await ctx.server.cleanup()
+        await gen.server.cleanup()
+
+
+async def test_without_a_secret_loopback_kv_sources_serve_loopback_callers_only() -> None:
+    """A remote client's unsigned generation leg naming 127.0.0.1:<port> made the worker connect
+    there: a probe of its host's local ports. (Tests reach workers over loopback only, so the remote
+    caller is this flag; the live path is test_worker_hardening's allowed-sources test.)"""
+    endpoint = "http://127.0.0.1:22/kv/1"
+    default = KVSources((), any_host=False)
+    assert default.allows(endpoint) and default.allows(endpoint, caller_local=True)
+    assert not default.allows(endpoint, caller_local=False)
+    assert not default.allows("http://localhost:22/kv/1", caller_local=False)
+    # Sources named by the operator, or a secret (only signed callers name one): whoever calls.
+    assert KVSources(("127.0.0.1:22",), any_host=False).allows(endpoint, caller_local=False)
+    assert KVSources((), any_host=True).allows(endpoint, caller_local=False)

@@ -9,6 +9,7 @@ import hmac
 
 from server.auth import (
     SECRET_ENV,
+    WRONG_DESTINATION,
     Verifier,
     check_trtllm_disagg_auth,
     read_secret,
@@ -69,7 +70,9 @@ def test_wrong_secret_or_body_refused() -> None:
     assert Verifier(SECRET).check(BODY, None, now=NOW) == "missing"
 
 
-@pytest.mark.parametrize("header", [b"\xc3\xa9", "\u00e9", b"t=1,n=\xff\xfe\xfd\xfc\xfb\xfa\xf9\xf8,sha256=00", b"\x00" * 64])
+@pytest.mark.parametrize(
+    "header", [b"\xc3\xa9", "\u00e9", b"t=1,n=\xff\xfe\xfd\xfc\xfb\xfa\xf9\xf8,sha256=00", b"\x00" * 64]
+)
 def test_non_ascii_headers_are_malformed_not_errors(header) -> None:
     assert Verifier(SECRET).check(BODY, header, now=NOW) == "malformed"
 
@@ -138,3 +141,50 @@ def test_check_trtllm_disagg_auth(header, ok) -> None:
     assert check_trtllm_disagg_auth(b"k", "tcp://h:1", "AAAA", header(good)) is ok
     assert not check_trtllm_disagg_auth(b"other", "tcp://h:1", "AAAA", good)
     assert not check_trtllm_disagg_auth(b"k", "tcp://h:2", "AAAA", good)
+
+
+# -- the destination (issue 19): nonces are per process, so a signature names its receiver
+
+
+def test_a_signature_bound_to_a_destination_passes_there_only() -> None:
+    header = sign_body(SECRET, BODY, now=NOW, nonce="ab" * 16, destination="a" * 32)
+    assert header.split(",")[2] == "d=" + "a" * 32
+    # Replayed to another worker (its own nonce memory is empty): refused.
+    assert Verifier(SECRET).check(BODY, header, now=NOW, destination="b" * 32) == WRONG_DESTINATION
+    assert (
+        Verifier(SECRET).check(BODY, header, now=NOW, destination="b" * 32, bound=True) == WRONG_DESTINATION
+    )
+    # A receiver that does not know its own id cannot honour a binding.
+    assert Verifier(SECRET).check(BODY, header, now=NOW) == WRONG_DESTINATION
+    verifier = Verifier(SECRET)
+    assert verifier.check(BODY, header, now=NOW, destination="a" * 32, bound=True) is None
+    assert verifier.check(BODY, header, now=NOW, destination="a" * 32, bound=True) == "replayed"
+
+
+def test_the_destination_is_inside_the_mac_and_legs_must_carry_one() -> None:
+    header = sign_body(SECRET, BODY, now=NOW, destination="a" * 32)
+    moved = header.replace("d=" + "a" * 32, "d=" + "b" * 32)
+    assert Verifier(SECRET).check(BODY, moved, now=NOW, destination="b" * 32) == "bad signature"
+    dropped = ",".join(p for p in header.split(",") if not p.startswith("d="))
+    assert Verifier(SECRET).check(BODY, dropped, now=NOW, destination="a" * 32) == "bad signature"
+    # Unbound: refused where a binding is required (legs), accepted where not (KV fetches).
+    unbound = sign_body(SECRET, BODY, now=NOW)
+    assert (
+        Verifier(SECRET).check(BODY, unbound, now=NOW, destination="a" * 32, bound=True) == WRONG_DESTINATION
+    )
+    assert Verifier(SECRET).check(BODY, unbound, now=NOW, destination="a" * 32) is None
+    for bad in ("d=", "d=a/b", "d=" + "a" * 129, "d=a b"):
+        forged = header.replace("d=" + "a" * 32, bad)
+        assert Verifier(SECRET).check(BODY, forged, now=NOW, destination="a" * 32) == "malformed", bad
+    with pytest.raises(ValueError, match="destination"):
+        sign_body(SECRET, BODY, destination="a,b")
+
+
+def test_a_bound_signature_has_a_worked_example() -> None:
+    """docs/protocol.md's example, recomputed."""
+    header = sign_body(
+        b"k", b'{"a":1}', now=1_700_000_000, nonce="0123456789abcdef" * 2, destination="f" * 32
+    )
+    stamp = b"t=1700000000,n=" + b"0123456789abcdef" * 2 + b",d=" + b"f" * 32
+    digest = hmac.new(b"k", stamp + b"\n" + b'{"a":1}', hashlib.sha256).hexdigest()
+    assert header == stamp.decode() + ",sha256=" + digest

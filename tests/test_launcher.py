@@ -18,6 +18,7 @@ import sys
 import textwrap
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import pytest
 from conftest import free_port, free_ports
 
 from server import launcher
+from server.auth import SIGNATURE_HEADER, sign_body
 from server.ports import port_problem
 
 pytestmark = pytest.mark.slow
@@ -200,6 +202,58 @@ def test_plan_defaults_and_flags():
     assert all("--kv-allow" not in c.argv for c in children[:2])
     # The shared secret travels in the environment, never on a command line (ps shows those).
     assert not any("secret" in a for c in children for a in c.argv)
+
+
+def test_up_hands_the_secret_over_in_a_0600_file_not_the_childrens_environment():
+    """The environment of a process is in /proc/<pid>/environ and passes to all it starts: up takes
+    ``FASTCORE_SHARED_SECRET`` out of its children's, hands them a file (removed once they are up),
+    and the secret in force is the user's (issue 19)."""
+    secret = "launcher-test-secret-0123456789"
+    env = {**os.environ, "FASTCORE_SHARED_SECRET": secret, "FASTCORE_METRICS_TOKEN": ""}
+    up = Up("--model", "synthetic", "--context-workers", "1", "--generation-workers", "1", env=env)
+    try:
+        up.wait_for("fastcore-serve is up")
+        ctx_pid = _pids_with("--port", str(up.worker_base))[0]
+        children = [ctx_pid, *_pids_with("--port", str(up.worker_base + 1))]
+        children += [p for p in _pids_with("--port", str(up.port)) if p != up.proc.pid]
+        assert len(children) == 3
+        for pid in children:
+            assert b"FASTCORE_SHARED_SECRET" not in Path(f"/proc/{pid}/environ").read_bytes()
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            path = argv[argv.index(b"--shared-secret-file") + 1].decode()
+            assert secret.encode() not in b" ".join(argv)
+            assert not os.path.exists(path) and not os.path.exists(os.path.dirname(path))  # removed once up
+        # The context worker took the user's secret from the file: a leg it signs is accepted.
+        url = f"http://127.0.0.1:{up.worker_base}"
+        with urllib.request.urlopen(url + "/health", timeout=10) as resp:
+            instance = json.loads(resp.read())["instance"]
+        body = json.dumps({"model": "synthetic", "prompt": "hi", "max_tokens": 2,
+                           "disaggregated_params": {"request_type": "context_only"}}).encode()  # fmt: skip
+        for key, want in ((b"another-secret", 403), (secret.encode(), 200)):
+            signature = sign_body(key, body, destination=instance)
+            request = urllib.request.Request(url + "/v1/completions", data=body, headers={
+                "Content-Type": "application/json", SIGNATURE_HEADER: signature})  # fmt: skip
+            try:
+                with urllib.request.urlopen(request, timeout=30) as resp:
+                    status = resp.status
+            except urllib.error.HTTPError as exc:
+                status = exc.code
+            assert status == want, key
+        # And the deployment serves (its legs signed with it).
+        assert _post_chat(f"http://127.0.0.1:{up.port}", "synthetic")["usage"]["completion_tokens"] >= 1
+    finally:
+        up.stop()
+
+
+def test_the_secret_file_is_this_users_only(tmp_path):
+    path = launcher.write_secret_file("s3cret")
+    try:
+        assert Path(path).read_text() == "s3cret"
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        assert os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
+    finally:
+        launcher.remove_secret_file(path)
+    assert not os.path.exists(os.path.dirname(path))
 
 
 def test_bad_counts_are_refused(capsys):

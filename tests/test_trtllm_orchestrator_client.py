@@ -493,11 +493,13 @@ async def test_a_fastcore_signature_authenticates_without_the_trtllm_header(
     url = workers["gen-auth"].url + "/v1/completions"
     body = msgpack_encode(generation_leg())
     flag = {MSGPACK_HEADER: "1"}
-    status, doc = await status_of(http, url, body, {**flag, SIGNATURE_HEADER: sign_body(SECRET, body)})
+    async with http.get(workers["gen-auth"].url + "/health") as resp:
+        here = (await resp.json())["instance"]
+    signed = {**flag, SIGNATURE_HEADER: sign_body(SECRET, body, destination=here)}
+    status, doc = await status_of(http, url, body, signed)
     assert status == 200, doc
-    status, doc = await status_of(
-        http, url, body + b"\x00", {**flag, SIGNATURE_HEADER: sign_body(SECRET, body)}
-    )
+    signed = {**flag, SIGNATURE_HEADER: sign_body(SECRET, body, destination=here)}
+    status, doc = await status_of(http, url, body + b"\x00", signed)
     assert status == 403
     assert_openai_error(doc, "bad_signature")
 

@@ -67,7 +67,9 @@ def test_worker_process_serves_and_stops_cleanly() -> None:
         status, resp_body = post(url + "/v1/completions", body)
         assert status == 403, resp_body
         status, resp_body = post(
-            url + "/v1/completions", body, {SIGNATURE_HEADER: sign_body(b"from-env", body)}
+            url + "/v1/completions",
+            body,
+            {SIGNATURE_HEADER: sign_body(b"from-env", body, destination=instance_of(url))},
         )
         assert status == 200 and resp_body["choices"][0]["finish_reason"] == "not_finished"
     finally:
@@ -115,6 +117,12 @@ def start_synthetic(port: int, *flags: str, env: dict[str, str] | None = None) -
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
 
 
+def instance_of(url: str) -> str:
+    """The worker's instance id (its /health): what a leg's signature is bound to."""
+    with urllib.request.urlopen(url + "/health", timeout=10) as resp:
+        return str(json.loads(resp.read())["instance"])
+
+
 def wait_healthy(proc: subprocess.Popen[str], url: str) -> None:
     for _ in range(300):
         if proc.poll() is not None:
@@ -143,8 +151,11 @@ def test_the_secret_from_a_file_stays_off_the_command_line(tmp_path: Path) -> No
         assert b"from-a-file" not in cmdline
         body = json.dumps({"prompt": "hi", "max_tokens": 2,
                            "disaggregated_params": {"request_type": "context_only"}}).encode()  # fmt: skip
-        assert post(url + "/v1/completions", body, {SIGNATURE_HEADER: sign_body(b"env", body)})[0] == 403
-        status, _ = post(url + "/v1/completions", body, {SIGNATURE_HEADER: sign_body(b"from-a-file", body)})
+        here = instance_of(url)
+        signed = {SIGNATURE_HEADER: sign_body(b"env", body, destination=here)}
+        assert post(url + "/v1/completions", body, signed)[0] == 403
+        signed = {SIGNATURE_HEADER: sign_body(b"from-a-file", body, destination=here)}
+        status, _ = post(url + "/v1/completions", body, signed)
         assert status == 200
     finally:
         proc.terminate()

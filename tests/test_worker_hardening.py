@@ -115,6 +115,11 @@ async def metric(port: int, name: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
+async def instance_of(port: int) -> str:
+    """The worker's instance id (its /health): what a leg's signature is bound to."""
+    return str((await get(port, "/health")).json()["instance"])
+
+
 async def wait_for(predicate: Any, what: str, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -408,7 +413,7 @@ async def test_a_replayed_signed_context_leg_is_refused() -> None:
     ctx = await tiny_worker("context", shared_secret=SECRET)
     try:
         body = json.dumps(context_body("replay me")).encode()
-        signature = sign_body(SECRET, body)
+        signature = sign_body(SECRET, body, destination=await instance_of(ctx.port))
         first = await post(ctx.port, "/v1/completions", body, **{SIGNATURE_HEADER: signature})
         assert first.status == 200
         error = assert_openai_error(
@@ -428,7 +433,7 @@ async def test_a_replayed_signed_context_leg_is_refused() -> None:
             "bad signature"
             in assert_openai_error(await get(ctx.port, path, **{SIGNATURE_HEADER: other}), 403)["message"]
         )
-        stale = sign_body(SECRET, body, now=time.time() - 3600)
+        stale = sign_body(SECRET, body, now=time.time() - 3600, destination=await instance_of(ctx.port))
         error = assert_openai_error(
             await post(ctx.port, "/v1/completions", body, **{SIGNATURE_HEADER: stale}), 403
         )
@@ -441,8 +446,9 @@ async def test_a_replayed_signed_context_leg_is_refused() -> None:
 async def test_parked_kv_released_by_a_signed_delete_only() -> None:
     ctx = await tiny_worker("context", shared_secret=SECRET)
     try:
-        first = await post(ctx.port, "/v1/completions", body := json.dumps(context_body("release me")).encode(),
-                           **{SIGNATURE_HEADER: sign_body(SECRET, body)})  # fmt: skip
+        body = json.dumps(context_body("release me")).encode()
+        signature = sign_body(SECRET, body, destination=await instance_of(ctx.port))
+        first = await post(ctx.port, "/v1/completions", body, **{SIGNATURE_HEADER: signature})
         assert first.status == 200 and ctx.engine.parked_count == 1
         path = f"/kv/{first.json()['choices'][0]['disaggregated_params']['ctx_request_id']}"
 
@@ -523,7 +529,8 @@ async def test_unsigned_plain_requests_still_go_through_the_parser(synthetic: Li
     # Signed: the parser runs and the role is checked after the signature.
     body = json.dumps({"prompt": [1, 2], "disaggregated_params": {"request_type": "generation_only",
                        "first_gen_tokens": [3]}}).encode()  # fmt: skip
-    resp = await post(synthetic.port, "/v1/completions", body, **{SIGNATURE_HEADER: sign_body(SECRET, body)})
+    signature = sign_body(SECRET, body, destination=await instance_of(synthetic.port))
+    resp = await post(synthetic.port, "/v1/completions", body, **{SIGNATURE_HEADER: signature})
     assert "role is context" in assert_openai_error(resp, 400)["message"]
 
 

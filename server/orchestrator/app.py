@@ -98,6 +98,8 @@ _PHASES = ("validate", "build_context", "read_context", "build_generation", "rel
 #: a context worker's statuses that say "not me, not now" (full, draining, rate-limited): the leg
 #: is retried on another worker, then falls back; any other 4xx is the client's answer
 REFUSED_STATUSES = frozenset((429, 503))
+#: the code of a worker's 403 for a leg signed for another instance of it (server/worker/app.py)
+_MISDIRECTED = b'"wrong_destination"'
 #: why a request fell back to local prefill (``fastcore_orchestrator_context_fallbacks_total``)
 FALLBACK_REASONS = ("no_worker", "circuit_open", "refused", "failed", "timeout")
 #: seconds a shutdown waits for its last KV releases to reach the context workers
@@ -828,7 +830,7 @@ class Orchestrator:
     async def _release_kv(self, worker: Worker, path: bytes) -> None:
         headers = b""
         if self.secret is not None:
-            signature = sign_body(self.secret, b"DELETE " + path)
+            signature = sign_body(self.secret, b"DELETE " + path, destination=worker.instance)
             headers = b"%s: %s\r\n" % (SIGNATURE_HEADER.encode(), signature.encode())
         try:
             resp = await self._upstream(worker).request(
@@ -844,19 +846,22 @@ class Orchestrator:
             503, message, code="no_healthy_worker", headers={"Retry-After": str(self.config.retry_after_s)}
         )
 
-    def _headers(self, pieces: Sequence[BodyPiece]) -> bytes:
+    def _headers(self, pieces: Sequence[BodyPiece], worker: Worker) -> bytes:
+        """A leg's headers, signed for ``worker`` when there is a secret (bound to its instance id:
+        a leg replayed to another worker is refused there)."""
         if self.secret is None:
             return self.relay.leg_headers
-        return self.relay.leg_headers + b"%s: %s\r\n" % (
-            SIGNATURE_HEADER.encode(),
-            sign_pieces(self.secret, pieces).encode(),
-        )
+        return self.relay.leg_headers + self._signature(pieces, worker)
 
-    def _plain_headers(self, pieces: Sequence[BodyPiece]) -> bytes:
+    def _plain_headers(self, pieces: Sequence[BodyPiece], worker: Worker) -> bytes:
         """Headers of a plain JSON request (no relay-mode flags), signed when there is a secret."""
-        if self.secret is None:
-            return b""
-        return b"%s: %s\r\n" % (SIGNATURE_HEADER.encode(), sign_pieces(self.secret, pieces).encode())
+        return b"" if self.secret is None else self._signature(pieces, worker)
+
+    def _signature(self, pieces: Sequence[BodyPiece], worker: Worker) -> bytes:
+        assert self.secret is not None
+        # worker.instance: from its last /health (a fastcore worker says it; None: another server).
+        signature = sign_pieces(self.secret, pieces, destination=worker.instance)
+        return b"%s: %s\r\n" % (SIGNATURE_HEADER.encode(), signature.encode())
 
     def _mark_failed(self, pool: Pool, worker: Worker) -> None:
         assert self.health is not None
@@ -890,6 +895,17 @@ class Orchestrator:
         )
         return leg_failed(leg, f"its worker answered {resp.status}")
 
+    def _misdirected(self, pool: Pool, worker: Worker, failure: HTTPError | WorkerAnswer) -> bool:
+        """Whether ``worker`` refused a leg as signed for another instance: it restarted since its
+        last /health (its new id is not known yet). It leaves the pool until the health check reads
+        the new id, and the leg goes to another worker: the client never sees that 403."""
+        if not (isinstance(failure, WorkerAnswer) and failure.status == 403 and _MISDIRECTED in failure.body):
+            return False
+        log.info("%s worker %s refused a leg signed for its instance %s: restarted", pool.name, worker.url,
+                 worker.instance)  # fmt: skip
+        self._mark_failed(pool, worker)
+        return True
+
     def _breaker_failed(self, pool: Pool, worker: Worker, *, at_once: bool = False) -> None:
         if worker.breaker.failed(at_once=at_once):
             log.warning("%s worker %s: circuit breaker open (no new legs for %g s)", pool.name, worker.url,
@@ -922,7 +938,6 @@ class Orchestrator:
         # A body built as pieces (views into the bodies it was spliced from)
         # goes out in one vectored write, never joined.
         pieces: Sequence[BodyPiece] = (body,) if isinstance(body, bytes) else body
-        headers = self._headers(pieces)
         pool = self.context_pool
         for attempt in range(self.config.max_retries + 1):
             worker = pool.choose(exclude=tried, key=key)
@@ -936,6 +951,7 @@ class Orchestrator:
             worker.breaker.chosen()
             try:
                 upstream = self.upstreams.get(worker.url) or self._new_upstream(worker)
+                headers = self._headers(pieces, worker)
                 resp = await upstream.request(_POST, path, pieces, headers, timeout, None, MAX_WORKER_BODY)
                 try:
                     if resp.status == 200:
@@ -944,6 +960,10 @@ class Orchestrator:
                         worker.breaker.succeeded()
                         return data, worker
                     failure = await self._worker_failure("context", worker, resp)
+                    if self._misdirected(pool, worker, failure):
+                        failure = self._unavailable("no healthy context worker")
+                        reason = "refused"
+                        continue
                     if resp.status in REFUSED_STATUSES:
                         reason = "refused"
                         continue
@@ -1005,11 +1025,8 @@ class Orchestrator:
         # goes out in one vectored write, never joined.
         pieces: Sequence[BodyPiece] = (body,) if isinstance(body, bytes) else body
         if local:
-            # The client's JSON as it came: no msgpack flag whatever the relay mode.
-            headers = self._plain_headers(pieces)
+            # The client's JSON as it came (no msgpack flag whatever the relay mode): _plain_headers.
             tried = [w for w in self.generation_pool.workers if not w.local_prefill]
-        else:
-            headers = self._headers(pieces) + extra_headers
         # A stream may run long; what must not happen is a silence that long.
         limit = self.config.request_timeout_s
         timeout, read_timeout = (None, limit) if req.stream else (limit, None)
@@ -1035,6 +1052,10 @@ class Orchestrator:
                 self.metrics.handoff.observe(handed_over - context_done)
             try:
                 upstream = self.upstreams.get(worker.url) or self._new_upstream(worker)
+                if local:
+                    headers = self._plain_headers(pieces, worker)
+                else:
+                    headers = self._headers(pieces, worker) + extra_headers
                 resp = await upstream.request(_POST, path, pieces, headers, timeout, read_timeout, max_body)
             except UpstreamError as exc:
                 worker.in_flight -= 1
@@ -1060,6 +1081,9 @@ class Orchestrator:
             try:
                 if resp.status != 200:
                     failure = await self._worker_failure("generation", worker, resp)
+                    if self._misdirected(self.generation_pool, worker, failure):
+                        failure = self._unavailable("no healthy generation worker")
+                        continue
                     if resp.status >= 500 and resp.status != 503:
                         self._breaker_failed(self.generation_pool, worker)
                     if resp.status not in REFUSED_STATUSES:

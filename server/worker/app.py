@@ -85,12 +85,19 @@ import numpy as np
 
 import fastcore
 from fastcore import protocol as wire
-from server.auth import SIGNATURE_HEADER, TRTLLM_AUTH_HEADER, Verifier, check_trtllm_disagg_auth, sign_body
+from server.auth import (
+    SIGNATURE_HEADER,
+    TRTLLM_AUTH_HEADER,
+    WRONG_DESTINATION,
+    Verifier,
+    check_trtllm_disagg_auth,
+    sign_body,
+)
 from server.errors import HTTPError, error_body
 from server.http import HTTPServer, Limits, Request, Responder
 from server.http.server import PEER_SHARE
 from server.metrics import CONTENT_TYPE, Registry
-from server.metrics_access import MetricsAccess
+from server.metrics_access import MetricsAccess, is_loopback_peer
 
 from .engine_api import NOT_FINISHED, Engine, EngineRequest, KVCacheFull, cache_salt_root, prompt_checksum
 from .output import Delta, OutputProcessor
@@ -172,17 +179,24 @@ class KVSources:
     """Where a generation worker may fetch KV from: the host (and port) of ``ctx_info_endpoint``.
 
     With entries, only those (a host without a port allows any port; names
-    are compared as written, never resolved). Without: loopback only, unless
+    are compared as written, never resolved). Without: any host when
     ``any_host`` (a shared secret is set, so only signed callers name an
-    endpoint). Whatever the host, only ``GET /kv/<digits>`` over http(s) is
-    ever fetched: a caller cannot point the fetch at another service's path.
+    endpoint); else loopback only, and only for a caller that is itself on
+    loopback: the worker never connects, for an unauthenticated caller, where
+    that caller could not connect itself (a remote client naming
+    ``127.0.0.1:<port>`` would otherwise probe the worker host's local ports;
+    its fetch is not even tried). Whatever the host, only ``GET /kv/<digits>``
+    over http(s) is ever fetched: a caller cannot point the fetch at another
+    service's path.
     """
 
     def __init__(self, entries: Sequence[str], *, any_host: bool) -> None:
         self.entries = [_host_port(e) for e in entries]
         self.any_host = any_host
 
-    def allows(self, endpoint: str) -> bool:
+    def allows(self, endpoint: str, *, caller_local: bool = True) -> bool:
+        """Whether to fetch ``endpoint`` for a leg that came from a loopback peer (``caller_local``)
+        or not."""
         try:
             parts = urlsplit(endpoint)
             port = parts.port
@@ -199,7 +213,7 @@ class KVSources:
         ):
             return False
         if not self.entries:
-            return self.any_host or _is_loopback(host)
+            return self.any_host or (caller_local and _is_loopback(host))
         port = port or (443 if parts.scheme == "https" else 80)
         return any(h == host and (p is None or p == port) for h, p in self.entries)
 
@@ -358,6 +372,12 @@ class KVFetchError(LookupError):
 def kv_signature(secret: bytes, path: str) -> str:
     """The signature of a KV fetch: it has no body, so it signs the path (nonce and time included)."""
     return sign_body(secret, path.encode())
+
+
+def _refusal_code(reason: str) -> str:
+    """The error code of a signature refused for ``reason``: an orchestrator that signed for this
+    worker's previous instance (it restarted since the last /health) tells it apart and retries."""
+    return "wrong_destination" if reason == WRONG_DESTINATION else "bad_signature"
 
 
 def _send_error(out: Responder, exc: HTTPError) -> None:
@@ -596,9 +616,13 @@ class WorkerApp:
         """The id at the end of a KV request's path (after ``prefix``) whose signature (over ``signed``)
         holds: a ctx_request_id, or after ``/kv/by-request/`` a disagg_request_id."""
         if self.verifier is not None:
-            reason = self.verifier.check(signed, request.header(_SIGNATURE))
+            # Bound to this instance when the sender knows it (an orchestrator's release); a generation
+            # worker's fetch cannot be: the path names a random id parked here only.
+            reason = self.verifier.check(signed, request.header(_SIGNATURE), destination=self.instance)
             if reason is not None:
-                raise HTTPError(403, f"KV {what} refused: {SIGNATURE_HEADER} {reason}", code="bad_signature")
+                raise HTTPError(
+                    403, f"KV {what} refused: {SIGNATURE_HEADER} {reason}", code=_refusal_code(reason)
+                )
         raw_id = request.path[len(prefix) :]
         if not (raw_id.isdigit() and len(raw_id) <= 20):
             field = wire.CTX_REQUEST_ID if prefix == _KV_PREFIX else wire.DISAGG_REQUEST_ID
@@ -725,7 +749,9 @@ class WorkerApp:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             log.info("releasing the KV at %s failed: %s", endpoint, exc)
 
-    async def _attach_context_kv(self, req: ParsedRequest, engine_req: EngineRequest) -> None:
+    async def _attach_context_kv(
+        self, req: ParsedRequest, engine_req: EngineRequest, caller_local: bool = True
+    ) -> None:
         assert req.disagg is not None
         metrics = self.metrics
         endpoint = req.disagg.ctx_info_endpoint
@@ -735,7 +761,7 @@ class WorkerApp:
             reason = "no_endpoint"
         elif len(first) != 1:
             reason = "several_first_tokens"
-        elif not self.kv_sources.allows(endpoint):
+        elif not self.kv_sources.allows(endpoint, caller_local=caller_local):
             log.info(
                 "ctx_info_endpoint %.200r is not an allowed KV source; recomputing the prefill", endpoint
             )
@@ -793,9 +819,11 @@ class WorkerApp:
         header = request.header(_SIGNATURE)
         if verifier is None or header is None:
             return False
-        reason = verifier.check(request.body, header)
+        # Bound to this process's instance: nonces are per process, so only the binding stops a
+        # leg signed for another worker (or for this one before a restart) from being replayed here.
+        reason = verifier.check(request.body, header, destination=self.instance, bound=True)
         if reason is not None:
-            raise HTTPError(403, f"{SIGNATURE_HEADER} refused: {reason}", code="bad_signature")
+            raise HTTPError(403, f"{SIGNATURE_HEADER} refused: {reason}", code=_refusal_code(reason))
         return True
 
     def _refuse_unsigned_early(self, body: bytes, request: Request) -> None:
@@ -963,7 +991,7 @@ class WorkerApp:
         queued = answered = False
         try:
             if req.is_generation_only:
-                await self._attach_context_kv(req, engine_req)
+                await self._attach_context_kv(req, engine_req, is_loopback_peer(out.peer))
             engine.enqueue(engine_req)
             queued = True
             self.metrics.prompt_tokens.inc(int(req.prompt_ids.size))

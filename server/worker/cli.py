@@ -72,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="file holding the HMAC secret for internal requests")  # fmt: skip
     parser.add_argument("--shared-secret", default=None,
                         help=f"the HMAC secret itself: visible to anyone who can run ps; prefer "
-                             f"--shared-secret-file or ${SECRET_ENV} (the default)")  # fmt: skip
+                             f"--shared-secret-file (${SECRET_ENV}, the default, is readable in "
+                             f"/proc/<pid>/environ and inherited by child processes)")  # fmt: skip
     parser.add_argument("--internal-request-auth-key-file", default=None, metavar="PATH",
                         help="file holding the key of trtllm-serve's x-trtllm-disagg-auth (its config's "
                              "internal_request_auth_key; default: the shared secret)")  # fmt: skip
