@@ -541,7 +541,14 @@ async def test_shared_secret_guards_internal_requests(http: aiohttp.ClientSessio
         assert status == 403 and SIGNATURE_HEADER in resp["error"]["message"]
         status, resp = await call(http, url, ctx_body, **{SIGNATURE_HEADER: sign_body(b"wrong", ctx_body)})
         assert status == 403
-        status, ctx = await call(http, url, ctx_body, **{SIGNATURE_HEADER: sign_body(secret, ctx_body)})
+        async with http.get(ctx_worker.url + "/health") as resp:
+            ctx_instance = (await resp.json())["instance"]
+        # Signed for another worker (a replay there): refused.
+        for_gen = sign_body(secret, ctx_body, destination="0" * 32)
+        status, resp = await call(http, url, ctx_body, **{SIGNATURE_HEADER: for_gen})
+        assert status == 403 and resp["error"]["code"] == "wrong_destination"
+        signature = sign_body(secret, ctx_body, destination=ctx_instance)
+        status, ctx = await call(http, url, ctx_body, **{SIGNATURE_HEADER: signature})
         assert status == 200
         # Plain client requests need no signature.
         status, _ = await call(http, url, COMPLETION_BODY)
@@ -551,8 +558,10 @@ async def test_shared_secret_guards_internal_requests(http: aiohttp.ClientSessio
             assert resp.status == 403
         # The generation worker signs its fetch with the same secret: the KV path is taken.
         gen_body = json.dumps(generation_request("completions", COMPLETION_BODY, ctx, False)).encode()
+        async with http.get(gen_worker.url + "/health") as resp:
+            gen_instance = (await resp.json())["instance"]
         status, gen = await call(http, gen_worker.url + "/v1/completions", gen_body,
-                                 **{SIGNATURE_HEADER: sign_body(secret, gen_body)})  # fmt: skip
+                                 **{SIGNATURE_HEADER: sign_body(secret, gen_body, destination=gen_instance)})  # fmt: skip
         assert status == 200
         assert await metric(http, gen_worker, 'fastcore_worker_kv_handoff_total{event="fetched"}') == 1
         status, plain = await call(http, gen_worker.url + "/v1/completions", COMPLETION_BODY)
