@@ -42,9 +42,10 @@ ROUTER_ALIASES = {"load_balancing": "least_loaded"}
 class RouterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["round_robin", "least_loaded", "load_balancing", "kv_cache_aware", "conversation"] = (
-        "round_robin"
-    )
+    # centralized_kv_cache_aware (trtllm-serve's) parses so that check_runnable can say what it lacks
+    type: Literal[
+        "round_robin", "least_loaded", "load_balancing", "kv_cache_aware", "conversation", "centralized_kv_cache_aware"
+    ] = "round_robin"
     # trtllm-serve's router arguments (load_balancing: use_tokens). trtllm-serve writes them
     # beside ``type`` (its extract_router_config); ``args:`` holds them too.
     args: dict[str, Any] = Field(default_factory=dict)
@@ -91,6 +92,17 @@ class PoolConfig(BaseModel):
                 raise ValueError("empty worker URL")
             out.append(url if "://" in url else "http://" + url)
         return out
+
+    @model_validator(mode="after")
+    def _block_size_from_the_workers(self) -> PoolConfig:
+        # trtllm-serve's extract_router_config: a prefix router hashes in the workers' block size
+        # (kv_cache_config.tokens_per_block) unless its own arguments name one
+        cache = (self.model_extra or {}).get("kv_cache_config")
+        args = self.router.args
+        if (self.router.kind in ("kv_cache_aware", "conversation") and isinstance(cache, dict)
+                and "tokens_per_block" in cache and not {"tokens_per_block", "chunk_bytes"} & set(args)):  # fmt: skip
+            args["tokens_per_block"] = cache["tokens_per_block"]
+        return self
 
 
 class ConditionalDisaggConfig(BaseModel):
@@ -219,6 +231,12 @@ class OrchestratorConfig(BaseModel):
     generation_servers: PoolConfig = Field(default_factory=PoolConfig)
     conditional_disagg_config: ConditionalDisaggConfig | None = None
     disagg_cluster: DisaggClusterConfig | None = None
+    # trtllm-serve's: which leg goes first; generation_first is refused (check_runnable says why)
+    schedule_style: Literal["context_first", "generation_first"] = "context_first"
+    # trtllm-serve's OpenTelemetry tracing ({otlp_traces_endpoint: URL}): refused with an endpoint
+    otlp_config: dict[str, Any] | None = None
+    # trtllm-serve's per-request entries of GET /perf_metrics (0: none kept, its default); above 0 refused
+    perf_metrics_max_requests: int = Field(0, ge=0)
 
     def unused_keys(self) -> list[str]:
         """Keys of the file this orchestrator does not use (dotted, in file order)."""
@@ -242,10 +260,40 @@ class OrchestratorConfig(BaseModel):
             return self.internal_request_auth_key.encode()
         return self.shared_secret_bytes
 
+    def _check_trtllm_keys(self) -> None:
+        """trtllm-serve keys that would change what happens but are not built here: refused, naming
+        what is missing (a file that relies on them must not start and quietly do otherwise)."""
+        if self.schedule_style == "generation_first":
+            raise ConfigError(
+                "schedule_style: generation_first (the generation leg sent before the context leg, its KV "
+                "pulled by the generation worker as the context worker produces it) is not built: the "
+                "generation leg starts from the context leg's answer here; use context_first"
+            )
+        endpoint = (self.otlp_config or {}).get("otlp_traces_endpoint")
+        if endpoint:
+            raise ConfigError(
+                f"otlp_config.otlp_traces_endpoint ({str(endpoint)[:100]}): OpenTelemetry tracing is not built "
+                "in the fastcore orchestrator (per-phase timings: /metrics); remove the key"
+            )
+        if self.perf_metrics_max_requests:
+            raise ConfigError(
+                f"perf_metrics_max_requests ({self.perf_metrics_max_requests}): per-request entries of "
+                "GET /perf_metrics (joined with the workers' own) are not collected here, so it answers [] as "
+                "trtllm-serve does with 0; per-phase latencies: /metrics; set 0"
+            )
+        for name in ("context_servers", "generation_servers"):
+            if getattr(self, name).router.type == "centralized_kv_cache_aware":
+                raise ConfigError(
+                    f"{name}.router.type: centralized_kv_cache_aware needs the workers' KV events pushed to "
+                    "the router over ZMQ (router_port), not built here; kv_cache_aware routes by the "
+                    "prefixes it sent each worker and takes tokens_per_block too"
+                )
+
     def check_runnable(self) -> None:
         """Refuse to start without a worker in each pool (none needed with discovery), or on a
         section not built yet."""
         cluster = self.disagg_cluster
+        self._check_trtllm_keys()
         if cluster is not None and cluster.cluster_uri.startswith("http://") and self.workers > 1:
             raise ConfigError(
                 "disagg_cluster.cluster_uri: an http:// registry is kept by one orchestrator process; "

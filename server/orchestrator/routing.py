@@ -253,6 +253,26 @@ def _float_arg(args: dict[str, Any], name: str, default: float, low: float) -> f
     return float(value)
 
 
+def _chunk_from_tokens(args: dict[str, Any], default_bytes: int) -> int:
+    """``chunk_bytes``, or trtllm-serve's ``tokens_per_block`` as bytes (x ``BYTES_PER_TOKEN``: our
+    chunks are of the raw JSON, not of token ids); not both."""
+    from fastcore._jsonspan_py import CHUNK_MAX
+
+    if "tokens_per_block" in args:
+        if "chunk_bytes" in args:
+            raise ValueError("tokens_per_block: give it or chunk_bytes, not both (one chunk size)")
+        high = CHUNK_MAX // BYTES_PER_TOKEN
+        tokens = _int_arg(args, "tokens_per_block", 32, 8, high)
+        if tokens % 8:
+            raise ValueError(f"tokens_per_block must be a multiple of 8 (chunks of {BYTES_PER_TOKEN} x it bytes, "
+                             f"a multiple of 32), got {tokens}")  # fmt: skip
+        return tokens * BYTES_PER_TOKEN
+    chunk = _int_arg(args, "chunk_bytes", default_bytes, 32, CHUNK_MAX)
+    if chunk % 32:
+        raise ValueError(f"chunk_bytes must be a multiple of 32, got {chunk}")
+    return chunk
+
+
 class ConversationRouter(Router):
     """One conversation, one worker: consistent hashing of the conversation id, with bounded loads.
 
@@ -274,7 +294,7 @@ class ConversationRouter(Router):
     name = "conversation"
     needs_key = True
     key_kinds = frozenset({"conversation"})
-    ARGS = frozenset({"virtual_nodes", "load_factor"})
+    ARGS = frozenset({"virtual_nodes", "load_factor", "match_threshold", "tokens_per_block", "chunk_bytes"})
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:
         args = args or {}
@@ -282,12 +302,30 @@ class ConversationRouter(Router):
         self.load_factor = _float_arg(args, "load_factor", 1.25, 0.0)
         if 0 < self.load_factor < 1:
             raise ValueError(f"load_factor must be 0 (no bound) or >= 1, got {self.load_factor:g}")
+        # trtllm-serve's implicit matching: a request without an id whose prompt shares at least
+        # match_threshold of its chunks with what a worker was sent goes to that worker (off: None)
+        self.match_threshold: float | None = None
+        if "match_threshold" in args:
+            threshold = _float_arg(args, "match_threshold", 0.75, 0.0)
+            if not 0 < threshold <= 1:
+                raise ValueError(f"match_threshold must be in (0, 1], got {threshold:g}")
+            self.match_threshold = threshold
+            self.key_kinds = frozenset({"conversation", "prefix"})
+        self.chunk_bytes = _chunk_from_tokens(args, 128 * BYTES_PER_TOKEN)  # trtllm's 128 tokens
+        #: the implicit matching's per-worker index (KvCacheAwareRouter's, at its default bound)
+        self._prefixes = KvCacheAwareRouter({"chunk_bytes": self.chunk_bytes}) if self.match_threshold else None
         self._fallback = LeastLoadedRouter()
         self._points: list[int] = []
         self._urls: list[str] = []
         self._members: frozenset[str] = frozenset()
 
+    def forget(self, worker: Worker) -> None:
+        if self._prefixes is not None:
+            self._prefixes.forget(worker)
+
     def sync(self, workers: Sequence[Worker]) -> None:
+        if self._prefixes is not None:
+            self._prefixes.sync(workers)
         members = frozenset(w.url for w in workers)
         if members == self._members:
             return
@@ -328,7 +366,30 @@ class ConversationRouter(Router):
             worker = self.owner(key.conversation, {w.url: w for w in candidates}, capacity)
             if worker is not None:
                 return worker
-        return self._fallback.choose(candidates)
+        if self._prefixes is None or key is None:
+            return self._fallback.choose(candidates)
+        hashes = key.hashes(self.chunk_bytes)
+        worker = self._implicit(candidates, hashes) if hashes else None
+        if worker is None:
+            worker = self._fallback.choose(candidates)
+        if hashes:
+            self._prefixes.routed(worker, hashes)
+        return worker
+
+    def _implicit(self, candidates: list[Worker], hashes: list[int]) -> Worker | None:
+        """The worker sent the longest run of these leading chunks, if that run is at least
+        ``match_threshold`` of them and the worker is below the bounded-load capacity."""
+        assert self._prefixes is not None and self.match_threshold is not None
+        capacity = self.capacity(candidates)
+        best, best_hit = None, 0
+        for worker in candidates:
+            index = self._prefixes._indexes.get(worker)
+            hit = index.longest_prefix(hashes) if index is not None else 0
+            if hit > best_hit and worker.in_flight < capacity:
+                best, best_hit = worker, hit
+        if best is not None and best_hit >= self.match_threshold * len(hashes):
+            return best
+        return None
 
 
 class _PrefixIndex:
@@ -390,16 +451,13 @@ class KvCacheAwareRouter(Router):
     needs_key = True
     key_kinds = frozenset({"prefix"})
     ARGS = frozenset(
-        {"chunk_bytes", "max_cached_tokens", "max_index_tokens", "load_weight", "max_load_ratio"}
-    )
+        {"chunk_bytes", "tokens_per_block", "max_cached_tokens", "max_index_tokens", "load_weight",
+         "max_load_ratio"}
+    )  # fmt: skip
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:
-        from fastcore._jsonspan_py import CHUNK_MAX
-
         args = args or {}
-        self.chunk_bytes = _int_arg(args, "chunk_bytes", 512, 32, CHUNK_MAX)
-        if self.chunk_bytes % 32:
-            raise ValueError(f"chunk_bytes must be a multiple of 32, got {self.chunk_bytes}")
+        self.chunk_bytes = _chunk_from_tokens(args, 512)
         self.max_cached_tokens = _int_arg(args, "max_cached_tokens", 262_144, 1)
         #: the orchestrator's own bound on any worker's index (~100 bytes per chunk entry)
         self.max_index_tokens = _int_arg(args, "max_index_tokens", 1 << 20, 1)
