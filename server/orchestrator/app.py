@@ -400,8 +400,10 @@ class Orchestrator:
         #: conditional disaggregation: remainders up to this many tokens are prefilled on the
         #: generation worker (config.check_runnable made sure its router is kv_cache_aware)
         self.max_local_prefill: int | None = None
+        self.require_prefix_hit = False
         if config.conditional_disagg_config is not None:
             self.max_local_prefill = config.conditional_disagg_config.max_local_prefill_length
+            self.require_prefix_hit = config.conditional_disagg_config.require_prefix_hit
         #: fire-and-forget tasks (KV releases, first health checks), kept referenced until done
         self._background: set[asyncio.Task[None]] = set()
         self.discovery: Discovery | None = None
@@ -781,6 +783,8 @@ class Orchestrator:
         request's expected uncached remainder there (prompt bytes / BYTES_PER_TOKEN minus the
         expected hit) is at most ``max_local_prefill_length`` tokens."""
         if not worker.local_prefill or key is None or self.max_local_prefill is None:
+            return False
+        if key.hit_chunks == 0 and self.require_prefix_hit:  # trtllm-serve's rule: a cold prompt disaggregates
             return False
         router = self.generation_pool.router
         assert isinstance(router, KvCacheAwareRouter)

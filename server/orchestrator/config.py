@@ -111,6 +111,9 @@ class ConditionalDisaggConfig(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     max_local_prefill_length: int = Field(0, ge=0)
+    # trtllm-serve's rule: a request with no expected prefix hit always takes the context leg (ours,
+    # false: a short new prompt is prefilled on the generation worker too)
+    require_prefix_hit: bool = False
 
 
 class DisaggClusterConfig(BaseModel):

@@ -58,6 +58,10 @@ B64_COMPLETIONS_FIELD = "prompt_token_ids_b64_completions"
 LOCAL_PREFILL_FIELD = "local_prefill"
 #: the worker's KV cache size in tokens (bounds a kv_cache_aware router's index of it)
 KV_CAPACITY_FIELD = "kv_capacity_tokens"
+#: a member only trtllm-serve's /server_info has (its get_server_info): such a worker says nothing of
+#: local_prefill, yet its generation workers serve a plain request whole (trtllm-serve's own
+#: conditional disaggregation sends them one), so it counts as saying local_prefill
+TRTLLM_SERVER_INFO_FIELD = "disaggregated_params"
 
 
 class Capabilities:
@@ -80,9 +84,10 @@ class Capabilities:
         if not isinstance(info, dict):
             return cls()
         capacity = info.get(KV_CAPACITY_FIELD)
+        local = info.get(LOCAL_PREFILL_FIELD, True if TRTLLM_SERVER_INFO_FIELD in info else None)
         return cls(
             info.get(B64_COMPLETIONS_FIELD) is True,
-            info.get(LOCAL_PREFILL_FIELD) is True,
+            local is True,
             capacity if type(capacity) is int and capacity > 0 else None,
         )
 
