@@ -16,6 +16,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 import pytest
@@ -291,6 +292,34 @@ async def test_the_watcher_keeps_at_most_max_workers_records(
             await client.delete(s.key(f"w{i}"))
         await until(lambda: not seen.last, 1.0)
         await watcher.stop()
+
+
+async def test_a_change_under_one_prefix_while_the_next_is_read_is_not_missed(
+    etcd: LocalEtcd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each prefix is watched from the revision after its own read: a worker that registers under
+    the first prefix while the second is being read (a later revision) is seen, not skipped."""
+    s = settings(etcd, "between")
+    assert len(s.prefixes) == 2
+    first = s.prefixes[0]
+    read_pages = EtcdClient.range_prefix_pages
+    wrote: list[int] = []
+
+    async def read_then_register(self: EtcdClient, prefix: str, page: int = 16) -> Any:
+        async for item in read_pages(self, prefix, page):
+            yield item
+        if prefix == first and not wrote:  # after the first prefix's read, before the second's
+            wrote.append(await self.put(first + "late", record("late", port=7777).to_json()))
+
+    monkeypatch.setattr(EtcdClient, "range_prefix_pages", read_then_register)
+    seen = Seen()
+    watcher = ClusterWatcher(s, seen)
+    await watcher.start()
+    assert wrote and watcher.connected
+    await until(lambda: "late" in seen.last, 2.0)
+    await watcher.stop()
+    async with aiohttp.ClientSession() as session:
+        await EtcdClient(s.etcd_endpoints(), session).delete(first + "late")
 
 
 async def test_unreachable_etcd_at_start_is_not_fatal_and_is_said() -> None:

@@ -397,4 +397,4 @@ def _flag(query: dict[str, list[str]], name: str) -> bool:
     raise _BadParam(name, f"{name!r} must be a boolean (0/1, true/false), got {text[:20]!r}")
 
 
-__all__ = ["LONG_POLL_S", "TRTLLM_STORE_ROUTES", "REGISTRY_PATH", "UNSIGNED_FLAG", "EmbeddedRegistry", "sign_registry"]
+__all__ = ["LONG_POLL_S", "REGISTRY_PATH", "TRTLLM_STORE_ROUTES", "UNSIGNED_FLAG", "EmbeddedRegistry", "sign_registry"]

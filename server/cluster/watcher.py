@@ -25,7 +25,8 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import aiohttp
 
@@ -183,21 +184,20 @@ class ClusterWatcher:
                 records: dict[str, WorkerRecord] = {}
                 origin: dict[str, str] = {}
                 skipped: dict[str, int] = {}
-                revision = 0
+                revisions: dict[str, int] = {}
                 for prefix in prefixes:  # one bound over all of them: MAX_WORKERS in all
                     async for kvs, page_revision in self._etcd.range_prefix_pages(prefix):
                         self._read_all(kvs, prefix, records, skipped, origin)
-                        revision = max(revision, page_revision)
+                        revisions[prefix] = page_revision  # one prefix's pages share a revision
                 self._summarize(skipped)
                 self._origin = origin
                 self._replace(records)
                 backoff = 0.05
-                # one watch per prefix, from the revision after the reads; any of them ending is a resync
-                async with asyncio.TaskGroup() as group:
-                    for prefix in prefixes:
-                        group.create_task(self._follow(prefix, revision + 1))
-            except* _TRANSIENT as group_exc:
-                self._lost(group_exc.exceptions[0])
+                # one watch per prefix, each from the revision after its own read (a later one would
+                # miss what changed under an earlier prefix meanwhile); any of them ending is a resync
+                await _until_one_fails([self._follow(p, revisions[p] + 1) for p in prefixes])
+            except _TRANSIENT as exc:
+                self._lost(exc)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.settings.heartbeat_interval_s)
 
@@ -296,6 +296,23 @@ class ClusterWatcher:
                 version = None
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.settings.heartbeat_interval_s)
+
+
+async def _until_one_fails(coros: list[Coroutine[Any, Any, None]]) -> None:
+    """Run ``coros`` together until one ends (each raises when it does: a watch that ended); cancel
+    the others and raise its exception. asyncio.wait, not a TaskGroup: Python 3.10 is supported."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for task in done:
+        exc = None if task.cancelled() else task.exception()
+        if exc is not None:
+            raise exc
+    raise EtcdError("a watch ended")
 
 
 __all__ = ["ClusterWatcher"]
