@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 import tracemalloc
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import yaml
@@ -301,11 +301,11 @@ def routing_phase(quick: bool) -> str:
         pool = [Worker(f"http://w{i}") for i in range(4)]
         for w in pool:
             w.healthy = True
-        router = ConversationRouter({"load_factor": factor})
-        router.sync(pool)
+        ring = ConversationRouter({"load_factor": factor})
+        ring.sync(pool)
         key = RequestKey(b"", b"one-hot-conversation", None)
         for _ in range(400):
-            router.choose(pool, key).in_flight += 1
+            ring.choose(pool, key).in_flight += 1
         hot_rows.append(
             [label, 400, max(w.in_flight for w in pool), " / ".join(str(w.in_flight) for w in pool)]
         )
@@ -327,9 +327,8 @@ async def streams_phase(quick: bool) -> str:
     engine = SyntheticEngine(64, token_latency_s=0.001)
     engine.max_num_seqs = n
     room = engine.max_context - 64
-    app = WorkerApp(
-        engine, WorkerSettings(model_name=model, admission_wait_s=0, stream_stall_timeout_s=stall)
-    )
+    settings = WorkerSettings(model_name=model, admission_wait_s=0, stream_stall_timeout_s=stall)
+    app = WorkerApp(cast(Any, engine), settings)  # the synthetic engine: the Engine protocol, loosely typed
     server, port = await app.start("127.0.0.1", 0)
     body = json.dumps({"model": model, "prompt": "hi", "stream": True, "ignore_eos": True}).encode()
     socks = []
