@@ -56,6 +56,7 @@ from typing import Any
 
 import yaml
 
+from bench import abuse_http
 from bench._timing import format_table
 from bench.deploy import free_port, process_tree, rss_bytes, wait_healthy
 from bench.load import RESULTS_DIR, LevelResult, percentile, run_concurrency, write_json
@@ -70,6 +71,8 @@ CHAT = "/v1/chat/completions"
 DEFAULTS = OrchestratorConfig.model_validate({})
 #: client limits of the orchestrator a ``--quick`` run starts: time limits seen within seconds
 QUICK_LIMITS: dict[str, float] = {"client_header_timeout_s": 1.5, "client_keepalive_timeout_s": 2.0}
+#: the connection cap of a ``--quick`` run's orchestrator: its slowloris phase opens that many and more
+QUICK_MAX_CONNECTIONS = 512
 CHUNK = 1 << 20
 
 
@@ -907,30 +910,74 @@ def main(args: argparse.Namespace) -> int:
     raise_open_file_limit()  # several hundred attacker sockets beside the honest clients
     dep: UpDeployment | None = None
     previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the deployment as Ctrl-C does
+    max_connections = DEFAULTS.max_client_connections
     try:
         if args.url:
             ctx = args.context_metrics
             workers = {"context worker": ctx.rstrip("/") + "/metrics"} if ctx else {}
             run = asyncio.run(run_abuse(args.url, s, worker_metrics=workers, model=args.model))
+            http = _http_phases(args, s, args.url, lambda: 0, max_connections)
         else:
             limits: dict[str, Any] = dict(QUICK_LIMITS) if args.quick else {}
+            if args.quick:
+                max_connections = limits["max_client_connections"] = QUICK_MAX_CONNECTIONS
             dep = UpDeployment(model=args.model, limits=limits).start()
             workers = {
                 c.name: f"http://127.0.0.1:{c.port}/metrics" for c in dep.children if "worker" in c.name
             }
             run = asyncio.run(run_abuse(dep.url, s, worker_metrics=workers, dep=dep, model=args.model))
+            http = _http_phases(args, s, dep.url, _rss_of(dep.child("orchestrator")), max_connections)
     finally:
         if dep is not None:
             dep.stop()
         signal.signal(signal.SIGTERM, previous)
     print(report(run))
+    phases, checks, http_settings = http
+    print("\nHTTP layer (issue 19): honest load from 127.0.0.1, each attack from 127.0.0.2\n")
+    print(abuse_http.phase_table(phases))
+    print(abuse_http.outcomes_text(phases, checks))
     out = args.output or RESULTS_DIR / ("abuse_quick.json" if args.quick else "abuse.json")
     write_json([run.clean, run.abuse], out, {
         "url": args.url or "own deployment (fastcore-serve up, tiny)",
         "settings": asdict(s), "attack": asdict(run.attack), "rss": run.rss, "kv": run.kv,
-        "orchestrator_metrics": run.orchestrator_metrics, "counters": run.counters})  # fmt: skip
+        "orchestrator_metrics": run.orchestrator_metrics, "counters": run.counters,
+        "http_phases": abuse_http.to_json(phases, checks, http_settings),
+        "http_max_connections": max_connections})  # fmt: skip
     print(f"\nresults: {out}")
-    return 1 if run.clean.errors or run.abuse.errors else 0
+    honest_ok = all(p.success >= abuse_http.MIN_SUCCESS for p in phases)
+    return 1 if run.clean.errors or run.abuse.errors or not honest_ok else 0
+
+
+def _rss_of(child: Child) -> Any:
+    """The RSS of ``child``'s process tree (its pids read once), for the HTTP phases' samples."""
+    pids = process_tree(child.proc.pid) if child.proc is not None else []
+
+    def rss() -> int:
+        total = 0
+        for pid in pids:
+            try:
+                total += rss_bytes(pid)
+            except OSError:
+                pass
+        return total
+
+    return rss
+
+
+def _http_phases(args: argparse.Namespace, s: AbuseSettings, url: str, rss: Any,
+                 max_connections: int) -> tuple[list[abuse_http.PhaseResult], dict[str, str], Any]:  # fmt: skip
+    """Issue 19's phases (bench/abuse_http.py) against ``url``, after the abandon/slowloris/oversize run."""
+    hs = abuse_http.HTTPAbuseSettings.quick() if args.quick else abuse_http.HTTPAbuseSettings.full(s.max_body_bytes)
+    body = tiny_chat_body(s.prompt_tokens, max_tokens=s.max_tokens, model=args.model)
+
+    async def both() -> tuple[list[abuse_http.PhaseResult], dict[str, str]]:
+        phases = await abuse_http.run_phases(url, body, concurrency=s.concurrency, timeout=s.timeout, s=hs,
+                                             rss=rss, max_body_bytes=s.max_body_bytes,
+                                             max_connections=max_connections)  # fmt: skip
+        return phases, await abuse_http.framing_checks(url)
+
+    phases, checks = asyncio.run(both())
+    return phases, checks, hs
 
 
 __all__ = ["AbuseRun", "AbuseSettings", "Attack", "AttackStats", "UpDeployment", "main", "run_abuse"]

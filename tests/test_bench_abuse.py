@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import abuse, load
+from bench import abuse, abuse_http, load
 from bench.load import LevelResult
 
 
@@ -53,6 +53,17 @@ def test_phase_table_has_the_ratio_row() -> None:
     ratio_row = text.splitlines()[-1]
     assert ratio_row.startswith("| abuse/clean")
     assert [c.strip() for c in ratio_row.split("|")[5:9]] == ["3.00x", "3.00x", "1.50x", "1.50x"]
+
+
+def test_http_phase_table_has_success_ratio_and_rss() -> None:
+    def phase(name: str, ok: int, failed: int, p99: float) -> abuse_http.PhaseResult:
+        level = LevelResult(name, 4, None, ok + failed, failed, 0, 1.0, 10.0, 5.0, 6.0, 7.0, p99 / 2, p99, p99)
+        return abuse_http.PhaseResult(name, level, 100 << 20, 300 << 20, 110 << 20, 1.5)
+
+    rows = abuse_http.phase_table([phase("clean", 100, 0, 40.0), phase("trailers", 96, 4, 60.0)]).splitlines()
+    cells = [c.strip() for c in rows[-1].split("|")[1:-1]]
+    assert cells[0] == "trailers" and cells[2] == "96.0%" and cells[7] == "1.50x"
+    assert cells[8] == "100 / 300 / 110" and cells[9] == "1.5 s"
 
 
 @pytest.mark.slow
@@ -101,4 +112,24 @@ def test_quick_abuse_run_end_to_end(tmp_path: Path) -> None:
     assert kv["at_end"] - (kv["parked_tokens_at_end"] or 0) == 0, kv
     assert set(meta["rss"]) == {"before", "after clean", "end of abuse", "at end"}
     assert all(v > 0 for v in meta["rss"]["at end"].values()) and len(meta["rss"]["at end"]) == 3
-    assert elapsed < 60
+
+    # the HTTP layer's phases (issue 19): honest load served through each attack, attackers refused
+    http = meta["http_phases"]
+    phases = {p["name"]: p for p in http["phases"]}
+    assert list(phases) == ["clean", "trailers", "body hold", "slowloris at cap", "large bodies", "mixed"]
+    for p in phases.values():
+        assert p["success"] >= abuse_http.MIN_SUCCESS, (p["name"], p["honest"]["error_samples"])
+        assert p["rss_settle_s"] is not None, p  # RSS back within 64 MiB of where the phase began
+    trailers = phases["trailers"]["outcomes"]["trailers"]
+    assert sum(n for k, n in trailers.items() if k.startswith("431")) >= 1, trailers
+    assert not any(k.split()[0] not in ("431", "open", "reset") for k in trailers), trailers
+    hold = phases["body hold"]["outcomes"]["body hold"]  # 3/4 of the budget at most, the rest refused
+    assert hold.get("503", 0) >= 1 and hold.get("open at stop", 0) <= 12, hold
+    slow = phases["slowloris at cap"]["outcomes"]["slowloris"]
+    assert slow.get("503", 0) >= 1 and slow.get("open at stop", 0) <= 3 * meta["http_max_connections"] // 4, slow
+    assert set(phases["large bodies"]["outcomes"]["large bodies"]) <= {"404", "503"}
+    assert phases["large bodies"]["rss_peak"] > phases["large bodies"]["rss_before"]
+    framing = http["framing"]
+    assert [framing[k].split()[0] for k in ("no Host", "two Hosts", "4 GiB chunk declared")] == ["400", "400", "413"]
+    assert framing["half-closed GET /health"].startswith("200") and framing["half-closed GET /health"].endswith("then closed")
+    assert elapsed < 90
