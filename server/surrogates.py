@@ -2,7 +2,8 @@
 
 JSON may spell a surrogate code point with an escape (``"\\ud800"``) that no
 pair completes; RFC 8259 8.2 leaves what a parser does with it open, and
-Python's (and pysimdjson's) make it a ``str`` holding U+D800. That is not
+Python's ``json`` (what the worker falls back to when pysimdjson refuses one)
+makes it a ``str`` holding U+D800. That is not
 Unicode text: every tokenizer fails on it (``str.encode("utf-8")`` raises
 ``UnicodeEncodeError``, the Hugging Face tokenizers' Rust side refuses it),
 and so does anything that writes the text out as UTF-8 (msgpack, orjson). It
