@@ -177,6 +177,8 @@ def test_num_instances_other_than_the_urls_is_one_warning(caplog):
         ({"generation_servers": {"urls": ["h:2"], "router": {"type": "kv_cache_aware", "max_load_ratio": 0.5}}}, r"router\.args\.max_load_ratio must be a number >= 1"),
         ({"context_servers": {"urls": ["h:1"], "router": {"type": "conversation", "virtual_nodes": 0}}}, r"context_servers\.router\.args\.virtual_nodes must be an integer in \[1, 10000\], got 0"),
         ({"context_servers": {"urls": ["h:1"], "router": {"type": "conversation", "virtual_nodes": "8"}}}, r"virtual_nodes must be an integer"),
+        ({"context_servers": {"urls": ["h:1"], "router": {"type": "conversation", "load_factor": 0.5}}}, r"context_servers\.router\.args\.load_factor must be 0 \(no bound\) or >= 1, got 0\.5"),
+        ({"generation_servers": {"urls": ["h:2"], "router": {"type": "kv_cache_aware", "max_index_tokens": 0}}}, r"router\.args\.max_index_tokens must be an integer >= 1, got 0"),
         ({"generation_servers": {"urls": ["h:2"], "router": {"type": "load_balancing", "args": {"use_tokens": "yes"}}}}, r"router\.args\.use_tokens must be true or false, got 'yes'"),
         ({"generation_servers": {"urls": ["h:2"], "router": {"type": "load_balancing", "args": {"speed": 1}}}}, r"router\.args: speed"),
         ({"generation_servers": {"urls": ["h:2"], "router": {"type": "round_robin", "args": {"use_tokens": False}}}}, r"router\.args: use_tokens"),
