@@ -152,22 +152,24 @@ def _extensions() -> list[Extension]:
         compile_args = ["-O1", "-g", "-fno-omit-frame-pointer", sanitize, "-fno-sanitize-recover=undefined"]
         link_args = [sanitize]
 
+    # All C lives in fastcore/include/ (declared in each module's .pxd); a module that calls
+    # b64simd.c's kernels compiles it in.
+    include = "fastcore/include"
+    headers = sorted(os.path.join(include, name) for name in os.listdir(include) if name.endswith(".h"))
+    modules = {
+        "fastcore._codec": ["fastcore/_codec.pyx", f"{include}/b64simd.c"],
+        "fastcore._jsonspan": ["fastcore/_jsonspan.pyx", f"{include}/b64simd.c"],
+    }
     extensions = [
         Extension(
-            "fastcore._codec",
-            ["fastcore/_codec.pyx", "fastcore/_b64simd.c"],
-            include_dirs=["fastcore"],
-            depends=["fastcore/_b64simd.h"],
+            name,
+            sources,
+            include_dirs=[include],
+            depends=headers,
             extra_compile_args=compile_args,
             extra_link_args=link_args,
-        ),
-        Extension(
-            "fastcore._jsonspan",
-            ["fastcore/_jsonspan.pyx"],
-            include_dirs=["fastcore"],
-            extra_compile_args=compile_args,
-            extra_link_args=link_args,
-        ),
+        )
+        for name, sources in modules.items()
     ]
     return cythonize(
         extensions,

@@ -1,8 +1,10 @@
-# C declarations of the base64 kernels (_b64simd.h) for _codec.pyx.
+# C declarations for _codec.pyx: the base64 kernels (include/b64simd.h) and the helpers that
+# read Python objects (include/codec_objects.h).
+from cpython.object cimport PyObject
 from libc.stdint cimport int32_t, int64_t, uint8_t
 
 
-cdef extern from "_b64simd.h" nogil:
+cdef extern from "b64simd.h" nogil:
     enum:
         FC_SIMD_SCALAR
         FC_SIMD_SSSE3
@@ -26,3 +28,12 @@ cdef extern from "_b64simd.h" nogil:
     int64_t fc_encode_ints(const char *base, size_t count, Py_ssize_t stride, int itemsize, int is_signed,
                            int byteswap, char *dst)
     void fc_le32_to_host(int32_t *values, size_t count)
+
+
+cdef extern from "codec_objects.h":
+    int FC_HOST_LITTLE_ENDIAN
+    bint fc_read_small_int(PyObject *o, long long *value)
+    int32_t fc_to_le32(int32_t v) nogil
+    int fc_unicode_ascii_data(object s, const char **data, Py_ssize_t *length) except -1
+    int fc_fill_list(object lst, Py_ssize_t start, const int32_t *ids, Py_ssize_t n) except -1
+    int fc_int_cache_init() except -1

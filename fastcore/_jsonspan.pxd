@@ -1,5 +1,22 @@
-# C state of the JSON span scanner (_jsonspan.pyx).
+# C state of the JSON span scanner (_jsonspan.pyx) and the C it calls (include/).
 from libc.stdint cimport uint8_t
+
+
+cdef extern from "scan_simd.h":
+    void fc_js_init() noexcept
+    const char *fc_js_kernel() noexcept
+    bint fc_js_avx2
+    Py_ssize_t fc_js_plain_run(const uint8_t *p, Py_ssize_t i, Py_ssize_t n) noexcept nogil
+    Py_ssize_t fc_js_quote_or_backslash(const uint8_t *p, Py_ssize_t i, Py_ssize_t n) noexcept nogil
+
+
+cdef extern from "b64simd.h":
+    size_t fc_b64_alphabet_run(const uint8_t *p, size_t i, size_t n, int use_avx2) noexcept nogil
+
+
+cdef extern from "chunk_hash.h":
+    ctypedef unsigned long long fc_u64 "uint64_t"
+    void fc_chunk_hashes(const uint8_t *p, Py_ssize_t n, Py_ssize_t chunk, fc_u64 *out) noexcept nogil
 
 
 cdef struct Node:

@@ -1,4 +1,4 @@
-/* Base64 kernels for the token codec; see _b64simd.h for the contract.
+/* Base64 kernels for the token codec; see b64simd.h for the contract.
  *
  * The vector kernels follow W. Mula and D. Lemire, "Faster Base64 Encoding and
  * Decoding Using AVX2 Instructions", ACM Transactions on the Web 12(3), 2018
@@ -14,15 +14,14 @@
  * stops before it; the scalar loop then re-decodes that block and names the
  * exact offset, so the offset never depends on which kernel ran.
  */
-#include "_b64simd.h"
+#include "b64simd.h"
 
 #include <string.h>
 
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
-#define FC_X86 1
+#include "cpu.h"
+
+#if FC_X86
 #include <immintrin.h>
-#else
-#define FC_X86 0
 #endif
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
@@ -218,11 +217,13 @@ FC_AVX512VBMI_TARGET static size_t encode_avx512vbmi(const uint8_t *src, size_t 
 /* Mula's validation: a byte is in the alphabet iff
  * (VALID_BY_LOW_NIBBLE[lo] & VALID_BY_HIGH_NIBBLE[hi]) == 0; the roll table,
  * indexed by the high nibble (minus one for '/'), maps the byte to its value. */
-#define FC_DECODE_LUTS(W, set)                                                                       \
+#define FC_VALID_LUTS(W, set)                                                                        \
     const __m##W##i lut_lo = set(0x15, 0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x13, 0x1A, \
                                  0x1B, 0x1B, 0x1B, 0x1A);                                              \
     const __m##W##i lut_hi = set(0x10, 0x10, 0x01, 0x02, 0x04, 0x08, 0x04, 0x08, 0x10, 0x10, 0x10, 0x10, \
-                                 0x10, 0x10, 0x10, 0x10);                                              \
+                                 0x10, 0x10, 0x10, 0x10)
+#define FC_DECODE_LUTS(W, set) \
+    FC_VALID_LUTS(W, set);     \
     const __m##W##i lut_roll = set(0, 16, 19, 4, -65, -65, -71, -71, 0, 0, 0, 0, 0, 0, 0, 0)
 
 #define FC_SET16_128(...) _mm_setr_epi8(__VA_ARGS__)
@@ -321,6 +322,51 @@ __attribute__((target("avx2"))) static size_t decode_avx2(const char *src, size_
     return i;
 }
 
+/* Nonzero bytes where v is outside the alphabet ('=' included): Mula's check alone. Bytes >= 0x80
+ * have lut_hi 0x10, which every lut_lo entry shares: rejected. */
+__attribute__((target("avx2"))) static inline __m256i alphabet_bad_256(__m256i v) {
+    FC_VALID_LUTS(256, FC_SET16_256);
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    __m256i hi = _mm256_and_si256(_mm256_srli_epi32(v, 4), nibble);
+    return _mm256_and_si256(_mm256_shuffle_epi8(lut_lo, _mm256_and_si256(v, nibble)), _mm256_shuffle_epi8(lut_hi, hi));
+}
+
+/* 64 bytes per step: the two halves' hits are OR-ed so the common no-hit case costs one test. */
+__attribute__((target("avx2"))) static size_t alphabet_run_avx2(const uint8_t *p, size_t i, size_t n) {
+    const __m256i zero = _mm256_setzero_si256();
+    while (i + 64 <= n) {
+        __m256i bada = alphabet_bad_256(_mm256_loadu_si256((const __m256i *)(p + i)));
+        __m256i badb = alphabet_bad_256(_mm256_loadu_si256((const __m256i *)(p + i + 32)));
+        __m256i any = _mm256_or_si256(bada, badb);
+        if (!_mm256_testz_si256(any, any)) {
+            unsigned ma = ~(unsigned)_mm256_movemask_epi8(_mm256_cmpeq_epi8(bada, zero));
+            if (ma) return i + (size_t)__builtin_ctz(ma);
+            return i + 32 + (size_t)__builtin_ctz(~(unsigned)_mm256_movemask_epi8(_mm256_cmpeq_epi8(badb, zero)));
+        }
+        i += 64;
+    }
+    return i;
+}
+
+/* SSE2 (the x86-64 baseline): every alphabet byte is below 0x80, so signed range compares are exact. */
+__attribute__((target("sse2"))) static size_t alphabet_run_sse2(const uint8_t *p, size_t i, size_t n) {
+    const __m128i A = _mm_set1_epi8('A' - 1), Z = _mm_set1_epi8('Z' + 1);
+    const __m128i a = _mm_set1_epi8('a' - 1), z = _mm_set1_epi8('z' + 1);
+    const __m128i d0 = _mm_set1_epi8('0' - 1), d9 = _mm_set1_epi8('9' + 1);
+    const __m128i plus = _mm_set1_epi8('+'), slash = _mm_set1_epi8('/');
+    while (i + 16 <= n) {
+        __m128i v = _mm_loadu_si128((const __m128i *)(p + i));
+        __m128i ok = _mm_and_si128(_mm_cmpgt_epi8(v, A), _mm_cmplt_epi8(v, Z));
+        ok = _mm_or_si128(ok, _mm_and_si128(_mm_cmpgt_epi8(v, a), _mm_cmplt_epi8(v, z)));
+        ok = _mm_or_si128(ok, _mm_and_si128(_mm_cmpgt_epi8(v, d0), _mm_cmplt_epi8(v, d9)));
+        ok = _mm_or_si128(ok, _mm_or_si128(_mm_cmpeq_epi8(v, plus), _mm_cmpeq_epi8(v, slash)));
+        int mask = _mm_movemask_epi8(ok) ^ 0xFFFF;
+        if (mask) return i + (size_t)__builtin_ctz((unsigned)mask);
+        i += 16;
+    }
+    return i;
+}
+
 FC_AVX512VBMI_TARGET static size_t decode_avx512vbmi(const char *src, size_t len, uint8_t *dst) {
     /* vpermi2b looks each byte's low 7 bits up in a 128-entry table (value or
      * 0x80); a byte is bad if the table or the byte itself has its top bit. */
@@ -373,13 +419,10 @@ void fc_b64_init(void) {
     decode_kernels[FC_SIMD_AVX2] = decode_avx2;
     encode_kernels[FC_SIMD_AVX512VBMI] = encode_avx512vbmi;
     decode_kernels[FC_SIMD_AVX512VBMI] = decode_avx512vbmi;
-    /* __builtin_cpu_supports also checks (via XGETBV) that the OS saves the
-     * AVX / AVX-512 register state. */
-    __builtin_cpu_init();
-    cpu_supports[FC_SIMD_SSSE3] = __builtin_cpu_supports("ssse3") != 0;
-    cpu_supports[FC_SIMD_AVX2] = __builtin_cpu_supports("avx2") != 0;
-    cpu_supports[FC_SIMD_AVX512VBMI] = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                                       __builtin_cpu_supports("avx512vbmi");
+    unsigned features = fc_cpu_features();
+    cpu_supports[FC_SIMD_SSSE3] = (features & FC_CPU_SSSE3) != 0;
+    cpu_supports[FC_SIMD_AVX2] = (features & FC_CPU_AVX2) != 0;
+    cpu_supports[FC_SIMD_AVX512VBMI] = (features & FC_CPU_AVX512VBMI) != 0;
 #endif
     for (int path = FC_SIMD_COUNT - 1; path >= 0; path--) {
         if (cpu_supports[path]) {
@@ -450,6 +493,21 @@ int fc_b64_decode(const char *src, size_t len, int pad, uint8_t *dst, size_t *ba
     out[0] = (uint8_t)(v[0] << 2 | v[1] >> 4);
     if (pad == 1) out[1] = (uint8_t)(v[1] << 4 | v[2] >> 2);
     return FC_B64_OK;
+}
+
+static inline int is_alphabet(uint8_t c) {
+    return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '+' || c == '/';
+}
+
+size_t fc_b64_alphabet_run(const uint8_t *p, size_t i, size_t n, int use_avx2) {
+#if FC_X86
+    if (use_avx2 && n - i >= 64) i = alphabet_run_avx2(p, i, n);
+    i = alphabet_run_sse2(p, i, n);
+#else
+    (void)use_avx2;
+#endif
+    while (i < n && is_alphabet(p[i])) i++;
+    return i;
 }
 
 /* ------------------------------------------------------ integer narrowing */

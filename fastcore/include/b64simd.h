@@ -2,8 +2,9 @@
  * token codec, with run-time dispatch between a portable scalar loop and
  * SSSE3 / AVX2 / AVX-512 VBMI kernels.
  *
- * Plain C, no Python: the Cython module (_codec.pyx) owns the Python objects,
- * the buffer protocol and the exceptions; everything here runs without the GIL.
+ * Plain C, no Python: the Cython modules (_codec.pyx; _scan.pyx for the
+ * alphabet check) own the Python objects, the buffer protocol and the
+ * exceptions; everything here runs without the GIL.
  */
 #ifndef FASTCORE_B64SIMD_H
 #define FASTCORE_B64SIMD_H
@@ -55,6 +56,11 @@ void fc_b64_encode(const uint8_t *src, size_t nbytes, char *dst);
  * and the offset of the first offending byte in *bad_offset; dst then holds
  * garbage up to that point. */
 int fc_b64_decode(const char *src, size_t len, int pad, uint8_t *dst, size_t *bad_offset);
+
+/* First index in [i, n) outside the standard alphabet ('=' is outside): a validation pass with no
+ * output, for relays that check base64 they pass on. `use_avx2`: the caller's dispatch says so
+ * (fc_cpu_features); SSE2 and scalar otherwise. Needs no fc_b64_init(). */
+size_t fc_b64_alphabet_run(const uint8_t *p, size_t i, size_t n, int use_avx2);
 
 /* Narrows `count` integers, each `itemsize` (1, 2, 4 or 8) bytes, signed or
  * not, byte-swapped or not, found at base + i * stride, to int32 and encodes
