@@ -49,6 +49,7 @@ from server.http import (
 )
 from server.metrics import CONTENT_TYPE, Registry
 from server.metrics_access import MetricsAccess
+from server.trtllm_endpoints import ORCHESTRATOR_ROUTES, TrtllmEndpoints
 
 from .config import OrchestratorConfig
 
@@ -431,6 +432,9 @@ class Orchestrator:
         self.registry = Registry()
         self.metrics = _Metrics(self.registry, self)
         self.metrics_access = MetricsAccess(config.metrics_token_bytes)
+        #: trtllm-serve's other endpoints: /cluster_info, /version, ... (server/trtllm_endpoints.py)
+        self.trtllm = TrtllmEndpoints(ORCHESTRATOR_ROUTES, self.registry.render, self.metrics_access,
+                                      cluster_info=self.cluster_info)  # fmt: skip
         self.limits = Limits(
             max_header_bytes=config.max_header_bytes,
             max_body_bytes=config.max_body_bytes,
@@ -564,6 +568,9 @@ class Orchestrator:
         if self.discovery is not None and self.discovery.handles(path):
             await self.discovery.handle(request, out)
             return
+        if self.trtllm.handles(path):
+            self.trtllm.handle(request, out)
+            return
         out.send_error(
             404,
             f"no route {path.decode('utf-8', 'replace')[:200]}: the orchestrator serves "
@@ -571,6 +578,16 @@ class Orchestrator:
         )
 
     # -- small endpoints ---------------------------------------------------
+
+    def cluster_info(self) -> dict[str, Any]:
+        """trtllm-serve's ``/cluster_info``: ``is_ready`` (what ``/health`` says), and with discovery
+        the registered workers and ``minimal_instances``."""
+        ready = not self.draining and all(p.ready for p in self.pools)
+        info: dict[str, Any] = {"is_ready": ready}
+        if self.discovery is not None:
+            info["is_ready"] = ready and not self.discovery.missing()
+            info.update(self.discovery.cluster_info())
+        return info
 
     def health_endpoint(self, out: Responder) -> None:
         if self.draining:

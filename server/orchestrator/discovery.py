@@ -89,6 +89,8 @@ class Discovery:
         self.on_removed = on_removed
         #: worker_id -> why it was refused (logged once)
         self.refused: dict[str, str] = {}
+        #: worker_id -> record of the registered workers the pools took
+        self.accepted: dict[str, WorkerRecord] = {}
         self.embedded: EmbeddedRegistry | None = None
         self.watcher: ClusterWatcher | None = None
         if hosts_registry(config.cluster_uri, hostname, port):
@@ -170,11 +172,27 @@ class Discovery:
             log.warning("cluster: worker %s at %s refused: %s", record.worker_id, record.url, why)
         return False
 
+    def cluster_info(self) -> dict[str, Any]:
+        """trtllm-serve's ``/cluster_info`` (its DisaggClusterManager.cluster_info): the registered
+        workers each pool took, as its WorkerInfo (role 0 context, 1 generation; a ``both`` worker
+        is in both lists), and ``minimal_instances``."""
+        lists: dict[str, list[dict[str, Any]]] = {"context_servers": [], "generation_servers": []}
+        for record in self.accepted.values():
+            where = urlsplit(record.url)
+            for number, pool in enumerate(("context", "generation")):
+                if pool in ROLE_POOLS[record.role]:
+                    lists[f"{pool}_servers"].append({"worker_id": record.worker_id, "host": where.hostname,
+                                                     "port": where.port, "role": number})  # fmt: skip
+        minimal = {f"{name}_servers": self.config.minimal(name) for name in ("context", "generation")}
+        return {"current_workers": lists, "minimal_instances": minimal}
+
     def apply(self, records: dict[str, WorkerRecord]) -> None:
         """Make the pools' discovered workers those of ``records`` (called on every change)."""
         wanted: dict[str, set[str]] = {name: set() for name in self.pools}
+        self.accepted = {}
         for record in records.values():
             if self._accepted(record):
+                self.accepted[record.worker_id] = record
                 for name in ROLE_POOLS[record.role]:
                     if name in wanted:
                         wanted[name].add(record.url.rstrip("/"))

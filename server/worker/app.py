@@ -98,6 +98,7 @@ from server.http import HTTPServer, Limits, Request, Responder
 from server.http.server import PEER_SHARE
 from server.metrics import CONTENT_TYPE, Registry
 from server.metrics_access import MetricsAccess, is_loopback_peer
+from server.trtllm_endpoints import WORKER_ROUTES, TrtllmEndpoints
 
 from .engine_api import NOT_FINISHED, Engine, EngineRequest, KVCacheFull, cache_salt_root, prompt_checksum
 from .output import Delta, OutputProcessor
@@ -445,6 +446,9 @@ class WorkerApp:
             b"/server_info": self.server_info,
             b"/metrics": self.metrics_endpoint,
         }
+        #: trtllm-serve's other endpoints: /kv_cache_events, /version, /perf_metrics, ... (server/trtllm_endpoints.py)
+        self.trtllm = TrtllmEndpoints(WORKER_ROUTES, self.metrics.registry.render, self.metrics_access,
+                                      kv_events=self._kv_events)  # fmt: skip
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -520,6 +524,9 @@ class WorkerApp:
                     if refused is not None:
                         raise refused
                 simple(out)
+                return
+            if self.trtllm.handles(path):
+                self.trtllm.handle(request, out)
                 return
             if path.startswith(_KV_PREFIX):
                 # GET or DELETE only: a HEAD would hand the KV over to nobody.
@@ -609,6 +616,15 @@ class WorkerApp:
 
     def metrics_endpoint(self, out: Responder) -> None:
         out.send(200, self.metrics.registry.render(), CONTENT_TYPE.encode())
+
+    def _kv_events(self) -> list[dict[str, Any]]:
+        """trtllm-serve's KV cache events of the engine's prefix cache (recorded from the first poll)."""
+        from .kv_events import events_of
+
+        cache = getattr(self.engine, "cache", None)
+        if cache is None:
+            return []
+        return events_of(cache, cache.block_size, cache.num_blocks).drain()
 
     # -- KV hand-off, context side -----------------------------------------------
 

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .engine_api import KVCacheFull, chain_block_hashes
+from .kv_events import KvEventLog
 from .model import ModelConfig
 
 
@@ -67,6 +68,8 @@ class PagedKVCache:
         # Statistics (/metrics): prompt tokens served from the cache, and cached blocks evicted.
         self.hit_tokens_total = 0
         self.evicted_blocks_total = 0
+        #: trtllm-serve's KV cache events (server/worker/kv_events.py), once someone polls them
+        self.events: KvEventLog | None = None
 
     @property
     def capacity_tokens(self) -> int:
@@ -113,6 +116,8 @@ class PagedKVCache:
                 digest, _ = self._cached.pop(block)
                 del self._by_hash[digest]
                 self.evicted_blocks_total += 1
+                if self.events is not None:
+                    self.events.removed([digest])
             self._refs[block] = 1
             blocks.append(block)
         return blocks
@@ -170,7 +175,9 @@ class PagedKVCache:
         count = min(num_tokens, int(ids.size)) // self.block_size
         if count <= first:
             return done
+        parent = digest
         hashes = self.block_hashes(ids, count, first, digest)
+        stored: list[bytes] = []
         with self._lock:
             for block, (digest, chunk) in zip(blocks[first:count], hashes):
                 if block in self._cached:
@@ -179,6 +186,11 @@ class PagedKVCache:
                     continue  # the same prefix computed twice at once: the first copy is the one kept
                 self._by_hash[digest] = block
                 self._cached[block] = (digest, chunk)
+                stored.append(digest)
+            if self.events is not None and stored:
+                # the chain's parent: the block before the first one stored now
+                index = next(i for i, (d, _) in enumerate(hashes) if d == stored[0])
+                self.events.stored(hashes[index - 1][0] if index else parent, stored)
         return count, hashes[-1][0]
 
     def free(self, blocks: list[int]) -> None:

@@ -54,6 +54,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .engine_api import NOT_FINISHED, EngineRequest, ParkedKV, chain_block_hashes, prompt_checksum
+from .kv_events import KvEventLog
 
 SYNTHETIC_VOCAB = 32_000
 SYNTHETIC_EOS = SYNTHETIC_VOCAB - 1
@@ -154,6 +155,14 @@ class PrefixCacheModel:
         self._blocks: OrderedDict[bytes, None] = OrderedDict()
         self._max_blocks = max(1, capacity_tokens // BLOCK_SIZE)
         self.evicted_blocks = 0
+        #: trtllm-serve's KV cache events (server/worker/kv_events.py), once someone polls them
+        self.events: KvEventLog | None = None
+
+    block_size = BLOCK_SIZE
+
+    @property
+    def num_blocks(self) -> int:
+        return self._max_blocks
 
     @property
     def cached_tokens(self) -> int:
@@ -179,12 +188,19 @@ class PrefixCacheModel:
         if not self.enabled:
             return
         blocks = self._blocks
+        events = self.events
+        new = [i for i, d in enumerate(hashes) if d not in blocks] if events is not None else []
         for digest in hashes:
             blocks[digest] = None
             blocks.move_to_end(digest)
+        gone = []
         while len(blocks) > self._max_blocks:
-            blocks.popitem(last=False)
+            gone.append(blocks.popitem(last=False)[0])
             self.evicted_blocks += 1
+        if events is not None:
+            if new:
+                events.stored(hashes[new[0] - 1] if new[0] else b"", [hashes[i] for i in new])
+            events.removed(gone)
 
 
 class _PrefillJob:
