@@ -411,8 +411,11 @@ def test_generation_request_body_per_gate(workers, loop_thread, mode):
         assert run_request(client, "completions", True) == reference(workers, "completions", True)
         (chat_path, chat_body, chat_headers), (comp_path, comp_body, _) = proxy.bodies
         assert (chat_path, comp_path) == ("/v1/chat/completions", "/v1/completions")
-        # Signed over the exact bytes sent, with a fresh timestamp and nonce (checked as a worker does).
-        assert Verifier(SECRET.encode()).check(chat_body, chat_headers[SIGNATURE_HEADER]) is None
+        # Signed over the exact bytes sent, with a fresh timestamp and nonce, for the worker behind the
+        # proxy (its /health instance), checked as that worker does.
+        instance = json.loads(http_get(workers["generation"][0].url + "/health")[1])["instance"]
+        header = chat_headers[SIGNATURE_HEADER]
+        assert Verifier(SECRET.encode()).check(chat_body, header, destination=instance, bound=True) is None
         chat, comp = json.loads(chat_body), json.loads(comp_body)
         for sent in (chat, comp):
             params = sent["disaggregated_params"]
