@@ -208,7 +208,9 @@ class Attacks:
                     writer.write(piece)
                     sent += len(piece)
                     await writer.drain()
-                outcome = await asyncio.wait_for(answer, 10.0) if not self.stopping.is_set() else "open at stop"
+                outcome = (
+                    await asyncio.wait_for(answer, 10.0) if not self.stopping.is_set() else "open at stop"
+                )
             except (ConnectionError, TimeoutError):
                 outcome = answer.result() if answer.done() and not answer.cancelled() else "reset"
             finally:
@@ -269,7 +271,9 @@ class Attacks:
                 _close(writer)
             _bump(self.outcomes, "slowloris", outcome)
             if outcome not in ("open at stop", "closed", "408"):
-                await asyncio.sleep(1.0)  # refused: back after the Retry-After (a 2-core box can take no faster storm)
+                await asyncio.sleep(
+                    1.0
+                )  # refused: back after the Retry-After (a 2-core box can take no faster storm)
 
 
 def _size_band(n: int) -> str:
@@ -342,7 +346,9 @@ async def run_phases(base_url: str, body: bytes, *, concurrency: int, timeout: f
         result.rss_before = await asyncio.to_thread(rss)
         peak, stop = [result.rss_before], asyncio.Event()
         sampler = asyncio.ensure_future(_rss_sampler(rss, peak, stop))
-        attacker = await _start_attacker(host, port, s, kinds, max_body_bytes, max_connections) if kinds else None
+        attacker = (
+            await _start_attacker(host, port, s, kinds, max_body_bytes, max_connections) if kinds else None
+        )
         await asyncio.sleep(0.5 if kinds else 0.0)  # the attack in place before the honest load
         result.honest = await run_concurrency(url, body, concurrency, max_requests=1_000_000,
                                               max_seconds=s.phase_s, timeout=timeout, label=name)  # fmt: skip
@@ -375,8 +381,12 @@ async def _start_attacker(host: str, port: int, s: HTTPAbuseSettings, kinds: tup
     spec = {"host": host, "port": port, "settings": asdict(s), "kinds": list(kinds),
             "max_body_bytes": max_body_bytes, "max_connections": max_connections}  # fmt: skip
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "bench.abuse_http", json.dumps(spec),
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "bench.abuse_http",
+        json.dumps(spec),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
     )
 
 
@@ -400,7 +410,9 @@ async def _stop_attacker(proc: asyncio.subprocess.Process) -> dict[str, dict[str
 async def _attacker_main(spec: dict[str, Any]) -> dict[str, dict[str, int]]:
     s = HTTPAbuseSettings(**spec["settings"])
     host, port, kinds = spec["host"], spec["port"], spec["kinds"]
-    attacks = Attacks(host, port, s, max_body_bytes=spec["max_body_bytes"], max_connections=spec["max_connections"])
+    attacks = Attacks(
+        host, port, s, max_body_bytes=spec["max_body_bytes"], max_connections=spec["max_connections"]
+    )
     attacks.start(*(k for k in kinds if k != "burst"))
     burst = asyncio.ensure_future(_burst(host, port, s, attacks.outcomes)) if "burst" in kinds else None
     await asyncio.to_thread(sys.stdin.read)  # until the parent closes our stdin
@@ -467,8 +479,14 @@ def phase_table(results: list[PhaseResult]) -> str:
     rows = []
     for r in results:
         h = r.honest
-        ratio = f"{h.latency_p99_ms / clean.latency_p99_ms:.2f}x" if h.latency_p99_ms and clean.latency_p99_ms else "-"
-        back = "-" if r.name == "clean" else (f"{r.rss_settle_s:.1f} s" if r.rss_settle_s is not None else "not")
+        ratio = (
+            f"{h.latency_p99_ms / clean.latency_p99_ms:.2f}x"
+            if h.latency_p99_ms and clean.latency_p99_ms
+            else "-"
+        )
+        back = (
+            "-" if r.name == "clean" else (f"{r.rss_settle_s:.1f} s" if r.rss_settle_s is not None else "not")
+        )
         rows.append([r.name, h.requests, f"{100 * r.success:.1f}%", h.ttft_p50_ms, h.ttft_p99_ms,
                      h.latency_p50_ms, h.latency_p99_ms, ratio,
                      f"{_mib(r.rss_before)} / {_mib(r.rss_peak)} / {_mib(r.rss_after)}", back])  # fmt: skip
@@ -489,9 +507,7 @@ def outcomes_text(results: list[PhaseResult], checks: dict[str, str]) -> str:
 def to_json(results: list[PhaseResult], checks: dict[str, str], s: HTTPAbuseSettings) -> dict[str, Any]:
     return {
         "settings": asdict(s),
-        "phases": [
-            {**asdict(r), "success": r.success} for r in results
-        ],
+        "phases": [{**asdict(r), "success": r.success} for r in results],
         "framing": checks,
     }
 

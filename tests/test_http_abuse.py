@@ -34,7 +34,7 @@ from test_http_server import (
 uvloop = pytest.importorskip("uvloop")
 # Both loops through the event_loop_policy fixture: pytest-asyncio's replacement, a
 # pytest_asyncio_loop_factories hook, would be a conftest-wide hook for every async test.
-pytestmark = pytest.mark.filterwarnings("ignore:Overriding the \"event_loop_policy\" fixture is deprecated")
+pytestmark = pytest.mark.filterwarnings('ignore:Overriding the "event_loop_policy" fixture is deprecated')
 
 
 @pytest.fixture(params=["asyncio", "uvloop"])
@@ -284,7 +284,7 @@ async def test_a_lone_client_has_all_but_the_last_share() -> None:
     """Everything from one IP (a proxy, loopback): 3/4 of the budget, and all of it with peer_share 1."""
     release = asyncio.Event()
     for share, admitted in ((0.25, 3), (1.0, 4)):
-        async with serving(_held(release), max_inflight_body_bytes=1000, peer_share=share) as (server, port):  # type: ignore[arg-type]
+        async with serving(_held(release), max_inflight_body_bytes=1000, peer_share=share) as (_server, port):  # type: ignore[arg-type]
             async with clients_from("127.0.0.1", port, 5) as cs:
                 for c in cs:
                     await c.send(post(b"/", b"x" * 250))
@@ -332,7 +332,7 @@ async def test_one_client_cannot_take_every_connection_and_its_slow_ones_make_ro
 async def test_at_the_cap_a_lone_client_s_idle_connection_makes_room() -> None:
     """Everything from 127.0.0.1 with peer_share 1: at the cap an idle connection closes, the newcomer is served."""
     async with serving(max_connections=2, peer_share=1.0) as (server, port):
-        async with connected(port) as busy, connected(port) as idle:
+        async with connected(port) as busy, connected(port):
             await busy.send(get(b"/1"))
             (resp,) = await busy.responses(1)  # an idle keep-alive connection now, like `idle`
             assert resp.status == 200

@@ -6,15 +6,20 @@ one task. Nothing else is allocated per request: no header multidict, no
 timer handle (one sweeper per server enforces every connection's deadline),
 no response object.
 
-What a hostile client can hold is bounded (:class:`Limits`):
+What a hostile client can hold is bounded (:class:`Limits`, in
+:mod:`server.http.limits`; responses are written by :mod:`server.http.responder`):
 
-- bytes and count of the request line plus headers (431), body bytes (413,
-  checked against Content-Length before the body is read, and while reading a
-  chunked one);
+- bytes and count of the request line plus headers (431), and of a chunked
+  body's trailer section, whose fields are then dropped (never merged into
+  the headers); body bytes (413, checked against Content-Length before the
+  body is read, against each chunk's declared size, and while reading);
 - time: to send the headers (408), the body (408), and idle between requests
   on a keep-alive connection (closed);
-- connections per server (503 and close beyond the cap), requests pipelined
-  ahead on one connection (reading pauses);
+- connections and body bytes held at once per server (503 and close beyond
+  the caps), and per client IP: past ``peer_share`` of either, a client may
+  not take its last share; at the connection cap an idle or slow connection
+  of the client holding the most makes room for a newcomer;
+- requests pipelined ahead on one connection (reading pauses);
 - memory of a slow reader: the client transport's write buffer has a high
   water mark; while it is above it, :attr:`Responder.flow` (the upstream
   socket a relayed stream comes from) stops being read.
@@ -22,9 +27,11 @@ What a hostile client can hold is bounded (:class:`Limits`):
 llhttp, in httptools' strict mode, refuses Content-Length with
 Transfer-Encoding, two Content-Lengths, obs-fold, bare LF line ends and
 chunk-size overflow; a Transfer-Encoding other than ``chunked`` is refused
-here (501). A framing error answers 400 in OpenAI's error shape, never echoes
-the request's bytes, and closes the connection after the responses already
-due on it.
+here (501), and so is an HTTP/1.1 request without exactly one Host (400). A
+framing error answers 400 in OpenAI's error shape, never echoes the
+request's bytes, and closes the connection after the responses already due
+on it. A client that half-closes after complete requests is answered, then
+closed.
 """
 
 from __future__ import annotations
@@ -34,78 +41,18 @@ import collections
 import ctypes
 import logging
 import socket
-import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from email.utils import formatdate
-from http import HTTPStatus
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import httptools
 
-from server.errors import error_body
+from .limits import PEER_SHARE, Limits
+from .responder import JSON, Flow, Responder, _simple_response, date_header, status_line
+
+__all__ = ["JSON", "PEER_SHARE", "Flow", "HTTPServer", "Limits", "Request", "Responder", "date_header",
+           "malloc_trim", "status_line"]  # fmt: skip
 
 log = logging.getLogger("fastcore.http")
-
-JSON = b"application/json"
-#: the default of Limits.peer_share (and of the config keys that set it)
-PEER_SHARE = 0.25
-
-
-@dataclass(slots=True)
-class Limits:
-    """Bounds on what one client can hold (times in seconds, sizes in bytes)."""
-
-    max_header_bytes: int = 16 * 1024
-    max_headers: int = 100
-    max_body_bytes: int = 32 * 1024 * 1024
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 60.0
-    keepalive_timeout_s: float = 60.0
-    max_connections: int = 8192
-    #: request body bytes held by the whole server at once (a Content-Length is
-    #: counted whole from the headers, a chunked body as it arrives; until
-    #: answered); a request that would go past it is a 503 with Retry-After
-    max_inflight_body_bytes: int = 512 * 1024 * 1024
-    #: one client IP holding more than this share of ``max_connections`` (or of
-    #: ``max_inflight_body_bytes``) may not take their last share: that part is
-    #: kept for the other clients (503 + Retry-After). 1.0: no per-client bound
-    #: (a server whose one client is a proxy or the orchestrator)
-    peer_share: float = PEER_SHARE
-    #: seconds a 503 at a server-wide cap (connections, body bytes) asks the client to wait
-    retry_after_s: int = 1
-    #: complete requests queued behind the one being answered on a connection
-    max_pipelined: int = 16
-    #: the client write buffer above which a relayed stream's upstream stops being read
-    write_high_water: int = 1 << 20
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.peer_share <= 1.0:
-            raise ValueError(f"peer_share must be within (0, 1], got {self.peer_share}")
-
-
-_REASONS: dict[int, bytes] = {s.value: s.phrase.encode() for s in HTTPStatus}
-_REASONS[499] = b"Client Closed Request"
-_STATUS_LINES: dict[int, bytes] = {}
-
-
-def status_line(status: int) -> bytes:
-    line = _STATUS_LINES.get(status)
-    if line is None:
-        line = _STATUS_LINES[status] = b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))
-    return line
-
-
-_date = [0, b""]
-
-
-def date_header() -> bytes:
-    """``Date: ...\\r\\n``, formatted once a second."""
-    now = int(time.time())
-    if now != _date[0]:
-        _date[0] = now
-        _date[1] = b"Date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
-    return _date[1]  # type: ignore[return-value]
 
 
 class Request:
@@ -156,150 +103,6 @@ class Request:
         return None
 
 
-class Flow(Protocol):
-    def pause_reading(self) -> None: ...
-    def resume_reading(self) -> None: ...
-
-
-class Responder:
-    """Writes one request's response: whole (:meth:`send`) or streamed (:meth:`start`, :meth:`write`, :meth:`end`)."""
-
-    __slots__ = (
-        "_conn",
-        "_transport",
-        "chunked",
-        "finished",
-        "flow",
-        "head_only",
-        "keep_alive",
-        "started",
-        "status",
-    )
-
-    def __init__(self, conn: _Connection, keep_alive: bool, http10: bool, head_only: bool = False) -> None:
-        self._conn = conn
-        #: a response to HEAD: headers as for GET, never a body (RFC 9110 9.3.2)
-        self.head_only = head_only
-        self._transport: asyncio.Transport = conn.transport  # type: ignore[assignment]
-        self.keep_alive = keep_alive
-        self.chunked = not http10
-        self.started = False
-        self.finished = False
-        self.status = 0
-        #: while set, paused and resumed with the client's write buffer (backpressure)
-        self.flow: Flow | None = None
-
-    @property
-    def closed(self) -> bool:
-        """The client is gone (or its connection is closing: nothing written now would reach it)."""
-        return self._conn.closed or self._transport.is_closing()
-
-    @property
-    def paused(self) -> bool:
-        return self._conn.write_paused
-
-    @property
-    def peer(self) -> object:
-        """The client's address (``transport.get_extra_info("peername")``)."""
-        return self._transport.get_extra_info("peername")
-
-    def _connection(self) -> bytes:
-        return b"" if self.keep_alive else b"Connection: close\r\n"
-
-    def _whole(self, status: int, length: int, content_type: bytes, headers: bytes) -> bytes | None:
-        """Start a whole response: its head, or None when the client is gone."""
-        if self.started:
-            raise RuntimeError("response already started")
-        self.started = self.finished = True
-        self.status = status
-        if self._conn.closed:
-            return None
-        return b"%sContent-Type: %s\r\nContent-Length: %d\r\n%s%s%s\r\n" % (
-            status_line(status),
-            content_type,
-            length,
-            date_header(),
-            self._connection(),
-            headers,
-        )
-
-    def send(self, status: int, body: bytes, content_type: bytes = JSON, headers: bytes = b"") -> None:
-        """The whole response. ``headers``: extra header lines, each ending in CRLF."""
-        head = self._whole(status, len(body), content_type, headers)
-        if head is None:
-            return
-        if self.head_only:
-            self._transport.write(head)
-        elif len(body) < 4096:
-            self._transport.write(head + body)
-        else:
-            self._transport.writelines((head, body))
-
-    def send_pieces(
-        self, status: int, pieces: Sequence[bytes | memoryview], content_type: bytes, headers: bytes = b""
-    ) -> None:
-        """:meth:`send` of a body given as pieces (Content-Length their sum), written without joining."""
-        head = self._whole(status, sum(len(p) for p in pieces), content_type, headers)
-        if head is not None:
-            self._transport.writelines((head,) if self.head_only else (head, *pieces))
-
-    def send_error(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        headers: bytes = b"",
-    ) -> None:
-        self.send(status, error_body(status, message, param=param, code=code), JSON, headers)
-
-    async def drain(self) -> None:
-        """Wait while the client's write buffer is above the high-water mark (returns at once if gone)."""
-        conn = self._conn
-        while conn.write_paused and not conn.closed:
-            if conn.drained is None or conn.drained.done():
-                conn.drained = conn.loop.create_future()
-            await conn.drained
-
-    def start(self, status: int, content_type: bytes, headers: bytes = b"") -> None:
-        """Headers of a streamed response (chunked; close-delimited to an HTTP/1.0 client)."""
-        if self.started:
-            raise RuntimeError("response already started")
-        self.started = True
-        self.status = status
-        if not self.chunked:
-            self.keep_alive = False
-        framing = b"Transfer-Encoding: chunked\r\n" if self.chunked else b""
-        if not self._conn.closed:
-            self._transport.write(
-                b"%sContent-Type: %s\r\n%s%s%s%s\r\n"
-                % (status_line(status), content_type, framing, date_header(), self._connection(), headers)
-            )
-
-    def write(self, data: bytes | memoryview) -> None:
-        """One piece of a streamed body (no-op once the client is gone)."""
-        if not data or self._conn.closed or self.head_only:
-            return
-        if self.chunked:
-            self._transport.writelines((b"%x\r\n" % len(data), data, b"\r\n"))
-        else:
-            self._transport.write(data)
-
-    def end(self) -> None:
-        if self.finished:
-            return
-        self.finished = True
-        if self.chunked and not self._conn.closed and not self.head_only:
-            self._transport.write(b"0\r\n\r\n")
-
-    def abort(self) -> None:
-        """Drop the connection (a stream that cannot be finished properly)."""
-        self.finished = True
-        self.keep_alive = False
-        self._conn.abort()
-
-
 Handler = Callable[[Request, Responder], Awaitable[None]]
 
 
@@ -339,8 +142,8 @@ class _Connection(asyncio.Protocol):
     __slots__ = (
         "body_timeout_s",
         "chunk_body",
-        "chunk_state",
         "chunk_header_in_read",
+        "chunk_state",
         "client_eof",
         "closed",
         "current",
@@ -916,18 +719,6 @@ class _Connection(asyncio.Protocol):
             and self.failed is None
             and (current is None or not current.method)
         )
-
-
-def _simple_response(status: int, message: str, retry_after_s: int = 0) -> bytes:
-    body = error_body(status, message)
-    retry = b"Retry-After: %d\r\n" % retry_after_s if retry_after_s else b""
-    return b"%sContent-Type: application/json\r\nContent-Length: %d\r\n%s%sConnection: close\r\n\r\n%s" % (
-        status_line(status),
-        len(body),
-        date_header(),
-        retry,
-        body,
-    )
 
 
 def _malloc_trim() -> Callable[[], None] | None:

@@ -1,0 +1,196 @@
+"""The writing side of one request: status lines, the Date header, :class:`Responder`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from email.utils import formatdate
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Protocol
+
+from server.errors import error_body
+
+if TYPE_CHECKING:
+    from .server import _Connection
+
+JSON = b"application/json"
+
+_REASONS: dict[int, bytes] = {s.value: s.phrase.encode() for s in HTTPStatus}
+_REASONS[499] = b"Client Closed Request"
+_STATUS_LINES: dict[int, bytes] = {}
+
+
+def status_line(status: int) -> bytes:
+    line = _STATUS_LINES.get(status)
+    if line is None:
+        line = _STATUS_LINES[status] = b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))
+    return line
+
+
+_date = [0, b""]
+
+
+def date_header() -> bytes:
+    """``Date: ...\\r\\n``, formatted once a second."""
+    now = int(time.time())
+    if now != _date[0]:
+        _date[0] = now
+        _date[1] = b"Date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
+    return _date[1]  # type: ignore[return-value]
+
+
+class Flow(Protocol):
+    def pause_reading(self) -> None: ...
+    def resume_reading(self) -> None: ...
+
+
+class Responder:
+    """Writes one request's response: whole (:meth:`send`) or streamed (:meth:`start`, :meth:`write`, :meth:`end`)."""
+
+    __slots__ = (
+        "_conn",
+        "_transport",
+        "chunked",
+        "finished",
+        "flow",
+        "head_only",
+        "keep_alive",
+        "started",
+        "status",
+    )
+
+    def __init__(self, conn: _Connection, keep_alive: bool, http10: bool, head_only: bool = False) -> None:
+        self._conn = conn
+        #: a response to HEAD: headers as for GET, never a body (RFC 9110 9.3.2)
+        self.head_only = head_only
+        self._transport: asyncio.Transport = conn.transport  # type: ignore[assignment]
+        self.keep_alive = keep_alive
+        self.chunked = not http10
+        self.started = False
+        self.finished = False
+        self.status = 0
+        #: while set, paused and resumed with the client's write buffer (backpressure)
+        self.flow: Flow | None = None
+
+    @property
+    def closed(self) -> bool:
+        """The client is gone (or its connection is closing: nothing written now would reach it)."""
+        return self._conn.closed or self._transport.is_closing()
+
+    @property
+    def paused(self) -> bool:
+        return self._conn.write_paused
+
+    @property
+    def peer(self) -> object:
+        """The client's address (``transport.get_extra_info("peername")``)."""
+        return self._transport.get_extra_info("peername")
+
+    def _connection(self) -> bytes:
+        return b"" if self.keep_alive else b"Connection: close\r\n"
+
+    def _whole(self, status: int, length: int, content_type: bytes, headers: bytes) -> bytes | None:
+        """Start a whole response: its head, or None when the client is gone."""
+        if self.started:
+            raise RuntimeError("response already started")
+        self.started = self.finished = True
+        self.status = status
+        if self._conn.closed:
+            return None
+        return b"%sContent-Type: %s\r\nContent-Length: %d\r\n%s%s%s\r\n" % (
+            status_line(status),
+            content_type,
+            length,
+            date_header(),
+            self._connection(),
+            headers,
+        )
+
+    def send(self, status: int, body: bytes, content_type: bytes = JSON, headers: bytes = b"") -> None:
+        """The whole response. ``headers``: extra header lines, each ending in CRLF."""
+        head = self._whole(status, len(body), content_type, headers)
+        if head is None:
+            return
+        if self.head_only:
+            self._transport.write(head)
+        elif len(body) < 4096:
+            self._transport.write(head + body)
+        else:
+            self._transport.writelines((head, body))
+
+    def send_pieces(
+        self, status: int, pieces: Sequence[bytes | memoryview], content_type: bytes, headers: bytes = b""
+    ) -> None:
+        """:meth:`send` of a body given as pieces (Content-Length their sum), written without joining."""
+        head = self._whole(status, sum(len(p) for p in pieces), content_type, headers)
+        if head is not None:
+            self._transport.writelines((head,) if self.head_only else (head, *pieces))
+
+    def send_error(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: bytes = b"",
+    ) -> None:
+        self.send(status, error_body(status, message, param=param, code=code), JSON, headers)
+
+    async def drain(self) -> None:
+        """Wait while the client's write buffer is above the high-water mark (returns at once if gone)."""
+        conn = self._conn
+        while conn.write_paused and not conn.closed:
+            if conn.drained is None or conn.drained.done():
+                conn.drained = conn.loop.create_future()
+            await conn.drained
+
+    def start(self, status: int, content_type: bytes, headers: bytes = b"") -> None:
+        """Headers of a streamed response (chunked; close-delimited to an HTTP/1.0 client)."""
+        if self.started:
+            raise RuntimeError("response already started")
+        self.started = True
+        self.status = status
+        if not self.chunked:
+            self.keep_alive = False
+        framing = b"Transfer-Encoding: chunked\r\n" if self.chunked else b""
+        if not self._conn.closed:
+            self._transport.write(
+                b"%sContent-Type: %s\r\n%s%s%s%s\r\n"
+                % (status_line(status), content_type, framing, date_header(), self._connection(), headers)
+            )
+
+    def write(self, data: bytes | memoryview) -> None:
+        """One piece of a streamed body (no-op once the client is gone)."""
+        if not data or self._conn.closed or self.head_only:
+            return
+        if self.chunked:
+            self._transport.writelines((b"%x\r\n" % len(data), data, b"\r\n"))
+        else:
+            self._transport.write(data)
+
+    def end(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        if self.chunked and not self._conn.closed and not self.head_only:
+            self._transport.write(b"0\r\n\r\n")
+
+    def abort(self) -> None:
+        """Drop the connection (a stream that cannot be finished properly)."""
+        self.finished = True
+        self.keep_alive = False
+        self._conn.abort()
+
+
+def _simple_response(status: int, message: str, retry_after_s: int = 0) -> bytes:
+    body = error_body(status, message)
+    retry = b"Retry-After: %d\r\n" % retry_after_s if retry_after_s else b""
+    return b"%sContent-Type: application/json\r\nContent-Length: %d\r\n%s%sConnection: close\r\n\r\n%s" % (
+        status_line(status),
+        len(body),
+        date_header(),
+        retry,
+        body,
+    )
