@@ -245,6 +245,8 @@ async def test_no_healthy_context_worker_falls_back_and_fail_mode_does_not() -> 
         assert await eventually(lambda: not s.orch.context_pool.ready)
         await same_as_reference(session, s)
         assert fallbacks(await metrics(session, s.url), "no_worker") == 2
+        async with session.get(s.url + "/health") as resp:  # it serves every request: up, degraded
+            assert resp.status == 200 and (await resp.json())["status"] == "degraded"
     async with stack(context_fallback="fail") as s, aiohttp.ClientSession() as session:
         await s.proxies[0].set_mode("status:500")
         status, got = await chat(session, s.url)
@@ -253,6 +255,8 @@ async def test_no_healthy_context_worker_falls_back_and_fail_mode_does_not() -> 
         assert await eventually(lambda: not s.orch.context_pool.ready)
         status, got = await chat(session, s.url)
         assert status == 503 and "context" in got["error"]["message"]
+        async with session.get(s.url + "/health") as resp:
+            assert resp.status == 503
         assert fallbacks(await metrics(session, s.url), "failed") == 0
 
 

@@ -600,10 +600,19 @@ class Orchestrator:
                                code="not_enough_workers")  # fmt: skip
                 return
         not_ready = [p.name for p in self.pools if not p.ready]
+        if not_ready == ["context"] and self._can_fall_back():
+            # Every request is served (prefilled on a generation worker): up, and saying so.
+            out.send(200, b'{"status": "degraded", "degraded": "no healthy context worker: requests are '
+                          b'prefilled on generation workers (context_fallback)"}')  # fmt: skip
+            return
         if not_ready:
             out.send_error(503, "no healthy worker in pool(s): " + ", ".join(not_ready))
             return
         out.send(200, b'{"status": "ok"}')
+
+    def _can_fall_back(self) -> bool:
+        """``context_fallback: local_prefill`` and a healthy generation worker that says ``local_prefill``."""
+        return self.fallback and any(w.healthy and w.local_prefill for w in self.generation_pool.workers)
 
     def metrics_endpoint(self, request: Request, out: Responder) -> None:
         """The page, to whom ``metrics_token`` allows (server/metrics_access.py): it names every
@@ -784,7 +793,7 @@ class Orchestrator:
         """No context worker took the request: with ``context_fallback: local_prefill`` and a healthy
         generation worker that says ``local_prefill``, it serves the client's body whole (conditional
         disaggregation's local path: the same answers, streams and usage); else the leg's error."""
-        if not self.fallback or not any(w.healthy and w.local_prefill for w in self.generation_pool.workers):
+        if not self._can_fall_back():
             raise exc.error
         log.debug("context leg unavailable (%s): prefilling on a generation worker", exc.reason)
         self.metrics.fallbacks[exc.reason].inc()

@@ -139,6 +139,8 @@ _METRICS = b"/metrics"
 #: ``DELETE /kv/by-request/<disagg_request_id>``: an orchestrator whose context answer was lost
 #: (cut mid-body, timed out) releases the KV it never learnt the id of (docs/protocol.md#faults)
 _KV_BY_REQUEST = b"/kv/by-request/"
+#: how long a drain waits for parked KV to be fetched once no request is running
+DRAIN_PARKED_GRACE_S = 2.0
 #: parked entries remembered by their disagg_request_id (oldest forgotten first)
 MAX_PARKED_BY_REQUEST = 16384
 _SIGNATURE = SIGNATURE_HEADER.lower().encode()
@@ -477,12 +479,17 @@ class WorkerApp:
         self.draining = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while self.active or self.engine.parked_count:
-            if loop.time() >= deadline:
-                log.warning("drain: %d request(s) and %d parked KV entries left after %g s",
-                            self.active, self.engine.parked_count, timeout)  # fmt: skip
-                return False
+        while self.active and loop.time() < deadline:
             await asyncio.sleep(0.02)
+        # A parked entry's fetch follows its answer within milliseconds; one still parked after
+        # DRAIN_PARKED_GRACE_S has nobody coming for it (its orchestrator gave up or died).
+        parked_deadline = min(deadline, loop.time() + DRAIN_PARKED_GRACE_S)
+        while self.engine.parked_count and loop.time() < parked_deadline:
+            await asyncio.sleep(0.02)
+        if self.active or self.engine.parked_count:
+            log.warning("drain: %d request(s) and %d parked KV entries left after %g s",
+                        self.active, self.engine.parked_count, timeout)  # fmt: skip
+            return False
         return True
 
     async def stop(self) -> None:
