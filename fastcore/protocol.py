@@ -68,8 +68,9 @@ CTX_USAGE: Final = "ctx_usage"
 
 #: Members of trtllm-serve's ``DisaggregatedParams`` this protocol does not name: relayed verbatim
 #: from leg (2) to leg (3) (the fast relay copies the whole object; the parsed mode keeps them as
-#: pydantic extras). ``conversation_id`` is no member of it: it travels at the top level of the
-#: request and is relayed untouched like every field the protocol does not name.
+#: pydantic extras). ``conversation_id`` is no member of it: it travels in the request's
+#: ``conversation_params`` (trtllm-serve's), relayed untouched like every field the protocol does not
+#: name; a top-level ``conversation_id`` is moved there first (server/orchestrator/routing.py).
 TRTLLM_EXTRA_DISAGG_FIELDS: Final = (
     "first_gen_log_probs",
     "first_gen_logits",

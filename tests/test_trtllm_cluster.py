@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -36,6 +39,7 @@ from trtllm_standin import start_standin
 
 from server.cluster import ClusterSettings, RecordError, WorkerRecord, WorkerRegistration
 from server.cluster.records import parse_entry
+from server.launcher import Child, stop_all
 from server.orchestrator.app import start_server
 from server.orchestrator.config import build_config
 
@@ -412,3 +416,69 @@ async def test_the_watcher_reads_both_prefixes_and_keeps_them_apart(etcd: Any) -
             await watcher.stop()
             await client.delete(s.prefix_of("fastcore") + "w-ours")
             await client.delete(s.prefix_of("trtllm") + "junk")
+
+
+# -- the worker process, told to register trtllm-serve's way ---------------------------------------
+
+WORKER = [sys.executable, "-m", "server.cli", "worker", "--model", "synthetic", "--prompt-tokens", "64",
+          "--host", "127.0.0.1"]  # fmt: skip
+
+
+def worker_process(role: str, cluster_uri: str, secret: str | None = None) -> tuple[Child, dict[str, str]]:
+    port = free_port()
+    argv = [*WORKER, "--role", role, "--port", str(port), "--cluster-uri", cluster_uri, "--cluster-name", "proc",
+            "--heartbeat-interval-sec", str(HEARTBEAT_S), "--inactive-timeout-sec", str(TTL_S),
+            "--cluster-record-format", "trtllm"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "FASTCORE_SHARED_SECRET"} | {"PYTHONUNBUFFERED": "1"}
+    if secret is not None:
+        env["FASTCORE_SHARED_SECRET"] = secret
+    return Child(f"{role} {port}", argv, port), env
+
+
+async def found_by_trtllm(manager: ClusterManager, port: int, role: ServerRole) -> None:
+    for _ in range(300):
+        found = await manager.workers()
+        if found:
+            (info,) = found.values()
+            assert (info.host, info.port, info.role) == ("127.0.0.1", port, role)
+            assert info.worker_id.startswith(f"{role.name}-127.0.0.1:{port}-")
+            assert manager.unparsed == []
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the worker never registered")
+
+
+async def gone_for_trtllm(manager: ClusterManager) -> None:
+    for _ in range(300):
+        if not await manager.workers():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the worker's key stayed")
+
+
+async def test_a_worker_process_registers_trtllm_style_in_etcd_and_in_trtllms_http_store(etcd: Any) -> None:
+    storage = EtcdStorage(f"etcd://127.0.0.1:{etcd.client_port}")
+    store = await HttpStorageServer(api_key="proc-secret").start()
+    client = HttpStorageClient(store.uri, api_key="proc-secret")
+    children: list[Child] = []
+    try:
+        for manager, uri, secret, role in (
+            (ClusterManager(storage, "proc"), f"etcd://127.0.0.1:{etcd.client_port}", None, ServerRole.GENERATION),
+            (ClusterManager(client, "proc"), store.uri, "proc-secret", ServerRole.CONTEXT),
+        ):
+            child, env = worker_process(role.name.lower(), uri, secret)
+            children.append(child)
+            child.start(env)
+            await found_by_trtllm(manager, child.port, role)
+            stop_all([child])  # SIGTERM: deregisters (lease revoked / DELETE /delete)
+            assert child.exit_code == 0
+            await gone_for_trtllm(manager)
+        # trtllm-serve's records have one role: a `both` worker says so and exits 2
+        both, env = worker_process("both", f"etcd://127.0.0.1:{etcd.client_port}")
+        proc = subprocess.run(both.argv, env=env, capture_output=True, timeout=60)
+        assert proc.returncode == 2 and b"one role, CONTEXT or GENERATION" in proc.stderr, proc.stderr[-500:]
+    finally:
+        stop_all(children)
+        await client.close()
+        await store.stop()
+        await storage.close()
