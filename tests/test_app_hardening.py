@@ -160,6 +160,10 @@ async def test_requests_with_different_cache_salts_share_no_cached_prefix() -> N
         assert hits >= 64 and again == text
         # Unsalted requests share among themselves, as before.
         assert (await hits_of(worker, completion(SECRET_PROMPT)))[0] >= 64
+        # The answer's own usage, an oracle as plain as /metrics, says nothing across salts.
+        for salt, cached in (("tenant-z", 0), ("tenant-a", 64)):
+            usage = (await post(worker.port, COMPLETIONS, completion(SECRET_PROMPT, salt))).json()["usage"]
+            assert (usage["prompt_tokens_details"]["cached_tokens"] >= 64) == bool(cached), (salt, usage)
     finally:
         await worker.server.cleanup()
 
