@@ -660,6 +660,11 @@ class _Connection(asyncio.Protocol):
         if self.failed is None:
             self.failed = (status, message)
             self.server.framing_errors += 1
+            if status in (413, 431):
+                # It read up to a limit's worth of bytes (a trailer or a body piece
+                # by piece): the heap they took goes back too, once such
+                # requests stop coming.
+                self.server.trim_when_quiet()
         current = self.current
         if current is not None:  # never handled: its bytes go back now, not when the linger ends
             self._release(current)
