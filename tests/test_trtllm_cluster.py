@@ -224,11 +224,17 @@ async def test_our_http_store_keeps_the_registry_bounds(session: aiohttp.ClientS
             ({"key": key, "value": json.dumps(good | {"pad": "x" * 5000})}, None, 400, "at most 4096 bytes"),
             ({"key": key, "value": json.dumps(good), "ttl": "ten"}, None, 400, "'ttl'"),
             ({"value": json.dumps(good)}, None, 400, "'key'"),
+            ({"key": key, "value": json.dumps(good), "ttl": 10**400}, None, 200, ""),  # capped, no overflow
+            ({"key": key + "\ud800", "value": json.dumps(good)}, None, 400, "not UTF-8"),
+            ({"key": key, "value": '{"worker_id": "\ud800"}'}, None, 400, "'worker_id'"),
+            ({"key": key, "value": json.dumps(good | {"host": "[::1]"})}, None, 400, "bare IPv6"),
         ]
         for item, headers, status, words in cases:
             got, body = await set_item(item, headers)
-            assert got == status and words in body["error"]["message"], (item, body)
-        assert not orch.generation_pool.workers
+            assert got == status and (status == 200 or words in body["error"]["message"]), (item, body)
+        async with session.delete(uri + "/delete", params={"key": key}, headers=auth) as r:
+            assert r.status == 200  # the one that took (ttl capped)
+        await until(lambda: not orch.generation_pool.workers, 5.0)
         async with session.post(uri + "/set", data=b"x" * (20 << 10), headers=auth) as r:
             assert r.status == 400 and "at most" in (await r.json())["error"]["message"]
         async with session.get(uri + "/get_prefix", params={"key_prefix": "/", "keys_only": "maybe"},
@@ -395,10 +401,13 @@ async def test_the_watcher_reads_both_prefixes_and_keeps_them_apart(etcd: Any) -
         theirs = {"worker_id": "GENERATION-h:7002-1-2-003", "host": "127.0.0.1", "port": 7002, "role": 1}
         await client.put(s.prefix_of("fastcore") + "w-ours", ours.to_json())
         await client.put(s.prefix_of("trtllm") + "junk", b"{not json")
+        # an unbalanced bracket made urlsplit raise a plain ValueError that killed the watcher's task
+        await client.put(s.prefix_of("fastcore") + "bad", b'{"worker_id":"bad","role":"context","model":"m",'
+                                                           b'"url":"http://[x:1"}')  # fmt: skip
         watcher = ClusterWatcher(s, seen.append, session=session)
         await watcher.start()
         try:
-            assert set(watcher.workers) == {"w-ours"} and watcher.ignored == 1
+            assert set(watcher.workers) == {"w-ours"} and watcher.ignored == 2
             await client.put(s.prefix_of("trtllm") + theirs["worker_id"], json.dumps(theirs).encode())
             await until(lambda: theirs["worker_id"] in watcher.workers, 5.0)
             # the same id under the other prefix: deleting it there leaves this one
@@ -414,8 +423,8 @@ async def test_the_watcher_reads_both_prefixes_and_keeps_them_apart(etcd: Any) -
             await only.stop()
         finally:
             await watcher.stop()
-            await client.delete(s.prefix_of("fastcore") + "w-ours")
-            await client.delete(s.prefix_of("trtllm") + "junk")
+            for key in (s.prefix_of("fastcore") + "w-ours", s.prefix_of("fastcore") + "bad", s.prefix_of("trtllm") + "junk"):
+                await client.delete(key)
 
 
 # -- the worker process, told to register trtllm-serve's way ---------------------------------------

@@ -301,8 +301,9 @@ class EmbeddedRegistry:
         prefix = next((p for p in self.settings.prefixes if key.startswith(p)), None)
         if prefix is None:
             raise _BadParam("key", f"this store keeps worker records only, under {' or '.join(self.settings.prefixes)}")
-        try:
-            _, record = parse_entry(prefix, key.encode(), value.encode())
+        try:  # surrogatepass: a lone surrogate from the JSON makes bytes parse_entry refuses, not a 500
+            _, record = parse_entry(prefix, key.encode("utf-8", "surrogatepass"),
+                                    value.encode("utf-8", "surrogatepass"))  # fmt: skip
         except RecordError as exc:
             raise _BadParam("value", f"{key[:200]}: {exc}") from None
         known = self._entries.get(key)
@@ -312,7 +313,7 @@ class EmbeddedRegistry:
             raise _Full
         # a ttl <= 0 is trtllm-serve's "never expires": here every record expires (bounded memory)
         limit = self.settings.inactive_timeout_s
-        ttl_s = min(float(ttl), limit) if ttl is not None and ttl > 0 else limit
+        ttl_s = float(min(ttl, limit)) if ttl is not None and ttl > 0 else limit  # min first: 10**400
         self._entries[key] = (record, value, time.monotonic() + ttl_s)
         if known is None or known[0] != record:
             log.info("cluster: %s worker %s registered at %s (trtllm-serve's storage API)", record.role,
@@ -329,7 +330,7 @@ class EmbeddedRegistry:
         if entry is None or ttl <= 0:  # trtllm-serve's etcd storage: a ttl <= 0 is refused
             return False
         record, value, _ = entry
-        self._entries[key] = (record, value, time.monotonic() + min(ttl, self.settings.inactive_timeout_s))
+        self._entries[key] = (record, value, time.monotonic() + float(min(ttl, self.settings.inactive_timeout_s)))
         return True
 
     def _store_delete(self, key: str) -> bool:

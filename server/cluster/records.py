@@ -160,7 +160,10 @@ def check_worker_url(url: str) -> str:
 
     if not url.isascii() or any(c.isspace() or ord(c) < 0x21 for c in url):
         raise bad("ASCII, no spaces or control characters")
-    where = urlsplit(url)
+    try:
+        where = urlsplit(url)
+    except ValueError as exc:  # "Invalid IPv6 URL": an unbalanced bracket (a plain ValueError, not ours)
+        raise bad(str(exc)) from None
     if where.scheme != "http":
         raise bad("plain http: workers serve no TLS")
     if "@" in where.netloc:
@@ -241,7 +244,14 @@ def _host_port_url(obj: dict[str, Any]) -> str:
         raise RecordError("worker record field 'host' must be a non-empty string of at most 253 characters")
     if type(port) is not int or not 0 < port < 65536:
         raise RecordError(f"worker record field 'port' must be an integer in 1-65535, got {port!r}"[:200])
-    return check_worker_url(f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}")
+    if ":" in host or "[" in host or "]" in host:  # only an IPv6 address, written bare, has these
+        try:
+            ipaddress.IPv6Address(host.split("%", 1)[0])
+        except ValueError:
+            raise RecordError(f"worker record field 'host' {host[:100]!r}: a name, an IPv4 address or a bare "
+                              "IPv6 address (no brackets, no port)") from None  # fmt: skip
+        return check_worker_url(f"http://[{host}]:{port}")
+    return check_worker_url(f"http://{host}:{port}")
 
 
 @dataclass(frozen=True)
