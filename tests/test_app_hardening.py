@@ -22,7 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import subprocess
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -295,8 +299,9 @@ async def test_without_a_token_metrics_stay_served_to_loopback_peers(
     ],
 )
 async def test_without_a_token_only_loopback_peers_may_read_metrics(peer: Any, loopback: bool) -> None:
-    """The peer check itself (this machine's tests reach servers over loopback only): any other
-    address is a 403 that says how to allow it; with a token the address does not matter."""
+    """The peer check itself, address by address (a live non-loopback client: the network
+    namespace test below): any other address is a 403 that says how to allow it; with a token the
+    address does not matter."""
     from server.metrics_access import MetricsAccess
 
     refused = MetricsAccess(None).refusal(None, peer)
@@ -410,8 +415,8 @@ async def test_the_orchestrator_signs_each_leg_for_its_worker_and_survives_a_res
 
 async def test_without_a_secret_loopback_kv_sources_serve_loopback_callers_only() -> None:
     """A remote client's unsigned generation leg naming 127.0.0.1:<port> made the worker connect
-    there: a probe of its host's local ports. (Tests reach workers over loopback only, so the remote
-    caller is this flag; the live path is test_worker_hardening's allowed-sources test.)"""
+    there: a probe of its host's local ports. The rule, case by case (a live remote caller: the
+    network namespace test below)."""
     endpoint = "http://127.0.0.1:22/kv/1"
     default = KVSources((), any_host=False)
     assert default.allows(endpoint) and default.allows(endpoint, caller_local=True)
@@ -420,3 +425,35 @@ async def test_without_a_secret_loopback_kv_sources_serve_loopback_callers_only(
     # Sources named by the operator, or a secret (only signed callers name one): whoever calls.
     assert KVSources(("127.0.0.1:22",), any_host=False).allows(endpoint, caller_local=False)
     assert KVSources((), any_host=True).allows(endpoint, caller_local=False)
+
+
+def _netns_usable() -> bool:
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return False
+    probe = subprocess.run(["unshare", "-n", "ip", "link", "set", "lo", "up"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _netns_usable(), reason="needs unshare -n and ip (root): a private network namespace")
+async def test_a_non_loopback_client_reads_no_metrics_and_makes_no_loopback_kv_fetch() -> None:
+    """A real non-loopback peer, in a network namespace of its own (tests/netns_peer.py): its
+    GET /metrics is a 403 and its unsigned generation leg naming 127.0.0.1:<port> is not fetched
+    (recomputed), while a loopback caller's is, as before."""
+    script = Path(__file__).resolve().parent / "netns_peer.py"
+    proc = await asyncio.create_subprocess_exec(
+        "unshare", "-n", sys.executable, str(script), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    seen = json.loads(out.decode().strip().splitlines()[-1])
+    assert seen["metrics_loopback"] == 200
+    assert seen["metrics_outside"]["status"] == 403
+    assert json.loads(seen["metrics_outside"]["body"])["error"]["code"] == "metrics_forbidden"
+    assert "fastcore_worker" not in seen["metrics_outside"]["body"]
+    local, outside = seen["127.0.0.1"], seen["192.0.2.1"]
+    assert local["status"] == outside["status"] == 200  # the same answer either way
+    assert local["endpoint"].startswith("http://127.0.0.1:") and outside["endpoint"].startswith(
+        "http://127.0.0.1:"
+    )
+    assert (local["fetched"], outside["fetched"]) == (1, 0)
+    assert seen["not_allowed"] == 1
