@@ -59,6 +59,8 @@ PREFILL_MS = 100.0
 TOKEN_MS = 10.0
 MAX_TOKENS = 20
 KV_DELAY_S = 0.3
+#: the orchestrator's drain deadline (the shutdown cell cancels what runs past it)
+DRAIN_TIMEOUT_S = 1.0
 
 _SAMPLE = re.compile(rb"^(\w+)(\{[^}]*\})? (\S+)$", re.M)
 
@@ -68,7 +70,10 @@ CELLS = [
     ("kv", "refused"), ("kv", "timeout"), ("kv", "truncated"),
     ("generation", "killed"), ("generation", "frozen"),
     ("client", "before_context"), ("client", "during_kv_fetch"), ("client", "mid_stream"),
+    ("orchestrator", "shutdown"),
 ]  # fmt: skip
+#: the cells that time aborts (no recovery: nothing was broken)
+ABORT_CELLS = ("client", "orchestrator")
 #: proxy modes of the faults a proxy injects
 PROXY_FAULTS = {
     ("context", "4xx"): "status:429",
@@ -156,7 +161,7 @@ class Bench:
             "context_timeout_s": CONTEXT_TIMEOUT_S,
             "context_timeout_per_1k_tokens_s": 0.0,
             "circuit_breaker_open_s": BREAKER_OPEN_S,
-            "drain_timeout_s": 2.0,
+            "drain_timeout_s": DRAIN_TIMEOUT_S,
             "context_servers": {"urls": [self.proxy.address]},
             "generation_servers": {"urls": [f"127.0.0.1:{g.port}" for g in self.gens]},
         }
@@ -379,6 +384,39 @@ class Bench:
             await asyncio.sleep(0.002)
         return left, None
 
+    async def shutdown_cell(self) -> Cell:
+        """SIGTERM on the orchestrator with long streams in flight: they run until the drain deadline
+        (``drain_timeout_s``), are cancelled then; the abort time is from that deadline until no
+        worker holds a sequence or KV. The last cell: the orchestrator is gone after it."""
+        cell = Cell("orchestrator", "shutdown")
+        await self.settled()
+        streams = [asyncio.ensure_future(self.one(chat_body(2000, seed=2_000_000 + i)))
+                   for i in range(self.concurrency)]  # fmt: skip
+        deadline = time.monotonic() + 10
+        while await self.kv_held() < self.concurrency and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert self.orch.proc is not None
+        self.orch.proc.send_signal(signal.SIGTERM)
+        cancel_at = time.monotonic() + DRAIN_TIMEOUT_S
+        await asyncio.sleep(max(0.0, cancel_at - time.monotonic() - 0.2))
+        while time.monotonic() < cancel_at + 5:
+            if await self.kv_held() == 0:
+                took = max(0.0, time.monotonic() - cancel_at)
+                cell.abort_p50_ms = cell.abort_p99_ms = cell.abort_max_ms = round(took * 1000, 1)
+                break
+            await asyncio.sleep(0.002)
+        else:
+            cell.unfreed = 1
+        done = await asyncio.gather(*streams)
+        cell.requests = len(done)
+        cell.failures = sum(not d.ok and not d.hung for d in done)  # cut by the shutdown: expected
+        cell.hung = sum(d.hung for d in done)
+        await asyncio.sleep(1.0)
+        cell.kv_left = await self.kv_held()
+        cell.errors = sorted({d.error[:120] for d in done if not d.ok})[:3]
+        await asyncio.to_thread(self.orch.proc.wait, 30)
+        return cell
+
     async def client_cell(self, phase: str) -> Cell:
         cell = Cell("client", phase)
         await self.settled()
@@ -417,11 +455,11 @@ def table(cells: list[Cell]) -> str:
 
     for c in cells:
         recover = (
-            "-" if c.target == "client" else ("never" if c.recover_s is None else f"{c.recover_s:.2f} s")
+            "-" if c.target in ABORT_CELLS else ("never" if c.recover_s is None else f"{c.recover_s:.2f} s")
         )
         aborts = (
             "-"
-            if c.target != "client"
+            if c.target not in ABORT_CELLS
             else f"{ms(c.abort_p50_ms)} / {ms(c.abort_p99_ms)} / {ms(c.abort_max_ms)}"
             + (f" ({c.unfreed} not freed in 5 s)" if c.unfreed else "")
         )
@@ -436,8 +474,8 @@ def plot(cells: list[Cell], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    faults = [c for c in cells if c.target != "client"]
-    clients = [c for c in cells if c.target == "client"]
+    faults = [c for c in cells if c.target not in ABORT_CELLS]
+    clients = [c for c in cells if c.target in ABORT_CELLS]
     fig, (ax_fail, ax_time, ax_abort) = plt.subplots(
         1, 3, figsize=(16, 5), gridspec_kw={"width_ratios": [3, 3, 1.4]}
     )
@@ -464,7 +502,7 @@ def plot(cells: list[Cell], path: Path) -> None:
     ax_abort.bar([x + 0.2 for x in xs], [c.abort_p99_ms or 0 for c in clients], 0.4, label="p99")
     ax_abort.axhline(50, color="red", linestyle=":", label="target 50 ms")
     ax_abort.set_xticks(list(xs), [c.fault.replace("_", "\n") for c in clients], fontsize=8)
-    ax_abort.set_ylabel("client hang-up -> both workers free (ms)")
+    ax_abort.set_ylabel("hang-up (shutdown: drain deadline) -> workers free (ms)")
     ax_abort.legend(fontsize=8)
     total_kv = sum(c.kv_left for c in cells)
     fig.suptitle(
@@ -495,7 +533,12 @@ async def run(args: argparse.Namespace) -> list[Cell]:
     cells = []
     try:
         for target, fault in wanted:
-            cell = await (bench.client_cell(fault) if target == "client" else bench.fault_cell(target, fault))
+            if target == "client":
+                cell = await bench.client_cell(fault)
+            elif target == "orchestrator":
+                cell = await bench.shutdown_cell()
+            else:
+                cell = await bench.fault_cell(target, fault)
             print(f"{cell.name}: {cell.requests} requests, {cell.failures} failed, {cell.hung} hung, "
                   f"KV left {cell.kv_left}", flush=True)  # fmt: skip
             cells.append(cell)

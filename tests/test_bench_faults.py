@@ -35,7 +35,10 @@ def test_a_context_fault_a_kv_fault_and_a_hang_up_leave_nothing_behind() -> None
 
 
 def test_the_matrix_names_every_fault_of_the_issue() -> None:
-    assert {t for t, _ in CELLS} == {"context", "kv", "generation", "client"}
+    assert {t for t, _ in CELLS} == {"context", "kv", "generation", "client", "orchestrator"}
     assert [f for t, f in CELLS if t == "context"] == ["4xx", "5xx", "refused", "reset", "frozen", "killed"]
     assert [f for t, f in CELLS if t == "kv"] == ["refused", "timeout", "truncated"]
+    assert [f for t, f in CELLS if t == "generation"] == ["killed", "frozen"]
+    assert [f for t, f in CELLS if t == "client"] == ["before_context", "during_kv_fetch", "mid_stream"]
+    assert CELLS[-1] == ("orchestrator", "shutdown")  # the last: the orchestrator is gone after it
     assert Cell("client", "mid_stream").name == "client: mid_stream"

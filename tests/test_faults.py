@@ -239,6 +239,19 @@ async def test_a_context_fault_falls_back_to_local_prefill_with_the_same_answers
         assert await eventually(lambda: s.kv_left() == 0)
 
 
+@pytest.mark.parametrize(
+    "mode",
+    [{"relay": "parsed-msgpack", "gen_tokids_ctxbytes": True, "gen_strip_message_history": True},
+     {"relay": "fast", "gen_tokids_ctxbytes": True, "gen_strip_message_history": True}],
+)  # fmt: skip
+async def test_the_fallback_answers_the_same_whatever_the_relay_mode_and_gates(mode: dict[str, Any]) -> None:
+    async with stack(**mode) as s, aiohttp.ClientSession() as session:
+        await same_as_reference(session, s)
+        await s.proxies[0].set_mode("status:500")
+        await same_as_reference(session, s)
+        assert fallbacks(await metrics(session, s.url), "failed") == 2
+
+
 async def test_no_healthy_context_worker_falls_back_and_fail_mode_does_not() -> None:
     async with stack(proxied=True) as s, aiohttp.ClientSession() as session:
         await s.proxies[0].set_mode("refuse")
