@@ -491,3 +491,32 @@ async def test_a_worker_process_registers_trtllm_style_in_etcd_and_in_trtllms_ht
         await client.close()
         await store.stop()
         await storage.close()
+
+
+async def test_our_orchestrator_follows_a_trtllm_orchestrators_http_store(session: aiohttp.ClientSession) -> None:
+    """cluster_uri naming a trtllm-serve orchestrator (its HTTP storage, no /cluster/v1/workers): our
+    orchestrator polls its /get_prefix, and serves through the trtllm-serve workers registered there."""
+    store = await HttpStorageServer(api_key=API_KEY).start()
+    storage = HttpStorageClient(store.uri, api_key=API_KEY)
+    port = free_port()
+    server, orch = await start_server(build_config(trtllm_yaml(store.uri, port, api_key=API_KEY), environ={}))
+    standins, workers = await trtllm_pair(storage)
+    try:
+        await until(lambda: orch.context_pool.healthy_count() == 1 and orch.generation_pool.healthy_count() == 1, 5)
+        await serve_both_routes(session, f"http://127.0.0.1:{port}")
+        assert orch.discovery is not None and orch.discovery.connected
+        assert await workers[1].deregister()
+        print(f"\ndeleted key -> generation worker gone after {await leaves(orch, 'generation', standins[1].url):.3f}s "
+              f"(polled every {HEARTBEAT_S}s)")  # fmt: skip
+        # without its key the store refuses (403): the last known workers keep serving, disconnected
+        store.api_key = "rotated"
+        await until(lambda: not orch.discovery.connected, 5.0)  # type: ignore[union-attr]
+        assert orch.context_pool.healthy_count() == 1
+    finally:
+        for worker in workers:
+            await worker.stop_heartbeats()
+        await server.cleanup()
+        for standin in standins:
+            await standin.stop()
+        await storage.close()
+        await store.stop()

@@ -9,7 +9,9 @@ unreachable the last known set stays (``connected`` is False); when it answers
 again the watcher reads everything again (``resyncs``) and watches from there.
 
 http:// naming another orchestrator's embedded registry: long polls of
-``GET /cluster/v1/workers?after=<version>``.
+``GET /cluster/v1/workers?after=<version>``; naming a trtllm-serve
+orchestrator (no such path: 404), its HTTP cluster storage's
+``GET /get_prefix`` of each key prefix every ``heartbeat_interval_s``.
 
 A store full of junk costs bounded memory and log lines and never blocks a
 sync: an entry whose key or record is unusable (not UTF-8, a record under
@@ -27,6 +29,7 @@ import logging
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
+from urllib.parse import urlencode
 
 import aiohttp
 
@@ -273,10 +276,14 @@ class ClusterWatcher:
                     if len(raw) > MAX_LISTING_BYTES:
                         raise EtcdError(f"registry {self.settings.cluster_uri}: a listing above "
                                         f"{MAX_LISTING_BYTES} bytes")  # fmt: skip
-                    if r.status != 200:
-                        raise EtcdError(
-                            f"registry {self.settings.cluster_uri}: HTTP {r.status}: {raw[:300]!r}"
-                        )
+                    status = r.status
+                if status == 404 and version is None:
+                    # no registry of ours there: a trtllm-serve orchestrator's HTTP cluster storage
+                    log.info("cluster: %s has no %s: reading it as trtllm-serve's HTTP cluster storage",
+                             self.settings.cluster_uri, REGISTRY_PATH.decode())  # fmt: skip
+                    await self._run_trtllm_store()
+                if status != 200:
+                    raise EtcdError(f"registry {self.settings.cluster_uri}: HTTP {status}: {raw[:300]!r}")
                 answer = json.loads(raw)
                 records: dict[str, WorkerRecord] = {}
                 skipped: dict[str, int] = {}
@@ -296,6 +303,54 @@ class ClusterWatcher:
                 version = None
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.settings.heartbeat_interval_s)
+
+
+    # -- trtllm-serve's HTTP cluster storage ------------------------------------------------
+
+    async def _run_trtllm_store(self) -> None:
+        """Follow a trtllm-serve orchestrator's HTTP storage: ``GET /get_prefix`` of each key prefix
+        every ``heartbeat_interval_s`` (its API has no watch). Never returns."""
+        backoff = 0.05
+        while True:
+            try:
+                records: dict[str, WorkerRecord] = {}
+                skipped: dict[str, int] = {}
+                for prefix in self.settings.prefixes:
+                    self._read_all(await self._get_prefix(prefix), prefix, records, skipped)
+                if records != self.workers or not self.connected:
+                    self._summarize(skipped)
+                    self._replace(records)
+                backoff = 0.05
+                await asyncio.sleep(self.settings.heartbeat_interval_s)
+            except _TRANSIENT as exc:
+                self._lost(exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.settings.heartbeat_interval_s)
+
+    async def _get_prefix(self, prefix: str) -> list[tuple[bytes, bytes]]:
+        assert self.session is not None
+        uri = self.settings.cluster_uri
+        headers = {}
+        if self.settings.api_key is not None:  # its own key only: the shared secret is never sent here
+            headers["Authorization"] = "Bearer " + self.settings.api_key.decode("utf-8", "surrogateescape")
+        timeout = aiohttp.ClientTimeout(total=max(1.0, min(5.0, self.settings.heartbeat_interval_s * 2)))
+        query = urlencode({"key_prefix": prefix, "keys_only": 0})
+        async with self.session.get(f"{uri}/get_prefix?{query}", headers=headers, timeout=timeout) as r:
+            raw = await r.content.read(MAX_LISTING_BYTES + 1)
+            status = r.status
+        if len(raw) > MAX_LISTING_BYTES:
+            raise EtcdError(f"cluster storage {uri}: a listing above {MAX_LISTING_BYTES} bytes")
+        try:
+            result = json.loads(raw).get("result") if status in (200, 400) else None
+        except (ValueError, AttributeError):
+            result = None
+        # {"result": {}} with a 400 is its "nothing under that prefix"; any other answer is a failure
+        if status == 400 and result in ({}, None) and raw.lstrip().startswith(b"{"):
+            return []
+        if status != 200 or not isinstance(result, dict):
+            raise EtcdError(f"cluster storage {uri}: GET /get_prefix HTTP {status}: {raw[:300]!r}")
+        return [(str(k).encode("utf-8", "surrogatepass"), v.encode("utf-8", "surrogatepass") if isinstance(v, str) else b"")
+                for k, v in result.items()]  # fmt: skip
 
 
 async def _until_one_fails(coros: list[Coroutine[Any, Any, None]]) -> None:
