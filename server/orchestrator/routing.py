@@ -52,7 +52,8 @@ _NESTED = (CONVERSATION_PARAMS, CONVERSATION_FIELD)
 _CHAT_PATHS = (_NESTED, (CONVERSATION_FIELD,), (P.MESSAGES,))
 _COMPLETION_PATHS = (_NESTED, (CONVERSATION_FIELD,), (P.PROMPT,))
 _MOVE_PATHS = ((CONVERSATION_FIELD,), (CONVERSATION_PARAMS,))
-_QUOTE, _MINUS = ord('"'), ord("-")
+_QUOTE, _MINUS, _COMMA = ord('"'), ord("-"), ord(",")
+_SPACE = b" \t\r\n"
 
 
 class RequestKey:
@@ -146,9 +147,8 @@ def conversation_to_params(body: bytes) -> bytes:
     """``body`` with a top-level ``conversation_id`` (ours) moved to trtllm-serve's
     ``conversation_params: {"conversation_id": ...}``, so that no leg carries a field trtllm-serve's
     workers forbid: dropped when ``conversation_params`` is there already (it is canonical) or the
-    value is no id (a string or an integer). ``body`` itself when it has none (one byte search)."""
-    if b"conversation" not in body:
-        return body
+    value is no id (a string or an integer). ``body`` itself when it has none: one non-validating
+    compiled scan of the top level (~5 µs at 160 KiB; a bytes search for the name took 86 µs)."""
     try:
         top, params = fastcore.find_spans(body, _MOVE_PATHS, validate=False)
     except JSONSpanError:
@@ -159,21 +159,24 @@ def conversation_to_params(body: bytes) -> bytes:
     # the member's key: the last quote pair before the colon (the decoded name has no quote in it)
     colon = body.rindex(b":", 0, start)
     key_start = body.rindex(b'"', 0, body.rindex(b'"', 0, colon))
-    before = body[:key_start].rstrip()
-    if before.endswith(b","):
-        cut = (len(before) - 1, end)
-    else:  # the first member: take the comma after it
-        rest = end
-        while rest < len(body) and body[rest] in b" \t\r\n":
-            rest += 1
-        cut = (key_start, rest + 1 if rest < len(body) and body[rest] == ord(",") else end)
+    view = memoryview(body)  # one copy of the body in all, made by the join
     if params is None and _conversation_of(body, top) is not None:
-        value = body[start:end]
+        value = bytes(view[start:end])
         if value[:1] != b'"':  # an integer id: trtllm-serve's conversation_id is a string
             value = b'"' + value + b'"'
         member = b'"conversation_params":{"conversation_id":' + value + b"}"
-        return body[:key_start] + member + body[end:]
-    return body[: cut[0]] + body[cut[1] :]
+        return b"".join((view[:key_start], member, view[end:]))
+    before = key_start - 1
+    while before >= 0 and body[before] in _SPACE:
+        before -= 1
+    if body[before] == _COMMA:
+        cut = (before, end)
+    else:  # the first member: take the comma after it
+        after = end
+        while after < len(body) and body[after] in _SPACE:
+            after += 1
+        cut = (key_start, after + 1 if after < len(body) and body[after] == _COMMA else end)
+    return b"".join((view[: cut[0]], view[cut[1] :]))
 
 
 def _point(data: bytes) -> int:
@@ -256,7 +259,7 @@ def _float_arg(args: dict[str, Any], name: str, default: float, low: float) -> f
 def _chunk_from_tokens(args: dict[str, Any], default_bytes: int) -> int:
     """``chunk_bytes``, or trtllm-serve's ``tokens_per_block`` as bytes (x ``BYTES_PER_TOKEN``: our
     chunks are of the raw JSON, not of token ids); not both."""
-    from fastcore._jsonspan_py import CHUNK_MAX
+    from fastcore._hash_py import CHUNK_MAX
 
     if "tokens_per_block" in args:
         if "chunk_bytes" in args:
