@@ -213,9 +213,7 @@ class RunResult:
     error_samples: list[str] = field(default_factory=list)
 
 
-async def _send(
-    session: aiohttp.ClientSession, url: str, body: bytes, timeout: float
-) -> Sent:
+async def _send(session: aiohttp.ClientSession, url: str, body: bytes, timeout: float) -> Sent:
     t0 = time.perf_counter()
     ttft = None
     cached = None
@@ -223,7 +221,9 @@ async def _send(
         async with asyncio.timeout(timeout):
             async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
                 if resp.status != 200:
-                    return Sent(False, resp.status, None, None, f"HTTP {resp.status}: {(await resp.read())[:160]!r}")
+                    return Sent(
+                        False, resp.status, None, None, f"HTTP {resp.status}: {(await resp.read())[:160]!r}"
+                    )
                 buffer = b""
                 async for chunk in resp.content.iter_any():
                     if ttft is None:
@@ -395,7 +395,9 @@ def plot(results: list[RunResult], path: Path) -> None:
         ax.set_title(title)
     left.set_ylim(0, 1)
     left.legend(fontsize=8)
-    fig.suptitle(f"bench.trace: {results[0].requests} Mooncake requests, {results[0].bytes_per_token} bytes/token")
+    fig.suptitle(
+        f"bench.trace: {results[0].requests} Mooncake requests, {results[0].bytes_per_token} bytes/token"
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -404,17 +406,23 @@ def plot(results: list[RunResult], path: Path) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.trace", description=__doc__.split("\n\n")[0])
-    p.add_argument("--trace", type=Path, default=TRACE, help="a Mooncake-format JSONL trace (default: the shipped one)")
+    p.add_argument(
+        "--trace", type=Path, default=TRACE, help="a Mooncake-format JSONL trace (default: the shipped one)"
+    )
     p.add_argument("--n", type=int, default=300, help="replay N requests (default 300)")
     p.add_argument("--start", type=int, default=-300,
                    help="from request START, negative: from the end (default -300: the last 300; the trace's "
                         "first requests open conversations, its last ones continue them)")  # fmt: skip
-    p.add_argument("--speedup", type=float, default=4.0, help="divide the trace's timestamps by this (default 4)")
+    p.add_argument(
+        "--speedup", type=float, default=4.0, help="divide the trace's timestamps by this (default 4)"
+    )
     p.add_argument("--routings", default=",".join(ROUTINGS), help="which to run (default all)")
     p.add_argument("--orchestrators", default="1,2,4", help="orchestrator counts (default 1,2,4)")
     p.add_argument("--context-workers", type=int, default=4)
     p.add_argument("--generation-workers", type=int, default=2)
-    p.add_argument("--bytes-per-token", type=int, default=4, help="the workers' text bytes per id (default 4)")
+    p.add_argument(
+        "--bytes-per-token", type=int, default=4, help="the workers' text bytes per id (default 4)"
+    )
     p.add_argument("--kv-fraction", type=float, default=0.25,
                    help="the context workers' KV together, as a fraction of the working set (default 0.25)")  # fmt: skip
     p.add_argument("--prefill-tokens-per-s", type=float, default=0.0,
@@ -427,9 +435,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-local-prefill", type=int, default=4096,
                    help="conditional_disagg_config.max_local_prefill_length (default 4096)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
-    p.add_argument("--quick", action="store_true", help="the last 60 requests, 1 and 2 orchestrators, 2 routings")
+    p.add_argument(
+        "--quick", action="store_true", help="the last 60 requests, 1 and 2 orchestrators, 2 routings"
+    )
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--output", type=Path, default=None, help="JSON (default bench/results/trace.json; PNG beside)")
+    p.add_argument(
+        "--output", type=Path, default=None, help="JSON (default bench/results/trace.json; PNG beside)"
+    )
     return p
 
 
@@ -452,7 +464,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m bench.trace: {exc}", file=sys.stderr)
         return 2
     if not requests or not counts or min(counts) < 1:
-        print("python -m bench.trace: no requests to replay, or an orchestrator count below 1", file=sys.stderr)
+        print(
+            "python -m bench.trace: no requests to replay, or an orchestrator count below 1", file=sys.stderr
+        )
         return 2
     texts = BlockTexts(args.bytes_per_token)
     prompts = [texts.prompt(r, args.bytes_per_token) for r in requests]
@@ -474,7 +488,9 @@ def main(argv: list[str] | None = None) -> int:
     results: list[RunResult] = []
     with tempfile.TemporaryDirectory() as tmp:
         if args.target_busy and not rate:
-            probe = run_one(args, "round_robin", 1, requests, bodies, kv_tokens, 0.0, oracle_fraction, Path(tmp))
+            probe = run_one(
+                args, "round_robin", 1, requests, bodies, kv_tokens, 0.0, oracle_fraction, Path(tmp)
+            )
             rate = round(probe.prefill_computed_tokens / (span * args.context_workers * args.target_busy))
             print(f"round_robin computes {probe.prefill_computed_tokens:,} ids over {span:.0f} s: "
                   f"--prefill-tokens-per-s {rate:,} for {args.target_busy:.0%} busy", file=sys.stderr)  # fmt: skip

@@ -17,7 +17,15 @@ import numpy as np
 import pytest
 
 from bench import trace
-from bench.trace import TEMPLATE, BlockTexts, TraceRequest, block_oracle, load_trace, oracle, working_set_tokens
+from bench.trace import (
+    TEMPLATE,
+    BlockTexts,
+    TraceRequest,
+    block_oracle,
+    load_trace,
+    oracle,
+    working_set_tokens,
+)
 from server.worker.synthetic import SyntheticTokenizer
 
 
@@ -33,7 +41,9 @@ def test_the_shipped_trace_loads_with_its_licence() -> None:
 
 def test_a_bad_trace_line_is_named(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
-    path.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n{"timestamp": 1}\n')
+    path.write_text(
+        '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n{"timestamp": 1}\n'
+    )
     with pytest.raises(ValueError, match=r"t\.jsonl:2: not a trace request"):
         load_trace(path)
 

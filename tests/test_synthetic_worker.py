@@ -303,7 +303,7 @@ RENDERED = "<|user|>\n{}\n<|assistant|>\n"
 
 @pytest.mark.parametrize("width", [1, 3, 4, 8])
 async def test_text_mode_takes_bytes_per_token_and_publishes_it(width: int) -> None:
-    server, port, engine = await _text_worker(kv_tokens=1 << 16, bytes_per_token=width)
+    server, port, _engine = await _text_worker(kv_tokens=1 << 16, bytes_per_token=width)
     content = "words of a prompt " * 40
     try:
         async with aiohttp.ClientSession() as session:
@@ -343,7 +343,12 @@ async def test_fixed_prompts_publish_no_bytes_per_token() -> None:
 
 
 async def _chat(session: aiohttp.ClientSession, url: str, content: str, **extra: Any) -> dict[str, Any]:
-    body = {"model": "synthetic", "messages": [{"role": "user", "content": content}], "max_tokens": 2, **extra}
+    body = {
+        "model": "synthetic",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 2,
+        **extra,
+    }
     async with session.post(url + "/v1/chat/completions", json=body) as r:
         assert r.status == 200, await r.text()
         if not extra.get("stream"):
@@ -447,7 +452,9 @@ async def test_generation_leg_reports_the_context_workers_cached_tokens(http: ai
     worker's cached_tokens (ctx_usage, as trtllm-serve's generation workers do), not its own."""
     ctx_server, ctx_port, ctx_engine = await _text_worker(kv_tokens=1 << 16)
     engine = SyntheticEngine(0, kv_tokens=1 << 16)
-    gen_server, gen_port = await start_worker(engine, WorkerSettings(role="generation", model_name="synthetic"))
+    gen_server, gen_port = await start_worker(
+        engine, WorkerSettings(role="generation", model_name="synthetic")
+    )
     try:
         client_body = json.dumps({"model": "synthetic", "messages": [{"role": "user", "content": "y" * 3000}],
                                   "max_tokens": 3}).encode()  # fmt: skip
@@ -468,10 +475,12 @@ async def test_generation_leg_reports_the_context_workers_cached_tokens(http: ai
         assert engine.prefix_cached_tokens > 0
         # A leg whose KV is not its prompt's (refused: the prefill recomputed here) reports this
         # worker's own count, not the context worker's.
-        other = json.dumps({"model": "synthetic", "messages": [{"role": "user", "content": "z" * 3000}],
-                            "max_tokens": 3}).encode()  # fmt: skip
-        gen_body = relay.build_generation_request(other, ctx, tokids_b64=False, strip_history=False)
-        status, gen = await post(http, f"http://127.0.0.1:{gen_port}{path}", gen_body)
+        doc = json.loads(
+            relay.build_generation_request(client_body, ctx, tokids_b64=True, strip_history=True)
+        )
+        other = engine.tokenizer.encode("<|user|>\n" + "z" * 3000 + "\n<|assistant|>\n")
+        doc["prompt_token_ids_b64"] = fastcore.encode_tokens(other).decode()
+        status, gen = await post(http, f"http://127.0.0.1:{gen_port}{path}", json.dumps(doc).encode())
         assert status == 200, gen
         assert json.loads(gen)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     finally:

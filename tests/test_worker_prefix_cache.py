@@ -275,7 +275,7 @@ async def test_usage_reports_the_prompt_tokens_served_from_the_cache() -> None:
             streamed = {**chat, "stream": True, "stream_options": {"include_usage": True}}
             async with session.post(worker.url + "/v1/chat/completions", json=streamed) as r:
                 events = [e[6:] for e in (await r.text()).split("\n\n") if e.startswith("data: {")]
-            stream_usage = [u for u in (json.loads(e).get("usage") for e in events) if u][0]
+            stream_usage = next(u for u in (json.loads(e).get("usage") for e in events) if u)
         assert cold["prompt_tokens_details"] == {"cached_tokens": 0}
         expected = (warm["prompt_tokens"] - 1) // BS * BS
         assert expected > 0

@@ -1051,7 +1051,7 @@ def completion_body(
     model: str,
     text: str,
     finish_reason: str | None,
-    usage: dict[str, int],
+    usage: dict[str, Any],
     logprobs: list[TokenLogprob] | None = None,
     tokenizer: Tokenizer | None = None,
 ) -> dict[str, Any]:
@@ -1083,7 +1083,7 @@ def stream_chunk(
 
 
 def usage_chunk(
-    *, route: Route, response_id: str, created: int, model: str, usage: dict[str, int]
+    *, route: Route, response_id: str, created: int, model: str, usage: dict[str, Any]
 ) -> dict[str, Any]:
     return openai_shapes.usage_chunk(
         chat=route == "chat", response_id=response_id, created=created, model=model, usage=usage
@@ -1138,7 +1138,7 @@ class StreamWriterState:
             out += sse_event(stream_chunk(**self._common(), text=text, finish_reason=delta.finish_reason))
         return out
 
-    def end(self, usage: dict[str, int]) -> bytes:
+    def end(self, usage: dict[str, Any]) -> bytes:
         out = b""
         if self.req.include_usage:
             out += sse_event(usage_chunk(**self._common(), usage=usage))
@@ -1160,9 +1160,9 @@ __all__ = [
     "msgpack_to_json",
     "new_response_id",
     "parse_request",
+    "request_usage",
     "sse_event",
     "stream_chunk",
-    "request_usage",
     "usage_body",
     "usage_chunk",
 ]

@@ -86,7 +86,9 @@ class SyntheticTokenizer:
     eos_token_ids: ClassVar[list[int]] = [SYNTHETIC_EOS]
     bos_token_id = None
 
-    def __init__(self, prompt_tokens: int, seed: int = 0, bytes_per_token: int = DEFAULT_BYTES_PER_TOKEN) -> None:
+    def __init__(
+        self, prompt_tokens: int, seed: int = 0, bytes_per_token: int = DEFAULT_BYTES_PER_TOKEN
+    ) -> None:
         if prompt_tokens < 0:
             raise ValueError("--prompt-tokens must be at least 1 (or 0: the text's own ids)")
         if not (type(bytes_per_token) is int and 1 <= bytes_per_token <= MAX_BYTES_PER_TOKEN):
