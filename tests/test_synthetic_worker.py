@@ -486,3 +486,21 @@ async def test_generation_leg_reports_the_context_workers_cached_tokens(http: ai
     finally:
         await ctx_server.cleanup()
         await gen_server.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--bytes-per-token", "9", "--bytes-per-token must be an integer from 1 to 8, got 9"),
+        ("--prefill-tokens-per-s", "-1", "--prefill-tokens-per-s must be > 0, got -1.0"),
+    ],
+)
+async def test_the_cli_refuses_bad_synthetic_flags_naming_them(flag: str, value: str, message: str) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "server.cli", "worker", "--model", "synthetic", "--prompt-tokens", "0",
+        "--port", str(free_port()), flag, value,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, err = await asyncio.wait_for(proc.communicate(), timeout=60)
+    assert proc.returncode == 2
+    assert message in err.decode()
