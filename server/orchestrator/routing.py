@@ -372,16 +372,16 @@ class ConversationRouter(Router):
         if self._prefixes is None or key is None:
             return self._fallback.choose(candidates)
         hashes = key.hashes(self.chunk_bytes)
-        worker = self._implicit(candidates, hashes) if hashes else None
+        worker = self._implicit(candidates, key, len(hashes)) if hashes else None
         if worker is None:
             worker = self._fallback.choose(candidates)
         if hashes:
             self._prefixes.routed(worker, hashes)
         return worker
 
-    def _implicit(self, candidates: list[Worker], hashes: list[int]) -> Worker | None:
-        """The worker sent the longest run of these leading chunks, if that run is at least
-        ``match_threshold`` of them and the worker is below the bounded-load capacity."""
+    def _implicit(self, candidates: list[Worker], key: RequestKey, chunks: int) -> Worker | None:
+        """The worker sent the longest run of the request's ``chunks`` leading chunks, if that run
+        is at least ``match_threshold`` of them and the worker is below the bounded-load capacity."""
         assert self._prefixes is not None and self.match_threshold is not None
         capacity = self.capacity(candidates)
         best, best_hit = None, 0
