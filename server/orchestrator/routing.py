@@ -386,11 +386,10 @@ class ConversationRouter(Router):
         capacity = self.capacity(candidates)
         best, best_hit = None, 0
         for worker in candidates:
-            index = self._prefixes._indexes.get(worker)
-            hit = index.longest_prefix(hashes) if index is not None else 0
+            hit = self._prefixes.expected_hit(worker, key)
             if hit > best_hit and worker.in_flight < capacity:
                 best, best_hit = worker, hit
-        if best is not None and best_hit >= self.match_threshold * len(hashes):
+        if best is not None and best_hit >= self.match_threshold * chunks:
             return best
         return None
 
