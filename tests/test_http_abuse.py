@@ -268,8 +268,10 @@ async def test_half_close_with_nothing_due_closes() -> None:
 # -- one client's share of the body budget --------------------------------------------------------
 
 
-def _held(release: asyncio.Event) -> object:
+def _held(release: asyncio.Event, arrived: list[int] | None = None) -> object:
     async def handler(req: Request, out: Responder) -> None:
+        if arrived is not None:
+            arrived.append(len(req.body))
         await release.wait()
         out.send(200, b"%d" % len(req.body))
 
@@ -277,10 +279,10 @@ def _held(release: asyncio.Event) -> object:
 
 
 async def test_one_client_cannot_hold_the_whole_body_budget() -> None:
-    release = asyncio.Event()
+    release, arrived = asyncio.Event(), list[int]()
     limits = {"max_inflight_body_bytes": 1000, "peer_share": 0.25, "retry_after_s": 2}
-    async with serving(_held(release), **limits) as (server, port):  # type: ignore[arg-type]
-        async with clients_from("127.0.0.2", port, 4) as heavy, clients_from("127.0.0.3", port, 2) as light:
+    async with serving(_held(release, arrived), **limits) as (server, port):  # type: ignore[arg-type]
+        async with clients_from("127.0.0.2", port, 5) as heavy, clients_from("127.0.0.3", port, 2) as light:
             for c in heavy[:3]:  # up to 3/4 of the budget while nobody else holds any
                 await c.send(post(b"/", b"h" * 250))
             assert await eventually(lambda: server.body_bytes == 750)
@@ -293,8 +295,10 @@ async def test_one_client_cannot_hold_the_whole_body_budget() -> None:
             await light[1].send(post(b"/", b"l"))  # the server-wide bound still holds
             (resp,) = await light[1].until_closed()
             assert "the server holds too many" in assert_json_error(resp, 503)["message"]
+            await heavy[4].send(post(b"/", b""))  # no body, nothing to hold: served whatever the share
+            assert await eventually(lambda: 0 in arrived)
             release.set()
-            for c in (*heavy[:3], light[0]):
+            for c in (*heavy[:3], heavy[4], light[0]):
                 (resp,) = await c.responses(1)
                 assert resp.status == 200
         assert await eventually(lambda: server.body_bytes == 0 and not server.peers)

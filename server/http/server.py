@@ -501,7 +501,7 @@ class _Connection(asyncio.Protocol):
         else:
             req.path, req.query = url[:query], url[query + 1 :]
         limit = self.limits.max_body_bytes
-        if req.content_length is not None:
+        if req.content_length:
             if req.content_length > limit:
                 self._stop(
                     413, f"request body of {req.content_length} bytes exceeds the limit of {limit} bytes"
