@@ -12,7 +12,8 @@ workers and orchestrators alike (docs/protocol.md, "Talking to trtllm-serve").
 - workers: ``POST /kv_cache_events`` (server/worker/kv_events.py), under the same access rule: the
   block hashes of what a worker caches are an oracle of other clients' prompts, as the prefix-cache
   counters of ``/metrics`` were;
-- orchestrators: ``GET /cluster_info`` (trtllm-serve's DisaggClusterManager shape).
+- orchestrators: ``GET /cluster_info`` (trtllm-serve's DisaggClusterManager shape), under the same
+  access rule: it names every worker's address, as ``/metrics`` did before it was closed.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ WORKER_ROUTES = {**ROUTES, b"/kv_cache_events": (_POST,)}
 ORCHESTRATOR_ROUTES = {**ROUTES, b"/cluster_info": (_GET, _HEAD)}
 #: the largest POST /steady_clock_offset body read
 _MAX_OFFSET_BODY = 256
+#: under /metrics' access rule: the page itself, the KV events (an oracle of prompts) and the
+#: cluster's worker addresses (what /metrics was closed for naming); trtllm-serve's are open
+_GUARDED = frozenset({b"/prometheus/metrics", b"/kv_cache_events", b"/cluster_info"})
 
 
 class TrtllmEndpoints:
@@ -73,7 +77,7 @@ class TrtllmEndpoints:
             names = ", ".join(m.decode() for m in allowed)
             out.send_error(405, f"{path.decode()} takes {names}", headers=b"Allow: %s\r\n" % names.encode())
             return
-        if path in (b"/prometheus/metrics", b"/kv_cache_events"):
+        if path in _GUARDED:
             refused = self.access.refusal(request.header(b"authorization"), out.peer)
             if refused is not None:
                 out.send_error(refused.status, refused.message, code=refused.code, headers=refused.header_lines())

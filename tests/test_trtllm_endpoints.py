@@ -204,3 +204,26 @@ async def test_cluster_info_without_discovery_says_readiness_only(session: aioht
         await server.cleanup()
         await ctx.stop()
         await gen.stop()
+
+
+async def test_cluster_info_and_prometheus_take_the_metrics_access_rule(session: aiohttp.ClientSession) -> None:
+    """/cluster_info names every worker's address (what /metrics was closed for): with a metrics token,
+    only a request carrying it reads it, as /prometheus/metrics; /version stays open."""
+    ctx, gen = await start_standin("context"), await start_standin("generation")
+    port = free_port()
+    config = build_config({"port": port, "context_servers": {"urls": [ctx.address]}, "metrics_token": "mt",
+                           "generation_servers": {"urls": [gen.address]}}, environ={})  # fmt: skip
+    server, _ = await start_server(config)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for path in ("/cluster_info", "/prometheus/metrics"):
+            async with session.get(url + path) as r:
+                assert r.status == 401, path
+            async with session.get(url + path, headers={"Authorization": "Bearer mt"}) as r:
+                assert r.status == 200, path
+        async with session.get(url + "/version") as r:
+            assert r.status == 200
+    finally:
+        await server.cleanup()
+        await ctx.stop()
+        await gen.stop()
