@@ -319,13 +319,6 @@ class OrchestratorConfig(BaseModel):
                     f"{name}.urls: at least one worker URL is required"
                     + (launch if pool.num_instances else "")
                 )
-            if pool.num_instances is not None and pool.num_instances != len(pool.urls):
-                log.warning(
-                    "%s.num_instances is %d but %d urls are listed: the urls are used",
-                    name,
-                    pool.num_instances,
-                    len(pool.urls),
-                )
             router = pool.router
             unknown = sorted(set(router.args) - ROUTER_ARGS[router.kind])
             if unknown:
@@ -366,9 +359,20 @@ def build_config(data: dict[str, Any], *, environ: dict[str, str] | None = None)
             raise ConfigError(f"metrics_token_file: {exc}") from None
         if token is not None:
             config = config.model_copy(update={"metrics_token": token.decode("utf-8", "surrogateescape")})
+    # Warnings here, once per start: check_runnable runs again in each orchestrator process.
     unused = config.unused_keys()
     if unused:
         log.warning("config keys not used by the fastcore orchestrator (ignored): %s", ", ".join(unused))
+    for name in ("context_servers", "generation_servers"):
+        pool: PoolConfig = getattr(config, name)
+        if pool.num_instances is not None and pool.urls and pool.num_instances != len(pool.urls):
+            log.warning(
+                "%s.num_instances is %d but %d urls are listed: the urls are used (num_instances "
+                "tells trtllm-serve how many workers to launch; the fastcore orchestrator launches none)",
+                name,
+                pool.num_instances,
+                len(pool.urls),
+            )
     return config
 
 
