@@ -29,14 +29,14 @@ UBSAN_LIB = $(shell gcc -print-file-name=libubsan.so)
 SAN_ENV = LD_PRELOAD="$(ASAN_LIB) $(UBSAN_LIB)" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYTHONMALLOC=malloc
 
 debug:          ## ASan/UBSan build of the extensions, in place
-	rm -f fastcore/_codec*.so fastcore/_jsonspan*.so
+	rm -f fastcore/*.so
 	FASTCORE_DEBUG_BUILD=1 $(PY) setup.py build_ext --inplace --force
 
 test-debug: debug  ## compiled-twin tests under the sanitizers
 	# test_codec.py whole: its per-SIMD-kernel tests have ids like [avx2], not [c].
 	$(SAN_ENV) FASTCORE_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_codec.py
 	# Scanner and relay whole: most of their ids are [c-...], and the twin-agreement tests have none.
-	$(SAN_ENV) FASTCORE_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_jsonspan.py tests/test_relay.py
+	$(SAN_ENV) FASTCORE_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_jsonspan.py tests/test_relay.py tests/test_chunk_hashes.py
 
 fuzz: debug     ## hypothesis fuzz of the scanner under the sanitizers
 	$(SAN_ENV) $(PY) -m tests.fuzz_jsonspan --seconds $${FUZZ_SECONDS:-120}
@@ -106,4 +106,4 @@ plot:
 	$(PY) -m bench.load --compare --concurrency 16,64,256,1024
 
 clean:
-	rm -rf build dist *.egg-info $(RELEASE_VENV) fastcore/*.so fastcore/_codec.c fastcore/_jsonspan.c
+	rm -rf build dist *.egg-info $(RELEASE_VENV) fastcore/*.so fastcore/_codec.c fastcore/_scan.c fastcore/_relay.c fastcore/_hash.c

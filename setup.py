@@ -158,7 +158,9 @@ def _extensions() -> list[Extension]:
     headers = sorted(os.path.join(include, name) for name in os.listdir(include) if name.endswith(".h"))
     modules = {
         "fastcore._codec": ["fastcore/_codec.pyx", f"{include}/b64simd.c"],
-        "fastcore._jsonspan": ["fastcore/_jsonspan.pyx", f"{include}/b64simd.c"],
+        "fastcore._scan": ["fastcore/_scan.pyx"],
+        "fastcore._relay": ["fastcore/_relay.pyx"],
+        "fastcore._hash": ["fastcore/_hash.pyx"],
     }
     extensions = [
         Extension(

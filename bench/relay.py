@@ -11,13 +11,14 @@ between receiving the context response and sending the generation request.
 (b) (a) with the ids relayed as a base64 string field through the models;
 (c) orjson parse + dump (dicts, id list);
 (d) msgspec typed decode + encode (Structs, id list);
-(e) ``fastcore.relay.build_generation_request``, b64 gate on (the fast path);
-(e+) (e) plus re-validating the raw client body (no ``ClientBody`` kept);
+(e) ``fastcore.relay.build_generation_request``, b64 gate on (the fast path): the relay
+    kernels the orchestrator runs, reading the context response and writing the leg;
+(e+) (e) plus re-reading the raw client body (no ``ClientScan`` kept);
 (e') (e) with the gate off (the id list spliced verbatim);
 (f) a memcpy of (e)'s output size: one allocation and copy, the floor.
 
 (a)-(d) start from the client request they parsed for the context leg, and
-(e) from the ``ClientBody`` that ``read_client_body`` made for it: the same
+(e) from the ``ClientScan`` that ``read_client_request`` made for it: the same
 head start. The chat history holds about 4 bytes of text per prompt token.
 Then the scanner's throughput on a token-heavy and a text-heavy body, beside
 ``json.loads`` / orjson / msgspec parses of the same bytes. Times are best-of
@@ -39,6 +40,7 @@ import orjson
 
 import fastcore
 from bench._timing import format_table, time_call
+from fastcore import _relay_py as relay_paths
 from fastcore import relay
 from server.orchestrator.relay_modes import ChatCompletionRequest as ChatRequest
 from server.orchestrator.relay_modes import ChatCompletionResponse as ChatResponse
@@ -264,7 +266,7 @@ def time_contenders(size: int, min_time: float) -> tuple[dict[str, float], int]:
     request = ChatRequest.model_validate(client)
     m_request = msgspec.convert(client, MRequest)
     client_body, ctx_list, ctx_b64 = bodies["client_body"], bodies["ctx_list"], bodies["ctx_b64"]
-    read = relay.read_client_body(client_body, chat=True)
+    read = relay.read_client_request(client_body, True)
     output = relay.build_generation_request(read, ctx_b64, tokids_b64=True, strip_history=False)
     source = bytearray(len(output))
     calls = {
@@ -331,9 +333,9 @@ def rates(
 def throughput(size: int, min_time: float, scanner: Any) -> list[list[Any]]:
     bodies = make_bodies(size)
     cases = {
-        "token-heavy (b64 ctx response)": (bodies["ctx_b64"], relay._CONTEXT_PATHS),
-        "token-heavy (id-list ctx response)": (bodies["ctx_list"], relay._CONTEXT_PATHS),
-        "text-heavy (chat request)": (bodies["client_body"], relay._CLIENT_PATHS),
+        "token-heavy (b64 ctx response)": (bodies["ctx_b64"], relay_paths.CONTEXT_RESPONSE_PATHS),
+        "token-heavy (id-list ctx response)": (bodies["ctx_list"], relay_paths.CONTEXT_RESPONSE_PATHS),
+        "text-heavy (chat request)": (bodies["client_body"], relay_paths.CLIENT_REQUEST_PATHS),
     }
     return [
         [name, f"{len(body) / 1024:,.0f} KiB"] + [f"{v:.2f}" for v in rates(body, paths, scanner, min_time)]
@@ -377,12 +379,12 @@ def main(argv: list[str] | None = None) -> int:
     print("\nScanner throughput, GB/s (the relay's paths; parsers for reference)\n")
     size = max(sizes)
     headers = ["body", "size", "find_spans", "validate=False", "json.loads", "orjson.loads", "msgspec decode"]
-    print(format_table(headers, throughput(size, args.min_time, fastcore._jsonspan_impl)))
+    print(format_table(headers, throughput(size, args.min_time, fastcore._scan_impl)))
     if args.python:
-        from fastcore import _jsonspan_py
+        from fastcore import _scan_py
 
         print("\nPure-Python twin, GB/s\n")
-        print(format_table(headers, throughput(min(sizes), args.min_time, _jsonspan_py)))
+        print(format_table(headers, throughput(min(sizes), args.min_time, _scan_py)))
 
     if TARGET_SIZE in results:
         t = results[TARGET_SIZE]

@@ -423,7 +423,7 @@ def check_front(front: str, args: argparse.Namespace) -> str | None:
         return f"unknown label {label!r} (fastcore, or --fastcore-label with --fastcore-root)"
     if args.fastcore_root is None:
         return "no --fastcore-root"
-    if not glob.glob(str(args.fastcore_root / "fastcore" / "_jsonspan*.so")):
+    if not glob.glob(str(args.fastcore_root / "fastcore" / "_scan*.so")):
         return f"extensions not built in {args.fastcore_root} (python setup.py build_ext --inplace there)"
     return None
 

@@ -1,13 +1,16 @@
 """fastcore: the serving core for prefill/decode-disaggregated LLM inference.
 
-Two compiled modules, each with a pure-Python twin of identical behaviour:
+Four compiled modules, each with a pure-Python twin of identical behaviour:
 
-- the token codec (``encode_tokens`` / ``decode_tokens*``): int32 token ids
-  <-> standard base64 of their little-endian bytes;
-- the JSON span scanner (``find_span`` / ``find_spans`` / ``splice``): byte
-  spans of values in raw JSON, so bodies are relayed without being parsed;
-  ``chunk_hashes``: chained 64-bit hashes of a span's fixed-size chunks, the
-  orchestrator's prefix-cache routing keys.
+- the token codec (``_codec``: ``encode_tokens`` / ``decode_tokens*``): int32
+  token ids <-> standard base64 of their little-endian bytes;
+- the JSON span scanner (``_scan``: ``find_span`` / ``find_spans`` /
+  ``splice``): byte spans of values in raw JSON, so bodies are relayed without
+  being parsed;
+- the relay kernels (``_relay``, served by :mod:`fastcore.relay`): the bodies
+  of the disaggregated legs, one call per body;
+- ``chunk_hashes`` (``_hash``): chained 64-bit hashes of a span's fixed-size
+  chunks, the orchestrator's prefix-cache routing keys.
 
 The JSON limits every process enforces (``JSON_MAX_DEPTH``,
 ``JSON_MAX_NUMBER_CHARS``) are defined once, in :mod:`fastcore.limits`, and
@@ -21,6 +24,7 @@ active and which SIMD kernel the codec dispatched to.
 
 from __future__ import annotations
 
+import importlib
 import os
 from types import ModuleType
 
@@ -32,30 +36,30 @@ __version__ = "0.1.0"
 NO_EXTENSIONS: bool = os.environ.get("FASTCORE_NO_EXTENSIONS", "") not in ("", "0")
 
 
-def _load_twins() -> tuple[ModuleType, ModuleType, str]:
+_TWINS = ("_codec", "_scan", "_relay", "_hash")
+
+
+def _load_twins() -> tuple[list[ModuleType], str]:
+    # All compiled or all pure: the compiled relay cimports the compiled scan and codec.
     if not NO_EXTENSIONS:
         try:
-            from . import _codec, _jsonspan
+            return [importlib.import_module(f".{name}", __name__) for name in _TWINS], "cython"
         except ImportError:
             pass
-        else:
-            return _codec, _jsonspan, "cython"
-    from . import _codec_py, _jsonspan_py
-
-    return _codec_py, _jsonspan_py, "python"
+    return [importlib.import_module(f".{name}_py", __name__) for name in _TWINS], "python"
 
 
-_codec_impl, _jsonspan_impl, _kind = _load_twins()
+(_codec_impl, _scan_impl, _relay_impl, _hash_impl), _kind = _load_twins()
 
 encode_tokens = _codec_impl.encode_tokens
 decode_tokens = _codec_impl.decode_tokens
 decode_tokens_list = _codec_impl.decode_tokens_list
 decode_tokens_into = _codec_impl.decode_tokens_into
 
-find_span = _jsonspan_impl.find_span
-find_spans = _jsonspan_impl.find_spans
-splice = _jsonspan_impl.splice
-chunk_hashes = _jsonspan_impl.chunk_hashes
+find_span = _scan_impl.find_span
+find_spans = _scan_impl.find_spans
+splice = _scan_impl.splice
+chunk_hashes = _hash_impl.chunk_hashes
 
 #: ``"cython (avx2)"``, ``"cython (scalar)"`` or ``"python"``.
 backend: str = f"{_kind} ({_codec_impl.SIMD_PATH})" if _kind == "cython" else "python"

@@ -28,6 +28,7 @@ cdef extern from "b64simd.h" nogil:
     int64_t fc_encode_ints(const char *base, size_t count, Py_ssize_t stride, int itemsize, int is_signed,
                            int byteswap, char *dst)
     void fc_le32_to_host(int32_t *values, size_t count)
+    size_t fc_b64_alphabet_run(const uint8_t *p, size_t i, size_t n, int use_avx2)
 
 
 cdef extern from "codec_objects.h":
@@ -37,3 +38,7 @@ cdef extern from "codec_objects.h":
     int fc_unicode_ascii_data(object s, const char **data, Py_ssize_t *length) except -1
     int fc_fill_list(object lst, Py_ssize_t start, const int32_t *ids, Py_ssize_t n) except -1
     int fc_int_cache_init() except -1
+
+
+# check_token_b64 on buf[lo:hi] (absolute offsets): the id count, or TokenDecodeError (the relay kernels).
+cdef Py_ssize_t _check_b64(const uint8_t *buf, Py_ssize_t lo, Py_ssize_t hi) except -1

@@ -21,6 +21,8 @@ from cpython.list cimport PyList_New
 from cpython.object cimport PyObject
 from libc.stdint cimport INT32_MAX, INT32_MIN, int32_t, int64_t, uint8_t
 
+from fastcore.errors import TokenDecodeError
+
 from fastcore._codec_py import (
     _changed_size_error,
     _char_error,
@@ -64,6 +66,8 @@ cdef enum:
     # Above this many ids the kernels run with the GIL released: below it, the
     # release/re-acquire costs more than other threads could gain.
     NOGIL_MIN_IDS = 4096
+    # The same for check_token_b64, in bytes.
+    NOGIL_CHECK_BYTES = 65536
 
 fc_b64_init()
 
@@ -374,3 +378,76 @@ def decode_tokens_into(data, out, *, max_tokens=None):
             PyBuffer_Release(&out_view)
     finally:
         _close_source(&src)
+
+
+# ------------------------------------------------------- relayed base64 check
+
+
+cdef Py_ssize_t _check_b64(const uint8_t *buf, Py_ssize_t lo, Py_ssize_t hi) except -1:
+    """check_token_b64 on ``buf[lo:hi]`` (offsets absolute): the id count, or TokenDecodeError."""
+    cdef Py_ssize_t i, data_end, padding = 0, length, decoded
+    cdef int last_value
+    cdef uint8_t c
+    cdef int use_avx2 = fc_simd_selected() >= FC_SIMD_AVX2
+    if hi - lo >= NOGIL_CHECK_BYTES:
+        with nogil:
+            i = <Py_ssize_t>fc_b64_alphabet_run(buf, lo, hi, use_avx2)
+    else:
+        i = <Py_ssize_t>fc_b64_alphabet_run(buf, lo, hi, use_avx2)
+    data_end = i
+    while i < hi and buf[i] == 0x3D and padding < 2:
+        padding += 1
+        i += 1
+    if i < hi:
+        if padding:
+            raise TokenDecodeError(f"base64 padding '=' before the end of the data (byte {data_end})", data_end)
+        raise TokenDecodeError(f"invalid base64 character {chr(buf[i])!r} (byte {i})", i)
+    length = hi - lo
+    if length % 4:
+        raise TokenDecodeError(f"base64 length {length} is not a multiple of 4", None)
+    if padding:
+        if data_end == lo:
+            raise TokenDecodeError(f"non-canonical base64 padding (byte {data_end - 1})", data_end - 1)
+        c = buf[data_end - 1]
+        if c >= 0x61:
+            last_value = c - 0x61 + 26
+        elif c >= 0x41:
+            last_value = c - 0x41
+        elif c >= 0x30:
+            last_value = c - 0x30 + 52
+        elif c == 0x2B:
+            last_value = 62
+        else:
+            last_value = 63
+        if last_value & (0x0F if padding == 2 else 0x03):
+            raise TokenDecodeError(f"non-canonical base64 padding (byte {data_end - 1})", data_end - 1)
+    decoded = length // 4 * 3 - padding
+    if decoded % 4:
+        raise TokenDecodeError(f"base64 decodes to {decoded} bytes, not a whole number of int32 ids", None)
+    return decoded // 4
+
+
+def check_token_b64(body, start=0, end=None):
+    """Check that ``body[start:end]`` is ``prompt_token_ids_b64`` content; return the id count.
+
+    Standard alphabet, ``=`` padding only at the end, length a multiple of 4,
+    canonical (unused bits zero), decoding to a whole number of int32s; no
+    escapes. Raises :class:`fastcore.TokenDecodeError` with the absolute offset.
+    """
+    cdef Py_buffer view
+    cdef Py_ssize_t size
+    try:
+        PyObject_GetBuffer(body, &view, PyBUF_SIMPLE)
+    except TypeError:
+        raise TypeError(f"body must be bytes-like, not {type(body).__name__}") from None
+    except BufferError:
+        raise BufferError("body must be a contiguous buffer") from None
+    try:
+        size = view.len
+        if end is None:
+            end = size
+        if not 0 <= start <= end <= size:
+            raise ValueError(f"need 0 <= start <= end <= len(body) = {size}, got ({start}, {end})")
+        return _check_b64(<const uint8_t *>view.buf, start, end)
+    finally:
+        PyBuffer_Release(&view)

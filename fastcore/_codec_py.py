@@ -23,12 +23,13 @@ from typing import Any
 
 import numpy as np
 
+from ._scan_py import _as_bytes
 from .errors import TokenDecodeError
 
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
 
-# Status codes of the compiled decoder (FC_B64_* in _b64simd.h).
+# Status codes of the compiled decoder (FC_B64_* in include/b64simd.h).
 BAD_CHAR = 1
 MISPLACED_PAD = 2
 NONZERO_PAD_BITS = 3
@@ -322,4 +323,48 @@ def decode_tokens_into(data: Any, out: Any, *, max_tokens: int | None = None) ->
     return count
 
 
-__all__ = ["decode_tokens", "decode_tokens_into", "decode_tokens_list", "encode_tokens"]
+# ---------------------------------------------------- relayed base64 check
+
+_B64_RUN = re.compile(rb"[A-Za-z0-9+/]*")
+
+
+def check_token_b64(body: bytes | bytearray | memoryview, start: int = 0, end: int | None = None) -> int:
+    """Check that ``body[start:end]`` is ``prompt_token_ids_b64`` content; return the id count.
+
+    Standard alphabet, ``=`` padding only at the end, length a multiple of 4,
+    canonical (unused bits zero), decoding to a whole number of int32s. No
+    escapes: the bytes are relayed verbatim, so they must be the data itself.
+    Raises :class:`fastcore.TokenDecodeError` with the absolute byte offset.
+    """
+    buf = _as_bytes(body)
+    size = len(buf)
+    if end is None:
+        end = size
+    if not 0 <= start <= end <= size:
+        raise ValueError(f"need 0 <= start <= end <= len(body) = {size}, got ({start}, {end})")
+    i = _B64_RUN.match(buf, start, end).end()  # type: ignore[union-attr]
+    data_end = i
+    padding = 0
+    while i < end and buf[i] == ord("=") and padding < 2:
+        padding += 1
+        i += 1
+    if i < end:
+        if padding:
+            raise TokenDecodeError(
+                f"base64 padding '=' before the end of the data (byte {data_end})", data_end
+            )
+        raise TokenDecodeError(f"invalid base64 character {chr(buf[i])!r} (byte {i})", i)
+    length = end - start
+    if length % 4:
+        raise TokenDecodeError(f"base64 length {length} is not a multiple of 4", None)
+    if padding:
+        last = _ALPHABET_VALUE[buf[data_end - 1]] if data_end > start else 0
+        if data_end == start or last & (0x0F if padding == 2 else 0x03):
+            raise TokenDecodeError(f"non-canonical base64 padding (byte {data_end - 1})", data_end - 1)
+    decoded = length // 4 * 3 - padding
+    if decoded % 4:
+        raise TokenDecodeError(f"base64 decodes to {decoded} bytes, not a whole number of int32 ids", None)
+    return decoded // 4
+
+
+__all__ = ["check_token_b64", "decode_tokens", "decode_tokens_into", "decode_tokens_list", "encode_tokens"]

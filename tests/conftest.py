@@ -1,6 +1,8 @@
 """Shared fixtures: every test of a compiled module runs against both twins.
 
-``codec`` and ``jsonspan`` are parametrized over ``"py"`` (the pure-Python
+``codec`` (the token codec), ``jsonspan`` (the JSON span scanner,
+``fastcore._scan``), ``relay_twin`` (the relay kernels, ``fastcore._relay``) and
+``hash_twin`` (the chunk hashes) are parametrized over ``"py"`` (the pure-Python
 twin) and ``"c"`` (the compiled one). The compiled case is skipped when
 ``FASTCORE_NO_EXTENSIONS=1`` or the extension is not built, unless
 ``FASTCORE_REQUIRE_EXTENSIONS=1`` (set by CI), where a missing build fails.
@@ -57,7 +59,17 @@ def codec(request: pytest.FixtureRequest) -> ModuleType:
 
 @pytest.fixture(params=["py", "c"])
 def jsonspan(request: pytest.FixtureRequest) -> ModuleType:
-    return _twin("fastcore._jsonspan", "fastcore._jsonspan_py", request.param)
+    return _twin("fastcore._scan", "fastcore._scan_py", request.param)
+
+
+@pytest.fixture(params=["py", "c"])
+def relay_twin(request: pytest.FixtureRequest) -> ModuleType:
+    return _twin("fastcore._relay", "fastcore._relay_py", request.param)
+
+
+@pytest.fixture(params=["py", "c"])
+def hash_twin(request: pytest.FixtureRequest) -> ModuleType:
+    return _twin("fastcore._hash", "fastcore._hash_py", request.param)
 
 
 @pytest.fixture(scope="session")

@@ -27,8 +27,10 @@ from hypothesis import strategies as st
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "tests" / "data" / "JSONTestSuite"
 
-PY: ModuleType = importlib.import_module("fastcore._jsonspan_py")
-C: ModuleType = importlib.import_module("fastcore._jsonspan")
+PY: ModuleType = importlib.import_module("fastcore._scan_py")
+C: ModuleType = importlib.import_module("fastcore._scan")
+CODEC_PY: ModuleType = importlib.import_module("fastcore._codec_py")
+CODEC_C: ModuleType = importlib.import_module("fastcore._codec")
 
 
 def seeds() -> list[bytes]:
@@ -144,7 +146,9 @@ def check(
             for span in expected[1]:
                 assert span is None or 0 <= span[0] <= span[1] <= len(body)
     start, end = sorted(min(x, len(body)) for x in cut)
-    assert outcome(C, "check_token_b64", body, start, end) == outcome(PY, "check_token_b64", body, start, end)
+    assert outcome(CODEC_C, "check_token_b64", body, start, end) == outcome(
+        CODEC_PY, "check_token_b64", body, start, end
+    )
     points = sorted(min(x, len(body)) for x in edits_seed)
     edits = [
         (points[i], points[i + 1], body[points[i] : points[i] + 3]) for i in range(0, len(points) - 1, 2)

@@ -1,4 +1,5 @@
-"""The JSON span scanner, both twins (``jsonspan`` fixture), against the stdlib and each other."""
+"""The JSON span scanner, both twins (``jsonspan`` fixture), against the stdlib and each other; the relay
+kernels' twins against each other (``both_relay_twins``)."""
 
 from __future__ import annotations
 
@@ -32,21 +33,32 @@ def outcome(module: ModuleType, fn: str, *args: Any, **kwargs: Any) -> tuple[str
         return (type(exc).__name__, (str(exc), getattr(exc, "offset", None), getattr(exc, "field", None)))
 
 
-@pytest.fixture(scope="module")
-def both_twins() -> tuple[ModuleType, ModuleType]:
-    """The two twins side by side, for tests that compare them directly."""
+def side_by_side(name: str) -> tuple[ModuleType, ModuleType]:
+    """The pure and compiled twins of ``fastcore.<name>``, for tests that compare them directly."""
     import fastcore
 
-    py = importlib.import_module("fastcore._jsonspan_py")
+    py = importlib.import_module(f"fastcore.{name}_py")
     if fastcore.NO_EXTENSIONS:
         pytest.skip("FASTCORE_NO_EXTENSIONS=1")
     try:
-        c = importlib.import_module("fastcore._jsonspan")
+        c = importlib.import_module(f"fastcore.{name}")
     except ImportError as exc:
         if REQUIRE_EXTENSIONS:
             pytest.fail(f"compiled twin required but not importable: {exc}")
-        pytest.skip(f"fastcore._jsonspan not built: {exc}")
+        pytest.skip(f"fastcore.{name} not built: {exc}")
     return py, c
+
+
+@pytest.fixture(scope="module")
+def both_twins() -> tuple[ModuleType, ModuleType]:
+    """The scanner twins side by side."""
+    return side_by_side("_scan")
+
+
+@pytest.fixture(scope="module")
+def both_relay_twins() -> tuple[ModuleType, ModuleType]:
+    """The relay kernels' twins side by side."""
+    return side_by_side("_relay")
 
 
 def value_at(doc: Any, path: tuple[Any, ...]) -> Any:
@@ -725,10 +737,10 @@ def test_splice_matches_slicing(jsonspan: ModuleType, body: bytes, raw: list[tup
 
 @given(st.lists(st.integers(0, 2**31 - 1), max_size=40))
 @settings(suppress_health_check=STATELESS)
-def test_token_b64_accepts_encoded_ids(jsonspan: ModuleType, ids: list[int]) -> None:
+def test_token_b64_accepts_encoded_ids(codec: ModuleType, ids: list[int]) -> None:
     data = base64.b64encode(struct.pack(f"<{len(ids)}i", *ids))
-    assert jsonspan.check_token_b64(data) == len(ids)
-    assert jsonspan.check_token_b64(b'{"x":"' + data + b'"}', 6, 6 + len(data)) == len(ids)
+    assert codec.check_token_b64(data) == len(ids)
+    assert codec.check_token_b64(b'{"x":"' + data + b'"}', 6, 6 + len(data)) == len(ids)
 
 
 @pytest.mark.parametrize(
@@ -747,37 +759,43 @@ def test_token_b64_accepts_encoded_ids(jsonspan: ModuleType, ids: list[int]) -> 
         (b"AQAA====", "padding '=' before the end", 4),
     ],
 )
-def test_token_b64_errors(jsonspan: ModuleType, data: bytes, message: str, offset: int | None) -> None:
+def test_token_b64_errors(codec: ModuleType, data: bytes, message: str, offset: int | None) -> None:
     with pytest.raises(TokenDecodeError) as info:
-        jsonspan.check_token_b64(b"xx" + data, 2, 2 + len(data))
+        codec.check_token_b64(b"xx" + data, 2, 2 + len(data))
     assert message in str(info.value)
     assert info.value.offset == (None if offset is None else offset + 2)
 
 
-def test_token_b64_range_is_checked(jsonspan: ModuleType) -> None:
+def test_token_b64_range_is_checked(codec: ModuleType) -> None:
     with pytest.raises(ValueError, match="0 <= start <= end"):
-        jsonspan.check_token_b64(b"AAAA", 2, 8)
-    assert jsonspan.check_token_b64(b"") == 0
+        codec.check_token_b64(b"AAAA", 2, 8)
+    assert codec.check_token_b64(b"") == 0
 
 
 # -- the SIMD kernels ------------------------------------------------------------------------------------
 
 
 def test_kernels_agree_on_every_byte_in_every_lane(both_twins: tuple[ModuleType, ModuleType]) -> None:
-    """Each byte value at lane edges of the 16- and 64-byte steps and in the scalar tail, per kernel."""
+    """Each byte value at lane edges of the 16- and 64-byte steps and in the scalar tail, per kernel:
+    the scanner's string kernels and the codec's alphabet check (``check_token_b64``)."""
     py, c = both_twins
+    codec_py, codec_c = side_by_side("_codec")
     alphabet = set(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")
     kernels = ["sse2", "avx2"] if c.KERNEL == "avx2" else [c.KERNEL]
+    simd_paths = codec_c._available_simd_paths()
+    original = codec_c._get_simd_path()
     try:
-        for kernel in kernels:
+        for kernel, simd_path in zip(kernels, ("ssse3", simd_paths[-1])):
             if kernel != "scalar":
                 c._set_kernel(kernel)
+            if simd_path in simd_paths:
+                codec_c._set_simd_path(simd_path)
             for position in (0, 15, 16, 31, 32, 63, 64, 79, 100, 140, 143):
                 for value in range(256):
                     data = bytearray(b"QUJD" * 36)
                     data[position] = value
-                    result = outcome(c, "check_token_b64", bytes(data))
-                    assert result == outcome(py, "check_token_b64", bytes(data)), (kernel, position, value)
+                    result = outcome(codec_c, "check_token_b64", bytes(data))
+                    assert result == outcome(codec_py, "check_token_b64", bytes(data)), (kernel, position, value)
                     assert (result[0] == "ok") == (value in alphabet), (kernel, position, value)
                     body = b'["' + bytes(data) + b'"]'
                     for validate in (True, False):
@@ -785,6 +803,7 @@ def test_kernels_agree_on_every_byte_in_every_lane(both_twins: tuple[ModuleType,
                             py, "find_spans", body, [(0,)], validate=validate
                         ), (kernel, position, value, validate)
     finally:
+        codec_c._set_simd_path(original)
         if c.KERNEL != kernels[-1] and "avx2" in kernels:
             c._set_kernel("avx2")
 
@@ -863,7 +882,7 @@ def relay_bodies(draw: st.DrawFn, seeds: list[bytes]) -> bytes:
 )
 @settings(max_examples=400, deadline=None, suppress_health_check=STATELESS)
 def test_twins_agree_on_the_relay_kernels(
-    both_twins: tuple[ModuleType, ModuleType],
+    both_relay_twins: tuple[ModuleType, ModuleType],
     client: bytes,
     ctx: bytes,
     chat: bool,
@@ -871,7 +890,7 @@ def test_twins_agree_on_the_relay_kernels(
     tokids_b64: bool,
     strip_history: bool,
 ) -> None:
-    py, c = both_twins
+    py, c = both_relay_twins
     scans = [outcome(twin, "read_client_request", client, chat) for twin in (py, c)]
     assert scans[0] == scans[1]
     contexts = [outcome(twin, "read_context_response", ctx, max_tokens) for twin in (py, c)]
@@ -893,8 +912,8 @@ def test_twins_agree_on_the_relay_kernels(
         ) == outcome(c, "generation_request", scans[1][1], contexts[1][1], tokids_b64, strip_history)
 
 
-def test_relay_errors_carry_the_field(both_twins: tuple[ModuleType, ModuleType]) -> None:
-    for twin in both_twins:
+def test_relay_errors_carry_the_field(both_relay_twins: tuple[ModuleType, ModuleType]) -> None:
+    for twin in both_relay_twins:
         with pytest.raises(ValueError) as info:
             twin.read_client_request(b'{"stream": 1}', False)
         assert getattr(info.value, "field", None) == "stream"

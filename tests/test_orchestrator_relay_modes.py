@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import fastcore
 import msgspec
-from fastcore import _jsonspan_py as jsonspan_py
+from fastcore import _relay_py as relay_twin_py
 from fastcore.limits import JSON_MAX_DEPTH, JSON_MAX_NUMBER_CHARS
 from fastcore.relay import Relay
 from server.errors import HTTPError
@@ -99,10 +99,10 @@ def context_response(
 
 
 @pytest.fixture(params=GATES, ids=GATE_IDS)
-def modes(request, jsonspan) -> tuple[FastRelay, ParsedRelay]:
+def modes(request, relay_twin) -> tuple[FastRelay, ParsedRelay]:
     tokids, strip = request.param
     return (
-        FastRelay(tokids_b64=tokids, strip_history=strip, relay=Relay(jsonspan)),
+        FastRelay(tokids_b64=tokids, strip_history=strip, relay=Relay(relay_twin)),
         ParsedRelay(tokids_b64=tokids, strip_history=strip),
     )
 
@@ -222,8 +222,8 @@ def test_a_finished_answer_streams_as_the_worker_would(chat, include_usage):
     )
 
 
-def test_fast_mode_refuses_a_repeated_key_it_reads(jsonspan):
-    fast = FastRelay(tokids_b64=True, strip_history=True, relay=Relay(jsonspan))
+def test_fast_mode_refuses_a_repeated_key_it_reads(relay_twin):
+    fast = FastRelay(tokids_b64=True, strip_history=True, relay=Relay(relay_twin))
     with pytest.raises(HTTPError) as info:
         fast.read_client(b'{"prompt": "x", "stream": false, "stream": true}', False)
     assert info.value.status == 400 and info.value.param == "stream"
@@ -273,7 +273,7 @@ def test_context_response_without_the_ids_the_gate_needs_is_502(modes, chat):
 
 @pytest.mark.parametrize("b64", ["null", "absent"])
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
-def test_asked_for_base64_and_got_the_list_both_modes_relay_the_list(jsonspan, chat, b64):
+def test_asked_for_base64_and_got_the_list_both_modes_relay_the_list(relay_twin, chat, b64):
     # trtllm-serve: chat responses carry "prompt_token_ids_b64": null unless asked; completions none.
     ctx = json.loads(context_response(chat, b64=False))
     if b64 == "absent":
@@ -281,7 +281,7 @@ def test_asked_for_base64_and_got_the_list_both_modes_relay_the_list(jsonspan, c
     else:
         ctx["prompt_token_ids_b64"] = None
     raw = json.dumps(ctx).encode()
-    fast = FastRelay(tokids_b64=True, strip_history=False, relay=Relay(jsonspan))
+    fast = FastRelay(tokids_b64=True, strip_history=False, relay=Relay(relay_twin))
     parsed = ParsedRelay(tokids_b64=True, strip_history=False)
     sent = []
     for mode in (fast, parsed):
@@ -293,44 +293,44 @@ def test_asked_for_base64_and_got_the_list_both_modes_relay_the_list(jsonspan, c
 
 
 @pytest.mark.parametrize("chat, ask, asked", [(True, False, True), (False, False, False), (False, True, True)])
-def test_completions_ask_for_base64_only_when_told(jsonspan, chat, ask, asked):
+def test_completions_ask_for_base64_only_when_told(relay_twin, chat, ask, asked):
     for mode in (
-        FastRelay(tokids_b64=True, strip_history=False, relay=Relay(jsonspan)),
+        FastRelay(tokids_b64=True, strip_history=False, relay=Relay(relay_twin)),
         ParsedRelay(tokids_b64=True, strip_history=False),
     ):
         req = mode.read_client(client_body(chat), chat)
         params = json.loads(mode.context_request(req, DISAGG_ID, ask_b64_completions=ask))["disaggregated_params"]
         assert params.get("return_prompt_token_ids_b64", False) is asked
-    gate_off = FastRelay(tokids_b64=False, strip_history=False, relay=Relay(jsonspan))
+    gate_off = FastRelay(tokids_b64=False, strip_history=False, relay=Relay(relay_twin))
     req = gate_off.read_client(client_body(chat), chat)
     assert "return_prompt_token_ids_b64" not in json.loads(gate_off.context_request(req, DISAGG_ID, True))["disaggregated_params"]
 
 
 @pytest.mark.parametrize("bad", [0, 2**40 - 1, 2**63, -1, True])
-def test_a_disagg_request_id_outside_the_protocols_range_is_refused(jsonspan, bad):
-    for mode in (FastRelay(tokids_b64=True, strip_history=False, relay=Relay(jsonspan)),
+def test_a_disagg_request_id_outside_the_protocols_range_is_refused(relay_twin, bad):
+    for mode in (FastRelay(tokids_b64=True, strip_history=False, relay=Relay(relay_twin)),
                  ParsedRelay(tokids_b64=True, strip_history=False)):
         with pytest.raises(ValueError, match=r"\[2\^40, 2\^63\)"):
             mode.context_request(mode.read_client(client_body(True), True), bad)
 
 
-def test_both_modes_read_the_auth_fields(jsonspan):
+def test_both_modes_read_the_auth_fields(relay_twin):
     ctx = json.loads(context_response(True, b64=True))
     ctx["choices"][0]["disaggregated_params"]["encoded_opaque_state"] = "AAAA"
     raw = json.dumps(ctx).encode()
-    for mode in (FastRelay(tokids_b64=True, strip_history=False, relay=Relay(jsonspan)),
+    for mode in (FastRelay(tokids_b64=True, strip_history=False, relay=Relay(relay_twin)),
                  ParsedRelay(tokids_b64=True, strip_history=False)):
         req = mode.read_client(client_body(True), True)
         assert mode.auth_fields(mode.read_context(req, raw)) == ("http://127.0.0.1:8001/kv/17", "AAAA")
 
 
-def test_the_parsed_mode_relays_trtllm_serves_extra_params(jsonspan):
+def test_the_parsed_mode_relays_trtllm_serves_extra_params(relay_twin):
     extras = {"schedule_style": 0, "ctx_dp_rank": 2, "first_gen_log_probs": [[-0.1]], "resolved_thinking": False}
     ctx = json.loads(context_response(True, b64=True))
     ctx["choices"][0]["disaggregated_params"].update(extras)
     raw = json.dumps(ctx).encode()
     sent = []
-    for mode in (FastRelay(tokids_b64=True, strip_history=False, relay=Relay(jsonspan)),
+    for mode in (FastRelay(tokids_b64=True, strip_history=False, relay=Relay(relay_twin)),
                  ParsedRelay(tokids_b64=True, strip_history=False)):
         req = mode.read_client(client_body(True), True)
         sent.append(json.loads(mode.generation_request(req, mode.read_context(req, raw))))
@@ -389,10 +389,10 @@ def _python_events(fn: Any) -> int:
 
 
 @pytest.mark.parametrize(("tokids", "strip"), GATES, ids=GATE_IDS)
-def test_fast_mode_python_work_does_not_grow_with_the_prompt(jsonspan, tokids, strip):
-    if jsonspan.__name__.endswith("_py"):
+def test_fast_mode_python_work_does_not_grow_with_the_prompt(relay_twin, tokids, strip):
+    if relay_twin.__name__.endswith("_py"):
         pytest.skip("the pure-Python scanner twin is Python work per byte by design")
-    fast = FastRelay(tokids_b64=tokids, strip_history=strip, relay=Relay(jsonspan))
+    fast = FastRelay(tokids_b64=tokids, strip_history=strip, relay=Relay(relay_twin))
 
     def pipeline(n_ids: int) -> Any:
         ids = [i % 32000 for i in range(n_ids)]
@@ -426,8 +426,8 @@ def test_fast_mode_python_work_does_not_grow_with_the_prompt(jsonspan, tokids, s
 ABSENT = object()  # a field taken out of the base body
 
 
-def fast_relay(jsonspan: ModuleType) -> FastRelay:
-    return FastRelay(tokids_b64=True, strip_history=True, relay=Relay(jsonspan))
+def fast_relay(relay_twin: ModuleType) -> FastRelay:
+    return FastRelay(tokids_b64=True, strip_history=True, relay=Relay(relay_twin))
 
 
 def small_body(chat: bool, fields: dict[str, Any]) -> bytes:
@@ -497,9 +497,9 @@ FIELD_REFUSALS = [
 
 
 @pytest.mark.parametrize(("chat", "fields", "param"), FIELD_REFUSALS)
-def test_each_field_is_refused_by_both_modes(jsonspan, chat, fields, param):
+def test_each_field_is_refused_by_both_modes(relay_twin, chat, fields, param):
     body = small_body(chat, fields)
-    fast = refusal(fast_relay(jsonspan), body, chat)
+    fast = refusal(fast_relay(relay_twin), body, chat)
     assert fast.param == param and f"'{param}'" in fast.message
     parsed = refusal(ParsedRelay(tokids_b64=True, strip_history=True), body, chat)
     assert param in (parsed.param or "")  # pydantic names the place its own way ("prompt.str")
@@ -515,8 +515,8 @@ def test_each_field_is_refused_by_both_modes(jsonspan, chat, fields, param):
         (b'{"prompt": "x", "max_tokens": -0.0}', "max_tokens", "must be an integer"),
     ],
 )
-def test_number_spellings_both_modes_refuse(jsonspan, body, param, needle):
-    fast = refusal(fast_relay(jsonspan), body, False)
+def test_number_spellings_both_modes_refuse(relay_twin, body, param, needle):
+    fast = refusal(fast_relay(relay_twin), body, False)
     assert fast.param == param and needle in fast.message
     assert refusal(ParsedRelay(tokids_b64=True, strip_history=True), body, False).param == param
 
@@ -554,11 +554,11 @@ def test_number_spellings_both_modes_refuse(jsonspan, body, param, needle):
     ],
 )
 @pytest.mark.parametrize("ensure_ascii", [True, False])
-def test_values_both_modes_accept(jsonspan, chat, fields, expected, ensure_ascii):
+def test_values_both_modes_accept(relay_twin, chat, fields, expected, ensure_ascii):
     body = small_body(chat, fields)
     if not ensure_ascii:
         body = json.dumps(json.loads(body), ensure_ascii=False).encode()
-    for mode in (fast_relay(jsonspan), ParsedRelay(tokids_b64=True, strip_history=True)):
+    for mode in (fast_relay(relay_twin), ParsedRelay(tokids_b64=True, strip_history=True)):
         req = mode.read_client(body, chat)
         assert (req.stream, req.include_usage, req.max_tokens, req.model) == expected
 
@@ -587,8 +587,8 @@ MALFORMED_CLIENT_BODIES = [
 
 @pytest.mark.parametrize(("body", "needle"), MALFORMED_CLIENT_BODIES)
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
-def test_malformed_client_bodies_say_where_in_both_modes(jsonspan, body, needle, chat):
-    fast = refusal(fast_relay(jsonspan), body, chat)
+def test_malformed_client_bodies_say_where_in_both_modes(relay_twin, body, needle, chat):
+    fast = refusal(fast_relay(relay_twin), body, chat)
     assert needle in fast.message and fast.message.startswith("request body is ")
     parsed = refusal(ParsedRelay(tokids_b64=True, strip_history=True), body, chat)
     assert parsed.message == fast.message
@@ -597,7 +597,7 @@ def test_malformed_client_bodies_say_where_in_both_modes(jsonspan, body, needle,
 @pytest.mark.parametrize(
     "key", ["stream", "stream_options", "model", "max_tokens", "max_completion_tokens", "messages", "prompt"]
 )
-def test_both_modes_refuse_a_repeated_field_they_read(jsonspan, key):
+def test_both_modes_refuse_a_repeated_field_they_read(relay_twin, key):
     value = {"stream_options": "{}", "model": '"m"', "messages": '[{"role": "user"}]', "prompt": '"p"'}
     raw = value.get(key, "null")
     body = (
@@ -606,21 +606,21 @@ def test_both_modes_refuse_a_repeated_field_they_read(jsonspan, key):
         else f'{{"messages": [{{"role": "user"}}], "prompt": "x", "{key}": {raw}}}'
     ).encode()
     chat = key != "prompt"
-    fast = refusal(fast_relay(jsonspan), body, chat)
+    fast = refusal(fast_relay(relay_twin), body, chat)
     assert fast.param == key and f"duplicate key '{key}'" in fast.message
     # json.loads would keep the last copy and send only it on: the parsed mode refuses it the same way.
     parsed = refusal(ParsedRelay(tokids_b64=True, strip_history=True), body, chat)
     assert (parsed.param, parsed.message) == (fast.param, fast.message)
 
 
-def test_fast_mode_refuses_a_repeated_include_usage(jsonspan):
+def test_fast_mode_refuses_a_repeated_include_usage(relay_twin):
     body = b'{"prompt": "x", "stream_options": {"include_usage": true, "include_usage": false}}'
-    assert refusal(fast_relay(jsonspan), body, False).param == "include_usage"
+    assert refusal(fast_relay(relay_twin), body, False).param == "include_usage"
     assert refusal(ParsedRelay(tokids_b64=True, strip_history=True), body, False).param == "include_usage"
     # Repeats of fields it does not read the fast mode leaves to the workers (which refuse them); the
     # parsed mode, which would send one copy on, refuses them itself.
     other = b'{"prompt": "x", "user": 1, "user": 2, "stream_options": {"x": 1, "x": 2}}'
-    assert fast_relay(jsonspan).read_client(other, False).max_tokens is None
+    assert fast_relay(relay_twin).read_client(other, False).max_tokens is None
     parsed = refusal(ParsedRelay(tokids_b64=True, strip_history=True), other, False)
     assert parsed.param == "user" and "duplicate key 'user'" in parsed.message and "(byte 27)" in parsed.message
 
@@ -633,8 +633,8 @@ def test_fast_mode_refuses_a_repeated_include_usage(jsonspan):
         b'{"prompt": "x", "max_tokens": 1' + b"0" * 255 + b"}",  # the longest number the limit allows
     ],
 )
-def test_fast_mode_refuses_max_tokens_beyond_20_digits(jsonspan, body):
-    error = refusal(fast_relay(jsonspan), body, False)
+def test_fast_mode_refuses_max_tokens_beyond_20_digits(relay_twin, body):
+    error = refusal(fast_relay(relay_twin), body, False)
     assert error.param == "max_tokens" and "at most 20 digits" in error.message
 
 
@@ -650,10 +650,10 @@ def test_fast_mode_refuses_max_tokens_beyond_20_digits(jsonspan, body):
         b'{"prompt": "\xed\xa0\x80"}',  # an encoded surrogate (json.loads decodes with surrogatepass)
     ],
 )
-def test_both_modes_refuse_what_only_pythons_json_reads(jsonspan, body):
+def test_both_modes_refuse_what_only_pythons_json_reads(relay_twin, body):
     """The parsed mode's ``json.loads`` takes these, which RFC 8259 does not: its scan of the body
     (the one that finds repeated keys) refuses them as the fast mode does."""
-    fast = refusal(fast_relay(jsonspan), body, False)
+    fast = refusal(fast_relay(relay_twin), body, False)
     assert fast.param is None
     parsed = refusal(ParsedRelay(tokids_b64=True, strip_history=True), body, False)
     assert parsed.param is None and parsed.message.startswith("request body is ")
@@ -689,18 +689,18 @@ def limit_body(field: str, value: bytes, chat: bool) -> tuple[bytes, int]:
 @pytest.mark.parametrize("field", ["x", "messages", "stream_options"])
 @pytest.mark.parametrize("kind", ["arrays", "numbers", "objects"])
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
-def test_both_modes_hold_the_depth_limit_exactly(jsonspan, field, kind, chat):
+def test_both_modes_hold_the_depth_limit_exactly(relay_twin, field, kind, chat):
     """JSON_MAX_DEPTH levels pass both modes and one more is refused by both, the same 400 with the
     offset of the bracket past the limit, in a field the relay reads or one it skips over."""
     chat = chat or field == "messages"
     outer = LIMIT_FIELDS[field]
     body, offset = limit_body(field, deep_value(JSON_MAX_DEPTH - outer, kind), chat)
-    fast_relay(jsonspan).read_client(body, chat)
+    fast_relay(relay_twin).read_client(body, chat)
     ParsedRelay(tokids_b64=True, strip_history=True).read_client(body, chat)
     body, offset = limit_body(field, deep_value(JSON_MAX_DEPTH - outer + 1, kind), chat)
     deepest = offset + (JSON_MAX_DEPTH - outer) * (5 if kind == "objects" else 1)
     assert body[deepest] in b"[{"
-    fast = refusal(fast_relay(jsonspan), body, chat)
+    fast = refusal(fast_relay(relay_twin), body, chat)
     assert fast.message == (
         f"request body rejected: JSON nests arrays and objects deeper than the limit of {JSON_MAX_DEPTH} "
         f"levels (byte {deepest})"
@@ -711,11 +711,11 @@ def test_both_modes_hold_the_depth_limit_exactly(jsonspan, field, kind, chat):
 
 @pytest.mark.parametrize("field", ["x", "messages", "seed", "stream_options", "max_tokens"])
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
-def test_both_modes_hold_the_number_length_limit_exactly(jsonspan, field, chat):
+def test_both_modes_hold_the_number_length_limit_exactly(relay_twin, field, chat):
     """A number of JSON_MAX_NUMBER_CHARS characters passes (or is refused for what it is), one more is
     the same 400 from both modes with its offset, in a field the relay skips over or one it reads."""
     chat = chat or field == "messages"
-    fast_mode, parsed_mode = fast_relay(jsonspan), ParsedRelay(tokids_b64=True, strip_history=True)
+    fast_mode, parsed_mode = fast_relay(relay_twin), ParsedRelay(tokids_b64=True, strip_history=True)
     for length in (JSON_MAX_NUMBER_CHARS, JSON_MAX_NUMBER_CHARS + 1):
         token = b"9" * length if field in ("max_tokens", "seed") else b"-0." + b"7" * (length - 3)
         body, offset = limit_body(field, token, chat)
@@ -745,15 +745,15 @@ def test_both_modes_hold_the_number_length_limit_exactly(jsonspan, field, chat):
         b'{"prompt": "x", "seed": 1' + b"0" * 5000 + b"}",
     ],
 )
-def test_both_modes_refuse_what_python_cannot_load(jsonspan, body):
-    fast = refusal(fast_relay(jsonspan), body, False)
+def test_both_modes_refuse_what_python_cannot_load(relay_twin, body):
+    fast = refusal(fast_relay(relay_twin), body, False)
     parsed = refusal(ParsedRelay(tokids_b64=True, strip_history=True), body, False)
     assert fast.message == parsed.message and "rejected: JSON" in fast.message and "limit of" in fast.message
 
 
-def test_a_context_response_past_the_limits_is_502(jsonspan):
+def test_a_context_response_past_the_limits_is_502(relay_twin):
     """The workers answer within the limits; a response past them is the worker's 502, not relayed."""
-    fast = fast_relay(jsonspan)
+    fast = fast_relay(relay_twin)
     req = fast.read_client(small_body(True, {}), True)
     for extra in (b'"x": ' + deep_value(JSON_MAX_DEPTH, "arrays"), b'"x": 1' + b"0" * JSON_MAX_NUMBER_CHARS):
         ctx = context_response(True, b64=True)
@@ -771,9 +771,9 @@ def test_a_context_response_past_the_limits_is_502(jsonspan):
         (False, {"temperature": "hot", "n": "many"}),  # fields the orchestrator does not act on
     ],
 )
-def test_fast_mode_leaves_the_fields_it_does_not_act_on_to_the_workers(jsonspan, chat, fields):
+def test_fast_mode_leaves_the_fields_it_does_not_act_on_to_the_workers(relay_twin, chat, fields):
     body = small_body(chat, fields)
-    assert fast_relay(jsonspan).read_client(body, chat).max_tokens == 8
+    assert fast_relay(relay_twin).read_client(body, chat).max_tokens == 8
     refusal(ParsedRelay(tokids_b64=True, strip_history=True), body, chat)
 
 
@@ -788,8 +788,8 @@ def test_fast_mode_leaves_the_fields_it_does_not_act_on_to_the_workers(jsonspan,
     ],
 )
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
-def test_a_finished_answer_that_cannot_stream_is_502(jsonspan, finished, chat):
-    fast = fast_relay(jsonspan)
+def test_a_finished_answer_that_cannot_stream_is_502(relay_twin, finished, chat):
+    fast = fast_relay(relay_twin)
     req = fast.read_client(
         small_body(chat, {"stream": True, "stream_options": {"include_usage": True}}), chat
     )
@@ -843,8 +843,8 @@ def fast_502(call: Any) -> HTTPError:
         (b'{"choices": [{"finish_reason": "length", "disaggregated_params": null}]}', "lacks choices[0]"),
     ],
 )
-def test_malformed_context_responses_are_502s_that_say_why(jsonspan, ctx, message):
-    fast = fast_relay(jsonspan)
+def test_malformed_context_responses_are_502s_that_say_why(relay_twin, ctx, message):
+    fast = fast_relay(relay_twin)
     req = fast.read_client(small_body(True, {}), True)
     assert message in fast_502(lambda: fast.read_context(req, ctx)).message
 
@@ -865,8 +865,8 @@ def test_malformed_context_responses_are_502s_that_say_why(jsonspan, ctx, messag
         (b"1" + b"0" * 255, False),
     ],
 )
-def test_completion_tokens_decide_whether_the_answer_is_finished(jsonspan, completion_tokens, finished):
-    fast = fast_relay(jsonspan)
+def test_completion_tokens_decide_whether_the_answer_is_finished(relay_twin, completion_tokens, finished):
+    fast = fast_relay(relay_twin)
     req = fast.read_client(small_body(False, {"max_tokens": 1}), False)
     ctx = context_response(False, b64=True, finish="length").replace(
         b'"completion_tokens": 1', b'"completion_tokens": ' + completion_tokens
@@ -875,8 +875,8 @@ def test_completion_tokens_decide_whether_the_answer_is_finished(jsonspan, compl
     assert fast.read_context(req, ctx).finished is finished
 
 
-def test_a_finished_answer_whose_other_choices_repeat_a_key_is_502(jsonspan):
-    fast = fast_relay(jsonspan)
+def test_a_finished_answer_whose_other_choices_repeat_a_key_is_502(relay_twin):
+    fast = fast_relay(relay_twin)
     req = fast.read_client(small_body(False, {"max_tokens": 1}), False)
     ctx = json.loads(context_response(False, b64=True, finish="stop"))
     ctx["choices"].append({"index": 1})
@@ -945,8 +945,8 @@ def test_malformed_generation_responses_are_502s_that_say_why(modes, body, messa
         b'{"choices": [{"x": {"disaggregated_params": 1}}], "a": {"prompt_token_ids": 1}}',  # not internal there
     ],
 )
-def test_a_generation_response_with_nothing_to_cut_is_relayed_as_is(jsonspan, body):
-    fast = fast_relay(jsonspan)
+def test_a_generation_response_with_nothing_to_cut_is_relayed_as_is(relay_twin, body):
+    fast = fast_relay(relay_twin)
     req = fast.read_client(small_body(True, {}), True)
     assert fast.client_answer(req, body) is body  # one validating scan, no copy
 
@@ -1047,8 +1047,8 @@ def _fields(req: Any) -> tuple[Any, ...]:
 
 @given(body=generated_client_bodies(), chat=st.booleans())
 @settings(max_examples=300, deadline=None, suppress_health_check=STATELESS)
-def test_both_modes_accept_and_refuse_the_same_client_bodies(jsonspan, body, chat):
-    fast = fast_relay(jsonspan)
+def test_both_modes_accept_and_refuse_the_same_client_bodies(relay_twin, body, chat):
+    fast = fast_relay(relay_twin)
     parsed = ParsedRelay(tokids_b64=True, strip_history=True)
     got = [outcome(lambda mode=mode: _fields(mode.read_client(body, chat))) for mode in (fast, parsed)]
     event(f"{got[0][0]}: {got[0][-1] if got[0][0] == 'refused' else 'ok'}")
@@ -1099,8 +1099,8 @@ def _ctx_bodies() -> Any:
     chat=st.booleans(),
 )
 @settings(max_examples=300, deadline=None, suppress_health_check=STATELESS)
-def test_fast_mode_gives_the_same_answer_on_both_twins_and_only_http_errors(jsonspan, body, ctx, gen, chat):
-    twins = [fast_relay(jsonspan), fast_relay(jsonspan_py)]
+def test_fast_mode_gives_the_same_answer_on_both_twins_and_only_http_errors(relay_twin, body, ctx, gen, chat):
+    twins = [fast_relay(relay_twin), fast_relay(relay_twin_py)]
     got = [outcome(lambda fast=fast: _fields(fast.read_client(body, chat))) for fast in twins]
     event(f"client body {got[0][0]}")
     assert got[0] == got[1]

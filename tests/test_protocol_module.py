@@ -75,4 +75,10 @@ def test_the_protocol_names_are_spelled_only_in_fastcore_protocol() -> None:
                 text = node.value.decode("latin-1") if isinstance(node.value, bytes) else node.value
                 if text in _PROTOCOL_NAMES:
                     found.append(f"{path.relative_to(root)}:{node.lineno}: {text!r}")
+    # The compiled twins too: their C writes the text the pure twins build from fastcore.protocol.
+    for path in sorted((root / "fastcore").glob("*.pyx")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for name in _PROTOCOL_NAMES:
+                if f'"{name}"' in line or f"'{name}'" in line or f'\\"{name}\\"' in line:
+                    found.append(f"{path.relative_to(root)}:{number}: {name!r}")
     assert found == [], "\n".join(found)

@@ -49,7 +49,7 @@ FALLBACK_LINE = "fastcore-serve: C extensions not built ("
 # What a build needs from the tree; the rest of it (tests, bench) is not in the wheel.
 COPIED = ["setup.py", "pyproject.toml", "MANIFEST.in", "README.md", "LICENSE", "fastcore", "server"]
 # The C that Cython generates is regenerated, as from an sdist.
-IGNORED = shutil.ignore_patterns("__pycache__", "*.py[cod]", "*.so", "*.html", "_codec.c", "_jsonspan.c")
+IGNORED = shutil.ignore_patterns("__pycache__", "*.py[cod]", "*.so", "*.html", "_codec.c", "_scan.c", "_relay.c", "_hash.c")
 # Each subprocess gets these from the test, never from the environment it runs in.
 OWN_ENV = (
     "FASTCORE_NO_EXTENSIONS",
@@ -157,7 +157,7 @@ def test_wheel_tag_and_contents(installed: Installed, tmp_path: Path) -> None:
     assert not [n for n in names if n.endswith((".pyx", ".pxd", ".c", ".h"))], "sources go in the sdist only"
     if COMPILED:
         assert not installed.wheel.name.endswith("-py3-none-any.whl")
-        assert sorted(n.split(".")[0] for n in sos) == ["fastcore/_codec", "fastcore/_jsonspan"]
+        assert sorted(n.split(".")[0] for n in sos) == ["fastcore/_codec", "fastcore/_hash", "fastcore/_relay", "fastcore/_scan"]
         assert FALLBACK_LINE not in installed.build_log
         with zipfile.ZipFile(installed.wheel) as zf:
             zf.extractall(tmp_path, members=sos)
@@ -187,7 +187,7 @@ def test_fastcore_comes_from_the_wheel(installed: Installed) -> None:
     )
     out = run([str(installed.python), "-c", probe], cwd=installed.tests.parent, env=clean_env()).stdout
     backend, files = json.loads(out.strip().splitlines()[-1])
-    twins = {"fastcore._codec", "fastcore._jsonspan"}
+    twins = {"fastcore._codec", "fastcore._scan", "fastcore._relay", "fastcore._hash"}
     assert "fastcore" in files
     assert twins <= files.keys() if COMPILED else not twins & files.keys()
     for name, where in files.items():

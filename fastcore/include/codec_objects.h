@@ -81,7 +81,7 @@ static inline int fc_fill_list(PyObject *list, Py_ssize_t start, const int32_t *
     return 0;
 }
 
-static int fc_int_cache_init(void) {
+static inline int fc_int_cache_init(void) {
     if (fc_int_cache == NULL) {
         fc_int_cache = (PyObject **)PyMem_Calloc(FC_INT_CACHE_SIZE, sizeof(PyObject *));
         if (fc_int_cache == NULL) { PyErr_NoMemory(); return -1; }

@@ -33,9 +33,9 @@
 /* 1 when the AVX2 kernels run (fc_js_init; tests may turn it off). */
 static int fc_js_avx2 = 0;
 
-static void fc_js_init(void) { fc_js_avx2 = FC_JS_AVX2 && (fc_cpu_features() & FC_CPU_AVX2) != 0; }
+static inline void fc_js_init(void) { fc_js_avx2 = FC_JS_AVX2 && (fc_cpu_features() & FC_CPU_AVX2) != 0; }
 
-static const char *fc_js_kernel(void) { return fc_js_avx2 ? "avx2" : (FC_JS_SSE2 ? "sse2" : "scalar"); }
+static inline const char *fc_js_kernel(void) { return fc_js_avx2 ? "avx2" : (FC_JS_SSE2 ? "sse2" : "scalar"); }
 
 #if FC_JS_AVX2
 /* 64 bytes per step: the two halves' hits are OR-ed so the common no-hit case

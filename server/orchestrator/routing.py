@@ -259,7 +259,7 @@ def _float_arg(args: dict[str, Any], name: str, default: float, low: float) -> f
 def _chunk_from_tokens(args: dict[str, Any], default_bytes: int) -> int:
     """``chunk_bytes``, or trtllm-serve's ``tokens_per_block`` as bytes (x ``BYTES_PER_TOKEN``: our
     chunks are of the raw JSON, not of token ids); not both."""
-    from fastcore._jsonspan_py import CHUNK_MAX
+    from fastcore._hash_py import CHUNK_MAX
 
     if "tokens_per_block" in args:
         if "chunk_bytes" in args:

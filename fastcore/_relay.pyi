@@ -1,30 +1,15 @@
-"""Types of the compiled JSON span scanner (same API as ``fastcore._jsonspan_py``)."""
-
-from collections.abc import Iterable, Sequence
+"""Types of the compiled relay kernels (same API as ``fastcore._relay_py``, which documents them)."""
 
 Span = tuple[int, int]
 _Body = bytes | bytearray | memoryview
 _Path = tuple[str | int, ...]
 
-KERNEL: str
 CLIENT_PATHS: tuple[_Path, ...]
 CLIENT_REQUEST_PATHS: tuple[_Path, ...]
 CONTEXT_PATHS: tuple[_Path, ...]
 CONTEXT_RESPONSE_PATHS: tuple[_Path, ...]
 
-def find_span(body: _Body, path: Sequence[str | int], *, validate: bool = True) -> Span | None: ...
-def find_spans(
-    body: _Body, paths: Iterable[Sequence[str | int]], *, validate: bool = True
-) -> list[Span | None]: ...
-def find_member_spans(
-    body: _Body, paths: Iterable[Sequence[str | int]], *, validate: bool = True
-) -> list[Span | None]: ...
-def splice(body: _Body, edits: Iterable[Sequence[object]]) -> bytes: ...
-def check_token_b64(body: _Body, start: int = 0, end: int | None = None) -> int: ...
 def strip_paths(choices: int) -> tuple[_Path, ...]: ...
-def chunk_hashes(data: _Body, start: int, end: int, chunk: int) -> list[int]: ...
-
-# -- relay kernels (the pure twin documents them) --
 
 class ClientScan:
     @property

@@ -1,0 +1,3 @@
+"""Types of the compiled chunk hashes (same API as ``fastcore._hash_py``)."""
+
+def chunk_hashes(data: bytes | bytearray | memoryview, start: int, end: int, chunk: int) -> list[int]: ...
