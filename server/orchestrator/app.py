@@ -48,13 +48,13 @@ from server.http import (
     UpstreamTimeout,
 )
 from server.metrics import CONTENT_TYPE, Registry
-from server.metrics_access import MetricsAccess
 from server.trtllm_endpoints import ORCHESTRATOR_ROUTES, TrtllmEndpoints
 
 from .config import OrchestratorConfig
 
 if TYPE_CHECKING:
     from .discovery import Discovery
+from .admission import Admission
 from .pools import HealthChecker, Pool, Worker
 from .relay_modes import ClientRequest, ContextResult, answer_as_sse, make_relay
 from .routing import (
@@ -64,6 +64,14 @@ from .routing import (
     conversation_header,
     conversation_to_params,
     request_key,
+)
+from .tenants import (
+    ANONYMOUS,
+    UNAUTHORIZED_BODY,
+    UNAUTHORIZED_HEADERS,
+    Tenant,
+    keys_from_config,
+    metrics_access_for,
 )
 
 log = logging.getLogger("fastcore.orchestrator")
@@ -431,7 +439,11 @@ class Orchestrator:
         self.server: HTTPServer | None = None
         self.registry = Registry()
         self.metrics = _Metrics(self.registry, self)
-        self.metrics_access = MetricsAccess(config.metrics_token_bytes)
+        #: client API keys and the admission queue (tenants.py, admission.py): None when not configured
+        self.keys = keys_from_config(config, self.registry)
+        self.admission = (Admission(config.admission, self.registry, config.retry_after_s)
+                          if config.admission is not None else None)  # fmt: skip
+        self.metrics_access = metrics_access_for(config, self.keys)
         #: trtllm-serve's other endpoints: /cluster_info, /version, ... (server/trtllm_endpoints.py)
         self.trtllm = TrtllmEndpoints(ORCHESTRATOR_ROUTES, self.registry.render, self.metrics_access,
                                       cluster_info=self.cluster_info)  # fmt: skip
@@ -542,6 +554,13 @@ class Orchestrator:
 
     async def handle(self, request: Request, out: Responder) -> None:
         path = request.path
+        tenant = ANONYMOUS
+        if self.keys is not None and path.startswith(b"/v1/"):
+            found = self.keys.tenant(request.header(b"authorization"))
+            if found is None:  # one answer for a missing, malformed and wrong key
+                out.send(401, UNAUTHORIZED_BODY, headers=UNAUTHORIZED_HEADERS)
+                return
+            tenant = found
         chat = _ROUTES.get(path)
         if chat is not None:
             if request.method != _POST:
@@ -553,7 +572,7 @@ class Orchestrator:
                                headers=b"Retry-After: %d\r\n" % self.config.retry_after_s)  # fmt: skip
                 self.metrics.count_request("chat" if chat else "completions", 503)
                 return
-            await self._serve(request, out, chat)
+            await self._serve(request, out, chat, tenant)
             return
         if path in _GET_ROUTES:
             if request.method != b"GET":
@@ -645,7 +664,7 @@ class Orchestrator:
 
     # -- completions ---------------------------------------------------------
 
-    async def _serve(self, request: Request, out: Responder, chat: bool) -> None:
+    async def _serve(self, request: Request, out: Responder, chat: bool, tenant: Tenant = ANONYMOUS) -> None:
         status = 500
         self.in_flight += 1
         task = asyncio.current_task()
@@ -654,7 +673,11 @@ class Orchestrator:
         try:
             header = conversation_header(request) if self.needs_conversation else None
             # our top-level conversation_id into trtllm-serve's conversation_params: workers forbid it
-            status = await self._run_legs(conversation_to_params(request.body), out, chat, header)
+            if self.admission is None:
+                status = await self._run_legs(conversation_to_params(request.body), out, chat, header)
+            else:  # a slot in the workers, maybe after a wait in the queue (or a 429)
+                async with self.admission.slot(tenant, request.body):
+                    status = await self._run_legs(conversation_to_params(request.body), out, chat, header)
         except HTTPError as exc:
             # An answer, not a failure: its traceback would keep the legs' frames
             # (and the bodies they hold) alive in a reference cycle until the

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import logging
 import multiprocessing
+import os
 import signal
 import sys
 import time
@@ -109,6 +110,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="file holding the bearer token GET /metrics asks for (else $FASTCORE_METRICS_TOKEN; "
         "none: /metrics is served to loopback clients only)",
     )
+    parser.add_argument(
+        "--api-keys-file",
+        metavar="PATH",
+        help="client API keys, lines '<key> <tenant> [weight]': every /v1/* request needs "
+        "Authorization: Bearer <key> (else $FASTCORE_API_KEY: one key); re-read on SIGHUP",
+    )
+    parser.add_argument(
+        "--metrics-requires-key",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="GET /metrics to the metrics token or a client API key only, loopback alone not enough",
+    )
+    parser.add_argument(
+        "--max-inflight", type=int, help="admission: completions in the workers at once, per process"
+    )
+    parser.add_argument("--max-queue", type=int, help="admission: completions waiting for a slot (429 beyond)")
+    parser.add_argument(
+        "--max-queue-wait-s", type=float, help="admission: seconds a completion may wait for a slot (429 beyond)"
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
 
 
@@ -132,6 +152,11 @@ _OVERRIDES = {
     "workers": "workers",
     "shared_secret_file": "shared_secret_file",
     "metrics_token_file": "metrics_token_file",
+    "api_keys_file": "api_keys_file",
+    "metrics_requires_key": "metrics_requires_key",
+    "max_inflight": "admission.max_inflight",
+    "max_queue": "admission.max_queue",
+    "max_queue_wait_s": "admission.max_queue_wait_s",
     "model": "model",
     "cluster_uri": "disagg_cluster.cluster_uri",
     "cluster_name": "disagg_cluster.cluster_name",
@@ -162,6 +187,8 @@ async def serve(config: OrchestratorConfig, *, reuse_port: bool) -> None:
             raise
         print(cannot_listen("orchestrator", config.hostname, config.port, why), file=sys.stderr)
         raise SystemExit(2) from None
+    if orchestrator.keys is not None:  # SIGHUP: the key file re-read (a bad one keeps the old keys)
+        loop.add_signal_handler(signal.SIGHUP, orchestrator.keys.reload)
     # --workers N: this process's scrape-time values written where the others' scrapes read them.
     metrics_sync = asyncio.ensure_future(orchestrator.registry.keep_synced())
     log.info(
@@ -221,6 +248,14 @@ def _run_processes(config: OrchestratorConfig, log_level: str) -> int:
 
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
+    if config.api_keys_file is not None:  # each process holds its own key table: each re-reads it
+
+        def _reload(signum: int, frame: Any) -> None:
+            for proc in procs:
+                if proc.pid is not None and proc.exitcode is None:
+                    os.kill(proc.pid, signal.SIGHUP)
+
+        signal.signal(signal.SIGHUP, _reload)
     metrics_dir = SharedMetricsDir()
     with metrics_dir.exported():  # the spawned children import prometheus_client with it set
         for proc in procs:

@@ -20,6 +20,7 @@ from server.http.server import PEER_SHARE
 from server.metrics_access import METRICS_TOKEN_ENV
 
 from .routing import ROUTER_ARGS, make_router
+from .tenants import API_KEY_ENV, KeyFileError, read_key_file
 
 log = logging.getLogger("fastcore.orchestrator")
 
@@ -173,6 +174,31 @@ class DisaggClusterConfig(BaseModel):
         return self.minimal_instances.get(f"{pool}_servers", 1)
 
 
+class RateLimitConfig(BaseModel):
+    """One tenant's rate limits (server/orchestrator/admission.py): 429 beyond either."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    requests_per_minute: float | None = Field(None, gt=0)
+    # estimated as the client body's bytes / 4
+    prompt_tokens_per_minute: float | None = Field(None, gt=0)
+
+
+class AdmissionConfig(BaseModel):
+    """Who goes first (server/orchestrator/admission.py): slots, the queue, fair share, 429s."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # completions of one orchestrator process in the workers at once (both legs: one slot)
+    max_inflight: int = Field(256, ge=1)
+    # completions waiting for a slot; one more gets 429 (0: no queue)
+    max_queue: int = Field(1024, ge=0)
+    # a completion not started within this gets 429
+    max_queue_wait_s: float = Field(30.0, gt=0)
+    # tenant name (or "*": every tenant not named) -> its limits
+    rate_limits: dict[str, RateLimitConfig] = Field(default_factory=dict)
+
+
 class OrchestratorConfig(BaseModel):
     # trtllm-serve's disaggregated YAML loads unchanged: keys not used here
     # (it hands them to the workers it launches) are warned about, not refused.
@@ -229,6 +255,15 @@ class OrchestratorConfig(BaseModel):
     # without, only to loopback peers. The file (or $FASTCORE_METRICS_TOKEN) rather than the value.
     metrics_token: str | None = Field(None, repr=False)
     metrics_token_file: str | None = None
+    # Client API keys (server/orchestrator/tenants.py): lines "<key> <tenant> [weight]"; with them
+    # (or api_key / $FASTCORE_API_KEY: one key, tenant "default") every /v1/* request needs
+    # Authorization: Bearer <key>. Re-read on SIGHUP.
+    api_keys_file: str | None = None
+    api_key: str | None = Field(None, repr=False)  # never in logs
+    # /metrics to the metrics token or any client API key only (loopback alone no longer enough)
+    metrics_requires_key: bool = False
+    # The admission queue: max_inflight, max_queue, max_queue_wait_s, rate_limits (None: none)
+    admission: AdmissionConfig | None = None
     workers: int = Field(1, ge=1)
     context_servers: PoolConfig = Field(default_factory=PoolConfig)
     generation_servers: PoolConfig = Field(default_factory=PoolConfig)
@@ -255,6 +290,10 @@ class OrchestratorConfig(BaseModel):
     @property
     def metrics_token_bytes(self) -> bytes | None:
         return self.metrics_token.encode("utf-8", "surrogateescape") if self.metrics_token else None
+
+    @property
+    def api_key_bytes(self) -> bytes | None:
+        return self.api_key.encode("utf-8", "surrogateescape") if self.api_key else None
 
     @property
     def trtllm_auth_key(self) -> bytes | None:
@@ -359,6 +398,17 @@ def build_config(data: dict[str, Any], *, environ: dict[str, str] | None = None)
             raise ConfigError(f"metrics_token_file: {exc}") from None
         if token is not None:
             config = config.model_copy(update={"metrics_token": token.decode("utf-8", "surrogateescape")})
+    if config.api_keys_file is None and config.api_key is None:
+        key = environ.get(API_KEY_ENV)
+        if key:
+            config = config.model_copy(update={"api_key": key})
+    if config.api_keys_file is not None:
+        try:
+            read_key_file(config.api_keys_file)  # refused at startup, naming the line; re-read per process
+        except KeyFileError as exc:
+            raise ConfigError(f"api_keys_file: {exc}") from None
+    if config.metrics_requires_key and config.api_keys_file is None and not config.api_key:
+        raise ConfigError(f"metrics_requires_key: needs api_keys_file or a key (api_key, ${API_KEY_ENV})")
     # Warnings here, once per start: check_runnable runs again in each orchestrator process.
     unused = config.unused_keys()
     if unused:

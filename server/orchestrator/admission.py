@@ -1,0 +1,380 @@
+"""Who goes first: the orchestrator's admission queue, fair share by tenant, priorities, 429s.
+
+``admission: {max_inflight, max_queue, max_queue_wait_s, rate_limits}`` (docs/protocol.md, "Client
+authentication and admission"):
+
+- At most ``max_inflight`` completions of this orchestrator process are in the workers at once: a
+  request holds its slot from its context leg to the last byte of its answer (both legs; one count,
+  since a request is in one pool or the other, never queued between them). The rest wait here, in
+  memory that holds only the request, instead of inside the workers until they time out.
+- Slots go to the waiting tenants by deficit round robin (Shreedhar and Varghese, 1995) with the
+  tenant's weight as its quantum and one request as the cost: each tenant's share of the slots is
+  its weight over the waiting tenants' weights, however many streams it opens.
+- Within a tenant, a lower ``priority`` (the body field as vLLM reads it: an integer, lower first,
+  default 0) goes first, arrival order among equals; it is read from the raw body with one
+  ``fastcore.find_span`` (no JSON parse), and a value that is not an integer is a 400 naming it.
+- A request that finds ``max_queue`` waiting, or is not started within ``max_queue_wait_s``, gets
+  429 with ``Retry-After``; a client that leaves while queued is dropped at once (its task is
+  cancelled by the HTTP layer, and its place with it).
+- Optional per-tenant rate limits (``rate_limits: {<tenant> or "*": {requests_per_minute,
+  prompt_tokens_per_minute}}``): token buckets that hold one minute's worth, refilled continuously;
+  prompt tokens estimated as body bytes / 4. Beyond: 429 with the ``Retry-After`` that the bucket
+  needs.
+
+The per-request cost when a slot is free is a priority read, two bucket checks when limits are
+set, a counter and a coroutine call; counts are kept as ints and handed to the metrics registry at
+scrape time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import math
+import re
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import fastcore
+from fastcore.errors import JSONSpanError
+from server.errors import HTTPError
+from server.metrics import Registry
+
+from .routing import BYTES_PER_TOKEN
+from .tenants import Tenant
+
+if TYPE_CHECKING:
+    from .config import AdmissionConfig, RateLimitConfig
+
+#: why a request was refused (``fastcore_orchestrator_tenant_rejected_total{reason}``)
+REJECT_REASONS = ("queue_full", "queue_timeout", "requests_per_minute", "prompt_tokens_per_minute")
+#: ``rate_limits``' entry for every tenant not named
+ANY_TENANT = "*"
+PRIORITY_FIELD = "priority"
+_PRIORITY_PATH = (PRIORITY_FIELD,)
+#: vLLM's field is a Python int; here it is bounded to a signed 64-bit integer
+_INTEGER = re.compile(rb"-?(?:0|[1-9][0-9]{0,18})")
+_INT64 = 1 << 63
+#: queue waits (seconds) of the requests that waited
+WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def read_priority(body: bytes) -> int:
+    """The body's top-level ``priority`` (0 when absent); a 400 naming it when it is not an integer.
+
+    A body that is not JSON reads as 0 here: the relay's own check answers it, with the offset."""
+    try:
+        span = fastcore.find_span(body, _PRIORITY_PATH, validate=False)
+    except JSONSpanError:
+        return 0
+    if span is None:
+        return 0
+    raw = body[span[0] : span[1]]
+    if _INTEGER.fullmatch(raw):
+        value = int(raw)
+        if -_INT64 <= value < _INT64:
+            return value
+    shown = raw[:40].decode("utf-8", "replace")
+    raise HTTPError(
+        400,
+        f"priority must be an integer (lower is served first, default 0) within a signed 64-bit range, got {shown}",
+        param=PRIORITY_FIELD,
+    )
+
+
+class TokenBucket:
+    """``per_minute`` units a minute, up to one minute's worth at once; starts full."""
+
+    __slots__ = ("capacity", "level", "rate", "stamp")
+
+    def __init__(self, per_minute: float) -> None:
+        self.capacity = per_minute
+        self.rate = per_minute / 60.0
+        self.level = per_minute
+        self.stamp = time.monotonic()
+
+    def wait(self, cost: float, now: float) -> float:
+        """Seconds until ``cost`` units are there (0: now); refills first."""
+        self.level = min(self.capacity, self.level + (now - self.stamp) * self.rate)
+        self.stamp = now
+        short = min(cost, self.capacity) - self.level
+        return 0.0 if short <= 0 else short / self.rate
+
+    def take(self, cost: float) -> None:
+        self.level -= min(cost, self.capacity)
+
+
+class _Limits:
+    """One tenant's rate limits."""
+
+    __slots__ = ("requests", "tokens")
+
+    def __init__(self, config: RateLimitConfig) -> None:
+        self.requests = TokenBucket(config.requests_per_minute) if config.requests_per_minute else None
+        self.tokens = (
+            TokenBucket(config.prompt_tokens_per_minute) if config.prompt_tokens_per_minute else None
+        )
+
+    def refusal(self, body_bytes: int) -> tuple[str, float] | None:
+        """(reason, seconds to wait) when over a limit, else None with both buckets charged."""
+        now = time.monotonic()
+        tokens = body_bytes // BYTES_PER_TOKEN
+        if self.requests is not None:
+            wait = self.requests.wait(1, now)
+            if wait:
+                return "requests_per_minute", wait
+        if self.tokens is not None:
+            wait = self.tokens.wait(tokens, now)
+            if wait:
+                return "prompt_tokens_per_minute", wait
+            self.tokens.take(tokens)
+        if self.requests is not None:
+            self.requests.take(1)
+        return None
+
+
+class _Waiter:
+    __slots__ = ("future", "live", "queue", "since", "timer")
+
+    def __init__(self, future: asyncio.Future[bool], queue: _TenantQueue, since: float) -> None:
+        self.future = future
+        self.queue = queue
+        self.since = since
+        self.live = True
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class _TenantQueue:
+    """One tenant's state: its waiting requests (a heap by priority, then arrival), its deficit."""
+
+    __slots__ = ("admitted", "deficit", "heap", "limits", "name", "rejected", "waiting", "weight")
+
+    def __init__(self, tenant: Tenant, limits: _Limits | None) -> None:
+        self.name = tenant.name
+        self.weight = tenant.weight
+        self.heap: list[tuple[int, int, _Waiter]] = []
+        self.waiting = 0
+        self.deficit = 0.0
+        self.admitted = 0
+        self.rejected = dict.fromkeys(REJECT_REASONS, 0)
+        self.limits = limits
+
+
+class Admission:
+    """The admission queue of one orchestrator process."""
+
+    def __init__(self, config: AdmissionConfig, registry: Registry, retry_after_s: int) -> None:
+        self.max_inflight = config.max_inflight
+        self.max_queue = config.max_queue
+        self.max_wait = config.max_queue_wait_s
+        self.retry_after_s = retry_after_s
+        self.rate_limits = config.rate_limits
+        self.inflight = 0
+        self.queued = 0
+        self._tenants: dict[str, _TenantQueue] = {}
+        #: tenants with requests waiting, in round-robin order; the head is being served
+        self._active: deque[_TenantQueue] = deque()
+        self._order = itertools.count()
+        self._metrics(registry)
+
+    # -- the request path ---------------------------------------------------------------------
+
+    def slot(self, tenant: Tenant, body: bytes) -> _Slot:
+        """The slot a completion holds while it runs (``async with``): entering it may wait in the
+        queue or raise the 429; the 400 of a bad priority and a rate limit's 429 come at once."""
+        priority = read_priority(body)
+        queue = self._tenants.get(tenant.name)
+        if queue is None:
+            queue = self._new_tenant(tenant)
+        elif queue.weight != tenant.weight:
+            queue.weight = tenant.weight  # a reloaded key file changed it
+        if queue.limits is not None:
+            over = queue.limits.refusal(len(body))
+            if over is not None:
+                reason, wait = over
+                raise self._reject(queue, reason, math.ceil(wait),
+                                   f"tenant {queue.name} is over its {reason.replace('_', ' ')} limit")  # fmt: skip
+        return _Slot(self, queue, priority)
+
+    def _new_tenant(self, tenant: Tenant) -> _TenantQueue:
+        limit = self.rate_limits.get(tenant.name) or self.rate_limits.get(ANY_TENANT)
+        limits = (
+            _Limits(limit)
+            if limit is not None and (limit.requests_per_minute or limit.prompt_tokens_per_minute)
+            else None
+        )
+        queue = self._tenants[tenant.name] = _TenantQueue(tenant, limits)
+        return queue
+
+    def _reject(self, queue: _TenantQueue, reason: str, retry_after: int, message: str) -> HTTPError:
+        queue.rejected[reason] += 1
+        return HTTPError(429, message, code=reason,
+                         headers={"Retry-After": str(max(1, retry_after))})  # fmt: skip
+
+    async def acquire(self, queue: _TenantQueue, priority: int) -> None:
+        if self.inflight < self.max_inflight and not self.queued:
+            self.inflight += 1
+            queue.admitted += 1
+            return
+        if self.queued >= self.max_queue:
+            raise self._reject(queue, "queue_full", self.retry_after_s,
+                               f"the orchestrator's admission queue is full ({self.max_queue} waiting)")  # fmt: skip
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(loop.create_future(), queue, time.monotonic())
+        waiter.timer = loop.call_later(self.max_wait, self._expire, waiter)
+        heapq.heappush(queue.heap, (priority, next(self._order), waiter))
+        queue.waiting += 1
+        self.queued += 1
+        if queue.waiting == 1:
+            self._active.append(queue)
+        try:
+            started = await waiter.future
+        except asyncio.CancelledError:
+            # The client left (or a drain ran out): its place goes now; a slot granted in the same
+            # instant goes back to the next in line.
+            if waiter.live:
+                self._remove(waiter)
+            elif waiter.future.done() and not waiter.future.cancelled() and waiter.future.result():
+                self.release()
+            raise
+        if not started:
+            raise self._reject(queue, "queue_timeout", self.retry_after_s,
+                               f"not started within admission.max_queue_wait_s ({self.max_wait:g} s)")  # fmt: skip
+        self._observe_wait(queue.name, time.monotonic() - waiter.since)
+
+    def release(self) -> None:
+        self.inflight -= 1
+        while self.queued and self.inflight < self.max_inflight:
+            self._grant(self._next())
+
+    # -- the queue ------------------------------------------------------------------------------
+
+    def _next(self) -> _Waiter:
+        """Deficit round robin over the tenants waiting, one request at a time: the head tenant is
+        served while its deficit lasts, then goes to the back and the next one's turn adds its
+        weight (a weight below 1 waits for turns to add up to one request)."""
+        active = self._active
+        while True:
+            queue = active[0]
+            if queue.deficit < 1:
+                queue.deficit += queue.weight
+                if queue.deficit < 1:
+                    active.rotate(-1)
+                    continue
+            queue.deficit -= 1
+            heap = queue.heap
+            waiter = heapq.heappop(heap)[2]
+            while not waiter.live:  # removed (left, timed out) after it was pushed
+                waiter = heapq.heappop(heap)[2]
+            if queue.waiting == 1:
+                active.popleft()
+                queue.deficit = 0.0
+            elif queue.deficit < 1:
+                active.rotate(-1)
+            return waiter
+
+    def _take_out(self, waiter: _Waiter) -> None:
+        waiter.live = False
+        if waiter.timer is not None:
+            waiter.timer.cancel()
+        queue = waiter.queue
+        queue.waiting -= 1
+        self.queued -= 1
+
+    def _grant(self, waiter: _Waiter) -> None:
+        self._take_out(waiter)
+        if not waiter.queue.waiting:
+            waiter.queue.heap.clear()
+        self.inflight += 1
+        waiter.queue.admitted += 1
+        waiter.future.set_result(True)
+
+    def _remove(self, waiter: _Waiter) -> None:
+        """A waiter that leaves the queue without a slot."""
+        self._take_out(waiter)
+        queue = waiter.queue
+        if not queue.waiting:
+            queue.heap.clear()
+            queue.deficit = 0.0
+            try:
+                self._active.remove(queue)
+            except ValueError:
+                pass
+
+    def _expire(self, waiter: _Waiter) -> None:
+        if waiter.live:
+            self._remove(waiter)
+            if not waiter.future.done():
+                waiter.future.set_result(False)
+
+    # -- metrics --------------------------------------------------------------------------------
+
+    def _metrics(self, registry: Registry) -> None:
+        registry.gauge(
+            "fastcore_orchestrator_admission_inflight",
+            "Completions holding an admission slot (in the workers) now; at most admission.max_inflight.",
+            callback=lambda: self.inflight,
+        )
+        admitted = registry.counter(
+            "fastcore_orchestrator_tenant_admitted_total", "Completions admitted to the workers, per tenant.",
+            ("tenant",),
+        )  # fmt: skip
+        queued = registry.gauge(
+            "fastcore_orchestrator_tenant_queued", "Completions waiting in the admission queue now, per tenant.",
+            ("tenant",),
+        )  # fmt: skip
+        rejected = registry.counter(
+            "fastcore_orchestrator_tenant_rejected_total",
+            "Completions refused with 429, per tenant and reason: queue_full (admission.max_queue waiting), "
+            "queue_timeout (not started within max_queue_wait_s), requests_per_minute, prompt_tokens_per_minute.",
+            ("tenant", "reason"),
+        )
+        self._wait = registry.histogram(
+            "fastcore_orchestrator_tenant_queue_wait_seconds",
+            "Time in the admission queue of the completions that waited for a slot and got one, per tenant.",
+            ("tenant",),
+            buckets=WAIT_BUCKETS,
+        )
+        self._wait_children: dict[str, Any] = {}
+        reported: dict[tuple[str, str], int] = {}
+
+        def collect() -> None:
+            for name, queue in self._tenants.items():
+                seen = reported.get((name, ""), 0)
+                admitted.inc(queue.admitted - seen, tenant=name)
+                reported[(name, "")] = queue.admitted
+                queued.set(queue.waiting, tenant=name)
+                for reason, count in queue.rejected.items():
+                    seen = reported.get((name, reason), 0)
+                    rejected.inc(count - seen, tenant=name, reason=reason)
+                    reported[(name, reason)] = count
+
+        registry.before_collect(collect)
+
+    def _observe_wait(self, tenant: str, seconds: float) -> None:
+        child = self._wait_children.get(tenant)
+        if child is None:
+            child = self._wait_children[tenant] = self._wait.labels(tenant=tenant)
+        child.observe(seconds)
+
+
+class _Slot:
+    """``async with admission.slot(tenant, body):``: a slot held for the body of the block."""
+
+    __slots__ = ("admission", "priority", "queue")
+
+    def __init__(self, admission: Admission, queue: _TenantQueue, priority: int) -> None:
+        self.admission = admission
+        self.queue = queue
+        self.priority = priority
+
+    async def __aenter__(self) -> None:
+        await self.admission.acquire(self.queue, self.priority)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.admission.release()
+
+
+__all__ = ["ANY_TENANT", "PRIORITY_FIELD", "REJECT_REASONS", "Admission", "TokenBucket", "read_priority"]
