@@ -70,9 +70,7 @@ class FaultProxy:
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, "127.0.0.1", port or self.port, reuse_address=True)
         await self._site.start()
-        server = self._site._server
-        assert server is not None
-        self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.port = int(self._runner.addresses[0][1])
         return self
 
     async def set_mode(self, mode: str) -> None:

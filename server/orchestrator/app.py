@@ -389,16 +389,11 @@ class Orchestrator:
             strip_history=config.gen_strip_message_history,
         )
         ctx_router, gen_router = config.context_servers.router, config.generation_servers.router
-        breakers = {
-            "breaker_failures": config.circuit_breaker_failures,
-            "breaker_open_s": config.circuit_breaker_open_s,
-        }
-        self.context_pool = Pool(
-            "context", config.context_servers.urls, ctx_router.kind, ctx_router.args, **breakers
-        )
-        self.generation_pool = Pool(
-            "generation", config.generation_servers.urls, gen_router.kind, gen_router.args, **breakers
-        )
+        failures, open_s = config.circuit_breaker_failures, config.circuit_breaker_open_s
+        self.context_pool = Pool("context", config.context_servers.urls, ctx_router.kind, ctx_router.args,
+                                 breaker_failures=failures, breaker_open_s=open_s)  # fmt: skip
+        self.generation_pool = Pool("generation", config.generation_servers.urls, gen_router.kind,
+                                    gen_router.args, breaker_failures=failures, breaker_open_s=open_s)  # fmt: skip
         #: no context worker takes a request: a local_prefill generation worker serves it whole
         self.fallback = config.context_fallback == "local_prefill"
         self.pools = [self.context_pool, self.generation_pool]
