@@ -288,7 +288,7 @@ async def test_one_client_cannot_hold_the_whole_body_budget() -> None:
             assert await eventually(lambda: server.body_bytes == 750)
             await heavy[3].send(post(b"/", b"h" * 100))  # past the share, into the last quarter
             (resp,) = await heavy[3].until_closed()
-            error = assert_json_error(resp, 503)
+            error = assert_json_error(resp, 429)
             assert "this client" in error["message"] and resp.header(b"retry-after") == b"2"
             await light[0].send(post(b"/", b"l" * 250))  # the last quarter: another client's
             assert await eventually(lambda: server.body_bytes == 1000)
@@ -307,7 +307,7 @@ async def test_one_client_cannot_hold_the_whole_body_budget() -> None:
 async def test_a_lone_client_has_all_but_the_last_share() -> None:
     """Everything from one IP (a proxy, loopback): 3/4 of the budget, and all of it with peer_share 1."""
     release = asyncio.Event()
-    for share, admitted in ((0.25, 3), (1.0, 4)):
+    for share, admitted, refused in ((0.25, 3, 429), (1.0, 4, 503)):
         async with serving(_held(release), max_inflight_body_bytes=1000, peer_share=share) as (_server, port):  # type: ignore[arg-type]
             async with clients_from("127.0.0.1", port, 5) as cs:
                 for c in cs:
@@ -319,7 +319,7 @@ async def test_a_lone_client_has_all_but_the_last_share() -> None:
                     (resp,) = await c.responses(1)
                     statuses.append(resp.status)
                 release.clear()
-            assert statuses == [200] * admitted + [503] * (5 - admitted), (share, statuses)
+            assert statuses == [200] * admitted + [refused] * (5 - admitted), (share, statuses)
 
 
 # -- one client's share of the connections ------------------------------------------------------
@@ -333,7 +333,10 @@ async def test_one_client_cannot_take_every_connection_and_its_slow_ones_make_ro
                 await c.send(b"GET / HTTP/1.1\r\nHost: t\r\nX-Slow: ")  # headers that never end
             # 6 of 8 while nobody else holds any (the last quarter is kept): the 7th is refused.
             (resp,) = await slow[6].until_closed()
-            assert "this client" in assert_json_error(resp, 503)["message"]
+            assert (
+                "this client" in assert_json_error(resp, 429)["message"]
+                and resp.header(b"retry-after") == b"1"
+            )
             assert await eventually(lambda: len(server.connections) == 6)
             async with clients_from("127.0.0.3", port, 2) as others:
                 for c in others:  # the kept quarter

@@ -864,12 +864,15 @@ async def test_partial_pipelined_request_times_out_behind_slow_handler(partial: 
 
 
 async def test_connection_cap_503_then_accepts_again() -> None:
-    async with serving(max_connections=2) as (server, port):
+    # One client (the per-client share is test_http_abuse's), whose connections are both busy
+    # sending a body: none is idle or slow enough to be closed for a newcomer.
+    async with serving(max_connections=2, peer_share=1.0) as (server, port):
         first, second = await Client.connect(port), await Client.connect(port)
         try:
             for c in (first, second):
                 await c.send(get())
                 await c.responses(1)
+                await c.send(b"POST /still HTTP/1.1\r\nHost: t\r\nContent-Length: 10\r\n\r\n12345")
             refused = await Client.connect(port)
             try:
                 (resp,) = await refused.until_closed()
@@ -893,9 +896,9 @@ async def test_connection_cap_503_then_accepts_again() -> None:
                 (resp,) = await third.responses(1)
                 assert resp.status == 200 and resp.header(b"x-url") == b"/back"
             # The connections kept are still served.
-            await second.send(get(b"/still"))
+            await second.send(b"67890")
             _, resp = await second.responses(2)
-            assert resp.header(b"x-url") == b"/still"
+            assert resp.header(b"x-url") == b"/still" and resp.body == b"1234567890"
         finally:
             first.close()
             second.close()

@@ -17,8 +17,9 @@ What a hostile client can hold is bounded (:class:`Limits`, in
   on a keep-alive connection (closed);
 - connections and body bytes held at once per server (503 and close beyond
   the caps), and per client IP: past ``peer_share`` of either, a client may
-  not take its last share; at the connection cap an idle or slow connection
-  of the client holding the most makes room for a newcomer;
+  not take its last share (429: its own doing, not the server's state); at
+  the connection cap an idle or slow connection of the client holding the
+  most makes room for a newcomer;
 - requests pipelined ahead on one connection (reading pauses);
 - memory of a slow reader: the client transport's write buffer has a high
   water mark; while it is above it, :attr:`Responder.flow` (the upstream
@@ -226,7 +227,7 @@ class _Connection(asyncio.Protocol):
         refusal = server.admit(self, peername[0] if isinstance(peername, tuple) and peername else "")
         if refusal is not None:
             server.refused += 1
-            self.transport.write(_simple_response(503, refusal, self.limits.retry_after_s))  # type: ignore[union-attr]
+            self.transport.write(_simple_response(*refusal, self.limits.retry_after_s))  # type: ignore[union-attr]
             self.transport.close()  # type: ignore[union-attr]
             self.closed = True
             return
@@ -530,7 +531,7 @@ class _Connection(asyncio.Protocol):
         req.chunks.append(body)
 
     def _hold(self, req: Request, n: int) -> None:
-        """Count ``n`` body bytes of ``req`` against the budgets, or stop with a 503."""
+        """Count ``n`` body bytes of ``req`` against the budgets, or stop: 503 for the server's, 429 for the client's share."""
         server, peer = self.server, self.peer
         budget = self.limits.max_inflight_body_bytes
         total = server.body_bytes + n
@@ -540,7 +541,7 @@ class _Connection(asyncio.Protocol):
         kept = budget * self.limits.peer_share  # the last part, for clients under their share
         if peer.body_bytes + n > kept and total > budget - kept:
             server.over_budget += 1
-            self._stop(503, "this client's requests hold too many of the server's request bytes; retry later")
+            self._stop(429, "this client's requests hold too many of the server's request bytes; retry later")
         req.held += n
         peer.body_bytes += n
         server.body_bytes = total
@@ -679,7 +680,8 @@ class _Connection(asyncio.Protocol):
         status, message = self.failed
         transport = self.transport
         assert transport is not None
-        transport.write(_simple_response(status, message, self.limits.retry_after_s if status == 503 else 0))
+        retry_after = self.limits.retry_after_s if status in (429, 503) else 0
+        transport.write(_simple_response(status, message, retry_after))
         # Lingering close: a client still sending its body (a 413 mid-upload)
         # must read the answer, not a reset. Its further bytes are dropped;
         # the connection closes when it does, or after LINGER_S.
@@ -782,14 +784,14 @@ class HTTPServer:
         self._tick = max(0.02, min(1.0, limits.header_timeout_s / 4, limits.body_timeout_s / 4))
         self._sweeper = self.loop.call_later(self._tick, self._sweep)
 
-    def admit(self, conn: _Connection, ip: str) -> str | None:
-        """Count a new connection; None, or why it is refused.
+    def admit(self, conn: _Connection, ip: str) -> tuple[int, str] | None:
+        """Count a new connection; None, or the status and reason it is refused with.
 
         At the cap, an idle or slow connection of the client holding the
         most is closed to make room: a slowloris's own connections, not an
         honest newcomer, pay for it. A client holding more than
-        ``peer_share`` of the cap may not take the last ``peer_share``: some
-        room stays for the others whatever one client does, and a server
+        ``peer_share`` of the cap may not take the last ``peer_share`` (429):
+        some room stays for the others whatever one client does, and a server
         with a single client (a proxy in front, the orchestrator for a
         worker) still uses all but that last part of its cap.
         """
@@ -800,11 +802,11 @@ class HTTPServer:
         cap = self.limits.max_connections
         kept = cap * self.limits.peer_share  # the last part, for clients under their share
         total = len(self.connections)
-        refusal = None
+        refusal: tuple[int, str] | None = None
         if kept < cap and len(peer.connections) >= kept and total >= cap - kept:
-            refusal = "this client holds too many of the server's connections; retry later"
+            refusal = (429, "this client holds too many of the server's connections; retry later")
         elif total >= cap and not self._evict():
-            refusal = "the server has too many open connections; retry later"
+            refusal = (503, "the server has too many open connections; retry later")
         self.connections.add(conn)
         peer.connections.add(conn)
         return refusal
