@@ -12,7 +12,7 @@ all of them at once:
 - ``body hold``: 16 connections each declaring a body of ``max_body_bytes``,
   sending all of it but its last byte, and stalling: the attacker may hold
   at most 3/4 of ``max_inflight_body_bytes`` (``client_ip_share``), the rest
-  is 503, and honest POSTs keep the last quarter;
+  is 429, and honest POSTs keep the last quarter;
 - ``slowloris at the cap``: more slow-header connections than the
   orchestrator's connection cap, each reopened as soon as it is closed or
   refused: a quarter of the cap stays for others, and at the cap a newcomer
