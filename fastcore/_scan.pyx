@@ -43,7 +43,7 @@ def _set_kernel(name):
     KERNEL = fc_js_kernel().decode()
 
 
-# Status codes: the same numbers as _jsonspan_py's E_* constants.
+# Status codes: the same numbers as _scan_py's E_* constants (checked below), whose make_error words them.
 cdef enum:
     E_EOF = 1
     E_VALUE = 2
@@ -63,6 +63,18 @@ cdef enum:
     E_NUMBER_LENGTH = 16
     E_NO_MEMORY = 100
     DOCUMENT_END = -1  # after_value: the document ended where it should
+
+import fastcore._scan_py as _py
+
+for _name, _value in (
+    ("E_EOF", E_EOF), ("E_VALUE", E_VALUE), ("E_OBJECT_SEPARATOR", E_OBJECT_SEPARATOR),
+    ("E_ARRAY_SEPARATOR", E_ARRAY_SEPARATOR), ("E_KEY", E_KEY), ("E_COLON", E_COLON), ("E_TRAILING", E_TRAILING),
+    ("E_CONTROL", E_CONTROL), ("E_ESCAPE", E_ESCAPE), ("E_UNICODE_ESCAPE", E_UNICODE_ESCAPE), ("E_UTF8", E_UTF8),
+    ("E_DIGIT", E_DIGIT), ("E_LITERAL", E_LITERAL), ("E_DUPLICATE_KEY", E_DUPLICATE_KEY), ("E_DEPTH", E_DEPTH),
+    ("E_NUMBER_LENGTH", E_NUMBER_LENGTH),
+):
+    if getattr(_py, _name) != _value:
+        raise ImportError(f"fastcore._scan: {_name} differs from the pure twin's")
 
 cdef enum:
     PATH_CACHE_SIZE = 256
