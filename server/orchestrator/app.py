@@ -55,6 +55,7 @@ from .config import OrchestratorConfig
 if TYPE_CHECKING:
     from .discovery import Discovery
 from .admission import Admission
+from .estimates import UsageLearner
 from .pools import HealthChecker, Pool, Worker
 from .relay_modes import ClientRequest, ContextResult, answer_as_sse, make_relay
 from .routing import (
@@ -65,6 +66,7 @@ from .routing import (
     conversation_to_params,
     request_key,
 )
+from .routing_metrics import bytes_per_token, routing_quality
 from .tenants import (
     ANONYMOUS,
     UNAUTHORIZED_BODY,
@@ -273,6 +275,8 @@ class _Metrics:
                     seen[pool.name] = (router.hit_chunks, router.routed_chunks)
 
             registry.before_collect(prefix_counts)
+            routing_quality(registry, kv_pools)
+        bytes_per_token(registry, orchestrator.pools)
         self.cpu = registry.histogram(
             "fastcore_orchestrator_cpu_seconds",
             "The orchestrator's own CPU time per request on the event loop, by phase "
@@ -400,6 +404,8 @@ class Orchestrator:
         # Routing keys are computed per request only when a pool's router reads them.
         self.needs_key = any(p.needs_key for p in self.pools)
         self.count_tokens = any(getattr(p.router, "use_tokens", False) for p in self.pools)
+        #: each context answer's usage teaches bytes per token and scores the predicted hit
+        self.usage = UsageLearner(self.context_pool.router, self.generation_pool.router)
         self.needs_conversation = any("conversation" in p.router.key_kinds for p in self.pools)
         #: conditional disaggregation: remainders up to this many tokens are prefilled on the
         #: generation worker (config.check_runnable made sure its router is kv_cache_aware)
@@ -718,7 +724,7 @@ class Orchestrator:
         path = _CHAT if chat else _COMPLETIONS
         key = request_key(body, chat, conversation) if self.needs_key else None
         # load_balancing with use_tokens: a request weighs its prompt's estimated tokens
-        tokens = len(body) // BYTES_PER_TOKEN if self.count_tokens else 0
+        tokens = self.generation_pool.router.estimate.tokens(len(body)) if self.count_tokens else 0
         generation_worker: Worker | None = None
         if self.max_local_prefill is not None:
             # Conditional disaggregation: the generation worker first, by its prefix index; a short
@@ -754,6 +760,9 @@ class Orchestrator:
 
         clock.start()
         ctx = relay.read_context(req, context_response)
+        self.usage.context_answer(
+            context_response, key.prompt_bytes if key else len(body), key.hit_chunks if key else None
+        )
         clock.lap("read_context")
         if ctx.finished:
             answer = relay.finished_answer(req, ctx)
@@ -824,15 +833,15 @@ class Orchestrator:
     def _prefill_locally(self, worker: Worker, key: RequestKey | None) -> bool:
         """Whether ``worker`` (chosen by the generation pool's kv_cache_aware router, which set
         ``key.hit_chunks``) should serve the request alone: it says ``local_prefill`` and the
-        request's expected uncached remainder there (prompt bytes / BYTES_PER_TOKEN minus the
-        expected hit) is at most ``max_local_prefill_length`` tokens."""
+        request's expected uncached remainder there (prompt bytes minus the expected hit, at the
+        pool's learned bytes per token) is at most ``max_local_prefill_length`` tokens."""
         if not worker.local_prefill or key is None or self.max_local_prefill is None:
             return False
         if key.hit_chunks == 0 and self.require_prefix_hit:  # trtllm-serve's rule: a cold prompt disaggregates
             return False
         router = self.generation_pool.router
         assert isinstance(router, KvCacheAwareRouter)
-        remainder = (key.prompt_bytes - key.hit_chunks * router.chunk_bytes) / BYTES_PER_TOKEN
+        remainder = router.estimate.tokens(key.prompt_bytes - key.hit_chunks * router.chunk_bytes)
         return remainder <= self.max_local_prefill
 
     def _trtllm_auth(self, ctx: ContextResult) -> bytes:

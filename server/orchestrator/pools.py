@@ -58,6 +58,8 @@ B64_COMPLETIONS_FIELD = "prompt_token_ids_b64_completions"
 LOCAL_PREFILL_FIELD = "local_prefill"
 #: the worker's KV cache size in tokens (bounds a kv_cache_aware router's index of it)
 KV_CAPACITY_FIELD = "kv_capacity_tokens"
+#: the prompt text bytes per token a worker publishes (seeds the pool's learned estimate)
+BYTES_PER_TOKEN_FIELD = "bytes_per_token"
 #: a member only trtllm-serve's /server_info has (its get_server_info): such a worker says nothing of
 #: local_prefill, yet its generation workers serve a plain request whole (trtllm-serve's own
 #: conditional disaggregation sends them one), so it counts as saying local_prefill
@@ -67,17 +69,19 @@ TRTLLM_SERVER_INFO_FIELD = "disaggregated_params"
 class Capabilities:
     """What a worker's ``/server_info`` says it can do (everything False / None on any doubt)."""
 
-    __slots__ = ("b64_completions", "kv_capacity_tokens", "local_prefill")
+    __slots__ = ("b64_completions", "bytes_per_token", "kv_capacity_tokens", "local_prefill")
 
     def __init__(
         self,
         b64_completions: bool = False,
         local_prefill: bool = False,
         kv_capacity_tokens: int | None = None,
+        bytes_per_token: float | None = None,
     ) -> None:
         self.b64_completions = b64_completions
         self.local_prefill = local_prefill
         self.kv_capacity_tokens = kv_capacity_tokens
+        self.bytes_per_token = bytes_per_token
 
     @classmethod
     def of(cls, info: object) -> Capabilities:
@@ -85,10 +89,12 @@ class Capabilities:
             return cls()
         capacity = info.get(KV_CAPACITY_FIELD)
         local = info.get(LOCAL_PREFILL_FIELD, True if TRTLLM_SERVER_INFO_FIELD in info else None)
+        bpt = info.get(BYTES_PER_TOKEN_FIELD)
         return cls(
             info.get(B64_COMPLETIONS_FIELD) is True,
             local is True,
             capacity if type(capacity) is int and capacity > 0 else None,
+            float(bpt) if isinstance(bpt, int | float) and not isinstance(bpt, bool) and bpt > 0 else None,
         )
 
 
@@ -340,7 +346,7 @@ class HealthChecker:
                 log.info("%s worker %s restarted (instance %s): its cache is empty", pool.name, worker.url,
                          instance)  # fmt: skip
                 pool.forget(worker)
-                worker.set_capabilities(await self.read_capabilities(worker))
+                self._set_capabilities(pool, worker, await self.read_capabilities(worker))
             worker.instance = instance
         except asyncio.TimeoutError:
             # Slow, not dead: a request it answered since the last check restarts
@@ -351,7 +357,7 @@ class HealthChecker:
             healthy = False
         worker.served = 0
         if healthy and not worker.healthy:
-            worker.set_capabilities(await self.read_capabilities(worker))
+            self._set_capabilities(pool, worker, await self.read_capabilities(worker))
         if healthy != worker.healthy:
             # Down or back: a worker that comes back may have restarted with an empty cache.
             pool.forget(worker)
@@ -364,6 +370,11 @@ class HealthChecker:
             )
             worker.healthy = healthy
         self.on_change(pool, worker)
+
+    @staticmethod
+    def _set_capabilities(pool: Pool, worker: Worker, caps: Capabilities) -> None:
+        worker.set_capabilities(caps)
+        pool.router.estimate.seed(caps.bytes_per_token)  # until answers teach the pool better
 
     async def read_capabilities(self, worker: Worker) -> Capabilities:
         """What ``worker``'s ``/server_info`` says: completions in base64, ``local_prefill``,

@@ -23,12 +23,14 @@ import bisect
 import hashlib
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import fastcore
 from fastcore import JSONSpanError
 from fastcore import protocol as P
+
+from .estimates import BytesPerToken
 
 if TYPE_CHECKING:
     from .pools import Worker
@@ -43,7 +45,8 @@ TRTLLM_CONVERSATION_HEADERS = (b"x-session-id", b"x-correlation-id", b"x-session
 #: trtllm-serve's workers forbid unknown fields) and this header, read after trtllm-serve's
 CONVERSATION_HEADER = b"x-conversation-id"
 CONVERSATION_HEADERS = (*TRTLLM_CONVERSATION_HEADERS, CONVERSATION_HEADER)
-#: JSON bytes per prompt token, to turn span lengths into token estimates (agentic chat text: ~4)
+#: JSON bytes per prompt token where a figure must be fixed at startup (``tokens_per_block`` as
+#: chunk bytes, timeouts, rate limits); every routing figure uses the learned one (estimates.py)
 BYTES_PER_TOKEN = 4
 #: ids longer than this are not conversation ids (hashing megabytes per request is not routing)
 MAX_CONVERSATION_ID_BYTES = 1024
@@ -190,6 +193,9 @@ class Router:
     needs_key = False
     #: the key's kinds it reads: "conversation", "prefix"
     key_kinds: frozenset[str] = frozenset()
+    #: the pool's learned prompt bytes per token (seeded by its workers' /server_info, taught by
+    #: the context answers' usage: server/orchestrator/estimates.py)
+    estimate: BytesPerToken
 
     def choose(self, candidates: list[Worker], key: RequestKey | None = None) -> Worker:
         raise NotImplementedError
@@ -205,6 +211,7 @@ class RoundRobinRouter(Router):
     name = "round_robin"
 
     def __init__(self) -> None:
+        self.estimate = BytesPerToken()
         self._next = 0
 
     def choose(self, candidates: list[Worker], key: RequestKey | None = None) -> Worker:
@@ -217,13 +224,14 @@ class LeastLoadedRouter(Router):
     """Fewest in-flight requests; ties go round robin so idle workers share load.
 
     ``use_tokens`` (trtllm-serve's ``load_balancing`` argument): fewest in-flight prompt tokens
-    instead, a request weighing its body's bytes / ``BYTES_PER_TOKEN`` (no parse), so one 40k-token
+    instead, a request weighing its body's bytes / the pool's learned bytes per token (no parse), so one 40k-token
     prompt counts as much as forty 1k-token ones; ties by requests, then in turn."""
 
     name = "least_loaded"
     ARGS = frozenset({"use_tokens"})
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:
+        self.estimate = BytesPerToken()
         self._tiebreak = 0
         use = (args or {}).get("use_tokens", False)
         if not isinstance(use, bool):
@@ -316,7 +324,10 @@ class ConversationRouter(Router):
             self.key_kinds = frozenset({"conversation", "prefix"})
         self.chunk_bytes = _chunk_from_tokens(args, 128 * BYTES_PER_TOKEN)  # trtllm's 128 tokens
         #: the implicit matching's per-worker index (KvCacheAwareRouter's, at its default bound)
-        self._prefixes = KvCacheAwareRouter({"chunk_bytes": self.chunk_bytes}) if self.match_threshold else None
+        self._prefixes = (
+            KvCacheAwareRouter({"chunk_bytes": self.chunk_bytes}) if self.match_threshold else None
+        )
+        self.estimate = self._prefixes.estimate if self._prefixes is not None else BytesPerToken()
         self._fallback = LeastLoadedRouter()
         self._points: list[int] = []
         self._urls: list[str] = []
@@ -422,12 +433,15 @@ class _PrefixIndex:
                 hi = mid - 1
         return lo
 
-    def add(self, hashes: list[int], clock: int) -> None:
+    def add(self, hashes: list[int], clock: int) -> list[int]:
+        """Hold ``hashes`` (the prefix most recent); the hashes evicted to stay in bound."""
         n = len(hashes)
         self.entries.update(zip(hashes, range(clock + n, clock, -1)))
-        if len(self.entries) > self.limit + (self.limit >> 2):
-            keep = sorted(self.entries.items(), key=lambda item: item[1], reverse=True)[: self.limit]
-            self.entries = dict(keep)
+        if len(self.entries) <= self.limit + (self.limit >> 2):
+            return []
+        ranked = sorted(self.entries.items(), key=lambda item: item[1], reverse=True)
+        self.entries = dict(ranked[: self.limit])
+        return [h for h, _ in ranked[self.limit :]]
 
 
 class KvCacheAwareRouter(Router):
@@ -436,13 +450,19 @@ class KvCacheAwareRouter(Router):
     Keys: :func:`fastcore.chunk_hashes` of the prompt span's raw bytes (``messages`` on chat,
     ``prompt`` on completions), in ``chunk_bytes`` chunks. Each worker has a bounded index of the
     hashes routed to it (:class:`_PrefixIndex`): ``max_cached_tokens`` tokens' worth, or the
-    worker's own ``kv_capacity_tokens`` (``/server_info``) when it says, at ``BYTES_PER_TOKEN``
-    bytes per token, and never more than ``max_index_tokens`` tokens' worth: a worker's word is not
-    trusted with the orchestrator's memory (one reporting 4.5e9 tokens grew its index without bound). After routing, the request's hashes go into the chosen worker's index (it will
-    cache them). A worker's index is cleared when it leaves the pool, turns unhealthy or comes back.
+    worker's own ``kv_capacity_tokens`` (``/server_info``) when it says, at the pool's learned bytes
+    per token (:class:`~server.orchestrator.estimates.BytesPerToken`, ``self.estimate``), and never
+    more than ``max_index_tokens`` tokens' worth: a worker's word is not trusted with the
+    orchestrator's memory (one reporting 4.5e9 tokens grew its index without bound). After routing,
+    the request's hashes go into the chosen worker's index (it will cache them). A worker's index
+    is cleared when it leaves the pool, turns unhealthy or comes back.
+
+    An inverted index (chunk hash -> the workers holding it) makes a request's cost independent of
+    the fleet's indexes: only the workers holding the prompt's first chunk are asked for their
+    longest prefix; every other candidate's hit is 0, and the best of those is the least loaded.
 
     Score of a candidate: ``hit_tokens - load_weight * (in_flight - mean_in_flight)``, where
-    ``hit_tokens`` = hit chunks x ``chunk_bytes`` / ``BYTES_PER_TOKEN`` and the mean is over the
+    ``hit_tokens`` = hit chunks x ``chunk_bytes`` / bytes per token and the mean is over the
     candidates; a worker with more than ``max_load_ratio`` x the mean in flight (and at least one
     more than the mean) gets no credit for its hit, so a hot prefix cannot pile every request onto
     one worker. The highest score wins; ties go to the fewest in flight, then in turn. A request
@@ -459,6 +479,7 @@ class KvCacheAwareRouter(Router):
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:
         args = args or {}
+        self.estimate = BytesPerToken()
         self.chunk_bytes = _chunk_from_tokens(args, 512)
         self.max_cached_tokens = _int_arg(args, "max_cached_tokens", 262_144, 1)
         #: the orchestrator's own bound on any worker's index (~100 bytes per chunk entry)
@@ -467,15 +488,22 @@ class KvCacheAwareRouter(Router):
         self.max_load_ratio = _float_arg(args, "max_load_ratio", 1.5, 1.0)
         self._fallback = LeastLoadedRouter()
         self._indexes: dict[Worker, _PrefixIndex] = {}
+        #: chunk hash -> the workers whose index holds it (the inverse of ``_indexes``)
+        self._holders: dict[int, set[Worker]] = {}
         self._clock = 0
         self._tiebreak = 0
         #: chunks routed with a key, and of them those expected to hit (/metrics)
         self.routed_chunks = 0
         self.hit_chunks = 0
+        #: context answers: hit tokens predicted (from ``key.hit_chunks``), achieved (the worker's
+        #: ``cached_tokens``) and the sum of |predicted - achieved| (/metrics)
+        self.predicted_tokens = 0
+        self.achieved_tokens = 0
+        self.error_tokens = 0
 
     def _limit(self, worker: Worker) -> int:
         tokens = min(worker.kv_capacity_tokens or self.max_cached_tokens, self.max_index_tokens)
-        return max(1, tokens * BYTES_PER_TOKEN // self.chunk_bytes)
+        return max(1, int(tokens * self.estimate.value) // self.chunk_bytes)
 
     def index(self, worker: Worker) -> _PrefixIndex:
         index = self._indexes.get(worker)
@@ -484,17 +512,32 @@ class KvCacheAwareRouter(Router):
         return index
 
     def forget(self, worker: Worker) -> None:
-        self._indexes.pop(worker, None)
+        index = self._indexes.pop(worker, None)
+        if index is not None:
+            self._unhold(worker, index.entries)
+
+    def _unhold(self, worker: Worker, hashes: Iterable[int]) -> None:
+        holders = self._holders
+        for h in hashes:
+            held = holders.get(h)
+            if held is not None:
+                held.discard(worker)
+                if not held:
+                    del holders[h]
 
     def sync(self, workers: Sequence[Worker]) -> None:
         members = set(workers)
         for worker in [w for w in self._indexes if w not in members]:
-            del self._indexes[worker]
+            self.forget(worker)
 
     def expected_hit(self, worker: Worker, key: RequestKey) -> int:
         """Chunks of ``key``'s prompt that ``worker`` is expected to hold."""
         index = self._indexes.get(worker)
         return 0 if index is None else index.longest_prefix(key.hashes(self.chunk_bytes))
+
+    def hit_tokens(self, chunks: int) -> int:
+        """The prompt tokens ``chunks`` hit chunks are estimated to hold."""
+        return self.estimate.tokens(chunks * self.chunk_bytes)
 
     def choose(self, candidates: list[Worker], key: RequestKey | None = None) -> Worker:
         hashes = key.hashes(self.chunk_bytes) if key is not None else []
@@ -505,34 +548,54 @@ class KvCacheAwareRouter(Router):
         assert key is not None
         mean = sum(w.in_flight for w in candidates) / len(candidates)
         hot = max(mean * self.max_load_ratio, mean + 1)
-        per_chunk = self.chunk_bytes / BYTES_PER_TOKEN
-        best: list[tuple[float, int, int, Worker]] = []
-        best_score = None
-        indexes = self._indexes
-        for worker in candidates:
-            index = indexes.get(worker)
-            hit = index.longest_prefix(hashes) if index is not None else 0
-            credit = hit if worker.in_flight <= hot else 0
-            score = credit * per_chunk - self.load_weight * (worker.in_flight - mean)
-            if best_score is None or score > best_score:
-                best_score, best = score, [(score, worker.in_flight, hit, worker)]
-            elif score == best_score:
-                best.append((score, worker.in_flight, hit, worker))
-        if len(best) > 1:
-            least = min(b[1] for b in best)
-            best = [b for b in best if b[1] == least]
-        _, _, hit, worker = best[self._tiebreak % len(best)]
-        self._tiebreak += 1
+        per_chunk = self.chunk_bytes / self.estimate.value
+        load_weight = self.load_weight
+        # Without a hit, the least loaded candidate scores best (ties in turn, as the fallback).
+        worker = self._fallback.choose(candidates)
+        best_score, best_load, hit = -load_weight * (worker.in_flight - mean), worker.in_flight, 0
+        holders = self._holders.get(hashes[0])
+        if holders:
+            indexes = self._indexes
+            # holders that are candidates: a C-level pass over the list, no index asked
+            for holder in holders.intersection(candidates):
+                load = holder.in_flight
+                held = indexes[holder].longest_prefix(hashes)
+                score = (held * per_chunk if load <= hot else 0.0) - load_weight * (load - mean)
+                if score > best_score or (score == best_score and load < best_load):
+                    worker, best_score, best_load, hit = holder, score, load, held
         key.hit_chunks = hit
         self.routed_chunks += len(hashes)
         self.hit_chunks += hit
-        self.routed(worker, hashes)
+        self._add(worker, hashes, hit)
         return worker
 
     def routed(self, worker: Worker, hashes: list[int]) -> None:
         """``worker`` took a request with these chunks: it will cache them."""
-        self.index(worker).add(hashes, self._clock)
+        index = self._indexes.get(worker)
+        self._add(worker, hashes, 0 if index is None else index.longest_prefix(hashes))
+
+    def _add(self, worker: Worker, hashes: list[int], held: int) -> None:
+        """Index ``hashes`` on ``worker``, whose index holds the first ``held`` of them already."""
+        index = self.index(worker)
+        index.limit = self._limit(worker)  # the bytes per token may have been learned since
+        holders = self._holders
+        for h in hashes[held:]:
+            found = holders.get(h)
+            if found is None:
+                holders[h] = {worker}
+            else:
+                found.add(worker)
+        evicted = index.add(hashes, self._clock)
         self._clock += len(hashes)
+        if evicted:
+            self._unhold(worker, evicted)
+
+    def account(self, hit_chunks: int, prompt_tokens: int, cached_tokens: int) -> None:
+        """A context answer of the worker this router chose: predicted versus achieved hit tokens."""
+        predicted = min(self.hit_tokens(hit_chunks), prompt_tokens)
+        self.predicted_tokens += predicted
+        self.achieved_tokens += cached_tokens
+        self.error_tokens += abs(predicted - cached_tokens)
 
 
 #: config router kind -> the args it takes

@@ -1,0 +1,119 @@
+"""Prompt tokens from prompt bytes, learned from what the workers report.
+
+The orchestrator never tokenizes: a router's prefix index holds chunk hashes of the raw prompt
+bytes (``messages`` on chat, ``prompt`` on completions), and every token figure it uses (a kv index's
+capacity bound, ``use_tokens`` loads, expected hits, conditional disaggregation's
+``max_local_prefill_length``) is bytes divided by a bytes-per-token figure. That figure depends on
+the model's tokenizer and on the traffic (JSON escapes, code, CJK text: 1 to 8 bytes per token), so
+it is learned: each context answer's ``usage.prompt_tokens`` against the prompt bytes relayed, a
+decaying sum of both (long prompts weigh more than short ones, old answers fade), seeded by the
+``bytes_per_token`` a worker may publish in ``/server_info`` and else by :data:`DEFAULT_BYTES_PER_TOKEN`.
+
+Reading ``usage`` costs no JSON parse: :func:`read_usage` finds both numbers with one
+non-validating scan of the context answer's bytes (``fastcore.find_spans``), which the relay holds
+anyway.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import fastcore
+from fastcore import JSONSpanError
+from fastcore import protocol as P
+
+__all__ = ["DEFAULT_BYTES_PER_TOKEN", "BytesPerToken", "UsageLearner", "read_usage"]
+
+#: the figure before anything is known (agentic chat JSON: about 4)
+DEFAULT_BYTES_PER_TOKEN = 4.0
+#: a sample outside this range is no tokenizer's (a worker that counts nothing, a stub): ignored
+MIN_BYTES_PER_TOKEN, MAX_BYTES_PER_TOKEN = 0.25, 64.0
+#: each new answer keeps this much of the sums before it (~100 answers of memory)
+DECAY = 0.99
+#: a published seed counts as this many tokens already seen (a few answers outweigh it)
+SEED_TOKENS = 4096.0
+
+_USAGE_PATHS = ((P.USAGE, P.PROMPT_TOKENS), (P.USAGE, P.PROMPT_TOKENS_DETAILS, P.CACHED_TOKENS))
+_MAX_DIGITS = 15
+
+
+def _int_at(body: bytes, span: tuple[int, int] | None) -> int | None:
+    if span is None or span[1] - span[0] > _MAX_DIGITS:
+        return None
+    raw = body[span[0] : span[1]]
+    return int(raw) if raw.isdigit() else None
+
+
+def read_usage(response: bytes) -> tuple[int | None, int | None]:
+    """``usage.prompt_tokens`` and ``usage.prompt_tokens_details.cached_tokens`` of a JSON answer
+    (None for either when absent or not a non-negative integer): one non-validating scan."""
+    try:
+        prompt, cached = fastcore.find_spans(response, _USAGE_PATHS, validate=False)
+    except (JSONSpanError, ValueError):
+        return None, None
+    return _int_at(response, prompt), _int_at(response, cached)
+
+
+class BytesPerToken:
+    """A pool's smoothed prompt bytes per token (one model per orchestrator: ``config.model``).
+
+    ``value``: the current figure; ``observed``: answers learned from (a seed counts none).
+    """
+
+    __slots__ = ("_bytes", "_tokens", "observed", "value")
+
+    def __init__(self, initial: float = DEFAULT_BYTES_PER_TOKEN) -> None:
+        self.value = float(initial)
+        self._bytes = self._tokens = 0.0
+        self.observed = 0
+
+    def seed(self, published: float | None) -> None:
+        """A worker's published figure: taken until answers were learned from, then ignored."""
+        if published is None or self.observed or not MIN_BYTES_PER_TOKEN <= published <= MAX_BYTES_PER_TOKEN:
+            return
+        self.value = float(published)
+        self._tokens = SEED_TOKENS
+        self._bytes = SEED_TOKENS * self.value
+
+    def observe(self, prompt_bytes: int, prompt_tokens: int | None) -> None:
+        """One answer: ``prompt_tokens`` tokens for ``prompt_bytes`` bytes relayed."""
+        if not prompt_tokens or prompt_bytes <= 0:
+            return
+        if not MIN_BYTES_PER_TOKEN <= prompt_bytes / prompt_tokens <= MAX_BYTES_PER_TOKEN:
+            return
+        self._bytes = self._bytes * DECAY + prompt_bytes
+        self._tokens = self._tokens * DECAY + prompt_tokens
+        self.value = self._bytes / self._tokens
+        self.observed += 1
+
+    def tokens(self, nbytes: int | float) -> int:
+        """The tokens ``nbytes`` prompt bytes are estimated to hold."""
+        return int(nbytes / self.value)
+
+
+class UsageLearner:
+    """What each context answer's ``usage`` teaches the orchestrator.
+
+    Its ``prompt_tokens`` against the prompt bytes relayed: both pools' :class:`BytesPerToken` (one
+    model: the KV handoff needs the same tokenizer on both sides). Its ``cached_tokens`` against the
+    hit the context pool's kv_cache_aware router predicted on the worker it chose (``account``):
+    routing quality, on /metrics.
+    """
+
+    __slots__ = ("accounting", "estimates")
+
+    def __init__(self, context_router: Any, generation_router: Any) -> None:
+        estimates = [context_router.estimate, generation_router.estimate]
+        self.estimates = [e for i, e in enumerate(estimates) if e not in estimates[:i]]
+        self.accounting = context_router if hasattr(context_router, "account") else None
+
+    def context_answer(self, response: bytes, prompt_bytes: int, hit_chunks: int | None) -> None:
+        """``response``: the context answer's bytes; ``hit_chunks``: the routed request's expected
+        hit on the context worker (None without a routing key)."""
+        prompt, cached = read_usage(response)
+        if prompt is None:
+            return
+        for estimate in self.estimates:
+            estimate.observe(prompt_bytes, prompt)
+        if self.accounting is not None and hit_chunks is not None and cached is not None:
+            self.accounting.account(hit_chunks, prompt, min(cached, prompt))
