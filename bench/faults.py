@@ -51,6 +51,7 @@ from server.launcher import Child, stop_all
 
 #: the orchestrator's fault settings in this benchmark
 CONTEXT_TIMEOUT_S = 1.0
+FIRST_BYTE_TIMEOUT_S = 1.0
 BREAKER_OPEN_S = 1.0
 REQUEST_TIMEOUT_S = 4.0
 #: a request with no answer within this long is hung
@@ -159,6 +160,7 @@ class Bench:
             "health_check_interval_s": 0.25,
             "request_timeout_s": REQUEST_TIMEOUT_S,
             "context_timeout_s": CONTEXT_TIMEOUT_S,
+            "generation_first_byte_timeout_s": FIRST_BYTE_TIMEOUT_S,
             "context_timeout_per_1k_tokens_s": 0.0,
             "circuit_breaker_open_s": BREAKER_OPEN_S,
             "drain_timeout_s": DRAIN_TIMEOUT_S,
@@ -564,7 +566,7 @@ def main() -> None:
     suffix = "_quick" if args.quick else ""
     out = RESULTS_DIR / f"faults{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"context_timeout_s": CONTEXT_TIMEOUT_S, "breaker_open_s": BREAKER_OPEN_S,
+    meta = {"context_timeout_s": CONTEXT_TIMEOUT_S, "generation_first_byte_timeout_s": FIRST_BYTE_TIMEOUT_S, "breaker_open_s": BREAKER_OPEN_S,
             "request_timeout_s": REQUEST_TIMEOUT_S, "client_deadline_s": CLIENT_DEADLINE_S,
             "prefill_ms": PREFILL_MS, "token_ms": TOKEN_MS, "max_tokens": MAX_TOKENS, "quick": args.quick}  # fmt: skip
     out.write_text(json.dumps({"meta": meta, "cells": [asdict(c) for c in cells]}, indent=1))

@@ -79,8 +79,9 @@ async def start_app(role: str, **engine: Any) -> tuple[Any, WorkerApp, str]:
 @asynccontextmanager
 async def stack(
     contexts: int = 1, proxied: bool = True, context_engine: dict[str, Any] | None = None,
-    generation_engine: dict[str, Any] | None = None, **config: Any,
+    generation_engine: dict[str, Any] | None = None, frozen_generation: bool = False, **config: Any,
 ) -> AsyncIterator[Stack]:  # fmt: skip
+    """``frozen_generation``: the generation pool lists a frozen proxy of its worker first."""
     servers: list[Any] = []
     proxies: list[FaultProxy] = []
     orch_server = None
@@ -98,13 +99,18 @@ async def stack(
             ctx_urls.append(url)
         server, generation, gen_url = await start_app("generation", **(generation_engine or {}))
         servers.append(server)
+        gen_urls = [gen_url]
+        if frozen_generation:
+            frozen = await FaultProxy(gen_url).start()
+            proxies.append(frozen)
+            gen_urls.insert(0, frozen.url)
         server, reference, ref_url = await start_app("both")
         servers.append(server)
         data = {
             "port": 0,
             "health_check_interval_s": 0.1,
             "context_servers": {"urls": ctx_urls},
-            "generation_servers": {"urls": [gen_url]},
+            "generation_servers": {"urls": gen_urls},
             **config,
         }
         orch_server, orch = await start_server(build_config(data, environ={}))
@@ -361,6 +367,32 @@ async def test_breaker_half_open_probe_reopens_on_failure_and_closes_on_success(
         page = await metrics(session, s.url)
         assert page['fastcore_orchestrator_circuit_opened_total{pool="context"}'] == 2
         assert page['fastcore_orchestrator_requests_by_path_total{path="disaggregated"}'] == 2
+
+
+async def test_a_frozen_generation_worker_costs_a_stream_its_first_byte_deadline_then_another_worker() -> (
+    None
+):
+    async with (
+        stack(proxied=False, frozen_generation=True, generation_first_byte_timeout_s=1.0,
+              context_timeout_per_1k_tokens_s=0.0) as s,
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session,
+    ):  # fmt: skip
+        frozen = s.proxies[0]
+        frozen_worker = s.orch.generation_pool.workers[0]
+        assert frozen_worker.url == frozen.url
+        await same_as_reference(session, s)  # both workers once (the first KV fetch imports torch)
+        posts = frozen.seen["post"]
+        await frozen.set_mode("freeze")
+        # request_timeout_s is 180 s: only the first-byte deadline moves this stream on
+        status, got = await chat(session, s.url, True, stream_options={"include_usage": True})
+        assert status == 200 and got["usage"]["completion_tokens"] == BODY["max_tokens"], got
+        assert frozen.seen["post"] == posts + 1 and frozen_worker.breaker.state == CircuitBreaker.OPEN
+        page = await metrics(session, s.url)
+        assert page['fastcore_orchestrator_retries_total{leg="generation"}'] == 1
+        await same_as_reference(session, s)  # the breaker is open: straight to the other worker
+        assert frozen.seen["post"] == posts + 1
+        await frozen.set_mode("pass")
+        assert await eventually(lambda: s.kv_left() == 0)
 
 
 # -- aborts free both workers' KV ---------------------------------------------------------------------------

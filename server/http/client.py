@@ -10,6 +10,7 @@ with no Python object per SSE event.
 
 Deadlines are checked by one sweeper per event loop (50 ms ticks while
 requests are in flight): ``timeout`` bounds the whole exchange,
+``headers_timeout`` (without ``timeout``) the wait for the response's headers,
 ``read_timeout`` a silence (a stream may run long; it must not stall that
 long). A response read to the end on a keep-alive connection returns the
 connection to the pool; anything else (a cancel, an early stop, an error)
@@ -167,6 +168,8 @@ class _Connection(asyncio.Protocol):
         self.timed = False  # in the sweeper's active set
         self.sweeper = _sweeper(self.loop)
         self.deadline = 0.0
+        #: the deadline ends with the response's headers (a first-byte deadline)
+        self.deadline_to_headers = False
         self.read_timeout = 0.0
         self.last_io = 0.0
         self.got_bytes = False
@@ -249,6 +252,8 @@ class _Connection(asyncio.Protocol):
             return
         resp.status = status
         resp.headers_done = True
+        if self.deadline_to_headers:
+            self.deadline = 0.0  # the first byte is in: only read_timeout (if any) from here
         if not resp._whole:
             fut = resp._headers
             if fut is not None and not fut.done():
@@ -303,6 +308,7 @@ class _Connection(asyncio.Protocol):
         timeout: float | None,
         read_timeout: float | None,
         max_body: int,
+        headers_timeout: float | None = None,
     ) -> UpstreamResponse:
         transport = self.transport
         if transport is None or transport.is_closing():
@@ -321,7 +327,11 @@ class _Connection(asyncio.Protocol):
         now = self.loop.time()
         self.read_timeout = read_timeout or 0.0
         self.last_io = now
-        self.deadline = now + timeout if timeout else 0.0
+        self.deadline_to_headers = not timeout and bool(headers_timeout)
+        if timeout:
+            self.deadline = now + timeout
+        else:
+            self.deadline = now + headers_timeout if headers_timeout else 0.0
         if self.deadline or self.read_timeout:
             self.timed = True
             self.sweeper.add(self)
@@ -509,13 +519,15 @@ class UpstreamPool:
         timeout: float | None = None,
         read_timeout: float | None = None,
         max_body: int = 0,
+        headers_timeout: float | None = None,
     ) -> UpstreamResponse:
         """Send a request; return once the response's headers are in.
 
         With ``max_body``, return only once the whole body is in (at most that
         many bytes, else :class:`UpstreamError`): one wake-up per request
         instead of two, then :meth:`~UpstreamResponse.read` returns at once.
-        ``headers``: extra header lines, each ending in CRLF. Raises
+        ``headers``: extra header lines, each ending in CRLF. ``headers_timeout``
+        (when there is no ``timeout``): the first byte's deadline. Raises
         :class:`UpstreamError` (``sent`` says whether the worker may have seen
         the request) or :class:`UpstreamTimeout`. The caller must
         :meth:`~UpstreamResponse.release` the response.
@@ -537,7 +549,7 @@ class UpstreamPool:
             if conn is None:
                 conn = await self._connect()
             try:
-                resp = conn.send(head, pieces, timeout, read_timeout, max_body)
+                resp = conn.send(head, pieces, timeout, read_timeout, max_body, headers_timeout)
                 if not resp.complete and not (resp.headers_done and not max_body):
                     await resp._headers  # type: ignore[misc]
                 return resp

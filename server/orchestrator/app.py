@@ -806,6 +806,17 @@ class Orchestrator:
         allowance = config.context_timeout_per_1k_tokens_s * body_bytes / (BYTES_PER_TOKEN * 1000)
         return min(config.request_timeout_s, config.context_timeout_s + allowance)
 
+    def _first_byte_timeout(self, pieces: Sequence[BodyPiece]) -> float:
+        """A stream's generation leg: ``generation_first_byte_timeout_s`` plus the per-1k-tokens
+        allowance on the leg's body (its prompt may be prefilled there), never above
+        ``request_timeout_s``."""
+        config = self.config
+        size = 0
+        for piece in pieces:
+            size += len(piece)
+        allowance = config.context_timeout_per_1k_tokens_s * size / (BYTES_PER_TOKEN * 1000)
+        return min(config.request_timeout_s, config.generation_first_byte_timeout_s + allowance)
+
     async def _fall_back(
         self,
         exc: ContextUnavailable,
@@ -1087,6 +1098,9 @@ class Orchestrator:
         # A stream may run long; what must not happen is a silence that long.
         limit = self.config.request_timeout_s
         timeout, read_timeout = (None, limit) if req.stream else (limit, None)
+        # A stream's first byte has its own deadline: a frozen worker costs it that, then another
+        # worker is tried (nothing has reached the client yet).
+        first_byte = self._first_byte_timeout(pieces) if req.stream else None
         # Unary: the whole answer is in before the task wakes (one wake-up).
         max_body = 0 if req.stream else MAX_WORKER_BODY
         # Retries stop at the first byte sent to the client: nothing has been
@@ -1113,7 +1127,9 @@ class Orchestrator:
                     headers = self._plain_headers(pieces, worker)
                 else:
                     headers = self._headers(pieces, worker) + extra_headers
-                resp = await upstream.request(_POST, path, pieces, headers, timeout, read_timeout, max_body)
+                resp = await upstream.request(
+                    _POST, path, pieces, headers, timeout, read_timeout, max_body, first_byte
+                )
             except UpstreamError as exc:
                 worker.in_flight -= 1
                 worker.in_flight_tokens -= tokens
@@ -1128,7 +1144,13 @@ class Orchestrator:
                 worker.in_flight_tokens -= tokens
                 self._breaker_failed(self.generation_pool, worker, at_once=True)
                 worker.breaker.ended()
-                raise leg_timed_out("generation", limit) from None
+                if first_byte is None:
+                    raise leg_timed_out("generation", limit) from None
+                # A stream with no first byte: its connection is reset (the worker drops the
+                # sequence when it runs again), and the leg goes to another worker.
+                log.warning("generation worker %s: no first byte in %g s", worker.url, first_byte)
+                failure = leg_timed_out("generation", first_byte)
+                continue
             except BaseException:
                 worker.in_flight -= 1
                 worker.in_flight_tokens -= tokens

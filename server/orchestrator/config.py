@@ -222,6 +222,9 @@ class OrchestratorConfig(BaseModel):
     # request_timeout_s), plus an allowance per 1,000 estimated prompt tokens (body bytes / 4).
     context_timeout_s: float = Field(30.0, gt=0)
     context_timeout_per_1k_tokens_s: float = Field(0.25, ge=0)
+    # A stream's generation leg: the deadline of the worker's first byte (its headers: KV fetch,
+    # queueing, a recomputed or local prefill), plus the same allowance; past it, another worker.
+    generation_first_byte_timeout_s: float = Field(60.0, gt=0)
     # No context worker can take the request: a local_prefill generation worker serves it whole.
     context_fallback: ContextFallback = "local_prefill"
     # Per-worker circuit breakers: failed legs in a row that open one (a timed-out leg: at once),
