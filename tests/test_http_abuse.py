@@ -31,7 +31,7 @@ from test_http_server import (
     serving,
 )
 
-from server.http.server import malloc_trim
+from server.http.server import LINGER_HEAD_BYTES, LINGER_S, malloc_trim
 
 uvloop = pytest.importorskip("uvloop")
 # Both loops through the event_loop_policy fixture: pytest-asyncio's replacement, a
@@ -121,6 +121,25 @@ async def test_endless_trailer_refused_while_it_arrives() -> None:
         assert_json_error(resp, 431)
         assert sent < 8 << 20, f"{sent} trailer bytes read before the 431"
         assert server.framing_errors == 1
+
+
+async def test_a_refused_trailer_flood_is_not_read_on_while_its_connection_lingers() -> None:
+    """After a 431 the connection lingers (LINGER_S) for the client to read it, dropping what still
+    comes, but only LINGER_HEAD_BYTES of it: then it stops reading (a flood of 128 MiB trailers cost
+    a core to read and drop)."""
+    async with serving(max_header_bytes=4096) as (server, port), connected(port) as client:
+        await client.send(CHUNKED_HEAD + b"3\r\nabc\r\n0\r\nX-Endless: ")
+        answer = asyncio.ensure_future(client.responses(1))
+        while not answer.done():  # a read that began in the trailer section counts whole
+            await client.send(b"t" * 1024)
+            await asyncio.sleep(0.01)
+        (resp,) = await answer
+        assert_json_error(resp, 431)
+        (conn,) = server.connections
+        assert conn.lingering
+        client.writer.write(b"t" * LINGER_HEAD_BYTES * 8)  # more than it reads: it pauses
+        assert await eventually(lambda: conn.reading_paused)
+        assert await eventually(lambda: not server.connections, timeout=LINGER_S + 3)  # closed at LINGER_S
 
 
 @pytest.mark.skipif(malloc_trim is None, reason="glibc's malloc_trim: elsewhere there is no trim")

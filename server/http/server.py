@@ -113,6 +113,9 @@ class _Stop(Exception):
 
 #: how long a connection that failed keeps reading (and dropping) what its client still sends
 LINGER_S = 2.0
+#: what a connection refused for its headers' or trailers' size (414, 431) reads while it lingers:
+#: an honest client has sent little past them, a flood of them would cost a core to read and drop
+LINGER_HEAD_BYTES = 256 * 1024
 
 #: how often a half-closed client is checked for a reset (the peer had closed, not only half-closed)
 HALF_CLOSE_PROBE_S = 0.05
@@ -156,6 +159,7 @@ class _Connection(asyncio.Protocol):
         "header_timeout_s",
         "last_read",
         "limits",
+        "linger_left",
         "lingering",
         "loop",
         "max_headers",
@@ -192,6 +196,8 @@ class _Connection(asyncio.Protocol):
         #: set while a handler waits in Responder.drain; resolved on resume_writing or close
         self.drained: asyncio.Future[None] | None = None
         self.lingering = False
+        #: bytes a lingering connection still reads before it stops reading (-1: no bound)
+        self.linger_left = -1
         #: the client's IP and what it holds (set on connection_made)
         self.peer: _Peer = _NO_PEER
         #: the client half-closed (shut its sending side) after complete requests: answer them, then close
@@ -312,6 +318,11 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.failed is not None or self.closed or self.no_more:
+            if self.lingering and self.linger_left >= 0:
+                self.linger_left -= len(data)
+                if self.linger_left < 0 and not self.reading_paused:
+                    self.reading_paused = True  # until the close at LINGER_S
+                    self.transport.pause_reading()  # type: ignore[union-attr]
             return
         self.last_read = len(data)
         current = self.current
@@ -686,6 +697,8 @@ class _Connection(asyncio.Protocol):
         # must read the answer, not a reset. Its further bytes are dropped;
         # the connection closes when it does, or after LINGER_S.
         self.lingering = True
+        if status in (414, 431):
+            self.linger_left = LINGER_HEAD_BYTES
         if self.reading_paused:
             self.reading_paused = False
             transport.resume_reading()
