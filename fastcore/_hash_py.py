@@ -37,7 +37,7 @@ _U64LE = np.dtype("<u8")
 
 
 def _rotl(x: np.ndarray, k: int) -> np.ndarray:
-    return (x << np.uint64(k)) | (x >> np.uint64(64 - k))  # type: ignore[no-any-return]
+    return (x << np.uint64(k)) | (x >> np.uint64(64 - k))
 
 
 def check_chunk_args(size: int, start: object, end: object, chunk: object) -> tuple[int, int, int]:

@@ -43,30 +43,9 @@ def _set_kernel(name):
     KERNEL = fc_js_kernel().decode()
 
 
-# Status codes: the same numbers as _scan_py's E_* constants (checked below), whose make_error words them.
-cdef enum:
-    E_EOF = 1
-    E_VALUE = 2
-    E_OBJECT_SEPARATOR = 3
-    E_ARRAY_SEPARATOR = 4
-    E_KEY = 5
-    E_COLON = 6
-    E_TRAILING = 7
-    E_CONTROL = 8
-    E_ESCAPE = 9
-    E_UNICODE_ESCAPE = 10
-    E_UTF8 = 11
-    E_DIGIT = 12
-    E_LITERAL = 13
-    E_DUPLICATE_KEY = 14
-    E_DEPTH = 15
-    E_NUMBER_LENGTH = 16
-    E_NO_MEMORY = 100
-    DOCUMENT_END = -1  # after_value: the document ended where it should
-
 import fastcore._scan_py as _py
 
-for _name, _value in (
+for _name, _value in (  # the status codes (_scan.pxd) against the pure twin's, which make_error words
     ("E_EOF", E_EOF), ("E_VALUE", E_VALUE), ("E_OBJECT_SEPARATOR", E_OBJECT_SEPARATOR),
     ("E_ARRAY_SEPARATOR", E_ARRAY_SEPARATOR), ("E_KEY", E_KEY), ("E_COLON", E_COLON), ("E_TRAILING", E_TRAILING),
     ("E_CONTROL", E_CONTROL), ("E_ESCAPE", E_ESCAPE), ("E_UNICODE_ESCAPE", E_UNICODE_ESCAPE), ("E_UTF8", E_UTF8),

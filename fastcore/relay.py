@@ -82,7 +82,7 @@ class Relay:
         """Leg (1) from a client body (raw bytes, or its :func:`read_client_request` scan, which
         spares this leg and the next a scan). ``chat``: the route; ``None`` guesses it from the
         presence of ``messages``."""
-        return self.context_request(self._client(client_body, chat), disagg_request_id, return_b64)  # type: ignore[no-any-return]
+        return self.context_request(self._client(client_body, chat), disagg_request_id, return_b64)
 
     def build_generation_request(
         self,
@@ -104,7 +104,7 @@ class Relay:
         context = ctx_response
         if type(context) is not self.ContextScan:
             context = self.read_context_response(ctx_response, client.max_tokens)
-        return self.generation_request(client, context, tokids_b64, strip_history)  # type: ignore[no-any-return]
+        return self.generation_request(client, context, tokids_b64, strip_history)
 
 
 _default = Relay(_relay_impl)
