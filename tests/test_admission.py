@@ -221,6 +221,39 @@ async def test_deficit_round_robin_shares_by_weight_and_priority_orders_within_a
     assert await _order({}, [("a", 0), ("a", 0), ("a", -5), ("a", 3), ("a", -5)]) == [2, 4, 0, 1, 3]
 
 
+async def test_a_full_queue_gives_a_newcomer_the_place_of_the_tenant_holding_the_most() -> None:
+    admission = Admission(AdmissionConfig(max_inflight=1, max_queue=3), Registry(), retry_after_s=1)
+    await admission.slot(Tenant("holder"), b"{}").__aenter__()
+    outcome: dict[str, object] = {}
+
+    async def one(name: str, tenant: str, priority: int = 0) -> None:
+        try:
+            async with admission.slot(Tenant(tenant), b'{"priority": %d}' % priority):
+                outcome[name] = "served"
+        except HTTPError as exc:
+            outcome[name] = exc.code
+
+    tasks = []
+    arrivals = [("big1", "big", 0), ("big2", "big", 0), ("big3", "big", 0), ("small1", "small", 0),
+                ("small2", "small", 0), ("big-urgent", "big", -1), ("big4", "big", 0)]  # fmt: skip
+    for i, (name, tenant, priority) in enumerate(arrivals):
+        tasks.append(asyncio.create_task(one(name, tenant, priority)))
+        queued, refused = min(i + 1, 3), max(0, i - 2)  # from the 4th on, one 429 an arrival
+        assert await eventually(lambda q=queued, r=refused: admission.queued == q and len(outcome) == r)
+    # small1 took big3's place (big held 3 of 3); small2 found the shares even (big 2, small 1+1): refused;
+    # big-urgent took its own tenant's last place (big2), more urgent; big4 is no more urgent: refused
+    assert outcome == {
+        "big3": "queue_full",
+        "small2": "queue_full",
+        "big2": "queue_full",
+        "big4": "queue_full",
+    }
+    admission.release()
+    await asyncio.gather(*tasks)
+    assert [n for n, o in outcome.items() if o == "served"] == ["big-urgent", "small1", "big1"]
+    assert admission.queued == 0 and admission.inflight == 0
+
+
 # -- keys on real sockets -------------------------------------------------------------------------------
 
 

@@ -14,7 +14,9 @@ authentication and admission"):
   default 0) goes first, arrival order among equals; it is read from the raw body with one
   ``fastcore.find_span`` (no JSON parse), and a value that is not an integer is a 400 naming it.
 - A request that finds ``max_queue`` waiting, or is not started within ``max_queue_wait_s``, gets
-  429 with ``Retry-After``; a client that leaves while queued is dropped at once (its task is
+  429 with ``Retry-After``; a full queue keeps its places fair too: a newcomer takes the place of
+  the last in line of the tenant holding the most of it for its weight (who gets the 429), unless
+  that is the newcomer's own tenant; a client that leaves while queued is dropped at once (its task is
   cancelled by the HTTP layer, and its place with it).
 - Optional per-tenant rate limits (``rate_limits: {<tenant> or "*": {requests_per_minute,
   prompt_tokens_per_minute}}``): token buckets that hold one minute's worth, refilled continuously;
@@ -138,7 +140,7 @@ class _Limits:
 class _Waiter:
     __slots__ = ("future", "live", "queue", "since", "timer")
 
-    def __init__(self, future: asyncio.Future[bool], queue: _TenantQueue, since: float) -> None:
+    def __init__(self, future: asyncio.Future[str | None], queue: _TenantQueue, since: float) -> None:
         self.future = future
         self.queue = queue
         self.since = since
@@ -218,9 +220,8 @@ class Admission:
             self.inflight += 1
             queue.admitted += 1
             return
-        if self.queued >= self.max_queue:
-            raise self._reject(queue, "queue_full", self.retry_after_s,
-                               f"the orchestrator's admission queue is full ({self.max_queue} waiting)")  # fmt: skip
+        if self.queued >= self.max_queue and not self._push_out(queue, priority):
+            raise self._reject(queue, "queue_full", self.retry_after_s, self._full_message)
         loop = asyncio.get_running_loop()
         waiter = _Waiter(loop.create_future(), queue, time.monotonic())
         waiter.timer = loop.call_later(self.max_wait, self._expire, waiter)
@@ -230,19 +231,48 @@ class Admission:
         if queue.waiting == 1:
             self._active.append(queue)
         try:
-            started = await waiter.future
+            refused = await waiter.future
         except asyncio.CancelledError:
             # The client left (or a drain ran out): its place goes now; a slot granted in the same
             # instant goes back to the next in line.
             if waiter.live:
                 self._remove(waiter)
-            elif waiter.future.done() and not waiter.future.cancelled() and waiter.future.result():
+            elif waiter.future.done() and not waiter.future.cancelled() and waiter.future.result() is None:
                 self.release()
             raise
-        if not started:
-            raise self._reject(queue, "queue_timeout", self.retry_after_s,
+        if refused == "queue_timeout":
+            raise self._reject(queue, refused, self.retry_after_s,
                                f"not started within admission.max_queue_wait_s ({self.max_wait:g} s)")  # fmt: skip
+        if refused is not None:
+            raise self._reject(queue, refused, self.retry_after_s,
+                               self._full_message + f"; tenant {queue.name} held the most of it for its weight")  # fmt: skip
         self._observe_wait(queue.name, time.monotonic() - waiter.since)
+
+    @property
+    def _full_message(self) -> str:
+        return f"the orchestrator's admission queue is full ({self.max_queue} waiting)"
+
+    def _push_out(self, newcomer: _TenantQueue, priority: int) -> bool:
+        """A full queue and one more request: its place is taken from the tenant holding the most of
+        the queue for its weight (the newcomer's own tenant counted with it), that tenant's last in
+        line (the highest priority value, then the latest) answered 429 ``queue_full``; True when
+        so, False when the newcomer is the one to refuse. Without this the tenant with the most
+        streams would keep the queue full and every other tenant's requests would find it so."""
+        if not self._active:
+            return False
+        heaviest = max(self._active, key=lambda q: q.waiting / q.weight)
+        if (
+            heaviest is not newcomer
+            and heaviest.waiting / heaviest.weight <= (newcomer.waiting + 1) / newcomer.weight
+        ):
+            return False  # shares even: first come keeps its place
+        worst = max((entry for entry in heaviest.heap if entry[2].live), key=lambda entry: entry[:2])
+        if heaviest is newcomer and worst[0] <= priority:
+            return False  # the newcomer's own tenant holds the most: only a more urgent request gets in
+        waiter = worst[2]
+        self._remove(waiter)
+        waiter.future.set_result("queue_full")
+        return True
 
     def release(self) -> None:
         self.inflight -= 1
@@ -289,7 +319,7 @@ class Admission:
             waiter.queue.heap.clear()
         self.inflight += 1
         waiter.queue.admitted += 1
-        waiter.future.set_result(True)
+        waiter.future.set_result(None)
 
     def _remove(self, waiter: _Waiter) -> None:
         """A waiter that leaves the queue without a slot."""
@@ -307,7 +337,7 @@ class Admission:
         if waiter.live:
             self._remove(waiter)
             if not waiter.future.done():
-                waiter.future.set_result(False)
+                waiter.future.set_result("queue_timeout")
 
     # -- metrics --------------------------------------------------------------------------------
 
