@@ -31,7 +31,7 @@ from test_http_server import (
     serving,
 )
 
-from server.http.server import LINGER_HEAD_BYTES, LINGER_S, malloc_trim
+from server.http.server import LINGER_HEAD_BYTES, LINGER_S, SWEEP_BATCH, malloc_trim
 
 uvloop = pytest.importorskip("uvloop")
 # Both loops through the event_loop_policy fixture: pytest-asyncio's replacement, a
@@ -372,6 +372,26 @@ async def test_one_client_cannot_take_every_connection_and_its_slow_ones_make_ro
                 assert len(closed) == 1 and closed[0].stream.responses == []
         finally:
             for c in slow:
+                c.close()
+
+
+async def test_deadlines_missed_together_are_handled_a_batch_per_loop_turn() -> None:
+    """Thousands of slowloris connections opened together expire together: SWEEP_BATCH of them are
+    answered per callback, the rest after the I/O ready meanwhile (one callback for all of them
+    stalled every other client for the time it took)."""
+    n = SWEEP_BATCH * 2 + 10
+    async with serving(header_timeout_s=30.0, peer_share=1.0) as (server, port):
+        clients = [await Client.connect(port) for _ in range(n)]
+        try:
+            assert await eventually(lambda: len(server.connections) == n)
+            past = asyncio.get_running_loop().time() - 1
+            for conn in server.connections:
+                conn.deadline = past  # as if the header timeout had passed for all of them at once
+            server._expire(list(server.connections))
+            assert sum(conn.closed for conn in server.connections) == SWEEP_BATCH
+            assert await eventually(lambda: not server.connections)
+        finally:
+            for c in clients:
                 c.close()
 
 

@@ -755,6 +755,8 @@ malloc_trim = _malloc_trim()
 LARGE_BODY_BYTES = 1024 * 1024
 #: seconds without a large body answered before that trim
 TRIM_QUIET_S = 0.5
+#: missed deadlines handled in one callback (the rest after the I/O ready meanwhile)
+SWEEP_BATCH = 128
 
 
 class HTTPServer:
@@ -865,13 +867,24 @@ class HTTPServer:
 
     def _sweep(self) -> None:
         now = self.loop.time()
-        for conn in [c for c in self.connections if c.deadline and c.deadline <= now]:
+        self._expire([c for c in self.connections if c.deadline and c.deadline <= now])
+        self._sweeper = self.loop.call_later(self._tick, self._sweep)
+
+    def _expire(self, due: list[_Connection]) -> None:
+        """Missed deadlines, SWEEP_BATCH at a time: thousands of slowloris connections opened
+        together expire together, and answering them all in one callback stalled every other
+        client (the rest go after the I/O that is ready)."""
+        now = self.loop.time()
+        for conn in due[:SWEEP_BATCH]:
+            if not conn.deadline or conn.deadline > now:
+                continue  # it moved on since the sweep found it
             try:
                 conn.on_deadline()
             except Exception:  # one bad connection must not stop the sweeps
                 log.exception("deadline handling failed")
                 conn.abort()
-        self._sweeper = self.loop.call_later(self._tick, self._sweep)
+        if len(due) > SWEEP_BATCH:
+            self.loop.call_soon(self._expire, due[SWEEP_BATCH:])
 
     async def close(self, grace_s: float = 5.0) -> None:
         """Stop listening, let requests in flight finish for ``grace_s``, then drop every connection."""
