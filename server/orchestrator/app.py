@@ -55,6 +55,7 @@ from .config import OrchestratorConfig
 if TYPE_CHECKING:
     from .discovery import Discovery
 from .admission import Admission
+from .cache_view import CacheView
 from .estimates import UsageLearner
 from .pools import HealthChecker, Pool, Worker
 from .relay_modes import ClientRequest, ContextResult, answer_as_sse, make_relay
@@ -464,6 +465,7 @@ class Orchestrator:
         self.upstreams: dict[str, UpstreamPool] = {}
         self.session: aiohttp.ClientSession | None = None
         self.health: HealthChecker | None = None
+        self.cache_view: CacheView | None = None
         self._requests = 0
 
     # -- lifecycle ---------------------------------------------------------
@@ -478,6 +480,9 @@ class Orchestrator:
             on_change=self._record_health,
         )
         self.health.start()
+        # kv_cache_aware pools follow their workers' cache events (cache_view.py)
+        self.cache_view = CacheView(self.pools, self.session, self.config.metrics_token_bytes)
+        self.cache_view.start()
         if self.discovery is not None:
             await self.discovery.start(self.session)
         server = self.server = HTTPServer(self.handle, self.limits)
@@ -519,6 +524,8 @@ class Orchestrator:
             await self.discovery.stop()
         if self.health is not None:
             await self.health.stop()
+        if self.cache_view is not None:
+            await self.cache_view.stop()
         if self.session is not None:
             await self.session.close()
         for upstream in self.upstreams.values():

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import fastcore
 from fastcore import JSONSpanError
 from fastcore import protocol as P
+from server.cache_keys import CACHE_SALT, salt_key_at
 
 from .estimates import BytesPerToken
 
@@ -52,8 +53,8 @@ BYTES_PER_TOKEN = 4
 MAX_CONVERSATION_ID_BYTES = 1024
 
 _NESTED = (CONVERSATION_PARAMS, CONVERSATION_FIELD)
-_CHAT_PATHS = (_NESTED, (CONVERSATION_FIELD,), (P.MESSAGES,))
-_COMPLETION_PATHS = (_NESTED, (CONVERSATION_FIELD,), (P.PROMPT,))
+_CHAT_PATHS = (_NESTED, (CONVERSATION_FIELD,), (P.MESSAGES,), (CACHE_SALT,))
+_COMPLETION_PATHS = (_NESTED, (CONVERSATION_FIELD,), (P.PROMPT,), (CACHE_SALT,))
 _MOVE_PATHS = ((CONVERSATION_FIELD,), (CONVERSATION_PARAMS,))
 _QUOTE, _MINUS, _COMMA = ord('"'), ord("-"), ord(",")
 _SPACE = b" \t\r\n"
@@ -64,16 +65,21 @@ class RequestKey:
 
     ``conversation``: the id's bytes (a string's decoded UTF-8, an integer's digits), or None.
     ``span``: the ``messages`` (chat) or ``prompt`` (completions) value's byte span, or None.
-    Hashes are computed on first use per chunk size and kept (both pools may ask).
+    Hashes are computed on first use per chunk size and kept (both pools may ask), each XORed with
+    ``salt`` (the ``cache_salt``'s key, server/cache_keys.py; 0 without one): different salts
+    share no key, as they share no cached block.
     ``hit_chunks``: set by the kv_cache_aware router to the expected hit on the worker it chose.
     """
 
-    __slots__ = ("_hashes", "body", "conversation", "hit_chunks", "span")
+    __slots__ = ("_hashes", "body", "conversation", "hit_chunks", "salt", "span")
 
-    def __init__(self, body: bytes, conversation: bytes | None, span: tuple[int, int] | None) -> None:
+    def __init__(
+        self, body: bytes, conversation: bytes | None, span: tuple[int, int] | None, salt: int = 0
+    ) -> None:
         self.body = body
         self.conversation = conversation
         self.span = span
+        self.salt = salt
         self.hit_chunks = 0
         self._hashes: tuple[int, list[int]] | None = None
 
@@ -89,6 +95,9 @@ class RequestKey:
         if cached is not None and cached[0] == chunk:
             return cached[1]
         hashes = fastcore.chunk_hashes(self.body, self.span[0], self.span[1], chunk)
+        if self.salt:
+            salt = self.salt
+            hashes = [h ^ salt for h in hashes]
         self._hashes = (chunk, hashes)
         return hashes
 
@@ -131,11 +140,11 @@ def request_key(body: bytes, chat: bool, header: bytes | None) -> RequestKey:
     finds the conversation id (``conversation_params.conversation_id``, else a top-level
     ``conversation_id``, else ``header``) and the prompt span. Never raises on a body's content."""
     try:
-        nested, conversation, prompt = fastcore.find_spans(
+        nested, conversation, prompt, salt = fastcore.find_spans(
             body, _CHAT_PATHS if chat else _COMPLETION_PATHS, validate=False
         )
     except JSONSpanError:  # e.g. a repeated conversation_id: no key, least loaded
-        nested = conversation = prompt = None
+        nested = conversation = prompt = salt = None
     cid = _conversation_of(body, nested)
     if cid is None:
         cid = _conversation_of(body, conversation)
@@ -143,7 +152,7 @@ def request_key(body: bytes, chat: bool, header: bytes | None) -> RequestKey:
         header = header.strip()
         if 0 < len(header) <= MAX_CONVERSATION_ID_BYTES:
             cid = header
-    return RequestKey(body, cid, prompt)
+    return RequestKey(body, cid, prompt, salt_key_at(body, salt) if salt is not None else 0)
 
 
 def conversation_to_params(body: bytes) -> bytes:
@@ -490,6 +499,9 @@ class KvCacheAwareRouter(Router):
         self._indexes: dict[Worker, _PrefixIndex] = {}
         #: chunk hash -> the workers whose index holds it (the inverse of ``_indexes``)
         self._holders: dict[int, set[Worker]] = {}
+        #: workers whose cache events this orchestrator follows (server/orchestrator/cache_view.py):
+        #: their evictions come as events, so their index is bounded by max_index_tokens only
+        self.exact: set[Worker] = set()
         self._clock = 0
         self._tiebreak = 0
         #: chunks routed with a key, and of them those expected to hit (/metrics)
@@ -502,6 +514,8 @@ class KvCacheAwareRouter(Router):
         self.error_tokens = 0
 
     def _limit(self, worker: Worker) -> int:
+        if worker in self.exact:
+            return max(1, self.max_index_tokens * BYTES_PER_TOKEN // self.chunk_bytes)
         tokens = min(worker.kv_capacity_tokens or self.max_cached_tokens, self.max_index_tokens)
         return max(1, int(tokens * self.estimate.value) // self.chunk_bytes)
 
@@ -512,6 +526,7 @@ class KvCacheAwareRouter(Router):
         return index
 
     def forget(self, worker: Worker) -> None:
+        self.exact.discard(worker)  # a resync makes it exact again
         index = self._indexes.pop(worker, None)
         if index is not None:
             self._unhold(worker, index.entries)
@@ -589,6 +604,29 @@ class KvCacheAwareRouter(Router):
         self._clock += len(hashes)
         if evicted:
             self._unhold(worker, evicted)
+
+    # -- the exact view: a worker's own cache events (server/orchestrator/cache_view.py) ---------------
+
+    def stored(self, worker: Worker, keys: list[int]) -> None:
+        """``worker`` says it holds ``keys`` now (in chain order: the first most recent)."""
+        if keys:
+            index = self._indexes.get(worker)
+            self._add(worker, keys, 0 if index is None else index.longest_prefix(keys))
+
+    def removed(self, worker: Worker, keys: list[int]) -> None:
+        """``worker`` says it evicted ``keys``."""
+        index = self._indexes.get(worker)
+        if index is not None:
+            entries = index.entries
+            for key in keys:
+                entries.pop(key, None)
+            self._unhold(worker, keys)
+
+    def resync(self, worker: Worker, keys: list[int]) -> None:
+        """``worker`` holds exactly ``keys`` (a snapshot; its stream goes on from here)."""
+        self.forget(worker)
+        self.exact.add(worker)
+        self.stored(worker, keys)
 
     def account(self, hit_chunks: int, prompt_tokens: int, cached_tokens: int) -> None:
         """A context answer of the worker this router chose: predicted versus achieved hit tokens."""

@@ -136,6 +136,8 @@ _POST = b"POST"
 _GET = (b"GET", b"HEAD")
 _KV_PREFIX = b"/kv/"
 _METRICS = b"/metrics"
+#: the prefix cache's keys as a stream orchestrators follow (server/worker/kv_events.py)
+_CACHE_EVENTS = b"/cache_events"
 #: ``DELETE /kv/by-request/<disagg_request_id>``: an orchestrator whose context answer was lost
 #: (cut mid-body, timed out) releases the KV it never learnt the id of (docs/protocol.md#faults)
 _KV_BY_REQUEST = b"/kv/by-request/"
@@ -535,6 +537,9 @@ class WorkerApp:
             if self.trtllm.handles(path):
                 self.trtllm.handle(request, out)
                 return
+            if path == _CACHE_EVENTS:
+                await self.cache_events(request, out)
+                return
             if path.startswith(_KV_PREFIX):
                 # GET or DELETE only: a HEAD would hand the KV over to nobody.
                 if request.method == b"GET":
@@ -623,6 +628,19 @@ class WorkerApp:
 
     def metrics_endpoint(self, out: Responder) -> None:
         out.send(200, self.metrics.registry.render(), CONTENT_TYPE.encode())
+
+    async def cache_events(self, request: Request, out: Responder) -> None:
+        """The prefix cache in the orchestrators' key space (server/worker/kv_events.py
+        ``follow_cache_events``), under /metrics' access rule: the keys are an oracle of prompts."""
+        from .kv_events import follow_cache_events
+
+        if request.method not in _GET:
+            raise HTTPError(405, "/cache_events takes GET", headers={"Allow": "GET, HEAD"})
+        refused = self.metrics_access.refusal(request.header(b"authorization"), out.peer)
+        if refused is not None:
+            raise refused
+        answer = await follow_cache_events(getattr(self.engine, "cache", None), self.instance, request.query)
+        out.send(200, json.dumps(answer).encode())
 
     def _kv_events(self) -> list[dict[str, Any]]:
         """trtllm-serve's KV cache events of the engine's prefix cache (recorded from the first poll)."""
@@ -1003,6 +1021,10 @@ class WorkerApp:
             on_delta=queue.put_nowait,
             cache_root=cache_salt_root(req.cache_salt),
         )
+        # a follower of GET /cache_events learns this prompt's keys once its blocks are stored
+        chunks = getattr(getattr(engine, "cache", None), "chunks", None)
+        if chunks is not None:
+            chunks.track(engine_req.request_id, body, route == "chat")
         if req.is_context_only:
             engine_req.park_as = secrets.randbits(62)
             engine_req.park_ttl_s = self.settings.kv_ttl_s
@@ -1024,6 +1046,8 @@ class WorkerApp:
                 answered = await self._respond(request, out, req, engine_req, queue, arrived)
             return 200
         finally:
+            if chunks is not None:
+                chunks.pending.pop(engine_req.request_id, None)
             if not queued:
                 engine.unreserve(engine_req)
             elif not answered:

@@ -54,7 +54,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .engine_api import NOT_FINISHED, EngineRequest, ParkedKV, chain_block_hashes, prompt_checksum
-from .kv_events import KvEventLog
+from .kv_events import ChunkEventLog, KvEventLog
 
 SYNTHETIC_VOCAB = 32_000
 SYNTHETIC_EOS = SYNTHETIC_VOCAB - 1
@@ -159,6 +159,8 @@ class PrefixCacheModel:
         self.evicted_blocks = 0
         #: trtllm-serve's KV cache events (server/worker/kv_events.py), once someone polls them
         self.events: KvEventLog | None = None
+        #: the orchestrators' key space (GET /cache_events), once one follows it
+        self.chunks: ChunkEventLog | None = None
 
     block_size = BLOCK_SIZE
 
@@ -203,6 +205,8 @@ class PrefixCacheModel:
             if new:
                 events.stored(hashes[new[0] - 1] if new[0] else b"", [hashes[i] for i in new])
             events.removed(gone)
+        if gone and self.chunks is not None:
+            self.chunks.evicted(gone)
 
 
 class _PrefillJob:
@@ -422,8 +426,10 @@ class SyntheticEngine:
     def _prefix(self, ids: np.ndarray, root: bytes = b"") -> tuple[int, list[bytes]]:
         return self.cache.lookup(ids, root)
 
-    def _remember(self, hashes: list[bytes]) -> None:
+    def _remember(self, hashes: list[bytes], req: EngineRequest | None = None) -> None:
         self.cache.remember(hashes)
+        if self.cache.chunks is not None and req is not None:
+            self.cache.chunks.stored(req.request_id, hashes, int(req.prompt_ids.size))
 
     async def _prefill(self, req: EngineRequest) -> None:
         """The prompt's prefill: counted, timed, queued for the shared compute when there is one;
@@ -444,7 +450,7 @@ class SyntheticEngine:
 
         def computed() -> None:
             if modelled:
-                self._remember(hashes)
+                self._remember(hashes, req)
 
         queue = self.prefill_queue
         if queue is None:
@@ -471,7 +477,7 @@ class SyntheticEngine:
         if imported:  # the context worker computed it: no prefill here, but this worker holds it now
             if modelled:
                 req.cached_prefix, hashes = self._prefix(req.prompt_ids, req.cache_root)
-                self._remember(hashes)
+                self._remember(hashes, req)
         else:
             await self._prefill(req)
         position = 0

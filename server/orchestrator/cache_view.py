@@ -1,0 +1,189 @@
+"""An exact view of each worker's prefix cache: its own events, in the orchestrator's key space.
+
+A fastcore worker publishes what its prefix cache holds as keys of the orchestrator's
+kv_cache_aware index (server/cache_keys.py: chunk hashes of the raw prompt bytes, salted) on
+``GET /cache_events`` (server/worker/kv_events.py): ``stored`` and ``removed`` keys numbered by a
+sequence, held open up to ``wait`` seconds until there is one (a long poll). Every orchestrator
+follows every worker of its kv_cache_aware pools, so each one's index holds what the worker
+caches, whoever routed the request there (with several orchestrators, each saw only its own
+requests before), and evictions are the worker's own, not a guess at its size.
+
+A follower asks for the events after the last ``seq`` it applied, naming the worker's
+``instance``. The worker answers a resync (every key it holds) when those events are gone (more
+than its buffer happened since), when the instance is not its own (it restarted), or when the
+follower names none: the router's index of the worker is then replaced by the snapshot. A gap in
+the sequence, a malformed answer, or an index the router dropped meanwhile (the worker turned
+unhealthy) asks for a resync too. A worker that answers 404 (trtllm-serve's, a torch worker: no
+events in our key space) keeps the approximate index, asked again every
+:data:`UNSUPPORTED_RETRY_S`. The events endpoint is under /metrics' access rule: the orchestrator
+sends its metrics token, if it has one, as a bearer token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import aiohttp
+
+from .pools import Pool, Worker
+from .routing import KvCacheAwareRouter
+
+__all__ = ["CacheView"]
+
+log = logging.getLogger("fastcore.orchestrator")
+
+#: how long a poll is held open by the worker when nothing happens
+WAIT_S = 10.0
+#: after a failed poll (refused, reset, a 5xx)
+RETRY_S = 1.0
+#: a worker that publishes no events is asked again this much later (it may have been replaced)
+UNSUPPORTED_RETRY_S = 60.0
+#: how often the followers are matched to the pools' members
+RECONCILE_S = 1.0
+_KEY_END = 1 << 64
+
+
+def _keys(value: object) -> list[int] | None:
+    if not isinstance(value, list):
+        return None
+    for key in value:
+        if type(key) is not int or not 0 <= key < _KEY_END:
+            return None
+    return value
+
+
+class _Follower:
+    """One worker's stream: the last applied ``seq`` and the worker's ``instance``."""
+
+    def __init__(self, view: CacheView, router: KvCacheAwareRouter, worker: Worker) -> None:
+        self.view = view
+        self.router = router
+        self.worker = worker
+        self.instance: str | None = None
+        self.seq = 0
+
+    async def run(self) -> None:
+        while True:
+            delay = await self.poll_once()
+            if delay:
+                await asyncio.sleep(delay)
+
+    async def poll_once(self) -> float:
+        """One poll; the seconds to wait before the next."""
+        worker, router = self.worker, self.router
+        if not worker.healthy:
+            return RETRY_S
+        params: dict[str, str] = {"after": str(self.seq), "chunk_bytes": str(router.chunk_bytes),
+                                  "wait": str(self.view.wait_s)}  # fmt: skip
+        if self.instance is not None and worker in router.exact:
+            params["instance"] = self.instance
+        else:
+            params["after"] = "0"  # no instance: the answer is a resync
+        timeout = aiohttp.ClientTimeout(total=self.view.wait_s + 10.0)
+        try:
+            async with self.view.session.get(
+                worker.url + "/cache_events", params=params, headers=self.view.headers, timeout=timeout
+            ) as resp:
+                if resp.status in (401, 403, 404, 405, 409):
+                    if resp.status != 404:
+                        log.warning("%s: GET /cache_events answered %d (%s); routing on an estimate of its "
+                                    "cache", worker.url, resp.status, (await resp.text())[:200])  # fmt: skip
+                    return UNSUPPORTED_RETRY_S
+                if resp.status != 200:
+                    return RETRY_S
+                answer = await resp.json(content_type=None)
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
+            return RETRY_S
+        if not self.apply(answer):
+            self.instance = None  # resync next
+            return RETRY_S
+        return 0.0
+
+    def apply(self, answer: Any) -> bool:
+        """Apply one answer to the router; False when it cannot be (a resync is needed)."""
+        if not isinstance(answer, dict):
+            return False
+        instance, seq = answer.get("instance"), answer.get("seq")
+        if not isinstance(instance, str) or type(seq) is not int:
+            return False
+        router, worker = self.router, self.worker
+        if answer.get("resync") is True:
+            held = _keys(answer.get("held"))
+            if held is None:
+                return False
+            router.resync(worker, held)
+            self.instance, self.seq = instance, seq
+            self.view.resyncs += 1
+            return True
+        events = answer.get("events")
+        if instance != self.instance or not isinstance(events, list) or worker not in router.exact:
+            return False
+        for event in events:
+            if not isinstance(event, dict) or event.get("seq") != self.seq + 1:
+                return False  # a gap: what happened between is unknown
+            stored, removed = event.get("stored"), event.get("removed")
+            keys = _keys(stored if stored is not None else removed)
+            if keys is None:
+                return False
+            if stored is not None:
+                router.stored(worker, keys)
+            else:
+                router.removed(worker, keys)
+            self.seq += 1
+            self.view.events += 1
+        return True
+
+
+class CacheView:
+    """Follows the cache events of every worker of the kv_cache_aware ``pools``."""
+
+    def __init__(
+        self, pools: list[Pool], session: aiohttp.ClientSession, token: bytes | None, wait_s: float = WAIT_S
+    ) -> None:
+        self.pools = [p for p in pools if isinstance(p.router, KvCacheAwareRouter)]
+        self.session = session
+        self.headers = {"Authorization": "Bearer " + token.decode()} if token else {}
+        self.wait_s = wait_s
+        self._followers: dict[tuple[int, Worker], asyncio.Task[None]] = {}
+        self._task: asyncio.Task[None] | None = None
+        #: events applied and resyncs taken (tests, debugging)
+        self.events = 0
+        self.resyncs = 0
+
+    def reconcile(self) -> None:
+        """A follower for each member of each pool; none for workers that left."""
+        wanted = {}
+        for pool in self.pools:
+            router = pool.router
+            assert isinstance(router, KvCacheAwareRouter)
+            for worker in pool.workers:
+                wanted[id(pool), worker] = router
+        for slot in [s for s in self._followers if s not in wanted]:
+            self._followers.pop(slot).cancel()
+        loop = asyncio.get_running_loop()
+        for slot, router in wanted.items():
+            if slot not in self._followers:
+                follower = _Follower(self, router, slot[1])
+                self._followers[slot] = loop.create_task(follower.run(), name="fastcore-cache-events")
+
+    async def _run(self) -> None:
+        while True:
+            self.reconcile()
+            await asyncio.sleep(RECONCILE_S)
+
+    def start(self) -> None:
+        if self.pools:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="fastcore-cache-view")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._task, *self._followers.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._followers.clear()
+        self._task = None
