@@ -160,7 +160,7 @@ def test_a_gap_or_a_forgotten_index_asks_for_a_resync() -> None:
     follower = _Follower(None, router, worker)  # type: ignore[arg-type]
     follower.view = type("View", (), {"events": 0, "resyncs": 0})()  # type: ignore[assignment]
     assert follower.apply({"instance": "i", "seq": 3, "resync": True, "held": [1, 2]})
-    assert worker in router.exact and router._holders[1] == {worker}
+    assert worker in router.followed and worker in router.exact and router._holders[1] == {worker}
     assert follower.apply({"instance": "i", "seq": 4, "events": [{"seq": 4, "stored": [5]}]})
     assert follower.apply({"instance": "i", "seq": 5, "events": [{"seq": 5, "removed": [1]}]})
     assert 1 not in router._holders and 5 in router._holders

@@ -78,7 +78,7 @@ class _Follower:
             return RETRY_S
         params: dict[str, str] = {"after": str(self.seq), "chunk_bytes": str(router.chunk_bytes),
                                   "wait": str(self.view.wait_s)}  # fmt: skip
-        if self.instance is not None and worker in router.exact:
+        if self.instance is not None and worker in router.followed:
             params["instance"] = self.instance
         else:
             params["after"] = "0"  # no instance: the answer is a resync
@@ -119,7 +119,7 @@ class _Follower:
             self.view.resyncs += 1
             return True
         events = answer.get("events")
-        if instance != self.instance or not isinstance(events, list) or worker not in router.exact:
+        if instance != self.instance or not isinstance(events, list) or worker not in router.followed:
             return False
         for event in events:
             if not isinstance(event, dict) or event.get("seq") != self.seq + 1:

@@ -499,8 +499,11 @@ class KvCacheAwareRouter(Router):
         self._indexes: dict[Worker, _PrefixIndex] = {}
         #: chunk hash -> the workers whose index holds it (the inverse of ``_indexes``)
         self._holders: dict[int, set[Worker]] = {}
-        #: workers whose cache events this orchestrator follows (server/orchestrator/cache_view.py):
-        #: their evictions come as events, so their index is bounded by max_index_tokens only
+        #: workers whose cache events this orchestrator follows (server/orchestrator/cache_view.py),
+        #: and of them those whose events carried keys: their evictions come as events, so their
+        #: index is bounded by max_index_tokens only (a worker that publishes nothing it is sent,
+        #: e.g. generation legs without the prompt's text, keeps the estimate's bound)
+        self.followed: set[Worker] = set()
         self.exact: set[Worker] = set()
         self._clock = 0
         self._tiebreak = 0
@@ -526,7 +529,8 @@ class KvCacheAwareRouter(Router):
         return index
 
     def forget(self, worker: Worker) -> None:
-        self.exact.discard(worker)  # a resync makes it exact again
+        self.followed.discard(worker)  # its stream resyncs
+        self.exact.discard(worker)
         index = self._indexes.pop(worker, None)
         if index is not None:
             self._unhold(worker, index.entries)
@@ -610,6 +614,7 @@ class KvCacheAwareRouter(Router):
     def stored(self, worker: Worker, keys: list[int]) -> None:
         """``worker`` says it holds ``keys`` now (in chain order: the first most recent)."""
         if keys:
+            self.exact.add(worker)
             index = self._indexes.get(worker)
             self._add(worker, keys, 0 if index is None else index.longest_prefix(keys))
 
@@ -625,7 +630,7 @@ class KvCacheAwareRouter(Router):
     def resync(self, worker: Worker, keys: list[int]) -> None:
         """``worker`` holds exactly ``keys`` (a snapshot; its stream goes on from here)."""
         self.forget(worker)
-        self.exact.add(worker)
+        self.followed.add(worker)
         self.stored(worker, keys)
 
     def account(self, hit_chunks: int, prompt_tokens: int, cached_tokens: int) -> None:
