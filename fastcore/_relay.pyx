@@ -40,7 +40,7 @@ from fastcore._scan cimport (
 from json import loads as _json_loads
 
 from fastcore import protocol as _protocol
-from fastcore.errors import RelayError, TokenDecodeError
+from fastcore.errors import TokenDecodeError
 
 
 cdef enum:
@@ -104,7 +104,6 @@ cdef _PathSet _STRIP_SET = _build_path_set(_py.strip_paths(STRIP_CHOICES))
 cdef dict _strip_sets = {STRIP_CHOICES: _STRIP_SET}
 cdef int _MAX_INT_DIGITS = _py.MAX_INT_DIGITS
 
-cdef str _CONTEXT_502 = _py.CONTEXT_502
 cdef dict _FINISH_REASONS = _py.COMMON_FINISH_REASONS
 # The wire text the kernels write: the pure twin's bytes, built from fastcore.protocol's names.
 cdef bytes _STREAM_KEY = _py.STREAM_KEY
@@ -241,12 +240,12 @@ cdef object _max_tokens_at(object data, const uint8_t *buf, Py_ssize_t start, Py
     cdef uint8_t first = buf[start]
     if _is_number(first):
         if end - start - (first == 0x2D) > _MAX_INT_DIGITS:
-            raise RelayError(f"'{key}' must be an integer of at most {_MAX_INT_DIGITS} digits", key)
+            raise _py.too_many_digits(key)
         if _integral(buf, start, end):
             return _int_of(data, buf, start, end)
     elif first == 0x6E:  # null
         return None
-    raise RelayError(f"'{key}' must be an integer", key)
+    raise _py.must_be(key, _py.AN_INTEGER)
 
 
 cdef int _bool_at(const uint8_t *buf, Py_ssize_t start, str key) except -1:
@@ -260,7 +259,7 @@ cdef int _bool_at(const uint8_t *buf, Py_ssize_t start, str key) except -1:
         return 0
     if first == 0x6E:
         return 2
-    raise RelayError(f"'{key}' must be a boolean", key)
+    raise _py.must_be(key, _py.A_BOOLEAN)
 
 
 cdef object _str_at(object data, const uint8_t *buf, Py_ssize_t start, Py_ssize_t end, str key):
@@ -270,7 +269,7 @@ cdef object _str_at(object data, const uint8_t *buf, Py_ssize_t start, Py_ssize_
     if first == 0x6E:
         return None
     if first != 0x22:
-        raise RelayError(f"'{key}' must be a string", key)
+        raise _py.must_be(key, _py.A_STRING)
     if memchr(buf + start + 1, 0x5C, end - start - 2) == NULL:
         return PyUnicode_DecodeUTF8(<const char *>buf + start + 1, end - start - 2, NULL)  # UTF-8 checked
     return _json_loads(data[start:end])  # escapes: a short string, the stdlib decodes them right
@@ -371,7 +370,7 @@ def read_client_request(body, chat):
     cdef str key
     _scan_spans(data, _CLIENT_SET, True, False, st, en)
     if buf[st[C_ROOT]] != 0x7B:
-        raise RelayError("request body must be a JSON object")
+        raise _py.not_an_object(_py.REQUEST_BODY)
     if st[C_DISAGG] >= 0 or st[C_B64] >= 0 or st[C_IDS] >= 0:
         # One of them is there: the one rule (which are internal on which route) decides.
         _py.check_internal_fields(_spans_tuple(st, en, N_CLIENT), is_chat)
@@ -381,11 +380,11 @@ def read_client_request(body, chat):
         if first == 0x7B:
             include_usage = _bool_at(buf, st[C_INCLUDE_USAGE], _protocol.INCLUDE_USAGE)
         elif first != 0x6E:
-            raise RelayError("'stream_options' must be an object", _protocol.STREAM_OPTIONS)
+            raise _py.must_be(_protocol.STREAM_OPTIONS, _py.AN_OBJECT)
     out.model = _str_at(data, buf, st[C_MODEL], en[C_MODEL], _protocol.MODEL)
     if is_chat:
         if st[C_LAST_MESSAGE] < 0:  # absent, not an array, or empty
-            raise RelayError("'messages' must be a non-empty array", _protocol.MESSAGES)
+            raise _py.must_be(_protocol.MESSAGES, _py.A_NON_EMPTY_ARRAY)
         completion = _max_tokens_at(data, buf, st[C_MAX_COMPLETION_TOKENS], en[C_MAX_COMPLETION_TOKENS],
                                     "max_completion_tokens")
         tokens = _max_tokens_at(data, buf, st[C_MAX_TOKENS], en[C_MAX_TOKENS], "max_tokens")
@@ -395,10 +394,10 @@ def read_client_request(body, chat):
             key, value = "max_tokens", tokens
     else:
         if st[C_PROMPT] < 0 or (buf[st[C_PROMPT]] != 0x22 and buf[st[C_PROMPT]] != 0x5B):
-            raise RelayError("'prompt' must be a string or an array", _protocol.PROMPT)
+            raise _py.must_be(_protocol.PROMPT, _py.A_STRING_OR_ARRAY)
         key, value = "max_tokens", _max_tokens_at(data, buf, st[C_MAX_TOKENS], en[C_MAX_TOKENS], "max_tokens")
     if value is not None and value < 1:
-        raise RelayError(f"'{key}' must be at least 1, got {value}", key)
+        raise _py.below_one(key, value)
     out.body = data
     out.chat = is_chat
     out.empty = _is_empty(buf, st[C_ROOT], en[C_ROOT])
@@ -410,13 +409,13 @@ def read_client_request(body, chat):
 
 cdef ClientScan _client_scan(object client):
     if type(client) is not ClientScan:
-        raise TypeError(f"client must be a ClientScan of this twin, not {type(client).__name__}")
+        raise _py.not_a_scan("client", "ClientScan", client)
     return <ClientScan>client
 
 
 cdef ContextScan _context_scan(object context):
     if type(context) is not ContextScan:
-        raise TypeError(f"context must be a ContextScan of this twin, not {type(context).__name__}")
+        raise _py.not_a_scan("context", "ContextScan", context)
     return <ContextScan>context
 
 
@@ -456,7 +455,7 @@ def context_request(client, disagg_request_id, return_b64):
     cdef Py_ssize_t previous = 0, at
     cdef bint first_added = True
     if isinstance(disagg_request_id, bool) or not isinstance(disagg_request_id, int):
-        raise TypeError("disagg_request_id must be an int")
+        raise _py.not_an_id()
     request_id = PyLong_AsLongLongAndOverflow(disagg_request_id, &overflow)
     if overflow:
         big = b"%d" % disagg_request_id
@@ -512,7 +511,7 @@ def read_context_response(body, max_tokens):
     cdef bint follows = False, length = False
     _scan_spans(data, _CONTEXT_SET, True, False, st, en)
     if buf[st[X_ROOT]] != 0x7B:
-        raise RelayError(_CONTEXT_502 + "context response is not a JSON object")
+        raise _py.context_refusal(_py.CTX_NOT_AN_OBJECT)
     finish_reason = None
     start = st[X_FINISH]
     end = en[X_FINISH]
@@ -520,19 +519,18 @@ def read_context_response(body, max_tokens):
         finish_reason = _FINISH_REASONS.get(PyBytes_FromStringAndSize(<const char *>buf + start, end - start), data)
         if finish_reason is data:  # not one of the common ones
             if buf[start] != 0x22:
-                raise RelayError(_CONTEXT_502 + "context response: choices[0].finish_reason is not a string",
-                                 _protocol.FINISH_REASON)
+                raise _py.context_refusal(_py.CTX_FINISH_NOT_A_STRING, _protocol.FINISH_REASON)
             finish_reason = _json_loads(data[start:end])  # a short string with escapes
         length = finish_reason == _protocol.FINISH_LENGTH
         follows = length or finish_reason == _protocol.FINISH_NOT_FINISHED
     if st[X_FIRST_CHOICE] < 0:
-        raise RelayError("context worker response has no choices[0]", _protocol.CHOICES)
+        raise _py.no_first_choice()
     if length and max_tokens is not None:
         completion_tokens = _int_at(data, buf, st[X_COMPLETION_TOKENS], en[X_COMPLETION_TOKENS])
         if completion_tokens is not None:
             follows = completion_tokens < max_tokens
     if follows and (st[X_DP] < 0 or buf[st[X_DP]] != 0x7B):
-        raise RelayError("context worker response lacks choices[0].disaggregated_params", _protocol.DISAGGREGATED_PARAMS)
+        raise _py.lacks_params()
     out.body = data
     out.finish_reason = finish_reason
     out.finished = not follows
@@ -597,8 +595,7 @@ def generation_request(client, context, tokids_b64, strip_history):
     cdef Py_ssize_t usage_len = PyBytes_GET_SIZE(_NULL)
     cdef bint gate_b64 = tokids_b64, strip = strip_history, replace_prompt = False
     if dp0 < 0 or cbuf[dp0] != 0x7B:
-        raise RelayError(_CONTEXT_502 + "context response has no choices[0].disaggregated_params object",
-                         _protocol.DISAGGREGATED_PARAMS)
+        raise _py.context_refusal(_py.CTX_NO_PARAMS_OBJECT, _protocol.DISAGGREGATED_PARAMS)
     if gate_b64:
         ids0 = x.starts[X_B64]
         ids1 = x.ends[X_B64]
@@ -606,21 +603,17 @@ def generation_request(client, context, tokids_b64, strip_history):
         if (ids0 < 0 or cbuf[ids0] == 0x6E) and x.starts[X_IDS] >= 0 and cbuf[x.starts[X_IDS]] == 0x5B:
             gate_b64 = False
         elif ids0 < 0 or cbuf[ids0] != 0x22:
-            raise RelayError(
-                _CONTEXT_502 + "context response has no prompt_token_ids_b64 string (is the context "
-                "worker's return_prompt_token_ids_b64 support on?) and no prompt_token_ids list",
-                _protocol.PROMPT_TOKEN_IDS_B64)
+            raise _py.context_refusal(_py.CTX_NO_B64, _protocol.PROMPT_TOKEN_IDS_B64)
         else:
             try:
                 _check_b64(cbuf, ids0 + 1, ids1 - 1)
             except TokenDecodeError as exc:
-                raise RelayError(_CONTEXT_502 + f"context response: invalid prompt_token_ids_b64: {exc}",
-                                 _protocol.PROMPT_TOKEN_IDS_B64) from exc
+                raise _py.bad_b64(exc) from exc
     if not gate_b64:
         ids0 = x.starts[X_IDS]
         ids1 = x.ends[X_IDS]
         if ids0 < 0 or cbuf[ids0] != 0x5B:
-            raise RelayError(_CONTEXT_502 + "context response has no prompt_token_ids list", _protocol.PROMPT_TOKEN_IDS)
+            raise _py.context_refusal(_py.CTX_NO_IDS, _protocol.PROMPT_TOKEN_IDS)
         replace_prompt = not c.chat and c.starts[C_PROMPT] >= 0
     if u0 >= 0:
         usage = ctx + u0
@@ -699,7 +692,7 @@ def strip_internal_fields(body, validate=True):
             if st == NULL or en == NULL:
                 raise MemoryError()
         if buf[st[0]] != 0x7B:
-            raise RelayError("the response body must be a JSON object")
+            raise _py.not_an_object(_py.RESPONSE_BODY)
         # The members to cut (key-to-value spans), sorted, compacted into st/en from index 0.
         paths = compiled.n_paths
         count = 0

@@ -177,6 +177,72 @@ COMMON_FINISH_REASONS: dict[bytes, str | None] = {
 CONTEXT_502 = "context worker response cannot be relayed: "
 
 
+# -- the kernels' refusals: their texts, once (the compiled twin raises these too) ---------------------
+
+#: what a small field must be, in ``must_be``'s words
+A_BOOLEAN, A_STRING, AN_OBJECT, AN_INTEGER = "a boolean", "a string", "an object", "an integer"
+A_NON_EMPTY_ARRAY, A_STRING_OR_ARRAY = "a non-empty array", "a string or an array"
+
+
+def must_be(key: str, what: str) -> RelayError:
+    """A client's small field of the wrong type (the 400's message and ``param``)."""
+    return RelayError(f"'{key}' must be {what}", key)
+
+
+def too_many_digits(key: str) -> RelayError:
+    return RelayError(f"'{key}' must be an integer of at most {MAX_INT_DIGITS} digits", key)
+
+
+def below_one(key: str, value: int) -> RelayError:
+    return RelayError(f"'{key}' must be at least 1, got {value}", key)
+
+
+def not_an_object(what: str) -> RelayError:
+    """``what`` (``REQUEST_BODY``, ``RESPONSE_BODY``) is JSON but not an object."""
+    return RelayError(f"{what} must be a JSON object")
+
+
+REQUEST_BODY, RESPONSE_BODY = "request body", "the response body"
+
+
+def context_refusal(reason: str, field: str | None = None) -> RelayError:
+    """A context response leg (3) cannot be built from (the 502's message)."""
+    return RelayError(CONTEXT_502 + "context response" + reason, field)
+
+
+CTX_NOT_AN_OBJECT = " is not a JSON object"
+CTX_FINISH_NOT_A_STRING = ": choices[0].finish_reason is not a string"
+CTX_NO_PARAMS_OBJECT = " has no choices[0].disaggregated_params object"
+CTX_NO_B64 = (
+    " has no prompt_token_ids_b64 string (is the context worker's return_prompt_token_ids_b64 support on?)"
+    " and no prompt_token_ids list"
+)
+CTX_NO_IDS = " has no prompt_token_ids list"
+
+
+def bad_b64(exc: Exception) -> RelayError:
+    return context_refusal(f": invalid prompt_token_ids_b64: {exc}", P.PROMPT_TOKEN_IDS_B64)
+
+
+def no_first_choice() -> RelayError:
+    return RelayError(f"context worker response has no {P.CHOICES}[0]", P.CHOICES)
+
+
+def lacks_params() -> RelayError:
+    return RelayError(
+        f"context worker response lacks {P.CHOICES}[0].{P.DISAGGREGATED_PARAMS}", P.DISAGGREGATED_PARAMS
+    )
+
+
+def not_a_scan(what: str, expected: str, value: object) -> TypeError:
+    """A kernel given another twin's scan (or none)."""
+    return TypeError(f"{what} must be a {expected} of this twin, not {type(value).__name__}")
+
+
+def not_an_id() -> TypeError:
+    return TypeError("disagg_request_id must be an int")
+
+
 #: An int of more digits than this is not a token count (and int() of thousands of digits is slow).
 MAX_INT_DIGITS = 20
 _NULL, _TRUE, _FALSE, _MINUS = b"ntf-"
@@ -273,7 +339,7 @@ def _bool_at(buf: bytes, span: Span | None, key: str) -> bool | None:
         return False
     if first == _NULL:
         return None
-    raise RelayError(f"'{key}' must be a boolean", key)
+    raise must_be(key, A_BOOLEAN)
 
 
 def _str_at(buf: bytes, span: Span | None, key: str) -> str | None:
@@ -284,7 +350,7 @@ def _str_at(buf: bytes, span: Span | None, key: str) -> str | None:
     if first == _NULL:
         return None
     if first != _QUOTE:
-        raise RelayError(f"'{key}' must be a string", key)
+        raise must_be(key, A_STRING)
     if buf.find(b"\\", start + 1, end - 1) < 0:
         return buf[start + 1 : end - 1].decode("utf-8")  # the scan checked its UTF-8
     value: str = json.loads(buf[start:end])  # escapes: a short string, the stdlib decodes them right
@@ -315,8 +381,8 @@ def _max_tokens_at(buf: bytes, span: Span | None, key: str) -> int | None:
         if first == _NULL:
             return None
         if (first == _MINUS or 0x30 <= first <= 0x39) and end - start - (first == _MINUS) > MAX_INT_DIGITS:
-            raise RelayError(f"'{key}' must be an integer of at most {MAX_INT_DIGITS} digits", key)
-        raise RelayError(f"'{key}' must be an integer", key)
+            raise too_many_digits(key)
+        raise must_be(key, AN_INTEGER)
     return value
 
 
@@ -335,7 +401,7 @@ def read_client_request(body: bytes | bytearray | memoryview, chat: bool) -> Cli
     root = spans[C_ROOT]
     assert root is not None  # a scan that succeeds has the document's span
     if buf[root[0]] != _OPEN_OBJECT:
-        raise RelayError("request body must be a JSON object")
+        raise not_an_object(REQUEST_BODY)
     check_internal_fields(spans, chat)
     stream = _bool_at(buf, spans[C_STREAM], P.STREAM)
     include_usage = None
@@ -345,11 +411,11 @@ def read_client_request(body: bytes | bytearray | memoryview, chat: bool) -> Cli
         if first == _OPEN_OBJECT:
             include_usage = _bool_at(buf, spans[C_INCLUDE_USAGE], P.INCLUDE_USAGE)
         elif first != _NULL:
-            raise RelayError("'stream_options' must be an object", P.STREAM_OPTIONS)
+            raise must_be(P.STREAM_OPTIONS, AN_OBJECT)
     model = _str_at(buf, spans[C_MODEL], P.MODEL)
     if chat:
         if spans[C_LAST_MESSAGE] is None:  # absent, not an array, or empty
-            raise RelayError("'messages' must be a non-empty array", P.MESSAGES)
+            raise must_be(P.MESSAGES, A_NON_EMPTY_ARRAY)
         # Both are checked (as a request model would); the first set one counts.
         completion = _max_tokens_at(buf, spans[C_MAX_COMPLETION_TOKENS], P.MAX_COMPLETION_TOKENS)
         tokens = _max_tokens_at(buf, spans[C_MAX_TOKENS], P.MAX_TOKENS)
@@ -359,22 +425,22 @@ def read_client_request(body: bytes | bytearray | memoryview, chat: bool) -> Cli
     else:
         prompt = spans[C_PROMPT]
         if prompt is None or buf[prompt[0]] not in (_QUOTE, _OPEN_ARRAY):
-            raise RelayError("'prompt' must be a string or an array", P.PROMPT)
+            raise must_be(P.PROMPT, A_STRING_OR_ARRAY)
         key, value = P.MAX_TOKENS, _max_tokens_at(buf, spans[C_MAX_TOKENS], P.MAX_TOKENS)
     if value is not None and value < 1:
-        raise RelayError(f"'{key}' must be at least 1, got {value}", key)
+        raise below_one(key, value)
     return ClientScan(buf, chat, spans, _is_empty(buf, root), bool(stream), bool(include_usage), value, model)
 
 
 def _client_scan(client: object) -> ClientScan:
     if type(client) is not ClientScan:
-        raise TypeError(f"client must be a ClientScan of this twin, not {type(client).__name__}")
+        raise not_a_scan("client", "ClientScan", client)
     return client
 
 
 def _context_scan(context: object) -> ContextScan:
     if type(context) is not ContextScan:
-        raise TypeError(f"context must be a ContextScan of this twin, not {type(context).__name__}")
+        raise not_a_scan("context", "ContextScan", context)
     return context
 
 
@@ -383,7 +449,7 @@ def context_request(client: ClientScan, disagg_request_id: int, return_b64: bool
     ``disaggregated_params`` (context_only, the id, ``return_prompt_token_ids_b64`` if asked) added."""
     client = _client_scan(client)
     if isinstance(disagg_request_id, bool) or not isinstance(disagg_request_id, int):
-        raise TypeError("disagg_request_id must be an int")
+        raise not_an_id()
     spans = client.spans
     edits: list[tuple[int, int, bytes]] = []
     added: list[bytes] = []
@@ -418,7 +484,7 @@ def read_context_response(body: bytes | bytearray | memoryview, max_tokens: int 
     root = spans[X_ROOT]
     assert root is not None
     if buf[root[0]] != _OPEN_OBJECT:
-        raise RelayError(CONTEXT_502 + "context response is not a JSON object")
+        raise context_refusal(CTX_NOT_AN_OBJECT)
     finish_reason: str | None = None
     finish = spans[X_FINISH]
     if finish is not None:
@@ -428,11 +494,9 @@ def read_context_response(body: bytes | bytearray | memoryview, max_tokens: int 
         elif raw[0] == _QUOTE:
             finish_reason = json.loads(raw)  # a short string with escapes: the stdlib decodes them right
         else:
-            raise RelayError(
-                CONTEXT_502 + "context response: choices[0].finish_reason is not a string", P.FINISH_REASON
-            )
+            raise context_refusal(CTX_FINISH_NOT_A_STRING, P.FINISH_REASON)
     if spans[X_FIRST_CHOICE] is None:
-        raise RelayError("context worker response has no choices[0]", P.CHOICES)
+        raise no_first_choice()
     follows = finish_reason in P.GENERATION_FOLLOWS
     if follows and finish_reason == P.FINISH_LENGTH and max_tokens is not None:
         # Our context worker says "length" when the client's max_tokens is 1: that leg already
@@ -442,9 +506,7 @@ def read_context_response(body: bytes | bytearray | memoryview, max_tokens: int 
             follows = completion_tokens < max_tokens
     params = spans[X_DP]
     if follows and (params is None or buf[params[0]] != _OPEN_OBJECT):
-        raise RelayError(
-            "context worker response lacks choices[0].disaggregated_params", P.DISAGGREGATED_PARAMS
-        )
+        raise lacks_params()
     return ContextScan(buf, spans, finish_reason, not follows)
 
 
@@ -467,10 +529,7 @@ def generation_request(
     view = memoryview(ctx)
     params = found[X_DP]
     if params is None or ctx[params[0]] != _OPEN_OBJECT:
-        raise RelayError(
-            CONTEXT_502 + "context response has no choices[0].disaggregated_params object",
-            P.DISAGGREGATED_PARAMS,
-        )
+        raise context_refusal(CTX_NO_PARAMS_OBJECT, P.DISAGGREGATED_PARAMS)
     usage_span = found[X_USAGE]
     usage = ctx[usage_span[0] : usage_span[1]] if usage_span is not None else b"null"
     replaced: list[tuple[int, int, bytes]] = []
@@ -506,9 +565,7 @@ def generation_request(
     else:
         ids = found[X_IDS]
         if ids is None or ctx[ids[0]] != _OPEN_ARRAY:
-            raise RelayError(
-                CONTEXT_502 + "context response has no prompt_token_ids list", P.PROMPT_TOKEN_IDS
-            )
+            raise context_refusal(CTX_NO_IDS, P.PROMPT_TOKEN_IDS)
         prompt = spans[C_PROMPT]
         if client.chat:
             pieces += [b"," + PROMPT_TOKEN_IDS_KEY, view[ids[0] : ids[1]]]
@@ -539,17 +596,11 @@ def _token_b64(ctx: bytes, found: tuple[Span | None, ...]) -> Span | None:
         if ids is not None and ctx[ids[0]] == _OPEN_ARRAY:
             return None
     if b64 is None or ctx[b64[0]] != _QUOTE:
-        raise RelayError(
-            CONTEXT_502 + "context response has no prompt_token_ids_b64 string (is the context "
-            "worker's return_prompt_token_ids_b64 support on?) and no prompt_token_ids list",
-            P.PROMPT_TOKEN_IDS_B64,
-        )
+        raise context_refusal(CTX_NO_B64, P.PROMPT_TOKEN_IDS_B64)
     try:
         check_token_b64(ctx, b64[0] + 1, b64[1] - 1)
     except TokenDecodeError as exc:
-        raise RelayError(
-            CONTEXT_502 + f"context response: invalid prompt_token_ids_b64: {exc}", P.PROMPT_TOKEN_IDS_B64
-        ) from exc
+        raise bad_b64(exc) from exc
     return b64
 
 
@@ -571,7 +622,7 @@ def strip_internal_fields(body: bytes | bytearray | memoryview, validate: bool =
     root = spans[0]
     assert root is not None
     if buf[root[0]] != _OPEN_OBJECT:
-        raise RelayError("the response body must be a JSON object")
+        raise not_an_object(RESPONSE_BODY)
     members = sorted(span for span in spans[1:3] + spans[4:] if span is not None)
     if not members:
         return buf
