@@ -48,6 +48,9 @@ log = logging.getLogger("fastcore.orchestrator")
 
 
 UNHEALTHY_AFTER_TIMEOUTS = 3
+#: bumped by every change of a worker's health or a breaker's state: Pool.choose's cached list of
+#: routable workers is rebuilt only then, not on every request (routing cost independent of fleet size)
+_ROUTABLE_EPOCH = [0]
 
 
 #: the /server_info field in which a fastcore worker says it answers completions with
@@ -128,18 +131,28 @@ class CircuitBreaker:
     #: a worker that keeps failing its probes waits at most this many times ``open_s``
     MAX_OPEN_FACTOR = 8
 
-    __slots__ = ("failures", "open_for", "open_s", "opened", "opened_at", "probing", "state", "threshold")
+    __slots__ = ("_state", "failures", "open_for", "open_s", "opened", "opened_at", "probing", "threshold")
 
     def __init__(self, threshold: int = 3, open_s: float = 5.0) -> None:
         self.threshold = threshold
         self.open_s = open_s
-        self.state = self.CLOSED
+        self._state = self.CLOSED
         self.failures = 0
         self.open_for = open_s
         self.opened_at = 0.0
         self.probing = False
         #: times it opened (for /metrics)
         self.opened = 0
+
+    @property
+    def state(self) -> int:
+        return self._state
+
+    @state.setter
+    def state(self, state: int) -> None:
+        if state != self._state:
+            self._state = state
+            _ROUTABLE_EPOCH[0] += 1  # Pool.choose's cached candidates are stale
 
     def allows(self, now: float) -> bool:
         """Whether a new leg may go to the worker now (an open breaker past its time turns half-open)."""
@@ -184,9 +197,9 @@ class CircuitBreaker:
 
 class Worker:
     __slots__ = (
+        "_healthy",
         "b64_completions",
         "breaker",
-        "healthy",
         "in_flight",
         "in_flight_tokens",
         "instance",
@@ -202,7 +215,7 @@ class Worker:
         self.breaker = breaker if breaker is not None else CircuitBreaker()
         # Not routable until the first health check says so: the orchestrator's
         # own /health is 503 until then.
-        self.healthy = False
+        self._healthy = False
         self.in_flight = 0
         # Their prompts' estimated tokens (counted only for a load_balancing router with use_tokens).
         self.in_flight_tokens = 0
@@ -217,6 +230,16 @@ class Worker:
         # The worker process's id, from its /health (a fastcore worker says it): a new one is
         # a restart, whose cache is empty even though /health never failed.
         self.instance: str | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    @healthy.setter
+    def healthy(self, healthy: bool) -> None:
+        if healthy != self._healthy:
+            self._healthy = healthy
+            _ROUTABLE_EPOCH[0] += 1  # Pool.choose's cached candidates are stale
 
     def set_capabilities(self, caps: Capabilities) -> None:
         self.b64_completions = caps.b64_completions
@@ -249,6 +272,10 @@ class Pool:
         self.static = frozenset(urls)
         #: URLs of the workers that discovery added (server/orchestrator/discovery.py)
         self.discovered: set[str] = set()
+        #: Pool.choose's cached routable workers (see _routable)
+        self._routable_list: list[Worker] | None = None
+        self._routable_epoch = -1
+        self._routable_of: list[Worker] | None = None
 
     def sync_discovered(self, urls: Collection[str]) -> tuple[list[Worker], list[Worker]]:
         """Make the discovered workers exactly ``urls`` (the configured ones stay whatever
@@ -293,6 +320,10 @@ class Pool:
         """A healthy worker not in ``exclude`` (those already tried) whose breaker lets a leg through,
         or None. ``key``: the request's routing key, for a router that ``needs_key`` (None: it routes
         as least_loaded would). The leg that goes there marks its breaker (:meth:`CircuitBreaker.chosen`)."""
+        if not exclude:
+            routable = self._routable()
+            if routable is not None:
+                return self.router.choose(routable, key) if routable else None
         now = time.monotonic()
         candidates = [
             w
@@ -304,6 +335,18 @@ class Pool:
         if not candidates:
             return None
         return self.router.choose(candidates, key)
+
+    def _routable(self) -> list[Worker] | None:
+        """The healthy workers whose breakers are closed (a list routers must not change), kept until
+        a health or breaker change or a new member list; None while some healthy worker's breaker
+        is not closed (whether it lets a probe through depends on the time: the full pass decides)."""
+        workers = self.workers
+        if self._routable_epoch != _ROUTABLE_EPOCH[0] or self._routable_of is not workers:
+            closed = [w for w in workers if w.healthy and w.breaker.state == CircuitBreaker.CLOSED]
+            tripped = any(w.healthy and w.breaker.state != CircuitBreaker.CLOSED for w in workers)
+            self._routable_list = None if tripped else closed
+            self._routable_epoch, self._routable_of = _ROUTABLE_EPOCH[0], workers
+        return self._routable_list
 
     def all_open(self) -> bool:
         """Some worker is healthy, and every healthy one's breaker is open (or probing)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import json
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -49,6 +50,10 @@ CONVERSATION_HEADERS = (*TRTLLM_CONVERSATION_HEADERS, CONVERSATION_HEADER)
 #: JSON bytes per prompt token where a figure must be fixed at startup (``tokens_per_block`` as
 #: chunk bytes, timeouts, rate limits); every routing figure uses the learned one (estimates.py)
 BYTES_PER_TOKEN = 4
+#: kv_cache_aware in a large pool: loads read per request (a moving window of candidates), and the
+#: most workers asked for their prefix (the holders of the deepest chunk held)
+LOAD_SAMPLE = 32
+MAX_ASKED = 32
 #: ids longer than this are not conversation ids (hashing megabytes per request is not routing)
 MAX_CONVERSATION_ID_BYTES = 1024
 
@@ -505,6 +510,9 @@ class KvCacheAwareRouter(Router):
         #: e.g. generation legs without the prompt's text, keeps the estimate's bound)
         self.followed: set[Worker] = set()
         self.exact: set[Worker] = set()
+        self._candidates: list[Worker] | None = None
+        self._candidate_set: set[Worker] = set()
+        self._next_window = 0
         self._clock = 0
         self._tiebreak = 0
         #: chunks routed with a key, and of them those expected to hit (/metrics)
@@ -565,18 +573,27 @@ class KvCacheAwareRouter(Router):
                 key.hit_chunks = 0
             return self._fallback.choose(candidates)
         assert key is not None
-        mean = sum(w.in_flight for w in candidates) / len(candidates)
+        # A large fleet's loads are read in a window of LOAD_SAMPLE candidates that moves on each
+        # request (the power of d choices: Mitzenmacher, 2001), and the workers asked for their
+        # prefix are the holders of the prompt's deepest held chunk: no pass over the fleet.
+        window = self._window(candidates)
+        mean = sum(w.in_flight for w in window) / len(window)
         hot = max(mean * self.max_load_ratio, mean + 1)
         per_chunk = self.chunk_bytes / self.estimate.value
         load_weight = self.load_weight
         # Without a hit, the least loaded candidate scores best (ties in turn, as the fallback).
-        worker = self._fallback.choose(candidates)
+        worker = self._fallback.choose(window)
         best_score, best_load, hit = -load_weight * (worker.in_flight - mean), worker.in_flight, 0
         holders = self._holders.get(hashes[0])
         if holders:
             indexes = self._indexes
-            # holders that are candidates: a C-level pass over the list, no index asked
-            for holder in holders.intersection(candidates):
+            if candidates is not self._candidates:  # Pool.choose's cached list: its set is kept too
+                self._candidates, self._candidate_set = candidates, set(candidates)
+            if len(holders) > MAX_ASKED:
+                holders = self._deepest_holders(hashes)
+            for holder in holders:
+                if holder not in self._candidate_set:
+                    continue
                 load = holder.in_flight
                 held = indexes[holder].longest_prefix(hashes)
                 score = (held * per_chunk if load <= hot else 0.0) - load_weight * (load - mean)
@@ -587,6 +604,31 @@ class KvCacheAwareRouter(Router):
         self.hit_chunks += hit
         self._add(worker, hashes, hit)
         return worker
+
+    def _window(self, candidates: list[Worker]) -> list[Worker]:
+        n = len(candidates)
+        if n <= LOAD_SAMPLE:
+            return candidates
+        start = self._next_window % n
+        self._next_window = start + LOAD_SAMPLE
+        window = candidates[start : start + LOAD_SAMPLE]
+        return window if len(window) == LOAD_SAMPLE else window + candidates[: LOAD_SAMPLE - len(window)]
+
+    def _deepest_holders(self, hashes: list[int]) -> set[Worker]:
+        """The workers holding the deepest of ``hashes`` that any worker holds (binary search:
+        holder sets shrink along a chain), when too many hold its first chunk to ask them all."""
+        holders = self._holders
+        lo, hi = 1, len(hashes)  # hashes[lo - 1] is held by someone
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if hashes[mid - 1] in holders:
+                lo = mid
+            else:
+                hi = mid - 1
+        deepest = holders[hashes[lo - 1]]
+        if len(deepest) <= MAX_ASKED:
+            return deepest
+        return set(itertools.islice(deepest, MAX_ASKED))
 
     def routed(self, worker: Worker, hashes: list[int]) -> None:
         """``worker`` took a request with these chunks: it will cache them."""
