@@ -281,8 +281,32 @@ cdef tuple _spans_tuple(const Py_ssize_t *starts, const Py_ssize_t *ends, Py_ssi
 
 @cython.no_gc  # holds bytes, str and int only: never in a reference cycle
 @cython.auto_pickle(False)
-cdef class ClientScan:
+cdef class _Scan:
+    """Equality, no hash, and the repr of the pure twin's scans (over the same ``_FIELDS``)."""
+
+    def _relay_key(self):
+        return tuple([getattr(self, name) for name in self._FIELDS])
+
+    def __eq__(self, other):
+        # Equal across the twins: the pure twin's scans have the same _relay_key.
+        key = getattr(other, "_relay_key", None)
+        if key is None or type(other).__name__ != type(self).__name__:
+            return NotImplemented
+        return self._relay_key() == key()
+
+    __hash__ = None
+
+    def __repr__(self):
+        fields = ", ".join([f"{name}={getattr(self, name)!r}" for name in self._FIELDS if name != "body"])
+        return f"{type(self).__name__}({fields})"
+
+
+@cython.no_gc
+@cython.auto_pickle(False)
+cdef class ClientScan(_Scan):
     """A client body read by :func:`read_client_request` (see the pure twin's ``ClientScan``)."""
+
+    _FIELDS = _py.ClientScan._FIELDS
 
     cdef readonly object body
     cdef readonly bint chat
@@ -298,28 +322,14 @@ cdef class ClientScan:
     def spans(self):
         return _spans_tuple(self.starts, self.ends, N_CLIENT)
 
-    def _relay_key(self):
-        return (self.body, self.chat, self.spans, self.empty, self.stream, self.include_usage, self.max_tokens,
-                self.model)
-
-    def __eq__(self, other):
-        key = getattr(other, "_relay_key", None)
-        if key is None or type(other).__name__ != "ClientScan":
-            return NotImplemented
-        return self._relay_key() == key()
-
-    __hash__ = None
-
-    def __repr__(self):
-        return (f"ClientScan(chat={self.chat!r}, spans={self.spans!r}, empty={self.empty!r}, "
-                f"stream={self.stream!r}, include_usage={self.include_usage!r}, "
-                f"max_tokens={self.max_tokens!r}, model={self.model!r})")
 
 
 @cython.no_gc
 @cython.auto_pickle(False)
-cdef class ContextScan:
+cdef class ContextScan(_Scan):
     """A context response read by :func:`read_context_response` (see the pure twin's ``ContextScan``)."""
+
+    _FIELDS = _py.ContextScan._FIELDS
 
     cdef readonly object body
     cdef readonly object finish_reason
@@ -331,9 +341,6 @@ cdef class ContextScan:
     def spans(self):
         return _spans_tuple(self.starts, self.ends, N_CONTEXT)
 
-    def _relay_key(self):
-        return (self.body, self.spans, self.finish_reason, self.finished)
-
     def auth_fields(self):
         """``ctx_info_endpoint`` and ``encoded_opaque_state`` of ``choices[0].disaggregated_params``,
         decoded when asked (see the pure twin)."""
@@ -344,17 +351,6 @@ cdef class ContextScan:
             return None
         return _json_loads(self.body[self.starts[index]:self.ends[index]])
 
-    def __eq__(self, other):
-        key = getattr(other, "_relay_key", None)
-        if key is None or type(other).__name__ != "ContextScan":
-            return NotImplemented
-        return self._relay_key() == key()
-
-    __hash__ = None
-
-    def __repr__(self):
-        return (f"ContextScan(spans={self.spans!r}, finish_reason={self.finish_reason!r}, "
-                f"finished={self.finished!r})")
 
 
 def read_client_request(body, chat):
