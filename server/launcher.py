@@ -55,6 +55,9 @@ from server.orchestrator.config import RELAY_MODES
 from server.ports import port_problem, release_ports, reserve_ports
 
 STOP_GRACE_S = 10.0
+#: how long past its drain deadline a child may take to exit before it is killed (a worker waits up
+#: to 2 s more for parked KV to be fetched; an orchestrator with --workers N joins each process)
+STOP_MARGIN_S = 15.0
 POLL_S = 0.2
 #: the cluster name of ``up --cluster`` unless --cluster-name says otherwise
 DEFAULT_CLUSTER_NAME = "local"
@@ -127,6 +130,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--relay", choices=RELAY_MODES, default="fast",
                         help="orchestrator relay mode (default fast)")  # fmt: skip
     parser.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=10.0,
+        help="on Ctrl-C/SIGTERM: seconds each child gives its requests in flight before cancelling them "
+        f"(a child still there {STOP_MARGIN_S:g} s later is killed; default 10)",
+    )
+    parser.add_argument(
         "--startup-timeout-s", type=float, default=300.0, help="give up if not healthy by then (default 300)"
     )
     cluster = parser.add_argument_group("cluster (workers found through discovery instead of urls)")
@@ -195,6 +205,8 @@ def plan(args: argparse.Namespace, cluster_uri: str | None = None) -> list[Child
     for flag in ("context_workers", "generation_workers", "orchestrator_workers"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
+    if not args.drain_timeout_s >= 0:
+        raise ValueError("--drain-timeout-s must be 0 or more")
     cluster_name = getattr(args, "cluster_name", None) or DEFAULT_CLUSTER_NAME
     cluster_args = ["--cluster-uri", cluster_uri, "--cluster-name", cluster_name] if cluster_uri else []
     python = [sys.executable, "-m", "server.cli"]
@@ -223,7 +235,7 @@ def plan(args: argparse.Namespace, cluster_uri: str | None = None) -> list[Child
             ]
             if args.device:
                 argv += ["--device", args.device]
-            argv += allow + cluster_args
+            argv += ["--drain-timeout", f"{args.drain_timeout_s:g}", *allow, *cluster_args]
             children.append(Child(f"{role} worker {i}", argv, port))
             urls[role].append(f"{args.host}:{port}")
             port += 1
@@ -244,6 +256,7 @@ def plan(args: argparse.Namespace, cluster_uri: str | None = None) -> list[Child
         *pools,
         "--relay", args.relay,
         "--workers", str(args.orchestrator_workers),
+        "--drain-timeout-s", f"{args.drain_timeout_s:g}",
         "--gen-tokids-ctxbytes" if args.gen_tokids_ctxbytes else "--no-gen-tokids-ctxbytes",
         "--gen-strip-message-history" if args.gen_strip_message_history else "--no-gen-strip-message-history",
     ]  # fmt: skip
@@ -380,6 +393,8 @@ def _etcd_log_tail(path: str, lines: int = 5) -> str:
 
 def run(args: argparse.Namespace) -> int:
     cluster = clustered(args)
+    # Children drain their requests in flight first (--drain-timeout-s): killed only past that.
+    grace = args.drain_timeout_s + STOP_MARGIN_S
     local_etcd = cluster and not args.cluster_uri
     try:
         check_cluster_args(args)
@@ -511,9 +526,9 @@ def run(args: argparse.Namespace) -> int:
         if cluster:
             # The workers first (they deregister, from the orchestrator's registry too), then the
             # orchestrator, then the etcd they deregistered from.
-            stop_all(children[:-1])
-            stop_all(children[-1:])
+            stop_all(children[:-1], grace)
+            stop_all(children[-1:], grace)
         else:
-            stop_all(children)
+            stop_all(children, grace)
         if etcd is not None:
             etcd.stop()

@@ -509,6 +509,18 @@ def test_a_sigkilled_launchers_etcd_data_is_removed_at_the_next_start(monkeypatc
     assert not os.path.exists(etcd.data_dir)
 
 
+def test_every_child_drains_as_long_as_up_was_told_and_is_killed_only_after():
+    children = launcher.plan(_parse_up("--drain-timeout-s", "7.5", "--model", "synthetic"))
+    for child in children:
+        flag = "--drain-timeout-s" if child.name == "orchestrator" else "--drain-timeout"
+        assert child.argv[child.argv.index(flag) + 1] == "7.5", child.argv
+    default = launcher.plan(_parse_up("--model", "synthetic"))
+    assert all("10" in child.argv for child in default)
+    # (the real-process tests here start children with these flags: their parsers take them)
+    with pytest.raises(ValueError, match="--drain-timeout-s must be 0 or more"):
+        launcher.plan(_parse_up("--drain-timeout-s", "-1"))
+
+
 def test_plan_with_a_cluster():
     args = _parse_up("--cluster", "--context-workers", "2", "--model", "/models/Qwen2-0.5B/")
     children = launcher.plan(args, "etcd://127.0.0.1:2379")
