@@ -178,56 +178,15 @@ cdef inline int scan_string(Scanner *s, const uint8_t *buf, Py_ssize_t n, bint v
     return scan_string_rest(s, i, end, escaped)
 
 
-cdef int scan_number(Scanner *s, Py_ssize_t i, Py_ssize_t *end) noexcept nogil:
-    """Past the number at ``i``; a malformed one fails where it breaks, a long one at ``i``."""
-    cdef const uint8_t *buf = s.buf
-    cdef Py_ssize_t n = s.n, start = i
-    cdef uint8_t c
+cdef inline Py_ssize_t number_scan(const uint8_t *buf, Py_ssize_t i, Py_ssize_t n, Py_ssize_t *at) noexcept nogil:
+    """Past the number at ``i``, or minus the status code with its offset in ``at``: a malformed
+    number fails where it breaks, a long one at ``i``."""
+    cdef Py_ssize_t start = i
     if buf[i] == 0x2D:  # '-'
         i += 1
     if i >= n:
-        return fail(s, E_EOF, n)
-    c = buf[i]
-    if c == 0x30:
-        i += 1
-    elif is_digit(c):
-        i += 1
-        while i < n and is_digit(buf[i]):
-            i += 1
-    else:
-        return fail(s, E_DIGIT, i)
-    if i < n and buf[i] == 0x2E:  # '.'
-        i += 1
-        if i >= n:
-            return fail(s, E_EOF, n)
-        if not is_digit(buf[i]):
-            return fail(s, E_DIGIT, i)
-        while i < n and is_digit(buf[i]):
-            i += 1
-    if i < n and (buf[i] == 0x65 or buf[i] == 0x45):  # 'e' 'E'
-        i += 1
-        if i < n and (buf[i] == 0x2B or buf[i] == 0x2D):
-            i += 1
-        if i >= n:
-            return fail(s, E_EOF, n)
-        if not is_digit(buf[i]):
-            return fail(s, E_DIGIT, i)
-        while i < n and is_digit(buf[i]):
-            i += 1
-    if i - start > _MAX_NUMBER_CHARS:
-        return fail(s, E_NUMBER_LENGTH, start)
-    end[0] = i
-    return 0
-
-
-cdef inline Py_ssize_t number_end(const uint8_t *buf, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
-    """Past the well-formed number at ``i`` within the length limit, or -1 (scan_number says what
-    is wrong)."""
-    cdef Py_ssize_t start = i
-    if buf[i] == 0x2D:
-        i += 1
-        if i >= n:
-            return -1
+        at[0] = n
+        return -E_EOF
     if buf[i] == 0x30:
         i += 1
     elif is_digit(buf[i]):
@@ -235,24 +194,45 @@ cdef inline Py_ssize_t number_end(const uint8_t *buf, Py_ssize_t i, Py_ssize_t n
         while i < n and is_digit(buf[i]):
             i += 1
     else:
-        return -1
-    if i < n and buf[i] == 0x2E:
+        at[0] = i
+        return -E_DIGIT
+    if i < n and buf[i] == 0x2E:  # '.'
         i += 1
         if i >= n or not is_digit(buf[i]):
-            return -1
+            at[0] = i
+            return -(E_EOF if i >= n else E_DIGIT)
         while i < n and is_digit(buf[i]):
             i += 1
-    if i < n and (buf[i] == 0x65 or buf[i] == 0x45):
+    if i < n and (buf[i] == 0x65 or buf[i] == 0x45):  # 'e' 'E'
         i += 1
         if i < n and (buf[i] == 0x2B or buf[i] == 0x2D):
             i += 1
         if i >= n or not is_digit(buf[i]):
-            return -1
+            at[0] = i
+            return -(E_EOF if i >= n else E_DIGIT)
         while i < n and is_digit(buf[i]):
             i += 1
     if i - start > _MAX_NUMBER_CHARS:
-        return -1
+        at[0] = start
+        return -E_NUMBER_LENGTH
     return i
+
+
+cdef inline int scan_number(Scanner *s, Py_ssize_t i, Py_ssize_t *end) noexcept nogil:
+    cdef Py_ssize_t at = 0
+    cdef Py_ssize_t past = number_scan(s.buf, i, s.n, &at)
+    if past < 0:
+        return fail(s, <int>-past, at)
+    end[0] = past
+    return 0
+
+
+cdef inline Py_ssize_t number_end(const uint8_t *buf, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
+    """Past the well-formed number at ``i`` within the length limit, or -1 (scan_number says what
+    is wrong)."""
+    cdef Py_ssize_t at = 0
+    cdef Py_ssize_t past = number_scan(buf, i, n, &at)
+    return past if past >= 0 else -1
 
 
 cdef Py_ssize_t number_array_end(const uint8_t *buf, Py_ssize_t pos, Py_ssize_t n) noexcept nogil:
