@@ -39,6 +39,10 @@ log = logging.getLogger("fastcore.orchestrator")
 WAIT_S = 10.0
 #: after a failed poll (refused, reset, a 5xx)
 RETRY_S = 1.0
+#: after an answer, the next poll waits this long: events batch into one answer (a poll per event
+#: cost each orchestrator an HTTP round trip per worker per request; routing adds its own request's
+#: keys at once, so the delay only ages what other orchestrators sent and what the worker evicted)
+BATCH_S = 0.25
 #: a worker that publishes no events is asked again this much later (it may have been replaced)
 UNSUPPORTED_RETRY_S = 60.0
 #: how often the followers are matched to the pools' members
@@ -100,7 +104,7 @@ class _Follower:
         if not self.apply(answer):
             self.instance = None  # resync next
             return RETRY_S
-        return 0.0
+        return self.view.batch_s
 
     def apply(self, answer: Any) -> bool:
         """Apply one answer to the router; False when it cannot be (a resync is needed)."""
@@ -147,6 +151,7 @@ class CacheView:
         self.session = session
         self.headers = {"Authorization": "Bearer " + token.decode()} if token else {}
         self.wait_s = wait_s
+        self.batch_s = BATCH_S
         self._followers: dict[tuple[int, Worker], asyncio.Task[None]] = {}
         self._task: asyncio.Task[None] | None = None
         #: events applied and resyncs taken (tests, debugging)
