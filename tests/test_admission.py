@@ -483,3 +483,30 @@ async def test_rate_limits_per_tenant_answer_429_with_retry_after(tmp_path: Path
                 )
                 == 1
             )
+
+
+@pytest.mark.slow
+async def test_sighup_to_the_parent_of_workers_n_reloads_every_process(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("old-key-123 alpha\n")
+    log = tmp_path / "stderr"
+    async with workers() as (ctx_url, gen_url):
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "server.cli", "orchestrator", "--port", str(port), "--context-urls", ctx_url,
+             "--generation-urls", gen_url, "--health-check-interval-s", "0.1", "--api-keys-file", str(keys),
+             "--workers", "2"],
+            stderr=log.open("w"), env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+        try:
+            assert await eventually(lambda: log.read_text().count("listening on") == 2, timeout=60)
+            keys.write_text("new-key-456 beta\n")
+            proc.send_signal(signal.SIGHUP)
+            assert await eventually(lambda: log.read_text().count("api_keys_file reloaded") == 2, timeout=30)
+            for _ in range(8):  # a new connection each: whichever process takes it
+                async with aiohttp.ClientSession() as session:
+                    assert (await post(session, f"http://127.0.0.1:{port}", "old-key-123"))[0] == 401
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+        assert proc.returncode == 0, log.read_text()[-2000:]
