@@ -180,6 +180,21 @@ def test_token_bucket_holds_a_minute_and_says_how_long_to_wait() -> None:
     assert bucket.wait(1000, now + 1.0) == pytest.approx(59.0)  # capped at the bucket: a minute's worth
 
 
+def test_prompt_token_limits_use_the_learned_bytes_per_token() -> None:
+    config = AdmissionConfig(rate_limits={"*": {"prompt_tokens_per_minute": 100}})
+    body = b'{"prompt": "' + b"x" * 108 + b'"}'  # 120 bytes
+    for bytes_per_token, served in ((4.0, 3), (2.0, 1)):  # 30 tokens a request, then 60
+        admission = Admission(config, Registry(), 1, lambda b=bytes_per_token: b)
+        count = 0
+        try:
+            for _ in range(5):
+                admission.slot(Tenant("t"), body)
+                count += 1
+        except HTTPError as exc:
+            assert exc.status == 429 and exc.code == "prompt_tokens_per_minute"
+        assert count == served
+
+
 def test_admission_config_is_checked() -> None:
     with pytest.raises(ConfigError, match=r"admission\.max_inflight"):
         build_config({"admission": {"max_inflight": 0}}, environ={})

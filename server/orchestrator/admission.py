@@ -20,8 +20,9 @@ authentication and admission"):
   cancelled by the HTTP layer, and its place with it).
 - Optional per-tenant rate limits (``rate_limits: {<tenant> or "*": {requests_per_minute,
   prompt_tokens_per_minute}}``): token buckets that hold one minute's worth, refilled continuously;
-  prompt tokens estimated as body bytes / 4. Beyond: 429 with the ``Retry-After`` that the bucket
-  needs.
+  prompt tokens estimated as body bytes over the context pool's learned bytes per token
+  (server/orchestrator/estimates.py; 4 until a worker or an answer teaches it). Beyond: 429 with
+  the ``Retry-After`` that the bucket needs.
 
 The per-request cost when a slot is free is a priority read, two bucket checks when limits are
 set, a counter and a coroutine call; counts are kept as ints and handed to the metrics registry at
@@ -37,6 +38,7 @@ import math
 import re
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import fastcore
@@ -119,10 +121,10 @@ class _Limits:
             TokenBucket(config.prompt_tokens_per_minute) if config.prompt_tokens_per_minute else None
         )
 
-    def refusal(self, body_bytes: int) -> tuple[str, float] | None:
+    def refusal(self, body_bytes: int, bytes_per_token: Callable[[], float]) -> tuple[str, float] | None:
         """(reason, seconds to wait) when over a limit, else None with both buckets charged."""
         now = time.monotonic()
-        tokens = body_bytes // BYTES_PER_TOKEN
+        tokens = body_bytes / bytes_per_token() if self.tokens is not None else 0.0
         if self.requests is not None:
             wait = self.requests.wait(1, now)
             if wait:
@@ -167,7 +169,16 @@ class _TenantQueue:
 class Admission:
     """The admission queue of one orchestrator process."""
 
-    def __init__(self, config: AdmissionConfig, registry: Registry, retry_after_s: int) -> None:
+    def __init__(
+        self,
+        config: AdmissionConfig,
+        registry: Registry,
+        retry_after_s: int,
+        bytes_per_token: Callable[[], float] = lambda: float(BYTES_PER_TOKEN),
+    ) -> None:
+        #: prompt bytes per token for prompt_tokens_per_minute: the context pool's learned figure
+        #: (server/orchestrator/estimates.py), else BYTES_PER_TOKEN
+        self.bytes_per_token = bytes_per_token
         self.max_inflight = config.max_inflight
         self.max_queue = config.max_queue
         self.max_wait = config.max_queue_wait_s
@@ -193,7 +204,7 @@ class Admission:
         elif queue.weight != tenant.weight:
             queue.weight = tenant.weight  # a reloaded key file changed it
         if queue.limits is not None:
-            over = queue.limits.refusal(len(body))
+            over = queue.limits.refusal(len(body), self.bytes_per_token)
             if over is not None:
                 reason, wait = over
                 raise self._reject(queue, reason, math.ceil(wait),

@@ -443,7 +443,8 @@ class Orchestrator:
         self.metrics = _Metrics(self.registry, self)
         #: client API keys and the admission queue (tenants.py, admission.py): None when not configured
         self.keys = keys_from_config(config, self.registry)
-        self.admission = (Admission(config.admission, self.registry, config.retry_after_s)
+        self.admission = (Admission(config.admission, self.registry, config.retry_after_s,
+                                    lambda: self.context_pool.router.estimate.value)
                           if config.admission is not None else None)  # fmt: skip
         self.metrics_access = metrics_access_for(config, self.keys)
         #: trtllm-serve's other endpoints: /cluster_info, /version, ... (server/trtllm_endpoints.py)
