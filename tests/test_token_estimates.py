@@ -55,6 +55,22 @@ def test_read_usage_finds_both_numbers_without_a_parse(
 
 
 @pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        # usage first, a "usage" string value after it: the tail is no object, the whole is scanned
+        (b'{"usage": {"prompt_tokens": 5}, "choices": [{"role": "usage"}]}', (5, None)),
+        (b'{"usage": {"prompt_tokens": 5}, "note": "\\"usage\\": 9"}', (5, None)),  # escaped quotes
+        (
+            b'{"x": "usage", "usage": {"prompt_tokens": 6, "prompt_tokens_details": {"cached_tokens": 2}}}',
+            (6, 2),
+        ),
+    ],
+)
+def test_read_usage_where_the_last_usage_is_no_key(body: bytes, expected: tuple[int, int | None]) -> None:
+    assert read_usage(body) == expected
+
+
+@pytest.mark.parametrize(
     "body", [b"", b"not json", b"[1, 2]", b'{"usage": {"prompt_tokens": 1, "prompt_tokens": 2}}']
 )
 def test_read_usage_of_junk_is_nothing(body: bytes) -> None:
