@@ -44,7 +44,7 @@ RETRY_S = 1.0
 #: after an answer, the next poll waits this long: events batch into one answer (a poll per event
 #: cost each orchestrator an HTTP round trip per worker per request; routing adds its own request's
 #: keys at once, so the delay only ages what other orchestrators sent and what the worker evicted)
-BATCH_S = 0.25
+BATCH_S = 0.05
 #: a worker that publishes no events is asked again this much later (it may have been replaced)
 UNSUPPORTED_RETRY_S = 60.0
 #: the largest answer read (a resync lists every key held: ~25 bytes each)
