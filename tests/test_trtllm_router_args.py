@@ -90,7 +90,6 @@ def test_bad_match_threshold_is_refused(threshold: Any) -> None:
     ("data", "words"),
     [
         ({"schedule_style": "generation_first"}, "generation_first .* is not built.*use context_first"),
-        ({"otlp_config": {"otlp_traces_endpoint": "http://collector:4318"}}, "OpenTelemetry tracing is not built"),
         ({"perf_metrics_max_requests": 100}, r"perf_metrics_max_requests \(100\).*answers \[\]"),
         ({"generation_servers": {"router": {"type": "centralized_kv_cache_aware", "tokens_per_block": 32}}},
          "centralized_kv_cache_aware needs the workers' KV events pushed .* ZMQ"),

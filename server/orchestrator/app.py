@@ -48,6 +48,7 @@ from server.http import (
     UpstreamTimeout,
 )
 from server.metrics import CONTENT_TYPE, Registry
+from server.tracing import current_trace, start_orchestrator_request, start_tracing, traced_wait
 from server.trtllm_endpoints import ORCHESTRATOR_ROUTES, TrtllmEndpoints
 
 from .config import OrchestratorConfig
@@ -468,6 +469,8 @@ class Orchestrator:
         self.health: HealthChecker | None = None
         self.cache_view: CacheView | None = None
         self._requests = 0
+        #: OpenTelemetry (server/tracing.py): None unless an OTLP endpoint is configured
+        self.tracing = start_tracing("fastcore-orchestrator", config.otlp_traces_endpoint)
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -527,6 +530,8 @@ class Orchestrator:
             await self.health.stop()
         if self.cache_view is not None:
             await self.cache_view.stop()
+        if self.tracing is not None:
+            self.tracing.shutdown()  # flush the batched spans
         if self.session is not None:
             await self.session.close()
         for upstream in self.upstreams.values():
@@ -679,13 +684,19 @@ class Orchestrator:
         task = asyncio.current_task()
         assert task is not None
         self._serving.add(task)
+        trace = None
+        if self.tracing is not None:
+            route = CHAT_PATH if chat else COMPLETIONS_PATH
+            tenant_name = tenant.name if self.keys is not None else None
+            trace = start_orchestrator_request(self.tracing, request, route, tenant_name)
         try:
             header = conversation_header(request) if self.needs_conversation else None
             # our top-level conversation_id into trtllm-serve's conversation_params: workers forbid it
             if self.admission is None:
                 status = await self._run_legs(conversation_to_params(request.body), out, chat, header)
             else:  # a slot in the workers, maybe after a wait in the queue (or a 429)
-                async with self.admission.slot(tenant, request.body):
+                slot = self.admission.slot(tenant, request.body)
+                async with traced_wait(trace, "fastcore.admission", slot):
                     status = await self._run_legs(conversation_to_params(request.body), out, chat, header)
         except HTTPError as exc:
             # An answer, not a failure: its traceback would keep the legs' frames
@@ -707,6 +718,8 @@ class Orchestrator:
             self.in_flight -= 1
             self._serving.discard(task)
             self.metrics.count_request("chat" if chat else "completions", status)
+            if trace is not None:
+                trace.end(status)
 
     def _clock(self) -> _CpuClock | _NoClock:
         self._requests += 1
@@ -725,6 +738,8 @@ class Orchestrator:
         check_not_empty(body)
         req = relay.read_client(body, chat)
         clock.lap("validate")
+        if self.tracing is not None and (trace := current_trace()) is not None:
+            trace.set("gen_ai.request.model", req.model or "")
         if not (self.generation_pool.ready and (self.context_pool.ready or self.fallback)):
             raise self._unavailable(
                 "no healthy worker: " + ", ".join(p.name for p in self.pools if not p.ready)
@@ -1015,7 +1030,9 @@ class Orchestrator:
         # goes out in one vectored write, never joined.
         pieces: Sequence[BodyPiece] = (body,) if isinstance(body, bytes) else body
         pool = self.context_pool
+        trace = current_trace()
         for attempt in range(self.config.max_retries + 1):
+            routed = trace.now() if trace is not None else 0
             worker = pool.choose(exclude=tried, key=key)
             if worker is None:
                 break
@@ -1025,10 +1042,16 @@ class Orchestrator:
             worker.in_flight += 1
             worker.in_flight_tokens += tokens
             worker.breaker.chosen()
+            leg = None
             try:
                 upstream = self.upstreams.get(worker.url) or self._new_upstream(worker)
                 headers = self._headers(pieces, worker)
+                if trace is not None:  # the leg's span; its traceparent goes with the leg
+                    leg = trace.start_leg("context", pool, worker, key, routed, attempt)
+                    headers += leg.header
                 resp = await upstream.request(_POST, path, pieces, headers, timeout, None, MAX_WORKER_BODY)
+                if leg is not None:
+                    leg.answered(resp.status, resp)
                 try:
                     if resp.status == 200:
                         data = await resp.read()
@@ -1056,6 +1079,8 @@ class Orchestrator:
                     self._release_lost_kv_soon(worker, disagg_id)
                 log.warning("context worker %s failed: %s", worker.url, exc)
                 failure = leg_failed("context", "its worker did not answer")
+                if leg is not None:
+                    leg.fail(exc)
                 reason = "failed"
             except UpstreamTimeout:
                 # The connection is closed (the worker sees the cancel when it can) and not
@@ -1063,16 +1088,22 @@ class Orchestrator:
                 self._breaker_failed(pool, worker, at_once=True)
                 self._release_lost_kv_soon(worker, disagg_id)
                 log.warning("context worker %s: no answer in %g s", worker.url, timeout)
+                if leg is not None:
+                    leg.fail(f"no answer in {timeout:g} s")
                 raise ContextUnavailable("timeout", leg_timed_out("context", timeout)) from None
             except asyncio.CancelledError:
                 # The client left (or a drain ran out): the leg's connection is reset, but its
                 # answer may be in flight already, the KV parked behind an id never read.
                 self._release_lost_kv_soon(worker, disagg_id)
+                if leg is not None:
+                    leg.fail("cancelled")
                 raise
             finally:
                 worker.in_flight -= 1
                 worker.in_flight_tokens -= tokens
                 worker.breaker.ended()
+                if leg is not None:
+                    leg.end()
         if failure is None:
             reason = "circuit_open" if pool.all_open() else "no_worker"
             raise ContextUnavailable(reason, self._unavailable("no healthy context worker"))
@@ -1111,9 +1142,11 @@ class Orchestrator:
         first_byte = self._first_byte_timeout(pieces) if req.stream else None
         # Unary: the whole answer is in before the task wakes (one wake-up).
         max_body = 0 if req.stream else MAX_WORKER_BODY
+        trace = current_trace()
         # Retries stop at the first byte sent to the client: nothing has been
         # sent until a worker answers 200, and the loop below returns then.
         for attempt in range(self.config.max_retries + 1):
+            routed = trace.now() if trace is not None else 0
             if attempt == 0 and first is not None and first.healthy:
                 worker: Worker | None = first
             else:
@@ -1129,16 +1162,22 @@ class Orchestrator:
             handed_over = time.perf_counter()
             if attempt == 0 and not local:
                 self.metrics.handoff.observe(handed_over - context_done)
+            leg = None
             try:
                 upstream = self.upstreams.get(worker.url) or self._new_upstream(worker)
                 if local:
                     headers = self._plain_headers(pieces, worker)
                 else:
                     headers = self._headers(pieces, worker) + extra_headers
+                if trace is not None:  # the leg's span; its traceparent goes with the leg
+                    leg = trace.start_leg("generation", self.generation_pool, worker, key, routed, attempt)
+                    headers += leg.header
                 resp = await upstream.request(
                     _POST, path, pieces, headers, timeout, read_timeout, max_body, first_byte
                 )
             except UpstreamError as exc:
+                if leg is not None:
+                    leg.end(error=exc)
                 worker.in_flight -= 1
                 worker.in_flight_tokens -= tokens
                 self._mark_failed(self.generation_pool, worker)
@@ -1148,6 +1187,8 @@ class Orchestrator:
                 failure = leg_failed("generation", "its worker did not answer")
                 continue
             except UpstreamTimeout:
+                if leg is not None:
+                    leg.end(error="no first byte" if first_byte is not None else "timed out")
                 worker.in_flight -= 1
                 worker.in_flight_tokens -= tokens
                 self._breaker_failed(self.generation_pool, worker, at_once=True)
@@ -1159,12 +1200,16 @@ class Orchestrator:
                 log.warning("generation worker %s: no first byte in %g s", worker.url, first_byte)
                 failure = leg_timed_out("generation", first_byte)
                 continue
-            except BaseException:
+            except BaseException as exc:
+                if leg is not None:
+                    leg.end(error=exc)
                 worker.in_flight -= 1
                 worker.in_flight_tokens -= tokens
                 worker.breaker.ended()
                 raise
             self.metrics.generation_ttfb.observe(time.perf_counter() - handed_over)
+            if leg is not None:
+                leg.answered(resp.status, resp)
             try:
                 if resp.status != 200:
                     failure = await self._worker_failure("generation", worker, resp)
@@ -1188,6 +1233,8 @@ class Orchestrator:
                 worker.in_flight -= 1
                 worker.in_flight_tokens -= tokens
                 worker.breaker.ended()
+                if leg is not None:
+                    leg.end()
         if failure is None:
             raise self._unavailable("no healthy generation worker")
         raise failure
@@ -1225,8 +1272,9 @@ class Orchestrator:
             resp.pause_reading()
         upstream_error: str | None = None
         detail = ""
+        trace = current_trace()
         try:
-            await resp.stream(out.write)
+            await resp.stream(out.write if trace is None else trace.watch_stream(out.write))
         except UpstreamError as exc:
             upstream_error, detail = "its worker failed mid-stream", str(exc)
         except UpstreamTimeout:
@@ -1238,6 +1286,8 @@ class Orchestrator:
         status = 200
         if upstream_error is not None:
             log.warning("generation worker %s: %s %s", worker.url, upstream_error, detail)
+            if trace is not None:
+                trace.leg_failed(upstream_error)
             self._mark_failed(self.generation_pool, worker)
             self._breaker_failed(self.generation_pool, worker)
             # Headers are gone: the error travels in-band, as OpenAI streams do.

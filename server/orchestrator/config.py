@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from server.auth import read_secret
 from server.http.server import PEER_SHARE
 from server.metrics_access import METRICS_TOKEN_ENV
+from server.tracing import TracingConfigError, check_endpoint, configured_endpoint
 
 from .routing import ROUTER_ARGS, make_router
 from .tenants import API_KEY_ENV, KeyFileError, read_key_file
@@ -174,6 +175,13 @@ class DisaggClusterConfig(BaseModel):
         return self.minimal_instances.get(f"{pool}_servers", 1)
 
 
+class OtlpConfig(BaseModel):
+    """trtllm-serve's ``otlp_config``: where traces go (OTLP/HTTP; the ``OTEL_*`` variables set the rest)."""
+
+    model_config = ConfigDict(extra="forbid")
+    otlp_traces_endpoint: str | None = None
+
+
 class RateLimitConfig(BaseModel):
     """One tenant's rate limits (server/orchestrator/admission.py): 429 beyond either."""
 
@@ -274,8 +282,8 @@ class OrchestratorConfig(BaseModel):
     disagg_cluster: DisaggClusterConfig | None = None
     # trtllm-serve's: which leg goes first; generation_first is refused (check_runnable says why)
     schedule_style: Literal["context_first", "generation_first"] = "context_first"
-    # trtllm-serve's OpenTelemetry tracing ({otlp_traces_endpoint: URL}): refused with an endpoint
-    otlp_config: dict[str, Any] | None = None
+    # trtllm-serve's OpenTelemetry tracing ({otlp_traces_endpoint: URL}): server/tracing.py, docs/tracing.md
+    otlp_config: OtlpConfig | None = None
     # trtllm-serve's per-request entries of GET /perf_metrics (0: none kept, its default); above 0 refused
     perf_metrics_max_requests: int = Field(0, ge=0)
 
@@ -299,6 +307,10 @@ class OrchestratorConfig(BaseModel):
         return self.api_key.encode("utf-8", "surrogateescape") if self.api_key else None
 
     @property
+    def otlp_traces_endpoint(self) -> str | None:
+        return self.otlp_config.otlp_traces_endpoint if self.otlp_config is not None else None
+
+    @property
     def trtllm_auth_key(self) -> bytes | None:
         """The key of trtllm-serve's ``x-trtllm-disagg-auth``: its own config key, else the shared secret."""
         if self.internal_request_auth_key:
@@ -314,12 +326,12 @@ class OrchestratorConfig(BaseModel):
                 "pulled by the generation worker as the context worker produces it) is not built: the "
                 "generation leg starts from the context leg's answer here; use context_first"
             )
-        endpoint = (self.otlp_config or {}).get("otlp_traces_endpoint")
-        if endpoint:
-            raise ConfigError(
-                f"otlp_config.otlp_traces_endpoint ({str(endpoint)[:100]}): OpenTelemetry tracing is not built "
-                "in the fastcore orchestrator (per-phase timings: /metrics); remove the key"
-            )
+        endpoint = configured_endpoint(self.otlp_traces_endpoint)
+        if endpoint is not None:
+            try:  # tracing asked for (the key or OTEL_*): the SDK must be there, the URL OTLP/HTTP
+                check_endpoint(endpoint)
+            except TracingConfigError as exc:
+                raise ConfigError(f"otlp_config.otlp_traces_endpoint: {exc}") from None
         if self.perf_metrics_max_requests:
             raise ConfigError(
                 f"perf_metrics_max_requests ({self.perf_metrics_max_requests}): per-request entries of "

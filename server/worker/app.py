@@ -85,6 +85,7 @@ import numpy as np
 
 import fastcore
 from fastcore import protocol as wire
+from server import tracing
 from server.auth import (
     SIGNATURE_HEADER,
     TRTLLM_AUTH_HEADER,
@@ -265,10 +266,15 @@ class WorkerSettings:
     #: one client IP's share of max_connections and max_inflight_body_bytes (Limits.peer_share)
     client_ip_share: float = PEER_SHARE
     device: str = "cpu"
+    #: OpenTelemetry traces (OTLP/HTTP); None: OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT or off (server/tracing.py)
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        endpoint = tracing.configured_endpoint(self.otlp_traces_endpoint)
+        if endpoint is not None:  # tracing asked for: the SDK must be there, the URL OTLP/HTTP
+            tracing.check_endpoint(endpoint)
         if self.admission_wait_s < 0 or self.max_waiting < 0:
             raise ValueError("admission_wait_s and max_waiting must not be negative")
         if not self.stream_stall_timeout_s > 0:
@@ -453,6 +459,8 @@ class WorkerApp:
         #: trtllm-serve's other endpoints: /kv_cache_events, /version, /perf_metrics, ... (server/trtllm_endpoints.py)
         self.trtllm = TrtllmEndpoints(WORKER_ROUTES, self.metrics.registry.render, self.metrics_access,
                                       kv_events=self._kv_events)  # fmt: skip
+        #: OpenTelemetry (server/tracing.py): None unless an OTLP endpoint is configured
+        self.tracing = tracing.start_tracing(f"fastcore-worker-{settings.role}", settings.otlp_traces_endpoint)
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -503,6 +511,8 @@ class WorkerApp:
                 await self.expiry_task
         if self.session is not None:
             await self.session.close()
+        if self.tracing is not None:
+            self.tracing.shutdown()  # flush the batched spans
         await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
 
     async def _expire_parked_loop(self) -> None:
@@ -705,6 +715,7 @@ class WorkerApp:
         # recompute the prefill; this handler is then cancelled. The KV is gone
         # either way (read_parked frees it): count it, without a traceback.
         served = False
+        trace = tracing.start_kv_export(self.tracing, request, parked.num_tokens) if self.tracing else None
         try:
             # The gather (and a device-to-host copy on CUDA) must not run on the event loop.
             # Shielded: the read owns the blocks from here, and a cancelled executor
@@ -719,14 +730,20 @@ class WorkerApp:
                 first_logprob=parked.first_logprob,
             )
             out.send_pieces(200, pieces, b"application/octet-stream")
+            if trace is not None:
+                trace.set("fastcore.kv.bytes", sum(len(piece) for piece in pieces))
             await out.drain()
             served = not out.closed
         finally:
             self.metrics.handoff.inc(event="served" if served else "abandoned")
+            if trace is not None:
+                trace.end(200 if served else 499)
 
     # -- KV hand-off, generation side ------------------------------------------
 
-    async def fetch_kv(self, endpoint: str, prompt_ids: np.ndarray) -> KVPayload:
+    async def fetch_kv(
+        self, endpoint: str, prompt_ids: np.ndarray, trace_headers: dict[str, str] | None = None
+    ) -> KVPayload:
         """The prompt's KV from a context worker, or a :class:`KVFetchError` saying why not."""
         from .kv_transfer import (  # torch: real engines only
             KVTransferError,
@@ -736,7 +753,7 @@ class WorkerApp:
         )
 
         assert self.session is not None
-        headers = {}
+        headers = trace_headers or {}
         if self.settings.shared_secret is not None:
             headers[SIGNATURE_HEADER] = kv_signature(self.settings.shared_secret, urlsplit(endpoint).path)
         layout = self.engine.kv_layout
@@ -812,9 +829,14 @@ class WorkerApp:
             metrics.handoff.inc(event="recomputed")
             return
         assert endpoint is not None
+        trace, span, trace_headers = tracing.current_trace(), None, None
+        if trace is not None:  # the hand-off's span; the context worker's export span is its child
+            span, trace_headers = tracing.start_kv_fetch(trace, endpoint, int(req.prompt_ids.size))
         try:
-            payload = await self.fetch_kv(endpoint, req.prompt_ids)
+            payload = await self.fetch_kv(endpoint, req.prompt_ids, trace_headers)
         except KVFetchError as exc:
+            if trace is not None:
+                tracing.end_span(trace, span, error=exc.reason)
             log.info("KV fetch from %s failed (%s): %s; recomputing the prefill", endpoint, exc.reason, exc)
             metrics.fetch_failures.inc(reason=exc.reason)
             metrics.handoff.inc(event="recomputed")
@@ -823,6 +845,10 @@ class WorkerApp:
                 # before it was read): nobody else will fetch it, so say so now, not at its TTL.
                 self._release_kv_soon(endpoint)
             return
+        if trace is not None:
+            nbytes = self.engine.kv_layout.payload_bytes(int(req.prompt_ids.size))
+            mismatch = "first token mismatch" if payload.first_token != first[0] else None
+            tracing.end_span(trace, span, {"fastcore.kv.bytes": nbytes}, error=mismatch)
         if payload.first_token != first[0]:
             metrics.fetch_failures.inc(reason="mismatch")
             metrics.handoff.inc(event="recomputed")
@@ -836,8 +862,11 @@ class WorkerApp:
 
     async def generate(self, request: Request, out: Responder, route: Route) -> None:
         status = 500
+        trace = None
         self.active += 1
         try:
+            if self.tracing is not None:
+                trace = tracing.start_worker_request(self.tracing, request, route, self.settings.role)
             if self.draining:
                 raise HTTPError(503, "the worker is draining (shutting down): send it elsewhere",
                                 code="draining", headers={"Retry-After": str(self.settings.retry_after_s)})  # fmt: skip
@@ -851,6 +880,8 @@ class WorkerApp:
         finally:
             self.active -= 1
             self.metrics.requests.inc(route=route, status=str(status))
+            if trace is not None:
+                trace.end(status)
 
     def _authenticate(self, request: Request) -> bool:
         """Check a fastcore signature on the body's bytes as sent, before anything is parsed;
@@ -1012,15 +1043,21 @@ class WorkerApp:
                             headers={"Retry-After": str(self.settings.retry_after_s)})  # fmt: skip
 
         queue: asyncio.Queue[Delta] = asyncio.Queue()
+        on_delta: Callable[[Delta], None] = queue.put_nowait
+        trace = tracing.current_trace()
+        if trace is not None:
+            tracing.request_parsed(trace, req)
         prompt_tail = req.prompt_ids[-4:].tolist()
         engine_req = EngineRequest(
             request_id=uuid.uuid4().hex,
             prompt_ids=req.prompt_ids,
             params=req.params,
             processor=OutputProcessor(engine.tokenizer, req.params, prompt_tail),
-            on_delta=queue.put_nowait,
+            on_delta=on_delta,
             cache_root=cache_salt_root(req.cache_salt),
         )
+        if trace is not None:  # the prefill and decode spans, from the engine's output
+            engine_req.on_delta = tracing.watch_deltas(trace, on_delta, engine_req)
         # a follower of GET /cache_events learns this prompt's keys once its blocks are stored
         chunks = getattr(getattr(engine, "cache", None), "chunks", None)
         if chunks is not None:
@@ -1031,12 +1068,17 @@ class WorkerApp:
         elif req.is_generation_only:
             assert req.disagg is not None
             engine_req.forced_tokens = list(req.disagg.first_gen_tokens)
+        reserving = trace.now() if trace is not None else 0
         await self._reserve(engine_req)
+        if trace is not None:
+            trace.record("fastcore.queue", reserving)
 
         queued = answered = False
         try:
             if req.is_generation_only:
                 await self._attach_context_kv(req, engine_req, is_loopback_peer(out.peer))
+            if trace is not None:
+                trace.mark = trace.now()
             engine.enqueue(engine_req)
             queued = True
             self.metrics.prompt_tokens.inc(int(req.prompt_ids.size))

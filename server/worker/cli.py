@@ -84,6 +84,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a trtllm-serve orchestrator fronts this worker: accept its unsigned legs "
                              "(context legs, generation legs not naming the KV) despite a shared secret, "
                              "and answer completions' prompt ids as a list (trtllm's response model)")  # fmt: skip
+    parser.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                        help="send OpenTelemetry traces to this OTLP/HTTP collector URL (needs the [otel] "
+                             "extra; else $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / $OTEL_EXPORTER_OTLP_ENDPOINT; "
+                             "none: no tracing). The other OTEL_* variables apply (docs/tracing.md)")  # fmt: skip
     limits = parser.add_argument_group("HTTP limits (what one client may hold)")
     limits.add_argument("--header-timeout", type=float, default=10.0,
                         help="seconds to send a request's headers (408 after; default 10)")  # fmt: skip
@@ -297,6 +301,7 @@ def run(args: argparse.Namespace) -> int:
             max_inflight_body_bytes=args.max_inflight_body_bytes,
             client_ip_share=args.client_ip_share,
             device=device,
+            otlp_traces_endpoint=args.otlp_traces_endpoint,
         )
     except ValueError as exc:
         print(f"fastcore-serve worker: {exc}", file=sys.stderr)
