@@ -36,7 +36,7 @@ def body_of(text: str, **extra: Any) -> bytes:
 
 def test_keys_are_the_routers_own_and_salted_apart() -> None:
     body = body_of("the agent reads the file " * 40)
-    keys, span = prompt_keys(body, True, CHUNK)
+    keys, _ = prompt_keys(body, True, CHUNK)
     assert keys and keys == request_key(body, True, None).hashes(CHUNK)
     salted = body_of("the agent reads the file " * 40, cache_salt="tenant-a")
     skeys, _ = prompt_keys(salted, True, CHUNK)
@@ -118,8 +118,10 @@ async def test_the_stream_is_guarded_one_chunk_size_and_long_polled() -> None:
                 assert resp.status == 409 and "64" in (await resp.json())["error"]["message"]
             instance = first["instance"]
             poll = asyncio.ensure_future(
-                session.get(f"{url}/cache_events?chunk_bytes={CHUNK}&after=0&instance={instance}&wait=20",
-                            headers=auth)  # fmt: skip
+                session.get(
+                    f"{url}/cache_events?chunk_bytes={CHUNK}&after=0&instance={instance}&wait=20",
+                    headers=auth,
+                )
             )
             await asyncio.sleep(0.2)
             assert not poll.done()  # held open: nothing happened yet
@@ -158,7 +160,7 @@ def test_a_gap_or_a_forgotten_index_asks_for_a_resync() -> None:
     router = KvCacheAwareRouter({"chunk_bytes": CHUNK})
     worker = Worker("http://w")
     follower = _Follower(None, router, worker)  # type: ignore[arg-type]
-    follower.view = type("View", (), {"events": 0, "resyncs": 0})()  # type: ignore[assignment]
+    follower.view = type("View", (), {"events": 0, "resyncs": 0})()
     assert follower.apply({"instance": "i", "seq": 3, "resync": True, "held": [1, 2]})
     assert worker in router.followed and worker in router.exact and router._holders[1] == {worker}
     assert follower.apply({"instance": "i", "seq": 4, "events": [{"seq": 4, "stored": [5]}]})
@@ -191,7 +193,7 @@ async def test_two_orchestrators_see_each_others_requests_in_the_workers_events(
         )
         server, orch = await start_server(config)
         fronts.append((server, orch, f"http://127.0.0.1:{config.port}"))
-    (_, orch_a, url_a), (_, orch_b, url_b) = fronts
+    (_, _, url_a), (_, orch_b, url_b) = fronts
     try:
         for _ in range(200):
             if all(o.context_pool.ready and o.generation_pool.ready for _, o, _ in fronts):
@@ -219,7 +221,7 @@ async def test_two_orchestrators_see_each_others_requests_in_the_workers_events(
                     break
                 await asyncio.sleep(0.05)
             assert router_b.expected_hit(home, key) >= len(key.hashes(CHUNK)) - 3
-            other = [w for w in orch_b.context_pool.workers if w is not home][0]
+            other = next(w for w in orch_b.context_pool.workers if w is not home)
             assert router_b.expected_hit(other, key) == 0
             salted = request_key(body_of(text + " and then the tests", cache_salt="t2"), True, None)
             assert all(router_b.expected_hit(w, salted) == 0 for w in orch_b.context_pool.workers)
