@@ -44,6 +44,27 @@ _CURRENT: ContextVar[Any] = ContextVar("fastcore_request_trace", default=None)
 current_trace = _CURRENT.get
 
 
+class _PresetIds:
+    """The SDK's random ids, but the next trace id may be one already drawn (and sampled) by
+    :meth:`Tracing.start_request`; the event loop is the only caller, one span at a time."""
+
+    def __init__(self) -> None:
+        from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+        self.random = RandomIdGenerator()
+        self.preset = 0
+
+    def generate_span_id(self) -> int:
+        return self.random.generate_span_id()
+
+    def is_trace_id_random(self) -> bool:
+        return True  # drawn by RandomIdGenerator, now or for the preset
+
+    def generate_trace_id(self) -> int:
+        trace_id, self.preset = self.preset, 0
+        return trace_id or self.random.generate_trace_id()
+
+
 class TracingConfigError(ValueError):
     """Tracing asked for but not possible: the SDK is missing, or a setting it cannot honour."""
 
@@ -131,7 +152,10 @@ class Tracing:
         ):
             attributes[SERVICE_NAME] = service_name
         self.endpoint = endpoint
-        self.provider = TracerProvider(resource=Resource.create(attributes))
+        self.ids = _PresetIds()
+        self.provider = TracerProvider(resource=Resource.create(attributes), id_generator=self.ids)
+        #: the sampler the SDK chose from OTEL_TRACES_SAMPLER (parentbased_always_on by default)
+        self.sampler = self.provider.sampler
         self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
         self.tracer = self.provider.get_tracer("fastcore")
         self.propagator = TraceContextTextMapPropagator()
@@ -154,7 +178,25 @@ class Tracing:
         legs' ``traceparent`` with the sampled flag off: the workers' parent-based samplers then
         drop the legs too, instead of starting traces of their own."""
         parent = None
-        if traceparent is not None:
+        if traceparent is None:
+            # A new trace: its id drawn and the sampler asked here, so that a dropped request
+            # costs no span object at all; a sampled one's span takes that id (the sampler,
+            # asked again by the SDK, decides the same on the same id).
+            trace_id = self.ids.random.generate_trace_id()
+            if not self.sampler.should_sample(
+                None, trace_id, name, self.SERVER, attributes
+            ).decision.is_sampled():
+                if not propagate_unsampled:
+                    return None
+                header = b"traceparent: 00-%032x-%016x-00\r\n" % (
+                    trace_id,
+                    self.ids.random.generate_span_id(),
+                )
+                unsampled = Unsampled(header)
+                _CURRENT.set(unsampled)
+                return unsampled
+            self.ids.preset = trace_id
+        else:
             carrier = {"traceparent": traceparent.decode("latin-1")}
             if tracestate is not None:
                 carrier["tracestate"] = tracestate.decode("latin-1")

@@ -7,6 +7,7 @@ the collector would (``ExportTraceServiceRequest``)."""
 
 from __future__ import annotations
 
+import contextvars
 import http.server
 import json
 import os
@@ -379,3 +380,59 @@ def test_unsampled_client_trace_sends_no_spans(tmp_path: Path, receiver: Receive
     finally:
         _stop(procs)
     assert set(_by_trace(receiver.spans)) == {"1" * 32}
+
+
+class _Request:
+    def __init__(self, headers: dict[bytes, bytes]) -> None:
+        self.headers = headers
+
+    def header(self, name: bytes) -> bytes | None:
+        return self.headers.get(name)
+
+
+def test_a_dropped_request_carries_its_decision_to_the_legs(monkeypatch: pytest.MonkeyPatch) -> None:
+    # its own context: the request's trace (a ContextVar) must not outlive the test
+    contextvars.copy_context().run(_dropped_request, monkeypatch)
+
+
+def _dropped_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sampling at the orchestrator: a request the sampler drops is no span, but its legs carry
+    ``traceparent`` with the sampled flag off (a worker's parent-based sampler drops it too); a
+    client's unsampled traceparent keeps its trace id."""
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_always_off")
+    t = tracing.Tracing("test", "http://127.0.0.1:9/v1/traces")
+    try:
+        dropped = tracing.start_orchestrator_request(t, _Request({}), "/v1/completions", None)
+        assert isinstance(dropped, tracing.Unsampled) and tracing.current_trace() is dropped
+        leg = dropped.start_leg("context", None, None, None, 0, 0)
+        assert leg.header.startswith(b"traceparent: 00-") and leg.header.endswith(b"-00\r\n")
+        client = _Request({b"traceparent": f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-00".encode()})
+        kept = tracing.start_orchestrator_request(t, client, "/v1/completions", None)
+        assert isinstance(kept, tracing.Unsampled)
+        assert kept.header.startswith(f"traceparent: 00-{CLIENT_TRACE_ID}-".encode())
+        assert kept.header.endswith(b"-00\r\n")
+    finally:
+        t.shutdown()
+
+
+def test_a_sampled_new_trace_keeps_the_id_it_was_sampled_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    contextvars.copy_context().run(_sampled_new_trace, monkeypatch)
+
+
+def _sampled_new_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ratio sampler is asked once with a drawn id, and the root span takes that id: with ratio
+    0.5, every request that gets a span has a trace id the ratio admits."""
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.5")
+    t = tracing.Tracing("test", "http://127.0.0.1:9/v1/traces")
+    try:
+        bound = t.sampler.bound
+        sampled = 0
+        for _ in range(200):
+            trace = tracing.start_orchestrator_request(t, _Request({}), "/v1/completions", None)
+            if isinstance(trace, tracing.RequestTrace):
+                sampled += 1
+                assert trace.root.get_span_context().trace_id & ((1 << 64) - 1) < bound
+        assert 0 < sampled < 200
+    finally:
+        t.shutdown()
