@@ -141,8 +141,8 @@ def live_cpu_ms(setting: str, endpoint: str, *, prompt_tokens: int, requests: in
         env.update(SETTINGS[setting])
         env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = endpoint
     body = chat_body(prompt_tokens, model="synthetic", max_tokens=16)
-    dep = Deployment("gates-off", prompt_tokens)
-    with dep.start(env):
+    dep = Deployment("gates-off", prompt_tokens).start(env)
+    try:
         url = dep.url + "/v1/chat/completions"
         warm = asyncio.run(run_concurrency(url, body, 4, max_requests=40, max_seconds=30, timeout=60))
         if warm.errors:
@@ -151,6 +151,8 @@ def live_cpu_ms(setting: str, endpoint: str, *, prompt_tokens: int, requests: in
         level = asyncio.run(run_concurrency(url, body, concurrency, max_requests=requests, max_seconds=120,
                                             timeout=60, label=setting))  # fmt: skip
         cpu = dep.front_cpu_seconds() - cpu0
+    finally:
+        dep.stop()
     return {"setting": setting, "requests": level.requests, "errors": level.errors,
             "cpu_ms_per_request": round(1000 * cpu / max(1, level.requests), 4)}  # fmt: skip
 
