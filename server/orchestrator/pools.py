@@ -29,6 +29,8 @@ from typing import Any
 
 import aiohttp
 
+from fastcore import protocol
+
 from .routing import ROUTERS, LeastLoadedRouter, RequestKey, RoundRobinRouter, Router, make_router
 
 __all__ = [
@@ -66,7 +68,7 @@ BYTES_PER_TOKEN_FIELD = "bytes_per_token"
 #: a member only trtllm-serve's /server_info has (its get_server_info): such a worker says nothing of
 #: local_prefill, yet its generation workers serve a plain request whole (trtllm-serve's own
 #: conditional disaggregation sends them one), so it counts as saying local_prefill
-TRTLLM_SERVER_INFO_FIELD = "disaggregated_params"
+TRTLLM_SERVER_INFO_FIELD = protocol.DISAGGREGATED_PARAMS
 
 
 class Capabilities:
