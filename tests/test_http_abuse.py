@@ -31,7 +31,8 @@ from test_http_server import (
     serving,
 )
 
-from server.http.server import LINGER_HEAD_BYTES, LINGER_S, SWEEP_BATCH, malloc_trim
+from server.http.memory import malloc_trim
+from server.http.server import LINGER_HEAD_BYTES, LINGER_S, SWEEP_BATCH
 
 uvloop = pytest.importorskip("uvloop")
 # Both loops through the event_loop_policy fixture: pytest-asyncio's replacement, a

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import socket
 import struct
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import pytest
 from conftest import free_port
 
-from server.http import UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout
+from server.http import Deadlines, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout
 
 #: scheduling slack for time bounds on a busy 2-core machine (the client's sweeper ticks every 50 ms)
 SLACK_S = 1.0
@@ -907,3 +908,69 @@ def test_an_idle_connection_whose_transport_is_closing_is_not_written_to(loop_ki
 
     with asyncio.Runner(loop_factory=factory) as runner:
         runner.run(scenario())
+
+
+# -- the pool's seams (issue 24) ------------------------------------------------------------------
+
+
+def test_pool_built_where_no_loop_runs_then_used_on_one() -> None:
+    """A pool is built in a thread with no event loop (asyncio.get_event_loop() raised there),
+    then used on the loop that runs its requests."""
+    built: list[UpstreamPool] = []
+    errors: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            built.append(UpstreamPool("http://127.0.0.1:1"))
+        except BaseException as exc:  # pragma: no cover - the failure being tested
+            errors.append(exc)
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    thread.join()
+    assert not errors and built
+
+    async def scenario() -> None:
+        async with Upstream(answering(echo_response)) as up:
+            pool = UpstreamPool(up.url)
+            try:
+                _, body = await fetch(pool, body=b"x", timeout=5.0)
+                assert body == b"x" and pool.loop is asyncio.get_running_loop()
+            finally:
+                pool.close()
+
+    asyncio.run(scenario())
+
+
+async def test_pools_may_share_one_deadline_sweeper() -> None:
+    """Two pools given one Deadlines: both requests' deadlines are watched by it, one tick."""
+    deadlines = Deadlines()
+    async with (
+        Upstream(_silent) as up,
+        pool_for(up, deadlines=deadlines) as a,
+        pool_for(up, deadlines=deadlines) as b,
+    ):
+        assert a.deadlines is b.deadlines is deadlines
+        tasks = [asyncio.ensure_future(p.request(b"GET", b"/", timeout=0.2)) for p in (a, b)]
+        await eventually(lambda: len(deadlines.active) == 2)
+        for task in tasks:
+            with pytest.raises(UpstreamTimeout):
+                await task
+        assert not deadlines.active and deadlines.handle is None
+    async with Upstream(_silent) as up, pool_for(up) as c:
+        assert c.deadlines is not deadlines  # a pool given none makes its own
+
+
+async def test_request_options_positional_as_before() -> None:
+    """``timeout, read_timeout, max_body, headers_timeout`` after the headers, positionally (the
+    orchestrator's callers still pass them so): the same as the keywords."""
+    body = b"x" * 5000
+    async with Upstream(answering(lambda req: ok(body))) as up, pool_for(up) as pool:
+        resp = await pool.request(b"POST", b"/", [b"q"], b"", 5.0, None, 5000)
+        assert resp.complete and await resp.read() == body
+        resp.release()
+        with pytest.raises(UpstreamError, match="exceeds 4999"):
+            await pool.request(b"POST", b"/", [b"q"], b"", 5.0, None, 4999)
+    async with Upstream(_silent) as up, pool_for(up) as pool:
+        with pytest.raises(UpstreamTimeout):
+            await pool.request(b"GET", b"/", (), b"", None, None, 0, 0.2)  # headers_timeout

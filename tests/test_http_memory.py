@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from server.http.server import malloc_trim
+from server.http.memory import malloc_trim
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,8 +18,10 @@ import http.client
 import itertools
 import json
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 import httptools
@@ -1663,3 +1665,42 @@ def test_property_garbage_never_crashes_or_hangs(data: st.DataObject) -> None:
             assert await eventually(lambda: len(server.connections) <= 1, timeout=3.0)
 
     asyncio.run(case())
+
+
+# -- the server's seams (issue 24) ----------------------------------------------------------------
+
+
+def test_server_built_where_no_loop_runs_serves_on_the_one_it_starts_on() -> None:
+    """Built in a thread with no event loop (asyncio.get_event_loop() raised there), started on
+    another: it serves there, and its Date line is its own (no module-level cache)."""
+    built: list[HTTPServer] = []
+    errors: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            built.append(HTTPServer(echo, Limits()))
+        except BaseException as exc:  # pragma: no cover - the failure being tested
+            errors.append(exc)
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    thread.join()
+    assert not errors and built
+    server = built[0]
+    assert server.date is not HTTPServer(echo).date
+
+    async def scenario() -> None:
+        await server.start("127.0.0.1", 0)
+        try:
+            assert server.loop is asyncio.get_running_loop()
+            async with connected(server.sockets[0].getsockname()[1]) as client:
+                await client.send(get(b"/dated"))
+                (resp,) = await client.responses(1)
+            assert resp.status == 200
+            date = resp.header(b"date")
+            assert date is not None and parsedate_to_datetime(date.decode()).tzinfo is not None
+            assert server.date().startswith(b"Date: ") and server.date().endswith(b" GMT\r\n")
+        finally:
+            await server.close(grace_s=0.5)
+
+    asyncio.run(scenario())

@@ -13,16 +13,19 @@ proxy needs and nothing else:
 - :mod:`server.http.client`: keep-alive connections per worker, request
   bodies written as their pieces (vectored), response framing by httptools,
   streamed bodies handed to a sink as they arrive.
+- :mod:`server.http.memory`: glibc's ``malloc_trim``, which gives the C heap
+  back once large bodies stop coming.
 
 Never hand-written HTTP parsing: only the status line and headers we *write*
 are formatted here.
 """
 
-from .client import BodyPiece, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout
+from .client import BodyPiece, Deadlines, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout
 from .server import HTTPServer, Limits, Request, Responder
 
 __all__ = [
     "BodyPiece",
+    "Deadlines",
     "HTTPServer",
     "Limits",
     "Request",

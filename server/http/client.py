@@ -8,8 +8,8 @@ then either accumulates (:meth:`UpstreamResponse.read`) or goes, piece by
 piece as the socket delivers it, to a sink (:meth:`UpstreamResponse.stream`)
 with no Python object per SSE event.
 
-Deadlines are checked by one sweeper per event loop (50 ms ticks while
-requests are in flight): ``timeout`` bounds the whole exchange,
+Deadlines are checked by a :class:`Deadlines` sweeper (50 ms ticks while
+requests are in flight; one per pool, or one shared by an owner's pools): ``timeout`` bounds the whole exchange,
 ``headers_timeout`` (without ``timeout``) the wait for the response's headers,
 ``read_timeout`` a silence (a stream may run long; it must not stall that
 long). A response read to the end on a keep-alive connection returns the
@@ -70,7 +70,7 @@ class UpstreamResponse:
         "truncated",
     )
 
-    def __init__(self, conn: _Connection) -> None:
+    def __init__(self, conn: _Connection, max_body: int = 0) -> None:
         self._conn = conn
         self.status = 0
         self.content_type = b""
@@ -79,17 +79,17 @@ class UpstreamResponse:
         self.content_length: int | None = None
         self.chunks: list[bytes] = []
         self.size = 0
-        self.limit = 0  # 0: unbounded
+        self.limit = max_body  # 0: unbounded
         self.truncated = False
         self.sink: Callable[[bytes], None] | None = None
         self.headers_done = False
         self.complete = False
         self.keep_alive = False
         self.error: BaseException | None = None
-        self._headers: asyncio.Future[None] | None = None
+        self._headers: asyncio.Future[None] = conn.loop.create_future()
         self._done: asyncio.Future[None] | None = None
         #: request() returns only once the whole body is in (one wake-up, not two)
-        self._whole = False
+        self._whole = bool(max_body)
 
     @property
     def media_type(self) -> bytes:
@@ -130,6 +130,53 @@ class UpstreamResponse:
         """Done with the response: its connection goes back to the pool if it can be reused, else closes."""
         self._conn.finish(self)
 
+    # -- what the connection tells it (the parser's events) ---------------------------
+
+    def headers_arrived(self) -> asyncio.Future[None]:
+        """Done once the status line and headers are in (with ``max_body``: the whole body)."""
+        return self._headers
+
+    def on_headers(self, status: int) -> None:
+        """The final (not 1xx) status line and headers are in."""
+        self.status = status
+        self.headers_done = True
+        if not self._whole:
+            self._wake(self._headers, None)
+
+    def on_interim_end(self) -> None:
+        """A 1xx response ended: forget its headers, the real answer follows."""
+        self.content_type = b""
+        self.content_length = None
+        self.retry_after = None
+
+    def on_body(self, body: bytes) -> bool:
+        """Keep a piece of a read body; False when a whole-body request went past ``max_body``."""
+        if self.truncated:
+            return True
+        self.size += len(body)
+        self.chunks.append(body)
+        if self.limit and self.size > self.limit:
+            if self._whole:
+                return False
+            self._truncate()
+        return True
+
+    def on_complete(self, keep_alive: bool) -> None:
+        """The body's end: wake whoever waits for the headers or the body."""
+        self.complete = True
+        self.keep_alive = keep_alive
+        self._wake(self._headers, None)
+        self._wake(self._done, None)
+
+    def on_error(self, exc: BaseException) -> bool:
+        """The exchange failed: raise ``exc`` to its waiters. False when it had already ended."""
+        if self.complete or self.error is not None:
+            return False
+        self.error = exc
+        self._wake(self._headers, exc)
+        self._wake(self._done, exc)
+        return True
+
     # -- internals -----------------------------------------------------------------
 
     def _truncate(self) -> None:
@@ -166,7 +213,7 @@ class _Connection(asyncio.Protocol):
         self.requests = 0
         self.idle_since = 0.0
         self.timed = False  # in the sweeper's active set
-        self.sweeper = _sweeper(self.loop)
+        self.sweeper = pool.deadlines
         self.deadline = 0.0
         #: the deadline ends with the response's headers (a first-byte deadline)
         self.deadline_to_headers = False
@@ -250,14 +297,9 @@ class _Connection(asyncio.Protocol):
         if 100 <= status < 200 and status != 101:
             self.interim = True  # 100 Continue and friends: skipped, the real answer follows
             return
-        resp.status = status
-        resp.headers_done = True
         if self.deadline_to_headers:
             self.deadline = 0.0  # the first byte is in: only read_timeout (if any) from here
-        if not resp._whole:
-            fut = resp._headers
-            if fut is not None and not fut.done():
-                fut.set_result(None)
+        resp.on_headers(status)
 
     def on_body(self, body: bytes) -> None:
         resp = self.response
@@ -268,36 +310,18 @@ class _Connection(asyncio.Protocol):
             resp.size += len(body)
             self.pending.append(body)  # flushed once the read is parsed
             return
-        if resp.truncated:
-            return
-        resp.size += len(body)
-        resp.chunks.append(body)
-        if resp.limit and resp.size > resp.limit:
-            if resp._whole:
-                self._fail(UpstreamError(f"response body exceeds {resp.limit} bytes"))
-            else:
-                resp._truncate()
+        if not resp.on_body(body):
+            self._fail(UpstreamError(f"response body exceeds {resp.limit} bytes"))
 
     def on_message_complete(self) -> None:
         resp = self.response
         assert resp is not None
         if self.interim:
             self.interim = False
-            resp.content_type = b""
-            resp.content_length = None
-            resp.retry_after = None
+            resp.on_interim_end()
             return
-        resp.complete = True
-        resp.keep_alive = self.parser.should_keep_alive()
-        if self.timed:
-            self.timed = False
-            self.sweeper.active.discard(self)
-        fut = resp._headers
-        if fut is not None and not fut.done():
-            fut.set_result(None)
-        fut = resp._done
-        if fut is not None and not fut.done():
-            fut.set_result(None)
+        self._cancel_timer()
+        resp.on_complete(self.parser.should_keep_alive())
 
     # -- requests -------------------------------------------------------------------
 
@@ -316,11 +340,7 @@ class _Connection(asyncio.Protocol):
             # raise (uvloop: RuntimeError). Nothing was sent, so the request may go elsewhere.
             self.closed = True
             raise UpstreamError("connection closed before the request was sent", sent=False)
-        resp = self.response = UpstreamResponse(self)
-        resp._headers = self.loop.create_future()
-        if max_body:
-            resp._whole = True
-            resp.limit = max_body
+        resp = self.response = UpstreamResponse(self, max_body)
         self.requests += 1
         self.got_bytes = False
         self.interim = False
@@ -354,16 +374,13 @@ class _Connection(asyncio.Protocol):
     def _cancel_timer(self) -> None:
         if self.timed:
             self.timed = False
-            self.sweeper.active.discard(self)
+            self.sweeper.remove(self)
 
     def _fail(self, exc: BaseException) -> None:
         resp = self.response
         self._cancel_timer()
-        if resp is None or resp.complete or resp.error is not None:
+        if resp is None or not resp.on_error(exc):
             return
-        resp.error = exc
-        UpstreamResponse._wake(resp._headers, exc)
-        UpstreamResponse._wake(resp._done, exc)
         self.close(reset=isinstance(exc, UpstreamTimeout))  # a silent worker may still be running it
 
     def finish(self, resp: UpstreamResponse) -> None:
@@ -411,46 +428,46 @@ class _Connection(asyncio.Protocol):
                 transport.close()
 
 
-class _Sweeper:
-    """One per event loop: enforces the deadlines of every upstream request in flight.
+class Deadlines:
+    """Enforces the deadlines of the upstream requests in flight on one event loop.
 
     A timer handle per request (created, then cancelled) costs more than the
     rest of a request's client side; a tick that looks at the requests in
-    flight costs nothing per request and runs only while there are some.
+    flight costs nothing per request and runs only while there are some. A
+    pool makes its own; an owner of many pools (the orchestrator: one per
+    worker) may give them one to share, so one tick serves them all.
     """
 
     TICK_S = 0.05
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+    def __init__(self) -> None:
         self.active: set[_Connection] = set()
         self.handle: asyncio.TimerHandle | None = None
 
     def add(self, conn: _Connection) -> None:
         self.active.add(conn)
         if self.handle is None:
-            self.handle = self.loop.call_later(self.TICK_S, self.tick)
+            self.handle = conn.loop.call_later(self.TICK_S, self.tick, conn.loop)
 
-    def tick(self) -> None:
+    def remove(self, conn: _Connection) -> None:
+        self.active.discard(conn)
+
+    def tick(self, loop: asyncio.AbstractEventLoop) -> None:
         self.handle = None
-        now = self.loop.time()
+        now = loop.time()
         for conn in list(self.active):
             conn._check_deadline(now)
         if self.active:
-            self.handle = self.loop.call_later(self.TICK_S, self.tick)
+            self.handle = loop.call_later(self.TICK_S, self.tick, loop)
 
 
-_sweepers: dict[asyncio.AbstractEventLoop, _Sweeper] = {}
-
-
-def _sweeper(loop: asyncio.AbstractEventLoop) -> _Sweeper:
-    sweeper = _sweepers.get(loop)
-    if sweeper is None:
-        if len(_sweepers) > 16:  # loops of finished threads or tests
-            for old in [lp for lp in _sweepers if lp.is_closed()]:
-                del _sweepers[old]
-        sweeper = _sweepers[loop] = _Sweeper(loop)
-    return sweeper
+def _legacy(
+    timeout: float | None = None,
+    read_timeout: float | None = None,
+    max_body: int = 0,
+    headers_timeout: float | None = None,
+) -> tuple[float | None, float | None, int, float | None]:
+    return timeout, read_timeout, max_body, headers_timeout
 
 
 class UpstreamPool:
@@ -464,6 +481,7 @@ class UpstreamPool:
         max_idle: int = 512,
         idle_timeout_s: float = 30.0,
         extra_headers: bytes = b"",
+        deadlines: Deadlines | None = None,
     ) -> None:
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
@@ -477,7 +495,9 @@ class UpstreamPool:
         self.connect_timeout_s = connect_timeout_s
         self.max_idle = max_idle
         self.idle_timeout_s = idle_timeout_s
-        self.loop = asyncio.get_event_loop()
+        #: the loop of its connections, from the first connect (a pool may be built before a loop runs)
+        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
+        self.deadlines = deadlines or Deadlines()
         self.idle: list[_Connection] = []
         self.open: set[_Connection] = set()
 
@@ -516,6 +536,7 @@ class UpstreamPool:
         path: bytes,
         pieces: Sequence[BodyPiece] = (),
         headers: bytes = b"",
+        *positional: float | int | None,
         timeout: float | None = None,
         read_timeout: float | None = None,
         max_body: int = 0,
@@ -531,7 +552,14 @@ class UpstreamPool:
         :class:`UpstreamError` (``sent`` says whether the worker may have seen
         the request) or :class:`UpstreamTimeout`. The caller must
         :meth:`~UpstreamResponse.release` the response.
+
+        ``positional``: ``timeout, read_timeout, max_body, headers_timeout`` in
+        that order, the old signature, still passed so by
+        server/orchestrator/app.py and cache_view.py (issue 24: to go once they
+        pass keywords).
         """
+        if positional:
+            timeout, read_timeout, max_body, headers_timeout = _legacy(*positional)  # type: ignore[arg-type]
         length = 0
         for piece in pieces:
             length += len(piece)
@@ -551,7 +579,7 @@ class UpstreamPool:
             try:
                 resp = conn.send(head, pieces, timeout, read_timeout, max_body, headers_timeout)
                 if not resp.complete and not (resp.headers_done and not max_body):
-                    await resp._headers  # type: ignore[misc]
+                    await resp.headers_arrived()
                 return resp
             except UpstreamError as exc:
                 # An idle connection the worker closed as we reused it: it never

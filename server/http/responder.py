@@ -1,4 +1,4 @@
-"""The writing side of one request: status lines, the Date header, :class:`Responder`."""
+"""The writing side of one request: status lines, the Date header (:class:`DateHeader`), :class:`Responder`."""
 
 from __future__ import annotations
 
@@ -28,16 +28,21 @@ def status_line(status: int) -> bytes:
     return line
 
 
-_date = [0, b""]
+class DateHeader:
+    """``Date: ...\\r\\n`` (RFC 9110 6.6.1), formatted once a second; one per server."""
 
+    __slots__ = ("_line", "_second")
 
-def date_header() -> bytes:
-    """``Date: ...\\r\\n``, formatted once a second."""
-    now = int(time.time())
-    if now != _date[0]:
-        _date[0] = now
-        _date[1] = b"Date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
-    return _date[1]  # type: ignore[return-value]
+    def __init__(self) -> None:
+        self._second = 0
+        self._line = b""
+
+    def __call__(self) -> bytes:
+        now = int(time.time())
+        if now != self._second:
+            self._second = now
+            self._line = b"Date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
+        return self._line
 
 
 class Flow(Protocol):
@@ -102,7 +107,7 @@ class Responder:
             status_line(status),
             content_type,
             length,
-            date_header(),
+            self._conn.server.date(),
             self._connection(),
             headers,
         )
@@ -158,7 +163,14 @@ class Responder:
         if not self._conn.closed:
             self._transport.write(
                 b"%sContent-Type: %s\r\n%s%s%s%s\r\n"
-                % (status_line(status), content_type, framing, date_header(), self._connection(), headers)
+                % (
+                    status_line(status),
+                    content_type,
+                    framing,
+                    self._conn.server.date(),
+                    self._connection(),
+                    headers,
+                )
             )
 
     def write(self, data: bytes | memoryview) -> None:
@@ -184,13 +196,14 @@ class Responder:
         self._conn.abort()
 
 
-def _simple_response(status: int, message: str, retry_after_s: int = 0) -> bytes:
+def simple_response(status: int, message: str, date: bytes, retry_after_s: int = 0) -> bytes:
+    """A whole error response that closes the connection (``date``: the server's Date line)."""
     body = error_body(status, message)
     retry = b"Retry-After: %d\r\n" % retry_after_s if retry_after_s else b""
     return b"%sContent-Type: application/json\r\nContent-Length: %d\r\n%s%sConnection: close\r\n\r\n%s" % (
         status_line(status),
         len(body),
-        date_header(),
+        date,
         retry,
         body,
     )

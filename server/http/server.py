@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import ctypes
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -48,10 +47,11 @@ from typing import Any
 import httptools
 
 from .limits import PEER_SHARE, Limits
-from .responder import JSON, Flow, Responder, _simple_response, date_header, status_line
+from .memory import malloc_trim
+from .responder import JSON, DateHeader, Flow, Responder, simple_response, status_line
 
-__all__ = ["JSON", "PEER_SHARE", "Flow", "HTTPServer", "Limits", "Request", "Responder", "date_header",
-           "malloc_trim", "status_line"]  # fmt: skip
+__all__ = ["JSON", "PEER_SHARE", "DateHeader", "Flow", "HTTPServer", "Limits", "Request", "Responder",
+           "status_line"]  # fmt: skip
 
 log = logging.getLogger("fastcore.http")
 
@@ -236,7 +236,7 @@ class _Connection(asyncio.Protocol):
         refusal = server.admit(self, peername[0] if isinstance(peername, tuple) and peername else "")
         if refusal is not None:
             server.refused += 1
-            self.transport.write(_simple_response(*refusal, self.limits.retry_after_s))  # type: ignore[union-attr]
+            self.transport.write(simple_response(*refusal, server.date(), self.limits.retry_after_s))  # type: ignore[union-attr]
             self.transport.close()  # type: ignore[union-attr]
             self.closed = True
             return
@@ -695,7 +695,7 @@ class _Connection(asyncio.Protocol):
         transport = self.transport
         assert transport is not None
         retry_after = self.limits.retry_after_s if status in (429, 503) else 0
-        transport.write(_simple_response(status, message, retry_after))
+        transport.write(simple_response(status, message, self.server.date(), retry_after))
         # Lingering close: a client still sending its body (a 413 mid-upload)
         # must read the answer, not a reset. Its further bytes are dropped;
         # the connection closes when it does, or after LINGER_S.
@@ -744,16 +744,6 @@ class _Connection(asyncio.Protocol):
         )
 
 
-def _malloc_trim() -> Callable[[], None] | None:
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-    return lambda: trim(0)
-
-
-#: glibc's malloc_trim(0), or None where there is none
-malloc_trim = _malloc_trim()
 #: answering a body of at least this size leads to a trim of the C heap
 LARGE_BODY_BYTES = 1024 * 1024
 #: seconds without a large body answered before that trim
@@ -768,7 +758,10 @@ class HTTPServer:
     def __init__(self, handler: Handler, limits: Limits | None = None) -> None:
         self.handler = handler
         self.limits = limits or Limits()
-        self.loop = asyncio.get_event_loop()
+        #: the loop it serves on, from :meth:`start` (a server is built before its loop may run)
+        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
+        #: the Date line of every response, formatted once a second
+        self.date = DateHeader()
         self.connections: set[_Connection] = set()
         #: client IP -> its connections and body bytes (while it holds either)
         self.peers: dict[str, _Peer] = {}
@@ -902,8 +895,9 @@ class HTTPServer:
         for conn in list(self.connections):
             if conn.task is None:
                 conn.abort()
-        deadline = self.loop.time() + grace_s
-        while any(c.task is not None for c in self.connections) and self.loop.time() < deadline:
+        loop = asyncio.get_running_loop()  # started or not
+        deadline = loop.time() + grace_s
+        while any(c.task is not None for c in self.connections) and loop.time() < deadline:
             await asyncio.sleep(0.05)
         tasks = [c.task for c in self.connections if c.task is not None]
         for conn in list(self.connections):
