@@ -44,25 +44,19 @@ _CURRENT: ContextVar[Any] = ContextVar("fastcore_request_trace", default=None)
 current_trace = _CURRENT.get
 
 
-class _PresetIds:
+def _preset_ids() -> Any:
     """The SDK's random ids, but the next trace id may be one already drawn (and sampled) by
     :meth:`Tracing.start_request`; the event loop is the only caller, one span at a time."""
+    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 
-    def __init__(self) -> None:
-        from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+    class PresetIds(RandomIdGenerator):
+        preset = 0
 
-        self.random = RandomIdGenerator()
-        self.preset = 0
+        def generate_trace_id(self) -> int:
+            trace_id, self.preset = self.preset, 0
+            return trace_id or super().generate_trace_id()
 
-    def generate_span_id(self) -> int:
-        return self.random.generate_span_id()
-
-    def is_trace_id_random(self) -> bool:
-        return True  # drawn by RandomIdGenerator, now or for the preset
-
-    def generate_trace_id(self) -> int:
-        trace_id, self.preset = self.preset, 0
-        return trace_id or self.random.generate_trace_id()
+    return PresetIds()
 
 
 class TracingConfigError(ValueError):
@@ -152,7 +146,7 @@ class Tracing:
         ):
             attributes[SERVICE_NAME] = service_name
         self.endpoint = endpoint
-        self.ids = _PresetIds()
+        self.ids = _preset_ids()
         self.provider = TracerProvider(resource=Resource.create(attributes), id_generator=self.ids)
         #: the sampler the SDK chose from OTEL_TRACES_SAMPLER (parentbased_always_on by default)
         self.sampler = self.provider.sampler
@@ -182,7 +176,7 @@ class Tracing:
             # A new trace: its id drawn and the sampler asked here, so that a dropped request
             # costs no span object at all; a sampled one's span takes that id (the sampler,
             # asked again by the SDK, decides the same on the same id).
-            trace_id = self.ids.random.generate_trace_id()
+            trace_id = self.ids.generate_trace_id()
             if not self.sampler.should_sample(
                 None, trace_id, name, self.SERVER, attributes
             ).decision.is_sampled():
@@ -190,7 +184,7 @@ class Tracing:
                     return None
                 header = b"traceparent: 00-%032x-%016x-00\r\n" % (
                     trace_id,
-                    self.ids.random.generate_span_id(),
+                    self.ids.generate_span_id(),
                 )
                 unsampled = Unsampled(header)
                 _CURRENT.set(unsampled)
@@ -344,6 +338,7 @@ class RequestTrace:
         leg = self.leg
         if leg is None:
             return write
+        sink: Callable[[bytes], None] = write
 
         def first_write(data: bytes) -> None:
             nonlocal sink
@@ -416,7 +411,7 @@ class LegSpan:
 
 def start_orchestrator_request(
     tracing: Tracing, request: Any, route: str, tenant: str | None
-) -> RequestTrace | None:
+) -> RequestTrace | Unsampled | None:
     """The orchestrator's SERVER span for a completion: the child of the client's ``traceparent``."""
     attributes: dict[str, Any] = {"http.request.method": "POST", "http.route": route}
     if tenant:
@@ -432,7 +427,7 @@ class traced_wait:
 
     __slots__ = ("cm", "name", "trace")
 
-    def __init__(self, trace: RequestTrace | None, name: str, cm: Any) -> None:
+    def __init__(self, trace: RequestTrace | Unsampled | None, name: str, cm: Any) -> None:
         self.trace, self.name, self.cm = trace, name, cm
 
     async def __aenter__(self) -> Any:
@@ -459,12 +454,14 @@ def start_worker_request(tracing: Tracing, request: Any, route: str, role: str) 
     """A worker's SERVER span for a completion or leg: the child of the orchestrator's leg span
     (its ``traceparent``); a parent-based sampler follows the orchestrator's decision."""
     path = request.path.decode("latin-1")
-    return tracing.start_request(
+    trace = tracing.start_request(
         "POST " + path,
         request.header(TRACEPARENT),
         request.header(TRACESTATE),
         {"http.request.method": "POST", "http.route": path, "fastcore.role": role, "fastcore.route": route},
     )
+    assert not isinstance(trace, Unsampled)  # not asked to propagate a dropped request
+    return trace
 
 
 def request_parsed(trace: RequestTrace, req: Any) -> None:
@@ -543,9 +540,11 @@ def start_kv_export(tracing: Tracing, request: Any, tokens: int) -> RequestTrace
     traceparent = request.header(TRACEPARENT)
     if traceparent is None:
         return None
-    return tracing.start_request(
+    trace = tracing.start_request(
         "fastcore.kv.export",
         traceparent,
         request.header(TRACESTATE),
         {"http.request.method": "GET", "fastcore.kv.tokens": tokens},
     )
+    assert not isinstance(trace, Unsampled)
+    return trace
