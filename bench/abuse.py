@@ -59,7 +59,7 @@ import yaml
 from bench import abuse_http
 from bench._timing import format_table
 from bench.deploy import free_port, process_tree, rss_bytes, wait_healthy
-from bench.load import RESULTS_DIR, LevelResult, percentile, run_concurrency, write_json
+from bench.loadgen import RESULTS_DIR, LevelResult, percentile, run_concurrency, write_json
 from bench.workload import agentic_messages
 from server.auth import SECRET_ENV as SHARED_SECRET_ENV
 from server.launcher import Child, plan, stop_all

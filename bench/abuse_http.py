@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from bench._timing import format_table
-from bench.load import LevelResult, run_concurrency
+from bench.loadgen import LevelResult, run_concurrency
 
 #: the address attackers connect from (another client than the honest load's 127.0.0.1)
 ATTACKER_IP = "127.0.0.2"

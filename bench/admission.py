@@ -41,7 +41,7 @@ import aiohttp
 
 from bench._timing import format_table
 from bench.deploy import Deployment
-from bench.load import RESULTS_DIR, percentile
+from bench.loadgen import RESULTS_DIR, percentile
 from bench.workload import chat_body
 
 PROMPT_TOKENS = 500

@@ -47,7 +47,7 @@ from typing import Any
 import aiohttp
 
 from bench.deploy import Deployment, cpu_seconds
-from bench.load import RESULTS_DIR, _session, percentile
+from bench.loadgen import RESULTS_DIR, new_session, percentile
 
 ROUTINGS: dict[str, dict[str, Any]] = {
     "round_robin": {"router": "round_robin"},
@@ -168,7 +168,7 @@ async def run_conversations(
             ]
 
     t0 = time.perf_counter()
-    async with _session() as session:
+    async with new_session() as session:
         await asyncio.gather(*(conversation(i, session) for i in range(conversations)))
     return results, time.perf_counter() - t0
 

@@ -36,7 +36,7 @@ from typing import Any
 import aiohttp
 
 from bench.deploy import Deployment, free_port
-from bench.load import RESULTS_DIR, RequestResult, _session, one_request, summarize, table
+from bench.loadgen import RESULTS_DIR, RequestResult, new_session, one_request, summarize, table
 from bench.workload import chat_body
 from server.cluster.local_etcd import LocalEtcd
 
@@ -154,7 +154,7 @@ async def _run(
     events: list[Event] = []
     stop = asyncio.Event()
     t0 = time.monotonic()
-    async with _session() as load, aiohttp.ClientSession() as probe:
+    async with new_session() as load, aiohttp.ClientSession() as probe:
         ready = await _wait(lambda: _all_route(probe, fronts, gen_urls), 30.0)
         if ready is None:
             raise RuntimeError("the orchestrators did not discover both generation workers within 30 s")

@@ -46,7 +46,7 @@ import yaml
 
 from bench.deploy import PYTHON, free_port, wait_healthy
 from bench.fault_proxy import FaultProxy
-from bench.load import RESULTS_DIR, percentile
+from bench.loadgen import RESULTS_DIR, percentile
 from server.launcher import Child, stop_all
 
 #: the orchestrator's fault settings in this benchmark

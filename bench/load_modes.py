@@ -21,12 +21,12 @@ import signal
 import time
 
 from bench.deploy import FRONTS, Deployment
-from bench.load import RESULTS_DIR, LevelResult, _parse_levels, plot, run_concurrency, table, write_json
+from bench.loadgen import RESULTS_DIR, LevelResult, parse_levels, plot, run_concurrency, table, write_json
 from bench.workload import chat_body
 
 
 def compare(args: argparse.Namespace) -> int:
-    levels_c = [16, 64] if args.quick else _parse_levels(args.concurrency)
+    levels_c = [16, 64] if args.quick else parse_levels(args.concurrency)
     body = chat_body(args.prompt_tokens, model="synthetic", max_tokens=args.max_tokens)
     results: list[LevelResult] = []
     for front in FRONTS:

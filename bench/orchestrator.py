@@ -32,7 +32,7 @@ from pathlib import Path
 
 from bench._timing import format_table
 from bench.deploy import FLOOR, FRONTS, Deployment, cores
-from bench.load import RESULTS_DIR, run_concurrency
+from bench.loadgen import RESULTS_DIR, run_concurrency
 from bench.workload import chat_body
 
 

@@ -59,9 +59,10 @@ from bench.deploy import (
     tree_cpu_seconds,
     wait_healthy,
 )
-from bench.load import RESULTS_DIR, _session, one_request, one_unary_request, run_concurrency
+from bench.loadgen import RESULTS_DIR, new_session, one_request, one_unary_request, run_concurrency
 from bench.workload import chat_body
 from server.launcher import Child, stop_all
+from server.process import die_with_parent
 
 ROOT = Path(__file__).resolve().parent.parent
 VENVS = Path(os.environ.get("FASTCORE_BENCH_VENVS", Path.home() / ".cache" / "fastcore-bench"))
@@ -237,15 +238,11 @@ class _LoggedChild(Child):
     log: Path | None = None
 
     def start(self, env: dict[str, str]) -> None:
-        preexec: Callable[[], None] | None
-        try:
-            from server.launcher import _die_with_parent as preexec
-        except ImportError:  # the launcher's private helper moved: the child then outlives a killed run
-            preexec = None
         assert self.log is not None
         with open(self.log, "ab") as out:
+            # dies with this run, even a killed one (it kept its session: not start_child's)
             self.proc = subprocess.Popen(
-                self.argv, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=preexec
+                self.argv, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
             )
 
 
@@ -311,7 +308,7 @@ async def _level(
     label: str,
 ) -> tuple[Any, int, float, float, int | None]:
     request = one_request if stream else one_unary_request
-    async with _session() as session:  # one client session: warm-up connections are the measured ones
+    async with new_session() as session:  # one client session: warm-up connections are the measured ones
         warm = await run_concurrency(
             url,
             body,

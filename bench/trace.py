@@ -56,7 +56,7 @@ import numpy as np
 from bench.agentic import _worker_counters
 from bench.cluster_chaos import routed
 from bench.deploy import Deployment, cpu_seconds, free_port
-from bench.load import RESULTS_DIR, _session, percentile
+from bench.loadgen import RESULTS_DIR, new_session, percentile
 from server.worker.synthetic import PrefixCacheModel, SyntheticTokenizer
 
 TRACE = Path(__file__).resolve().parent / "data" / "mooncake" / "mooncake_synthetic_trace.jsonl"
@@ -257,7 +257,7 @@ async def replay(
         url = fronts[i % len(fronts)] + "/v1/chat/completions"
         results[i] = await _send(session, url, bodies[i], timeout)
 
-    async with _session() as session:
+    async with new_session() as session:
         start = time.perf_counter()
         await asyncio.gather(*(one(i, session, start) for i in range(len(requests))))
         seconds = time.perf_counter() - start

@@ -35,7 +35,7 @@ from typing import Any
 
 from bench._timing import format_table
 from bench.deploy import Deployment, free_port
-from bench.load import RESULTS_DIR, run_concurrency
+from bench.loadgen import RESULTS_DIR, run_concurrency
 from bench.workload import chat_body
 
 SETTINGS: dict[str, dict[str, str]] = {

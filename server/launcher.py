@@ -53,6 +53,7 @@ from server.cli import cannot_listen, missing_extra
 from server.metrics_access import METRICS_TOKEN_ENV
 from server.orchestrator.config import RELAY_MODES
 from server.ports import port_problem, release_ports, reserve_ports
+from server.process import start_child
 
 STOP_GRACE_S = 10.0
 #: how long past its drain deadline a child may take to exit before it is killed (a worker waits up
@@ -61,18 +62,6 @@ STOP_MARGIN_S = 15.0
 POLL_S = 0.2
 #: the cluster name of ``up --cluster`` unless --cluster-name says otherwise
 DEFAULT_CLUSTER_NAME = "local"
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM it if the launcher dies (even by SIGKILL), so
-    no worker outlives its launcher holding a port (Linux; elsewhere a no-op)."""
-    if sys.platform != "linux":
-        return
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    pr_set_pdeathsig = 1
-    libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 @dataclass
@@ -86,8 +75,8 @@ class Child:
         # Its own session: a terminal's Ctrl-C (sent to the whole foreground group) reaches only
         # the launcher, which stops the children in its order (stop_all: with a cluster the
         # workers first, so they deregister while the orchestrator's registry still runs).
-        # _die_with_parent still takes them down if the launcher dies.
-        self.proc = subprocess.Popen(self.argv, env=env, preexec_fn=_die_with_parent, start_new_session=True)
+        # They still go down if the launcher dies (server.process.die_with_parent).
+        self.proc = start_child(self.argv, env=env)
 
     @property
     def exit_code(self) -> int | None:

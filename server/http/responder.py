@@ -7,12 +7,9 @@ import time
 from collections.abc import Sequence
 from email.utils import formatdate
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from server.errors import error_body
-
-if TYPE_CHECKING:
-    from .server import _Connection
 
 JSON = b"application/json"
 
@@ -50,6 +47,27 @@ class Flow(Protocol):
     def resume_reading(self) -> None: ...
 
 
+class _Dated(Protocol):
+    @property
+    def date(self) -> DateHeader: ...
+
+
+class Connection(Protocol):
+    """What a :class:`Responder` needs of its client connection (server.http.server's)."""
+
+    @property
+    def server(self) -> _Dated: ...
+
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport | None
+    closed: bool
+    #: the client's write buffer is above its high-water mark; ``drained`` is done when it is not
+    write_paused: bool
+    drained: asyncio.Future[None] | None
+
+    def abort(self) -> None: ...
+
+
 class Responder:
     """Writes one request's response: whole (:meth:`send`) or streamed (:meth:`start`, :meth:`write`, :meth:`end`)."""
 
@@ -65,7 +83,7 @@ class Responder:
         "status",
     )
 
-    def __init__(self, conn: _Connection, keep_alive: bool, http10: bool, head_only: bool = False) -> None:
+    def __init__(self, conn: Connection, keep_alive: bool, http10: bool, head_only: bool = False) -> None:
         self._conn = conn
         #: a response to HEAD: headers as for GET, never a body (RFC 9110 9.3.2)
         self.head_only = head_only

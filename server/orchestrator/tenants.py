@@ -31,7 +31,7 @@ import math
 import re
 import secrets
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from server.errors import HTTPError, error_body
 from server.metrics_access import MetricsAccess
@@ -39,7 +39,22 @@ from server.metrics_access import MetricsAccess
 if TYPE_CHECKING:
     from server.metrics import Registry
 
-    from .config import OrchestratorConfig
+
+class KeySettings(Protocol):
+    """What the key table and /metrics' rule read of the orchestrator's config (config.py's
+    OrchestratorConfig: it reads the key file at startup, so this module does not import it)."""
+
+    @property
+    def api_keys_file(self) -> str | None: ...
+    @property
+    def api_key(self) -> str | None: ...
+    @property
+    def api_key_bytes(self) -> bytes | None: ...
+    @property
+    def metrics_requires_key(self) -> bool: ...
+    @property
+    def metrics_token_bytes(self) -> bytes | None: ...
+
 
 log = logging.getLogger("fastcore.orchestrator")
 
@@ -191,7 +206,7 @@ class ApiKeys:
         return True
 
 
-def keys_from_config(config: OrchestratorConfig, registry: Registry) -> ApiKeys | None:
+def keys_from_config(config: KeySettings, registry: Registry) -> ApiKeys | None:
     """The orchestrator's key table (None: no key file, no key: /v1/* is open), its 401s counted."""
     if config.api_keys_file is None and not config.api_key:
         return None
@@ -204,7 +219,7 @@ def keys_from_config(config: OrchestratorConfig, registry: Registry) -> ApiKeys 
     return keys
 
 
-def metrics_access_for(config: OrchestratorConfig, keys: ApiKeys | None) -> MetricsAccess:
+def metrics_access_for(config: KeySettings, keys: ApiKeys | None) -> MetricsAccess:
     """``/metrics``' rule: server/metrics_access.py's, or with ``metrics_requires_key`` the
     metrics token or a client API key."""
     if config.metrics_requires_key and keys is not None:
