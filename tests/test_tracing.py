@@ -25,7 +25,7 @@ import pytest
 
 from server import tracing
 from server.orchestrator.config import ConfigError, build_config, load_config_file
-from tests.conftest import free_port
+from helpers import free_port
 
 pytest.importorskip("opentelemetry.sdk.trace")
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -436,3 +436,80 @@ def _sampled_new_trace(monkeypatch: pytest.MonkeyPatch) -> None:
         assert 0 < sampled < 200
     finally:
         t.shutdown()
+
+
+def test_failures_are_recorded_on_their_spans(monkeypatch: pytest.MonkeyPatch, receiver: Receiver) -> None:
+    contextvars.copy_context().run(_failures_recorded, monkeypatch, receiver)
+
+
+def _failures_recorded(monkeypatch: pytest.MonkeyPatch, receiver: Receiver) -> None:
+    """A leg that failed (an exception, then a retry that answered 503), an admission refusal (429)
+    and the request's 502: each span's status says so, the exception recorded as an event."""
+    import asyncio
+
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import StatusCode
+
+    from server.errors import HTTPError
+    from server.http import UpstreamError
+
+    monkeypatch.delenv("OTEL_TRACES_SAMPLER", raising=False)
+    t = tracing.Tracing("test", receiver.url + "/v1/traces")
+    memory = InMemorySpanExporter()
+    t.provider.add_span_processor(SimpleSpanProcessor(memory))
+
+    class Refusing:
+        async def __aenter__(self) -> None:
+            raise HTTPError(429, "the admission queue is full", code="queue_full")
+
+        async def __aexit__(self, *exc: object) -> None:
+            return None
+
+    class Pool:
+        name = "context"
+
+        class router:
+            name = "round_robin"
+
+    class Worker:
+        url = "http://127.0.0.1:1"
+
+    class Resp:
+        size = 10
+
+    try:
+        trace = tracing.start_orchestrator_request(t, _Request({}), "/v1/completions", "team-a")
+        assert isinstance(trace, tracing.RequestTrace)
+
+        async def admit() -> None:
+            async with tracing.traced_wait(trace, "fastcore.admission", Refusing()):
+                pass
+
+        with pytest.raises(HTTPError):
+            asyncio.run(admit())
+        leg = trace.start_leg("context", Pool, Worker, None, trace.now(), 0)
+        leg.fail(UpstreamError("connection reset"))
+        leg.end()
+        retry = trace.start_leg("context", Pool, Worker, None, trace.now(), 1)
+        retry.answered(503, Resp())
+        retry.end()
+        trace.end(502)
+        spans = {(s.name, s.attributes.get("fastcore.attempt")): s for s in memory.get_finished_spans()}
+        admission = spans[("fastcore.admission", None)]
+        assert admission.status.status_code == StatusCode.ERROR
+        assert admission.status.description == "the admission queue is full"
+        failed = spans[("fastcore.context_leg", 0)]
+        assert failed.status.status_code == StatusCode.ERROR
+        assert [e.name for e in failed.events] == ["exception"]
+        refused = spans[("fastcore.context_leg", 1)]
+        assert refused.status.status_code == StatusCode.ERROR and refused.status.description == "HTTP 503"
+        assert refused.attributes["fastcore.response_bytes"] == 10
+        root = spans[("POST /v1/completions", None)]
+        assert root.status.status_code == StatusCode.ERROR
+        assert root.attributes["fastcore.tenant"] == "team-a"
+        assert root.attributes["http.response.status_code"] == 502
+        assert spans[("fastcore.route", 1)].attributes["fastcore.worker"] == "http://127.0.0.1:1"
+    finally:
+        t.shutdown()
+    assert len(receiver.spans) == len(memory.get_finished_spans())  # the flush on shutdown
