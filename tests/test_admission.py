@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import free_port
+from helpers import free_port
 
 from server.errors import HTTPError
 from server.metrics import Registry

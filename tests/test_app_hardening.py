@@ -31,8 +31,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from conftest import free_port
-from test_worker_hardening import Response, assert_openai_error, get, instance_of, post
+from helpers import Response, assert_openai_error, free_port, get, instance_of, post
 from tiny_workers import LiveWorker, one_torch_thread, synthetic_worker, tiny_worker  # noqa: F401 (autouse)
 
 from server.auth import SIGNATURE_HEADER, sign_body

@@ -12,6 +12,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from helpers import free_port
 
 from server.cache_keys import prompt_keys, salt_key
 from server.orchestrator.app import start_server
@@ -21,7 +22,6 @@ from server.orchestrator.routing import KvCacheAwareRouter, request_key
 from server.worker.app import WorkerSettings, start_worker
 from server.worker.kv_events import ChunkEventLog
 from server.worker.synthetic import SyntheticEngine
-from tests.conftest import free_port
 
 CHUNK = 64
 
@@ -236,3 +236,22 @@ async def test_two_orchestrators_see_each_others_requests_in_the_workers_events(
             await server.cleanup()
         for server, _, _ in started:
             await server.cleanup()
+
+
+def test_a_resync_keeps_what_was_routed_just_before_it() -> None:
+    """A worker's snapshot may be taken before it stored a request routed to it a moment ago (the
+    first one, at startup, raced the first requests): those routes stay in its index; older ones
+    (the worker answered for them since) do not."""
+    from server.orchestrator.pools import Worker
+
+    router = KvCacheAwareRouter({"chunk_bytes": CHUNK})
+    worker = Worker("http://w")
+    worker.healthy = True
+    key = request_key(body_of("the agent reads the file " * 40), True, None)
+    router.choose([worker], key)
+    router.resync(worker, [])
+    assert router.expected_hit(worker, key) == len(key.hashes(CHUNK))
+    at, routed_to, hashes = router._recent[-1]
+    router._recent[-1] = (at - 60.0, routed_to, hashes)
+    router.resync(worker, [])
+    assert router.expected_hit(worker, key) == 0

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import free_port, free_ports
+from helpers import free_port, free_ports
 
 import fastcore
 from server import cli, ports

@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import free_port, need_etcd
+from helpers import free_port, need_etcd
 
 from server.cluster import ClusterSettings, ClusterWatcher, RecordError, WorkerRecord, WorkerRegistration
 from server.cluster import watcher as watcher_module

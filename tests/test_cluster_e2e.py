@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from conftest import free_port, need_etcd
+from helpers import free_port, need_etcd
 
 from bench import cluster_chaos
 from server.cluster.local_etcd import LocalEtcd

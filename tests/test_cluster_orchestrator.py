@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import free_port
+from helpers import free_port
 from test_cluster import until
 from tiny_workers import LiveWorker, one_torch_thread, synthetic_worker  # noqa: F401
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import free_port
+from helpers import free_port
 
 from bench.fault_proxy import FaultProxy
 from server.orchestrator.app import Orchestrator, start_server

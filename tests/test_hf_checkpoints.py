@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import free_port
+from helpers import free_port
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file

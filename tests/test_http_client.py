@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
-from conftest import free_port
+from helpers import free_port
 
 from server.http import Deadlines, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout
 

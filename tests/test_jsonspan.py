@@ -12,12 +12,12 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from helpers import REQUIRE_EXTENSIONS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastcore import JSONSpanError, TokenDecodeError
 from fastcore.limits import JSON_MAX_DEPTH, JSON_MAX_NUMBER_CHARS
-from tests.conftest import REQUIRE_EXTENSIONS
 
 # The twin fixtures are modules, not per-test state: sharing them across examples is safe.
 STATELESS = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]

@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import free_port, free_ports
+from helpers import free_port, free_ports
 
 from server import launcher
 from server.auth import SIGNATURE_HEADER, sign_body

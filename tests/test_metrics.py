@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import prometheus_client
 import pytest
-from conftest import free_port
+from helpers import free_port
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from bench.metrics_cost import OldRegistry

@@ -9,7 +9,7 @@ import json
 import aiohttp
 import pytest
 from aiohttp import web
-from conftest import free_port
+from helpers import free_port
 
 from server.orchestrator import cli
 from server.orchestrator.config import ConfigError, OrchestratorConfig, build_config, merge_overrides

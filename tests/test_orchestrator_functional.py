@@ -26,7 +26,7 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
-from conftest import free_port
+from helpers import free_port
 
 from server.auth import SIGNATURE_HEADER, Verifier
 from server.errors import error_body

@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from helpers import free_port
 
 from server.orchestrator.app import start_server
 from server.orchestrator.config import build_config
@@ -30,7 +31,6 @@ from server.orchestrator.routing import (
     make_router,
     request_key,
 )
-from tests.conftest import free_port
 
 
 def workers(n: int, in_flight: int = 0) -> list[Worker]:

@@ -23,7 +23,7 @@ import aiohttp
 import numpy as np
 import pytest
 import pytest_asyncio
-from conftest import free_port
+from helpers import free_port
 
 import fastcore
 from fastcore import relay

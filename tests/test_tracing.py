@@ -33,6 +33,13 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 STARTUP_TIMEOUT_S = 60.0
+
+
+def free_port() -> int:
+    """A port held for a process about to listen on it (server.ports: nothing else takes it meanwhile)."""
+    return reserve_ports(1)[0]
+
+
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN_ID = "00f067aa0ba902b7"
 NO_OTEL = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}

@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from conftest import free_port
+from helpers import free_port
 from test_cluster import until
 from trtllm_cluster_standin import (
     ClusterManager,

@@ -9,7 +9,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import free_port
+from helpers import free_port
 from test_cluster import until
 from trtllm_standin import start_standin
 

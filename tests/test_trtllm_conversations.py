@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import aiohttp
-from conftest import free_port
+from helpers import free_port
 from test_cluster import until
 from trtllm_standin import start_standin
 

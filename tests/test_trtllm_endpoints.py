@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
-from conftest import free_port
+from helpers import free_port
 from test_cluster import until
 from test_worker_model import small_config
 from tiny_workers import one_torch_thread, tiny_worker  # noqa: F401

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port
+from helpers import free_port
 
 from server.auth import SIGNATURE_HEADER, TRTLLM_AUTH_HEADER, sign_body, trtllm_disagg_auth
 

@@ -23,6 +23,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 import torch
+from helpers import Response, assert_openai_error, exchange, get, instance_of, post, read_response, request
 from tiny_workers import LiveWorker, one_torch_thread, synthetic_worker, tiny_worker  # noqa: F401 (an autouse fixture)
 
 from server.auth import SIGNATURE_HEADER, sign_body
@@ -49,75 +50,10 @@ async def synthetic() -> AsyncIterator[LiveWorker]:
 # ---------------------------------------------------------------- raw HTTP
 
 
-class Response:
-    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
-        self.status = status
-        self.headers = headers
-        self.body = body
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-
-async def read_response(reader: asyncio.StreamReader, *, head_only: bool = False) -> Response:
-    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split()[1])
-    headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:] if ln)}
-    length = 0 if head_only else int(headers.get("content-length", "0"))
-    body = await asyncio.wait_for(reader.readexactly(length), 30)
-    return Response(status, headers, body)
-
-
-async def exchange(port: int, data: bytes, *, head_only: bool = False) -> Response:
-    """Send raw bytes, read one response."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(data)
-        await writer.drain()
-        return await read_response(reader, head_only=head_only)
-    finally:
-        writer.close()
-
-
-def request(
-    method: str, path: str, body: bytes = b"", headers: dict[str, str | bytes] | None = None, port: int = 80
-) -> bytes:
-    lines = [f"{method} {path} HTTP/1.1".encode(), b"Host: 127.0.0.1:%d" % port]
-    for name, value in (headers or {}).items():
-        lines.append(name.encode() + b": " + (value if isinstance(value, bytes) else value.encode()))
-    if body or method == "POST":
-        lines += [b"Content-Type: application/json", b"Content-Length: %d" % len(body)]
-    return b"\r\n".join(lines) + b"\r\n\r\n" + body
-
-
-async def post(port: int, path: str, body: Any, **headers: str | bytes) -> Response:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return await exchange(port, request("POST", path, data, headers, port))
-
-
-async def get(port: int, path: str, **headers: str | bytes) -> Response:
-    return await exchange(port, request("GET", path, headers=headers, port=port))
-
-
-def assert_openai_error(resp: Response, status: int) -> dict[str, Any]:
-    assert resp.status == status, resp.body[:300]
-    assert resp.headers["content-type"] == "application/json"
-    assert "server" not in resp.headers
-    error = resp.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and isinstance(error["code"], str)
-    return error
-
-
 async def metric(port: int, name: str) -> float:
     text = (await get(port, "/metrics")).body.decode()
     match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
     return float(match.group(1)) if match else 0.0
-
-
-async def instance_of(port: int) -> str:
-    """The worker's instance id (its /health): what a leg's signature is bound to."""
-    return str((await get(port, "/health")).json()["instance"])
 
 
 async def wait_for(predicate: Any, what: str, timeout: float = 20.0) -> None:
