@@ -20,10 +20,12 @@ object: the request has no key of that kind and is routed to the least loaded wo
 from __future__ import annotations
 
 import bisect
+import collections
 import hashlib
 import itertools
 import json
 import math
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +56,10 @@ BYTES_PER_TOKEN = 4
 #: most workers asked for their prefix (the holders of the deepest chunk held)
 LOAD_SAMPLE = 32
 MAX_ASKED = 32
+#: routes this recent (the last RECENT_ROUTES of a pool) survive a resync of their worker's view:
+#: a snapshot taken while they were on their way does not hold them yet
+RECENT_S = 5.0
+RECENT_ROUTES = 1024
 #: ids longer than this are not conversation ids (hashing megabytes per request is not routing)
 MAX_CONVERSATION_ID_BYTES = 1024
 
@@ -510,6 +516,10 @@ class KvCacheAwareRouter(Router):
         #: e.g. generation legs without the prompt's text, keeps the estimate's bound)
         self.followed: set[Worker] = set()
         self.exact: set[Worker] = set()
+        #: the last routes (time, worker, hashes), put back after a resync of their worker's view
+        self._recent: collections.deque[tuple[float, Worker, list[int]]] = collections.deque(
+            maxlen=RECENT_ROUTES
+        )
         self._candidates: list[Worker] | None = None
         self._candidate_set: set[Worker] = set()
         self._next_window = 0
@@ -603,6 +613,7 @@ class KvCacheAwareRouter(Router):
         self.routed_chunks += len(hashes)
         self.hit_chunks += hit
         self._add(worker, hashes, hit)
+        self._remember(worker, hashes)
         return worker
 
     def _window(self, candidates: list[Worker]) -> list[Worker]:
@@ -634,6 +645,12 @@ class KvCacheAwareRouter(Router):
         """``worker`` took a request with these chunks: it will cache them."""
         index = self._indexes.get(worker)
         self._add(worker, hashes, 0 if index is None else index.longest_prefix(hashes))
+        self._remember(worker, hashes)
+
+    def _remember(self, worker: Worker, hashes: list[int]) -> None:
+        """Keep the last routes (of every worker: its first snapshot may come after them): a
+        worker's events may not say them yet when its view resyncs."""
+        self._recent.append((time.monotonic(), worker, hashes))
 
     def _add(self, worker: Worker, hashes: list[int], held: int) -> None:
         """Index ``hashes`` on ``worker``, whose index holds the first ``held`` of them already."""
@@ -674,6 +691,11 @@ class KvCacheAwareRouter(Router):
         self.forget(worker)
         self.followed.add(worker)
         self.stored(worker, keys)
+        # what was routed there just before: the worker may not have stored it when it answered
+        since = time.monotonic() - RECENT_S
+        for at, routed_to, hashes in list(self._recent):
+            if routed_to is worker and at >= since:
+                self._add(worker, hashes, self.index(worker).longest_prefix(hashes))
 
     def account(self, hit_chunks: int, prompt_tokens: int, cached_tokens: int) -> None:
         """A context answer of the worker this router chose: predicted versus achieved hit tokens."""
