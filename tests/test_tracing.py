@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import free_port
 
 from server import tracing
 from server.orchestrator.config import ConfigError, build_config, load_config_file
-from helpers import free_port
 
 pytest.importorskip("opentelemetry.sdk.trace")
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -33,11 +33,6 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 STARTUP_TIMEOUT_S = 60.0
-
-
-def free_port() -> int:
-    """A port held for a process about to listen on it (server.ports: nothing else takes it meanwhile)."""
-    return reserve_ports(1)[0]
 
 
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
