@@ -410,12 +410,16 @@ class LegSpan:
 
 
 def start_orchestrator_request(
-    tracing: Tracing, request: Any, route: str, tenant: str | None
+    tracing: Tracing, request: Any, route: str, tenant: str | None, client_context: bool = True
 ) -> RequestTrace | Unsampled | None:
-    """The orchestrator's SERVER span for a completion: the child of the client's ``traceparent``."""
+    """The orchestrator's SERVER span for a completion: the child of the client's ``traceparent``
+    (unless ``client_context`` is off: a client that sets the sampled flag can have each of its
+    requests traced, at the full tracing cost)."""
     attributes: dict[str, Any] = {"http.request.method": "POST", "http.route": route}
     if tenant:
         attributes["fastcore.tenant"] = tenant
+    if not client_context:
+        return tracing.start_request("POST " + route, None, None, attributes, True)
     return tracing.start_request(
         "POST " + route, request.header(TRACEPARENT), request.header(TRACESTATE), attributes, True
     )

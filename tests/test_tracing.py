@@ -515,3 +515,26 @@ def _failures_recorded(monkeypatch: pytest.MonkeyPatch, receiver: Receiver) -> N
     finally:
         t.shutdown()
     assert len(receiver.spans) == len(memory.get_finished_spans())  # the flush on shutdown
+
+
+def test_client_trace_context_off_ignores_the_clients_traceparent(monkeypatch: pytest.MonkeyPatch) -> None:
+    contextvars.copy_context().run(_client_context_off, monkeypatch)
+
+
+def _client_context_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``otlp_config.client_trace_context: false``: a client's sampled traceparent neither parents
+    the request's span nor forces it sampled (always_off here: dropped)."""
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_always_off")
+    t = tracing.Tracing("test", "http://127.0.0.1:9/v1/traces")
+    client = _Request({b"traceparent": f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01".encode()})
+    try:
+        honoured = tracing.start_orchestrator_request(t, client, "/v1/completions", None)
+        assert isinstance(honoured, tracing.RequestTrace)
+        assert honoured.root.parent.span_id == int(CLIENT_SPAN_ID, 16)
+        ignored = tracing.start_orchestrator_request(t, client, "/v1/completions", None, client_context=False)
+        assert isinstance(ignored, tracing.Unsampled)
+        assert CLIENT_TRACE_ID.encode() not in ignored.header
+    finally:
+        t.provider.shutdown = lambda: None  # type: ignore[method-assign]  # no span was ended: nothing to send
+    config = build_config({"otlp_config": {"client_trace_context": False}})
+    assert config.otlp_config is not None and config.otlp_config.client_trace_context is False

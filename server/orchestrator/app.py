@@ -471,6 +471,7 @@ class Orchestrator:
         self._requests = 0
         #: OpenTelemetry (server/tracing.py): None unless an OTLP endpoint is configured
         self.tracing = start_tracing("fastcore-orchestrator", config.otlp_traces_endpoint)
+        self.client_trace = config.otlp_config is None or config.otlp_config.client_trace_context
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -688,7 +689,7 @@ class Orchestrator:
         if self.tracing is not None:
             route = CHAT_PATH if chat else COMPLETIONS_PATH
             tenant_name = tenant.name if self.keys is not None else None
-            trace = start_orchestrator_request(self.tracing, request, route, tenant_name)
+            trace = start_orchestrator_request(self.tracing, request, route, tenant_name, self.client_trace)
         try:
             header = conversation_header(request) if self.needs_conversation else None
             # our top-level conversation_id into trtllm-serve's conversation_params: workers forbid it

@@ -180,6 +180,8 @@ class OtlpConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     otlp_traces_endpoint: str | None = None
+    # ours: false ignores a client's traceparent/tracestate (each request a new trace, sampled here)
+    client_trace_context: bool = True
 
 
 class RateLimitConfig(BaseModel):
