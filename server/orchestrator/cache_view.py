@@ -102,7 +102,12 @@ class _Follower:
             self.upstream = UpstreamPool(worker.url, max_idle=1)
         try:
             resp = await self.upstream.request(
-                b"GET", path, (), self.view.headers, self.view.wait_s + 10.0, None, MAX_ANSWER_BYTES
+                b"GET",
+                path,
+                (),
+                self.view.headers,
+                timeout=self.view.wait_s + 10.0,
+                max_body=MAX_ANSWER_BYTES,
             )
         except (UpstreamError, UpstreamTimeout):
             return RETRY_S
