@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -63,6 +64,16 @@ async def eventually(condition: Callable[[], Any], timeout: float = 10.0, interv
     return True
 
 
+async def until(condition: Callable[[], bool], timeout: float) -> float:
+    """Seconds until ``condition`` held (fails the test past ``timeout``)."""
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"not within {timeout}s")
+        await asyncio.sleep(0.01)
+    return time.monotonic() - start
+
+
 def eventually_blocking(condition: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> bool:
     """:func:`eventually` for a test without a loop (its servers run in threads or processes)."""
     deadline = time.monotonic() + timeout
@@ -71,6 +82,17 @@ def eventually_blocking(condition: Callable[[], Any], timeout: float = 10.0, int
             return False
         time.sleep(interval)
     return True
+
+
+# -- twins ---------------------------------------------------------------------------------------------
+
+
+def outcome(module: ModuleType, fn: str, *args: Any, **kwargs: Any) -> tuple[str, Any]:
+    """What a call did, comparable across twins: its result, or its exception's type, text, offset and field."""
+    try:
+        return ("ok", getattr(module, fn)(*args, **kwargs))
+    except (ValueError, TypeError, BufferError) as exc:
+        return (type(exc).__name__, (str(exc), getattr(exc, "offset", None), getattr(exc, "field", None)))
 
 
 # -- HTTP ---------------------------------------------------------------------------------------------

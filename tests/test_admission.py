@@ -11,6 +11,7 @@ broken build fails instead of hanging.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import re
@@ -18,14 +19,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from helpers import free_port
+from helpers import eventually, free_port
 
 from server.errors import HTTPError
 from server.metrics import Registry
@@ -40,15 +41,8 @@ BODY = {"model": "synthetic", "messages": [{"role": "user", "content": "hello th
 #: a stream that runs until its client leaves (a slot held for as long as a test needs it)
 ENDLESS = {**BODY, "max_tokens": 4000, "stream": True}
 KEYS = "key-a-0123456789 alpha\nkey-b-0123456789 beta\n"
-
-
-async def eventually(condition: Callable[[], bool], timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.005)
-    return True
+#: admission waits (queues drain behind synthetic workers on a shared machine) get 20 s
+eventually_long = functools.partial(eventually, timeout=20.0)
 
 
 async def start_app(role: str) -> tuple[Any, str]:
@@ -79,7 +73,7 @@ async def orchestrator(
                 "generation_servers": {"urls": [gen_url]}, **config}  # fmt: skip
         server, orch = await start_server(build_config(data, environ=environ or {}))
         try:
-            assert await eventually(lambda: all(w.healthy for p in orch.pools for w in p.workers))
+            assert await eventually_long(lambda: all(w.healthy for p in orch.pools for w in p.workers))
             yield orch, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
         finally:
             await server.cleanup()
@@ -128,7 +122,7 @@ class Holder:
         assert orch.admission is not None
         before = orch.admission.inflight
         self.task = asyncio.create_task(self._run())
-        assert await eventually(lambda: orch.admission.inflight == before + 1)  # type: ignore[union-attr]
+        assert await eventually_long(lambda: orch.admission.inflight == before + 1)  # type: ignore[union-attr]
         return self
 
     async def release(self) -> None:
@@ -220,7 +214,7 @@ async def _order(weights: dict[str, float], arrivals: list[tuple[str, int]]) -> 
     tasks = []
     for i, (tenant, priority) in enumerate(arrivals):
         tasks.append(asyncio.create_task(one(i, tenant, priority)))
-        await eventually(lambda n=i + 1: admission.queued == n)
+        await eventually_long(lambda n=i + 1: admission.queued == n)
     admission.release()
     await asyncio.gather(*tasks)
     assert admission.inflight == 0 and admission.queued == 0
@@ -254,7 +248,7 @@ async def test_a_full_queue_gives_a_newcomer_the_place_of_the_tenant_holding_the
     for i, (name, tenant, priority) in enumerate(arrivals):
         tasks.append(asyncio.create_task(one(name, tenant, priority)))
         queued, refused = min(i + 1, 3), max(0, i - 2)  # from the 4th on, one 429 an arrival
-        assert await eventually(lambda q=queued, r=refused: admission.queued == q and len(outcome) == r)
+        assert await eventually_long(lambda q=queued, r=refused: admission.queued == q and len(outcome) == r)
     # small1 took big3's place (big held 3 of 3); small2 found the shares even (big 2, small 1+1): refused;
     # big-urgent took its own tenant's last place (big2), more urgent; big4 is no more urgent: refused
     assert outcome == {
@@ -358,7 +352,7 @@ async def test_sighup_reloads_the_key_file_in_a_real_process(tmp_path: Path) -> 
                 assert await status("old-key-123") == 401
                 keys.write_text("broken line with four fields\n")  # refused: the keys in force stay
                 proc.send_signal(signal.SIGHUP)
-                assert await eventually(lambda: "api_keys_file not reloaded" in log.read_text(), timeout=30)
+                assert await eventually_long(lambda: "api_keys_file not reloaded" in log.read_text(), timeout=30)
                 assert await status("new-key-456") == 200
         finally:
             proc.terminate()
@@ -382,7 +376,7 @@ async def test_queue_full_and_queue_timeout_are_429_with_retry_after() -> None:
         holder = await Holder(url).hold(orch)
         try:
             queued = asyncio.create_task(post(s, url))
-            assert await eventually(lambda: orch.admission.queued == 1)  # type: ignore[union-attr]
+            assert await eventually_long(lambda: orch.admission.queued == 1)  # type: ignore[union-attr]
             status, headers, body = await post(s, url)  # the queue is full
             assert status == 429 and headers["Retry-After"] == "3"
             assert body["error"]["code"] == "queue_full" and "(1 waiting)" in body["error"]["message"]
@@ -392,7 +386,7 @@ async def test_queue_full_and_queue_timeout_are_429_with_retry_after() -> None:
             assert "max_queue_wait_s" in body["error"]["message"]
         finally:
             await holder.release()
-        assert await eventually(lambda: orch.admission.inflight == 0)  # type: ignore[union-attr]
+        assert await eventually_long(lambda: orch.admission.inflight == 0)  # type: ignore[union-attr]
         assert (await post(s, url))[0] == 200
         page = await metrics(s, url)
         assert (
@@ -416,16 +410,16 @@ async def test_a_queued_client_that_leaves_is_dropped_at_once() -> None:
         holder = await Holder(url).hold(orch)
         try:
             leaver = asyncio.create_task(post(s, url))
-            assert await eventually(lambda: admission.queued == 1)
+            assert await eventually_long(lambda: admission.queued == 1)
             assert sample(await metrics(s, url), 'fastcore_orchestrator_tenant_queued{tenant="default"}') == 1
             leaver.cancel()
             await asyncio.gather(leaver, return_exceptions=True)
-            assert await eventually(lambda: admission.queued == 0)
+            assert await eventually_long(lambda: admission.queued == 0)
             assert sample(await metrics(s, url), 'fastcore_orchestrator_tenant_queued{tenant="default"}') == 0
             assert admission.inflight == 1  # only the holder
         finally:
             await holder.release()
-        assert await eventually(lambda: admission.inflight == 0)
+        assert await eventually_long(lambda: admission.inflight == 0)
         assert (await post(s, url))[0] == 200  # the slot and the queue are usable again
 
 
@@ -449,7 +443,7 @@ async def test_fair_share_and_priority_through_the_orchestrator(tmp_path: Path) 
             tasks = []
             for i, (name, key, priority) in enumerate(arrivals):
                 tasks.append(asyncio.create_task(one(name, key, priority)))
-                assert await eventually(lambda n=i + 1: admission.queued == n)
+                assert await eventually_long(lambda n=i + 1: admission.queued == n)
             await holder.release()
             await asyncio.gather(*tasks)
         # beta queued first: its turn, then alpha's two (the urgent one first), and so on
@@ -514,10 +508,10 @@ async def test_sighup_to_the_parent_of_workers_n_reloads_every_process(tmp_path:
             stderr=log.open("w"), env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip
         try:
-            assert await eventually(lambda: log.read_text().count("listening on") == 2, timeout=60)
+            assert await eventually_long(lambda: log.read_text().count("listening on") == 2, timeout=60)
             keys.write_text("new-key-456 beta\n")
             proc.send_signal(signal.SIGHUP)
-            assert await eventually(lambda: log.read_text().count("api_keys_file reloaded") == 2, timeout=30)
+            assert await eventually_long(lambda: log.read_text().count("api_keys_file reloaded") == 2, timeout=30)
             for _ in range(8):  # a new connection each: whichever process takes it
                 async with aiohttp.ClientSession() as session:
                     assert (await post(session, f"http://127.0.0.1:{port}", "old-key-123"))[0] == 401

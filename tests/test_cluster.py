@@ -15,12 +15,11 @@ import base64
 import json
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 import pytest
-from helpers import free_port, need_etcd
+from helpers import free_port, need_etcd, until
 
 from server.cluster import ClusterSettings, ClusterWatcher, RecordError, WorkerRecord, WorkerRegistration
 from server.cluster import watcher as watcher_module
@@ -44,16 +43,6 @@ def settings(etcd: LocalEtcd | str, name: str, **kw: float) -> ClusterSettings:
 
 def record(worker_id: str, role: str = "context", *, model: str = "tiny", port: int = 9) -> WorkerRecord:
     return WorkerRecord(worker_id, role, model, f"http://127.0.0.1:{port}", {"role": role})
-
-
-async def until(condition: Callable[[], bool], timeout: float) -> float:
-    """Seconds until ``condition`` held (fails the test past ``timeout``)."""
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"not within {timeout}s")
-        await asyncio.sleep(0.01)
-    return time.monotonic() - start
 
 
 class Seen:

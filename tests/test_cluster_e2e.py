@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from helpers import free_port, need_etcd
+from helpers import eventually_blocking, free_port, need_etcd
 
 from bench import cluster_chaos
 from server.cluster.local_etcd import LocalEtcd
@@ -70,14 +70,6 @@ def http(url: str) -> tuple[int, bytes]:
         return 0, b""
 
 
-def eventually(check: object, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise AssertionError("not within the time")
-        time.sleep(0.05)
-
-
 def test_minimal_instances_gate_health_and_a_wrong_model_is_refused(
     etcd: LocalEtcd, tmp_path: object
 ) -> None:
@@ -111,7 +103,7 @@ def test_minimal_instances_gate_health_and_a_wrong_model_is_refused(
     children = [orch]
     try:
         orch.start(env)
-        eventually(lambda: http(f"http://127.0.0.1:{port}/health")[0] == 503)
+        assert eventually_blocking(lambda: http(f"http://127.0.0.1:{port}/health")[0] == 503, timeout=30.0)
         body = http(f"http://127.0.0.1:{port}/health")[1]
         assert b"context (0 of 1 healthy)" in body and b"generation (0 of 2 healthy)" in body
         for child in (
@@ -129,13 +121,13 @@ def test_minimal_instances_gate_health_and_a_wrong_model_is_refused(
                     return float(line.split()[1])
             return None
 
-        eventually(lambda: metric("fastcore_orchestrator_cluster_refused_workers") == 1.0)
-        eventually(lambda: b"generation (1 of 2 healthy)" in http(f"http://127.0.0.1:{port}/health")[1])
+        assert eventually_blocking(lambda: metric("fastcore_orchestrator_cluster_refused_workers") == 1.0, timeout=30.0)
+        assert eventually_blocking(lambda: b"generation (1 of 2 healthy)" in http(f"http://127.0.0.1:{port}/health")[1], timeout=30.0)
         assert http(f"http://127.0.0.1:{port}/health")[0] == 503
         late = worker("generation")
         children.append(late)
         late.start(env)
-        eventually(lambda: http(f"http://127.0.0.1:{port}/health")[0] == 200)
+        assert eventually_blocking(lambda: http(f"http://127.0.0.1:{port}/health")[0] == 200, timeout=30.0)
         req = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/completions",
             data=json.dumps({"model": "synthetic", "prompt": "hi", "max_tokens": 2}).encode(),
@@ -148,7 +140,7 @@ def test_minimal_instances_gate_health_and_a_wrong_model_is_refused(
         late.proc.terminate()
         late.proc.wait(10)
         start = time.monotonic()
-        eventually(lambda: http(f"http://127.0.0.1:{port}/health")[0] == 503, timeout=TTL_S)
+        assert eventually_blocking(lambda: http(f"http://127.0.0.1:{port}/health")[0] == 503, timeout=TTL_S)
         assert time.monotonic() - start < TTL_S
     finally:
         stop_all([*children[1:], orch], grace_s=10.0)
@@ -170,7 +162,7 @@ def test_an_orchestrator_of_several_processes_discovers_in_each(etcd: LocalEtcd)
             child = Child(role, [*WORKER, "--role", role, "--port", str(p), *cluster], p)
             children.append(child)
             child.start(env)
-        eventually(lambda: http(f"http://127.0.0.1:{port}/health")[0] == 200, timeout=60)
+        assert eventually_blocking(lambda: http(f"http://127.0.0.1:{port}/health")[0] == 200, timeout=60)
         body = json.dumps({"model": "synthetic", "prompt": "hi", "max_tokens": 2}).encode()
         for _ in range(12):  # new connections: the kernel spreads them over both processes
             req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
@@ -178,7 +170,7 @@ def test_an_orchestrator_of_several_processes_discovers_in_each(etcd: LocalEtcd)
             with urllib.request.urlopen(req, timeout=10) as resp:
                 assert resp.status == 200
         # each process rewrites its callback gauges into its file every second: fresh within that
-        eventually(lambda: b"fastcore_orchestrator_cluster_connected 1.0" in http(f"http://127.0.0.1:{port}/metrics")[1],
+        assert eventually_blocking(lambda: b"fastcore_orchestrator_cluster_connected 1.0" in http(f"http://127.0.0.1:{port}/metrics")[1],
                    timeout=3.0)  # fmt: skip
         for _ in range(6):
             page = http(f"http://127.0.0.1:{port}/metrics")[1].decode()

@@ -18,8 +18,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from helpers import free_port
-from test_cluster import until
+from helpers import free_port, until
 from tiny_workers import LiveWorker, one_torch_thread, synthetic_worker  # noqa: F401
 
 from server.auth import SIGNATURE_HEADER

@@ -18,14 +18,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import pytest
-from helpers import free_port
+from helpers import eventually, free_port
 
 from bench.fault_proxy import FaultProxy
 from server.orchestrator.app import Orchestrator, start_server
@@ -36,15 +36,6 @@ from server.worker.synthetic import SyntheticEngine
 
 MESSAGES = [{"role": "user", "content": "say something about kernels and caches " * 20}]
 BODY = {"model": "synthetic", "messages": MESSAGES, "max_tokens": 8}
-
-
-async def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.01)
-    return True
 
 
 @dataclass

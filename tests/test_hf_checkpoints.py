@@ -26,6 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+pytest.importorskip("torch")  # the torch worker: skipped where the [worker] extra is not installed
+
 import torch
 import torch.nn.functional as F
 from helpers import free_port

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 
 import pytest
+from helpers import eventually
 from test_http_server import (
     MARKER,
     Client,
@@ -25,7 +26,6 @@ from test_http_server import (
     chunked,
     connected,
     echo,
-    eventually,
     get,
     post,
     serving,

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
-from helpers import free_port
+from helpers import eventually, free_port
 
 from server.http import Deadlines, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout
 
@@ -157,15 +157,6 @@ async def fetch(
         return resp, await resp.read()
     finally:
         resp.release()
-
-
-async def eventually(condition: Callable[[], bool], timeout: float = 3.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.01)
-    return True
 
 
 # -- requests and keep-alive ------------------------------------------------------------------

@@ -26,6 +26,7 @@ from typing import Any
 
 import httptools
 import pytest
+from helpers import eventually
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -280,15 +281,6 @@ def post(path: bytes, body: bytes, *, extra: bytes = b"") -> bytes:
 
 def chunked(pieces: Sequence[bytes]) -> bytes:
     return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces if p) + b"0\r\n\r\n"
-
-
-async def eventually(condition: Callable[[], bool], timeout: float = 3.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.01)
-    return True
 
 
 # -- framing: request smuggling and malformed requests ---------------------------------------

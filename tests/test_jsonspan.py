@@ -12,7 +12,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from helpers import REQUIRE_EXTENSIONS
+from helpers import REQUIRE_EXTENSIONS, outcome
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -23,14 +23,6 @@ from fastcore.limits import JSON_MAX_DEPTH, JSON_MAX_NUMBER_CHARS
 STATELESS = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 
 # -- helpers ------------------------------------------------------------------------------------------
-
-
-def outcome(module: ModuleType, fn: str, *args: Any, **kwargs: Any) -> tuple[str, Any]:
-    """What a call did, comparable across twins: its result, or its exception's type, text, offset and field."""
-    try:
-        return ("ok", getattr(module, fn)(*args, **kwargs))
-    except (ValueError, TypeError, BufferError) as exc:
-        return (type(exc).__name__, (str(exc), getattr(exc, "offset", None), getattr(exc, "field", None)))
 
 
 def side_by_side(name: str) -> tuple[ModuleType, ModuleType]:

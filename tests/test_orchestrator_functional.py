@@ -26,7 +26,7 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
-from helpers import free_port
+from helpers import comparable_usage, eventually_blocking, free_port, http_post
 
 from server.auth import SIGNATURE_HEADER, Verifier
 from server.errors import error_body
@@ -64,33 +64,12 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
-def eventually(condition: Any, timeout: float = 10.0) -> bool:
-    """Poll ``condition`` until true (bookkeeping may finish just after the client's last byte)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
             return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
-
-
-def http_post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
-    request = urllib.request.Request(
-        url, data=body, headers={"Content-Type": "application/json", **(headers or {})}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
 
 
 def wait_healthy(
@@ -232,17 +211,6 @@ def orchestrators(workers, loop_thread) -> Iterator[dict[str, RunningOrchestrato
 
 def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def comparable_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Usage without ``prompt_tokens_details`` (checked to be there): how much of the prompt the
-    serving worker's prefix cache held depends on that worker's history, not on the answer."""
-    if usage is None:
-        return None
-    usage = dict(usage)
-    details = usage.pop("prompt_tokens_details")
-    assert isinstance(details["cached_tokens"], int) and 0 <= details["cached_tokens"] < usage["prompt_tokens"]
-    return usage
 
 
 def run_request(
@@ -619,7 +587,7 @@ def test_context_worker_down_is_retried_on_the_other(workers, loop_thread):
     orch = RunningOrchestrator(loop_thread, config)
     try:
         wait_healthy(orch.url, timeout=30)
-        assert eventually(lambda: orch.orchestrator.context_pool.workers[0].healthy)
+        assert eventually_blocking(lambda: orch.orchestrator.context_pool.workers[0].healthy)
         victim.kill()
         # round_robin starts at the victim.
         got = run_request(orch.client(), "chat", False)
@@ -674,7 +642,7 @@ def test_generation_worker_killed_mid_stream(workers, loop_thread):
     try:
         wait_healthy(orch.url, timeout=30)
         # /health is 200 once each pool has one worker up; this test needs the victim up too.
-        assert eventually(lambda: orch.orchestrator.generation_pool.workers[0].healthy)
+        assert eventually_blocking(lambda: orch.orchestrator.generation_pool.workers[0].healthy)
         client = orch.client()
         stream = client.completions.create(
             model="tiny", prompt=PROMPT, max_tokens=1500, temperature=0.0, stream=True
@@ -686,7 +654,7 @@ def test_generation_worker_killed_mid_stream(workers, loop_thread):
                 if received == 2:
                     victim.kill()  # round_robin sent this request to the victim
         assert received >= 2
-        assert eventually(
+        assert eventually_blocking(
             lambda: (
                 orch.metric("fastcore_orchestrator_requests_total", route="completions", status="502") == 1
             )
@@ -694,7 +662,7 @@ def test_generation_worker_killed_mid_stream(workers, loop_thread):
         assert "mid-stream" in str(info.value) or "failed" in str(info.value)
         assert http_get(orch.url + "/health")[0] == 200
         assert run_request(client, "completions", True) == reference(workers, "completions", True)
-        assert eventually(lambda: orch.orchestrator.generation_pool.workers[1].in_flight == 0)
+        assert eventually_blocking(lambda: orch.orchestrator.generation_pool.workers[1].in_flight == 0)
     finally:
         orch.stop()
         victim.stop()
@@ -728,13 +696,13 @@ def test_client_disconnect_cancels_the_generation_leg(workers, orchestrators, lo
     before = orch.metric("fastcore_orchestrator_requests_total", route="completions", status="499")
     asyncio.run(read_two_chunks_then_leave())
     pools = orch.orchestrator.generation_pool.workers + orch.orchestrator.context_pool.workers
-    assert eventually(lambda: orch.orchestrator.in_flight == 0 and all(w.in_flight == 0 for w in pools))
+    assert eventually_blocking(lambda: orch.orchestrator.in_flight == 0 and all(w.in_flight == 0 for w in pools))
     assert (
         orch.metric("fastcore_orchestrator_requests_total", route="completions", status="499") == before + 1
     )
     # The generation worker saw the cancel: its sequence left the batch without
     # running to 1500 tokens (the worker times only requests that complete).
-    assert eventually(
+    assert eventually_blocking(
         lambda: all(
             worker_metric(w, "fastcore_worker_running_sequences") == 0 for w in workers["generation"]
         ),
@@ -773,9 +741,9 @@ def test_parked_kv_is_released_when_the_generation_leg_is_given_up(workers, loop
             asyncio.run(leave_during_the_generation_leg())
         # Signed (the workers have the secret): the release is accepted, and the KV freed
         # long before its TTL.
-        assert eventually(lambda: worker_metric(ctx, released) == before + 1)
+        assert eventually_blocking(lambda: worker_metric(ctx, released) == before + 1)
         # The worker counts before it answers; the orchestrator after it reads the answer.
-        assert eventually(lambda: orch.metric("fastcore_orchestrator_kv_released_total", status="200") == 1)
+        assert eventually_blocking(lambda: orch.metric("fastcore_orchestrator_kv_released_total", status="200") == 1)
     finally:
         orch.stop()
         proxy.stop()
@@ -876,7 +844,7 @@ generation_servers:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         # multiprocessing's resource tracker leaves once the parent's pipe closes.
-        assert eventually(
+        assert eventually_blocking(
             lambda: all(not os.path.exists(f"/proc/{pid}") or _is_zombie(pid) for pid in children)
         )
     finally:
@@ -921,7 +889,7 @@ def _with_proxies(loop_thread, workers, context_proxy=None, generation_proxy=Non
     )
     orch = RunningOrchestrator(loop_thread, config)
     wait_healthy(orch.url, timeout=30)
-    assert eventually(lambda: all(w.healthy for p in orch.orchestrator.pools for w in p.workers), timeout=10)
+    assert eventually_blocking(lambda: all(w.healthy for p in orch.orchestrator.pools for w in p.workers), timeout=10)
     return orch
 
 
@@ -1043,10 +1011,10 @@ def test_client_disconnect_during_the_context_leg_cancels_it(workers, loop_threa
         asyncio.run(send_then_leave())
         assert len(slow_context.bodies) == 1
         # Well before the proxy's 5 s delay ends, the context leg is gone on both ends.
-        assert eventually(lambda: slow_context.cancelled == 1, timeout=3)
+        assert eventually_blocking(lambda: slow_context.cancelled == 1, timeout=3)
         assert orch.orchestrator.context_pool.workers[0].in_flight == 0
         assert time.monotonic() - started < 4.5
-        assert eventually(
+        assert eventually_blocking(
             lambda: (
                 orch.metric("fastcore_orchestrator_requests_total", route="completions", status="499") == 1
             )
@@ -1074,7 +1042,7 @@ def test_a_dead_orchestrator_process_is_reported_and_takes_the_rest_down(workers
         assert proc.wait(30) == 1
         stderr = proc.stderr.read() if proc.stderr else ""
         assert f"(pid {victim}) exited with code -9" in stderr
-        assert eventually(lambda: all(not os.path.exists(f"/proc/{p}") or _is_zombie(p) for p in servers))
+        assert eventually_blocking(lambda: all(not os.path.exists(f"/proc/{p}") or _is_zombie(p) for p in servers))
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -24,8 +24,7 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from helpers import free_port
-from test_cluster import until
+from helpers import free_port, until
 from trtllm_cluster_standin import (
     ClusterManager,
     ClusterWorker,

@@ -9,8 +9,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from helpers import free_port
-from test_cluster import until
+from helpers import free_port, until
 from trtllm_standin import start_standin
 
 from server.orchestrator.app import start_server

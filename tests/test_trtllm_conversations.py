@@ -8,8 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import aiohttp
-from helpers import free_port
-from test_cluster import until
+from helpers import free_port, until
 from trtllm_standin import start_standin
 
 from server.orchestrator.app import start_server

@@ -12,8 +12,10 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
-from helpers import free_port
-from test_cluster import until
+
+pytest.importorskip("torch")  # the torch worker: skipped where the [worker] extra is not installed
+
+from helpers import free_port, until
 from test_worker_model import small_config
 from tiny_workers import one_torch_thread, tiny_worker  # noqa: F401
 from trtllm_cluster_standin import ClusterWorker, HttpStorageClient, ServerRole

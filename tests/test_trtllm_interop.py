@@ -15,13 +15,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from helpers import http_post
 from test_orchestrator_functional import (
     MESSAGES,
     MODES,
     PROMPT,
     LoopThread,
     RunningOrchestrator,
-    http_post,
     make_config,
     run_request,
     wait_healthy,

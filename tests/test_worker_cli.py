@@ -13,8 +13,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+pytest.importorskip("torch")  # the torch worker: skipped where the [worker] extra is not installed
+
 import torch
-from helpers import free_port
+from helpers import free_port, http_post
 
 from server.auth import SIGNATURE_HEADER, TRTLLM_AUTH_HEADER, sign_body, trtllm_disagg_auth
 
@@ -23,17 +26,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def worker_cmd(*flags: str) -> list[str]:
     return [sys.executable, "-m", "server.cli", "worker", *flags]
-
-
-def post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict]:
-    req = urllib.request.Request(
-        url, data=body, headers={"Content-Type": "application/json", **(headers or {})}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
 
 
 @pytest.mark.slow
@@ -64,9 +56,9 @@ def test_worker_process_serves_and_stops_cleanly() -> None:
         assert info["role"] == "context" and info["device"] == "cpu" and info["model"] == "tiny"
         body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 4, "temperature": 0,
                            "disaggregated_params": {"request_type": "context_only", "disagg_request_id": 1}}).encode()  # fmt: skip
-        status, resp_body = post(url + "/v1/completions", body)
+        status, resp_body = http_post(url + "/v1/completions", body)
         assert status == 403, resp_body
-        status, resp_body = post(
+        status, resp_body = http_post(
             url + "/v1/completions",
             body,
             {SIGNATURE_HEADER: sign_body(b"from-env", body, destination=instance_of(url))},
@@ -153,9 +145,9 @@ def test_the_secret_from_a_file_stays_off_the_command_line(tmp_path: Path) -> No
                            "disaggregated_params": {"request_type": "context_only"}}).encode()  # fmt: skip
         here = instance_of(url)
         signed = {SIGNATURE_HEADER: sign_body(b"env", body, destination=here)}
-        assert post(url + "/v1/completions", body, signed)[0] == 403
+        assert http_post(url + "/v1/completions", body, signed)[0] == 403
         signed = {SIGNATURE_HEADER: sign_body(b"from-a-file", body, destination=here)}
-        status, _ = post(url + "/v1/completions", body, signed)
+        status, _ = http_post(url + "/v1/completions", body, signed)
         assert status == 200
     finally:
         proc.terminate()
@@ -200,7 +192,7 @@ def test_the_trtllm_key_from_a_file_and_the_trtllm_orchestrator_flag(tmp_path: P
         assert info["prompt_token_ids_b64_completions"] is False
         body = json.dumps({"prompt": "hi", "max_tokens": 2, "disaggregated_params": {
             "request_type": "context_only", "return_prompt_token_ids_b64": True}}).encode()  # fmt: skip
-        status, doc = post(url + "/v1/completions", body)  # unsigned, as trtllm's orchestrator sends it
+        status, doc = http_post(url + "/v1/completions", body)  # unsigned, as trtllm's orchestrator sends it
         assert (
             status == 200 and isinstance(doc["prompt_token_ids"], list) and "prompt_token_ids_b64" not in doc
         )
@@ -209,7 +201,7 @@ def test_the_trtllm_key_from_a_file_and_the_trtllm_orchestrator_flag(tmp_path: P
         leg = json.dumps({"prompt": [1, 2], "max_tokens": 2, "disaggregated_params": {
             "request_type": "generation_only", "first_gen_tokens": [3], "ctx_info_endpoint": endpoint}}).encode()  # fmt: skip
         for key, want in ((b"env", 403), (b"trtllm-key", 400)):
-            status, doc = post(
+            status, doc = http_post(
                 url + "/v1/completions", leg, {TRTLLM_AUTH_HEADER: trtllm_disagg_auth(key, endpoint, None)}
             )
             assert status == want, doc

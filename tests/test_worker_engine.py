@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import time
 import struct
+import time
 from typing import Any
 
 import numpy as np
 import pytest
+
+pytest.importorskip("torch")  # the torch worker: skipped where the [worker] extra is not installed
+
 import torch
 
 from server.worker.engine import EngineRequest, TorchEngine, prompt_checksum

@@ -19,8 +19,12 @@ from typing import Any
 
 import aiohttp
 import pytest
+
+pytest.importorskip("torch")  # the torch worker: skipped where the [worker] extra is not installed
+
 import pytest_asyncio
 import torch
+from helpers import comparable_usage
 from tiny_workers import LiveWorker, one_torch_thread, tiny_worker  # noqa: F401 (an autouse fixture)
 
 from server.auth import SIGNATURE_HEADER, sign_body
@@ -81,17 +85,6 @@ async def call(http: aiohttp.ClientSession, url: str, body: Any, **kw: Any) -> t
         if resp.headers.get("Content-Type", "").startswith("text/event-stream"):
             return resp.status, parse_sse(text)
         return resp.status, json.loads(text)
-
-
-def comparable_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Usage without ``prompt_tokens_details`` (checked to be there): how much of the prompt the
-    serving worker's prefix cache held depends on that worker's history, not on the answer."""
-    if usage is None:
-        return None
-    usage = dict(usage)
-    details = usage.pop("prompt_tokens_details")
-    assert isinstance(details["cached_tokens"], int) and 0 <= details["cached_tokens"] < usage["prompt_tokens"]
-    return usage
 
 
 def outcome(route: str, result: Any) -> dict[str, Any]:

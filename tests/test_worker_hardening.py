@@ -21,6 +21,9 @@ from typing import Any
 
 import aiohttp
 import pytest
+
+pytest.importorskip("torch")  # the torch worker: skipped where the [worker] extra is not installed
+
 import pytest_asyncio
 import torch
 from helpers import Response, assert_openai_error, exchange, get, instance_of, post, read_response, request

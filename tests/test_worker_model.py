@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
+
+pytest.importorskip("torch")  # the torch worker: skipped where the [worker] extra is not installed
+
 import torch
 
 from server.worker.kv_cache import DecodeAttention, KVCacheFull, PagedKVCache, PrefillAttention

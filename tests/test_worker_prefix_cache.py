@@ -17,6 +17,9 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
+
+pytest.importorskip("torch")  # the torch worker: skipped where the [worker] extra is not installed
+
 import torch
 from test_worker_engine import make_request, run
 from tiny_workers import one_torch_thread, tiny_worker  # noqa: F401

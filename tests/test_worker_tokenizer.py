@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from server.worker.output import OutputProcessor, SamplingParams, merge_deltas
+from server.worker.output import Delta, OutputProcessor, SamplingParams
 from server.worker.tokenizer import ByteTokenizer, IncrementalDetokenizer, Tokenizer
+
+
+def merge_deltas(deltas: list[Delta]) -> dict[str, Any]:
+    """Text, ids, logprobs and finish reason of a whole (non-streamed) completion: its deltas joined
+    (only these tests need it; the worker builds its answers in server/worker/protocol.py)."""
+    return {
+        "text": "".join(d.text for d in deltas),
+        "token_ids": [t for d in deltas for t in d.token_ids],
+        "logprobs": [lp for d in deltas for lp in d.logprobs],
+        "finish_reason": deltas[-1].finish_reason if deltas else None,
+    }
+
 
 TOK = ByteTokenizer()
 EOS, END = TOK.special_ids["<|eos|>"], TOK.special_ids["<|end|>"]

@@ -11,7 +11,6 @@ finish reason as a single worker that generated them itself.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -126,14 +125,4 @@ class OutputProcessor:
         return Delta(text, token_ids, logprobs, self.finish_reason)
 
 
-def merge_deltas(deltas: list[Delta]) -> dict[str, Any]:
-    """Text, ids, logprobs and finish reason of a whole (non-streamed) completion."""
-    return {
-        "text": "".join(d.text for d in deltas),
-        "token_ids": [t for d in deltas for t in d.token_ids],
-        "logprobs": [lp for d in deltas for lp in d.logprobs],
-        "finish_reason": deltas[-1].finish_reason if deltas else None,
-    }
-
-
-__all__ = ["Delta", "OutputProcessor", "SamplingParams", "TokenLogprob", "merge_deltas"]
+__all__ = ["Delta", "OutputProcessor", "SamplingParams", "TokenLogprob"]
