@@ -30,6 +30,8 @@ from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from typing import Any
 
+from fastcore import protocol as wire
+
 log = logging.getLogger("fastcore.tracing")
 
 #: what ``pip install`` brings the SDK with
@@ -471,7 +473,9 @@ def start_worker_request(tracing: Tracing, request: Any, route: str, role: str) 
 def request_parsed(trace: RequestTrace, req: Any) -> None:
     """What the worker read of the request: its kind (context_only, generation_only or plain),
     model and prompt tokens."""
-    kind = "context_only" if req.is_context_only else "generation_only" if req.is_generation_only else "plain"
+    kind = (
+        wire.CONTEXT_ONLY if req.is_context_only else wire.GENERATION_ONLY if req.is_generation_only else "plain"
+    )
     root = trace.root
     root.set_attribute("fastcore.request_type", kind)
     root.set_attribute("gen_ai.request.model", req.model or "")

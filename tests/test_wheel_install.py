@@ -130,7 +130,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
     # conftest.py finds the JSON corpus at tests/data: copy it beside the tests.
     project = base / "project"
     (project / "tests").mkdir(parents=True)
-    for name in ("conftest.py", "test_codec.py", "test_jsonspan.py"):
+    for name in ("conftest.py", "helpers.py", "test_codec.py", "test_jsonspan.py"):
         shutil.copy2(ROOT / "tests" / name, project / "tests" / name)
     shutil.copytree(ROOT / "tests" / "data", project / "tests" / "data")
     (project / "pytest.ini").write_text(
