@@ -118,7 +118,9 @@ def wait_healthy(url: str, children: list[Child], timeout: float = 120.0) -> Non
             raise RuntimeError(f"{dead[0].name} exited with code {dead[0].exit_code} during startup")
         try:
             with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
+                # Not "degraded": an orchestrator answers 200 before its context workers are up when it
+                # can fall back to local prefill, and a run would start on the fallback path.
+                if resp.status == 200 and b'"degraded"' not in resp.read(4096):
                     return
         except (urllib.error.URLError, OSError):
             pass

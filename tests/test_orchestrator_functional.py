@@ -81,7 +81,10 @@ def wait_healthy(
             if proc.poll() is not None:
                 raise RuntimeError(f"process {proc.args} exited with {proc.returncode} while starting")
         try:
-            if http_get(url + "/health", timeout=2)[0] == 200:
+            status, body = http_get(url + "/health", timeout=2)
+            # "ok", not "degraded": a 200 also means "no context worker yet, requests fall back to local
+            # prefill" (context_fallback), and a test's first request would take the fallback path.
+            if status == 200 and b'"status": "ok"' in body:
                 return
         except OSError:
             pass
