@@ -270,6 +270,44 @@ async def test_no_healthy_context_worker_falls_back_and_fail_mode_does_not() -> 
         assert fallbacks(await metrics(session, s.url), "failed") == 0
 
 
+async def test_health_is_degraded_only_once_the_context_workers_were_checked() -> None:
+    """At start a context worker not checked yet is unknown, not down: /health is 503 until its first
+    check ends, then 200 "degraded" (requests fall back) if it failed."""
+    answer = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await answer.wait()  # the health check hangs until the test lets it fail
+        writer.close()
+
+    context = await asyncio.start_server(silent, "127.0.0.1", 0)
+    server, _app, gen_url = await start_app("generation")
+    data = {
+        "port": 0,
+        "health_check_interval_s": 0.1,
+        "health_check_timeout_s": 60,
+        "context_servers": {"urls": [f"127.0.0.1:{context.sockets[0].getsockname()[1]}"]},
+        "generation_servers": {"urls": [gen_url]},
+    }
+    orch_server, orch = await start_server(build_config(data, environ={}))
+    url = f"http://127.0.0.1:{orch_server.sockets[0].getsockname()[1]}"
+    try:
+        generation = orch.generation_pool.workers[0]
+        assert await eventually(lambda: generation.healthy and generation.local_prefill)
+        async with aiohttp.ClientSession() as session:
+            async with session.get(url + "/health") as resp:
+                assert resp.status == 503, await resp.text()
+            answer.set()
+            assert await eventually(lambda: orch.context_pool.workers[0].checked)
+            async with session.get(url + "/health") as resp:
+                assert resp.status == 200 and (await resp.json())["status"] == "degraded"
+    finally:
+        answer.set()
+        await orch_server.cleanup()
+        await server.cleanup()
+        context.close()
+        await context.wait_closed()
+
+
 async def test_a_4xx_the_body_caused_is_the_clients_answer_not_a_fallback() -> None:
     async with stack() as s, aiohttp.ClientSession() as session:
         await s.proxies[0].set_mode("status:400")

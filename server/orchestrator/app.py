@@ -634,8 +634,14 @@ class Orchestrator:
                                code="not_enough_workers")  # fmt: skip
                 return
         not_ready = [p.name for p in self.pools if not p.ready]
-        if not_ready == ["context"] and self._can_fall_back():
-            # Every request is served (prefilled on a generation worker): up, and saying so.
+        if (
+            not_ready == ["context"]
+            and self._can_fall_back()
+            and all(w.checked for w in self.context_pool.workers)
+        ):
+            # Every request is served (prefilled on a generation worker): up, and saying so. Not before
+            # every context worker's first check has ended: at start "unhealthy" means "not known yet",
+            # and a balancer (or a test, or `up`) would send the first requests down the fallback path.
             out.send(200, b'{"status": "degraded", "degraded": "no healthy context worker: requests are '
                           b'prefilled on generation workers (context_fallback)"}')  # fmt: skip
             return

@@ -202,6 +202,7 @@ class Worker:
         "_healthy",
         "b64_completions",
         "breaker",
+        "checked",
         "in_flight",
         "in_flight_tokens",
         "instance",
@@ -218,6 +219,8 @@ class Worker:
         # Not routable until the first health check says so: the orchestrator's
         # own /health is 503 until then.
         self._healthy = False
+        #: a health check of it has ended (either way): until then "unhealthy" only means "not known yet"
+        self.checked = False
         self.in_flight = 0
         # Their prompts' estimated tokens (counted only for a load_balancing router with use_tokens).
         self.in_flight_tokens = 0
@@ -414,6 +417,7 @@ class HealthChecker:
                 "healthy" if healthy else "unhealthy",
             )
             worker.healthy = healthy
+        worker.checked = True
         self.on_change(pool, worker)
 
     @staticmethod
