@@ -44,6 +44,8 @@ log = logging.getLogger("fastcore.cluster")
 _TRANSIENT = TRANSIENT_ERRORS
 #: the most bytes an embedded registry's listing may take (MAX_WORKERS records and their ids)
 MAX_LISTING_BYTES = MAX_WORKERS * (MAX_RECORD_BYTES + 256) + 64
+#: failed etcd status probes in a row (one a heartbeat) that mean etcd is gone, not slow
+PROBE_MISSES = 2
 
 
 class Complaints:
@@ -242,13 +244,22 @@ class ClusterWatcher:
     async def _probe_etcd(self) -> None:
         """Breaks the watch when etcd stops answering, so that its return is a resync."""
         assert self._etcd is not None
+        misses = 0
         while True:
             await asyncio.sleep(self.settings.heartbeat_interval_s)
             if not self.connected:
+                misses = 0
                 continue
             try:
                 await self._etcd.status()
+                misses = 0
             except _TRANSIENT as exc:
+                # One slow answer on a busy host is no outage (a dead etcd breaks the watch at once):
+                # only PROBE_MISSES in a row drop the connection and cost a full resync.
+                misses += 1
+                if misses < PROBE_MISSES:
+                    continue
+                misses = 0
                 self._lost(exc)
                 if self._task is not None:  # restart the loop: it reads everything when etcd is back
                     self._task.cancel()
