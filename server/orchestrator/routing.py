@@ -26,7 +26,7 @@ import itertools
 import json
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import fastcore
@@ -269,6 +269,19 @@ class LeastLoadedRouter(Router):
         return worker
 
 
+def _held_prefix(hashes: list[int], held: Collection[int]) -> int:
+    """How many leading ``hashes`` are in ``held``, given that ``hashes[0]`` is (binary search: a
+    chain's holders are prefix-closed, so membership only ever turns off along it)."""
+    lo, hi = 1, len(hashes)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if hashes[mid - 1] in held:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def _int_arg(args: dict[str, Any], name: str, default: int, low: int, high: int | None = None) -> int:
     value = args.get(name, default)
     if type(value) is not int or value < low or (high is not None and value > high):
@@ -444,14 +457,7 @@ class _PrefixIndex:
         entries = self.entries
         if not entries or not hashes or hashes[0] not in entries:
             return 0
-        lo, hi = 1, len(hashes)  # hashes[:lo] held; find the largest
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if hashes[mid - 1] in entries:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return _held_prefix(hashes, entries)
 
     def add(self, hashes: list[int], clock: int) -> list[int]:
         """Hold ``hashes`` (the prefix most recent); the hashes evicted to stay in bound."""
@@ -629,14 +635,7 @@ class KvCacheAwareRouter(Router):
         """The workers holding the deepest of ``hashes`` that any worker holds (binary search:
         holder sets shrink along a chain), when too many hold its first chunk to ask them all."""
         holders = self._holders
-        lo, hi = 1, len(hashes)  # hashes[lo - 1] is held by someone
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if hashes[mid - 1] in holders:
-                lo = mid
-            else:
-                hi = mid - 1
-        deepest = holders[hashes[lo - 1]]
+        deepest = holders[hashes[_held_prefix(hashes, holders) - 1]]
         if len(deepest) <= MAX_ASKED:
             return deepest
         return set(itertools.islice(deepest, MAX_ASKED))
