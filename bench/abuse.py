@@ -59,7 +59,7 @@ import yaml
 from bench import abuse_http
 from bench._timing import format_table
 from bench.deploy import free_port, process_tree, rss_bytes, wait_healthy
-from bench.loadgen import RESULTS_DIR, LevelResult, percentile, run_concurrency, write_json
+from bench.loadgen import RESULTS_DIR, LevelResult, percentile, read_status, run_concurrency, write_json
 from bench.workload import agentic_messages
 from server.auth import SECRET_ENV as SHARED_SECRET_ENV
 from server.launcher import Child, plan, stop_all
@@ -272,23 +272,9 @@ class AttackStats:
             self.oversized_answer_s.setdefault(kind, []).append(round(elapsed, 4))
 
 
-async def _read_status(reader: asyncio.StreamReader) -> str:
-    """The status of the server's answer ("413"), or "closed" / "reset" when it hung up instead."""
-    try:
-        line = await reader.readuntil(b"\r\n")
-    except asyncio.IncompleteReadError as exc:
-        return "closed" if not exc.partial else "garbage"
-    except (ConnectionError, asyncio.LimitOverrunError):
-        return "reset"
-    parts = line.split()
-    return (
-        parts[1].decode(errors="replace") if len(parts) >= 2 and parts[0].startswith(b"HTTP/") else "garbage"
-    )
-
-
 async def _read_response(reader: asyncio.StreamReader) -> str:
     """A status and the rest of a small Content-Length response (keep-alive's ``GET /health``)."""
-    status = await _read_status(reader)
+    status = await read_status(reader)
     if not status.isdigit():
         return status
     length = 0
@@ -399,7 +385,7 @@ class Attack:
         try:
             writer.write(request)
             try:
-                answer = await asyncio.wait_for(_read_status(reader), self.s.abandon_after_s)
+                answer = await asyncio.wait_for(read_status(reader), self.s.abandon_after_s)
             except TimeoutError:
                 pass
         finally:
@@ -413,7 +399,7 @@ class Attack:
         """Hold a connection (sending ``trickle`` a byte per interval) until the server ends it; True if it did."""
         assert self._stopped is not None
         interval = self.s.slowloris_interval_s
-        answer = asyncio.ensure_future(_read_status(reader))
+        answer = asyncio.ensure_future(read_status(reader))
         try:
             while True:
                 if trickle is not None and not writer.transport.is_closing():
@@ -510,7 +496,7 @@ class Attack:
         try:
             writer.write(head + b'{"messages": "' + b"a" * (64 << 10))
             try:
-                status = await asyncio.wait_for(_read_status(reader), 10.0)
+                status = await asyncio.wait_for(read_status(reader), 10.0)
             except TimeoutError:
                 status = "no answer"
             self.stats.oversized_outcome(kind, status, time.perf_counter() - t0)
@@ -529,7 +515,7 @@ class Attack:
         head = (f"POST {CHAT} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
                 f"Transfer-Encoding: chunked\r\n\r\n").encode()  # fmt: skip
         chunk = b"%x\r\n" % CHUNK + b"a" * CHUNK + b"\r\n"
-        answer = asyncio.ensure_future(_read_status(reader))
+        answer = asyncio.ensure_future(read_status(reader))
         sent = 0
         try:
             writer.write(head)
@@ -566,7 +552,7 @@ class Attack:
         try:
             writer.write(http_request(self.host, self.port, CHAT, body))
             try:
-                status = await asyncio.wait_for(_read_status(reader), 60.0)
+                status = await asyncio.wait_for(read_status(reader), 60.0)
             except TimeoutError:
                 status = "no answer"
             self.stats.oversized_outcome(kind, status, time.perf_counter() - t0)

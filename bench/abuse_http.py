@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from bench._timing import format_table
-from bench.loadgen import LevelResult, run_concurrency
+from bench.loadgen import LevelResult, read_status, run_concurrency
 
 #: the address attackers connect from (another client than the honest load's 127.0.0.1)
 ATTACKER_IP = "127.0.0.2"
@@ -113,17 +113,6 @@ async def _connect(host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.
         return None
 
 
-async def _status(reader: asyncio.StreamReader) -> str:
-    try:
-        line = await reader.readuntil(b"\r\n")
-    except asyncio.IncompleteReadError as exc:
-        return "closed" if not exc.partial else "garbage"
-    except (ConnectionError, asyncio.LimitOverrunError):
-        return "reset"
-    parts = line.split()
-    return parts[1].decode() if len(parts) >= 2 else "garbage"
-
-
 async def _send_until_answered(writer: asyncio.StreamWriter, data: bytes, answer: asyncio.Future[str],
                                stopping: asyncio.Event) -> int:  # fmt: skip
     """``data`` in 1 MiB writes, each drained (never a whole body in the transport's buffer); the bytes
@@ -180,7 +169,7 @@ class Attacks:
             await asyncio.wait(pending, timeout=5.0)
 
     async def _until_answer_or_stop(self, reader: asyncio.StreamReader, timeout: float | None = None) -> str:
-        answer = asyncio.ensure_future(_status(reader))
+        answer = asyncio.ensure_future(read_status(reader))
         stop = asyncio.ensure_future(self.stopping.wait())
         await asyncio.wait({answer, stop}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         stop.cancel()
@@ -200,7 +189,7 @@ class Attacks:
                 await asyncio.sleep(0.1)
                 continue
             reader, writer = conn
-            answer = asyncio.ensure_future(_status(reader))
+            answer = asyncio.ensure_future(read_status(reader))
             sent = 0
             try:
                 writer.write(head)
@@ -231,7 +220,7 @@ class Attacks:
                 await asyncio.sleep(0.1)
                 continue
             reader, writer = conn
-            answer = asyncio.ensure_future(_status(reader))
+            answer = asyncio.ensure_future(read_status(reader))
             try:
                 writer.write(head)
                 await _send_until_answered(writer, body, answer, self.stopping)
@@ -316,7 +305,7 @@ async def _burst(host: str, port: int, s: HTTPAbuseSettings, outcomes: dict[str,
             _bump(outcomes, "large bodies", "connect error")
             return
         reader, writer = conn
-        answer = asyncio.ensure_future(_status(reader))
+        answer = asyncio.ensure_future(read_status(reader))
         try:
             writer.write(head)
             await _send_until_answered(writer, body, answer, asyncio.Event())
@@ -440,7 +429,7 @@ async def framing_checks(base_url: str) -> dict[str, str]:
             t0 = time.perf_counter()
             statuses = []
             while True:
-                status = await asyncio.wait_for(_status(reader), 10)
+                status = await asyncio.wait_for(read_status(reader), 10)
                 if status != "100":
                     break
                 statuses.append(status)

@@ -343,3 +343,17 @@ def write_json(levels: Sequence[LevelResult], path: Path, meta: dict) -> None:
 
 def parse_levels(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
+
+
+async def read_status(reader: asyncio.StreamReader) -> str:
+    """The status of the server's answer ("413"), or "closed" / "reset" when it hung up instead."""
+    try:
+        line = await reader.readuntil(b"\r\n")
+    except asyncio.IncompleteReadError as exc:
+        return "closed" if not exc.partial else "garbage"
+    except (ConnectionError, asyncio.LimitOverrunError):
+        return "reset"
+    parts = line.split()
+    return (
+        parts[1].decode(errors="replace") if len(parts) >= 2 and parts[0].startswith(b"HTTP/") else "garbage"
+    )
