@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -191,3 +192,23 @@ def assert_openai_error(resp: Response, status: int) -> dict[str, Any]:
 async def instance_of(port: int) -> str:
     """The worker's instance id (its /health): what a leg's signature is bound to."""
     return str((await get(port, "/health")).json()["instance"])
+
+
+def made_in_a_thread(factory: Callable[[], Any]) -> Any:
+    """What ``factory()`` returns when it runs in a new thread, where no event loop exists (a
+    constructor that reaches for one fails there); re-raises what it raised."""
+    made: list[Any] = []
+    errors: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            made.append(factory())
+        except BaseException as exc:  # pragma: no cover - the failure being tested
+            errors.append(exc)
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return made[0]

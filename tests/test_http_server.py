@@ -18,7 +18,6 @@ import http.client
 import itertools
 import json
 import socket
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from email.utils import parsedate_to_datetime
@@ -26,7 +25,7 @@ from typing import Any
 
 import httptools
 import pytest
-from helpers import eventually
+from helpers import eventually, made_in_a_thread
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -1665,20 +1664,7 @@ def test_property_garbage_never_crashes_or_hangs(data: st.DataObject) -> None:
 def test_server_built_where_no_loop_runs_serves_on_the_one_it_starts_on() -> None:
     """Built in a thread with no event loop (asyncio.get_event_loop() raised there), started on
     another: it serves there, and its Date line is its own (no module-level cache)."""
-    built: list[HTTPServer] = []
-    errors: list[BaseException] = []
-
-    def build() -> None:
-        try:
-            built.append(HTTPServer(echo, Limits()))
-        except BaseException as exc:  # pragma: no cover - the failure being tested
-            errors.append(exc)
-
-    thread = threading.Thread(target=build)
-    thread.start()
-    thread.join()
-    assert not errors and built
-    server = built[0]
+    server = made_in_a_thread(lambda: HTTPServer(echo, Limits()))
     assert server.date is not HTTPServer(echo).date
 
     async def scenario() -> None:
