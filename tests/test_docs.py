@@ -5,7 +5,7 @@
 - Every example config in docs/examples/ loads and validates with the orchestrator's own loader.
 - Every relative link (and its #anchor) in README.md and docs/ points at something in the repository,
   and every module path the docs name exists.
-- Nothing refers to a sibling ``../shared`` directory, or to the PROTOCOL.md that lived there.
+- Nothing refers to the sibling ``shared`` directory of the workspace, or to the PROTOCOL.md that lived there.
 """
 
 from __future__ import annotations
@@ -356,13 +356,14 @@ _SHARED = re.compile(
 
 
 def test_nothing_refers_to_the_sibling_shared_directory() -> None:
-    """A clone without ../shared must pass its tests and carry its docs: nothing may point there."""
+    """A clone without the sibling shared directory must pass its tests and carry its docs: nothing may
+    point there."""
     hits = mentions(_SHARED)
-    assert not hits, "references to ../shared:\n" + "\n".join(hits)
+    assert not hits, "references to the sibling shared directory:\n" + "\n".join(hits)
 
 
 def test_nothing_cites_the_old_shared_PROTOCOL_md() -> None:
-    """The protocol is docs/protocol.md now; "PROTOCOL.md" named the copy in ../shared."""
+    """The protocol is docs/protocol.md now; "PROTOCOL.md" named the copy in the sibling shared directory."""
     hits = mentions(re.compile(r"PROTOCOL\.md"))
     assert not hits, "cite docs/protocol.md instead of PROTOCOL.md:\n" + "\n".join(hits)
 
