@@ -17,7 +17,7 @@ read at run time, with the same meaning at build time.
 Release flags: the objects are compiled without debug info (``-g0`` after
 the interpreter's own ``-g``) and linked with ``--strip-debug``, so a wheel's
 ``.so`` files carry code and symbols only: not "stripped" in ``file``'s sense,
-the symbol table (``.symtab``, ~17 and ~31 KB) is kept on purpose so that perf
+the symbol table (``.symtab``, tens of KB per module) is kept on purpose so that perf
 and gdb name the SIMD kernels in a production profile. FASTCORE_DEBUG_BUILD=1 builds with
 debug info and AddressSanitizer/UBSan instead (``make debug``).
 """
