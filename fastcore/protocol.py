@@ -7,10 +7,12 @@ fields a client may not send on which route" has one definition. The module
 imports nothing but the standard library: the orchestrator and the wheel use
 it without torch.
 
-The compiled relay kernel (``fastcore/_jsonspan.pyx``) cannot import Python
-constants into its C code; it derives its module-level constants from this
-module when it is imported, and ``tests/test_protocol_module.py`` checks that
-both twins' paths and rules agree with the names here.
+The compiled relay kernels (``fastcore/_relay.pyx``) cannot import Python
+constants into their C code; they derive their module-level constants from this
+module when imported, and ``tests/test_protocol_module.py`` checks that both
+twins' paths and rules agree with the names here. Worker endpoints, the keys of
+a worker's ``/server_info`` and the conversation fields live here too: the
+worker writes them and the orchestrator reads them, from one definition.
 """
 
 from __future__ import annotations
@@ -143,8 +145,65 @@ X_TRTLLM_MSGPACK_VALUE: Final = "1"
 #: trtllm-serve's internal auth header of a generation leg (server/auth.py signs it).
 X_TRTLLM_DISAGG_AUTH: Final = "x-trtllm-disagg-auth"
 
+
+# -- worker endpoints ---------------------------------------------------------------------------------
+
+HEALTH_PATH: Final = "/health"
+SERVER_INFO_PATH: Final = "/server_info"
+#: ``GET``/``DELETE /kv/<ctx_request_id>``: a parked context's KV (its ``ctx_info_endpoint``).
+KV_PATH_PREFIX: Final = "/kv/"
+KV_PATH: Final = KV_PATH_PREFIX + "{ctx_request_id}"
+#: ``DELETE /kv/by-request/<disagg_request_id>``: release the KV of a context answer that was lost.
+KV_BY_REQUEST_PREFIX: Final = KV_PATH_PREFIX + "by-request/"
+#: A ctx_request_id / disagg_request_id in a KV path: at most 20 decimal digits.
+KV_ID_PATTERN: Final = "[0-9]{1,20}"
+
+
+def kv_path(ctx_request_id: int) -> str:
+    """The path of the KV parked under ``ctx_request_id``."""
+    return KV_PATH.format(ctx_request_id=ctx_request_id)
+
+
+# -- /server_info keys (what a worker says it is and can do; a cluster record's capabilities) ---------
+
+INFO_ROLE: Final = "role"
+INFO_INSTANCE: Final = "instance"
+INFO_MODEL: Final = "model"
+INFO_MAX_CONTEXT_LENGTH: Final = "max_context_length"
+INFO_VOCAB_SIZE: Final = "vocab_size"
+INFO_KV_ENDPOINT: Final = "kv_endpoint"
+#: the worker's KV cache size in tokens (bounds a kv_cache_aware router's index of it)
+INFO_KV_CAPACITY_TOKENS: Final = "kv_capacity_tokens"
+INFO_KV_TTL_S: Final = "kv_ttl_s"
+INFO_MAX_PARKED_TOKENS: Final = "max_parked_tokens"
+INFO_DEVICE: Final = "device"
+#: return_prompt_token_ids_b64 honoured on chat context legs
+INFO_B64_CHAT: Final = "prompt_token_ids_b64_chat"
+#: ... and on completions context legs (trtllm-serve answers those with the list only)
+INFO_B64_COMPLETIONS: Final = "prompt_token_ids_b64_completions"
+#: bodies flagged X-TRTLLM-Msgpack: 1 are decoded as msgpack
+INFO_MSGPACK_REQUESTS: Final = "msgpack_requests"
+#: a plain request (no disaggregated_params) is served whole: conditional disaggregation may send one
+INFO_LOCAL_PREFILL: Final = "local_prefill"
+INFO_PREFIX_CACHING: Final = "prefix_caching"
+#: the prompt text bytes per token a worker publishes (seeds the pool's learned estimate)
+INFO_BYTES_PER_TOKEN: Final = "bytes_per_token"
+INFO_INTERNAL_AUTH: Final = "internal_auth"
+INFO_AUTH_FASTCORE_SIGNATURE: Final = "fastcore_signature"
+INFO_AUTH_TRTLLM_DISAGG_AUTH: Final = "trtllm_disagg_auth"
+INFO_AUTH_ACCEPT_TRTLLM_ORCHESTRATOR: Final = "accept_trtllm_orchestrator"
+#: a member only trtllm-serve's /server_info has (its get_server_info): such a worker says nothing of
+#: local_prefill, yet its generation workers serve a plain request whole, so it counts as saying it
+INFO_TRTLLM_MARKER: Final = DISAGGREGATED_PARAMS
+
+# -- conversations (trtllm-serve's conversation_params) -------------------------------------------------
+
+CONVERSATION_PARAMS: Final = "conversation_params"
+CONVERSATION_ID: Final = "conversation_id"
+
 __all__ = [name for name in dir() if name.isupper() or name in (
     "internal_field_message",
     "internal_request_fields",
     "is_disagg_request_id",
+    "kv_path",
 )]

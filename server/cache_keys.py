@@ -16,13 +16,13 @@ import hashlib
 
 import fastcore
 from fastcore import JSONSpanError
-from fastcore import protocol as P
+from fastcore import protocol as wire
 
 __all__ = ["CACHE_SALT", "prompt_keys", "salt_key", "salt_key_of_root"]
 
 CACHE_SALT = "cache_salt"
-_CHAT_PATHS = ((P.MESSAGES,), (CACHE_SALT,))
-_COMPLETION_PATHS = ((P.PROMPT,), (CACHE_SALT,))
+_CHAT_PATHS = ((wire.MESSAGES,), (CACHE_SALT,))
+_COMPLETION_PATHS = ((wire.PROMPT,), (CACHE_SALT,))
 
 
 def salt_key_of_root(root: bytes) -> int:

@@ -14,7 +14,7 @@ import json
 import time
 from typing import Any
 
-from fastcore import protocol
+from fastcore import protocol as wire
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -26,7 +26,7 @@ def sse_event(payload: dict[str, Any]) -> bytes:
 
 def chunk_object(chat: bool) -> str:
     """The ``object`` of a streamed chunk on the chat or completions route."""
-    return protocol.OBJECT_CHAT_COMPLETION_CHUNK if chat else protocol.OBJECT_TEXT_COMPLETION
+    return wire.OBJECT_CHAT_COMPLETION_CHUNK if chat else wire.OBJECT_TEXT_COMPLETION
 
 
 def answer_object(
@@ -50,11 +50,11 @@ def answer_object(
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {
         "id": response_id,
-        "object": protocol.OBJECT_CHAT_COMPLETION if chat else protocol.OBJECT_TEXT_COMPLETION,
+        "object": wire.OBJECT_CHAT_COMPLETION if chat else wire.OBJECT_TEXT_COMPLETION,
         "created": created,
         "model": model,
-        protocol.CHOICES: [choice],
-        protocol.USAGE: usage,
+        wire.CHOICES: [choice],
+        wire.USAGE: usage,
     }
 
 
@@ -117,8 +117,8 @@ def answer_stream(answer: dict[str, Any], *, chat: bool, include_usage: bool) ->
         "model": answer.get("model"),
     }
     events: list[dict[str, Any]] = []
-    for choice in answer.get(protocol.CHOICES, []):
-        index, finish = choice.get("index", 0), choice.get(protocol.FINISH_REASON)
+    for choice in answer.get(wire.CHOICES, []):
+        index, finish = choice.get("index", 0), choice.get(wire.FINISH_REASON)
         if chat:
             text = (choice.get("message") or {}).get("content") or ""
             events.append(stream_chunk(**head, index=index, text="", role=True))
@@ -127,6 +127,6 @@ def answer_stream(answer: dict[str, Any], *, chat: bool, include_usage: bool) ->
         if text:
             events.append(stream_chunk(**head, index=index, text=text, logprobs=choice.get("logprobs")))
         events.append(stream_chunk(**head, index=index, text=None if chat else "", finish_reason=finish))
-    if include_usage and answer.get(protocol.USAGE) is not None:
-        events.append(usage_chunk(**head, usage=answer[protocol.USAGE]))
+    if include_usage and answer.get(wire.USAGE) is not None:
+        events.append(usage_chunk(**head, usage=answer[wire.USAGE]))
     return b"".join(sse_event(e) for e in events) + SSE_DONE

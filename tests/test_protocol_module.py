@@ -58,6 +58,22 @@ _PROTOCOL_NAMES = {
     protocol.X_TRTLLM_DISAGG_AUTH,
     protocol.X_TRTLLM_MSGPACK,
     protocol.X_TRTLLM_MSGPACK.lower(),
+    protocol.SERVER_INFO_PATH,
+    protocol.KV_PATH_PREFIX,
+    protocol.KV_PATH,
+    protocol.KV_BY_REQUEST_PREFIX,
+    protocol.CONVERSATION_PARAMS,
+    protocol.CONVERSATION_ID,
+    # /server_info keys (those that are not also attribute, config or engine names: local_prefill,
+    # kv_capacity_tokens, bytes_per_token, prefix_caching, trtllm_disagg_auth are those too)
+    protocol.INFO_KV_ENDPOINT,
+    protocol.INFO_MAX_PARKED_TOKENS,
+    protocol.INFO_B64_CHAT,
+    protocol.INFO_B64_COMPLETIONS,
+    protocol.INFO_MSGPACK_REQUESTS,
+    protocol.INFO_INTERNAL_AUTH,
+    protocol.INFO_AUTH_FASTCORE_SIGNATURE,
+    protocol.INFO_AUTH_ACCEPT_TRTLLM_ORCHESTRATOR,
 }
 
 

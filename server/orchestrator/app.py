@@ -32,8 +32,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 import fastcore
-from fastcore import protocol
-from fastcore.protocol import DISAGG_REQUEST_ID_END, DISAGG_REQUEST_ID_MIN
+from fastcore import protocol as wire
 from server.auth import SIGNATURE_HEADER, TRTLLM_AUTH_HEADER, sign_body, sign_pieces, trtllm_disagg_auth
 from server.errors import HTTPError, check_not_empty, error_body, normalise_error_body
 from server.http import (
@@ -80,8 +79,8 @@ from .tenants import (
 
 log = logging.getLogger("fastcore.orchestrator")
 
-CHAT_PATH = protocol.CHAT_COMPLETIONS_PATH
-COMPLETIONS_PATH = protocol.COMPLETIONS_PATH
+CHAT_PATH = wire.CHAT_COMPLETIONS_PATH
+COMPLETIONS_PATH = wire.COMPLETIONS_PATH
 LISTEN_BACKLOG = 4096
 # Per-connection read buffer of the aiohttp pass-through floor (bench/passthrough.py).
 READ_BUFSIZE = 1 << 22
@@ -90,9 +89,9 @@ MAX_ERROR_BODY = 64 * 1024
 # A worker's whole answer (a context response carries every prompt id): bounded too.
 MAX_WORKER_BODY = 256 * 1024 * 1024
 _TRTLLM_AUTH = TRTLLM_AUTH_HEADER.encode()
-_KV_ENDPOINT_PATH = (("choices", 0, protocol.DISAGGREGATED_PARAMS, protocol.CTX_INFO_ENDPOINT),)
+_KV_ENDPOINT_PATH = (("choices", 0, wire.DISAGGREGATED_PARAMS, wire.CTX_INFO_ENDPOINT),)
 #: a fastcore context worker's KV endpoint, at the end of ctx_info_endpoint
-_KV_PATH = re.compile(r"/kv/[0-9]{1,20}\Z")
+_KV_PATH = re.compile(re.escape(wire.KV_PATH_PREFIX) + wire.KV_ID_PATTERN + r"\Z")
 KV_RELEASE_TIMEOUT_S = 5.0
 # The per-phase CPU clock (a thread_time() syscall per phase) runs on one
 # request in this many; every request is still counted everywhere else.
@@ -773,7 +772,7 @@ class Orchestrator:
         # Completions ask for prompt_token_ids_b64 only when every context worker
         # says it answers them so (/server_info): trtllm-serve answers them with
         # the list only, and its completion models refuse the field.
-        disagg_id = random.randrange(DISAGG_REQUEST_ID_MIN, DISAGG_REQUEST_ID_END)
+        disagg_id = random.randrange(wire.DISAGG_REQUEST_ID_MIN, wire.DISAGG_REQUEST_ID_END)
         context_body = relay.context_request(req, disagg_id, self.context_pool.b64_completions)
         clock.lap("build_context")
 
@@ -918,7 +917,7 @@ class Orchestrator:
     def _release_lost_kv_soon(self, worker: Worker, disagg_id: int) -> None:
         """``DELETE /kv/by-request/<disagg_id>`` on the context worker whose answer was lost (best
         effort: a fastcore worker frees what it parked for the leg; 404 when it parked nothing)."""
-        self._in_background(self._release_kv(worker, b"/kv/by-request/%d" % disagg_id))
+        self._in_background(self._release_kv(worker, b"%s%d" % (wire.KV_BY_REQUEST_PREFIX.encode(), disagg_id)))
 
     def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)

@@ -20,7 +20,7 @@ from typing import Any
 
 import fastcore
 from fastcore import JSONSpanError
-from fastcore import protocol as P
+from fastcore import protocol as wire
 
 __all__ = ["DEFAULT_BYTES_PER_TOKEN", "BytesPerToken", "UsageLearner", "read_usage"]
 
@@ -33,9 +33,9 @@ DECAY = 0.99
 #: a published seed counts as this many tokens already seen (a few answers outweigh it)
 SEED_TOKENS = 4096.0
 
-_USAGE_PATHS = ((P.USAGE, P.PROMPT_TOKENS), (P.USAGE, P.PROMPT_TOKENS_DETAILS, P.CACHED_TOKENS))
+_USAGE_PATHS = ((wire.USAGE, wire.PROMPT_TOKENS), (wire.USAGE, wire.PROMPT_TOKENS_DETAILS, wire.CACHED_TOKENS))
 _MAX_DIGITS = 15
-_USAGE_KEY = b'"' + P.USAGE.encode() + b'"'
+_USAGE_KEY = b'"' + wire.USAGE.encode() + b'"'
 _BACKSLASH = ord("\\")
 
 

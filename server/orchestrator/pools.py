@@ -29,12 +29,11 @@ from typing import Any
 
 import aiohttp
 
-from fastcore import protocol
+from fastcore import protocol as wire
 
 from .routing import ROUTERS, LeastLoadedRouter, RequestKey, RoundRobinRouter, Router, make_router
 
 __all__ = [
-    "B64_COMPLETIONS_FIELD",
     "ROUTERS",
     "Capabilities",
     "CircuitBreaker",
@@ -53,22 +52,6 @@ UNHEALTHY_AFTER_TIMEOUTS = 3
 #: bumped by every change of a worker's health or a breaker's state: Pool.choose's cached list of
 #: routable workers is rebuilt only then, not on every request (routing cost independent of fleet size)
 _ROUTABLE_EPOCH = [0]
-
-
-#: the /server_info field in which a fastcore worker says it answers completions with
-#: prompt_token_ids_b64 when asked (trtllm-serve answers them with the list only)
-B64_COMPLETIONS_FIELD = "prompt_token_ids_b64_completions"
-#: the /server_info field in which a fastcore generation worker says it serves a plain request
-#: (no disaggregated_params) by prefilling locally: conditional disaggregation may send it one
-LOCAL_PREFILL_FIELD = "local_prefill"
-#: the worker's KV cache size in tokens (bounds a kv_cache_aware router's index of it)
-KV_CAPACITY_FIELD = "kv_capacity_tokens"
-#: the prompt text bytes per token a worker publishes (seeds the pool's learned estimate)
-BYTES_PER_TOKEN_FIELD = "bytes_per_token"
-#: a member only trtllm-serve's /server_info has (its get_server_info): such a worker says nothing of
-#: local_prefill, yet its generation workers serve a plain request whole (trtllm-serve's own
-#: conditional disaggregation sends them one), so it counts as saying local_prefill
-TRTLLM_SERVER_INFO_FIELD = protocol.DISAGGREGATED_PARAMS
 
 
 class Capabilities:
@@ -92,11 +75,11 @@ class Capabilities:
     def of(cls, info: object) -> Capabilities:
         if not isinstance(info, dict):
             return cls()
-        capacity = info.get(KV_CAPACITY_FIELD)
-        local = info.get(LOCAL_PREFILL_FIELD, True if TRTLLM_SERVER_INFO_FIELD in info else None)
-        bpt = info.get(BYTES_PER_TOKEN_FIELD)
+        capacity = info.get(wire.INFO_KV_CAPACITY_TOKENS)
+        local = info.get(wire.INFO_LOCAL_PREFILL, True if wire.INFO_TRTLLM_MARKER in info else None)
+        bpt = info.get(wire.INFO_BYTES_PER_TOKEN)
         return cls(
-            info.get(B64_COMPLETIONS_FIELD) is True,
+            info.get(wire.INFO_B64_COMPLETIONS) is True,
             local is True,
             capacity if type(capacity) is int and capacity > 0 else None,
             float(bpt) if isinstance(bpt, int | float) and not isinstance(bpt, bool) and bpt > 0 else None,
@@ -109,10 +92,10 @@ MAX_HEALTH_BODY = 4096
 
 def _instance(body: bytes) -> str | None:
     """The ``instance`` of a fastcore worker's /health body (None from any other server)."""
-    if b'"instance"' not in body:
+    if b'"%s"' % wire.INFO_INSTANCE.encode() not in body:
         return None
     try:
-        value = json.loads(body).get("instance")
+        value = json.loads(body).get(wire.INFO_INSTANCE)
     except (ValueError, AttributeError):
         return None
     return value if isinstance(value, str) else None
@@ -385,7 +368,7 @@ class HealthChecker:
 
     async def check_worker(self, pool: Pool, worker: Worker) -> None:
         try:
-            async with self.session.get(worker.url + "/health", timeout=self.timeout) as resp:
+            async with self.session.get(worker.url + wire.HEALTH_PATH, timeout=self.timeout) as resp:
                 healthy = resp.status == 200
                 body = await resp.content.read(MAX_HEALTH_BODY) if healthy else b""
             worker.timeouts = 0
@@ -429,7 +412,7 @@ class HealthChecker:
         """What ``worker``'s ``/server_info`` says: completions in base64, ``local_prefill``,
         ``kv_capacity_tokens`` (False / None on any doubt)."""
         try:
-            async with self.session.get(worker.url + "/server_info", timeout=self.timeout) as resp:
+            async with self.session.get(worker.url + wire.SERVER_INFO_PATH, timeout=self.timeout) as resp:
                 if resp.status != 200:
                     return Capabilities()
                 info = await resp.json(content_type=None)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import fastcore
 from fastcore import JSONSpanError
-from fastcore import protocol as P
+from fastcore import protocol as wire
 from server.cache_keys import CACHE_SALT, salt_key_at
 
 from .estimates import BytesPerToken
@@ -41,8 +41,8 @@ if TYPE_CHECKING:
 
 #: trtllm-serve's conversation: the body's ``conversation_params.conversation_id`` (canonical), else
 #: the first non-empty of its headers (its conversation_id.py CONVERSATION_ID_HEADERS), in order
-CONVERSATION_PARAMS = "conversation_params"
-CONVERSATION_FIELD = "conversation_id"
+CONVERSATION_PARAMS = wire.CONVERSATION_PARAMS
+CONVERSATION_FIELD = wire.CONVERSATION_ID
 TRTLLM_CONVERSATION_HEADERS = (b"x-session-id", b"x-correlation-id", b"x-session-affinity",
                                b"x-multi-turn-session-id")  # fmt: skip
 #: ours, older: a top-level ``conversation_id`` (moved into conversation_params before the legs:
@@ -64,8 +64,8 @@ RECENT_ROUTES = 1024
 MAX_CONVERSATION_ID_BYTES = 1024
 
 _NESTED = (CONVERSATION_PARAMS, CONVERSATION_FIELD)
-_CHAT_PATHS = (_NESTED, (CONVERSATION_FIELD,), (P.MESSAGES,), (CACHE_SALT,))
-_COMPLETION_PATHS = (_NESTED, (CONVERSATION_FIELD,), (P.PROMPT,), (CACHE_SALT,))
+_CHAT_PATHS = (_NESTED, (CONVERSATION_FIELD,), (wire.MESSAGES,), (CACHE_SALT,))
+_COMPLETION_PATHS = (_NESTED, (CONVERSATION_FIELD,), (wire.PROMPT,), (CACHE_SALT,))
 _MOVE_PATHS = ((CONVERSATION_FIELD,), (CONVERSATION_PARAMS,))
 _QUOTE, _MINUS, _COMMA = ord('"'), ord("-"), ord(",")
 _SPACE = b" \t\r\n"

@@ -124,9 +124,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ROLES = ("both", "context", "generation")
-KV_PATH = "/kv/{ctx_request_id}"
+KV_PATH = wire.KV_PATH
 #: the only paths a generation worker fetches KV from (a ctx_request_id is 62 random bits)
-KV_PATH_RE = re.compile(r"/kv/[0-9]{1,20}")
+KV_PATH_RE = re.compile(re.escape(wire.KV_PATH_PREFIX) + wire.KV_ID_PATTERN)
 #: parked entries younger than this are evicted only by a request about to be refused
 PARKED_GRACE_S = 1.0
 #: how often requests waiting for KV room look again (frees happen on the engine thread too)
@@ -135,13 +135,13 @@ LISTEN_BACKLOG = 4096  # an orchestrator may open 1000s of connections at once
 
 _POST = b"POST"
 _GET = (b"GET", b"HEAD")
-_KV_PREFIX = b"/kv/"
+_KV_PREFIX = wire.KV_PATH_PREFIX.encode()
 _METRICS = b"/metrics"
 #: the prefix cache's keys as a stream orchestrators follow (server/worker/kv_events.py)
 _CACHE_EVENTS = b"/cache_events"
 #: ``DELETE /kv/by-request/<disagg_request_id>``: an orchestrator whose context answer was lost
 #: (cut mid-body, timed out) releases the KV it never learnt the id of (docs/protocol.md#faults)
-_KV_BY_REQUEST = b"/kv/by-request/"
+_KV_BY_REQUEST = wire.KV_BY_REQUEST_PREFIX.encode()
 #: how long a drain waits for parked KV to be fetched once no request is running
 DRAIN_PARKED_GRACE_S = 2.0
 #: parked entries remembered by their disagg_request_id (oldest forgotten first)
@@ -451,9 +451,9 @@ class WorkerApp:
         self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
         self._wake_timer: asyncio.TimerHandle | None = None
         self._simple: dict[bytes, Callable[[Responder], None]] = {
-            b"/health": self.health,
+            wire.HEALTH_PATH.encode(): self.health,
             b"/v1/models": self.models,
-            b"/server_info": self.server_info,
+            wire.SERVER_INFO_PATH.encode(): self.server_info,
             b"/metrics": self.metrics_endpoint,
         }
         #: trtllm-serve's other endpoints: /kv_cache_events, /version, /perf_metrics, ... (server/trtllm_endpoints.py)
@@ -583,7 +583,7 @@ class WorkerApp:
             out.send_error(503, "the engine is not running")
             return
         out.send(
-            200, json.dumps({"status": "ok", "role": self.settings.role, "instance": self.instance}).encode()
+            200, json.dumps({"status": "ok", wire.INFO_ROLE: self.settings.role, wire.INFO_INSTANCE: self.instance}).encode()
         )
 
     def models(self, out: Responder) -> None:
@@ -603,35 +603,35 @@ class WorkerApp:
         """What ``/server_info`` answers (and a cluster registration carries as capabilities)."""
         engine, settings = self.engine, self.settings
         info = {
-            "role": settings.role,
-            "instance": self.instance,
-            "model": settings.model_name,
-            "max_context_length": engine.max_context,
-            "vocab_size": engine.vocab_size,
-            "kv_endpoint": KV_PATH,
-            "kv_capacity_tokens": engine.kv_capacity_tokens,
-            "kv_ttl_s": settings.kv_ttl_s,
-            "max_parked_tokens": self.max_parked_tokens,
-            "device": settings.device,
+            wire.INFO_ROLE: settings.role,
+            wire.INFO_INSTANCE: self.instance,
+            wire.INFO_MODEL: settings.model_name,
+            wire.INFO_MAX_CONTEXT_LENGTH: engine.max_context,
+            wire.INFO_VOCAB_SIZE: engine.vocab_size,
+            wire.INFO_KV_ENDPOINT: KV_PATH,
+            wire.INFO_KV_CAPACITY_TOKENS: engine.kv_capacity_tokens,
+            wire.INFO_KV_TTL_S: settings.kv_ttl_s,
+            wire.INFO_MAX_PARKED_TOKENS: self.max_parked_tokens,
+            wire.INFO_DEVICE: settings.device,
             # What an orchestrator may ask of a context leg: return_prompt_token_ids_b64 is
             # honoured on these routes (else the list is answered).
-            "prompt_token_ids_b64_chat": True,
-            "prompt_token_ids_b64_completions": not settings.accept_trtllm_orchestrator,
+            wire.INFO_B64_CHAT: True,
+            wire.INFO_B64_COMPLETIONS: not settings.accept_trtllm_orchestrator,
             # Bodies flagged X-TRTLLM-Msgpack: 1 are decoded as msgpack.
-            "msgpack_requests": True,
+            wire.INFO_MSGPACK_REQUESTS: True,
             # A plain request (no disaggregated_params) is served whole, prefill included, whatever
             # the role: an orchestrator may skip the context leg (conditional disaggregation).
-            "local_prefill": True,
+            wire.INFO_LOCAL_PREFILL: True,
             # Full KV blocks are reused across requests that share a prefix (server/worker/kv_cache.py).
-            "prefix_caching": bool(getattr(engine, "prefix_caching", False)),
+            wire.INFO_PREFIX_CACHING: bool(getattr(engine, "prefix_caching", False)),
             # The synthetic text mode's text bytes per prompt id (--bytes-per-token); absent otherwise.
-            **({"bytes_per_token": bpt} if (bpt := getattr(engine, "bytes_per_token", None)) else {}),
+            **({wire.INFO_BYTES_PER_TOKEN: bpt} if (bpt := getattr(engine, "bytes_per_token", None)) else {}),
             # Legs this worker accepts: a fastcore signature needed (else unsigned); an
             # x-trtllm-disagg-auth accepted (and needed) on legs naming where the KV is.
-            "internal_auth": {
-                "fastcore_signature": self.verifier is not None,
-                "trtllm_disagg_auth": self.trtllm_key is not None,
-                "accept_trtllm_orchestrator": settings.accept_trtllm_orchestrator,
+            wire.INFO_INTERNAL_AUTH: {
+                wire.INFO_AUTH_FASTCORE_SIGNATURE: self.verifier is not None,
+                wire.INFO_AUTH_TRTLLM_DISAGG_AUTH: self.trtllm_key is not None,
+                wire.INFO_AUTH_ACCEPT_TRTLLM_ORCHESTRATOR: settings.accept_trtllm_orchestrator,
             },
         }
         return info
@@ -1122,7 +1122,7 @@ class WorkerApp:
             wire.CTX_REQUEST_ID: ctx_id,
             wire.DISAGG_REQUEST_ID: req.disagg.disagg_request_id,
             wire.ENCODED_OPAQUE_STATE: None,
-            wire.CTX_INFO_ENDPOINT: base.rstrip("/") + KV_PATH.format(ctx_request_id=ctx_id),
+            wire.CTX_INFO_ENDPOINT: base.rstrip("/") + wire.kv_path(ctx_id),
             wire.DRAFT_TOKENS: None,
         }
         if body[wire.CHOICES][0][wire.FINISH_REASON] == NOT_FINISHED:

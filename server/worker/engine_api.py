@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from fastcore import protocol
+from fastcore import protocol as wire
 
 from .output import Delta, OutputProcessor, SamplingParams, TokenLogprob
 from .tokenizer import Tokenizer
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .kv_transfer import KVLayout
 
 #: finish_reason of a context leg after which a generation leg follows.
-NOT_FINISHED = protocol.FINISH_NOT_FINISHED
+NOT_FINISHED = wire.FINISH_NOT_FINISHED
 
 
 class KVCacheFull(Exception):
