@@ -59,28 +59,6 @@ cdef struct Scanner:
     int error_node
 
 
-# Status codes: the same numbers as _scan_py's E_* constants (checked at import), whose make_error words them.
-cdef enum:
-    E_EOF = 1
-    E_VALUE = 2
-    E_OBJECT_SEPARATOR = 3
-    E_ARRAY_SEPARATOR = 4
-    E_KEY = 5
-    E_COLON = 6
-    E_TRAILING = 7
-    E_CONTROL = 8
-    E_ESCAPE = 9
-    E_UNICODE_ESCAPE = 10
-    E_UTF8 = 11
-    E_DIGIT = 12
-    E_LITERAL = 13
-    E_DUPLICATE_KEY = 14
-    E_DEPTH = 15
-    E_NUMBER_LENGTH = 16
-    E_NO_MEMORY = 100
-    DOCUMENT_END = -1  # after_value: the document ended where it should
-
-
 cdef enum:
     INLINE_FRAMES = 64
     INLINE_NODES = 32

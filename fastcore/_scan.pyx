@@ -45,17 +45,29 @@ def _set_kernel(name):
 
 import fastcore._scan_py as _py
 
-for _name, _value in (  # the status codes (_scan.pxd) against the pure twin's, which make_error words
-    ("E_EOF", E_EOF), ("E_VALUE", E_VALUE), ("E_OBJECT_SEPARATOR", E_OBJECT_SEPARATOR),
-    ("E_ARRAY_SEPARATOR", E_ARRAY_SEPARATOR), ("E_KEY", E_KEY), ("E_COLON", E_COLON), ("E_TRAILING", E_TRAILING),
-    ("E_CONTROL", E_CONTROL), ("E_ESCAPE", E_ESCAPE), ("E_UNICODE_ESCAPE", E_UNICODE_ESCAPE), ("E_UTF8", E_UTF8),
-    ("E_DIGIT", E_DIGIT), ("E_LITERAL", E_LITERAL), ("E_DUPLICATE_KEY", E_DUPLICATE_KEY), ("E_DEPTH", E_DEPTH),
-    ("E_NUMBER_LENGTH", E_NUMBER_LENGTH),
-):
-    if getattr(_py, _name) != _value:
-        raise ImportError(f"fastcore._scan: {_name} differs from the pure twin's")
+# The status codes have one home, the pure twin, whose make_error words them: read once at import, as
+# the limits below are (error paths only, so a load instead of an immediate costs nothing).
+cdef int E_EOF = _py.E_EOF
+cdef int E_VALUE = _py.E_VALUE
+cdef int E_OBJECT_SEPARATOR = _py.E_OBJECT_SEPARATOR
+cdef int E_ARRAY_SEPARATOR = _py.E_ARRAY_SEPARATOR
+cdef int E_KEY = _py.E_KEY
+cdef int E_COLON = _py.E_COLON
+cdef int E_TRAILING = _py.E_TRAILING
+cdef int E_CONTROL = _py.E_CONTROL
+cdef int E_ESCAPE = _py.E_ESCAPE
+cdef int E_UNICODE_ESCAPE = _py.E_UNICODE_ESCAPE
+cdef int E_UTF8 = _py.E_UTF8
+cdef int E_DIGIT = _py.E_DIGIT
+cdef int E_LITERAL = _py.E_LITERAL
+cdef int E_DUPLICATE_KEY = _py.E_DUPLICATE_KEY
+cdef int E_DEPTH = _py.E_DEPTH
+cdef int E_NUMBER_LENGTH = _py.E_NUMBER_LENGTH
 
 cdef enum:
+    # The compiled twin's own results, outside the pure twin's codes (1..99).
+    E_NO_MEMORY = 100
+    DOCUMENT_END = -1  # after_value: the document ended where it should
     PATH_CACHE_SIZE = 256
 
 # fastcore.limits, read once: the frame stack never grows past _MAX_DEPTH frames.
