@@ -59,12 +59,6 @@ class Relay:
         self.read_context_response = twin.read_context_response
         self.generation_request = twin.generation_request
         self.strip_internal_fields = twin.strip_internal_fields
-        # The names the orchestrator's FastRelay binds (server/orchestrator/relay_fast.py).
-        self.client_kernel = twin.read_client_request
-        self.context_request_kernel = twin.context_request
-        self.context_kernel = twin.read_context_response
-        self.generation_request_kernel = twin.generation_request
-        self.strip_kernel = twin.strip_internal_fields
 
     def _client(self, client_body: Any, chat: bool | None) -> Any:
         if type(client_body) is self.ClientScan:
@@ -118,11 +112,6 @@ generation_request = _default.generation_request
 strip_internal_fields = _default.strip_internal_fields
 build_context_request = _default.build_context_request
 build_generation_request = _default.build_generation_request
-client_kernel = _default.client_kernel
-context_request_kernel = _default.context_request_kernel
-context_kernel = _default.context_kernel
-generation_request_kernel = _default.generation_request_kernel
-strip_kernel = _default.strip_kernel
 
 __all__ = [
     "GENERATION_FOLLOWS",

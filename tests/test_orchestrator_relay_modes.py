@@ -4,6 +4,7 @@ same bodies for every gate, and refuse the same client bodies."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from types import ModuleType
@@ -98,11 +99,17 @@ def context_response(
     return json.dumps(body).encode()
 
 
+@functools.cache
+def fast_relay_class(relay_twin: ModuleType) -> type[FastRelay]:
+    """FastRelay on one twin's kernels: the test chooses the class (FastRelay takes no twin)."""
+    return type(f"FastRelay_{relay_twin.__name__}", (FastRelay,), {"relay": Relay(relay_twin)})
+
+
 @pytest.fixture(params=GATES, ids=GATE_IDS)
 def modes(request, relay_twin) -> tuple[FastRelay, ParsedRelay]:
     tokids, strip = request.param
     return (
-        FastRelay(tokids_b64=tokids, strip_history=strip, relay=Relay(relay_twin)),
+        fast_relay_class(relay_twin)(tokids_b64=tokids, strip_history=strip),
         ParsedRelay(tokids_b64=tokids, strip_history=strip),
     )
 
@@ -223,7 +230,7 @@ def test_a_finished_answer_streams_as_the_worker_would(chat, include_usage):
 
 
 def test_fast_mode_refuses_a_repeated_key_it_reads(relay_twin):
-    fast = FastRelay(tokids_b64=True, strip_history=True, relay=Relay(relay_twin))
+    fast = fast_relay_class(relay_twin)(tokids_b64=True, strip_history=True)
     with pytest.raises(HTTPError) as info:
         fast.read_client(b'{"prompt": "x", "stream": false, "stream": true}', False)
     assert info.value.status == 400 and info.value.param == "stream"
@@ -281,7 +288,7 @@ def test_asked_for_base64_and_got_the_list_both_modes_relay_the_list(relay_twin,
     else:
         ctx["prompt_token_ids_b64"] = None
     raw = json.dumps(ctx).encode()
-    fast = FastRelay(tokids_b64=True, strip_history=False, relay=Relay(relay_twin))
+    fast = fast_relay_class(relay_twin)(tokids_b64=True, strip_history=False)
     parsed = ParsedRelay(tokids_b64=True, strip_history=False)
     sent = []
     for mode in (fast, parsed):
@@ -295,20 +302,20 @@ def test_asked_for_base64_and_got_the_list_both_modes_relay_the_list(relay_twin,
 @pytest.mark.parametrize("chat, ask, asked", [(True, False, True), (False, False, False), (False, True, True)])
 def test_completions_ask_for_base64_only_when_told(relay_twin, chat, ask, asked):
     for mode in (
-        FastRelay(tokids_b64=True, strip_history=False, relay=Relay(relay_twin)),
+        fast_relay_class(relay_twin)(tokids_b64=True, strip_history=False),
         ParsedRelay(tokids_b64=True, strip_history=False),
     ):
         req = mode.read_client(client_body(chat), chat)
         params = json.loads(mode.context_request(req, DISAGG_ID, ask_b64_completions=ask))["disaggregated_params"]
         assert params.get("return_prompt_token_ids_b64", False) is asked
-    gate_off = FastRelay(tokids_b64=False, strip_history=False, relay=Relay(relay_twin))
+    gate_off = fast_relay_class(relay_twin)(tokids_b64=False, strip_history=False)
     req = gate_off.read_client(client_body(chat), chat)
     assert "return_prompt_token_ids_b64" not in json.loads(gate_off.context_request(req, DISAGG_ID, True))["disaggregated_params"]
 
 
 @pytest.mark.parametrize("bad", [0, 2**40 - 1, 2**63, -1, True])
 def test_a_disagg_request_id_outside_the_protocols_range_is_refused(relay_twin, bad):
-    for mode in (FastRelay(tokids_b64=True, strip_history=False, relay=Relay(relay_twin)),
+    for mode in (fast_relay_class(relay_twin)(tokids_b64=True, strip_history=False),
                  ParsedRelay(tokids_b64=True, strip_history=False)):
         with pytest.raises(ValueError, match=r"\[2\^40, 2\^63\)"):
             mode.context_request(mode.read_client(client_body(True), True), bad)
@@ -318,7 +325,7 @@ def test_both_modes_read_the_auth_fields(relay_twin):
     ctx = json.loads(context_response(True, b64=True))
     ctx["choices"][0]["disaggregated_params"]["encoded_opaque_state"] = "AAAA"
     raw = json.dumps(ctx).encode()
-    for mode in (FastRelay(tokids_b64=True, strip_history=False, relay=Relay(relay_twin)),
+    for mode in (fast_relay_class(relay_twin)(tokids_b64=True, strip_history=False),
                  ParsedRelay(tokids_b64=True, strip_history=False)):
         req = mode.read_client(client_body(True), True)
         assert mode.auth_fields(mode.read_context(req, raw)) == ("http://127.0.0.1:8001/kv/17", "AAAA")
@@ -330,7 +337,7 @@ def test_the_parsed_mode_relays_trtllm_serves_extra_params(relay_twin):
     ctx["choices"][0]["disaggregated_params"].update(extras)
     raw = json.dumps(ctx).encode()
     sent = []
-    for mode in (FastRelay(tokids_b64=True, strip_history=False, relay=Relay(relay_twin)),
+    for mode in (fast_relay_class(relay_twin)(tokids_b64=True, strip_history=False),
                  ParsedRelay(tokids_b64=True, strip_history=False)):
         req = mode.read_client(client_body(True), True)
         sent.append(json.loads(mode.generation_request(req, mode.read_context(req, raw))))
@@ -392,7 +399,7 @@ def _python_events(fn: Any) -> int:
 def test_fast_mode_python_work_does_not_grow_with_the_prompt(relay_twin, tokids, strip):
     if relay_twin.__name__.endswith("_py"):
         pytest.skip("the pure-Python scanner twin is Python work per byte by design")
-    fast = FastRelay(tokids_b64=tokids, strip_history=strip, relay=Relay(relay_twin))
+    fast = fast_relay_class(relay_twin)(tokids_b64=tokids, strip_history=strip)
 
     def pipeline(n_ids: int) -> Any:
         ids = [i % 32000 for i in range(n_ids)]
@@ -427,7 +434,7 @@ ABSENT = object()  # a field taken out of the base body
 
 
 def fast_relay(relay_twin: ModuleType) -> FastRelay:
-    return FastRelay(tokids_b64=True, strip_history=True, relay=Relay(relay_twin))
+    return fast_relay_class(relay_twin)(tokids_b64=True, strip_history=True)
 
 
 def small_body(chat: bool, fields: dict[str, Any]) -> bytes:

@@ -675,10 +675,10 @@ def test_kernel_decides_whether_a_generation_leg_follows(
     relay: Relay, finish_reason: Any, completion_tokens: Any, max_tokens: int | None, finished: bool
 ) -> None:
     ctx = context_response(finish_reason, usage={"completion_tokens": completion_tokens})
-    context = relay.context_kernel(ctx, max_tokens)
+    context = relay.read_context_response(ctx, max_tokens)
     assert (context.finished, context.finish_reason) == (finished, finish_reason)
     escaped = ctx.replace(b'"length"', b'"\\u006cength"')
-    assert relay.context_kernel(escaped, max_tokens).finished is finished
+    assert relay.read_context_response(escaped, max_tokens).finished is finished
 
 
 @pytest.mark.parametrize(
@@ -699,7 +699,7 @@ def test_kernel_decides_whether_a_generation_leg_follows(
     ],
 )
 def test_kernel_refuses_context_responses(relay: Relay, ctx: bytes, message: str, field: str | None) -> None:
-    assert kernel_outcome(relay.context_kernel, ctx, None) == ("RelayError", message, field, None)
+    assert kernel_outcome(relay.read_context_response, ctx, None) == ("RelayError", message, field, None)
 
 
 @pytest.mark.parametrize(
@@ -743,7 +743,7 @@ def test_kernel_refuses_context_responses(relay: Relay, ctx: bytes, message: str
 def test_kernel_refuses_client_bodies(
     relay: Relay, body: bytes, chat: bool, message: str, field: str | None
 ) -> None:
-    got = kernel_outcome(relay.client_kernel, body, chat)
+    got = kernel_outcome(relay.read_client_request, body, chat)
     assert got[0] == "RelayError" and got[1].startswith(message) and got[2] == field, got
 
 
@@ -766,29 +766,31 @@ def test_kernel_reads_the_small_fields(
     relay: Relay, fields: dict[str, Any], expected: tuple[Any, ...], ensure_ascii: bool
 ) -> None:
     body = json.dumps({"messages": [{"role": "user"}], **fields}, ensure_ascii=ensure_ascii).encode()
-    scan = relay.client_kernel(body, True)
+    scan = relay.read_client_request(body, True)
     assert (scan.stream, scan.include_usage, scan.max_tokens, scan.model) == expected
 
 
 def test_kernels_take_bytes_like_bodies_and_only_their_own_scans(relay: Relay) -> None:
-    scan = relay.client_kernel(CHAT, True)
-    context = relay.context_kernel(CTX, None)
+    scan = relay.read_client_request(CHAT, True)
+    context = relay.read_context_response(CTX, None)
     for kind in (bytearray, memoryview):
-        other = relay.client_kernel(kind(CHAT), True)
+        other = relay.read_client_request(kind(CHAT), True)
         assert type(other.body) is bytes and other == scan
-        assert relay.context_kernel(kind(CTX), None) == context
-        assert relay.strip_kernel(kind(CTX), True) == relay.strip_kernel(CTX, True)
+        assert relay.read_context_response(kind(CTX), None) == context
+        assert relay.strip_internal_fields(kind(CTX), True) == relay.strip_internal_fields(CTX, True)
     with pytest.raises(TypeError, match="body must be bytes-like, not str"):
-        relay.client_kernel("{}", True)
+        relay.read_client_request("{}", True)
     with pytest.raises(TypeError, match="client must be a ClientScan"):
-        relay.context_request_kernel(relay.context_kernel(CTX, None), 1, True)
+        relay.context_request(relay.read_context_response(CTX, None), 1, True)
     with pytest.raises(TypeError, match="context must be a ContextScan"):
-        relay.generation_request_kernel(scan, scan, True, True)
+        relay.generation_request(scan, scan, True, True)
     for bad_id in (True, 1.0, "1", None):
         with pytest.raises(TypeError, match="disagg_request_id must be an int"):
-            relay.context_request_kernel(scan, bad_id, True)
+            relay.context_request(scan, bad_id, True)
     assert (
-        scan != context and scan == scan and scan != relay.client_kernel(CHAT.replace(b'"m"', b'"n"'), True)
+        scan != context
+        and scan == scan
+        and scan != relay.read_client_request(CHAT.replace(b'"m"', b'"n"'), True)
     )
     with pytest.raises(TypeError):
         hash(scan)
@@ -811,8 +813,8 @@ def test_asked_for_base64_and_got_the_list_relays_the_list(relay: Relay, chat: b
         del ctx["prompt_token_ids_b64"]
     raw = json.dumps(ctx).encode()
     client = CHAT if chat else COMPLETION
-    scan = relay.client_kernel(client, chat)
-    kernel = relay.generation_request_kernel(scan, relay.context_kernel(raw, None), True, False)
+    scan = relay.read_client_request(client, chat)
+    kernel = relay.generation_request(scan, relay.read_context_response(raw, None), True, False)
     built = relay.build_generation_request(client, raw, tokids_b64=True, strip_history=False, chat=chat)
     assert kernel == built
     out = json.loads(kernel)
@@ -821,13 +823,13 @@ def test_asked_for_base64_and_got_the_list_relays_the_list(relay: Relay, chat: b
 
 
 def test_a_base64_string_wins_over_the_list_and_a_non_string_is_502(relay: Relay) -> None:
-    scan = relay.client_kernel(CHAT, True)
+    scan = relay.read_client_request(CHAT, True)
     both = context_response(prompt_token_ids=IDS, prompt_token_ids_b64=B64)
-    out = json.loads(relay.generation_request_kernel(scan, relay.context_kernel(both, None), True, False))
+    out = json.loads(relay.generation_request(scan, relay.read_context_response(both, None), True, False))
     assert out["prompt_token_ids_b64"] == B64 and "prompt_token_ids" not in out
     bad = context_response(prompt_token_ids=IDS, prompt_token_ids_b64=7)
     with pytest.raises(RelayError, match="no prompt_token_ids_b64 string") as info:
-        relay.generation_request_kernel(scan, relay.context_kernel(bad, None), True, False)
+        relay.generation_request(scan, relay.read_context_response(bad, None), True, False)
     assert info.value.field == "prompt_token_ids_b64"
 
 
@@ -852,8 +854,8 @@ def test_trtllm_serves_extra_params_reach_the_generation_leg_verbatim(relay: Rel
             }
         ]
     )
-    scan = relay.client_kernel(CHAT, True)
-    out = json.loads(relay.generation_request_kernel(scan, relay.context_kernel(ctx, None), True, False))
+    scan = relay.read_client_request(CHAT, True)
+    out = json.loads(relay.generation_request(scan, relay.read_context_response(ctx, None), True, False))
     params = out["disaggregated_params"]
     assert params == {
         **PARAMS,
@@ -878,7 +880,7 @@ def test_the_auth_fields_of_a_context_response(relay: Relay, params: dict[str, A
         "finish_reason": "length",
         "disaggregated_params": {"request_type": "context_only", **params},
     }
-    scan = relay.context_kernel(context_response(choices=[choice]), None)
+    scan = relay.read_context_response(context_response(choices=[choice]), None)
     assert scan.auth_fields() == expected
 
 
@@ -889,4 +891,4 @@ def test_a_repeated_auth_field_is_refused(relay: Relay) -> None:
     )
     assert ctx != CTX
     with pytest.raises(JSONSpanError, match="ctx_info_endpoint"):
-        relay.context_kernel(ctx, None)
+        relay.read_context_response(ctx, None)

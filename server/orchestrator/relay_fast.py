@@ -8,8 +8,9 @@ with one allocation. Its Python work per request is five calls and does not grow
 The protocol's rules (internal fields, the base64 list fallback) are the kernels' (fastcore.protocol
 names them); this adapter only turns their errors into HTTP ones.
 
-Each body goes through one relay kernel of the fastcore scanner (fastcore.relay.Relay's
-``*_kernel``): a refusal is a RelayError carrying the HTTP message and the 400's param; a malformed
+Each body goes through one relay kernel of ``fastcore.relay`` (``read_client_request``,
+``context_request``, ``read_context_response``, ``generation_request``,
+``strip_internal_fields``): a refusal is a RelayError carrying the HTTP message and the 400's param; a malformed
 body, the scan's JSONSpanError, which :func:`.relay_common.scan_refusal` words.
 """
 
@@ -30,18 +31,19 @@ class FastRelay:
     name = "fast"
     #: Extra header lines for both legs' requests: none, the bodies are JSON.
     leg_headers = b""
+    #: The relay kernels it runs: the active twin's. The tests choose the twin by the class (a
+    #: subclass whose ``relay`` is ``fastcore.relay.Relay(twin)``), not by an argument.
+    relay: Any = fastcore_relay
 
-    def __init__(self, *, tokids_b64: bool, strip_history: bool, relay: Any = None) -> None:
-        # The relay kernels of the active scanner twin; tests pass ``fastcore.relay.Relay(twin)``
-        # to run both.
-        self.relay = relay if relay is not None else fastcore_relay
+    def __init__(self, *, tokids_b64: bool, strip_history: bool) -> None:
         self.tokids_b64 = tokids_b64
         self.strip_history = strip_history
-        self._read_client = self.relay.client_kernel
-        self._context_request = self.relay.context_request_kernel
-        self._read_context = self.relay.context_kernel
-        self._generation_request = self.relay.generation_request_kernel
-        self._strip = self.relay.strip_kernel
+        relay = self.relay
+        self._read_client = relay.read_client_request
+        self._context_request = relay.context_request
+        self._read_context = relay.read_context_response
+        self._generation_request = relay.generation_request
+        self._strip = relay.strip_internal_fields
 
     def read_client(self, body: bytes, chat: bool) -> ClientRequest:
         try:
