@@ -36,7 +36,7 @@ from types import ModuleType
 from typing import Any
 
 from . import _relay_impl, _scan_impl, protocol
-from .errors import JSONSpanError
+from .errors import RelayError
 
 BytesLike = bytes | bytearray | memoryview
 
@@ -63,12 +63,17 @@ class Relay:
     def _client(self, client_body: Any, chat: bool | None) -> Any:
         if type(client_body) is self.ClientScan:
             return client_body
-        if chat is None:  # a guess from the body a client controls: pass the route instead
-            try:
-                chat = _scan_impl.find_span(client_body, _MESSAGES, validate=False) is not None
-            except JSONSpanError:
-                chat = False  # the kernel's validating scan says what is wrong, and where
-        return self.read_client_request(client_body, chat)
+        if chat is not None:
+            return self.read_client_request(client_body, chat)
+        # No route: a guess from the body a client controls (pass the route instead), chat when it has
+        # ``messages``. A body read as chat has them, so only a refused read looks (a second scan,
+        # which cost a third of the leg's time when it ran first on every call).
+        try:
+            return self.read_client_request(client_body, True)
+        except RelayError:
+            if _scan_impl.find_span(client_body, _MESSAGES, validate=False) is not None:
+                raise
+        return self.read_client_request(client_body, False)
 
     def build_context_request(
         self, client_body: Any, *, disagg_request_id: int, return_b64: bool, chat: bool | None = None

@@ -320,6 +320,26 @@ def test_the_route_is_read_once(relay: Relay) -> None:
     assert info.value.field == "prompt_token_ids"
 
 
+def test_without_a_route_the_body_decides_once(relay: Relay) -> None:
+    # chat=None: chat if the body has messages, as when the guess scanned first; a chat read that is
+    # refused is the answer only when messages is there.
+    def guessed(body: bytes) -> bytes:
+        return relay.build_context_request(body, disagg_request_id=1, return_b64=False)
+
+    assert guessed(CHAT) == relay.context_request(relay.read_client_request(CHAT, True), 1, False)
+    completion = b'{"prompt": [1], "prompt_token_ids": [1]}'  # an internal field on chat only
+    assert guessed(completion) == relay.context_request(
+        relay.read_client_request(completion, False), 1, False
+    )
+    for body, field in ((b'{"messages": [], "prompt": "x"}', "messages"), (b'{"messages": 1}', "messages")):
+        with pytest.raises(RelayError) as info:
+            guessed(body)
+        assert info.value.field == field
+    with pytest.raises(RelayError) as info:
+        guessed(b'{"max_tokens": 1}')  # neither: the completions read says what is missing
+    assert info.value.field == "prompt"
+
+
 def test_completions_may_carry_prompt_token_ids(relay: Relay) -> None:
     body = b'{"prompt": [1, 2], "prompt_token_ids": [1, 2]}'
     relay.read_client_request(body, False)
