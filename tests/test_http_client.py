@@ -939,16 +939,19 @@ async def test_pools_may_share_one_deadline_sweeper() -> None:
         assert c.deadlines is not deadlines  # a pool given none makes its own
 
 
-async def test_request_options_positional_as_before() -> None:
-    """``timeout, read_timeout, max_body, headers_timeout`` after the headers, positionally (the
-    orchestrator's callers still pass them so): the same as the keywords."""
-    body = b"x" * 5000
-    async with Upstream(answering(lambda req: ok(body))) as up, pool_for(up) as pool:
-        resp = await pool.request(b"POST", b"/", [b"q"], b"", 5.0, None, 5000)
-        assert resp.complete and await resp.read() == body
+async def test_request_options_are_keyword_only() -> None:
+    """Everything after the body goes by keyword (issue 24: seven positional arguments, one
+    misplaced value from a wrong deadline or body bound): a positional option or headers line is a
+    TypeError before anything is sent; by keyword, the same request goes."""
+    async with Upstream(answering(lambda req: ok(b"x" * 5000))) as up, pool_for(up) as pool:
+        with pytest.raises(TypeError):
+            await pool.request(b"POST", b"/", [b"q"], b"", 5.0, None, 5000)  # type: ignore[misc]
+        with pytest.raises(TypeError):
+            await pool.request(b"POST", b"/", [b"q"], b"X-Extra: 1\r\n")  # type: ignore[misc]
+        assert not pool.open and up.requests == []  # nothing was sent
+        resp = await pool.request(
+            b"POST", b"/", [b"q"], headers=b"X-Extra: 1\r\n", timeout=5.0, max_body=5000
+        )
+        assert resp.complete and await resp.read() == b"x" * 5000
         resp.release()
-        with pytest.raises(UpstreamError, match="exceeds 4999"):
-            await pool.request(b"POST", b"/", [b"q"], b"", 5.0, None, 4999)
-    async with Upstream(_silent) as up, pool_for(up) as pool:
-        with pytest.raises(UpstreamTimeout):
-            await pool.request(b"GET", b"/", (), b"", None, None, 0, 0.2)  # headers_timeout
+        assert up.requests[0][1][b"x-extra"] == b"1"

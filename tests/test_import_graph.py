@@ -20,11 +20,7 @@ PACKAGES = ("fastcore", "server", "bench")
 
 #: circles left in files being edited by others, each with the issue that removes it. The test
 #: fails on any other circle, and on one of these once it is gone (then remove it here).
-KNOWN_CIRCLES = {
-    # issue 24: routing.py borrows pools.Worker for its annotations (a Protocol of what a router
-    # reads of a worker, in routing.py, removes it; routing.py was being edited meanwhile).
-    frozenset({"server.orchestrator.pools", "server.orchestrator.routing"}),
-}
+KNOWN_CIRCLES: set[frozenset[str]] = set()
 
 
 def modules(root: Path, packages: Iterable[str]) -> dict[str, Path]:

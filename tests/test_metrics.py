@@ -32,8 +32,9 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from bench.metrics_cost import OldRegistry
 from server import metrics
 from server.metrics import CONTENT_TYPE, MULTIPROC_ENV, Registry, SharedMetricsDir
-from server.orchestrator.app import Orchestrator, _Metrics
+from server.orchestrator.app import Orchestrator
 from server.orchestrator.config import build_config
+from server.orchestrator.metrics import OrchestratorMetrics
 from server.worker.app import WorkerSettings, start_worker
 from server.worker.synthetic import SyntheticEngine
 
@@ -125,7 +126,7 @@ def test_the_page_has_the_series_the_hand_written_registry_had():
     assert CONTENT_TYPE == "text/plain; version=0.0.4; charset=utf-8"
 
 
-def exercise(m: _Metrics, orchestrator: Orchestrator) -> None:
+def exercise(m: OrchestratorMetrics, orchestrator: Orchestrator) -> None:
     orchestrator.in_flight = 3
     m.count_request("chat", 200)
     m.count_request("completions", 502)
@@ -156,7 +157,7 @@ def test_the_orchestrators_page_is_the_one_it_had():
     orchestrator = Orchestrator(orchestrator_config())
     orchestrator.context_pool.workers[0].in_flight = 2  # set from the pools at each scrape
     old_registry = OldRegistry()
-    old = _Metrics(old_registry, orchestrator)
+    old = OrchestratorMetrics(old_registry, orchestrator)
     exercise(old, orchestrator)
     exercise(orchestrator.metrics, orchestrator)
     old_page = parse(old_registry.render().decode())

@@ -461,15 +461,6 @@ class Deadlines:
             self.handle = loop.call_later(self.TICK_S, self.tick, loop)
 
 
-def _legacy(
-    timeout: float | None = None,
-    read_timeout: float | None = None,
-    max_body: int = 0,
-    headers_timeout: float | None = None,
-) -> tuple[float | None, float | None, int, float | None]:
-    return timeout, read_timeout, max_body, headers_timeout
-
-
 class UpstreamPool:
     """Keep-alive connections to the worker at ``url`` (``http://host:port[/prefix]``)."""
 
@@ -535,8 +526,8 @@ class UpstreamPool:
         method: bytes,
         path: bytes,
         pieces: Sequence[BodyPiece] = (),
+        *,
         headers: bytes = b"",
-        *positional: float | int | None,
         timeout: float | None = None,
         read_timeout: float | None = None,
         max_body: int = 0,
@@ -551,15 +542,9 @@ class UpstreamPool:
         (when there is no ``timeout``): the first byte's deadline. Raises
         :class:`UpstreamError` (``sent`` says whether the worker may have seen
         the request) or :class:`UpstreamTimeout`. The caller must
-        :meth:`~UpstreamResponse.release` the response.
-
-        ``positional``: ``timeout, read_timeout, max_body, headers_timeout`` in
-        that order, the old signature, still passed so by
-        server/orchestrator/app.py and cache_view.py (issue 24: to go once they
-        pass keywords).
+        :meth:`~UpstreamResponse.release` the response. Everything after the
+        body is by keyword.
         """
-        if positional:
-            timeout, read_timeout, max_body, headers_timeout = _legacy(*positional)  # type: ignore[arg-type]
         length = 0
         for piece in pieces:
             length += len(piece)

@@ -26,17 +26,19 @@ import logging
 import random
 import re
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
 import fastcore
 from fastcore import protocol as wire
-from server.auth import SIGNATURE_HEADER, TRTLLM_AUTH_HEADER, sign_body, sign_pieces, trtllm_disagg_auth
-from server.errors import HTTPError, check_not_empty, error_body, normalise_error_body
+from server.auth import SIGNATURE_HEADER, TRTLLM_AUTH_HEADER, sign_body, trtllm_disagg_auth
+from server.errors import HTTPError, check_not_empty, error_body
 from server.http import (
     BodyPiece,
+    Deadlines,
     HTTPServer,
     Limits,
     Request,
@@ -57,6 +59,17 @@ if TYPE_CHECKING:
 from .admission import Admission
 from .cache_view import CacheView
 from .estimates import UsageLearner
+from .legs import (
+    MAX_ERROR_BODY,
+    MAX_WORKER_BODY,
+    Leg,
+    LegRunner,
+    LegUnavailable,
+    WorkerAnswer,
+    leg_failed,
+    leg_timed_out,
+)
+from .metrics import CPU_SAMPLE_EVERY, NO_CLOCK, Clock, CpuClock, OrchestratorMetrics
 from .pools import HealthChecker, Pool, Worker
 from .relay_modes import ClientRequest, ContextResult, answer_as_sse, make_relay
 from .routing import (
@@ -67,7 +80,6 @@ from .routing import (
     conversation_to_params,
     request_key,
 )
-from .routing_metrics import bytes_per_token, routing_quality
 from .tenants import (
     ANONYMOUS,
     UNAUTHORIZED_BODY,
@@ -84,304 +96,22 @@ COMPLETIONS_PATH = wire.COMPLETIONS_PATH
 LISTEN_BACKLOG = 4096
 # Per-connection read buffer of the aiohttp pass-through floor (bench/passthrough.py).
 READ_BUFSIZE = 1 << 22
-# A worker's error body is relayed, but not an unbounded one.
-MAX_ERROR_BODY = 64 * 1024
-# A worker's whole answer (a context response carries every prompt id): bounded too.
-MAX_WORKER_BODY = 256 * 1024 * 1024
 _TRTLLM_AUTH = TRTLLM_AUTH_HEADER.encode()
 _KV_ENDPOINT_PATH = (("choices", 0, wire.DISAGGREGATED_PARAMS, wire.CTX_INFO_ENDPOINT),)
 #: a fastcore context worker's KV endpoint, at the end of ctx_info_endpoint
 _KV_PATH = re.compile(re.escape(wire.KV_PATH_PREFIX) + wire.KV_ID_PATTERN + r"\Z")
 KV_RELEASE_TIMEOUT_S = 5.0
-# The per-phase CPU clock (a thread_time() syscall per phase) runs on one
-# request in this many; every request is still counted everywhere else.
-CPU_SAMPLE_EVERY = 8
 
 _JSON = b"application/json"
 _SSE = b"text/event-stream"
 _SSE_EXTRA = b"Cache-Control: no-cache\r\n"
 _POST = b"POST"
+_SIGNATURE = SIGNATURE_HEADER.encode()
 _CHAT, _COMPLETIONS = CHAT_PATH.encode(), COMPLETIONS_PATH.encode()
 _ROUTES = {_CHAT: True, _COMPLETIONS: False}
 _GET_ROUTES = (b"/health", b"/metrics", b"/v1/models")
-_PHASES = ("validate", "build_context", "read_context", "build_generation", "relay", "total")
-
-
-#: a context worker's statuses that say "not me, not now" (full, draining, rate-limited): the leg
-#: is retried on another worker, then falls back; any other 4xx is the client's answer
-REFUSED_STATUSES = frozenset((429, 503))
-#: the code of a worker's 403 for a leg signed for another instance of it (server/worker/app.py)
-_MISDIRECTED = b'"wrong_destination"'
-#: why a request fell back to local prefill (``fastcore_orchestrator_context_fallbacks_total``)
-FALLBACK_REASONS = ("no_worker", "circuit_open", "refused", "failed", "timeout")
 #: seconds a shutdown waits for its last KV releases to reach the context workers
 STOP_RELEASES_S = 1.0
-
-
-class ContextUnavailable(Exception):
-    """No context worker took the request: ``reason`` (one of FALLBACK_REASONS) and ``error``, the
-    answer the client gets when it does not fall back to local prefill."""
-
-    def __init__(self, reason: str, error: HTTPError | WorkerAnswer) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.error = error
-
-
-class WorkerAnswer(Exception):
-    """A worker's own error response, to be relayed to the client as it is."""
-
-    def __init__(self, status: int, body: bytes, content_type: bytes, headers: bytes) -> None:
-        super().__init__(status)
-        self.status = status
-        self.body = body
-        self.content_type = content_type
-        self.headers = headers
-
-
-class _Metrics:
-    def __init__(self, registry: Registry, orchestrator: Orchestrator) -> None:
-        self.requests = registry.counter(
-            "fastcore_orchestrator_requests_total",
-            "Client requests by route and HTTP status.",
-            ("route", "status"),
-        )
-        self.in_flight = registry.gauge(
-            "fastcore_orchestrator_requests_in_flight",
-            "Client requests being served.",
-            callback=lambda: orchestrator.in_flight,
-        )
-        self.retries = registry.counter(
-            "fastcore_orchestrator_retries_total", "Legs retried on another worker.", ("leg",)
-        )
-        self.kv_released = registry.counter(
-            "fastcore_orchestrator_kv_released_total",
-            "Context legs' parked KV released (DELETE) after their generation leg was given up, by answer "
-            "(404: the generation worker had fetched it already).",
-            ("status",),
-        )
-        # With --workers N, each process checks health on its own: 1 while every process sees it pass.
-        self.worker_healthy = registry.gauge(
-            "fastcore_orchestrator_worker_healthy",
-            "1 while a worker passes /health.",
-            ("pool", "url"),
-            multiprocess_mode="livemin",
-        )
-        self.worker_in_flight = registry.gauge(
-            "fastcore_orchestrator_worker_in_flight", "Requests in flight per worker.", ("pool", "url")
-        )
-
-        def worker_in_flight() -> None:
-            for pool in orchestrator.pools:
-                for worker in pool.workers:
-                    self.worker_in_flight.set(worker.in_flight, pool=pool.name, url=worker.url)
-
-        registry.before_collect(worker_in_flight)
-        discovery = orchestrator.discovery
-        if discovery is not None:
-            registry.gauge(
-                "fastcore_orchestrator_cluster_connected",
-                "1 while the cluster registry (disagg_cluster) is reachable; 0: serving the last known workers.",
-                callback=lambda: 1.0 if discovery.connected else 0.0,
-                multiprocess_mode="livemin",  # 0 when any process of --workers N has lost it
-            )
-            registry.counter(
-                "fastcore_orchestrator_cluster_resyncs_total",
-                "Full reads of the cluster registry after the first (one per reconnection).",
-                callback=lambda: discovery.resyncs,
-            )
-            # Every process of --workers N discovers the same set: the scrape says it once.
-            self.cluster_workers = registry.gauge(
-                "fastcore_orchestrator_cluster_workers", "Workers discovered through the cluster, per pool.",
-                ("pool",), multiprocess_mode="livemax",
-            )  # fmt: skip
-            registry.gauge(
-                "fastcore_orchestrator_cluster_refused_workers",
-                "Registered workers refused now (another model, an unknown role).",
-                callback=lambda: len(discovery.refused),
-                multiprocess_mode="livemax",
-            )
-
-            def cluster_workers() -> None:
-                for name in discovery.pools:
-                    self.cluster_workers.set(discovery.count(name), pool=name)
-
-            registry.before_collect(cluster_workers)
-        self.by_path = registry.counter(
-            "fastcore_orchestrator_requests_by_path_total",
-            "Completions by path: disaggregated (context leg, then generation leg) or local_prefill "
-            "(conditional_disagg_config: the generation worker prefilled the request itself).",
-            ("path",),
-        )
-        self.path_disaggregated = self.by_path.labels(path="disaggregated")
-        self.path_local = self.by_path.labels(path="local_prefill")
-        self.path_fallback = self.by_path.labels(path="context_fallback")
-        fallbacks = registry.counter(
-            "fastcore_orchestrator_context_fallbacks_total",
-            "Requests served whole by a local_prefill generation worker because no context worker took "
-            "them (context_fallback), by reason: no_worker (none healthy), circuit_open (every healthy "
-            "one's breaker open), refused (429/503 from each tried), failed (connection or 5xx), timeout "
-            "(context_timeout_s).",
-            ("reason",),
-        )
-        self.fallbacks = {reason: fallbacks.labels(reason=reason) for reason in FALLBACK_REASONS}
-        for child in self.fallbacks.values():
-            child.inc(0)
-        self.breaker_opened = registry.counter(
-            "fastcore_orchestrator_circuit_opened_total",
-            "Worker circuit breakers opened (failed legs in a row, a timed-out leg, a failed probe).",
-            ("pool",),
-        )
-        for pool in orchestrator.pools:
-            self.breaker_opened.inc(0, pool=pool.name)
-        self.breaker_state = registry.gauge(
-            "fastcore_orchestrator_worker_circuit_state",
-            "A worker's circuit breaker: 0 closed, 1 half-open (one probe leg), 2 open (no legs).",
-            ("pool", "url"),
-            multiprocess_mode="livemax",
-        )
-
-        def breaker_states() -> None:
-            for pool in orchestrator.pools:
-                for worker in pool.workers:
-                    breaker = worker.breaker
-                    breaker.allows(time.monotonic())  # an open one past its time reads half-open
-                    self.breaker_state.set(breaker.state, pool=pool.name, url=worker.url)
-
-        registry.before_collect(breaker_states)
-        kv_pools = [p for p in orchestrator.pools if isinstance(p.router, KvCacheAwareRouter)]
-        if kv_pools:
-            hits = registry.counter(
-                "fastcore_orchestrator_prefix_hit_chunks_total",
-                "kv_cache_aware routing: prompt chunks expected to be cached on the chosen worker, per pool.",
-                ("pool",),
-            )
-            routed = registry.counter(
-                "fastcore_orchestrator_prefix_chunks_total",
-                "kv_cache_aware routing: prompt chunks routed (hit or not), per pool.",
-                ("pool",),
-            )
-            seen: dict[str, tuple[int, int]] = {p.name: (0, 0) for p in kv_pools}
-            for pool in kv_pools:
-                hits.inc(0, pool=pool.name)
-                routed.inc(0, pool=pool.name)
-
-            def prefix_counts() -> None:
-                for pool in kv_pools:
-                    router = pool.router
-                    assert isinstance(router, KvCacheAwareRouter)
-                    hit0, all0 = seen[pool.name]
-                    hits.inc(router.hit_chunks - hit0, pool=pool.name)
-                    routed.inc(router.routed_chunks - all0, pool=pool.name)
-                    seen[pool.name] = (router.hit_chunks, router.routed_chunks)
-
-            registry.before_collect(prefix_counts)
-            routing_quality(registry, kv_pools)
-        bytes_per_token(registry, orchestrator.pools)
-        self.cpu = registry.histogram(
-            "fastcore_orchestrator_cpu_seconds",
-            "The orchestrator's own CPU time per request on the event loop, by phase "
-            f"(thread CPU clock, sampled: one request in {CPU_SAMPLE_EVERY}).",
-            ("phase",),
-        )
-        self.context_leg = registry.histogram(
-            "fastcore_orchestrator_context_leg_seconds", "Context request sent -> context response read."
-        ).labels()
-        self.handoff = registry.histogram(
-            "fastcore_orchestrator_handoff_seconds",
-            "Context response read -> generation request handed to its connection.",
-        ).labels()
-        self.generation_ttfb = registry.histogram(
-            "fastcore_orchestrator_generation_ttfb_seconds",
-            "Generation request handed over -> first byte of the generation response (its headers).",
-        ).labels()
-        self.finished_by_context = registry.counter(
-            "fastcore_orchestrator_finished_by_context_total", "Requests answered by the context leg alone."
-        ).labels()
-
-        def server_stat(read: Callable[[HTTPServer], float]) -> Callable[[], float]:
-            return lambda: read(orchestrator.server) if orchestrator.server is not None else 0
-
-        registry.gauge(
-            "fastcore_orchestrator_client_connections",
-            "Open client connections.",
-            callback=server_stat(lambda s: len(s.connections)),
-        )
-        registry.counter(
-            "fastcore_orchestrator_connections_refused_total",
-            "Client connections refused at the connection cap (503).",
-            callback=server_stat(lambda s: s.refused),
-        )
-        registry.counter(
-            "fastcore_orchestrator_http_framing_errors_total",
-            "Client requests refused before routing: malformed HTTP, limits on headers or body, timeouts.",
-            callback=server_stat(lambda s: s.framing_errors),
-        )
-        registry.gauge(
-            "fastcore_orchestrator_client_body_bytes",
-            "Client request body bytes held now (received, not yet answered).",
-            callback=server_stat(lambda s: s.body_bytes),
-        )
-        registry.counter(
-            "fastcore_orchestrator_body_budget_refused_total",
-            "Client requests refused (503) because the process held too many body bytes.",
-            callback=server_stat(lambda s: s.over_budget),
-        )
-        self.cpu_phase = {phase: self.cpu.labels(phase=phase) for phase in _PHASES}
-        self.retries_leg = {leg: self.retries.labels(leg=leg) for leg in ("context", "generation")}
-        self._requests: dict[tuple[str, int], Any] = {}
-
-    def count_request(self, route: str, status: int) -> None:
-        child = self._requests.get((route, status))
-        if child is None:
-            child = self._requests[(route, status)] = self.requests.labels(route=route, status=str(status))
-        child.inc()
-
-
-class _CpuClock:
-    """Thread CPU time of the orchestrator's synchronous work, by phase.
-
-    Only code between awaits is measured, so other requests' work on the same
-    loop is never counted against this one.
-    """
-
-    __slots__ = ("last", "phases", "total")
-
-    def __init__(self, phases: dict[str, Any]) -> None:
-        self.phases = phases
-        self.total = 0.0
-        self.last = time.thread_time()
-
-    def start(self) -> None:
-        self.last = time.thread_time()
-
-    def lap(self, phase: str) -> None:
-        now = time.thread_time()
-        spent = now - self.last
-        self.total += spent
-        self.phases[phase].observe(spent)
-        self.last = now
-
-    def finish(self) -> None:
-        self.phases["total"].observe(self.total)
-
-
-class _NoClock:
-    """The clock of the requests not sampled."""
-
-    __slots__ = ()
-
-    def start(self) -> None:
-        pass
-
-    def lap(self, phase: str) -> None:
-        pass
-
-    def finish(self) -> None:
-        pass
-
-
-_NO_CLOCK = _NoClock()
 
 
 class Orchestrator:
@@ -440,7 +170,7 @@ class Orchestrator:
         self.draining = False
         self.server: HTTPServer | None = None
         self.registry = Registry()
-        self.metrics = _Metrics(self.registry, self)
+        self.metrics = OrchestratorMetrics(self.registry, self)
         #: client API keys and the admission queue (tenants.py, admission.py): None when not configured
         self.keys = keys_from_config(config, self.registry)
         self.admission = (Admission(config.admission, self.registry, config.retry_after_s,
@@ -462,8 +192,19 @@ class Orchestrator:
             retry_after_s=config.retry_after_s,
         )
         # Worker URL -> its keep-alive connections, made on first use (a
-        # worker's URL may change while it is in a pool).
+        # worker's URL may change while it is in a pool); one deadline sweeper for them all.
         self.upstreams: dict[str, UpstreamPool] = {}
+        self.deadlines = Deadlines()
+        #: both legs' one loop (legs.py): choose, send, classify, retry, breakers
+        self.legs = LegRunner(
+            max_retries=config.max_retries,
+            metrics=self.metrics,
+            upstream=self._upstream,
+            secret=self.secret,
+            mark_failed=self._mark_failed,
+            release_lost_kv=self._release_lost_kv_soon,
+            unavailable=self._unavailable,
+        )
         self.session: aiohttp.ClientSession | None = None
         self.health: HealthChecker | None = None
         self.cache_view: CacheView | None = None
@@ -545,9 +286,7 @@ class Orchestrator:
         """A discovered worker is gone from the cluster: no series of it stays; its connections
         close once no other pool still has it."""
         worker.healthy = False
-        self.metrics.worker_healthy.remove(pool=pool.name, url=worker.url)
-        self.metrics.worker_in_flight.remove(pool=pool.name, url=worker.url)
-        self.metrics.breaker_state.remove(pool=pool.name, url=worker.url)
+        self.metrics.forget_worker(pool.name, worker.url)
         if not any(w.url == worker.url for p in self.pools for w in p.workers):
             upstream = self.upstreams.pop(worker.url, None)
             if upstream is not None:
@@ -561,6 +300,7 @@ class Orchestrator:
             worker.url,
             connect_timeout_s=self.config.connect_timeout_s,
             extra_headers=b"Content-Type: application/json\r\n",
+            deadlines=self.deadlines,
         )
         return upstream
 
@@ -727,11 +467,11 @@ class Orchestrator:
             if trace is not None:
                 trace.end(status)
 
-    def _clock(self) -> _CpuClock | _NoClock:
+    def _clock(self) -> Clock:
         self._requests += 1
         if self._requests % CPU_SAMPLE_EVERY:
-            return _NO_CLOCK
-        return _CpuClock(self.metrics.cpu_phase)
+            return NO_CLOCK
+        return CpuClock(self.metrics.cpu_phase)
 
     async def _run_legs(
         self, body: bytes, out: Responder, chat: bool, conversation: bytes | None = None
@@ -762,10 +502,8 @@ class Orchestrator:
             if generation_worker is not None and self._prefill_locally(generation_worker, key):
                 clock.lap("build_context")
                 self.metrics.path_local.inc()
-                return await self._generation_leg(
-                    out, req, path, body, time.perf_counter(), clock, b"", key, generation_worker, local=True,
-                    tokens=tokens,
-                )  # fmt: skip
+                return await self._generation_leg(out, req, path, body, clock, key=key, tokens=tokens,
+                                                  first=generation_worker, local=True)  # fmt: skip
         # Random, not a counter: unique across orchestrator processes and hosts
         # without shared state; from [2^40, 2^63), as trtllm-serve keeps the
         # ids below 2^40 for the ones it makes itself.
@@ -777,12 +515,15 @@ class Orchestrator:
         clock.lap("build_context")
 
         started = time.perf_counter()
+        unavailable: LegUnavailable | None = None
         try:
             context_response, context_worker = await self._context_leg(
                 path, context_body, self._context_timeout(len(body)), disagg_id, key, tokens
             )
-        except ContextUnavailable as exc:
-            return await self._fall_back(exc, out, req, path, body, clock, key, tokens)
+        except LegUnavailable as exc:
+            unavailable = exc  # served outside this handler: the client's error carries no context
+        if unavailable is not None:
+            return await self._fall_back(unavailable, out, req, path, body, clock, key, tokens)
         context_done = time.perf_counter()
         self.metrics.context_leg.observe(context_done - started)
         self.metrics.path_disaggregated.inc()
@@ -811,17 +552,9 @@ class Orchestrator:
         auth = self._trtllm_auth(ctx) if self.trtllm_key is not None else b""
         try:
             return await self._generation_leg(
-                out,
-                req,
-                path,
-                generation_body,
-                context_done,
-                clock,
-                auth,
-                key,
-                generation_worker,
-                tokens=tokens,
-            )
+                out, req, path, generation_body, clock, key=key, tokens=tokens, first=generation_worker,
+                extra_headers=auth, context_done=context_done,
+            )  # fmt: skip
         except BaseException:
             # The client left or the leg failed: the context worker may still
             # hold the prompt's KV for a fetch that will never come.
@@ -848,12 +581,12 @@ class Orchestrator:
 
     async def _fall_back(
         self,
-        exc: ContextUnavailable,
+        exc: LegUnavailable,
         out: Responder,
         req: ClientRequest,
         path: bytes,
         body: bytes,
-        clock: _CpuClock | _NoClock,
+        clock: Clock,
         key: RequestKey | None,
         tokens: int,
     ) -> int:
@@ -866,9 +599,7 @@ class Orchestrator:
         self.metrics.fallbacks[exc.reason].inc()
         self.metrics.path_fallback.inc()
         clock.start()
-        return await self._generation_leg(
-            out, req, path, body, time.perf_counter(), clock, b"", key, None, local=True, tokens=tokens
-        )
+        return await self._generation_leg(out, req, path, body, clock, key=key, tokens=tokens, local=True)
 
     def _prefill_locally(self, worker: Worker, key: RequestKey | None) -> bool:
         """Whether ``worker`` (chosen by the generation pool's kv_cache_aware router, which set
@@ -877,7 +608,9 @@ class Orchestrator:
         pool's learned bytes per token) is at most ``max_local_prefill_length`` tokens."""
         if not worker.local_prefill or key is None or self.max_local_prefill is None:
             return False
-        if key.hit_chunks == 0 and self.require_prefix_hit:  # trtllm-serve's rule: a cold prompt disaggregates
+        if (
+            key.hit_chunks == 0 and self.require_prefix_hit
+        ):  # trtllm-serve's rule: a cold prompt disaggregates
             return False
         router = self.generation_pool.router
         assert isinstance(router, KvCacheAwareRouter)
@@ -917,7 +650,9 @@ class Orchestrator:
     def _release_lost_kv_soon(self, worker: Worker, disagg_id: int) -> None:
         """``DELETE /kv/by-request/<disagg_id>`` on the context worker whose answer was lost (best
         effort: a fastcore worker frees what it parked for the leg; 404 when it parked nothing)."""
-        self._in_background(self._release_kv(worker, b"%s%d" % (wire.KV_BY_REQUEST_PREFIX.encode(), disagg_id)))
+        self._in_background(
+            self._release_kv(worker, b"%s%d" % (wire.KV_BY_REQUEST_PREFIX.encode(), disagg_id))
+        )
 
     def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
@@ -928,10 +663,10 @@ class Orchestrator:
         headers = b""
         if self.secret is not None:
             signature = sign_body(self.secret, b"DELETE " + path, destination=worker.instance)
-            headers = b"%s: %s\r\n" % (SIGNATURE_HEADER.encode(), signature.encode())
+            headers = b"%s: %s\r\n" % (_SIGNATURE, signature.encode())
         try:
             resp = await self._upstream(worker).request(
-                b"DELETE", path, (), headers, KV_RELEASE_TIMEOUT_S, None, 1 << 16
+                b"DELETE", path, headers=headers, timeout=KV_RELEASE_TIMEOUT_S, max_body=1 << 16
             )
             resp.release()
             self.metrics.kv_released.labels(status=str(resp.status)).inc()
@@ -943,71 +678,9 @@ class Orchestrator:
             503, message, code="no_healthy_worker", headers={"Retry-After": str(self.config.retry_after_s)}
         )
 
-    def _headers(self, pieces: Sequence[BodyPiece], worker: Worker) -> bytes:
-        """A leg's headers, signed for ``worker`` when there is a secret (bound to its instance id:
-        a leg replayed to another worker is refused there)."""
-        if self.secret is None:
-            return self.relay.leg_headers
-        return self.relay.leg_headers + self._signature(pieces, worker)
-
-    def _plain_headers(self, pieces: Sequence[BodyPiece], worker: Worker) -> bytes:
-        """Headers of a plain JSON request (no relay-mode flags), signed when there is a secret."""
-        return b"" if self.secret is None else self._signature(pieces, worker)
-
-    def _signature(self, pieces: Sequence[BodyPiece], worker: Worker) -> bytes:
-        assert self.secret is not None
-        # worker.instance: from its last /health (a fastcore worker says it; None: another server).
-        signature = sign_pieces(self.secret, pieces, destination=worker.instance)
-        return b"%s: %s\r\n" % (SIGNATURE_HEADER.encode(), signature.encode())
-
     def _mark_failed(self, pool: Pool, worker: Worker) -> None:
         assert self.health is not None
         self.health.mark_unhealthy(pool, worker)
-
-    async def _worker_failure(
-        self, leg: str, worker: Worker, resp: UpstreamResponse
-    ) -> HTTPError | WorkerAnswer:
-        """The error to give the client for a worker's non-200 answer (read, bounded).
-
-        4xx is the client's problem and a full worker's 503 carries its
-        Retry-After: both reach the client with the worker's status and message. Any other
-        5xx is a 502 that names the leg and the status; the worker's address
-        and its body stay in this process's log.
-        """
-        try:
-            body = await resp.read(MAX_ERROR_BODY)
-        except UpstreamError as exc:
-            log.warning("%s worker %s answered %d, then failed: %s", leg, worker.url, resp.status, exc)
-            return leg_failed(leg, f"its worker answered {resp.status}, then failed")
-        if resp.status < 500 or resp.status == 503:
-            extra = b"Retry-After: %s\r\n" % resp.retry_after if resp.retry_after else b""
-            # In our OpenAI shape whatever the worker's (trtllm-serve has three of its own).
-            return WorkerAnswer(resp.status, normalise_error_body(resp.status, body), _JSON, extra)
-        log.warning(
-            "%s worker %s answered %d: %s",
-            leg,
-            worker.url,
-            resp.status,
-            body[:500].decode("utf-8", "replace"),
-        )
-        return leg_failed(leg, f"its worker answered {resp.status}")
-
-    def _misdirected(self, pool: Pool, worker: Worker, failure: HTTPError | WorkerAnswer) -> bool:
-        """Whether ``worker`` refused a leg as signed for another instance: it restarted since its
-        last /health (its new id is not known yet). It leaves the pool until the health check reads
-        the new id, and the leg goes to another worker: the client never sees that 403."""
-        if not (isinstance(failure, WorkerAnswer) and failure.status == 403 and _MISDIRECTED in failure.body):
-            return False
-        log.info("%s worker %s refused a leg signed for its instance %s: restarted", pool.name, worker.url,
-                 worker.instance)  # fmt: skip
-        self._mark_failed(pool, worker)
-        return True
-
-    def _breaker_failed(self, pool: Pool, worker: Worker, *, at_once: bool = False) -> None:
-        if worker.breaker.failed(at_once=at_once):
-            log.warning("%s worker %s: circuit breaker open (no new legs for %g s)", pool.name, worker.url,
-                        worker.breaker.open_for)  # fmt: skip
-            self.metrics.breaker_opened.inc(pool=pool.name)
 
     async def _context_leg(
         self,
@@ -1018,102 +691,13 @@ class Orchestrator:
         key: RequestKey | None = None,
         tokens: int = 0,
     ) -> tuple[bytes, Worker]:
-        """Leg (1): the context answer and the worker that gave it.
-
-        A refusal (429, 503) or a dead connection is retried on another worker; a
-        4xx is the client's answer (raised as the worker's); otherwise, when no
-        context worker took the request (none routable, each refused or failed,
-        a 5xx, ``timeout`` ran out), :class:`ContextUnavailable` says why. A 5xx
-        and a timed-out POST are not sent to another context worker (the body may
-        be the cause; the POST may still run there). A leg whose answer was lost
-        (cut mid-body, timed out) may have parked KV whose id never arrived: it is
-        released by ``disagg_id``.
-        """
-        tried: list[Worker] = []
-        failure: HTTPError | WorkerAnswer | None = None
-        reason = "failed"
-        # A body built as pieces (views into the bodies it was spliced from)
-        # goes out in one vectored write, never joined.
-        pieces: Sequence[BodyPiece] = (body,) if isinstance(body, bytes) else body
-        pool = self.context_pool
-        trace = current_trace()
-        for attempt in range(self.config.max_retries + 1):
-            routed = trace.now() if trace is not None else 0
-            worker = pool.choose(exclude=tried, key=key)
-            if worker is None:
-                break
-            if attempt:
-                self.metrics.retries_leg["context"].inc()
-            tried.append(worker)
-            worker.in_flight += 1
-            worker.in_flight_tokens += tokens
-            worker.breaker.chosen()
-            leg = None
-            try:
-                upstream = self.upstreams.get(worker.url) or self._new_upstream(worker)
-                headers = self._headers(pieces, worker)
-                if trace is not None:  # the leg's span; its traceparent goes with the leg
-                    leg = trace.start_leg("context", pool, worker, key, routed, attempt)
-                    headers += leg.header
-                resp = await upstream.request(_POST, path, pieces, headers, timeout, None, MAX_WORKER_BODY)
-                if leg is not None:
-                    leg.answered(resp.status, resp)
-                try:
-                    if resp.status == 200:
-                        data = await resp.read()
-                        worker.served += 1
-                        worker.breaker.succeeded()
-                        return data, worker
-                    failure = await self._worker_failure("context", worker, resp)
-                    if self._misdirected(pool, worker, failure):
-                        failure = self._unavailable("no healthy context worker")
-                        reason = "refused"
-                        continue
-                    if resp.status in REFUSED_STATUSES:
-                        reason = "refused"
-                        continue
-                    if resp.status < 500:
-                        raise failure  # the client's answer: another worker would give the same
-                    self._breaker_failed(pool, worker)
-                    raise ContextUnavailable("failed", failure)
-                finally:
-                    resp.release()
-            except UpstreamError as exc:
-                self._mark_failed(pool, worker)
-                self._breaker_failed(pool, worker)
-                if exc.sent:
-                    self._release_lost_kv_soon(worker, disagg_id)
-                log.warning("context worker %s failed: %s", worker.url, exc)
-                failure = leg_failed("context", "its worker did not answer")
-                if leg is not None:
-                    leg.fail(exc)
-                reason = "failed"
-            except UpstreamTimeout:
-                # The connection is closed (the worker sees the cancel when it can) and not
-                # retried elsewhere: the deadline is spent.
-                self._breaker_failed(pool, worker, at_once=True)
-                self._release_lost_kv_soon(worker, disagg_id)
-                log.warning("context worker %s: no answer in %g s", worker.url, timeout)
-                if leg is not None:
-                    leg.fail(f"no answer in {timeout:g} s")
-                raise ContextUnavailable("timeout", leg_timed_out("context", timeout)) from None
-            except asyncio.CancelledError:
-                # The client left (or a drain ran out): the leg's connection is reset, but its
-                # answer may be in flight already, the KV parked behind an id never read.
-                self._release_lost_kv_soon(worker, disagg_id)
-                if leg is not None:
-                    leg.fail("cancelled")
-                raise
-            finally:
-                worker.in_flight -= 1
-                worker.in_flight_tokens -= tokens
-                worker.breaker.ended()
-                if leg is not None:
-                    leg.end()
-        if failure is None:
-            reason = "circuit_open" if pool.all_open() else "no_worker"
-            raise ContextUnavailable(reason, self._unavailable("no healthy context worker"))
-        raise ContextUnavailable(reason, failure)
+        """Leg (1): the context answer and the worker that gave it (legs.py: a refusal or a dead
+        connection goes to another worker, a 4xx is the client's answer); :class:`LegUnavailable`
+        when no context worker took it. A leg whose answer was lost (cut, timed out, the client
+        left) may have parked KV whose id never arrived: it is released by ``disagg_id``."""
+        leg = Leg("context", self.context_pool, path, body, headers=self.relay.leg_headers, timeout=timeout,
+                  key=key, tokens=tokens, disagg_id=disagg_id)  # fmt: skip
+        return await self.legs.run(leg, _read_answer)
 
     async def _generation_leg(
         self,
@@ -1121,129 +705,50 @@ class Orchestrator:
         req: ClientRequest,
         path: bytes,
         body: bytes | Sequence[BodyPiece],
-        context_done: float,
-        clock: _CpuClock | _NoClock,
-        extra_headers: bytes = b"",
+        clock: Clock,
+        *,
         key: RequestKey | None = None,
+        tokens: int = 0,
         first: Worker | None = None,
         local: bool = False,
-        tokens: int = 0,
+        extra_headers: bytes = b"",
+        context_done: float | None = None,
     ) -> int:
-        """Leg (3), or with ``local`` the client's own body as a plain request (conditional
-        disaggregation: retried only on other workers that say ``local_prefill``). ``first``: the
-        worker already chosen for it (conditional disaggregation chose it before leg (1))."""
-        tried: list[Worker] = []
-        failure: HTTPError | WorkerAnswer | None = None
-        # A body built as pieces (views into the bodies it was spliced from)
-        # goes out in one vectored write, never joined.
-        pieces: Sequence[BodyPiece] = (body,) if isinstance(body, bytes) else body
-        if local:
-            # The client's JSON as it came (no msgpack flag whatever the relay mode): _plain_headers.
-            tried = [w for w in self.generation_pool.workers if not w.local_prefill]
-        # A stream may run long; what must not happen is a silence that long.
+        """Leg (3), relayed to ``out``; or with ``local`` the client's own body as a plain JSON request
+        (no relay-mode flags; conditional disaggregation: retried only on other workers that say
+        ``local_prefill``). ``first``: the worker already chosen for it (conditional disaggregation
+        chose it before leg (1)). Retries stop at the first byte sent to the client: nothing is
+        sent until a worker answers 200."""
+        pool = self.generation_pool
+        stream = req.stream
         limit = self.config.request_timeout_s
-        timeout, read_timeout = (None, limit) if req.stream else (limit, None)
-        # A stream's first byte has its own deadline: a frozen worker costs it that, then another
-        # worker is tried (nothing has reached the client yet).
-        first_byte = self._first_byte_timeout(pieces) if req.stream else None
-        # Unary: the whole answer is in before the task wakes (one wake-up).
-        max_body = 0 if req.stream else MAX_WORKER_BODY
-        trace = current_trace()
-        # Retries stop at the first byte sent to the client: nothing has been
-        # sent until a worker answers 200, and the loop below returns then.
-        for attempt in range(self.config.max_retries + 1):
-            routed = trace.now() if trace is not None else 0
-            if attempt == 0 and first is not None and first.healthy:
-                worker: Worker | None = first
-            else:
-                worker = self.generation_pool.choose(exclude=tried, key=key)
-            if worker is None:
-                break
-            if attempt:
-                self.metrics.retries_leg["generation"].inc()
-            tried.append(worker)
-            worker.in_flight += 1
-            worker.in_flight_tokens += tokens
-            worker.breaker.chosen()
-            handed_over = time.perf_counter()
-            if attempt == 0 and not local:
-                self.metrics.handoff.observe(handed_over - context_done)
-            leg = None
-            try:
-                upstream = self.upstreams.get(worker.url) or self._new_upstream(worker)
-                if local:
-                    headers = self._plain_headers(pieces, worker)
-                else:
-                    headers = self._headers(pieces, worker) + extra_headers
-                if trace is not None:  # the leg's span; its traceparent goes with the leg
-                    leg = trace.start_leg("generation", self.generation_pool, worker, key, routed, attempt)
-                    headers += leg.header
-                resp = await upstream.request(
-                    _POST, path, pieces, headers, timeout, read_timeout, max_body, first_byte
-                )
-            except UpstreamError as exc:
-                if leg is not None:
-                    leg.end(error=exc)
-                worker.in_flight -= 1
-                worker.in_flight_tokens -= tokens
-                self._mark_failed(self.generation_pool, worker)
-                self._breaker_failed(self.generation_pool, worker)
-                worker.breaker.ended()
-                log.warning("generation worker %s failed: %s", worker.url, exc)
-                failure = leg_failed("generation", "its worker did not answer")
-                continue
-            except UpstreamTimeout:
-                if leg is not None:
-                    leg.end(error="no first byte" if first_byte is not None else "timed out")
-                worker.in_flight -= 1
-                worker.in_flight_tokens -= tokens
-                self._breaker_failed(self.generation_pool, worker, at_once=True)
-                worker.breaker.ended()
-                if first_byte is None:
-                    raise leg_timed_out("generation", limit) from None
-                # A stream with no first byte: its connection is reset (the worker drops the
-                # sequence when it runs again), and the leg goes to another worker.
-                log.warning("generation worker %s: no first byte in %g s", worker.url, first_byte)
-                failure = leg_timed_out("generation", first_byte)
-                continue
-            except BaseException as exc:
-                if leg is not None:
-                    leg.end(error=exc)
-                worker.in_flight -= 1
-                worker.in_flight_tokens -= tokens
-                worker.breaker.ended()
-                raise
-            self.metrics.generation_ttfb.observe(time.perf_counter() - handed_over)
-            if leg is not None:
-                leg.answered(resp.status, resp)
-            try:
-                if resp.status != 200:
-                    failure = await self._worker_failure("generation", worker, resp)
-                    if self._misdirected(self.generation_pool, worker, failure):
-                        failure = self._unavailable("no healthy generation worker")
-                        continue
-                    if resp.status >= 500 and resp.status != 503:
-                        self._breaker_failed(self.generation_pool, worker)
-                    if resp.status not in REFUSED_STATUSES:
-                        raise failure  # as on the context leg: only a refusing worker is retried
-                    continue
-                worker.served += 1
-                worker.breaker.succeeded()
-                if resp.media_type == _SSE:
-                    return await self._relay_stream(out, worker, resp, clock)
-                return await self._relay_unary(out, req, worker, resp, clock)
-            finally:
-                # A response not read to the end closes its connection, so the
-                # worker sees the cancel.
-                resp.release()
-                worker.in_flight -= 1
-                worker.in_flight_tokens -= tokens
-                worker.breaker.ended()
-                if leg is not None:
-                    leg.end()
-        if failure is None:
-            raise self._unavailable("no healthy generation worker")
-        raise failure
+        leg = Leg(
+            "generation", pool, path, body, headers=b"" if local else self.relay.leg_headers, extra=extra_headers,
+            # A stream may run long; what must not happen is a silence that long.
+            timeout=None if stream else limit, read_timeout=limit if stream else None,
+            # Unary: the whole answer is in before the task wakes (one wake-up).
+            max_body=0 if stream else MAX_WORKER_BODY,
+            key=key, tokens=tokens, first=first,
+            tried=[w for w in pool.workers if not w.local_prefill] if local else None,
+            handoff_from=None if local else context_done, ttfb=self.metrics.generation_ttfb,
+        )  # fmt: skip
+        if stream:
+            # A stream's first byte has its own deadline: a frozen worker costs it that, then another
+            # worker is tried (nothing has reached the client yet).
+            leg.first_byte = self._first_byte_timeout(leg.pieces)
+        try:
+            return await self.legs.run(leg, partial(self._relay, out, req, clock))
+        except LegUnavailable as exc:
+            error = exc.error
+        raise error  # outside the handler: the client's error carries no context
+
+    async def _relay(
+        self, out: Responder, req: ClientRequest, clock: Clock, worker: Worker, resp: UpstreamResponse
+    ) -> int:
+        """A generation worker's 200, relayed to the client: SSE as it arrives, or the whole answer."""
+        if resp.media_type == _SSE:
+            return await self._relay_stream(out, worker, resp, clock)
+        return await self._relay_unary(out, req, worker, resp, clock)
 
     async def _relay_unary(
         self,
@@ -1251,7 +756,7 @@ class Orchestrator:
         req: ClientRequest,
         worker: Worker,
         resp: UpstreamResponse,
-        clock: _CpuClock | _NoClock,
+        clock: Clock,
     ) -> int:
         try:
             body = await resp.read()
@@ -1268,7 +773,7 @@ class Orchestrator:
         return 200
 
     async def _relay_stream(
-        self, out: Responder, worker: Worker, resp: UpstreamResponse, clock: _CpuClock | _NoClock
+        self, out: Responder, worker: Worker, resp: UpstreamResponse, clock: Clock
     ) -> int:
         out.start(200, _SSE, _SSE_EXTRA)
         # Backpressure: while the client's socket buffer is full, the worker's
@@ -1295,7 +800,7 @@ class Orchestrator:
             if trace is not None:
                 trace.leg_failed(upstream_error)
             self._mark_failed(self.generation_pool, worker)
-            self._breaker_failed(self.generation_pool, worker)
+            self.legs.breaker_failed(self.generation_pool, worker)
             # Headers are gone: the error travels in-band, as OpenAI streams do.
             status = 502
             error = leg_failed("generation", upstream_error)
@@ -1305,13 +810,9 @@ class Orchestrator:
         return status
 
 
-def leg_failed(leg: str, why: str) -> HTTPError:
-    """A 502 that names the leg, never the worker's address or an exception's text (those are logged)."""
-    return HTTPError(502, f"the {leg} leg failed: {why}", code=f"{leg}_leg_failed")
-
-
-def leg_timed_out(leg: str, seconds: float) -> HTTPError:
-    return HTTPError(504, f"the {leg} leg timed out after {seconds:g} s", code=f"{leg}_leg_timeout")
+async def _read_answer(worker: Worker, resp: UpstreamResponse) -> tuple[bytes, Worker]:
+    """A context worker's 200: its whole answer (in already: the leg waited for it), and the worker."""
+    return await resp.read(), worker
 
 
 async def start_server(

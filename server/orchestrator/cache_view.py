@@ -104,8 +104,7 @@ class _Follower:
             resp = await self.upstream.request(
                 b"GET",
                 path,
-                (),
-                self.view.headers,
+                headers=self.view.headers,
                 timeout=self.view.wait_s + 10.0,
                 max_body=MAX_ANSWER_BYTES,
             )

@@ -38,6 +38,7 @@ __all__ = [
     "Capabilities",
     "CircuitBreaker",
     "HealthChecker",
+    "Lease",
     "LeastLoadedRouter",
     "Pool",
     "RoundRobinRouter",
@@ -238,6 +239,35 @@ class Worker:
         return f"Worker({self.url!r}, healthy={self.healthy}, in_flight={self.in_flight})"
 
 
+class Lease:
+    """A leg's hold on a worker, the one place its in-flight counts go up and back down.
+
+    ``with pool.lease(worker, tokens):`` counts the leg (and its prompt's estimated
+    tokens) in the worker's ``in_flight`` while it runs, which the routers read, and
+    marks the breaker (in half-open, this leg is the probe); leaving the block, by
+    any path, takes both back and ends the probe.
+    """
+
+    __slots__ = ("tokens", "worker")
+
+    def __init__(self, worker: Worker, tokens: int = 0) -> None:
+        self.worker = worker
+        self.tokens = tokens
+
+    def __enter__(self) -> Worker:
+        worker = self.worker
+        worker.in_flight += 1
+        worker.in_flight_tokens += self.tokens
+        worker.breaker.chosen()
+        return worker
+
+    def __exit__(self, *exc_info: object) -> None:
+        worker = self.worker
+        worker.in_flight -= 1
+        worker.in_flight_tokens -= self.tokens
+        worker.breaker.ended()
+
+
 class Pool:
     def __init__(
         self,
@@ -341,6 +371,11 @@ class Pool:
         now = time.monotonic()
         healthy = [w for w in self.workers if w.healthy]
         return bool(healthy) and not any(w.breaker.allows(now) for w in healthy)
+
+    @staticmethod
+    def lease(worker: Worker, tokens: int = 0) -> Lease:
+        """A leg's hold on ``worker`` (:class:`Lease`): ``with pool.lease(worker, tokens): ...``."""
+        return Lease(worker, tokens)
 
     def forget(self, worker: Worker) -> None:
         """``worker`` turned unhealthy or came back: its router state (a prefix index) is stale."""

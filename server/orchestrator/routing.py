@@ -27,7 +27,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar, cast
 
 import fastcore
 from fastcore import JSONSpanError
@@ -36,8 +36,27 @@ from server.cache_keys import CACHE_SALT, salt_key_at
 
 from .estimates import BytesPerToken
 
-if TYPE_CHECKING:
-    from .pools import Worker
+
+class RoutedWorker(Protocol):
+    """What a router reads of a worker (server/orchestrator/pools.py's ``Worker`` is one): its URL,
+    the legs and estimated prompt tokens it has in flight, the KV capacity its ``/server_info``
+    says. Routers key their state by the worker object itself (hashed by identity)."""
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+    @property
+    def in_flight_tokens(self) -> int: ...
+
+    @property
+    def kv_capacity_tokens(self) -> int | None: ...
+
+
+#: a router hands back one of the candidates it was given, as the caller's type
+_W = TypeVar("_W", bound=RoutedWorker)
 
 #: trtllm-serve's conversation: the body's ``conversation_params.conversation_id`` (canonical), else
 #: the first non-empty of its headers (its conversation_id.py CONVERSATION_ID_HEADERS), in order
@@ -217,13 +236,13 @@ class Router:
     #: the context answers' usage: server/orchestrator/estimates.py)
     estimate: BytesPerToken
 
-    def choose(self, candidates: list[Worker], key: RequestKey | None = None) -> Worker:
+    def choose(self, candidates: list[_W], key: RequestKey | None = None) -> _W:
         raise NotImplementedError
 
-    def sync(self, workers: Sequence[Worker]) -> None:
+    def sync(self, workers: Sequence[RoutedWorker]) -> None:
         """The pool's members changed (all of them, healthy or not)."""
 
-    def forget(self, worker: Worker) -> None:
+    def forget(self, worker: RoutedWorker) -> None:
         """``worker`` left, turned unhealthy or came back: drop what is known of it."""
 
 
@@ -234,7 +253,7 @@ class RoundRobinRouter(Router):
         self.estimate = BytesPerToken()
         self._next = 0
 
-    def choose(self, candidates: list[Worker], key: RequestKey | None = None) -> Worker:
+    def choose(self, candidates: list[_W], key: RequestKey | None = None) -> _W:
         worker = candidates[self._next % len(candidates)]
         self._next += 1
         return worker
@@ -258,7 +277,7 @@ class LeastLoadedRouter(Router):
             raise ValueError(f"use_tokens must be true or false, got {use!r}")
         self.use_tokens = use
 
-    def choose(self, candidates: list[Worker], key: RequestKey | None = None) -> Worker:
+    def choose(self, candidates: list[_W], key: RequestKey | None = None) -> _W:
         if self.use_tokens:
             least_tokens = min(w.in_flight_tokens for w in candidates)
             candidates = [w for w in candidates if w.in_flight_tokens == least_tokens]
@@ -366,11 +385,11 @@ class ConversationRouter(Router):
         self._urls: list[str] = []
         self._members: frozenset[str] = frozenset()
 
-    def forget(self, worker: Worker) -> None:
+    def forget(self, worker: RoutedWorker) -> None:
         if self._prefixes is not None:
             self._prefixes.forget(worker)
 
-    def sync(self, workers: Sequence[Worker]) -> None:
+    def sync(self, workers: Sequence[RoutedWorker]) -> None:
         if self._prefixes is not None:
             self._prefixes.sync(workers)
         members = frozenset(w.url for w in workers)
@@ -383,9 +402,7 @@ class ConversationRouter(Router):
         self._urls = [u for _, u in ring]
         self._members = members
 
-    def owner(
-        self, conversation: bytes, healthy: dict[str, Worker], capacity: float = math.inf
-    ) -> Worker | None:
+    def owner(self, conversation: bytes, healthy: dict[str, _W], capacity: float = math.inf) -> _W | None:
         """The first worker of ``healthy`` (url -> worker) clockwise from the id's point with fewer
         than ``capacity`` requests in flight."""
         points, urls = self._points, self._urls
@@ -399,14 +416,14 @@ class ConversationRouter(Router):
                 return worker
         return None
 
-    def capacity(self, candidates: list[Worker]) -> float:
+    def capacity(self, candidates: Sequence[RoutedWorker]) -> float:
         """The most requests a worker may hold before the ring skips it (inf: no bound)."""
         if not self.load_factor:
             return math.inf
         total = sum(w.in_flight for w in candidates)
         return math.ceil(self.load_factor * (total + 1) / len(candidates))
 
-    def choose(self, candidates: list[Worker], key: RequestKey | None = None) -> Worker:
+    def choose(self, candidates: list[_W], key: RequestKey | None = None) -> _W:
         if key is not None and key.conversation is not None:
             # Some candidate is always below the capacity (load_factor >= 1): the walk finds one.
             capacity = self.capacity(candidates)
@@ -423,7 +440,7 @@ class ConversationRouter(Router):
             self._prefixes.routed(worker, hashes)
         return worker
 
-    def _implicit(self, candidates: list[Worker], key: RequestKey, chunks: int) -> Worker | None:
+    def _implicit(self, candidates: list[_W], key: RequestKey, chunks: int) -> _W | None:
         """The worker sent the longest run of the request's ``chunks`` leading chunks, if that run
         is at least ``match_threshold`` of them and the worker is below the bounded-load capacity."""
         assert self._prefixes is not None and self.match_threshold is not None
@@ -513,21 +530,21 @@ class KvCacheAwareRouter(Router):
         self.load_weight = _float_arg(args, "load_weight", 1024.0, 0.0)
         self.max_load_ratio = _float_arg(args, "max_load_ratio", 1.5, 1.0)
         self._fallback = LeastLoadedRouter()
-        self._indexes: dict[Worker, _PrefixIndex] = {}
+        self._indexes: dict[RoutedWorker, _PrefixIndex] = {}
         #: chunk hash -> the workers whose index holds it (the inverse of ``_indexes``)
-        self._holders: dict[int, set[Worker]] = {}
+        self._holders: dict[int, set[RoutedWorker]] = {}
         #: workers whose cache events this orchestrator follows (server/orchestrator/cache_view.py),
         #: and of them those whose events carried keys: their evictions come as events, so their
         #: index is bounded by max_index_tokens only (a worker that publishes nothing it is sent,
         #: e.g. generation legs without the prompt's text, keeps the estimate's bound)
-        self.followed: set[Worker] = set()
-        self.exact: set[Worker] = set()
+        self.followed: set[RoutedWorker] = set()
+        self.exact: set[RoutedWorker] = set()
         #: the last routes (time, worker, hashes), put back after a resync of their worker's view
-        self._recent: collections.deque[tuple[float, Worker, list[int]]] = collections.deque(
+        self._recent: collections.deque[tuple[float, RoutedWorker, list[int]]] = collections.deque(
             maxlen=RECENT_ROUTES
         )
-        self._candidates: list[Worker] | None = None
-        self._candidate_set: set[Worker] = set()
+        self._candidates: Sequence[RoutedWorker] | None = None
+        self._candidate_set: set[RoutedWorker] = set()
         self._next_window = 0
         self._clock = 0
         self._tiebreak = 0
@@ -540,26 +557,26 @@ class KvCacheAwareRouter(Router):
         self.achieved_tokens = 0
         self.error_tokens = 0
 
-    def _limit(self, worker: Worker) -> int:
+    def _limit(self, worker: RoutedWorker) -> int:
         if worker in self.exact:
             return max(1, self.max_index_tokens * BYTES_PER_TOKEN // self.chunk_bytes)
         tokens = min(worker.kv_capacity_tokens or self.max_cached_tokens, self.max_index_tokens)
         return max(1, int(tokens * self.estimate.value) // self.chunk_bytes)
 
-    def index(self, worker: Worker) -> _PrefixIndex:
+    def index(self, worker: RoutedWorker) -> _PrefixIndex:
         index = self._indexes.get(worker)
         if index is None:
             index = self._indexes[worker] = _PrefixIndex(self._limit(worker))
         return index
 
-    def forget(self, worker: Worker) -> None:
+    def forget(self, worker: RoutedWorker) -> None:
         self.followed.discard(worker)  # its stream resyncs
         self.exact.discard(worker)
         index = self._indexes.pop(worker, None)
         if index is not None:
             self._unhold(worker, index.entries)
 
-    def _unhold(self, worker: Worker, hashes: Iterable[int]) -> None:
+    def _unhold(self, worker: RoutedWorker, hashes: Iterable[int]) -> None:
         holders = self._holders
         for h in hashes:
             held = holders.get(h)
@@ -568,12 +585,12 @@ class KvCacheAwareRouter(Router):
                 if not held:
                     del holders[h]
 
-    def sync(self, workers: Sequence[Worker]) -> None:
+    def sync(self, workers: Sequence[RoutedWorker]) -> None:
         members = set(workers)
         for worker in [w for w in self._indexes if w not in members]:
             self.forget(worker)
 
-    def expected_hit(self, worker: Worker, key: RequestKey) -> int:
+    def expected_hit(self, worker: RoutedWorker, key: RequestKey) -> int:
         """Chunks of ``key``'s prompt that ``worker`` is expected to hold."""
         index = self._indexes.get(worker)
         return 0 if index is None else index.longest_prefix(key.hashes(self.chunk_bytes))
@@ -582,7 +599,7 @@ class KvCacheAwareRouter(Router):
         """The prompt tokens ``chunks`` hit chunks are estimated to hold."""
         return self.estimate.tokens(chunks * self.chunk_bytes)
 
-    def choose(self, candidates: list[Worker], key: RequestKey | None = None) -> Worker:
+    def choose(self, candidates: list[_W], key: RequestKey | None = None) -> _W:
         hashes = key.hashes(self.chunk_bytes) if key is not None else []
         if not hashes:
             if key is not None:
@@ -614,7 +631,8 @@ class KvCacheAwareRouter(Router):
                 held = indexes[holder].longest_prefix(hashes)
                 score = (held * per_chunk if load <= hot else 0.0) - load_weight * (load - mean)
                 if score > best_score or (score == best_score and load < best_load):
-                    worker, best_score, best_load, hit = holder, score, load, held
+                    # a holder in the candidate set is one of the candidates, as the caller typed them
+                    worker, best_score, best_load, hit = cast(_W, holder), score, load, held
         key.hit_chunks = hit
         self.routed_chunks += len(hashes)
         self.hit_chunks += hit
@@ -622,7 +640,7 @@ class KvCacheAwareRouter(Router):
         self._remember(worker, hashes)
         return worker
 
-    def _window(self, candidates: list[Worker]) -> list[Worker]:
+    def _window(self, candidates: list[_W]) -> list[_W]:
         n = len(candidates)
         if n <= LOAD_SAMPLE:
             return candidates
@@ -631,7 +649,7 @@ class KvCacheAwareRouter(Router):
         window = candidates[start : start + LOAD_SAMPLE]
         return window if len(window) == LOAD_SAMPLE else window + candidates[: LOAD_SAMPLE - len(window)]
 
-    def _deepest_holders(self, hashes: list[int]) -> set[Worker]:
+    def _deepest_holders(self, hashes: list[int]) -> set[RoutedWorker]:
         """The workers holding the deepest of ``hashes`` that any worker holds (binary search:
         holder sets shrink along a chain), when too many hold its first chunk to ask them all."""
         holders = self._holders
@@ -640,18 +658,18 @@ class KvCacheAwareRouter(Router):
             return deepest
         return set(itertools.islice(deepest, MAX_ASKED))
 
-    def routed(self, worker: Worker, hashes: list[int]) -> None:
+    def routed(self, worker: RoutedWorker, hashes: list[int]) -> None:
         """``worker`` took a request with these chunks: it will cache them."""
         index = self._indexes.get(worker)
         self._add(worker, hashes, 0 if index is None else index.longest_prefix(hashes))
         self._remember(worker, hashes)
 
-    def _remember(self, worker: Worker, hashes: list[int]) -> None:
+    def _remember(self, worker: RoutedWorker, hashes: list[int]) -> None:
         """Keep the last routes (of every worker: its first snapshot may come after them): a
         worker's events may not say them yet when its view resyncs."""
         self._recent.append((time.monotonic(), worker, hashes))
 
-    def _add(self, worker: Worker, hashes: list[int], held: int) -> None:
+    def _add(self, worker: RoutedWorker, hashes: list[int], held: int) -> None:
         """Index ``hashes`` on ``worker``, whose index holds the first ``held`` of them already."""
         index = self.index(worker)
         index.limit = self._limit(worker)  # the bytes per token may have been learned since
@@ -669,14 +687,14 @@ class KvCacheAwareRouter(Router):
 
     # -- the exact view: a worker's own cache events (server/orchestrator/cache_view.py) ---------------
 
-    def stored(self, worker: Worker, keys: list[int]) -> None:
+    def stored(self, worker: RoutedWorker, keys: list[int]) -> None:
         """``worker`` says it holds ``keys`` now (in chain order: the first most recent)."""
         if keys:
             self.exact.add(worker)
             index = self._indexes.get(worker)
             self._add(worker, keys, 0 if index is None else index.longest_prefix(keys))
 
-    def removed(self, worker: Worker, keys: list[int]) -> None:
+    def removed(self, worker: RoutedWorker, keys: list[int]) -> None:
         """``worker`` says it evicted ``keys``."""
         index = self._indexes.get(worker)
         if index is not None:
@@ -685,7 +703,7 @@ class KvCacheAwareRouter(Router):
                 entries.pop(key, None)
             self._unhold(worker, keys)
 
-    def resync(self, worker: Worker, keys: list[int]) -> None:
+    def resync(self, worker: RoutedWorker, keys: list[int]) -> None:
         """``worker`` holds exactly ``keys`` (a snapshot; its stream goes on from here)."""
         self.forget(worker)
         self.followed.add(worker)
@@ -704,19 +722,17 @@ class KvCacheAwareRouter(Router):
         self.error_tokens += abs(predicted - cached_tokens)
 
 
-#: config router kind -> the args it takes
-ROUTER_ARGS: dict[str, frozenset[str]] = {
-    "round_robin": frozenset(),
-    "least_loaded": LeastLoadedRouter.ARGS,
-    "conversation": ConversationRouter.ARGS,
-    "kv_cache_aware": KvCacheAwareRouter.ARGS,
-}
-
+#: config router kind -> its router: the one list of the routers built (the config's router types and
+#: the CLI's choices are read from it, server/orchestrator/config.py ROUTER_TYPES)
 ROUTERS: dict[str, Callable[..., Router]] = {
     "round_robin": lambda args=None: RoundRobinRouter(),
     "least_loaded": LeastLoadedRouter,
     "conversation": ConversationRouter,
     "kv_cache_aware": KvCacheAwareRouter,
+}
+#: config router kind -> the args it takes
+ROUTER_ARGS: dict[str, frozenset[str]] = {
+    kind: getattr(new, "ARGS", frozenset()) for kind, new in ROUTERS.items()
 }
 
 

@@ -1,0 +1,321 @@
+"""One leg runner for both legs: choose a worker, send, classify what came back, retry or give up.
+
+Leg (1) (the context request) and leg (3) (the generation request, or a client's
+body prefilled on a generation worker) differ in what they send and what they do
+with a 200; the rest is one loop (:meth:`LegRunner.run`):
+
+- choose a worker of the leg's pool not tried yet (its breaker lets a leg through);
+  hold it with :meth:`Pool.lease <server.orchestrator.pools.Pool.lease>` for the
+  whole attempt (its in-flight counts, the breaker's probe), so no path forgets to
+  give it back;
+- send on the worker's keep-alive connections, signed for that worker's instance;
+- a 200 is handed to the leg's ``answered`` (the worker served it, its breaker closes);
+- a refusal (429, 503), a worker that restarted since its last ``/health`` (a 403
+  ``wrong_destination``), a dead connection: the next worker; any other 4xx is the
+  client's answer (:class:`WorkerAnswer`), raised as it is; a 5xx, a spent deadline
+  and no worker left end the leg with :class:`LegUnavailable` (why, and the client's
+  error). A 5xx and a timed-out POST are not sent to another worker (the body may be
+  the cause; the POST may still run there), but a stream that sent no first byte is.
+
+A leg whose answer was lost (cut, timed out, the client left) may have parked KV
+whose id never arrived: with ``disagg_id`` it is released by that id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from server.auth import SIGNATURE_HEADER, sign_pieces
+from server.errors import HTTPError, normalise_error_body
+from server.http import BodyPiece, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout
+from server.tracing import current_trace
+
+if TYPE_CHECKING:
+    from .metrics import OrchestratorMetrics
+    from .pools import Pool, Worker
+    from .routing import RequestKey
+
+log = logging.getLogger("fastcore.orchestrator")
+
+_POST = b"POST"
+_JSON = b"application/json"
+_SIGNATURE = SIGNATURE_HEADER.encode()
+# A worker's error body is relayed, but not an unbounded one.
+MAX_ERROR_BODY = 64 * 1024
+# A worker's whole answer (a context response carries every prompt id): bounded too.
+MAX_WORKER_BODY = 256 * 1024 * 1024
+#: a worker's statuses that say "not me, not now" (full, draining, rate-limited): the leg is retried
+#: on another worker (a context leg then falls back); any other 4xx is the client's answer
+REFUSED_STATUSES = frozenset((429, 503))
+#: the code of a worker's 403 for a leg signed for another instance of it (server/worker/app.py)
+_MISDIRECTED = b'"wrong_destination"'
+
+T = TypeVar("T")
+
+
+class WorkerAnswer(Exception):
+    """A worker's own error response, to be relayed to the client as it is."""
+
+    def __init__(self, status: int, body: bytes, content_type: bytes, headers: bytes) -> None:
+        super().__init__(status)
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+        self.headers = headers
+
+
+class LegUnavailable(Exception):
+    """No worker took the leg: ``reason`` (one of metrics.FALLBACK_REASONS) and ``error``, the answer
+    the client gets (unless a context leg falls back to local prefill)."""
+
+    def __init__(self, reason: str, error: HTTPError | WorkerAnswer) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.error = error
+
+
+def leg_failed(leg: str, why: str) -> HTTPError:
+    """A 502 that names the leg, never the worker's address or an exception's text (those are logged)."""
+    return HTTPError(502, f"the {leg} leg failed: {why}", code=f"{leg}_leg_failed")
+
+
+def leg_timed_out(leg: str, seconds: float) -> HTTPError:
+    return HTTPError(504, f"the {leg} leg timed out after {seconds:g} s", code=f"{leg}_leg_timeout")
+
+
+class Leg:
+    """What one leg sends, where, and under which deadlines.
+
+    ``pieces``: the body (views into the bodies it was spliced from go out in one vectored
+    write, never joined). ``headers``: the relay mode's lines (empty for a plain JSON body);
+    ``extra``: lines after the signature (trtllm-serve's auth). ``tried``: workers not to
+    choose (a local prefill excludes those that cannot). ``first``: the worker for the first
+    attempt, already chosen (while it is healthy). ``disagg_id``: the id whose parked KV is
+    released when the answer is lost. ``handoff_from``: when the context answer was read (the
+    generation leg's hand-off is observed); ``ttfb``: the histogram of its time to first byte.
+    """
+
+    __slots__ = ("disagg_id", "extra", "first", "first_byte", "handoff_from", "headers", "key", "max_body",
+                 "name", "path", "pieces", "pool", "read_timeout", "timeout", "tokens", "tried", "ttfb")  # fmt: skip
+
+    def __init__(
+        self,
+        name: str,
+        pool: Pool,
+        path: bytes,
+        body: bytes | Sequence[BodyPiece],
+        *,
+        headers: bytes,
+        timeout: float | None,
+        read_timeout: float | None = None,
+        max_body: int = MAX_WORKER_BODY,
+        first_byte: float | None = None,
+        extra: bytes = b"",
+        key: RequestKey | None = None,
+        tokens: int = 0,
+        first: Worker | None = None,
+        tried: list[Worker] | None = None,
+        disagg_id: int | None = None,
+        handoff_from: float | None = None,
+        ttfb: Any = None,
+    ) -> None:
+        self.name = name
+        self.pool = pool
+        self.path = path
+        self.pieces: Sequence[BodyPiece] = (body,) if isinstance(body, bytes) else body
+        self.headers = headers
+        self.extra = extra
+        self.timeout = timeout
+        self.read_timeout = read_timeout
+        self.max_body = max_body
+        self.first_byte = first_byte
+        self.key = key
+        self.tokens = tokens
+        self.first = first
+        self.tried = tried if tried is not None else []
+        self.disagg_id = disagg_id
+        self.handoff_from = handoff_from
+        self.ttfb = ttfb
+
+
+class LegRunner:
+    """Runs legs for an orchestrator: its retries, upstream connections, signatures, breakers, metrics."""
+
+    def __init__(
+        self,
+        *,
+        max_retries: int,
+        metrics: OrchestratorMetrics,
+        upstream: Callable[[Worker], UpstreamPool],
+        secret: bytes | None,
+        mark_failed: Callable[[Pool, Worker], None],
+        release_lost_kv: Callable[[Worker, int], None],
+        unavailable: Callable[[str], HTTPError],
+    ) -> None:
+        self.attempts = max_retries + 1
+        self.metrics = metrics
+        self.upstream = upstream
+        self.secret = secret
+        self.mark_failed = mark_failed
+        self.release_lost_kv = release_lost_kv
+        self.unavailable = unavailable
+
+    async def run(self, leg: Leg, answered: Callable[[Worker, UpstreamResponse], Awaitable[T]]) -> T:
+        """``answered(worker, resp)`` of the first worker that answers 200 (its lease held until it
+        returns); else :class:`WorkerAnswer` (the client's 4xx) or :class:`LegUnavailable`."""
+        pool, name, tried = leg.pool, leg.name, leg.tried
+        failure: HTTPError | WorkerAnswer | None = None
+        reason = "failed"
+        trace = current_trace()
+        for attempt in range(self.attempts):
+            routed = trace.now() if trace is not None else 0
+            first = leg.first
+            if attempt == 0 and first is not None and first.healthy:
+                worker: Worker | None = first
+            else:
+                worker = pool.choose(exclude=tried, key=leg.key)
+            if worker is None:
+                break
+            if attempt:
+                self.metrics.retries_leg[name].inc()
+            tried.append(worker)
+            with pool.lease(worker, leg.tokens):
+                handed_over = time.perf_counter()
+                if attempt == 0 and leg.handoff_from is not None:
+                    self.metrics.handoff.observe(handed_over - leg.handoff_from)
+                headers = leg.headers + self._signature(leg.pieces, worker) + leg.extra
+                span: Any = None
+                if trace is not None:  # the leg's span; its traceparent goes with the leg
+                    span = trace.start_leg(name, pool, worker, leg.key, routed, attempt)
+                    headers += span.header
+                try:
+                    resp = await self.upstream(worker).request(
+                        _POST, leg.path, leg.pieces, headers=headers, timeout=leg.timeout,
+                        read_timeout=leg.read_timeout, max_body=leg.max_body, headers_timeout=leg.first_byte,
+                    )  # fmt: skip
+                except UpstreamError as exc:
+                    self.mark_failed(pool, worker)
+                    self.breaker_failed(pool, worker)
+                    if exc.sent and leg.disagg_id is not None:
+                        self.release_lost_kv(worker, leg.disagg_id)
+                    log.warning("%s worker %s failed: %s", name, worker.url, exc)
+                    failure, reason = leg_failed(name, "its worker did not answer"), "failed"
+                    _end(span, exc)
+                    continue
+                except UpstreamTimeout:
+                    failure = self._timed_out(leg, worker, span)  # raises unless a stream's first byte
+                    reason = "timeout"
+                    continue
+                except asyncio.CancelledError:
+                    # The client left (or a drain ran out): the leg's connection is reset, but its
+                    # answer may be in flight already, the KV parked behind an id never read.
+                    if leg.disagg_id is not None:
+                        self.release_lost_kv(worker, leg.disagg_id)
+                    _end(span, "cancelled")
+                    raise
+                except BaseException as exc:
+                    _end(span, exc)
+                    raise
+                try:
+                    if leg.ttfb is not None:
+                        leg.ttfb.observe(time.perf_counter() - handed_over)
+                    if span is not None:
+                        span.answered(resp.status, resp)
+                    if resp.status == 200:
+                        worker.served += 1
+                        worker.breaker.succeeded()
+                        return await answered(worker, resp)
+                    failure = await self._worker_failure(name, worker, resp)
+                    if self._misdirected(pool, worker, failure):
+                        failure, reason = self.unavailable(f"no healthy {name} worker"), "refused"
+                        continue
+                    if resp.status in REFUSED_STATUSES:
+                        reason = "refused"
+                        continue
+                    if resp.status < 500:
+                        raise failure  # the client's answer: another worker would give the same
+                    self.breaker_failed(pool, worker)
+                    raise LegUnavailable("failed", failure)
+                finally:
+                    # A response not read to the end closes its connection, so the worker sees the cancel.
+                    resp.release()
+                    if span is not None:
+                        span.end()
+        if failure is None:
+            reason = "circuit_open" if pool.all_open() else "no_worker"
+            raise LegUnavailable(reason, self.unavailable(f"no healthy {name} worker"))
+        raise LegUnavailable(reason, failure)
+
+    def _timed_out(self, leg: Leg, worker: Worker, span: Any) -> HTTPError:
+        """A leg's deadline ran out (the connection is reset: the worker sees the cancel when it can).
+        A stream with no first byte goes to another worker (nothing reached the client yet): its
+        error is returned; any other deadline is spent, the leg ends (:class:`LegUnavailable`)."""
+        self.breaker_failed(leg.pool, worker, at_once=True)
+        if leg.disagg_id is not None:
+            self.release_lost_kv(worker, leg.disagg_id)
+        if leg.first_byte is not None:
+            log.warning("%s worker %s: no first byte in %g s", leg.name, worker.url, leg.first_byte)
+            _end(span, "no first byte")
+            return leg_timed_out(leg.name, leg.first_byte)
+        seconds = leg.timeout if leg.timeout is not None else 0.0
+        log.warning("%s worker %s: no answer in %g s", leg.name, worker.url, seconds)
+        _end(span, f"no answer in {seconds:g} s")
+        raise LegUnavailable("timeout", leg_timed_out(leg.name, seconds))
+
+    def _signature(self, pieces: Sequence[BodyPiece], worker: Worker) -> bytes:
+        """The leg's signature line for ``worker`` when there is a secret (bound to its instance id,
+        from its last /health: a leg replayed to another worker is refused there)."""
+        if self.secret is None:
+            return b""
+        signature = sign_pieces(self.secret, pieces, destination=worker.instance)
+        return b"%s: %s\r\n" % (_SIGNATURE, signature.encode())
+
+    def breaker_failed(self, pool: Pool, worker: Worker, *, at_once: bool = False) -> None:
+        if worker.breaker.failed(at_once=at_once):
+            log.warning("%s worker %s: circuit breaker open (no new legs for %g s)", pool.name, worker.url,
+                        worker.breaker.open_for)  # fmt: skip
+            self.metrics.breaker_opened.inc(pool=pool.name)
+
+    async def _worker_failure(
+        self, leg: str, worker: Worker, resp: UpstreamResponse
+    ) -> HTTPError | WorkerAnswer:
+        """The error to give the client for a worker's non-200 answer (read, bounded).
+
+        4xx is the client's problem and a full worker's 503 carries its
+        Retry-After: both reach the client with the worker's status and message. Any other
+        5xx is a 502 that names the leg and the status; the worker's address
+        and its body stay in this process's log.
+        """
+        try:
+            body = await resp.read(MAX_ERROR_BODY)
+        except UpstreamError as exc:
+            log.warning("%s worker %s answered %d, then failed: %s", leg, worker.url, resp.status, exc)
+            return leg_failed(leg, f"its worker answered {resp.status}, then failed")
+        if resp.status < 500 or resp.status == 503:
+            extra = b"Retry-After: %s\r\n" % resp.retry_after if resp.retry_after else b""
+            # In our OpenAI shape whatever the worker's (trtllm-serve has three of its own).
+            return WorkerAnswer(resp.status, normalise_error_body(resp.status, body), _JSON, extra)
+        log.warning("%s worker %s answered %d: %s", leg, worker.url, resp.status,
+                    body[:500].decode("utf-8", "replace"))  # fmt: skip
+        return leg_failed(leg, f"its worker answered {resp.status}")
+
+    def _misdirected(self, pool: Pool, worker: Worker, failure: HTTPError | WorkerAnswer) -> bool:
+        """Whether ``worker`` refused a leg as signed for another instance: it restarted since its
+        last /health (its new id is not known yet). It leaves the pool until the health check reads
+        the new id, and the leg goes to another worker: the client never sees that 403."""
+        if not (isinstance(failure, WorkerAnswer) and failure.status == 403 and _MISDIRECTED in failure.body):
+            return False
+        log.info("%s worker %s refused a leg signed for its instance %s: restarted", pool.name, worker.url,
+                 worker.instance)  # fmt: skip
+        self.mark_failed(pool, worker)
+        return True
+
+
+def _end(span: Any, error: BaseException | str) -> None:
+    """End a leg's span that got no answer, saying why."""
+    if span is not None:
+        span.end(error)

@@ -1,0 +1,319 @@
+"""The orchestrator's ``/metrics``: its families, each bound child made once, and the per-phase CPU clock.
+
+Everything a request touches on the hot path is a bound child (``.labels()``
+called here, once), so counting costs one ``inc``/``observe``. Gauges that
+mirror state (workers' health, in-flight legs, breakers, the cluster's view)
+are read from the pools when the page is scraped, not kept up to date per
+request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .routing import KvCacheAwareRouter
+from .routing_metrics import bytes_per_token, routing_quality
+
+if TYPE_CHECKING:
+    from server.http import HTTPServer
+    from server.metrics import Registry
+
+    from .discovery import Discovery
+    from .pools import Pool
+
+#: why a request fell back to local prefill (``fastcore_orchestrator_context_fallbacks_total``)
+FALLBACK_REASONS = ("no_worker", "circuit_open", "refused", "failed", "timeout")
+#: the per-phase CPU clock (a thread_time() syscall per phase) runs on one request in this many;
+#: every request is still counted everywhere else
+CPU_SAMPLE_EVERY = 8
+PHASES = ("validate", "build_context", "read_context", "build_generation", "relay", "total")
+LEGS = ("context", "generation")
+
+
+class Observed(Protocol):
+    """What the metrics read of the orchestrator when the page is scraped."""
+
+    in_flight: int
+    pools: list[Pool]
+    discovery: Discovery | None
+    server: HTTPServer | None
+
+
+class OrchestratorMetrics:
+    """The orchestrator's families in ``registry``; ``orchestrator`` is read at each scrape."""
+
+    def __init__(self, registry: Registry, orchestrator: Observed) -> None:
+        self.requests = registry.counter(
+            "fastcore_orchestrator_requests_total",
+            "Client requests by route and HTTP status.",
+            ("route", "status"),
+        )
+        registry.gauge(
+            "fastcore_orchestrator_requests_in_flight",
+            "Client requests being served.",
+            callback=lambda: orchestrator.in_flight,
+        )
+        self.retries = registry.counter(
+            "fastcore_orchestrator_retries_total", "Legs retried on another worker.", ("leg",)
+        )
+        self.kv_released = registry.counter(
+            "fastcore_orchestrator_kv_released_total",
+            "Context legs' parked KV released (DELETE) after their generation leg was given up, by answer "
+            "(404: the generation worker had fetched it already).",
+            ("status",),
+        )
+        self._workers(registry, orchestrator.pools)
+        if orchestrator.discovery is not None:
+            self._cluster(registry, orchestrator.discovery)
+        self._paths(registry)
+        self._breakers(registry, orchestrator.pools)
+        self._prefix_routing(registry, orchestrator.pools)
+        bytes_per_token(registry, orchestrator.pools)
+        self._latencies(registry)
+        _server_stats(registry, orchestrator)
+        self.cpu_phase = {phase: self.cpu.labels(phase=phase) for phase in PHASES}
+        self.retries_leg = {leg: self.retries.labels(leg=leg) for leg in LEGS}
+        self._requests: dict[tuple[str, int], Any] = {}
+
+    def count_request(self, route: str, status: int) -> None:
+        child = self._requests.get((route, status))
+        if child is None:
+            child = self._requests[(route, status)] = self.requests.labels(route=route, status=str(status))
+        child.inc()
+
+    def forget_worker(self, pool: str, url: str) -> None:
+        """A worker left its pool: none of its series stays on the page."""
+        self.worker_healthy.remove(pool=pool, url=url)
+        self.worker_in_flight.remove(pool=pool, url=url)
+        self.breaker_state.remove(pool=pool, url=url)
+
+    def _workers(self, registry: Registry, pools: Sequence[Pool]) -> None:
+        # With --workers N, each process checks health on its own: 1 while every process sees it pass.
+        self.worker_healthy = registry.gauge(
+            "fastcore_orchestrator_worker_healthy",
+            "1 while a worker passes /health.",
+            ("pool", "url"),
+            multiprocess_mode="livemin",
+        )
+        self.worker_in_flight = registry.gauge(
+            "fastcore_orchestrator_worker_in_flight", "Requests in flight per worker.", ("pool", "url")
+        )
+
+        def worker_in_flight() -> None:
+            for pool in pools:
+                for worker in pool.workers:
+                    self.worker_in_flight.set(worker.in_flight, pool=pool.name, url=worker.url)
+
+        registry.before_collect(worker_in_flight)
+
+    def _cluster(self, registry: Registry, discovery: Discovery) -> None:
+        registry.gauge(
+            "fastcore_orchestrator_cluster_connected",
+            "1 while the cluster registry (disagg_cluster) is reachable; 0: serving the last known workers.",
+            callback=lambda: 1.0 if discovery.connected else 0.0,
+            multiprocess_mode="livemin",  # 0 when any process of --workers N has lost it
+        )
+        registry.counter(
+            "fastcore_orchestrator_cluster_resyncs_total",
+            "Full reads of the cluster registry after the first (one per reconnection).",
+            callback=lambda: discovery.resyncs,
+        )
+        # Every process of --workers N discovers the same set: the scrape says it once.
+        self.cluster_workers = registry.gauge(
+            "fastcore_orchestrator_cluster_workers", "Workers discovered through the cluster, per pool.",
+            ("pool",), multiprocess_mode="livemax",
+        )  # fmt: skip
+        registry.gauge(
+            "fastcore_orchestrator_cluster_refused_workers",
+            "Registered workers refused now (another model, an unknown role).",
+            callback=lambda: len(discovery.refused),
+            multiprocess_mode="livemax",
+        )
+
+        def cluster_workers() -> None:
+            for name in discovery.pools:
+                self.cluster_workers.set(discovery.count(name), pool=name)
+
+        registry.before_collect(cluster_workers)
+
+    def _paths(self, registry: Registry) -> None:
+        self.by_path = registry.counter(
+            "fastcore_orchestrator_requests_by_path_total",
+            "Completions by path: disaggregated (context leg, then generation leg) or local_prefill "
+            "(conditional_disagg_config: the generation worker prefilled the request itself).",
+            ("path",),
+        )
+        self.path_disaggregated = self.by_path.labels(path="disaggregated")
+        self.path_local = self.by_path.labels(path="local_prefill")
+        self.path_fallback = self.by_path.labels(path="context_fallback")
+        fallbacks = registry.counter(
+            "fastcore_orchestrator_context_fallbacks_total",
+            "Requests served whole by a local_prefill generation worker because no context worker took "
+            "them (context_fallback), by reason: no_worker (none healthy), circuit_open (every healthy "
+            "one's breaker open), refused (429/503 from each tried), failed (connection or 5xx), timeout "
+            "(context_timeout_s).",
+            ("reason",),
+        )
+        self.fallbacks = {reason: fallbacks.labels(reason=reason) for reason in FALLBACK_REASONS}
+        for child in self.fallbacks.values():
+            child.inc(0)
+
+    def _breakers(self, registry: Registry, pools: Sequence[Pool]) -> None:
+        self.breaker_opened = registry.counter(
+            "fastcore_orchestrator_circuit_opened_total",
+            "Worker circuit breakers opened (failed legs in a row, a timed-out leg, a failed probe).",
+            ("pool",),
+        )
+        for pool in pools:
+            self.breaker_opened.inc(0, pool=pool.name)
+        self.breaker_state = registry.gauge(
+            "fastcore_orchestrator_worker_circuit_state",
+            "A worker's circuit breaker: 0 closed, 1 half-open (one probe leg), 2 open (no legs).",
+            ("pool", "url"),
+            multiprocess_mode="livemax",
+        )
+
+        def breaker_states() -> None:
+            for pool in pools:
+                for worker in pool.workers:
+                    breaker = worker.breaker
+                    breaker.allows(time.monotonic())  # an open one past its time reads half-open
+                    self.breaker_state.set(breaker.state, pool=pool.name, url=worker.url)
+
+        registry.before_collect(breaker_states)
+
+    @staticmethod
+    def _prefix_routing(registry: Registry, pools: Sequence[Pool]) -> None:
+        kv_pools = [p for p in pools if isinstance(p.router, KvCacheAwareRouter)]
+        if not kv_pools:
+            return
+        hits = registry.counter(
+            "fastcore_orchestrator_prefix_hit_chunks_total",
+            "kv_cache_aware routing: prompt chunks expected to be cached on the chosen worker, per pool.",
+            ("pool",),
+        )
+        routed = registry.counter(
+            "fastcore_orchestrator_prefix_chunks_total",
+            "kv_cache_aware routing: prompt chunks routed (hit or not), per pool.",
+            ("pool",),
+        )
+        seen: dict[str, tuple[int, int]] = {p.name: (0, 0) for p in kv_pools}
+        for pool in kv_pools:
+            hits.inc(0, pool=pool.name)
+            routed.inc(0, pool=pool.name)
+
+        def prefix_counts() -> None:
+            for pool in kv_pools:
+                router = pool.router
+                assert isinstance(router, KvCacheAwareRouter)
+                hit0, all0 = seen[pool.name]
+                hits.inc(router.hit_chunks - hit0, pool=pool.name)
+                routed.inc(router.routed_chunks - all0, pool=pool.name)
+                seen[pool.name] = (router.hit_chunks, router.routed_chunks)
+
+        registry.before_collect(prefix_counts)
+        routing_quality(registry, kv_pools)
+
+    def _latencies(self, registry: Registry) -> None:
+        self.cpu = registry.histogram(
+            "fastcore_orchestrator_cpu_seconds",
+            "The orchestrator's own CPU time per request on the event loop, by phase "
+            f"(thread CPU clock, sampled: one request in {CPU_SAMPLE_EVERY}).",
+            ("phase",),
+        )
+        self.context_leg = registry.histogram(
+            "fastcore_orchestrator_context_leg_seconds", "Context request sent -> context response read."
+        ).labels()
+        self.handoff = registry.histogram(
+            "fastcore_orchestrator_handoff_seconds",
+            "Context response read -> generation request handed to its connection.",
+        ).labels()
+        self.generation_ttfb = registry.histogram(
+            "fastcore_orchestrator_generation_ttfb_seconds",
+            "Generation request handed over -> first byte of the generation response (its headers).",
+        ).labels()
+        self.finished_by_context = registry.counter(
+            "fastcore_orchestrator_finished_by_context_total", "Requests answered by the context leg alone."
+        ).labels()
+
+
+def _server_stats(registry: Registry, orchestrator: Observed) -> None:
+    """The client side's counts, read from the orchestrator's HTTP server at each scrape."""
+
+    def server_stat(read: Callable[[HTTPServer], float]) -> Callable[[], float]:
+        return lambda: read(orchestrator.server) if orchestrator.server is not None else 0
+
+    registry.gauge(
+        "fastcore_orchestrator_client_connections",
+        "Open client connections.",
+        callback=server_stat(lambda s: len(s.connections)),
+    )
+    registry.counter(
+        "fastcore_orchestrator_connections_refused_total",
+        "Client connections refused at the connection cap (503).",
+        callback=server_stat(lambda s: s.refused),
+    )
+    registry.counter(
+        "fastcore_orchestrator_http_framing_errors_total",
+        "Client requests refused before routing: malformed HTTP, limits on headers or body, timeouts.",
+        callback=server_stat(lambda s: s.framing_errors),
+    )
+    registry.gauge(
+        "fastcore_orchestrator_client_body_bytes",
+        "Client request body bytes held now (received, not yet answered).",
+        callback=server_stat(lambda s: s.body_bytes),
+    )
+    registry.counter(
+        "fastcore_orchestrator_body_budget_refused_total",
+        "Client requests refused (503) because the process held too many body bytes.",
+        callback=server_stat(lambda s: s.over_budget),
+    )
+
+
+class CpuClock:
+    """Thread CPU time of the orchestrator's synchronous work, by phase.
+
+    Only code between awaits is measured, so other requests' work on the same
+    loop is never counted against this one.
+    """
+
+    __slots__ = ("last", "phases", "total")
+
+    def __init__(self, phases: dict[str, Any]) -> None:
+        self.phases = phases
+        self.total = 0.0
+        self.last = time.thread_time()
+
+    def start(self) -> None:
+        self.last = time.thread_time()
+
+    def lap(self, phase: str) -> None:
+        now = time.thread_time()
+        spent = now - self.last
+        self.total += spent
+        self.phases[phase].observe(spent)
+        self.last = now
+
+    def finish(self) -> None:
+        self.phases["total"].observe(self.total)
+
+
+class NoClock:
+    """The clock of the requests not sampled."""
+
+    __slots__ = ()
+
+    def start(self) -> None:
+        pass
+
+    def lap(self, phase: str) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+NO_CLOCK = NoClock()
+Clock = CpuClock | NoClock
