@@ -34,11 +34,12 @@ import fastcore
 from bench._timing import format_table, time_call
 from bench.orchestrator_work import context_response, generation_response, one_request
 from bench.workload import agentic_messages, chat_body
+from server.orchestrator import routing
 from server.orchestrator.pools import Pool
 from server.orchestrator.relay_modes import FastRelay
 from server.orchestrator.routing import KvCacheAwareRouter, request_key
 
-ROUTERS = ("round_robin", "least_loaded", "conversation", "kv_cache_aware")
+ROUTERS = tuple(routing.ROUTERS)  # every router built, in the registry's order
 CONVERSATIONS = 8
 #: chunks of unrelated prompts in each worker's kv_cache_aware index before timing
 FILL_CHUNKS = 512

@@ -51,7 +51,8 @@ from typing import Any
 from server.auth import SECRET_ENV as SHARED_SECRET_ENV
 from server.cli import cannot_listen, missing_extra
 from server.metrics_access import METRICS_TOKEN_ENV
-from server.orchestrator.config import RELAY_MODES
+from server.orchestrator.cli import add_gate_arguments, gate_flags
+from server.orchestrator.config import RELAY_MODES, config_default
 from server.ports import port_problem, release_ports, reserve_ports
 from server.process import start_child
 
@@ -90,8 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="worker model: tiny (built in: seeded random weights, so random text), synthetic (no model), "
         "or a Hugging Face directory (default tiny)",
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address of every process (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="orchestrator port (default 8000)")
+    host, port = config_default("hostname"), config_default("port")
+    parser.add_argument("--host", default=host, help=f"address of every process (default {host})")
+    parser.add_argument("--port", type=int, default=port, help=f"orchestrator port (default {port})")
     parser.add_argument(
         "--worker-base-port",
         type=int,
@@ -104,20 +106,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--orchestrator-workers", type=int, default=1, help="orchestrator processes (default 1)"
     )
     parser.add_argument("--device", default=None, help="worker device: auto, cpu or cuda (worker default)")
-    parser.add_argument(
-        "--gen-tokids-ctxbytes",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="relay prompt ids as base64 bytes (default on)",
-    )
-    parser.add_argument(
-        "--gen-strip-message-history",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="send only the last message to generation workers (default on)",
-    )
-    parser.add_argument("--relay", choices=RELAY_MODES, default="fast",
-                        help="orchestrator relay mode (default fast)")  # fmt: skip
+    add_gate_arguments(parser, default=True)  # up runs the product's profile: both gates on
+    relay = config_default("relay")
+    parser.add_argument("--relay", choices=RELAY_MODES, default=relay,
+                        help=f"orchestrator relay mode (default {relay})")  # fmt: skip
     parser.add_argument(
         "--drain-timeout-s",
         type=float,
@@ -246,8 +238,7 @@ def plan(args: argparse.Namespace, cluster_uri: str | None = None) -> list[Child
         "--relay", args.relay,
         "--workers", str(args.orchestrator_workers),
         "--drain-timeout-s", f"{args.drain_timeout_s:g}",
-        "--gen-tokids-ctxbytes" if args.gen_tokids_ctxbytes else "--no-gen-tokids-ctxbytes",
-        "--gen-strip-message-history" if args.gen_strip_message_history else "--no-gen-strip-message-history",
+        *gate_flags(args),
     ]  # fmt: skip
     children.append(Child("orchestrator", orchestrator, args.port))
     return children
@@ -380,27 +371,15 @@ def _etcd_log_tail(path: str, lines: int = 5) -> str:
     return "".join(f"\n  etcd: {line}" for line in tail)
 
 
-def run(args: argparse.Namespace) -> int:
-    cluster = clustered(args)
-    # Children drain their requests in flight first (--drain-timeout-s): killed only past that.
-    grace = args.drain_timeout_s + STOP_MARGIN_S
-    local_etcd = cluster and not args.cluster_uri
-    try:
-        check_cluster_args(args)
-        # A placeholder URI: the ports of the plan are known before the etcd's are chosen.
-        children = plan(args, "etcd://127.0.0.1:0" if cluster else None)
-    except ValueError as exc:
-        print(f"fastcore-serve up: {exc}", file=sys.stderr)
-        return 2
-    if local_etcd:
+def _refusal(args: argparse.Namespace, children: list[Child]) -> str | None:
+    """Why ``up`` cannot start as asked (what to print), checked before anything starts; None: it can."""
+    if clustered(args) and not args.cluster_uri:
         from server.cluster.local_etcd import find_etcd
 
         if find_etcd() is None:
-            print(no_etcd_message(args), file=sys.stderr)
-            return 2
+            return no_etcd_message(args)
     if args.model != "synthetic" and importlib.util.find_spec("torch") is None:
-        print(f"fastcore-serve up: {missing_extra(ModuleNotFoundError(name='torch'))}", file=sys.stderr)
-        return 2
+        return f"fastcore-serve up: {missing_extra(ModuleNotFoundError(name='torch'))}"
     # Every port before any child starts: a line per unusable port (all of them, so that what one
     # run says does not depend on which other ports happen to be taken) instead of a traceback.
     busy = []
@@ -409,36 +388,70 @@ def run(args: argparse.Namespace) -> int:
         if why is not None:
             flag = "--port" if child.name == "orchestrator" else "--worker-base-port"
             busy.append(cannot_listen("up", args.host, child.port, f"{why} (the {child.name})", flag))
-    if busy:
-        print("\n".join(busy), file=sys.stderr)
+    return "\n".join(busy) or None
+
+
+def _local_etcd_ports(args: argparse.Namespace, children: list[Child]) -> tuple[int, int] | str:
+    """The local etcd's client and peer ports (--etcd-port and the next, else two free ones), or why not."""
+    if args.etcd_port is None:
+        # Held until etcd listens on them (it binds with SO_REUSEADDR: see server.ports).
+        client, peer = reserve_ports(2, avoid={c.port for c in children})
+        return client, peer
+    ports = (args.etcd_port, args.etcd_port + 1)
+    for port, what in zip(ports, ("client", "peer")):
+        why = port_problem("127.0.0.1", port)
+        if why is not None:
+            return cannot_listen("up", "127.0.0.1", port, f"{why} (the etcd's {what} port)", "--etcd-port")
+    return ports
+
+
+def run(args: argparse.Namespace) -> int:
+    cluster = clustered(args)
+    try:
+        check_cluster_args(args)
+        # A placeholder URI: the ports of the plan are known before the etcd's are chosen.
+        children = plan(args, "etcd://127.0.0.1:0" if cluster else None)
+    except ValueError as exc:
+        print(f"fastcore-serve up: {exc}", file=sys.stderr)
+        return 2
+    why = _refusal(args, children)
+    if why is not None:
+        print(why, file=sys.stderr)
         return 2
     etcd_ports: tuple[int, int] | None = None
-    if local_etcd:
-        if args.etcd_port is not None:
-            etcd_ports = (args.etcd_port, args.etcd_port + 1)
-            for port, what in zip(etcd_ports, ("client", "peer")):
-                why = port_problem("127.0.0.1", port)
-                if why is not None:
-                    print(cannot_listen("up", "127.0.0.1", port, f"{why} (the etcd's {what} port)",
-                                        "--etcd-port"), file=sys.stderr)  # fmt: skip
-                    return 2
-        else:
-            # Held until etcd listens on them (it binds with SO_REUSEADDR: see server.ports).
-            client, peer = reserve_ports(2, avoid={c.port for c in children})
-            etcd_ports = (client, peer)
+    if cluster and not args.cluster_uri:
+        ports = _local_etcd_ports(args, children)
+        if isinstance(ports, str):
+            print(ports, file=sys.stderr)
+            return 2
+        etcd_ports = ports
     cluster_uri = args.cluster_uri.rstrip("/") if args.cluster_uri else None
     if etcd_ports is not None:
         cluster_uri = f"etcd://127.0.0.1:{etcd_ports[0]}"
     if cluster:
         children = plan(args, cluster_uri)
-    stop_requested = False
+    return _deploy(args, children, cluster_uri, etcd_ports)
 
-    def _request_stop(signum: int, frame: Any) -> None:
-        nonlocal stop_requested
-        stop_requested = True
 
-    signal.signal(signal.SIGINT, _request_stop)
-    signal.signal(signal.SIGTERM, _request_stop)
+class _StopRequest:
+    """A signal handler that notes SIGINT/SIGTERM; the launcher's loops look at it between polls."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        signal.signal(signal.SIGINT, self._note)
+        signal.signal(signal.SIGTERM, self._note)
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+
+def _deploy(args: argparse.Namespace, children: list[Child], cluster_uri: str | None,
+            etcd_ports: tuple[int, int] | None) -> int:  # fmt: skip
+    """Start the etcd (with ``etcd_ports``) and the children, say it is up, watch them; stop everything."""
+    cluster = clustered(args)
+    # Children drain their requests in flight first (--drain-timeout-s): killed only past that.
+    grace = args.drain_timeout_s + STOP_MARGIN_S
+    stop = _StopRequest()
     # The secret reaches the children in a 0600 file (--shared-secret-file), not their environment:
     # a process's environment is in /proc/<pid>/environ and passes to everything it starts.
     env = dict(os.environ)
@@ -463,48 +476,15 @@ def run(args: argparse.Namespace) -> int:
             watched.append(Child("etcd", [etcd.binary], etcd.client_port, etcd.proc))
         for child in children:
             child.start(env)
-        base = f"http://{args.host}:{args.port}"
-        expected = {"context": args.context_workers, "generation": args.generation_workers}
-
-        def _up() -> bool:
-            if not _healthy(base + "/health"):
-                return False
-            if not cluster:
-                return True
-            counts = discovered(base)
-            return all(counts.get(pool, 0) >= n for pool, n in expected.items())
-
-        deadline = time.monotonic() + args.startup_timeout_s
-        while not stop_requested and not _up():
-            if _report_dead(watched):
-                return 1
-            if time.monotonic() > deadline:
-                print(
-                    f"fastcore-serve: not healthy after {args.startup_timeout_s:.0f} s; stopping",
-                    file=sys.stderr,
-                )
-                return 1
-            time.sleep(POLL_S)
+        failed = _wait_until_up(args, watched, stop)
         # Every child read it at start (an orchestrator's processes get it from their parent).
         remove_secret_file(secret_file)
-        if stop_requested:
-            return 0
-        model = served_model(base, args.model)
-        where = None
-        if cluster:
-            if etcd is not None:
-                kind = f"etcd {cluster_uri} (started here, data in {etcd.data_dir}; stopped last)"
-            elif str(cluster_uri).startswith("etcd://"):
-                kind = f"etcd {cluster_uri}"
-            else:
-                kind = f"the orchestrator's embedded registry at {cluster_uri}"
-            name = args.cluster_name or DEFAULT_CLUSTER_NAME
-            where = (
-                f"{kind}, name {name}: {args.context_workers} context + {args.generation_workers} "
-                "generation workers registered"
-            )
+        if failed is not None or stop.requested:
+            return failed or 0
+        model = served_model(f"http://{args.host}:{args.port}", args.model)
+        where = _cluster_line(args, cluster_uri, etcd) if cluster else None
         print(banner(args, model, where, children), flush=True)
-        while not stop_requested:
+        while not stop.requested:
             if _report_dead(watched):
                 return 1
             time.sleep(POLL_S)
@@ -521,3 +501,45 @@ def run(args: argparse.Namespace) -> int:
             stop_all(children, grace)
         if etcd is not None:
             etcd.stop()
+
+
+def _wait_until_up(args: argparse.Namespace, watched: list[Child], stop: _StopRequest) -> int | None:
+    """Poll until the orchestrator's /health is 200 (and, with a cluster, every worker is discovered),
+    a stop is asked for (None), a child dies or --startup-timeout-s passes (the exit code, 1)."""
+    base = f"http://{args.host}:{args.port}"
+    expected = {"context": args.context_workers, "generation": args.generation_workers}
+
+    def _up() -> bool:
+        if not _healthy(base + "/health"):
+            return False
+        if not clustered(args):
+            return True
+        counts = discovered(base)
+        return all(counts.get(pool, 0) >= n for pool, n in expected.items())
+
+    deadline = time.monotonic() + args.startup_timeout_s
+    while not stop.requested and not _up():
+        if _report_dead(watched):
+            return 1
+        if time.monotonic() > deadline:
+            print(
+                f"fastcore-serve: not healthy after {args.startup_timeout_s:.0f} s; stopping", file=sys.stderr
+            )
+            return 1
+        time.sleep(POLL_S)
+    return None
+
+
+def _cluster_line(args: argparse.Namespace, cluster_uri: str | None, etcd: Any) -> str:
+    """The banner's line on where the workers registered."""
+    if etcd is not None:
+        kind = f"etcd {cluster_uri} (started here, data in {etcd.data_dir}; stopped last)"
+    elif str(cluster_uri).startswith("etcd://"):
+        kind = f"etcd {cluster_uri}"
+    else:
+        kind = f"the orchestrator's embedded registry at {cluster_uri}"
+    name = args.cluster_name or DEFAULT_CLUSTER_NAME
+    return (
+        f"{kind}, name {name}: {args.context_workers} context + {args.generation_workers} "
+        "generation workers registered"
+    )

@@ -207,6 +207,37 @@ def test_configuration_md_flag_table_matches_the_orchestrator_cli() -> None:
             (model,) = models_in(model.model_fields[part].annotation) or [None]
 
 
+
+def test_configuration_md_router_flags_name_the_router_types_the_config_takes() -> None:
+    from server.orchestrator.config import ROUTER_TYPES
+
+    (rows,) = [first_table(body) for heading, body in sections(CONFIGURATION.read_text())
+               if heading == "Command-line flags"]  # fmt: skip
+    (row,) = [r for r in rows if r["flag"] == "`--context-router`"]
+    assert set(_BACKTICKED.findall(row["meaning"])) == set(ROUTER_TYPES)
+
+
+def test_configuration_md_worker_http_limits_are_the_workers_and_say_which_differ() -> None:
+    """The worker's HTTP limit flags: each default is the parser's, each names the orchestrator's key
+    of the same bound, and "the same" is said exactly where the two defaults are equal."""
+    from server.worker import cli as worker_cli
+
+    parser = argparse.ArgumentParser()
+    worker_cli.add_arguments(parser)
+    (group,) = [g for g in parser._action_groups if g.title and g.title.startswith("HTTP limits")]
+    flags = {a.option_strings[0]: a.default for a in group._group_actions}
+    (rows,) = [first_table(body) for heading, body in sections(CONFIGURATION.read_text())
+               if heading == "Worker HTTP limits"]  # fmt: skip
+    documented = {row["flag"].strip("`"): row for row in rows}
+    assert set(documented) == set(flags)
+    config = OrchestratorConfig()
+    for flag, row in documented.items():
+        assert documented_default(row["default"]) == flags[flag], flag
+        key = row["orchestrator's key"].strip("`")
+        same = getattr(config, key) == flags[flag]
+        assert (row["why the worker's differs"] == "the same") == same, f"{flag}: {key} is {getattr(config, key)}"
+
+
 # -- docs/examples ------------------------------------------------------------------------------------
 
 

@@ -617,3 +617,31 @@ def test_configuration_md_documents_the_cluster_flags_of_up_and_worker():
     assert set(documented) == set(worker_flags)
     for flag in ("--heartbeat-interval-sec", "--inactive-timeout-sec"):
         assert float(documented[flag].strip("`")) == worker_flags[flag].default
+
+
+@pytest.mark.parametrize("tokids", [True, False])
+@pytest.mark.parametrize("strip", [True, False])
+def test_the_gates_up_passes_are_the_ones_its_orchestrator_runs(tokids: bool, strip: bool) -> None:
+    """One function declares the gate flags (server.orchestrator.cli.add_gate_arguments): on by
+    default in up (the product's profile), the config file's (off) in the orchestrator; what up
+    hands its orchestrator is read back by the orchestrator's own parser as it was asked."""
+    from server.orchestrator import cli as orchestrator_cli
+
+    assert launcher.plan(_parse_up())[-1].argv[-2:] == ["--gen-tokids-ctxbytes", "--gen-strip-message-history"]
+    up_flags = ["" if tokids else "--no-gen-tokids-ctxbytes", "" if strip else "--no-gen-strip-message-history"]
+    argv = launcher.plan(_parse_up(*filter(None, up_flags)))[-1].argv
+    orchestrator = argparse.ArgumentParser()
+    orchestrator_cli.add_arguments(orchestrator)
+    args = orchestrator.parse_args(argv[argv.index("orchestrator") + 1 :])
+    config = orchestrator_cli.config_from_args(args)
+    assert (config.gen_tokids_ctxbytes, config.gen_strip_message_history) == (tokids, strip)
+    # The orchestrator alone: a flag not given leaves the file's key, whose default is off.
+    bare = orchestrator.parse_args(["--context-urls", "h:1", "--generation-urls", "h:2"])
+    assert (bare.gen_tokids_ctxbytes, bare.gen_strip_message_history) == (None, None)
+    config = orchestrator_cli.config_from_args(bare)
+    assert not config.gen_tokids_ctxbytes and not config.gen_strip_message_history
+    up_help = argparse.ArgumentParser()
+    launcher.add_arguments(up_help)
+    for parser, said in ((up_help, "(default on)"), (orchestrator, "(default off)")):
+        help_text = " ".join(parser.format_help().split())
+        assert help_text.count(said) >= 2, said

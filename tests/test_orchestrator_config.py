@@ -471,3 +471,79 @@ def test_cluster_flags_override_the_file(tmp_path):
                                         "--model", "tiny"))  # fmt: skip
     assert config.disagg_cluster is not None and config.disagg_cluster.cluster_name == "x"
     assert config.model == "tiny"
+
+
+# -- defaults declared once (issue 24 item 7) --------------------------------------------------------
+
+
+def test_the_configs_http_limits_are_server_http_limits_defaults():
+    from server.http.limits import Limits
+
+    config, server = OrchestratorConfig(), Limits()
+    assert (config.max_body_bytes, config.max_header_bytes, config.max_client_connections) == (
+        server.max_body_bytes, server.max_header_bytes, server.max_connections)  # fmt: skip
+    assert (config.client_header_timeout_s, config.client_body_timeout_s, config.client_keepalive_timeout_s) == (
+        server.header_timeout_s, server.body_timeout_s, server.keepalive_timeout_s)  # fmt: skip
+    assert (config.max_inflight_body_bytes, config.client_ip_share, config.retry_after_s) == (
+        server.max_inflight_body_bytes, server.peer_share, server.retry_after_s)  # fmt: skip
+
+
+def test_a_worker_takes_the_legs_of_a_body_at_the_orchestrators_limit():
+    """Why the worker's body limit is its own (server/http/limits.py): each leg is larger than the
+    client body it carries, so a worker with the orchestrator's limit would answer 413 to bodies the
+    orchestrator took; with WORKER_MAX_BODY_BYTES both legs of a 128k-token prompt fit."""
+    import base64
+    import struct
+
+    import fastcore.relay as relay
+    from server.http.limits import MAX_BODY_BYTES, WORKER_MAX_BODY_BYTES
+    from server.worker.app import WorkerSettings
+
+    assert WorkerSettings().limits().max_body_bytes == WORKER_MAX_BODY_BYTES
+    frame = b'{"model":"m","max_tokens":8,"messages":[{"role":"user","content":""}]}'
+    client = frame[:-4] + b"x" * (MAX_BODY_BYTES - len(frame)) + frame[-4:]
+    assert len(client) == MAX_BODY_BYTES
+    context = relay.build_context_request(client, disagg_request_id=7, return_b64=True, chat=True)
+    assert MAX_BODY_BYTES < len(context) <= WORKER_MAX_BODY_BYTES
+    ids = list(range(131072))
+    answer = {"id": "c", "object": "text_completion", "prompt_token_ids": ids,
+              "prompt_token_ids_b64": base64.b64encode(struct.pack(f"<{len(ids)}i", *ids)).decode(),
+              "choices": [{"index": 0, "text": "", "finish_reason": "length", "disaggregated_params": {
+                  "request_type": "context_only", "first_gen_tokens": [1], "ctx_request_id": 1,
+                  "disagg_request_id": 7, "ctx_info_endpoint": "http://127.0.0.1:1/kv/7"}}]}  # fmt: skip
+    for b64 in (False, True):  # the ids as a JSON list (gate off) or as base64 (on)
+        leg = relay.build_generation_request(client, json.dumps(answer).encode(), tokids_b64=b64,
+                                             strip_history=False, chat=True)  # fmt: skip
+        assert MAX_BODY_BYTES < len(leg) <= WORKER_MAX_BODY_BYTES
+
+
+def test_cluster_timings_default_to_what_a_worker_registers_with():
+    from server.cluster.records import ClusterSettings
+
+    config = build_config({"disagg_cluster": {"cluster_uri": "etcd://h:1"}}, environ={}).disagg_cluster
+    worker = ClusterSettings(cluster_uri="etcd://h:1")
+    assert config is not None
+    assert (config.heartbeat_interval_sec, config.inactive_timeout_sec) == (
+        worker.heartbeat_interval_s, worker.inactive_timeout_s)  # fmt: skip
+
+
+def test_router_types_are_the_routers_built_and_their_trtllm_names():
+    from server.orchestrator.config import ROUTER_ALIASES, ROUTER_TYPES, ROUTERS_NOT_BUILT
+    from server.orchestrator.routing import ROUTER_ARGS, ROUTERS
+
+    assert ROUTER_TYPES == (*ROUTERS, *ROUTER_ALIASES) and set(ROUTER_ARGS) == set(ROUTERS)
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    for flag in ("--context-router", "--generation-router"):
+        (action,) = [a for a in parser._actions if flag in a.option_strings]
+        assert tuple(action.choices) == ROUTER_TYPES
+    for kind in ROUTER_TYPES:  # each one the config takes, the CLI too, and it runs
+        config = cli.config_from_args(_args("--context-urls", "h:1", "--generation-urls", "h:2",
+                                            "--context-router", kind, "--generation-router", kind))  # fmt: skip
+        assert config.context_servers.router.kind in ROUTERS
+    for kind in ROUTERS_NOT_BUILT:  # parsed, then refused saying what is missing
+        with pytest.raises(ConfigError, match=f"{kind} needs"):
+            build_config({"context_servers": {"urls": ["h:1"], "router": {"type": kind}},
+                          "generation_servers": {"urls": ["h:2"]}}, environ={}).check_runnable()  # fmt: skip
+    with pytest.raises(ConfigError, match=r"router\.type: .*one of round_robin, .*load_balancing.*got 'random'"):
+        build_config({"context_servers": {"router": {"type": "random"}}}, environ={})

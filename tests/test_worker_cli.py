@@ -221,3 +221,31 @@ def test_an_empty_trtllm_key_file_is_refused(tmp_path: Path) -> None:
         and "cannot read the internal request auth key" in done.stderr
         and "is empty" in done.stderr
     )
+
+
+def test_each_flag_that_fills_a_worker_setting_defaults_to_the_settings_own() -> None:
+    """One home for each default (issue 24): the flags read WorkerSettings' defaults, which read the
+    HTTP ones from server/http/limits.py; the settings built from no flags are the default settings."""
+    import argparse
+    import dataclasses
+
+    from server.http import limits
+    from server.worker import cli
+    from server.worker.app import WorkerSettings
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args([])
+    defaults = WorkerSettings()
+    for dest, field in cli._SETTINGS.items():
+        assert getattr(args, dest) == getattr(defaults, field), dest
+    assert set(cli._SETTINGS.values()) <= {f.name for f in dataclasses.fields(WorkerSettings)}
+    assert defaults.limits() == limits.Limits(
+        max_body_bytes=limits.WORKER_MAX_BODY_BYTES,
+        keepalive_timeout_s=limits.WORKER_KEEPALIVE_TIMEOUT_S,
+        max_inflight_body_bytes=limits.WORKER_MAX_INFLIGHT_BODY_BYTES,
+    )
+    # the user-visible defaults the worker had before they moved to server/http/limits.py
+    assert (args.max_body_bytes, args.max_inflight_body_bytes, args.keepalive_timeout) == (64 << 20, 1 << 30, 75.0)
+    help_text = " ".join(parser.format_help().split())  # argparse wraps at the terminal's width
+    assert "(default 64 MiB)" in help_text and "(default 1 GiB)" in help_text

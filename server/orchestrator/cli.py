@@ -22,10 +22,13 @@ from server.cli import cannot_listen
 from server.ports import listen_problem, port_problem
 
 from .config import (
+    CONTEXT_FALLBACKS,
     RELAY_MODES,
+    ROUTER_TYPES,
     ConfigError,
     OrchestratorConfig,
     build_config,
+    config_default,
     load_config_file,
     merge_overrides,
 )
@@ -37,6 +40,32 @@ def _urls(text: str) -> list[str]:
     return [u for u in text.split(",") if u.strip()]
 
 
+#: the relay gates (docs/protocol.md#the-two-gates): config key -> what turning it on does
+GATES = {
+    "gen_tokids_ctxbytes": "relay prompt ids as the context response's base64 bytes",
+    "gen_strip_message_history": "send only the last message to the generation worker",
+}
+
+
+def add_gate_arguments(parser: argparse.ArgumentParser, *, default: bool | None) -> None:
+    """The gates as ``--gen-...`` / ``--no-gen-...`` flags, one pair per key of GATES.
+
+    ``default`` None, the orchestrator's: a flag not given leaves the config file's key alone (off
+    unless the file turns it on: an orchestrator alone sends what trtllm-serve's does). True,
+    ``fastcore-serve up``'s: both gates on is the product's deployment profile, the fast path its
+    figures are measured on (docs/protocol.md#the-two-gates; up starts its orchestrator with them).
+    """
+    for key, what in GATES.items():
+        shown = config_default(key) if default is None else default
+        parser.add_argument("--" + key.replace("_", "-"), action=argparse.BooleanOptionalAction, default=default,
+                            help=f"{what} (default {'on' if shown else 'off'})")  # fmt: skip
+
+
+def gate_flags(values: argparse.Namespace) -> list[str]:
+    """The flags that set each gate as ``values`` has it (for an orchestrator started as a child)."""
+    return [("--" if getattr(values, key) else "--no-") + key.replace("_", "-") for key in GATES]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-c",
@@ -44,29 +73,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="YAML",
         help="config file (docs/configuration.md; trtllm-serve's disaggregated YAML loads too); flags override it",
     )
-    parser.add_argument("--host", dest="hostname", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="port to listen on (default 8000)")
+    parser.add_argument(
+        "--host", dest="hostname", help=f"address to listen on (default {config_default('hostname')})"
+    )
+    parser.add_argument("--port", type=int, help=f"port to listen on (default {config_default('port')})")
     parser.add_argument(
         "--context-urls", type=_urls, metavar="HOST:PORT,...", help="context workers (comma-separated)"
     )
     parser.add_argument(
         "--generation-urls", type=_urls, metavar="HOST:PORT,...", help="generation workers (comma-separated)"
     )
-    routers = ("round_robin", "least_loaded", "load_balancing", "conversation", "kv_cache_aware")
-    parser.add_argument("--context-router", choices=routers, help="router of the context pool")
-    parser.add_argument("--generation-router", choices=routers, help="router of the generation pool")
-    parser.add_argument(
-        "--gen-tokids-ctxbytes",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="relay prompt ids as the context response's base64 bytes (default off)",
-    )
-    parser.add_argument(
-        "--gen-strip-message-history",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="send only the last message to the generation worker (default off)",
-    )
+    parser.add_argument("--context-router", choices=ROUTER_TYPES, help="router of the context pool")
+    parser.add_argument("--generation-router", choices=ROUTER_TYPES, help="router of the generation pool")
+    add_gate_arguments(parser, default=None)
     parser.add_argument(
         "--relay",
         choices=RELAY_MODES,
@@ -82,7 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--context-fallback",
-        choices=("local_prefill", "fail"),
+        choices=CONTEXT_FALLBACKS,
         help="no context worker takes a request: a generation worker prefills it, or fail",
     )
     parser.add_argument(

@@ -16,11 +16,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from server.auth import read_secret
-from server.http.server import PEER_SHARE
+from server.cluster.records import ClusterSettings
+from server.http import limits
 from server.metrics_access import METRICS_TOKEN_ENV
 from server.tracing import TracingConfigError, check_endpoint, configured_endpoint
 
-from .routing import ROUTER_ARGS, make_router
+from .routing import ROUTER_ARGS, ROUTERS, make_router
 from .tenants import API_KEY_ENV, KeyFileError, read_key_file
 
 log = logging.getLogger("fastcore.orchestrator")
@@ -31,6 +32,7 @@ RelayModeName = Literal["fast", "parsed", "parsed-msgpack"]
 RELAY_MODES: tuple[str, ...] = get_args(RelayModeName)
 #: what a request does when no context worker can take it (docs/configuration.md, Faults)
 ContextFallback = Literal["local_prefill", "fail"]
+CONTEXT_FALLBACKS: tuple[str, ...] = get_args(ContextFallback)
 
 
 class ConfigError(ValueError):
@@ -39,18 +41,28 @@ class ConfigError(ValueError):
 
 #: trtllm-serve's router names -> ours (``load_balancing``: fewest requests in flight)
 ROUTER_ALIASES = {"load_balancing": "least_loaded"}
+#: the router types a pool runs (``router.type``, the CLI's --context-router/--generation-router):
+#: the routers built (routing.ROUTERS, their one list) and trtllm-serve's names for them
+ROUTER_TYPES: tuple[str, ...] = (*ROUTERS, *ROUTER_ALIASES)
+#: trtllm-serve's router types that parse, so that check_runnable can say what they lack, but are not built
+ROUTERS_NOT_BUILT: tuple[str, ...] = ("centralized_kv_cache_aware",)
 
 
 class RouterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    # centralized_kv_cache_aware (trtllm-serve's) parses so that check_runnable can say what it lacks
-    type: Literal[
-        "round_robin", "least_loaded", "load_balancing", "kv_cache_aware", "conversation", "centralized_kv_cache_aware"
-    ] = "round_robin"
+    # one of ROUTER_TYPES, or of ROUTERS_NOT_BUILT (check_runnable refuses those, saying what they lack)
+    type: str = "round_robin"
     # trtllm-serve's router arguments (load_balancing: use_tokens). trtllm-serve writes them
     # beside ``type`` (its extract_router_config); ``args:`` holds them too.
     args: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("type")
+    @classmethod
+    def _known_type(cls, kind: str) -> str:
+        if kind not in ROUTER_TYPES and kind not in ROUTERS_NOT_BUILT:
+            raise ValueError(f"must be one of {', '.join((*ROUTER_TYPES, *ROUTERS_NOT_BUILT))}, got {kind!r}")
+        return kind
 
     @model_validator(mode="before")
     @classmethod
@@ -101,7 +113,7 @@ class PoolConfig(BaseModel):
         # (kv_cache_config.tokens_per_block) unless its own arguments name one
         cache = (self.model_extra or {}).get("kv_cache_config")
         args = self.router.args
-        if (self.router.kind in ("kv_cache_aware", "conversation") and isinstance(cache, dict)
+        if ("tokens_per_block" in ROUTER_ARGS.get(self.router.kind, ()) and isinstance(cache, dict)
                 and "tokens_per_block" in cache and not {"tokens_per_block", "chunk_bytes"} & set(args)):  # fmt: skip
             args["tokens_per_block"] = cache["tokens_per_block"]
         return self
@@ -118,6 +130,10 @@ class ConditionalDisaggConfig(BaseModel):
     require_prefix_hit: bool = False
 
 
+#: the cluster's timings default to what a worker registers with (server.cluster.records, their one home)
+_CLUSTER_DEFAULTS = ClusterSettings.__dataclass_fields__
+
+
 class DisaggClusterConfig(BaseModel):
     """trtllm-serve's worker discovery through a store (etcd) instead of urls (server/cluster)."""
 
@@ -127,9 +143,9 @@ class DisaggClusterConfig(BaseModel):
     cluster_uri: str
     # namespace: the key prefix of this cluster's workers
     cluster_name: str = ""
-    heartbeat_interval_sec: float = Field(5.0, gt=0)
+    heartbeat_interval_sec: float = Field(_CLUSTER_DEFAULTS["heartbeat_interval_s"].default, gt=0)
     # a worker not heard from for this long is gone (its etcd lease's TTL)
-    inactive_timeout_sec: float = Field(10.0, gt=0)
+    inactive_timeout_sec: float = Field(_CLUSTER_DEFAULTS["inactive_timeout_s"].default, gt=0)
     # /health is 503 until this many healthy workers per pool: {context_servers: 1, generation_servers: 1}
     minimal_instances: dict[str, int] = Field(default_factory=dict)
     # http:// registry without a shared secret: take unsigned registrations from loopback peers
@@ -246,19 +262,19 @@ class OrchestratorConfig(BaseModel):
     connect_timeout_s: float = Field(5.0, gt=0)
     health_check_interval_s: float = Field(2.0, gt=0)
     health_check_timeout_s: float = Field(2.0, gt=0)
-    max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
-    # What one client connection may hold (server/http/server.py, Limits).
-    max_header_bytes: int = Field(16 * 1024, ge=1024)
-    client_header_timeout_s: float = Field(10.0, gt=0)
-    client_body_timeout_s: float = Field(60.0, gt=0)
-    client_keepalive_timeout_s: float = Field(60.0, gt=0)
-    max_client_connections: int = Field(8192, ge=1)
+    # What one client connection may hold (server/http/limits.py, Limits: the defaults' one home).
+    max_body_bytes: int = Field(limits.MAX_BODY_BYTES, gt=0)
+    max_header_bytes: int = Field(limits.MAX_HEADER_BYTES, ge=1024)
+    client_header_timeout_s: float = Field(limits.HEADER_TIMEOUT_S, gt=0)
+    client_body_timeout_s: float = Field(limits.BODY_TIMEOUT_S, gt=0)
+    client_keepalive_timeout_s: float = Field(limits.KEEPALIVE_TIMEOUT_S, gt=0)
+    max_client_connections: int = Field(limits.MAX_CONNECTIONS, ge=1)
     # Client request body bytes this process holds at once (503 + Retry-After beyond).
-    max_inflight_body_bytes: int = Field(512 * 1024 * 1024, gt=0)
+    max_inflight_body_bytes: int = Field(limits.MAX_INFLIGHT_BODY_BYTES, gt=0)
     # One client IP past this share of max_client_connections (or max_inflight_body_bytes) may not
     # take their last share (server/http Limits.peer_share); 1.0 behind a proxy that is every client.
-    client_ip_share: float = Field(PEER_SHARE, gt=0, le=1)
-    retry_after_s: int = Field(1, ge=1)
+    client_ip_share: float = Field(limits.PEER_SHARE, gt=0, le=1)
+    retry_after_s: int = Field(limits.RETRY_AFTER_S, ge=1)
     shared_secret: str | None = Field(None, repr=False)  # never in logs
     # A file holding the secret (not in argv, not in the config file itself).
     shared_secret_file: str | None = None
@@ -341,7 +357,7 @@ class OrchestratorConfig(BaseModel):
                 "trtllm-serve does with 0; per-phase latencies: /metrics; set 0"
             )
         for name in ("context_servers", "generation_servers"):
-            if getattr(self, name).router.type == "centralized_kv_cache_aware":
+            if getattr(self, name).router.type in ROUTERS_NOT_BUILT:
                 raise ConfigError(
                     f"{name}.router.type: centralized_kv_cache_aware needs the workers' KV events pushed to "
                     "the router over ZMQ (router_port), not built here; kv_cache_aware routes by the "
@@ -383,6 +399,11 @@ class OrchestratorConfig(BaseModel):
                 make_router(router.kind, router.args)
             except ValueError as exc:
                 raise ConfigError(f"{name}.router.args.{exc}") from None
+
+
+def config_default(key: str) -> Any:
+    """The default of a top-level key: the CLIs' help texts and the launcher read it here."""
+    return OrchestratorConfig.model_fields[key].default
 
 
 def _describe(exc: ValidationError) -> str:

@@ -96,7 +96,7 @@ from server.auth import (
 )
 from server.errors import HTTPError, error_body
 from server.http import HTTPServer, Limits, Request, Responder
-from server.http.server import PEER_SHARE
+from server.http import limits as http_limits
 from server.metrics import CONTENT_TYPE, Registry
 from server.metrics_access import MetricsAccess, is_loopback_peer
 from server.trtllm_endpoints import WORKER_ROUTES, TrtllmEndpoints
@@ -247,7 +247,7 @@ class WorkerSettings:
     kv_allow: tuple[str, ...] = ()
     # Base URL put in ctx_info_endpoint; default: the Host the request came in on.
     public_url: str | None = None
-    retry_after_s: int = 1
+    retry_after_s: int = http_limits.RETRY_AFTER_S
     #: how long a request that does not fit in the KV cache waits for room before its 503
     admission_wait_s: float = 10.0
     #: requests waiting for KV at once; one more is refused at once (503)
@@ -256,15 +256,15 @@ class WorkerSettings:
     #: mark) is dropped and its KV freed: a client that never reads cannot hold KV until max_tokens
     stream_stall_timeout_s: float = 30.0
     # The listening side's bounds (server.http.Limits).
-    max_body_bytes: int = 64 << 20
-    max_header_bytes: int = 16 * 1024
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 60.0
-    keepalive_timeout_s: float = 75.0
-    max_connections: int = 8192
-    max_inflight_body_bytes: int = 1 << 30
+    max_body_bytes: int = http_limits.WORKER_MAX_BODY_BYTES
+    max_header_bytes: int = http_limits.MAX_HEADER_BYTES
+    header_timeout_s: float = http_limits.HEADER_TIMEOUT_S
+    body_timeout_s: float = http_limits.BODY_TIMEOUT_S
+    keepalive_timeout_s: float = http_limits.WORKER_KEEPALIVE_TIMEOUT_S
+    max_connections: int = http_limits.MAX_CONNECTIONS
+    max_inflight_body_bytes: int = http_limits.WORKER_MAX_INFLIGHT_BODY_BYTES
     #: one client IP's share of max_connections and max_inflight_body_bytes (Limits.peer_share)
-    client_ip_share: float = PEER_SHARE
+    client_ip_share: float = http_limits.PEER_SHARE
     device: str = "cpu"
     #: OpenTelemetry traces (OTLP/HTTP); None: OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT or off (server/tracing.py)
     otlp_traces_endpoint: str | None = None

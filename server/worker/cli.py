@@ -13,7 +13,6 @@ from urllib.parse import urlsplit
 
 from server.auth import SECRET_ENV, read_secret
 from server.cli import cannot_listen
-from server.http.server import PEER_SHARE
 from server.metrics_access import METRICS_TOKEN_ENV
 from server.ports import listen_problem, port_problem
 
@@ -21,8 +20,48 @@ from .app import ROLES, WorkerSettings
 from .synthetic import add_arguments as add_synthetic_arguments
 from .tokenizer import Tokenizer
 
+#: flag dest -> the WorkerSettings field it sets: the flag's default is the field's (one home for it)
+_SETTINGS = {
+    "kv_ttl": "kv_ttl_s",
+    "kv_fetch_timeout": "kv_fetch_timeout_s",
+    "max_parked_fraction": "max_parked_fraction",
+    "admission_wait": "admission_wait_s",
+    "max_waiting": "max_waiting",
+    "stream_stall_timeout": "stream_stall_timeout_s",
+    "public_url": "public_url",
+    "accept_trtllm_orchestrator": "accept_trtllm_orchestrator",
+    "otlp_traces_endpoint": "otlp_traces_endpoint",
+    "max_body_bytes": "max_body_bytes",
+    "header_timeout": "header_timeout_s",
+    "body_timeout": "body_timeout_s",
+    "keepalive_timeout": "keepalive_timeout_s",
+    "max_connections": "max_connections",
+    "max_inflight_body_bytes": "max_inflight_body_bytes",
+    "client_ip_share": "client_ip_share",
+}
+#: SIGTERM: seconds the requests in flight and parked KV get before the worker stops
+DRAIN_TIMEOUT_S = 30.0
+
+
+def _default(dest: str) -> Any:
+    """The default of the flag whose value goes to WorkerSettings (its field's default)."""
+    return WorkerSettings.__dataclass_fields__[_SETTINGS[dest]].default
+
+
+def _size(n: int) -> str:
+    return f"{n >> 30} GiB" if n % (1 << 30) == 0 else f"{n >> 20} MiB"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_model_arguments(parser)
+    _add_serving_arguments(parser)
+    _add_auth_arguments(parser)
+    _add_limit_arguments(parser)
+    _add_cluster_arguments(parser)
+    add_synthetic_arguments(parser)
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", choices=ROLES, default="both", help="disaggregated role (default both)")
     parser.add_argument(
         "--model",
@@ -47,24 +86,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV of full blocks a prompt shares with an earlier one (default on)")  # fmt: skip
     parser.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one decode batch")
-    parser.add_argument("--kv-ttl", type=float, default=30.0,
-                        help="seconds a context leg's KV waits for its generation worker")  # fmt: skip
-    parser.add_argument("--kv-fetch-timeout", type=float, default=10.0, help="seconds for one KV fetch")
-    parser.add_argument("--drain-timeout", type=float, default=30.0,
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="torch intra-op threads (default: half the CPUs, 1 to 4)")  # fmt: skip
+
+
+def _add_serving_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-ttl", type=float, default=_default("kv_ttl"),
+                        help="seconds a context leg's KV waits for its generation worker "
+                             f"(default {_default('kv_ttl'):g})")  # fmt: skip
+    parser.add_argument("--kv-fetch-timeout", type=float, default=_default("kv_fetch_timeout"),
+                        help=f"seconds for one KV fetch (default {_default('kv_fetch_timeout'):g})")  # fmt: skip
+    parser.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
                         help="SIGTERM: seconds the requests in flight and parked KV get before the worker "
-                             "stops (it deregisters and refuses new requests first; default 30)")  # fmt: skip
-    parser.add_argument("--public-url", default=None,
+                             "stops (it deregisters and refuses new requests first; "
+                             f"default {DRAIN_TIMEOUT_S:g})")  # fmt: skip
+    parser.add_argument("--public-url", default=_default("public_url"),
                         help="base URL put in ctx_info_endpoint (default: the Host the request came in on)")  # fmt: skip
-    parser.add_argument("--max-parked-fraction", type=float, default=0.5,
-                        help="most of the KV cache that parked context KV may hold; the oldest go first (default 0.5)")  # fmt: skip
-    parser.add_argument("--admission-wait", type=float, default=10.0,
+    parser.add_argument("--max-parked-fraction", type=float, default=_default("max_parked_fraction"),
+                        help="most of the KV cache that parked context KV may hold; the oldest go first "
+                             f"(default {_default('max_parked_fraction'):g})")  # fmt: skip
+    parser.add_argument("--admission-wait", type=float, default=_default("admission_wait"),
                         help="seconds a request that does not fit in the KV cache waits for room before "
-                             "its 503 (default 10)")  # fmt: skip
-    parser.add_argument("--max-waiting", type=int, default=256,
-                        help="requests waiting for KV room at once; 503 at once beyond (default 256)")  # fmt: skip
-    parser.add_argument("--stream-stall-timeout", type=float, default=30.0,
+                             f"its 503 (default {_default('admission_wait'):g})")  # fmt: skip
+    parser.add_argument("--max-waiting", type=int, default=_default("max_waiting"),
+                        help="requests waiting for KV room at once; 503 at once beyond "
+                             f"(default {_default('max_waiting')})")  # fmt: skip
+    parser.add_argument("--stream-stall-timeout", type=float, default=_default("stream_stall_timeout"),
                         help="seconds a stream's client may read nothing (its write buffer full) before the "
-                             "stream is dropped and its KV freed (default 30)")  # fmt: skip
+                             "stream is dropped and its KV freed "
+                             f"(default {_default('stream_stall_timeout'):g})")  # fmt: skip
+    parser.add_argument("--otlp-traces-endpoint", default=_default("otlp_traces_endpoint"), metavar="URL",
+                        help="send OpenTelemetry traces to this OTLP/HTTP collector URL (needs the [otel] "
+                             "extra; else $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / $OTEL_EXPORTER_OTLP_ENDPOINT; "
+                             "none: no tracing). The other OTEL_* variables apply (docs/tracing.md)")  # fmt: skip
+
+
+def _add_auth_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-allow", action="append", default=[], metavar="HOST[:PORT]",
                         help="a host a generation worker may fetch KV from (repeatable; default: loopback "
                              "only without a shared secret, any host with one)")  # fmt: skip
@@ -84,45 +141,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a trtllm-serve orchestrator fronts this worker: accept its unsigned legs "
                              "(context legs, generation legs not naming the KV) despite a shared secret, "
                              "and answer completions' prompt ids as a list (trtllm's response model)")  # fmt: skip
-    parser.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
-                        help="send OpenTelemetry traces to this OTLP/HTTP collector URL (needs the [otel] "
-                             "extra; else $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / $OTEL_EXPORTER_OTLP_ENDPOINT; "
-                             "none: no tracing). The other OTEL_* variables apply (docs/tracing.md)")  # fmt: skip
+
+
+def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """The worker's server.http Limits (defaults: server/http/limits.py, the WORKER_* ones where a
+    worker's differ from the orchestrator's; docs/configuration.md#worker-http-limits)."""
     limits = parser.add_argument_group("HTTP limits (what one client may hold)")
-    limits.add_argument("--header-timeout", type=float, default=10.0,
-                        help="seconds to send a request's headers (408 after; default 10)")  # fmt: skip
-    limits.add_argument("--body-timeout", type=float, default=60.0,
-                        help="seconds to send a request's body (408 after; default 60)")  # fmt: skip
-    limits.add_argument("--keepalive-timeout", type=float, default=75.0,
-                        help="seconds an idle keep-alive connection stays open (default 75)")  # fmt: skip
-    limits.add_argument("--max-connections", type=int, default=8192,
-                        help="open client connections; 503 beyond (default 8192)")  # fmt: skip
-    limits.add_argument("--max-body-bytes", type=int, default=64 << 20,
-                        help="request body size limit, 413 above it (default 64 MiB)")  # fmt: skip
-    limits.add_argument("--max-inflight-body-bytes", type=int, default=1 << 30,
-                        help="request body bytes held at once by the whole worker; 503 beyond (default 1 GiB)")  # fmt: skip
-    limits.add_argument("--client-ip-share", type=_share, default=PEER_SHARE,
+    limits.add_argument("--header-timeout", type=float, default=_default("header_timeout"),
+                        help=f"seconds to send a request's headers (408 after; default {_default('header_timeout'):g})")  # fmt: skip
+    limits.add_argument("--body-timeout", type=float, default=_default("body_timeout"),
+                        help=f"seconds to send a request's body (408 after; default {_default('body_timeout'):g})")  # fmt: skip
+    limits.add_argument("--keepalive-timeout", type=float, default=_default("keepalive_timeout"),
+                        help="seconds an idle keep-alive connection stays open "
+                             f"(default {_default('keepalive_timeout'):g})")  # fmt: skip
+    limits.add_argument("--max-connections", type=int, default=_default("max_connections"),
+                        help=f"open client connections; 503 beyond (default {_default('max_connections')})")  # fmt: skip
+    limits.add_argument("--max-body-bytes", type=int, default=_default("max_body_bytes"),
+                        help=f"request body size limit, 413 above it (default {_size(_default('max_body_bytes'))})")  # fmt: skip
+    limits.add_argument("--max-inflight-body-bytes", type=int, default=_default("max_inflight_body_bytes"),
+                        help="request body bytes held at once by the whole worker; 503 beyond "
+                             f"(default {_size(_default('max_inflight_body_bytes'))})")  # fmt: skip
+    share = _default("client_ip_share")
+    limits.add_argument("--client-ip-share", type=_share, default=share,
                         help="one client IP past this share of the connections or body bytes may not take "
-                             f"their last share, kept for the others; 1: no per-client bound (default {PEER_SHARE})")  # fmt: skip
-    parser.add_argument("--torch-threads", type=int, default=None,
-                        help="torch intra-op threads (default: half the CPUs, 1 to 4)")  # fmt: skip
+                             f"their last share, kept for the others; 1: no per-client bound (default {share})")  # fmt: skip
+
+
+def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    from server.cluster.records import ClusterSettings
+
+    defaults = ClusterSettings.__dataclass_fields__
+    heartbeat, inactive = defaults["heartbeat_interval_s"].default, defaults["inactive_timeout_s"].default
     cluster = parser.add_argument_group(
         "cluster (register in a disagg_cluster: etcd, or an orchestrator's registry)"
     )
     cluster.add_argument("--cluster-uri", default=None, metavar="URI",
                          help="etcd://HOST:PORT[,HOST:PORT...] or http://ORCHESTRATOR:PORT (default: none, "
                               "not registered)")  # fmt: skip
-    cluster.add_argument("--cluster-name", default="", help="the cluster's namespace (default empty)")
-    cluster.add_argument("--heartbeat-interval-sec", type=float, default=5.0,
-                         help="seconds between heartbeats (default 5)")  # fmt: skip
-    cluster.add_argument("--inactive-timeout-sec", type=float, default=10.0,
+    cluster.add_argument("--cluster-name", default=defaults["cluster_name"].default,
+                         help="the cluster's namespace (default empty)")  # fmt: skip
+    cluster.add_argument("--heartbeat-interval-sec", type=float, default=heartbeat,
+                         help=f"seconds between heartbeats (default {heartbeat:g})")  # fmt: skip
+    cluster.add_argument("--inactive-timeout-sec", type=float, default=inactive,
                          help="seconds without a heartbeat before the cluster forgets this worker "
-                              "(its etcd lease's TTL; default 10)")  # fmt: skip
+                              f"(its etcd lease's TTL; default {inactive:g})")  # fmt: skip
     cluster.add_argument("--cluster-record-format", choices=("fastcore", "trtllm"), default="fastcore",
                          help="register fastcore's record (default), or trtllm-serve's {worker_id, host, "
                               "port, role} under /trtllm-disagg/ (its HTTP storage API on http://) so a "
                               "trtllm-serve orchestrator discovers this worker")  # fmt: skip
-    add_synthetic_arguments(parser)
 
 
 def _share(text: str) -> float:
@@ -284,24 +350,9 @@ def run(args: argparse.Namespace) -> int:
             shared_secret=secret,
             metrics_token=metrics_token,
             trtllm_auth_key=trtllm_key,
-            accept_trtllm_orchestrator=args.accept_trtllm_orchestrator,
-            kv_ttl_s=args.kv_ttl,
-            kv_fetch_timeout_s=args.kv_fetch_timeout,
-            max_parked_fraction=args.max_parked_fraction,
-            admission_wait_s=args.admission_wait,
-            max_waiting=args.max_waiting,
-            stream_stall_timeout_s=args.stream_stall_timeout,
             kv_allow=tuple(args.kv_allow),
-            public_url=args.public_url,
-            max_body_bytes=args.max_body_bytes,
-            header_timeout_s=args.header_timeout,
-            body_timeout_s=args.body_timeout,
-            keepalive_timeout_s=args.keepalive_timeout,
-            max_connections=args.max_connections,
-            max_inflight_body_bytes=args.max_inflight_body_bytes,
-            client_ip_share=args.client_ip_share,
             device=device,
-            otlp_traces_endpoint=args.otlp_traces_endpoint,
+            **{field: getattr(args, dest) for dest, field in _SETTINGS.items()},
         )
     except ValueError as exc:
         print(f"fastcore-serve worker: {exc}", file=sys.stderr)
@@ -315,7 +366,7 @@ async def _serve(
     host: str,
     port: int,
     cluster: Any = None,
-    drain_timeout: float = 30.0,
+    drain_timeout: float = DRAIN_TIMEOUT_S,
 ) -> int:
     from .app import WorkerApp
 
