@@ -15,8 +15,8 @@ import pytest
 
 pytest.importorskip("torch")  # the torch worker: skipped where the [worker] extra is not installed
 
+from engines import small_config
 from helpers import free_port, until
-from test_worker_model import small_config
 from tiny_workers import one_torch_thread, tiny_worker  # noqa: F401
 from trtllm_cluster_standin import ClusterWorker, HttpStorageClient, ServerRole
 from trtllm_standin import start_standin

@@ -13,11 +13,12 @@ import pytest
 pytest.importorskip("torch")  # the torch worker: skipped where the [worker] extra is not installed
 
 import torch
+from engines import make_request, run
 
 from server.worker.engine import EngineRequest, TorchEngine, prompt_checksum
 from server.worker.kv_cache import KVCacheFull
 from server.worker.kv_transfer import KVLayout, KVTransferError, decode_kv, encode_kv
-from server.worker.output import Delta, OutputProcessor, SamplingParams, TokenLogprob
+from server.worker.output import TokenLogprob
 from server.worker.tiny import build_tiny
 
 
@@ -28,32 +29,6 @@ def engine() -> Any:
     eng = TorchEngine(config, model, tokenizer, kv_tokens=1024)
     yield eng
     eng.stop()
-
-
-def make_request(
-    engine: TorchEngine, prompt: str, **params: Any
-) -> tuple[EngineRequest, asyncio.Queue[Delta]]:
-    queue: asyncio.Queue[Delta] = asyncio.Queue()
-    sp = SamplingParams(**{"max_tokens": 16, "temperature": 0.0, "ignore_eos": True, **params})
-    req = EngineRequest(
-        request_id=f"{prompt}-{id(queue)}",
-        prompt_ids=np.asarray(engine.tokenizer.encode(prompt), dtype=np.int32),
-        params=sp,
-        processor=OutputProcessor(engine.tokenizer, sp),
-        on_delta=queue.put_nowait,
-    )
-    return req, queue
-
-
-async def run(engine: TorchEngine, prompt: str, **params: Any) -> tuple[list[int], str | None, list[Delta]]:
-    req, queue = make_request(engine, prompt, **params)
-    engine.submit(req)
-    deltas = []
-    while True:
-        d = await asyncio.wait_for(queue.get(), 30)
-        deltas.append(d)
-        if d.finish_reason:
-            return [t for x in deltas for t in x.token_ids], d.finish_reason, deltas
 
 
 async def test_sampling_controls(engine: TorchEngine) -> None:

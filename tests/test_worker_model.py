@@ -9,27 +9,13 @@ import pytest
 pytest.importorskip("torch")  # the torch worker: skipped where the [worker] extra is not installed
 
 import torch
+from engines import small_config
 
 from server.worker.kv_cache import DecodeAttention, KVCacheFull, PagedKVCache, PrefillAttention
 from server.worker.model import LlamaForCausalLM, ModelConfig, rope_inverse_frequencies
 from server.worker.tiny import build_tiny
 
 torch.manual_seed(0)
-
-
-def small_config(**overrides: object) -> ModelConfig:
-    fields: dict[str, object] = dict(
-        vocab_size=97,
-        hidden_size=48,
-        intermediate_size=80,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rope_theta=500.0,
-    )
-    fields.update(overrides)
-    return ModelConfig(**fields)  # type: ignore[arg-type]
 
 
 def random_model(config: ModelConfig, seed: int = 1) -> LlamaForCausalLM:

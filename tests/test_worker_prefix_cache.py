@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("torch")  # the torch worker: skipped where the [worker] extra is not installed
 
 import torch
-from test_worker_engine import make_request, run
+from engines import make_request, run
 from tiny_workers import one_torch_thread, tiny_worker  # noqa: F401
 
 from server.worker.engine import TorchEngine, prompt_checksum
