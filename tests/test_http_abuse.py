@@ -5,7 +5,7 @@ asyncio's default loop and on uvloop (what the processes run). Clients that
 must count as other clients bind other loopback addresses (127.0.0.2, ...:
 Linux routes all of 127/8 to lo), so the per-IP bounds are seen as they are in
 production. The client, the response parser and the helpers are
-test_http_server's.
+tests/raw_http.py's, shared with test_http_server.
 """
 
 from __future__ import annotations
@@ -17,20 +17,9 @@ from contextlib import asynccontextmanager
 
 import pytest
 from helpers import eventually
-from test_http_server import (
-    MARKER,
-    Client,
-    Request,
-    Responder,
-    assert_json_error,
-    chunked,
-    connected,
-    echo,
-    get,
-    post,
-    serving,
-)
+from raw_http import MARKER, Client, assert_json_error, chunked, connected, echo, get, post, serving
 
+from server.http import Request, Responder
 from server.http.memory import malloc_trim
 from server.http.server import LINGER_HEAD_BYTES, LINGER_S, SWEEP_BATCH
 
