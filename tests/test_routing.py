@@ -19,6 +19,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from helpers import free_port
+from routing_inputs import history, workers
 
 from server.orchestrator.app import start_server
 from server.orchestrator.config import build_config
@@ -33,25 +34,8 @@ from server.orchestrator.routing import (
 )
 
 
-def workers(n: int, in_flight: int = 0) -> list[Worker]:
-    out = [Worker(f"http://w{i}") for i in range(n)]
-    for w in out:
-        w.healthy = True
-        w.in_flight = in_flight
-    return out
-
-
 def chat(messages: list[dict[str, Any]], **extra: Any) -> bytes:
     return json.dumps({"model": "m", "messages": messages, "max_tokens": 4, **extra}).encode()
-
-
-def history(seed: int, turns: int, size: int = 3000) -> list[dict[str, Any]]:
-    """A conversation's messages after ``turns`` turns; each turn appends to the last."""
-    msgs = [{"role": "system", "content": f"conversation {seed} " + "s" * 200}]
-    for t in range(turns):
-        msgs.append({"role": "user", "content": f"{seed}-{t} " + "u" * size})
-        msgs.append({"role": "assistant", "content": f"{seed}-{t} " + "a" * size})
-    return msgs
 
 
 # -- request keys -------------------------------------------------------------------------------------

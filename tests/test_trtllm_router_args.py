@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 import pytest
-from test_routing import history, workers
+from routing_inputs import history, workers
 
 from server.orchestrator.config import ConfigError, build_config
 from server.orchestrator.routing import ConversationRouter, KvCacheAwareRouter, make_router, request_key
