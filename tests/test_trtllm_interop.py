@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from helpers import http_post
-from test_orchestrator_functional import (
+from orchestrators import (
     MESSAGES,
     MODES,
     PROMPT,
