@@ -139,7 +139,7 @@ async def test_the_stream_is_guarded_one_chunk_size_and_long_polled() -> None:
 
 
 async def test_a_worker_without_events_is_a_404() -> None:
-    from tests.tiny_workers import synthetic_worker
+    from tiny_workers import synthetic_worker
 
     worker = await synthetic_worker()  # fixed prompts: no modelled cache... but a cache object
     worker.engine.cache = None  # an engine without a prefix cache model

@@ -15,13 +15,13 @@ from typing import Any
 import aiohttp
 import pytest
 from helpers import free_port
+from tiny_workers import one_torch_thread, tiny_worker  # noqa: F401 (autouse fixture)
 
 from server.orchestrator.app import start_server
 from server.orchestrator.config import build_config
 from server.orchestrator.estimates import DEFAULT_BYTES_PER_TOKEN, BytesPerToken, UsageLearner, read_usage
 from server.orchestrator.pools import Capabilities, HealthChecker, Pool, Worker
 from server.orchestrator.routing import KvCacheAwareRouter, RequestKey, make_router, request_key
-from tests.tiny_workers import one_torch_thread, tiny_worker  # noqa: F401 (autouse fixture)
 
 # -- reading usage ----------------------------------------------------------------------------------
 
