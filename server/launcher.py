@@ -55,6 +55,7 @@ from server.orchestrator.cli import add_gate_arguments, gate_flags
 from server.orchestrator.config import RELAY_MODES, config_default
 from server.ports import port_problem, release_ports, reserve_ports
 from server.process import start_child
+from server.worker.cli import DEFAULT_MODEL, served_name
 
 STOP_GRACE_S = 10.0
 #: how long past its drain deadline a child may take to exit before it is killed (a worker waits up
@@ -87,9 +88,9 @@ class Child:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
-        default="tiny",
+        default=DEFAULT_MODEL,
         help="worker model: tiny (built in: seeded random weights, so random text), synthetic (no model), "
-        "or a Hugging Face directory (default tiny)",
+        f"or a Hugging Face directory (default {DEFAULT_MODEL})",
     )
     host, port = config_default("hostname"), config_default("port")
     parser.add_argument("--host", default=host, help=f"address of every process (default {host})")
@@ -168,13 +169,6 @@ def check_cluster_args(args: argparse.Namespace) -> None:
             ClusterSettings(cluster_uri="etcd://127.0.0.1:2379", cluster_name=args.cluster_name)
         except RecordError as exc:
             raise ValueError(f"--cluster-name: {exc}") from None
-
-
-def served_name(model: str) -> str:
-    """The model id the workers will serve (server.worker.cli.build_engine's name)."""
-    if model in ("tiny", "synthetic"):
-        return model
-    return os.path.basename(os.path.normpath(model))
 
 
 def plan(args: argparse.Namespace, cluster_uri: str | None = None) -> list[Child]:

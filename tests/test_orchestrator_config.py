@@ -547,3 +547,14 @@ def test_router_types_are_the_routers_built_and_their_trtllm_names():
                           "generation_servers": {"urls": ["h:2"]}}, environ={}).check_runnable()  # fmt: skip
     with pytest.raises(ConfigError, match=r"router\.type: .*one of round_robin, .*load_balancing.*got 'random'"):
         build_config({"context_servers": {"router": {"type": "random"}}}, environ={})
+
+
+def test_breaker_and_connect_defaults_are_the_pools_and_the_clients():
+    from server.http.client import CONNECT_TIMEOUT_S, UpstreamPool
+    from server.orchestrator.pools import CircuitBreaker, Pool
+
+    config = OrchestratorConfig()
+    breaker, pool = CircuitBreaker(), Pool("context", ["http://h:1"], "round_robin")
+    assert (config.circuit_breaker_failures, config.circuit_breaker_open_s) == (breaker.threshold, breaker.open_s)
+    assert (pool.breaker_failures, pool.breaker_open_s) == (breaker.threshold, breaker.open_s)
+    assert config.connect_timeout_s == CONNECT_TIMEOUT_S == UpstreamPool("http://h:1").connect_timeout_s

@@ -249,3 +249,25 @@ def test_each_flag_that_fills_a_worker_setting_defaults_to_the_settings_own() ->
     assert (args.max_body_bytes, args.max_inflight_body_bytes, args.keepalive_timeout) == (64 << 20, 1 << 30, 75.0)
     help_text = " ".join(parser.format_help().split())  # argparse wraps at the terminal's width
     assert "(default 64 MiB)" in help_text and "(default 1 GiB)" in help_text
+
+
+def test_the_engine_flags_default_to_the_torch_engines_own() -> None:
+    import argparse
+    import inspect
+
+    from server import launcher
+    from server.worker import cli
+    from server.worker.engine import TorchEngine
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args([])
+    engine = inspect.signature(TorchEngine).parameters
+    for flag in ("block_size", "max_num_seqs", "prefix_caching"):
+        assert getattr(args, flag) == engine[flag].default, flag
+    assert args.kv_tokens is None and engine["kv_tokens"].default == cli.DEFAULT_KV_TOKENS  # tiny's
+    help_text = " ".join(parser.format_help().split())
+    assert f"(default: {engine['kv_tokens'].default} for tiny" in help_text
+    up = argparse.ArgumentParser()
+    launcher.add_arguments(up)
+    assert up.parse_args([]).model == args.model == cli.DEFAULT_MODEL

@@ -29,6 +29,11 @@ import httptools
 
 BodyPiece = bytes | bytearray | memoryview
 
+#: UpstreamPool's defaults (the orchestrator's connect_timeout_s config key reads the first): seconds
+#: to open a connection to a worker, and an idle connection's life in the pool (a worker's keep-alive
+#: timeout, server/http/limits.py WORKER_KEEPALIVE_TIMEOUT_S, stays above it)
+CONNECT_TIMEOUT_S = 5.0
+IDLE_TIMEOUT_S = 30.0
 
 # len() of content-type, content-length, retry-after, transfer-encoding
 _WANTED_LENGTHS = frozenset((12, 14, 11, 17))
@@ -468,9 +473,9 @@ class UpstreamPool:
         self,
         url: str,
         *,
-        connect_timeout_s: float = 5.0,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
         max_idle: int = 512,
-        idle_timeout_s: float = 30.0,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
         extra_headers: bytes = b"",
         deadlines: Deadlines | None = None,
     ) -> None:

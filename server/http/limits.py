@@ -34,8 +34,9 @@ WORKER_MAX_BODY_BYTES = 2 * MAX_BODY_BYTES
 #: body bytes a worker holds at once: 16 bodies at its limit, as the orchestrator's is 16 of its own
 WORKER_MAX_INFLIGHT_BODY_BYTES = 16 * WORKER_MAX_BODY_BYTES
 #: a worker's clients are orchestrators that keep idle connections to it for reuse, and it must
-#: not close one sooner than they let it go (fastcore's UpstreamPool: 30 s; aiohttp's connector,
-#: trtllm-serve's: 15 s). 75 s is aiohttp's server default, the worker's since aiohttp served it
+#: not close one sooner than they let it go (fastcore's UpstreamPool: client.IDLE_TIMEOUT_S, 30 s;
+#: aiohttp's connector, trtllm-serve's: 15 s). 75 s is aiohttp's server default, the worker's since
+#: aiohttp served it
 WORKER_KEEPALIVE_TIMEOUT_S = 75.0
 
 

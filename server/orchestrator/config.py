@@ -16,11 +16,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from server.auth import read_secret
-from server.cluster.records import ClusterSettings
+from server.cluster.records import LAYOUTS, ClusterSettings
 from server.http import limits
+from server.http.client import CONNECT_TIMEOUT_S
 from server.metrics_access import METRICS_TOKEN_ENV
 from server.tracing import TracingConfigError, check_endpoint, configured_endpoint
 
+from .pools import BREAKER_FAILURES, BREAKER_OPEN_S
 from .routing import ROUTER_ARGS, ROUTERS, make_router
 from .tenants import API_KEY_ENV, KeyFileError, read_key_file
 
@@ -154,7 +156,7 @@ class DisaggClusterConfig(BaseModel):
     # the key prefixes read: ours (/fastcore/<name>/workers/) and trtllm-serve's
     # (/trtllm-disagg/<name>/workers/); records of either layout are read under either
     key_prefixes: list[Literal["fastcore", "trtllm"]] = Field(
-        default_factory=lambda: ["fastcore", "trtllm"], min_length=1
+        default_factory=lambda: list(LAYOUTS), min_length=1
     )
     # trtllm-serve's HTTP cluster storage bearer key (Authorization: Bearer); default: the shared secret
     api_key: str | None = Field(None, repr=False)
@@ -255,11 +257,11 @@ class OrchestratorConfig(BaseModel):
     context_fallback: ContextFallback = "local_prefill"
     # Per-worker circuit breakers: failed legs in a row that open one (a timed-out leg: at once),
     # and the seconds it stays open before a probe leg.
-    circuit_breaker_failures: int = Field(3, ge=1)
-    circuit_breaker_open_s: float = Field(5.0, gt=0)
+    circuit_breaker_failures: int = Field(BREAKER_FAILURES, ge=1)
+    circuit_breaker_open_s: float = Field(BREAKER_OPEN_S, gt=0)
     # SIGTERM: requests in flight may finish for this long, then they are cancelled.
     drain_timeout_s: float = Field(30.0, ge=0)
-    connect_timeout_s: float = Field(5.0, gt=0)
+    connect_timeout_s: float = Field(CONNECT_TIMEOUT_S, gt=0)
     health_check_interval_s: float = Field(2.0, gt=0)
     health_check_timeout_s: float = Field(2.0, gt=0)
     # What one client connection may hold (server/http/limits.py, Limits: the defaults' one home).

@@ -102,6 +102,12 @@ def _instance(body: bytes) -> str | None:
     return value if isinstance(value, str) else None
 
 
+#: a breaker's defaults (CircuitBreaker, Pool and the config keys circuit_breaker_failures and
+#: circuit_breaker_open_s read them): failed legs in a row that open it, seconds it stays open
+BREAKER_FAILURES = 3
+BREAKER_OPEN_S = 5.0
+
+
 class CircuitBreaker:
     """One worker's breaker: closed (legs go), open (none), half-open (one probe leg at a time).
 
@@ -119,7 +125,7 @@ class CircuitBreaker:
 
     __slots__ = ("_state", "failures", "open_for", "open_s", "opened", "opened_at", "probing", "threshold")
 
-    def __init__(self, threshold: int = 3, open_s: float = 5.0) -> None:
+    def __init__(self, threshold: int = BREAKER_FAILURES, open_s: float = BREAKER_OPEN_S) -> None:
         self.threshold = threshold
         self.open_s = open_s
         self._state = self.CLOSED
@@ -276,8 +282,8 @@ class Pool:
         router: str,
         router_args: dict[str, Any] | None = None,
         *,
-        breaker_failures: int = 3,
-        breaker_open_s: float = 5.0,
+        breaker_failures: int = BREAKER_FAILURES,
+        breaker_open_s: float = BREAKER_OPEN_S,
     ) -> None:
         self.name = name
         self.breaker_failures = breaker_failures

@@ -17,11 +17,13 @@ from server.metrics_access import METRICS_TOKEN_ENV
 from server.ports import listen_problem, port_problem
 
 from .app import ROLES, WorkerSettings
+from .engine_api import DEFAULT_BLOCK_SIZE, DEFAULT_KV_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFIX_CACHING
 from .synthetic import add_arguments as add_synthetic_arguments
 from .tokenizer import Tokenizer
 
 #: flag dest -> the WorkerSettings field it sets: the flag's default is the field's (one home for it)
 _SETTINGS = {
+    "role": "role",
     "kv_ttl": "kv_ttl_s",
     "kv_fetch_timeout": "kv_fetch_timeout_s",
     "max_parked_fraction": "max_parked_fraction",
@@ -41,6 +43,15 @@ _SETTINGS = {
 }
 #: SIGTERM: seconds the requests in flight and parked KV get before the worker stops
 DRAIN_TIMEOUT_S = 30.0
+#: --model's default (fastcore-serve up's too): the built-in model, no download
+DEFAULT_MODEL = "tiny"
+
+
+def served_name(model: str) -> str:
+    """The model id a worker of ``--model model`` serves without --served-model-name."""
+    if model in ("tiny", "synthetic"):
+        return model
+    return os.path.basename(os.path.normpath(model))
 
 
 def _default(dest: str) -> Any:
@@ -62,12 +73,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--role", choices=ROLES, default="both", help="disaggregated role (default both)")
+    parser.add_argument("--role", choices=ROLES, default=_default("role"),
+                        help=f"disaggregated role (default {_default('role')})")  # fmt: skip
     parser.add_argument(
         "--model",
-        default="tiny",
+        default=DEFAULT_MODEL,
         help="'tiny' (built in, seeded random weights: random text, no download), 'synthetic' (no model: "
-        "canned tokens at a set speed), or a Hugging Face model directory (default tiny)",
+        f"canned tokens at a set speed), or a Hugging Face model directory (default {DEFAULT_MODEL})",
     )
     parser.add_argument(
         "--served-model-name", default=None, help="model name in the API (default: --model's name)"
@@ -81,11 +93,15 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                         help="auto: float32 on CPU and for tiny, else the checkpoint's dtype")  # fmt: skip
     parser.add_argument("--kv-tokens", type=int, default=None,
-                        help="KV cache size in tokens (default: 65536 for tiny, else from free memory)")  # fmt: skip
-    parser.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
-    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                        help="reuse the KV of full blocks a prompt shares with an earlier one (default on)")  # fmt: skip
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one decode batch")
+                        help=f"KV cache size in tokens (default: {DEFAULT_KV_TOKENS} for tiny, else from free "
+                             "memory)")  # fmt: skip
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                        help=f"KV cache block size in tokens (default {DEFAULT_BLOCK_SIZE})")  # fmt: skip
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=DEFAULT_PREFIX_CACHING,
+                        help="reuse the KV of full blocks a prompt shares with an earlier one "
+                             f"(default {'on' if DEFAULT_PREFIX_CACHING else 'off'})")  # fmt: skip
+    parser.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
+                        help=f"most sequences in one decode batch (default {DEFAULT_MAX_NUM_SEQS})")  # fmt: skip
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch intra-op threads (default: half the CPUs, 1 to 4)")  # fmt: skip
 
@@ -168,7 +184,7 @@ def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
-    from server.cluster.records import ClusterSettings
+    from server.cluster.records import LAYOUTS, ClusterSettings
 
     defaults = ClusterSettings.__dataclass_fields__
     heartbeat, inactive = defaults["heartbeat_interval_s"].default, defaults["inactive_timeout_s"].default
@@ -185,7 +201,7 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--inactive-timeout-sec", type=float, default=inactive,
                          help="seconds without a heartbeat before the cluster forgets this worker "
                               f"(its etcd lease's TTL; default {inactive:g})")  # fmt: skip
-    cluster.add_argument("--cluster-record-format", choices=("fastcore", "trtllm"), default="fastcore",
+    cluster.add_argument("--cluster-record-format", choices=LAYOUTS, default=defaults["record_format"].default,
                          help="register fastcore's record (default), or trtllm-serve's {worker_id, host, "
                               "port, role} under /trtllm-disagg/ (its HTTP storage API on http://) so a "
                               "trtllm-serve orchestrator discovers this worker")  # fmt: skip
@@ -255,7 +271,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str, str]:
             # not by the first hand-off, which would stall the loop (heartbeats included) ~2 s.
             from . import kv_transfer  # noqa: F401
 
-        return synthetic.build_engine(args), args.served_model_name or "synthetic", "cpu"
+        return synthetic.build_engine(args), args.served_model_name or served_name(args.model), "cpu"
     import torch
 
     from .engine import TorchEngine
@@ -270,15 +286,13 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str, str]:
 
         dtype = dtypes.get(args.dtype, torch.float32)
         config, model, tokenizer = build_tiny(device, dtype)
-        name = "tiny"
-        kv_tokens = args.kv_tokens or 1 << 16
+        kv_tokens = args.kv_tokens or DEFAULT_KV_TOKENS
     else:
         from .hf import load_model_dir
 
         # auto: the loader picks (float32 on CPU, the checkpoint's dtype on CUDA).
         dtype_arg = None if args.dtype == "auto" else dtypes[args.dtype]
         config, model, tokenizer = load_model_dir(args.model, device, dtype_arg)
-        name = os.path.basename(os.path.normpath(args.model))
         kv_tokens = args.kv_tokens or default_kv_tokens(config, model, device)
     engine = TorchEngine(
         config,
@@ -290,7 +304,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str, str]:
         prefix_caching=args.prefix_caching,
         max_num_seqs=args.max_num_seqs,
     )
-    return engine, args.served_model_name or name, device
+    return engine, args.served_model_name or served_name(args.model), device
 
 
 def default_kv_tokens(config: Any, model: Any, device: str) -> int:
@@ -345,7 +359,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         settings = WorkerSettings(
-            role=args.role,
             model_name=model_name,
             shared_secret=secret,
             metrics_token=metrics_token,

@@ -39,7 +39,17 @@ import time
 import numpy as np
 import torch
 
-from .engine_api import NOT_FINISHED, EngineRequest, KVCacheFull, ParkedKV, prompt_checksum
+from .engine_api import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_KV_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_PREFIX_CACHING,
+    NOT_FINISHED,
+    EngineRequest,
+    KVCacheFull,
+    ParkedKV,
+    prompt_checksum,
+)
 from .kv_cache import DecodeAttention, PagedKVCache, PrefillAttention
 from .kv_transfer import KVLayout
 from .model import LlamaForCausalLM, ModelConfig
@@ -59,11 +69,11 @@ class TorchEngine:
         tokenizer: Tokenizer,
         *,
         device: torch.device | str = "cpu",
-        kv_tokens: int = 1 << 16,
-        block_size: int = 16,
-        max_num_seqs: int = 64,
+        kv_tokens: int = DEFAULT_KV_TOKENS,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         prefill_tokens_per_step: int = 2048,
-        prefix_caching: bool = True,
+        prefix_caching: bool = DEFAULT_PREFIX_CACHING,
     ) -> None:
         self.config = config
         self.model = model

@@ -28,6 +28,14 @@ if TYPE_CHECKING:
 #: finish_reason of a context leg after which a generation leg follows.
 NOT_FINISHED = wire.FINISH_NOT_FINISHED
 
+# A torch engine's defaults, declared once: TorchEngine's arguments and the worker's flags
+# (server/worker/cli.py, which reads them here without importing torch).
+#: KV cache size in tokens (the tiny model's; a checkpoint's is sized from free memory)
+DEFAULT_KV_TOKENS = 1 << 16
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_NUM_SEQS = 64
+DEFAULT_PREFIX_CACHING = True
+
 
 class KVCacheFull(Exception):
     """Not enough free KV cache for a request's reservation.
