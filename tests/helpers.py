@@ -113,6 +113,14 @@ def http_post(
         return exc.code, json.loads(exc.read())
 
 
+def streamed(base: dict[str, Any], stream: bool) -> dict[str, Any]:
+    """An OpenAI request body: ``base`` with ``stream``, and the final usage chunk asked for when it streams."""
+    body = {**base, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
 def comparable_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
     """Usage without ``prompt_tokens_details`` (checked to be there): how much of the prompt the
     serving worker's prefix cache held depends on that worker's history, not on the answer."""

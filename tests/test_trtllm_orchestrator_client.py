@@ -55,6 +55,7 @@ from typing import Any
 import aiohttp
 import pytest
 import pytest_asyncio
+from helpers import streamed
 from pydantic import ValidationError
 from tiny_workers import LiveWorker, one_torch_thread, tiny_worker  # noqa: F401 (an autouse fixture)
 from trtllm_standin import (
@@ -300,9 +301,7 @@ async def test_trtllm_orchestrator_gets_the_single_worker_tokens(
     tokids: bool,
 ) -> None:
     path, base = ROUTES[route]
-    body = {**base, "stream": stream}
-    if stream:
-        body["stream_options"] = {"include_usage": True}
+    body = streamed(base, stream)
     want = outcome(route, await direct(http, workers["both"].url + path, body))
     assert want["finish_reason"] == "length" and len(want["text"]) > 5
 

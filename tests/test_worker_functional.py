@@ -24,11 +24,11 @@ pytest.importorskip("torch")  # the torch worker: skipped where the [worker] ext
 
 import pytest_asyncio
 import torch
-from helpers import comparable_usage
+from helpers import comparable_usage, streamed
 from tiny_workers import LiveWorker, one_torch_thread, tiny_worker  # noqa: F401 (an autouse fixture)
 
 from server.auth import SIGNATURE_HEADER, sign_body
-from server.worker.app import kv_signature
+from server.worker.kv_handoff import kv_signature
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -163,9 +163,7 @@ async def test_disaggregated_equals_single_worker(
     handoff: str,
 ) -> None:
     path, base = ROUTES[route]
-    body = {**base, "stream": stream}
-    if stream:
-        body["stream_options"] = {"include_usage": True}
+    body = streamed(base, stream)
     status, single = await call(http, workers["both"].url + path, body)
     assert status == 200
     want = outcome(route, single)
