@@ -722,44 +722,29 @@ def test_kernel_refuses_context_responses(relay: Relay, ctx: bytes, message: str
     assert kernel_outcome(relay.read_context_response, ctx, None) == ("RelayError", message, field, None)
 
 
-@pytest.mark.parametrize(
-    ("body", "chat", "message", "field"),
-    [
-        (b"[]", True, "request body must be a JSON object", None),
-        (b'{"prompt_token_ids": [1]}', True, "'prompt_token_ids' is an internal field", "prompt_token_ids"),
-        (b'{"stream": 1, "messages": [1]}', True, "'stream' must be a boolean", "stream"),
-        (
-            b'{"stream_options": [], "prompt": "x"}',
-            False,
-            "'stream_options' must be an object",
-            "stream_options",
-        ),
-        (
-            b'{"stream_options": {"include_usage": 0}}',
-            False,
-            "'include_usage' must be a boolean",
-            "include_usage",
-        ),
-        (b'{"model": 5, "prompt": "x"}', False, "'model' must be a string", "model"),
-        (b'{"messages": []}', True, "'messages' must be a non-empty array", "messages"),
-        (b'{"prompt": 5}', False, "'prompt' must be a string or an array", "prompt"),
-        (b'{"prompt": "x", "max_tokens": 1.0}', False, "'max_tokens' must be an integer", "max_tokens"),
-        (b'{"prompt": "x", "max_tokens": true}', False, "'max_tokens' must be an integer", "max_tokens"),
-        (
-            b'{"messages": [1], "max_completion_tokens": -123456789012345678901}',
-            True,
-            "'max_completion_tokens' must be an integer of at most 20 digits",
-            "max_completion_tokens",
-        ),
-        (
-            b'{"messages": [1], "max_tokens": -12345678901234567890}',
-            True,
-            "'max_tokens' must be at least 1, got -12345678901234567890",
-            "max_tokens",
-        ),
-        (b'{"prompt": "x", "max_tokens": -0}', False, "'max_tokens' must be at least 1, got 0", "max_tokens"),
-    ],
-)
+# One row a refusal: (body, chat, the message's start, field).
+# fmt: off
+CLIENT_REFUSALS = [
+    (b"[]", True, "request body must be a JSON object", None),
+    (b'{"prompt_token_ids": [1]}', True, "'prompt_token_ids' is an internal field", "prompt_token_ids"),
+    (b'{"stream": 1, "messages": [1]}', True, "'stream' must be a boolean", "stream"),
+    (b'{"stream_options": [], "prompt": "x"}', False, "'stream_options' must be an object", "stream_options"),
+    (b'{"stream_options": {"include_usage": 0}}', False, "'include_usage' must be a boolean", "include_usage"),
+    (b'{"model": 5, "prompt": "x"}', False, "'model' must be a string", "model"),
+    (b'{"messages": []}', True, "'messages' must be a non-empty array", "messages"),
+    (b'{"prompt": 5}', False, "'prompt' must be a string or an array", "prompt"),
+    (b'{"prompt": "x", "max_tokens": 1.0}', False, "'max_tokens' must be an integer", "max_tokens"),
+    (b'{"prompt": "x", "max_tokens": true}', False, "'max_tokens' must be an integer", "max_tokens"),
+    (b'{"messages": [1], "max_completion_tokens": -123456789012345678901}', True,
+     "'max_completion_tokens' must be an integer of at most 20 digits", "max_completion_tokens"),
+    (b'{"messages": [1], "max_tokens": -12345678901234567890}', True,
+     "'max_tokens' must be at least 1, got -12345678901234567890", "max_tokens"),
+    (b'{"prompt": "x", "max_tokens": -0}', False, "'max_tokens' must be at least 1, got 0", "max_tokens"),
+]
+# fmt: on
+
+
+@pytest.mark.parametrize(("body", "chat", "message", "field"), CLIENT_REFUSALS)
 def test_kernel_refuses_client_bodies(
     relay: Relay, body: bytes, chat: bool, message: str, field: str | None
 ) -> None:
