@@ -47,36 +47,27 @@ QUICK: dict[str, float] = {"header_timeout_s": 0.2, "body_timeout_s": 0.2, "keep
 
 H = b"Host: t\r\n"
 SMUGGLED = b"GET /" + MARKER + b" HTTP/1.1\r\nHost: t\r\n\r\n"
+POST = b"POST / HTTP/1.1\r\n" + H
 
 BAD_REQUESTS = [
     # Content-Length and Transfer-Encoding together, both orders (the classic CL.TE / TE.CL smuggle).
     pytest.param(
-        b"POST / HTTP/1.1\r\n"
-        + H
-        + b"Content-Length: 6\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
-        + SMUGGLED,
+        POST + b"Content-Length: 6\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + SMUGGLED,
         (400,),
         id="content-length-then-transfer-encoding",
     ),
     pytest.param(
-        b"POST / HTTP/1.1\r\n"
-        + H
-        + b"Transfer-Encoding: chunked\r\nContent-Length: 6\r\n\r\n0\r\n\r\n"
-        + SMUGGLED,
+        POST + b"Transfer-Encoding: chunked\r\nContent-Length: 6\r\n\r\n0\r\n\r\n" + SMUGGLED,
         (400,),
         id="transfer-encoding-then-content-length",
     ),
     pytest.param(
-        b"POST / HTTP/1.1\r\n"
-        + H
-        + b"Content-Length: 5\r\nContent-Length: 5\r\n\r\n"
-        + MARKER[:5]
-        + SMUGGLED,
+        POST + b"Content-Length: 5\r\nContent-Length: 5\r\n\r\n" + MARKER[:5] + SMUGGLED,
         (400,),
         id="two-content-lengths-same",
     ),
     pytest.param(
-        b"POST / HTTP/1.1\r\n" + H + b"Content-Length: 0\r\nContent-Length: 44\r\n\r\n" + SMUGGLED,
+        POST + b"Content-Length: 0\r\nContent-Length: 44\r\n\r\n" + SMUGGLED,
         (400,),
         id="two-content-lengths-different",
     ),
@@ -94,100 +85,76 @@ BAD_REQUESTS = [
     pytest.param(b"GET / HTTP/1.1\r\nHost: t\nX-M: " + MARKER + b"\r\n\r\n", (400,), id="bare-lf-header"),
     pytest.param(b"GET / HTTP/1.1\r\nX-M: " + MARKER + b"\r\n\n", (400,), id="bare-lf-end-of-headers"),
     pytest.param(
-        b"POST / HTTP/1.1\r\n"
-        + H
-        + b"Transfer-Encoding: chunked\r\n\r\n1"
-        + b"0" * 20
-        + b"\r\n"
-        + MARKER
-        + b"\r\n0\r\n\r\n",
+        POST + b"Transfer-Encoding: chunked\r\n\r\n1" + b"0" * 20 + b"\r\n" + MARKER + b"\r\n0\r\n\r\n",
         (400,),
         id="chunk-size-overflow",
     ),
     pytest.param(
-        b"POST / HTTP/1.1\r\n" + H + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n" + MARKER + b"\r\n0\r\n\r\n",
+        POST + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n" + MARKER + b"\r\n0\r\n\r\n",
         (400,),
         id="chunk-size-not-hex",
     ),
     pytest.param(
-        b"POST / HTTP/1.1\r\n" + H + b"Transfer-Encoding: chunked\r\n\r\n-1\r\n" + MARKER + b"\r\n0\r\n\r\n",
+        POST + b"Transfer-Encoding: chunked\r\n\r\n-1\r\n" + MARKER + b"\r\n0\r\n\r\n",
         (400,),
         id="chunk-size-negative",
     ),
     pytest.param(
-        b"POST / HTTP/1.1\r\n"
-        + H
-        + b"Transfer-Encoding: chunked\r\n\r\n3\r\nabc"
-        + MARKER
-        + b"\r\n0\r\n\r\n",
+        POST + b"Transfer-Encoding: chunked\r\n\r\n3\r\nabc" + MARKER + b"\r\n0\r\n\r\n",
         (400,),
         id="chunk-data-longer-than-size",
     ),
     pytest.param(
-        b"POST / HTTP/1.1\r\n" + H + b"Transfer-Encoding: chunked\r\n\r\n3\nabc\r\n0\r\n\r\n" + SMUGGLED,
+        POST + b"Transfer-Encoding: chunked\r\n\r\n3\nabc\r\n0\r\n\r\n" + SMUGGLED,
         (400,),
         id="chunk-size-bare-lf",
     ),
     pytest.param(
-        b"POST / HTTP/1.1\r\n" + H + b"Transfer-Encoding: gzip\r\n\r\n" + MARKER,
+        POST + b"Transfer-Encoding: gzip\r\n\r\n" + MARKER,
         (501,),
         id="transfer-encoding-gzip",
     ),
     pytest.param(
-        b"POST / HTTP/1.1\r\n" + H + b"Transfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n" + SMUGGLED,
+        POST + b"Transfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n" + SMUGGLED,
         (501,),
         id="transfer-encoding-gzip-chunked",
     ),
     pytest.param(
-        b"POST / HTTP/1.1\r\n" + H + b"Transfer-Encoding: identity\r\n\r\n" + MARKER,
+        POST + b"Transfer-Encoding: identity\r\n\r\n" + MARKER,
         (400, 501),
         id="transfer-encoding-identity",
     ),
     pytest.param(
-        b"POST / HTTP/1.1\r\n" + H + b"Transfer-Encoding: chunked, identity\r\n\r\n0\r\n\r\n" + SMUGGLED,
+        POST + b"Transfer-Encoding: chunked, identity\r\n\r\n0\r\n\r\n" + SMUGGLED,
         (400, 501),
         id="transfer-encoding-chunked-not-last",
     ),
     pytest.param(
-        b"POST / HTTP/1.1\r\n"
-        + H
-        + b"Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
-        + SMUGGLED,
+        POST + b"Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + SMUGGLED,
         (400, 501),
         id="two-transfer-encodings",
     ),
     pytest.param(
-        b"POST / HTTP/1.1\r\n"
-        + H
-        + b"Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
-        + SMUGGLED,
+        POST + b"Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + SMUGGLED,
         (400, 501),
         id="two-transfer-encodings-different",
     ),
+    pytest.param(POST + b"Content-Length: +5\r\n\r\n" + MARKER, (400,), id="content-length-plus"),
+    pytest.param(POST + b"Content-Length: -5\r\n\r\n" + MARKER, (400,), id="content-length-minus"),
     pytest.param(
-        b"POST / HTTP/1.1\r\n" + H + b"Content-Length: +5\r\n\r\n" + MARKER, (400,), id="content-length-plus"
-    ),
-    pytest.param(
-        b"POST / HTTP/1.1\r\n" + H + b"Content-Length: -5\r\n\r\n" + MARKER, (400,), id="content-length-minus"
-    ),
-    pytest.param(
-        b"POST / HTTP/1.1\r\n" + H + b"Content-Length: 1 2\r\n\r\n" + MARKER,
+        POST + b"Content-Length: 1 2\r\n\r\n" + MARKER,
         (400,),
         id="content-length-space",
     ),
     pytest.param(
-        b"POST / HTTP/1.1\r\n" + H + b"Content-Length: 5, 5\r\n\r\n" + MARKER,
+        POST + b"Content-Length: 5, 5\r\n\r\n" + MARKER,
         (400,),
         id="content-length-list",
     ),
+    pytest.param(POST + b"Content-Length: 0x5\r\n\r\n" + MARKER, (400,), id="content-length-hex"),
+    pytest.param(POST + b"Content-Length: \r\n\r\n" + MARKER, (400,), id="content-length-empty"),
     pytest.param(
-        b"POST / HTTP/1.1\r\n" + H + b"Content-Length: 0x5\r\n\r\n" + MARKER, (400,), id="content-length-hex"
-    ),
-    pytest.param(
-        b"POST / HTTP/1.1\r\n" + H + b"Content-Length: \r\n\r\n" + MARKER, (400,), id="content-length-empty"
-    ),
-    pytest.param(
-        b"POST / HTTP/1.1\r\n" + H + b"Content-Length: 1" + b"0" * 30 + b"\r\n\r\n" + MARKER,
+        POST + b"Content-Length: 1" + b"0" * 30 + b"\r\n\r\n" + MARKER,
         (400,),
         id="content-length-overflow",
     ),
@@ -226,7 +193,7 @@ BAD_REQUESTS = [
     pytest.param(b"G\x7fT /" + MARKER + b" HTTP/1.1\r\n" + H + b"\r\n", (400,), id="invalid-method"),
     pytest.param(b"\x16\x03\x01\x02\x00\x01\x00" + MARKER + b"\r\n\r\n", (400,), id="tls-client-hello"),
     pytest.param(
-        b"POST / HTTP/1.1\r\n" + H + b"Expect: " + MARKER + b"\r\nContent-Length: 0\r\n\r\n",
+        POST + b"Expect: " + MARKER + b"\r\nContent-Length: 0\r\n\r\n",
         (417,),
         id="expect-unsupported",
     ),
@@ -597,7 +564,10 @@ async def test_slow_handler_is_not_a_timeout() -> None:
 
 @pytest.mark.parametrize(
     "partial",
-    [b"GET /next HTTP/1.1\r\nX-Partial: ", b"POST /next HTTP/1.1\r\nHost: t\r\nContent-Length: 10\r\n\r\nabc"],
+    [
+        b"GET /next HTTP/1.1\r\nX-Partial: ",
+        b"POST /next HTTP/1.1\r\nHost: t\r\nContent-Length: 10\r\n\r\nabc",
+    ],
     ids=["headers", "body"],
 )
 async def test_partial_pipelined_request_times_out_behind_slow_handler(partial: bytes) -> None:
@@ -706,7 +676,10 @@ async def test_body_bytes_in_flight_budget_503_with_retry_after() -> None:
 
 async def test_body_bytes_of_a_vanished_client_are_released() -> None:
     release, arrived = asyncio.Event(), []
-    async with serving(_held(release, arrived), max_inflight_body_bytes=1000, peer_share=1.0) as (server, port):
+    async with serving(_held(release, arrived), max_inflight_body_bytes=1000, peer_share=1.0) as (
+        server,
+        port,
+    ):
         client = await Client.connect(port)
         await client.send(post(b"/a", b"a" * 700))
         assert await eventually(lambda: server.body_bytes == 700)
@@ -720,7 +693,9 @@ async def test_body_bytes_of_a_vanished_client_are_released() -> None:
         assert await eventually(lambda: server.body_bytes == 0 and not server.peers)
         # Half a chunked body: what arrived is held, and released.
         half = await Client.connect(port)
-        await half.send(b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked([b"h" * 300])[:-5])
+        await half.send(
+            b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked([b"h" * 300])[:-5]
+        )
         assert await eventually(lambda: server.body_bytes == 300)
         half.abort()
         assert await eventually(lambda: server.body_bytes == 0 and not server.peers)
