@@ -8,17 +8,19 @@
 2. Prompt-id path: per request, what a worker spends on the prompt ids
    with the base64 fast path (context side: ``fastcore.encode_tokens`` straight
    from the int32 array into the response JSON; generation side: the body
-   loaded by ``load_request_body``, the ids decoded by ``fastcore.decode_tokens``
+   loaded by the worker's JSON loader, the ids decoded by ``fastcore.decode_tokens``
    from a view of its bytes, range-checked) beside the list path (``tolist`` +
    JSON list; the same loader, the list parsed by pysimdjson into int64), for
    several prompt lengths. These are the worker's own functions
-   (``server.worker.protocol``), not copies.
-3. Generation request parse: ``parse_request`` on whole generation-leg bodies
+   (``server.worker.request``, ``server.worker.responses``), not copies.
+3. Generation request parse: the worker's request read (``RequestReader.read``:
+   the body loaded once, the fields, the ids) on whole generation-leg bodies
    (docs/protocol.md (3)) as an orchestrator sends them, ids as base64 or as a list,
    ``messages`` cut to the last one (gate ``gen_strip_message_history``) or the
    whole agentic history (about 4 bytes of text per prompt id: 160 KB at 40k),
-   with the stdlib loader (``json.loads`` of the whole body: before) and the
-   fast loader (after), in the same run.
+   as JSON and as msgpack (``X-TRTLLM-Msgpack: 1``), on each scanner twin, beside
+   the stdlib reference (``json.loads`` of the whole JSON body, then the same
+   field reader), in the same run. ``--parse`` runs only this table.
 
 Absolute numbers depend on the machine; compare the ratios.
 """
@@ -36,14 +38,19 @@ import time
 from typing import Any, cast
 
 import aiohttp
+import msgspec
 import numpy as np
 
 import fastcore
 from bench._timing import format_table, time_call
 from bench.deploy import free_port
 from bench.workload import agentic_messages
-from server.worker import protocol
+from server.http import Request
+from server.worker import request as worker_request
+from server.worker import responses
 from server.worker.cli import default_torch_threads
+from server.worker.internal_auth import InternalAuth
+from server.worker.json_body import JSON_BODY, JSONBody, load_json_body
 from server.worker.tokenizer import Tokenizer
 
 
@@ -154,18 +161,18 @@ def _time_prompt_id_paths(n: int, vocab: int) -> tuple[dict[str, float], int, in
     head = {"id": "cmpl-bench", "object": "text_completion"}  # the rest of a context response
 
     def ctx_b64() -> bytes:
-        return protocol.dump_with_members(head, protocol.prompt_ids_members(ids, b64=True))
+        return responses.dump_with_members(head, responses.prompt_ids_members(ids, b64=True))
 
     def ctx_list() -> bytes:
-        return protocol.dump_with_members(head, protocol.prompt_ids_members(ids, b64=False))
+        return responses.dump_with_members(head, responses.prompt_ids_members(ids, b64=False))
 
     def gen_b64() -> np.ndarray:
-        body = protocol.load_request_body(body_b64, "chat")
-        return protocol._ids_from_b64(body["prompt_token_ids_b64"], vocab, 1 << 20)
+        body = JSON_BODY.load(body_b64, "chat")
+        return worker_request._ids_from_b64(body["prompt_token_ids_b64"], vocab, 1 << 20)
 
     def gen_list() -> np.ndarray:
-        body = protocol.load_request_body(body_list, "chat")
-        return protocol._ids_from_list(body["prompt_token_ids"], "prompt_token_ids", vocab)
+        body = JSON_BODY.load(body_list, "chat")
+        return worker_request._ids_from_list(body["prompt_token_ids"], "prompt_token_ids", vocab)
 
     assert np.array_equal(gen_b64(), gen_list())
     calls = {"ctx_b64": ctx_b64, "ctx_list": ctx_list, "gen_b64": gen_b64, "gen_list": gen_list}
@@ -193,12 +200,12 @@ def bench_prompt_ids(lengths: list[int]) -> str:
 
 
 class _VocabOnly:
-    """All of a tokenizer that ``parse_request`` reads when the prompt comes as ids."""
+    """All of a tokenizer that the request reader reads when the prompt comes as ids."""
 
     vocab_size = 128_256
 
 
-def generation_body(n: int, *, route: str, b64: bool, history: bool) -> tuple[bytes, np.ndarray]:
+def generation_body(n: int, *, route: str, b64: bool, history: bool) -> tuple[dict[str, Any], np.ndarray]:
     """A generation-leg body (docs/protocol.md (3)) with ``n`` prompt ids, and the ids."""
     ids = np.random.default_rng(n).integers(0, _VocabOnly.vocab_size, n, dtype=np.int32)
     body: dict[str, Any] = {"model": "tiny", "max_tokens": 256, "temperature": 0.7, "top_p": 0.95,
@@ -220,40 +227,68 @@ def generation_body(n: int, *, route: str, b64: bool, history: bool) -> tuple[by
         body["prompt_token_ids_b64"] = fastcore.encode_tokens(ids).decode("ascii")
     else:
         body["prompt_token_ids" if route == "chat" else "prompt"] = ids.tolist()
-    return json.dumps(body).encode(), ids
+    return body, ids
 
 
-def bench_generation_parse(lengths: list[int]) -> str:
+def _twin_readers() -> dict[str, type[worker_request.RequestReader]]:
+    """The request reader on each scanner twin importable here (``c``: the compiled one)."""
+    import importlib
+
+    twins = {}
+    for name, module in (("c", "fastcore._scan"), ("py", "fastcore._scan_py")):
+        try:
+            scanner = importlib.import_module(module)
+        except ImportError:
+            continue
+        loader = type(f"JSONBody_{name}", (JSONBody,), {"scanner": scanner})()
+        twins[name] = type(f"RequestReader_{name}", (worker_request.RequestReader,), {"json_body": loader})
+    return twins
+
+
+def _leg(raw: bytes, *, msgpack: bool) -> Request:
+    request = Request()
+    request.method, request.body = b"POST", raw
+    request.headers = [(b"X-TRTLLM-Msgpack", b"1")] if msgpack else []
+    return request
+
+
+def bench_generation_parse(lengths: list[int], histories: tuple[bool, ...] = (False, True)) -> str:
     tokenizer = cast(Tokenizer, _VocabOnly())
+    auth = InternalAuth(None, None, "bench", accept_trtllm_orchestrator=False)
+    readers = _twin_readers()
     rows = []
+    cases = [("chat", h) for h in histories] + [("completions", False)]
     for n in lengths:
         for b64 in (True, False):
-            for route, history in (("chat", False), ("chat", True), ("completions", False)):
-                raw, ids = generation_body(n, route=route, b64=b64, history=history)
+            for route, history in cases:
+                body, ids = generation_body(n, route=route, b64=b64, history=history)
+                raw = json.dumps(body).encode()
+                packed = msgspec.msgpack.encode(body)
+                r: Any = route
 
-                def run(loader: str, raw: bytes = raw, route: str = route) -> protocol.ParsedRequest:
-                    return protocol.parse_request(raw, route, tokenizer=tokenizer, model_name="tiny",  # type: ignore[arg-type]
-                                                  max_context=1 << 18, loader=loader)  # type: ignore[arg-type]  # fmt: skip
+                def reference(raw: bytes = raw, r: Any = r) -> Any:
+                    return worker_request.read_request(load_json_body(raw), r, tokenizer=tokenizer,
+                                                       model_name="tiny", max_context=1 << 18)  # fmt: skip
 
-                for loader in ("json", "fast"):
-                    assert np.array_equal(run(loader).prompt_ids, ids)
-                before = time_call(lambda: run("json"))
-                after = time_call(lambda: run("fast"))
+                assert np.array_equal(reference().prompt_ids, ids)
+                before = time_call(reference)
                 messages = "-" if route == "completions" else "history" if history else "last"
-                rows.append([
-                    n, "b64" if b64 else "list", route, messages, f"{len(raw) / 1024:.0f}",
-                    f"{before * 1e6:.1f}", f"{after * 1e6:.1f}", f"{before / after:.1f}x",
-                ])  # fmt: skip
-    headers = [
-        "prompt ids",
-        "ids as",
-        "route",
-        "messages",
-        "body KiB",
-        "json.loads µs",
-        "fast µs",
-        "speed-up",
-    ]
+                for twin, reader_class in readers.items():
+                    reader = reader_class(tokenizer, "tiny", 1 << 18, "both")
+                    for form, leg in (("json", _leg(raw, msgpack=False)), ("msgpack", _leg(packed, msgpack=True))):
+
+                        def read(leg: Request = leg, reader: Any = reader, r: Any = r) -> Any:
+                            return reader.read(leg, r, auth)
+
+                        assert np.array_equal(read().prompt_ids, ids)
+                        after = time_call(read)
+                        rows.append([
+                            n, "b64" if b64 else "list", route, messages, form, twin,
+                            f"{len(leg.body) / 1024:.0f}", f"{before * 1e6:.1f}", f"{after * 1e6:.1f}",
+                            f"{before / after:.1f}x",
+                        ])  # fmt: skip
+    headers = ["prompt ids", "ids as", "route", "messages", "body", "scan twin", "body KiB",
+               "json.loads µs", "reader µs", "speed-up"]  # fmt: skip
     return format_table(headers, rows)
 
 
@@ -274,8 +309,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-threads", type=int, default=default_torch_threads(),
                         help="the worker's torch threads (default: the worker's own default)")  # fmt: skip
     parser.add_argument("--skip-serving", action="store_true", help="only the prompt-id and parse tables")
+    parser.add_argument("--parse", action="store_true",
+                        help="only the generation request parse (40k ids, the agentic history: --gen-lengths 40000)")  # fmt: skip
     args = parser.parse_args(argv)
     print(f"fastcore backend: {fastcore.backend}")
+    if args.parse:
+        print("\n## Generation request parse per request: the worker's reader vs json.loads of the body\n")
+        print(bench_generation_parse([int(n) for n in args.gen_lengths.split(",")], histories=(True,)))
+        return 0
     if not args.skip_serving:
         import torch
 
@@ -287,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n## Prompt-id path per request: base64 (fastcore) vs JSON list\n")
     print(bench_prompt_ids([int(n) for n in args.lengths.split(",")]))
     print(
-        "\n## Generation request parse per request (parse_request): json.loads of the body vs the fast loader\n"
+        "\n## Generation request parse per request: the worker's reader vs json.loads of the body\n"
     )
     print(bench_generation_parse([int(n) for n in args.gen_lengths.split(",")]))
     return 0

@@ -1,7 +1,7 @@
 """The OpenAI response and streaming shapes, built in one place (torch-free).
 
 A whole answer is :func:`answer_object`. A streamed response is the worker's SSE writer's
-(server/worker/protocol.py ``StreamWriterState``, which builds its events with these functions):
+(server/worker/responses.py ``StreamWriterState``, which builds its events with these functions):
 chat opens with a role chunk; each piece of text is a chunk; a chunk with the finish reason and an
 empty delta (chat) or empty text (completions) closes each choice; the usage chunk follows when the
 client asked for it (``stream_options.include_usage``); then ``[DONE]``. The orchestrator streams a

@@ -8,7 +8,7 @@ Unicode text: every tokenizer fails on it (``str.encode("utf-8")`` raises
 ``UnicodeEncodeError``, the Hugging Face tokenizers' Rust side refuses it),
 and so does anything that writes the text out as UTF-8 (msgpack, orjson). It
 is refused here, once, naming where it is (``messages[0].content``), by every
-worker role (:func:`server.worker.protocol.parse_request`) and by the
+worker role (:class:`server.worker.request.RequestReader`) and by the
 orchestrator's parsed relay modes (which write bodies out again), instead of a
 500 from whichever tokenizer or encoder meets it first.
 

@@ -37,7 +37,8 @@ from tiny_workers import LiveWorker, one_torch_thread, synthetic_worker, tiny_wo
 from server.auth import SIGNATURE_HEADER, sign_body
 from server.orchestrator.app import start_server
 from server.orchestrator.config import build_config
-from server.worker.app import KVSources, WorkerSettings, start_worker
+from server.worker.app import WorkerSettings, start_worker
+from server.worker.kv_handoff import KVSources
 from server.worker.synthetic import SyntheticEngine
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

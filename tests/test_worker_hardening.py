@@ -30,7 +30,8 @@ from helpers import Response, assert_openai_error, exchange, get, instance_of, p
 from tiny_workers import LiveWorker, one_torch_thread, synthetic_worker, tiny_worker  # noqa: F401 (an autouse fixture)
 
 from server.auth import SIGNATURE_HEADER, sign_body
-from server.worker.app import KVSources, WorkerSettings, kv_signature
+from server.worker.app import WorkerSettings
+from server.worker.kv_handoff import KVSources, kv_signature
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -20,8 +20,10 @@ from hypothesis import strategies as st
 
 import fastcore
 from server.errors import HTTPError
-from server.worker import protocol
-from server.worker.protocol import MAX_NESTING, ParsedRequest, RawJSON, parse_request
+from server.worker import json_body
+from server.worker.json_body import MAX_NESTING, JSONBody, RawJSON, load_json_body
+from server.worker.msgpack_body import load_msgpack_body
+from server.worker.request import ParsedRequest, read_request
 from server.worker.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -49,8 +51,19 @@ def b64(ids: list[int]) -> str:
 
 
 def parse(raw: bytes, route: str, loader: str = "fast", scanner: ModuleType | None = None) -> ParsedRequest:
-    return parse_request(raw, route, tokenizer=TOK, model_name="tiny", max_context=MAX_CONTEXT,  # type: ignore[arg-type]
-                         loader=loader, scanner=scanner)  # type: ignore[arg-type]  # fmt: skip
+    """The worker's reading of ``raw``: the fast loader over ``scanner`` (a scan twin; default the
+    active one), or (``loader="json"``) the stdlib reference; the same field reader after either."""
+    body = json_reader(scanner or fastcore).load(raw, route) if loader == "fast" else load_json_body(raw)  # type: ignore[arg-type]
+    return read_body(body, route)
+
+
+def json_reader(scanner: Any) -> JSONBody:
+    """The worker's JSON loader on the scan twin ``scanner``."""
+    return type("TwinJSONBody", (JSONBody,), {"scanner": scanner})()
+
+
+def read_body(body: dict[str, Any], route: str) -> ParsedRequest:
+    return read_request(body, route, tokenizer=TOK, model_name="tiny", max_context=MAX_CONTEXT)  # type: ignore[arg-type]
 
 
 def materialised(value: Any) -> Any:
@@ -130,7 +143,7 @@ def test_generation_request_ids_come_from_the_bytes(
         raise AssertionError("the fast loader called json.loads")
 
     monkeypatch.setattr(fastcore, "decode_tokens", spy)
-    monkeypatch.setattr(protocol.json, "loads", no_json_loads)
+    monkeypatch.setattr(json_body.json, "loads", no_json_loads)
     req = parse(raw, route, "fast", jsonspan)
     monkeypatch.undo()
     field = "prompt_token_ids_b64" if form == "b64" else "prompt_token_ids" if route == "chat" else "prompt"
@@ -138,6 +151,69 @@ def test_generation_request_ids_come_from_the_bytes(
     assert decoded == ([memoryview] if form == "b64" else [])  # base64: from a view of the body, no str
     assert req.prompt_ids.dtype == np.int32 and req.prompt_ids.tolist() == ids
     assert comparable(req) == want
+
+
+class ScanCalls:
+    """A scan twin that records its scans: (function, validate) per call."""
+
+    def __init__(self, twin: ModuleType) -> None:
+        self.twin = twin
+        self.calls: list[tuple[str, bool]] = []
+        self.splice = twin.splice
+
+    def find_spans(self, body: Any, paths: Any, *, validate: bool = True) -> Any:
+        self.calls.append(("find_spans", validate))
+        return self.twin.find_spans(body, paths, validate=validate)
+
+    def find_span(self, body: Any, path: Any, *, validate: bool = True) -> Any:
+        self.calls.append(("find_span", validate))
+        return self.twin.find_span(body, path, validate=validate)
+
+
+@pytest.mark.parametrize(("route", "form"), ROUTES_FORMS)
+@pytest.mark.parametrize("history", [False, True], ids=["last", "history"])
+def test_a_body_is_read_by_one_validating_scan(jsonspan: ModuleType, route: str, form: str, history: bool) -> None:
+    """A well-formed body costs one scan of its bytes, a validating one (no lax scan first, no
+    second scan of the spliced rest); pysimdjson's member counts stand in for a scan of the keys."""
+    raw = json.dumps(generation_body(route, form, [1, 2, 3], history=history)).encode()
+    scanner = ScanCalls(jsonspan)
+    req = read_body(json_reader(scanner).load(raw, route), route)  # type: ignore[arg-type]
+    assert req.prompt_ids.tolist() == [1, 2, 3]
+    assert scanner.calls == [("find_spans", True)]
+
+
+def test_a_repeated_key_costs_a_second_scan_that_names_it(jsonspan: ModuleType) -> None:
+    raw = b'{"prompt": [1], "stream_options": {"include_usage": true, "include_usage": false}, "n": 1}'
+    scanner = ScanCalls(jsonspan)
+    with pytest.raises(HTTPError, match=r"'stream_options.include_usage' more than once \(byte 58\)"):
+        json_reader(scanner).load(raw, "completions")  # type: ignore[arg-type]
+    assert scanner.calls[:2] == [("find_spans", True), ("find_spans", True)]
+
+
+def test_a_msgpack_body_is_decoded_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """msgpack -> Python values -> the request: no JSON text is written or parsed on the way."""
+    from server.http import Request
+    from server.worker.internal_auth import InternalAuth
+    from server.worker.request import RequestReader
+
+    def refuse(*args: Any, **kw: Any) -> Any:
+        raise AssertionError("a msgpack body went through JSON")
+
+    for route, form in ROUTES_FORMS:
+        body = generation_body(route, form, [5, 6, 7], history=True)
+        packed = msgspec.msgpack.encode(body)
+        want = comparable(parse(json.dumps(body).encode(), route, "json"))
+        with monkeypatch.context() as patched:
+            patched.setattr(msgspec.json, "encode", refuse)
+            patched.setattr(json_body.JSON_BODY, "load", refuse)
+            patched.setattr(json_body.SIMDJSON, "parse", refuse)
+            patched.setattr(json_body.json, "loads", refuse)
+            reader = RequestReader(TOK, "tiny", MAX_CONTEXT, "both")
+            request = Request()
+            request.headers, request.body = [(b"X-TRTLLM-Msgpack", b"1")], packed
+            req = reader.read(request, route, InternalAuth(None, None, "i", accept_trtllm_orchestrator=False))  # type: ignore[arg-type]
+        assert req.prompt_ids.dtype == np.int32 and req.prompt_ids.tolist() == [5, 6, 7]
+        assert req.msgpack and comparable(req) == {**want, "msgpack": True}
 
 
 @pytest.mark.parametrize("route", ["chat", "completions"])
@@ -295,7 +371,7 @@ def test_client_values_in_messages_are_bounded(jsonspan: ModuleType) -> None:
 def test_a_lingering_simdjson_proxy_does_not_wedge_the_parser(jsonspan: ModuleType) -> None:
     import simdjson
 
-    parser = protocol._simdjson._parser()
+    parser = json_body.SIMDJSON._parser()
     kept = parser.parse(b"[1, 2]")  # a live proxy: this parser now refuses new documents
     raw = json.dumps(generation_body("chat", "list", [1, 2, 3])).encode()
     assert parse(raw, "chat", "fast", jsonspan).prompt_ids.tolist() == [1, 2, 3]
@@ -574,14 +650,14 @@ def _without_offsets(message: str) -> str:
 @example(("chat", json.dumps(generation_body("chat", "b64", [1, 2], history=True)).encode()))
 @example(("completions", json.dumps(generation_body("completions", "list", [1, 2])).encode()))
 def test_a_msgpack_body_is_parsed_as_its_json_twin(case: tuple[str, bytes]) -> None:
-    """msgpack_to_json feeds parse_request: the same request, or the same 400 naming the same field."""
+    """A msgpack body decoded once gives its JSON twin's request, or the same 400 naming the same field."""
     route, raw = case
     try:
         packed = msgspec.msgpack.encode(json.loads(raw))
     except (OverflowError, UnicodeEncodeError):  # integers beyond 64 bits, lone surrogates: not msgpack
         assume(False)
     try:
-        got = outcome(protocol.msgpack_to_json(packed), route, "fast")
+        got = comparable(read_body(load_msgpack_body(packed), route))
     except HTTPError as exc:
         got = (exc.status, exc.param, exc.message)
     want = outcome(raw, route, "json")
@@ -603,12 +679,12 @@ def test_msgpack_nesting_limit_is_the_json_limit(where: str) -> None:
         packed = msgspec.msgpack.encode(body)
         if outer + levels <= MAX_NESTING:
             fastcore.find_span(json.dumps(body).encode(), ())  # the JSON twin passes the limit too
-            assert json.loads(protocol.msgpack_to_json(packed)) == body
+            assert load_msgpack_body(packed) == body
         else:
             with pytest.raises(fastcore.JSONSpanError, match="deeper than the limit"):
                 fastcore.find_span(json.dumps(body).encode(), ())
             with pytest.raises(HTTPError, match="deeper than the limit of 512 levels"):
-                protocol.msgpack_to_json(packed)
+                load_msgpack_body(packed)
 
 
 @pytest.mark.parametrize("parent", [None, "disaggregated_params", "stream_options"])
@@ -623,13 +699,13 @@ def test_a_repeated_msgpack_key_is_refused(parent: str | None, entries: int) -> 
     mapping = header + pairs
     raw = mapping if parent is None else b"\x81" + msgspec.msgpack.encode(parent) + mapping
     with pytest.raises(HTTPError) as info:
-        protocol.msgpack_to_json(raw)
+        load_msgpack_body(raw)
     name = "k0" if parent is None else f"{parent}.k0"
     assert info.value.status == 400 and f"the key '{name}' more than once" in info.value.message
     assert info.value.param == ("k0" if parent is None else parent)
     # Elsewhere a repeat is what json.loads makes of it too: the last copy.
     raw = b"\x81\xa4user" + mapping
-    assert json.loads(protocol.msgpack_to_json(raw))["user"]["k0"] == 2
+    assert load_msgpack_body(raw)["user"]["k0"] == 2
 
 
 @pytest.mark.parametrize(
@@ -652,5 +728,5 @@ def test_a_repeated_msgpack_key_is_refused(parent: str | None, entries: int) -> 
 )
 def test_msgpack_body_errors(raw: bytes, message: str) -> None:
     with pytest.raises(HTTPError) as info:
-        protocol.msgpack_to_json(raw)
+        load_msgpack_body(raw)
     assert info.value.status == 400 and message in info.value.message, info.value.message

@@ -14,7 +14,7 @@ from server.worker.tokenizer import ByteTokenizer, IncrementalDetokenizer, Token
 
 def merge_deltas(deltas: list[Delta]) -> dict[str, Any]:
     """Text, ids, logprobs and finish reason of a whole (non-streamed) completion: its deltas joined
-    (only these tests need it; the worker builds its answers in server/worker/protocol.py)."""
+    (only these tests need it; the worker builds its answers in server/worker/responses.py)."""
     return {
         "text": "".join(d.text for d in deltas),
         "token_ids": [t for d in deltas for t in d.token_ids],

@@ -7,7 +7,7 @@ as msgpack (``X-TRTLLM-Msgpack: 1``), as newer trtllm-serve orchestrators do. Bo
 gates and give clients the same outputs as the fast mode (server/orchestrator/relay_fast.py), so one
 deployment can measure the difference.
 
-Both hold a client body to the workers' policy (server/worker/protocol.py): RFC 8259 JSON within
+Both hold a client body to the workers' policy (server/worker/json_body.py): RFC 8259 JSON within
 fastcore's limits, the fields they act on strictly typed, and, since ``json.loads`` would keep the
 last copy of a repeated key and send only it on, no top-level repeat.
 """

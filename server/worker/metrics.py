@@ -1,0 +1,90 @@
+"""The worker's Prometheus metrics (``GET /metrics``): requests, the engine's queue and KV cache,
+the prefix cache, the KV hand-off, admission, latency, and the HTTP server's connections."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from server.http import HTTPServer
+from server.metrics import Registry
+
+from .engine_api import Engine
+
+
+class WorkerMetrics:
+    def __init__(
+        self, engine: Engine, waiting: Callable[[], int], server: Callable[[], HTTPServer | None]
+    ) -> None:
+        """``waiting``: how many requests wait for KV room now; ``server``: the HTTP server, once
+        it listens."""
+        r = self.registry = Registry()
+        self.requests = r.counter("fastcore_worker_requests_total", "Requests by route and HTTP status",
+                                  ("route", "status"))  # fmt: skip
+        r.gauge("fastcore_worker_queue_depth", "Requests admitted and waiting for their prefill",
+                callback=lambda: engine.queue_depth)  # fmt: skip
+        r.gauge(
+            "fastcore_worker_running_sequences",
+            "Sequences in the decode batch",
+            callback=lambda: engine.running,
+        )
+        r.gauge("fastcore_worker_kv_used_tokens", "KV cache tokens reserved (running, waiting, parked)",
+                callback=lambda: engine.kv_used_tokens)  # fmt: skip
+        r.gauge("fastcore_worker_kv_capacity_tokens", "KV cache size in tokens",
+                callback=lambda: engine.kv_capacity_tokens)  # fmt: skip
+        r.gauge("fastcore_worker_kv_usage_ratio", "Fraction of the KV cache in use",
+                callback=lambda: engine.kv_used_tokens / max(1, engine.kv_capacity_tokens))  # fmt: skip
+        r.gauge("fastcore_worker_kv_parked", "Context legs' KV waiting for a generation worker",
+                callback=lambda: engine.parked_count)  # fmt: skip
+        r.gauge("fastcore_worker_kv_parked_tokens", "KV cache tokens held by parked entries",
+                callback=lambda: engine.parked_tokens)  # fmt: skip
+        r.gauge("fastcore_worker_decode_tokens_per_second", "Decode tokens per second over the last 5 s",
+                callback=lambda: engine.tokens_per_second)  # fmt: skip
+        self.prompt_tokens = r.counter("fastcore_worker_prompt_tokens_total", "Prompt tokens admitted")
+        r.counter("fastcore_worker_prefix_cache_hit_tokens_total",
+                  "Prompt tokens whose KV came from the prefix cache (not computed)",
+                  callback=lambda: engine.prefix_hit_tokens)  # fmt: skip
+        r.counter("fastcore_worker_prefill_computed_tokens_total",
+                  "Prompt (and replayed) tokens prefilled: computed, not from the cache or a KV hand-off",
+                  callback=lambda: engine.prefill_computed_tokens)  # fmt: skip
+        r.gauge("fastcore_worker_prefix_cache_tokens", "Tokens in registered full blocks (held or evictable)",
+                callback=lambda: engine.prefix_cached_tokens)  # fmt: skip
+        r.counter("fastcore_worker_prefix_cache_evicted_blocks_total",
+                  "Cached blocks evicted to make room", callback=lambda: engine.prefix_evicted_blocks)  # fmt: skip
+        self.generated_tokens = r.counter(
+            "fastcore_worker_generated_tokens_total", "Completion tokens returned"
+        )
+        self.handoff = r.counter(
+            "fastcore_worker_kv_handoff_total",
+            "KV hand-off events. Context side: parked, served, expired, abandoned (the fetcher hung up "
+            "mid-download), cancelled (a context leg's client left before its answer: its KV freed at "
+            "once, parked or not), released (DELETE by an orchestrator that gave up on the leg), "
+            "evicted (parked KV freed for the parked bound or to admit a request). "
+            "Generation side: fetched, recomputed",
+            ("event",),
+        )
+        self.fetch_failures = r.counter("fastcore_worker_kv_fetch_failures_total",
+                                        "KV fetches that failed or were not tried, by reason", ("reason",))  # fmt: skip
+        self.rejected = r.counter(
+            "fastcore_worker_rejected_total", "Requests refused with 503, by reason", ("reason",)
+        )
+        self.waited = r.counter(
+            "fastcore_worker_admission_waits_total", "Requests that waited for KV room before admission"
+        ).labels()
+        r.gauge("fastcore_worker_waiting_for_kv", "Requests waiting for KV room now",
+                callback=waiting)  # fmt: skip
+        self.ttft = r.histogram(
+            "fastcore_worker_time_to_first_token_seconds", "Arrival to first token", ("route",)
+        )
+        self.latency = r.histogram("fastcore_worker_request_seconds", "Arrival to last token", ("route",))
+
+        def server_stat(read: Callable[[HTTPServer], float]) -> Callable[[], float]:
+            return lambda: read(listening) if (listening := server()) is not None else 0
+
+        r.gauge("fastcore_worker_client_connections", "Open client connections",
+                callback=server_stat(lambda s: len(s.connections)))  # fmt: skip
+        r.counter("fastcore_worker_connections_refused_total",
+                  "Client connections refused at the connection cap (503)",
+                  callback=server_stat(lambda s: s.refused))  # fmt: skip
+        r.counter("fastcore_worker_http_framing_errors_total",
+                  "Requests refused before routing: malformed HTTP, limits on headers or body, timeouts",
+                  callback=server_stat(lambda s: s.framing_errors))  # fmt: skip

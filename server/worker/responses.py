@@ -1,0 +1,249 @@
+"""OpenAI response building for workers (no torch, no engine): the answer's side of the protocol.
+
+The builders (:func:`completion_body`, :func:`stream_chunk`, ...) produce the
+OpenAI JSON and SSE shapes. The torch worker and a synthetic engine share
+them, and so can the orchestrator when it answers from a context response. A
+context response's prompt ids go in as JSON members (:func:`prompt_ids_members`,
+:func:`dump_with_members`). The request's side is :mod:`server.worker.request`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+import fastcore
+from fastcore import protocol as wire
+from server import openai_shapes
+
+from .output import Delta, TokenLogprob
+from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .engine_api import EngineRequest
+    from .request import ParsedRequest, Route
+
+
+def prompt_ids_members(prompt_ids: np.ndarray, *, b64: bool) -> list[bytes]:
+    """A context response's prompt-id members (docs/protocol.md (2)), as pieces of JSON text to append.
+
+    The base64 form goes from the int32 array to base64 bytes
+    (``fastcore.encode_tokens``) and into the body as they are: no Python
+    ``str``, no pass of ``json.dumps``' escape scan over ~4/3 bytes per id
+    (base64 never needs escaping), and no copy until :func:`dump_with_members`
+    joins the pieces into the one body allocation. The list form is what a
+    worker without the fast path sends.
+    """
+    if b64:
+        return [_B64_MEMBERS_OPEN, fastcore.encode_tokens(prompt_ids), b'"']
+    return [_LIST_MEMBER_OPEN, json.dumps(prompt_ids.tolist()).encode()]
+
+
+_B64_MEMBERS_OPEN = f', "{wire.PROMPT_TOKEN_IDS}": null, "{wire.PROMPT_TOKEN_IDS_B64}": "'.encode()
+_LIST_MEMBER_OPEN = f', "{wire.PROMPT_TOKEN_IDS}": '.encode()
+
+
+def dump_with_members(body: dict[str, Any], members: list[bytes]) -> bytes:
+    """``json.dumps(body)`` with ``members`` (JSON text starting with a comma) before its closing brace."""
+    data = json.dumps(body).encode()
+    return b"".join([memoryview(data)[:-1], *members, b"}"]) if members else data
+
+
+# ---------------------------------------------------------------- responses
+
+
+def new_response_id(route: Route) -> str:
+    return ("chatcmpl-" if route == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    return {
+        wire.PROMPT_TOKENS: prompt_tokens,
+        wire.COMPLETION_TOKENS: completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        # OpenAI's field (trtllm-serve's UsageInfo has it too): prompt tokens served from the prefix cache
+        wire.PROMPT_TOKENS_DETAILS: {wire.CACHED_TOKENS: cached_tokens},
+    }
+
+
+def request_usage(req: ParsedRequest, completion_tokens: int, engine_req: EngineRequest) -> dict[str, Any]:
+    """A request's ``usage``; ``cached_tokens``: the prompt tokens this worker's prefix cache served
+    (``engine_req.cached_prefix``).
+
+    A generation leg that imported its context worker's KV reports that worker's count instead,
+    from the context leg's usage the orchestrator relays (``disaggregated_params.ctx_usage``), as
+    trtllm-serve's generation workers do: the context worker prefilled the client's prompt. One
+    that recomputed the prefill (the KV unreachable or not the prompt's) reports its own. A
+    ``cached_tokens`` there that is not a non-negative integer is ignored."""
+    cached = engine_req.cached_prefix
+    if engine_req.kv_imported and req.disagg is not None:
+        ctx_usage = req.disagg.raw.get(wire.CTX_USAGE)
+        details = ctx_usage.get(wire.PROMPT_TOKENS_DETAILS) if isinstance(ctx_usage, dict) else None
+        value = details.get(wire.CACHED_TOKENS) if isinstance(details, dict) else None
+        if type(value) is int and value >= 0:
+            cached = value
+    prompt_tokens = int(req.prompt_ids.size)
+    return usage_body(prompt_tokens, completion_tokens, min(cached, prompt_tokens))
+
+
+def chat_logprobs(logprobs: list[TokenLogprob], tokenizer: Tokenizer) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+            for lp in logprobs
+        ]
+    }
+
+
+def completion_logprobs(
+    logprobs: list[TokenLogprob], tokenizer: Tokenizer, text_offset: int = 0
+) -> dict[str, Any]:
+    tokens, offsets, top = [], [], []
+    for lp in logprobs:
+        piece = tokenizer.decode([lp.token_id])
+        tokens.append(piece)
+        offsets.append(text_offset)
+        text_offset += len(piece)
+        top.append({tokenizer.decode([t]): v for t, v in lp.top})
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def _logprobs_field(
+    route: Route, logprobs: list[TokenLogprob] | None, tokenizer: Tokenizer, text_offset: int = 0
+) -> dict[str, Any] | None:
+    if logprobs is None:
+        return None
+    if route == "chat":
+        return chat_logprobs(logprobs, tokenizer)
+    return completion_logprobs(logprobs, tokenizer, text_offset)
+
+
+def completion_body(
+    *,
+    route: Route,
+    response_id: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    usage: dict[str, Any],
+    logprobs: list[TokenLogprob] | None = None,
+    tokenizer: Tokenizer | None = None,
+) -> dict[str, Any]:
+    """A whole (non-streamed) ``chat.completion`` or ``text_completion`` object."""
+    lp = _logprobs_field(route, logprobs, tokenizer) if tokenizer is not None else None
+    return openai_shapes.answer_object(chat=route == "chat", response_id=response_id, created=created,
+                                       model=model, text=text, finish_reason=finish_reason, usage=usage,
+                                       logprobs=lp)  # fmt: skip
+
+
+def stream_chunk(
+    *,
+    route: Route,
+    response_id: str,
+    created: int,
+    model: str,
+    text: str | None = None,
+    role: bool = False,
+    finish_reason: str | None = None,
+    logprobs: list[TokenLogprob] | None = None,
+    tokenizer: Tokenizer | None = None,
+    text_offset: int = 0,
+) -> dict[str, Any]:
+    """One SSE chunk (:func:`server.openai_shapes.stream_chunk`) with the engine's logprobs in wire shape."""
+    lp = _logprobs_field(route, logprobs, tokenizer, text_offset) if tokenizer is not None else None
+    return openai_shapes.stream_chunk(chat=route == "chat", response_id=response_id, created=created,
+                                      model=model, text=text, role=role, finish_reason=finish_reason,
+                                      logprobs=lp)  # fmt: skip
+
+
+def usage_chunk(
+    *, route: Route, response_id: str, created: int, model: str, usage: dict[str, Any]
+) -> dict[str, Any]:
+    return openai_shapes.usage_chunk(
+        chat=route == "chat", response_id=response_id, created=created, model=model, usage=usage
+    )
+
+
+sse_event = openai_shapes.sse_event
+SSE_DONE = openai_shapes.SSE_DONE
+
+
+class StreamWriterState:
+    """Builds the SSE events of one response from engine deltas.
+
+    Shared rules keep a generation worker's stream identical to a single
+    worker's: the chat role chunk first, one chunk per delta that carries
+    text (or logprobs), a final chunk with the finish reason and an empty
+    delta, the usage chunk when asked, then ``[DONE]``.
+    """
+
+    def __init__(self, req: ParsedRequest, tokenizer: Tokenizer, response_id: str | None = None) -> None:
+        self.req = req
+        self.tokenizer = tokenizer
+        self.response_id = response_id or new_response_id(req.route)
+        self.created = int(time.time())
+        self.text_offset = 0
+
+    def _common(self) -> dict[str, Any]:
+        return {"route": self.req.route, "response_id": self.response_id, "created": self.created,
+                "model": self.req.model}  # fmt: skip
+
+    def start(self) -> bytes:
+        if self.req.route == "chat":
+            return sse_event(stream_chunk(**self._common(), text="", role=True))
+        return b""
+
+    def delta(self, delta: Delta) -> bytes:
+        out = b""
+        want_lp = self.req.want_logprobs and bool(delta.logprobs)
+        if delta.text or want_lp:
+            out += sse_event(
+                stream_chunk(
+                    **self._common(),
+                    text=delta.text,
+                    logprobs=delta.logprobs if self.req.want_logprobs else None,
+                    tokenizer=self.tokenizer,
+                    text_offset=self.text_offset,
+                )
+            )
+            self.text_offset += len(delta.text)
+        if delta.finish_reason is not None:
+            text = None if self.req.route == "chat" else ""
+            out += sse_event(stream_chunk(**self._common(), text=text, finish_reason=delta.finish_reason))
+        return out
+
+    def end(self, usage: dict[str, Any]) -> bytes:
+        out = b""
+        if self.req.include_usage:
+            out += sse_event(usage_chunk(**self._common(), usage=usage))
+        return out + SSE_DONE
+
+
+
+__all__ = [
+    "SSE_DONE",
+    "StreamWriterState",
+    "completion_body",
+    "dump_with_members",
+    "new_response_id",
+    "prompt_ids_members",
+    "request_usage",
+    "sse_event",
+    "stream_chunk",
+    "usage_body",
+    "usage_chunk",
+]
