@@ -449,7 +449,7 @@ def _deploy(args: argparse.Namespace, children: list[Child], cluster_uri: str | 
     # The secret reaches the children in a 0600 file (--shared-secret-file), not their environment:
     # a process's environment is in /proc/<pid>/environ and passes to everything it starts.
     env = dict(os.environ)
-    secret_file = write_secret_file(env.pop(SHARED_SECRET_ENV, None) or secrets.token_hex(32))
+    secret_file = write_secret_file(env.pop(SHARED_SECRET_ENV, "") or secrets.token_hex(32))
     for child in children:
         child.argv += ["--shared-secret-file", secret_file]
     etcd = None

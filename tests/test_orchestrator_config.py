@@ -518,13 +518,15 @@ def test_a_worker_takes_the_legs_of_a_body_at_the_orchestrators_limit():
 
 
 def test_cluster_timings_default_to_what_a_worker_registers_with():
-    from server.cluster.records import ClusterSettings
+    from server.cluster.records import LAYOUTS, ClusterSettings
 
     config = build_config({"disagg_cluster": {"cluster_uri": "etcd://h:1"}}, environ={}).disagg_cluster
     worker = ClusterSettings(cluster_uri="etcd://h:1")
     assert config is not None
     assert (config.heartbeat_interval_sec, config.inactive_timeout_sec) == (
         worker.heartbeat_interval_s, worker.inactive_timeout_s)  # fmt: skip
+    # the layouts the type names (a Literal, for the error it words) are the records' own, all read
+    assert tuple(config.key_prefixes) == LAYOUTS == worker.key_prefixes
 
 
 def test_router_types_are_the_routers_built_and_their_trtllm_names():

@@ -271,3 +271,22 @@ def test_the_engine_flags_default_to_the_torch_engines_own() -> None:
     up = argparse.ArgumentParser()
     launcher.add_arguments(up)
     assert up.parse_args([]).model == args.model == cli.DEFAULT_MODEL
+
+
+def test_a_synthetic_worker_from_no_flags_is_the_synthetic_engines_defaults() -> None:
+    import argparse
+    import inspect
+
+    from server.worker import cli, synthetic
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    engine, name, _ = cli.build_engine(parser.parse_args(["--model", "synthetic"]))
+    defaults = inspect.signature(synthetic.SyntheticEngine).parameters
+    assert name == "synthetic"
+    assert engine.max_num_seqs == defaults["max_num_seqs"].default == synthetic.MAX_NUM_SEQS
+    assert engine.cache.capacity_tokens == defaults["kv_tokens"].default == synthetic.KV_TOKENS
+    from server.worker.engine import TorchEngine
+
+    # the prefix cache it models has the torch engine's blocks
+    assert synthetic.BLOCK_SIZE == inspect.signature(TorchEngine).parameters["block_size"].default

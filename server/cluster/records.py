@@ -43,6 +43,10 @@ KEY_ROOT = "/fastcore"
 TRTLLM_KEY_ROOT = "/trtllm-disagg"
 #: record layouts / key prefixes: ours and trtllm-serve's
 LAYOUTS = ("fastcore", "trtllm")
+#: the cluster's timings unless configured (ClusterSettings', the worker's flags', the orchestrator's
+#: disagg_cluster keys'): seconds between a worker's heartbeats, seconds of silence before it is gone
+HEARTBEAT_INTERVAL_S = 5.0
+INACTIVE_TIMEOUT_S = 10.0
 #: trtllm-serve's ServerRole values a worker may register with -> our roles (2+: encoders, ...)
 TRTLLM_ROLES = {0: "context", 1: "generation"}
 _TRTLLM_ROLE_NAMES = {0: "CONTEXT", 1: "GENERATION", 2: "MM_ENCODER", 3: "VISUAL_GEN", 4: "EMBEDDING"}
@@ -62,9 +66,9 @@ class ClusterSettings:
     cluster_uri: str
     cluster_name: str = ""
     #: seconds between a worker's heartbeats (lease keep-alives)
-    heartbeat_interval_s: float = 5.0
+    heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
     #: seconds without a heartbeat after which a worker is gone (its lease's TTL)
-    inactive_timeout_s: float = 10.0
+    inactive_timeout_s: float = INACTIVE_TIMEOUT_S
     #: with a shared secret, the embedded registry's requests are signed (server.auth)
     secret: bytes | None = field(default=None, repr=False)
     #: the key prefixes an orchestrator reads (LAYOUTS): ours, trtllm-serve's, or both

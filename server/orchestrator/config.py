@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from server.auth import read_secret
-from server.cluster.records import LAYOUTS, ClusterSettings
+from server.cluster.records import HEARTBEAT_INTERVAL_S, INACTIVE_TIMEOUT_S, LAYOUTS
 from server.http import limits
 from server.http.client import CONNECT_TIMEOUT_S
 from server.metrics_access import METRICS_TOKEN_ENV
@@ -132,10 +132,6 @@ class ConditionalDisaggConfig(BaseModel):
     require_prefix_hit: bool = False
 
 
-#: the cluster's timings default to what a worker registers with (server.cluster.records, their one home)
-_CLUSTER_DEFAULTS = ClusterSettings.__dataclass_fields__
-
-
 class DisaggClusterConfig(BaseModel):
     """trtllm-serve's worker discovery through a store (etcd) instead of urls (server/cluster)."""
 
@@ -145,9 +141,9 @@ class DisaggClusterConfig(BaseModel):
     cluster_uri: str
     # namespace: the key prefix of this cluster's workers
     cluster_name: str = ""
-    heartbeat_interval_sec: float = Field(_CLUSTER_DEFAULTS["heartbeat_interval_s"].default, gt=0)
+    heartbeat_interval_sec: float = Field(HEARTBEAT_INTERVAL_S, gt=0)
     # a worker not heard from for this long is gone (its etcd lease's TTL)
-    inactive_timeout_sec: float = Field(_CLUSTER_DEFAULTS["inactive_timeout_s"].default, gt=0)
+    inactive_timeout_sec: float = Field(INACTIVE_TIMEOUT_S, gt=0)
     # /health is 503 until this many healthy workers per pool: {context_servers: 1, generation_servers: 1}
     minimal_instances: dict[str, int] = Field(default_factory=dict)
     # http:// registry without a shared secret: take unsigned registrations from loopback peers

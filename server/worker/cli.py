@@ -184,10 +184,10 @@ def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
-    from server.cluster.records import LAYOUTS, ClusterSettings
+    from server.cluster.records import HEARTBEAT_INTERVAL_S, INACTIVE_TIMEOUT_S, LAYOUTS, ClusterSettings
 
     defaults = ClusterSettings.__dataclass_fields__
-    heartbeat, inactive = defaults["heartbeat_interval_s"].default, defaults["inactive_timeout_s"].default
+    heartbeat, inactive = HEARTBEAT_INTERVAL_S, INACTIVE_TIMEOUT_S
     cluster = parser.add_argument_group(
         "cluster (register in a disagg_cluster: etcd, or an orchestrator's registry)"
     )

@@ -53,7 +53,14 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .engine_api import NOT_FINISHED, EngineRequest, ParkedKV, chain_block_hashes, prompt_checksum
+from .engine_api import (
+    DEFAULT_BLOCK_SIZE,
+    NOT_FINISHED,
+    EngineRequest,
+    ParkedKV,
+    chain_block_hashes,
+    prompt_checksum,
+)
 from .kv_events import ChunkEventLog, KvEventLog
 
 SYNTHETIC_VOCAB = 32_000
@@ -63,7 +70,11 @@ GENERATION_ROOM = 1 << 16
 #: the longest prompt of the text mode (--prompt-tokens 0), in ids
 TEXT_MAX_CONTEXT = 1 << 20
 #: the modelled prefix cache's block size (the torch engine's default)
-BLOCK_SIZE = 16
+BLOCK_SIZE = DEFAULT_BLOCK_SIZE
+#: sequences at once and KV tokens of a synthetic engine (SyntheticEngine's defaults, and its floor
+#: and fallback under the worker's --max-num-seqs and --kv-tokens): no model memory to bound them
+MAX_NUM_SEQS = 4096
+KV_TOKENS = 1 << 20
 #: text bytes per id of the text mode (--bytes-per-token): the default, and the range taken
 DEFAULT_BYTES_PER_TOKEN = 4
 MAX_BYTES_PER_TOKEN = 8
@@ -302,10 +313,10 @@ class SyntheticEngine:
         *,
         prefill_latency_s: float = 0.0,
         token_latency_s: float = 0.0,
-        max_num_seqs: int = 4096,
+        max_num_seqs: int = MAX_NUM_SEQS,
         seed: int = 0,
         prefill_s_per_token: float = 0.0,
-        kv_tokens: int = 1 << 20,
+        kv_tokens: int = KV_TOKENS,
         prefix_caching: bool = True,
         bytes_per_token: int = DEFAULT_BYTES_PER_TOKEN,
         prefill_tokens_per_s: float = 0.0,
@@ -561,9 +572,9 @@ def build_engine(args: argparse.Namespace) -> SyntheticEngine:
         args.prompt_tokens,
         prefill_latency_s=args.prefill_latency_ms / 1000.0,
         token_latency_s=args.token_latency_ms / 1000.0,
-        max_num_seqs=max(args.max_num_seqs, 4096),
+        max_num_seqs=max(args.max_num_seqs, MAX_NUM_SEQS),
         prefill_s_per_token=args.prefill_ms_per_1k_tokens / 1e6,
-        kv_tokens=args.kv_tokens or (1 << 20),
+        kv_tokens=args.kv_tokens or KV_TOKENS,
         prefix_caching=args.prefix_caching,
         bytes_per_token=args.bytes_per_token,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
