@@ -212,7 +212,7 @@ class JSONBody:
             body[SINGLE_KEYS[field]] = RawJSON(raw, start, end)
         if not parsed_by_simdjson:
             check_no_lone_surrogates(raw, body, lazy=RawJSON)
-        elif field is not None and raw[start] == _QUOTE and raw.find(b"\\u", start, end) != -1:
+        elif field is not None and raw[start] == _QUOTE and raw.find(b"\\", start, end) != -1:
             # pysimdjson refuses a lone surrogate escape: only the token field's bytes may hold one.
             check_no_lone_surrogates(raw, {SINGLE_KEYS[field]: body[SINGLE_KEYS[field]]}, lazy=RawJSON)
         return body
