@@ -219,6 +219,22 @@ def read_config(model_dir: str | Path) -> dict[str, Any]:
         )
 
     config = dict(raw)
+    _complete_shape(config, path)
+    _complete_numerics(config, model_type, path)
+    _complete_family(config, model_type, path)
+    # transformers >= 4.56 writes "dtype", older versions "torch_dtype".
+    declared_dtype = config.get("torch_dtype", config.get("dtype"))
+    if declared_dtype is not None:
+        try:
+            parse_dtype(declared_dtype)
+        except ValueError as exc:
+            raise CheckpointError(str(exc), path, "torch_dtype") from exc
+    config["torch_dtype"] = declared_dtype
+    return config
+
+
+def _complete_shape(config: dict[str, Any], path: Path) -> None:
+    """The layer sizes and the heads (``num_key_value_heads``, ``head_dim`` filled in when absent)."""
     for field in (
         "vocab_size",
         "hidden_size",
@@ -250,6 +266,9 @@ def read_config(model_dir: str | Path) -> dict[str, Any]:
     if head_dim % 2:
         raise CheckpointError(f"head_dim ({head_dim}) must be even for rotary embeddings", path, "head_dim")
 
+
+def _complete_numerics(config: dict[str, Any], model_type: str, path: Path) -> None:
+    """The activation, the norm's epsilon, RoPE, the positions and the tied embeddings."""
     activation = config.get("hidden_act", "silu")
     if activation not in ("silu", "swish"):
         raise CheckpointError(
@@ -265,9 +284,12 @@ def read_config(model_dir: str | Path) -> dict[str, Any]:
     config.pop("rope_parameters", None)
     if config.get("max_position_embeddings") is None:
         config["max_position_embeddings"] = _DEFAULT_MAX_POSITIONS[model_type]
-    max_positions = _positive_int(config, "max_position_embeddings", path)
+    _positive_int(config, "max_position_embeddings", path)
     config["tie_word_embeddings"] = bool(config.get("tie_word_embeddings", False))
 
+
+def _complete_family(config: dict[str, Any], model_type: str, path: Path) -> None:
+    """What differs between Llama, Qwen2 and Mistral: the biases and the sliding window."""
     if model_type == "qwen2":
         # Qwen2Config has no attention_bias field: q/k/v always carry a bias
         # and o_proj never does (ModelConfig.from_hf encodes the same).
@@ -282,6 +304,7 @@ def read_config(model_dir: str | Path) -> dict[str, Any]:
         config["attention_bias"] = bool(config.get("attention_bias", False))
         config["mlp_bias"] = bool(config.get("mlp_bias", False))
     window = config.get("sliding_window")
+    max_positions = config["max_position_embeddings"]
     if window is not None and (model_type != "qwen2" or config.get("use_sliding_window")):
         _positive_int(config, "sliding_window", path)
         if window < max_positions:
@@ -292,16 +315,6 @@ def read_config(model_dir: str | Path) -> dict[str, Any]:
                 max_positions,
                 window,
             )
-
-    # transformers >= 4.56 writes "dtype", older versions "torch_dtype".
-    declared_dtype = config.get("torch_dtype", config.get("dtype"))
-    if declared_dtype is not None:
-        try:
-            parse_dtype(declared_dtype)
-        except ValueError as exc:
-            raise CheckpointError(str(exc), path, "torch_dtype") from exc
-    config["torch_dtype"] = declared_dtype
-    return config
 
 
 def choose_dtype(
