@@ -240,6 +240,10 @@ def test_each_flag_that_fills_a_worker_setting_defaults_to_the_settings_own() ->
     for dest, field in cli._SETTINGS.items():
         assert getattr(args, dest) == getattr(defaults, field), dest
     assert set(cli._SETTINGS.values()) <= {f.name for f in dataclasses.fields(WorkerSettings)}
+    from server.worker.engine_api import EngineRequest
+
+    park_ttl = next(f for f in dataclasses.fields(EngineRequest) if f.name == "park_ttl_s")
+    assert park_ttl.default == defaults.kv_ttl_s == args.kv_ttl  # the app sets it from the settings
     assert defaults.limits() == limits.Limits(
         max_body_bytes=limits.WORKER_MAX_BODY_BYTES,
         keepalive_timeout_s=limits.WORKER_KEEPALIVE_TIMEOUT_S,

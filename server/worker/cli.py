@@ -16,8 +16,8 @@ from server.cli import cannot_listen
 from server.metrics_access import METRICS_TOKEN_ENV
 from server.ports import listen_problem, port_problem
 
-from .app import ROLES, WorkerSettings
 from .engine_api import DEFAULT_BLOCK_SIZE, DEFAULT_KV_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFIX_CACHING
+from .settings import ROLES, WorkerSettings
 from .synthetic import add_arguments as add_synthetic_arguments
 from .tokenizer import Tokenizer
 

@@ -35,6 +35,9 @@ DEFAULT_KV_TOKENS = 1 << 16
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_PREFIX_CACHING = True
+#: seconds a context leg's KV stays parked for its generation worker (EngineRequest.park_ttl_s;
+#: the app sets it from WorkerSettings.kv_ttl_s, --kv-ttl, which defaults to this)
+DEFAULT_KV_TTL_S = 30.0
 
 
 class KVCacheFull(Exception):
@@ -86,7 +89,7 @@ class EngineRequest:
     forced_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     # context_only: stop after the first token and park the prompt's KV under this id.
     park_as: int | None = None
-    park_ttl_s: float = 30.0
+    park_ttl_s: float = DEFAULT_KV_TTL_S
     blocks: list[int] = field(default_factory=list)
     cancelled: bool = False
     submitted_at: float = field(default_factory=time.monotonic)

@@ -9,6 +9,8 @@ from server import tracing
 from server.http import Limits
 from server.http import limits as http_limits
 
+from .engine_api import DEFAULT_KV_TTL_S
+
 ROLES = ("both", "context", "generation")
 
 
@@ -40,7 +42,7 @@ class WorkerSettings:
     #: a trtllm-serve orchestrator fronts this worker: its unsigned legs are accepted, and
     #: completions answer the prompt ids as a list (see the module docstring)
     accept_trtllm_orchestrator: bool = False
-    kv_ttl_s: float = 30.0
+    kv_ttl_s: float = DEFAULT_KV_TTL_S
     kv_fetch_timeout_s: float = 10.0
     #: the most of the KV cache parked entries may hold together; beyond it the oldest go
     max_parked_fraction: float = 0.5
