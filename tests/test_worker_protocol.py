@@ -186,7 +186,7 @@ def test_a_repeated_key_costs_a_second_scan_that_names_it(jsonspan: ModuleType) 
     raw = b'{"prompt": [1], "stream_options": {"include_usage": true, "include_usage": false}, "n": 1}'
     scanner = ScanCalls(jsonspan)
     with pytest.raises(HTTPError, match=r"'stream_options.include_usage' more than once \(byte 58\)"):
-        json_reader(scanner).load(raw, "completions")  # type: ignore[arg-type]
+        json_reader(scanner).load(raw, "completions")
     assert scanner.calls[:2] == [("find_spans", True), ("find_spans", True)]
 
 
@@ -656,6 +656,7 @@ def test_a_msgpack_body_is_parsed_as_its_json_twin(case: tuple[str, bytes]) -> N
         packed = msgspec.msgpack.encode(json.loads(raw))
     except (OverflowError, UnicodeEncodeError):  # integers beyond 64 bits, lone surrogates: not msgpack
         assume(False)
+    got: Any
     try:
         got = comparable(read_body(load_msgpack_body(packed), route))
     except HTTPError as exc:
@@ -730,3 +731,16 @@ def test_msgpack_body_errors(raw: bytes, message: str) -> None:
     with pytest.raises(HTTPError) as info:
         load_msgpack_body(raw)
     assert info.value.status == 400 and message in info.value.message, info.value.message
+
+
+def test_a_msgpack_base64_error_names_no_byte_of_a_json_text() -> None:
+    """The byte offset of a bad base64 character is the body's own for JSON; a msgpack body's
+    message names the string's byte only (it once named a byte of the JSON text it was turned into)."""
+    bad = b64([1, 2, 3])[:5] + "*" + b64([1, 2, 3])[6:]
+    with pytest.raises(HTTPError) as info:
+        read_body(load_msgpack_body(msgspec.msgpack.encode({"prompt_token_ids_b64": bad})), "completions")
+    assert info.value.param == "prompt_token_ids_b64"
+    assert "Invalid base64 character 0x2a at byte 5" in info.value.message
+    assert "request body byte" not in info.value.message
+    exc = error(json.dumps({"prompt_token_ids_b64": bad}).encode(), "completions")
+    assert exc.message.endswith("at byte 5 (request body byte 31)")
