@@ -101,10 +101,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="first worker port; the rest follow (default port+1)",
     )
-    parser.add_argument("--context-workers", type=int, default=1, help="context workers (default 1)")
-    parser.add_argument("--generation-workers", type=int, default=1, help="generation workers (default 1)")
     parser.add_argument(
-        "--orchestrator-workers", type=int, default=1, help="orchestrator processes (default 1)"
+        "--context-workers", type=int, default=1, help="context workers (default %(default)s)"
+    )
+    parser.add_argument(
+        "--generation-workers", type=int, default=1, help="generation workers (default %(default)s)"
+    )
+    parser.add_argument(
+        "--orchestrator-workers", type=int, default=1, help="orchestrator processes (default %(default)s)"
     )
     parser.add_argument("--device", default=None, help="worker device: auto, cpu or cuda (worker default)")
     add_gate_arguments(parser, default=True)  # up runs the product's profile: both gates on
@@ -116,10 +120,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=10.0,
         help="on Ctrl-C/SIGTERM: seconds each child gives its requests in flight before cancelling them "
-        f"(a child still there {STOP_MARGIN_S:g} s later is killed; default 10)",
+        f"(a child still there {STOP_MARGIN_S:g} s later is killed; default %(default)g)",
     )
     parser.add_argument(
-        "--startup-timeout-s", type=float, default=300.0, help="give up if not healthy by then (default 300)"
+        "--startup-timeout-s",
+        type=float,
+        default=300.0,
+        help="give up if not healthy by then (default %(default)g)",
     )
     cluster = parser.add_argument_group("cluster (workers found through discovery instead of urls)")
     cluster.add_argument("--cluster", action="store_true",

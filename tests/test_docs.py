@@ -238,6 +238,21 @@ def test_configuration_md_worker_http_limits_are_the_workers_and_say_which_diffe
         assert (row["why the worker's differs"] == "the same") == same, f"{flag}: {key} is {getattr(config, key)}"
 
 
+
+def test_configuration_md_says_the_drain_defaults_the_code_has() -> None:
+    """The Faults section's figures: the worker's --drain-timeout, up's --drain-timeout-s and the
+    margin after which up kills a child, each as its one home declares it."""
+    from server import launcher
+    from server.worker import cli as worker_cli
+
+    up = argparse.ArgumentParser()
+    launcher.add_arguments(up)
+    text = " ".join(CONFIGURATION.read_text().split())
+    assert f"`--drain-timeout` seconds (default `{worker_cli.DRAIN_TIMEOUT_S:g}`)" in text
+    assert f"`fastcore-serve up --drain-timeout-s S` (default {up.get_default('drain_timeout_s'):g})" in text
+    assert f"`S` + {launcher.STOP_MARGIN_S:g} s later" in text
+
+
 # -- docs/examples ------------------------------------------------------------------------------------
 
 

@@ -84,12 +84,12 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--served-model-name", default=None, help="model name in the API (default: --model's name)"
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     parser.add_argument(
-        "--port", type=int, default=8001, help="port to listen on (default 8001; 0: any free)"
+        "--port", type=int, default=8001, help="port to listen on (default %(default)s; 0: any free)"
     )
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="auto: cuda when torch sees a GPU, else cpu (default auto)")  # fmt: skip
+                        help="auto: cuda when torch sees a GPU, else cpu (default %(default)s)")  # fmt: skip
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                         help="auto: float32 on CPU and for tiny, else the checkpoint's dtype")  # fmt: skip
     parser.add_argument("--kv-tokens", type=int, default=None,
