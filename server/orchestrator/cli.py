@@ -51,9 +51,9 @@ def add_gate_arguments(parser: argparse.ArgumentParser, *, default: bool | None)
     """The gates as ``--gen-...`` / ``--no-gen-...`` flags, one pair per key of GATES.
 
     ``default`` None, the orchestrator's: a flag not given leaves the config file's key alone (off
-    unless the file turns it on: an orchestrator alone sends what trtllm-serve's does). True,
-    ``fastcore-serve up``'s: both gates on is the product's deployment profile, the fast path its
-    figures are measured on (docs/protocol.md#the-two-gates; up starts its orchestrator with them).
+    unless the file turns it on; with both off, leg (3) is what an orchestrator without the fast
+    path sends). True, ``fastcore-serve up``'s: both gates on is the product's deployment profile,
+    which up starts its orchestrator with (docs/protocol.md#the-two-gates: what each changes).
     """
     for key, what in GATES.items():
         shown = config_default(key) if default is None else default
