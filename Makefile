@@ -29,7 +29,7 @@ UBSAN_LIB = $(shell gcc -print-file-name=libubsan.so)
 SAN_ENV = LD_PRELOAD="$(ASAN_LIB) $(UBSAN_LIB)" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYTHONMALLOC=malloc
 
 debug:          ## ASan/UBSan build of the extensions, in place
-	rm -f fastcore/*.so
+	rm -f fastcore/*.so server/http/*.so
 	FASTCORE_DEBUG_BUILD=1 $(PY) setup.py build_ext --inplace --force
 
 test-debug: debug  ## compiled-twin tests under the sanitizers
@@ -76,7 +76,8 @@ wheel: $(RELEASE_PY)  ## sdist + manylinux wheel (no debug sections; .symtab kep
 	$(MAKE) --no-print-directory check-dist
 
 # Fails unless dist/ holds one manylinux wheel whose .so files have no debug
-# sections and no RPATH/RUNPATH, with the LICENSE in wheel and sdist, and the build logged no warning
+# sections and no RPATH/RUNPATH, with the LICENSE (and llhttp's) in wheel and sdist, llhttp's C in the
+# sdist, and the build logged no warning
 # (`warning:` is how setuptools, distutils, gcc, pip and Python's warnings say it).
 check-dist: $(RELEASE_PY)
 	@set -e; whl=$$(ls $(DIST)/*.whl); sdist=$$(ls $(DIST)/*.tar.gz); \
@@ -93,8 +94,10 @@ check-dist: $(RELEASE_PY)
 		echo "  $$(stat -c %s "$$so") bytes, no .debug_* section (.symtab kept: perf and gdb name the kernels), no RPATH/RUNPATH"; \
 	done; \
 	ls "$$tmp"/whl/*.dist-info/licenses/LICENSE >/dev/null || { echo "FAIL: no LICENSE in the wheel"; exit 1; }; \
-	grep -q '^License-Expression: Apache-2.0$$' "$$tmp"/whl/*.dist-info/METADATA || { echo "FAIL: no License-Expression"; exit 1; }; \
-	echo "LICENSE in the wheel: $$(cd "$$tmp/whl" && ls *.dist-info/licenses/LICENSE), License-Expression: Apache-2.0"; \
+	ls "$$tmp"/whl/*.dist-info/licenses/third_party/llhttp/LICENSE-MIT >/dev/null || { echo "FAIL: no llhttp LICENSE-MIT in the wheel"; exit 1; }; \
+	grep -q '^License-Expression: Apache-2.0 AND MIT$$' "$$tmp"/whl/*.dist-info/METADATA || { echo "FAIL: no License-Expression"; exit 1; }; \
+	echo "LICENSE in the wheel: $$(cd "$$tmp/whl" && ls *.dist-info/licenses/LICENSE *.dist-info/licenses/third_party/llhttp/LICENSE-MIT | tr '\n' ' ')License-Expression: Apache-2.0 AND MIT"; \
+	tar -tzf "$$sdist" | grep -q '^[^/]*/third_party/llhttp/src/llhttp.c$$' || { echo "FAIL: no llhttp sources in the sdist"; exit 1; }; \
 	tar -tzf "$$sdist" | grep -q '^[^/]*/LICENSE$$' || { echo "FAIL: no LICENSE in the sdist"; exit 1; }; \
 	echo "LICENSE in the sdist: $$(tar -tzf "$$sdist" | grep '^[^/]*/LICENSE$$')"; \
 	if [ -f $(DIST)/raw/build.log ]; then \
@@ -107,3 +110,4 @@ plot:
 
 clean:
 	rm -rf build dist *.egg-info $(RELEASE_VENV) fastcore/*.so fastcore/_codec.c fastcore/_scan.c fastcore/_relay.c fastcore/_hash.c
+	rm -f server/http/*.so server/http/_parse.c

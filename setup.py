@@ -152,22 +152,27 @@ def _extensions() -> list[Extension]:
         compile_args = ["-O1", "-g", "-fno-omit-frame-pointer", sanitize, "-fno-sanitize-recover=undefined"]
         link_args = [sanitize]
 
-    # All C lives in fastcore/include/ (declared in each module's .pxd); a module that calls
-    # b64simd.c's kernels compiles it in.
+    # fastcore's C lives in fastcore/include/ (declared in each module's .pxd); a module that
+    # calls b64simd.c's kernels compiles it in. The request parser (server/http/_parse.pyx)
+    # compiles in llhttp, vendored outside the packages (third_party/llhttp/README.md) so that
+    # no wheel carries its sources.
     include = "fastcore/include"
+    llhttp = "third_party/llhttp"
     headers = sorted(os.path.join(include, name) for name in os.listdir(include) if name.endswith(".h"))
     modules = {
         "fastcore._codec": ["fastcore/_codec.pyx", f"{include}/b64simd.c"],
         "fastcore._scan": ["fastcore/_scan.pyx"],
         "fastcore._relay": ["fastcore/_relay.pyx"],
         "fastcore._hash": ["fastcore/_hash.pyx"],
+        "server.http._parse": ["server/http/_parse.pyx"]
+        + [f"{llhttp}/src/{name}" for name in ("llhttp.c", "api.c", "http.c")],
     }
     extensions = [
         Extension(
             name,
             sources,
-            include_dirs=[include],
-            depends=headers,
+            include_dirs=[include, f"{llhttp}/include"],
+            depends=[*headers, f"{llhttp}/include/llhttp.h"],
             extra_compile_args=compile_args,
             extra_link_args=link_args,
         )

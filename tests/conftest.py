@@ -1,9 +1,10 @@
 """Shared fixtures: every test of a compiled module runs against both twins.
 
 ``codec`` (the token codec), ``jsonspan`` (the JSON span scanner,
-``fastcore._scan``), ``relay_twin`` (the relay kernels, ``fastcore._relay``) and
-``hash_twin`` (the chunk hashes) are parametrized over ``"py"`` (the pure-Python
-twin) and ``"c"`` (the compiled one). The compiled case is skipped when
+``fastcore._scan``), ``relay_twin`` (the relay kernels, ``fastcore._relay``),
+``hash_twin`` (the chunk hashes) and ``http_parser`` (server.http's request
+parser) are parametrized over ``"py"`` (the pure-Python twin) and ``"c"`` (the
+compiled one). The compiled case is skipped when
 ``FASTCORE_NO_EXTENSIONS=1`` or the extension is not built, unless
 ``FASTCORE_REQUIRE_EXTENSIONS=1`` (set by CI), where a missing build fails.
 """
@@ -53,6 +54,12 @@ def relay_twin(request: pytest.FixtureRequest) -> ModuleType:
 @pytest.fixture(params=["py", "c"])
 def hash_twin(request: pytest.FixtureRequest) -> ModuleType:
     return _twin("fastcore._hash", "fastcore._hash_py", request.param)
+
+
+@pytest.fixture(params=["py", "c"])
+def http_parser(request: pytest.FixtureRequest) -> Any:
+    """server.http's request parser class: the pure twin (httptools) or the compiled one (llhttp in C)."""
+    return _twin("server.http._parse", "server.http._parse_py", request.param).RequestParser
 
 
 @pytest.fixture(scope="session")

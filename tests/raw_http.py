@@ -1,6 +1,7 @@
 """A raw HTTP/1.1 client for the server tests (test_http_server, test_http_abuse): requests written as
 bytes, so the exact bytes on the wire are the test's, and responses parsed by httptools (llhttp), never by
-hand; the server under test started on 127.0.0.1, port 0, in the test's event loop.
+hand; the server under test started on 127.0.0.1, port 0, in the test's event loop, on the request
+parser that the test module's fixture chose (:class:`Server`: every test runs on both twins).
 """
 
 from __future__ import annotations
@@ -22,6 +23,16 @@ from server.http import HTTPServer, Limits, Request, Responder
 MARKER = b"Zq7MARKERxK2"
 
 Handler = Callable[[Request, Responder], Awaitable[None]]
+
+
+class Server(HTTPServer):
+    """The server under test: :class:`HTTPServer` on the request parser a test chose.
+
+    ``request_parser`` is set per test from conftest's ``http_parser`` fixture (the pure twin or
+    the compiled one), as a subclass's class attribute: production code takes no parser argument.
+    """
+
+    request_parser = HTTPServer.request_parser
 
 
 # -- handlers ----------------------------------------------------------------------------
@@ -218,7 +229,7 @@ class Client:
 
 @contextlib.asynccontextmanager
 async def serving(handler: Handler = echo, **limits: Any) -> AsyncIterator[tuple[HTTPServer, int]]:
-    server = HTTPServer(handler, Limits(**limits))
+    server = Server(handler, Limits(**limits))
     await server.start("127.0.0.1", 0)
     try:
         yield server, server.sockets[0].getsockname()[1]

@@ -14,10 +14,11 @@ import asyncio
 import socket
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 from helpers import eventually
-from raw_http import MARKER, Client, assert_json_error, chunked, connected, echo, get, post, serving
+from raw_http import MARKER, Client, Server, assert_json_error, chunked, connected, echo, get, post, serving
 
 from server.http import Request, Responder
 from server.http.memory import malloc_trim
@@ -32,6 +33,12 @@ pytestmark = pytest.mark.filterwarnings('ignore:Overriding the "event_loop_polic
 @pytest.fixture(params=["asyncio", "uvloop"])
 def event_loop_policy(request: pytest.FixtureRequest) -> Iterator[asyncio.AbstractEventLoopPolicy]:
     yield uvloop.EventLoopPolicy() if request.param == "uvloop" else asyncio.DefaultEventLoopPolicy()
+
+
+@pytest.fixture(autouse=True)
+def _both_parsers(http_parser: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test here runs on both request parsers (conftest's ``http_parser``)."""
+    monkeypatch.setattr(Server, "request_parser", http_parser)
 
 
 async def connect_from(ip: str, port: int) -> Client:
@@ -176,8 +183,11 @@ async def test_trailers_under_the_limits_accepted() -> None:
         [b"100000000\r\n"],  # 4 GiB
         [b"1000", b"000\r\n"],  # 256 MiB, its size line split over two reads
         [b"3\r\nabc\r\n", b"FFF;ext=1\r\nxy"],  # 3 + 4095 bytes past a 4 KiB limit, with an extension
+        # 16 MiB, a byte a read: no two reads hold the whole size line
+        [b"1", b"0", b"0", b"0", b"0", b"0", b"0", b"\r", b"\n"],
+        [b"10", b"01;a=", b"b\r", b"\n"],  # 4097 bytes, its size line and extension over four reads
     ],
-    ids=["4GiB", "split", "second-chunk"],
+    ids=["4GiB", "split", "second-chunk", "split-bytewise", "split-extension"],
 )
 async def test_declared_chunk_past_the_body_limit_413_at_once(pieces: list[bytes]) -> None:
     async with serving(max_body_bytes=4096) as (_server, port), connected(port) as client:
@@ -187,6 +197,8 @@ async def test_declared_chunk_past_the_body_limit_413_at_once(pieces: list[bytes
             await asyncio.sleep(0.05)  # separate reads
         (resp,) = await client.until_closed()  # no body bytes are waited for
         error = assert_json_error(resp, 413)
+        # refused from the chunk's declared size, not from the bytes read
+        assert error["message"].startswith("a chunk of "), error
         assert "past the limit of 4096 bytes" in error["message"], error
 
 

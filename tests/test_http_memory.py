@@ -3,7 +3,10 @@
 The server runs in its own process (its RSS is the measurement), on
 127.0.0.1, and relays each body the way a front does (a copy of it is built
 while the body is held). The burst is what the hardening review sent: 8 bodies
-of 20 MB and 20 of 5 MB at once, twice.
+of 20 MB and 20 of 5 MB at once, twice. Each test runs on both request parsers
+(conftest's ``http_parser``): the server scripts take the parser's module as
+an argument, the orchestrator's processes choose theirs as in production
+(``FASTCORE_NO_EXTENSIONS=1`` for the pure twin).
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import asyncio
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,9 +25,23 @@ from server.http.memory import malloc_trim
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
+@pytest.fixture
+def parser_module(http_parser: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The module of the request parser under test, and the environment that selects it in a child process."""
+    if http_parser.__module__ == "server.http._parse_py":
+        monkeypatch.setenv("FASTCORE_NO_EXTENSIONS", "1")
+    else:
+        monkeypatch.delenv("FASTCORE_NO_EXTENSIONS", raising=False)
+    yield http_parser.__module__
+
+
 SERVER = r"""
-import asyncio, json, sys
+import asyncio, importlib, json, sys
 from server.http import HTTPServer, Limits
+
+class Server(HTTPServer):
+    request_parser = importlib.import_module(sys.argv[1]).RequestParser
 
 async def main():
     server = None
@@ -36,7 +55,7 @@ async def main():
         await asyncio.sleep(0.2)
         out.send(200, b'{"n": %d}' % len(copy))
 
-    server = HTTPServer(handler, Limits(max_body_bytes=64 << 20))
+    server = Server(handler, Limits(max_body_bytes=64 << 20))
     await server.start("127.0.0.1", 0)
     print(server.server.sockets[0].getsockname()[1], flush=True)
     await asyncio.sleep(120)  # bounded: the test kills it long before
@@ -59,7 +78,10 @@ async def call(port: int, path: bytes, body: bytes | None = None) -> bytes:
         if body is None:
             writer.write(b"GET %s HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n" % path)
         else:
-            writer.write(b"POST %s HTTP/1.1\r\nHost: t\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % (path, len(body)))
+            writer.write(
+                b"POST %s HTTP/1.1\r\nHost: t\r\nConnection: close\r\nContent-Length: %d\r\n\r\n"
+                % (path, len(body))
+            )
             writer.write(body)
         await writer.drain()
         response = await asyncio.wait_for(reader.read(), 30)
@@ -70,9 +92,11 @@ async def call(port: int, path: bytes, body: bytes | None = None) -> bytes:
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="RSS read from /proc")
-@pytest.mark.skipif(malloc_trim is None, reason="glibc's malloc_trim returns the heap; elsewhere nothing to test")
-async def test_memory_returns_near_baseline_after_a_burst_of_large_bodies() -> None:
-    proc = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, cwd=ROOT)
+@pytest.mark.skipif(
+    malloc_trim is None, reason="glibc's malloc_trim returns the heap; elsewhere nothing to test"
+)
+async def test_memory_returns_near_baseline_after_a_burst_of_large_bodies(parser_module: str) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, parser_module], stdout=subprocess.PIPE, cwd=ROOT)
     try:
         assert proc.stdout is not None
         port = int(proc.stdout.readline())
@@ -82,7 +106,9 @@ async def test_memory_returns_near_baseline_after_a_burst_of_large_bodies() -> N
         big = b'{"x": "' + b"a" * (20 << 20) + b'"}'
         small = b'{"x": "' + b"b" * (5 << 20) + b'"}'
         for _ in range(2):
-            burst = asyncio.gather(*[call(port, b"/", big) for _ in range(8)], *[call(port, b"/", small) for _ in range(20)])
+            burst = asyncio.gather(
+                *[call(port, b"/", big) for _ in range(8)], *[call(port, b"/", small) for _ in range(20)]
+            )
             while not burst.done():
                 peak = max(peak, rss_mib(proc.pid))
                 await asyncio.sleep(0.02)
@@ -98,7 +124,9 @@ async def test_memory_returns_near_baseline_after_a_burst_of_large_bodies() -> N
             if b'"pending": false' in stats and b'"trims": 0' not in stats:
                 break
             await asyncio.sleep(0.1)
-        assert b'"body_bytes": 0' in stats and b'"pending": false' in stats and b'"trims": 0' not in stats, stats
+        assert b'"body_bytes": 0' in stats and b'"pending": false' in stats and b'"trims": 0' not in stats, (
+            stats
+        )
         after = rss_mib(proc.pid)
         assert after < base + 40, f"RSS {after:.0f} MiB after the burst: baseline {base:.0f}, peak {peak:.0f}"
     finally:
@@ -107,8 +135,11 @@ async def test_memory_returns_near_baseline_after_a_burst_of_large_bodies() -> N
 
 
 REFUSING_SERVER = r"""
-import asyncio, sys
+import asyncio, importlib, sys
 from server.http import HTTPServer, Limits
+
+class Server(HTTPServer):
+    request_parser = importlib.import_module(sys.argv[2]).RequestParser
 
 async def main():
     async def handler(req, out):
@@ -116,7 +147,7 @@ async def main():
         await asyncio.sleep(0.2)
         out.send(200, b'{"n": %d}' % len(copy))
 
-    server = HTTPServer(handler, Limits(max_inflight_body_bytes=128 << 20))
+    server = Server(handler, Limits(max_inflight_body_bytes=128 << 20))
     await server.start("127.0.0.1", 0)
     print(server.server.sockets[0].getsockname()[1], flush=True)
     await asyncio.sleep(120)  # bounded: the test kills it long before
@@ -134,7 +165,9 @@ async def post_status(port: int, body: bytes) -> str:
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         try:
-            writer.write(b"POST / HTTP/1.1\r\nHost: t\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body))
+            writer.write(
+                b"POST / HTTP/1.1\r\nHost: t\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
+            )
             writer.write(body)
             await writer.drain()
             return (await asyncio.wait_for(reader.read(), 60))[9:12].decode()
@@ -145,14 +178,20 @@ async def post_status(port: int, body: bytes) -> str:
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="RSS read from /proc")
-@pytest.mark.skipif(malloc_trim is None, reason="glibc's malloc_trim returns the heap; elsewhere nothing to test")
+@pytest.mark.skipif(
+    malloc_trim is None, reason="glibc's malloc_trim returns the heap; elsewhere nothing to test"
+)
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-async def test_memory_returns_near_baseline_after_a_burst_mostly_refused(loop: str) -> None:
+async def test_memory_returns_near_baseline_after_a_burst_mostly_refused(
+    loop: str, parser_module: str
+) -> None:
     """Issue 19: 200 concurrent 30 MB bodies left RSS at the burst's peak (the refused ones' bytes
     stayed with their connections until a cyclic collection); here 48 of 16 MB against a 128 MiB
     budget, twice: back within 64 MiB of the baseline after each, and the admitted ones answered."""
     pytest.importorskip(loop)
-    proc = subprocess.Popen([sys.executable, "-c", REFUSING_SERVER, loop], stdout=subprocess.PIPE, cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", REFUSING_SERVER, loop, parser_module], stdout=subprocess.PIPE, cwd=ROOT
+    )
     try:
         assert proc.stdout is not None
         port = int(proc.stdout.readline())
@@ -164,11 +203,15 @@ async def test_memory_returns_near_baseline_after_a_burst_mostly_refused(loop: s
             while not burst.done():
                 peak = max(peak, rss_mib(proc.pid))
                 await asyncio.sleep(0.02)
-            assert peak - base > 100, f"the burst did not load memory (base {base:.0f} MiB, peak {peak:.0f} MiB)"
+            assert peak - base > 100, (
+                f"the burst did not load memory (base {base:.0f} MiB, peak {peak:.0f} MiB)"
+            )
             deadline = time.monotonic() + 30
             while (after := rss_mib(proc.pid)) >= base + 64 and time.monotonic() < deadline:
                 await asyncio.sleep(0.25)
-            assert after < base + 64, f"RSS {after:.0f} MiB after the burst: baseline {base:.0f}, peak {peak:.0f}"
+            assert after < base + 64, (
+                f"RSS {after:.0f} MiB after the burst: baseline {base:.0f}, peak {peak:.0f}"
+            )
             # A Content-Length is held whole from its headers: the bodies admitted are answered
             # (were the budget counted as bytes arrive, every body could pass the headers and be refused part-way).
             statuses = burst.result()
@@ -180,7 +223,13 @@ async def test_memory_returns_near_baseline_after_a_burst_mostly_refused(loop: s
 
 
 async def post_chat(port: int, content_bytes: int, extra: bytes = b"") -> bytes:
-    body = b'{"model": "synthetic", "max_tokens": 2, ' + extra + b'"messages": [{"role": "user", "content": "' + b"a" * content_bytes + b'"}]}'
+    body = (
+        b'{"model": "synthetic", "max_tokens": 2, '
+        + extra
+        + b'"messages": [{"role": "user", "content": "'
+        + b"a" * content_bytes
+        + b'"}]}'
+    )
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         writer.write(
@@ -197,7 +246,9 @@ async def post_chat(port: int, content_bytes: int, extra: bytes = b"") -> bytes:
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="RSS read from /proc")
 @pytest.mark.parametrize("mode", ["both-gates", "parsed"])
-async def test_orchestrator_memory_returns_near_baseline_after_large_requests(mode: str) -> None:
+async def test_orchestrator_memory_returns_near_baseline_after_large_requests(
+    mode: str, parser_module: str
+) -> None:
     """The real orchestrator over synthetic workers: 3 rounds of 6 chats of 8 MB each, half refused.
 
     What held the memory before was not the heap but a reference cycle: an
@@ -224,4 +275,6 @@ async def test_orchestrator_memory_returns_near_baseline_after_large_requests(mo
         deadline = time.monotonic() + 5
         while (after := rss_mib(pid)) >= base + 30 and time.monotonic() < deadline:
             await asyncio.sleep(0.25)
-        assert after < base + 30, f"RSS {after:.0f} MiB after the requests: baseline {base:.0f}, peak {peak:.0f}"
+        assert after < base + 30, (
+            f"RSS {after:.0f} MiB after the requests: baseline {base:.0f}, peak {peak:.0f}"
+        )

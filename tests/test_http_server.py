@@ -18,6 +18,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from email.utils import parsedate_to_datetime
+from typing import Any
 
 import pytest
 from helpers import eventually, made_in_a_thread
@@ -27,6 +28,7 @@ from raw_http import (
     MARKER,
     Client,
     Handler,
+    Server,
     assert_json_error,
     chunked,
     connected,
@@ -42,6 +44,13 @@ from server.http import HTTPServer, Limits, Request, Responder
 SLACK_S = 1.5
 #: every time bound small, for tests that wait on one
 QUICK: dict[str, float] = {"header_timeout_s": 0.2, "body_timeout_s": 0.2, "keepalive_timeout_s": 0.2}
+
+
+@pytest.fixture(autouse=True)
+def _both_parsers(http_parser: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test here runs on both request parsers (conftest's ``http_parser``)."""
+    monkeypatch.setattr(Server, "request_parser", http_parser)
+
 
 # -- framing: request smuggling and malformed requests ---------------------------------------
 
@@ -321,6 +330,20 @@ async def test_header_bytes_over_limit_431(step: int) -> None:
         )
         (resp,) = await client.until_closed()
         assert_json_error(resp, 431)
+        assert MARKER not in bytes(client.stream.raw)
+        assert server.framing_errors == 1
+
+
+async def test_header_bytes_over_limit_431_when_a_small_read_ends_them() -> None:
+    """Headers past the limit in the read they began in, ended by a small second read: the sum at
+    their end counts the first read too (it once counted only the reads after it and the last)."""
+    async with serving(max_header_bytes=1024) as (server, port), connected(port) as client:
+        await client.send(b"GET / HTTP/1.1\r\nHost: t\r\nX-Big: " + b"v" * 2000 + MARKER + b"\r\n")
+        await asyncio.sleep(0.05)  # separate reads
+        await client.send(b"\r\n")
+        (resp,) = await client.until_closed()
+        error = assert_json_error(resp, 431)
+        assert error["message"] == "request headers exceed 1024 bytes", error
         assert MARKER not in bytes(client.stream.raw)
         assert server.framing_errors == 1
 
@@ -1209,7 +1232,7 @@ async def test_close_lets_inflight_request_finish() -> None:
         await asyncio.sleep(0.3)
         out.send(200, b"finished")
 
-    server = HTTPServer(slow, Limits())
+    server = Server(slow, Limits())
     await server.start("127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     idle = await Client.connect(port)
@@ -1400,7 +1423,7 @@ def test_property_garbage_never_crashes_or_hangs(data: st.DataObject) -> None:
 def test_server_built_where_no_loop_runs_serves_on_the_one_it_starts_on() -> None:
     """Built in a thread with no event loop (asyncio.get_event_loop() raised there), started on
     another: it serves there, and its Date line is its own (no module-level cache)."""
-    server = made_in_a_thread(lambda: HTTPServer(echo, Limits()))
+    server = made_in_a_thread(lambda: Server(echo, Limits()))
     assert server.date is not HTTPServer(echo).date
 
     async def scenario() -> None:

@@ -47,9 +47,18 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPILED = not fastcore.NO_EXTENSIONS
 FALLBACK_LINE = "fastcore-serve: C extensions not built ("
 # What a build needs from the tree; the rest of it (tests, bench) is not in the wheel.
-COPIED = ["setup.py", "pyproject.toml", "MANIFEST.in", "README.md", "LICENSE", "fastcore", "server"]
+COPIED = [
+    "setup.py",
+    "pyproject.toml",
+    "MANIFEST.in",
+    "README.md",
+    "LICENSE",
+    "fastcore",
+    "server",
+    "third_party",
+]
 # The C that Cython generates is regenerated, as from an sdist.
-IGNORED = shutil.ignore_patterns("__pycache__", "*.py[cod]", "*.so", "*.html", "_codec.c", "_scan.c", "_relay.c", "_hash.c")
+IGNORED = shutil.ignore_patterns("__pycache__", "*.py[cod]", "*.so", "*.html", "_codec.c", "_scan.c", "_relay.c", "_hash.c", "_parse.c")
 # Each subprocess gets these from the test, never from the environment it runs in.
 OWN_ENV = (
     "FASTCORE_NO_EXTENSIONS",
@@ -153,11 +162,15 @@ def test_wheel_tag_and_contents(installed: Installed, tmp_path: Path) -> None:
         metadata = zf.read("fastcore_serve-0.1.0.dist-info/METADATA").decode()
         wheel_file = zf.read("fastcore_serve-0.1.0.dist-info/WHEEL").decode()
         assert zf.read("fastcore_serve-0.1.0.dist-info/licenses/LICENSE") == (ROOT / "LICENSE").read_bytes()
-    assert "License-Expression: Apache-2.0" in metadata.splitlines()
+    # MIT: llhttp, compiled into server.http._parse
+    assert "License-Expression: Apache-2.0 AND MIT" in metadata.splitlines()
+    assert "fastcore_serve-0.1.0.dist-info/licenses/third_party/llhttp/LICENSE-MIT" in names
     assert not [n for n in names if n.endswith((".pyx", ".pxd", ".c", ".h"))], "sources go in the sdist only"
     if COMPILED:
         assert not installed.wheel.name.endswith("-py3-none-any.whl")
-        assert sorted(n.split(".")[0] for n in sos) == ["fastcore/_codec", "fastcore/_hash", "fastcore/_relay", "fastcore/_scan"]
+        assert sorted(n.split(".")[0] for n in sos) == [
+            "fastcore/_codec", "fastcore/_hash", "fastcore/_relay", "fastcore/_scan", "server/http/_parse"
+        ]  # fmt: skip
         assert FALLBACK_LINE not in installed.build_log
         with zipfile.ZipFile(installed.wheel) as zf:
             zf.extractall(tmp_path, members=sos)

@@ -1,8 +1,8 @@
-"""The listening side: one asyncio protocol per client connection, framing by httptools.
+"""The listening side: one asyncio protocol per client connection, framing by a request parser.
 
-Per request the connection builds one :class:`Request` (method, path, raw
-headers, body) and one :class:`Responder`, and runs the server's handler in
-one task. Nothing else is allocated per request: no header multidict, no
+Per request the parser builds one :class:`Request` (method, path, raw
+headers, body), the connection one :class:`Responder`, and runs the server's
+handler in one task. Nothing else is allocated per request: no header multidict, no
 timer handle (one sweeper per server enforces every connection's deadline),
 no response object.
 
@@ -25,10 +25,10 @@ What a hostile client can hold is bounded (:class:`Limits`, in
   water mark; while it is above it, :attr:`Responder.flow` (the upstream
   socket a relayed stream comes from) stops being read.
 
-llhttp, in httptools' strict mode, refuses Content-Length with
-Transfer-Encoding, two Content-Lengths, obs-fold, bare LF line ends and
-chunk-size overflow; a Transfer-Encoding other than ``chunked`` is refused
-here (501), and so is an HTTP/1.1 request without exactly one Host (400). A
+The framing and the checks of each request's bytes (smuggling, the bounds
+on headers, trailers and body sizes) are the parser's
+(:mod:`server.http.parse`: llhttp's callbacks in C, or its pure twin on
+httptools); the connection here keeps one implementation of the rest. A
 framing error answers 400 in OpenAI's error shape, never echoes the
 request's bytes, and closes the connection after the responses already due
 on it. A client that half-closes after complete requests is answered, then
@@ -44,10 +44,10 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import httptools
-
 from .limits import PEER_SHARE, Limits
 from .memory import malloc_trim
+from .parse import RequestParser
+from .request import Refused, Request
 from .responder import JSON, DateHeader, Flow, Responder, simple_response, status_line
 
 __all__ = ["JSON", "PEER_SHARE", "DateHeader", "Flow", "HTTPServer", "Limits", "Request", "Responder",
@@ -56,59 +56,11 @@ __all__ = ["JSON", "PEER_SHARE", "DateHeader", "Flow", "HTTPServer", "Limits", "
 log = logging.getLogger("fastcore.http")
 
 
-class Request:
-    """A parsed request: method and path as bytes, raw headers, the whole body."""
-
-    __slots__ = (
-        "body",
-        "chunked",
-        "chunks",
-        "content_length",
-        "expect_continue",
-        "headers",
-        "held",
-        "hosts",
-        "keep_alive",
-        "method",
-        "path",
-        "query",
-        "size",
-        "url",
-        "version",
-    )
-
-    def __init__(self) -> None:
-        self.method = b""
-        self.url = b""
-        self.path = b""
-        self.query = b""
-        self.version = "1.1"
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.body = b""
-        self.chunks: list[bytes] = []
-        self.size = 0
-        #: body bytes counted against the budgets (a Content-Length whole, from its headers)
-        self.held = 0
-        #: Host header lines (RFC 9112 3.2: exactly one)
-        self.hosts = 0
-        self.content_length: int | None = None
-        self.expect_continue = False
-        self.chunked = False
-        self.keep_alive = True
-
-    def header(self, name: bytes) -> bytes | None:
-        """The first header called ``name`` (lower case), or None."""
-        for key, value in self.headers:
-            if key.lower() == name:
-                return value
-        return None
-
-
 Handler = Callable[[Request, Responder], Awaitable[None]]
 
 
 class _Stop(Exception):
-    """Raised in a parser callback to stop parsing (the reason is in ``_Connection.failed``)."""
+    """Raised in a parser event to stop parsing (the reason is in ``_Connection.failed``)."""
 
 
 #: how long a connection that failed keeps reading (and dropping) what its client still sends
@@ -122,12 +74,7 @@ HALF_CLOSE_PROBE_S = 0.05
 #: the first check, soon after the probe's 100 Continue: a gone client's reset is back within a
 #: round trip, and an abandoned request's KV is freed on both workers that much sooner (bench.faults)
 HALF_CLOSE_FIRST_PROBE_S = 0.005
-#: bytes of the previous read kept to find a chunk-size line that two reads split
-_SIZE_LINE_TAIL = 64
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-
-# len() of the header names on_header looks at: content-length, transfer-encoding, expect, content-encoding, host
-_CHECKED_LENGTHS = frozenset((14, 17, 6, 16, 4))
 
 
 class _Peer:
@@ -148,9 +95,6 @@ _NO_PEER = _Peer("")
 class _Connection(asyncio.Protocol):
     __slots__ = (
         "body_timeout_s",
-        "chunk_body",
-        "chunk_header_in_read",
-        "chunk_state",
         "client_eof",
         "closed",
         "current",
@@ -158,14 +102,11 @@ class _Connection(asyncio.Protocol):
         "deadline_status",
         "drained",
         "failed",
-        "head_bytes",
         "header_timeout_s",
-        "last_read",
         "limits",
         "linger_left",
         "lingering",
         "loop",
-        "max_headers",
         "no_more",
         "parser",
         "peer",
@@ -173,11 +114,7 @@ class _Connection(asyncio.Protocol):
         "reading_paused",
         "responder",
         "server",
-        "size_line_tail",
         "task",
-        "trailer_bytes",
-        "trailer_read",
-        "trailers",
         "transport",
         "write_paused",
     )
@@ -187,7 +124,7 @@ class _Connection(asyncio.Protocol):
         self.limits = server.limits
         self.loop = server.loop
         self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpRequestParser(self)
+        self.parser = server.request_parser(self, self.limits)
         self.current: Request | None = None
         self.queue: collections.deque[Request] = collections.deque()
         self.task: asyncio.Task[None] | None = None
@@ -207,20 +144,6 @@ class _Connection(asyncio.Protocol):
         self.client_eof = False
         #: the last request was framed so that nothing after it can be trusted
         self.no_more = False
-        # Chunked bodies: 0 between chunks, 1 after a chunk's size line, 2 in its data
-        # (1 until the message ends after the last, empty, chunk: its trailer section).
-        self.chunk_state = 0
-        #: data bytes of the current chunk within the current read
-        self.chunk_body = 0
-        self.chunk_header_in_read = False
-        self.size_line_tail = b""
-        #: trailer fields, their bytes (exact, per field), and bytes of reads wholly in the trailer section
-        self.trailers = 0
-        self.trailer_bytes = 0
-        self.trailer_read = 0
-        self.head_bytes = 0
-        self.last_read = 0
-        self.max_headers = self.limits.max_headers
         self.header_timeout_s = self.limits.header_timeout_s
         self.body_timeout_s = self.limits.body_timeout_s
         self.deadline = 0.0
@@ -327,222 +250,46 @@ class _Connection(asyncio.Protocol):
                     self.reading_paused = True  # until the close at LINGER_S
                     self.transport.pause_reading()  # type: ignore[union-attr]
             return
-        self.last_read = len(data)
-        current = self.current
-        # Headers already in progress when this read began: the whole read is header bytes.
-        mid_headers = current is not None and not current.method
-        # Likewise a trailer section (after the last chunk's size line): bounded like headers.
-        mid_trailers = self.chunk_state == 1 and current is not None
-        self.chunk_header_in_read = False
         try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._fail(501, "protocol upgrades (Upgrade, CONNECT) are not supported")
+            self.parser.feed(data)
+        except Refused as exc:
+            self._fail(exc.status, exc.message)
             return
-        except httptools.HttpParserCallbackError:
+        except _Stop:
             if self.no_more and self.failed is None:
-                return  # parsing stopped on purpose (_Stop after a request that ends the connection)
-            if self.failed is None:  # a bug in a callback, not a client error
-                log.exception("HTTP parser callback failed")
-                self._fail(500, "internal error while reading the request")
+                return  # parsing stopped on purpose (after a request that ends the connection)
             self._flush_failure()
             return
-        except httptools.HttpParserError as exc:
-            if self.failed is None:
-                self._fail(400, f"malformed HTTP request: {exc}")
+        except Exception:  # a bug in an event, not a client error
+            log.exception("HTTP parser event failed")
+            self._fail(500, "internal error while reading the request")
+            self._flush_failure()
             return
-        current = self.current
-        if current is not None and not current.method:
-            # Headers still incomplete after this read: bound what they may
-            # take. The read they began in is not counted (it may carry the
-            # previous request's tail); the exact sum is taken when they end.
-            if mid_headers:
-                self.head_bytes += len(data)
-            if self.head_bytes > self.limits.max_header_bytes:
-                self._fail(431, f"request headers exceed {self.limits.max_header_bytes} bytes")
-                return
-        elif current is not None and current.chunked:
-            self._after_chunked_read(data, mid_trailers)
-            if self.failed is not None:
-                return
         if len(self.queue) >= self.limits.max_pipelined and not self.reading_paused:
             self.reading_paused = True
             self.transport.pause_reading()  # type: ignore[union-attr]
 
-    def _after_chunked_read(self, data: bytes, mid_trailers: bool) -> None:
-        """A read of a chunked body: bound its trailer section, refuse a declared chunk past the body limit."""
-        limit = self.limits.max_header_bytes
-        if mid_trailers and self.chunk_state == 1 and not self.chunk_header_in_read:
-            # llhttp hands a field to httptools piece by piece, which joins
-            # them by concatenation: only a bound keeps that linear. The read
-            # the section began in is not counted (the exact sum is taken per field).
-            self.trailer_read += len(data)
-            if self.trailer_read > limit:
-                self._fail(431, f"request trailers exceed {limit} bytes")
-                return
-        if self.chunk_header_in_read:
-            self._check_chunk_size(data)
-        self.size_line_tail = data[-_SIZE_LINE_TAIL:]
+    # -- the parser's events (server.http.parse: both twins) ---------------------
 
-    def _check_chunk_size(self, data: bytes) -> None:
-        """413 when the size line of the chunk open at the end of ``data`` goes past the body limit.
-
-        httptools does not expose the chunk size llhttp read (its
-        ``content_length``), so it is read again here from the line llhttp
-        accepted: the open chunk's data is the read's last ``chunk_body``
-        bytes, and its size line ("hex[;ext]" CRLF, no LF inside: llhttp
-        strict) just before them. A line not wholly within the last two reads
-        is left to the byte count of :meth:`on_body`.
-        """
-        end = len(data) - self.chunk_body
-        text = data[end - 4096 : end] if end >= 4096 else self.size_line_tail + data[:end]
-        if not text.endswith(b"\r\n"):
-            return
-        start = text.rfind(b"\n", 0, len(text) - 1)
-        if start < 0:
-            return
-        try:
-            size = int(text[start + 1 : -2].split(b";", 1)[0], 16)
-        except ValueError:
-            return  # not a size line: the trailer section of the last chunk
-        req = self.current
-        assert req is not None
-        limit = self.limits.max_body_bytes
-        if req.size - self.chunk_body + size > limit:
-            self._fail(413, f"a chunk of {size} bytes takes the request body past the limit of {limit} bytes")
-
-    # -- parser callbacks --------------------------------------------------------
-
-    def on_message_begin(self) -> None:
-        self.current = Request()
-        self.head_bytes = 0
-        self.size_line_tail = b""
+    def on_message_begin(self, req: Request) -> None:
+        self.current = req
         self.deadline = self.loop.time() + self.header_timeout_s
         self.deadline_status = 408
 
-    def on_url(self, url: bytes) -> None:
-        req = self.current
-        assert req is not None
-        req.url += url
-        if len(req.url) > self.limits.max_header_bytes:
-            self._stop(414, f"request line exceeds {self.limits.max_header_bytes} bytes")
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        # The hot path: six headers a request. Only five names matter here,
-        # told apart by length before any lower-casing.
-        req = self.current
-        assert req is not None
-        if req.method:
-            self._trailer(name, value)
-            return
-        headers = req.headers
-        headers.append((name, value))
-        if len(name) in _CHECKED_LENGTHS:
-            self._check_header(name.lower(), value)
-        if len(headers) > self.max_headers:
-            self._stop(431, f"more than {self.max_headers} request headers")
-
-    def _trailer(self, name: bytes, value: bytes) -> None:
-        """A trailer field (after a chunked body, RFC 9112 7.1.2): bounded like headers, then dropped.
-
-        Nothing here reads trailers, and RFC 9110 6.5.1 forbids merging them
-        into the headers unless their fields allow it: a field there must not
-        route, authenticate or encode the request.
-        """
-        self.trailers += 1
-        self.trailer_bytes += len(name) + len(value) + 4
-        if self.trailer_bytes > self.limits.max_header_bytes:
-            self._stop(431, f"request trailers exceed {self.limits.max_header_bytes} bytes")
-        if self.trailers > self.max_headers:
-            self._stop(431, f"more than {self.max_headers} request trailer fields")
-
-    def on_chunk_header(self) -> None:
-        self.chunk_state = 1
-        self.chunk_body = 0
-        self.chunk_header_in_read = True
-        self.trailers = self.trailer_bytes = self.trailer_read = 0
-
-    def on_chunk_complete(self) -> None:
-        self.chunk_state = 0
-
-    def _check_header(self, key: bytes, value: bytes) -> None:
-        req = self.current
-        assert req is not None
-        if key == b"host":
-            req.hosts += 1
-        elif key == b"content-length":
-            req.content_length = int(value)  # llhttp checked: digits, one header
-        elif key == b"transfer-encoding":
-            req.chunked = True
-            if value.strip().lower() != b"chunked" or sum(k.lower() == key for k, _ in req.headers) > 1:
-                self._stop(501, "only 'Transfer-Encoding: chunked' is supported")
-        elif key == b"expect":
-            if value.strip().lower() != b"100-continue":
-                self._stop(417, "only 'Expect: 100-continue' is supported")
-            req.expect_continue = True
-        elif key == b"content-encoding":
-            # A compressed body would reach JSON readers as garbage (or be a
-            # decompression bomb): refused up front, never decoded.
-            if value.strip().lower() not in (b"identity", b""):
-                self._stop(415, "Content-Encoding is not supported: send the request body uncompressed")
-
-    def on_headers_complete(self) -> None:
-        req = self.current
-        assert req is not None
-        # Header bytes: counted per read while the headers were incomplete
-        # (data_received); the read that completed them is summed only when
-        # it could have carried more than the limit.
-        limit = self.limits.max_header_bytes
-        if self.head_bytes + self.last_read > limit:
-            size = len(req.url) + sum(len(k) + len(v) + 4 for k, v in req.headers)
-            if size > limit:
-                self._stop(431, f"request headers exceed {limit} bytes")
-        parser = self.parser
-        req.version = parser.get_http_version()
-        if req.version not in ("1.1", "1.0"):
-            self._stop(505, f"HTTP/{req.version} is not supported; use HTTP/1.1")
-        if req.hosts != 1 and (req.hosts or req.version == "1.1"):
-            # RFC 9112 3.2: a 400 to an HTTP/1.1 request without Host, to any with more than one.
-            self._stop(400, f"the request has {req.hosts} Host headers; send exactly one")
-        if parser.should_upgrade():
-            self._stop(501, "protocol upgrades (Upgrade, CONNECT) are not supported")
-        req.method = parser.get_method()
-        url = req.url
-        if url[:1] != b"/":
-            self._stop(400, "the request target must be a path (origin-form)")
-        query = url.find(b"?")
-        if query < 0:
-            req.path = url
-        else:
-            req.path, req.query = url[:query], url[query + 1 :]
-        limit = self.limits.max_body_bytes
+    def on_head(self, req: Request) -> None:
+        """Its request line and headers passed the parser's checks: count its body, invite it, time it."""
         if req.content_length:
-            if req.content_length > limit:
-                self._stop(
-                    413, f"request body of {req.content_length} bytes exceeds the limit of {limit} bytes"
-                )
             # Counted whole now: a server that admitted every body and refused
             # them part-way when the budget ran out would answer none.
             self._hold(req, req.content_length)
-        if req.version == "1.0":
-            req.expect_continue = False  # RFC 9110 15.2: never a 1xx to HTTP/1.0
         if req.expect_continue and self.task is None and not self.queue:
             req.expect_continue = False
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # type: ignore[union-attr]
+            self.transport.write(_CONTINUE)  # type: ignore[union-attr]
         self.deadline = self.loop.time() + self.body_timeout_s
 
-    def on_body(self, body: bytes) -> None:
-        req = self.current
-        assert req is not None
-        n = len(body)
-        req.size += n
-        if req.size > self.limits.max_body_bytes:
-            self._stop(413, f"request body exceeds the limit of {self.limits.max_body_bytes} bytes")
-        if req.chunked:
-            self.chunk_state = 2
-            self.chunk_body += n
-            self._hold(req, n)
-        req.chunks.append(body)
+    def on_body_piece(self, req: Request, n: int) -> None:
+        """``n`` more bytes of a chunked body (a Content-Length one was counted at :meth:`on_head`)."""
+        self._hold(req, n)
 
     def _hold(self, req: Request, n: int) -> None:
         """Count ``n`` body bytes of ``req`` against the budgets, or stop: 503 for the server's, 429 for the client's share."""
@@ -575,32 +322,21 @@ class _Connection(asyncio.Protocol):
         if n >= LARGE_BODY_BYTES:
             server.trim_when_quiet()
 
-    def on_message_complete(self) -> None:
-        req = self.current
-        assert req is not None
+    def on_message_complete(self, req: Request) -> None:
         self.current = None
-        self.chunk_state = 0
-        req.keep_alive = self.parser.should_keep_alive()
         if req.chunked and req.version == "1.0":
             # RFC 9112 6.1: chunked framing in HTTP/1.0 is faulty; answer this
             # one, then close without reading what follows it.
             req.keep_alive = False
             self.no_more = True
-            self.queue.append(self._finish_body(req))
+            self.queue.append(req)
             if self.task is None:
                 self._next()
             raise _Stop("HTTP/1.0 with Transfer-Encoding")
-        self.queue.append(self._finish_body(req))
+        self.queue.append(req)
         self.deadline = 0.0
         if self.task is None:
             self._next()
-
-    def _finish_body(self, req: Request) -> Request:
-        chunks = req.chunks
-        if chunks:
-            req.body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-            req.chunks = []
-        return req
 
     # -- requests ----------------------------------------------------------------
 
@@ -632,7 +368,7 @@ class _Connection(asyncio.Protocol):
         elif current.expect_continue and current.method:
             # Pipelined behind the responses just sent: its turn to send the body.
             current.expect_continue = False
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # type: ignore[union-attr]
+            self.transport.write(_CONTINUE)  # type: ignore[union-attr]
 
     async def _handle(self, req: Request, responder: Responder) -> None:
         try:
@@ -754,6 +490,10 @@ SWEEP_BATCH = 128
 
 class HTTPServer:
     """Serves ``handler`` on a port. ``connections`` is every open client connection."""
+
+    #: each connection's request parser: the twin :mod:`server.http.parse` chose (the tests
+    #: choose one in a subclass)
+    request_parser: Callable[[_Connection, Limits], Any] = RequestParser
 
     def __init__(self, handler: Handler, limits: Limits | None = None) -> None:
         self.handler = handler
