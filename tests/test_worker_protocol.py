@@ -744,3 +744,23 @@ def test_a_msgpack_base64_error_names_no_byte_of_a_json_text() -> None:
     assert "request body byte" not in info.value.message
     exc = error(json.dumps({"prompt_token_ids_b64": bad}).encode(), "completions")
     assert exc.message.endswith("at byte 5 (request body byte 31)")
+
+
+@pytest.mark.parametrize("ids", [[1, 2, 261], [1, True], [1, 2.0], [1, 2**64 - 1], [5, -1], [], [[1, 2]], ["a"]])
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_msgpack_token_ids_decoded_as_integers_read_as_their_json_twin(ids: list[Any], route: str) -> None:
+    """An array of integers decodes as TokenIds (no per-element look); anything else takes the
+    general path: the same request or the same 400 as the JSON twin's."""
+    from server.worker.msgpack_body import TokenIds
+
+    field = "prompt_token_ids" if route == "chat" else "prompt"
+    body = {field: ids, "messages": LAST_MESSAGE} if route == "chat" else {field: ids}
+    loaded = load_msgpack_body(msgspec.msgpack.encode(body))
+    integers = bool(ids) and all(type(i) is int for i in ids)
+    assert (type(loaded[field]) is TokenIds) == (integers or ids == []) and loaded[field] == ids
+    got: Any
+    try:
+        got = comparable(read_body(loaded, route))
+    except HTTPError as exc:
+        got = (exc.status, exc.param, exc.message)
+    assert got == outcome(json.dumps(body).encode(), route, "json")

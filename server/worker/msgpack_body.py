@@ -21,15 +21,39 @@ from typing import Any
 
 import msgspec
 
+from fastcore import protocol as wire
 from server.errors import HTTPError
 
 from .json_body import CHECKED_OBJECTS, MAX_NESTING, bad_request, brief
 
 _MSGPACK_MAP = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
+#: an array of integers only (msgspec refuses a bool or a float for ``int``)
+_MSGPACK_INTS = msgspec.msgpack.Decoder(list[int])
+#: the fields that carry a prompt's token ids as a list
+_ID_FIELDS = frozenset({wire.PROMPT_TOKEN_IDS, wire.PROMPT})
 _MSGPACK_ITEMS = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _MSGPACK_ANY = msgspec.msgpack.Decoder()
 #: list elements that need no look inside (floats do: NaN and infinity)
 _LEAF_TYPES = frozenset({str, int, bool, type(None)})
+
+
+class TokenIds(list):
+    """A msgpack array that decoded as integers only: a list like any other (it equals its JSON
+    twin's), which the reader turns into an array without looking at each element's type again."""
+
+    __slots__ = ()
+
+
+def _token_ids(data: msgspec.Raw) -> TokenIds | None:
+    """``data`` as :class:`TokenIds` when it is a msgpack array of integers, else None (the general
+    path decodes and checks it)."""
+    head = memoryview(data)[0] if len(data) else 0
+    if not (0x90 <= head <= 0x9F or head in (0xDC, 0xDD)):
+        return None
+    try:
+        return TokenIds(_MSGPACK_INTS.decode(data))
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
 
 
 def _msgpack_map_header(data: bytes | memoryview) -> tuple[int, int] | None:
@@ -149,9 +173,11 @@ def load_msgpack_body(raw: bytes) -> dict[str, Any]:
                 name: _msgpack_value(item, 3, f"{key}.{name}", key)
                 for name, item in _msgpack_map(memoryview(data), key).items()
             }
+        elif key in _ID_FIELDS and (ids := _token_ids(data)) is not None:
+            body[key] = ids  # integers: nothing in them for JSON's policy to refuse
         else:
             body[key] = _msgpack_value(data, 2, key, key)
     return body
 
 
-__all__ = ["load_msgpack_body"]
+__all__ = ["TokenIds", "load_msgpack_body"]

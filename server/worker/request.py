@@ -27,7 +27,7 @@ from fastcore import protocol as wire
 from server.errors import HTTPError
 
 from .json_body import JSON_BODY, SIMDJSON, JSONBody, RawJSON, Route, bad_request, brief
-from .msgpack_body import load_msgpack_body
+from .msgpack_body import TokenIds, load_msgpack_body
 from .output import SamplingParams
 from .tokenizer import Tokenizer
 
@@ -147,9 +147,9 @@ def _ids_from_list(value: Any, name: str, vocab_size: int) -> np.ndarray:
         value = value.value()  # anything else: the general path, with its messages
     if not isinstance(value, list) or not value:
         raise bad_request(f"'{name}' must be a non-empty list of token ids", name)
-    if set(map(type, value)) == _INT_ONLY:  # a msgpack body's ids: one conversion, checked as above
+    if type(value) is TokenIds or set(map(type, value)) == _INT_ONLY:  # one conversion, checked as above
         try:
-            return _checked_ids(np.array(value, dtype=np.int64), name, vocab_size)
+            return _checked_ids(np.fromiter(value, np.int64, len(value)), name, vocab_size)
         except OverflowError:  # beyond int64: the loop below names the id
             pass
     for i, t in enumerate(value):
