@@ -10,9 +10,9 @@ parameters, the prompt as int32 ids (tokenized, or taken as given from
 The body is read once: a JSON body by one validating scan and one parse of the
 rest (:mod:`server.worker.json_body`), its token field decoded from the body's
 bytes (base64 by ``fastcore.decode_tokens`` on a memoryview, a list by
-pysimdjson into an int64 buffer); a msgpack body by one msgpack decode
-(:mod:`server.worker.msgpack_body`). Either way :func:`read_request` then reads
-the fields from the same dict.
+pysimdjson into an int64 buffer); a msgpack body by one msgpack decode, its
+ids decoded as integers (:mod:`server.worker.msgpack_body`). Either way
+:func:`read_request` then reads the fields from the same dict.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class DisaggParams:
 @dataclass
 class ParsedRequest:
     route: Route
-    # The JSON body; its token field (the one prompt_ids came from) is a RawJSON of its bytes.
+    # The body's values; a JSON body's token field (the one prompt_ids came from) is a RawJSON of its bytes.
     body: dict[str, Any]
     model: str
     stream: bool
