@@ -111,6 +111,9 @@ cdef class RequestParser:
     cdef Py_ssize_t nfields, fields_capacity
     cdef Py_ssize_t url_len
     cdef bint in_field, head_done
+    # A field whose value ended, checked when the next field begins or the section ends (where
+    # httptools hands a field to the pure twin: both refuse in the same read).
+    cdef bint field_pending
     # What the checked headers said.
     cdef Py_ssize_t hosts, transfer_encodings
     cdef bint chunked, expect_continue
@@ -344,7 +347,7 @@ cdef class RequestParser:
 cdef int _on_message_begin(llhttp_t* p) noexcept:
     cdef RequestParser self = <RequestParser>p.data
     self.used = self.nfields = self.url_len = 0
-    self.in_field = self.head_done = self.chunked = self.expect_continue = False
+    self.in_field = self.field_pending = self.head_done = self.chunked = self.expect_continue = False
     self.hosts = self.transfer_encodings = self.size = self.head_bytes = 0
     self.begin_read = self.last_read
     if self.capacity > 16 * HEAD_BUFFER:
@@ -376,13 +379,15 @@ cdef int _on_url(llhttp_t* p, const char* at, size_t n) noexcept:
 
 cdef int _on_header_field(llhttp_t* p, const char* at, size_t n) noexcept:
     cdef RequestParser self = <RequestParser>p.data
+    if not self.in_field:
+        self.in_field = True
+        if _field_done(self):
+            return STOP
+        if not self.head_done and self._new_field():
+            return STOP
     if self.head_done:  # a trailer field: counted, never kept
         self.trailer_field += <Py_ssize_t>n
         return 0
-    if not self.in_field:
-        self.in_field = True
-        if self._new_field():
-            return STOP
     if self._append(at, n):
         return STOP
     self.fields[self.nfields - 1].name_len += <Py_ssize_t>n
@@ -409,8 +414,17 @@ cdef int _on_header_value(llhttp_t* p, const char* at, size_t n) noexcept:
 
 cdef int _on_header_value_complete(llhttp_t* p) noexcept:
     cdef RequestParser self = <RequestParser>p.data
-    cdef Py_ssize_t limit = self.max_header_bytes
     self.in_field = False
+    self.field_pending = True
+    return 0
+
+
+cdef int _field_done(RequestParser self) noexcept:
+    """The checks of the field that ended last, if one is pending."""
+    cdef Py_ssize_t limit = self.max_header_bytes
+    if not self.field_pending:
+        return 0
+    self.field_pending = False
     if self.head_done:
         # A trailer field (after a chunked body, RFC 9112 7.1.2): bounded like headers, then
         # dropped; RFC 9110 6.5.1 forbids merging it into the headers.
@@ -431,6 +445,8 @@ cdef int _on_header_value_complete(llhttp_t* p) noexcept:
 
 cdef int _on_headers_complete(llhttp_t* p) noexcept:
     cdef RequestParser self = <RequestParser>p.data
+    if _field_done(self):
+        return STOP
     try:
         return self._head_complete()
     except BaseException:
@@ -484,4 +500,4 @@ cdef int _on_chunk_header(llhttp_t* p) noexcept:
 cdef int _on_chunk_complete(llhttp_t* p) noexcept:
     cdef RequestParser self = <RequestParser>p.data
     self.chunk_state = 0
-    return 0
+    return _field_done(self)  # the last chunk's trailer section ended

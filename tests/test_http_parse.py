@@ -1,0 +1,215 @@
+"""The two request parsers (server.http._parse, compiled; server.http._parse_py, its pure twin) agree.
+
+Both frame the same bytes, split into the same reads, into the same events (what the connection
+receives: a request's begin, its head, each chunked body piece, its end) and the same refusal,
+status and words. The server's own tests (test_http_server, test_http_abuse, test_http_memory)
+run every test on each parser through real sockets; here the two are fed the same reads side by
+side, which is what pins "identical behaviour" where a socket would not split the bytes the
+same way twice: requests valid and mutated, every split, bounds small enough to be hit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import pytest
+from helpers import REQUIRE_EXTENSIONS
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fastcore
+from server.http import _parse_py
+from server.http.limits import Limits
+from server.http.request import Refused, Request
+
+LIMITS = [
+    Limits(),
+    Limits(max_header_bytes=120, max_headers=4, max_body_bytes=64),
+    Limits(max_header_bytes=300, max_headers=8, max_body_bytes=700),
+]
+
+
+def compiled() -> ModuleType:
+    if fastcore.NO_EXTENSIONS:
+        pytest.skip("FASTCORE_NO_EXTENSIONS=1")
+    try:
+        return importlib.import_module("server.http._parse")
+    except ImportError as exc:
+        if REQUIRE_EXTENSIONS:
+            pytest.fail(f"server.http._parse required but not importable: {exc}")
+        pytest.skip(f"server.http._parse not built: {exc}")
+
+
+class Recorder:
+    """Stands where the connection stands: records the parser's events, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[Any, ...]] = []
+
+    def on_message_begin(self, req: Request) -> None:
+        self.events.append(("begin",))
+
+    def on_head(self, req: Request) -> None:
+        head = (req.method, req.url, req.path, req.query, req.version, req.headers, req.content_length)
+        self.events.append(("head", *head, req.chunked, req.expect_continue, req.hosts))
+
+    def on_body_piece(self, req: Request, n: int) -> None:
+        self.events.append(("piece", n))
+
+    def on_message_complete(self, req: Request) -> None:
+        self.events.append(("complete", req.body, req.keep_alive, req.size))
+
+
+def events(parser_class: Any, reads: Sequence[bytes], limits: Limits) -> list[tuple[Any, ...]]:
+    """What the parser hands a connection for ``reads``, ending with its refusal if it refuses."""
+    conn = Recorder()
+    parser = parser_class(conn, limits)
+    for data in reads:
+        try:
+            parser.feed(data)
+        except Refused as exc:
+            conn.events.append(("refused", exc.status, exc.message))
+            break
+    return conn.events
+
+
+def assert_agree(reads: Sequence[bytes], limits: Limits) -> list[tuple[Any, ...]]:
+    pure = events(_parse_py.RequestParser, reads, limits)
+    assert events(compiled().RequestParser, reads, limits) == pure, reads
+    return pure
+
+
+HEAD = b"POST /p?q=1 HTTP/1.1\r\nHost: t\r\n"
+CASES = {
+    "content-length": HEAD + b"Content-Length: 5\r\n\r\nhello",
+    "chunked-trailers": HEAD
+    + b"Transfer-Encoding: chunked\r\n\r\n3;x=y\r\nabc\r\n2\r\nde\r\n0\r\nT: 1\r\nU: 2\r\n\r\n",
+    "pipelined": b"GET / HTTP/1.1\r\nHost: t\r\n\r\n" * 3,
+    "http10": b"GET / HTTP/1.0\r\n\r\n",
+    "two-hosts": b"GET / HTTP/1.1\r\nHost: a\r\nhOsT: b\r\n\r\n",
+    "no-host": b"GET / HTTP/1.1\r\nX: 1\r\n\r\n",
+    "http2": b"GET / HTTP/2.0\r\nHost: t\r\n\r\n",
+    "upgrade": b"GET / HTTP/1.1\r\nHost: t\r\nConnection: upgrade\r\nUpgrade: h2c\r\n\r\n",
+    "connect": b"CONNECT a:443 HTTP/1.1\r\nHost: a\r\n\r\n",
+    "absolute-form": b"GET http://a/ HTTP/1.1\r\nHost: a\r\n\r\n",
+    "gzip-te": HEAD + b"Transfer-Encoding: gzip\r\n\r\n",
+    "two-te": HEAD + b"Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    "te-spaces": HEAD + b"transfer-encoding:  Chunked \r\n\r\n0\r\n\r\n",
+    "expect": HEAD + b"Expect: 100-Continue\r\nContent-Length: 1\r\n\r\nx",
+    "expect-other": HEAD + b"Expect: 200-ok\r\n\r\n",
+    "expect-http10": b"POST / HTTP/1.0\r\nExpect: 100-continue\r\nContent-Length: 1\r\n\r\nx",
+    "content-encoding": HEAD + b"Content-Encoding: gzip\r\nContent-Length: 1\r\n\r\nx",
+    "content-encoding-identity": HEAD + b"Content-Encoding:  IDENTITY\r\nContent-Length: 1\r\n\r\nx",
+    "empty-values": b"GET / HTTP/1.1\r\nHost: t\r\nX-E:\r\nContent-Encoding:\r\n\r\n",
+    "cl-and-te": HEAD + b"Content-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    "obs-fold": b"GET / HTTP/1.1\r\nHost: t\r\nX: a\r\n b\r\n\r\n",
+    "bare-lf": b"GET / HTTP/1.1\nHost: t\n\n",
+    "chunk-overflow": HEAD + b"Transfer-Encoding: chunked\r\n\r\n1" + b"0" * 20 + b"\r\n",
+    "http10-chunked": b"POST / HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n1\r\na\r\n0\r\n\r\n",
+    "keep-alive-close": b"GET / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("limits", LIMITS, ids=["default", "tiny", "small"])
+@pytest.mark.parametrize("step", [0, 1, 2, 7])
+@pytest.mark.parametrize("case", list(CASES))
+def test_same_events_and_refusals(case: str, step: int, limits: Limits) -> None:
+    data = CASES[case]
+    reads = [data] if not step else [data[i : i + step] for i in range(0, len(data), step)]
+    assert assert_agree(reads, limits)
+
+
+def test_a_chunk_size_split_over_reads_is_refused_from_its_size() -> None:
+    limits = Limits(max_body_bytes=4096)
+    reads = [HEAD + b"Transfer-Encoding: chunked\r\n\r\n", *(bytes([b]) for b in b"1000000;e=1\r\n")]
+    assert assert_agree(reads, limits)[-1] == (
+        "refused",
+        413,
+        "a chunk of 16777216 bytes takes the request body past the limit of 4096 bytes",
+    )
+
+
+@pytest.mark.parametrize("after", [b"\x00", b"E: 1\r\n\r\n", b"\r\n"])
+def test_a_field_is_checked_when_the_next_begins_or_the_section_ends(after: bytes) -> None:
+    """httptools hands the pure twin a field when the next one begins (or the headers, or the
+    trailer section, end), not at its CRLF: the compiled twin checks it there too, so a read that
+    ends between the two refuses the same way (here the fifth of at most four headers: a 431, or a
+    400 for a next field that is not one)."""
+    limits = Limits(max_headers=4)
+    head = b"GET / HTTP/1.1\r\nHost: t\r\nA: 1\r\nB: 1\r\nC: 1\r\nD: 1\r\n"
+    status = assert_agree([head, after], limits)[-1][1]
+    assert status == (400 if after == b"\x00" else 431)
+    trailers = b"T: 1\r\n" * 5
+    reads = [HEAD + b"Transfer-Encoding: chunked\r\n\r\n0\r\n" + trailers, after]
+    status = assert_agree(reads, limits)[-1][1]
+    assert status == (400 if after == b"\x00" else 431)
+
+
+_TOKEN = st.text(
+    alphabet="abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-", min_size=1, max_size=12
+)
+_SPECIAL = [
+    b"\r\n",
+    b"\n",
+    b"\r",
+    b"\x00",
+    b" ",
+    b":",
+    b"\t",
+    b"0",
+    b";",
+    b"ff",
+    b"Host: t\r\n",
+    b"Content-Length: 3\r\n",
+    b"Transfer-Encoding: chunked\r\n",
+    b"Expect: 100-continue\r\n",
+    b"Content-Encoding: br\r\n",
+    b"HTTP/1.0",
+    b"0\r\nT: x\r\n\r\n",
+]
+
+
+@st.composite
+def streams(draw: st.DrawFn) -> bytes:
+    """Requests, valid or not: a head of drawn fields, a body framed one way or another, then mutated."""
+    out = b""
+    for _ in range(draw(st.integers(1, 3))):
+        head = b"%s /%s HTTP/1.%d\r\n" % (
+            draw(st.sampled_from([b"GET", b"POST", b"PUT", b"HEAD"])),
+            draw(_TOKEN).encode() * draw(st.sampled_from([1, 1, 20])),
+            draw(st.sampled_from([1, 1, 0])),
+        )
+        fields = draw(
+            st.lists(st.tuples(_TOKEN, st.text(alphabet="abc xyz/;=,0123", max_size=30)), max_size=6)
+        )
+        head += b"Host: t\r\n" * draw(st.sampled_from([1, 1, 1, 1, 0, 2]))
+        head += b"".join(b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in fields)
+        body = draw(st.binary(max_size=300))
+        if draw(st.booleans()):
+            pieces = [body[a:b] for a, b in itertools.pairwise([0, len(body) // 3, len(body)])]
+            out += head + b"Transfer-Encoding: chunked\r\n\r\n"
+            out += b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces if p) + b"0\r\n"
+            out += b"".join(b"T%d: %s\r\n" % (i, b"v" * 20) for i in range(draw(st.integers(0, 6)))) + b"\r\n"
+        else:
+            out += head + b"Content-Length: %d\r\n\r\n" % len(body) + body
+    for _ in range(draw(st.sampled_from([0, 0, 0, 1, 2, 3]))):
+        at = draw(st.integers(0, len(out)))
+        cut = draw(st.integers(0, 4))
+        out = out[:at] + draw(st.sampled_from(_SPECIAL)) + out[at + cut :]
+    return out
+
+
+@settings(
+    max_examples=300, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+)
+@given(data=st.data())
+def test_property_same_events_and_refusals_for_any_bytes_in_any_reads(data: st.DataObject) -> None:
+    stream = data.draw(streams(), label="stream")
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=12), label="cuts"))
+    reads = [stream[a:b] for a, b in itertools.pairwise([0, *cuts, len(stream)]) if b > a]
+    limits = data.draw(st.sampled_from(LIMITS), label="limits")
+    assert_agree(reads, limits)
