@@ -47,8 +47,8 @@ from .limits import JSON_MAX_DEPTH, JSON_MAX_NUMBER_CHARS
 Path = tuple[str | int, ...]
 Span = tuple[int, int]
 
-# Status codes: their one home, which the compiled twin reads at import (its own are 100 and up); one
-# table turns them into messages.
+# Status codes shared with the compiled twin (its Status enum, checked against these at import; its
+# own are 100 and up); one table turns them into messages.
 E_EOF = 1
 E_VALUE = 2
 E_OBJECT_SEPARATOR = 3
