@@ -22,9 +22,9 @@ from server.http import Deadlines, UpstreamPool, UpstreamResponse
 from server.metrics import Registry
 from server.orchestrator.app import Orchestrator
 from server.orchestrator.config import build_config
-from server.orchestrator.legs import Leg, LegRunner, LegUnavailable, WorkerAnswer
+from server.orchestrator.legs import LegRunner, LegUnavailable, WorkerAnswer
 from server.orchestrator.metrics import OrchestratorMetrics
-from server.orchestrator.pools import CircuitBreaker, Pool, Worker
+from server.orchestrator.pools import CircuitBreaker, Lease, Pool, Worker
 
 
 def answer(status: bytes, body: bytes, extra: bytes = b"") -> bytes:
@@ -125,9 +125,12 @@ class Harness:
             self.upstreams[worker.url] = UpstreamPool(worker.url, deadlines=self.deadlines)
         return self.upstreams[worker.url]
 
-    def leg(self, **kw: Any) -> Leg:
-        options: dict[str, Any] = {"headers": b"", "timeout": 5.0, "tokens": 7, "disagg_id": 42, **kw}
-        return Leg("context", self.pool, b"/v1/chat/completions", b"{}", **options)
+    def leg(self, **kw: Any) -> dict[str, Any]:
+        """A context leg's arguments (``tried``: the list the runner appends to)."""
+        return {"headers": b"", "timeout": 5.0, "tokens": 7, "disagg_id": 42, "tried": [], **kw}
+
+    def run(self, leg: dict[str, Any]) -> Any:
+        return self.runner.run("context", self.pool, b"/v1/chat/completions", b"{}", self.answered, **leg)
 
     async def answered(self, worker: Worker, resp: UpstreamResponse) -> bytes:
         self.held.append(worker.in_flight)
@@ -146,9 +149,9 @@ class Harness:
             upstream.close()
 
 
-async def run(h: Harness, leg: Leg) -> tuple[str, Any]:
+async def run(h: Harness, leg: dict[str, Any]) -> tuple[str, Any]:
     try:
-        return "answer", await h.runner.run(leg, h.answered)
+        return "answer", await h.run(leg)
     except LegUnavailable as exc:
         return "unavailable", exc
     except WorkerAnswer as exc:
@@ -188,7 +191,7 @@ async def test_each_failure_path_gives_every_count_back(
         leg = h.leg(timeout=0.3 if "silent" in hows else 5.0)
         kind, exc = await run(h, leg)
         assert kind == "unavailable" and exc.reason == reason
-        assert len(leg.tried) == tried
+        assert len(leg["tried"]) == tried
         assert len(h.marked) == marked and len(h.released) == released
         assert all(disagg_id == 42 for _, disagg_id in h.released)
         assert h.released_everything()
@@ -203,7 +206,7 @@ async def test_the_clients_4xx_is_its_answer_and_the_lease_is_back() -> None:
         leg = h.leg()
         kind, exc = await run(h, leg)
         assert kind == "worker_answer" and exc.status == 400
-        assert [w.url for w in leg.tried] == [h.url(0)]  # another worker would answer the same
+        assert [w.url for w in leg["tried"]] == [h.url(0)]  # another worker would answer the same
         assert h.released_everything()
         h.close()
 
@@ -214,7 +217,7 @@ async def test_a_stream_without_a_first_byte_goes_to_the_next_worker() -> None:
         leg = h.leg(timeout=None, read_timeout=5.0, max_body=0, first_byte=0.3, disagg_id=None)
         kind, body = await run(h, leg)
         assert (kind, body) == ("answer", OK_BODY)
-        assert [w.url for w in leg.tried] == [h.url(0), h.url(1)]
+        assert [w.url for w in leg["tried"]] == [h.url(0), h.url(1)]
         assert h.pool.workers[0].breaker.state == CircuitBreaker.OPEN  # a timed-out leg opens it at once
         assert h.released_everything()
         h.close()
@@ -223,7 +226,7 @@ async def test_a_stream_without_a_first_byte_goes_to_the_next_worker() -> None:
 async def test_a_cancelled_leg_gives_its_counts_back_and_releases_the_lost_answer() -> None:
     async with workers("silent") as urls:
         h = Harness(urls)
-        task = asyncio.ensure_future(h.runner.run(h.leg(), h.answered))
+        task = asyncio.ensure_future(h.run(h.leg()))
         while h.pool.workers[0].in_flight == 0:  # the leg holds its worker
             await asyncio.sleep(0.005)
         task.cancel()
@@ -246,7 +249,7 @@ def test_the_lease_is_given_back_on_an_exception() -> None:
     pool = Pool("generation", ["http://127.0.0.1:1"], "least_loaded")
     worker = pool.workers[0]
     worker.breaker.state = CircuitBreaker.HALF_OPEN
-    with pytest.raises(RuntimeError), pool.lease(worker, 100) as held:
+    with pytest.raises(RuntimeError), Lease(worker, 100) as held:
         assert held is worker and (worker.in_flight, worker.in_flight_tokens) == (1, 100)
         assert worker.breaker.probing  # in half-open, this leg is the probe
         raise RuntimeError

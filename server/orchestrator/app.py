@@ -62,7 +62,6 @@ from .estimates import UsageLearner
 from .legs import (
     MAX_ERROR_BODY,
     MAX_WORKER_BODY,
-    Leg,
     LegRunner,
     LegUnavailable,
     WorkerAnswer,
@@ -568,14 +567,17 @@ class Orchestrator:
         allowance = config.context_timeout_per_1k_tokens_s * body_bytes / (BYTES_PER_TOKEN * 1000)
         return min(config.request_timeout_s, config.context_timeout_s + allowance)
 
-    def _first_byte_timeout(self, pieces: Sequence[BodyPiece]) -> float:
+    def _first_byte_timeout(self, body: bytes | Sequence[BodyPiece]) -> float:
         """A stream's generation leg: ``generation_first_byte_timeout_s`` plus the per-1k-tokens
         allowance on the leg's body (its prompt may be prefilled there), never above
         ``request_timeout_s``."""
         config = self.config
-        size = 0
-        for piece in pieces:
-            size += len(piece)
+        if isinstance(body, bytes):
+            size = len(body)
+        else:
+            size = 0
+            for piece in body:
+                size += len(piece)
         allowance = config.context_timeout_per_1k_tokens_s * size / (BYTES_PER_TOKEN * 1000)
         return min(config.request_timeout_s, config.generation_first_byte_timeout_s + allowance)
 
@@ -691,13 +693,14 @@ class Orchestrator:
         key: RequestKey | None = None,
         tokens: int = 0,
     ) -> tuple[bytes, Worker]:
-        """Leg (1): the context answer and the worker that gave it (legs.py: a refusal or a dead
+        """Leg (1): the context answer and the worker that gave it (the last one tried) (legs.py: a refusal or a dead
         connection goes to another worker, a 4xx is the client's answer); :class:`LegUnavailable`
         when no context worker took it. A leg whose answer was lost (cut, timed out, the client
         left) may have parked KV whose id never arrived: it is released by ``disagg_id``."""
-        leg = Leg("context", self.context_pool, path, body, headers=self.relay.leg_headers, timeout=timeout,
-                  key=key, tokens=tokens, disagg_id=disagg_id)  # fmt: skip
-        return await self.legs.run(leg, _read_answer)
+        tried: list[Worker] = []
+        answer = await self.legs.run("context", self.context_pool, path, body, _body, headers=self.relay.leg_headers,
+                                     timeout=timeout, key=key, tokens=tokens, tried=tried, disagg_id=disagg_id)  # fmt: skip
+        return answer, tried[-1]
 
     async def _generation_leg(
         self,
@@ -722,33 +725,33 @@ class Orchestrator:
         pool = self.generation_pool
         stream = req.stream
         limit = self.config.request_timeout_s
-        leg = Leg(
-            "generation", pool, path, body, headers=b"" if local else self.relay.leg_headers, extra=extra_headers,
-            # A stream may run long; what must not happen is a silence that long.
-            timeout=None if stream else limit, read_timeout=limit if stream else None,
-            # Unary: the whole answer is in before the task wakes (one wake-up).
-            max_body=0 if stream else MAX_WORKER_BODY,
-            key=key, tokens=tokens, first=first,
-            tried=[w for w in pool.workers if not w.local_prefill] if local else None,
-            handoff_from=None if local else context_done, ttfb=self.metrics.generation_ttfb,
-        )  # fmt: skip
-        if stream:
-            # A stream's first byte has its own deadline: a frozen worker costs it that, then another
-            # worker is tried (nothing has reached the client yet).
-            leg.first_byte = self._first_byte_timeout(leg.pieces)
         try:
-            return await self.legs.run(leg, partial(self._relay, out, req, clock))
+            return await self.legs.run(
+                "generation", pool, path, body, partial(self._relay, out, req, clock),
+                headers=b"" if local else self.relay.leg_headers, extra=extra_headers,
+                # A stream may run long; what must not happen is a silence that long.
+                timeout=None if stream else limit, read_timeout=limit if stream else None,
+                # Unary: the whole answer is in before the task wakes (one wake-up).
+                max_body=0 if stream else MAX_WORKER_BODY,
+                # A stream's first byte has its own deadline: a frozen worker costs it that, then
+                # another worker is tried (nothing has reached the client yet).
+                first_byte=self._first_byte_timeout(body) if stream else None,
+                key=key, tokens=tokens, first=first,
+                tried=[w for w in pool.workers if not w.local_prefill] if local else None,
+                handoff_from=None if local else context_done, ttfb=self.metrics.generation_ttfb,
+            )  # fmt: skip
         except LegUnavailable as exc:
             error = exc.error
         raise error  # outside the handler: the client's error carries no context
 
-    async def _relay(
+    def _relay(
         self, out: Responder, req: ClientRequest, clock: Clock, worker: Worker, resp: UpstreamResponse
-    ) -> int:
-        """A generation worker's 200, relayed to the client: SSE as it arrives, or the whole answer."""
+    ) -> Coroutine[Any, Any, int]:
+        """A generation worker's 200, relayed to the client: SSE as it arrives, or the whole answer
+        (the relay's coroutine itself: no frame of its own between the leg and the relay)."""
         if resp.media_type == _SSE:
-            return await self._relay_stream(out, worker, resp, clock)
-        return await self._relay_unary(out, req, worker, resp, clock)
+            return self._relay_stream(out, worker, resp, clock)
+        return self._relay_unary(out, req, worker, resp, clock)
 
     async def _relay_unary(
         self,
@@ -810,9 +813,9 @@ class Orchestrator:
         return status
 
 
-async def _read_answer(worker: Worker, resp: UpstreamResponse) -> tuple[bytes, Worker]:
-    """A context worker's 200: its whole answer (in already: the leg waited for it), and the worker."""
-    return await resp.read(), worker
+def _body(worker: Worker, resp: UpstreamResponse) -> Coroutine[Any, Any, bytes]:
+    """A context worker's 200: its whole answer (in already: the leg waited for it)."""
+    return resp.read()
 
 
 async def start_server(

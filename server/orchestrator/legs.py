@@ -5,8 +5,7 @@ body prefilled on a generation worker) differ in what they send and what they do
 with a 200; the rest is one loop (:meth:`LegRunner.run`):
 
 - choose a worker of the leg's pool not tried yet (its breaker lets a leg through);
-  hold it with :meth:`Pool.lease <server.orchestrator.pools.Pool.lease>` for the
-  whole attempt (its in-flight counts, the breaker's probe), so no path forgets to
+  hold it with a :class:`~server.orchestrator.pools.Lease` for the whole attempt (its in-flight counts, the breaker's probe), so no path forgets to
   give it back;
 - send on the worker's keep-alive connections, signed for that worker's instance;
 - a 200 is handed to the leg's ``answered`` (the worker served it, its breaker closes);
@@ -33,6 +32,8 @@ from server.auth import SIGNATURE_HEADER, sign_pieces
 from server.errors import HTTPError, normalise_error_body
 from server.http import BodyPiece, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout
 from server.tracing import current_trace
+
+from .pools import Lease
 
 if TYPE_CHECKING:
     from .metrics import OrchestratorMetrics
@@ -87,63 +88,20 @@ def leg_timed_out(leg: str, seconds: float) -> HTTPError:
     return HTTPError(504, f"the {leg} leg timed out after {seconds:g} s", code=f"{leg}_leg_timeout")
 
 
-class Leg:
-    """What one leg sends, where, and under which deadlines.
-
-    ``pieces``: the body (views into the bodies it was spliced from go out in one vectored
-    write, never joined). ``headers``: the relay mode's lines (empty for a plain JSON body);
-    ``extra``: lines after the signature (trtllm-serve's auth). ``tried``: workers not to
-    choose (a local prefill excludes those that cannot). ``first``: the worker for the first
-    attempt, already chosen (while it is healthy). ``disagg_id``: the id whose parked KV is
-    released when the answer is lost. ``handoff_from``: when the context answer was read (the
-    generation leg's hand-off is observed); ``ttfb``: the histogram of its time to first byte.
-    """
-
-    __slots__ = ("disagg_id", "extra", "first", "first_byte", "handoff_from", "headers", "key", "max_body",
-                 "name", "path", "pieces", "pool", "read_timeout", "timeout", "tokens", "tried", "ttfb")  # fmt: skip
-
-    def __init__(
-        self,
-        name: str,
-        pool: Pool,
-        path: bytes,
-        body: bytes | Sequence[BodyPiece],
-        *,
-        headers: bytes,
-        timeout: float | None,
-        read_timeout: float | None = None,
-        max_body: int = MAX_WORKER_BODY,
-        first_byte: float | None = None,
-        extra: bytes = b"",
-        key: RequestKey | None = None,
-        tokens: int = 0,
-        first: Worker | None = None,
-        tried: list[Worker] | None = None,
-        disagg_id: int | None = None,
-        handoff_from: float | None = None,
-        ttfb: Any = None,
-    ) -> None:
-        self.name = name
-        self.pool = pool
-        self.path = path
-        self.pieces: Sequence[BodyPiece] = (body,) if isinstance(body, bytes) else body
-        self.headers = headers
-        self.extra = extra
-        self.timeout = timeout
-        self.read_timeout = read_timeout
-        self.max_body = max_body
-        self.first_byte = first_byte
-        self.key = key
-        self.tokens = tokens
-        self.first = first
-        self.tried = tried if tried is not None else []
-        self.disagg_id = disagg_id
-        self.handoff_from = handoff_from
-        self.ttfb = ttfb
-
-
 class LegRunner:
-    """Runs legs for an orchestrator: its retries, upstream connections, signatures, breakers, metrics."""
+    """Runs legs for an orchestrator: its retries, upstream connections, signatures, breakers, metrics.
+
+    :meth:`run` takes a leg as arguments, not as an object (it runs twice per request).
+    ``body``: bytes or pieces (views into the bodies it was spliced from go out in one vectored
+    write, never joined). ``headers``: the relay mode's lines (empty for a plain JSON body), then
+    the signature, then ``extra`` (trtllm-serve's auth). ``timeout``, ``read_timeout``,
+    ``max_body``: the upstream request's; ``first_byte``: a stream's deadline for its first byte
+    (past it, the next worker). ``tried``: workers not to choose (a local prefill excludes those
+    that cannot), each one tried appended: the last is the one that answered. ``first``: the first
+    attempt's worker, already chosen (while healthy). ``disagg_id``: the id whose parked KV is
+    released when the answer is lost. ``handoff_from``: when the context answer was read (the
+    hand-off is observed); ``ttfb``: the histogram of the time to first byte.
+    """
 
     def __init__(
         self,
@@ -164,82 +122,92 @@ class LegRunner:
         self.release_lost_kv = release_lost_kv
         self.unavailable = unavailable
 
-    async def run(self, leg: Leg, answered: Callable[[Worker, UpstreamResponse], Awaitable[T]]) -> T:
-        """``answered(worker, resp)`` of the first worker that answers 200 (its lease held until it
-        returns); else :class:`WorkerAnswer` (the client's 4xx) or :class:`LegUnavailable`."""
-        pool, name, tried = leg.pool, leg.name, leg.tried
+    async def run(
+        self,
+        name: str,
+        pool: Pool,
+        path: bytes,
+        body: bytes | Sequence[BodyPiece],
+        answered: Callable[[Worker, UpstreamResponse], Awaitable[T]],
+        *,
+        headers: bytes,
+        timeout: float | None,
+        read_timeout: float | None = None,
+        max_body: int = MAX_WORKER_BODY,
+        first_byte: float | None = None,
+        extra: bytes = b"",
+        key: RequestKey | None = None,
+        tokens: int = 0,
+        first: Worker | None = None,
+        tried: list[Worker] | None = None,
+        disagg_id: int | None = None,
+        handoff_from: float | None = None,
+        ttfb: Any = None,
+    ) -> T:
+        """Leg ``name`` to a worker of ``pool``: ``answered(worker, resp)`` of the first that answers
+        200 (its lease held until it returns); else :class:`WorkerAnswer` (the client's 4xx) or
+        :class:`LegUnavailable`. The arguments: the class's docstring."""
+        pieces: Sequence[BodyPiece] = (body,) if isinstance(body, bytes) else body
+        tried = tried if tried is not None else []
         failure: HTTPError | WorkerAnswer | None = None
         reason = "failed"
         trace = current_trace()
+        timed = ttfb is not None or handoff_from is not None
         for attempt in range(self.attempts):
             routed = trace.now() if trace is not None else 0
-            first = leg.first
             if attempt == 0 and first is not None and first.healthy:
                 worker: Worker | None = first
             else:
-                worker = pool.choose(exclude=tried, key=leg.key)
+                worker = pool.choose(exclude=tried, key=key)
             if worker is None:
                 break
             if attempt:
                 self.metrics.retries_leg[name].inc()
             tried.append(worker)
-            with pool.lease(worker, leg.tokens):
-                handed_over = time.perf_counter()
-                if attempt == 0 and leg.handoff_from is not None:
-                    self.metrics.handoff.observe(handed_over - leg.handoff_from)
-                headers = leg.headers + self._signature(leg.pieces, worker) + leg.extra
+            with Lease(worker, tokens):
+                handed_over = time.perf_counter() if timed else 0.0
+                if attempt == 0 and handoff_from is not None:
+                    self.metrics.handoff.observe(handed_over - handoff_from)
+                lines = headers if self.secret is None else headers + self._signature(pieces, worker)
+                if extra:
+                    lines += extra
                 span: Any = None
                 if trace is not None:  # the leg's span; its traceparent goes with the leg
-                    span = trace.start_leg(name, pool, worker, leg.key, routed, attempt)
-                    headers += span.header
+                    span = trace.start_leg(name, pool, worker, key, routed, attempt)
+                    lines += span.header
                 try:
                     resp = await self.upstream(worker).request(
-                        _POST, leg.path, leg.pieces, headers=headers, timeout=leg.timeout,
-                        read_timeout=leg.read_timeout, max_body=leg.max_body, headers_timeout=leg.first_byte,
+                        _POST, path, pieces, headers=lines, timeout=timeout, read_timeout=read_timeout,
+                        max_body=max_body, headers_timeout=first_byte,
                     )  # fmt: skip
                 except UpstreamError as exc:
-                    self.mark_failed(pool, worker)
-                    self.breaker_failed(pool, worker)
-                    if exc.sent and leg.disagg_id is not None:
-                        self.release_lost_kv(worker, leg.disagg_id)
-                    log.warning("%s worker %s failed: %s", name, worker.url, exc)
-                    failure, reason = leg_failed(name, "its worker did not answer"), "failed"
-                    _end(span, exc)
+                    failure, reason = self._no_answer(name, pool, worker, span, exc, disagg_id), "failed"
                     continue
                 except UpstreamTimeout:
-                    failure = self._timed_out(leg, worker, span)  # raises unless a stream's first byte
+                    # raises unless a stream's first byte: that one goes to the next worker
+                    failure = self._timed_out(name, pool, worker, span, timeout, first_byte, disagg_id)
                     reason = "timeout"
                     continue
                 except asyncio.CancelledError:
                     # The client left (or a drain ran out): the leg's connection is reset, but its
                     # answer may be in flight already, the KV parked behind an id never read.
-                    if leg.disagg_id is not None:
-                        self.release_lost_kv(worker, leg.disagg_id)
+                    if disagg_id is not None:
+                        self.release_lost_kv(worker, disagg_id)
                     _end(span, "cancelled")
                     raise
                 except BaseException as exc:
                     _end(span, exc)
                     raise
                 try:
-                    if leg.ttfb is not None:
-                        leg.ttfb.observe(time.perf_counter() - handed_over)
+                    if ttfb is not None:
+                        ttfb.observe(time.perf_counter() - handed_over)
                     if span is not None:
                         span.answered(resp.status, resp)
                     if resp.status == 200:
                         worker.served += 1
                         worker.breaker.succeeded()
                         return await answered(worker, resp)
-                    failure = await self._worker_failure(name, worker, resp)
-                    if self._misdirected(pool, worker, failure):
-                        failure, reason = self.unavailable(f"no healthy {name} worker"), "refused"
-                        continue
-                    if resp.status in REFUSED_STATUSES:
-                        reason = "refused"
-                        continue
-                    if resp.status < 500:
-                        raise failure  # the client's answer: another worker would give the same
-                    self.breaker_failed(pool, worker)
-                    raise LegUnavailable("failed", failure)
+                    failure, reason = await self._refused(name, pool, worker, resp)  # or raises
                 finally:
                     # A response not read to the end closes its connection, so the worker sees the cancel.
                     resp.release()
@@ -250,27 +218,64 @@ class LegRunner:
             raise LegUnavailable(reason, self.unavailable(f"no healthy {name} worker"))
         raise LegUnavailable(reason, failure)
 
-    def _timed_out(self, leg: Leg, worker: Worker, span: Any) -> HTTPError:
+    def _no_answer(
+        self, name: str, pool: Pool, worker: Worker, span: Any, exc: UpstreamError, disagg_id: int | None
+    ) -> HTTPError:
+        """The worker could not be reached or its connection broke: it is out until its /health
+        passes, its breaker counts a failure, a lost answer's KV is released; the next worker."""
+        self.mark_failed(pool, worker)
+        self.breaker_failed(pool, worker)
+        if exc.sent and disagg_id is not None:
+            self.release_lost_kv(worker, disagg_id)
+        log.warning("%s worker %s failed: %s", name, worker.url, exc)
+        _end(span, exc)
+        return leg_failed(name, "its worker did not answer")
+
+    async def _refused(
+        self, name: str, pool: Pool, worker: Worker, resp: UpstreamResponse
+    ) -> tuple[HTTPError | WorkerAnswer, str]:
+        """A worker's non-200 that sends the leg to the next worker: the error and why (``refused``);
+        raises the client's 4xx as it is, and a 5xx as :class:`LegUnavailable` (not sent to another
+        worker: the body may be the cause)."""
+        failure = await self._worker_failure(name, worker, resp)
+        if self._misdirected(pool, worker, failure):
+            return self.unavailable(f"no healthy {name} worker"), "refused"
+        if resp.status in REFUSED_STATUSES:
+            return failure, "refused"
+        if resp.status < 500:
+            raise failure  # the client's answer: another worker would give the same
+        self.breaker_failed(pool, worker)
+        raise LegUnavailable("failed", failure)
+
+    def _timed_out(
+        self,
+        name: str,
+        pool: Pool,
+        worker: Worker,
+        span: Any,
+        timeout: float | None,
+        first_byte: float | None,
+        disagg_id: int | None,
+    ) -> HTTPError:
         """A leg's deadline ran out (the connection is reset: the worker sees the cancel when it can).
         A stream with no first byte goes to another worker (nothing reached the client yet): its
         error is returned; any other deadline is spent, the leg ends (:class:`LegUnavailable`)."""
-        self.breaker_failed(leg.pool, worker, at_once=True)
-        if leg.disagg_id is not None:
-            self.release_lost_kv(worker, leg.disagg_id)
-        if leg.first_byte is not None:
-            log.warning("%s worker %s: no first byte in %g s", leg.name, worker.url, leg.first_byte)
+        self.breaker_failed(pool, worker, at_once=True)
+        if disagg_id is not None:
+            self.release_lost_kv(worker, disagg_id)
+        if first_byte is not None:
+            log.warning("%s worker %s: no first byte in %g s", name, worker.url, first_byte)
             _end(span, "no first byte")
-            return leg_timed_out(leg.name, leg.first_byte)
-        seconds = leg.timeout if leg.timeout is not None else 0.0
-        log.warning("%s worker %s: no answer in %g s", leg.name, worker.url, seconds)
+            return leg_timed_out(name, first_byte)
+        seconds = timeout if timeout is not None else 0.0
+        log.warning("%s worker %s: no answer in %g s", name, worker.url, seconds)
         _end(span, f"no answer in {seconds:g} s")
-        raise LegUnavailable("timeout", leg_timed_out(leg.name, seconds))
+        raise LegUnavailable("timeout", leg_timed_out(name, seconds))
 
     def _signature(self, pieces: Sequence[BodyPiece], worker: Worker) -> bytes:
-        """The leg's signature line for ``worker`` when there is a secret (bound to its instance id,
-        from its last /health: a leg replayed to another worker is refused there)."""
-        if self.secret is None:
-            return b""
+        """The leg's signature line for ``worker`` (bound to its instance id, from its last /health:
+        a leg replayed to another worker is refused there)."""
+        assert self.secret is not None
         signature = sign_pieces(self.secret, pieces, destination=worker.instance)
         return b"%s: %s\r\n" % (_SIGNATURE, signature.encode())
 

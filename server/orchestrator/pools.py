@@ -248,7 +248,7 @@ class Worker:
 class Lease:
     """A leg's hold on a worker, the one place its in-flight counts go up and back down.
 
-    ``with pool.lease(worker, tokens):`` counts the leg (and its prompt's estimated
+    ``with Lease(worker, tokens):`` counts the leg (and its prompt's estimated
     tokens) in the worker's ``in_flight`` while it runs, which the routers read, and
     marks the breaker (in half-open, this leg is the probe); leaving the block, by
     any path, takes both back and ends the probe.
@@ -377,11 +377,6 @@ class Pool:
         now = time.monotonic()
         healthy = [w for w in self.workers if w.healthy]
         return bool(healthy) and not any(w.breaker.allows(now) for w in healthy)
-
-    @staticmethod
-    def lease(worker: Worker, tokens: int = 0) -> Lease:
-        """A leg's hold on ``worker`` (:class:`Lease`): ``with pool.lease(worker, tokens): ...``."""
-        return Lease(worker, tokens)
 
     def forget(self, worker: Worker) -> None:
         """``worker`` turned unhealthy or came back: its router state (a prefix index) is stale."""
