@@ -263,14 +263,16 @@ class Lease:
     def __enter__(self) -> Worker:
         worker = self.worker
         worker.in_flight += 1
-        worker.in_flight_tokens += self.tokens
+        if self.tokens:  # counted only for a least_loaded router with use_tokens
+            worker.in_flight_tokens += self.tokens
         worker.breaker.chosen()
         return worker
 
     def __exit__(self, *exc_info: object) -> None:
         worker = self.worker
         worker.in_flight -= 1
-        worker.in_flight_tokens -= self.tokens
+        if self.tokens:
+            worker.in_flight_tokens -= self.tokens
         worker.breaker.ended()
 
 
