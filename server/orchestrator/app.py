@@ -2,9 +2,12 @@
 
 Request path (docs/protocol.md): read and check the client body; send the context
 request to a context worker (retried on another one on connection errors and
-5xx); if the context response is already the answer, return it; otherwise
+refusals; with ``context_fallback``, prefilled on a generation worker when none
+takes it); if the context response is already the answer, return it; otherwise
 send the generation request to a generation worker and relay its response:
-SSE bytes as they arrive, or the JSON body without internal fields.
+SSE bytes as they arrive, or the JSON body without internal fields. What each
+leg sends is decided here; both run in one loop (legs.py: choose, lease, send,
+classify, retry), and the metrics are metrics.py's.
 
 Both sides of the hot path are :mod:`server.http`: client connections are
 asyncio protocols framed by httptools (bounded headers, bodies, time and
