@@ -52,6 +52,17 @@ def need_etcd() -> None:
         pytest.skip(f"no etcd binary: {INSTALL_HINT}")
 
 
+async def read_prefix(client: Any, prefix: str) -> tuple[list[tuple[bytes, bytes]], int]:
+    """Every key under ``prefix`` with its value, and the revision of the read: an ``EtcdClient``'s
+    ``range_prefix_pages`` (one snapshot) joined, for tests and stand-ins that look at the store."""
+    kvs: list[tuple[bytes, bytes]] = []
+    revision = 0
+    async for page, page_revision in client.range_prefix_pages(prefix):
+        kvs += page
+        revision = page_revision  # every page's: the snapshot of the first
+    return kvs, revision
+
+
 # -- waiting for a condition ------------------------------------------------------------------------
 
 

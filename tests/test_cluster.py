@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from helpers import free_port, need_etcd, until
+from helpers import free_port, need_etcd, read_prefix, until
 
 from server.cluster import ClusterSettings, ClusterWatcher, RecordError, WorkerRecord, WorkerRegistration
 from server.cluster import watcher as watcher_module
@@ -369,9 +369,9 @@ async def test_a_worker_whose_lease_expired_while_etcd_was_away_registers_again(
             # the worker could not reach etcd): its next keep-alive says so.
             assert reg._lease is not None
             await client.revoke(reg._lease)
-            assert (await client.range_prefix(s.prefix))[0] == []
+            assert (await read_prefix(client, s.prefix))[0] == []
             await until(lambda: reg.reregistrations == 1 and reg.registered, 3.0)
-            kvs, _ = await client.range_prefix(s.prefix)
+            kvs, _ = await read_prefix(client, s.prefix)
             assert [WorkerRecord.from_json(v) for _, v in kvs] == [reg.record]
         await reg.stop()
     finally:

@@ -36,6 +36,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from helpers import read_prefix
 from pydantic import BaseModel, ValidationError
 
 from server.cluster.etcd import EtcdClient
@@ -148,7 +149,7 @@ class EtcdStorage:
         return lease is not None and await self.client.keepalive(lease) > 0
 
     async def get_prefix(self, key_prefix: str, keys_only: bool = False) -> dict[str, str]:
-        kvs, _ = await self.client.range_prefix(key_prefix)
+        kvs, _ = await read_prefix(self.client, key_prefix)
         return {k.decode(): "" if keys_only else v.decode() for k, v in kvs}
 
     async def delete(self, key: str) -> bool:

@@ -141,16 +141,6 @@ class EtcdClient:
     async def delete(self, key: str) -> None:
         await self._post("/v3/kv/deleterange", {"key": _b64(key)})
 
-    async def range_prefix(self, prefix: str) -> tuple[list[tuple[bytes, bytes]], int]:
-        """Every key under ``prefix`` with its value, and the store's revision of that read."""
-        raw = prefix.encode()
-        answer = await self._post("/v3/kv/range", {"key": _b64(raw), "range_end": _b64(prefix_end(raw))})
-        kvs = [
-            (base64.b64decode(kv["key"]), base64.b64decode(kv.get("value", "")))
-            for kv in answer.get("kvs", ())
-        ]
-        return kvs, int(answer["header"]["revision"])
-
     async def range_prefix_pages(
         self, prefix: str, page: int = RANGE_PAGE
     ) -> AsyncIterator[tuple[list[tuple[bytes, bytes]], int]]:
