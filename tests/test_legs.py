@@ -16,11 +16,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from helpers import eventually, free_port
 
 from server.errors import HTTPError
 from server.http import Deadlines, UpstreamPool, UpstreamResponse
 from server.metrics import Registry
-from server.orchestrator.app import Orchestrator
+from server.orchestrator.app import start_server
 from server.orchestrator.config import build_config
 from server.orchestrator.legs import LegRunner, LegUnavailable, WorkerAnswer
 from server.orchestrator.metrics import OrchestratorMetrics
@@ -50,10 +51,8 @@ async def _serve(how: str, reader: asyncio.StreamReader, writer: asyncio.StreamW
     try:
         while True:
             head = await reader.readuntil(b"\r\n\r\n")
-            length = int(
-                next(h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
-            )
-            await reader.readexactly(length)
+            lengths = [int(h[15:]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")]
+            await reader.readexactly(lengths[0] if lengths else 0)  # a GET has none
             if how == "reset":
                 writer.transport.abort()
                 return
@@ -256,17 +255,31 @@ def test_the_lease_is_given_back_on_an_exception() -> None:
     assert (worker.in_flight, worker.in_flight_tokens, worker.breaker.probing) == (0, 0, False)
 
 
-def test_the_orchestrators_upstream_pools_share_one_deadline_sweeper() -> None:
-    """One tick serves every worker's connections, not one timer loop per worker."""
-    config = build_config(
-        {
-            "port": 1,
-            "context_servers": {"urls": ["127.0.0.1:1", "127.0.0.1:2"]},
-            "generation_servers": {"urls": ["127.0.0.1:3"]},
-        },
-        environ={},
-    )
-    orchestrator = Orchestrator(config)
-    upstreams = [orchestrator._upstream(w) for p in orchestrator.pools for w in p.workers]
-    assert len({id(u) for u in upstreams}) == 3
-    assert all(u.deadlines is orchestrator.deadlines for u in upstreams)
+async def test_the_orchestrators_upstream_connections_share_one_deadline_sweeper() -> None:
+    """One tick serves every worker's connections, the legs' and the cache events' long polls,
+    not one timer loop per worker."""
+    async with workers("ok", "ok", "ok") as urls:
+        router = {"type": "kv_cache_aware"}
+        config = build_config(
+            {
+                "port": free_port(),
+                "context_servers": {"urls": urls[:2], "router": router},
+                "generation_servers": {"urls": urls[2:]},
+            },
+            environ={},
+        )
+        server, orchestrator = await start_server(config)
+        try:
+            upstreams = [orchestrator._upstream(w) for p in orchestrator.pools for w in p.workers]
+            assert len({id(u) for u in upstreams}) == 3
+            assert all(u.deadlines is orchestrator.deadlines for u in upstreams)
+            view = orchestrator.cache_view
+            assert view is not None and view.deadlines is orchestrator.deadlines
+
+            def followers() -> list[Any]:
+                return [f for f, _ in view._followers.values() if f.upstream is not None]
+
+            assert await eventually(lambda: len(followers()) == 2)  # each context worker's long poll
+            assert all(f.upstream.deadlines is orchestrator.deadlines for f in followers())
+        finally:
+            await server.cleanup()

@@ -228,7 +228,7 @@ class Orchestrator:
         )
         self.health.start()
         # kv_cache_aware pools follow their workers' cache events (cache_view.py)
-        self.cache_view = CacheView(self.pools, self.config.metrics_token_bytes)
+        self.cache_view = CacheView(self.pools, self.config.metrics_token_bytes, deadlines=self.deadlines)
         self.cache_view.start()
         if self.discovery is not None:
             await self.discovery.start(self.session)

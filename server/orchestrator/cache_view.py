@@ -28,7 +28,7 @@ import logging
 from typing import Any
 from urllib.parse import urlencode
 
-from server.http.client import UpstreamError, UpstreamPool, UpstreamTimeout
+from server.http.client import Deadlines, UpstreamError, UpstreamPool, UpstreamTimeout
 
 from .pools import Pool, Worker
 from .routing import KvCacheAwareRouter
@@ -99,7 +99,7 @@ class _Follower:
             params["after"] = "0"  # no instance: the answer is a resync
         path = b"/cache_events?" + urlencode(params).encode()
         if self.upstream is None:
-            self.upstream = UpstreamPool(worker.url, max_idle=1)
+            self.upstream = UpstreamPool(worker.url, max_idle=1, deadlines=self.view.deadlines)
         try:
             resp = await self.upstream.request(
                 b"GET",
@@ -170,8 +170,17 @@ class _Follower:
 class CacheView:
     """Follows the cache events of every worker of the kv_cache_aware ``pools``."""
 
-    def __init__(self, pools: list[Pool], token: bytes | None, wait_s: float = WAIT_S) -> None:
+    def __init__(
+        self,
+        pools: list[Pool],
+        token: bytes | None,
+        wait_s: float = WAIT_S,
+        *,
+        deadlines: Deadlines | None = None,
+    ) -> None:
         self.pools = [p for p in pools if isinstance(p.router, KvCacheAwareRouter)]
+        #: the followers' connections' deadline sweeper (the orchestrator's, shared by its upstreams)
+        self.deadlines = deadlines if deadlines is not None else Deadlines()
         self.headers = b"Authorization: Bearer %s\r\n" % token if token else b""
         self.wait_s = wait_s
         self.batch_s = BATCH_S
