@@ -5,8 +5,8 @@ body prefilled on a generation worker) differ in what they send and what they do
 with a 200; the rest is one loop (:meth:`LegRunner.run`):
 
 - choose a worker of the leg's pool not tried yet (its breaker lets a leg through);
-  hold it with a :class:`~server.orchestrator.pools.Lease` for the whole attempt (its in-flight counts, the breaker's probe), so no path forgets to
-  give it back;
+  hold it with a :class:`~server.orchestrator.pools.Lease` for the whole attempt (its
+  in-flight counts, the breaker's probe), so no path forgets to give it back;
 - send on the worker's keep-alive connections, signed for that worker's instance;
 - a 200 is handed to the leg's ``answered`` (the worker served it, its breaker closes);
 - a refusal (429, 503), a worker that restarted since its last ``/health`` (a 403
