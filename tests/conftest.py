@@ -2,8 +2,8 @@
 
 ``codec`` (the token codec), ``jsonspan`` (the JSON span scanner,
 ``fastcore._scan``), ``relay_twin`` (the relay kernels, ``fastcore._relay``),
-``hash_twin`` (the chunk hashes) and ``http_parser`` (server.http's request
-parser) are parametrized over ``"py"`` (the pure-Python twin) and ``"c"`` (the
+``hash_twin`` (the chunk hashes) and ``http_twin`` (server.http's request and
+response parsers) are parametrized over ``"py"`` (the pure-Python twin) and ``"c"`` (the
 compiled one). The compiled case is skipped when
 ``FASTCORE_NO_EXTENSIONS=1`` or the extension is not built, unless
 ``FASTCORE_REQUIRE_EXTENSIONS=1`` (set by CI), where a missing build fails.
@@ -57,9 +57,9 @@ def hash_twin(request: pytest.FixtureRequest) -> ModuleType:
 
 
 @pytest.fixture(params=["py", "c"])
-def http_parser(request: pytest.FixtureRequest) -> Any:
-    """server.http's request parser class: the pure twin (httptools) or the compiled one (llhttp in C)."""
-    return _twin("server.http._parse", "server.http._parse_py", request.param).RequestParser
+def http_twin(request: pytest.FixtureRequest) -> ModuleType:
+    """server.http's parsers (RequestParser, ResponseParser): the pure twin (httptools) or the compiled one."""
+    return _twin("server.http._parse", "server.http._parse_py", request.param)
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ import asyncio
 import socket
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
-from typing import Any
+from types import ModuleType
 
 import pytest
 from helpers import eventually
@@ -36,9 +36,9 @@ def event_loop_policy(request: pytest.FixtureRequest) -> Iterator[asyncio.Abstra
 
 
 @pytest.fixture(autouse=True)
-def _both_parsers(http_parser: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every test here runs on both request parsers (conftest's ``http_parser``)."""
-    monkeypatch.setattr(Server, "request_parser", http_parser)
+def _both_parsers(http_twin: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test here runs on both request parsers (conftest's ``http_twin``)."""
+    monkeypatch.setattr(Server, "request_parser", http_twin.RequestParser)
 
 
 async def connect_from(ip: str, port: int) -> Client:

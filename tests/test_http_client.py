@@ -4,7 +4,8 @@ Each test runs an asyncio server written here whose every byte is the
 test's, so framing (Content-Length, chunked, close-delimited, malformed),
 timing (silence, drip-feeding) and connection handling (keep-alive, closing
 an idle connection, a reset mid-body) are exact. The server counts the
-connections it accepts, which is how reuse is checked.
+connections it accepts, which is how reuse is checked. Every test runs on
+both response parsers (conftest's ``http_twin``, set on :class:`Pool`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import socket
 import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -24,6 +26,19 @@ from server.http import Deadlines, UpstreamError, UpstreamPool, UpstreamResponse
 
 #: scheduling slack for time bounds on a busy 2-core machine (the client's sweeper ticks every 50 ms)
 SLACK_S = 1.0
+
+
+class Pool(UpstreamPool):
+    """The pool under test: :class:`UpstreamPool` on the response parser a test chose (a class attribute)."""
+
+    response_parser = UpstreamPool.response_parser
+
+
+@pytest.fixture(autouse=True)
+def _both_parsers(http_twin: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test here runs on both response parsers (conftest's ``http_twin``)."""
+    monkeypatch.setattr(Pool, "response_parser", http_twin.ResponseParser)
+
 
 RequestLine = tuple[bytes, dict[bytes, bytes], bytes]
 Reader = asyncio.StreamReader
@@ -141,7 +156,7 @@ def reset(writer: asyncio.StreamWriter) -> None:
 
 @contextlib.asynccontextmanager
 async def pool_for(up: Upstream, path: str = "", **kw: Any) -> AsyncIterator[UpstreamPool]:
-    pool = UpstreamPool(up.url + path, **kw)
+    pool = Pool(up.url + path, **kw)
     try:
         yield pool
     finally:
@@ -549,7 +564,7 @@ async def test_timeout_not_applied_to_the_next_request() -> None:
 
 
 async def test_connect_refused_not_sent() -> None:
-    pool = UpstreamPool(f"http://127.0.0.1:{free_port()}")
+    pool = Pool(f"http://127.0.0.1:{free_port()}")
     with pytest.raises(UpstreamError) as info:
         await pool.request(b"POST", b"/", [b"x"])
     assert info.value.sent is False
@@ -559,7 +574,7 @@ async def test_connect_refused_not_sent() -> None:
 def test_bad_worker_url_refused() -> None:
     for url in ("https://127.0.0.1:1", "127.0.0.1:8000", "http://"):
         with pytest.raises(ValueError):
-            UpstreamPool(url)
+            Pool(url)
 
 
 async def test_idle_connection_closed_by_server_next_request_succeeds() -> None:
@@ -856,7 +871,7 @@ async def test_release_while_paused_resumes_for_the_next_request() -> None:
 
 async def test_pool_close_closes_every_connection() -> None:
     async with Upstream(answering(echo_response)) as up:
-        pool = UpstreamPool(up.url)
+        pool = Pool(up.url)
         await asyncio.gather(*(fetch(pool) for _ in range(3)))
         assert len(pool.open) == 3
         pool.close()
@@ -906,11 +921,11 @@ def test_an_idle_connection_whose_transport_is_closing_is_not_written_to(loop_ki
 def test_pool_built_where_no_loop_runs_then_used_on_one() -> None:
     """A pool is built in a thread with no event loop (asyncio.get_event_loop() raised there),
     then used on the loop that runs its requests."""
-    assert isinstance(made_in_a_thread(lambda: UpstreamPool("http://127.0.0.1:1")), UpstreamPool)
+    assert isinstance(made_in_a_thread(lambda: Pool("http://127.0.0.1:1")), UpstreamPool)
 
     async def scenario() -> None:
         async with Upstream(answering(echo_response)) as up:
-            pool = UpstreamPool(up.url)
+            pool = Pool(up.url)
             try:
                 _, body = await fetch(pool, body=b"x", timeout=5.0)
                 assert body == b"x" and pool.loop is asyncio.get_running_loop()

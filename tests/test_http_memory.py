@@ -4,7 +4,7 @@ The server runs in its own process (its RSS is the measurement), on
 127.0.0.1, and relays each body the way a front does (a copy of it is built
 while the body is held). The burst is what the hardening review sent: 8 bodies
 of 20 MB and 20 of 5 MB at once, twice. Each test runs on both request parsers
-(conftest's ``http_parser``): the server scripts take the parser's module as
+(conftest's ``http_twin``): the server scripts take the parser's module as
 an argument, the orchestrator's processes choose theirs as in production
 (``FASTCORE_NO_EXTENSIONS=1`` for the pure twin).
 """
@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from types import ModuleType
 
 import pytest
 
@@ -27,13 +27,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def parser_module(http_parser: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+def parser_module(http_twin: ModuleType, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """The module of the request parser under test, and the environment that selects it in a child process."""
-    if http_parser.__module__ == "server.http._parse_py":
+    if http_twin.__name__ == "server.http._parse_py":
         monkeypatch.setenv("FASTCORE_NO_EXTENSIONS", "1")
     else:
         monkeypatch.delenv("FASTCORE_NO_EXTENSIONS", raising=False)
-    yield http_parser.__module__
+    yield http_twin.__name__
 
 
 SERVER = r"""

@@ -1,11 +1,13 @@
-"""The two request parsers (server.http._parse, compiled; server.http._parse_py, its pure twin) agree.
+"""The two HTTP parsers (server.http._parse, compiled; server.http._parse_py, its pure twin) agree.
 
 Both frame the same bytes, split into the same reads, into the same events (what the connection
 receives: a request's begin, its head, each chunked body piece, its end) and the same refusal,
 status and words. The server's own tests (test_http_server, test_http_abuse, test_http_memory)
 run every test on each parser through real sockets; here the two are fed the same reads side by
 side, which is what pins "identical behaviour" where a socket would not split the bytes the
-same way twice: requests valid and mutated, every split, bounds small enough to be hit.
+same way twice: requests valid and mutated, every split, bounds small enough to be hit. Likewise
+the response parsers (the upstream side, test_http_client on sockets): the same head (status and
+the four headers read), body pieces, end and error for a worker's bytes.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from hypothesis import strategies as st
 import fastcore
 from server.http import _parse_py
 from server.http.limits import Limits
-from server.http.request import Refused, Request
+from server.http.request import BadResponse, Refused, Request
 
 LIMITS = [
     Limits(),
@@ -213,3 +215,86 @@ def test_property_same_events_and_refusals_for_any_bytes_in_any_reads(data: st.D
     reads = [stream[a:b] for a, b in itertools.pairwise([0, *cuts, len(stream)]) if b > a]
     limits = data.draw(st.sampled_from(LIMITS), label="limits")
     assert_agree(reads, limits)
+
+
+# -- the response parsers ------------------------------------------------------------------------
+
+
+class ResponseRecorder:
+    """Stands where the upstream connection stands: records the response parser's events."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[Any, ...]] = []
+
+    def on_head(
+        self, status: int, content_type: bytes, content_length: int | None, retry_after: bytes | None
+    ) -> None:
+        self.events.append(("head", status, content_type, content_length, retry_after))
+
+    def on_body(self, body: bytes) -> None:
+        self.events.append(("body", body))
+
+    def on_message_complete(self, keep_alive: bool) -> None:
+        self.events.append(("complete", keep_alive))
+
+
+def response_events(parser_class: Any, reads: Sequence[bytes]) -> list[tuple[Any, ...]]:
+    conn = ResponseRecorder()
+    parser = parser_class(conn)
+    for data in reads:
+        try:
+            parser.feed(data)
+        except BadResponse as exc:
+            conn.events.append(("bad", str(exc)))
+            break
+    return conn.events
+
+
+def assert_responses_agree(reads: Sequence[bytes]) -> list[tuple[Any, ...]]:
+    pure = response_events(_parse_py.ResponseParser, reads)
+    assert response_events(compiled().ResponseParser, reads) == pure, reads
+    return pure
+
+
+RESPONSES = {
+    "content-length": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}",
+    "chunked": b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"5\r\ndata:\r\n3\r\n x\n\r\n0\r\n\r\n",
+    "close-delimited": b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end",
+    "interim": b"HTTP/1.1 100 Continue\r\nX: 1\r\n\r\nHTTP/1.1 200 OK\r\ncontent-type: a/b\r\ncontent-length: 1\r\n\r\nz",
+    "retry-after": b"HTTP/1.1 503 Busy\r\nRetry-After: 3\r\nRETRY-AFTER: 4\r\nContent-Length: 0\r\n\r\n",
+    "two-content-types": b"HTTP/1.1 200 OK\r\nContent-Type: a\r\nContent-Type: b\r\nContent-Length: 0\r\n\r\n",
+    "empty-content-type": b"HTTP/1.1 200 OK\r\nContent-Type:\r\nContent-Length: 0\r\n\r\n",
+    "keep-alive-pipelined": b"HTTP/1.1 204 No Content\r\n\r\nHTTP/1.0 200 OK\r\nContent-Length: 1\r\n\r\na",
+    "upgrade": b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: h2c\r\n\r\nbytes",
+    "cl-and-te": b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    "te-gzip": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nrest",
+    "bad-status": b"HTTP/1.1 2x0 OK\r\n\r\n",
+    "bad-length": b"HTTP/1.1 200 OK\r\nContent-Length: 1x\r\n\r\n",
+    "long-name": b"HTTP/1.1 200 OK\r\nX-" + b"n" * 40 + b": v\r\nContent-Length: 0\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("step", [0, 1, 3])
+@pytest.mark.parametrize("case", list(RESPONSES))
+def test_responses_same_events_and_errors(case: str, step: int) -> None:
+    data = RESPONSES[case]
+    reads = [data] if not step else [data[i : i + step] for i in range(0, len(data), step)]
+    assert assert_responses_agree(reads)
+
+
+@settings(
+    max_examples=200, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+)
+@given(data=st.data())
+def test_property_responses_same_events_for_any_bytes_in_any_reads(data: st.DataObject) -> None:
+    stream = b"".join(
+        data.draw(st.lists(st.sampled_from(list(RESPONSES.values())[:7]), min_size=1, max_size=3))
+    )
+    for _ in range(data.draw(st.sampled_from([0, 0, 1, 2]), label="mutations")):
+        at = data.draw(st.integers(0, len(stream)))
+        stream = (
+            stream[:at] + data.draw(st.sampled_from(_SPECIAL)) + stream[at + data.draw(st.integers(0, 3)) :]
+        )
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=10), label="cuts"))
+    assert_responses_agree([stream[a:b] for a, b in itertools.pairwise([0, *cuts, len(stream)]) if b > a])

@@ -18,7 +18,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from email.utils import parsedate_to_datetime
-from typing import Any
+from types import ModuleType
 
 import pytest
 from helpers import eventually, made_in_a_thread
@@ -47,9 +47,9 @@ QUICK: dict[str, float] = {"header_timeout_s": 0.2, "body_timeout_s": 0.2, "keep
 
 
 @pytest.fixture(autouse=True)
-def _both_parsers(http_parser: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every test here runs on both request parsers (conftest's ``http_parser``)."""
-    monkeypatch.setattr(Server, "request_parser", http_parser)
+def _both_parsers(http_twin: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test here runs on both request parsers (conftest's ``http_twin``)."""
+    monkeypatch.setattr(Server, "request_parser", http_twin.RequestParser)
 
 
 # -- framing: request smuggling and malformed requests ---------------------------------------

@@ -6,13 +6,16 @@ CPU per request than the relay itself. This package keeps what a two-leg
 proxy needs and nothing else:
 
 - :mod:`server.http.server`: the listening side. One protocol object per
-  client connection; framing by httptools (llhttp, strict: request smuggling,
-  obs-fold, bare LF, chunk-size overflow are parse errors); bounded header
-  bytes and count, header/body/idle timeouts, connection cap, pipelining with
-  a bounded queue, backpressure from a slow reader to the upstream socket.
+  client connection; framing by llhttp (strict: request smuggling, obs-fold,
+  bare LF, chunk-size overflow are parse errors) through the request parser
+  of :mod:`server.http.parse` (compiled, or its pure twin on httptools);
+  bounded header bytes and count, header/body/idle timeouts, connection cap,
+  pipelining with a bounded queue, backpressure from a slow reader to the
+  upstream socket.
 - :mod:`server.http.client`: keep-alive connections per worker, request
-  bodies written as their pieces (vectored), response framing by httptools,
-  streamed bodies handed to a sink as they arrive.
+  bodies written as their pieces (vectored), response framing by the
+  response parser of :mod:`server.http.parse`, streamed bodies handed to a
+  sink as they arrive.
 - :mod:`server.http.memory`: glibc's ``malloc_trim``, which gives the C heap
   back once large bodies stop coming.
 

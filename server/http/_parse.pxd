@@ -12,6 +12,7 @@ cdef extern from "llhttp.h":
         uint8_t http_minor
         uint8_t upgrade
         uint16_t flags
+        uint16_t status_code
         void* data
 
     ctypedef int (*llhttp_data_cb)(llhttp_t*, const char*, size_t) noexcept
@@ -32,6 +33,7 @@ cdef extern from "llhttp.h":
 
     ctypedef enum llhttp_type_t:
         HTTP_REQUEST
+        HTTP_RESPONSE
 
     ctypedef enum llhttp_errno_t:
         HPE_OK

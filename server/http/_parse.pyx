@@ -1,4 +1,4 @@
-"""The request parser in C: llhttp's callbacks compiled, one Python call per message event.
+"""The HTTP parsers in C: llhttp's callbacks compiled, one Python call per message event.
 
 Twin of :mod:`server.http._parse_py` (its docstring has the events and what is checked; chosen
 once in :mod:`server.http.parse`). The request line and the header fields are copied into one C
@@ -9,6 +9,10 @@ the header tuples, the method, URL, path and query) are made once, when its head
 chunk's declared size is llhttp's (``content_length`` at a chunk header): no size line is read
 again. Each bound is counted as the pure twin counts it (per read while headers or a trailer
 section are incomplete, exactly at their end), so both refuse the same bytes with the same words.
+
+:class:`ResponseParser`, the upstream side's, reads the four response headers the orchestrator
+uses in C (the others are never made into Python objects) and calls its connection once for the
+head, once per body piece and once at the end.
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
@@ -18,7 +22,7 @@ from libc.string cimport memcpy
 
 import sys
 
-from .request import Request, refusal
+from .request import UPGRADE_RESPONSE, BadResponse, Request, refusal
 from . import request as _request
 
 # The refusal codes, read once from their one home (server/http/request.py).
@@ -42,7 +46,7 @@ cdef bytes CHUNKED = _request.CHUNKED
 cdef bytes CONTINUE = _request.CONTINUE
 cdef bytes IDENTITY = _request.IDENTITY[0]
 
-__all__ = ["RequestParser"]
+__all__ = ["RequestParser", "ResponseParser"]
 
 cdef enum:
     # a refusal stops llhttp with this (any non-zero return of a callback stops it)
@@ -89,6 +93,26 @@ cdef bint _stripped_equals_lower(const char* at, Py_ssize_t n, bytes lower) noex
     while n and _is_space(<unsigned char>at[n - 1]):
         n -= 1
     return _equals_lower(at, n, lower)
+
+
+ctypedef void (*ReadHook)(void* owner, Py_ssize_t n) noexcept
+
+
+cdef int _execute(llhttp_t* parser, object data, ReadHook hook) except -1:
+    """llhttp over one read's bytes (a bytes object's without a buffer request); ``hook``, if any,
+    is told the read's length first. The llhttp_errno_t it returned."""
+    cdef Py_buffer view
+    if PyBytes_CheckExact(data):
+        if hook != NULL:
+            hook(parser.data, PyBytes_GET_SIZE(data))
+        return llhttp_execute(parser, PyBytes_AS_STRING(data), <size_t>PyBytes_GET_SIZE(data))
+    PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+    try:
+        if hook != NULL:
+            hook(parser.data, view.len)
+        return llhttp_execute(parser, <const char*>view.buf, <size_t>view.len)
+    finally:
+        PyBuffer_Release(&view)
 
 
 cdef class RequestParser:
@@ -160,28 +184,18 @@ cdef class RequestParser:
 
     def feed(self, data):
         """Parse one read; raises :class:`Refused`, or what a ``conn`` event raised."""
-        cdef Py_buffer view
-        cdef llhttp_errno_t err
-        if PyBytes_CheckExact(data):
-            err = self._execute(PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data))
-        else:
-            PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
-            try:
-                err = self._execute(<const char*>view.buf, view.len)
-            finally:
-                PyBuffer_Release(&view)
+        cdef int err = _execute(&self.parser, data, _request_read)
         if err != HPE_OK:
-            self._raise(err)
+            self._raise(<llhttp_errno_t>err)
         self._after_read()
 
-    cdef llhttp_errno_t _execute(self, const char* data, Py_ssize_t n) noexcept:
+    cdef void _start_read(self, Py_ssize_t n) noexcept:
         self.last_read = n
         # Headers (a trailer section) already in progress when this read began: the whole read
         # is header (trailer) bytes.
         self.mid_headers = self.req is not None and not self.head_done
         self.mid_trailers = self.chunk_state == 1 and self.req is not None
         self.chunk_header_in_read = False
-        return llhttp_execute(&self.parser, data, <size_t>n)
 
     cdef _raise(self, llhttp_errno_t err):
         error = self.error
@@ -340,6 +354,12 @@ cdef class RequestParser:
 
 
 # -- llhttp's callbacks ------------------------------------------------------------------
+
+
+cdef void _request_read(void* owner, Py_ssize_t n) noexcept:
+    (<RequestParser>owner)._start_read(n)
+
+
 # Each returns 0 to go on, or STOP with the reason in the parser (a refusal code, or the
 # exception an event raised).
 
@@ -501,3 +521,159 @@ cdef int _on_chunk_complete(llhttp_t* p) noexcept:
     cdef RequestParser self = <RequestParser>p.data
     self.chunk_state = 0
     return _field_done(self)  # the last chunk's trailer section ended
+
+
+# -- the upstream side ----------------------------------------------------------------------
+
+cdef enum Wanted:
+    # the response headers read (the others are skipped)
+    OTHER, CONTENT_TYPE, CONTENT_LENGTH, RETRY_AFTER, TRANSFER_ENCODING
+
+cdef enum:
+    # bytes of a header name kept to tell the wanted ones apart (the longest is 17)
+    NAME_BYTES = 17
+
+
+cdef class ResponseParser:
+    """Frames one upstream connection's bytes into responses (see the pure twin)."""
+
+    cdef llhttp_t parser
+    cdef llhttp_settings_t settings
+    cdef object conn
+    cdef object error
+    cdef char name[NAME_BYTES]
+    cdef Py_ssize_t name_len
+    cdef Wanted wanted
+    cdef bint in_field
+    # The values of Content-Type and Retry-After (the last of each), and the framing header seen
+    # last (CONTENT_LENGTH or TRANSFER_ENCODING; OTHER: none).
+    cdef bytearray content_type, retry_after
+    cdef bint has_content_type, has_retry_after
+    cdef Wanted framing
+
+    def __cinit__(self, conn):
+        self.conn = conn
+        self.content_type = bytearray()
+        self.retry_after = bytearray()
+        llhttp_settings_init(&self.settings)
+        self.settings.on_message_begin = _response_begin
+        self.settings.on_header_field = _response_field
+        self.settings.on_header_field_complete = _response_field_complete
+        self.settings.on_header_value = _response_value
+        self.settings.on_header_value_complete = _response_value_complete
+        self.settings.on_headers_complete = _response_head
+        self.settings.on_body = _response_body
+        self.settings.on_message_complete = _response_complete
+        llhttp_init(&self.parser, HTTP_RESPONSE, &self.settings)
+        self.parser.data = <void*>self
+
+    def feed(self, data):
+        """Parse one read; raises :class:`BadResponse`, or what a ``conn`` event raised."""
+        cdef int err = _execute(&self.parser, data, NULL)
+        if err == HPE_OK:
+            return
+        error = self.error
+        if error is not None:
+            self.error = None
+            raise error
+        if err == HPE_PAUSED_UPGRADE:
+            raise BadResponse(UPGRADE_RESPONSE)
+        raise BadResponse(llhttp_get_error_reason(&self.parser).decode("latin-1"))
+
+    cdef int _event_failed(self) noexcept:
+        self.error = sys.exc_info()[1]
+        return STOP
+
+
+cdef int _response_begin(llhttp_t* p) noexcept:
+    cdef ResponseParser self = <ResponseParser>p.data
+    self.has_content_type = self.has_retry_after = self.in_field = False
+    self.framing = OTHER
+    return 0
+
+
+cdef int _response_field(llhttp_t* p, const char* at, size_t n) noexcept:
+    cdef ResponseParser self = <ResponseParser>p.data
+    cdef Py_ssize_t keep
+    if not self.in_field:
+        self.in_field = True
+        self.name_len = 0
+    keep = min(<Py_ssize_t>n, NAME_BYTES - min(self.name_len, NAME_BYTES))
+    if keep > 0:
+        memcpy(self.name + self.name_len, at, keep)
+    self.name_len += <Py_ssize_t>n
+    return 0
+
+
+cdef int _response_field_complete(llhttp_t* p) noexcept:
+    cdef ResponseParser self = <ResponseParser>p.data
+    cdef Py_ssize_t n = self.name_len
+    self.in_field = False
+    self.wanted = OTHER
+    if n == 12 and _equals_lower(self.name, n, b"content-type"):
+        self.wanted = CONTENT_TYPE
+        self.has_content_type = True
+        del self.content_type[:]
+    elif n == 11 and _equals_lower(self.name, n, b"retry-after"):
+        self.wanted = RETRY_AFTER
+        self.has_retry_after = True
+        del self.retry_after[:]
+    elif n == 14 and _equals_lower(self.name, n, b"content-length"):
+        self.framing = CONTENT_LENGTH
+    elif n == 17 and _equals_lower(self.name, n, b"transfer-encoding"):
+        self.framing = TRANSFER_ENCODING  # chunked: framed, not close-delimited
+    return 0
+
+
+cdef int _response_value(llhttp_t* p, const char* at, size_t n) noexcept:
+    cdef ResponseParser self = <ResponseParser>p.data
+    try:
+        if self.wanted == CONTENT_TYPE:
+            self.content_type += (<const unsigned char*>at)[:n]
+        elif self.wanted == RETRY_AFTER:
+            self.retry_after += (<const unsigned char*>at)[:n]
+    except BaseException:
+        return self._event_failed()
+    return 0
+
+
+cdef int _response_value_complete(llhttp_t* p) noexcept:
+    (<ResponseParser>p.data).wanted = OTHER
+    return 0
+
+
+cdef int _response_head(llhttp_t* p) noexcept:
+    cdef ResponseParser self = <ResponseParser>p.data
+    try:
+        content_length = None
+        if self.framing == CONTENT_LENGTH:
+            content_length = p.content_length
+        elif self.framing == TRANSFER_ENCODING:
+            content_length = -1
+        self.conn.on_head(
+            p.status_code,
+            bytes(self.content_type) if self.has_content_type else b"",
+            content_length,
+            bytes(self.retry_after) if self.has_retry_after else None,
+        )
+    except BaseException:
+        return self._event_failed()
+    return 1 if p.upgrade else 0  # as httptools: an upgrade has no body to parse
+
+
+cdef int _response_body(llhttp_t* p, const char* at, size_t n) noexcept:
+    cdef ResponseParser self = <ResponseParser>p.data
+    try:
+        self.conn.on_body(PyBytes_FromStringAndSize(at, <Py_ssize_t>n))
+    except BaseException:
+        return self._event_failed()
+    return 0
+
+
+cdef int _response_complete(llhttp_t* p) noexcept:
+    cdef ResponseParser self = <ResponseParser>p.data
+    try:
+        self.conn.on_message_complete(llhttp_should_keep_alive(p) != 0)
+    except BaseException:
+        return self._event_failed()
+    return 0

@@ -1,4 +1,4 @@
-"""The request parser's pure-Python twin: llhttp through httptools, a Python call per header.
+"""The HTTP parsers' pure-Python twins: llhttp through httptools, a Python call per header.
 
 Twin of :mod:`server.http._parse` (same class, same events, same refusals; chosen once in
 :mod:`server.http.parse`). A :class:`RequestParser` belongs to one client connection
@@ -20,6 +20,14 @@ HTTP/1.1 request without exactly one Host (400), a version other than 1.0/1.1 (5
 (501), a target that is not a path (400); the request line's bytes (414), the headers' bytes and
 count (431), a chunked body's trailer section's (431, its fields then dropped), and the body's
 bytes (413: from Content-Length before the body, from each chunk's declared size, while reading).
+
+A :class:`ResponseParser` belongs to one upstream connection (``conn``, a worker's; the
+:class:`~server.http.client._Connection`) and calls it per response: ``conn.on_head(status,
+content_type, content_length, retry_after)`` (the four fields the orchestrator reads;
+``content_length`` is None without one, -1 when chunked), ``conn.on_body(piece)`` per body piece,
+``conn.on_message_complete(keep_alive)``. Its :meth:`~ResponseParser.feed` raises
+:class:`~server.http.request.BadResponse` for bytes it cannot frame, and re-raises what an event
+raised. A worker is trusted: no bound is counted here.
 """
 
 from __future__ import annotations
@@ -49,11 +57,13 @@ from .request import (
     R_UPGRADE,
     R_URL_BYTES,
     R_VERSION,
+    UPGRADE_RESPONSE,
+    BadResponse,
     Request,
     refusal,
 )
 
-__all__ = ["RequestParser"]
+__all__ = ["RequestParser", "ResponseParser"]
 
 #: bytes of the reads before a chunk's size line kept to find that line when reads split it
 _SIZE_LINE_TAIL = 64
@@ -314,3 +324,63 @@ class RequestParser:
             req.body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
             req.chunks = []
         self.conn.on_message_complete(req)
+
+
+# len() of the response header names read: content-type, content-length, retry-after, transfer-encoding
+_WANTED_LENGTHS = frozenset((12, 14, 11, 17))
+
+
+class ResponseParser:
+    """Frames one upstream connection's bytes into responses (see the module's docstring)."""
+
+    __slots__ = ("conn", "content_length", "content_type", "parser", "retry_after")
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.parser = httptools.HttpResponseParser(self)
+        self.content_type = b""
+        self.content_length: int | None = None
+        self.retry_after: bytes | None = None
+
+    def feed(self, data: bytes) -> None:
+        """Parse one read; raises :class:`BadResponse`, or what a ``conn`` event raised."""
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            raise BadResponse(UPGRADE_RESPONSE) from None
+        except httptools.HttpParserCallbackError as exc:
+            raise (exc.__context__ or BadResponse(str(exc))) from None
+        except httptools.HttpParserError as exc:
+            raise BadResponse(str(exc)) from None
+
+    # -- httptools' callbacks ------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self.content_type = b""
+        self.content_length = None
+        self.retry_after = None
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        # Four names matter, told apart by length first (Date and Server are
+        # in every response and matter not).
+        if len(name) not in _WANTED_LENGTHS:
+            return
+        key = name.lower()
+        if key == b"content-type":
+            self.content_type = value
+        elif key == b"content-length":
+            self.content_length = int(value)
+        elif key == b"retry-after":
+            self.retry_after = value
+        elif key == b"transfer-encoding":
+            self.content_length = -1  # chunked: framed, not close-delimited
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        self.conn.on_head(status, self.content_type, self.content_length, self.retry_after)
+
+    def on_body(self, body: bytes) -> None:
+        self.conn.on_body(body)
+
+    def on_message_complete(self) -> None:
+        self.conn.on_message_complete(self.parser.should_keep_alive())

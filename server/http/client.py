@@ -1,4 +1,4 @@
-"""The upstream side: keep-alive HTTP/1.1 connections to one worker, framing by httptools.
+"""The upstream side: keep-alive HTTP/1.1 connections to one worker, framing by a response parser.
 
 One :class:`UpstreamPool` per worker URL. :meth:`UpstreamPool.request` writes
 the request head and the body's pieces in one vectored write (no join of a
@@ -15,6 +15,11 @@ requests are in flight; one per pool, or one shared by an owner's pools): ``time
 long). A response read to the end on a keep-alive connection returns the
 connection to the pool; anything else (a cancel, an early stop, an error)
 closes it, so the worker sees the client leave.
+
+Responses are framed by :data:`server.http.parse.ResponseParser` (llhttp's callbacks in C, or its
+pure twin on httptools; ``UpstreamPool.response_parser``), which reads the four headers used here
+(Content-Type, Content-Length, Retry-After, Transfer-Encoding) and calls the connection once for
+the head, per body piece and at the end.
 """
 
 from __future__ import annotations
@@ -23,9 +28,11 @@ import asyncio
 import socket
 import struct
 from collections.abc import Callable, Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
-import httptools
+from .parse import ResponseParser
+from .request import BadResponse
 
 BodyPiece = bytes | bytearray | memoryview
 
@@ -34,9 +41,6 @@ BodyPiece = bytes | bytearray | memoryview
 #: timeout, server/http/limits.py WORKER_KEEPALIVE_TIMEOUT_S, stays above it)
 CONNECT_TIMEOUT_S = 5.0
 IDLE_TIMEOUT_S = 30.0
-
-# len() of content-type, content-length, retry-after, transfer-encoding
-_WANTED_LENGTHS = frozenset((12, 14, 11, 17))
 
 
 class UpstreamError(Exception):
@@ -212,7 +216,7 @@ class _Connection(asyncio.Protocol):
         self.pool = pool
         self.loop = pool.loop
         self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
+        self.parser = pool.response_parser(self)
         self.response: UpstreamResponse | None = None
         self.closed = False
         self.requests = 0
@@ -243,7 +247,7 @@ class _Connection(asyncio.Protocol):
         if resp is None or resp.complete:
             return
         if resp.headers_done and resp.content_length is None and exc is None:
-            self.on_message_complete()  # a close-delimited body ends with a clean close
+            self.on_message_complete(False)  # a close-delimited body ends with a clean close
             return
         why = f": {exc}" if exc else ""
         stage = "mid-response" if resp.headers_done else "before answering"
@@ -258,13 +262,13 @@ class _Connection(asyncio.Protocol):
         if self.read_timeout:
             self.last_io = self.loop.time()
         try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserCallbackError as exc:
-            self._flush(resp)
-            self._fail(exc.__context__ or UpstreamError(f"bad response: {exc}"))
-        except httptools.HttpParserError as exc:
+            self.parser.feed(data)
+        except BadResponse as exc:
             self._flush(resp)
             self._fail(UpstreamError(f"malformed HTTP response: {exc}"))
+        except Exception as exc:  # what an event raised
+            self._flush(resp)
+            self._fail(exc)
         else:
             if self.pending:
                 self._flush(resp)
@@ -276,32 +280,19 @@ class _Connection(asyncio.Protocol):
             self.pending = []
             resp.sink(pending[0] if len(pending) == 1 else b"".join(pending))
 
-    # -- parser callbacks ---------------------------------------------------------
+    # -- the parser's events (server.http.parse: both twins) ---------------------
 
-    def on_header(self, name: bytes, value: bytes) -> None:
-        # Four names matter, told apart by length first (Date and Server are
-        # in every response and matter not).
-        if len(name) not in _WANTED_LENGTHS:
-            return
+    def on_head(
+        self, status: int, content_type: bytes, content_length: int | None, retry_after: bytes | None
+    ) -> None:
         resp = self.response
         assert resp is not None
-        key = name.lower()
-        if key == b"content-type":
-            resp.content_type = value
-        elif key == b"content-length":
-            resp.content_length = int(value)
-        elif key == b"retry-after":
-            resp.retry_after = value
-        elif key == b"transfer-encoding":
-            resp.content_length = -1  # chunked: framed, not close-delimited
-
-    def on_headers_complete(self) -> None:
-        resp = self.response
-        assert resp is not None
-        status = self.parser.get_status_code()
         if 100 <= status < 200 and status != 101:
             self.interim = True  # 100 Continue and friends: skipped, the real answer follows
             return
+        resp.content_type = content_type
+        resp.content_length = content_length
+        resp.retry_after = retry_after
         if self.deadline_to_headers:
             self.deadline = 0.0  # the first byte is in: only read_timeout (if any) from here
         resp.on_headers(status)
@@ -318,7 +309,7 @@ class _Connection(asyncio.Protocol):
         if not resp.on_body(body):
             self._fail(UpstreamError(f"response body exceeds {resp.limit} bytes"))
 
-    def on_message_complete(self) -> None:
+    def on_message_complete(self, keep_alive: bool) -> None:
         resp = self.response
         assert resp is not None
         if self.interim:
@@ -326,7 +317,7 @@ class _Connection(asyncio.Protocol):
             resp.on_interim_end()
             return
         self._cancel_timer()
-        resp.on_complete(self.parser.should_keep_alive())
+        resp.on_complete(keep_alive)
 
     # -- requests -------------------------------------------------------------------
 
@@ -468,6 +459,10 @@ class Deadlines:
 
 class UpstreamPool:
     """Keep-alive connections to the worker at ``url`` (``http://host:port[/prefix]``)."""
+
+    #: each connection's response parser: the twin :mod:`server.http.parse` chose (the tests
+    #: choose one in a subclass)
+    response_parser: Callable[[_Connection], Any] = ResponseParser
 
     def __init__(
         self,

@@ -1,4 +1,5 @@
-"""What both request parsers produce: the parsed :class:`Request`, and the refusals (:class:`Refused`).
+"""What both request parsers produce: the parsed :class:`Request`, and the refusals (:class:`Refused`);
+and what both response parsers raise for a worker's bytes they cannot frame (:class:`BadResponse`).
 
 The parsers (:mod:`server.http._parse`, compiled, and :mod:`server.http._parse_py`, its pure
 twin, chosen once in :mod:`server.http.parse`) frame a connection's bytes into requests and refuse
@@ -66,6 +67,13 @@ class Refused(Exception):
         self.status = status
         self.message = message
 
+
+class BadResponse(Exception):
+    """A response parser (the upstream side) could not frame a worker's bytes: llhttp's reason, or an upgrade."""
+
+
+#: BadResponse's words for a 101 (an upgrade): a worker's connection carries HTTP only
+UPGRADE_RESPONSE = "protocol upgrades are not supported"
 
 # The refusals, by code (the compiled twin reads these numbers once at import).
 R_MALFORMED = 1
