@@ -298,3 +298,28 @@ def test_property_responses_same_events_for_any_bytes_in_any_reads(data: st.Data
         )
     cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=10), label="cuts"))
     assert_responses_agree([stream[a:b] for a, b in itertools.pairwise([0, *cuts, len(stream)]) if b > a])
+
+
+def test_a_body_piece_that_is_a_whole_read_is_that_read_not_a_copy() -> None:
+    """The compiled twin hands on a read that is all body as the read's own bytes object (the middle
+    reads of a large body, of a streamed response); a piece of a read is copied (the pure twin: always)."""
+    twin = compiled()
+    body = b"b" * 5000
+    conn = Recorder()
+    parser = twin.RequestParser(conn, Limits())
+    parser.feed(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % (2 * len(body)))
+    first, second = body, bytes(body)
+    parser.feed(first)
+    parser.feed(second)
+    assert conn.events[-1] == ("complete", body + body, True, 2 * len(body))
+    parser.feed(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % len(body))
+    parser.feed(second)
+    assert conn.events[-1][1] is second  # the whole body, one read: no copy, no join
+    response = ResponseRecorder()
+    upstream = twin.ResponseParser(response)
+    upstream.feed(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\nab" % (len(body) + 2))
+    upstream.feed(first)
+    assert response.events[1] == ("body", b"ab") and response.events[2][1] is first
+    whole = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nab"
+    upstream.feed(whole)
+    assert response.events[-2][1] == b"ab" and response.events[-2][1] is not whole

@@ -98,20 +98,45 @@ cdef bint _stripped_equals_lower(const char* at, Py_ssize_t n, bytes lower) noex
 ctypedef void (*ReadHook)(void* owner, Py_ssize_t n) noexcept
 
 
+# The bytes object being parsed, while it is (else None): a body piece that is the whole of it is
+# handed on as that object, not copied (the middle reads of a large body, a streamed response's).
+cdef object _read = None
+cdef const char* _read_at = NULL
+cdef Py_ssize_t _read_len = 0
+
+
+cdef object _piece(const char* at, Py_ssize_t n):
+    """A body piece as bytes: the read itself when the piece is all of it, else a copy."""
+    if at == _read_at and n == _read_len and _read is not None:
+        return _read
+    return PyBytes_FromStringAndSize(at, n)
+
+
 cdef int _execute(llhttp_t* parser, object data, ReadHook hook) except -1:
     """llhttp over one read's bytes (a bytes object's without a buffer request); ``hook``, if any,
     is told the read's length first. The llhttp_errno_t it returned."""
+    global _read, _read_at, _read_len
     cdef Py_buffer view
+    cdef object outer = _read
+    cdef const char* outer_at = _read_at
+    cdef Py_ssize_t outer_len = _read_len
     if PyBytes_CheckExact(data):
         if hook != NULL:
             hook(parser.data, PyBytes_GET_SIZE(data))
-        return llhttp_execute(parser, PyBytes_AS_STRING(data), <size_t>PyBytes_GET_SIZE(data))
+        # Saved and restored, not cleared: an event may parse another connection's bytes.
+        _read, _read_at, _read_len = data, PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data)
+        try:
+            return llhttp_execute(parser, _read_at, <size_t>_read_len)
+        finally:
+            _read, _read_at, _read_len = outer, outer_at, outer_len
     PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+    _read, _read_at, _read_len = None, NULL, 0  # a buffer not ours to keep: pieces are copied
     try:
         if hook != NULL:
             hook(parser.data, view.len)
         return llhttp_execute(parser, <const char*>view.buf, <size_t>view.len)
     finally:
+        _read, _read_at, _read_len = outer, outer_at, outer_len
         PyBuffer_Release(&view)
 
 
@@ -483,7 +508,7 @@ cdef int _on_body(llhttp_t* p, const char* at, size_t n) noexcept:
             self.chunk_state = 2
             self.chunk_body += <Py_ssize_t>n
             self.conn.on_body_piece(self.req, n)
-        self.chunks.append(PyBytes_FromStringAndSize(at, <Py_ssize_t>n))
+        self.chunks.append(_piece(at, <Py_ssize_t>n))
     except BaseException:
         return self._event_failed()
     return 0
@@ -664,7 +689,7 @@ cdef int _response_head(llhttp_t* p) noexcept:
 cdef int _response_body(llhttp_t* p, const char* at, size_t n) noexcept:
     cdef ResponseParser self = <ResponseParser>p.data
     try:
-        self.conn.on_body(PyBytes_FromStringAndSize(at, <Py_ssize_t>n))
+        self.conn.on_body(_piece(at, <Py_ssize_t>n))
     except BaseException:
         return self._event_failed()
     return 0
