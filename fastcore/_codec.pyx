@@ -71,6 +71,14 @@ cdef enum:
 
 fc_b64_init()
 
+import fastcore._codec_py as _py
+
+# b64simd.h's status codes are the numbers the pure twin's _decode_error words: held to each other here.
+if (FC_B64_BAD_CHAR, FC_B64_MISPLACED_PAD, FC_B64_NONZERO_PAD_BITS) != (
+    _py.BAD_CHAR, _py.MISPLACED_PAD, _py.NONZERO_PAD_BITS
+):
+    raise ImportError("fastcore._codec: include/b64simd.h's FC_B64_* codes differ from fastcore._codec_py's")
+
 cdef dict _PATH_IDS = {fc_simd_name(p).decode(): p for p in range(FC_SIMD_COUNT)}
 
 #: The kernel the run-time dispatch chose (``"avx512vbmi"``, ``"avx2"``,

@@ -29,7 +29,7 @@ from .errors import TokenDecodeError
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
 
-# Status codes of the compiled decoder (FC_B64_* in include/b64simd.h).
+# Status codes of the compiled decoder (FC_B64_* in include/b64simd.h; fastcore._codec checks them at import).
 BAD_CHAR = 1
 MISPLACED_PAD = 2
 NONZERO_PAD_BITS = 3
