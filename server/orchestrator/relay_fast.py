@@ -81,7 +81,7 @@ class FastRelay:
         """``ctx_info_endpoint`` and ``encoded_opaque_state`` of the context response (``None`` where
         absent), for trtllm-serve's ``x-trtllm-disagg-auth`` (server/auth.py ``trtllm_disagg_auth``);
         read_context's scan found them, this decodes them."""
-        return ctx.parsed.auth_fields()  # type: ignore[no-any-return]
+        return ctx.parsed.auth_fields()
 
     def generation_request(self, req: ClientRequest, ctx: ContextResult) -> bytes:
         try:
