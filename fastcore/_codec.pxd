@@ -28,7 +28,7 @@ cdef extern from "b64simd.h" nogil:
     int64_t fc_encode_ints(const char *base, size_t count, Py_ssize_t stride, int itemsize, int is_signed,
                            int byteswap, char *dst)
     void fc_le32_to_host(int32_t *values, size_t count)
-    size_t fc_b64_alphabet_run(const uint8_t *p, size_t i, size_t n, int use_avx2)
+    size_t fc_b64_alphabet_run(const uint8_t *p, size_t i, size_t n, int path)
 
 
 cdef extern from "codec_objects.h":

@@ -396,12 +396,12 @@ cdef Py_ssize_t _check_b64(const uint8_t *buf, Py_ssize_t lo, Py_ssize_t hi) exc
     cdef Py_ssize_t i, data_end, padding = 0, length, decoded
     cdef int last_value
     cdef uint8_t c
-    cdef int use_avx2 = fc_simd_selected() >= FC_SIMD_AVX2
+    cdef int path = fc_simd_selected()
     if hi - lo >= NOGIL_CHECK_BYTES:
         with nogil:
-            i = <Py_ssize_t>fc_b64_alphabet_run(buf, lo, hi, use_avx2)
+            i = <Py_ssize_t>fc_b64_alphabet_run(buf, lo, hi, path)
     else:
-        i = <Py_ssize_t>fc_b64_alphabet_run(buf, lo, hi, use_avx2)
+        i = <Py_ssize_t>fc_b64_alphabet_run(buf, lo, hi, path)
     data_end = i
     while i < hi and buf[i] == 0x3D and padding < 2:
         padding += 1

@@ -383,6 +383,35 @@ __attribute__((target("sse2"))) static size_t alphabet_run_sse2(const uint8_t *p
     return i;
 }
 
+#define FC_NO 0x80 /* outside the alphabet */
+/* 0x80 for the byte values below 0x80 outside the alphabet ('=' included), 0 for the 64 in it. */
+static const uint8_t ALPHABET_BAD_7BIT[128] = {
+    FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, FC_NO,
+    FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, FC_NO,
+    FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, 0,     FC_NO, FC_NO, FC_NO, 0,     /* + / */
+    0,     0,     0,     0,     0,     0,     0,     0,     0,     0,     FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, /* 0-9 */
+    FC_NO, 0,     0,     0,     0,     0,     0,     0,     0,     0,     0,     0,     0,     0,     0,     0,     /* A-O */
+    0,     0,     0,     0,     0,     0,     0,     0,     0,     0,     0,     FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, /* P-Z */
+    FC_NO, 0,     0,     0,     0,     0,     0,     0,     0,     0,     0,     0,     0,     0,     0,     0,     /* a-o */
+    0,     0,     0,     0,     0,     0,     0,     0,     0,     0,     0,     FC_NO, FC_NO, FC_NO, FC_NO, FC_NO, /* p-z */
+};
+#undef FC_NO
+
+/* 64 bytes per step: vpermi2b looks each byte's low 7 bits up in ALPHABET_BAD_7BIT and the byte
+ * itself, OR-ed in, marks those >= 0x80: one lookup and a mask instead of the AVX2 kernel's nibble
+ * tables (five vector operations a step, not fourteen). */
+FC_AVX512VBMI_TARGET static size_t alphabet_run_avx512vbmi(const uint8_t *p, size_t i, size_t n) {
+    const __m512i lut0 = _mm512_loadu_si512((const void *)ALPHABET_BAD_7BIT);
+    const __m512i lut1 = _mm512_loadu_si512((const void *)(ALPHABET_BAD_7BIT + 64));
+    while (i + 64 <= n) {
+        __m512i v = _mm512_loadu_si512((const void *)(p + i));
+        __mmask64 bad = _mm512_movepi8_mask(_mm512_or_si512(_mm512_permutex2var_epi8(lut0, v, lut1), v));
+        if (bad) return i + (size_t)__builtin_ctzll(bad);
+        i += 64;
+    }
+    return i;
+}
+
 FC_AVX512VBMI_TARGET static size_t decode_avx512vbmi(const char *src, size_t len, uint8_t *dst) {
     /* vpermi2b looks each byte's low 7 bits up in a 128-entry table (value or
      * 0x80); a byte is bad if the table or the byte itself has its top bit. */
@@ -524,12 +553,15 @@ static inline int is_alphabet(uint8_t c) {
     return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '+' || c == '/';
 }
 
-size_t fc_b64_alphabet_run(const uint8_t *p, size_t i, size_t n, int use_avx2) {
+size_t fc_b64_alphabet_run(const uint8_t *p, size_t i, size_t n, int path) {
 #if FC_X86
-    if (use_avx2 && n - i >= 64) i = alphabet_run_avx2(p, i, n);
+    if (path >= FC_SIMD_AVX512VBMI && n - i >= 64)
+        i = alphabet_run_avx512vbmi(p, i, n);
+    else if (path >= FC_SIMD_AVX2 && n - i >= 64)
+        i = alphabet_run_avx2(p, i, n);
     i = alphabet_run_sse2(p, i, n);
 #else
-    (void)use_avx2;
+    (void)path;
 #endif
     while (i < n && is_alphabet(p[i])) i++;
     return i;

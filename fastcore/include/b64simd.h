@@ -58,9 +58,10 @@ void fc_b64_encode(const uint8_t *src, size_t nbytes, char *dst);
 int fc_b64_decode(const char *src, size_t len, int pad, uint8_t *dst, size_t *bad_offset);
 
 /* First index in [i, n) outside the standard alphabet ('=' is outside): a validation pass with no
- * output, for relays that check base64 they pass on. `use_avx2`: the caller's dispatch says so
- * (fc_cpu_features); SSE2 and scalar otherwise. Needs no fc_b64_init(). */
-size_t fc_b64_alphabet_run(const uint8_t *p, size_t i, size_t n, int use_avx2);
+ * output, for relays that check base64 they pass on. `path`: the FC_SIMD_* kernel to use (the caller's
+ * fc_simd_selected(), which this CPU runs): AVX-512 VBMI, AVX2, else SSE2 and scalar. Needs no
+ * fc_b64_init(). */
+size_t fc_b64_alphabet_run(const uint8_t *p, size_t i, size_t n, int path);
 
 /* Narrows `count` integers, each `itemsize` (1, 2, 4 or 8) bytes, signed or
  * not, byte-swapped or not, found at base + i * stride, to int32 and encodes
