@@ -111,6 +111,8 @@ CASES = {
     "obs-fold": b"GET / HTTP/1.1\r\nHost: t\r\nX: a\r\n b\r\n\r\n",
     "bare-lf": b"GET / HTTP/1.1\nHost: t\n\n",
     "chunk-overflow": HEAD + b"Transfer-Encoding: chunked\r\n\r\n1" + b"0" * 20 + b"\r\n",
+    # the largest size llhttp takes (2**64 - 1), after a chunk: no wrap-around of the sum
+    "chunk-2**64-1": HEAD + b"Transfer-Encoding: chunked\r\n\r\n2\r\nab\r\n" + b"F" * 16 + b"\r\n",
     "http10-chunked": b"POST / HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n1\r\na\r\n0\r\n\r\n",
     "keep-alive-close": b"GET / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n",
 }
@@ -123,6 +125,13 @@ def test_same_events_and_refusals(case: str, step: int, limits: Limits) -> None:
     data = CASES[case]
     reads = [data] if not step else [data[i : i + step] for i in range(0, len(data), step)]
     assert assert_agree(reads, limits)
+
+
+def test_a_chunk_that_ends_in_a_read_is_not_read_again_for_its_size() -> None:
+    """A chunk whose data ends inside a read, followed there by as many bytes as it had: the pure
+    twin once took the data for the size line ("ab" -> 171 bytes) and refused a valid request."""
+    reads = [HEAD + b"Transfer-Encoding: chunked\r\n\r\n2\r", b"\nab\r\n0\r", b"\n\r\n"]
+    assert assert_agree(reads, Limits(max_body_bytes=64))[-1] == ("complete", b"ab", True, 2)
 
 
 def test_a_chunk_size_split_over_reads_is_refused_from_its_size() -> None:

@@ -252,9 +252,12 @@ cdef class RequestParser:
             self.trailer_read += self.last_read
             if self.trailer_read > limit:
                 raise refusal(R_TRAILER_BYTES, limit)
-        if self.chunk_header_in_read:
-            if <unsigned long long>(self.size - self.chunk_body) + self.chunk_size > <unsigned long long>self.max_body_bytes:
-                raise refusal(R_CHUNK_SIZE, self.chunk_size, self.max_body_bytes)
+        # size - chunk_body: the bytes before this chunk, within the limit (else on_body refused);
+        # compared so, a declared size near 2**64 cannot wrap the sum round.
+        if self.chunk_header_in_read and self.chunk_state and self.chunk_size > <unsigned long long>(
+            self.max_body_bytes - (self.size - self.chunk_body)
+        ):
+            raise refusal(R_CHUNK_SIZE, self.chunk_size, self.max_body_bytes)
 
     # -- helpers of the callbacks (C only; a refusal is a code, worded by _raise) --------
 

@@ -160,7 +160,9 @@ class RequestParser:
             self.trailer_read += len(data)
             if self.trailer_read > limit:
                 raise refusal(R_TRAILER_BYTES, limit)
-        if self.chunk_header_in_read:
+        if self.chunk_header_in_read and self.chunk_state:
+            # A chunk still open at the end of the read (one that ended in it was counted whole
+            # by on_body; reading its "size line" there read its data as hex).
             self._check_chunk_size(data)
         # The tail of every read so far, not only of the last: a size line that several reads
         # split (a client writing a byte at a time) is still found whole.
