@@ -25,7 +25,7 @@ from server.orchestrator.app import start_server
 from server.orchestrator.config import build_config
 from server.orchestrator.legs import LegRunner, LegUnavailable, WorkerAnswer
 from server.orchestrator.metrics import OrchestratorMetrics
-from server.orchestrator.pools import CircuitBreaker, Lease, Pool, Worker
+from server.orchestrator.pools import CircuitBreaker, Pool, Worker
 
 
 def answer(status: bytes, body: bytes, extra: bytes = b"") -> bytes:
@@ -116,8 +116,8 @@ class Harness:
             release_lost_kv=lambda worker, disagg_id: self.released.append((worker.url, disagg_id)),
             unavailable=lambda message: HTTPError(503, message, code="no_healthy_worker"),
         )
-        #: in-flight counts seen while a 200 was being read
-        self.held: list[int] = []
+        #: in-flight counts (legs, tokens) seen while a 200 was being read
+        self.held: list[tuple[int, int]] = []
 
     def upstream(self, worker: Worker) -> UpstreamPool:
         if worker.url not in self.upstreams:
@@ -132,7 +132,7 @@ class Harness:
         return self.runner.run("context", self.pool, b"/v1/chat/completions", b"{}", self.answered, **leg)
 
     async def answered(self, worker: Worker, resp: UpstreamResponse) -> bytes:
-        self.held.append(worker.in_flight)
+        self.held.append((worker.in_flight, worker.in_flight_tokens))
         return await resp.read()
 
     def url(self, index: int) -> str:
@@ -162,7 +162,7 @@ async def test_a_200_is_read_under_the_lease_then_every_count_is_back() -> None:
         h = Harness(urls)
         kind, body = await run(h, h.leg())
         assert (kind, body) == ("answer", OK_BODY)
-        assert h.held == [1]  # the answer was read while the worker still counted the leg
+        assert h.held == [(1, 7)]  # the answer was read while the worker still counted the leg
         assert h.released_everything() and h.pool.workers[0].served == 1
         assert not h.released and not h.marked
         h.close()
@@ -244,15 +244,17 @@ async def test_no_worker_left_says_why() -> None:
         assert kind == "unavailable" and exc.reason == "no_worker" and exc.error.status == 503
 
 
-def test_the_lease_is_given_back_on_an_exception() -> None:
-    pool = Pool("generation", ["http://127.0.0.1:1"], "least_loaded")
-    worker = pool.workers[0]
-    worker.breaker.state = CircuitBreaker.HALF_OPEN
-    with pytest.raises(RuntimeError), Lease(worker, 100) as held:
-        assert held is worker and (worker.in_flight, worker.in_flight_tokens) == (1, 100)
-        assert worker.breaker.probing  # in half-open, this leg is the probe
-        raise RuntimeError
-    assert (worker.in_flight, worker.in_flight_tokens, worker.breaker.probing) == (0, 0, False)
+async def test_a_half_open_workers_probe_ends_with_its_leg() -> None:
+    """In half-open, the leg chosen is the probe (no other leg goes there meanwhile); however it
+    ends, the next leg may probe."""
+    async with workers("bad") as urls:
+        h = Harness(urls)
+        worker = h.pool.workers[0]
+        worker.breaker.state = CircuitBreaker.HALF_OPEN
+        kind, exc = await run(h, h.leg())
+        assert kind == "worker_answer" and exc.status == 400  # no verdict on the worker
+        assert h.released_everything() and worker.breaker.allows(0.0)
+        h.close()
 
 
 async def test_the_orchestrators_upstream_connections_share_one_deadline_sweeper() -> None:

@@ -38,7 +38,6 @@ __all__ = [
     "Capabilities",
     "CircuitBreaker",
     "HealthChecker",
-    "Lease",
     "LeastLoadedRouter",
     "Pool",
     "RoundRobinRouter",
@@ -243,37 +242,6 @@ class Worker:
 
     def __repr__(self) -> str:
         return f"Worker({self.url!r}, healthy={self.healthy}, in_flight={self.in_flight})"
-
-
-class Lease:
-    """A leg's hold on a worker, the one place its in-flight counts go up and back down.
-
-    ``with Lease(worker, tokens):`` counts the leg (and its prompt's estimated
-    tokens) in the worker's ``in_flight`` while it runs, which the routers read, and
-    marks the breaker (in half-open, this leg is the probe); leaving the block, by
-    any path, takes both back and ends the probe.
-    """
-
-    __slots__ = ("tokens", "worker")
-
-    def __init__(self, worker: Worker, tokens: int = 0) -> None:
-        self.worker = worker
-        self.tokens = tokens
-
-    def __enter__(self) -> Worker:
-        worker = self.worker
-        worker.in_flight += 1
-        if self.tokens:  # counted only for a least_loaded router with use_tokens
-            worker.in_flight_tokens += self.tokens
-        worker.breaker.chosen()
-        return worker
-
-    def __exit__(self, *exc_info: object) -> None:
-        worker = self.worker
-        worker.in_flight -= 1
-        if self.tokens:
-            worker.in_flight_tokens -= self.tokens
-        worker.breaker.ended()
 
 
 class Pool:
