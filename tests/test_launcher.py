@@ -96,10 +96,31 @@ def _readme_block(language: str, needle: str) -> str:
     return matching[0]
 
 
+def _parent(pid: int) -> int:
+    """``pid``'s parent (0 once it is gone): the field after the command name in /proc/<pid>/stat."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return 0
+    return int(stat[stat.rindex(b")") + 2 :].split()[1])
+
+
+def _ours(pid: int) -> bool:
+    """Whether ``pid`` descends from this test process: another process of the machine with the same
+    arguments (a deployment of another run that chose the same port number) is not one of ours."""
+    me = os.getpid()
+    while pid > 1:
+        pid = _parent(pid)
+        if pid == me:
+            return True
+    return False
+
+
 def _pids_with(*needles: str) -> list[int]:
+    """This test's processes (its descendants) whose arguments hold ``needles`` in a row."""
     pids = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+        if not entry.isdigit() or not _ours(int(entry)):
             continue
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
