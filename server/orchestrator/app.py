@@ -198,15 +198,9 @@ class Orchestrator:
         self.upstreams: dict[str, UpstreamPool] = {}
         self.deadlines = Deadlines()
         #: both legs' one loop (legs.py): choose, send, classify, retry, breakers
-        self.legs = LegRunner(
-            max_retries=config.max_retries,
-            metrics=self.metrics,
-            upstream=self._upstream,
-            secret=self.secret,
-            mark_failed=self._mark_failed,
-            release_lost_kv=self._release_lost_kv_soon,
-            unavailable=self._unavailable,
-        )
+        self.legs = LegRunner(max_retries=config.max_retries, metrics=self.metrics, upstream=self._upstream,
+                              secret=self.secret, mark_failed=self._mark_failed,
+                              release_lost_kv=self._release_lost_kv_soon, unavailable=self._unavailable)  # fmt: skip
         self.session: aiohttp.ClientSession | None = None
         self.health: HealthChecker | None = None
         self.cache_view: CacheView | None = None
