@@ -7,6 +7,7 @@ cdef extern from "scan_simd.h":
     void fc_js_init() noexcept
     const char *fc_js_kernel() noexcept
     bint fc_js_avx2
+    bint fc_js_avx512
     Py_ssize_t fc_js_plain_run(const uint8_t *p, Py_ssize_t i, Py_ssize_t n) noexcept nogil
     Py_ssize_t fc_js_quote_or_backslash(const uint8_t *p, Py_ssize_t i, Py_ssize_t n) noexcept nogil
 

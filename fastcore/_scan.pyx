@@ -6,7 +6,7 @@ exceptions, messages and offsets on every input (the pure-Python twin's
 docstring states the semantics; its ``_compile`` and ``make_error`` are
 reused here so paths and errors cannot drift apart). The long runs that
 dominate our bodies (string contents, base64 data) are consumed 16 bytes at
-a time with SSE2, the x86-64 baseline, or 64 with AVX2 (include/scan_simd.h);
+a time with SSE2, the x86-64 baseline, or 64 with AVX2 or AVX-512 (include/scan_simd.h);
 other targets take the scalar loop.
 
 It knows JSON, not the protocol: the relay kernels (``fastcore._relay``) and
@@ -28,17 +28,19 @@ from fastcore.limits import JSON_MAX_DEPTH, JSON_MAX_NUMBER_CHARS
 
 fc_js_init()
 
-#: The string kernel this CPU runs: ``"avx2"``, ``"sse2"`` or ``"scalar"``.
+#: The string kernel this CPU runs: ``"avx512"``, ``"avx2"``, ``"sse2"`` or ``"scalar"``.
 KERNEL = fc_js_kernel().decode()
 
 
 def _set_kernel(name):
-    """Tests only: force ``"avx2"`` (if supported) or the ``"sse2"`` fallback."""
-    global KERNEL, fc_js_avx2
+    """Tests and benchmarks only: force ``"avx512"`` or ``"avx2"`` (if supported), or the ``"sse2"`` fallback."""
+    global KERNEL, fc_js_avx2, fc_js_avx512
     fc_js_init()
     if name == "sse2":
-        fc_js_avx2 = False
-    elif name != "avx2" or not fc_js_avx2:
+        fc_js_avx2 = fc_js_avx512 = False
+    elif name == "avx2" and fc_js_avx2:
+        fc_js_avx512 = False
+    elif name != "avx512" or not fc_js_avx512:
         raise ValueError(f"kernel {name!r} is not available here")
     KERNEL = fc_js_kernel().decode()
 

@@ -767,17 +767,42 @@ def test_token_b64_range_is_checked(codec: ModuleType) -> None:
 # -- the SIMD kernels ------------------------------------------------------------------------------------
 
 
+def test_kernels_agree_past_the_long_run_switch(both_twins: tuple[ModuleType, ModuleType]) -> None:
+    """A string run longer than 4 KiB goes on with the AVX-512 kernel where it runs (include/scan_simd.h
+    FC_JS_LONG_RUN): every byte value at the lane edges of its 64-byte steps, per kernel."""
+    py, c = both_twins
+    kernels = {"avx512": ["avx2", "avx512"], "avx2": ["avx2"]}.get(c.KERNEL, [c.KERNEL])
+    try:
+        for kernel in kernels:
+            if kernel != "scalar":
+                c._set_kernel(kernel)
+            for position in (4096, 4111, 4112, 4127, 4175, 4176, 4239, 4240, 4300, 4350):
+                for value in range(256):
+                    data = bytearray(b"QUJD" * 1100)
+                    data[position] = value
+                    body = b'["' + bytes(data) + b'"]'
+                    for validate in (True, False):
+                        assert outcome(c, "find_spans", body, [(0,)], validate=validate) == outcome(
+                            py, "find_spans", body, [(0,)], validate=validate
+                        ), (kernel, position, value, validate)
+    finally:
+        if c.KERNEL != kernels[-1]:
+            c._set_kernel(kernels[-1])
+
+
 def test_kernels_agree_on_every_byte_in_every_lane(both_twins: tuple[ModuleType, ModuleType]) -> None:
     """Each byte value at lane edges of the 16- and 64-byte steps and in the scalar tail, per kernel:
     the scanner's string kernels and the codec's alphabet check (``check_token_b64``)."""
     py, c = both_twins
     codec_py, codec_c = side_by_side("_codec")
     alphabet = set(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")
-    kernels = ["sse2", "avx2"] if c.KERNEL == "avx2" else [c.KERNEL]
+    kernels = {"avx512": ["sse2", "avx2", "avx512"], "avx2": ["sse2", "avx2"]}.get(c.KERNEL, [c.KERNEL])
     simd_paths = codec_c._available_simd_paths()
+    codec_path = {"sse2": "ssse3", "avx2": "avx2", "avx512": "avx512vbmi"}  # test_codec runs every one
     original = codec_c._get_simd_path()
     try:
-        for kernel, simd_path in zip(kernels, ("ssse3", simd_paths[-1])):
+        for kernel in kernels:
+            simd_path = codec_path.get(kernel, simd_paths[-1])
             if kernel != "scalar":
                 c._set_kernel(kernel)
             if simd_path in simd_paths:
@@ -796,8 +821,8 @@ def test_kernels_agree_on_every_byte_in_every_lane(both_twins: tuple[ModuleType,
                         ), (kernel, position, value, validate)
     finally:
         codec_c._set_simd_path(original)
-        if c.KERNEL != kernels[-1] and "avx2" in kernels:
-            c._set_kernel("avx2")
+        if c.KERNEL != kernels[-1]:
+            c._set_kernel(kernels[-1])
 
 
 # -- relay kernels: the twins agree on every relay-shaped body, however broken --------------------------
