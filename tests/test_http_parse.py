@@ -12,6 +12,7 @@ the four headers read), body pieces, end and error for a worker's bytes.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import itertools
 from collections.abc import Sequence
@@ -332,3 +333,19 @@ def test_a_body_piece_that_is_a_whole_read_is_that_read_not_a_copy() -> None:
     whole = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nab"
     upstream.feed(whole)
     assert response.events[-2][1] == b"ab" and response.events[-2][1] is not whole
+
+
+@pytest.mark.parametrize(
+    ("second", "status"), [(b"zz\r\n", 400), (b"3c\r\n" + b"b" * 60, 413), (b"100\r\n", 413)]
+)
+def test_a_refused_request_s_body_is_not_kept_by_the_compiled_parser(second: bytes, status: int) -> None:
+    """A refusal mid-body (a malformed chunk size, bytes past the limit, a declared size past it): the
+    body read so far is the connection's to drop (it drops its request's); the compiled twin, which
+    gathers the pieces itself, keeps none of them."""
+    parser = compiled().RequestParser(Recorder(), Limits(max_body_bytes=100))
+    parser.feed(HEAD + b"Transfer-Encoding: chunked\r\n\r\n32\r\n" + b"a" * 50 + b"\r\n")
+    assert any(isinstance(o, list) and o for o in gc.get_referents(parser))  # the first piece, held
+    with pytest.raises(Refused) as refused:
+        parser.feed(second)
+    assert refused.value.status == status
+    assert not [o for o in gc.get_referents(parser) if isinstance(o, (list, bytes)) and o]

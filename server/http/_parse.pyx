@@ -210,9 +210,16 @@ cdef class RequestParser:
     def feed(self, data):
         """Parse one read; raises :class:`Refused`, or what a ``conn`` event raised."""
         cdef int err = _execute(&self.parser, data, _request_read)
-        if err != HPE_OK:
-            self._raise(<llhttp_errno_t>err)
-        self._after_read()
+        try:
+            if err != HPE_OK:
+                self._raise(<llhttp_errno_t>err)
+            self._after_read()
+        except BaseException:
+            # Never fed again: the body read so far goes back now (the connection drops its
+            # request's; the pure twin's pieces are that request's own), not when it closes.
+            self.chunks = None
+            self.req = None
+            raise
 
     cdef void _start_read(self, Py_ssize_t n) noexcept:
         self.last_read = n
