@@ -65,7 +65,8 @@ _PROTOCOL_NAMES = {
     protocol.CONVERSATION_PARAMS,
     protocol.CONVERSATION_ID,
     # /server_info keys (those that are not also attribute, config or engine names: local_prefill,
-    # kv_capacity_tokens, bytes_per_token, prefix_caching, trtllm_disagg_auth are those too)
+    # kv_capacity_tokens, bytes_per_token, prefix_caching, trtllm_disagg_auth and
+    # accept_trtllm_orchestrator, the worker's setting of that name, are those too)
     protocol.INFO_KV_ENDPOINT,
     protocol.INFO_MAX_PARKED_TOKENS,
     protocol.INFO_B64_CHAT,
@@ -73,7 +74,6 @@ _PROTOCOL_NAMES = {
     protocol.INFO_MSGPACK_REQUESTS,
     protocol.INFO_INTERNAL_AUTH,
     protocol.INFO_AUTH_FASTCORE_SIGNATURE,
-    protocol.INFO_AUTH_ACCEPT_TRTLLM_ORCHESTRATOR,
 }
 
 
