@@ -4,11 +4,15 @@ The harness run starts the raw floor and fastcore's orchestrator (both gates)
 on synthetic workers, pinned as the benchmark pins them, drives a handful of
 streaming and non-streaming requests through each and reads the JSON it
 writes. The Rust routers run only where ``python -m bench.routers --install``
-put them (CI has none).
+put them (CI has none). The raw floor (``bench/rawfloor.py``) also runs in
+this process on stand-in workers: pipelined requests, keep-alive upstream
+connections, and every way an upstream can fail answered with a 502 and a
+close (or, mid-stream, the close).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -18,10 +22,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from helpers import free_port as held_port
+from helpers import request
 
 from bench import routers
 from bench.deploy import free_port, wait_healthy
 from bench.pd_mocks import ENGINE_ID, check_sglang, check_vllm_decode, check_vllm_prefill
+from bench.rawfloor import Floor, ServerProtocol
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = [
@@ -69,6 +76,16 @@ def test_the_harness_measures_the_raw_floor_and_fastcore(tmp_path: Path) -> None
     data = _run(tmp_path, "rawfloor,fastcore:both-gates")
     _check_rows(data, ["rawfloor", "fastcore:both-gates"])
     assert data["meta"]["skipped"] == {}
+    floor = [r for r in data["rows"] if r["front"] == "rawfloor"]
+    assert sorted(r["stream"] for r in floor) == [False, True]  # the floor streamed and answered whole
+    assert all(
+        r["completed"] == r["requests"] == 12 and not r["errors"] and not r["warmup_errors"] for r in floor
+    )
+    # issue 25's two verdicts per size x streaming, the floor's second (12 requests can read 0 clock
+    # ticks, so either may say "no comparison" here)
+    lines = data["meta"]["verdicts"]
+    assert len(lines) == 4 and all("vs 0.5 x best Rust router" in line for line in lines[::2]), lines
+    assert all("vs 2 x the callback-only floor (rawfloor)" in line for line in lines[1::2]), lines
 
 
 @pytest.mark.slow
@@ -89,6 +106,178 @@ def test_a_missing_router_is_skipped_with_a_note(tmp_path: Path) -> None:
     assert (
         routers.check_front("rawfloor", args) is None and routers.check_front("fastcore:parsed", args) is None
     )
+
+
+# -- the raw floor in this process, on stand-in workers ---------------------------------
+
+ANSWER = b'{"choices": [{"message": {"content": "ok"}}]}'
+EVENTS = [b"data: {}\n\n", b"data: [DONE]\n\n"]
+SSE = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in EVENTS)
+    + b"0\r\n\r\n"
+)
+WHOLE = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+    len(ANSWER),
+    ANSWER,
+)
+
+
+class StandIn:
+    """A worker on 127.0.0.1 (port 0) that writes ``answer`` to each request and then, unless
+    ``keep_open``, hangs up; it records the request bodies and counts its connections."""
+
+    def __init__(self, answer: bytes, keep_open: bool = True) -> None:
+        self.bodies: list[bytes] = []
+        self.answer, self.keep_open, self.connections = answer, keep_open, 0
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self.handle, "127.0.0.1", 0)
+        return f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                self.bodies.append(await reader.readexactly(length))
+                writer.write(self.answer)
+                await writer.drain()
+                if not self.keep_open:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+async def _floor(context: str, generation: str) -> tuple[int, asyncio.Server]:
+    floor = Floor([context], [generation])
+    server = await asyncio.get_running_loop().create_server(lambda: ServerProtocol(floor), "127.0.0.1", 0)
+    return server.sockets[0].getsockname()[1], server
+
+
+async def _response(reader: asyncio.StreamReader) -> tuple[int, bytes, bytes]:
+    """One response off the floor: status, head, body (a chunked one's pieces joined)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    if b"chunked" not in head:
+        length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+        return int(head.split()[1]), head, await reader.readexactly(length)
+    body = b""
+    while size := int((await reader.readuntil(b"\r\n"))[:-2], 16):
+        body += (await reader.readexactly(size + 2))[:-2]
+    assert await reader.readexactly(2) == b"\r\n"
+    return int(head.split()[1]), head, body
+
+
+def _chat(n: int, port: int) -> bytes:
+    return request("POST", "/v1/chat/completions", b'{"n": %d}' % n, port=port)
+
+
+@pytest.mark.parametrize("generation", [SSE, WHOLE], ids=["streaming", "non-streaming"])
+async def test_the_raw_floor_relays_pipelined_requests_in_order_on_kept_alive_connections(
+    generation: bytes,
+) -> None:
+    ctx, gen = StandIn(WHOLE), StandIn(generation)
+    port, server = await _floor(await ctx.start(), await gen.start())
+    try:
+        async with asyncio.timeout(20):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            for first in (0, 3):  # two rounds of three pipelined requests and a health check, one connection
+                writer.write(b"".join(_chat(n, port) for n in range(first, first + 3)))
+                writer.write(request("GET", "/health", port=port))
+                for _ in range(3):
+                    status, head, body = await _response(reader)
+                    assert status == 200 and body == (b"".join(EVENTS) if generation is SSE else ANSWER)
+                    assert (b"text/event-stream" in head) == (generation is SSE)
+                assert (await _response(reader))[::2] == (200, b"ok")
+            writer.close()
+        assert ctx.bodies == gen.bodies == [b'{"n": %d}' % n for n in range(6)]  # both legs, in order
+        assert ctx.connections == gen.connections == 1  # kept alive upstream
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("streams", [16, 64])
+async def test_the_raw_floor_serves_many_requests_in_flight(streams: int) -> None:
+    ctx, gen = StandIn(WHOLE), StandIn(SSE)
+    port, server = await _floor(await ctx.start(), await gen.start())
+
+    async def client(n: int) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        answers = []
+        for k in range(3):
+            writer.write(_chat(3 * n + k, port))
+            status, _, body = await _response(reader)
+            assert status == 200
+            answers.append(body)
+        writer.close()
+        return b"".join(answers)
+
+    try:
+        async with asyncio.timeout(30):
+            answers = await asyncio.gather(*(client(n) for n in range(streams)))
+        assert answers == [b"".join(EVENTS) * 3] * streams
+        assert (
+            sorted(ctx.bodies) == sorted(gen.bodies) == sorted(b'{"n": %d}' % n for n in range(3 * streams))
+        )
+        assert ctx.connections <= streams and gen.connections <= streams
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize(
+    "case", ["context refuses", "context hangs up", "context answers garbage", "generation hangs up"]
+)
+async def test_an_upstream_that_fails_gets_the_raw_floors_client_a_502_and_a_close(case: str) -> None:
+    ctx = StandIn(b"" if case == "context hangs up" else WHOLE, keep_open=case != "context hangs up")
+    if case == "context answers garbage":
+        ctx.answer = b"NOT HTTP AT ALL\r\n\r\n"
+    gen = StandIn(b"" if case == "generation hangs up" else SSE, keep_open=case != "generation hangs up")
+    context = f"127.0.0.1:{held_port()}" if case == "context refuses" else await ctx.start()
+    port, server = await _floor(context, await gen.start())
+    try:
+        async with asyncio.timeout(20):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(_chat(1, port))
+            status, _, body = await _response(reader)
+            assert (status, body) == (502, b"upstream failed")
+            assert await reader.read() == b""  # closed, not left hanging
+            writer.close()
+    finally:
+        server.close()
+
+
+async def test_a_generation_leg_dropped_mid_stream_closes_the_raw_floors_client() -> None:
+    ctx, gen = StandIn(WHOLE), StandIn(SSE[: SSE.index(b"data: [DONE]")], keep_open=False)
+    port, server = await _floor(await ctx.start(), await gen.start())
+    try:
+        async with asyncio.timeout(20):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(_chat(1, port))
+            rest = await reader.read()  # until the floor closes
+            writer.close()
+        assert rest.startswith(b"HTTP/1.1 200") and EVENTS[0] in rest
+        assert not rest.endswith(b"0\r\n\r\n")  # no last chunk: the client sees the stream cut
+    finally:
+        server.close()
+
+
+async def test_a_context_leg_refused_with_a_status_is_a_502_on_a_kept_alive_connection() -> None:
+    ctx, gen = StandIn(b"HTTP/1.1 503 X\r\nContent-Length: 4\r\n\r\nbusy"), StandIn(SSE)
+    port, server = await _floor(await ctx.start(), await gen.start())
+    try:
+        async with asyncio.timeout(20):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            for n in range(2):
+                writer.write(_chat(n, port))
+                assert (await _response(reader))[::2] == (502, b"context leg answered 503")
+            writer.close()
+        assert gen.bodies == []
+    finally:
+        server.close()
 
 
 # -- the PD mocks' protocol checks --------------------------------------------------
