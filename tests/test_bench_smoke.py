@@ -150,3 +150,17 @@ def test_the_cluster_abuse_benchmark_runs_every_phase(capsys: pytest.CaptureFixt
         c.strip() for c in out.split("streams (never read")[1].strip().splitlines()[-1].split("|")[1:-1]
     ]
     assert streams[:2] == ["8", "8"] and streams[4] == "8"  # every slot held, then every stream dropped
+
+
+def test_the_request_path_benchmark_serves_unary_and_streaming_requests_in_process(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """bench.request_path without valgrind: the real orchestrator on canned stand-in workers answers
+    every request 200 (each read asserts it), unary and streaming; --profile reports calls per request."""
+    from bench import request_path
+
+    request_path.main(["--requests", "3"])
+    request_path.main(["--profile", "3", "--stream", "--gates-off"])
+    out = capsys.readouterr().out
+    assert "unary, gates on: 3 requests" in out and "streaming, gates on: 3 requests" in out
+    assert "# streaming, gates off" in out and "Python function calls per request" in out
