@@ -6,8 +6,9 @@
 Each row is one request's synchronous work on the orchestrator's event loop,
 exactly the calls its handler makes (server/orchestrator/relay_modes.py):
 validate the client body, build the context request, read the context
-response, build the generation request, and relay a (non-streaming)
-generation response to the client. Network and workers are left out: this is
+response, build the generation request (both legs as the pieces the
+orchestrator writes: ``context_pieces``, ``generation_pieces``), and relay a
+(non-streaming) generation response to the client. Network and workers are left out: this is
 the CPU an orchestrator core spends per request, the thing that caps its
 requests/s. Workload: an agentic chat request (~4 bytes of history per prompt
 token, bench.workload) and its context response with the prompt ids as a JSON
@@ -109,9 +110,9 @@ def generation_response(n_ids: int) -> bytes:
 
 def one_request(mode: Any, body: bytes, ctx: bytes, gen: bytes) -> bytes:
     req = mode.read_client(body, True)
-    mode.context_request(req, 7205759403792793601)
+    mode.context_pieces(req, 7205759403792793601)
     result = mode.read_context(req, ctx)
-    mode.generation_request(req, result)
+    mode.generation_pieces(req, result)
     return bytes(mode.client_answer(req, gen))
 
 

@@ -3,11 +3,13 @@
 Span = tuple[int, int]
 _Body = bytes | bytearray | memoryview
 _Path = tuple[str | int, ...]
+Piece = bytes | memoryview
 
 CLIENT_PATHS: tuple[_Path, ...]
 CLIENT_REQUEST_PATHS: tuple[_Path, ...]
 CONTEXT_PATHS: tuple[_Path, ...]
 CONTEXT_RESPONSE_PATHS: tuple[_Path, ...]
+VIEW_MIN: int
 
 def strip_paths(choices: int) -> tuple[_Path, ...]: ...
 
@@ -42,8 +44,12 @@ class ContextScan:
 
 def read_client_request(body: _Body, chat: bool) -> ClientScan: ...
 def context_request(client: ClientScan, disagg_request_id: int, return_b64: bool) -> bytes: ...
+def context_request_pieces(client: ClientScan, disagg_request_id: int, return_b64: bool) -> list[Piece]: ...
 def read_context_response(body: _Body, max_tokens: int | None) -> ContextScan: ...
 def generation_request(
     client: ClientScan, context: ContextScan, tokids_b64: bool, strip_history: bool
 ) -> bytes: ...
+def generation_request_pieces(
+    client: ClientScan, context: ContextScan, tokids_b64: bool, strip_history: bool
+) -> list[Piece]: ...
 def strip_internal_fields(body: _Body, validate: bool = True) -> bytes: ...

@@ -12,6 +12,7 @@ cimport cython
 from cpython.buffer cimport PyBuffer_Release
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_FromLongLong
+from cpython.memoryview cimport PyMemoryView_FromObject
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdint cimport uint8_t
 from libc.stdlib cimport free, malloc
@@ -97,12 +98,14 @@ CLIENT_REQUEST_PATHS = _py.CLIENT_REQUEST_PATHS
 CONTEXT_PATHS = _py.CONTEXT_PATHS
 CONTEXT_RESPONSE_PATHS = _py.CONTEXT_RESPONSE_PATHS
 strip_paths = _py.strip_paths
+VIEW_MIN = _py.VIEW_MIN
 
 cdef _PathSet _CLIENT_SET = _build_path_set(_py.CLIENT_REQUEST_PATHS)
 cdef _PathSet _CONTEXT_SET = _build_path_set(_py.CONTEXT_RESPONSE_PATHS)
 cdef _PathSet _STRIP_SET = _build_path_set(_py.strip_paths(STRIP_CHOICES))
 cdef dict _strip_sets = {STRIP_CHOICES: _STRIP_SET}
 cdef int _MAX_INT_DIGITS = _py.MAX_INT_DIGITS
+cdef Py_ssize_t _VIEW_MIN = _py.VIEW_MIN
 
 cdef dict _FINISH_REASONS = _py.COMMON_FINISH_REASONS
 # The wire text the kernels write: the pure twin's bytes, built from fastcore.protocol's names.
@@ -156,6 +159,48 @@ cdef bytes _join(Piece *pieces, int count):
             memcpy(out, pieces[k].p, pieces[k].n)
             out += pieces[k].n
     return result
+
+
+cdef inline bint _within(const Piece *piece, object data) noexcept:
+    # The piece lies in the bytes ``data`` (``None``: in nothing).
+    if data is None:
+        return False
+    cdef const char *start = PyBytes_AS_STRING(data)
+    return start <= piece.p and piece.p + piece.n <= start + PyBytes_GET_SIZE(data)
+
+
+cdef object _view(object views, int index, object data, const Piece *piece):
+    """A memoryview of ``data[piece]``, sliced from one view of ``data`` made per call (``views[index]``)."""
+    base = views[index]
+    if base is None:
+        base = views[index] = PyMemoryView_FromObject(data)
+    cdef Py_ssize_t start = piece.p - PyBytes_AS_STRING(data)
+    return base[start:start + piece.n]
+
+
+cdef list _views(Piece *pieces, int count, object first, object second):
+    """The pieces as a list for one vectored write: each run of ``first`` or ``second`` (bytes) of
+    ``VIEW_MIN`` bytes or more as a memoryview of them, the pieces between joined into one ``bytes``
+    (the new text, and runs too short to be worth a view)."""
+    cdef list out = []
+    cdef list views = [None, None]
+    cdef int k, small = 0
+    for k in range(count):
+        if pieces[k].n < _VIEW_MIN:
+            continue
+        if _within(&pieces[k], first):
+            view = _view(views, 0, first, &pieces[k])
+        elif _within(&pieces[k], second):
+            view = _view(views, 1, second, &pieces[k])
+        else:
+            continue
+        if small < k:
+            out.append(_join(pieces + small, k - small))
+        out.append(view)
+        small = k + 1
+    if small < count:
+        out.append(_join(pieces + small, count - small))
+    return out
 
 
 cdef object _as_bytes(object body):
@@ -440,16 +485,24 @@ cdef int _decimal(long long value, char *out) noexcept:
 
 
 def context_request(client, disagg_request_id, return_b64):
-    """Leg (1) from a read client body (see the pure twin)."""
+    """Leg (1) from a read client body (see the pure twin): the join of its pieces."""
+    return _context(client, disagg_request_id, return_b64, False)
+
+
+def context_request_pieces(client, disagg_request_id, return_b64):
+    """Leg (1) as pieces for one vectored write (see the pure twin): the client body's runs of
+    ``VIEW_MIN`` bytes or more as memoryviews of ``client.body`` (each holds a reference to those
+    immutable bytes), the rest joined into small ``bytes``. Hold them until the write is done."""
+    return _context(client, disagg_request_id, return_b64, True)
+
+
+cdef object _context(object client, object disagg_request_id, object return_b64, bint as_pieces):
     cdef ClientScan c = _client_scan(client)
     cdef Piece pieces[MAX_PIECES]
-    cdef int count = 0, overflow = 0, length
+    cdef int count, overflow = 0, length
     cdef long long request_id
     cdef char digits[32]
-    cdef const char *buf
     cdef const char *id_text
-    cdef Py_ssize_t previous = 0, at
-    cdef bint first_added = True
     if isinstance(disagg_request_id, bool) or not isinstance(disagg_request_id, int):
         raise _py.not_an_id()
     request_id = PyLong_AsLongLongAndOverflow(disagg_request_id, &overflow)
@@ -460,7 +513,17 @@ def context_request(client, disagg_request_id, return_b64):
     else:
         length = _decimal(request_id, digits)
         id_text = digits
-    buf = PyBytes_AS_STRING(c.body)
+    # The pieces point into the body, module constants and id_text (digits or big: alive to here).
+    count = _context_pieces(c, id_text, length, return_b64, pieces)
+    return _views(pieces, count, c.body, None) if as_pieces else _join(pieces, count)
+
+
+cdef int _context_pieces(ClientScan c, const char *id_text, int length, bint return_b64,
+                         Piece *pieces) noexcept:
+    """Leg (1)'s pieces into ``pieces`` (``MAX_PIECES``); their count."""
+    cdef int count = 0
+    cdef const char *buf = PyBytes_AS_STRING(c.body)
+    cdef Py_ssize_t previous = 0, at
     # stream and stream_options come before the root's end and after each other in body order.
     if c.starts[C_STREAM] >= 0 and c.starts[C_STREAM_OPTIONS] >= 0 and c.starts[C_STREAM_OPTIONS] < c.starts[C_STREAM]:
         _add(pieces, &count, buf, c.starts[C_STREAM_OPTIONS])
@@ -493,7 +556,7 @@ def context_request(client, disagg_request_id, return_b64):
         _text(pieces, &count, _ASK_B64)
     _text(pieces, &count, b"}")
     _add(pieces, &count, buf + at, PyBytes_GET_SIZE(c.body) - at)
-    return _join(pieces, count)
+    return count
 
 
 def read_context_response(body, max_tokens):
@@ -577,7 +640,20 @@ cdef void _add_generation_params(Piece *pieces, int *counter, ContextScan x, con
 
 
 def generation_request(client, context, tokids_b64, strip_history):
-    """Leg (3) from a read client body and context response (see the pure twin)."""
+    """Leg (3) from a read client body and context response (see the pure twin): the join of its pieces."""
+    return _generation(client, context, tokids_b64, strip_history, False)
+
+
+def generation_request_pieces(client, context, tokids_b64, strip_history):
+    """Leg (3) as pieces for one vectored write (see the pure twin): the runs of ``VIEW_MIN`` bytes
+    or more of the client body and the context response (the prompt ids among them) as memoryviews
+    of ``client.body`` and ``context.body`` (each holds a reference to those immutable bytes), the
+    rest joined into small ``bytes``. Hold them until the write is done."""
+    return _generation(client, context, tokids_b64, strip_history, True)
+
+
+cdef object _generation(object client, object context, object tokids_b64, object strip_history,
+                        bint as_pieces):
     cdef ClientScan c = _client_scan(client)
     cdef ContextScan x = _context_scan(context)
     cdef Piece pieces[MAX_PIECES]
@@ -640,7 +716,7 @@ def generation_request(client, context, tokids_b64, strip_history):
         _text(pieces, &count, _PROMPT_TOKEN_IDS_KEY if c.chat else _PROMPT_KEY)
         _add(pieces, &count, ctx + ids0, ids1 - ids0)
     _add(pieces, &count, body + at, PyBytes_GET_SIZE(c.body) - at)
-    return _join(pieces, count)
+    return _views(pieces, count, c.body, x.body) if as_pieces else _join(pieces, count)
 
 
 cdef _PathSet _strip_set(Py_ssize_t choices):

@@ -444,14 +444,31 @@ def _context_scan(context: object) -> ContextScan:
     return context
 
 
+#: A leg's body piece: ``bytes`` (new text, short runs) or a ``memoryview`` of a scan's body.
+Piece = bytes | memoryview
+#: The pieces forms view a run of a body this long or longer; shorter runs are copied, joined with
+#: the new text around them (a view and its iovec cost more than copying a few hundred bytes).
+VIEW_MIN = 2048
+
+
 def context_request(client: ClientScan, disagg_request_id: int, return_b64: bool) -> bytes:
     """Leg (1) from a read client body: ``stream`` false, ``stream_options`` null, and
-    ``disaggregated_params`` (context_only, the id, ``return_prompt_token_ids_b64`` if asked) added."""
+    ``disaggregated_params`` (context_only, the id, ``return_prompt_token_ids_b64`` if asked) added.
+    The join of :func:`context_request_pieces`."""
+    return b"".join(context_request_pieces(client, disagg_request_id, return_b64))
+
+
+def context_request_pieces(client: ClientScan, disagg_request_id: int, return_b64: bool) -> list[Piece]:
+    """Leg (1) as the pieces whose concatenation is :func:`context_request`'s bytes, for one vectored
+    write: the untouched runs of the client body (``VIEW_MIN`` bytes or more) as memoryviews of
+    ``client.body``, the new text and shorter runs joined into small ``bytes``. A view holds a reference to the (immutable) ``bytes`` it views, so the
+    pieces stay valid as long as they are held, whatever happens to the scan; a caller holds them
+    until the leg's write is done (the upstream connection's writelines, a retry's)."""
     client = _client_scan(client)
     if isinstance(disagg_request_id, bool) or not isinstance(disagg_request_id, int):
         raise not_an_id()
     spans = client.spans
-    edits: list[tuple[int, int, bytes]] = []
+    edits: list[tuple[int, int, Piece | list[Piece]]] = []
     added: list[bytes] = []
     for index, key, value in (
         (C_STREAM, STREAM_KEY, b"false"),
@@ -468,7 +485,40 @@ def context_request(client: ClientScan, disagg_request_id: int, return_b64: bool
     root = spans[C_ROOT]
     assert root is not None
     edits.append((root[1] - 1, root[1] - 1, text if client.empty else b"," + text))
-    return splice(client.body, edits)
+    return _splice_pieces(client.body, edits)
+
+
+def _splice_pieces(body: bytes, edits: list[tuple[int, int, Piece | list[Piece]]]) -> list[Piece]:
+    """The pieces of ``splice(body, edits)`` (edits sorted and apart, as the kernels make them): the
+    runs of ``body`` around the edits and each replacement (a piece, or a list of pieces), where
+    every view of ``VIEW_MIN`` bytes or more stays a view and the pieces between are joined into
+    one ``bytes``."""
+    view = memoryview(body)
+    pieces: list[Piece] = []
+    previous = 0
+    for start, end, replacement in edits:
+        if start > previous:
+            pieces.append(view[previous:start])
+        if isinstance(replacement, list):
+            pieces += [piece for piece in replacement if len(piece)]
+        elif len(replacement):
+            pieces.append(replacement)
+        previous = end
+    if previous < len(body):
+        pieces.append(view[previous:])
+    out: list[Piece] = []
+    small: list[Piece] = []
+    for piece in pieces:
+        if type(piece) is memoryview and len(piece) >= VIEW_MIN:
+            if small:
+                out.append(b"".join(small))
+                small = []
+            out.append(piece)
+        else:
+            small.append(piece)
+    if small:
+        out.append(b"".join(small))
+    return out
 
 
 def read_context_response(body: bytes | bytearray | memoryview, max_tokens: int | None) -> ContextScan:
@@ -513,8 +563,20 @@ def read_context_response(body: bytes | bytearray | memoryview, max_tokens: int 
 def generation_request(
     client: ClientScan, context: ContextScan, tokids_b64: bool, strip_history: bool
 ) -> bytes:
+    """Leg (3) as one ``bytes``: the join of :func:`generation_request_pieces` (which says what it is)."""
+    return b"".join(generation_request_pieces(client, context, tokids_b64, strip_history))
+
+
+def generation_request_pieces(
+    client: ClientScan, context: ContextScan, tokids_b64: bool, strip_history: bool
+) -> list[Piece]:
     """Leg (3): the client's body plus the context leg's ``disaggregated_params`` (``request_type``
-    generation_only, ``ctx_usage`` the context leg's ``usage``) and prompt ids.
+    generation_only, ``ctx_usage`` the context leg's ``usage``) and prompt ids, as the pieces whose
+    concatenation is :func:`generation_request`'s bytes: the untouched runs (``VIEW_MIN`` bytes or
+    more) of the client body and of the context response (its prompt ids, base64 or list, among
+    them) as memoryviews of ``client.body`` and ``context.body``, the new text and shorter runs
+    joined into small ``bytes``: no long run of either body is copied. Each view holds a reference to the immutable ``bytes`` it views: the pieces stay valid
+    while held, and the caller holds them until the leg's write is done (retries included).
 
     ``tokids_b64`` (gate ``gen_tokids_ctxbytes``): the context response's ``prompt_token_ids_b64``
     string, checked and copied verbatim, or, when the worker answered with the list only, the list
@@ -544,9 +606,7 @@ def generation_request(
     else:
         replaced.append((ctx_usage[0], ctx_usage[1], usage))
     replaced.sort()
-    pieces: list[bytes | memoryview] = [
-        DISAGGREGATED_PARAMS_KEY if client.empty else b"," + DISAGGREGATED_PARAMS_KEY
-    ]
+    pieces: list[Piece] = [DISAGGREGATED_PARAMS_KEY if client.empty else b"," + DISAGGREGATED_PARAMS_KEY]
     previous = params[0]
     for start, end, replacement in replaced:
         pieces += [view[previous:start], replacement]
@@ -558,7 +618,7 @@ def generation_request(
         pieces += [b",".join(added), b"}"]
     else:
         pieces.append(view[previous : params[1]])
-    edits: list[tuple[int, int, bytes | memoryview]] = []
+    edits: list[tuple[int, int, Piece | list[Piece]]] = []
     b64 = _token_b64(ctx, found) if tokids_b64 else None
     if b64 is not None:
         pieces += [b"," + PROMPT_TOKEN_IDS_B64_KEY, view[b64[0] : b64[1]]]
@@ -580,8 +640,8 @@ def generation_request(
         edits.append((last_message[1], messages[1], b"]"))
     root = spans[C_ROOT]
     assert root is not None
-    edits.append((root[1] - 1, root[1] - 1, b"".join(pieces)))
-    return splice(body, edits)
+    edits.append((root[1] - 1, root[1] - 1, pieces))
+    return _splice_pieces(body, edits)
 
 
 def _token_b64(ctx: bytes, found: tuple[Span | None, ...]) -> Span | None:
@@ -659,7 +719,9 @@ __all__ = [
     "ClientScan",
     "ContextScan",
     "context_request",
+    "context_request_pieces",
     "generation_request",
+    "generation_request_pieces",
     "read_client_request",
     "read_context_response",
     "strip_internal_fields",

@@ -3,7 +3,8 @@
 The functions here are the relay kernels of the active twin (``fastcore._relay``, compiled, or its
 pure twin ``fastcore._relay_py``, which documents them): the very code the orchestrator's fast
 relay runs. Each makes one validating pass of the span scanner over its body, decodes the few small
-fields it acts on from their bytes, and writes its output with one allocation. The token field (tens
+fields it acts on from their bytes, and writes its output with one allocation (or, in the pieces
+forms, as views of its inputs). The token field (tens
 of thousands of ids) is copied as bytes, never decoded: with ``tokids_b64`` (gate
 ``gen_tokids_ctxbytes``) the ``prompt_token_ids_b64`` string of the context response reaches the
 generation worker byte for byte, after a check of its alphabet, padding and length.
@@ -14,6 +15,11 @@ generation worker byte for byte, after a check of its alphabet, padding and leng
 - :func:`read_context_response` ``(body, max_tokens) -> ContextScan``: leg (2), and whether a
   generation leg follows (``finished``, ``finish_reason``);
 - :func:`generation_request` ``(client, context, tokids_b64, strip_history) -> bytes``: leg (3);
+- :func:`context_request_pieces`, :func:`generation_request_pieces` (same arguments) ``-> list``:
+  the legs as pieces for one vectored write, whose join is the bytes above (those are that join):
+  the long untouched runs of the client body and the context response as memoryviews of the scans'
+  ``body`` bytes (each view holds a reference to them), the new text as small ``bytes``. No copy of
+  a long body; the caller holds the pieces until the leg is written;
 - :func:`strip_internal_fields` ``(body, validate=True) -> bytes``: a worker's answer for the client.
 
 :func:`build_context_request` and :func:`build_generation_request` chain them for a caller holding
@@ -56,8 +62,10 @@ class Relay:
         self.ContextScan: type = twin.ContextScan
         self.read_client_request = twin.read_client_request
         self.context_request = twin.context_request
+        self.context_request_pieces = twin.context_request_pieces
         self.read_context_response = twin.read_context_response
         self.generation_request = twin.generation_request
+        self.generation_request_pieces = twin.generation_request_pieces
         self.strip_internal_fields = twin.strip_internal_fields
 
     def _client(self, client_body: Any, chat: bool | None) -> Any:
@@ -112,8 +120,10 @@ ClientScan = _default.ClientScan
 ContextScan = _default.ContextScan
 read_client_request = _default.read_client_request
 context_request = _default.context_request
+context_request_pieces = _default.context_request_pieces
 read_context_response = _default.read_context_response
 generation_request = _default.generation_request
+generation_request_pieces = _default.generation_request_pieces
 strip_internal_fields = _default.strip_internal_fields
 build_context_request = _default.build_context_request
 build_generation_request = _default.build_generation_request
@@ -127,7 +137,9 @@ __all__ = [
     "build_context_request",
     "build_generation_request",
     "context_request",
+    "context_request_pieces",
     "generation_request",
+    "generation_request_pieces",
     "read_client_request",
     "read_context_response",
     "strip_internal_fields",

@@ -156,6 +156,29 @@ def test_both_modes_build_the_same_bodies(modes, chat, stream):
 
 
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_the_legs_go_out_as_pieces_whose_join_is_the_body(modes, chat):
+    """What the orchestrator sends (``context_pieces``, ``generation_pieces``): the fast relay's pieces
+    join to its leg bodies, the client body's long run a view of it (test_relay checks the prompt
+    ids'); the parsed modes send their bytes."""
+    fast, parsed = modes
+    body = client_body(chat, user="u" * 5_000)
+    ctx = context_response(chat, b64=fast.tokids_b64)
+    for mode in (fast, parsed):
+        req = mode.read_client(body, chat)
+        context_pieces = mode.context_pieces(req, DISAGG_ID)
+        result = mode.read_context(req, ctx)
+        generation_pieces = mode.generation_pieces(req, result)
+        if mode is parsed:
+            assert context_pieces == mode.context_request(req, DISAGG_ID)
+            assert generation_pieces == mode.generation_request(req, result)
+            continue
+        assert b"".join(context_pieces) == mode.context_request(req, DISAGG_ID)
+        assert b"".join(generation_pieces) == mode.generation_request(req, result)
+        assert any(type(piece) is memoryview and piece.obj is body for piece in context_pieces)
+        assert any(type(piece) is memoryview and piece.obj is body for piece in generation_pieces)
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
 def test_answers_to_clients_are_the_same_and_carry_no_internal_fields(modes, chat):
     fast, parsed = modes
     body = client_body(chat, max_tokens=1)

@@ -25,7 +25,46 @@ STATELESS = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 
 @pytest.fixture
 def relay(relay_twin: ModuleType) -> Relay:
-    return Relay(relay_twin)
+    return PiecesCheckedRelay(relay_twin)
+
+
+class PiecesCheckedRelay(Relay):
+    """A twin's kernels whose bytes legs (``context_request``, ``generation_request``, and the builders
+    through them) also run the pieces forms, and check them: the join is the bytes, a refusal is the
+    same, each view is a long run of the scans' bodies and no two ``bytes`` pieces are adjacent. So
+    every case of this module checks both forms on both twins."""
+
+    def __init__(self, twin: ModuleType) -> None:
+        super().__init__(twin)
+        self.context_request = _checked(twin.context_request, twin.context_request_pieces, twin.VIEW_MIN)
+        self.generation_request = _checked(
+            twin.generation_request, twin.generation_request_pieces, twin.VIEW_MIN
+        )
+
+
+def _checked(whole: Any, as_pieces: Any, view_min: int) -> Any:
+    def call(*args: Any) -> bytes:
+        try:
+            expected = whole(*args)
+        except Exception as exc:
+            with pytest.raises(type(exc)) as info:
+                as_pieces(*args)
+            assert str(info.value) == str(exc) and getattr(info.value, "field", None) == getattr(
+                exc, "field", None
+            )
+            raise
+        pieces = as_pieces(*args)
+        assert b"".join(pieces) == expected
+        bodies = [scan.body for scan in args[:2] if hasattr(scan, "body")]
+        for before, piece in zip([None, *pieces], pieces, strict=False):
+            assert len(piece) > 0
+            if type(piece) is memoryview:
+                assert len(piece) >= view_min and any(piece.obj is body for body in bodies)
+            else:
+                assert type(piece) is bytes and type(before) is not bytes
+        return expected
+
+    return call
 
 
 def is_chat(client: bytes) -> bool:
@@ -854,3 +893,70 @@ def test_a_repeated_auth_field_is_refused(relay: Relay) -> None:
     assert ctx != CTX
     with pytest.raises(JSONSpanError, match="ctx_info_endpoint"):
         relay.read_context_response(ctx, None)
+
+
+# -- the pieces forms: views of the bodies, not copies ------------------------------------------------
+
+
+def long_exchange(chat: bool, tokids_b64: bool) -> tuple[bytes, bytes, list[int]]:
+    """A client body of ~40 KB and the context response of its 40k prompt ids."""
+    ids = list(range(40_000))
+    history = [{"role": "user", "content": f"turn {n} " + "x" * 400} for n in range(100)]
+    route: dict[str, Any] = {"messages": history} if chat else {"prompt": "p" * 40_000}
+    client = json.dumps({"model": "m", "user": "u" * 5_000, **route})
+    response = json.loads(context_response(prompt_token_ids=ids))
+    if tokids_b64:
+        response["prompt_token_ids_b64"] = fastcore.encode_tokens(ids).decode()
+    return client.encode(), json.dumps(response).encode(), ids
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+@pytest.mark.parametrize("tokids_b64", [True, False], ids=["b64", "list"])
+def test_generation_pieces_view_the_prompt_ids_of_the_context_response(
+    relay: Relay, chat: bool, tokids_b64: bool
+) -> None:
+    client, ctx, ids = long_exchange(chat, tokids_b64)
+    scan = relay.read_client_request(client, chat)
+    context = relay.read_context_response(ctx, None)
+    pieces = relay.generation_request_pieces(scan, context, tokids_b64, False)
+    ids_text = json.dumps(fastcore.encode_tokens(ids).decode() if tokids_b64 else ids).encode()
+    views = [piece for piece in pieces if type(piece) is memoryview]
+    assert any(piece.obj is ctx and piece.tobytes() == ids_text for piece in views)  # no copy of the ids
+    assert any(piece.obj is client for piece in views)  # nor of the client body's long runs
+    copied = sum(len(piece) for piece in pieces if type(piece) is bytes)
+    assert copied < 1_000  # the new text only
+    assert b"".join(pieces) == relay.generation_request(scan, context, tokids_b64, False)
+
+
+def test_context_pieces_view_the_client_body(relay: Relay) -> None:
+    client, _, _ = long_exchange(True, True)
+    scan = relay.read_client_request(client, True)
+    pieces = relay.context_request_pieces(scan, 7, True)
+    assert [type(piece) for piece in pieces] == [memoryview, bytes]
+    assert pieces[0].obj is client and len(pieces[0]) == len(client) - 1
+    assert b"".join(pieces) == relay.context_request(scan, 7, True)
+
+
+def test_short_bodies_come_as_one_piece(relay: Relay) -> None:
+    """Runs under ``VIEW_MIN`` bytes are copied: a 1 KB leg is one ``bytes``, as before."""
+    client = json.dumps({"messages": [{"role": "user", "content": "x" * 1000}]}).encode()
+    scan = relay.read_client_request(client, True)
+    context = relay.read_context_response(context_response(), None)
+    pieces = relay.generation_request_pieces(scan, context, False, False)
+    assert len(pieces) == 1 and type(pieces[0]) is bytes
+    assert relay.context_request_pieces(scan, 1, False) == [relay.context_request(scan, 1, False)]
+
+
+def test_pieces_keep_what_they_view_alive(relay: Relay) -> None:
+    """A view holds a reference to the bytes it views: the pieces stay valid with the bodies and the
+    scans dropped (a bytearray body was copied into the scan's own bytes)."""
+    import gc
+
+    client, ctx, _ = long_exchange(True, True)
+    expected = relay.build_generation_request(client, ctx, tokids_b64=True, strip_history=False, chat=True)
+    scan = relay.read_client_request(bytearray(client), True)
+    context = relay.read_context_response(bytearray(ctx), None)
+    pieces = relay.generation_request_pieces(scan, context, True, False)
+    del scan, context, client, ctx
+    gc.collect()
+    assert b"".join(pieces) == expected

@@ -507,7 +507,7 @@ class Orchestrator:
         # says it answers them so (/server_info): trtllm-serve answers them with
         # the list only, and its completion models refuse the field.
         disagg_id = random.randrange(wire.DISAGG_REQUEST_ID_MIN, wire.DISAGG_REQUEST_ID_END)
-        context_body = relay.context_request(req, disagg_id, self.context_pool.b64_completions)
+        context_body = relay.context_pieces(req, disagg_id, self.context_pool.b64_completions)
         clock.lap("build_context")
 
         started = time.perf_counter()
@@ -543,7 +543,7 @@ class Orchestrator:
                 out.send(200, answer)
             return 200
 
-        generation_body = relay.generation_request(req, ctx)
+        generation_body = relay.generation_pieces(req, ctx)
         clock.lap("build_generation")
         auth = self._trtllm_auth(ctx) if self.trtllm_key is not None else b""
         try:

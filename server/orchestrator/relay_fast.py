@@ -3,13 +3,15 @@
 ``FastRelay`` never builds Python objects for a body: one compiled call per body (a
 ``fastcore.relay`` kernel) makes one validating pass of the fastcore span scanner that checks all of
 it, decodes the few small fields the orchestrator acts on (``stream``, ``max_tokens``,
-``finish_reason``...) from their bytes, and cuts and splices every outgoing body from the raw bytes
-with one allocation. Its Python work per request is five calls and does not grow with the prompt.
+``finish_reason``...) from their bytes, and cuts and splices every outgoing body from the raw bytes:
+the legs as pieces for one vectored write (``context_pieces``, ``generation_pieces``: views of the
+client body and the context response between a few small new ``bytes``, neither body copied), a
+client's answer with one allocation. Its Python work per request is five calls and does not grow with the prompt.
 The protocol's rules (internal fields, the base64 list fallback) are the kernels' (fastcore.protocol
 names them); this adapter only turns their errors into HTTP ones.
 
 Each body goes through one relay kernel of ``fastcore.relay`` (``read_client_request``,
-``context_request``, ``read_context_response``, ``generation_request``,
+``context_request[_pieces]``, ``read_context_response``, ``generation_request[_pieces]``,
 ``strip_internal_fields``): a refusal is a RelayError carrying the HTTP message and the 400's param; a malformed
 body, the scan's JSONSpanError, which :func:`.relay_common.scan_refusal` words.
 """
@@ -21,6 +23,7 @@ from typing import Any
 from fastcore import JSONSpanError, RelayError
 from fastcore import relay as fastcore_relay
 from server.errors import HTTPError
+from server.http import BodyPiece
 
 from .relay_common import ClientRequest, ContextResult, check_disagg_request_id, scan_refusal
 
@@ -41,8 +44,10 @@ class FastRelay:
         relay = self.relay
         self._read_client = relay.read_client_request
         self._context_request = relay.context_request
+        self._context_pieces = relay.context_request_pieces
         self._read_context = relay.read_context_response
         self._generation_request = relay.generation_request
+        self._generation_pieces = relay.generation_request_pieces
         self._strip = relay.strip_internal_fields
 
     def read_client(self, body: bytes, chat: bool) -> ClientRequest:
@@ -67,6 +72,15 @@ class FastRelay:
         return_b64 = self.tokids_b64 and (req.chat or ask_b64_completions)
         return self._context_request(req.parsed, disagg_request_id, return_b64)
 
+    def context_pieces(
+        self, req: ClientRequest, disagg_request_id: int, ask_b64_completions: bool = True
+    ) -> list[BodyPiece]:
+        """Leg (1) as the orchestrator sends it: :meth:`context_request`'s bytes as pieces (the client
+        body's long runs as memoryviews of its bytes, which they keep alive), for one vectored write."""
+        check_disagg_request_id(disagg_request_id)
+        return_b64 = self.tokids_b64 and (req.chat or ask_b64_completions)
+        return self._context_pieces(req.parsed, disagg_request_id, return_b64)
+
     def read_context(self, req: ClientRequest, body: bytes) -> ContextResult:
         try:
             # One validating scan; its spans go to generation_request.
@@ -86,6 +100,16 @@ class FastRelay:
     def generation_request(self, req: ClientRequest, ctx: ContextResult) -> bytes:
         try:
             return self._generation_request(req.parsed, ctx.parsed, self.tokids_b64, self.strip_history)
+        except RelayError as exc:
+            raise HTTPError(502, str(exc)) from None
+
+    def generation_pieces(self, req: ClientRequest, ctx: ContextResult) -> list[BodyPiece]:
+        """Leg (3) as the orchestrator sends it: :meth:`generation_request`'s bytes as pieces, the
+        long runs of the client body and the context response (the prompt ids) as memoryviews of
+        their bytes (which the views keep alive), for one vectored write and the signature over
+        them: neither body is copied."""
+        try:
+            return self._generation_pieces(req.parsed, ctx.parsed, self.tokids_b64, self.strip_history)
         except RelayError as exc:
             raise HTTPError(502, str(exc)) from None
 

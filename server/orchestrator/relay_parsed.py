@@ -263,6 +263,10 @@ class ParsedRelay:
             update["messages"] = req.parsed.messages[-1:]
         return self._leg_body(req.parsed.model_copy(update=update), 502, "context worker response")
 
+    # The legs as the orchestrator sends them: here one bytes body each (FastRelay's are pieces).
+    context_pieces = context_request
+    generation_pieces = generation_request
+
     def finished_answer(self, req: ClientRequest, ctx: ContextResult) -> bytes:
         return ctx.parsed.model_dump_json(exclude_unset=True, exclude=_CLIENT_EXCLUDE).encode()
 
