@@ -3,8 +3,9 @@
 
 The pure twin states what each kernel does (it is the reference); these take the same decisions in
 C: one scan (``fastcore._scan``, cimported) with a path set compiled at import, spans kept in C
-arrays, small fields decoded from their bytes, each output built with one allocation. No Python
-object is made on the way but the results. The text they write is the pure twin's bytes, built
+arrays, small fields decoded from their bytes, each output built with one allocation from a table
+of pieces (or, in the legs' pieces forms, handed on as that table: views of the bodies' long runs).
+No Python object is made on the way but the results. The text they write is the pure twin's bytes, built
 from ``fastcore.protocol``'s names.
 """
 
