@@ -34,7 +34,7 @@ from server import metrics
 from server.metrics import CONTENT_TYPE, MULTIPROC_ENV, Registry, SharedMetricsDir
 from server.orchestrator.app import Orchestrator
 from server.orchestrator.config import build_config
-from server.orchestrator.metrics import OrchestratorMetrics
+from server.orchestrator.metrics import BoundHistogram, OrchestratorMetrics
 from server.worker.app import WorkerSettings, start_worker
 from server.worker.synthetic import SyntheticEngine
 
@@ -124,6 +124,45 @@ def test_the_page_has_the_series_the_hand_written_registry_had():
     assert value(text, "t_seconds_bucket", route="chat", le=repr(0.0001)) == 2
     assert value(text, "t_seconds_bucket", route="chat", le="inf") == 6
     assert CONTENT_TYPE == "text/plain; version=0.0.4; charset=utf-8"
+
+
+def test_a_bound_histogram_observes_what_the_prometheus_child_does():
+    """BoundHistogram (the orchestrator's per-request histograms) puts each value in the bucket and
+    sum prometheus_client's own observe does: below, on and between bounds, beyond the last, zero,
+    negative, +Inf and NaN (the sum alone); the two pages are the same but for the name."""
+    r = Registry()
+    own = r.histogram("t_own_seconds", "prometheus_client's observe.").labels()
+    bound = BoundHistogram(r.histogram("t_bound_seconds", "BoundHistogram's.").labels())
+    custom = r.histogram("t_own_custom_seconds", "Own buckets.", buckets=(0.5, 0.1, 1)).labels()
+    bound_custom = BoundHistogram(
+        r.histogram("t_bound_custom_seconds", "Own buckets.", buckets=(0.5, 0.1, 1)).labels()
+    )
+    amounts = (
+        0.0,
+        -1.0,
+        0.00004,
+        5e-5,
+        5.1e-5,
+        0.003,
+        0.1,
+        0.3,
+        1.0,
+        119.0,
+        120.0,
+        500.0,
+        float("inf"),
+        float("nan"),
+    )
+    for amount in amounts:
+        own.observe(amount)
+        bound.observe(amount)
+        custom.observe(amount)
+        bound_custom.observe(amount)
+    lines = r.render().decode().splitlines()
+    for a, b in (("t_own_seconds", "t_bound_seconds"), ("t_own_custom_seconds", "t_bound_custom_seconds")):
+        mine = [line.replace(b, a) for line in lines if line.startswith(b)]
+        assert mine == [line for line in lines if line.startswith(a)] and len(mine) > 3
+    assert bound.native is not None
 
 
 def exercise(m: OrchestratorMetrics, orchestrator: Orchestrator) -> None:
