@@ -5,6 +5,7 @@
     python -m bench.request_path --secret        # a shared secret on the legs
     python -m bench.request_path --profile 2000  # cProfile of 2,000 requests: tottime and calls per request
     python -m bench.request_path --requests 50   # no valgrind: 50 requests, wall time per request
+    python -m bench.request_path --bytecodes 200 # no valgrind: Python bytecodes per request, by file
 
 Unlike ``bench.orchestrator_work`` (the relay's synchronous calls alone), this is
 everything the orchestrator process runs for a request: the real Orchestrator
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import os
 import random
 import re
@@ -197,6 +199,33 @@ def profile(n: int, stream: bool, gates: bool, secret: bool, top: int = 40) -> s
     return "\n".join(lines)
 
 
+def bytecodes(n: int, stream: bool, gates: bool, secret: bool, top: int = 12) -> str:
+    """Python bytecodes executed per request over ``n`` requests (sys.settrace opcode events), by file:
+    deterministic like the instruction count, and blind to the wall clock (the deadline sweeper's
+    ticks, which the instruction count includes, come with wall time, so a loaded machine adds a few k)."""
+    counts: collections.Counter[str] = collections.Counter()
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            counts[frame.f_code.co_filename] += 1
+        return tracer
+
+    class Tracing:
+        def enable(self) -> None:
+            sys.settrace(tracer)
+
+        def disable(self) -> None:
+            sys.settrace(None)
+
+    asyncio.run(drive(n, stream=stream, gates=gates, secret=secret, around=Tracing()))
+    root = os.getcwd() + os.sep
+    lines = [f"bytecodes per request: {sum(counts.values()) / n:,.0f}"]
+    for path, count in counts.most_common(top):
+        lines.append(f"{count / n:9,.0f}  {path.removeprefix(root)}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.request_path", description=__doc__.split("\n")[0])
     parser.add_argument("--stream", action="store_true", help="streaming only (default: unary and streaming)")
@@ -207,6 +236,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--secret", action="store_true", help="a shared secret signs the legs")
     parser.add_argument("--loops", default="100,400", help="the two callgrind runs' request counts")
     parser.add_argument("--profile", type=int, metavar="N", help="cProfile N requests instead of valgrind")
+    parser.add_argument(
+        "--bytecodes", type=int, metavar="N", help="Python bytecodes per request over N requests"
+    )
     parser.add_argument("--requests", type=int, metavar="N", help="N requests without valgrind, wall time")
     parser.add_argument("--_loop", type=int, help=argparse.SUPPRESS)  # the process callgrind measures
     args = parser.parse_args(argv)
@@ -220,6 +252,8 @@ def main(argv: list[str] | None = None) -> None:
         label += ", secret" if args.secret else ""
         if args.profile:
             print(f"# {label}\n{profile(args.profile, stream, gates, args.secret)}")
+        elif args.bytecodes:
+            print(f"# {label}\n{bytecodes(args.bytecodes, stream, gates, args.secret)}")
         elif args.requests:
             took = asyncio.run(drive(args.requests, stream=stream, gates=gates, secret=args.secret))
             print(f"{label}: {args.requests} requests, {took / args.requests * 1e6:.0f} us/request wall")
