@@ -34,7 +34,7 @@ from server import metrics
 from server.metrics import CONTENT_TYPE, MULTIPROC_ENV, Registry, SharedMetricsDir
 from server.orchestrator.app import Orchestrator
 from server.orchestrator.config import build_config
-from server.orchestrator.metrics import BoundHistogram, OrchestratorMetrics
+from server.orchestrator.metrics import BoundHistogram, CountOne, OrchestratorMetrics, bind_counter
 from server.worker.app import WorkerSettings, start_worker
 from server.worker.synthetic import SyntheticEngine
 
@@ -163,6 +163,22 @@ def test_a_bound_histogram_observes_what_the_prometheus_child_does():
         mine = [line.replace(b, a) for line in lines if line.startswith(b)]
         assert mine == [line for line in lines if line.startswith(a)] and len(mine) > 3
     assert bound.native is not None
+
+
+def test_a_count_one_child_counts_on_the_prometheus_childs_value():
+    """CountOne (the orchestrator's per-request counters) adds one to the child's own value per call:
+    the page reads its count, beside the child's own inc; another registry's child is left as it is."""
+    r = Registry()
+    family = r.counter("t_counted_total", "Counted.", ("path",))
+    child = family.labels(path="a")
+    counted = bind_counter(child)
+    assert isinstance(counted, CountOne) and counted.native is child
+    for _ in range(3):
+        counted.inc()
+    child.inc(2)
+    assert value(r.render().decode(), "t_counted_total", path="a") == 5
+    old_child = OldRegistry().counter("t_old_total", "Old.", ("path",)).labels(path="a")
+    assert bind_counter(old_child) is old_child
 
 
 def exercise(m: OrchestratorMetrics, orchestrator: Orchestrator) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .routing import KvCacheAwareRouter
@@ -75,14 +76,16 @@ class OrchestratorMetrics:
         self._latencies(registry)
         _server_stats(registry, orchestrator)
         self.cpu_phase = {phase: bind_histogram(self.cpu.labels(phase=phase)) for phase in PHASES}
-        self.retries_leg = {leg: self.retries.labels(leg=leg) for leg in LEGS}
-        self._requests: dict[tuple[str, int], Any] = {}
+        self.retries_leg = {leg: bind_counter(self.retries.labels(leg=leg)) for leg in LEGS}
+        #: (route, status): its child's count-one call, bound at the first such request
+        self._requests: dict[tuple[str, int], Callable[[], None]] = {}
 
     def count_request(self, route: str, status: int) -> None:
-        child = self._requests.get((route, status))
-        if child is None:
-            child = self._requests[(route, status)] = self.requests.labels(route=route, status=str(status))
-        child.inc()
+        count = self._requests.get((route, status))
+        if count is None:
+            child = self.requests.labels(route=route, status=str(status))
+            count = self._requests[(route, status)] = bind_counter(child).inc
+        count()
 
     def forget_worker(self, pool: str, url: str) -> None:
         """A worker left its pool: none of its series stays on the page."""
@@ -146,9 +149,9 @@ class OrchestratorMetrics:
             "(conditional_disagg_config: the generation worker prefilled the request itself).",
             ("path",),
         )
-        self.path_disaggregated = self.by_path.labels(path="disaggregated")
-        self.path_local = self.by_path.labels(path="local_prefill")
-        self.path_fallback = self.by_path.labels(path="context_fallback")
+        self.path_disaggregated = bind_counter(self.by_path.labels(path="disaggregated"))
+        self.path_local = bind_counter(self.by_path.labels(path="local_prefill"))
+        self.path_fallback = bind_counter(self.by_path.labels(path="context_fallback"))
         fallbacks = registry.counter(
             "fastcore_orchestrator_context_fallbacks_total",
             "Requests served whole by a local_prefill generation worker because no context worker took "
@@ -160,6 +163,7 @@ class OrchestratorMetrics:
         self.fallbacks = {reason: fallbacks.labels(reason=reason) for reason in FALLBACK_REASONS}
         for child in self.fallbacks.values():
             child.inc(0)
+        self.fallbacks = {reason: bind_counter(child) for reason, child in self.fallbacks.items()}
 
     def _breakers(self, registry: Registry, pools: Sequence[Pool]) -> None:
         self.breaker_opened = registry.counter(
@@ -241,9 +245,12 @@ class OrchestratorMetrics:
                 "Generation request handed over -> first byte of the generation response (its headers).",
             ).labels()
         )
-        self.finished_by_context = registry.counter(
-            "fastcore_orchestrator_finished_by_context_total", "Requests answered by the context leg alone."
-        ).labels()
+        self.finished_by_context = bind_counter(
+            registry.counter(
+                "fastcore_orchestrator_finished_by_context_total",
+                "Requests answered by the context leg alone.",
+            ).labels()
+        )
 
 
 def _server_stats(registry: Registry, orchestrator: Observed) -> None:
@@ -303,6 +310,24 @@ class BoundHistogram:
         i = bisect_left(self._bounds, amount)
         if amount <= self._bounds[i]:
             self._buckets[i].inc(1)
+
+
+class CountOne:
+    """A counter child whose ``inc()`` adds one straight to prometheus_client's value (its lock, or
+    its mmap slot in multiprocess mode): the child's own ``inc`` first checks it is bound and the
+    amount not negative, two Python frames per count on the request path. ``native``: the child."""
+
+    __slots__ = ("inc", "native")
+
+    def __init__(self, child: Any) -> None:
+        self.native = child
+        self.inc: Callable[[], None] = partial(child._value.inc, 1.0)
+
+
+def bind_counter(child: Any) -> Any:
+    """``child`` counted through a :class:`CountOne` where it is prometheus_client's (another registry's
+    child is kept as it is)."""
+    return CountOne(child) if hasattr(child, "_value") else child
 
 
 def bind_histogram(child: Any) -> Any:
