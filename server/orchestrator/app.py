@@ -29,7 +29,7 @@ import logging
 import random
 import re
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Awaitable, Coroutine, Generator, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -112,6 +112,19 @@ _SIGNATURE = SIGNATURE_HEADER.encode()
 _CHAT, _COMPLETIONS = CHAT_PATH.encode(), COMPLETIONS_PATH.encode()
 _ROUTES = {_CHAT: True, _COMPLETIONS: False}
 _GET_ROUTES = (b"/health", b"/metrics", b"/v1/models")
+
+
+class _Done:
+    """An awaitable already done: :meth:`Orchestrator.handle`'s answer for what it answered at once."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[None, None, None]:
+        return
+        yield
+
+
+_DONE = _Done()
 #: seconds a shutdown waits for its last KV releases to reach the context workers
 STOP_RELEASES_S = 1.0
 
@@ -302,28 +315,31 @@ class Orchestrator:
 
     # -- routing -------------------------------------------------------------
 
-    async def handle(self, request: Request, out: Responder) -> None:
+    def handle(self, request: Request, out: Responder) -> Awaitable[None]:
+        """The HTTP server's handler: the awaitable that serves ``request``. A plain function, so a
+        completion's task runs :meth:`_serve`'s coroutine itself, with no layer that only forwards
+        (each of the request's wake-ups would pass through it); what is answered at once returns
+        :data:`_DONE`."""
         path = request.path
         tenant = ANONYMOUS
         if self.keys is not None and path.startswith(b"/v1/"):
             found = self.keys.tenant(request.header(b"authorization"))
             if found is None:  # one answer for a missing, malformed and wrong key
                 out.send(401, UNAUTHORIZED_BODY, headers=UNAUTHORIZED_HEADERS)
-                return
+                return _DONE
             tenant = found
         chat = _ROUTES.get(path)
         if chat is not None:
             if request.method != _POST:
                 out.send_error(405, f"{path.decode()} takes POST", headers=b"Allow: POST\r\n")
-                return
+                return _DONE
             if self.draining:
                 out.keep_alive = False
                 out.send_error(503, "the orchestrator is shutting down", code="shutting_down",
                                headers=b"Retry-After: %d\r\n" % self.config.retry_after_s)  # fmt: skip
                 self.metrics.count_request("chat" if chat else "completions", 503)
-                return
-            await self._serve(request, out, chat, tenant)
-            return
+                return _DONE
+            return self._serve(request, out, chat, tenant)
         if path in _GET_ROUTES:
             if request.method != b"GET":
                 out.send_error(405, f"{path.decode()} takes GET", headers=b"Allow: GET\r\n")
@@ -332,19 +348,19 @@ class Orchestrator:
             elif path == b"/metrics":
                 self.metrics_endpoint(request, out)
             else:
-                await self.models(out)
-            return
+                return self.models(out)
+            return _DONE
         if self.discovery is not None and self.discovery.handles(path):
-            await self.discovery.handle(request, out)
-            return
+            return self.discovery.handle(request, out)
         if self.trtllm.handles(path):
             self.trtllm.handle(request, out)
-            return
+            return _DONE
         out.send_error(
             404,
             f"no route {path.decode('utf-8', 'replace')[:200]}: the orchestrator serves "
             f"POST {CHAT_PATH}, POST {COMPLETIONS_PATH}, GET /v1/models, /health, /metrics",
         )
+        return _DONE
 
     # -- small endpoints ---------------------------------------------------
 
