@@ -156,13 +156,13 @@ class CircuitBreaker:
 
     def chosen(self) -> None:
         """A leg goes to the worker: in half-open, it is the probe."""
-        if self.state == self.HALF_OPEN:
+        if self._state == self.HALF_OPEN:  # read past the property: this and the two below run per leg
             self.probing = True
 
     def succeeded(self) -> None:
         self.failures = 0
         self.probing = False
-        if self.state != self.CLOSED:
+        if self._state != self.CLOSED:
             self.state = self.CLOSED
             self.open_for = self.open_s
 
@@ -182,7 +182,7 @@ class CircuitBreaker:
 
     def ended(self) -> None:
         """The leg is over, whatever its verdict: a probe without one lets the next leg probe."""
-        if self.state == self.HALF_OPEN:
+        if self._state == self.HALF_OPEN:
             self.probing = False
 
 
