@@ -526,16 +526,20 @@ class Orchestrator:
         context_body = relay.context_pieces(req, disagg_id, self.context_pool.b64_completions)
         clock.lap("build_context")
 
+        # Leg (1), inline (a coroutine that only forwarded cost a layer per wake-up): the answer of the
+        # last worker tried (legs.py); a lost answer's parked KV is released by disagg_id.
         started = time.perf_counter()
         unavailable: LegUnavailable | None = None
+        tried: list[Worker] = []
         try:
-            context_response, context_worker = await self._context_leg(
-                path, context_body, self._context_timeout(len(body)), disagg_id, key, tokens
-            )
+            context_response = await self.legs.run("context", self.context_pool, path, context_body, _body,
+                headers=relay.leg_headers, timeout=self._context_timeout(len(body)), key=key, tokens=tokens,
+                tried=tried, disagg_id=disagg_id)  # fmt: skip
         except LegUnavailable as exc:
             unavailable = exc  # served outside this handler: the client's error carries no context
         if unavailable is not None:
             return await self._fall_back(unavailable, out, req, path, body, clock, key, tokens)
+        context_worker = tried[-1]  # the one that answered
         context_done = time.perf_counter()
         self.metrics.context_leg.observe(context_done - started)
         self.metrics.path_disaggregated.inc()
@@ -696,24 +700,6 @@ class Orchestrator:
     def _mark_failed(self, pool: Pool, worker: Worker) -> None:
         assert self.health is not None
         self.health.mark_unhealthy(pool, worker)
-
-    async def _context_leg(
-        self,
-        path: bytes,
-        body: bytes | Sequence[BodyPiece],
-        timeout: float,
-        disagg_id: int,
-        key: RequestKey | None = None,
-        tokens: int = 0,
-    ) -> tuple[bytes, Worker]:
-        """Leg (1): the context answer and the worker that gave it (the last one tried) (legs.py: a refusal or a dead
-        connection goes to another worker, a 4xx is the client's answer); :class:`LegUnavailable`
-        when no context worker took it. A leg whose answer was lost (cut, timed out, the client
-        left) may have parked KV whose id never arrived: it is released by ``disagg_id``."""
-        tried: list[Worker] = []
-        answer = await self.legs.run("context", self.context_pool, path, body, _body, headers=self.relay.leg_headers,
-                                     timeout=timeout, key=key, tokens=tokens, tried=tried, disagg_id=disagg_id)  # fmt: skip
-        return answer, tried[-1]
 
     async def _generation_leg(
         self,
