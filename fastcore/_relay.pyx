@@ -170,11 +170,8 @@ cdef inline bint _within(const Piece *piece, object data) noexcept:
     return start <= piece.p and piece.p + piece.n <= start + PyBytes_GET_SIZE(data)
 
 
-cdef object _view(object views, int index, object data, const Piece *piece):
-    """A memoryview of ``data[piece]``, sliced from one view of ``data`` made per call (``views[index]``)."""
-    base = views[index]
-    if base is None:
-        base = views[index] = PyMemoryView_FromObject(data)
+cdef object _view(object base, object data, const Piece *piece):
+    """``data[piece]`` as a slice of ``base``, a memoryview of the bytes ``data``."""
     cdef Py_ssize_t start = piece.p - PyBytes_AS_STRING(data)
     return base[start:start + piece.n]
 
@@ -183,22 +180,29 @@ cdef list _views(Piece *pieces, int count, object first, object second):
     """The pieces as a list for one vectored write: each run of ``first`` or ``second`` (bytes) of
     ``VIEW_MIN`` bytes or more as a memoryview of them, the pieces between joined into one ``bytes``
     (the new text, and runs too short to be worth a view)."""
-    cdef list out = []
-    cdef list views = [None, None]
+    cdef object out = None, first_view = None, second_view = None
     cdef int k, small = 0
     for k in range(count):
         if pieces[k].n < _VIEW_MIN:
             continue
         if _within(&pieces[k], first):
-            view = _view(views, 0, first, &pieces[k])
+            if first_view is None:
+                first_view = PyMemoryView_FromObject(first)
+            view = _view(first_view, first, &pieces[k])
         elif _within(&pieces[k], second):
-            view = _view(views, 1, second, &pieces[k])
+            if second_view is None:
+                second_view = PyMemoryView_FromObject(second)
+            view = _view(second_view, second, &pieces[k])
         else:
             continue
+        if out is None:
+            out = []
         if small < k:
             out.append(_join(pieces + small, k - small))
         out.append(view)
         small = k + 1
+    if out is None:  # nothing long enough to view (a short leg): one bytes, one small list
+        return [_join(pieces, count)]
     if small < count:
         out.append(_join(pieces + small, count - small))
     return out
