@@ -99,6 +99,31 @@ def eventually_blocking(condition: Callable[[], Any], timeout: float = 10.0, int
 # -- twins ---------------------------------------------------------------------------------------------
 
 
+def listening_pids(port: int) -> set[int]:
+    """The processes holding a listening TCP socket on ``port`` (127.0.0.1 or any address, IPv4).
+
+    An orchestrator of ``--workers N`` is N processes on one port that start one after another:
+    a test that reads what all of them say waits until every one listens."""
+    inodes = set()
+    with open("/proc/net/tcp") as table:
+        next(table)
+        for line in table:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(f"socket:[{fields[9]}]")
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{entry}/fd")
+            if any(os.readlink(f"/proc/{entry}/fd/{fd}") in inodes for fd in fds):
+                found.add(int(entry))
+        except OSError:
+            continue  # gone, or not ours to read
+    return found
+
+
 def outcome(module: ModuleType, fn: str, *args: Any, **kwargs: Any) -> tuple[str, Any]:
     """What a call did, comparable across twins: its result, or its exception's type, text, offset and field."""
     try:

@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from helpers import eventually_blocking, free_port, need_etcd
+from helpers import eventually_blocking, free_port, listening_pids, need_etcd
 
 from bench import cluster_chaos
 from server.cluster.local_etcd import LocalEtcd
@@ -163,6 +163,9 @@ def test_an_orchestrator_of_several_processes_discovers_in_each(etcd: LocalEtcd)
             children.append(child)
             child.start(env)
         assert eventually_blocking(lambda: http(f"http://127.0.0.1:{port}/health")[0] == 200, timeout=60)
+        # Both processes listening (each after its first read of etcd): until the second does, the
+        # first answers alone, and the second's metrics (connected 0 while it starts) are not in yet.
+        assert eventually_blocking(lambda: len(listening_pids(port)) == 2, timeout=60)
         body = json.dumps({"model": "synthetic", "prompt": "hi", "max_tokens": 2}).encode()
         for _ in range(12):  # new connections: the kernel spreads them over both processes
             req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
