@@ -308,6 +308,41 @@ async def test_health_is_degraded_only_once_the_context_workers_were_checked() -
         await context.wait_closed()
 
 
+async def test_a_process_joining_a_shared_port_listens_once_its_workers_were_checked() -> None:
+    """--workers N: a process that joins the port (reuse_port) takes no connection before its first
+    health round has ended: before, its siblings' clients met its 503 no_healthy_worker meanwhile."""
+    arrived, answer = asyncio.Event(), asyncio.Event()
+
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        arrived.set()
+        await answer.wait()  # the health check hangs until the test lets it fail
+        writer.close()
+
+    worker = await asyncio.start_server(slow, "127.0.0.1", 0)
+    port = free_port()
+    url = f"127.0.0.1:{worker.sockets[0].getsockname()[1]}"
+    data = {"port": port, "health_check_interval_s": 0.1, "health_check_timeout_s": 60,
+            "context_servers": {"urls": [url]}, "generation_servers": {"urls": [url]}}  # fmt: skip
+    starting = asyncio.get_running_loop().create_task(start_server(build_config(data, environ={}), reuse_port=True))
+    try:
+        await arrived.wait()
+        await asyncio.sleep(0)  # the start task runs on up to its wait
+        assert not starting.done()
+        with pytest.raises(OSError):
+            await asyncio.open_connection("127.0.0.1", port)  # nothing listens yet
+        answer.set()
+        orch_server, _orch = await starting
+        _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.close()
+        await orch_server.cleanup()
+    finally:
+        answer.set()
+        if not starting.done():
+            starting.cancel()
+        worker.close()
+        await worker.wait_closed()
+
+
 async def test_a_4xx_the_body_caused_is_the_clients_answer_not_a_fallback() -> None:
     async with stack() as s, aiohttp.ClientSession() as session:
         await s.proxies[0].set_mode("status:400")

@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import prometheus_client
 import pytest
-from helpers import free_port
+from helpers import eventually_blocking, free_port, listening_pids
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from bench.metrics_cost import OldRegistry
@@ -465,6 +465,9 @@ def test_orchestrator_processes_answer_the_sum_on_every_scrape(tmp_path):
         )  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         _serving(url + "/health", [worker, orchestrator], 20)
+        # Both processes listening, each after its first health round: until the second does, the
+        # first takes every connection (and a share of 0 would be the second's).
+        assert eventually_blocking(lambda: len(listening_pids(port)) == 2, timeout=60)
         (metrics_dir,) = glob.glob(str(tmp_path / "fastcore-metrics-*"))
         body = {"model": "synthetic", "prompt": "hi", "max_tokens": 2}
         statuses = [_post(url + "/v1/completions", body) for _ in range(requests)]

@@ -239,6 +239,11 @@ class Orchestrator:
         self.cache_view.start()
         if self.discovery is not None:
             await self.discovery.start(self.session)
+        if reuse_port:
+            # A process joining a port its siblings may already serve (--workers N) takes
+            # connections once it has checked its workers: before, it would refuse (503) what
+            # the others serve. A check is bounded by its timeout, and so is the wait.
+            await self.health.first_round.wait()
         server = self.server = HTTPServer(self.handle, self.limits)
         server.on_close.append(self.stop)
         try:

@@ -371,6 +371,8 @@ class HealthChecker:
         self.timeout = aiohttp.ClientTimeout(total=timeout)
         self.on_change = on_change
         self._task: asyncio.Task[None] | None = None
+        #: set once every worker has been checked once (each check bounded by ``timeout``)
+        self.first_round = asyncio.Event()
 
     async def check_worker(self, pool: Pool, worker: Worker) -> None:
         try:
@@ -442,6 +444,7 @@ class HealthChecker:
                 await self.check_all()
             except Exception:  # a checker that dies would freeze every worker's state
                 log.exception("health check round failed")
+            self.first_round.set()
             await asyncio.sleep(self.interval)
 
     def start(self) -> None:
