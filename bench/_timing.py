@@ -7,7 +7,13 @@ estimator of a call's cost.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastcore._timing import time_call
@@ -23,3 +29,23 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 __all__ = ["format_table", "time_call"]
+
+
+def instructions_per_loop(argv: Callable[[int], list[str]], loops: tuple[int, int], missing: str) -> float:
+    """CPU instructions per loop of ``python *argv(count)`` under callgrind: two runs ``loops`` apart,
+    differenced, so that start-up cancels out (``missing``: the exit message without valgrind)."""
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        raise SystemExit(missing)
+    env = {**os.environ, "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    totals = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for count in loops:
+            out = os.path.join(tmp, f"callgrind.{count}")
+            command = [valgrind, "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, *argv(count)]
+            subprocess.run(command, check=True, env=env, capture_output=True)
+            with open(out) as f:
+                match = re.search(r"^totals: (\d+)", f.read(), re.MULTILINE)
+            assert match is not None, "no totals line in the callgrind output"
+            totals.append(int(match.group(1)))
+    return (totals[1] - totals[0]) / (loops[1] - loops[0])

@@ -31,17 +31,11 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import random
-import re
-import shutil
-import subprocess
-import sys
-import tempfile
 from typing import Any
 
 import fastcore
-from bench._timing import format_table, time_call
+from bench._timing import format_table, instructions_per_loop, time_call
 from bench.workload import chat_body
 from server.orchestrator.relay_modes import FastRelay, ParsedRelay
 
@@ -160,27 +154,11 @@ def _loop(size: int, tokids: bool, strip: bool, loops: int) -> None:
 
 def count_instructions(size: int, tokids: bool, strip: bool, loops: tuple[int, int]) -> float:
     """CPU instructions per request of the fast relay (callgrind, difference of two runs)."""
-    valgrind = shutil.which("valgrind")
-    if valgrind is None:
-        raise SystemExit("--instructions needs valgrind on PATH")
-    env = {**os.environ, "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    totals = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for count in loops:
-            out = os.path.join(tmp, f"callgrind.{count}")
-            command = [valgrind, "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable]
-            command += [
-                "-m",
-                "bench.orchestrator_work",
-                "--_loop",
-                f"{size},{int(tokids)},{int(strip)},{count}",
-            ]
-            subprocess.run(command, check=True, env=env, capture_output=True)
-            with open(out) as f:
-                match = re.search(r"^totals: (\d+)", f.read(), re.MULTILINE)
-            assert match is not None, "no totals line in the callgrind output"
-            totals.append(int(match.group(1)))
-    return (totals[1] - totals[0]) / (loops[1] - loops[0])
+    return instructions_per_loop(
+        lambda count: ["-m", "bench.orchestrator_work", "--_loop", f"{size},{int(tokids)},{int(strip)},{count}"],
+        loops,
+        "--instructions needs valgrind on PATH",
+    )
 
 
 def run_instructions(sizes: list[int], loops: tuple[int, int]) -> str:

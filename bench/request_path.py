@@ -29,13 +29,12 @@ import collections
 import os
 import random
 import re
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
+
+from bench._timing import instructions_per_loop
 
 N_IDS = 250
 
@@ -163,22 +162,11 @@ def _flags(stream: bool, gates: bool, secret: bool) -> list[str]:
 
 def count_instructions(loops: tuple[int, int], stream: bool, gates: bool, secret: bool) -> float:
     """Instructions per request: two callgrind runs ``loops`` apart, differenced."""
-    valgrind = shutil.which("valgrind")
-    if valgrind is None:
-        raise SystemExit("counting instructions needs valgrind on PATH (or run --requests N)")
-    env = {**os.environ, "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    totals = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for count in loops:
-            out = os.path.join(tmp, f"callgrind.{count}")
-            command = [valgrind, "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable]
-            command += ["-m", "bench.request_path", "--_loop", str(count), *_flags(stream, gates, secret)]
-            subprocess.run(command, check=True, env=env, capture_output=True)
-            with open(out) as f:
-                match = re.search(r"^totals: (\d+)", f.read(), re.MULTILINE)
-            assert match is not None, "no totals line in the callgrind output"
-            totals.append(int(match.group(1)))
-    return (totals[1] - totals[0]) / (loops[1] - loops[0])
+    return instructions_per_loop(
+        lambda count: ["-m", "bench.request_path", "--_loop", str(count), *_flags(stream, gates, secret)],
+        loops,
+        "counting instructions needs valgrind on PATH (or run --requests N)",
+    )
 
 
 def profile(n: int, stream: bool, gates: bool, secret: bool, top: int = 40) -> str:
