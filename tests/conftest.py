@@ -62,6 +62,17 @@ def http_twin(request: pytest.FixtureRequest) -> ModuleType:
     return _twin("server.http._parse", "server.http._parse_py", request.param)
 
 
+@pytest.fixture(params=["callbacks", "tasks"])
+def request_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The orchestrator's two request paths: completions served from callbacks
+    (server/orchestrator/exchange.py) or each in a task (the coroutine path). A module runs every
+    test on both with ``pytestmark = pytest.mark.usefixtures("request_path")``."""
+    from server.orchestrator.app import Orchestrator
+
+    monkeypatch.setattr(Orchestrator, "serve_from_callbacks", request.param == "callbacks")
+    return str(request.param)
+
+
 @pytest.fixture(scope="session")
 def json_test_suite() -> Path:
     if not any(JSON_TEST_SUITE.glob("*.json")):

@@ -34,6 +34,9 @@ from server.orchestrator.pools import CircuitBreaker
 from server.worker.app import WorkerApp, WorkerSettings
 from server.worker.synthetic import SyntheticEngine
 
+# every fault on both request paths: from callbacks (exchange.py) and in a task per request
+pytestmark = pytest.mark.usefixtures("request_path")
+
 MESSAGES = [{"role": "user", "content": "say something about kernels and caches " * 20}]
 BODY = {"model": "synthetic", "messages": MESSAGES, "max_tokens": 8}
 

@@ -23,14 +23,24 @@ Never hand-written HTTP parsing: only the status line and headers we *write*
 are formatted here.
 """
 
-from .client import BodyPiece, Deadlines, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout
-from .server import HTTPServer, Limits, Request, Responder
+from .client import (
+    BodyPiece,
+    Deadlines,
+    Listener,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
+from .server import Handling, HTTPServer, Limits, Request, Responder
 
 __all__ = [
     "BodyPiece",
     "Deadlines",
     "HTTPServer",
+    "Handling",
     "Limits",
+    "Listener",
     "Request",
     "Responder",
     "UpstreamError",

@@ -28,7 +28,8 @@ import asyncio
 import socket
 import struct
 from collections.abc import Callable, Sequence
-from typing import Any
+from functools import partial
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from .parse import ResponseParser
@@ -56,14 +57,31 @@ class UpstreamTimeout(Exception):
     """A request's ``timeout`` or ``read_timeout`` ran out."""
 
 
+class Listener(Protocol):
+    """Who a response started by :meth:`UpstreamPool.start` tells its events, with no future or task."""
+
+    def leg_head(self, resp: UpstreamResponse) -> None:
+        """The final status line and headers are in (never for a whole-body request)."""
+
+    def leg_done(self, resp: UpstreamResponse) -> None:
+        """The whole response is in."""
+
+    def leg_error(self, resp: UpstreamResponse, exc: BaseException) -> None:
+        """The exchange failed (:class:`UpstreamError`, :class:`UpstreamTimeout`, or what an event raised)."""
+
+
 class UpstreamResponse:
-    """One response: status and the headers the orchestrator uses, then the body."""
+    """One response: status and the headers the orchestrator uses, then the body.
+
+    Awaited (:meth:`UpstreamPool.request`), or told to a :class:`Listener` (:meth:`UpstreamPool.start`):
+    setting ``listener`` to None hands a started response over to coroutines (its futures wake them)."""
 
     __slots__ = (
         "_conn",
         "_done",
         "_headers",
         "_whole",
+        "abandoned",
         "chunks",
         "complete",
         "content_length",
@@ -72,14 +90,17 @@ class UpstreamResponse:
         "headers_done",
         "keep_alive",
         "limit",
+        "listener",
         "retry_after",
+        "reused",
+        "sending",
         "sink",
         "size",
         "status",
         "truncated",
     )
 
-    def __init__(self, conn: _Connection, max_body: int = 0) -> None:
+    def __init__(self, conn: _Connection | None, max_body: int = 0, listener: Listener | None = None) -> None:
         self._conn = conn
         self.status = 0
         self.content_type = b""
@@ -95,15 +116,27 @@ class UpstreamResponse:
         self.complete = False
         self.keep_alive = False
         self.error: BaseException | None = None
-        self._headers: asyncio.Future[None] = conn.loop.create_future()
+        self.listener = listener
+        self._headers: asyncio.Future[None] | None = None if conn is None else conn.loop.create_future()
         self._done: asyncio.Future[None] | None = None
         #: request() returns only once the whole body is in (one wake-up, not two)
         self._whole = bool(max_body)
+        #: start(): the request (head, pieces, timeouts) while it may be sent again on a fresh connection
+        self.sending: tuple[Any, ...] = ()
+        #: start(): sent on a pooled connection (one the worker may have closed meanwhile)
+        self.reused = False
+        #: released before a connection was open for it
+        self.abandoned = False
 
     @property
     def media_type(self) -> bytes:
         """``content_type`` without parameters, lower case."""
         return self.content_type.split(b";", 1)[0].strip().lower()
+
+    def body(self) -> bytes:
+        """The body read so far (all of it once ``complete``)."""
+        chunks = self.chunks
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def read(self, limit: int = 0) -> bytes:
         """The whole body; with ``limit``, at most that many bytes (the rest is dropped with the connection)."""
@@ -130,19 +163,27 @@ class UpstreamResponse:
             await self._wait_done()
 
     def pause_reading(self) -> None:
-        self._conn.pause()
+        if self._conn is not None:  # None: not sent yet (its connection is being opened)
+            self._conn.pause()
 
     def resume_reading(self) -> None:
-        self._conn.resume()
+        if self._conn is not None:
+            self._conn.resume()
 
     def release(self) -> None:
         """Done with the response: its connection goes back to the pool if it can be reused, else closes."""
+        if self._conn is None:
+            self.abandoned = True  # its connection, once open, goes to the pool unused
+            self.listener = None
+            return
         self._conn.finish(self)
 
     # -- what the connection tells it (the parser's events) ---------------------------
 
     def headers_arrived(self) -> asyncio.Future[None]:
         """Done once the status line and headers are in (with ``max_body``: the whole body)."""
+        if self._headers is None:
+            self._headers = self._conn.loop.create_future()  # type: ignore[union-attr]  # sent
         return self._headers
 
     def on_headers(self, status: int) -> None:
@@ -150,7 +191,10 @@ class UpstreamResponse:
         self.status = status
         self.headers_done = True
         if not self._whole:
-            self._wake(self._headers, None)
+            if self.listener is not None:
+                self.listener.leg_head(self)
+            else:
+                self._wake(self._headers, None)
 
     def on_interim_end(self) -> None:
         """A 1xx response ended: forget its headers, the real answer follows."""
@@ -174,6 +218,9 @@ class UpstreamResponse:
         """The body's end: wake whoever waits for the headers or the body."""
         self.complete = True
         self.keep_alive = keep_alive
+        if self.listener is not None:
+            self.listener.leg_done(self)
+            return
         self._wake(self._headers, None)
         self._wake(self._done, None)
 
@@ -182,6 +229,9 @@ class UpstreamResponse:
         if self.complete or self.error is not None:
             return False
         self.error = exc
+        if self.listener is not None:
+            self.listener.leg_error(self, exc)
+            return True
         self._wake(self._headers, exc)
         self._wake(self._done, exc)
         return True
@@ -197,7 +247,7 @@ class UpstreamResponse:
     async def _wait_done(self) -> None:
         if self.error is not None:
             raise self.error
-        self._done = self._conn.loop.create_future()
+        self._done = self._conn.loop.create_future()  # type: ignore[union-attr]  # sent
         await self._done
 
     @staticmethod
@@ -234,6 +284,9 @@ class _Connection(asyncio.Protocol):
         self.interim = False
         #: streamed body pieces of the current read, not yet given to the sink
         self.pending: list[bytes] = []
+        #: inside the parser's feed: a response finished there goes back to the pool after it
+        self.feeding = False
+        self.release_after_feed = False
 
     # -- transport events -----------------------------------------------------
 
@@ -261,6 +314,7 @@ class _Connection(asyncio.Protocol):
         self.got_bytes = True
         if self.read_timeout:
             self.last_io = self.loop.time()
+        self.feeding = True
         try:
             self.parser.feed(data)
         except BadResponse as exc:
@@ -272,6 +326,11 @@ class _Connection(asyncio.Protocol):
         else:
             if self.pending:
                 self._flush(resp)
+        self.feeding = False
+        if self.release_after_feed:
+            self.release_after_feed = False
+            if self.response is None and not self.closed:
+                self.pool._release(self)
 
     def _flush(self, resp: UpstreamResponse) -> None:
         """What one read brought of a streamed body, to the sink in one piece (one write to the client)."""
@@ -317,17 +376,19 @@ class _Connection(asyncio.Protocol):
             resp.on_interim_end()
             return
         self._cancel_timer()
+        if self.pending:  # a listener hears the end now: the stream's last pieces go first
+            self._flush(resp)
         resp.on_complete(keep_alive)
 
     # -- requests -------------------------------------------------------------------
 
     def send(
         self,
+        resp: UpstreamResponse,
         head: bytes,
         pieces: Sequence[BodyPiece],
         timeout: float | None,
         read_timeout: float | None,
-        max_body: int,
         headers_timeout: float | None = None,
     ) -> UpstreamResponse:
         transport = self.transport
@@ -336,7 +397,8 @@ class _Connection(asyncio.Protocol):
             # raise (uvloop: RuntimeError). Nothing was sent, so the request may go elsewhere.
             self.closed = True
             raise UpstreamError("connection closed before the request was sent", sent=False)
-        resp = self.response = UpstreamResponse(self, max_body)
+        resp._conn = self
+        self.response = resp
         self.requests += 1
         self.got_bytes = False
         self.interim = False
@@ -375,7 +437,22 @@ class _Connection(asyncio.Protocol):
     def _fail(self, exc: BaseException) -> None:
         resp = self.response
         self._cancel_timer()
-        if resp is None or not resp.on_error(exc):
+        if resp is None:
+            return
+        if (
+            resp.reused
+            and not self.got_bytes
+            and isinstance(exc, UpstreamError)
+            and resp.listener is not None
+        ):
+            # A pooled connection the worker had closed as it was reused: the worker never saw
+            # the request. Once, on a fresh connection (as request() does).
+            resp.reused = False
+            self.response = None
+            self.close()
+            self.pool._open_for(resp)
+            return
+        if not resp.on_error(exc):
             return
         self.close(reset=isinstance(exc, UpstreamTimeout))  # a silent worker may still be running it
 
@@ -387,7 +464,10 @@ class _Connection(asyncio.Protocol):
         if self.paused:
             self.resume()
         if resp.complete and resp.keep_alive and not self.closed and not resp.truncated:
-            self.pool._release(self)
+            if self.feeding:  # a listener's event: back to the pool once this read is parsed
+                self.release_after_feed = True
+            else:
+                self.pool._release(self)
         else:
             # A response given up before its end (the client left, a leg failed): a reset, not
             # a FIN, so the worker's server knows at once that nobody reads it and aborts the
@@ -545,24 +625,16 @@ class UpstreamPool:
         :meth:`~UpstreamResponse.release` the response. Everything after the
         body is by keyword.
         """
-        length = 0
-        for piece in pieces:
-            length += len(piece)
-        head = b"%s %s%s HTTP/1.1\r\n%sContent-Length: %d\r\n%s\r\n" % (
-            method,
-            self.prefix,
-            path,
-            self._fixed,
-            length,
-            headers,
-        )
+        head = self._head(method, path, pieces, headers)
         for _attempt in range(2):
             conn = self._idle_connection()
             reused = conn is not None
             if conn is None:
                 conn = await self._connect()
             try:
-                resp = conn.send(head, pieces, timeout, read_timeout, max_body, headers_timeout)
+                resp = conn.send(
+                    UpstreamResponse(conn, max_body), head, pieces, timeout, read_timeout, headers_timeout
+                )
                 if not resp.complete and not (resp.headers_done and not max_body):
                     await resp.headers_arrived()
                 return resp
@@ -577,6 +649,79 @@ class UpstreamPool:
                 conn.close(reset=True)  # cancelled (the client left) before the answer: abort it there
                 raise
         raise AssertionError("unreachable")
+
+    def _head(self, method: bytes, path: bytes, pieces: Sequence[BodyPiece], headers: bytes) -> bytes:
+        length = 0
+        for piece in pieces:
+            length += len(piece)
+        return b"%s %s%s HTTP/1.1\r\n%sContent-Length: %d\r\n%s\r\n" % (
+            method,
+            self.prefix,
+            path,
+            self._fixed,
+            length,
+            headers,
+        )
+
+    def start(
+        self,
+        listener: Listener,
+        method: bytes,
+        path: bytes,
+        pieces: Sequence[BodyPiece] = (),
+        *,
+        headers: bytes = b"",
+        timeout: float | None = None,
+        read_timeout: float | None = None,
+        max_body: int = 0,
+        headers_timeout: float | None = None,
+    ) -> UpstreamResponse:
+        """:meth:`request` with no coroutine: the response's events go to ``listener`` (never before this
+        returns). Same arguments, deadlines, bounds and retry of a stale pooled connection; a connection
+        that cannot be opened is ``leg_error`` with an :class:`UpstreamError` whose ``sent`` is False."""
+        resp = UpstreamResponse(None, max_body, listener)
+        resp.sending = (
+            self._head(method, path, pieces, headers),
+            pieces,
+            timeout,
+            read_timeout,
+            headers_timeout,
+        )
+        conn = self._idle_connection()
+        if conn is None or not self._send_on(conn, resp, reused=True):
+            self._open_for(resp)
+        return resp
+
+    def _send_on(self, conn: _Connection, resp: UpstreamResponse, *, reused: bool) -> bool:
+        """Send a started response's request on ``conn``; False when that connection is closing."""
+        try:
+            conn.send(resp, *resp.sending)
+        except UpstreamError:
+            conn.close()
+            return False
+        resp.reused = reused
+        return True
+
+    def _open_for(self, resp: UpstreamResponse) -> None:
+        """Open a connection for a started response, then send on it (a task, once per connection)."""
+        self.loop = loop = asyncio.get_running_loop()
+        opening = loop.create_task(self._connect())
+        opening.add_done_callback(partial(self._opened, resp))
+
+    def _opened(self, resp: UpstreamResponse, opening: asyncio.Task[_Connection]) -> None:
+        if opening.cancelled():
+            exc: BaseException | None = UpstreamError("connect cancelled", sent=False)
+        else:
+            exc = opening.exception()
+        if exc is not None:
+            if not resp.abandoned:
+                resp.on_error(exc)
+            return
+        conn = opening.result()
+        if resp.abandoned:  # the leg was given up meanwhile: the connection is the pool's
+            self._release(conn)
+        elif not self._send_on(conn, resp, reused=False):
+            resp.on_error(UpstreamError("connection closed before the request was sent", sent=False))
 
     def _release(self, conn: _Connection) -> None:
         if len(self.idle) >= self.max_idle:

@@ -67,6 +67,8 @@ class Connection(Protocol):
 
     def abort(self) -> None: ...
 
+    def handled(self, responder: Responder) -> None: ...
+
 
 class Responder:
     """Writes one request's response: whole (:meth:`send`) or streamed (:meth:`start`, :meth:`write`, :meth:`end`)."""
@@ -212,6 +214,10 @@ class Responder:
         self.finished = True
         self.keep_alive = False
         self._conn.abort()
+
+    def done(self) -> None:
+        """The handler's :class:`~server.http.server.Handling` is over: the connection moves on."""
+        self._conn.handled(self)
 
 
 def simple_response(status: int, message: str, date: bytes, retry_after_s: int = 0) -> bytes:

@@ -50,13 +50,25 @@ from .parse import RequestParser
 from .request import Refused, Request
 from .responder import JSON, DateHeader, Flow, Responder, simple_response, status_line
 
-__all__ = ["JSON", "PEER_SHARE", "DateHeader", "Flow", "HTTPServer", "Limits", "Request", "Responder",
-           "status_line"]  # fmt: skip
+__all__ = ["JSON", "PEER_SHARE", "DateHeader", "Flow", "HTTPServer", "Handling", "Limits", "Request",
+           "Responder", "status_line"]  # fmt: skip
 
 log = logging.getLogger("fastcore.http")
 
 
-Handler = Callable[[Request, Responder], Awaitable[None]]
+class Handling:
+    """What a handler returns for a request it serves from callbacks, with no task: it calls
+    :meth:`Responder.done` once the response is finished, and :meth:`cancel` (the client left, a
+    shutdown) must end it, :meth:`Responder.done` included. A handler returns that, an awaitable
+    (run in a task, as before), or None: answered already."""
+
+    __slots__ = ()
+
+    def cancel(self) -> None:
+        raise NotImplementedError
+
+
+Handler = Callable[[Request, Responder], "Awaitable[None] | Handling | None"]
 
 
 class _Stop(Exception):
@@ -114,6 +126,7 @@ class _Connection(asyncio.Protocol):
         "reading_paused",
         "responder",
         "server",
+        "serving",
         "task",
         "transport",
         "write_paused",
@@ -127,7 +140,10 @@ class _Connection(asyncio.Protocol):
         self.parser = server.request_parser(self, self.limits)
         self.current: Request | None = None
         self.queue: collections.deque[Request] = collections.deque()
-        self.task: asyncio.Task[None] | None = None
+        #: what serves the request being answered: its task, or the handler's Handling
+        self.task: asyncio.Task[None] | Handling | None = None
+        #: the request being answered (while ``task`` is set)
+        self.serving: Request | None = None
         self.responder: Responder | None = None
         self.closed = False
         self.failed: tuple[int, str] | None = None
@@ -350,10 +366,21 @@ class _Connection(asyncio.Protocol):
             responder = self.responder = Responder(
                 self, req.keep_alive, req.version == "1.0", req.method == b"HEAD"
             )
-            self.task = self.loop.create_task(self._handle(req, responder))
             if self.reading_paused and len(self.queue) < self.limits.max_pipelined:
                 self.reading_paused = False
                 self.transport.resume_reading()  # type: ignore[union-attr]
+            self.serving = req
+            try:
+                work = self.server.handler(req, responder)
+            except Exception:
+                work = None
+                self._handler_failed(req, responder)
+            if work is None:  # answered already
+                self._after(req, responder)
+            elif isinstance(work, Handling):  # served from callbacks: Responder.done() ends it
+                self.task = work
+            else:
+                self.task = self.loop.create_task(self._handle(req, responder, work))
             return
         self.responder = None
         if self.client_eof:
@@ -370,23 +397,37 @@ class _Connection(asyncio.Protocol):
             current.expect_continue = False
             self.transport.write(_CONTINUE)  # type: ignore[union-attr]
 
-    async def _handle(self, req: Request, responder: Responder) -> None:
+    async def _handle(self, req: Request, responder: Responder, work: Awaitable[None]) -> None:
         try:
-            await self.server.handler(req, responder)
+            await work
         except asyncio.CancelledError:
-            self.task = None
+            self.task = self.serving = None
             self._release(req)
             if not self.closed:  # not our client leaving: the response can't be trusted to finish
                 responder.abort()
             raise
         except Exception:
-            log.exception("handler failed on %s %s", req.method.decode(), req.path.decode("latin-1"))
-            if not responder.started:
-                responder.keep_alive = False
-                responder.send_error(500, "internal error")
-            else:
-                responder.abort()
-        self.task = None
+            self._handler_failed(req, responder)
+        self._after(req, responder)
+
+    def _handler_failed(self, req: Request, responder: Responder) -> None:
+        log.exception("handler failed on %s %s", req.method.decode(), req.path.decode("latin-1"))
+        if not responder.started:
+            responder.keep_alive = False
+            responder.send_error(500, "internal error")
+        else:
+            responder.abort()
+
+    def handled(self, responder: Responder) -> None:
+        """A :class:`Handling` finished (:meth:`Responder.done`): the connection moves on."""
+        req = self.serving
+        if responder is not self.responder or req is None or not isinstance(self.task, Handling):
+            return  # not the one being served (a late call): nothing to do
+        self._after(req, responder)
+
+    def _after(self, req: Request, responder: Responder) -> None:
+        """``req`` is served: its bytes go back, then the next request, or the close."""
+        self.task = self.serving = None
         self._release(req)
         if not responder.finished:
             if not responder.started:
@@ -639,7 +680,7 @@ class HTTPServer:
         deadline = loop.time() + grace_s
         while any(c.task is not None for c in self.connections) and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        tasks = [c.task for c in self.connections if c.task is not None]
+        tasks = [c.task for c in self.connections if isinstance(c.task, asyncio.Task)]
         for conn in list(self.connections):
             conn.abort()
             if conn.task is not None:

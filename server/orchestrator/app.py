@@ -29,7 +29,7 @@ import logging
 import random
 import re
 import time
-from collections.abc import Awaitable, Coroutine, Generator, Sequence
+from collections.abc import Awaitable, Coroutine, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -62,11 +62,13 @@ if TYPE_CHECKING:
 from .admission import Admission
 from .cache_view import CacheView
 from .estimates import UsageLearner
+from .exchange import Exchange
 from .legs import (
     MAX_ERROR_BODY,
     MAX_WORKER_BODY,
     LegRunner,
     LegUnavailable,
+    Sent,
     WorkerAnswer,
     leg_failed,
     leg_timed_out,
@@ -114,22 +116,18 @@ _ROUTES = {_CHAT: True, _COMPLETIONS: False}
 _GET_ROUTES = (b"/health", b"/metrics", b"/v1/models")
 
 
-class _Done:
-    """An awaitable already done: :meth:`Orchestrator.handle`'s answer for what it answered at once."""
-
-    __slots__ = ()
-
-    def __await__(self) -> Generator[None, None, None]:
-        return
-        yield
-
-
-_DONE = _Done()
+_getrandbits = random.getrandbits
+_DISAGG_ID_BITS = wire.DISAGG_REQUEST_ID_END.bit_length() - 1
+assert 1 << _DISAGG_ID_BITS == wire.DISAGG_REQUEST_ID_END
 #: seconds a shutdown waits for its last KV releases to reach the context workers
 STOP_RELEASES_S = 1.0
 
 
 class Orchestrator:
+    #: completions from callbacks where they can be (exchange.py); False: each in its task, as before
+    #: (the tests run both request paths)
+    serve_from_callbacks = True
+
     def __init__(self, config: OrchestratorConfig) -> None:
         config.check_runnable()
         self.config = config
@@ -179,8 +177,8 @@ class Orchestrator:
         self.secret = config.shared_secret_bytes
         self.trtllm_key = config.trtllm_auth_key
         self.in_flight = 0
-        #: the tasks serving completions now: a drain that runs out of time cancels them
-        self._serving: set[asyncio.Task[Any]] = set()
+        #: what serves completions now (tasks, exchanges): a drain that runs out of time cancels them
+        self._serving: set[asyncio.Task[Any] | Exchange] = set()
         #: set by :meth:`drain`: new completions are refused (503), those in flight go on
         self.draining = False
         self.server: HTTPServer | None = None
@@ -221,6 +219,14 @@ class Orchestrator:
         #: OpenTelemetry (server/tracing.py): None unless an OTLP endpoint is configured
         self.tracing = start_tracing("fastcore-orchestrator", config.otlp_traces_endpoint)
         self.client_trace = config.otlp_config is None or config.otlp_config.client_trace_context
+        #: completions served from callbacks (exchange.py), but those that wait for admission, are
+        #: traced, or may be prefilled on their generation worker: their coroutines hold that state
+        self.callbacks = (
+            self.serve_from_callbacks
+            and self.admission is None
+            and self.tracing is None
+            and self.max_local_prefill is None
+        )
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -267,11 +273,13 @@ class Orchestrator:
         while self._serving and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         left = list(self._serving)
-        for task in left:
-            task.cancel()
+        for serving in left:
+            serving.cancel()
         if left:
             log.warning("drain: %d request(s) still running after %g s: cancelled", len(left), timeout)
-            await asyncio.gather(*left, return_exceptions=True)
+            # an exchange's coroutines (exchange.py) end in its task; from callbacks, it ended at cancel
+            tasks = [s.task if isinstance(s, Exchange) else s for s in left]
+            await asyncio.gather(*[t for t in tasks if t is not None], return_exceptions=True)
         return len(left)
 
     async def stop(self) -> None:
@@ -320,30 +328,31 @@ class Orchestrator:
 
     # -- routing -------------------------------------------------------------
 
-    def handle(self, request: Request, out: Responder) -> Awaitable[None]:
-        """The HTTP server's handler: the awaitable that serves ``request``. A plain function, so a
-        completion's task runs :meth:`_serve`'s coroutine itself, with no layer that only forwards
-        (each of the request's wake-ups would pass through it); what is answered at once returns
-        :data:`_DONE`."""
+    def handle(self, request: Request, out: Responder) -> Awaitable[None] | Exchange | None:
+        """The HTTP server's handler (server.http.server.Handler): a completion served from callbacks
+        (an :class:`Exchange`, no task), or the awaitable that serves ``request`` (a task runs
+        :meth:`_serve`'s coroutine itself: no layer that only forwards); None: answered at once."""
         path = request.path
         tenant = ANONYMOUS
         if self.keys is not None and path.startswith(b"/v1/"):
             found = self.keys.tenant(request.header(b"authorization"))
             if found is None:  # one answer for a missing, malformed and wrong key
                 out.send(401, UNAUTHORIZED_BODY, headers=UNAUTHORIZED_HEADERS)
-                return _DONE
+                return None
             tenant = found
         chat = _ROUTES.get(path)
         if chat is not None:
             if request.method != _POST:
                 out.send_error(405, f"{path.decode()} takes POST", headers=b"Allow: POST\r\n")
-                return _DONE
+                return None
             if self.draining:
                 out.keep_alive = False
                 out.send_error(503, "the orchestrator is shutting down", code="shutting_down",
                                headers=b"Retry-After: %d\r\n" % self.config.retry_after_s)  # fmt: skip
                 self.metrics.count_request("chat" if chat else "completions", 503)
-                return _DONE
+                return None
+            if self.callbacks:
+                return Exchange(self, request, out, chat).start()
             return self._serve(request, out, chat, tenant)
         if path in _GET_ROUTES:
             if request.method != b"GET":
@@ -354,18 +363,18 @@ class Orchestrator:
                 self.metrics_endpoint(request, out)
             else:
                 return self.models(out)
-            return _DONE
+            return None
         if self.discovery is not None and self.discovery.handles(path):
             return self.discovery.handle(request, out)
         if self.trtllm.handles(path):
             self.trtllm.handle(request, out)
-            return _DONE
+            return None
         out.send_error(
             404,
             f"no route {path.decode('utf-8', 'replace')[:200]}: the orchestrator serves "
             f"POST {CHAT_PATH}, POST {COMPLETIONS_PATH}, GET /v1/models, /health, /metrics",
         )
-        return _DONE
+        return None
 
     # -- small endpoints ---------------------------------------------------
 
@@ -456,24 +465,15 @@ class Orchestrator:
             header = conversation_header(request) if self.needs_conversation else None
             # our top-level conversation_id into trtllm-serve's conversation_params: workers forbid it
             if self.admission is None:
-                status = await self._run_legs(conversation_to_params(request.body), out, chat, header)
+                status = await self._settle(out, self._run_legs(conversation_to_params(request.body), out, chat,
+                                                                header))  # fmt: skip
             else:  # a slot in the workers, maybe after a wait in the queue (or a 429)
                 slot = self.admission.slot(tenant, request.body)
                 async with traced_wait(trace, "fastcore.admission", slot):
-                    status = await self._run_legs(conversation_to_params(request.body), out, chat, header)
-        except HTTPError as exc:
-            # An answer, not a failure: its traceback would keep the legs' frames
-            # (and the bodies they hold) alive in a reference cycle until the
-            # next full garbage collection; the leg raised it from a local.
-            exc.__traceback__ = None
-            status = exc.status
-            out.send_error(
-                exc.status, exc.message, param=exc.param, code=exc.code, headers=exc.header_lines()
-            )
-        except WorkerAnswer as exc:
-            exc.__traceback__ = None
-            status = exc.status
-            out.send(exc.status, exc.body, exc.content_type, exc.headers)
+                    status = await self._settle(out, self._run_legs(conversation_to_params(request.body), out,
+                                                                    chat, header))  # fmt: skip
+        except HTTPError as exc:  # the admission's 429
+            status = self.answer_error(out, exc)
         except asyncio.CancelledError:
             status = 499  # the client went away; both legs are closed with this task
             raise
@@ -484,22 +484,40 @@ class Orchestrator:
             if trace is not None:
                 trace.end(status)
 
+    async def _settle(self, out: Responder, work: Awaitable[int]) -> int:
+        """Await a completion's legs; the status the client got, an error answered here included."""
+        try:
+            return await work
+        except (HTTPError, WorkerAnswer) as exc:
+            return self.answer_error(out, exc)
+
+    def answer_error(self, out: Responder, exc: HTTPError | WorkerAnswer) -> int:
+        """Answer an error a leg raised (ours, or a worker's own relayed as it is); its status."""
+        # An answer, not a failure: its traceback would keep the legs' frames (and the bodies
+        # they hold) alive in a reference cycle until the next full garbage collection.
+        exc.__traceback__ = None
+        if isinstance(exc, WorkerAnswer):
+            out.send(exc.status, exc.body, exc.content_type, exc.headers)
+        else:
+            out.send_error(
+                exc.status, exc.message, param=exc.param, code=exc.code, headers=exc.header_lines()
+            )
+        return exc.status
+
     def _clock(self) -> Clock:
         self._requests += 1
         if self._requests % CPU_SAMPLE_EVERY:
             return NO_CLOCK
         return CpuClock(self.metrics.cpu_phase)
 
-    async def _run_legs(
-        self, body: bytes, out: Responder, chat: bool, conversation: bytes | None = None
-    ) -> int:
-        """Serve one completion; the status the client got (a stream cut by its worker counts as 502).
-
-        ``conversation``: the ``X-Conversation-Id`` header (read only for a conversation router)."""
+    def prepare(
+        self, body: bytes, chat: bool, conversation: bytes | None
+    ) -> tuple[ClientRequest, RequestKey | None, int, Clock]:
+        """A completion's first steps, before any leg: the client's body read and checked (or its 400), a
+        worker pool not ready (503), its routing key and token weight, the clock of its CPU phases."""
         clock = self._clock()
-        relay = self.relay
         check_not_empty(body)
-        req = relay.read_client(body, chat)
+        req = self.relay.read_client(body, chat)
         clock.lap("validate")
         if self.tracing is not None and (trace := current_trace()) is not None:
             trace.set("gen_ai.request.model", req.model or "")
@@ -507,10 +525,20 @@ class Orchestrator:
             raise self._unavailable(
                 "no healthy worker: " + ", ".join(p.name for p in self.pools if not p.ready)
             )
-        path = _CHAT if chat else _COMPLETIONS
         key = request_key(body, chat, conversation) if self.needs_key else None
         # load_balancing with use_tokens: a request weighs its prompt's estimated tokens
         tokens = self.generation_pool.router.estimate.tokens(len(body)) if self.count_tokens else 0
+        return req, key, tokens, clock
+
+    async def _run_legs(
+        self, body: bytes, out: Responder, chat: bool, conversation: bytes | None = None
+    ) -> int:
+        """Serve one completion; the status the client got (a stream cut by its worker counts as 502).
+
+        ``conversation``: the ``X-Conversation-Id`` header (read only for a conversation router)."""
+        req, key, tokens, clock = self.prepare(body, chat, conversation)
+        relay = self.relay
+        path = _CHAT if chat else _COMPLETIONS
         generation_worker: Worker | None = None
         if self.max_local_prefill is not None:
             # Conditional disaggregation: the generation worker first, by its prefix index; a short
@@ -521,61 +549,91 @@ class Orchestrator:
                 self.metrics.path_local.inc()
                 return await self._generation_leg(out, req, path, body, clock, key=key, tokens=tokens,
                                                   first=generation_worker, local=True)  # fmt: skip
-        # Random, not a counter: unique across orchestrator processes and hosts
-        # without shared state; from [2^40, 2^63), as trtllm-serve keeps the
-        # ids below 2^40 for the ones it makes itself.
-        # Completions ask for prompt_token_ids_b64 only when every context worker
-        # says it answers them so (/server_info): trtllm-serve answers them with
-        # the list only, and its completion models refuse the field.
-        disagg_id = random.randrange(wire.DISAGG_REQUEST_ID_MIN, wire.DISAGG_REQUEST_ID_END)
+        disagg_id = self.disagg_id()
         context_body = relay.context_pieces(req, disagg_id, self.context_pool.b64_completions)
         clock.lap("build_context")
+        return await self._context_leg(out, req, path, body, clock, key, tokens, disagg_id, context_body,
+                                       generation_worker, tried=[], started=time.perf_counter())  # fmt: skip
 
-        # Leg (1), inline (a coroutine that only forwarded cost a layer per wake-up): the answer of the
-        # last worker tried (legs.py); a lost answer's parked KV is released by disagg_id.
-        started = time.perf_counter()
+    @staticmethod
+    def disagg_id() -> int:
+        """A request's disaggregated id. Random, not a counter: unique across orchestrator processes and
+        hosts without shared state; from [2^40, 2^63), as trtllm-serve keeps the ids below 2^40 for the
+        ones it makes itself."""
+        while True:  # a draw below the floor: one in 2^23
+            drawn = _getrandbits(_DISAGG_ID_BITS)
+            if drawn >= wire.DISAGG_REQUEST_ID_MIN:
+                return drawn
+
+    async def _context_leg(
+        self, out: Responder, req: ClientRequest, path: bytes, body: bytes, clock: Clock,
+        key: RequestKey | None, tokens: int, disagg_id: int, context_body: Sequence[BodyPiece],
+        generation_worker: Worker | None, *, tried: list[Worker], started: float, resume: Sent | None = None,
+    ) -> int:  # fmt: skip
+        """Leg (1) and what follows it: the answer of the last worker tried (legs.py; ``resume``: its
+        first attempt, sent from callbacks); a lost answer's parked KV is released by disagg_id.
+        Completions ask for prompt_token_ids_b64 only when every context worker says it answers them
+        so (/server_info): trtllm-serve answers them with the list only, and its completion models
+        refuse the field."""
         unavailable: LegUnavailable | None = None
-        tried: list[Worker] = []
         try:
             context_response = await self.legs.run("context", self.context_pool, path, context_body, _body,
-                headers=relay.leg_headers, timeout=self._context_timeout(len(body)), key=key, tokens=tokens,
-                tried=tried, disagg_id=disagg_id)  # fmt: skip
+                headers=self.relay.leg_headers, timeout=self._context_timeout(len(body)), key=key, tokens=tokens,
+                tried=tried, disagg_id=disagg_id, resume=resume)  # fmt: skip
         except LegUnavailable as exc:
             unavailable = exc  # served outside this handler: the client's error carries no context
         if unavailable is not None:
             return await self._fall_back(unavailable, out, req, path, body, clock, key, tokens)
         context_worker = tried[-1]  # the one that answered
-        context_done = time.perf_counter()
-        self.metrics.context_leg.observe(context_done - started)
-        self.metrics.path_disaggregated.inc()
+        following = self.context_answered(out, req, clock, key, len(body), context_response, started)
+        if following is None:
+            return 200
+        generation_body, auth, context_done = following
+        return await self._generation_after_context(out, req, path, generation_body, clock, key, tokens,
+            generation_worker, auth, context_done, context_worker, context_response)  # fmt: skip
 
+    def context_answered(
+        self, out: Responder, req: ClientRequest, clock: Clock, key: RequestKey | None, body_bytes: int,
+        context_response: bytes, started: float,
+    ) -> tuple[Sequence[BodyPiece], bytes, float] | None:  # fmt: skip
+        """A context worker answered 200 (leg (1) began at ``started``): None when that was the answer
+        (sent here), else leg (3)'s body, its trtllm-serve auth line and when the hand-off began."""
+        context_done = time.perf_counter()
+        metrics = self.metrics
+        metrics.context_leg.observe(context_done - started)
+        metrics.path_disaggregated.inc()
         clock.start()
+        relay = self.relay
         ctx = relay.read_context(req, context_response)
         self.usage.context_answer(
-            context_response, key.prompt_bytes if key else len(body), key.hit_chunks if key else None
+            context_response, key.prompt_bytes if key else body_bytes, key.hit_chunks if key else None
         )
         clock.lap("read_context")
         if ctx.finished:
             answer = relay.finished_answer(req, ctx)
             if req.stream:
-                answer = answer_as_sse(answer, chat=chat, include_usage=req.include_usage)
+                answer = answer_as_sse(answer, chat=req.chat, include_usage=req.include_usage)
             clock.lap("relay")
             clock.finish()
-            self.metrics.finished_by_context.inc()
+            metrics.finished_by_context.inc()
             if req.stream:
                 out.send(200, answer, _SSE, _SSE_EXTRA)
             else:
                 out.send(200, answer)
-            return 200
-
+            return None
         generation_body = relay.generation_pieces(req, ctx)
         clock.lap("build_generation")
         auth = self._trtllm_auth(ctx) if self.trtllm_key is not None else b""
+        return generation_body, auth, context_done
+
+    async def _generation_after_context(
+        self, out: Responder, req: ClientRequest, path: bytes, generation_body: Sequence[BodyPiece],
+        clock: Clock, key: RequestKey | None, tokens: int, first: Worker | None, auth: bytes,
+        context_done: float, context_worker: Worker, context_response: bytes, resume: Sent | None = None,
+    ) -> int:  # fmt: skip
         try:
-            return await self._generation_leg(
-                out, req, path, generation_body, clock, key=key, tokens=tokens, first=generation_worker,
-                extra_headers=auth, context_done=context_done,
-            )  # fmt: skip
+            return await self._generation_leg(out, req, path, generation_body, clock, key=key, tokens=tokens,
+                first=first, extra_headers=auth, context_done=context_done, resume=resume)  # fmt: skip
         except BaseException:
             # The client left or the leg failed: the context worker may still
             # hold the prompt's KV for a fetch that will never come.
@@ -720,6 +778,7 @@ class Orchestrator:
         local: bool = False,
         extra_headers: bytes = b"",
         context_done: float | None = None,
+        resume: Sent | None = None,
     ) -> int:
         """Leg (3), relayed to ``out``; or with ``local`` the client's own body as a plain JSON request
         (no relay-mode flags; conditional disaggregation: retried only on other workers that say
@@ -742,7 +801,7 @@ class Orchestrator:
                 first_byte=self._first_byte_timeout(body) if stream else None,
                 key=key, tokens=tokens, first=first,
                 tried=[w for w in pool.workers if not w.local_prefill] if local else None,
-                handoff_from=None if local else context_done, ttfb=self.metrics.generation_ttfb,
+                handoff_from=None if local else context_done, ttfb=self.metrics.generation_ttfb, resume=resume,
             )  # fmt: skip
         except LegUnavailable as exc:
             error = exc.error
@@ -782,24 +841,41 @@ class Orchestrator:
     async def _relay_stream(
         self, out: Responder, worker: Worker, resp: UpstreamResponse, clock: Clock
     ) -> int:
-        out.start(200, _SSE, _SSE_EXTRA)
-        # Backpressure: while the client's socket buffer is full, the worker's
-        # socket is not read.
-        out.flow = resp
-        if out.paused:
-            resp.pause_reading()
-        upstream_error: str | None = None
-        detail = ""
+        self.start_stream(out, resp)
+        failure: BaseException | None = None
         trace = current_trace()
         try:
             await resp.stream(out.write if trace is None else trace.watch_stream(out.write))
-        except UpstreamError as exc:
-            upstream_error, detail = "its worker failed mid-stream", str(exc)
-        except UpstreamTimeout:
-            upstream_error = f"its worker went silent for {self.config.request_timeout_s:g} s"
-        finally:
+        except (UpstreamError, UpstreamTimeout) as exc:
+            failure = exc
+        except BaseException:
             out.flow = None
-        if upstream_error is None and resp.size == 0:
+            raise
+        return self.stream_ended(out, worker, resp, failure, clock, trace)
+
+    @staticmethod
+    def start_stream(out: Responder, resp: UpstreamResponse) -> None:
+        """A generation worker's 200 SSE: the client's stream starts; its socket's backpressure pauses
+        the worker's (while the client's buffer is full, the worker's socket is not read)."""
+        out.start(200, _SSE, _SSE_EXTRA)
+        out.flow = resp
+        if out.paused:
+            resp.pause_reading()
+
+    def stream_ended(
+        self, out: Responder, worker: Worker, resp: UpstreamResponse, failure: BaseException | None,
+        clock: Clock, trace: Any = None,
+    ) -> int:  # fmt: skip
+        """A relayed stream is over: ended, or, when its worker failed (``failure``) or sent nothing,
+        the error in-band (headers are gone), as OpenAI streams do. The status: 200 or 502."""
+        out.flow = None
+        upstream_error: str | None = None
+        detail = ""
+        if isinstance(failure, UpstreamTimeout):
+            upstream_error = f"its worker went silent for {self.config.request_timeout_s:g} s"
+        elif failure is not None:
+            upstream_error, detail = "its worker failed mid-stream", str(failure)
+        elif resp.size == 0:
             upstream_error = "its worker sent an empty stream"
         status = 200
         if upstream_error is not None:
@@ -808,7 +884,6 @@ class Orchestrator:
                 trace.leg_failed(upstream_error)
             self._mark_failed(self.generation_pool, worker)
             self.legs.breaker_failed(self.generation_pool, worker)
-            # Headers are gone: the error travels in-band, as OpenAI streams do.
             status = 502
             error = leg_failed("generation", upstream_error)
             out.write(b"data: " + error_body(502, error.message, code=error.code) + b"\n\n")

@@ -68,6 +68,22 @@ class WorkerAnswer(Exception):
         self.headers = headers
 
 
+class Sent:
+    """A first attempt sent from callbacks (exchange.py), handed to :meth:`LegRunner.run` to go on
+    with: its worker (held, and last in ``tried``), when it was handed over, and what came back
+    (the response, or the error)."""
+
+    __slots__ = ("error", "handed_over", "resp", "worker")
+
+    def __init__(
+        self, worker: Worker, handed_over: float, resp: UpstreamResponse, error: BaseException | None
+    ) -> None:
+        self.worker = worker
+        self.handed_over = handed_over
+        self.resp = resp
+        self.error = error
+
+
 class LegUnavailable(Exception):
     """No worker took the leg: ``reason`` (one of metrics.FALLBACK_REASONS) and ``error``, the answer
     the client gets (unless a context leg falls back to local prefill)."""
@@ -127,10 +143,12 @@ class LegRunner:
         headers: bytes, timeout: float | None, read_timeout: float | None = None, max_body: int = MAX_WORKER_BODY,
         first_byte: float | None = None, extra: bytes = b"", key: RequestKey | None = None, tokens: int = 0,
         first: Worker | None = None, tried: list[Worker] | None = None, disagg_id: int | None = None,
-        handoff_from: float | None = None, ttfb: Any = None,
+        handoff_from: float | None = None, ttfb: Any = None, resume: Sent | None = None,
     ) -> T:  # fmt: skip
         """Leg ``name`` to ``pool``: ``answered(worker, resp)`` of the first worker that answers 200 (held
-        until it returns), else :class:`WorkerAnswer` or :class:`LegUnavailable` (see the class)."""
+        until it returns), else :class:`WorkerAnswer` or :class:`LegUnavailable` (see the class).
+        ``resume``: the first attempt, already sent (from callbacks, server/orchestrator/exchange.py)
+        and held: what came back is classified here as if this loop had sent it."""
         pieces: Sequence[BodyPiece] = (body,) if isinstance(body, bytes) else body
         tried = tried if tried is not None else []
         failure: HTTPError | WorkerAnswer | None = None
@@ -139,37 +157,38 @@ class LegRunner:
         timed = ttfb is not None or handoff_from is not None
         for attempt in range(self.attempts):
             routed = trace.now() if trace is not None else 0
-            if attempt == 0 and first is not None and first.healthy:
-                worker: Worker | None = first
+            if attempt == 0 and resume is not None:
+                worker: Worker | None = resume.worker
+                handed_over = resume.handed_over
             else:
-                worker = pool.choose(exclude=tried, key=key)
-            if worker is None:
-                break
-            if attempt:
-                self.metrics.retries_leg[name].inc()
-            tried.append(worker)
-            # The one place a leg's counts go up and back down (routers read them; in half-open this
-            # leg is the probe): inline, as a context manager object cost ~0.3 us per leg.
-            worker.in_flight += 1
-            if tokens:  # counted only for a least_loaded router with use_tokens
-                worker.in_flight_tokens += tokens
-            worker.breaker.chosen()
+                resume = None
+                if attempt == 0 and first is not None and first.healthy:
+                    worker = first
+                else:
+                    worker = pool.choose(exclude=tried, key=key)
+                if worker is None:
+                    break
+                if attempt:
+                    self.metrics.retries_leg[name].inc()
+                tried.append(worker)
+                handed_over = self.hold(worker, tokens, timed, handoff_from if attempt == 0 else None)
+            assert worker is not None
             try:
-                handed_over = time.perf_counter() if timed else 0.0
-                if attempt == 0 and handoff_from is not None:
-                    self.metrics.handoff.observe(handed_over - handoff_from)
-                lines = headers if self.secret is None else headers + self._signature(pieces, worker)
-                if extra:
-                    lines += extra
                 span: Any = None
-                if trace is not None:  # the leg's span; its traceparent goes with the leg
-                    span = trace.start_leg(name, pool, worker, key, routed, attempt)
-                    lines += span.header
                 try:
-                    resp = await self.upstream(worker).request(
-                        _POST, path, pieces, headers=lines, timeout=timeout, read_timeout=read_timeout,
-                        max_body=max_body, headers_timeout=first_byte,
-                    )  # fmt: skip
+                    if resume is None:
+                        lines = self.lines(headers, pieces, worker, extra)
+                        if trace is not None:  # the leg's span; its traceparent goes with the leg
+                            span = trace.start_leg(name, pool, worker, key, routed, attempt)
+                            lines += span.header
+                        resp = await self.upstream(worker).request(
+                            _POST, path, pieces, headers=lines, timeout=timeout, read_timeout=read_timeout,
+                            max_body=max_body, headers_timeout=first_byte,
+                        )  # fmt: skip
+                    elif resume.error is not None:
+                        raise resume.error
+                    else:
+                        resp = resume.resp
                 except UpstreamError as exc:
                     failure, reason = self._no_answer(name, pool, worker, span, exc, disagg_id), "failed"
                     continue
@@ -187,14 +206,13 @@ class LegRunner:
                     _end(span, "cancelled" if cancelled else exc)
                     raise
                 try:
-                    if ttfb is not None:
-                        ttfb.observe(time.perf_counter() - handed_over)
                     if span is not None:
                         span.answered(resp.status, resp)
                     if resp.status == 200:
-                        worker.served += 1
-                        worker.breaker.succeeded()
+                        self.served(worker, ttfb, handed_over)
                         return await answered(worker, resp)
+                    if ttfb is not None:
+                        ttfb.observe(time.perf_counter() - handed_over)
                     failure, reason = await self._refused(name, pool, worker, resp)  # or raises
                 finally:
                     # A response not read to the end closes its connection, so the worker sees the cancel.
@@ -202,14 +220,47 @@ class LegRunner:
                     if span is not None:
                         span.end()
             finally:
-                worker.in_flight -= 1
-                if tokens:
-                    worker.in_flight_tokens -= tokens
-                worker.breaker.ended()
+                self.let_go(worker, tokens)
         if failure is None:
             reason = "circuit_open" if pool.all_open() else "no_worker"
             raise LegUnavailable(reason, self.unavailable(f"no healthy {name} worker"))
         raise LegUnavailable(reason, failure)
+
+    # -- one attempt's bookkeeping: here and in server/orchestrator/exchange.py -------------------
+
+    def hold(self, worker: Worker, tokens: int, timed: bool, handoff_from: float | None) -> float:
+        """An attempt on ``worker`` begins: its counts go up (routers read them; in half-open this leg
+        is the breaker's probe) until :meth:`let_go`. Returns when (perf_counter) it was handed over
+        (0.0 unless ``timed``); ``handoff_from``: a first attempt's hand-off is observed from then."""
+        worker.in_flight += 1
+        if tokens:  # counted only for a least_loaded router with use_tokens
+            worker.in_flight_tokens += tokens
+        worker.breaker.chosen()
+        if not timed:
+            return 0.0
+        handed_over = time.perf_counter()
+        if handoff_from is not None:
+            self.metrics.handoff.observe(handed_over - handoff_from)
+        return handed_over
+
+    def let_go(self, worker: Worker, tokens: int) -> None:
+        """An attempt on ``worker`` is over (whatever came of it): its counts go back down."""
+        worker.in_flight -= 1
+        if tokens:
+            worker.in_flight_tokens -= tokens
+        worker.breaker.ended()
+
+    def served(self, worker: Worker, ttfb: Any, handed_over: float) -> None:
+        """``worker`` answered 200: counted, its breaker closes, the time to its first byte observed."""
+        if ttfb is not None:
+            ttfb.observe(time.perf_counter() - handed_over)
+        worker.served += 1
+        worker.breaker.succeeded()
+
+    def lines(self, headers: bytes, pieces: Sequence[BodyPiece], worker: Worker, extra: bytes) -> bytes:
+        """An attempt's header lines: the relay mode's, the signature for ``worker``, then ``extra``."""
+        lines = headers if self.secret is None else headers + self._signature(pieces, worker)
+        return lines + extra if extra else lines
 
     def _no_answer(
         self, name: str, pool: Pool, worker: Worker, span: Any, exc: UpstreamError, disagg_id: int | None

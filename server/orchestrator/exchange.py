@@ -1,0 +1,366 @@
+"""One completion served from callbacks: no task, no coroutine, no future, one object per request.
+
+The orchestrator's request path in the shape of the callback-only floor (``bench/rawfloor.py``):
+the client parser's complete-message event reads and checks the body and starts leg (1) on a
+context worker's keep-alive connection (:meth:`server.http.client.UpstreamPool.start`); that
+connection's complete-message event reads the context answer and starts leg (3) on a generation
+worker; that one's events relay the answer to the client, whole or as SSE pieces as the socket
+delivers them. Each step is the same code the coroutine path runs (``Orchestrator.prepare``,
+``context_answered``, ``stream_ended``; ``LegRunner.hold``/``lines``/``served``/``let_go``): only the
+waiting differs.
+
+What is not the common case goes on in coroutines, from where it is: a worker's non-200 answer, a
+connection that fails, a deadline, no worker to choose. The attempt already sent is handed to
+``LegRunner.run`` (``resume``), which classifies it as if it had sent it (the retries, breakers,
+fallback to local prefill, KV releases and error answers are its), in a task that this exchange
+holds. Requests that wait in the admission queue, are traced, or may be prefilled on their
+generation worker (conditional disaggregation) take the coroutine path from the start
+(``Orchestrator.callbacks``).
+
+The client leaving (or a drain running out) cancels the exchange: the leg in flight is reset, its
+worker's counts go back, and KV a context worker may have parked for it is released, as a
+cancelled task's legs do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine, Sequence
+from typing import TYPE_CHECKING, Any
+
+from server.errors import HTTPError
+from server.http import BodyPiece, Handling, Request, Responder, UpstreamResponse
+
+from .legs import MAX_WORKER_BODY, Sent, WorkerAnswer
+from .routing import conversation_header, conversation_to_params
+
+if TYPE_CHECKING:
+    from .pools import Worker
+
+log = logging.getLogger("fastcore.orchestrator")
+
+_POST = b"POST"
+_SSE = b"text/event-stream"
+#: the legs (docs/protocol.md numbers them: (1) context, (3) generation)
+CONTEXT, GENERATION = 1, 3
+
+
+class Exchange(Handling):
+    """One completion from the client's request to the end of its answer (see the module)."""
+
+    __slots__ = (
+        "auth",
+        "body",
+        "chat",
+        "clock",
+        "context_body",
+        "context_done",
+        "context_response",
+        "context_worker",
+        "disagg_id",
+        "ended",
+        "generation_body",
+        "handed_over",
+        "key",
+        "leg",
+        "orch",
+        "out",
+        "path",
+        "req",
+        "request",
+        "resp",
+        "returned",
+        "started",
+        "streaming",
+        "task",
+        "tokens",
+        "tried",
+        "worker",
+    )
+
+    def __init__(self, orch: Any, request: Request, out: Responder, chat: bool) -> None:
+        #: the Orchestrator (app.py, which imports this module: typed Any, no import circle)
+        self.orch = orch
+        self.request = request
+        self.out = out
+        self.chat = chat
+        self.path = request.path
+        #: the leg in flight from callbacks (CONTEXT, GENERATION; 0: none), its response and worker
+        self.leg = 0
+        self.resp: UpstreamResponse | None = None
+        self.worker: Worker | None = None
+        self.handed_over = 0.0
+        self.streaming = False
+        #: the coroutines it went on in (None while it runs from callbacks)
+        self.task: asyncio.Task[None] | None = None
+        #: finished (counted, the connection told); returned by start() (before that, done() waits)
+        self.ended = False
+        self.returned = False
+        self.tried: list[Worker] = []
+        self.context_worker: Worker | None = None
+        self.context_response = b""
+
+    # -- the request's steps ---------------------------------------------------------------
+
+    def start(self) -> Exchange | None:
+        """Begin (the HTTP server's handler returns this): itself, or None when answered already."""
+        orch = self.orch
+        orch.in_flight += 1
+        orch._serving.add(self)
+        try:
+            self._begin()
+        except BaseException as exc:
+            self._failed(exc)
+        self.returned = True
+        return None if self.ended else self
+
+    def _begin(self) -> None:
+        orch = self.orch
+        request = self.request
+        conversation = conversation_header(request) if orch.needs_conversation else None
+        # our top-level conversation_id into trtllm-serve's conversation_params: workers forbid it
+        body = self.body = conversation_to_params(request.body)
+        req, key, tokens, clock = orch.prepare(body, self.chat, conversation)
+        self.req, self.key, self.tokens, self.clock = req, key, tokens, clock
+        disagg_id = self.disagg_id = orch.disagg_id()
+        self.context_body = orch.relay.context_pieces(req, disagg_id, orch.context_pool.b64_completions)
+        clock.lap("build_context")
+        self.started = time.perf_counter()
+        worker = orch.context_pool.choose(exclude=self.tried, key=key)
+        if worker is None:  # the leg runner says why (or falls back to local prefill)
+            self._go_on(self._context_leg(None))
+            return
+        self.tried.append(worker)
+        self._send(CONTEXT, worker, self.context_body, orch.relay.leg_headers, b"", False, None,
+                   timeout=orch._context_timeout(len(body)), read_timeout=None, max_body=MAX_WORKER_BODY,
+                   first_byte=None)  # fmt: skip
+
+    def _send(
+        self, leg: int, worker: Worker, pieces: Sequence[BodyPiece], headers: bytes, extra: bytes, timed: bool,
+        handoff_from: float | None, *, timeout: float | None, read_timeout: float | None, max_body: int,
+        first_byte: float | None,
+    ) -> None:  # fmt: skip
+        """A leg's first attempt, from here: held as LegRunner.run holds one, its events to this."""
+        orch = self.orch
+        legs = orch.legs
+        if isinstance(pieces, bytes):  # a relay mode that builds the leg whole (relay_parsed.py)
+            pieces = (pieces,)
+        self.leg, self.worker = leg, worker
+        self.handed_over = legs.hold(worker, self.tokens, timed, handoff_from)
+        self.resp = orch._upstream(worker).start(
+            self, _POST, self.path, pieces, headers=legs.lines(headers, pieces, worker, extra), timeout=timeout,
+            read_timeout=read_timeout, max_body=max_body, headers_timeout=first_byte,
+        )  # fmt: skip
+
+    def _context_answered(self, resp: UpstreamResponse) -> None:
+        """Leg (1)'s worker answered 200: read it, and answer, or start leg (3)."""
+        orch = self.orch
+        worker = self.worker
+        assert worker is not None
+        context_response = resp.body()
+        orch.legs.served(worker, None, 0.0)
+        self._leg_over(resp)
+        following = orch.context_answered(self.out, self.req, self.clock, self.key, len(self.body),
+                                          context_response, self.started)  # fmt: skip
+        if following is None:
+            self.finish(200)
+            return
+        # from here a failure releases the KV the context worker parked for leg (3)
+        self.context_worker, self.context_response = worker, context_response
+        self.generation_body, self.auth, self.context_done = following
+        gen = orch.generation_pool.choose(key=self.key)
+        if gen is None:
+            self._go_on(self._generation_leg(None))
+            return
+        stream = self.req.stream
+        limit = orch.config.request_timeout_s
+        # As Orchestrator._generation_leg: a stream's silences and first byte are bounded, not its length.
+        self._send(GENERATION, gen, self.generation_body, orch.relay.leg_headers, self.auth, True, self.context_done,
+                   timeout=None if stream else limit, read_timeout=limit if stream else None,
+                   max_body=0 if stream else MAX_WORKER_BODY,
+                   first_byte=orch._first_byte_timeout(self.generation_body) if stream else None)  # fmt: skip
+
+    def _answered(self, resp: UpstreamResponse) -> None:
+        """Leg (3)'s worker answered 200 with the whole (not streamed) answer: relay it, done."""
+        orch = self.orch
+        worker = self.worker
+        assert worker is not None
+        orch.legs.served(worker, orch.metrics.generation_ttfb, self.handed_over)
+        clock = self.clock
+        clock.start()
+        try:
+            answer = orch.relay.client_answer(self.req, resp.body())
+        finally:
+            self._leg_over(resp)
+        clock.lap("relay")
+        clock.finish()
+        self.out.send(200, answer)
+        self.finish(200)
+
+    # -- the upstream response's events (server.http.client.Listener) ---------------------
+
+    def leg_head(self, resp: UpstreamResponse) -> None:
+        """A streamed leg (3)'s head: a 200 SSE is relayed as it comes; anything else goes on in coroutines."""
+        if resp is not self.resp:
+            return
+        try:
+            if resp.status != 200 or resp.media_type != _SSE:
+                self._hand_over(resp, None)
+                return
+            worker = self.worker
+            assert worker is not None
+            orch = self.orch
+            orch.legs.served(worker, orch.metrics.generation_ttfb, self.handed_over)
+            self.streaming = True
+            orch.start_stream(self.out, resp)
+            resp.sink = self.out.write
+        except BaseException as exc:
+            self._failed(exc)
+
+    def leg_done(self, resp: UpstreamResponse) -> None:
+        if resp is not self.resp:
+            return
+        try:
+            if self.streaming:
+                self._stream_over(resp, None)
+            elif resp.status != 200:
+                self._hand_over(resp, None)
+            elif self.leg == CONTEXT:
+                self._context_answered(resp)
+            else:
+                self._answered(resp)
+        except BaseException as exc:
+            self._failed(exc)
+
+    def leg_error(self, resp: UpstreamResponse, exc: BaseException) -> None:
+        if resp is not self.resp:
+            return
+        try:
+            if self.streaming:
+                self._stream_over(resp, exc)
+            else:
+                self._hand_over(resp, exc)
+        except BaseException as error:
+            self._failed(error)
+
+    def _stream_over(self, resp: UpstreamResponse, failure: BaseException | None) -> None:
+        worker = self.worker
+        assert worker is not None
+        self.streaming = False
+        try:
+            status = self.orch.stream_ended(self.out, worker, resp, failure, self.clock)
+        finally:
+            self._leg_over(resp)
+        self.finish(status)
+
+    def _leg_over(self, resp: UpstreamResponse) -> None:
+        """The leg from callbacks is over: its connection back (or reset), its worker's counts down."""
+        self.resp = None
+        self.leg = 0
+        resp.release()
+        worker = self.worker
+        if worker is not None:
+            self.worker = None
+            self.orch.legs.let_go(worker, self.tokens)
+
+    # -- going on in coroutines ------------------------------------------------------------
+
+    def _hand_over(self, resp: UpstreamResponse, error: BaseException | None) -> None:
+        """Not the common case: the leg runner classifies this attempt and goes on from it."""
+        worker = self.worker
+        assert worker is not None
+        resp.listener = None  # its futures wake the coroutines from here
+        sent = Sent(worker, self.handed_over, resp, error)
+        leg = self.leg
+        self.resp, self.worker, self.leg = None, None, 0  # the leg runner lets the worker go
+        self._go_on(self._context_leg(sent) if leg == CONTEXT else self._generation_leg(sent))
+
+    def _context_leg(self, sent: Sent | None) -> Coroutine[Any, Any, int]:
+        return self.orch._context_leg(self.out, self.req, self.path, self.body, self.clock, self.key, self.tokens,
+                                      self.disagg_id, self.context_body, None, tried=self.tried,
+                                      started=self.started, resume=sent)  # fmt: skip
+
+    def _generation_leg(self, sent: Sent | None) -> Coroutine[Any, Any, int]:
+        assert self.context_worker is not None
+        return self.orch._generation_after_context(
+            self.out, self.req, self.path, self.generation_body, self.clock, self.key, self.tokens, None,
+            self.auth, self.context_done, self.context_worker, self.context_response, resume=sent)  # fmt: skip
+
+    def _go_on(self, work: Coroutine[Any, Any, int]) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._run(work))
+
+    async def _run(self, work: Coroutine[Any, Any, int]) -> None:
+        status = 499  # cancelled: the client went away (both legs are closed with this task)
+        try:
+            status = await self.orch._settle(self.out, work)
+        except asyncio.CancelledError:
+            if not self.out.closed:  # a drain, not the client: the response cannot be finished
+                self.out.abort()
+            raise
+        except Exception:
+            status = _internal_error(self.request, self.out)
+        finally:
+            self.task = None
+            self.finish(status)
+
+    # -- the end ------------------------------------------------------------------------------
+
+    def _failed(self, exc: BaseException) -> None:
+        """What a step raised: an error answer (the client's 400, a worker's own), else a 500. A failure
+        after leg (1) answered releases the KV its worker may hold for leg (3)."""
+        resp = self.resp
+        if resp is not None:
+            self._leg_over(resp)
+        if self.context_worker is not None and self.task is None and not self.ended:
+            self.orch._release_kv_soon(self.context_worker, self.context_response)
+        if isinstance(exc, (HTTPError, WorkerAnswer)):
+            status = self.orch.answer_error(self.out, exc)
+        elif isinstance(exc, Exception):
+            status = _internal_error(self.request, self.out)
+        else:
+            raise exc
+        self.finish(status)
+
+    def cancel(self) -> None:
+        """The client left, or a drain ran out: the leg in flight is reset, what it parked released."""
+        if self.ended:
+            return
+        if self.task is not None:
+            self.task.cancel()  # its _run finishes the exchange
+            return
+        resp = self.resp
+        if resp is not None:
+            worker = self.worker
+            leg = self.leg
+            self._leg_over(resp)  # not read to the end: its connection is reset
+            if leg == CONTEXT and worker is not None:
+                self.orch._release_lost_kv_soon(worker, self.disagg_id)
+        if self.context_worker is not None:
+            self.orch._release_kv_soon(self.context_worker, self.context_response)
+        if not self.out.closed:
+            self.out.abort()
+        self.finish(499)
+
+    def finish(self, status: int) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        orch = self.orch
+        orch.in_flight -= 1
+        orch._serving.discard(self)
+        orch.metrics.count_request("chat" if self.chat else "completions", status)
+        if self.returned:
+            self.out.done()
+
+
+def _internal_error(request: Request, out: Responder) -> int:
+    """A bug in a step, not a client error: logged, a 500 (or a cut stream)."""
+    log.exception("completion failed on %s", request.path.decode("latin-1"))
+    if not out.started:
+        out.keep_alive = False
+        out.send_error(500, "internal error")
+    else:
+        out.abort()
+    return 500
