@@ -1,0 +1,479 @@
+"""The orchestrator's callback request path (server/orchestrator/exchange.py) against its task path.
+
+A real orchestrator (``start_server``, both gates on) in front of stand-in workers on 127.0.0.1
+(port 0, ``asyncio.start_server``): each answers ``GET /health`` and ``/server_info``, a ``DELETE``
+(a KV release) with a 404, and its ``POST``s from a script: canned answers of ``bench`` (a context
+response of 250 base64 prompt ids, a generation response, an SSE stream), a refusal, a 4xx, a 5xx,
+a reset, silence, an answer held until the test lets it go, a stream cut. The client writes raw
+bytes and parses what comes back (``raw_http``).
+
+Each test runs on both request paths (conftest's ``request_path``) and pins what the client gets,
+which workers were tried and that every worker's in-flight counts are back to zero, with no breaker
+probe held, once the answer is in. Two tests are not run twice: one starts an orchestrator per path
+and compares their answers byte for byte, one looks at the callback path alone (one ``Exchange``,
+no task). Nothing here asserts a duration: waits poll for a state, bounded only so that a broken
+build fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import struct
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+from helpers import eventually
+from raw_http import Client, Response, connected, post
+
+from bench.orchestrator_work import context_response, generation_response
+from bench.request_path import http, sse_answer
+from bench.workload import chat_body
+from server.orchestrator.app import Orchestrator, start_server
+from server.orchestrator.config import build_config
+from server.orchestrator.exchange import Exchange
+
+both_paths = pytest.mark.usefixtures("request_path")
+
+IDS = [random.Random(0).randrange(32000) for _ in range(250)]
+CONTEXT_OK = http(b"200 OK", context_response(IDS, b64=True))
+GENERATION_BODY = generation_response(len(IDS))
+GENERATION_OK = http(b"200 OK", GENERATION_BODY)
+STREAM_OK = sse_answer(4)
+#: the SSE body of STREAM_OK (what a client reads of the relayed stream)
+STREAM_EVENTS = STREAM_OK.split(b"\r\n\r\n", 1)[1]
+EVENT = STREAM_EVENTS.split(b"\n\n", 1)[0] + b"\n\n"
+ANSWER_TEXT = "The answer is short. " * 4
+REFUSED = b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 2\r\nContent-Length: 0\r\n\r\n"
+BROKEN = http(b"500 Internal Server Error", b"oops")
+TOO_LONG = "the prompt is longer than this worker's context window"
+BAD = http(b"400 Bad Request", json.dumps({"error": {"message": TOO_LONG, "type": "invalid_request_error",
+                                                      "param": "messages", "code": "too_long"}}).encode())  # fmt: skip
+#: a stream's head and one event, then the connection closes (no last chunk)
+CUT = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    + b"%x\r\n%s\r\n" % (len(EVENT), EVENT)
+)
+EMPTY_STREAM = http(b"200 OK", b"", b"text/event-stream")
+
+
+# -- stand-in workers -------------------------------------------------------------------------------
+
+#: script entries other than bytes (written as they are, the connection kept)
+DEFAULT, RESET, SILENT = "default", "reset", "silent"
+
+
+class Hold:
+    """Answer ``answer`` once ``release`` is set (meanwhile the test sees the request held)."""
+
+    def __init__(self, answer: bytes) -> None:
+        self.answer = answer
+        self.release = asyncio.Event()
+
+
+class Cut:
+    """Write ``data``, then close the connection (a FIN: a stream cut by its worker)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+Step = bytes | str | Hold | Cut
+
+
+def generation_default(body: bytes) -> bytes:
+    """A generation worker's answer: the SSE stream when the leg streams, else the JSON answer."""
+    return STREAM_OK if json.loads(body).get("stream") else GENERATION_OK
+
+
+class StandIn:
+    """A worker on 127.0.0.1: its POSTs are answered by ``script`` in turn, then by ``default``."""
+
+    def __init__(self, *script: Step, default: Callable[[bytes], bytes] = lambda body: CONTEXT_OK) -> None:
+        self.script = list(script)
+        self.default = default
+        #: the body of every POST, in order; the path of every DELETE (KV releases)
+        self.posts: list[bytes] = []
+        self.deletes: list[bytes] = []
+        #: POSTs being held (a Hold not released yet, or SILENT)
+        self.held = 0
+        #: connections that carried a POST (the health checks have their own)
+        self.leg_connections = 0
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.url = ""
+
+    async def __aenter__(self) -> StandIn:
+        self.server = await asyncio.start_server(self._on_connection, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.close()
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.tasks.add(task)
+        try:
+            await self._serve(reader, writer)
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass  # cancelled: the test is over (a task that ends cancelled is logged by asyncio's streams)
+        finally:
+            self.tasks.discard(task)
+            writer.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        legs = 0
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            method, path = head.split(b" ", 2)[:2]
+            lengths = [int(h[15:]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")]
+            body = await reader.readexactly(lengths[0] if lengths else 0)
+            if method == b"GET":
+                writer.write(http(b"200 OK", b'{"status": "ok"}' if path.startswith(b"/health") else b"{}"))
+                continue
+            if method == b"DELETE":
+                self.deletes.append(path)
+                writer.write(http(b"404 Not Found", b'{"error": "nothing parked"}'))
+                continue
+            self.posts.append(body)
+            legs += 1
+            self.leg_connections += legs == 1
+            step = self.script.pop(0) if self.script else DEFAULT
+            if step == DEFAULT:
+                writer.write(self.default(body))
+            elif step == RESET:
+                sock = writer.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                writer.transport.abort()
+                return
+            elif step == SILENT:
+                self.held += 1
+                await asyncio.Event().wait()  # until the test ends (cancelled)
+            elif isinstance(step, Hold):
+                self.held += 1
+                await step.release.wait()
+                self.held -= 1
+                writer.write(step.answer)
+            elif isinstance(step, Cut):
+                writer.write(step.data)
+                await writer.drain()
+                return
+            else:
+                assert isinstance(step, bytes)
+                writer.write(step)
+
+
+def generation(*script: Step) -> StandIn:
+    return StandIn(*script, default=generation_default)
+
+
+# -- the orchestrator ------------------------------------------------------------------------------
+
+
+def released_everything(orch: Orchestrator) -> bool:
+    """No completion in flight, every worker's counts back to zero, no breaker probe held."""
+    return (
+        orch.in_flight == 0
+        and not orch._serving
+        and all(
+            w.in_flight == 0 and w.in_flight_tokens == 0 and not w.breaker.probing
+            for p in orch.pools
+            for w in p.workers
+        )
+    )
+
+
+@asynccontextmanager
+async def orchestrator(
+    contexts: list[StandIn], generations: list[StandIn], **config: Any
+) -> AsyncIterator[tuple[Orchestrator, int]]:
+    """An orchestrator in front of the stand-ins (round robin: the first listed is tried first), all
+    healthy; on the way out every count must be back (the answer read, whatever the path)."""
+    data = {
+        "port": 0,
+        "context_servers": {"urls": [s.url for s in contexts], "router": {"type": "round_robin"}},
+        "generation_servers": {"urls": [s.url for s in generations], "router": {"type": "round_robin"}},
+        "health_check_interval_s": 3600,
+        "gen_tokids_ctxbytes": True,
+        "gen_strip_message_history": True,
+        **config,
+    }
+    server, orch = await start_server(build_config(data, environ={}))
+    try:
+        assert await eventually(lambda: all(w.healthy for p in orch.pools for w in p.workers))
+        yield orch, server.sockets[0].getsockname()[1]
+        assert await eventually(lambda: released_everything(orch)), [
+            (w.url, w.in_flight, w.in_flight_tokens, w.breaker.probing) for p in orch.pools for w in p.workers
+        ]
+    finally:
+        await server.cleanup()
+
+
+def completion(stream: bool = False) -> bytes:
+    """A chat completion request (an agentic history, so the gates have history to strip)."""
+    return post(b"/v1/chat/completions", chat_body(64, stream=stream),
+                extra=b"Content-Type: application/json\r\n")  # fmt: skip
+
+
+async def ask(port: int, *requests: bytes) -> list[Response]:
+    """``requests`` written at once on one new connection; their responses, in order."""
+    async with connected(port) as client:
+        await client.send(b"".join(requests))
+        return await client.responses(len(requests), timeout=30)
+
+
+def error_of(resp: Response, status: int) -> dict[str, Any]:
+    """An OpenAI-shaped error answer's ``error`` object."""
+    assert resp.status == status, resp
+    assert resp.header(b"content-type") == b"application/json", resp
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    return dict(error)
+
+
+def in_band_error(resp: Response) -> dict[str, Any]:
+    """A stream's last event: the error its worker's failure put there (headers were gone)."""
+    assert resp.status == 200 and resp.header(b"content-type") == b"text/event-stream", resp
+    last = resp.body.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]
+    assert last.startswith(b"data: "), resp.body
+    return dict(json.loads(last[6:])["error"])
+
+
+def assert_answer(resp: Response, stream: bool) -> None:
+    """The canned generation answer, relayed: the SSE events as the worker sent them, or the JSON."""
+    assert resp.status == 200, resp
+    if stream:
+        assert resp.header(b"content-type") == b"text/event-stream"
+        assert resp.body == STREAM_EVENTS
+    else:
+        assert resp.header(b"content-type") == b"application/json"
+        assert resp.json()["choices"][0]["message"]["content"] == ANSWER_TEXT
+
+
+# -- 1. both paths answer the same -------------------------------------------------------------------
+
+
+async def test_both_paths_answer_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One orchestrator per path on the same workers: the same status, headers (but Date) and body,
+    unary and streamed; the stream's events are the worker's."""
+    answers: dict[bool, list[Response]] = {}
+    async with StandIn() as ctx, generation() as gen:
+        for callbacks in (True, False):
+            monkeypatch.setattr(Orchestrator, "serve_from_callbacks", callbacks)
+            async with orchestrator([ctx], [gen]) as (orch, port):
+                assert orch.callbacks is callbacks
+                answers[callbacks] = await ask(port, completion(), completion(stream=True))
+    for unary, streamed in answers.values():
+        assert_answer(unary, stream=False)
+        assert_answer(streamed, stream=True)
+    for mine, theirs in zip(answers[True], answers[False]):
+        assert mine.status == theirs.status
+        assert [h for h in mine.headers if h[0].lower() != b"date"] == [
+            h for h in theirs.headers if h[0].lower() != b"date"
+        ]
+        assert mine.body == theirs.body
+    assert len(ctx.posts) == len(gen.posts) == 4
+
+
+# -- 2. the callback path: one Exchange, no task --------------------------------------------------------
+
+
+async def test_a_completion_from_callbacks_holds_one_exchange_and_no_task(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While the context worker holds its answer the request is one Exchange (no task of its own), on
+    warm keep-alive connections; then the answer arrives as the warm-up's did."""
+    monkeypatch.setattr(Orchestrator, "serve_from_callbacks", True)
+    held = Hold(CONTEXT_OK)
+    async with StandIn(DEFAULT, held) as ctx, generation() as gen, orchestrator([ctx], [gen]) as (orch, port):
+        client = await Client.connect(port)
+        try:
+            await client.send(completion())
+            (warm,) = await client.responses(1, timeout=30)
+            assert_answer(warm, stream=False)
+            before = asyncio.all_tasks()
+            await client.send(completion())
+            assert await eventually(lambda: ctx.held == 1)
+            serving = list(orch._serving)
+            assert len(serving) == 1 and isinstance(serving[0], Exchange) and serving[0].task is None
+            assert asyncio.all_tasks() - before == set()  # no task made for the request
+            assert ctx.leg_connections == gen.leg_connections == 1  # the warm ones
+            held.release.set()
+            _, answer = await client.responses(2, timeout=30)
+            assert answer.status == 200 and answer.body == warm.body
+        finally:
+            client.close()
+
+
+# -- 3. leg (1)'s first attempt -------------------------------------------------------------------------
+
+
+@both_paths
+@pytest.mark.parametrize("first", ["refused", "reset"])
+async def test_a_context_refusal_or_reset_goes_to_the_next_worker(first: str) -> None:
+    step = REFUSED if first == "refused" else RESET
+    async with StandIn(step) as one, StandIn() as two, generation() as gen:
+        async with orchestrator([one, two], [gen]) as (orch, port):
+            (resp,) = await ask(port, completion())
+            assert_answer(resp, stream=False)
+            assert len(one.posts) == len(two.posts) == len(gen.posts) == 1
+            first_worker = orch.context_pool.workers[0]
+            if first == "reset":  # out until its /health passes; what it may have parked, released
+                assert not first_worker.healthy
+                assert await eventually(lambda: len(one.deletes) == 1)
+                assert one.deletes[0].startswith(b"/kv/by-request/")
+            else:  # a refusal says nothing against the worker
+                assert first_worker.healthy and not one.deletes
+
+
+@both_paths
+@pytest.mark.parametrize(
+    ("step", "status", "code", "config"),
+    [
+        (BROKEN, 502, "context_leg_failed", {}),
+        (BAD, 400, "too_long", {}),
+        (
+            SILENT,
+            504,
+            "context_leg_timeout",
+            {"context_timeout_s": 0.3, "context_timeout_per_1k_tokens_s": 0},
+        ),
+    ],
+    ids=["500", "400", "silent"],
+)
+async def test_a_context_failure_is_the_clients_answer(
+    step: Step, status: int, code: str, config: dict[str, Any]
+) -> None:
+    """A 5xx, the client's 4xx and a spent deadline end the leg on the worker that gave them: no other
+    worker gets the POST (it may have run, or the body is the cause), no generation leg."""
+    async with StandIn(step) as one, StandIn() as two, generation() as gen:
+        async with orchestrator([one, two], [gen], **config) as (_, port):
+            (resp,) = await ask(port, completion())
+            error = error_of(resp, status)
+            assert error["code"] == code
+            if status == 400:
+                assert error["message"] == TOO_LONG  # the worker's own words
+            assert len(one.posts) == 1 and not two.posts and not gen.posts
+            if step == SILENT:  # the lost answer's KV, released by its id
+                assert await eventually(lambda: len(one.deletes) == 1)
+                assert one.deletes[0].startswith(b"/kv/by-request/")
+
+
+# -- 4. leg (3)'s first attempt -------------------------------------------------------------------------
+
+
+@both_paths
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+@pytest.mark.parametrize("first", ["refused", "reset"])
+async def test_a_generation_refusal_or_reset_goes_to_the_next_worker(first: str, stream: bool) -> None:
+    step = REFUSED if first == "refused" else RESET
+    async with StandIn() as ctx, generation(step) as one, generation() as two:
+        async with orchestrator([ctx], [one, two]) as (orch, port):
+            (resp,) = await ask(port, completion(stream))
+            assert_answer(resp, stream)
+            assert len(ctx.posts) == len(one.posts) == len(two.posts) == 1
+            assert orch.generation_pool.workers[0].healthy is (first == "refused")
+            assert not ctx.deletes  # the KV was fetched by the worker that served
+
+
+@both_paths
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+@pytest.mark.parametrize(("step", "status", "code"), [(BAD, 400, "too_long"), (BROKEN, 502, "generation_leg_failed")],
+                         ids=["400", "500"])  # fmt: skip
+async def test_a_generation_failure_is_the_clients_answer(
+    step: bytes, status: int, code: str, stream: bool
+) -> None:
+    """Nothing reached the client yet: a plain error answer, stream or not; the context worker's parked
+    KV, which no generation worker will fetch now, is released."""
+    async with StandIn() as ctx, generation(step) as one, generation() as two:
+        async with orchestrator([ctx], [one, two]) as (_, port):
+            (resp,) = await ask(port, completion(stream))
+            error = error_of(resp, status)
+            assert error["code"] == code
+            if status == 400:
+                assert error["message"] == TOO_LONG
+            assert len(one.posts) == 1 and not two.posts
+            assert await eventually(lambda: ctx.deletes == [b"/kv/12345"])
+
+
+# -- 5. streams ------------------------------------------------------------------------------------------
+
+
+@both_paths
+@pytest.mark.parametrize("how", ["cut", "empty"])
+async def test_a_stream_its_worker_cuts_or_leaves_empty_ends_with_an_in_band_error(how: str) -> None:
+    """The head is gone to the client: the error is the stream's last event, then the chunked end."""
+    step: Step = Cut(CUT) if how == "cut" else EMPTY_STREAM
+    async with StandIn() as ctx, generation(step) as gen, orchestrator([ctx], [gen]) as (orch, port):
+        async with connected(port) as client:
+            await client.send(completion(stream=True))
+            (resp,) = await client.responses(1, timeout=30)
+            raw = bytes(client.stream.raw)
+        assert resp.body.startswith(EVENT if how == "cut" else b"data: {")
+        error = in_band_error(resp)
+        assert error["code"] == "generation_leg_failed" and error["type"]
+        assert ("mid-stream" if how == "cut" else "empty stream") in error["message"]
+        assert resp.header(b"transfer-encoding") == b"chunked" and raw.endswith(b"\r\n0\r\n\r\n")
+        assert not orch.generation_pool.workers[0].healthy
+
+
+@both_paths
+async def test_a_json_answer_to_a_stream_request_is_relayed_as_json() -> None:
+    async with StandIn() as ctx, generation(GENERATION_OK) as gen, orchestrator([ctx], [gen]) as (orch, port):
+        (resp,) = await ask(port, completion(stream=True))
+        assert_answer(resp, stream=False)
+        assert orch.generation_pool.workers[0].healthy
+
+
+# -- 6. pipelining ---------------------------------------------------------------------------------------
+
+
+@both_paths
+async def test_pipelined_completions_are_answered_in_order() -> None:
+    """Two completions written at once, the first held at its context worker: the stream first, then
+    the unary answer, on the one connection."""
+    held = Hold(CONTEXT_OK)
+    async with StandIn(held) as ctx, generation() as gen, orchestrator([ctx], [gen]) as (_, port):
+        async with connected(port) as client:
+            await client.send(completion(stream=True) + completion())
+            assert await eventually(lambda: ctx.held == 1)
+            assert not client.stream.responses
+            held.release.set()
+            first, second = await client.responses(2, timeout=30)
+        assert_answer(first, stream=True)
+        assert_answer(second, stream=False)
+        assert len(ctx.posts) == len(gen.posts) == 2
+
+
+# -- 7. a bug in a step --------------------------------------------------------------------------------
+
+
+@both_paths
+async def test_a_bug_in_a_step_is_a_500_and_the_next_request_is_served() -> None:
+    def broken(req: Any, body: bytes) -> bytes:
+        raise RuntimeError("a bug")
+
+    async with StandIn() as ctx, generation() as gen, orchestrator([ctx], [gen]) as (orch, port):
+        orch.relay.client_answer = broken  # on the instance: the class's is back once deleted
+        try:
+            async with connected(port) as client:
+                await client.send(completion())
+                responses = await client.until_closed(timeout=30)
+        finally:
+            del orch.relay.client_answer
+        assert len(responses) == 1
+        error = error_of(responses[0], 500)
+        assert error["message"] == "internal error"
+        assert responses[0].header(b"connection") == b"close"
+        assert await eventually(lambda: released_everything(orch))
+        assert await eventually(lambda: ctx.deletes == [b"/kv/12345"])  # its parked KV released
+        (resp,) = await ask(port, completion())
+        assert_answer(resp, stream=False)
