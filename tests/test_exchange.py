@@ -68,10 +68,12 @@ DEFAULT, RESET, SILENT = "default", "reset", "silent"
 
 
 class Hold:
-    """Answer ``answer`` once ``release`` is set (meanwhile the test sees the request held)."""
+    """Answer ``answer`` once ``release`` is set (meanwhile the test sees the request held); with
+    ``head``, its head goes first and the rest once released (a body in a later read)."""
 
-    def __init__(self, answer: bytes) -> None:
+    def __init__(self, answer: bytes, *, head: bool = False) -> None:
         self.answer = answer
+        self.at = answer.index(b"\r\n\r\n") + 4 if head else 0
         self.release = asyncio.Event()
 
 
@@ -158,10 +160,13 @@ class StandIn:
                 self.held += 1
                 await asyncio.Event().wait()  # until the test ends (cancelled)
             elif isinstance(step, Hold):
+                if step.at:
+                    writer.write(step.answer[: step.at])
+                    await writer.drain()
                 self.held += 1
                 await step.release.wait()
                 self.held -= 1
-                writer.write(step.answer)
+                writer.write(step.answer[step.at :])
             elif isinstance(step, Cut):
                 writer.write(step.data)
                 await writer.drain()
@@ -431,6 +436,32 @@ async def test_a_json_answer_to_a_stream_request_is_relayed_as_json() -> None:
         (resp,) = await ask(port, completion(stream=True))
         assert_answer(resp, stream=False)
         assert orch.generation_pool.workers[0].healthy
+
+
+def handed_over(orch: Orchestrator) -> bool:
+    """The completion in flight goes on in coroutines: its task (the task path's, or the one an
+    Exchange handed its leg's attempt to)."""
+    return bool(orch._serving) and all(getattr(s, "task", s) is not None for s in orch._serving)
+
+
+@both_paths
+@pytest.mark.parametrize(("answer", "status"), [(GENERATION_OK, 200), (BAD, 400)], ids=["json", "400"])
+async def test_a_stream_legs_other_answer_is_read_to_its_end_when_its_body_comes_later(
+    answer: bytes, status: int
+) -> None:
+    """A stream leg's head that is not a 200 SSE goes on in coroutines at once (exchange.leg_head);
+    its body, in a later read, wakes them there (the response's futures, not the exchange)."""
+    late = Hold(answer, head=True)
+    async with StandIn() as ctx, generation(late) as gen, orchestrator([ctx], [gen]) as (orch, port):
+        async with connected(port) as client:
+            await client.send(completion(stream=True))
+            assert await eventually(lambda: gen.held == 1 and handed_over(orch))
+            late.release.set()
+            (resp,) = await client.responses(1, timeout=30)
+        if status == 200:
+            assert_answer(resp, stream=False)
+        else:
+            assert error_of(resp, 400)["message"] == TOO_LONG
 
 
 # -- 6. pipelining ---------------------------------------------------------------------------------------
