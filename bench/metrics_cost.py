@@ -35,7 +35,7 @@ from typing import Any
 from bench._timing import format_table, time_call
 
 MODES = ("hand-written", "prometheus_client", "prometheus_client mmap")
-CPU_SAMPLE_EVERY = 8  # server.orchestrator.app.CPU_SAMPLE_EVERY
+CPU_SAMPLE_EVERY = 32  # server.orchestrator.metrics.CPU_SAMPLE_EVERY
 PHASES = ("validate", "build_context", "read_context", "build_generation", "relay", "total")
 #: The orchestrator's CPU per request on the fast path at 1k tokens (the lean-path issue's number).
 LEAN_PATH_US = 400.0

@@ -44,6 +44,12 @@ CONNECT_TIMEOUT_S = 5.0
 IDLE_TIMEOUT_S = 30.0
 
 
+#: a request body below this many bytes goes out joined with its head in one write: a vectored write of
+#: views costs the event loop more per piece than copying a few KB (bench.routers at 1 KB: -10% CPU);
+#: a larger one is written as its pieces, never copied
+WRITE_JOINED_BELOW = 32 * 1024
+
+
 class UpstreamError(Exception):
     """The worker could not be reached, or its connection failed or broke the protocol."""
 
@@ -413,7 +419,13 @@ class _Connection(asyncio.Protocol):
         if self.deadline or self.read_timeout:
             self.timed = True
             self.sweeper.add(self)
-        transport.writelines((head, *pieces))
+        size = 0
+        for piece in pieces:
+            size += len(piece)
+        if size < WRITE_JOINED_BELOW:
+            transport.write(b"".join((head, *pieces)))
+        else:
+            transport.writelines((head, *pieces))
         return resp
 
     def _check_deadline(self, now: float) -> None:

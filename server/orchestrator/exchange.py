@@ -77,6 +77,7 @@ class Exchange(Handling):
         "task",
         "tokens",
         "tried",
+        "work",
         "worker",
     )
 
@@ -93,8 +94,10 @@ class Exchange(Handling):
         self.worker: Worker | None = None
         self.handed_over = 0.0
         self.streaming = False
-        #: the coroutines it went on in (None while it runs from callbacks)
+        #: the coroutines it went on in (None while it runs from callbacks), and their work until the
+        #: task first runs (a task cancelled before that never runs a line of it)
         self.task: asyncio.Task[None] | None = None
+        self.work: Coroutine[Any, Any, int] | None = None
         #: finished (counted, the connection told); returned by start() (before that, done() waits)
         self.ended = False
         self.returned = False
@@ -147,12 +150,16 @@ class Exchange(Handling):
         legs = orch.legs
         if isinstance(pieces, bytes):  # a relay mode that builds the leg whole (relay_parsed.py)
             pieces = (pieces,)
-        self.leg, self.worker = leg, worker
         self.handed_over = legs.hold(worker, self.tokens, timed, handoff_from)
-        self.resp = orch._upstream(worker).start(
-            self, _POST, self.path, pieces, headers=legs.lines(headers, pieces, worker, extra), timeout=timeout,
-            read_timeout=read_timeout, max_body=max_body, headers_timeout=first_byte,
-        )  # fmt: skip
+        try:
+            self.resp = orch._upstream(worker).start(
+                self, _POST, self.path, pieces, headers=legs.lines(headers, pieces, worker, extra), timeout=timeout,
+                read_timeout=read_timeout, max_body=max_body, headers_timeout=first_byte,
+            )  # fmt: skip
+        except BaseException:
+            legs.let_go(worker, self.tokens)
+            raise
+        self.leg, self.worker = leg, worker
 
     def _context_answered(self, resp: UpstreamResponse) -> None:
         """Leg (1)'s worker answered 200: read it, and answer, or start leg (3)."""
@@ -268,14 +275,13 @@ class Exchange(Handling):
     # -- going on in coroutines ------------------------------------------------------------
 
     def _hand_over(self, resp: UpstreamResponse, error: BaseException | None) -> None:
-        """Not the common case: the leg runner classifies this attempt and goes on from it."""
+        """Not the common case: the leg runner classifies this attempt and goes on from it (the
+        attempt stays this exchange's until the task runs: see :meth:`_run`)."""
         worker = self.worker
         assert worker is not None
         resp.listener = None  # its futures wake the coroutines from here
         sent = Sent(worker, self.handed_over, resp, error)
-        leg = self.leg
-        self.resp, self.worker, self.leg = None, None, 0  # the leg runner lets the worker go
-        self._go_on(self._context_leg(sent) if leg == CONTEXT else self._generation_leg(sent))
+        self._go_on(self._context_leg(sent) if self.leg == CONTEXT else self._generation_leg(sent))
 
     def _context_leg(self, sent: Sent | None) -> Coroutine[Any, Any, int]:
         return self.orch._context_leg(self.out, self.req, self.path, self.body, self.clock, self.key, self.tokens,
@@ -289,9 +295,14 @@ class Exchange(Handling):
             self.auth, self.context_done, self.context_worker, self.context_response, resume=sent)  # fmt: skip
 
     def _go_on(self, work: Coroutine[Any, Any, int]) -> None:
+        self.work = work
         self.task = asyncio.get_running_loop().create_task(self._run(work))
 
     async def _run(self, work: Coroutine[Any, Any, int]) -> None:
+        # From here the leg runner holds the attempt handed over (lets its worker go, releases its
+        # response), and the coroutines the KV: a cancel goes through them.
+        self.work = None
+        self.resp, self.worker, self.leg = None, None, 0
         status = 499  # cancelled: the client went away (both legs are closed with this task)
         try:
             status = await self.orch._settle(self.out, work)
@@ -327,9 +338,13 @@ class Exchange(Handling):
         """The client left, or a drain ran out: the leg in flight is reset, what it parked released."""
         if self.ended:
             return
-        if self.task is not None:
-            self.task.cancel()  # its _run finishes the exchange
-            return
+        task = self.task
+        if task is not None:
+            task.cancel()
+            if self.work is None:
+                return  # its coroutines end the leg and the exchange (_run)
+            self.work.close()  # never started: what they would have done is done here
+            self.work = self.task = None
         resp = self.resp
         if resp is not None:
             worker = self.worker

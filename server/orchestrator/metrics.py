@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 FALLBACK_REASONS = ("no_worker", "circuit_open", "refused", "failed", "timeout")
 #: the per-phase CPU clock (a thread_time() syscall per phase) runs on one request in this many;
 #: every request is still counted everywhere else
-CPU_SAMPLE_EVERY = 8
+CPU_SAMPLE_EVERY = 32
 PHASES = ("validate", "build_context", "read_context", "build_generation", "relay", "total")
 LEGS = ("context", "generation")
 
