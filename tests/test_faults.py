@@ -493,6 +493,45 @@ async def test_a_client_hang_up_frees_both_workers_in_every_phase() -> None:
         assert s.context[0].metrics.handoff.get(event="served") == 1
 
 
+async def test_a_cancel_after_a_hand_over_before_its_task_ran_frees_the_worker_and_the_exchange(
+    request_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The callback path hands a refused attempt to the leg runner in a task; a client that leaves
+    before that task's first step cancels a task that never runs a line of its coroutine: the
+    exchange itself lets the worker go, resets the attempt, releases what the leg may have parked and
+    counts the 499 (before, the worker's in-flight count and the orchestrator's stayed up)."""
+    if request_path != "callbacks":
+        pytest.skip("the callback path's hand-over")
+    from server.orchestrator import app as app_module
+    from server.orchestrator.exchange import Exchange
+
+    cancelled: list[asyncio.Task[None]] = []
+
+    class CancelledAtHandOver(Exchange):
+        __slots__ = ()
+
+        def _hand_over(self, resp: Any, error: BaseException | None) -> None:
+            super()._hand_over(resp, error)
+            assert self.task is not None and self.work is not None
+            cancelled.append(self.task)
+            self.cancel()  # as connection_lost would, in the same loop turn
+
+    monkeypatch.setattr(app_module, "Exchange", CancelledAtHandOver)
+    async with stack() as s:
+        await s.proxies[0].set_mode("status:503")
+        async with aiohttp.ClientSession() as session:
+            with pytest.raises(aiohttp.ClientError):
+                await chat(session, s.url)
+            page = await metrics(session, s.url)
+        assert len(cancelled) == 1 and await eventually(lambda: cancelled[0].done())
+        assert cancelled[0].cancelled()
+        for pool in s.orch.pools:
+            for worker in pool.workers:
+                assert worker.in_flight == 0 and worker.in_flight_tokens == 0 and not worker.breaker.probing
+        assert s.orch.in_flight == 0 and not s.orch._serving
+        assert page['fastcore_orchestrator_requests_total{route="chat",status="499"}'] == 1
+
+
 async def test_a_hang_up_while_the_context_answer_is_in_flight_releases_its_kv_by_request_id() -> None:
     """The context worker answered and parked the KV, the answer has not reached the orchestrator
     when the client leaves: the KV's id was never read, so it is released by disagg_request_id

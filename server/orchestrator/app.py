@@ -10,12 +10,15 @@ leg sends is decided here; both run in one loop (legs.py: choose, lease, send,
 classify, retry), and the metrics are metrics.py's.
 
 Both sides of the hot path are :mod:`server.http`: client connections are
-asyncio protocols framed by httptools (bounded headers, bodies, time and
+asyncio protocols framed by llhttp (bounded headers, bodies, time and
 connections), and each worker has a pool of keep-alive upstream connections
 that write request bodies as their pieces and hand streamed response bytes
-straight to the client's socket. Per request there is one task, one parsed
-request, one responder and one response object per leg. aiohttp stays off
-the request path: it runs the workers' health checks.
+straight to the client's socket. A completion is served from those
+connections' callbacks (exchange.py: one object per request, no task) and goes
+on in coroutines only where it leaves the common case (a worker's refusal or
+failure, a deadline, the admission queue, tracing, conditional
+disaggregation): the same steps, written once here. aiohttp stays off the
+request path: it runs the workers' health checks.
 
 The app keeps no per-request state beyond the request itself, so any number
 of processes (``--workers N``) and hosts can share the load.
