@@ -321,8 +321,10 @@ class _Connection(asyncio.Protocol):
         if self.read_timeout:
             self.last_io = self.loop.time()
         self.feeding = True
+        failed = True
         try:
             self.parser.feed(data)
+            failed = False
         except BadResponse as exc:
             self._flush(resp)
             self._fail(UpstreamError(f"malformed HTTP response: {exc}"))
@@ -335,7 +337,9 @@ class _Connection(asyncio.Protocol):
         self.feeding = False
         if self.release_after_feed:
             self.release_after_feed = False
-            if self.response is None and not self.closed:
+            if failed:  # bytes past the end of the response it finished: not to be trusted again
+                self.close()
+            elif self.response is None and not self.closed:
                 self.pool._release(self)
 
     def _flush(self, resp: UpstreamResponse) -> None:
