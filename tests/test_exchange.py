@@ -69,11 +69,12 @@ DEFAULT, RESET, SILENT = "default", "reset", "silent"
 
 class Hold:
     """Answer ``answer`` once ``release`` is set (meanwhile the test sees the request held); with
-    ``head``, its head goes first and the rest once released (a body in a later read)."""
+    ``head``, its head goes first and the rest once released (a body in a later read); with ``at``,
+    its first ``at`` bytes."""
 
-    def __init__(self, answer: bytes, *, head: bool = False) -> None:
+    def __init__(self, answer: bytes, *, head: bool = False, at: int = 0) -> None:
         self.answer = answer
-        self.at = answer.index(b"\r\n\r\n") + 4 if head else 0
+        self.at = answer.index(b"\r\n\r\n") + 4 if head else at
         self.release = asyncio.Event()
 
 
@@ -85,6 +86,13 @@ class Cut:
 
 
 Step = bytes | str | Hold | Cut
+
+
+def reset(writer: asyncio.StreamWriter) -> None:
+    """Close with a TCP reset (SO_LINGER 0), not a FIN."""
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
 
 
 def generation_default(body: bytes) -> bytes:
@@ -152,9 +160,7 @@ class StandIn:
             if step == DEFAULT:
                 writer.write(self.default(body))
             elif step == RESET:
-                sock = writer.get_extra_info("socket")
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                writer.transport.abort()
+                reset(writer)
                 return
             elif step == SILENT:
                 self.held += 1
@@ -462,6 +468,33 @@ async def test_a_stream_legs_other_answer_is_read_to_its_end_when_its_body_comes
             assert_answer(resp, stream=False)
         else:
             assert error_of(resp, 400)["message"] == TOO_LONG
+
+
+@both_paths
+@pytest.mark.parametrize("where", ["context", "stream"])
+async def test_a_client_that_leaves_ends_the_leg_and_releases_the_kv(where: str) -> None:
+    """The client goes while its context answer is held, or mid-stream: the leg's connection is reset,
+    the KV the context worker may hold released (by the request's id, or by the answer's endpoint)."""
+    held = Hold(CUT + b"0\r\n\r\n", at=len(CUT)) if where == "stream" else Hold(CONTEXT_OK)
+    ctx = StandIn(held) if where == "context" else StandIn()
+    gen = generation(held) if where == "stream" else generation()
+    async with ctx, gen, orchestrator([ctx], [gen]) as (orch, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(completion(stream=True))
+        if where == "context":
+            assert await eventually(lambda: ctx.held == 1)
+        else:  # the stream's first event reached the client
+            got = b""
+            while EVENT not in got:
+                got += await asyncio.wait_for(reader.read(65536), 30)
+            assert got.startswith(b"HTTP/1.1 200")
+        reset(writer)  # a FIN alone may be a half-close (RFC 9112 9.6): the server waits for the answer
+        if where == "context":
+            assert await eventually(lambda: len(ctx.deletes) == 1)
+            assert ctx.deletes[0].startswith(b"/kv/by-request/") and not gen.posts
+        else:
+            assert await eventually(lambda: ctx.deletes == [b"/kv/12345"])
+            assert await eventually(lambda: not orch.upstreams[gen.url].open)  # reset, not pooled
 
 
 # -- 6. pipelining ---------------------------------------------------------------------------------------
