@@ -1037,14 +1037,21 @@ async def test_start_skips_a_pooled_connection_whose_transport_is_closing() -> N
         assert up.accepted == 2 and [r[2] for r in up.requests] == [b"first", b"second"]
 
 
-async def test_start_sends_again_on_a_fresh_connection_when_a_reused_one_closes_unanswered() -> None:
+@pytest.mark.parametrize("answered", [False, True], ids=["unanswered", "part-answered"])
+async def test_start_sends_again_on_a_fresh_connection_when_a_reused_one_closes_unanswered(
+    answered: bool,
+) -> None:
     """The worker closes the kept-alive connection as the second request arrives (it never reached a
-    handler): sent once more on a fresh connection and answered; the listener hears no error."""
+    handler): sent once more on a fresh connection and answered; the listener hears no error. Once
+    bytes of an answer came back the request was seen: an error (``sent``), not sent again."""
 
     async def serve(up: Upstream, reader: Reader, writer: Writer, index: int) -> None:
         while (req := await up.next_request(reader)) is not None:
             if index == 0 and len(up.requests) == 2:
-                return  # closed without an answer
+                if answered:
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Le")
+                    await writer.drain()
+                return  # closed before the answer's end
             writer.write(echo_response(req))
 
     async with Upstream(serve) as up, pool_for(up) as pool:
@@ -1055,8 +1062,13 @@ async def test_start_sends_again_on_a_fresh_connection_when_a_reused_one_closes_
         second = Recorder()
         pool.start(second, b"POST", b"/", [b"second"], timeout=5.0, max_body=1000)
         assert await second.ended()
-        assert second.events == [("done", b"second")]
-        assert up.accepted == 2 and [r[2] for r in up.requests] == [b"first", b"second", b"second"]
+        if answered:
+            ((kind, exc),) = second.events
+            assert kind == "error" and isinstance(exc, UpstreamError) and exc.sent is True
+            assert up.accepted == 1 and [r[2] for r in up.requests] == [b"first", b"second"]
+        else:
+            assert second.events == [("done", b"second")]
+            assert up.accepted == 2 and [r[2] for r in up.requests] == [b"first", b"second", b"second"]
 
 
 async def test_start_where_nothing_listens_is_an_error_not_sent() -> None:
