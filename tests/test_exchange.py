@@ -4,8 +4,9 @@ A real orchestrator (``start_server``, both gates on) in front of stand-in worke
 (port 0, ``asyncio.start_server``): each answers ``GET /health`` and ``/server_info``, a ``DELETE``
 (a KV release) with a 404, and its ``POST``s from a script: canned answers of ``bench`` (a context
 response of 250 base64 prompt ids, a generation response, an SSE stream), a refusal, a 4xx, a 5xx,
-a reset, silence, an answer held until the test lets it go, a stream cut. The client writes raw
-bytes and parses what comes back (``raw_http``).
+a reset, silence, an answer held until the test lets it go (or its head first, its body later), a
+stream cut. The client writes raw bytes and parses what comes back (``raw_http``); one that leaves
+resets its connection (a FIN alone may be a half-close, which the server answers to the end).
 
 Each test runs on both request paths (conftest's ``request_path``) and pins what the client gets,
 which workers were tried and that every worker's in-flight counts are back to zero, with no breaker
