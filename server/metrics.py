@@ -85,6 +85,9 @@ class _Metric:
         self.labelnames = tuple(labelnames)
         self.native = native
         self._children: dict[LabelValues, Any] = {}
+        #: its registry's sync (set when registered): values a hot path tallies on its own
+        #: (server/orchestrator/metrics.py) reach prometheus_client's at each read
+        self.sync: Callable[[], None] | None = None
 
     def _child(self, labels: dict[str, str]) -> Any:
         if not self.labelnames:
@@ -112,6 +115,8 @@ class _Metric:
 
     def _sample(self, suffix: str, labels: dict[str, str]) -> float:
         """This process's value of one sample (0 when the series does not exist yet)."""
+        if self.sync is not None:
+            self.sync()
         want = {n: str(labels.get(n, "")) for n in self.labelnames}
         for family in self.native.collect():
             for sample in family.samples:
@@ -263,6 +268,7 @@ class Registry:
 
     def _add(self, metric: _Metric) -> Any:
         self.metrics.append(metric)
+        metric.sync = self.sync
         callback = getattr(metric, "callback", None)
         if callback is not None and MULTIPROCESS:
             self._synced.append((metric, callback))

@@ -34,7 +34,15 @@ from server import metrics
 from server.metrics import CONTENT_TYPE, MULTIPROC_ENV, Registry, SharedMetricsDir
 from server.orchestrator.app import Orchestrator
 from server.orchestrator.config import build_config
-from server.orchestrator.metrics import BoundHistogram, CountOne, OrchestratorMetrics, bind_counter
+from server.orchestrator.metrics import (
+    BoundHistogram,
+    CountOne,
+    OrchestratorMetrics,
+    TallyHistogram,
+    TallyOne,
+    bind_counter,
+    bind_histogram,
+)
 from server.worker.app import WorkerSettings, start_worker
 from server.worker.synthetic import SyntheticEngine
 
@@ -179,6 +187,28 @@ def test_a_count_one_child_counts_on_the_prometheus_childs_value():
     assert value(r.render().decode(), "t_counted_total", path="a") == 5
     old_child = OldRegistry().counter("t_old_total", "Old.", ("path",)).labels(path="a")
     assert bind_counter(old_child) is old_child
+
+
+def test_tallies_reach_the_page_at_each_sync_and_each_read():
+    """TallyOne and TallyHistogram (the orchestrator's hot-path counts) keep their counts in plain
+    numbers: prometheus_client's values stay as they were until the registry syncs (a scrape, a
+    read of a value), then read what an immediate child would."""
+    r = Registry()
+    counter = r.counter("t_tally_total", "Tallied.", ("path",))
+    tally = bind_counter(counter.labels(path="a"), r)
+    hist = r.histogram("t_tally_seconds", "Tallied.", ("phase",))
+    observed = bind_histogram(hist.labels(phase="x"), r)
+    assert isinstance(tally, TallyOne) and isinstance(observed, TallyHistogram)
+    for _ in range(3):
+        tally.inc()
+    for amount in (0.0, 0.004, 0.3, 500.0, float("inf")):
+        observed.observe(amount)
+    assert tally.native._value.get() == 0.0  # not yet: no lock taken per count
+    assert counter.get(path="a") == 3  # a read syncs
+    assert hist.count(phase="x") == 5
+    tally.inc()
+    assert value(r.render().decode(), "t_tally_total", path="a") == 4  # so does a scrape
+    assert tally.n == 0 and not observed.pending
 
 
 def exercise(m: OrchestratorMetrics, orchestrator: Orchestrator) -> None:

@@ -1,7 +1,10 @@
 """The orchestrator's ``/metrics``: its families, each bound child made once, and the per-phase CPU clock.
 
 Everything a request touches on the hot path is a bound child (``.labels()``
-called here, once), so counting costs one ``inc``/``observe``. Gauges that
+called here, once), counted in plain numbers (:class:`TallyOne`,
+:class:`TallyHistogram`: no lock, no call into prometheus_client) that reach
+the page whenever the registry syncs: at each scrape, each read of a value, and
+with ``--workers N`` each second. Gauges that
 mirror state (workers' health, in-flight legs, breakers, the cluster's view)
 are read from the pools when the page is scraped, not kept up to date per
 request.
@@ -75,8 +78,9 @@ class OrchestratorMetrics:
         bytes_per_token(registry, orchestrator.pools)
         self._latencies(registry)
         _server_stats(registry, orchestrator)
-        self.cpu_phase = {phase: bind_histogram(self.cpu.labels(phase=phase)) for phase in PHASES}
-        self.retries_leg = {leg: bind_counter(self.retries.labels(leg=leg)) for leg in LEGS}
+        self.cpu_phase = {phase: bind_histogram(self.cpu.labels(phase=phase), registry) for phase in PHASES}
+        self.retries_leg = {leg: bind_counter(self.retries.labels(leg=leg), registry) for leg in LEGS}
+        self._registry = registry
         #: (route, status): its child's count-one call, bound at the first such request
         self._requests: dict[tuple[str, int], Callable[[], None]] = {}
 
@@ -84,7 +88,7 @@ class OrchestratorMetrics:
         count = self._requests.get((route, status))
         if count is None:
             child = self.requests.labels(route=route, status=str(status))
-            count = self._requests[(route, status)] = bind_counter(child).inc
+            count = self._requests[(route, status)] = bind_counter(child, self._registry).inc
         count()
 
     def forget_worker(self, pool: str, url: str) -> None:
@@ -149,9 +153,9 @@ class OrchestratorMetrics:
             "(conditional_disagg_config: the generation worker prefilled the request itself).",
             ("path",),
         )
-        self.path_disaggregated = bind_counter(self.by_path.labels(path="disaggregated"))
-        self.path_local = bind_counter(self.by_path.labels(path="local_prefill"))
-        self.path_fallback = bind_counter(self.by_path.labels(path="context_fallback"))
+        self.path_disaggregated = bind_counter(self.by_path.labels(path="disaggregated"), registry)
+        self.path_local = bind_counter(self.by_path.labels(path="local_prefill"), registry)
+        self.path_fallback = bind_counter(self.by_path.labels(path="context_fallback"), registry)
         fallbacks = registry.counter(
             "fastcore_orchestrator_context_fallbacks_total",
             "Requests served whole by a local_prefill generation worker because no context worker took "
@@ -163,7 +167,7 @@ class OrchestratorMetrics:
         self.fallbacks = {reason: fallbacks.labels(reason=reason) for reason in FALLBACK_REASONS}
         for child in self.fallbacks.values():
             child.inc(0)
-        self.fallbacks = {reason: bind_counter(child) for reason, child in self.fallbacks.items()}
+        self.fallbacks = {reason: bind_counter(child, registry) for reason, child in self.fallbacks.items()}
 
     def _breakers(self, registry: Registry, pools: Sequence[Pool]) -> None:
         self.breaker_opened = registry.counter(
@@ -231,25 +235,29 @@ class OrchestratorMetrics:
         self.context_leg = bind_histogram(
             registry.histogram(
                 "fastcore_orchestrator_context_leg_seconds", "Context request sent -> context response read."
-            ).labels()
+            ).labels(),
+            registry,
         )
         self.handoff = bind_histogram(
             registry.histogram(
                 "fastcore_orchestrator_handoff_seconds",
                 "Context response read -> generation request handed to its connection.",
-            ).labels()
+            ).labels(),
+            registry,
         )
         self.generation_ttfb = bind_histogram(
             registry.histogram(
                 "fastcore_orchestrator_generation_ttfb_seconds",
                 "Generation request handed over -> first byte of the generation response (its headers).",
-            ).labels()
+            ).labels(),
+            registry,
         )
         self.finished_by_context = bind_counter(
             registry.counter(
                 "fastcore_orchestrator_finished_by_context_total",
                 "Requests answered by the context leg alone.",
-            ).labels()
+            ).labels(),
+            registry,
         )
 
 
@@ -324,16 +332,88 @@ class CountOne:
         self.inc: Callable[[], None] = partial(child._value.inc, 1.0)
 
 
-def bind_counter(child: Any) -> Any:
-    """``child`` counted through a :class:`CountOne` where it is prometheus_client's (another registry's
-    child is kept as it is)."""
-    return CountOne(child) if hasattr(child, "_value") else child
+class TallyOne:
+    """A counter child counted in a plain int on the hot path (no lock, no call into prometheus_client)
+    and added to the child's value when its registry syncs (each scrape, each read of a value, and
+    with --workers N each second: Registry.keep_synced)."""
+
+    __slots__ = ("_value", "n", "native")
+
+    def __init__(self, child: Any) -> None:
+        self.native = child
+        self._value = child._value
+        self.n = 0
+
+    def inc(self) -> None:
+        self.n += 1
+
+    def flush(self) -> None:
+        n = self.n
+        if n:
+            self.n = 0
+            self._value.inc(float(n))
 
 
-def bind_histogram(child: Any) -> Any:
-    """``child`` observed through a :class:`BoundHistogram` where it is prometheus_client's (another
-    registry's child, as bench.metrics_cost's hand-written one, is kept as it is)."""
-    return BoundHistogram(child) if hasattr(child, "_upper_bounds") else child
+class TallyHistogram:
+    """A histogram child observed into a plain sum and bucket counts (found by bisection, as
+    :class:`BoundHistogram`), added to the child's values when its registry syncs (see
+    :class:`TallyOne`): the page reads the same series."""
+
+    __slots__ = ("_bounds", "_buckets", "_sum", "counts", "native", "pending", "sum")
+
+    def __init__(self, child: Any) -> None:
+        self.native = child
+        self._bounds = tuple(child._upper_bounds)
+        self._buckets = tuple(child._buckets)
+        self._sum = child._sum
+        self.counts = [0] * len(self._bounds)
+        self.sum = 0.0
+        self.pending = False
+
+    def observe(self, amount: float) -> None:
+        self.sum += amount
+        self.pending = True
+        i = bisect_left(self._bounds, amount)
+        if amount <= self._bounds[i]:
+            self.counts[i] += 1
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        self.pending = False
+        amount, self.sum = self.sum, 0.0
+        self._sum.inc(amount)
+        counts = self.counts
+        for i, n in enumerate(counts):
+            if n:
+                counts[i] = 0
+                self._buckets[i].inc(n)
+
+
+def bind_counter(child: Any, registry: Registry | None = None) -> Any:
+    """``child`` counted through a :class:`TallyOne` flushed by ``registry``'s syncs, or without one
+    through a :class:`CountOne`, where it is prometheus_client's (another registry's child is kept
+    as it is)."""
+    if not hasattr(child, "_value"):
+        return child
+    if registry is None:
+        return CountOne(child)
+    tally = TallyOne(child)
+    registry.before_collect(tally.flush)
+    return tally
+
+
+def bind_histogram(child: Any, registry: Registry | None = None) -> Any:
+    """``child`` observed through a :class:`TallyHistogram` flushed by ``registry``'s syncs, or without
+    one through a :class:`BoundHistogram`, where it is prometheus_client's (another registry's child,
+    as bench.metrics_cost's hand-written one, is kept as it is)."""
+    if not hasattr(child, "_upper_bounds"):
+        return child
+    if registry is None:
+        return BoundHistogram(child)
+    tally = TallyHistogram(child)
+    registry.before_collect(tally.flush)
+    return tally
 
 
 class CpuClock:
