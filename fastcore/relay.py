@@ -41,7 +41,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from . import _relay_impl, _scan_impl, protocol
+from . import _relay_impl, _relay_py, _scan_impl, protocol
 from .errors import RelayError
 
 BytesLike = bytes | bytearray | memoryview
@@ -116,6 +116,10 @@ class Relay:
 
 _default = Relay(_relay_impl)
 
+#: where a :class:`ContextScan`'s ``spans`` (either twin) hold the response's top-level ``usage`` object:
+#: what reads it again (the orchestrator's bytes-per-token learner) scans that span alone
+CONTEXT_USAGE_SPAN = _relay_py.X_USAGE
+
 ClientScan = _default.ClientScan
 ContextScan = _default.ContextScan
 read_client_request = _default.read_client_request
@@ -129,6 +133,7 @@ build_context_request = _default.build_context_request
 build_generation_request = _default.build_generation_request
 
 __all__ = [
+    "CONTEXT_USAGE_SPAN",
     "GENERATION_FOLLOWS",
     "INTERNAL_FIELDS",
     "ClientScan",

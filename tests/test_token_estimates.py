@@ -8,6 +8,7 @@ orchestrator on 127.0.0.1: conditional disaggregation decides in their tokens, n
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import random
 from typing import Any
@@ -17,9 +18,17 @@ import pytest
 from helpers import free_port
 from tiny_workers import one_torch_thread, tiny_worker  # noqa: F401 (autouse fixture)
 
+import fastcore
+import fastcore.relay
 from server.orchestrator.app import start_server
 from server.orchestrator.config import build_config
-from server.orchestrator.estimates import DEFAULT_BYTES_PER_TOKEN, BytesPerToken, UsageLearner, read_usage
+from server.orchestrator.estimates import (
+    DEFAULT_BYTES_PER_TOKEN,
+    BytesPerToken,
+    UsageLearner,
+    read_usage,
+    read_usage_at,
+)
 from server.orchestrator.pools import Capabilities, HealthChecker, Pool, Worker
 from server.orchestrator.routing import KvCacheAwareRouter, RequestKey, make_router, request_key
 
@@ -75,6 +84,48 @@ def test_read_usage_where_the_last_usage_is_no_key(body: bytes, expected: tuple[
 )
 def test_read_usage_of_junk_is_nothing(body: bytes) -> None:
     assert read_usage(body) == (None, None)
+
+
+USAGES = [
+    {"prompt_tokens": 123, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 64}},
+    {"prompt_tokens": 7},
+    {"prompt_tokens": 7, "prompt_tokens_details": None},
+    {"prompt_tokens": -7, "prompt_tokens_details": {"cached_tokens": 1.5}},
+    {"prompt_tokens": "7"},
+    {"prompt_tokens": 10**30},
+    None,
+]
+
+
+@pytest.mark.parametrize("usage", USAGES)
+def test_read_usage_at_the_span_a_scan_found_reads_the_same(usage: Any) -> None:
+    """The learner's read of a span the relay's validating scan found (read_usage_at) gives what the
+    read of the whole answer gives; our context workers put the ids after usage, so the span is
+    what keeps it from walking them."""
+    body = answer(usage)
+    (span,) = fastcore.find_spans(body, [("usage",)])
+    assert span is not None
+    assert read_usage_at(body, span) == read_usage(body)
+
+
+def test_the_orchestrators_learner_reads_the_usage_span_of_the_relays_context_scan() -> None:
+    """A context response as our workers write it (prompt_token_ids_b64 last, after usage): the relay's
+    ContextScan (either twin) says where usage is, and the learner reads its numbers from there."""
+    from bench.orchestrator_work import context_response
+
+    body = context_response(list(range(4000)), b64=True)
+    assert body.index(b'"usage"') < body.index(b"prompt_token_ids_b64")
+    for twin in ("fastcore._relay_py", *([] if fastcore.NO_EXTENSIONS else ["fastcore._relay"])):
+        scan = fastcore.relay.Relay(importlib.import_module(twin)).read_context_response(body, None)
+        span = scan.spans[fastcore.relay.CONTEXT_USAGE_SPAN]
+        assert body[span[0] : span[1]].startswith(b'{"prompt_tokens": 4000')
+        assert read_usage_at(body, span) == read_usage(body) == (4000, None)
+
+
+@pytest.mark.parametrize("body", [b'{"usage": {"prompt_tokens": 1, "prompt_tokens": 2}}'])
+def test_read_usage_at_a_span_of_junk_is_nothing(body: bytes) -> None:
+    assert read_usage_at(body, (10, len(body) - 1)) == (None, None)
+    assert read_usage_at(b'{"usage": 5}', (10, 11)) == (None, None)
 
 
 # -- the estimate -----------------------------------------------------------------------------------

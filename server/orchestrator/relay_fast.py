@@ -91,6 +91,11 @@ class FastRelay:
             raise HTTPError(502, str(exc)) from None
         return ContextResult(body, scan.finished, scan)
 
+    def usage_span(self, ctx: ContextResult) -> tuple[int, int] | None:
+        """Where the context response's ``usage`` object is (read_context's scan found it)."""
+        span: tuple[int, int] | None = ctx.parsed.spans[fastcore_relay.CONTEXT_USAGE_SPAN]
+        return span
+
     def auth_fields(self, ctx: ContextResult) -> tuple[object, object]:
         """``ctx_info_endpoint`` and ``encoded_opaque_state`` of the context response (``None`` where
         absent), for trtllm-serve's ``x-trtllm-disagg-auth`` (server/auth.py ``trtllm_disagg_auth``);

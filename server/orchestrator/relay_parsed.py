@@ -235,6 +235,10 @@ class ParsedRelay:
             raise HTTPError(502, "context worker response lacks choices[0].disaggregated_params")
         return ContextResult(body, finished, parsed)
 
+    def usage_span(self, ctx: ContextResult) -> None:
+        """None: the learner reads ``usage`` from the bytes itself (the baseline's parse is its own)."""
+        return None
+
     def auth_fields(self, ctx: ContextResult) -> tuple[object, object]:
         """As ``FastRelay.auth_fields``: from the parsed response model."""
         params = ctx.parsed.choices[0].disaggregated_params
