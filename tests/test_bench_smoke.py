@@ -163,6 +163,7 @@ def test_the_request_path_benchmark_serves_unary_and_streaming_requests_in_proce
     request_path.main(["--profile", "3", "--stream", "--gates-off"])
     request_path.main(["--bytecodes", "3", "--unary"])
     out = capsys.readouterr().out
-    assert "server/orchestrator/app.py" in out.split("bytecodes per request:")[1]
+    # the orchestrator's own files among the top ones (exchange.py: a completion from callbacks)
+    assert "server/orchestrator/exchange.py" in out.split("bytecodes per request:")[1]
     assert "unary, gates on: 3 requests" in out and "streaming, gates on: 3 requests" in out
     assert "# streaming, gates off" in out and "Python function calls per request" in out
