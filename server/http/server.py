@@ -521,8 +521,9 @@ class _Connection(asyncio.Protocol):
         )
 
 
-#: answering a body of at least this size leads to a trim of the C heap
-LARGE_BODY_BYTES = 1024 * 1024
+#: answering a body of at least this size leads to a trim of the C heap (with the heap kept for
+#: bodies, server/http/memory.py keep_heap_for_bodies, the trim is what gives it back)
+LARGE_BODY_BYTES = 64 * 1024
 #: seconds without a large body answered before that trim
 TRIM_QUIET_S = 0.5
 #: missed deadlines handled in one callback (the rest after the I/O ready meanwhile)

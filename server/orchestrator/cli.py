@@ -192,7 +192,11 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
 
 async def serve(config: OrchestratorConfig, *, reuse_port: bool) -> None:
     """Serve until SIGINT/SIGTERM."""
+    from server.http.memory import keep_heap_for_bodies
+
     from .app import start_server
+
+    keep_heap_for_bodies()  # its bodies from a kept heap, trimmed when quiet (server/http/memory.py)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
