@@ -908,7 +908,7 @@ def test_an_idle_connection_whose_transport_is_closing_is_not_written_to(loop_ki
             assert conn.transport is not None
             conn.transport.abort()
             with pytest.raises(UpstreamError) as info:
-                conn.send(UpstreamResponse(conn), b"POST / HTTP/1.1\r\n\r\n", (), None, None)
+                conn.send(UpstreamResponse(conn), b"POST / HTTP/1.1\r\n\r\n", (), 0, None, None)
             assert info.value.sent is False
 
     with asyncio.Runner(loop_factory=factory) as runner:

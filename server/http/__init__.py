@@ -32,7 +32,7 @@ from .client import (
     UpstreamResponse,
     UpstreamTimeout,
 )
-from .server import Handling, HTTPServer, Limits, Request, Responder
+from .server import Handling, HTTPServer, Limits, Request, Responder, handler_failed
 
 __all__ = [
     "BodyPiece",
@@ -47,4 +47,5 @@ __all__ = [
     "UpstreamPool",
     "UpstreamResponse",
     "UpstreamTimeout",
+    "handler_failed",
 ]

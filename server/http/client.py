@@ -50,6 +50,13 @@ IDLE_TIMEOUT_S = 30.0
 WRITE_JOINED_BELOW = 32 * 1024
 
 
+def _size(pieces: Sequence[BodyPiece]) -> int:
+    size = 0
+    for piece in pieces:
+        size += len(piece)
+    return size
+
+
 class UpstreamError(Exception):
     """The worker could not be reached, or its connection failed or broke the protocol."""
 
@@ -397,10 +404,12 @@ class _Connection(asyncio.Protocol):
         resp: UpstreamResponse,
         head: bytes,
         pieces: Sequence[BodyPiece],
+        size: int,
         timeout: float | None,
         read_timeout: float | None,
         headers_timeout: float | None = None,
     ) -> UpstreamResponse:
+        """Write ``head`` and the body's ``pieces`` (``size`` bytes in all, the head's Content-Length)."""
         transport = self.transport
         if transport is None or transport.is_closing():
             # The worker closed (or died) and connection_lost has not run yet: writing would
@@ -423,14 +432,16 @@ class _Connection(asyncio.Protocol):
         if self.deadline or self.read_timeout:
             self.timed = True
             self.sweeper.add(self)
-        size = 0
-        for piece in pieces:
-            size += len(piece)
         if size < WRITE_JOINED_BELOW:
             transport.write(b"".join((head, *pieces)))
         else:
             transport.writelines((head, *pieces))
         return resp
+
+    def unseen(self, exc: UpstreamError) -> bool:
+        """Whether the request ``exc`` failed never reached the worker: not sent, or no byte came back
+        (a pooled connection the worker had closed as it was reused)."""
+        return not exc.sent or not self.got_bytes
 
     def _check_deadline(self, now: float) -> None:
         """Called by the sweeper: fail the request whose time is up."""
@@ -455,14 +466,8 @@ class _Connection(asyncio.Protocol):
         self._cancel_timer()
         if resp is None:
             return
-        if (
-            resp.reused
-            and not self.got_bytes
-            and isinstance(exc, UpstreamError)
-            and resp.listener is not None
-        ):
-            # A pooled connection the worker had closed as it was reused: the worker never saw
-            # the request. Once, on a fresh connection (as request() does).
+        if resp.reused and isinstance(exc, UpstreamError) and self.unseen(exc) and resp.listener is not None:
+            # Once, on a fresh connection (as request() does).
             resp.reused = False
             self.response = None
             self.close()
@@ -641,7 +646,8 @@ class UpstreamPool:
         :meth:`~UpstreamResponse.release` the response. Everything after the
         body is by keyword.
         """
-        head = self._head(method, path, pieces, headers)
+        size = _size(pieces)
+        head = self._head(method, path, size, headers)
         for _attempt in range(2):
             conn = self._idle_connection()
             reused = conn is not None
@@ -649,7 +655,13 @@ class UpstreamPool:
                 conn = await self._connect()
             try:
                 resp = conn.send(
-                    UpstreamResponse(conn, max_body), head, pieces, timeout, read_timeout, headers_timeout
+                    UpstreamResponse(conn, max_body),
+                    head,
+                    pieces,
+                    size,
+                    timeout,
+                    read_timeout,
+                    headers_timeout,
                 )
                 if not resp.complete and not (resp.headers_done and not max_body):
                     await resp.headers_arrived()
@@ -657,7 +669,7 @@ class UpstreamPool:
             except UpstreamError as exc:
                 # An idle connection the worker closed as we reused it: it never
                 # saw the request. Once, on a fresh connection.
-                if reused and _attempt == 0 and (not exc.sent or not conn.got_bytes):
+                if reused and _attempt == 0 and conn.unseen(exc):
                     conn.close()
                     continue
                 raise
@@ -666,16 +678,13 @@ class UpstreamPool:
                 raise
         raise AssertionError("unreachable")
 
-    def _head(self, method: bytes, path: bytes, pieces: Sequence[BodyPiece], headers: bytes) -> bytes:
-        length = 0
-        for piece in pieces:
-            length += len(piece)
+    def _head(self, method: bytes, path: bytes, size: int, headers: bytes) -> bytes:
         return b"%s %s%s HTTP/1.1\r\n%sContent-Length: %d\r\n%s\r\n" % (
             method,
             self.prefix,
             path,
             self._fixed,
-            length,
+            size,
             headers,
         )
 
@@ -696,9 +705,11 @@ class UpstreamPool:
         returns). Same arguments, deadlines, bounds and retry of a stale pooled connection; a connection
         that cannot be opened is ``leg_error`` with an :class:`UpstreamError` whose ``sent`` is False."""
         resp = UpstreamResponse(None, max_body, listener)
+        size = _size(pieces)
         resp.sending = (
-            self._head(method, path, pieces, headers),
+            self._head(method, path, size, headers),
             pieces,
+            size,
             timeout,
             read_timeout,
             headers_timeout,

@@ -51,7 +51,7 @@ from .request import Refused, Request
 from .responder import JSON, DateHeader, Flow, Responder, simple_response, status_line
 
 __all__ = ["JSON", "PEER_SHARE", "DateHeader", "Flow", "HTTPServer", "Handling", "Limits", "Request",
-           "Responder", "status_line"]  # fmt: skip
+           "Responder", "handler_failed", "status_line"]  # fmt: skip
 
 log = logging.getLogger("fastcore.http")
 
@@ -69,6 +69,18 @@ class Handling:
 
 
 Handler = Callable[[Request, Responder], "Awaitable[None] | Handling | None"]
+
+
+def handler_failed(req: Request, responder: Responder) -> None:
+    """A bug in what serves ``req``, not the client's error (call it where the exception is caught):
+    logged with its traceback, then a 500 that closes the connection, or a cut response when it
+    had started."""
+    log.exception("handler failed on %s %s", req.method.decode(), req.path.decode("latin-1"))
+    if not responder.started:
+        responder.keep_alive = False
+        responder.send_error(500, "internal error")
+    else:
+        responder.abort()
 
 
 class _Stop(Exception):
@@ -374,7 +386,7 @@ class _Connection(asyncio.Protocol):
                 work = self.server.handler(req, responder)
             except Exception:
                 work = None
-                self._handler_failed(req, responder)
+                handler_failed(req, responder)
             if work is None:  # answered already
                 self._after(req, responder)
             elif isinstance(work, Handling):  # served from callbacks: Responder.done() ends it
@@ -407,16 +419,8 @@ class _Connection(asyncio.Protocol):
                 responder.abort()
             raise
         except Exception:
-            self._handler_failed(req, responder)
+            handler_failed(req, responder)
         self._after(req, responder)
-
-    def _handler_failed(self, req: Request, responder: Responder) -> None:
-        log.exception("handler failed on %s %s", req.method.decode(), req.path.decode("latin-1"))
-        if not responder.started:
-            responder.keep_alive = False
-            responder.send_error(500, "internal error")
-        else:
-            responder.abort()
 
     def handled(self, responder: Responder) -> None:
         """A :class:`Handling` finished (:meth:`Responder.done`): the connection moves on."""

@@ -663,6 +663,18 @@ class Orchestrator:
         allowance = config.context_timeout_per_1k_tokens_s * size / (BYTES_PER_TOKEN * 1000)
         return min(config.request_timeout_s, config.generation_first_byte_timeout_s + allowance)
 
+    def generation_bounds(
+        self, stream: bool, body: bytes | Sequence[BodyPiece]
+    ) -> tuple[float | None, float | None, int, float | None]:
+        """Leg (3)'s upstream bounds: ``timeout``, ``read_timeout``, ``max_body``, ``first_byte``. A stream
+        may run long; what must not happen is a silence that long, and its first byte has its own
+        deadline (a frozen worker costs it that, then another worker is tried: nothing has reached the
+        client yet). Unary: the whole answer within ``request_timeout_s``, read before anyone wakes."""
+        limit = self.config.request_timeout_s
+        if stream:
+            return None, limit, 0, self._first_byte_timeout(body)
+        return limit, None, MAX_WORKER_BODY, None
+
     async def _fall_back(
         self,
         exc: LegUnavailable,
@@ -788,19 +800,12 @@ class Orchestrator:
         chose it before leg (1)). Retries stop at the first byte sent to the client: nothing is
         sent until a worker answers 200."""
         pool = self.generation_pool
-        stream = req.stream
-        limit = self.config.request_timeout_s
+        timeout, read_timeout, max_body, first_byte = self.generation_bounds(req.stream, body)
         try:
             return await self.legs.run(
                 "generation", pool, path, body, partial(self._relay, out, req, clock),
                 headers=b"" if local else self.relay.leg_headers, extra=extra_headers,
-                # A stream may run long; what must not happen is a silence that long.
-                timeout=None if stream else limit, read_timeout=limit if stream else None,
-                # Unary: the whole answer is in before the task wakes (one wake-up).
-                max_body=0 if stream else MAX_WORKER_BODY,
-                # A stream's first byte has its own deadline: a frozen worker costs it that, then
-                # another worker is tried (nothing has reached the client yet).
-                first_byte=self._first_byte_timeout(body) if stream else None,
+                timeout=timeout, read_timeout=read_timeout, max_body=max_body, first_byte=first_byte,
                 key=key, tokens=tokens, first=first,
                 tried=[w for w in pool.workers if not w.local_prefill] if local else None,
                 handoff_from=None if local else context_done, ttfb=self.metrics.generation_ttfb, resume=resume,

@@ -25,21 +25,18 @@ cancelled task's legs do.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 from server.errors import HTTPError
-from server.http import BodyPiece, Handling, Request, Responder, UpstreamResponse
+from server.http import BodyPiece, Handling, Request, Responder, UpstreamResponse, handler_failed
 
 from .legs import MAX_WORKER_BODY, Sent, WorkerAnswer
 from .routing import conversation_header, conversation_to_params
 
 if TYPE_CHECKING:
     from .pools import Worker
-
-log = logging.getLogger("fastcore.orchestrator")
 
 _POST = b"POST"
 _SSE = b"text/event-stream"
@@ -181,13 +178,11 @@ class Exchange(Handling):
         if gen is None:
             self._go_on(self._generation_leg(None))
             return
-        stream = self.req.stream
-        limit = orch.config.request_timeout_s
-        # As Orchestrator._generation_leg: a stream's silences and first byte are bounded, not its length.
+        timeout, read_timeout, max_body, first_byte = orch.generation_bounds(
+            self.req.stream, self.generation_body
+        )
         self._send(GENERATION, gen, self.generation_body, orch.relay.leg_headers, self.auth, True, self.context_done,
-                   timeout=None if stream else limit, read_timeout=limit if stream else None,
-                   max_body=0 if stream else MAX_WORKER_BODY,
-                   first_byte=orch._first_byte_timeout(self.generation_body) if stream else None)  # fmt: skip
+                   timeout=timeout, read_timeout=read_timeout, max_body=max_body, first_byte=first_byte)  # fmt: skip
 
     def _answered(self, resp: UpstreamResponse) -> None:
         """Leg (3)'s worker answered 200 with the whole (not streamed) answer: relay it, done."""
@@ -311,7 +306,8 @@ class Exchange(Handling):
                 self.out.abort()
             raise
         except Exception:
-            status = _internal_error(self.request, self.out)
+            handler_failed(self.request, self.out)
+            status = 500
         finally:
             self.task = None
             self.finish(status)
@@ -329,7 +325,8 @@ class Exchange(Handling):
         if isinstance(exc, (HTTPError, WorkerAnswer)):
             status = self.orch.answer_error(self.out, exc)
         elif isinstance(exc, Exception):
-            status = _internal_error(self.request, self.out)
+            handler_failed(self.request, self.out)
+            status = 500
         else:
             raise exc
         self.finish(status)
@@ -368,14 +365,3 @@ class Exchange(Handling):
         orch.metrics.count_request("chat" if self.chat else "completions", status)
         if self.returned:
             self.out.done()
-
-
-def _internal_error(request: Request, out: Responder) -> int:
-    """A bug in a step, not a client error: logged, a 500 (or a cut stream)."""
-    log.exception("completion failed on %s", request.path.decode("latin-1"))
-    if not out.started:
-        out.keep_alive = False
-        out.send_error(500, "internal error")
-    else:
-        out.abort()
-    return 500

@@ -394,26 +394,28 @@ def bind_counter(child: Any, registry: Registry | None = None) -> Any:
     """``child`` counted through a :class:`TallyOne` flushed by ``registry``'s syncs, or without one
     through a :class:`CountOne`, where it is prometheus_client's (another registry's child is kept
     as it is)."""
-    if not hasattr(child, "_value"):
-        return child
-    if registry is None:
-        return CountOne(child)
-    tally = TallyOne(child)
-    registry.before_collect(tally.flush)
-    return tally
+    return _bind(child, "_value", CountOne, TallyOne, registry)
 
 
 def bind_histogram(child: Any, registry: Registry | None = None) -> Any:
     """``child`` observed through a :class:`TallyHistogram` flushed by ``registry``'s syncs, or without
     one through a :class:`BoundHistogram`, where it is prometheus_client's (another registry's child,
     as bench.metrics_cost's hand-written one, is kept as it is)."""
-    if not hasattr(child, "_upper_bounds"):
+    return _bind(child, "_upper_bounds", BoundHistogram, TallyHistogram, registry)
+
+
+def _bind(
+    child: Any, native: str, immediate: Callable[[Any], Any], tally: Any, registry: Registry | None
+) -> Any:
+    """A prometheus_client child (one with attribute ``native``) bound for the hot path: ``tally(child)``,
+    flushed at each of ``registry``'s syncs, or without a registry ``immediate(child)``."""
+    if not hasattr(child, native):
         return child
     if registry is None:
-        return BoundHistogram(child)
-    tally = TallyHistogram(child)
-    registry.before_collect(tally.flush)
-    return tally
+        return immediate(child)
+    bound = tally(child)
+    registry.before_collect(bound.flush)
+    return bound
 
 
 class CpuClock:
