@@ -99,6 +99,48 @@ def eventually_blocking(condition: Callable[[], Any], timeout: float = 10.0, int
 # -- twins ---------------------------------------------------------------------------------------------
 
 
+class StandInServer:
+    """A stand-in server on 127.0.0.1 (port 0, ``url``) for ``async with``: :meth:`serve` runs per
+    accepted connection, in a task; at exit the tasks still running are cancelled and awaited. A
+    connection that breaks, ends mid-read or is cancelled ends quietly (a task that ends cancelled is
+    logged by asyncio's streams); the writer is closed."""
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Any:
+        self.server = await asyncio.start_server(self._on_connection, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.close()
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.server.wait_closed()
+
+    async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.tasks.add(task)
+        try:
+            await self.serve(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass
+        finally:
+            self.tasks.discard(task)
+            writer.close()
+
+
 def listening_pids(port: int) -> set[int]:
     """The processes holding a listening TCP socket on ``port`` (127.0.0.1 or any address, IPv4).
 

@@ -28,7 +28,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
-from helpers import eventually
+from helpers import StandInServer, eventually
 from raw_http import Client, Response, connected, post
 
 from bench.orchestrator_work import context_response, generation_response
@@ -101,10 +101,11 @@ def generation_default(body: bytes) -> bytes:
     return STREAM_OK if json.loads(body).get("stream") else GENERATION_OK
 
 
-class StandIn:
+class StandIn(StandInServer):
     """A worker on 127.0.0.1: its POSTs are answered by ``script`` in turn, then by ``default``."""
 
     def __init__(self, *script: Step, default: Callable[[bytes], bytes] = lambda body: CONTEXT_OK) -> None:
+        super().__init__()
         self.script = list(script)
         self.default = default
         #: the body of every POST, in order; the path of every DELETE (KV releases)
@@ -114,33 +115,8 @@ class StandIn:
         self.held = 0
         #: connections that carried a POST (the health checks have their own)
         self.leg_connections = 0
-        self.tasks: set[asyncio.Task[None]] = set()
-        self.url = ""
 
-    async def __aenter__(self) -> StandIn:
-        self.server = await asyncio.start_server(self._on_connection, "127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.server.close()
-        for task in list(self.tasks):
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-
-    async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self.tasks.add(task)
-        try:
-            await self._serve(reader, writer)
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
-            pass  # cancelled: the test is over (a task that ends cancelled is logged by asyncio's streams)
-        finally:
-            self.tasks.discard(task)
-            writer.close()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         legs = 0
         while True:
             head = await reader.readuntil(b"\r\n\r\n")

@@ -20,7 +20,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from helpers import eventually, free_port, made_in_a_thread
+from helpers import StandInServer, eventually, free_port, made_in_a_thread
 
 from server.http import Deadlines, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout
 
@@ -63,47 +63,21 @@ async def read_request(reader: asyncio.StreamReader) -> RequestLine | None:
 Serve = Callable[["Upstream", Reader, Writer, int], Awaitable[None]]
 
 
-class Upstream:
-    """A worker stand-in: ``serve(upstream, reader, writer, index)`` runs per accepted connection."""
+class Upstream(StandInServer):
+    """A worker stand-in: ``answer(upstream, reader, writer, index)`` runs per accepted connection."""
 
-    def __init__(self, serve: Serve) -> None:
-        self.serve = serve
+    def __init__(self, answer: Serve) -> None:
+        super().__init__()
+        self.answer = answer
         self.accepted = 0
         self.requests: list[RequestLine] = []
         #: connections that ended with the client closing (EOF while waiting for a request)
         self.client_closed = 0
-        self.tasks: set[asyncio.Task[Any]] = set()
-        self.port = 0
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    async def __aenter__(self) -> Upstream:
-        self.server = await asyncio.start_server(self._on_connection, "127.0.0.1", 0)
-        self.port = self.server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.server.close()
-        for task in list(self.tasks):
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        await self.server.wait_closed()
-
-    async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self.tasks.add(task)
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         index = self.accepted
         self.accepted += 1
-        try:
-            await self.serve(self, reader, writer, index)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            self.tasks.discard(task)
-            writer.close()
+        await self.answer(self, reader, writer, index)
 
     async def next_request(self, reader: asyncio.StreamReader) -> RequestLine | None:
         req = await read_request(reader)
