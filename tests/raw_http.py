@@ -206,6 +206,17 @@ class Client:
         )
         return self.stream.responses
 
+    async def read_until(self, condition: Callable[[], bool], timeout: float = 5.0) -> None:
+        """Read until ``condition`` holds of what arrived (fails on timeout or a close first)."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert not self.eof, f"closed first: {bytes(self.stream.raw)!r}"
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"not within {timeout} s: {bytes(self.stream.raw)!r}")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await self._read_once(left)
+
     async def silent_for(self, seconds: float) -> bool:
         """True when nothing arrives (and the connection stays open) for ``seconds``."""
         before = len(self.stream.raw)

@@ -10,10 +10,11 @@ resets its connection (a FIN alone may be a half-close, which the server answers
 
 Each test runs on both request paths (conftest's ``request_path``) and pins what the client gets,
 which workers were tried and that every worker's in-flight counts are back to zero, with no breaker
-probe held, once the answer is in. Two tests are not run twice: one starts an orchestrator per path
-and compares their answers byte for byte, one looks at the callback path alone (one ``Exchange``,
-no task). Nothing here asserts a duration: waits poll for a state, bounded only so that a broken
-build fails instead of hanging.
+probe held, once the answer is in. Some tests are not run twice: one starts an orchestrator per path
+and compares their answers byte for byte; others look at the callback path alone (one ``Exchange``,
+no task; a stream's writes to the client held across each read of its worker's socket). Nothing
+here asserts a duration: waits poll for a state, bounded only so that a broken build fails instead
+of hanging.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from raw_http import Client, Response, connected, post
 from bench.orchestrator_work import context_response, generation_response
 from bench.request_path import http, sse_answer
 from bench.workload import chat_body
+from server.http import Responder
 from server.orchestrator.app import Orchestrator, start_server
 from server.orchestrator.config import build_config
 from server.orchestrator.exchange import Exchange
@@ -472,6 +474,100 @@ async def test_a_client_that_leaves_ends_the_leg_and_releases_the_kv(where: str)
         else:
             assert await eventually(lambda: ctx.deletes == [b"/kv/12345"])
             assert await eventually(lambda: not orch.upstreams[gen.url].open)  # reset, not pooled
+
+
+class Recorded:
+    """A client connection's transport that records what is written (then writes it, as it is)."""
+
+    def __init__(self, transport: Any, writes: list[bytes]) -> None:
+        self._transport = transport
+        self.writes = writes
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+        self._transport.write(data)
+
+    def writelines(self, pieces: Any) -> None:
+        pieces = list(pieces)
+        self.writes.append(b"".join(pieces))
+        self._transport.writelines(pieces)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+@pytest.fixture
+def client_writes(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Every write of the orchestrator to its clients, on the callback path."""
+    monkeypatch.setattr(Orchestrator, "serve_from_callbacks", True)
+    writes: list[bytes] = []
+    made = Responder.__init__
+
+    def recording(self: Responder, *args: Any, **kwargs: Any) -> None:
+        made(self, *args, **kwargs)
+        self._transport = Recorded(self._transport, writes)  # type: ignore[assignment]
+
+    monkeypatch.setattr(Responder, "__init__", recording)
+    return writes
+
+
+async def test_a_stream_that_comes_in_one_read_goes_to_the_client_in_one_write(
+    client_writes: list[bytes],
+) -> None:
+    """The worker writes its whole stream at once: its head, events and end reach the client in one
+    write (Responder.hold, flushed after the read), not one per piece."""
+    async with StandIn() as ctx, generation() as gen, orchestrator([ctx], [gen]) as (_, port):
+        async with connected(port) as client:
+            await client.send(completion(stream=True))
+            (resp,) = await client.responses(1, timeout=30)
+            assert_answer(resp, stream=True)
+            assert client_writes == [bytes(client.stream.raw)]
+
+
+async def test_a_streams_head_that_comes_alone_is_not_held_for_its_body(client_writes: list[bytes]) -> None:
+    """The worker sends its stream's head and holds the events: the client has the head meanwhile."""
+    late = Hold(STREAM_OK, head=True)
+    async with StandIn() as ctx, generation(late) as gen, orchestrator([ctx], [gen]) as (_, port):
+        async with connected(port) as client:
+            await client.send(completion(stream=True))
+            stream = client.stream
+            await client.read_until(lambda: stream.current is not None and stream.current.headers_done, 30)
+            assert gen.held == 1 and not stream.current.pieces
+            late.release.set()
+            (resp,) = await client.responses(1, timeout=30)
+        assert_answer(resp, stream=True)
+        assert len(client_writes) == 2  # the head, then the events and the end
+
+
+async def test_a_large_event_in_the_read_with_the_head_is_written_after_it(
+    client_writes: list[bytes],
+) -> None:
+    """A piece too large to copy into what is held: the held head is written first, then the piece
+    as it is, then the end."""
+    big = b'data: {"choices":[{"index":0,"delta":{"content":"%s"}}]}\n\n' % (b"x" * 6000)
+    events = big + b"data: [DONE]\n\n"
+    async with StandIn() as ctx, generation(http(b"200 OK", events, b"text/event-stream")) as gen:
+        async with orchestrator([ctx], [gen]) as (_, port), connected(port) as client:
+            await client.send(completion(stream=True))
+            (resp,) = await client.responses(1, timeout=30)
+            assert resp.status == 200 and resp.body == events
+            assert b"".join(client_writes) == bytes(client.stream.raw)
+            assert len(client_writes) == 3  # the head, the piece, the end
+
+
+async def test_an_answer_pipelined_behind_a_stream_is_written_after_all_of_it(
+    client_writes: list[bytes],
+) -> None:
+    """A stream, then a request refused at once (its 400 is written as the stream's exchange ends,
+    inside the worker's read): the whole stream first, then the 400."""
+    bad = post(b"/v1/chat/completions", b'{"messages": [}', extra=b"Content-Type: application/json\r\n")
+    async with StandIn() as ctx, generation() as gen, orchestrator([ctx], [gen]) as (_, port):
+        async with connected(port) as client:
+            await client.send(completion(stream=True) + bad)
+            first, second = await client.responses(2, timeout=30)
+        assert_answer(first, stream=True)
+        error_of(second, 400)
+        assert len(client_writes) == 2
 
 
 # -- 6. pipelining ---------------------------------------------------------------------------------------

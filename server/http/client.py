@@ -83,6 +83,17 @@ class Listener(Protocol):
         """The exchange failed (:class:`UpstreamError`, :class:`UpstreamTimeout`, or what an event raised)."""
 
 
+class HeldWriter(Protocol):
+    """Where a started response's listener writes: set as ``UpstreamResponse.writer``, it is held
+    (:meth:`hold`) while each read of the worker's socket is parsed and flushed after it, so what
+    the listener's events write for one read (a stream's head, its pieces, its end) goes out in
+    one write (server.http.Responder is one)."""
+
+    def hold(self) -> None: ...
+
+    def flush(self) -> None: ...
+
+
 class UpstreamResponse:
     """One response: status and the headers the orchestrator uses, then the body.
 
@@ -111,6 +122,7 @@ class UpstreamResponse:
         "size",
         "status",
         "truncated",
+        "writer",
     )
 
     def __init__(self, conn: _Connection | None, max_body: int = 0, listener: Listener | None = None) -> None:
@@ -140,6 +152,8 @@ class UpstreamResponse:
         self.reused = False
         #: released before a connection was open for it
         self.abandoned = False
+        #: a listener's writer held across each read of the worker's socket (see :class:`HeldWriter`)
+        self.writer: HeldWriter | None = None
 
     @property
     def media_type(self) -> bytes:
@@ -327,6 +341,9 @@ class _Connection(asyncio.Protocol):
         self.got_bytes = True
         if self.read_timeout:
             self.last_io = self.loop.time()
+        writer = resp.writer
+        if writer is not None:
+            writer.hold()
         self.feeding = True
         failed = True
         try:
@@ -342,6 +359,9 @@ class _Connection(asyncio.Protocol):
             if self.pending:
                 self._flush(resp)
         self.feeding = False
+        writer = resp.writer  # (a listener's leg_head may have set it in this read)
+        if writer is not None:
+            writer.flush()
         if self.release_after_feed:
             self.release_after_feed = False
             if failed:  # bytes past the end of the response it finished: not to be trusted again

@@ -12,6 +12,9 @@ from typing import Protocol
 from server.errors import error_body
 
 JSON = b"application/json"
+#: a streamed piece below this many bytes is framed by a copy and written (or held) with its framing;
+#: a larger one is written as its pieces, never held
+SMALL_PIECE = 4096
 
 _REASONS: dict[int, bytes] = {s.value: s.phrase.encode() for s in HTTPStatus}
 _REASONS[499] = b"Client Closed Request"
@@ -75,6 +78,7 @@ class Responder:
 
     __slots__ = (
         "_conn",
+        "_held",
         "_transport",
         "chunked",
         "finished",
@@ -97,6 +101,8 @@ class Responder:
         self.status = 0
         #: while set, paused and resumed with the client's write buffer (backpressure)
         self.flow: Flow | None = None
+        #: a streamed response's writes held (:meth:`hold`) until :meth:`flush`
+        self._held: list[bytes | memoryview] | None = None
 
     @property
     def closed(self) -> bool:
@@ -139,7 +145,7 @@ class Responder:
             return
         if self.head_only:
             self._transport.write(head)
-        elif len(body) < 4096:
+        elif len(body) < SMALL_PIECE:
             self._transport.write(head + body)
         else:
             self._transport.writelines((head, body))
@@ -181,7 +187,7 @@ class Responder:
             self.keep_alive = False
         framing = b"Transfer-Encoding: chunked\r\n" if self.chunked else b""
         if not self._conn.closed:
-            self._transport.write(
+            self._out(
                 b"%sContent-Type: %s\r\n%s%s%s%s\r\n"
                 % (
                     status_line(status),
@@ -198,19 +204,48 @@ class Responder:
         if not data or self._conn.closed or self.head_only:
             return
         if self.chunked:
-            if len(data) < 4096:  # one small write, not three pieces (as send: a copy costs less)
-                self._transport.write(b"%x\r\n%s\r\n" % (len(data), data))
-            else:
-                self._transport.writelines((b"%x\r\n" % len(data), data, b"\r\n"))
+            if len(data) < SMALL_PIECE:  # one small write, not three pieces (as send: a copy costs less)
+                self._out(b"%x\r\n%s\r\n" % (len(data), data))
+                return
+            pieces: tuple[bytes | memoryview, ...] = (b"%x\r\n" % len(data), data, b"\r\n")
+        elif len(data) < SMALL_PIECE:
+            self._out(data)
+            return
         else:
-            self._transport.write(data)
+            pieces = (data,)
+        held = self._held
+        if held:  # what is held goes first; a large piece is not copied to join it
+            self._held = []
+            self._transport.write(held[0] if len(held) == 1 else b"".join(held))
+        self._transport.writelines(pieces)
 
     def end(self) -> None:
         if self.finished:
             return
         self.finished = True
         if self.chunked and not self._conn.closed and not self.head_only:
-            self._transport.write(b"0\r\n\r\n")
+            self._out(b"0\r\n\r\n")
+
+    def _out(self, data: bytes) -> None:
+        if self._held is None:
+            self._transport.write(data)
+        else:
+            self._held.append(data)
+
+    def hold(self) -> None:
+        """Keep what the stream writes (head, pieces, end) until :meth:`flush`, which writes it at once:
+        what one read of a worker's socket brings goes to the client in one write, not three."""
+        if self._held is None:
+            self._held = []
+
+    def flush(self) -> None:
+        """Write what :meth:`hold` kept, in one write, and stop holding."""
+        held = self._held
+        if held is None:
+            return
+        self._held = None
+        if held and not self._conn.closed:
+            self._transport.write(held[0] if len(held) == 1 else b"".join(held))
 
     def abort(self) -> None:
         """Drop the connection (a stream that cannot be finished properly)."""
@@ -219,7 +254,10 @@ class Responder:
         self._conn.abort()
 
     def done(self) -> None:
-        """The handler's :class:`~server.http.server.Handling` is over: the connection moves on."""
+        """The handler's :class:`~server.http.server.Handling` is over: the connection moves on (what it
+        held written first: the next pipelined answer goes after it)."""
+        if self._held is not None:
+            self.flush()
         self._conn.handled(self)
 
 
