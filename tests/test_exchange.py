@@ -10,11 +10,11 @@ resets its connection (a FIN alone may be a half-close, which the server answers
 
 Each test runs on both request paths (conftest's ``request_path``) and pins what the client gets,
 which workers were tried and that every worker's in-flight counts are back to zero, with no breaker
-probe held, once the answer is in. Some tests are not run twice: one starts an orchestrator per path
-and compares their answers byte for byte; others look at the callback path alone (one ``Exchange``,
-no task; a stream's writes to the client held across each read of its worker's socket). Nothing
-here asserts a duration: waits poll for a state, bounded only so that a broken build fails instead
-of hanging.
+probe held, once the answer is in (a few also count the orchestrator's writes to its client: a
+stream's are held across each read of its worker's socket). Two tests are not run twice: one starts
+an orchestrator per path and compares their answers byte for byte, one looks at the callback path
+alone (one ``Exchange``, no task). Nothing here asserts a duration: waits poll for a state, bounded
+only so that a broken build fails instead of hanging.
 """
 
 from __future__ import annotations
@@ -497,9 +497,8 @@ class Recorded:
 
 
 @pytest.fixture
-def client_writes(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
-    """Every write of the orchestrator to its clients, on the callback path."""
-    monkeypatch.setattr(Orchestrator, "serve_from_callbacks", True)
+def client_writes(request_path: str, monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Every write of the orchestrator to its clients (on both request paths)."""
     writes: list[bytes] = []
     made = Responder.__init__
 
@@ -524,7 +523,9 @@ async def test_a_stream_that_comes_in_one_read_goes_to_the_client_in_one_write(
             assert client_writes == [bytes(client.stream.raw)]
 
 
-async def test_a_streams_head_that_comes_alone_is_not_held_for_its_body(client_writes: list[bytes]) -> None:
+async def test_a_streams_head_that_comes_alone_is_not_held_for_its_body(
+    client_writes: list[bytes], request_path: str
+) -> None:
     """The worker sends its stream's head and holds the events: the client has the head meanwhile."""
     late = Hold(STREAM_OK, head=True)
     async with StandIn() as ctx, generation(late) as gen, orchestrator([ctx], [gen]) as (_, port):
@@ -536,7 +537,9 @@ async def test_a_streams_head_that_comes_alone_is_not_held_for_its_body(client_w
             late.release.set()
             (resp,) = await client.responses(1, timeout=30)
         assert_answer(resp, stream=True)
-        assert len(client_writes) == 2  # the head, then the events and the end
+        # the head, then the events and the end; on the task path the end is written when its
+        # coroutine wakes, after the read that brought the events was flushed
+        assert len(client_writes) == (2 if request_path == "callbacks" else 3)
 
 
 async def test_a_large_event_in_the_read_with_the_head_is_written_after_it(

@@ -187,6 +187,8 @@ class UpstreamResponse:
         self.chunks = []
         self.sink = sink
         if not self.complete:
+            if self.writer is not None:
+                self.writer.flush()  # what was held goes out before the wait (the next read's is held anew)
             await self._wait_done()
 
     def pause_reading(self) -> None:

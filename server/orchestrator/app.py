@@ -858,12 +858,19 @@ class Orchestrator:
         except BaseException:
             out.flow = None
             raise
-        return self.stream_ended(out, worker, resp, failure, clock, trace)
+        status = self.stream_ended(out, worker, resp, failure, clock, trace)
+        out.flush()
+        return status
 
     @staticmethod
     def start_stream(out: Responder, resp: UpstreamResponse) -> None:
         """A generation worker's 200 SSE: the client's stream starts; its socket's backpressure pauses
-        the worker's (while the client's buffer is full, the worker's socket is not read)."""
+        the worker's (while the client's buffer is full, the worker's socket is not read). Its writes
+        are held (Responder.hold): what each read of the worker's socket brings (the first: the head
+        too; the last: the end too) goes out in one write. The worker's connection flushes them after
+        each read (``resp.writer``); the caller flushes what is left at the end."""
+        out.hold()
+        resp.writer = out
         out.start(200, _SSE, _SSE_EXTRA)
         out.flow = resp
         if out.paused:

@@ -216,13 +216,9 @@ class Exchange(Handling):
             orch = self.orch
             orch.legs.served(worker, orch.metrics.generation_ttfb, self.handed_over)
             self.streaming = True
-            out = self.out
-            # Held: the head goes out with what this read brings of the stream, in one write (the
-            # worker's connection flushes it after each read; Responder.done at the end).
-            out.hold()
-            resp.writer = out
-            orch.start_stream(out, resp)
-            resp.sink = out.write
+            # its writes held: the worker's connection flushes them after each read, done() at the end
+            orch.start_stream(self.out, resp)
+            resp.sink = self.out.write
         except BaseException as exc:
             self._failed(exc)
 
