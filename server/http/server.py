@@ -32,7 +32,9 @@ httptools); the connection here keeps one implementation of the rest. A
 framing error answers 400 in OpenAI's error shape, never echoes the
 request's bytes, and closes the connection after the responses already due
 on it. A client that half-closes after complete requests is answered, then
-closed.
+closed; the FIN is answered by a probe (an interim 100, or an SSE comment in
+an event stream already started) whose reset, from a client that closed
+altogether, cancels its request (:meth:`_Connection.eof_received`).
 """
 
 from __future__ import annotations
@@ -83,6 +85,33 @@ def handler_failed(req: Request, responder: Responder) -> None:
         responder.abort()
 
 
+class _Responder(Responder):
+    """The connection's :class:`Responder`. It also keeps what a probe of a client that half-closed
+    mid-stream must know (:meth:`_Connection.eof_received`): whether the stream is an event stream,
+    and whether what was written of it ends where an event ended. Both are set by :meth:`start`,
+    so they are there whenever a response was started and not finished."""
+
+    __slots__ = ("at_event_end", "event_stream")
+
+    def start(self, status: int, content_type: bytes, headers: bytes = b"") -> None:
+        self.event_stream = self.at_event_end = (  # no event yet: the comment may go first
+            content_type.partition(b";")[0].strip().lower() == _EVENT_STREAM
+        )
+        Responder.start(self, status, content_type, headers)
+
+    def write(self, data: bytes | memoryview) -> None:
+        Responder.write(self, data)
+        # A blank line in LF ends an event (as our workers and OpenAI write them). A stream that
+        # stops elsewhere (a relayed read that split an event, CRLF lines) gets no probe: in the
+        # middle of an event its blank line would dispatch the event's first half.
+        self.at_event_end = data[-2:] == b"\n\n"
+
+    @property
+    def holding(self) -> bool:
+        """Its writes are held (:meth:`Responder.hold`): nothing may be written past them now."""
+        return self._held is not None
+
+
 class _Stop(Exception):
     """Raised in a parser event to stop parsing (the reason is in ``_Connection.failed``)."""
 
@@ -99,6 +128,11 @@ HALF_CLOSE_PROBE_S = 0.05
 #: round trip, and an abandoned request's KV is freed on both workers that much sooner (bench.faults)
 HALF_CLOSE_FIRST_PROBE_S = 0.005
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+#: the probe in an event stream that started: a comment line (HTML living standard, server-sent
+#: events 9.2.6: a line that starts with a colon is ignored), then the blank line that ends an
+#: event, which dispatches nothing where no field came since the last one
+SSE_PROBE = b":\n\n"
+_EVENT_STREAM = b"text/event-stream"
 
 
 class _Peer:
@@ -156,7 +190,7 @@ class _Connection(asyncio.Protocol):
         self.task: asyncio.Task[None] | Handling | None = None
         #: the request being answered (while ``task`` is set)
         self.serving: Request | None = None
-        self.responder: Responder | None = None
+        self.responder: _Responder | None = None
         self.closed = False
         self.failed: tuple[int, str] | None = None
         self.reading_paused = False
@@ -221,11 +255,24 @@ class _Connection(asyncio.Protocol):
         RFC 9112 9.6 lets a client half-close after its request and still
         read the answer: complete requests are answered, then the connection
         closes. But a FIN is also what a client that closed altogether sends;
-        such a client resets the connection when it receives bytes, so an
-        interim ``100 Continue`` (RFC 9110 15.2: a 1.1 client parses 1xx it
-        did not ask for) is sent as a probe and the socket is checked for that
-        reset (:meth:`_check_half_closed`): a gone client's request is still
-        cancelled, within milliseconds on a LAN.
+        such a client resets the connection when it receives bytes, so a probe
+        is sent and the socket is checked for that reset
+        (:meth:`_check_half_closed`): a gone client's request is still
+        cancelled (its task, or :meth:`Handling.cancel`), within milliseconds
+        on a LAN, even while its handler writes nothing (a long prefill, a
+        stalled worker). The probe is what can be written without changing
+        the response:
+
+        - before the response starts: an interim ``100 Continue`` (RFC 9110
+          15.2: a 1.1 client parses 1xx it did not ask for; never to 1.0);
+        - in an event stream that started, where the last write ended an
+          event: an SSE comment (:data:`SSE_PROBE`, one chunk, or raw bytes
+          in a close-delimited 1.0 body), which every SSE client ignores;
+          never while the responder holds writes (the probe would pass them);
+        - in any other started response, nothing: any byte would be part of
+          the body (another stream's format, a response of a known length, an
+          event half written). Its handler's next write is the probe: the
+          request is cancelled then, or at its timeout.
         """
         if self.lingering or self.failed is not None or (self.task is None and not self.queue):
             return None  # nothing is due (a partial request can never end): close, end a linger
@@ -234,8 +281,17 @@ class _Connection(asyncio.Protocol):
             self._release(self.current)
             self.current = None
         responder = self.responder
-        if responder is not None and responder.chunked and not responder.started:  # never a 1xx to HTTP/1.0
-            self.transport.write(_CONTINUE)  # type: ignore[union-attr]
+        if responder is not None:
+            if not responder.started:
+                if responder.chunked:  # never a 1xx to HTTP/1.0
+                    self.transport.write(_CONTINUE)  # type: ignore[union-attr]
+            elif (
+                not responder.finished
+                and responder.event_stream
+                and responder.at_event_end
+                and not responder.holding
+            ):
+                responder.write(SSE_PROBE)  # framed as the response is (a chunk, or raw to 1.0)
         self.loop.call_later(HALF_CLOSE_FIRST_PROBE_S, self._check_half_closed)
         return True
 
@@ -375,7 +431,7 @@ class _Connection(asyncio.Protocol):
             return  # a client that does not read gets no more answers buffered (resume_writing)
         if self.queue:
             req = self.queue.popleft()
-            responder = self.responder = Responder(
+            responder = self.responder = _Responder(
                 self, req.keep_alive, req.version == "1.0", req.method == b"HEAD"
             )
             if self.reading_paused and len(self.queue) < self.limits.max_pipelined:
