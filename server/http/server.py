@@ -85,6 +85,10 @@ def handler_failed(req: Request, responder: Responder) -> None:
         responder.abort()
 
 
+#: bound once: the connection's Responder calls them on every streamed write without a lookup
+_start, _write = Responder.start, Responder.write
+
+
 class _Responder(Responder):
     """The connection's :class:`Responder`. It also keeps what a probe of a client that half-closed
     mid-stream must know (:meth:`_Connection.eof_received`): whether the stream is an event stream,
@@ -95,12 +99,13 @@ class _Responder(Responder):
 
     def start(self, status: int, content_type: bytes, headers: bytes = b"") -> None:
         self.event_stream = self.at_event_end = (  # no event yet: the comment may go first
-            content_type.partition(b";")[0].strip().lower() == _EVENT_STREAM
+            content_type == _EVENT_STREAM  # (what our workers and the orchestrator send)
+            or content_type.partition(b";")[0].strip().lower() == _EVENT_STREAM
         )
-        Responder.start(self, status, content_type, headers)
+        _start(self, status, content_type, headers)
 
     def write(self, data: bytes | memoryview) -> None:
-        Responder.write(self, data)
+        _write(self, data)
         # A blank line in LF ends an event (as our workers and OpenAI write them). A stream that
         # stops elsewhere (a relayed read that split an event, CRLF lines) gets no probe: in the
         # middle of an event its blank line would dispatch the event's first half.
