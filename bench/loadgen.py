@@ -196,27 +196,38 @@ async def run_concurrency(
     label: str = "",
     request: Callable[[aiohttp.ClientSession, str, bytes, float], Awaitable[RequestResult]] = one_request,
     session: aiohttp.ClientSession | None = None,
+    rate: float = 0.0,
 ) -> LevelResult:
     """Closed loop: ``concurrency`` clients, each sending its next request when the last ends.
 
     ``request`` is :func:`one_request` (SSE) or :func:`one_unary_request`; ``session``, when given,
-    is used (its keep-alive connections kept) instead of a new one closed at the end.
+    is used (its keep-alive connections kept) instead of a new one closed at the end. ``rate``
+    (requests/s; 0: as fast as the clients go) paces the loop: the n-th request starts no sooner
+    than n / ``rate`` s after the first, so servers that keep up are measured at the same load (a
+    faster one is not given more requests per wake-up); one that cannot is as in the closed loop.
     """
     results: list[RequestResult] = []
     progress = Progress(label or f"c={concurrency}", max_requests)
     issued = 0
     deadline = time.perf_counter() + max_seconds
+    start = 0.0
 
     async def client(session: aiohttp.ClientSession) -> None:
         nonlocal issued
         while issued < max_requests and time.perf_counter() < deadline:
+            slot = issued
             issued += 1
+            if rate:
+                wait = start + slot / rate - time.perf_counter()
+                if wait > 0:
+                    await asyncio.sleep(wait)
             r = await request(session, url, body, timeout)
             results.append(r)
             progress.update(r.ok)
 
     async def clients(session: aiohttp.ClientSession) -> float:
-        t0 = time.perf_counter()
+        nonlocal start
+        t0 = start = time.perf_counter()
         await asyncio.gather(*(client(session) for _ in range(concurrency)))
         return time.perf_counter() - t0
 

@@ -13,6 +13,13 @@ warmed up, then N requests (or ``--max-seconds``) are measured. A front's CPU
 is utime+stime of its process tree from /proc over the measured requests,
 divided by the completed ones.
 
+Unpaced, each front is driven as fast as it and its workers go, so fronts on
+faster workers (the floors' ``both`` workers, the Rust routers' mocks) run at
+more requests/s than fastcore on its context and generation workers, and a
+router's CPU per request falls as its load rises (more requests per wake-up).
+``--rate R`` paces every level at R requests/s, the same for every front that
+keeps up (a front's compl/s says whether it did): CPU per request at equal load.
+
 Fronts:
 
 - ``fastcore:MODE``: the orchestrator (``bench.deploy.MODES``) on two instant
@@ -290,6 +297,8 @@ class Row:
     duration_s: float
     time_bound: bool
     error_samples: list[str] = field(default_factory=list)
+    #: the offered load the level was paced at (--rate; 0: unpaced, each front as fast as it goes)
+    rate: float = 0.0
 
     @property
     def flagged(self) -> bool:
@@ -334,6 +343,7 @@ async def _level(
             request=request,
             session=session,
             label=label,
+            rate=args.rate,
         )
         cpu, sched = running.cpu_seconds() - cpu0, running.sched_seconds() - sched0
     violations = None
@@ -374,6 +384,7 @@ def measure_front(front: str, running: Running, prompt_tokens: int, args: argpar
                 duration_s=level.duration_s,
                 time_bound=level.requests < args.requests,
                 error_samples=level.error_samples,
+                rate=args.rate,
             )
             rows.append(row)
             cpu_text = "-" if row.cpu_ms_per_request is None else f"{row.cpu_ms_per_request:.3f}"
@@ -481,8 +492,10 @@ def report(rows: list[Row], fronts: list[str]) -> str:
                     ]
                 )
         body = sel[0].body_bytes
+        paced = f", paced at {sel[0].rate:g} requests/s" if sel[0].rate else ""
         out.append(
-            f"\n### {n:,} prompt tokens ({body / 1024:.0f} KB body), {'streaming' if stream else 'non-streaming'}\n"
+            f"\n### {n:,} prompt tokens ({body / 1024:.0f} KB body), "
+            f"{'streaming' if stream else 'non-streaming'}{paced}\n"
         )
         out.append(
             format_table(
@@ -663,6 +676,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-tokens", default="250,40000", help="comma-separated (~4 bytes/token: 1 KB, 160 KB)"
     )
     p.add_argument("--concurrency", default="16,64", help="comma-separated closed-loop levels")
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="pace every measured level at this many requests/s (0, the default: as fast as each front "
+        "goes); every front that keeps up is then measured at the same load",
+    )
     p.add_argument("--stream", choices=("both", "stream", "unary"), default="both")
     p.add_argument("--requests", type=int, default=2000, help="measured requests per level (default 2000)")
     p.add_argument(

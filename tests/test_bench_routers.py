@@ -49,10 +49,10 @@ TINY = [
 ]
 
 
-def _run(tmp_path: Path, fronts: str) -> dict:
+def _run(tmp_path: Path, fronts: str, *extra: str) -> dict:
     out = tmp_path / "routers.json"
     rc = routers.main(
-        ["--fronts", fronts, *TINY, "--output", str(out), "--plot", str(tmp_path / "routers.png")]
+        ["--fronts", fronts, *TINY, *extra, "--output", str(out), "--plot", str(tmp_path / "routers.png")]
     )
     data = json.loads(out.read_text())
     assert rc == 0, data
@@ -73,8 +73,10 @@ def _check_rows(data: dict, fronts: list[str]) -> None:
 
 @pytest.mark.slow
 def test_the_harness_measures_the_raw_floor_and_fastcore(tmp_path: Path) -> None:
-    data = _run(tmp_path, "rawfloor,fastcore:both-gates")
+    """Paced (--rate): every level of every front at the same offered load, 12 requests at 40/s."""
+    data = _run(tmp_path, "rawfloor,fastcore:both-gates", "--rate", "40")
     _check_rows(data, ["rawfloor", "fastcore:both-gates"])
+    assert all(r["rate"] == 40 and r["duration_s"] >= 11 / 40 for r in data["rows"]), data["rows"]
     assert data["meta"]["skipped"] == {}
     floor = [r for r in data["rows"] if r["front"] == "rawfloor"]
     assert sorted(r["stream"] for r in floor) == [False, True]  # the floor streamed and answered whole

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import pytest
+from raw_http import serving
 
 from bench.deploy import FLOOR, Deployment, cpu_seconds, rss_bytes
-from bench.loadgen import RequestResult, percentile, run_concurrency, summarize
+from bench.loadgen import RequestResult, one_unary_request, percentile, run_concurrency, summarize
 from bench.workload import agentic_messages, chat_body
+from server.http import Request, Responder
 
 
 def test_percentile_is_nearest_rank() -> None:
@@ -37,6 +40,22 @@ def test_summarize_counts_errors_and_timeouts_apart() -> None:
     assert (level.requests, level.errors, level.timeouts) == (4, 2, 1)
     assert level.completions_per_s == 1.0
     assert level.ttft_p50_ms == 10.0 and level.latency_p99_ms == 40.0
+
+
+async def answer(req: Request, out: Responder) -> None:
+    out.send(200, b'{"choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}]}')
+
+
+async def test_a_paced_closed_loop_starts_the_nth_request_no_sooner_than_n_over_the_rate() -> None:
+    """bench.routers --rate: 4 clients, 21 requests paced at 100/s take at least 0.2 s (the 21st
+    starts 0.2 s after the first; a local server answers them unpaced far sooner)."""
+    async with serving(answer) as (_, port):
+        began = time.perf_counter()
+        level = await run_concurrency(f"http://127.0.0.1:{port}/v1/chat/completions", b"{}", 4, max_requests=21,
+                                      max_seconds=60, timeout=30, request=one_unary_request, rate=100.0)  # fmt: skip
+        took = time.perf_counter() - began
+    assert (level.requests, level.errors) == (21, 0), level.error_samples
+    assert took >= 0.2
 
 
 def test_agentic_history_has_about_four_bytes_per_token() -> None:
