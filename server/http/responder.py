@@ -12,6 +12,7 @@ from typing import Protocol
 from server.errors import error_body
 
 JSON = b"application/json"
+EVENT_STREAM = b"text/event-stream"
 #: a streamed piece below this many bytes is framed by a copy and written (or held) with its framing;
 #: a larger one is written as its pieces, never held
 SMALL_PIECE = 4096
@@ -79,8 +80,10 @@ class Responder:
     __slots__ = (
         "_conn",
         "_held",
+        "_last",
         "_transport",
         "chunked",
+        "event_stream",
         "finished",
         "flow",
         "head_only",
@@ -103,6 +106,9 @@ class Responder:
         self.flow: Flow | None = None
         #: a streamed response's writes held (:meth:`hold`) until :meth:`flush`
         self._held: list[bytes | memoryview] | None = None
+        #: the streamed response is ``text/event-stream``; the last piece :meth:`write` was given
+        self.event_stream = False
+        self._last: bytes | memoryview = b""
 
     @property
     def closed(self) -> bool:
@@ -183,6 +189,10 @@ class Responder:
             raise RuntimeError("response already started")
         self.started = True
         self.status = status
+        self.event_stream = (
+            content_type == EVENT_STREAM  # (what our workers and the orchestrator send)
+            or content_type.partition(b";")[0].strip().lower() == EVENT_STREAM
+        )
         if not self.chunked:
             self.keep_alive = False
         framing = b"Transfer-Encoding: chunked\r\n" if self.chunked else b""
@@ -203,6 +213,7 @@ class Responder:
         """One piece of a streamed body (no-op once the client is gone)."""
         if not data or self._conn.closed or self.head_only:
             return
+        self._last = data
         if self.chunked:
             if len(data) < SMALL_PIECE:  # one small write, not three pieces (as send: a copy costs less)
                 self._out(b"%x\r\n%s\r\n" % (len(data), data))
@@ -226,7 +237,21 @@ class Responder:
         if self.chunked and not self._conn.closed and not self.head_only:
             self._out(b"0\r\n\r\n")
 
-    def _out(self, data: bytes) -> None:
+    @property
+    def between_events(self) -> bool:
+        """An event stream that started and did not end, whose last write ended an event (a blank line
+        in LF, as our workers and OpenAI write them), with nothing held: an SSE comment written now
+        changes nothing a client parses. A stream that stopped elsewhere (a relayed read that split an
+        event, CRLF lines) is not: in the middle of an event its blank line would dispatch the event's
+        first half."""
+        return (
+            self.event_stream
+            and not self.finished
+            and self._held is None
+            and (not self._last or self._last[-2:] == b"\n\n")
+        )
+
+    def _out(self, data: bytes | memoryview) -> None:
         if self._held is None:
             self._transport.write(data)
         else:

@@ -85,38 +85,6 @@ def handler_failed(req: Request, responder: Responder) -> None:
         responder.abort()
 
 
-#: bound once: the connection's Responder calls them on every streamed write without a lookup
-_start, _write = Responder.start, Responder.write
-
-
-class _Responder(Responder):
-    """The connection's :class:`Responder`. It also keeps what a probe of a client that half-closed
-    mid-stream must know (:meth:`_Connection.eof_received`): whether the stream is an event stream,
-    and whether what was written of it ends where an event ended. Both are set by :meth:`start`,
-    so they are there whenever a response was started and not finished."""
-
-    __slots__ = ("at_event_end", "event_stream")
-
-    def start(self, status: int, content_type: bytes, headers: bytes = b"") -> None:
-        self.event_stream = self.at_event_end = (  # no event yet: the comment may go first
-            content_type == _EVENT_STREAM  # (what our workers and the orchestrator send)
-            or content_type.partition(b";")[0].strip().lower() == _EVENT_STREAM
-        )
-        _start(self, status, content_type, headers)
-
-    def write(self, data: bytes | memoryview) -> None:
-        _write(self, data)
-        # A blank line in LF ends an event (as our workers and OpenAI write them). A stream that
-        # stops elsewhere (a relayed read that split an event, CRLF lines) gets no probe: in the
-        # middle of an event its blank line would dispatch the event's first half.
-        self.at_event_end = data[-2:] == b"\n\n"
-
-    @property
-    def holding(self) -> bool:
-        """Its writes are held (:meth:`Responder.hold`): nothing may be written past them now."""
-        return self._held is not None
-
-
 class _Stop(Exception):
     """Raised in a parser event to stop parsing (the reason is in ``_Connection.failed``)."""
 
@@ -137,7 +105,6 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 #: events 9.2.6: a line that starts with a colon is ignored), then the blank line that ends an
 #: event, which dispatches nothing where no field came since the last one
 SSE_PROBE = b":\n\n"
-_EVENT_STREAM = b"text/event-stream"
 
 
 class _Peer:
@@ -195,7 +162,7 @@ class _Connection(asyncio.Protocol):
         self.task: asyncio.Task[None] | Handling | None = None
         #: the request being answered (while ``task`` is set)
         self.serving: Request | None = None
-        self.responder: _Responder | None = None
+        self.responder: Responder | None = None
         self.closed = False
         self.failed: tuple[int, str] | None = None
         self.reading_paused = False
@@ -290,12 +257,7 @@ class _Connection(asyncio.Protocol):
             if not responder.started:
                 if responder.chunked:  # never a 1xx to HTTP/1.0
                     self.transport.write(_CONTINUE)  # type: ignore[union-attr]
-            elif (
-                not responder.finished
-                and responder.event_stream
-                and responder.at_event_end
-                and not responder.holding
-            ):
+            elif responder.between_events:
                 responder.write(SSE_PROBE)  # framed as the response is (a chunk, or raw to 1.0)
         self.loop.call_later(HALF_CLOSE_FIRST_PROBE_S, self._check_half_closed)
         return True
@@ -436,7 +398,7 @@ class _Connection(asyncio.Protocol):
             return  # a client that does not read gets no more answers buffered (resume_writing)
         if self.queue:
             req = self.queue.popleft()
-            responder = self.responder = _Responder(
+            responder = self.responder = Responder(
                 self, req.keep_alive, req.version == "1.0", req.method == b"HEAD"
             )
             if self.reading_paused and len(self.queue) < self.limits.max_pipelined:
