@@ -207,51 +207,13 @@ class UpstreamResponse:
             return
         self._conn.finish(self)
 
-    # -- what the connection tells it (the parser's events) ---------------------------
+    # -- waiting, and a failure (the parser's events are its connection's: _Connection.on_head...) --
 
     def headers_arrived(self) -> asyncio.Future[None]:
         """Done once the status line and headers are in (with ``max_body``: the whole body)."""
         if self._headers is None:
             self._headers = self._conn.loop.create_future()  # type: ignore[union-attr]  # sent
         return self._headers
-
-    def on_headers(self, status: int) -> None:
-        """The final (not 1xx) status line and headers are in."""
-        self.status = status
-        self.headers_done = True
-        if not self._whole:
-            if self.listener is not None:
-                self.listener.leg_head(self)
-            else:
-                self._wake(self._headers, None)
-
-    def on_interim_end(self) -> None:
-        """A 1xx response ended: forget its headers, the real answer follows."""
-        self.content_type = b""
-        self.content_length = None
-        self.retry_after = None
-
-    def on_body(self, body: bytes) -> bool:
-        """Keep a piece of a read body; False when a whole-body request went past ``max_body``."""
-        if self.truncated:
-            return True
-        self.size += len(body)
-        self.chunks.append(body)
-        if self.limit and self.size > self.limit:
-            if self._whole:
-                return False
-            self._truncate()
-        return True
-
-    def on_complete(self, keep_alive: bool) -> None:
-        """The body's end: wake whoever waits for the headers or the body."""
-        self.complete = True
-        self.keep_alive = keep_alive
-        if self.listener is not None:
-            self.listener.leg_done(self)
-            return
-        self._wake(self._headers, None)
-        self._wake(self._done, None)
 
     def on_error(self, exc: BaseException) -> bool:
         """The exchange failed: raise ``exc`` to its waiters. False when it had already ended."""
@@ -393,7 +355,13 @@ class _Connection(asyncio.Protocol):
         resp.retry_after = retry_after
         if self.deadline_to_headers:
             self.deadline = 0.0  # the first byte is in: only read_timeout (if any) from here
-        resp.on_headers(status)
+        resp.status = status
+        resp.headers_done = True
+        if not resp._whole:  # (a whole-body request hears the end only)
+            if resp.listener is not None:
+                resp.listener.leg_head(resp)
+            else:
+                resp._wake(resp._headers, None)
 
     def on_body(self, body: bytes) -> None:
         resp = self.response
@@ -404,20 +372,32 @@ class _Connection(asyncio.Protocol):
             resp.size += len(body)
             self.pending.append(body)  # flushed once the read is parsed
             return
-        if not resp.on_body(body):
-            self._fail(UpstreamError(f"response body exceeds {resp.limit} bytes"))
+        if resp.truncated:
+            return
+        resp.size += len(body)
+        resp.chunks.append(body)
+        if resp.limit and resp.size > resp.limit:
+            if resp._whole:
+                self._fail(UpstreamError(f"response body exceeds {resp.limit} bytes"))
+            else:
+                resp._truncate()
 
     def on_message_complete(self, keep_alive: bool) -> None:
         resp = self.response
         assert resp is not None
-        if self.interim:
+        if self.interim:  # a 1xx ended (on_head kept none of its headers): the real answer follows
             self.interim = False
-            resp.on_interim_end()
             return
         self._cancel_timer()
         if self.pending:  # a listener hears the end now: the stream's last pieces go first
             self._flush(resp)
-        resp.on_complete(keep_alive)
+        resp.complete = True
+        resp.keep_alive = keep_alive
+        if resp.listener is not None:
+            resp.listener.leg_done(resp)
+            return
+        resp._wake(resp._headers, None)
+        resp._wake(resp._done, None)
 
     # -- requests -------------------------------------------------------------------
 
