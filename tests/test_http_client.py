@@ -1,151 +1,41 @@
 """server.http.client (UpstreamPool) against small raw-byte servers on 127.0.0.1.
 
-Each test runs an asyncio server written here whose every byte is the
-test's, so framing (Content-Length, chunked, close-delimited, malformed),
+Each test runs an asyncio server (:mod:`upstream_stand_ins`) whose every byte is
+the test's, so framing (Content-Length, chunked, close-delimited, malformed),
 timing (silence, drip-feeding) and connection handling (keep-alive, closing
 an idle connection, a reset mid-body) are exact. The server counts the
 connections it accepts, which is how reuse is checked. Every test runs on
 both response parsers (conftest's ``http_twin``, set on :class:`Pool`).
+``UpstreamPool.start`` (a listener, no coroutine): test_http_client_start.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
-import struct
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from types import ModuleType
-from typing import Any
 
 import pytest
-from helpers import StandInServer, eventually, free_port, made_in_a_thread
+from helpers import eventually, free_port, made_in_a_thread
+from upstream_stand_ins import (  # noqa: F401  (_both_parsers: an autouse fixture)
+    SLACK_S,
+    Pool,
+    Reader,
+    RequestLine,
+    Serve,
+    Upstream,
+    Writer,
+    _both_parsers,
+    answering,
+    chunked_response,
+    echo_response,
+    fetch,
+    ok,
+    pool_for,
+    read_request,
+    reset,
+)
 
 from server.http import Deadlines, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout
-
-#: scheduling slack for time bounds on a busy 2-core machine (the client's sweeper ticks every 50 ms)
-SLACK_S = 1.0
-
-
-class Pool(UpstreamPool):
-    """The pool under test: :class:`UpstreamPool` on the response parser a test chose (a class attribute)."""
-
-    response_parser = UpstreamPool.response_parser
-
-
-@pytest.fixture(autouse=True)
-def _both_parsers(http_twin: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every test here runs on both response parsers (conftest's ``http_twin``)."""
-    monkeypatch.setattr(Pool, "response_parser", http_twin.ResponseParser)
-
-
-RequestLine = tuple[bytes, dict[bytes, bytes], bytes]
-Reader = asyncio.StreamReader
-Writer = asyncio.StreamWriter
-
-
-async def read_request(reader: asyncio.StreamReader) -> RequestLine | None:
-    """One request as the pool writes it (always Content-Length framed); None at EOF."""
-    try:
-        head = await reader.readuntil(b"\r\n\r\n")
-    except (asyncio.IncompleteReadError, ConnectionError):
-        return None
-    lines = head[:-4].split(b"\r\n")
-    headers: dict[bytes, bytes] = {}
-    for line in lines[1:]:
-        key, _, value = line.partition(b":")
-        headers[key.strip().lower()] = value.strip()
-    body = await reader.readexactly(int(headers.get(b"content-length", b"0")))
-    return lines[0], headers, body
-
-
-Serve = Callable[["Upstream", Reader, Writer, int], Awaitable[None]]
-
-
-class Upstream(StandInServer):
-    """A worker stand-in: ``answer(upstream, reader, writer, index)`` runs per accepted connection."""
-
-    def __init__(self, answer: Serve) -> None:
-        super().__init__()
-        self.answer = answer
-        self.accepted = 0
-        self.requests: list[RequestLine] = []
-        #: connections that ended with the client closing (EOF while waiting for a request)
-        self.client_closed = 0
-
-    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        index = self.accepted
-        self.accepted += 1
-        await self.answer(self, reader, writer, index)
-
-    async def next_request(self, reader: asyncio.StreamReader) -> RequestLine | None:
-        req = await read_request(reader)
-        if req is None:
-            self.client_closed += 1
-        else:
-            self.requests.append(req)
-        return req
-
-
-def answering(respond: Callable[[RequestLine], bytes]) -> Serve:
-    """A keep-alive server: every request gets ``respond(request)``, until the client closes."""
-
-    async def serve(up: Upstream, reader: Reader, writer: Writer, index: int) -> None:
-        while (req := await up.next_request(reader)) is not None:
-            writer.write(respond(req))
-            await writer.drain()
-
-    return serve
-
-
-def ok(body: bytes = b"ok", content_type: bytes = b"application/json", extra: bytes = b"") -> bytes:
-    return b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\nContent-Length: %d\r\n%s\r\n%s" % (
-        content_type,
-        len(body),
-        extra,
-        body,
-    )
-
-
-def chunked_response(pieces: list[bytes], extra: bytes = b"") -> bytes:
-    body = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
-    return b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n%s\r\n%s" % (
-        extra,
-        body,
-    )
-
-
-def echo_response(req: RequestLine) -> bytes:
-    line, _, body = req
-    return ok(body, extra=b"X-Line: %s\r\n" % line)
-
-
-def reset(writer: asyncio.StreamWriter) -> None:
-    """Close with a TCP reset (SO_LINGER 0), not a FIN."""
-    sock = writer.get_extra_info("socket")
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    writer.transport.abort()
-
-
-@contextlib.asynccontextmanager
-async def pool_for(up: Upstream, path: str = "", **kw: Any) -> AsyncIterator[UpstreamPool]:
-    pool = Pool(up.url + path, **kw)
-    try:
-        yield pool
-    finally:
-        pool.close()
-
-
-async def fetch(
-    pool: UpstreamPool, path: bytes = b"/", body: bytes = b"", **kw: Any
-) -> tuple[UpstreamResponse, bytes]:
-    resp = await pool.request(b"POST", path, [body] if body else [], **kw)
-    try:
-        return resp, await resp.read()
-    finally:
-        resp.release()
-
 
 # -- requests and keep-alive ------------------------------------------------------------------
 
@@ -944,127 +834,3 @@ async def test_request_options_are_keyword_only() -> None:
         assert resp.complete and await resp.read() == b"x" * 5000
         resp.release()
         assert up.requests[0][1][b"x-extra"] == b"1"
-
-
-# -- UpstreamPool.start: a response's events to a listener, no coroutine (server/orchestrator/exchange.py) --
-
-
-class Recorder:
-    """A :class:`server.http.client.Listener` that records what it is told; a streamed body goes to
-    ``pieces`` through the sink it sets at the head (as the orchestrator's exchange does)."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, Any]] = []
-        self.pieces: list[bytes] = []
-
-    def leg_head(self, resp: UpstreamResponse) -> None:
-        self.events.append(("head", resp.status))
-        resp.sink = self.pieces.append
-
-    def leg_done(self, resp: UpstreamResponse) -> None:
-        self.events.append(("done", resp.body()))
-        resp.release()
-
-    def leg_error(self, resp: UpstreamResponse, exc: BaseException) -> None:
-        self.events.append(("error", exc))
-        resp.release()
-
-    async def ended(self) -> bool:
-        return await eventually(lambda: any(kind in ("done", "error") for kind, _ in self.events))
-
-
-async def test_start_tells_a_streamed_and_a_whole_response_to_its_listener() -> None:
-    """A streamed response: its head, its pieces through the sink, its end; a whole-body one
-    (``max_body``): its end only, with the body. No event before start() returns, even on a pooled
-    connection; each connection goes back to the pool once its response is told."""
-    stream = chunked_response([b"data: 1\n\n", b"data: 2\n\n"])
-    async with (
-        Upstream(answering(lambda req: stream if req[2] == b"s" else ok(b"whole"))) as up,
-        pool_for(up) as pool,
-    ):
-        streamed = Recorder()
-        resp = pool.start(streamed, b"POST", b"/", [b"s"], read_timeout=5.0)
-        assert streamed.events == []
-        assert await streamed.ended()
-        assert streamed.events == [("head", 200), ("done", b"")]
-        assert b"".join(streamed.pieces) == b"data: 1\n\ndata: 2\n\n" and resp.complete
-        assert await eventually(lambda: len(pool.idle) == 1)
-        whole = Recorder()
-        pool.start(whole, b"POST", b"/", [b"w"], timeout=5.0, max_body=1000)
-        assert whole.events == []  # on the pooled connection too
-        assert await whole.ended()
-        assert whole.events == [("done", b"whole")] and not whole.pieces
-        assert await eventually(lambda: len(pool.idle) == 1)
-        assert up.accepted == 1
-
-
-async def test_start_skips_a_pooled_connection_whose_transport_is_closing() -> None:
-    async with Upstream(answering(echo_response)) as up, pool_for(up) as pool:
-        await fetch(pool, body=b"first")
-        (conn,) = pool.idle
-        assert conn.transport is not None
-        conn.transport.abort()  # closing now; connection_lost comes on a later loop turn
-        listener = Recorder()
-        pool.start(listener, b"POST", b"/", [b"second"], timeout=5.0, max_body=1000)
-        assert await listener.ended()
-        assert listener.events == [("done", b"second")]
-        assert up.accepted == 2 and [r[2] for r in up.requests] == [b"first", b"second"]
-
-
-@pytest.mark.parametrize("answered", [False, True], ids=["unanswered", "part-answered"])
-async def test_start_sends_again_on_a_fresh_connection_when_a_reused_one_closes_unanswered(
-    answered: bool,
-) -> None:
-    """The worker closes the kept-alive connection as the second request arrives (it never reached a
-    handler): sent once more on a fresh connection and answered; the listener hears no error. Once
-    bytes of an answer came back the request was seen: an error (``sent``), not sent again."""
-
-    async def serve(up: Upstream, reader: Reader, writer: Writer, index: int) -> None:
-        while (req := await up.next_request(reader)) is not None:
-            if index == 0 and len(up.requests) == 2:
-                if answered:
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Le")
-                    await writer.drain()
-                return  # closed before the answer's end
-            writer.write(echo_response(req))
-
-    async with Upstream(serve) as up, pool_for(up) as pool:
-        first = Recorder()
-        pool.start(first, b"POST", b"/", [b"first"], timeout=5.0, max_body=1000)
-        assert await first.ended() and first.events == [("done", b"first")]
-        assert await eventually(lambda: len(pool.idle) == 1)
-        second = Recorder()
-        pool.start(second, b"POST", b"/", [b"second"], timeout=5.0, max_body=1000)
-        assert await second.ended()
-        if answered:
-            ((kind, exc),) = second.events
-            assert kind == "error" and isinstance(exc, UpstreamError) and exc.sent is True
-            assert up.accepted == 1 and [r[2] for r in up.requests] == [b"first", b"second"]
-        else:
-            assert second.events == [("done", b"second")]
-            assert up.accepted == 2 and [r[2] for r in up.requests] == [b"first", b"second", b"second"]
-
-
-async def test_start_where_nothing_listens_is_an_error_not_sent() -> None:
-    pool = Pool(f"http://127.0.0.1:{free_port()}")
-    listener = Recorder()
-    pool.start(listener, b"POST", b"/", [b"x"], timeout=5.0)
-    assert listener.events == []  # the connection is opened after start() returns
-    assert await listener.ended()
-    ((kind, exc),) = listener.events
-    assert kind == "error" and isinstance(exc, UpstreamError) and exc.sent is False
-    assert not pool.open and not pool.idle
-
-
-async def test_start_released_before_its_connection_opened_tells_nothing_and_pools_it() -> None:
-    """The leg is given up (the client left) while its connection is being opened: no event, nothing
-    sent, and the connection, once open, is the pool's (the next request uses it)."""
-    async with Upstream(answering(echo_response)) as up, pool_for(up) as pool:
-        listener = Recorder()
-        resp = pool.start(listener, b"POST", b"/", [b"lost"], timeout=5.0)
-        resp.release()
-        assert await eventually(lambda: len(pool.idle) == 1)
-        assert listener.events == [] and up.requests == []
-        _, body = await fetch(pool, body=b"next")
-        assert body == b"next" and up.accepted == 1
-        assert [r[2] for r in up.requests] == [b"next"]
