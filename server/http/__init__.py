@@ -26,6 +26,7 @@ are formatted here.
 from .client import (
     BodyPiece,
     Deadlines,
+    HeldWriter,
     Listener,
     UpstreamError,
     UpstreamPool,
@@ -39,6 +40,7 @@ __all__ = [
     "Deadlines",
     "HTTPServer",
     "Handling",
+    "HeldWriter",
     "Limits",
     "Listener",
     "Request",
