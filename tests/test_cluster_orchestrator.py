@@ -408,6 +408,32 @@ async def test_etcd_discovery_beside_static_urls_and_a_refused_model(
         await orch.server.cleanup()
 
 
+async def test_a_process_joining_a_shared_port_listens_once_its_discovered_workers_were_checked(
+    etcd: LocalEtcd,
+) -> None:
+    """--workers N with discovery: the first health round runs before the first read of the registry
+    (with no worker), so a process that joins the port (reuse_port) also checks the workers that read
+    added before it listens: before, its first requests met 503 no_healthy_worker until the next round."""
+    ctx, gen = await synthetic_worker("context"), await synthetic_worker("generation")
+    data = cluster_config(uri=etcd.uri, name="joining")
+    data["health_check_interval_s"] = 3600  # no second round: only the joining check can find them
+    settings = ClusterSettings(etcd.uri, "joining", HEARTBEAT_S, TTL_S, None)
+    regs = [await join(settings, ctx, "context"), await join(settings, gen, "generation")]
+    server = None
+    try:
+        server, orch = await start_server(build_config(data, environ={}), reuse_port=True)
+        workers = [w for pool in orch.pools for w in pool.workers]
+        assert {w.url for w in workers} == {ctx.url, gen.url}
+        assert all(w.checked and w.healthy for w in workers), workers
+    finally:
+        for reg in regs:
+            await reg.stop()
+        if server is not None:
+            await server.cleanup()
+        for live in (ctx, gen):
+            await live.server.cleanup()
+
+
 def test_cluster_config_errors_name_the_field() -> None:
     for section, words in (
         ({"cluster_uri": "zk://x:1"}, "cluster_uri"),

@@ -251,8 +251,10 @@ class Orchestrator:
         if reuse_port:
             # A process joining a port its siblings may already serve (--workers N) takes
             # connections once it has checked its workers: before, it would refuse (503) what
-            # the others serve. A check is bounded by its timeout, and so is the wait.
+            # the others serve. A check is bounded by its timeout, and so is the wait. The
+            # workers discovery's first read added may have come after that round: theirs too.
             await self.health.first_round.wait()
+            await self.health.check_unchecked()
         server = self.server = HTTPServer(self.handle, self.limits)
         server.on_close.append(self.stop)
         try:

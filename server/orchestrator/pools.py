@@ -431,6 +431,12 @@ class HealthChecker:
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check_worker(p, w) for p in self.pools for w in p.workers))
 
+    async def check_unchecked(self) -> None:
+        """One check of each worker never checked yet (one discovery added after the first round)."""
+        await asyncio.gather(
+            *(self.check_worker(p, w) for p in self.pools for w in p.workers if not w.checked)
+        )
+
     def mark_unhealthy(self, pool: Pool, worker: Worker) -> None:
         if worker.healthy:
             log.warning("%s worker %s failed a request; out until /health recovers", pool.name, worker.url)
