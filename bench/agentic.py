@@ -173,8 +173,12 @@ async def run_conversations(
     return results, time.perf_counter() - t0
 
 
-def _config(routing: dict[str, Any], max_local_prefill: int) -> dict[str, Any]:
-    router = {"type": routing["router"]}
+def _config(
+    routing: dict[str, Any], max_local_prefill: int, load_factor: float | None = None
+) -> dict[str, Any]:
+    router: dict[str, Any] = {"type": routing["router"]}
+    if load_factor is not None and routing["router"] == "conversation":
+        router["load_factor"] = load_factor
     config: dict[str, Any] = {"context_servers": {"router": router}, "generation_servers": {"router": router}}
     if routing.get("conditional"):
         config["conditional_disagg_config"] = {"max_local_prefill_length": max_local_prefill}
@@ -197,7 +201,9 @@ async def _worker_counters(urls: list[str]) -> dict[str, float]:
 
 def run_routing(name: str, args: argparse.Namespace, tmp: Path) -> RoutingResult:
     path = tmp / f"{name.replace('+', '_')}.json"  # YAML is a superset of JSON
-    path.write_text(json.dumps(_config(ROUTINGS[name], args.max_local_prefill)))
+    path.write_text(
+        json.dumps(_config(ROUTINGS[name], args.max_local_prefill, args.conversation_load_factor))
+    )
     workers = ["--prompt-tokens", "0", "--prefill-ms-per-1k-tokens", str(args.prefill_ms_per_1k),
                "--kv-tokens", str(args.kv_tokens)]  # fmt: skip
     dep = Deployment(
@@ -331,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-tokens", type=int, default=250_000, help="each worker's cache (default 250,000 ids)")
     p.add_argument("--max-local-prefill", type=int, default=4096,
                    help="conditional_disagg_config.max_local_prefill_length (default 4096)")  # fmt: skip
+    p.add_argument("--conversation-load-factor", type=float, default=None,
+                   help="the conversation router's load_factor (default its own: 1.25; 0: a conversation never "
+                   "leaves its worker)")  # fmt: skip
     p.add_argument("--routings", default=",".join(ROUTINGS), help="which to run (default all)")
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--quick", action="store_true", help="4 conversations x 6 turns, smaller prompts")

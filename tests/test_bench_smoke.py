@@ -127,16 +127,21 @@ def test_the_relay_benchmark_races_every_contender_on_the_same_request(
 
 @pytest.mark.slow
 def test_the_agentic_benchmark_runs_every_router_and_cache_routing_computes_less(tmp_path: Path) -> None:
-    """A short bench.agentic (synthetic text-mode workers, a cache that round robin overflows):
-    every router answers every turn, kv_cache_aware + conditional disaggregation prefills some
-    turns on the generation worker, and the cache-aware routings compute fewer prompt ids."""
+    """A short bench.agentic (synthetic text-mode workers): every router answers every turn,
+    kv_cache_aware + conditional disaggregation prefills some turns on the generation worker, and
+    the cache-aware routings compute fewer prompt ids than round robin.
+
+    Deterministic: each worker's cache holds every conversation (no routing evicts), and a
+    conversation never leaves its worker (load_factor 0), so the cache-aware routings compute each
+    turn's new ids only, whichever worker the ring gives each conversation (its points are the
+    workers' URLs, whose ports vary); round robin moves conversations between workers."""
     from bench import agentic
 
     out = tmp_path / "agentic.json"
     # 5 conversations on 2 workers: round robin cannot map one to the same worker turn after turn
     argv = ["--conversations", "5", "--turns", "4", "--first-tokens", "3000", "--turn-tokens", "500",
-            "--max-tokens", "8", "--kv-tokens", "16000", "--max-local-prefill", "1024",
-            "--output", str(out)]  # fmt: skip
+            "--max-tokens", "8", "--kv-tokens", "32000", "--max-local-prefill", "1024",
+            "--conversation-load-factor", "0", "--output", str(out)]  # fmt: skip
     agentic.main(argv)  # its exit code is the issue's targets, which a run this short need not meet
     results = {r["routing"]: r for r in json.loads(out.read_text())["results"]}
     assert set(results) == set(agentic.ROUTINGS)
