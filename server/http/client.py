@@ -527,6 +527,18 @@ class _Connection(asyncio.Protocol):
                 transport.close()
 
 
+def _abandon(opening: asyncio.Task[Any]) -> None:
+    """A connect given up (timed out, or its caller cancelled): cancelled, and a connection it made
+    all the same (it ended in that loop pass) closed, not left open to the worker."""
+    opening.cancel()
+    opening.add_done_callback(_close_made)
+
+
+def _close_made(opening: asyncio.Task[Any]) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result()[0].close()
+
+
 class Deadlines:
     """Enforces the deadlines of the upstream requests in flight on one event loop.
 
@@ -597,13 +609,20 @@ class UpstreamPool:
 
     async def _connect(self) -> _Connection:
         self.loop = loop = asyncio.get_running_loop()
+        # Not asyncio.wait_for: before Python 3.12, a connect that ends in the loop pass where its
+        # caller is cancelled returns the connection and the cancel is lost (a cache-events follower
+        # polled on, and its owner's stop waited for it forever).
+        opening = loop.create_task(loop.create_connection(lambda: _Connection(self), self.host, self.port))
         try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(self), self.host, self.port),
-                self.connect_timeout_s,
-            )
-        except asyncio.TimeoutError:
-            raise UpstreamError(f"connect timed out after {self.connect_timeout_s} s", sent=False) from None
+            await asyncio.wait((opening,), timeout=self.connect_timeout_s)
+        except BaseException:  # cancelled
+            _abandon(opening)
+            raise
+        if not opening.done():
+            _abandon(opening)
+            raise UpstreamError(f"connect timed out after {self.connect_timeout_s} s", sent=False)
+        try:
+            _, conn = opening.result()
         except OSError as exc:
             raise UpstreamError(f"cannot connect: {exc.strerror or exc}", sent=False) from None
         self.open.add(conn)

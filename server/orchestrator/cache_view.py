@@ -22,7 +22,6 @@ sends its metrics token, if it has one, as a bearer token.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from typing import Any
@@ -30,7 +29,7 @@ from urllib.parse import urlencode
 
 from server.http.client import Deadlines, UpstreamError, UpstreamPool, UpstreamTimeout
 
-from .pools import Pool, Worker
+from .pools import Pool, Worker, stop_tasks
 from .routing import KvCacheAwareRouter
 
 __all__ = ["CacheView"]
@@ -221,13 +220,10 @@ class CacheView:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="fastcore-cache-view")
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, *(task for _, task in self._followers.values())) if t is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        for follower, _ in self._followers.values():
-            follower.close()
-        self._followers.clear()
-        self._task = None
+        try:
+            await stop_tasks([self._task, *(task for _, task in self._followers.values())])
+        finally:  # (a stop cancelled meanwhile closes the followers' connections all the same)
+            for follower, _ in self._followers.values():
+                follower.close()
+            self._followers.clear()
+            self._task = None
