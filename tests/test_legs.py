@@ -16,7 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from helpers import eventually, free_port
+from helpers import eventually
 
 from server.errors import HTTPError
 from server.http import Deadlines, UpstreamPool, UpstreamResponse
@@ -264,7 +264,7 @@ async def test_the_orchestrators_upstream_connections_share_one_deadline_sweeper
         router = {"type": "kv_cache_aware"}
         config = build_config(
             {
-                "port": free_port(),
+                "port": 0,
                 "context_servers": {"urls": urls[:2], "router": router},
                 "generation_servers": {"urls": urls[2:]},
             },
