@@ -37,8 +37,8 @@ test-debug: debug  ## compiled-twin tests under the sanitizers
 	$(SAN_ENV) FASTCORE_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_codec.py
 	# Scanner and relay whole: most of their ids are [c-...], and the twin-agreement tests have none.
 	$(SAN_ENV) FASTCORE_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_jsonspan.py tests/test_relay.py tests/test_chunk_hashes.py
-	# The HTTP parsers (server.http._parse): side by side, then on sockets (both twins run, the C one sanitized).
-	$(SAN_ENV) FASTCORE_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_http_parse.py tests/test_http_server.py tests/test_http_client.py tests/test_http_abuse.py
+	# The HTTP parsers (server.http._parse) and the upstream connection (_upstream): side by side, then on sockets (both twins run, the C one sanitized).
+	$(SAN_ENV) FASTCORE_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_http_parse.py tests/test_http_server.py tests/test_http_client.py tests/test_http_client_start.py tests/test_http_abuse.py
 
 fuzz: debug     ## hypothesis fuzz of the scanner under the sanitizers
 	$(SAN_ENV) $(PY) -m tests.fuzz_jsonspan --seconds $${FUZZ_SECONDS:-120}
@@ -112,4 +112,4 @@ plot:
 
 clean:
 	rm -rf build dist *.egg-info $(RELEASE_VENV) fastcore/*.so fastcore/_codec.c fastcore/_scan.c fastcore/_relay.c fastcore/_hash.c
-	rm -f server/http/*.so server/http/_parse.c
+	rm -f server/http/*.so server/http/_parse.c server/http/_upstream.c

@@ -166,6 +166,8 @@ def _extensions() -> list[Extension]:
         "fastcore._hash": ["fastcore/_hash.pyx"],
         "server.http._parse": ["server/http/_parse.pyx"]
         + [f"{llhttp}/src/{name}" for name in ("llhttp.c", "api.c", "http.c")],
+        # the upstream connection: a subclass of _parse's ResponseParser (cimported through _parse.pxd)
+        "server.http._upstream": ["server/http/_upstream.pyx"],
     }
     extensions = [
         Extension(

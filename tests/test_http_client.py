@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import ModuleType
 
 import pytest
 from helpers import eventually, free_port, made_in_a_thread
@@ -35,7 +36,7 @@ from upstream_stand_ins import (  # noqa: F401  (_both_parsers: an autouse fixtu
     reset,
 )
 
-from server.http import Deadlines, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout
+from server.http import Deadlines, UpstreamError, UpstreamPool, UpstreamTimeout, client
 
 # -- requests and keep-alive ------------------------------------------------------------------
 
@@ -772,7 +773,7 @@ def test_an_idle_connection_whose_transport_is_closing_is_not_written_to(loop_ki
             assert conn.transport is not None
             conn.transport.abort()
             with pytest.raises(UpstreamError) as info:
-                conn.send(UpstreamResponse(conn), b"POST / HTTP/1.1\r\n\r\n", (), 0, None, None)
+                conn.send(pool.response_class(conn), b"POST / HTTP/1.1\r\n\r\n", (), 0, None, None)
             assert info.value.sent is False
 
     with asyncio.Runner(loop_factory=factory) as runner:
@@ -834,3 +835,19 @@ async def test_request_options_are_keyword_only() -> None:
         assert resp.complete and await resp.read() == b"x" * 5000
         resp.release()
         assert up.requests[0][1][b"x-extra"] == b"1"
+
+
+def test_the_compiled_connection_and_response_have_the_pure_ones_surface(http_twin: ModuleType) -> None:
+    """Whatever the pool, the sweeper, the exchange and the leg runner may use of a connection or a
+    response exists on both twins (server/http/_upstream.pyx, client.py); only the pure connection's
+    parser and the parser events it takes from it as Python calls are its own."""
+    if http_twin.__name__.endswith("_py"):
+        pytest.skip("compares the compiled twins with the pure ones")
+
+    def surface(obj: object) -> set[str]:
+        return {name for name in dir(obj) if not name.startswith("__")}
+
+    pool = UpstreamPool("http://127.0.0.1:1")
+    assert surface(Pool.response_class(None)) == surface(client.UpstreamResponse(None))
+    pure_only = {"parser", "on_head", "on_body", "on_message_complete", "_flush", "_cancel_timer"}
+    assert surface(Pool.connection_class(pool)) == (surface(client._Connection(pool)) - pure_only) | {"feed"}

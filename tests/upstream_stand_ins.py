@@ -3,13 +3,16 @@ test_http_client_start): an asyncio server on 127.0.0.1 whose every byte is the 
 the response parser a test chose, and the answers the tests write.
 
 ``_both_parsers`` is an autouse fixture: a test module that imports it runs every test on both
-response parsers (conftest's ``http_twin``, set on :class:`Pool`).
+twins of the upstream side (conftest's ``http_twin``, set on :class:`Pool`): the compiled connection
+and response (server/http/_upstream.pyx, its own llhttp parser) and client.py's pure ones on the
+httptools parser.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,22 +22,37 @@ from typing import Any
 import pytest
 from helpers import StandInServer
 
-from server.http import UpstreamPool, UpstreamResponse
+from server.http import UpstreamPool, UpstreamResponse, client
 
 #: scheduling slack for time bounds on a busy 2-core machine (the client's sweeper ticks every 50 ms)
 SLACK_S = 1.0
 
 
 class Pool(UpstreamPool):
-    """The pool under test: :class:`UpstreamPool` on the response parser a test chose (a class attribute)."""
+    """The pool under test: :class:`UpstreamPool` on the twin a test chose (class attributes)."""
 
     response_parser = UpstreamPool.response_parser
+    connection_class = UpstreamPool.connection_class
+    response_class = UpstreamPool.response_class
+
+
+def set_twin(pool: type[UpstreamPool], http_twin: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pool``'s connections, responses and parser: the compiled twins where ``http_twin`` is the
+    compiled parser module, else client.py's classes on the pure parser."""
+    monkeypatch.setattr(pool, "response_parser", http_twin.ResponseParser)
+    if http_twin.__name__.endswith("_py"):
+        monkeypatch.setattr(pool, "connection_class", client._Connection)
+        monkeypatch.setattr(pool, "response_class", client.UpstreamResponse)
+    else:
+        upstream = importlib.import_module("server.http._upstream")
+        monkeypatch.setattr(pool, "connection_class", upstream.Connection)
+        monkeypatch.setattr(pool, "response_class", upstream.Response)
 
 
 @pytest.fixture(autouse=True)
 def _both_parsers(http_twin: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every test here runs on both response parsers (conftest's ``http_twin``)."""
-    monkeypatch.setattr(Pool, "response_parser", http_twin.ResponseParser)
+    """Every test here runs on both twins (conftest's ``http_twin``)."""
+    set_twin(Pool, http_twin, monkeypatch)
 
 
 RequestLine = tuple[bytes, dict[bytes, bytes], bytes]

@@ -49,3 +49,38 @@ cdef extern from "llhttp.h":
     int llhttp_should_keep_alive(const llhttp_t* parser)
     const char* llhttp_method_name(uint8_t method)
     const char* llhttp_get_error_reason(const llhttp_t* parser)
+
+
+# -- the upstream side's parser, shared with server/http/_upstream.pyx (its compiled connection
+# subclasses it and takes the three events as C calls) --------------------------------------------
+
+cdef enum Wanted:
+    # the response headers read (the others are skipped)
+    OTHER, CONTENT_TYPE, CONTENT_LENGTH, RETRY_AFTER, TRANSFER_ENCODING
+
+cdef enum:
+    # bytes of a header name kept to tell the wanted ones apart (the longest is 17)
+    NAME_BYTES = 17
+
+
+cdef class ResponseParser:
+    cdef llhttp_t parser
+    cdef llhttp_settings_t settings
+    cdef object conn
+    cdef object error
+    cdef char name[NAME_BYTES]
+    cdef Py_ssize_t name_len
+    cdef Wanted wanted
+    cdef bint in_field
+    # The values of Content-Type and Retry-After (the last of each), and the framing header seen
+    # last (CONTENT_LENGTH or TRANSFER_ENCODING; OTHER: none).
+    cdef bytearray content_type, retry_after
+    cdef bint has_content_type, has_retry_after
+    cdef Wanted framing
+
+    cdef int execute(self, object data) except -1
+    cdef int _event_failed(self) noexcept
+    # The events: ``conn``'s on_head, on_body and on_message_complete here; a subclass's own C code
+    cdef int head(self, int status, bytes content_type, object content_length, object retry_after) except -1
+    cdef int body(self, object piece) except -1
+    cdef int complete(self, bint keep_alive) except -1

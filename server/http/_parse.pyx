@@ -560,31 +560,10 @@ cdef int _on_chunk_complete(llhttp_t* p) noexcept:
 
 # -- the upstream side ----------------------------------------------------------------------
 
-cdef enum Wanted:
-    # the response headers read (the others are skipped)
-    OTHER, CONTENT_TYPE, CONTENT_LENGTH, RETRY_AFTER, TRANSFER_ENCODING
-
-cdef enum:
-    # bytes of a header name kept to tell the wanted ones apart (the longest is 17)
-    NAME_BYTES = 17
-
-
 cdef class ResponseParser:
-    """Frames one upstream connection's bytes into responses (see the pure twin)."""
-
-    cdef llhttp_t parser
-    cdef llhttp_settings_t settings
-    cdef object conn
-    cdef object error
-    cdef char name[NAME_BYTES]
-    cdef Py_ssize_t name_len
-    cdef Wanted wanted
-    cdef bint in_field
-    # The values of Content-Type and Retry-After (the last of each), and the framing header seen
-    # last (CONTENT_LENGTH or TRANSFER_ENCODING; OTHER: none).
-    cdef bytearray content_type, retry_after
-    cdef bint has_content_type, has_retry_after
-    cdef Wanted framing
+    """Frames one upstream connection's bytes into responses (see the pure twin). Its fields and
+    events are declared in _parse.pxd: server/http/_upstream.pyx's connection is one (a subclass
+    whose ``head``, ``body`` and ``complete`` are C methods, no Python call per event)."""
 
     def __cinit__(self, conn):
         self.conn = conn
@@ -604,9 +583,12 @@ cdef class ResponseParser:
 
     def feed(self, data):
         """Parse one read; raises :class:`BadResponse`, or what a ``conn`` event raised."""
+        self.execute(data)
+
+    cdef int execute(self, object data) except -1:
         cdef int err = _execute(&self.parser, data, NULL)
         if err == HPE_OK:
-            return
+            return 0
         error = self.error
         if error is not None:
             self.error = None
@@ -618,6 +600,18 @@ cdef class ResponseParser:
     cdef int _event_failed(self) noexcept:
         self.error = sys.exc_info()[1]
         return STOP
+
+    cdef int head(self, int status, bytes content_type, object content_length, object retry_after) except -1:
+        self.conn.on_head(status, content_type, content_length, retry_after)
+        return 0
+
+    cdef int body(self, object piece) except -1:
+        self.conn.on_body(piece)
+        return 0
+
+    cdef int complete(self, bint keep_alive) except -1:
+        self.conn.on_message_complete(keep_alive)
+        return 0
 
 
 cdef int _response_begin(llhttp_t* p) noexcept:
@@ -685,7 +679,7 @@ cdef int _response_head(llhttp_t* p) noexcept:
             content_length = p.content_length
         elif self.framing == TRANSFER_ENCODING:
             content_length = -1
-        self.conn.on_head(
+        self.head(
             p.status_code,
             bytes(self.content_type) if self.has_content_type else b"",
             content_length,
@@ -699,7 +693,7 @@ cdef int _response_head(llhttp_t* p) noexcept:
 cdef int _response_body(llhttp_t* p, const char* at, size_t n) noexcept:
     cdef ResponseParser self = <ResponseParser>p.data
     try:
-        self.conn.on_body(_piece(at, <Py_ssize_t>n))
+        self.body(_piece(at, <Py_ssize_t>n))
     except BaseException:
         return self._event_failed()
     return 0
@@ -708,7 +702,7 @@ cdef int _response_body(llhttp_t* p, const char* at, size_t n) noexcept:
 cdef int _response_complete(llhttp_t* p) noexcept:
     cdef ResponseParser self = <ResponseParser>p.data
     try:
-        self.conn.on_message_complete(llhttp_should_keep_alive(p) != 0)
+        self.complete(llhttp_should_keep_alive(p) != 0)
     except BaseException:
         return self._event_failed()
     return 0

@@ -32,6 +32,7 @@ from functools import partial
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
+from . import parse
 from .parse import ResponseParser
 from .request import BadResponse
 
@@ -527,6 +528,16 @@ class _Connection(asyncio.Protocol):
                 transport.close()
 
 
+#: the connection and response classes every UpstreamPool uses unless its class says otherwise: the
+#: compiled twins (server/http/_upstream.pyx: the connection is its own llhttp parser, the parser's
+#: events C calls) where the compiled parsers are (server.http.parse), else the two classes above
+if parse.backend == "cython":
+    from ._upstream import Connection as _connection_class
+    from ._upstream import Response as _response_class
+else:
+    _connection_class, _response_class = _Connection, UpstreamResponse
+
+
 def _abandon(opening: asyncio.Task[Any]) -> None:
     """A connect given up (timed out, or its caller cancelled): cancelled, and a connection it made
     all the same (it ended in that loop pass) closed, not left open to the worker."""
@@ -578,6 +589,10 @@ class UpstreamPool:
     #: each connection's response parser: the twin :mod:`server.http.parse` chose (the tests
     #: choose one in a subclass)
     response_parser: Callable[[_Connection], Any] = ResponseParser
+    #: its connections' and responses' classes (the twins server.http.parse chose with the parsers; a
+    #: pure-Python connection frames with ``response_parser``, the compiled one is its own parser)
+    connection_class: Callable[[UpstreamPool], Any] = _connection_class
+    response_class: Callable[..., Any] = _response_class
 
     def __init__(
         self,
@@ -612,7 +627,9 @@ class UpstreamPool:
         # Not asyncio.wait_for: before Python 3.12, a connect that ends in the loop pass where its
         # caller is cancelled returns the connection and the cancel is lost (a cache-events follower
         # polled on, and its owner's stop waited for it forever).
-        opening = loop.create_task(loop.create_connection(lambda: _Connection(self), self.host, self.port))
+        opening = loop.create_task(
+            loop.create_connection(lambda: self.connection_class(self), self.host, self.port)
+        )
         try:
             await asyncio.wait((opening,), timeout=self.connect_timeout_s)
         except BaseException:  # cancelled
@@ -676,7 +693,7 @@ class UpstreamPool:
                 conn = await self._connect()
             try:
                 resp = conn.send(
-                    UpstreamResponse(conn, max_body),
+                    self.response_class(conn, max_body),
                     head,
                     pieces,
                     size,
@@ -725,7 +742,7 @@ class UpstreamPool:
         """:meth:`request` with no coroutine: the response's events go to ``listener`` (never before this
         returns). Same arguments, deadlines, bounds and retry of a stale pooled connection; a connection
         that cannot be opened is ``leg_error`` with an :class:`UpstreamError` whose ``sent`` is False."""
-        resp = UpstreamResponse(None, max_body, listener)
+        resp = self.response_class(None, max_body, listener)
         size = _size(pieces)
         resp.sending = (
             self._head(method, path, size, headers),

@@ -1,0 +1,448 @@
+# cython: language_level=3
+"""The upstream side's connection and response in C: twin of :mod:`server.http.client`'s
+``_Connection`` and :class:`~server.http.client.UpstreamResponse` (their docstrings say what each
+method does; the behaviour is theirs, line for line).
+
+:class:`Connection` *is* its response parser (a subclass of :mod:`server.http._parse`'s
+``ResponseParser``): llhttp's head, body and end events are C calls into it, which set the
+:class:`Response`'s typed fields, with no Python frame per event, per read or per body piece of
+a stream. What stays a Python call is what the connection tells others: the listener's
+``leg_head``/``leg_done``/``leg_error``, the sink, the held writer, the pool and the deadline
+sweeper. :class:`~server.http.client.UpstreamPool` uses these two classes where the compiled
+parsers are (``UpstreamPool.connection_class`` / ``response_class``), else client.py's.
+"""
+
+import socket
+import struct
+
+from ._parse cimport ResponseParser
+
+from .client import WRITE_JOINED_BELOW, UpstreamError, UpstreamTimeout
+from .request import BadResponse
+
+__all__ = ["Connection", "Response"]
+
+cdef Py_ssize_t _JOINED_BELOW = WRITE_JOINED_BELOW
+cdef bytes _SEMICOLON = b";"
+cdef bytes _EMPTY = b""
+cdef tuple _NOTHING = ()
+
+
+cdef class Response:
+    """A response: :class:`~server.http.client.UpstreamResponse`'s twin (same attributes, same methods)."""
+
+    cdef public object _conn
+    cdef public int status
+    cdef public bytes content_type
+    cdef public object retry_after
+    #: None: no Content-Length (close-delimited unless chunked, which is -1)
+    cdef public object content_length
+    cdef public list chunks
+    cdef public Py_ssize_t size
+    cdef public Py_ssize_t limit
+    cdef public bint truncated
+    cdef public object sink
+    cdef public bint headers_done
+    cdef public bint complete
+    cdef public bint keep_alive
+    cdef public object error
+    cdef public object listener
+    cdef public object _headers
+    cdef public object _done
+    cdef public bint _whole
+    cdef public tuple sending
+    cdef public bint reused
+    cdef public bint abandoned
+    cdef public object writer
+
+    def __init__(self, conn, Py_ssize_t max_body=0, listener=None):
+        self._conn = conn
+        self.status = 0
+        self.content_type = _EMPTY
+        self.retry_after = None
+        self.content_length = None
+        self.chunks = []
+        self.size = 0
+        self.limit = max_body
+        self.truncated = False
+        self.sink = None
+        self.headers_done = False
+        self.complete = False
+        self.keep_alive = False
+        self.error = None
+        self.listener = listener
+        self._headers = None if conn is None else conn.loop.create_future()
+        self._done = None
+        self._whole = max_body != 0
+        self.sending = _NOTHING
+        self.reused = False
+        self.abandoned = False
+        self.writer = None
+
+    @property
+    def media_type(self):
+        return self.content_type.split(_SEMICOLON, 1)[0].strip().lower()
+
+    def body(self):
+        chunks = self.chunks
+        return chunks[0] if len(chunks) == 1 else _EMPTY.join(chunks)
+
+    async def read(self, Py_ssize_t limit=0):
+        if self.complete and not limit:
+            chunks = self.chunks
+            return chunks[0] if len(chunks) == 1 else _EMPTY.join(chunks)
+        if limit:
+            self.limit = limit
+            if self.size > limit:
+                self._truncate()
+        if not self.complete and not self.truncated:
+            await self._wait_done()
+        chunks = self.chunks
+        body = chunks[0] if len(chunks) == 1 else _EMPTY.join(chunks)
+        return body[:limit] if limit else body
+
+    async def stream(self, sink):
+        for chunk in self.chunks:
+            sink(chunk)
+        self.chunks = []
+        self.sink = sink
+        if not self.complete:
+            if self.writer is not None:
+                self.writer.flush()
+            await self._wait_done()
+
+    def pause_reading(self):
+        if self._conn is not None:
+            self._conn.pause()
+
+    def resume_reading(self):
+        if self._conn is not None:
+            self._conn.resume()
+
+    def release(self):
+        if self._conn is None:
+            self.abandoned = True
+            self.listener = None
+            return
+        (<Connection?>self._conn).finish(self)
+
+    def headers_arrived(self):
+        if self._headers is None:
+            self._headers = self._conn.loop.create_future()
+        return self._headers
+
+    def on_error(self, exc):
+        if self.complete or self.error is not None:
+            return False
+        self.error = exc
+        if self.listener is not None:
+            self.listener.leg_error(self, exc)
+            return True
+        _wake(self._headers, exc)
+        _wake(self._done, exc)
+        return True
+
+    def _truncate(self):
+        self.truncated = True
+        kept = _EMPTY.join(self.chunks)[: self.limit]
+        self.chunks = [kept]
+        _wake(self._done, None)
+
+    async def _wait_done(self):
+        if self.error is not None:
+            raise self.error
+        self._done = self._conn.loop.create_future()
+        await self._done
+
+    @staticmethod
+    def _wake(fut, exc):
+        _wake(fut, exc)
+
+
+cdef inline _wake(fut, exc):
+    if fut is not None and not fut.done():
+        if exc is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(exc)
+
+
+cdef class Connection(ResponseParser):
+    """One keep-alive connection to a worker: client.py ``_Connection``'s twin, its own parser."""
+
+    cdef public object pool
+    cdef public object loop
+    cdef public object transport
+    cdef public Response response
+    cdef public bint closed
+    cdef public Py_ssize_t requests
+    cdef public double idle_since
+    cdef public bint timed
+    cdef public object sweeper
+    cdef public double deadline
+    cdef public bint deadline_to_headers
+    cdef public double read_timeout
+    cdef public double last_io
+    cdef public bint got_bytes
+    cdef public bint paused
+    cdef public bint interim
+    cdef public list pending
+    cdef public bint feeding
+    cdef public bint release_after_feed
+
+    def __init__(self, pool):
+        self.conn = None  # (the parser's Python events are this class's C methods)
+        self.pool = pool
+        self.loop = pool.loop
+        self.transport = None
+        self.response = None
+        self.closed = False
+        self.requests = 0
+        self.idle_since = 0.0
+        self.timed = False
+        self.sweeper = pool.deadlines
+        self.deadline = 0.0
+        self.deadline_to_headers = False
+        self.read_timeout = 0.0
+        self.last_io = 0.0
+        self.got_bytes = False
+        self.paused = False
+        self.interim = False
+        self.pending = []
+        self.feeding = False
+        self.release_after_feed = False
+
+    # -- transport events (asyncio.Protocol's) ---------------------------------------------
+
+    def connection_made(self, transport):
+        self.transport = transport
+
+    def connection_lost(self, exc):
+        self.closed = True
+        self.pool._forget(self)
+        resp = self.response
+        if resp is None or resp.complete:
+            return
+        if resp.headers_done and resp.content_length is None and exc is None:
+            self.complete(False)
+            return
+        why = f": {exc}" if exc else ""
+        stage = "mid-response" if resp.headers_done else "before answering"
+        self._fail(UpstreamError(f"connection closed {stage}{why}"))
+
+    def eof_received(self):
+        return None
+
+    def pause_writing(self):
+        pass
+
+    def resume_writing(self):
+        pass
+
+    def data_received(self, data):
+        cdef Response resp = self.response
+        cdef bint failed
+        if resp is None:
+            self.close()
+            return
+        self.got_bytes = True
+        if self.read_timeout:
+            self.last_io = self.loop.time()
+        writer = resp.writer
+        if writer is not None:
+            writer.hold()
+        self.feeding = True
+        failed = True
+        try:
+            self.execute(data)
+            failed = False
+        except BadResponse as exc:
+            self._flush(resp)
+            self._fail(UpstreamError(f"malformed HTTP response: {exc}"))
+        except Exception as exc:
+            self._flush(resp)
+            self._fail(exc)
+        else:
+            if self.pending:
+                self._flush(resp)
+        self.feeding = False
+        writer = resp.writer
+        if writer is not None:
+            writer.flush()
+        if self.release_after_feed:
+            self.release_after_feed = False
+            if failed:
+                self.close()
+            elif self.response is None and not self.closed:
+                self.pool._release(self)
+
+    cdef _flush(self, Response resp):
+        pending = self.pending
+        if pending and resp.sink is not None:
+            self.pending = []
+            resp.sink(pending[0] if len(pending) == 1 else _EMPTY.join(pending))
+
+    # -- the parser's events, as C calls ---------------------------------------------------
+
+    cdef int head(self, int status, bytes content_type, object content_length, object retry_after) except -1:
+        cdef Response resp = self.response
+        if 100 <= status < 200 and status != 101:
+            self.interim = True
+            return 0
+        resp.content_type = content_type
+        resp.content_length = content_length
+        resp.retry_after = retry_after
+        if self.deadline_to_headers:
+            self.deadline = 0.0
+        resp.status = status
+        resp.headers_done = True
+        if not resp._whole:
+            if resp.listener is not None:
+                resp.listener.leg_head(resp)
+            else:
+                _wake(resp._headers, None)
+        return 0
+
+    cdef int body(self, object piece) except -1:
+        cdef Response resp = self.response
+        if self.interim:
+            return 0
+        if resp.sink is not None:
+            resp.size += len(piece)
+            self.pending.append(piece)
+            return 0
+        if resp.truncated:
+            return 0
+        resp.size += len(piece)
+        resp.chunks.append(piece)
+        if resp.limit and resp.size > resp.limit:
+            if resp._whole:
+                self._fail(UpstreamError(f"response body exceeds {resp.limit} bytes"))
+            else:
+                resp._truncate()
+        return 0
+
+    cdef int complete(self, bint keep_alive) except -1:
+        cdef Response resp = self.response
+        if self.interim:
+            self.interim = False
+            return 0
+        self._cancel_timer()
+        if self.pending:
+            self._flush(resp)
+        resp.complete = True
+        resp.keep_alive = keep_alive
+        if resp.listener is not None:
+            resp.listener.leg_done(resp)
+            return 0
+        _wake(resp._headers, None)
+        _wake(resp._done, None)
+        return 0
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def send(self, Response resp, bytes head, pieces, Py_ssize_t size, timeout, read_timeout, headers_timeout=None):
+        cdef double now
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            self.closed = True
+            raise UpstreamError("connection closed before the request was sent", sent=False)
+        resp._conn = self
+        self.response = resp
+        self.requests += 1
+        self.got_bytes = False
+        self.interim = False
+        now = self.loop.time()
+        self.read_timeout = read_timeout or 0.0
+        self.last_io = now
+        self.deadline_to_headers = not timeout and bool(headers_timeout)
+        if timeout:
+            self.deadline = now + timeout
+        else:
+            self.deadline = now + headers_timeout if headers_timeout else 0.0
+        if self.deadline or self.read_timeout:
+            self.timed = True
+            self.sweeper.add(self)
+        if size < _JOINED_BELOW:
+            transport.write(_EMPTY.join((head, *pieces)))
+        else:
+            transport.writelines((head, *pieces))
+        return resp
+
+    def unseen(self, exc):
+        return not exc.sent or not self.got_bytes
+
+    def _check_deadline(self, double now):
+        resp = self.response
+        if resp is None or resp.complete:
+            self._cancel_timer()
+            return
+        if self.paused:
+            self.last_io = now
+        if (self.deadline and now >= self.deadline) or (
+            self.read_timeout and now >= self.last_io + self.read_timeout
+        ):
+            self._fail(UpstreamTimeout("timed out"))
+
+    cdef _cancel_timer(self):
+        if self.timed:
+            self.timed = False
+            self.sweeper.remove(self)
+
+    def _fail(self, exc):
+        cdef Response resp = self.response
+        self._cancel_timer()
+        if resp is None:
+            return
+        if resp.reused and isinstance(exc, UpstreamError) and self.unseen(exc) and resp.listener is not None:
+            resp.reused = False
+            self.response = None
+            self.close()
+            self.pool._open_for(resp)
+            return
+        if not resp.on_error(exc):
+            return
+        self.close(reset=isinstance(exc, UpstreamTimeout))
+
+    def finish(self, Response resp):
+        if resp is not self.response:
+            return
+        self.response = None
+        self._cancel_timer()
+        if self.paused:
+            self.resume()
+        if resp.complete and resp.keep_alive and not self.closed and not resp.truncated:
+            if self.feeding:
+                self.release_after_feed = True
+            else:
+                self.pool._release(self)
+        else:
+            self.close(reset=not resp.complete)
+
+    def pause(self):
+        if not self.paused and not self.closed and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def resume(self):
+        if self.paused and not self.closed and self.transport is not None:
+            self.paused = False
+            self.last_io = self.loop.time()
+            self.transport.resume_reading()
+
+    def close(self, *, bint reset=False):
+        if not self.closed:
+            self.closed = True
+            self.pool._forget(self)
+            transport = self.transport
+            if transport is None:
+                return
+            if reset:
+                sock = transport.get_extra_info("socket")
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                except (AttributeError, OSError):
+                    pass
+                transport.abort()
+            else:
+                transport.close()
