@@ -22,7 +22,8 @@ from helpers import StandInServer, eventually
 
 from server.http import UpstreamError, UpstreamPool
 from server.orchestrator.cache_view import CacheView
-from server.orchestrator.pools import HealthChecker, Pool, stop_tasks
+from server.orchestrator.pools import HealthChecker, Pool
+from server.tasks import stop_tasks
 
 #: loop passes from a view's start to the stop: past the follower's connect (about ten passes on
 #: asyncio's loop) and its first request, into the poll it waits on (the stand-in's answer or silence)
@@ -158,7 +159,7 @@ async def test_a_task_that_ignores_its_cancel_is_left_named_not_waited_for(caplo
     quick = loop.create_task(asyncio.sleep(3600))
     await asyncio.sleep(0)
     try:
-        with caplog.at_level(logging.ERROR, logger="fastcore.orchestrator"):
+        with caplog.at_level(logging.ERROR, logger="fastcore.tasks"):
             await asyncio.wait_for(stop_tasks([task, None, quick], within=0.1), HANG_S)
         assert quick.cancelled() and not task.done()
         assert "stubborn" in caplog.text and "ignored its cancel" in caplog.text

@@ -28,8 +28,9 @@ from typing import Any
 from urllib.parse import urlencode
 
 from server.http.client import Deadlines, UpstreamError, UpstreamPool, UpstreamTimeout
+from server.tasks import stop_tasks
 
-from .pools import Pool, Worker, stop_tasks
+from .pools import Pool, Worker
 from .routing import KvCacheAwareRouter
 
 __all__ = ["CacheView"]

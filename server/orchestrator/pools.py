@@ -20,16 +20,16 @@ its first timed-out leg, not after three health checks.
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import aiohttp
 
 from fastcore import protocol as wire
+from server.tasks import stop_tasks
 
 from .routing import ROUTERS, LeastLoadedRouter, RequestKey, RoundRobinRouter, Router, make_router
 
@@ -43,41 +43,15 @@ __all__ = [
     "RoundRobinRouter",
     "Router",
     "Worker",
-    "stop_tasks",
 ]
 
 log = logging.getLogger("fastcore.orchestrator")
 
 
 UNHEALTHY_AFTER_TIMEOUTS = 3
-#: how long a stop waits for the tasks it cancelled to end (each ends within a loop pass or two)
-STOP_TASKS_S = 5.0
 #: bumped by every change of a worker's health or a breaker's state: Pool.choose's cached list of
 #: routable workers is rebuilt only then, not on every request (routing cost independent of fleet size)
 _ROUTABLE_EPOCH = [0]
-
-
-async def stop_tasks(tasks: Iterable[asyncio.Task[Any] | None], *, within: float = STOP_TASKS_S) -> None:
-    """Cancel ``tasks`` (None: no task) and wait for them to end: the orchestrator's stops' one wait.
-
-    Not ``with suppress(CancelledError): await task``: that swallows the cancel of the task that
-    waits too (a bounded stop's own), which then waits on. Bounded: a task still running ``within``
-    seconds after its cancel (it swallowed it: a bug) is logged with where it runs and left, not
-    waited for forever; one that had failed is logged."""
-    waited = [t for t in tasks if t is not None]
-    for task in waited:
-        task.cancel()
-    if not waited:
-        return
-    _, running = await asyncio.wait(waited, timeout=within)
-    for task in waited:
-        if task in running:
-            where = io.StringIO()
-            task.print_stack(file=where)
-            log.error("task %s ignored its cancel for %g s: left running. %s", task.get_name(), within,
-                      where.getvalue())  # fmt: skip
-        elif not task.cancelled() and task.exception() is not None:
-            log.error("task %s had failed", task.get_name(), exc_info=task.exception())
 
 
 class Capabilities:
