@@ -851,3 +851,19 @@ def test_the_compiled_connection_and_response_have_the_pure_ones_surface(http_tw
     assert surface(Pool.response_class(None)) == surface(client.UpstreamResponse(None))
     pure_only = {"parser", "on_head", "on_body", "on_message_complete", "_flush", "_cancel_timer"}
     assert surface(Pool.connection_class(pool)) == (surface(client._Connection(pool)) - pure_only) | {"feed"}
+
+
+async def test_a_pool_closed_while_a_request_connects_fails_it_not_sent_and_keeps_nothing() -> None:
+    """close() while request() is connecting: the request fails (UpstreamError, not sent), and the
+    connection made meanwhile is closed, not kept by a closed pool."""
+    async with Upstream(answering(echo_response)) as up:
+        pool = Pool(up.url)
+        pending = asyncio.ensure_future(fetch(pool, body=b"x"))
+        await asyncio.sleep(0)  # the connect has started
+        pool.close()
+        with pytest.raises(UpstreamError) as info:
+            await pending
+        assert info.value.sent is False and "closed" in str(info.value)
+        assert not pool.open and not pool.idle
+        assert await eventually(lambda: up.client_closed == up.accepted)
+        assert up.requests == []

@@ -145,3 +145,21 @@ async def test_start_released_before_its_connection_opened_tells_nothing_and_poo
         _, body = await fetch(pool, body=b"next")
         assert body == b"next" and up.accepted == 1
         assert [r[2] for r in up.requests] == [b"next"]
+
+
+async def test_a_pool_closed_while_a_connection_opens_closes_it_and_the_leg_fails_not_sent() -> None:
+    """close() while a started leg's connection is being opened: the connection, once open, is
+    closed (not kept by a closed pool, the worker sees it end), and the listener hears an error
+    that says the request was not sent (the caller may send it elsewhere)."""
+    async with Upstream(answering(echo_response)) as up:
+        pool = Pool(up.url)
+        listener = Recorder()
+        pool.start(listener, b"POST", b"/", [b"x"], timeout=5.0)
+        pool.close()  # before the loop ran the connect
+        assert await listener.ended()
+        ((kind, exc),) = listener.events
+        assert kind == "error" and isinstance(exc, UpstreamError) and exc.sent is False
+        assert "closed" in str(exc)
+        assert not pool.open and not pool.idle
+        assert await eventually(lambda: up.client_closed == up.accepted)
+        assert up.requests == []

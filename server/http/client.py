@@ -621,6 +621,8 @@ class UpstreamPool:
         self.deadlines = deadlines or Deadlines()
         self.idle: list[_Connection] = []
         self.open: set[_Connection] = set()
+        #: close() ran: a connect still in flight closes what it made (its request fails, not sent)
+        self.closed = False
 
     async def _connect(self) -> _Connection:
         self.loop = loop = asyncio.get_running_loop()
@@ -642,6 +644,9 @@ class UpstreamPool:
             _, conn = opening.result()
         except OSError as exc:
             raise UpstreamError(f"cannot connect: {exc.strerror or exc}", sent=False) from None
+        if self.closed:  # closed while connecting: the connection would outlive its pool
+            conn.close()
+            raise UpstreamError("the worker's connection pool was closed", sent=False)
         self.open.add(conn)
         return conn
 
@@ -799,6 +804,8 @@ class UpstreamPool:
         self.open.discard(conn)
 
     def close(self) -> None:
+        """Close every connection; one being opened closes once open, its request failing (not sent)."""
+        self.closed = True
         for conn in list(self.open):
             conn.close()
         self.idle.clear()
