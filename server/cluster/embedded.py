@@ -48,6 +48,7 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from server.auth import SIGNATURE_HEADER, Verifier, sign_pieces
+from server.tasks import stop_tasks
 
 from .records import MAX_RECORD_BYTES, MAX_WORKERS, ClusterSettings, RecordError, WorkerRecord, parse_entry
 
@@ -99,14 +100,13 @@ class EmbeddedRegistry:
     # -- lifecycle -----------------------------------------------------------------
 
     async def start(self) -> None:
-        self._expiry = asyncio.get_running_loop().create_task(self._expire_loop())
+        self._expiry = asyncio.get_running_loop().create_task(self._expire_loop(), name="fastcore-registry-expiry")
 
     async def stop(self) -> None:
-        if self._expiry is not None:
-            self._expiry.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._expiry
-        self._changed.set()  # long polls answer now
+        try:
+            await stop_tasks([self._expiry])
+        finally:
+            self._changed.set()  # long polls answer now
 
     def subscribe(self, callback: Callable[[dict[str, WorkerRecord]], None]) -> None:
         self._subscribers.append(callback)

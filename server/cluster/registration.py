@@ -31,6 +31,7 @@ from urllib.parse import urlencode, urlsplit
 import aiohttp
 
 from server.auth import SIGNATURE_HEADER
+from server.tasks import stop_tasks
 
 from .embedded import REGISTRY_PATH, sign_registry
 from .etcd import TRANSIENT_ERRORS, EtcdClient, EtcdError
@@ -86,7 +87,7 @@ class WorkerRegistration:
         if self.settings.etcd:
             self._etcd = EtcdClient(self.settings.etcd_endpoints(), self.session,
                                     timeout_s=min(2.0, self.settings.heartbeat_interval_s * 2))  # fmt: skip
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="fastcore-cluster-registration")
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._first.wait(), wait_s)
         if not self.registered:
@@ -94,21 +95,21 @@ class WorkerRegistration:
         return self.registered
 
     async def stop(self) -> None:
-        """Deregister (revoke the lease / DELETE), then stop heartbeating."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        if self.registered:
-            try:
-                await asyncio.wait_for(self._deregister(), 2.0)
-                log.info("cluster: worker %s deregistered", self.record.worker_id)
-            except _TRANSIENT as exc:  # a timeout is one of them
-                log.warning("cluster: could not deregister (%r); the registration expires in %gs",
-                            exc, self.settings.inactive_timeout_s)  # fmt: skip
-        self.registered = False
-        if self._own_session and self.session is not None:
-            await self.session.close()
+        """Stop heartbeating, then deregister (revoke the lease / DELETE). A stop cancelled meanwhile
+        raises its cancel (and closes its session): the registration then expires with its TTL."""
+        try:
+            await stop_tasks([self._task])
+            if self.registered:
+                try:
+                    await asyncio.wait_for(self._deregister(), 2.0)
+                    log.info("cluster: worker %s deregistered", self.record.worker_id)
+                except _TRANSIENT as exc:  # a timeout is one of them
+                    log.warning("cluster: could not deregister (%r); the registration expires in %gs",
+                                exc, self.settings.inactive_timeout_s)  # fmt: skip
+            self.registered = False
+        finally:
+            if self._own_session and self.session is not None:
+                await self.session.close()
 
     # -- the loop --------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ from urllib.parse import urlencode
 import aiohttp
 
 from server.auth import SIGNATURE_HEADER
+from server.tasks import stop_tasks
 
 from .embedded import LONG_POLL_S, REGISTRY_PATH, sign_registry
 from .etcd import TRANSIENT_ERRORS, EtcdClient, EtcdError
@@ -46,6 +47,8 @@ _TRANSIENT = TRANSIENT_ERRORS
 MAX_LISTING_BYTES = MAX_WORKERS * (MAX_RECORD_BYTES + 256) + 64
 #: failed etcd status probes in a row (one a heartbeat) that mean etcd is gone, not slow
 PROBE_MISSES = 2
+#: the watch loop's task name (in the log of a stop that found it ignoring its cancel)
+_WATCH_TASK = "fastcore-cluster-watch"
 
 
 class Complaints:
@@ -109,10 +112,10 @@ class ClusterWatcher:
         if self.settings.etcd:
             self._etcd = EtcdClient(self.settings.etcd_endpoints(), self.session,
                                     timeout_s=max(0.5, min(2.0, self.settings.heartbeat_interval_s)))  # fmt: skip
-            self._task = loop.create_task(self._run_etcd())
-            self._probe = loop.create_task(self._probe_etcd())
+            self._task = loop.create_task(self._run_etcd(), name=_WATCH_TASK)
+            self._probe = loop.create_task(self._probe_etcd(), name="fastcore-cluster-probe")
         else:
-            self._task = loop.create_task(self._run_http())
+            self._task = loop.create_task(self._run_http(), name=_WATCH_TASK)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._synced.wait(), wait_s)
         if not self.connected:
@@ -121,13 +124,11 @@ class ClusterWatcher:
             )
 
     async def stop(self) -> None:
-        for task in (self._probe, self._task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        if self._own_session and self.session is not None:
-            await self.session.close()
+        try:
+            await stop_tasks([self._probe, self._task])
+        finally:  # (a stop cancelled meanwhile closes its session all the same)
+            if self._own_session and self.session is not None:
+                await self.session.close()
 
     # -- applying what the store says ------------------------------------------------
 
@@ -262,10 +263,10 @@ class ClusterWatcher:
                 misses = 0
                 self._lost(exc)
                 if self._task is not None:  # restart the loop: it reads everything when etcd is back
-                    self._task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await self._task
-                    self._task = asyncio.get_running_loop().create_task(self._run_etcd())
+                    # stop_tasks, not suppress(CancelledError) around await: a stop cancelling this
+                    # probe meanwhile would have its cancel swallowed, and the probe go on
+                    await stop_tasks([self._task])
+                    self._task = asyncio.get_running_loop().create_task(self._run_etcd(), name=_WATCH_TASK)
 
     # -- http:// -------------------------------------------------------------------------
 
