@@ -11,10 +11,12 @@ import contextlib
 import json
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from types import ModuleType
 from typing import Any
 
 import httptools
+import pytest
 
 from server.errors import default_code
 from server.http import HTTPServer, Limits, Request, Responder
@@ -33,6 +35,27 @@ class Server(HTTPServer):
     """
 
     request_parser = HTTPServer.request_parser
+
+
+# -- the fixtures a server test module imports: both loops, both request parsers ------------------
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def event_loop_policy(request: pytest.FixtureRequest) -> Iterator[asyncio.AbstractEventLoopPolicy]:
+    """Every test of a module that imports this runs on asyncio's default loop and on uvloop (what the
+    processes run): pytest-asyncio's replacement, a pytest_asyncio_loop_factories hook, would be a
+    conftest-wide hook for every async test. (Such a module filters the override's deprecation warning.)"""
+    if request.param == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        yield uvloop.EventLoopPolicy()
+    else:
+        yield asyncio.DefaultEventLoopPolicy()
+
+
+@pytest.fixture(autouse=True)
+def _both_parsers(http_twin: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test of a module that imports this runs on both request parsers (conftest's ``http_twin``)."""
+    monkeypatch.setattr(Server, "request_parser", http_twin.RequestParser)
 
 
 # -- handlers ----------------------------------------------------------------------------

@@ -12,33 +12,32 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from types import ModuleType
 
 import pytest
 from helpers import eventually
-from raw_http import MARKER, Client, Server, assert_json_error, chunked, connected, echo, get, post, serving
+from raw_http import (  # noqa: F401  (fixtures: both loops, both request parsers)
+    MARKER,
+    Client,
+    Server,
+    _both_parsers,
+    assert_json_error,
+    chunked,
+    connected,
+    echo,
+    event_loop_policy,
+    get,
+    post,
+    serving,
+)
 
 from server.http import Request, Responder
 from server.http.memory import malloc_trim
 from server.http.server import LINGER_HEAD_BYTES, LINGER_S, SWEEP_BATCH
 
-uvloop = pytest.importorskip("uvloop")
-# Both loops through the event_loop_policy fixture: pytest-asyncio's replacement, a
-# pytest_asyncio_loop_factories hook, would be a conftest-wide hook for every async test.
+# Both loops through raw_http's event_loop_policy fixture.
 pytestmark = pytest.mark.filterwarnings('ignore:Overriding the "event_loop_policy" fixture is deprecated')
-
-
-@pytest.fixture(params=["asyncio", "uvloop"])
-def event_loop_policy(request: pytest.FixtureRequest) -> Iterator[asyncio.AbstractEventLoopPolicy]:
-    yield uvloop.EventLoopPolicy() if request.param == "uvloop" else asyncio.DefaultEventLoopPolicy()
-
-
-@pytest.fixture(autouse=True)
-def _both_parsers(http_twin: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every test here runs on both request parsers (conftest's ``http_twin``)."""
-    monkeypatch.setattr(Server, "request_parser", http_twin.RequestParser)
 
 
 async def connect_from(ip: str, port: int) -> Client:

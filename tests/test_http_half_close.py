@@ -14,34 +14,29 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Awaitable, Iterator
-from types import ModuleType
+from collections.abc import Awaitable
 
 import pytest
 from helpers import eventually
-from raw_http import Client, Server, get, serving
+from raw_http import (  # noqa: F401  (fixtures: both loops, both request parsers)
+    Client,
+    Server,
+    _both_parsers,
+    event_loop_policy,
+    get,
+    serving,
+)
 
 from server.http import Handling, HTTPServer, Request, Responder
+from server.http.responder import EVENT_STREAM
 from server.http.server import SSE_PROBE
 
-uvloop = pytest.importorskip("uvloop")
 pytestmark = pytest.mark.filterwarnings('ignore:Overriding the "event_loop_policy" fixture is deprecated')
 
-SSE = b"text/event-stream"
+SSE = EVENT_STREAM
 FIRST, REST = b"data: first\n\n", b"data: second\n\n"
 #: the probe as one chunk of a chunked body
 PROBE_CHUNK = b"%x\r\n%s\r\n" % (len(SSE_PROBE), SSE_PROBE)
-
-
-@pytest.fixture(params=["asyncio", "uvloop"])
-def event_loop_policy(request: pytest.FixtureRequest) -> Iterator[asyncio.AbstractEventLoopPolicy]:
-    yield uvloop.EventLoopPolicy() if request.param == "uvloop" else asyncio.DefaultEventLoopPolicy()
-
-
-@pytest.fixture(autouse=True)
-def _both_parsers(http_twin: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every test here runs on both request parsers (conftest's ``http_twin``)."""
-    monkeypatch.setattr(Server, "request_parser", http_twin.RequestParser)
 
 
 def sse_events(body: bytes) -> list[str]:

@@ -18,17 +18,17 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from email.utils import parsedate_to_datetime
-from types import ModuleType
 
 import pytest
 from helpers import eventually, made_in_a_thread
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from raw_http import (
+from raw_http import (  # noqa: F401  (_both_parsers: an autouse fixture, both request parsers)
     MARKER,
     Client,
     Handler,
     Server,
+    _both_parsers,
     assert_json_error,
     chunked,
     connected,
@@ -44,12 +44,6 @@ from server.http import HTTPServer, Limits, Request, Responder
 SLACK_S = 1.5
 #: every time bound small, for tests that wait on one
 QUICK: dict[str, float] = {"header_timeout_s": 0.2, "body_timeout_s": 0.2, "keepalive_timeout_s": 0.2}
-
-
-@pytest.fixture(autouse=True)
-def _both_parsers(http_twin: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every test here runs on both request parsers (conftest's ``http_twin``)."""
-    monkeypatch.setattr(Server, "request_parser", http_twin.RequestParser)
 
 
 # -- framing: request smuggling and malformed requests ---------------------------------------
