@@ -100,7 +100,8 @@ class EmbeddedRegistry:
     # -- lifecycle -----------------------------------------------------------------
 
     async def start(self) -> None:
-        self._expiry = asyncio.get_running_loop().create_task(self._expire_loop(), name="fastcore-registry-expiry")
+        loop = asyncio.get_running_loop()
+        self._expiry = loop.create_task(self._expire_loop(), name="fastcore-registry-expiry")
 
     async def stop(self) -> None:
         try:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import ipaddress
 import logging
 import re
@@ -32,6 +31,7 @@ from server import tracing
 from server.auth import SIGNATURE_HEADER, Verifier, sign_body
 from server.errors import HTTPError
 from server.http import Request, Responder
+from server.tasks import stop_tasks
 
 from .engine_api import Engine, EngineRequest, prompt_checksum
 from .internal_auth import refusal_code
@@ -144,17 +144,16 @@ class KVHandoff:
 
     def start(self) -> None:
         self.session = aiohttp.ClientSession()
-        self.expiry_task = asyncio.create_task(self._expire_parked_loop())
+        self.expiry_task = asyncio.create_task(self._expire_parked_loop(), name="fastcore-kv-expiry")
 
     async def stop(self) -> None:
-        if self._background:
-            await asyncio.wait(list(self._background), timeout=1.0)
-        if self.expiry_task is not None:
-            self.expiry_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.expiry_task
-        if self.session is not None:
-            await self.session.close()
+        try:
+            if self._background:
+                await asyncio.wait(list(self._background), timeout=1.0)
+            await stop_tasks([self.expiry_task])
+        finally:  # (a stop cancelled meanwhile closes its session all the same)
+            if self.session is not None:
+                await self.session.close()
 
     async def _expire_parked_loop(self) -> None:
         period = max(0.05, min(1.0, self.settings.kv_ttl_s / 4))
