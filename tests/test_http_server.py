@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import itertools
+import socket
 import time
 from collections.abc import Callable, Sequence
 from email.utils import parsedate_to_datetime
@@ -39,6 +40,7 @@ from raw_http import (  # noqa: F401  (_both_parsers: an autouse fixture, both r
 )
 
 from server.http import HTTPServer, Limits, Request, Responder
+from server.http import server as server_module
 
 #: scheduling slack for time bounds on a busy 2-core machine
 SLACK_S = 1.5
@@ -1244,6 +1246,26 @@ async def test_close_lets_inflight_request_finish() -> None:
     finally:
         idle.close()
         busy.close()
+
+
+async def test_a_connection_attached_once_close_began_is_closed_at_once() -> None:
+    """A client accepted in the loop pass where close() ran attaches after close() swept the
+    connections: no deadline sweeper runs any more, and from Python 3.12.1 the listener's
+    wait_closed() waits for every connection, so one left open would hang close(). It is closed as
+    it attaches (here a socket accepted after close(), attached as the listener would)."""
+    server = Server(echo, Limits())
+    await server.start("127.0.0.1", 0)
+    await server.close(grace_s=0.5)
+    ours, theirs = socket.socketpair()
+    try:
+        await asyncio.get_running_loop().connect_accepted_socket(
+            lambda: server_module._Connection(server), ours
+        )
+        theirs.settimeout(5.0)
+        assert await asyncio.to_thread(theirs.recv, 1) == b""  # closed (a FIN), nothing written
+        assert await eventually(lambda: not server.connections)
+    finally:
+        theirs.close()
 
 
 # -- properties ------------------------------------------------------------------------------------------

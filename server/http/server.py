@@ -197,6 +197,11 @@ class _Connection(asyncio.Protocol):
             self.transport.close()  # type: ignore[union-attr]
             self.closed = True
             return
+        if server.closing:
+            # Accepted in the loop pass where close() ran, attached after it swept the connections:
+            # no sweeper times it any more, and from Python 3.12.1 wait_closed() waits for it.
+            self.abort()
+            return
         self.transport.set_write_buffer_limits(high=self.limits.write_high_water)  # type: ignore[union-attr]
         self._set_deadline(self.limits.header_timeout_s, 0)
 
@@ -575,6 +580,8 @@ class HTTPServer:
         #: client IP -> its connections and body bytes (while it holds either)
         self.peers: dict[str, _Peer] = {}
         self.server: asyncio.base_events.Server | None = None
+        #: close() began: a connection that attaches from here is closed at once
+        self.closing = False
         self._sweeper: asyncio.TimerHandle | None = None
         self._tick = 1.0
         #: coroutines run by :meth:`cleanup` after the server is closed
@@ -693,6 +700,7 @@ class HTTPServer:
 
     async def close(self, grace_s: float = 5.0) -> None:
         """Stop listening, let requests in flight finish for ``grace_s``, then drop every connection."""
+        self.closing = True
         if self.server is not None:
             self.server.close()
         if self._sweeper is not None:
