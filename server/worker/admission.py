@@ -97,9 +97,9 @@ class Admission:
         if self._wake_timer is None:
             self._wake_timer = loop.call_later(ADMISSION_POLL_S, self._wake_waiters)
         try:
-            await asyncio.wait_for(waiter, timeout)
-        except asyncio.TimeoutError:
-            pass
+            # asyncio.wait, not wait_for: before 3.12 wait_for returns a waiter woken in the loop pass
+            # of a cancel (the client left) and drops the cancel: the request ran for nobody
+            await asyncio.wait([waiter], timeout=timeout)
         finally:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(waiter)

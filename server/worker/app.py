@@ -540,13 +540,20 @@ class WorkerApp:
         read holds no more than that); False, the connection dropped, when it has not come back down
         within ``stream_stall_timeout_s``: 40 never-read streams without max_tokens held a small
         worker's whole KV until they finished."""
-        try:  # wait_for, not asyncio.timeout: Python 3.10 (only while paused: no cost per token)
-            await asyncio.wait_for(out.drain(), self.settings.stream_stall_timeout_s)
-        except asyncio.TimeoutError:
+        # asyncio.wait, not wait_for (before 3.12) nor asyncio.timeout (3.11+): the connection's loss
+        # wakes the drain and cancels this handler in one step, and wait_for returned the drain that
+        # ended meanwhile and dropped the cancel: the stream went on for nobody. (Only while paused:
+        # no cost per token.)
+        drain = asyncio.ensure_future(out.drain())
+        try:
+            done, _ = await asyncio.wait([drain], timeout=self.settings.stream_stall_timeout_s)
+        finally:
+            drain.cancel()
+        if not done:
             self.stalled_streams += 1
             out.abort()
             return False
-        return True
+        return not out.closed
 
 
 async def start_worker(
