@@ -17,7 +17,7 @@ from types import ModuleType
 
 import pytest
 from helpers import eventually, free_port, made_in_a_thread
-from upstream_stand_ins import (  # noqa: F401  (_both_parsers: an autouse fixture)
+from upstream_stand_ins import (  # noqa: F401  (fixtures: both twins, both loops)
     SLACK_S,
     Pool,
     Reader,
@@ -29,6 +29,7 @@ from upstream_stand_ins import (  # noqa: F401  (_both_parsers: an autouse fixtu
     answering,
     chunked_response,
     echo_response,
+    event_loop_policy,
     fetch,
     ok,
     pool_for,
@@ -37,6 +38,9 @@ from upstream_stand_ins import (  # noqa: F401  (_both_parsers: an autouse fixtu
 )
 
 from server.http import Deadlines, UpstreamError, UpstreamPool, UpstreamTimeout, client
+
+# Both loops through raw_http's event_loop_policy fixture (uvloop: the compiled connection's buffered reads).
+pytestmark = pytest.mark.filterwarnings('ignore:Overriding the "event_loop_policy" fixture is deprecated')
 
 # -- requests and keep-alive ------------------------------------------------------------------
 
@@ -258,6 +262,8 @@ async def test_read_limit_truncates_and_drops_connection(dripped: bool) -> None:
             writer.write(answer[: -len(body)])
             for i in range(0, len(body), 500):
                 await asyncio.sleep(0.002)
+                if writer.is_closing():  # the client dropped it (uvloop raises on a write then)
+                    break
                 writer.write(body[i : i + 500])
 
     async with Upstream(serve) as up, pool_for(up) as pool:
@@ -850,7 +856,12 @@ def test_the_compiled_connection_and_response_have_the_pure_ones_surface(http_tw
     pool = UpstreamPool("http://127.0.0.1:1")
     assert surface(Pool.response_class(None)) == surface(client.UpstreamResponse(None))
     pure_only = {"parser", "on_head", "on_body", "on_message_complete", "_flush", "_cancel_timer"}
-    assert surface(Pool.connection_class(pool)) == (surface(client._Connection(pool)) - pure_only) | {"feed"}
+    # the compiled one is its parser (feed), and reads into its buffers where uvloop lets it
+    compiled_only = {"feed", "get_buffer", "buffer_updated", "buffered"}
+    assert (
+        surface(Pool.connection_class(pool))
+        == (surface(client._Connection(pool)) - pure_only) | compiled_only
+    )
 
 
 async def test_a_pool_closed_while_a_request_connects_fails_it_not_sent_and_keeps_nothing() -> None:
@@ -867,3 +878,63 @@ async def test_a_pool_closed_while_a_request_connects_fails_it_not_sent_and_keep
         assert not pool.open and not pool.idle
         assert await eventually(lambda: up.client_closed == up.accepted)
         assert up.requests == []
+
+
+# -- a whole body read into its own bytes (the compiled connection under uvloop) --------------------
+
+
+def _buffered_reads_expected() -> bool:
+    """uvloop calls get_buffer/buffer_updated on a protocol that has them and is no asyncio.Protocol:
+    the compiled connection; asyncio's loop (and the pure connection) get data_received."""
+    on_uvloop = type(asyncio.get_running_loop()).__module__.startswith("uvloop")
+    return on_uvloop and Pool.connection_class is not client._Connection
+
+
+@pytest.mark.parametrize("writes", [1, 7, 64], ids=["one-write", "seven-writes", "dribbled"])
+async def test_a_whole_body_of_a_known_length_arrives_whole_in_one_piece(writes: int) -> None:
+    """max_body and a Content-Length (a context answer): under uvloop the compiled connection reads
+    the body into one bytes object of that length (the socket's bytes land in it: no piece kept, no
+    join), its head and first bytes copied from the read buffer; on every loop and twin the body is
+    the worker's byte for byte, and the connection goes back to the pool and serves the next."""
+    body = bytes(range(256)) * 1200  # 300 KB: several reads of the 64 KB read buffer and of the socket
+    answer = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+        len(body),
+        body,
+    )
+
+    async def serve(up: Upstream, reader: Reader, writer: Writer, index: int) -> None:
+        step = -(-len(answer) // writes)
+        while await up.next_request(reader) is not None:
+            for at in range(0, len(answer), step):
+                writer.write(answer[at : at + step])
+                await writer.drain()
+
+    async with Upstream(serve) as up, pool_for(up) as pool:
+        for _ in range(2):
+            resp, got = await fetch(pool, body=b"x", max_body=1 << 20)
+            assert got == body and resp.size == len(body) and resp.complete
+            if _buffered_reads_expected():
+                assert resp.chunks == [body]  # one object, read into
+        assert up.accepted == 1 and len(pool.idle) == 1
+        assert getattr(pool.idle[0], "buffered", False) == _buffered_reads_expected()
+
+
+async def test_a_whole_body_over_max_body_is_refused_before_it_is_read() -> None:
+    """A Content-Length above max_body is no body to read into: the response fails as it does on
+    every path (the bytes counted as they come, the request failed past the bound)."""
+    async with Upstream(answering(lambda req: ok(b"y" * 5000))) as up, pool_for(up) as pool:
+        with pytest.raises(UpstreamError, match="exceeds 4000 bytes"):
+            await fetch(pool, body=b"x", max_body=4000)
+
+
+async def test_bytes_past_a_whole_body_close_the_connection() -> None:
+    """A worker that writes more than its Content-Length: the rest is no response anybody asked for;
+    the answer read is the declared body, and the connection is not used again."""
+    body = b"z" * 100_000
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%sEXTRA" % (len(body), body)
+    async with Upstream(answering(lambda req: answer)) as up, pool_for(up) as pool:
+        _, got = await fetch(pool, body=b"x", max_body=1 << 20)
+        assert got == body
+        assert await eventually(lambda: not pool.idle and not pool.open)
+        _, again = await fetch(pool, body=b"x", max_body=1 << 20)
+        assert again == body and up.accepted == 2

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from helpers import eventually, free_port
-from upstream_stand_ins import (  # noqa: F401  (_both_parsers: an autouse fixture)
+from upstream_stand_ins import (  # noqa: F401  (fixtures: both twins, both loops)
     Pool,
     Reader,
     Upstream,
@@ -18,12 +18,16 @@ from upstream_stand_ins import (  # noqa: F401  (_both_parsers: an autouse fixtu
     answering,
     chunked_response,
     echo_response,
+    event_loop_policy,
     fetch,
     ok,
     pool_for,
 )
 
 from server.http import UpstreamError, UpstreamResponse
+
+# Both loops through raw_http's event_loop_policy fixture (uvloop: the compiled connection's buffered reads).
+pytestmark = pytest.mark.filterwarnings('ignore:Overriding the "event_loop_policy" fixture is deprecated')
 
 
 class Recorder:

@@ -5,7 +5,9 @@ the response parser a test chose, and the answers the tests write.
 ``_both_parsers`` is an autouse fixture: a test module that imports it runs every test on both
 twins of the upstream side (conftest's ``http_twin``, set on :class:`Pool`): the compiled connection
 and response (server/http/_upstream.pyx, its own llhttp parser) and client.py's pure ones on the
-httptools parser.
+httptools parser. A module that also imports ``event_loop_policy`` (raw_http's) runs each of its
+async tests on asyncio's loop and on uvloop, where the compiled connection reads into its buffers
+(``get_buffer``/``buffer_updated``) instead of being handed bytes objects.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 import pytest
 from helpers import StandInServer
+from raw_http import event_loop_policy  # noqa: F401  (re-exported: both loops, for the modules that import it)
 
 from server.http import UpstreamPool, UpstreamResponse, client
 

@@ -79,8 +79,12 @@ cdef class ResponseParser:
     cdef Wanted framing
 
     cdef int execute(self, object data) except -1
+    cdef int execute_at(self, const char* at, Py_ssize_t n) except -1
+    cdef int _after_execute(self, int err) except -1
     cdef int _event_failed(self) noexcept
     # The events: ``conn``'s on_head, on_body and on_message_complete here; a subclass's own C code
     cdef int head(self, int status, bytes content_type, object content_length, object retry_after) except -1
     cdef int body(self, object piece) except -1
+    # a body piece where llhttp saw it (by default made a bytes object and given to ``body``)
+    cdef int body_at(self, const char* at, Py_ssize_t n) except -1
     cdef int complete(self, bint keep_alive) except -1

@@ -586,7 +586,23 @@ cdef class ResponseParser:
         self.execute(data)
 
     cdef int execute(self, object data) except -1:
-        cdef int err = _execute(&self.parser, data, NULL)
+        return self._after_execute(_execute(&self.parser, data, NULL))
+
+    cdef int execute_at(self, const char* at, Py_ssize_t n) except -1:
+        """:meth:`execute` over bytes that are no Python object's (a buffer read into): pieces are copied."""
+        global _read, _read_at, _read_len
+        cdef object outer = _read
+        cdef const char* outer_at = _read_at
+        cdef Py_ssize_t outer_len = _read_len
+        cdef llhttp_errno_t err
+        _read, _read_at, _read_len = None, NULL, 0
+        try:
+            err = llhttp_execute(&self.parser, at, <size_t>n)
+        finally:
+            _read, _read_at, _read_len = outer, outer_at, outer_len
+        return self._after_execute(err)
+
+    cdef int _after_execute(self, int err) except -1:
         if err == HPE_OK:
             return 0
         error = self.error
@@ -608,6 +624,9 @@ cdef class ResponseParser:
     cdef int body(self, object piece) except -1:
         self.conn.on_body(piece)
         return 0
+
+    cdef int body_at(self, const char* at, Py_ssize_t n) except -1:
+        return self.body(_piece(at, n))
 
     cdef int complete(self, bint keep_alive) except -1:
         self.conn.on_message_complete(keep_alive)
@@ -693,7 +712,7 @@ cdef int _response_head(llhttp_t* p) noexcept:
 cdef int _response_body(llhttp_t* p, const char* at, size_t n) noexcept:
     cdef ResponseParser self = <ResponseParser>p.data
     try:
-        self.body(_piece(at, <Py_ssize_t>n))
+        self.body_at(at, <Py_ssize_t>n)
     except BaseException:
         return self._event_failed()
     return 0

@@ -12,6 +12,10 @@ sweeper. :class:`~server.http.client.UpstreamPool` uses these two classes where 
 parsers are (``UpstreamPool.connection_class`` / ``response_class``), else client.py's.
 """
 
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from cpython.bytearray cimport PyByteArray_AS_STRING
+from libc.string cimport memcpy
+
 import socket
 import struct
 
@@ -23,6 +27,9 @@ from .request import BadResponse
 __all__ = ["Connection", "Response"]
 
 cdef Py_ssize_t _JOINED_BELOW = WRITE_JOINED_BELOW
+#: a connection's read buffer where no body is being read into its own bytes (heads, streams, small
+#: answers): uvloop reads into it, the parser reads it, and what must outlive the read is copied
+cdef Py_ssize_t READ_BUFFER = 64 * 1024
 cdef bytes _SEMICOLON = b";"
 cdef bytes _EMPTY = b""
 cdef tuple _NOTHING = ()
@@ -167,6 +174,43 @@ cdef inline _wake(fut, exc):
             fut.set_exception(exc)
 
 
+cdef class _Window:
+    """A writable window on the bytes a whole body is read into (uvloop reads into it from the
+    socket): the body's bytes object is the connection's alone until the body is complete."""
+
+    cdef object owner
+    cdef char* at
+    cdef Py_ssize_t size
+    cdef Py_ssize_t shape[1]
+
+    def __getbuffer__(self, Py_buffer* view, int flags):
+        self.shape[0] = self.size
+        view.buf = self.at
+        view.obj = self
+        view.len = self.size
+        view.readonly = 0
+        view.itemsize = 1
+        view.format = NULL
+        if flags & PyBUF_FORMAT:
+            view.format = _FORMAT_B
+        view.ndim = 1
+        view.shape = self.shape if flags & PyBUF_ND else NULL
+        view.strides = NULL
+        view.suboffsets = NULL
+        view.internal = NULL
+
+    def __releasebuffer__(self, Py_buffer* view):
+        pass
+
+
+cdef extern from "Python.h":
+    enum:
+        PyBUF_FORMAT
+        PyBUF_ND
+
+cdef char* _FORMAT_B = "B"
+
+
 cdef class Connection(ResponseParser):
     """One keep-alive connection to a worker: client.py ``_Connection``'s twin, its own parser."""
 
@@ -189,6 +233,19 @@ cdef class Connection(ResponseParser):
     cdef public list pending
     cdef public bint feeding
     cdef public bint release_after_feed
+    # uvloop reads into this connection (get_buffer/buffer_updated: asyncio.BufferedProtocol's
+    # methods, which uvloop calls on any protocol that has them and is no asyncio.Protocol);
+    # asyncio's own loop calls data_received
+    cdef public bint buffered
+    cdef bytearray scratch
+    # A whole body of a known length is read into its own bytes object, ``whole`` (``whole_at``,
+    # ``whole_len``, ``whole_filled`` so far): the socket's bytes land in it, no piece is kept or
+    # joined. ``window`` is what get_buffer hands uvloop; ``into_whole``: the last read went there.
+    cdef object whole
+    cdef char* whole_at
+    cdef Py_ssize_t whole_len, whole_filled
+    cdef _Window window
+    cdef bint into_whole
 
     def __init__(self, pool):
         self.conn = None  # (the parser's Python events are this class's C methods)
@@ -211,6 +268,11 @@ cdef class Connection(ResponseParser):
         self.pending = []
         self.feeding = False
         self.release_after_feed = False
+        self.buffered = False
+        self.scratch = None
+        self.whole = None
+        self.window = None
+        self.into_whole = False
 
     # -- transport events (asyncio.Protocol's) ---------------------------------------------
 
@@ -240,9 +302,36 @@ cdef class Connection(ResponseParser):
         pass
 
     def data_received(self, data):
+        self._received(data, NULL, 0)
+
+    def get_buffer(self, Py_ssize_t sizehint):
+        cdef _Window window
+        self.buffered = True
+        if self.whole is not None and self.whole_filled < self.whole_len:
+            window = self.window
+            if window is None:
+                window = self.window = _Window()
+            window.owner = self.whole
+            window.at = self.whole_at + self.whole_filled
+            window.size = self.whole_len - self.whole_filled
+            self.into_whole = True
+            return window
+        if self.scratch is None:
+            self.scratch = bytearray(READ_BUFFER)
+        self.into_whole = False
+        return self.scratch
+
+    def buffer_updated(self, Py_ssize_t nbytes):
+        if self.into_whole:
+            self._received(None, self.whole_at + self.whole_filled, nbytes)
+        else:
+            self._received(None, PyByteArray_AS_STRING(self.scratch), nbytes)
+
+    cdef _received(self, object data, const char* at, Py_ssize_t n):
+        """One read: ``data`` (data_received), else ``n`` bytes at ``at`` (a buffer uvloop read into)."""
         cdef Response resp = self.response
         cdef bint failed
-        if resp is None:
+        if resp is None:  # bytes nobody asked for: the connection cannot be trusted
             self.close()
             return
         self.got_bytes = True
@@ -254,7 +343,10 @@ cdef class Connection(ResponseParser):
         self.feeding = True
         failed = True
         try:
-            self.execute(data)
+            if data is not None:
+                self.execute(data)
+            else:
+                self.execute_at(at, n)
             failed = False
         except BadResponse as exc:
             self._flush(resp)
@@ -296,6 +388,17 @@ cdef class Connection(ResponseParser):
             self.deadline = 0.0
         resp.status = status
         resp.headers_done = True
+        self.whole = None
+        if (
+            self.buffered
+            and resp._whole
+            and content_length is not None
+            and 0 < <Py_ssize_t>content_length <= resp.limit
+        ):
+            self.whole = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>content_length)
+            self.whole_at = PyBytes_AS_STRING(self.whole)
+            self.whole_len = <Py_ssize_t>content_length
+            self.whole_filled = 0
         if not resp._whole:
             if resp.listener is not None:
                 resp.listener.leg_head(resp)
@@ -322,11 +425,30 @@ cdef class Connection(ResponseParser):
                 resp._truncate()
         return 0
 
+    cdef int body_at(self, const char* at, Py_ssize_t n) except -1:
+        cdef Response resp
+        if self.whole is None or self.interim:
+            return ResponseParser.body_at(self, at, n)
+        if n > self.whole_len - self.whole_filled:  # (llhttp frames by the same Content-Length)
+            raise UpstreamError("response body longer than its Content-Length")
+        if at != self.whole_at + self.whole_filled:  # read into the read buffer: copied to its place
+            memcpy(self.whole_at + self.whole_filled, at, n)
+        self.whole_filled += n
+        resp = self.response
+        resp.size += n
+        return 0
+
     cdef int complete(self, bint keep_alive) except -1:
         cdef Response resp = self.response
         if self.interim:
             self.interim = False
             return 0
+        if self.whole is not None:
+            if self.whole_filled == self.whole_len:
+                resp.chunks = [self.whole]
+            self.whole = None
+            if self.window is not None:
+                self.window.owner = None
         self._cancel_timer()
         if self.pending:
             self._flush(resp)
@@ -401,6 +523,7 @@ cdef class Connection(ResponseParser):
             self.pool._open_for(resp)
             return
         if not resp.on_error(exc):
+            self.close()  # what failed came after its end (bytes past the response): not used again
             return
         self.close(reset=isinstance(exc, UpstreamTimeout))
 

@@ -477,6 +477,9 @@ class _Connection(asyncio.Protocol):
             self.pool._open_for(resp)
             return
         if not resp.on_error(exc):
+            # It had ended (or failed already): what failed came after its end, bytes past the
+            # response (a worker that wrote more than it framed). The connection is not used again.
+            self.close()
             return
         self.close(reset=isinstance(exc, UpstreamTimeout))  # a silent worker may still be running it
 
