@@ -1,4 +1,4 @@
-# cython: language_level=3
+# cython: language_level=3, auto_pickle=False
 """The upstream side's connection and response in C: twin of :mod:`server.http.client`'s
 ``_Connection`` and :class:`~server.http.client.UpstreamResponse` (their docstrings say what each
 method does; the behaviour is theirs, line for line).
