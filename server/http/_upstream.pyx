@@ -30,6 +30,13 @@ cdef Py_ssize_t _JOINED_BELOW = WRITE_JOINED_BELOW
 #: a connection's read buffer where no body is being read into its own bytes (heads, streams, small
 #: answers): uvloop reads into it, the parser reads it, and what must outlive the read is copied
 cdef Py_ssize_t READ_BUFFER = 64 * 1024
+# One read buffer for every connection of the process: uvloop asks for a buffer, reads into it and
+# hands it back in one synchronous step per read (libuv's alloc, read, read callbacks), so no two
+# reads ever use it at once, and what must outlive a read is copied out of it as it is parsed (the
+# head's values into the parser's buffers, pieces of a stream or a small answer into bytes objects,
+# a whole body into its own bytes). One per connection would have been 64 KB per pooled connection.
+cdef bytearray _SCRATCH = bytearray(READ_BUFFER)
+cdef char* _SCRATCH_AT = PyByteArray_AS_STRING(_SCRATCH)
 #: the largest body read into one bytes object allocated at its head: a Content-Length is the worker's
 #: word, so a larger one (up to max_body) is kept as its pieces come, memory growing with the bytes
 #: that do arrive, never allocated ahead (a context answer of 40k ids is ~214 KB; of 1M, ~5.3 MB)
@@ -242,7 +249,6 @@ cdef class Connection(ResponseParser):
     # methods, which uvloop calls on any protocol that has them and is no asyncio.Protocol);
     # asyncio's own loop calls data_received
     cdef public bint buffered
-    cdef bytearray scratch
     # A whole body of a known length is read into its own bytes object, ``whole`` (``whole_at``,
     # ``whole_len``, ``whole_filled`` so far): the socket's bytes land in it, no piece is kept or
     # joined. ``window`` is what get_buffer hands uvloop; ``into_whole``: the last read went there.
@@ -274,7 +280,6 @@ cdef class Connection(ResponseParser):
         self.feeding = False
         self.release_after_feed = False
         self.buffered = False
-        self.scratch = None
         self.whole = None
         self.window = None
         self.into_whole = False
@@ -321,16 +326,14 @@ cdef class Connection(ResponseParser):
             window.size = self.whole_len - self.whole_filled
             self.into_whole = True
             return window
-        if self.scratch is None:
-            self.scratch = bytearray(READ_BUFFER)
         self.into_whole = False
-        return self.scratch
+        return _SCRATCH
 
     def buffer_updated(self, Py_ssize_t nbytes):
         if self.into_whole:
             self._received(None, self.whole_at + self.whole_filled, nbytes)
         else:
-            self._received(None, PyByteArray_AS_STRING(self.scratch), nbytes)
+            self._received(None, _SCRATCH_AT, nbytes)
 
     cdef _received(self, object data, const char* at, Py_ssize_t n):
         """One read: ``data`` (data_received), else ``n`` bytes at ``at`` (a buffer uvloop read into)."""
