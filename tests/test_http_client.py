@@ -956,3 +956,41 @@ async def test_bytes_past_a_whole_body_close_the_connection() -> None:
         assert await eventually(lambda: not pool.idle and not pool.open)
         _, again = await fetch(pool, body=b"x", max_body=1 << 20)
         assert again == body and up.accepted == 2
+
+
+async def test_many_connections_reading_at_once_each_get_their_own_bytes() -> None:
+    """Every upstream connection of the process reads into one read buffer (uvloop: one read at a
+    time, each parsed before the next): answers that arrive interleaved on many connections, whole
+    bodies (read into their own bytes) and chunked streams (copied out piece by piece), are each
+    their own worker's, byte for byte."""
+
+    def answer_for(tag: bytes) -> bytes:
+        if tag.startswith(b"w"):
+            return ok(tag * 20_000)  # ~40-60 KB whole bodies
+        return chunked_response([tag * 700 + b"%d" % i for i in range(12)])
+
+    async def serve(up: Upstream, reader: Reader, writer: Writer, index: int) -> None:
+        while (req := await up.next_request(reader)) is not None:
+            data = answer_for(req[2])
+            for at in range(0, len(data), 4096):  # dribbled: the connections' reads interleave
+                writer.write(data[at : at + 4096])
+                await writer.drain()
+                await asyncio.sleep(0)
+
+    tags = [b"w%d" % i for i in range(6)] + [b"s%d" % i for i in range(6)]
+    async with Upstream(serve) as up, pool_for(up) as pool:
+
+        async def one(tag: bytes) -> bytes:
+            resp = await pool.request(b"POST", b"/", [tag], max_body=1 << 20 if tag.startswith(b"w") else 0)
+            try:
+                return await resp.read()
+            finally:
+                resp.release()
+
+        bodies = await asyncio.gather(*(one(tag) for tag in tags))
+        for tag, body in zip(tags, bodies):
+            if tag.startswith(b"w"):
+                assert body == tag * 20_000, tag
+            else:
+                assert body == b"".join(tag * 700 + b"%d" % i for i in range(12)), tag
+        assert up.accepted == len(tags)
