@@ -24,7 +24,7 @@ import pytest
 from helpers import eventually, made_in_a_thread
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from raw_http import (  # noqa: F401  (_both_parsers: an autouse fixture, both request parsers)
+from raw_http import (  # noqa: F401  (fixtures: both request parsers, both loops)
     MARKER,
     Client,
     Handler,
@@ -34,6 +34,7 @@ from raw_http import (  # noqa: F401  (_both_parsers: an autouse fixture, both r
     chunked,
     connected,
     echo,
+    event_loop_policy,
     get,
     post,
     serving,
@@ -41,6 +42,9 @@ from raw_http import (  # noqa: F401  (_both_parsers: an autouse fixture, both r
 
 from server.http import HTTPServer, Limits, Request, Responder
 from server.http import server as server_module
+
+# Both loops through raw_http's event_loop_policy fixture (uvloop: the compiled parser's buffered reads).
+pytestmark = pytest.mark.filterwarnings('ignore:Overriding the "event_loop_policy" fixture is deprecated')
 
 #: scheduling slack for time bounds on a busy 2-core machine
 SLACK_S = 1.5
@@ -1457,3 +1461,70 @@ def test_server_built_where_no_loop_runs_serves_on_the_one_it_starts_on() -> Non
             await server.close(grace_s=0.5)
 
     asyncio.run(scenario())
+
+
+# -- bodies read into buffers (the compiled parser under uvloop) -------------------------------------
+
+
+def _buffered_reads_expected(server: HTTPServer) -> bool:
+    """uvloop reads into the buffers of a protocol that has get_buffer and is no asyncio.Protocol: a
+    connection on the compiled parser; asyncio's loop (and the pure twin's parser) hand bytes objects."""
+    on_uvloop = type(asyncio.get_running_loop()).__module__.startswith("uvloop")
+    return on_uvloop and hasattr(server.request_parser, "get_buffer")
+
+
+@pytest.mark.parametrize("size", [1, 70_000, 300_000], ids=["1-byte", "70-kb", "300-kb"])
+@pytest.mark.parametrize("step", [0, 4096], ids=["one-write", "dribbled"])
+async def test_a_body_of_a_known_length_arrives_whole(size: int, step: int) -> None:
+    """A Content-Length body (what the orchestrator's clients send: a prompt of 40k tokens is ~160 KB):
+    under uvloop the compiled parser has the socket read it into one bytes object of that length (no
+    bytes object per read, no join), its first bytes copied from the read buffer; on every loop and
+    parser the handler sees the client's bytes, and a second request behind it on the same
+    connection (its head in the read buffer again) is read as well."""
+    body = bytes(range(251)) * (size // 251) + b"x" * (size % 251)
+    async with serving(echo, max_body_bytes=1 << 20) as (server, port), connected(port) as client:
+        await client.send(post(b"/a", body) + post(b"/b", body[::-1]), step=step)
+        first, second = await client.responses(2)
+        assert first.status == second.status == 200
+        assert first.body == body and second.body == body[::-1]
+        (conn,) = server.connections
+        assert getattr(conn.parser, "buffered", False) == _buffered_reads_expected(server)
+
+
+async def test_a_declared_length_above_the_read_into_bound_is_kept_as_its_pieces_come() -> None:
+    """A Content-Length is the client's word: above ``_parse.WHOLE_READ_MAX`` (within the body bound)
+    nothing is allocated at the head; the pieces are kept as they arrive, and the body is whole."""
+    bound = 8 * 1024 * 1024
+    if hasattr(Server.request_parser, "get_buffer"):
+        from server.http import _parse
+
+        bound = _parse.WHOLE_READ_MAX
+    body = b"b" * (bound + 1)
+    async with serving(echo, max_body_bytes=2 * bound) as (_server, port), connected(port) as client:
+        await client.send(post(b"/", body))
+        (resp,) = await client.responses(1, timeout=30.0)
+        assert resp.status == 200 and resp.body == body
+
+
+async def test_many_clients_sending_at_once_each_get_their_own_bytes() -> None:
+    """Every client connection of the process reads into one read buffer (uvloop: one read at a time,
+    each parsed before the next): bodies dribbled on many connections at once, of a known length
+    (read into their own bytes) and chunked (copied out piece by piece), are each their sender's."""
+    async with serving(echo, max_body_bytes=1 << 20) as (_server, port):
+        clients = [await Client.connect(port) for _ in range(8)]
+        try:
+            bodies = [bytes([65 + i]) * (40_000 + i) for i in range(8)]
+            requests = [
+                post(b"/", b)
+                if i % 2
+                else b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+                + chunked([b[:9000], b[9000:]])
+                for i, b in enumerate(bodies)
+            ]
+            await asyncio.gather(*(c.send(r, step=2048) for c, r in zip(clients, requests)))
+            answers = await asyncio.gather(*(c.responses(1) for c in clients))
+            for (resp,), body in zip(answers, bodies):
+                assert resp.status == 200 and resp.body == body
+        finally:
+            for c in clients:
+                c.close()

@@ -88,3 +88,12 @@ cdef class ResponseParser:
     # a body piece where llhttp saw it (by default made a bytes object and given to ``body``)
     cdef int body_at(self, const char* at, Py_ssize_t n) except -1
     cdef int complete(self, bint keep_alive) except -1
+
+
+cdef class ReadWindow:
+    # A writable window on bytes being read into (uvloop's get_buffer/buffer_updated): a whole body
+    # read into its own bytes object, which is its reader's alone until the body is complete.
+    cdef object owner
+    cdef char* at
+    cdef Py_ssize_t size
+    cdef Py_ssize_t shape[1]

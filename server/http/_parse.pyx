@@ -1,3 +1,4 @@
+# cython: auto_pickle=False
 """The HTTP parsers in C: llhttp's callbacks compiled, one Python call per message event.
 
 Twin of :mod:`server.http._parse_py` (its docstring has the events and what is checked; chosen
@@ -15,6 +16,7 @@ uses in C (the others are never made into Python objects) and calls its connecti
 head, once per body piece and once at the end.
 """
 
+from cpython.bytearray cimport PyByteArray_AS_STRING
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from libc.stdlib cimport free, malloc, realloc
@@ -176,6 +178,16 @@ cdef class RequestParser:
     # Set at each read's start: headers (a trailer section) were in progress.
     cdef bint mid_headers, mid_trailers
     cdef list chunks
+    # Reading into buffers (get_buffer/buffer_updated, under uvloop): a body of a known length up to
+    # WHOLE_READ_MAX is read into its own bytes object, ``whole`` (``whole_filled`` of ``whole_len``
+    # so far) through ``window``; ``into_whole``: the last buffer handed out was that window.
+    #: (read-only from Python: whether the loop reads into this parser's buffers)
+    cdef public bint buffered
+    cdef bint into_whole
+    cdef object whole
+    cdef char* whole_at
+    cdef Py_ssize_t whole_len, whole_filled
+    cdef ReadWindow window
 
     def __cinit__(self, conn, limits):
         self.buf = <char*>malloc(HEAD_BUFFER)
@@ -219,6 +231,38 @@ cdef class RequestParser:
             # request's; the pure twin's pieces are that request's own), not when it closes.
             self.chunks = None
             self.req = None
+            self.whole = None
+            raise
+
+    def get_buffer(self, Py_ssize_t sizehint):
+        """Where the next read goes (asyncio.BufferedProtocol's, bound on the connection): the rest of
+        a body being read whole, else the process's read buffer."""
+        cdef ReadWindow window
+        self.buffered = True
+        if self.whole is not None and self.whole_filled < self.whole_len:
+            window = self.window
+            if window is None:
+                window = self.window = ReadWindow()
+            window.owner = self.whole
+            window.at = self.whole_at + self.whole_filled
+            window.size = self.whole_len - self.whole_filled
+            self.into_whole = True
+            return window
+        self.into_whole = False
+        return _SCRATCH
+
+    def feed_buffered(self, Py_ssize_t nbytes):
+        """:meth:`feed` of the ``nbytes`` a read put where :meth:`get_buffer` said."""
+        cdef const char* at = self.whole_at + self.whole_filled if self.into_whole else _SCRATCH_AT
+        cdef int err = _execute_at(&self.parser, at, nbytes, _request_read)
+        try:
+            if err != HPE_OK:
+                self._raise(<llhttp_errno_t>err)
+            self._after_read()
+        except BaseException:
+            self.chunks = None
+            self.req = None
+            self.whole = None
             raise
 
     cdef void _start_read(self, Py_ssize_t n) noexcept:
@@ -385,6 +429,11 @@ cdef class RequestParser:
         req.expect_continue = self.expect_continue and minor == 1  # RFC 9110 15.2: never a 1xx to HTTP/1.0
         self.head_done = True
         self.conn.on_head(req)
+        if self.buffered and content_length is not None and 0 < content_length <= _WHOLE_READ_MAX:
+            self.whole = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>content_length)
+            self.whole_at = PyBytes_AS_STRING(self.whole)
+            self.whole_len = <Py_ssize_t>content_length
+            self.whole_filled = 0
         return 0
 
 
@@ -518,6 +567,13 @@ cdef int _on_body(llhttp_t* p, const char* at, size_t n) noexcept:
             self.chunk_state = 2
             self.chunk_body += <Py_ssize_t>n
             self.conn.on_body_piece(self.req, n)
+        if self.whole is not None:  # (a Content-Length body: llhttp frames it by that length)
+            if <Py_ssize_t>n > self.whole_len - self.whole_filled:
+                raise RuntimeError("request body longer than its Content-Length")
+            if at != self.whole_at + self.whole_filled:  # read into the read buffer: copied to its place
+                memcpy(self.whole_at + self.whole_filled, at, n)
+            self.whole_filled += <Py_ssize_t>n
+            return 0
         self.chunks.append(_piece(at, <Py_ssize_t>n))
     except BaseException:
         return self._event_failed()
@@ -531,10 +587,15 @@ cdef int _on_message_complete(llhttp_t* p) noexcept:
     self.chunk_state = 0
     chunks = self.chunks
     self.chunks = None
+    whole = self.whole
+    self.whole = None
     try:
         req.keep_alive = llhttp_should_keep_alive(&self.parser) != 0
         req.size = self.size
-        if chunks:
+        if whole is not None:
+            if self.whole_filled:
+                req.body = whole if self.whole_filled == self.whole_len else whole[: self.whole_filled]
+        elif chunks:
             req.body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         self.conn.on_message_complete(req)
     except BaseException:
@@ -556,6 +617,68 @@ cdef int _on_chunk_complete(llhttp_t* p) noexcept:
     cdef RequestParser self = <RequestParser>p.data
     self.chunk_state = 0
     return _field_done(self)  # the last chunk's trailer section ended
+
+
+# -- reading into buffers (uvloop's get_buffer/buffer_updated) ----------------------------------
+
+cdef extern from "Python.h":
+    enum:
+        PyBUF_FORMAT
+        PyBUF_ND
+
+cdef char* _FORMAT_B = "B"
+
+#: the largest body read into one bytes object allocated at its head: a Content-Length is the peer's
+#: word, so a larger one (up to the body bound) is kept as its pieces come, memory growing with the
+#: bytes that do arrive, never allocated ahead (a 40k-token prompt's request is ~160 KB)
+WHOLE_READ_MAX = 8 * 1024 * 1024
+cdef Py_ssize_t _WHOLE_READ_MAX = WHOLE_READ_MAX
+READ_BUFFER = 64 * 1024
+# One read buffer for every client connection of the process: uvloop asks for a buffer, reads into
+# it and hands it back in one synchronous step per read (libuv's alloc, read, read callbacks), so no
+# two reads ever use it at once, and what must outlive a read is copied out of it as it is parsed
+# (the request line and headers into the parser's buffer, body pieces into bytes objects, a whole
+# body into its own bytes).
+cdef bytearray _SCRATCH = bytearray(READ_BUFFER)
+cdef char* _SCRATCH_AT = PyByteArray_AS_STRING(_SCRATCH)
+
+
+cdef class ReadWindow:
+    """A writable window on the bytes a whole body is read into (see _parse.pxd)."""
+
+    def __getbuffer__(self, Py_buffer* view, int flags):
+        self.shape[0] = self.size
+        view.buf = self.at
+        view.obj = self
+        view.len = self.size
+        view.readonly = 0
+        view.itemsize = 1
+        view.format = NULL
+        if flags & PyBUF_FORMAT:
+            view.format = _FORMAT_B
+        view.ndim = 1
+        view.shape = self.shape if flags & PyBUF_ND else NULL
+        view.strides = NULL
+        view.suboffsets = NULL
+        view.internal = NULL
+
+    def __releasebuffer__(self, Py_buffer* view):
+        pass
+
+
+cdef int _execute_at(llhttp_t* parser, const char* at, Py_ssize_t n, ReadHook hook) except -1:
+    """:func:`_execute` over bytes that are no Python object's (a buffer read into): pieces are copied."""
+    global _read, _read_at, _read_len
+    cdef object outer = _read
+    cdef const char* outer_at = _read_at
+    cdef Py_ssize_t outer_len = _read_len
+    _read, _read_at, _read_len = None, NULL, 0
+    try:
+        if hook != NULL:
+            hook(parser.data, n)
+        return llhttp_execute(parser, at, <size_t>n)
+    finally:
+        _read, _read_at, _read_len = outer, outer_at, outer_len
 
 
 # -- the upstream side ----------------------------------------------------------------------
@@ -590,17 +713,7 @@ cdef class ResponseParser:
 
     cdef int execute_at(self, const char* at, Py_ssize_t n) except -1:
         """:meth:`execute` over bytes that are no Python object's (a buffer read into): pieces are copied."""
-        global _read, _read_at, _read_len
-        cdef object outer = _read
-        cdef const char* outer_at = _read_at
-        cdef Py_ssize_t outer_len = _read_len
-        cdef llhttp_errno_t err
-        _read, _read_at, _read_len = None, NULL, 0
-        try:
-            err = llhttp_execute(&self.parser, at, <size_t>n)
-        finally:
-            _read, _read_at, _read_len = outer, outer_at, outer_len
-        return self._after_execute(err)
+        return self._after_execute(_execute_at(&self.parser, at, n, NULL))
 
     cdef int _after_execute(self, int err) except -1:
         if err == HPE_OK:

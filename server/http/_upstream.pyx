@@ -19,7 +19,7 @@ from libc.string cimport memcpy
 import socket
 import struct
 
-from ._parse cimport ResponseParser
+from ._parse cimport ReadWindow, ResponseParser
 
 from .client import WRITE_JOINED_BELOW, UpstreamError, UpstreamTimeout
 from .request import BadResponse
@@ -186,41 +186,6 @@ cdef inline _wake(fut, exc):
             fut.set_exception(exc)
 
 
-cdef class _Window:
-    """A writable window on the bytes a whole body is read into (uvloop reads into it from the
-    socket): the body's bytes object is the connection's alone until the body is complete."""
-
-    cdef object owner
-    cdef char* at
-    cdef Py_ssize_t size
-    cdef Py_ssize_t shape[1]
-
-    def __getbuffer__(self, Py_buffer* view, int flags):
-        self.shape[0] = self.size
-        view.buf = self.at
-        view.obj = self
-        view.len = self.size
-        view.readonly = 0
-        view.itemsize = 1
-        view.format = NULL
-        if flags & PyBUF_FORMAT:
-            view.format = _FORMAT_B
-        view.ndim = 1
-        view.shape = self.shape if flags & PyBUF_ND else NULL
-        view.strides = NULL
-        view.suboffsets = NULL
-        view.internal = NULL
-
-    def __releasebuffer__(self, Py_buffer* view):
-        pass
-
-
-cdef extern from "Python.h":
-    enum:
-        PyBUF_FORMAT
-        PyBUF_ND
-
-cdef char* _FORMAT_B = "B"
 
 
 cdef class Connection(ResponseParser):
@@ -255,7 +220,7 @@ cdef class Connection(ResponseParser):
     cdef object whole
     cdef char* whole_at
     cdef Py_ssize_t whole_len, whole_filled
-    cdef _Window window
+    cdef ReadWindow window
     cdef bint into_whole
 
     def __init__(self, pool):
@@ -315,12 +280,12 @@ cdef class Connection(ResponseParser):
         self._received(data, NULL, 0)
 
     def get_buffer(self, Py_ssize_t sizehint):
-        cdef _Window window
+        cdef ReadWindow window
         self.buffered = True
         if self.whole is not None and self.whole_filled < self.whole_len:
             window = self.window
             if window is None:
-                window = self.window = _Window()
+                window = self.window = ReadWindow()
             window.owner = self.whole
             window.at = self.whole_at + self.whole_filled
             window.size = self.whole_len - self.whole_filled

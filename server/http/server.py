@@ -122,7 +122,13 @@ class _Peer:
 _NO_PEER = _Peer("")
 
 
-class _Connection(asyncio.Protocol):
+class _Connection:
+    """One client connection (an asyncio protocol). With the compiled request parser it is also a
+    buffered one under uvloop, which reads into buffers of a protocol that has ``get_buffer`` and is
+    no ``asyncio.Protocol``: ``get_buffer`` is then the parser's own (a body of a known length read
+    straight into one bytes object), ``buffer_updated`` its feed; asyncio's own loop, and the pure
+    twin's parser, hand ``data_received`` bytes objects."""
+
     __slots__ = (
         "body_timeout_s",
         "client_eof",
@@ -132,6 +138,7 @@ class _Connection(asyncio.Protocol):
         "deadline_status",
         "drained",
         "failed",
+        "get_buffer",
         "header_timeout_s",
         "limits",
         "linger_left",
@@ -156,6 +163,9 @@ class _Connection(asyncio.Protocol):
         self.loop = server.loop
         self.transport: asyncio.Transport | None = None
         self.parser = server.request_parser(self, self.limits)
+        get_buffer = getattr(self.parser, "get_buffer", None)
+        if get_buffer is not None:  # (the compiled parser's: no Python frame per read for it)
+            self.get_buffer = get_buffer
         self.current: Request | None = None
         self.queue: collections.deque[Request] = collections.deque()
         #: what serves the request being answered: its task, or the handler's Handling
@@ -299,15 +309,25 @@ class _Connection(asyncio.Protocol):
             self._next()
 
     def data_received(self, data: bytes) -> None:
+        self._received(data, len(data))
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._received(None, nbytes)
+
+    def _received(self, data: bytes | None, n: int) -> None:
+        """One read: ``data``, or (``None``) ``n`` bytes where the parser's get_buffer said."""
         if self.failed is not None or self.closed or self.no_more:
             if self.lingering and self.linger_left >= 0:
-                self.linger_left -= len(data)
+                self.linger_left -= n
                 if self.linger_left < 0 and not self.reading_paused:
                     self.reading_paused = True  # until the close at LINGER_S
                     self.transport.pause_reading()  # type: ignore[union-attr]
             return
         try:
-            self.parser.feed(data)
+            if data is None:
+                self.parser.feed_buffered(n)
+            else:
+                self.parser.feed(data)
         except Refused as exc:
             self._fail(exc.status, exc.message)
             return
@@ -605,7 +625,12 @@ class HTTPServer:
     async def start(self, host: str, port: int, *, reuse_port: bool = False, backlog: int = 4096) -> None:
         self.loop = asyncio.get_running_loop()
         self.server = await self.loop.create_server(
-            lambda: _Connection(self), host, port, reuse_port=reuse_port or None, backlog=backlog
+            # a protocol by its methods, not an asyncio.Protocol (uvloop would not read into its buffers)
+            lambda: _Connection(self),  # type: ignore[arg-type, return-value]
+            host,
+            port,
+            reuse_port=reuse_port or None,
+            backlog=backlog,
         )
         limits = self.limits
         self._tick = max(0.02, min(1.0, limits.header_timeout_s / 4, limits.body_timeout_s / 4))
