@@ -227,11 +227,7 @@ cdef class RequestParser:
                 self._raise(<llhttp_errno_t>err)
             self._after_read()
         except BaseException:
-            # Never fed again: the body read so far goes back now (the connection drops its
-            # request's; the pure twin's pieces are that request's own), not when it closes.
-            self.chunks = None
-            self.req = None
-            self.whole = None
+            self._drop_whole()
             raise
 
     def get_buffer(self, Py_ssize_t sizehint):
@@ -260,10 +256,17 @@ cdef class RequestParser:
                 self._raise(<llhttp_errno_t>err)
             self._after_read()
         except BaseException:
-            self.chunks = None
-            self.req = None
-            self.whole = None
+            self._drop_whole()
             raise
+
+    cdef void _drop_whole(self):
+        """Never fed again: the body read so far goes back now (the connection drops its request's;
+        the pure twin's pieces are that request's own), not when it closes."""
+        self.chunks = None
+        self.req = None
+        self.whole = None
+        if self.window is not None:
+            self.window.owner = None
 
     cdef void _start_read(self, Py_ssize_t n) noexcept:
         self.last_read = n
@@ -588,7 +591,10 @@ cdef int _on_message_complete(llhttp_t* p) noexcept:
     chunks = self.chunks
     self.chunks = None
     whole = self.whole
-    self.whole = None
+    if whole is not None:
+        self.whole = None
+        if self.window is not None:
+            self.window.owner = None  # the body is the request's from here: the window keeps none of it
     try:
         req.keep_alive = llhttp_should_keep_alive(&self.parser) != 0
         req.size = self.size
