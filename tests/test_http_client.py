@@ -920,15 +920,15 @@ async def test_a_whole_body_of_a_known_length_arrives_whole_in_one_piece(writes:
 
 
 async def test_a_declared_length_above_the_read_into_bound_is_kept_as_its_pieces_come() -> None:
-    """A Content-Length is the worker's word: above ``_upstream.WHOLE_READ_MAX`` (but within max_body)
+    """A Content-Length is the worker's word: above ``_parse.WHOLE_READ_MAX`` (but within max_body)
     nothing is allocated at the head (a worker declaring 256 MB per answer would have the
     orchestrator hold that much per request before a byte came); the pieces are kept as they
     arrive, as on every other path, and the body is the worker's all the same."""
     bound = 8 * 1024 * 1024
     if Pool.connection_class is not client._Connection:
-        from server.http import _upstream
+        from server.http import _parse
 
-        bound = _upstream.WHOLE_READ_MAX
+        bound = _parse.WHOLE_READ_MAX
     body = b"q" * (bound + 1)
     async with Upstream(answering(lambda req: ok(body))) as up, pool_for(up) as pool:
         resp, got = await fetch(pool, body=b"x", max_body=2 * bound)

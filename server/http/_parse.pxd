@@ -91,9 +91,27 @@ cdef class ResponseParser:
 
 
 cdef class ReadWindow:
-    # A writable window on bytes being read into (uvloop's get_buffer/buffer_updated): a whole body
-    # read into its own bytes object, which is its reader's alone until the body is complete.
+    # A writable window on bytes being read into (uvloop's get_buffer/buffer_updated).
     cdef object owner
     cdef char* at
     cdef Py_ssize_t size
     cdef Py_ssize_t shape[1]
+
+
+cdef class BodyReader:
+    # Where a connection's reads go under uvloop (both sides): a body of a known length, up to
+    # WHOLE_READ_MAX, into its own bytes object (``data``, ``filled`` of ``size`` so far) through
+    # ``window``; anything else into the process's read buffer. ``into``: the last buffer handed out
+    # was the window. The body's bytes object is the reader's alone until ``finish`` hands it over.
+    cdef object data
+    cdef char* at
+    cdef Py_ssize_t size, filled
+    cdef ReadWindow window
+    cdef bint into
+
+    cdef bint begin(self, Py_ssize_t size)
+    cdef object buffer(self)
+    cdef const char* last_read(self) noexcept
+    cdef int take(self, const char* at, Py_ssize_t n) except -1
+    cdef object finish(self)
+    cdef void drop(self) noexcept

@@ -178,16 +178,8 @@ cdef class RequestParser:
     # Set at each read's start: headers (a trailer section) were in progress.
     cdef bint mid_headers, mid_trailers
     cdef list chunks
-    # Reading into buffers (get_buffer/buffer_updated, under uvloop): a body of a known length up to
-    # WHOLE_READ_MAX is read into its own bytes object, ``whole`` (``whole_filled`` of ``whole_len``
-    # so far) through ``window``; ``into_whole``: the last buffer handed out was that window.
-    #: (read-only from Python: whether the loop reads into this parser's buffers)
-    cdef public bint buffered
-    cdef bint into_whole
-    cdef object whole
-    cdef char* whole_at
-    cdef Py_ssize_t whole_len, whole_filled
-    cdef ReadWindow window
+    # where uvloop's reads go (None until it asks: asyncio's loop hands bytes objects)
+    cdef BodyReader reader
 
     def __cinit__(self, conn, limits):
         self.buf = <char*>malloc(HEAD_BUFFER)
@@ -221,52 +213,37 @@ cdef class RequestParser:
 
     def feed(self, data):
         """Parse one read; raises :class:`Refused`, or what a ``conn`` event raised."""
-        cdef int err = _execute(&self.parser, data, _request_read)
-        try:
-            if err != HPE_OK:
-                self._raise(<llhttp_errno_t>err)
-            self._after_read()
-        except BaseException:
-            self._drop_whole()
-            raise
+        self._fed(_execute(&self.parser, data, _request_read))
+
+    @property
+    def buffered(self):
+        """Whether the loop reads into this parser's buffers (uvloop asked for one)."""
+        return self.reader is not None
 
     def get_buffer(self, Py_ssize_t sizehint):
         """Where the next read goes (asyncio.BufferedProtocol's, bound on the connection): the rest of
         a body being read whole, else the process's read buffer."""
-        cdef ReadWindow window
-        self.buffered = True
-        if self.whole is not None and self.whole_filled < self.whole_len:
-            window = self.window
-            if window is None:
-                window = self.window = ReadWindow()
-            window.owner = self.whole
-            window.at = self.whole_at + self.whole_filled
-            window.size = self.whole_len - self.whole_filled
-            self.into_whole = True
-            return window
-        self.into_whole = False
-        return _SCRATCH
+        if self.reader is None:
+            self.reader = BodyReader()
+        return self.reader.buffer()
 
     def feed_buffered(self, Py_ssize_t nbytes):
         """:meth:`feed` of the ``nbytes`` a read put where :meth:`get_buffer` said."""
-        cdef const char* at = self.whole_at + self.whole_filled if self.into_whole else _SCRATCH_AT
-        cdef int err = _execute_at(&self.parser, at, nbytes, _request_read)
+        self._fed(_execute_at(&self.parser, self.reader.last_read(), nbytes, _request_read))
+
+    cdef _fed(self, int err):
         try:
             if err != HPE_OK:
                 self._raise(<llhttp_errno_t>err)
             self._after_read()
         except BaseException:
-            self._drop_whole()
+            # Never fed again: the body read so far goes back now (the connection drops its
+            # request's; the pure twin's pieces are that request's own), not when it closes.
+            self.chunks = None
+            self.req = None
+            if self.reader is not None:
+                self.reader.drop()
             raise
-
-    cdef void _drop_whole(self):
-        """Never fed again: the body read so far goes back now (the connection drops its request's;
-        the pure twin's pieces are that request's own), not when it closes."""
-        self.chunks = None
-        self.req = None
-        self.whole = None
-        if self.window is not None:
-            self.window.owner = None
 
     cdef void _start_read(self, Py_ssize_t n) noexcept:
         self.last_read = n
@@ -432,11 +409,8 @@ cdef class RequestParser:
         req.expect_continue = self.expect_continue and minor == 1  # RFC 9110 15.2: never a 1xx to HTTP/1.0
         self.head_done = True
         self.conn.on_head(req)
-        if self.buffered and content_length is not None and 0 < content_length <= _WHOLE_READ_MAX:
-            self.whole = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>content_length)
-            self.whole_at = PyBytes_AS_STRING(self.whole)
-            self.whole_len = <Py_ssize_t>content_length
-            self.whole_filled = 0
+        if self.reader is not None and content_length is not None:
+            self.reader.begin(<Py_ssize_t>content_length)
         return 0
 
 
@@ -570,12 +544,8 @@ cdef int _on_body(llhttp_t* p, const char* at, size_t n) noexcept:
             self.chunk_state = 2
             self.chunk_body += <Py_ssize_t>n
             self.conn.on_body_piece(self.req, n)
-        if self.whole is not None:  # (a Content-Length body: llhttp frames it by that length)
-            if <Py_ssize_t>n > self.whole_len - self.whole_filled:
-                raise RuntimeError("request body longer than its Content-Length")
-            if at != self.whole_at + self.whole_filled:  # read into the read buffer: copied to its place
-                memcpy(self.whole_at + self.whole_filled, at, n)
-            self.whole_filled += <Py_ssize_t>n
+        if self.reader is not None and self.reader.data is not None:  # (a Content-Length body)
+            self.reader.take(at, <Py_ssize_t>n)
             return 0
         self.chunks.append(_piece(at, <Py_ssize_t>n))
     except BaseException:
@@ -590,17 +560,12 @@ cdef int _on_message_complete(llhttp_t* p) noexcept:
     self.chunk_state = 0
     chunks = self.chunks
     self.chunks = None
-    whole = self.whole
-    if whole is not None:
-        self.whole = None
-        if self.window is not None:
-            self.window.owner = None  # the body is the request's from here: the window keeps none of it
+    whole = self.reader.finish() if self.reader is not None else None
     try:
         req.keep_alive = llhttp_should_keep_alive(&self.parser) != 0
         req.size = self.size
         if whole is not None:
-            if self.whole_filled:
-                req.body = whole if self.whole_filled == self.whole_len else whole[: self.whole_filled]
+            req.body = whole
         elif chunks:
             req.body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         self.conn.on_message_complete(req)
@@ -670,6 +635,65 @@ cdef class ReadWindow:
 
     def __releasebuffer__(self, Py_buffer* view):
         pass
+
+
+cdef class BodyReader:
+    """Where a connection's reads go under uvloop (see _parse.pxd): both the request parser and the
+    upstream connection (server/http/_upstream.pyx) read through one."""
+
+    cdef bint begin(self, Py_ssize_t size):
+        """A body of ``size`` bytes begins: read into its own bytes object if within the bound (a
+        Content-Length is the peer's word: a larger one is kept as its pieces come)."""
+        self.drop()
+        if not 0 < size <= _WHOLE_READ_MAX:
+            return False
+        self.data = PyBytes_FromStringAndSize(NULL, size)
+        self.at = PyBytes_AS_STRING(self.data)
+        self.size = size
+        self.filled = 0
+        return True
+
+    cdef object buffer(self):
+        """What get_buffer hands uvloop: the rest of the body being read, else the read buffer."""
+        cdef ReadWindow window
+        if self.data is not None and self.filled < self.size:
+            window = self.window
+            if window is None:
+                window = self.window = ReadWindow()
+            window.owner = self.data
+            window.at = self.at + self.filled
+            window.size = self.size - self.filled
+            self.into = True
+            return window
+        self.into = False
+        return _SCRATCH
+
+    cdef const char* last_read(self) noexcept:
+        """Where the read buffer_updated reports went."""
+        return self.at + self.filled if self.into else _SCRATCH_AT
+
+    cdef int take(self, const char* at, Py_ssize_t n) except -1:
+        """A body piece llhttp saw at ``at``: in place already, or copied there from the read buffer."""
+        if n > self.size - self.filled:  # (llhttp frames by the same Content-Length)
+            raise RuntimeError("body longer than its Content-Length")
+        if at != self.at + self.filled:
+            memcpy(self.at + self.filled, at, n)
+        self.filled += n
+        return 0
+
+    cdef object finish(self):
+        """The body read (None if none came), handed over: the reader keeps no reference to it."""
+        data = self.data
+        filled, size = self.filled, self.size
+        self.drop()
+        if data is None or not filled:
+            return None
+        return data if filled == size else data[:filled]
+
+    cdef void drop(self) noexcept:
+        self.data = None
+        if self.window is not None:
+            self.window.owner = None
 
 
 cdef int _execute_at(llhttp_t* parser, const char* at, Py_ssize_t n, ReadHook hook) except -1:

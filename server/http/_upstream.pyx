@@ -12,36 +12,19 @@ sweeper. :class:`~server.http.client.UpstreamPool` uses these two classes where 
 parsers are (``UpstreamPool.connection_class`` / ``response_class``), else client.py's.
 """
 
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
-from cpython.bytearray cimport PyByteArray_AS_STRING
-from libc.string cimport memcpy
-
 import socket
 import struct
 
-from ._parse cimport ReadWindow, ResponseParser
+from ._parse cimport BodyReader, ResponseParser
 
 from .client import WRITE_JOINED_BELOW, UpstreamError, UpstreamTimeout
 from .request import BadResponse
 
-__all__ = ["WHOLE_READ_MAX", "Connection", "Response"]
+__all__ = ["Connection", "Response"]
 
 cdef Py_ssize_t _JOINED_BELOW = WRITE_JOINED_BELOW
 #: a connection's read buffer where no body is being read into its own bytes (heads, streams, small
 #: answers): uvloop reads into it, the parser reads it, and what must outlive the read is copied
-cdef Py_ssize_t READ_BUFFER = 64 * 1024
-# One read buffer for every connection of the process: uvloop asks for a buffer, reads into it and
-# hands it back in one synchronous step per read (libuv's alloc, read, read callbacks), so no two
-# reads ever use it at once, and what must outlive a read is copied out of it as it is parsed (the
-# head's values into the parser's buffers, pieces of a stream or a small answer into bytes objects,
-# a whole body into its own bytes). One per connection would have been 64 KB per pooled connection.
-cdef bytearray _SCRATCH = bytearray(READ_BUFFER)
-cdef char* _SCRATCH_AT = PyByteArray_AS_STRING(_SCRATCH)
-#: the largest body read into one bytes object allocated at its head: a Content-Length is the worker's
-#: word, so a larger one (up to max_body) is kept as its pieces come, memory growing with the bytes
-#: that do arrive, never allocated ahead (a context answer of 40k ids is ~214 KB; of 1M, ~5.3 MB)
-WHOLE_READ_MAX = 8 * 1024 * 1024
-cdef Py_ssize_t _WHOLE_READ_MAX = WHOLE_READ_MAX
 cdef bytes _SEMICOLON = b";"
 cdef bytes _EMPTY = b""
 cdef tuple _NOTHING = ()
@@ -213,15 +196,8 @@ cdef class Connection(ResponseParser):
     # uvloop reads into this connection (get_buffer/buffer_updated: asyncio.BufferedProtocol's
     # methods, which uvloop calls on any protocol that has them and is no asyncio.Protocol);
     # asyncio's own loop calls data_received
-    cdef public bint buffered
-    # A whole body of a known length is read into its own bytes object, ``whole`` (``whole_at``,
-    # ``whole_len``, ``whole_filled`` so far): the socket's bytes land in it, no piece is kept or
-    # joined. ``window`` is what get_buffer hands uvloop; ``into_whole``: the last read went there.
-    cdef object whole
-    cdef char* whole_at
-    cdef Py_ssize_t whole_len, whole_filled
-    cdef ReadWindow window
-    cdef bint into_whole
+    # where uvloop's reads go (None until it asks): a whole body of a known length into its own bytes
+    cdef BodyReader reader
 
     def __init__(self, pool):
         self.conn = None  # (the parser's Python events are this class's C methods)
@@ -244,10 +220,7 @@ cdef class Connection(ResponseParser):
         self.pending = []
         self.feeding = False
         self.release_after_feed = False
-        self.buffered = False
-        self.whole = None
-        self.window = None
-        self.into_whole = False
+        self.reader = None
 
     # -- transport events (asyncio.Protocol's) ---------------------------------------------
 
@@ -279,26 +252,18 @@ cdef class Connection(ResponseParser):
     def data_received(self, data):
         self._received(data, NULL, 0)
 
+    @property
+    def buffered(self):
+        """Whether the loop reads into this connection's buffers (uvloop asked for one)."""
+        return self.reader is not None
+
     def get_buffer(self, Py_ssize_t sizehint):
-        cdef ReadWindow window
-        self.buffered = True
-        if self.whole is not None and self.whole_filled < self.whole_len:
-            window = self.window
-            if window is None:
-                window = self.window = ReadWindow()
-            window.owner = self.whole
-            window.at = self.whole_at + self.whole_filled
-            window.size = self.whole_len - self.whole_filled
-            self.into_whole = True
-            return window
-        self.into_whole = False
-        return _SCRATCH
+        if self.reader is None:
+            self.reader = BodyReader()
+        return self.reader.buffer()
 
     def buffer_updated(self, Py_ssize_t nbytes):
-        if self.into_whole:
-            self._received(None, self.whole_at + self.whole_filled, nbytes)
-        else:
-            self._received(None, _SCRATCH_AT, nbytes)
+        self._received(None, self.reader.last_read(), nbytes)
 
     cdef _received(self, object data, const char* at, Py_ssize_t n):
         """One read: ``data`` (data_received), else ``n`` bytes at ``at`` (a buffer uvloop read into)."""
@@ -361,18 +326,11 @@ cdef class Connection(ResponseParser):
             self.deadline = 0.0
         resp.status = status
         resp.headers_done = True
-        self.whole = None
-        if (
-            self.buffered
-            and resp._whole
-            and content_length is not None
-            and 0 < <Py_ssize_t>content_length <= resp.limit
-            and <Py_ssize_t>content_length <= _WHOLE_READ_MAX
-        ):
-            self.whole = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>content_length)
-            self.whole_at = PyBytes_AS_STRING(self.whole)
-            self.whole_len = <Py_ssize_t>content_length
-            self.whole_filled = 0
+        if self.reader is not None:
+            if resp._whole and content_length is not None and <Py_ssize_t>content_length <= resp.limit:
+                self.reader.begin(<Py_ssize_t>content_length)
+            else:
+                self.reader.drop()
         if not resp._whole:
             if resp.listener is not None:
                 resp.listener.leg_head(resp)
@@ -401,13 +359,9 @@ cdef class Connection(ResponseParser):
 
     cdef int body_at(self, const char* at, Py_ssize_t n) except -1:
         cdef Response resp
-        if self.whole is None or self.interim:
+        if self.reader is None or self.reader.data is None or self.interim:
             return ResponseParser.body_at(self, at, n)
-        if n > self.whole_len - self.whole_filled:  # (llhttp frames by the same Content-Length)
-            raise UpstreamError("response body longer than its Content-Length")
-        if at != self.whole_at + self.whole_filled:  # read into the read buffer: copied to its place
-            memcpy(self.whole_at + self.whole_filled, at, n)
-        self.whole_filled += n
+        self.reader.take(at, n)
         resp = self.response
         resp.size += n
         return 0
@@ -417,12 +371,10 @@ cdef class Connection(ResponseParser):
         if self.interim:
             self.interim = False
             return 0
-        if self.whole is not None:
-            if self.whole_filled == self.whole_len:
-                resp.chunks = [self.whole]
-            self.whole = None
-            if self.window is not None:
-                self.window.owner = None
+        if self.reader is not None and self.reader.data is not None:
+            whole = self.reader.finish()
+            if whole is not None:
+                resp.chunks = [whole]
         self._cancel_timer()
         if self.pending:
             self._flush(resp)
@@ -528,6 +480,8 @@ cdef class Connection(ResponseParser):
             self.transport.resume_reading()
 
     def close(self, *, bint reset=False):
+        if self.reader is not None:
+            self.reader.drop()  # a body read into when it failed goes now, not with this object
         if not self.closed:
             self.closed = True
             self.pool._forget(self)
