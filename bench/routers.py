@@ -13,19 +13,26 @@ warmed up, then N requests (or ``--max-seconds``) are measured. A front's CPU
 is utime+stime of its process tree from /proc over the measured requests,
 divided by the completed ones.
 
-Unpaced, each front is driven as fast as it and its workers go, so fronts on
-faster workers (the floors' ``both`` workers, the Rust routers' mocks) run at
-more requests/s than fastcore on its context and generation workers, and a
-router's CPU per request falls as its load rises (more requests per wake-up).
-``--rate R`` paces every level at R requests/s, the same for every front that
-keeps up (a front's compl/s says whether it did): CPU per request at equal load.
+Every front forwards to instant mocks of its own PD protocol (``bench/pd_mocks.py``:
+one process, raw asyncio Protocols and httptools, on the client's core), which
+check each leg and count protocol violations: the router is what is measured.
+Unpaced, each front is driven as fast as it and its mocks go, and a router's CPU
+per request falls as its load rises (more requests per wake-up). ``--workers
+synthetic`` puts the fastcore and floor fronts on fastcore's synthetic workers
+instead (a whole deployment: those run 2-5x fewer requests/s on the client's
+core than the mocks, so the front runs at that lower load and its CPU per request
+is not comparable with the Rust routers' on their mocks). ``--rate R`` paces
+every level at R requests/s, the same for every front that keeps up (a front's
+compl/s says whether it did): CPU per request at equal load.
 
 Fronts:
 
-- ``fastcore:MODE``: the orchestrator (``bench.deploy.MODES``) on two instant
-  synthetic workers (one context, one generation); ``LABEL:MODE`` is the same
-  from another checkout (``--fastcore-root``, e.g. a ``git worktree``);
-- ``floor``: ``bench/passthrough.py``, the bare aiohttp pass-through;
+- ``fastcore:MODE``: the orchestrator (``bench.deploy.MODES``) on the fastcore
+  mocks (one context, one generation port; they check legs (1) and (3) against
+  docs/protocol.md with the MODE's gates); ``LABEL:MODE`` is the same from
+  another checkout (``--fastcore-root``, e.g. a ``git worktree``);
+- ``floor``: ``bench/passthrough.py``, the bare aiohttp pass-through (on the
+  ``plain`` mocks, as ``rawfloor``: answers, no PD protocol to check);
 - ``rawfloor``: ``bench/rawfloor.py``, the callback-only pass-through (uvloop,
   httptools; both legs moved on from the parsers' callbacks, no task and no
   object per request): the lower bound for a Python router, and the floor of
@@ -57,6 +64,7 @@ from typing import Any
 from bench._timing import format_table
 from bench.deploy import (
     FLOOR,
+    FLOOR_MODULES,
     MODES,
     PYTHON,
     RAWFLOOR,
@@ -207,22 +215,54 @@ def start_deployment(mode: str, prompt_tokens: int, root: Path | None = None) ->
     return Running(dep.url, dep.front.proc.pid, dep.stop)
 
 
-def start_rust(router: RustRouter, venvs: Path, workdir: Path) -> Running:
+def mock_gates(mode: str) -> list[str]:
+    """The fastcore mocks' ``--gates`` for an orchestrator mode (what its legs must carry)."""
+    flags = MODES[mode]
+    gates = [
+        g
+        for g, flag in (("b64", "--gen-tokids-ctxbytes"), ("strip", "--gen-strip-message-history"))
+        if flag in flags
+    ]
+    return ["--gates", ",".join(gates)] if gates else []
+
+
+def front_argv(front: str, port: int, prefill: str, decode: str) -> list[str]:
+    """A fastcore or floor front's argv on the mocks at ``prefill`` and ``decode`` (host:port)."""
+    if front in (FLOOR, RAWFLOOR):
+        return [
+            *PYTHON,
+            FLOOR_MODULES[front],
+            "--port",
+            str(port),
+            "--context",
+            prefill,
+            "--generation",
+            decode,
+        ]
+    mode = front.split(":", 1)[1]
+    return [*PYTHON, "server.cli", "orchestrator", "--port", str(port), "--model", MODEL,
+            "--context-urls", prefill, "--generation-urls", decode,
+            "--log-level", "WARNING", *MODES[mode]]  # fmt: skip
+
+
+def start_on_mocks(
+    name: str, argv_for: Callable[[int, str, str], list[str]], flavor: str, workdir: Path,
+    gates: list[str] | None = None, env: dict[str, str] | None = None,
+) -> Running:  # fmt: skip
+    """A front (``argv_for(port, prefill, decode)``) on instant mocks of ``flavor``'s PD protocol
+    (``bench/pd_mocks.py``, on the client's cores), its log in ``workdir``."""
     front_cpus, other = cores()
     prefill_port, decode_port, port = free_port(), free_port(), free_port()
-    mocks_argv = [*PYTHON, "bench.pd_mocks", "--flavor", router.flavor]
+    mocks_argv = [*PYTHON, "bench.pd_mocks", "--flavor", flavor, *(gates or [])]
     mocks_argv += ["--prefill-port", str(prefill_port), "--decode-port", str(decode_port)]
-    mocks = Child(f"{router.flavor} mocks", pinned(mocks_argv, other), prefill_port)
-    argv = router.argv(
-        venvs, port, f"http://127.0.0.1:{prefill_port}", f"http://127.0.0.1:{decode_port}", free_port()
-    )
-    log = workdir / f"{router.name}.log"
-    front = _LoggedChild(router.name, pinned(argv, front_cpus), port, log=log)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", RUST_LOG="warn", NO_COLOR="1")
-    env.pop("PYTHONPATH", None)
+    mocks = Child(f"{flavor} mocks", pinned(mocks_argv, other), prefill_port)
+    argv = argv_for(port, f"127.0.0.1:{prefill_port}", f"127.0.0.1:{decode_port}")
+    log = workdir / f"{name}.log"
+    front = _LoggedChild(name, pinned(argv, front_cpus), port, log=log)
+    env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
     children = [mocks, front]
     try:
-        mocks.start(dict(env, PYTHONPATH=str(ROOT)))
+        mocks.start(dict(env, PYTHONPATH=str(ROOT), PYTHONSAFEPATH="1"))
         wait_healthy(f"http://127.0.0.1:{prefill_port}/health", [mocks], timeout=30)
         wait_healthy(f"http://127.0.0.1:{decode_port}/health", [mocks], timeout=30)
         front.start(env)
@@ -238,6 +278,15 @@ def start_rust(router: RustRouter, venvs: Path, workdir: Path) -> Running:
         stats_url=f"http://127.0.0.1:{prefill_port}/mock_stats",
         log=log,
     )
+
+
+def start_rust(router: RustRouter, venvs: Path, workdir: Path) -> Running:
+    def argv(port: int, prefill: str, decode: str) -> list[str]:
+        return router.argv(venvs, port, f"http://{prefill}", f"http://{decode}", free_port())
+
+    env = dict(os.environ, RUST_LOG="warn", NO_COLOR="1")
+    env.pop("PYTHONPATH", None)
+    return start_on_mocks(router.name, argv, router.flavor, workdir, env=env)
 
 
 @dataclass
@@ -402,6 +451,17 @@ def measure_front(front: str, running: Running, prompt_tokens: int, args: argpar
 def start_front(front: str, prompt_tokens: int, args: argparse.Namespace, workdir: Path) -> Running:
     if front in RUST_ROUTERS:
         running = start_rust(RUST_ROUTERS[front], args.venvs, workdir)
+    elif args.workers == "mocks":
+        floor = front in (FLOOR, RAWFLOOR)
+        label = "" if floor else front.split(":", 1)[0]
+        running = start_on_mocks(
+            front.replace(":", "-"),
+            lambda port, prefill, decode: front_argv(front, port, prefill, decode),
+            "plain" if floor else "fastcore",
+            workdir,
+            gates=None if floor else mock_gates(front.split(":", 1)[1]),
+            env=_fastcore_env(None if floor or label == "fastcore" else args.fastcore_root),
+        )
     elif front in (FLOOR, RAWFLOOR):
         running = start_deployment(front, prompt_tokens)
     else:
@@ -688,6 +748,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="pace every measured level at this many requests/s (0, the default: as fast as each front "
         "goes); every front that keeps up is then measured at the same load",
     )
+    p.add_argument(
+        "--workers",
+        choices=("mocks", "synthetic"),
+        default="mocks",
+        help="what the fastcore and floor fronts forward to: instant mocks of their protocol (bench/pd_mocks.py, "
+        "as the Rust routers get; the default), or fastcore's synthetic workers (server.cli worker --model "
+        "synthetic: a whole deployment, whose workers run fewer requests/s on the client's core)",
+    )
     p.add_argument("--stream", choices=("both", "stream", "unary"), default="both")
     p.add_argument("--requests", type=int, default=2000, help="measured requests per level (default 2000)")
     p.add_argument(
@@ -791,6 +859,7 @@ def _run(args: argparse.Namespace, fronts: list[str], front_cpus: list[int], oth
             )
         )
     meta = {
+        "workers": args.workers,
         "fronts": fronts,
         "skipped": skipped,
         "front_cpus": front_cpus,

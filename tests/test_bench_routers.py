@@ -1,9 +1,12 @@
 """bench.routers' machinery, small and for real on 127.0.0.1; the PD mocks' protocol checks.
 
 The harness run starts the raw floor and fastcore's orchestrator (both gates)
-on synthetic workers, pinned as the benchmark pins them, drives a handful of
-streaming and non-streaming requests through each and reads the JSON it
-writes. The Rust routers run only where ``python -m bench.routers --install``
+on instant mocks of their protocols (``bench/pd_mocks.py``, as the Rust
+routers get) and, with ``--workers synthetic``, fastcore on its synthetic
+workers, pinned as the benchmark pins them, drives a handful of streaming and
+non-streaming requests through each and reads the JSON it writes. The fastcore
+mocks check every leg against docs/protocol.md, and catch a real orchestrator
+whose gates are not the ones they were told. The Rust routers run only where ``python -m bench.routers --install``
 put them (CI has none). The raw floor (``bench/rawfloor.py``) also runs in
 this process on stand-in workers: pipelined requests, keep-alive upstream
 connections, and every way an upstream can fail answered with a 502 and a
@@ -27,8 +30,19 @@ from helpers import request
 
 from bench import routers
 from bench.deploy import free_port, wait_healthy
-from bench.pd_mocks import ENGINE_ID, check_sglang, check_vllm_decode, check_vllm_prefill
+from bench.pd_mocks import (
+    ENGINE_ID,
+    FIRST_TOKEN,
+    Issued,
+    check_fastcore_context,
+    check_fastcore_generation,
+    check_sglang,
+    check_vllm_decode,
+    check_vllm_prefill,
+    prompt_ids,
+)
 from bench.rawfloor import Floor, ServerProtocol
+from fastcore import decode_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = [
@@ -73,9 +87,14 @@ def _check_rows(data: dict, fronts: list[str]) -> None:
 
 @pytest.mark.slow
 def test_the_harness_measures_the_raw_floor_and_fastcore(tmp_path: Path) -> None:
-    """Paced (--rate): every level of every front at the same offered load, 12 requests at 40/s."""
+    """Paced (--rate): every level of every front at the same offered load, 12 requests at 40/s; on
+    the mocks (the default), whose protocol checks saw every fastcore leg right."""
     data = _run(tmp_path, "rawfloor,fastcore:both-gates", "--rate", "40")
     _check_rows(data, ["rawfloor", "fastcore:both-gates"])
+    assert data["meta"]["workers"] == "mocks"
+    assert all(r["violations"] == 0 for r in data["rows"] if r["front"] == "fastcore:both-gates"), data[
+        "rows"
+    ]
     assert all(r["rate"] == 40 and r["duration_s"] >= 11 / 40 for r in data["rows"]), data["rows"]
     assert data["meta"]["skipped"] == {}
     floor = [r for r in data["rows"] if r["front"] == "rawfloor"]
@@ -88,6 +107,15 @@ def test_the_harness_measures_the_raw_floor_and_fastcore(tmp_path: Path) -> None
     lines = data["meta"]["verdicts"]
     assert len(lines) == 4 and all("vs 0.5 x best Rust router" in line for line in lines[::2]), lines
     assert all("vs 2 x the callback-only floor (rawfloor)" in line for line in lines[1::2]), lines
+
+
+@pytest.mark.slow
+def test_the_harness_measures_fastcore_on_its_synthetic_workers(tmp_path: Path) -> None:
+    """--workers synthetic: a whole deployment (server.cli worker --model synthetic), no mocks to ask."""
+    data = _run(tmp_path, "fastcore:both-gates", "--workers", "synthetic")
+    _check_rows(data, ["fastcore:both-gates"])
+    assert data["meta"]["workers"] == "synthetic"
+    assert all(r["violations"] is None for r in data["rows"]), data["rows"]
 
 
 @pytest.mark.slow
@@ -303,6 +331,99 @@ def test_sglang_checks_want_the_bootstrap_fields() -> None:
     assert check_sglang(good) == []
     for missing in good:
         assert check_sglang({k: v for k, v in good.items() if k != missing})
+
+
+def _context_leg(b64: bool = True) -> dict:
+    dp = {"request_type": "context_only", "disagg_request_id": (1 << 40) + 5}
+    if b64:
+        dp["return_prompt_token_ids_b64"] = True
+    return {**CHAT, "stream": False, "stream_options": None, "disaggregated_params": dp}
+
+
+def _generation_leg(ctx_id: int, ids_b64: str, messages: int = 1) -> dict:
+    dp = {"request_type": "generation_only", "first_gen_tokens": [FIRST_TOKEN], "ctx_request_id": ctx_id,
+          "disagg_request_id": (1 << 40) + 5, "ctx_usage": {"prompt_tokens": 5}}  # fmt: skip
+    return {
+        **CHAT,
+        "messages": CHAT["messages"] * messages,
+        "disaggregated_params": dp,
+        "prompt_token_ids_b64": ids_b64,
+    }
+
+
+def test_fastcore_checks_want_the_context_legs_fields() -> None:
+    assert check_fastcore_context(_context_leg(), b64=True) == []
+    assert check_fastcore_context(_context_leg(b64=False), b64=False) == []
+    assert check_fastcore_context(_context_leg(b64=False), b64=True)  # the b64 gate on, the list asked for
+    assert check_fastcore_context(_context_leg(), b64=False)  # and the other way
+    assert check_fastcore_context({**_context_leg(), "stream": True}, b64=True)
+    assert check_fastcore_context({**CHAT, "stream": False, "stream_options": None}, b64=True)  # no params
+    wrong_id = _context_leg()
+    wrong_id["disaggregated_params"]["disagg_request_id"] = 7  # trtllm-serve's own range
+    assert "disagg_request_id" in check_fastcore_context(wrong_id, b64=True)[0]
+
+
+def test_fastcore_checks_want_the_context_answers_ids_and_params_on_the_generation_leg() -> None:
+    ids_b64, ids_list = prompt_ids(8, 12345)
+    assert decode_tokens(ids_b64).tolist() == json.loads(ids_list) and json.loads(ids_list)[0] == 12345
+    assert prompt_ids(8, 6)[0] != ids_b64 and prompt_ids(8, 6)[0][16:] == ids_b64[16:]  # the head differs
+
+    def issued() -> dict[int, Issued]:
+        return {77: Issued((1 << 40) + 5, ids_b64, 12345, 8, messages=3)}
+
+    good = _generation_leg(77, ids_b64)
+    sent = issued()
+    assert check_fastcore_generation(good, sent, strip=True) == []
+    assert check_fastcore_generation(good, sent, strip=True)  # ctx_request_id 77 used twice
+    assert check_fastcore_generation(_generation_leg(77, ids_b64, messages=3), issued(), strip=False) == []
+    assert check_fastcore_generation(
+        _generation_leg(77, ids_b64, messages=3), issued(), strip=True
+    )  # not stripped
+    assert check_fastcore_generation(good, issued(), strip=False)  # the history stripped without the gate
+    assert check_fastcore_generation(
+        {**good, "prompt_token_ids_b64": prompt_ids(8, 6)[0]}, issued(), strip=True
+    )
+    assert check_fastcore_generation(_generation_leg(78, ids_b64), issued(), strip=True)  # never issued
+    for member in ("first_gen_tokens", "ctx_usage", "disagg_request_id"):
+        leg = _generation_leg(77, ids_b64)
+        del leg["disaggregated_params"][member]
+        assert check_fastcore_generation(leg, issued(), strip=True), member
+    as_list = {**good, "prompt_token_ids": json.loads(ids_list)}
+    del as_list["prompt_token_ids_b64"]
+    listed = {77: Issued((1 << 40) + 5, None, 12345, 8, messages=1)}
+    assert check_fastcore_generation(as_list, listed, strip=True) == []
+    listed[77] = Issued((1 << 40) + 5, None, 12345, 9, messages=1)
+    assert check_fastcore_generation(as_list, listed, strip=True)  # one id short
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("mode", "gates", "violations"), [("both-gates", "b64,strip", 0), ("gates-off", "b64,strip", 4)]
+)
+def test_live_fastcore_mocks_check_a_real_orchestrators_legs(
+    tmp_path: Path, mode: str, gates: str, violations: int
+) -> None:
+    """A real orchestrator between a client and the fastcore mocks: with its gates what the mocks were
+    told, each request is right on both legs; with its gates off, each leg (1) and (3) is counted."""
+    front = f"fastcore:{mode}"
+    running = routers.start_on_mocks(
+        "orchestrator", lambda port, p, d: routers.front_argv(front, port, p, d), "fastcore", tmp_path,
+        gates=["--gates", gates],
+    )  # fmt: skip
+    try:
+        base = running.url
+        long_chat = {**CHAT, "messages": CHAT["messages"] * 3, "stream": False}
+        answer = json.loads(_post(f"{base}/v1/chat/completions", long_chat))
+        assert answer["choices"][0]["message"]["content"] and "prompt_token_ids_b64" not in answer
+        stream = _post(f"{base}/v1/chat/completions", {**long_chat, "stream": True})
+        assert stream.rstrip().endswith(b"data: [DONE]")
+        stats = running.mock_stats()
+        assert stats is not None and (stats["prefill"], stats["decode"]) == (2, 2)
+        # gates off: each request's leg (1) asks for the list, its leg (3) keeps the history
+        assert stats["violations"] == violations, stats["samples"]
+        assert stats["issued_unused"] == 0
+    finally:
+        running.stop()
 
 
 def _post(url: str, body: dict) -> bytes:
