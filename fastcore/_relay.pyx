@@ -60,7 +60,7 @@ cdef enum:
     C_MAX_TOKENS = 10
     C_MAX_COMPLETION_TOKENS = 11
     C_INCLUDE_USAGE = 12
-    N_CONTEXT = 12  # len(CONTEXT_RESPONSE_PATHS)
+    N_CONTEXT = 14  # len(CONTEXT_RESPONSE_PATHS)
     X_ROOT = 0
     X_FINISH = 1
     X_DP = 2
@@ -73,6 +73,8 @@ cdef enum:
     X_COMPLETION_TOKENS = 9
     X_CTX_INFO_ENDPOINT = 10
     X_ENCODED_OPAQUE_STATE = 11
+    X_PROMPT_TOKENS = 12
+    X_CACHED_TOKENS = 13
     STRIP_CHOICES = 8  # the choices the first strip scan covers
     MAX_PIECES = 32
     INLINE_MEMBERS = 2 + STRIP_CHOICES
@@ -88,6 +90,7 @@ for _name, _value in (
     ("X_B64", X_B64), ("X_REQUEST_TYPE", X_REQUEST_TYPE), ("X_CTX_USAGE", X_CTX_USAGE),
     ("X_FIRST_CHOICE", X_FIRST_CHOICE), ("X_COMPLETION_TOKENS", X_COMPLETION_TOKENS),
     ("X_CTX_INFO_ENDPOINT", X_CTX_INFO_ENDPOINT), ("X_ENCODED_OPAQUE_STATE", X_ENCODED_OPAQUE_STATE),
+    ("X_PROMPT_TOKENS", X_PROMPT_TOKENS), ("X_CACHED_TOKENS", X_CACHED_TOKENS),
 ):
     if getattr(_py, _name) != _value:  # the twins index the same path tuples
         raise ImportError(f"fastcore._relay: {_name} differs from the pure twin's")
@@ -106,6 +109,7 @@ cdef _PathSet _CONTEXT_SET = _build_path_set(_py.CONTEXT_RESPONSE_PATHS)
 cdef _PathSet _STRIP_SET = _build_path_set(_py.strip_paths(STRIP_CHOICES))
 cdef dict _strip_sets = {STRIP_CHOICES: _STRIP_SET}
 cdef int _MAX_INT_DIGITS = _py.MAX_INT_DIGITS
+cdef int _MAX_COUNT_DIGITS = _py.MAX_COUNT_DIGITS
 cdef Py_ssize_t _VIEW_MIN = _py.VIEW_MIN
 
 cdef dict _FINISH_REASONS = _py.COMMON_FINISH_REASONS
@@ -272,6 +276,19 @@ cdef object _int_of(object data, const uint8_t *buf, Py_ssize_t start, Py_ssize_
     return PyLong_FromLongLong(-value if negative else value)
 
 
+cdef object _count_at(const uint8_t *buf, Py_ssize_t start, Py_ssize_t end):
+    """The pure twin's ``_count_at``: 1 to MAX_COUNT_DIGITS ASCII digits, or ``None``."""
+    if start < 0 or end - start > _MAX_COUNT_DIGITS or end <= start:
+        return None
+    cdef long long value = 0
+    cdef Py_ssize_t k
+    for k in range(start, end):
+        if not is_digit(buf[k]):
+            return None
+        value = value * 10 + (buf[k] - 0x30)
+    return PyLong_FromLongLong(value)
+
+
 cdef object _int_at(object data, const uint8_t *buf, Py_ssize_t start, Py_ssize_t end):
     """The pure twin's ``_int_at``: the integer at the span, or ``None``."""
     if start < 0:
@@ -395,6 +412,12 @@ cdef class ContextScan(_Scan):
         """``ctx_info_endpoint`` and ``encoded_opaque_state`` of ``choices[0].disaggregated_params``,
         decoded when asked (see the pure twin)."""
         return (self._json_at(X_CTX_INFO_ENDPOINT), self._json_at(X_ENCODED_OPAQUE_STATE))
+
+    def usage_tokens(self):
+        """``usage.prompt_tokens`` and ``usage.prompt_tokens_details.cached_tokens`` (see the pure twin)."""
+        cdef const uint8_t *buf = _data(self.body)
+        return (_count_at(buf, self.starts[X_PROMPT_TOKENS], self.ends[X_PROMPT_TOKENS]),
+                _count_at(buf, self.starts[X_CACHED_TOKENS], self.ends[X_CACHED_TOKENS]))
 
     cdef object _json_at(self, int index):
         if self.starts[index] < 0:

@@ -106,6 +106,8 @@ CONTEXT_RESPONSE_PATHS: tuple[Path, ...] = (
     (P.USAGE, P.COMPLETION_TOKENS),
     (*_DP, P.CTX_INFO_ENDPOINT),
     (*_DP, P.ENCODED_OPAQUE_STATE),
+    (P.USAGE, P.PROMPT_TOKENS),
+    (P.USAGE, P.PROMPT_TOKENS_DETAILS, P.CACHED_TOKENS),
 )
 (
     X_ROOT,
@@ -120,7 +122,9 @@ CONTEXT_RESPONSE_PATHS: tuple[Path, ...] = (
     X_COMPLETION_TOKENS,
     X_CTX_INFO_ENDPOINT,
     X_ENCODED_OPAQUE_STATE,
-) = range(12)
+    X_PROMPT_TOKENS,
+    X_CACHED_TOKENS,
+) = range(14)
 
 _STRIP_PATHS: dict[int, tuple[Path, ...]] = {}
 
@@ -245,6 +249,8 @@ def not_an_id() -> TypeError:
 
 #: An int of more digits than this is not a token count (and int() of thousands of digits is slow).
 MAX_INT_DIGITS = 20
+#: a token count (usage_tokens) is at most this many digits: a larger one is no worker's
+MAX_COUNT_DIGITS = 15
 _NULL, _TRUE, _FALSE, _MINUS = b"ntf-"
 _MEMBER_SEPARATOR = re.compile(rb"[ \t\n\r]*,[ \t\n\r]*")
 
@@ -319,6 +325,15 @@ class ContextScan(_Scan):
             self.body, self.spans[X_ENCODED_OPAQUE_STATE]
         )
 
+    def usage_tokens(self) -> tuple[int | None, int | None]:
+        """``usage.prompt_tokens`` and ``usage.prompt_tokens_details.cached_tokens`` (None for either
+        when absent or not a count: digits only, at most ``MAX_COUNT_DIGITS``), from the spans this
+        scan found: what the orchestrator learns bytes per token and routing quality from, at no
+        second pass over the answer."""
+        return _count_at(self.body, self.spans[X_PROMPT_TOKENS]), _count_at(
+            self.body, self.spans[X_CACHED_TOKENS]
+        )
+
 
 def _json_at(buf: bytes, span: Span | None) -> object:
     """The JSON value at ``span`` of a validated body, decoded (``None`` when absent)."""
@@ -355,6 +370,14 @@ def _str_at(buf: bytes, span: Span | None, key: str) -> str | None:
         return buf[start + 1 : end - 1].decode("utf-8")  # the scan checked its UTF-8
     value: str = json.loads(buf[start:end])  # escapes: a short string, the stdlib decodes them right
     return value
+
+
+def _count_at(buf: bytes, span: Span | None) -> int | None:
+    """The count at ``span``: ``None`` if absent or not 1 to ``MAX_COUNT_DIGITS`` ASCII digits."""
+    if span is None or span[1] - span[0] > MAX_COUNT_DIGITS:
+        return None
+    raw = buf[span[0] : span[1]]
+    return int(raw) if raw.isdigit() else None
 
 
 def _int_at(buf: bytes, span: Span | None) -> int | None:
@@ -716,6 +739,7 @@ __all__ = [
     "CLIENT_REQUEST_PATHS",
     "CONTEXT_PATHS",
     "CONTEXT_RESPONSE_PATHS",
+    "MAX_COUNT_DIGITS",
     "ClientScan",
     "ContextScan",
     "context_request",

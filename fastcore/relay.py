@@ -116,9 +116,12 @@ class Relay:
 
 _default = Relay(_relay_impl)
 
-#: where a :class:`ContextScan`'s ``spans`` (either twin) hold the response's top-level ``usage`` object:
-#: what reads it again (the orchestrator's bytes-per-token learner) scans that span alone
+#: where a :class:`ContextScan`'s ``spans`` (either twin) hold the response's top-level ``usage`` object
+#: (its token counts: ``ContextScan.usage_tokens()``)
 CONTEXT_USAGE_SPAN = _relay_py.X_USAGE
+#: the token count at a span of a body (``usage_tokens``' rule: 1 to ``MAX_COUNT_DIGITS`` ASCII digits,
+#: else None), for what reads ``usage`` with a scan of its own
+count_at = _relay_py._count_at
 
 ClientScan = _default.ClientScan
 ContextScan = _default.ContextScan
@@ -143,6 +146,7 @@ __all__ = [
     "build_generation_request",
     "context_request",
     "context_request_pieces",
+    "count_at",
     "generation_request",
     "generation_request_pieces",
     "read_client_request",

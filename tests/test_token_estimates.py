@@ -27,7 +27,6 @@ from server.orchestrator.estimates import (
     BytesPerToken,
     UsageLearner,
     read_usage,
-    read_usage_at,
 )
 from server.orchestrator.pools import Capabilities, HealthChecker, Pool, Worker
 from server.orchestrator.routing import KvCacheAwareRouter, RequestKey, make_router, request_key
@@ -90,42 +89,58 @@ USAGES = [
     {"prompt_tokens": 123, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 64}},
     {"prompt_tokens": 7},
     {"prompt_tokens": 7, "prompt_tokens_details": None},
+    {"prompt_tokens": 7, "prompt_tokens_details": {"cached_tokens": 0}},
     {"prompt_tokens": -7, "prompt_tokens_details": {"cached_tokens": 1.5}},
+    {"prompt_tokens": 7, "prompt_tokens_details": {"cached_tokens": -1}},
+    {"prompt_tokens": 7e3, "prompt_tokens_details": {"cached_tokens": "3"}},
     {"prompt_tokens": "7"},
+    {"prompt_tokens": 10**14},  # 15 digits: a count
+    {"prompt_tokens": 10**15},  # 16: no worker's
     {"prompt_tokens": 10**30},
+    {"prompt_tokens": True},
+    {"prompt_tokens_details": {"cached_tokens": 5}},
+    {},
+    5,
     None,
 ]
+TWINS = ("fastcore._relay_py", *([] if fastcore.NO_EXTENSIONS else ["fastcore._relay"]))
 
 
+def context_answer(usage: Any) -> bytes:
+    """A context answer as our workers write it (the ids after ``usage``) with this ``usage``."""
+    body = {
+        "id": "x",
+        "choices": [{"index": 0, "text": "a", "finish_reason": "not_finished", "disaggregated_params": {}}],
+        "usage": usage,
+        "prompt_token_ids_b64": "AQAAAA==",
+    }
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize("twin", TWINS)
 @pytest.mark.parametrize("usage", USAGES)
-def test_read_usage_at_the_span_a_scan_found_reads_the_same(usage: Any) -> None:
-    """The learner's read of a span the relay's validating scan found (read_usage_at) gives what the
-    read of the whole answer gives; our context workers put the ids after usage, so the span is
-    what keeps it from walking them."""
-    body = answer(usage)
-    (span,) = fastcore.find_spans(body, [("usage",)])
-    assert span is not None
-    assert read_usage_at(body, span) == read_usage(body)
+def test_the_relays_context_scan_reads_the_usage_tokens_read_usage_reads(twin: str, usage: Any) -> None:
+    """The fast relay's one validating scan of a context answer finds ``usage``' two counts with the
+    rest (ContextScan.usage_tokens, both twins): what read_usage, the parsed relay modes' own scan,
+    reads from the same bytes."""
+    body = context_answer(usage)
+    scan = fastcore.relay.Relay(importlib.import_module(twin)).read_context_response(body, None)
+    assert scan.usage_tokens() == read_usage(body)
 
 
-def test_the_orchestrators_learner_reads_the_usage_span_of_the_relays_context_scan() -> None:
-    """A context response as our workers write it (prompt_token_ids_b64 last, after usage): the relay's
-    ContextScan (either twin) says where usage is, and the learner reads its numbers from there."""
+def test_the_orchestrators_learner_reads_the_counts_of_the_relays_context_scan() -> None:
+    """A context response as our workers write it (prompt_token_ids_b64 last, after usage)."""
     from bench.orchestrator_work import context_response
 
     body = context_response(list(range(4000)), b64=True)
     assert body.index(b'"usage"') < body.index(b"prompt_token_ids_b64")
-    for twin in ("fastcore._relay_py", *([] if fastcore.NO_EXTENSIONS else ["fastcore._relay"])):
+    for twin in TWINS:
         scan = fastcore.relay.Relay(importlib.import_module(twin)).read_context_response(body, None)
-        span = scan.spans[fastcore.relay.CONTEXT_USAGE_SPAN]
-        assert body[span[0] : span[1]].startswith(b'{"prompt_tokens": 4000')
-        assert read_usage_at(body, span) == read_usage(body) == (4000, None)
-
-
-@pytest.mark.parametrize("body", [b'{"usage": {"prompt_tokens": 1, "prompt_tokens": 2}}'])
-def test_read_usage_at_a_span_of_junk_is_nothing(body: bytes) -> None:
-    assert read_usage_at(body, (10, len(body) - 1)) == (None, None)
-    assert read_usage_at(b'{"usage": 5}', (10, 11)) == (None, None)
+        assert scan.usage_tokens() == read_usage(body) == (4000, None)
+        context, generation = make_router("round_robin"), make_router("round_robin")
+        UsageLearner(context, generation).context_answer(body, 16000, None, scan.usage_tokens())
+        assert context.estimate.observed == generation.estimate.observed == 1
+        assert context.estimate.value == generation.estimate.value == pytest.approx(4.0)
 
 
 # -- the estimate -----------------------------------------------------------------------------------

@@ -611,7 +611,7 @@ class Orchestrator:
         relay = self.relay
         ctx = relay.read_context(req, context_response)
         self.usage.context_answer(context_response, key.prompt_bytes if key else body_bytes,
-                                  key.hit_chunks if key else None, relay.usage_span(ctx))  # fmt: skip
+                                  key.hit_chunks if key else None, relay.usage_tokens(ctx))  # fmt: skip
         clock.lap("read_context")
         if ctx.finished:
             answer = relay.finished_answer(req, ctx)

@@ -9,9 +9,10 @@ it is learned: each context answer's ``usage.prompt_tokens`` against the prompt 
 decaying sum of both (long prompts weigh more than short ones, old answers fade), seeded by the
 ``bytes_per_token`` a worker may publish in ``/server_info`` and else by :data:`DEFAULT_BYTES_PER_TOKEN`.
 
-Reading ``usage`` costs no JSON parse: :func:`read_usage` finds both numbers with one
-non-validating scan of the context answer's bytes (``fastcore.find_spans``), which the relay holds
-anyway.
+Reading ``usage`` costs no JSON parse: the fast relay's validating scan of the context answer
+finds both numbers' spans with the rest (``ContextScan.usage_tokens``); elsewhere (the parsed relay
+modes) :func:`read_usage` finds them with one non-validating scan of the answer's bytes
+(``fastcore.find_spans``).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from typing import Any
 import fastcore
 from fastcore import JSONSpanError
 from fastcore import protocol as wire
+from fastcore.relay import count_at
 
-__all__ = ["DEFAULT_BYTES_PER_TOKEN", "BytesPerToken", "UsageLearner", "read_usage", "read_usage_at"]
+__all__ = ["DEFAULT_BYTES_PER_TOKEN", "BytesPerToken", "UsageLearner", "read_usage"]
 
 #: the figure before anything is known (agentic chat JSON: about 4)
 DEFAULT_BYTES_PER_TOKEN = 4.0
@@ -33,17 +35,12 @@ DECAY = 0.99
 #: a published seed counts as this many tokens already seen (a few answers outweigh it)
 SEED_TOKENS = 4096.0
 
-_USAGE_PATHS = ((wire.USAGE, wire.PROMPT_TOKENS), (wire.USAGE, wire.PROMPT_TOKENS_DETAILS, wire.CACHED_TOKENS))
-_MAX_DIGITS = 15
+_USAGE_PATHS = (
+    (wire.USAGE, wire.PROMPT_TOKENS),
+    (wire.USAGE, wire.PROMPT_TOKENS_DETAILS, wire.CACHED_TOKENS),
+)
 _USAGE_KEY = b'"' + wire.USAGE.encode() + b'"'
 _BACKSLASH = ord("\\")
-
-
-def _int_at(body: bytes, span: tuple[int, int] | None) -> int | None:
-    if span is None or span[1] - span[0] > _MAX_DIGITS:
-        return None
-    raw = body[span[0] : span[1]]
-    return int(raw) if raw.isdigit() else None
 
 
 def read_usage(response: bytes) -> tuple[int | None, int | None]:
@@ -63,30 +60,12 @@ def read_usage(response: bytes) -> tuple[int | None, int | None]:
             pass
         else:
             if prompt is not None:
-                return _int_at(tail, prompt), _int_at(tail, cached)
+                return count_at(tail, prompt), count_at(tail, cached)
     try:
         prompt, cached = fastcore.find_spans(response, _USAGE_PATHS, validate=False)
     except (JSONSpanError, ValueError):
         return None, None
-    return _int_at(response, prompt), _int_at(response, cached)
-
-
-_USAGE_MEMBERS = ((wire.PROMPT_TOKENS,), (wire.PROMPT_TOKENS_DETAILS, wire.CACHED_TOKENS))
-
-
-def read_usage_at(response: bytes, span: tuple[int, int]) -> tuple[int | None, int | None]:
-    """:func:`read_usage` where a validating scan already found the ``usage`` object's span (the
-    relay's scan of a context answer): only those bytes are scanned. Our context workers put the
-    prompt's ids after ``usage``, and a search for it from the end walked all of them (at 40k ids,
-    a tenth of the orchestrator's CPU per request)."""
-    usage = response[span[0] : span[1]]
-    if usage[:1] != b"{":
-        return None, None
-    try:
-        prompt, cached = fastcore.find_spans(usage, _USAGE_MEMBERS, validate=False)
-    except (JSONSpanError, ValueError):
-        return None, None
-    return _int_at(usage, prompt), _int_at(usage, cached)
+    return count_at(response, prompt), count_at(response, cached)
 
 
 class BytesPerToken:
@@ -143,12 +122,16 @@ class UsageLearner:
         self.accounting = context_router if hasattr(context_router, "account") else None
 
     def context_answer(
-        self, response: bytes, prompt_bytes: int, hit_chunks: int | None, usage: tuple[int, int] | None = None
+        self,
+        response: bytes,
+        prompt_bytes: int,
+        hit_chunks: int | None,
+        usage: tuple[int | None, int | None] | None = None,
     ) -> None:
         """``response``: the context answer's bytes; ``hit_chunks``: the routed request's expected
-        hit on the context worker (None without a routing key); ``usage``: the span of its ``usage``
-        object when a scan found it already."""
-        prompt, cached = read_usage(response) if usage is None else read_usage_at(response, usage)
+        hit on the context worker (None without a routing key); ``usage``: its ``usage``' prompt and
+        cached tokens (:func:`read_usage`'s answer) when a scan read them already."""
+        prompt, cached = read_usage(response) if usage is None else usage
         if prompt is None:
             return
         for estimate in self.estimates:

@@ -91,10 +91,11 @@ class FastRelay:
             raise HTTPError(502, str(exc)) from None
         return ContextResult(body, scan.finished, scan)
 
-    def usage_span(self, ctx: ContextResult) -> tuple[int, int] | None:
-        """Where the context response's ``usage`` object is (read_context's scan found it)."""
-        span: tuple[int, int] | None = ctx.parsed.spans[fastcore_relay.CONTEXT_USAGE_SPAN]
-        return span
+    def usage_tokens(self, ctx: ContextResult) -> tuple[int | None, int | None]:
+        """The context response's ``usage.prompt_tokens`` and ``.prompt_tokens_details.cached_tokens``
+        (read_context's scan found their spans)."""
+        tokens: tuple[int | None, int | None] = ctx.parsed.usage_tokens()
+        return tokens
 
     def auth_fields(self, ctx: ContextResult) -> tuple[object, object]:
         """``ctx_info_endpoint`` and ``encoded_opaque_state`` of the context response (``None`` where

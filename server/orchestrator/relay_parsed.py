@@ -235,7 +235,7 @@ class ParsedRelay:
             raise HTTPError(502, "context worker response lacks choices[0].disaggregated_params")
         return ContextResult(body, finished, parsed)
 
-    def usage_span(self, ctx: ContextResult) -> None:
+    def usage_tokens(self, ctx: ContextResult) -> None:
         """None: the learner reads ``usage`` from the bytes itself (the baseline's parse is its own)."""
         return None
 
