@@ -46,7 +46,7 @@ from fastcore.errors import TokenDecodeError
 
 
 cdef enum:
-    N_CLIENT = 13  # len(CLIENT_REQUEST_PATHS)
+    N_CLIENT = 14  # len(CLIENT_REQUEST_PATHS)
     C_ROOT = 0
     C_MESSAGES = 1
     C_DISAGG = 2
@@ -60,6 +60,7 @@ cdef enum:
     C_MAX_TOKENS = 10
     C_MAX_COMPLETION_TOKENS = 11
     C_INCLUDE_USAGE = 12
+    C_CONVERSATION_ID = 13
     N_CONTEXT = 14  # len(CONTEXT_RESPONSE_PATHS)
     X_ROOT = 0
     X_FINISH = 1
@@ -86,6 +87,7 @@ for _name, _value in (
     ("C_STREAM", C_STREAM), ("C_STREAM_OPTIONS", C_STREAM_OPTIONS), ("C_PROMPT", C_PROMPT),
     ("C_LAST_MESSAGE", C_LAST_MESSAGE), ("C_MODEL", C_MODEL), ("C_MAX_TOKENS", C_MAX_TOKENS),
     ("C_MAX_COMPLETION_TOKENS", C_MAX_COMPLETION_TOKENS), ("C_INCLUDE_USAGE", C_INCLUDE_USAGE),
+    ("C_CONVERSATION_ID", C_CONVERSATION_ID),
     ("X_ROOT", X_ROOT), ("X_FINISH", X_FINISH), ("X_DP", X_DP), ("X_USAGE", X_USAGE), ("X_IDS", X_IDS),
     ("X_B64", X_B64), ("X_REQUEST_TYPE", X_REQUEST_TYPE), ("X_CTX_USAGE", X_CTX_USAGE),
     ("X_FIRST_CHOICE", X_FIRST_CHOICE), ("X_COMPLETION_TOKENS", X_COMPLETION_TOKENS),
@@ -388,6 +390,11 @@ cdef class ClientScan(_Scan):
     @property
     def spans(self):
         return _spans_tuple(self.starts, self.ends, N_CLIENT)
+
+    @property
+    def has_conversation_id(self):
+        """A top-level ``conversation_id`` (see the pure twin)."""
+        return self.starts[C_CONVERSATION_ID] >= 0
 
 
 

@@ -51,6 +51,7 @@ CLIENT_REQUEST_PATHS: tuple[Path, ...] = (
     (P.MAX_TOKENS,),
     (P.MAX_COMPLETION_TOKENS,),
     (P.STREAM_OPTIONS, P.INCLUDE_USAGE),
+    (P.CONVERSATION_ID,),
 )
 (
     C_ROOT,
@@ -66,7 +67,8 @@ CLIENT_REQUEST_PATHS: tuple[Path, ...] = (
     C_MAX_TOKENS,
     C_MAX_COMPLETION_TOKENS,
     C_INCLUDE_USAGE,
-) = range(13)
+    C_CONVERSATION_ID,
+) = range(14)
 #: The client-body spans of the internal fields, and each field's name: a client may send none of
 #: ``fastcore.protocol.internal_request_fields(chat)`` (the one rule; both twins' kernels and
 #: fastcore.relay's builders enforce it from here).
@@ -301,6 +303,13 @@ class ClientScan(_Scan):
         self.include_usage = include_usage
         self.max_tokens = max_tokens
         self.model = model
+
+    @property
+    def has_conversation_id(self) -> bool:
+        """The body has a top-level ``conversation_id`` (ours, which the orchestrator moves into
+        trtllm-serve's ``conversation_params``: workers refuse it at the top): found by this scan,
+        so a body without one needs no scan of its own for it."""
+        return self.spans[C_CONVERSATION_ID] is not None
 
 
 class ContextScan(_Scan):

@@ -960,3 +960,43 @@ def test_pieces_keep_what_they_view_alive(relay: Relay) -> None:
     del scan, context, client, ctx
     gc.collect()
     assert b"".join(pieces) == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "found"),
+    [
+        (b'{"messages": [{"role": "user", "content": "hi"}], "conversation_id": "c1"}', True),
+        (b'{"conversation_id": 7, "messages": [{"role": "user", "content": "hi"}]}', True),
+        (b'{"conversation_id": null, "messages": [{"role": "user", "content": "hi"}]}', True),
+        (
+            b'{"messages": [{"role": "user", "content": "hi", "conversation_id": "c1"}]}',
+            False,
+        ),  # not top level
+        (b'{"messages": [{"role": "user", "content": "\\"conversation_id\\": 1"}]}', False),  # in a string
+        (
+            b'{"messages": [{"role": "user", "content": "hi"}], "conversation_params": {"conversation_id": "c"}}',
+            False,
+        ),
+        (b'{"messages": [{"role": "user", "content": "hi"}]}', False),
+        (
+            b'{"conversation\\u005fid": "c1", "messages": [{"role": "user", "content": "hi"}]}',
+            True,
+        ),  # escaped name
+    ],
+)
+def test_the_client_scan_says_whether_a_top_level_conversation_id_is_there(
+    relay: Relay, body: bytes, found: bool
+) -> None:
+    """The orchestrator moves a top-level ``conversation_id`` into trtllm-serve's ``conversation_params``;
+    the client body's one validating scan says whether there is one, so a body without needs no scan
+    of its own for it."""
+    assert relay.read_client_request(body, True).has_conversation_id is found
+
+
+def test_a_repeated_conversation_id_is_refused_by_the_client_scan(relay: Relay) -> None:
+    """Which of two ids would be moved is not the orchestrator's guess: the body is refused, naming it."""
+    body = (
+        b'{"messages": [{"role": "user", "content": "hi"}], "conversation_id": "a", "conversation_id": "b"}'
+    )
+    with pytest.raises(JSONSpanError, match="duplicate key 'conversation_id'"):
+        relay.read_client_request(body, True)

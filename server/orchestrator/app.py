@@ -468,15 +468,12 @@ class Orchestrator:
             trace = start_orchestrator_request(self.tracing, request, route, tenant_name, self.client_trace)
         try:
             header = conversation_header(request) if self.needs_conversation else None
-            # our top-level conversation_id into trtllm-serve's conversation_params: workers forbid it
             if self.admission is None:
-                status = await self._settle(out, self._run_legs(conversation_to_params(request.body), out, chat,
-                                                                header))  # fmt: skip
+                status = await self._settle(out, self._run_legs(request.body, out, chat, header))
             else:  # a slot in the workers, maybe after a wait in the queue (or a 429)
                 slot = self.admission.slot(tenant, request.body)
                 async with traced_wait(trace, "fastcore.admission", slot):
-                    status = await self._settle(out, self._run_legs(conversation_to_params(request.body), out,
-                                                                    chat, header))  # fmt: skip
+                    status = await self._settle(out, self._run_legs(request.body, out, chat, header))
         except HTTPError as exc:  # the admission's 429
             status = self.answer_error(out, exc)
         except asyncio.CancelledError:
@@ -519,10 +516,20 @@ class Orchestrator:
         self, body: bytes, chat: bool, conversation: bytes | None
     ) -> tuple[ClientRequest, RequestKey | None, int, Clock]:
         """A completion's first steps, before any leg: the client's body read and checked (or its 400), a
-        worker pool not ready (503), its routing key and token weight, the clock of its CPU phases."""
+        worker pool not ready (503), its routing key and token weight, the clock of its CPU phases. The
+        body both legs carry is the request's ``body`` (a top-level ``conversation_id`` moved)."""
         clock = self._clock()
         check_not_empty(body)
-        req = self.relay.read_client(body, chat)
+        # Our top-level conversation_id into trtllm-serve's conversation_params (workers refuse it):
+        # the fast relay's scan says whether there is one; the body read again only then.
+        relay = self.relay
+        if relay.finds_conversation_id:
+            req = relay.read_client(body, chat)
+            if req.parsed.has_conversation_id:
+                req = relay.read_client(conversation_to_params(body), chat)
+        else:
+            req = relay.read_client(conversation_to_params(body), chat)
+        body = req.body
         clock.lap("validate")
         if self.tracing is not None and (trace := current_trace()) is not None:
             trace.set("gen_ai.request.model", req.model or "")
@@ -542,6 +549,7 @@ class Orchestrator:
 
         ``conversation``: the ``X-Conversation-Id`` header (read only for a conversation router)."""
         req, key, tokens, clock = self.prepare(body, chat, conversation)
+        body = req.body
         relay = self.relay
         path = _CHAT if chat else _COMPLETIONS
         generation_worker: Worker | None = None

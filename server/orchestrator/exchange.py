@@ -33,7 +33,7 @@ from server.errors import HTTPError
 from server.http import BodyPiece, Handling, Request, Responder, UpstreamResponse, handler_failed
 
 from .legs import MAX_WORKER_BODY, Sent, WorkerAnswer
-from .routing import conversation_header, conversation_to_params
+from .routing import conversation_header
 
 if TYPE_CHECKING:
     from .pools import Worker
@@ -120,9 +120,8 @@ class Exchange(Handling):
         orch = self.orch
         request = self.request
         conversation = conversation_header(request) if orch.needs_conversation else None
-        # our top-level conversation_id into trtllm-serve's conversation_params: workers forbid it
-        body = self.body = conversation_to_params(request.body)
-        req, key, tokens, clock = orch.prepare(body, self.chat, conversation)
+        req, key, tokens, clock = orch.prepare(request.body, self.chat, conversation)
+        body = self.body = req.body  # a top-level conversation_id moved (prepare)
         self.req, self.key, self.tokens, self.clock = req, key, tokens, clock
         disagg_id = self.disagg_id = orch.disagg_id()
         self.context_body = orch.relay.context_pieces(req, disagg_id, orch.context_pool.b64_completions)

@@ -34,6 +34,9 @@ class FastRelay:
     name = "fast"
     #: Extra header lines for both legs' requests: none, the bodies are JSON.
     leg_headers = b""
+    #: read_client's scan says whether the body has a top-level ``conversation_id``
+    #: (``ClientScan.has_conversation_id``): the orchestrator moves one only where there is one.
+    finds_conversation_id = True
     #: The relay kernels it runs: the active twin's. The tests choose the twin by the class (a
     #: subclass whose ``relay`` is ``fastcore.relay.Relay(twin)``), not by an argument.
     relay: Any = fastcore_relay

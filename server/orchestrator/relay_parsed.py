@@ -168,6 +168,8 @@ class ParsedRelay:
     name = "parsed"
     #: Extra header lines for both legs' requests: none, the bodies are JSON.
     leg_headers = b""
+    #: its request models take no top-level ``conversation_id``: the orchestrator moves one first
+    finds_conversation_id = False
 
     def __init__(self, *, tokids_b64: bool, strip_history: bool) -> None:
         self.tokids_b64 = tokids_b64
