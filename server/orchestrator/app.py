@@ -84,7 +84,6 @@ from .routing import (
     KvCacheAwareRouter,
     RequestKey,
     conversation_header,
-    conversation_to_params,
     request_key,
 )
 from .tenants import (
@@ -520,15 +519,7 @@ class Orchestrator:
         body both legs carry is the request's ``body`` (a top-level ``conversation_id`` moved)."""
         clock = self._clock()
         check_not_empty(body)
-        # Our top-level conversation_id into trtllm-serve's conversation_params (workers refuse it):
-        # the fast relay's scan says whether there is one; the body read again only then.
-        relay = self.relay
-        if relay.finds_conversation_id:
-            req = relay.read_client(body, chat)
-            if req.parsed.has_conversation_id:
-                req = relay.read_client(conversation_to_params(body), chat)
-        else:
-            req = relay.read_client(conversation_to_params(body), chat)
+        req = self.relay.read_client(body, chat)
         body = req.body
         clock.lap("validate")
         if self.tracing is not None and (trace := current_trace()) is not None:

@@ -26,6 +26,7 @@ from server.errors import HTTPError
 from server.http import BodyPiece
 
 from .relay_common import ClientRequest, ContextResult, check_disagg_request_id, scan_refusal
+from .routing import conversation_to_params
 
 
 class FastRelay:
@@ -34,9 +35,6 @@ class FastRelay:
     name = "fast"
     #: Extra header lines for both legs' requests: none, the bodies are JSON.
     leg_headers = b""
-    #: read_client's scan says whether the body has a top-level ``conversation_id``
-    #: (``ClientScan.has_conversation_id``): the orchestrator moves one only where there is one.
-    finds_conversation_id = True
     #: The relay kernels it runs: the active twin's. The tests choose the twin by the class (a
     #: subclass whose ``relay`` is ``fastcore.relay.Relay(twin)``), not by an argument.
     relay: Any = fastcore_relay
@@ -54,15 +52,24 @@ class FastRelay:
         self._strip = relay.strip_internal_fields
 
     def read_client(self, body: bytes, chat: bool) -> ClientRequest:
+        """The client's body read and checked; the request's ``body`` is what both legs carry: ours
+        with a top-level ``conversation_id`` moved into trtllm-serve's ``conversation_params``
+        (workers refuse it at the top), which the scan says is there: read again only then."""
+        scan = self._scan_client(body, chat)
+        if scan.has_conversation_id:
+            body = conversation_to_params(body)
+            scan = self._scan_client(body, chat)
+        return ClientRequest(body, chat, scan.stream, scan.include_usage, scan.max_tokens, scan.model, scan)
+
+    def _scan_client(self, body: bytes, chat: bool) -> Any:
         try:
             # One validating scan: the whole body is checked, and it finds every span both legs
             # splice and decodes the small fields read here.
-            scan = self._read_client(body, chat)
+            return self._read_client(body, chat)
         except JSONSpanError as exc:
             raise scan_refusal(body, exc, "request body", 400) from None
         except RelayError as exc:
             raise HTTPError(400, str(exc), param=exc.field) from None
-        return ClientRequest(body, chat, scan.stream, scan.include_usage, scan.max_tokens, scan.model, scan)
 
     def context_request(
         self, req: ClientRequest, disagg_request_id: int, ask_b64_completions: bool = True

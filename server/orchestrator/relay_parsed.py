@@ -34,6 +34,7 @@ from .relay_common import (
     needs_generation,
     scan_refusal,
 )
+from .routing import conversation_to_params
 
 # -- the OpenAI models in pydantic, as a typical orchestrator has them ----------------------------------
 # Unknown fields are kept (extra="allow": trtllm-serve's extra disaggregated_params members among them,
@@ -168,14 +169,14 @@ class ParsedRelay:
     name = "parsed"
     #: Extra header lines for both legs' requests: none, the bodies are JSON.
     leg_headers = b""
-    #: its request models take no top-level ``conversation_id``: the orchestrator moves one first
-    finds_conversation_id = False
 
     def __init__(self, *, tokids_b64: bool, strip_history: bool) -> None:
         self.tokids_b64 = tokids_b64
         self.strip_history = strip_history
 
     def read_client(self, body: bytes, chat: bool) -> ClientRequest:
+        # ours into trtllm-serve's conversation_params first: the request models take no conversation_id
+        body = conversation_to_params(body)
         try:
             data = json.loads(body)
         except (ValueError, RecursionError):
