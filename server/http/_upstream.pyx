@@ -23,8 +23,6 @@ from .request import BadResponse
 __all__ = ["Connection", "Response"]
 
 cdef Py_ssize_t _JOINED_BELOW = WRITE_JOINED_BELOW
-#: a connection's read buffer where no body is being read into its own bytes (heads, streams, small
-#: answers): uvloop reads into it, the parser reads it, and what must outlive the read is copied
 cdef bytes _SEMICOLON = b";"
 cdef bytes _EMPTY = b""
 cdef tuple _NOTHING = ()
@@ -169,8 +167,6 @@ cdef inline _wake(fut, exc):
             fut.set_exception(exc)
 
 
-
-
 cdef class Connection(ResponseParser):
     """One keep-alive connection to a worker: client.py ``_Connection``'s twin, its own parser."""
 
@@ -193,10 +189,9 @@ cdef class Connection(ResponseParser):
     cdef public list pending
     cdef public bint feeding
     cdef public bint release_after_feed
-    # uvloop reads into this connection (get_buffer/buffer_updated: asyncio.BufferedProtocol's
-    # methods, which uvloop calls on any protocol that has them and is no asyncio.Protocol);
-    # asyncio's own loop calls data_received
-    # where uvloop's reads go (None until it asks): a whole body of a known length into its own bytes
+    # where uvloop's reads go (get_buffer/buffer_updated: asyncio.BufferedProtocol's methods, which
+    # uvloop calls on any protocol that has them and is no asyncio.Protocol; asyncio's own loop calls
+    # data_received), None until it asks: a whole body of a known length into its own bytes
     cdef BodyReader reader
 
     def __init__(self, pool):
