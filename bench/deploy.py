@@ -19,6 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from server.launcher import Child, stop_all
@@ -50,6 +51,28 @@ FLOOR_MODULES: dict[str, str] = {FLOOR: "bench.passthrough", RAWFLOOR: "bench.ra
 def free_port() -> int:
     """A port held for a process about to listen on it (server.ports: nothing else takes it meanwhile)."""
     return reserve_ports(1)[0]
+
+
+def front_argv(
+    mode: str,
+    port: int,
+    context: Sequence[str],
+    generation: Sequence[str],
+    orchestrator_args: Sequence[str] = (),
+) -> list[str]:
+    """The argv of a front on ``port`` forwarding to the workers at ``context`` and ``generation``
+    (host:port each): an orchestrator in relay mode ``mode`` (``MODES``; ``orchestrator_args`` after
+    its flags), or a pass-through floor (``FLOOR_MODULES``)."""
+    if mode in FLOOR_MODULES:
+        argv = [*PYTHON, FLOOR_MODULES[mode], "--port", str(port)]
+        for u in context:
+            argv += ["--context", u]
+        for u in generation:
+            argv += ["--generation", u]
+        return argv
+    return [*PYTHON, "server.cli", "orchestrator", "--port", str(port),
+            "--context-urls", ",".join(context), "--generation-urls", ",".join(generation),
+            "--log-level", "WARNING", *MODES[mode], *orchestrator_args]  # fmt: skip
 
 
 def cores() -> tuple[list[int], list[int]]:
@@ -202,17 +225,10 @@ class Deployment:
                         *self.cluster_flags(), "--health-check-interval-s", "0.5",
                         "--log-level", "WARNING", *MODES[self.mode], *self.orchestrator_args]  # fmt: skip
                 self.fronts.append(Child(f"{self.mode} orchestrator {i}", pinned(argv, front_cpus), port))
-        elif self.mode in FLOOR_MODULES:
-            argv = [*PYTHON, FLOOR_MODULES[self.mode], "--port", str(self.port)]
-            for u in urls["context"]:
-                argv += ["--context", u]
-            for u in urls["generation"]:
-                argv += ["--generation", u]
         else:
-            argv = [*PYTHON, "server.cli", "orchestrator", "--port", str(self.port),
-                    "--context-urls", ",".join(urls["context"]),
-                    "--generation-urls", ",".join(urls["generation"]),
-                    "--log-level", "WARNING", *MODES[self.mode], *self.orchestrator_args]  # fmt: skip
+            argv = front_argv(
+                self.mode, self.port, urls["context"], urls["generation"], self.orchestrator_args
+            )
         if not self.fronts:
             self.fronts = [Child(self.mode, pinned(argv, front_cpus), self.port)]
         self.front = self.fronts[0]

@@ -64,13 +64,13 @@ from typing import Any
 from bench._timing import format_table
 from bench.deploy import (
     FLOOR,
-    FLOOR_MODULES,
     MODES,
     PYTHON,
     RAWFLOOR,
     Deployment,
     cores,
     free_port,
+    front_argv,
     pinned,
     process_tree,
     tree_cpu_seconds,
@@ -226,34 +226,15 @@ def mock_gates(mode: str) -> list[str]:
     return ["--gates", ",".join(gates)] if gates else []
 
 
-def front_argv(front: str, port: int, prefill: str, decode: str) -> list[str]:
-    """A fastcore or floor front's argv on the mocks at ``prefill`` and ``decode`` (host:port)."""
-    if front in (FLOOR, RAWFLOOR):
-        return [
-            *PYTHON,
-            FLOOR_MODULES[front],
-            "--port",
-            str(port),
-            "--context",
-            prefill,
-            "--generation",
-            decode,
-        ]
-    mode = front.split(":", 1)[1]
-    return [*PYTHON, "server.cli", "orchestrator", "--port", str(port), "--model", MODEL,
-            "--context-urls", prefill, "--generation-urls", decode,
-            "--log-level", "WARNING", *MODES[mode]]  # fmt: skip
-
-
 def start_on_mocks(
     name: str, argv_for: Callable[[int, str, str], list[str]], flavor: str, workdir: Path,
-    gates: list[str] | None = None, env: dict[str, str] | None = None,
+    mock_args: list[str] | None = None, env: dict[str, str] | None = None,
 ) -> Running:  # fmt: skip
     """A front (``argv_for(port, prefill, decode)``) on instant mocks of ``flavor``'s PD protocol
-    (``bench/pd_mocks.py``, on the client's cores), its log in ``workdir``."""
+    (``bench/pd_mocks.py`` with ``mock_args``, on the client's cores), its log in ``workdir``."""
     front_cpus, other = cores()
     prefill_port, decode_port, port = free_port(), free_port(), free_port()
-    mocks_argv = [*PYTHON, "bench.pd_mocks", "--flavor", flavor, *(gates or [])]
+    mocks_argv = [*PYTHON, "bench.pd_mocks", "--flavor", flavor, *(mock_args or [])]
     mocks_argv += ["--prefill-port", str(prefill_port), "--decode-port", str(decode_port)]
     mocks = Child(f"{flavor} mocks", pinned(mocks_argv, other), prefill_port)
     argv = argv_for(port, f"127.0.0.1:{prefill_port}", f"127.0.0.1:{decode_port}")
@@ -452,15 +433,14 @@ def start_front(front: str, prompt_tokens: int, args: argparse.Namespace, workdi
     if front in RUST_ROUTERS:
         running = start_rust(RUST_ROUTERS[front], args.venvs, workdir)
     elif args.workers == "mocks":
-        floor = front in (FLOOR, RAWFLOOR)
-        label = "" if floor else front.split(":", 1)[0]
+        label, _, mode = front.rpartition(":")  # a floor: no label, its name the mode
         running = start_on_mocks(
             front.replace(":", "-"),
-            lambda port, prefill, decode: front_argv(front, port, prefill, decode),
-            "plain" if floor else "fastcore",
+            lambda port, prefill, decode: front_argv(mode, port, [prefill], [decode]),
+            "fastcore" if label else "plain",
             workdir,
-            gates=None if floor else mock_gates(front.split(":", 1)[1]),
-            env=_fastcore_env(None if floor or label == "fastcore" else args.fastcore_root),
+            mock_args=mock_gates(mode) if label else None,
+            env=_fastcore_env(args.fastcore_root if label not in ("", "fastcore") else None),
         )
     elif front in (FLOOR, RAWFLOOR):
         running = start_deployment(front, prompt_tokens)

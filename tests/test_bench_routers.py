@@ -29,7 +29,7 @@ from helpers import free_port as held_port
 from helpers import request
 
 from bench import routers
-from bench.deploy import free_port, wait_healthy
+from bench.deploy import free_port, front_argv, wait_healthy
 from bench.pd_mocks import (
     ENGINE_ID,
     FIRST_TOKEN,
@@ -405,10 +405,9 @@ def test_live_fastcore_mocks_check_a_real_orchestrators_legs(
 ) -> None:
     """A real orchestrator between a client and the fastcore mocks: with its gates what the mocks were
     told, each request is right on both legs; with its gates off, each leg (1) and (3) is counted."""
-    front = f"fastcore:{mode}"
     running = routers.start_on_mocks(
-        "orchestrator", lambda port, p, d: routers.front_argv(front, port, p, d), "fastcore", tmp_path,
-        gates=["--gates", gates],
+        "orchestrator", lambda port, p, d: front_argv(mode, port, [p], [d]), "fastcore", tmp_path,
+        mock_args=["--gates", gates],
     )  # fmt: skip
     try:
         base = running.url
