@@ -8,9 +8,9 @@ orchestrator on 127.0.0.1: conditional disaggregation decides in their tokens, n
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import random
+from types import ModuleType
 from typing import Any
 
 import aiohttp
@@ -103,7 +103,6 @@ USAGES = [
     5,
     None,
 ]
-TWINS = ("fastcore._relay_py", *([] if fastcore.NO_EXTENSIONS else ["fastcore._relay"]))
 
 
 def context_answer(usage: Any) -> bytes:
@@ -117,30 +116,32 @@ def context_answer(usage: Any) -> bytes:
     return json.dumps(body).encode()
 
 
-@pytest.mark.parametrize("twin", TWINS)
 @pytest.mark.parametrize("usage", USAGES)
-def test_the_relays_context_scan_reads_the_usage_tokens_read_usage_reads(twin: str, usage: Any) -> None:
+def test_the_relays_context_scan_reads_the_usage_tokens_read_usage_reads(
+    relay_twin: ModuleType, usage: Any
+) -> None:
     """The fast relay's one validating scan of a context answer finds ``usage``' two counts with the
     rest (ContextScan.usage_tokens, both twins): what read_usage, the parsed relay modes' own scan,
     reads from the same bytes."""
     body = context_answer(usage)
-    scan = fastcore.relay.Relay(importlib.import_module(twin)).read_context_response(body, None)
+    scan = fastcore.relay.Relay(relay_twin).read_context_response(body, None)
     assert scan.usage_tokens() == read_usage(body)
 
 
-def test_the_orchestrators_learner_reads_the_counts_of_the_relays_context_scan() -> None:
+def test_the_orchestrators_learner_reads_the_counts_of_the_relays_context_scan(
+    relay_twin: ModuleType,
+) -> None:
     """A context response as our workers write it (prompt_token_ids_b64 last, after usage)."""
     from bench.orchestrator_work import context_response
 
     body = context_response(list(range(4000)), b64=True)
     assert body.index(b'"usage"') < body.index(b"prompt_token_ids_b64")
-    for twin in TWINS:
-        scan = fastcore.relay.Relay(importlib.import_module(twin)).read_context_response(body, None)
-        assert scan.usage_tokens() == read_usage(body) == (4000, None)
-        context, generation = make_router("round_robin"), make_router("round_robin")
-        UsageLearner(context, generation).context_answer(body, 16000, None, scan.usage_tokens())
-        assert context.estimate.observed == generation.estimate.observed == 1
-        assert context.estimate.value == generation.estimate.value == pytest.approx(4.0)
+    scan = fastcore.relay.Relay(relay_twin).read_context_response(body, None)
+    assert scan.usage_tokens() == read_usage(body) == (4000, None)
+    context, generation = make_router("round_robin"), make_router("round_robin")
+    UsageLearner(context, generation).context_answer(body, 16000, None, scan.usage_tokens())
+    assert context.estimate.observed == generation.estimate.observed == 1
+    assert context.estimate.value == generation.estimate.value == pytest.approx(4.0)
 
 
 # -- the estimate -----------------------------------------------------------------------------------
