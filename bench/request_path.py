@@ -6,13 +6,14 @@
     python -m bench.request_path --profile 2000  # cProfile of 2,000 requests: tottime and calls per request
     python -m bench.request_path --requests 50   # no valgrind: 50 requests, wall time per request
     python -m bench.request_path --bytecodes 200 # no valgrind: Python bytecodes per request, by file
+    python -m bench.request_path --prompt-tokens 40000  # a 160 KB prompt (default 250: 1 KB)
 
 Unlike ``bench.orchestrator_work`` (the relay's synchronous calls alone), this is
 everything the orchestrator process runs for a request: the real Orchestrator
 (``start_server``) behind one keep-alive client connection, its HTTP layer on
 both sides, routing, pools, the leg runner, metrics and timers, against two
 stand-in workers on 127.0.0.1 that answer canned bytes (a context response of
-250 prompt ids, a generation response or a 16-event SSE stream). The client,
+250 prompt ids or ``--prompt-tokens``, a generation response or a 16-event SSE stream). The client,
 the stand-ins and the orchestrator share one event loop, so the count includes
 their (small, constant) work too. Two runs of the process under
 ``valgrind --tool=callgrind``, ``--loops`` requests apart; the difference of the
@@ -99,7 +100,9 @@ async def _read_response(reader: asyncio.StreamReader) -> None:
             return
 
 
-async def drive(loops: int, *, stream: bool, gates: bool, secret: bool, around: Any = None) -> float:
+async def drive(
+    loops: int, *, stream: bool, gates: bool, secret: bool, around: Any = None, n_ids: int = N_IDS
+) -> float:
     """Start the stand-ins and the orchestrator, send 5 warm-up requests then ``loops`` measured ones;
     ``around`` (a context manager) wraps the measured ones. Returns their wall seconds."""
     from bench.orchestrator_work import context_response, generation_response
@@ -108,9 +111,9 @@ async def drive(loops: int, *, stream: bool, gates: bool, secret: bool, around: 
     from server.orchestrator.config import build_config
 
     rng = random.Random(0)
-    ids = [rng.randrange(32000) for _ in range(N_IDS)]
+    ids = [rng.randrange(32000) for _ in range(n_ids)]
     ctx = http(b"200 OK", context_response(ids, b64=gates))
-    gen = sse_answer() if stream else http(b"200 OK", generation_response(N_IDS))
+    gen = sse_answer() if stream else http(b"200 OK", generation_response(n_ids))
     s1, p1 = await serve_canned(_worker_answers(ctx))
     s2, p2 = await serve_canned(_worker_answers(gen))
     cfg: dict[str, Any] = {
@@ -128,7 +131,7 @@ async def drive(loops: int, *, stream: bool, gates: bool, secret: bool, around: 
         await asyncio.sleep(0.01)
     assert server.server is not None
     port = server.server.sockets[0].getsockname()[1]
-    body = chat_body(N_IDS, stream=stream)
+    body = chat_body(n_ids, stream=stream)
     request = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
     request += b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -152,30 +155,37 @@ async def drive(loops: int, *, stream: bool, gates: bool, secret: bool, around: 
     return elapsed
 
 
-def _flags(stream: bool, gates: bool, secret: bool) -> list[str]:
+def _flags(stream: bool, gates: bool, secret: bool, n_ids: int) -> list[str]:
     return (
         (["--stream"] if stream else [])
         + ([] if gates else ["--gates-off"])
         + (["--secret"] if secret else [])
+        + (["--prompt-tokens", str(n_ids)] if n_ids != N_IDS else [])
     )
 
 
-def count_instructions(loops: tuple[int, int], stream: bool, gates: bool, secret: bool) -> float:
+def count_instructions(loops: tuple[int, int], stream: bool, gates: bool, secret: bool, n_ids: int) -> float:
     """Instructions per request: two callgrind runs ``loops`` apart, differenced."""
     return instructions_per_loop(
-        lambda count: ["-m", "bench.request_path", "--_loop", str(count), *_flags(stream, gates, secret)],
+        lambda count: [
+            "-m",
+            "bench.request_path",
+            "--_loop",
+            str(count),
+            *_flags(stream, gates, secret, n_ids),
+        ],
         loops,
         "counting instructions needs valgrind on PATH (or run --requests N)",
     )
 
 
-def profile(n: int, stream: bool, gates: bool, secret: bool, top: int = 40) -> str:
+def profile(n: int, stream: bool, gates: bool, secret: bool, n_ids: int, top: int = 40) -> str:
     """cProfile of ``n`` measured requests: each function's calls and tottime per request."""
     import cProfile
     import pstats
 
     prof = cProfile.Profile()
-    asyncio.run(drive(n, stream=stream, gates=gates, secret=secret, around=prof))
+    asyncio.run(drive(n, stream=stream, gates=gates, secret=secret, around=prof, n_ids=n_ids))
     stats = pstats.Stats(prof)
     rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)  # type: ignore[attr-defined]
     lines = [f"{'calls/req':>9} {'tottime us/req':>14} {'cumtime us/req':>14}  function"]
@@ -187,7 +197,7 @@ def profile(n: int, stream: bool, gates: bool, secret: bool, top: int = 40) -> s
     return "\n".join(lines)
 
 
-def bytecodes(n: int, stream: bool, gates: bool, secret: bool, top: int = 12) -> str:
+def bytecodes(n: int, stream: bool, gates: bool, secret: bool, n_ids: int, top: int = 12) -> str:
     """Python bytecodes executed per request over ``n`` requests (sys.settrace opcode events), by file:
     deterministic like the instruction count, and blind to the wall clock (the deadline sweeper's
     ticks, which the instruction count includes, come with wall time, so a loaded machine adds a few k)."""
@@ -206,7 +216,7 @@ def bytecodes(n: int, stream: bool, gates: bool, secret: bool, top: int = 12) ->
         def disable(self) -> None:
             sys.settrace(None)
 
-    asyncio.run(drive(n, stream=stream, gates=gates, secret=secret, around=Tracing()))
+    asyncio.run(drive(n, stream=stream, gates=gates, secret=secret, around=Tracing(), n_ids=n_ids))
     root = os.getcwd() + os.sep
     lines = [f"bytecodes per request: {sum(counts.values()) / n:,.0f}"]
     for path, count in counts.most_common(top):
@@ -222,6 +232,12 @@ def main(argv: list[str] | None = None) -> None:
         "--gates-off", action="store_true", help="gen_tokids_ctxbytes and history stripping off"
     )
     parser.add_argument("--secret", action="store_true", help="a shared secret signs the legs")
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=N_IDS,
+        help=f"prompt ids in the context answer, ~4 body bytes each in the client's (default {N_IDS})",
+    )
     parser.add_argument("--loops", default="100,400", help="the two callgrind runs' request counts")
     parser.add_argument("--profile", type=int, metavar="N", help="cProfile N requests instead of valgrind")
     parser.add_argument(
@@ -232,22 +248,27 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     gates = not args.gates_off
     if args._loop is not None:
-        asyncio.run(drive(args._loop, stream=args.stream, gates=gates, secret=args.secret))
+        asyncio.run(
+            drive(args._loop, stream=args.stream, gates=gates, secret=args.secret, n_ids=args.prompt_tokens)
+        )
         return
     streams = [True] if args.stream else [False] if args.unary else [False, True]
     for stream in streams:
         label = f"{'streaming' if stream else 'unary'}, gates {'on' if gates else 'off'}"
         label += ", secret" if args.secret else ""
+        label += f", {args.prompt_tokens} prompt tokens" if args.prompt_tokens != N_IDS else ""
         if args.profile:
-            print(f"# {label}\n{profile(args.profile, stream, gates, args.secret)}")
+            print(f"# {label}\n{profile(args.profile, stream, gates, args.secret, args.prompt_tokens)}")
         elif args.bytecodes:
-            print(f"# {label}\n{bytecodes(args.bytecodes, stream, gates, args.secret)}")
+            print(f"# {label}\n{bytecodes(args.bytecodes, stream, gates, args.secret, args.prompt_tokens)}")
         elif args.requests:
-            took = asyncio.run(drive(args.requests, stream=stream, gates=gates, secret=args.secret))
+            took = asyncio.run(
+                drive(args.requests, stream=stream, gates=gates, secret=args.secret, n_ids=args.prompt_tokens)
+            )
             print(f"{label}: {args.requests} requests, {took / args.requests * 1e6:.0f} us/request wall")
         else:
             low, high = (int(v) for v in args.loops.split(","))
-            per_request = count_instructions((low, high), stream, gates, args.secret)
+            per_request = count_instructions((low, high), stream, gates, args.secret, args.prompt_tokens)
             print(f"{label}: {per_request / 1e3:.1f}k instructions/request")
 
 

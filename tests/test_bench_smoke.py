@@ -186,7 +186,11 @@ def test_the_request_path_benchmark_serves_unary_and_streaming_requests_in_proce
     request_path.main(["--requests", "3"])
     request_path.main(["--profile", "3", "--stream", "--gates-off"])
     request_path.main(["--bytecodes", "3", "--unary"])
+    request_path.main(
+        ["--requests", "2", "--unary", "--prompt-tokens", "40000"]
+    )  # a 160 KB body, 214 KB of ids
     out = capsys.readouterr().out
+    assert "unary, gates on, 40000 prompt tokens: 2 requests" in out
     # the orchestrator's own files among the top ones (exchange.py: a completion from callbacks)
     assert "server/orchestrator/exchange.py" in out.split("bytecodes per request:")[1]
     assert "unary, gates on: 3 requests" in out and "streaming, gates on: 3 requests" in out
