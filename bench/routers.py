@@ -3,6 +3,7 @@
     python -m bench.routers --install          # venvs for sglang-router and vllm-router (PyPI)
     python -m bench.routers                    # every front, 1 KB and 160 KB prompts, c=16 and 64
     python -m bench.routers --quick            # a short smoke run
+    python -m bench.routers --rounds 3 --requests 1000  # each level 3 times, interleaved: the median
     python -m bench.routers --fastcore-root /work/before --fastcore-label fastcore-before
 
 Each front (router) runs alone on core 0 (``taskset -c 0``); its workers and
@@ -11,7 +12,11 @@ completions with an agentic history (``bench/workload.py``, ~4 bytes per
 prompt token), streaming and not, at each concurrency level; each level is
 warmed up, then N requests (or ``--max-seconds``) are measured. A front's CPU
 is utime+stime of its process tree from /proc over the measured requests,
-divided by the completed ones.
+divided by the completed ones. Every front of a prompt size is up at once and
+their levels interleave (each level measured for every front in turn);
+``--rounds R`` measures every level R times, the fronts' order rotated each
+round, and reports each level's median round: on a shared machine a burst of
+other load then moves one round of several fronts, not every level of one.
 
 Every front forwards to instant mocks of its own PD protocol (``bench/pd_mocks.py``:
 one process, raw asyncio Protocols and httptools, on the client's core), which
@@ -57,7 +62,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -329,6 +334,10 @@ class Row:
     error_samples: list[str] = field(default_factory=list)
     #: the offered load the level was paced at (--rate; 0: unpaced, each front as fast as it goes)
     rate: float = 0.0
+    #: with --rounds R: each round's CPU (and schedstat) ms per request, in round order; the row's own
+    #: figures are the median round's (merge_rounds)
+    cpu_ms_rounds: list[float | None] = field(default_factory=list)
+    sched_ms_rounds: list[float | None] = field(default_factory=list)
 
     @property
     def flagged(self) -> bool:
@@ -385,48 +394,86 @@ async def _level(
     return level, warm.errors, cpu, sched, violations
 
 
-def measure_front(front: str, running: Running, prompt_tokens: int, args: argparse.Namespace) -> list[Row]:
-    rows = []
-    for stream in args.streams:
-        body = chat_body(prompt_tokens, model=MODEL, max_tokens=args.max_tokens, stream=stream)
-        for c in args.concurrency:
-            label = f"{front} {prompt_tokens} {'stream' if stream else 'unary'} c={c}"
-            level, warmup_errors, cpu, sched, violations = asyncio.run(
-                _level(running.url + "/v1/chat/completions", body, c, stream, args, running, label)
-            )
-            completed = level.requests - level.errors
-            row = Row(
-                front=front,
-                prompt_tokens=prompt_tokens,
-                body_bytes=len(body),
-                stream=stream,
-                concurrency=c,
-                requests=level.requests,
-                completed=completed,
-                errors=level.errors,
-                timeouts=level.timeouts,
-                warmup_errors=warmup_errors,
-                violations=violations,
-                cpu_ms_per_request=round(1000 * cpu / completed, 4) if completed else None,
-                sched_ms_per_request=round(1000 * sched / completed, 4) if completed else None,
-                completions_per_s=level.completions_per_s,
-                ttft_p50_ms=level.ttft_p50_ms,
-                duration_s=level.duration_s,
-                time_bound=level.requests < args.requests,
-                error_samples=level.error_samples,
-                rate=args.rate,
-            )
-            rows.append(row)
-            cpu_text = "-" if row.cpu_ms_per_request is None else f"{row.cpu_ms_per_request:.3f}"
-            print(
-                f"  {label}: {row.completed}/{row.requests} ok, {cpu_text} CPU ms/req "
-                f"(schedstat {row.sched_ms_per_request}), "
-                f"{row.completions_per_s:.0f}/s, TTFT p50 {row.ttft_p50_ms} ms"
-                + (f", {violations} protocol violations" if violations else "")
-                + (f"  errors: {row.error_samples[:2]}" if row.errors else ""),
-                flush=True,
-            )
-    return rows
+def measure_level(
+    front: str,
+    running: Running,
+    prompt_tokens: int,
+    stream: bool,
+    c: int,
+    args: argparse.Namespace,
+    tag: str = "",
+) -> Row:
+    """One level of one front: warm-up, then the measured requests (``tag``: the round, for the log)."""
+    body = chat_body(prompt_tokens, model=MODEL, max_tokens=args.max_tokens, stream=stream)
+    label = f"{front} {prompt_tokens} {'stream' if stream else 'unary'} c={c}{tag}"
+    level, warmup_errors, cpu, sched, violations = asyncio.run(
+        _level(running.url + "/v1/chat/completions", body, c, stream, args, running, label)
+    )
+    completed = level.requests - level.errors
+    row = Row(
+        front=front,
+        prompt_tokens=prompt_tokens,
+        body_bytes=len(body),
+        stream=stream,
+        concurrency=c,
+        requests=level.requests,
+        completed=completed,
+        errors=level.errors,
+        timeouts=level.timeouts,
+        warmup_errors=warmup_errors,
+        violations=violations,
+        cpu_ms_per_request=round(1000 * cpu / completed, 4) if completed else None,
+        sched_ms_per_request=round(1000 * sched / completed, 4) if completed else None,
+        completions_per_s=level.completions_per_s,
+        ttft_p50_ms=level.ttft_p50_ms,
+        duration_s=level.duration_s,
+        time_bound=level.requests < args.requests,
+        error_samples=level.error_samples,
+        rate=args.rate,
+    )
+    cpu_text = "-" if row.cpu_ms_per_request is None else f"{row.cpu_ms_per_request:.3f}"
+    print(
+        f"  {label}: {row.completed}/{row.requests} ok, {cpu_text} CPU ms/req "
+        f"(schedstat {row.sched_ms_per_request}), "
+        f"{row.completions_per_s:.0f}/s, TTFT p50 {row.ttft_p50_ms} ms"
+        + (f", {violations} protocol violations" if violations else "")
+        + (f"  errors: {row.error_samples[:2]}" if row.errors else ""),
+        flush=True,
+    )
+    return row
+
+
+def interleaved(
+    fronts: list[str], rounds: int, levels: list[tuple[bool, int]]
+) -> list[tuple[int, bool, int, str]]:
+    """The order levels are measured in: each round walks every level, and at each level every front
+    in turn, the fronts' order rotated by one each round (so no front always follows the same one or
+    always comes first): ``(round, stream, concurrency, front)``. A burst of load from the machine's
+    other tenants then lands on one round of several fronts, not on every level of one."""
+    order = []
+    for r in range(rounds):
+        turn = fronts[r % len(fronts) :] + fronts[: r % len(fronts)] if fronts else []
+        for stream, c in levels:
+            order.extend((r, stream, c, front) for front in turn)
+    return order
+
+
+def merge_rounds(rows: list[Row]) -> Row:
+    """One level's rounds (the same front, size, streaming, concurrency) as one row: the round with the
+    median CPU per request (the lower one of an even count; a round that completed nothing counts as
+    the most), with every round's errors, warm-up errors, timeouts and protocol violations added up
+    (so any of them flags the level) and each round's CPU per request in ``cpu_ms_rounds``."""
+    ranked = sorted(rows, key=lambda r: (r.cpu_ms_per_request is None, r.cpu_ms_per_request or 0.0))
+    merged = replace(ranked[(len(ranked) - 1) // 2])
+    merged.errors = sum(r.errors for r in rows)
+    merged.warmup_errors = sum(r.warmup_errors for r in rows)
+    merged.timeouts = sum(r.timeouts for r in rows)
+    seen = [r.violations for r in rows if r.violations is not None]
+    merged.violations = sum(seen) if seen else None
+    merged.error_samples = [e for r in rows for e in r.error_samples][:10]
+    merged.cpu_ms_rounds = [r.cpu_ms_per_request for r in rows]
+    merged.sched_ms_rounds = [r.sched_ms_per_request for r in rows]
+    return merged
 
 
 def start_front(front: str, prompt_tokens: int, args: argparse.Namespace, workdir: Path) -> Running:
@@ -496,6 +543,7 @@ def groups(rows: list[Row]) -> list[tuple[int, bool]]:
 
 def report(rows: list[Row], fronts: list[str]) -> str:
     out = []
+    rounds = any(len(r.cpu_ms_rounds) > 1 for r in rows)  # then a column of every round's CPU ms/req
     for n, stream in groups(rows):
         sel = [r for r in rows if r.prompt_tokens == n and r.stream == stream]
         table = []
@@ -517,6 +565,7 @@ def report(rows: list[Row], fronts: list[str]) -> str:
                 if r.time_bound:
                     flags.append("time bound")
                 cpu = "-" if r.cpu_ms_per_request is None else f"{r.cpu_ms_per_request:.3f}"
+                each = "/".join("-" if v is None else f"{v:.3f}" for v in r.cpu_ms_rounds)
                 sched = "-" if r.sched_ms_per_request is None else f"{r.sched_ms_per_request:.4f}"
                 table.append(
                     [
@@ -525,6 +574,7 @@ def report(rows: list[Row], fronts: list[str]) -> str:
                         r.requests,
                         r.errors,
                         cpu,
+                        *([each or "-"] if rounds else []),
                         sched,
                         _ratio(r.cpu_ms_per_request, best.cpu_ms_per_request if best else None),
                         _ratio(r.cpu_ms_per_request, raw.cpu_ms_per_request if raw else None),
@@ -547,6 +597,7 @@ def report(rows: list[Row], fronts: list[str]) -> str:
                     "reqs",
                     "errors",
                     "CPU ms/req",
+                    *(["each round"] if rounds else []),
                     # the scheduler's on-CPU ns (/proc/*/task/*/schedstat): finer than the 10 ms ticks
                     # of utime+stime, which at 1,000 requests of 0.1 ms read in 0.01 ms steps
                     "sched ms/req",
@@ -739,6 +790,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream", choices=("both", "stream", "unary"), default="both")
     p.add_argument("--requests", type=int, default=2000, help="measured requests per level (default 2000)")
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure every level this many times, the fronts interleaved level by level and their order "
+        "rotated each round; each level reports its median round (default 1)",
+    )
+    p.add_argument(
         "--warmup", type=int, default=50, help="warm-up requests per level (at least 2x concurrency)"
     )
     p.add_argument(
@@ -753,7 +811,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if args.install:
         return install(args.venvs)
     if args.quick:
@@ -785,6 +846,26 @@ def main(argv: list[str] | None = None) -> int:
             os.sched_setaffinity(0, affinity)
 
 
+def _start(
+    front: str, n: int, args: argparse.Namespace, workdir: Path, skipped: dict[str, str]
+) -> Running | None:
+    """``front`` started for ``n``-token prompts, tried twice; one that cannot start is a note in
+    ``skipped`` (and None), not the end of the run."""
+    try:
+        try:
+            return start_front(front, n, args, workdir)
+        except Exception as exc:  # once more: a port taken in between, a file mid-edit
+            print(f"{front} at {n} tokens failed to start ({exc}); trying again", flush=True)
+            time.sleep(2)
+            return start_front(front, n, args, workdir)
+    except Exception as exc:
+        log = workdir / f"{front}.log"
+        tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
+        skipped[f"{front} @ {n}"] = f"failed to start: {exc}"
+        print(f"skipping {front} at {n} tokens: failed to start: {exc}\n{tail}", flush=True)
+        return None
+
+
 def _run(args: argparse.Namespace, fronts: list[str], front_cpus: list[int], other: list[int]) -> int:
     print(
         f"front pinned to CPU {front_cpus or 'none (one core)'}; workers, mocks and this client on "
@@ -800,28 +881,27 @@ def _run(args: argparse.Namespace, fronts: list[str], front_cpus: list[int], oth
             skipped[front] = reason
             print(f"skipping {front}: {reason}", flush=True)
     rows: list[Row] = []
+    levels = [(stream, c) for stream in args.streams for c in args.concurrency]
     with tempfile.TemporaryDirectory(prefix="bench-routers-") as tmp:
         for n in _ints(args.prompt_tokens):
-            for front in fronts:
-                if front in skipped:
-                    continue
-                try:
-                    try:
-                        running = start_front(front, n, args, Path(tmp))
-                    except Exception as exc:  # once more: a port taken in between, a file mid-edit
-                        print(f"{front} at {n} tokens failed to start ({exc}); trying again", flush=True)
-                        time.sleep(2)
-                        running = start_front(front, n, args, Path(tmp))
-                except Exception as exc:  # a front that cannot start is a note, not the end of the run
-                    log = Path(tmp) / f"{front}.log"
-                    tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
-                    skipped[f"{front} @ {n}"] = f"failed to start: {exc}"
-                    print(f"skipping {front} at {n} tokens: failed to start: {exc}\n{tail}", flush=True)
-                    continue
-                try:
-                    rows.extend(measure_front(front, running, n, args))
-                finally:
-                    running.stop()
+            running: dict[str, Running] = {}
+            try:
+                for front in fronts:  # every front up at once: their levels interleave
+                    if front not in skipped:
+                        started = _start(front, n, args, Path(tmp), skipped)
+                        if started is not None:
+                            running[front] = started
+                measured: dict[tuple[str, bool, int], list[Row]] = {}
+                for r, stream, c, front in interleaved(list(running), args.rounds, levels):
+                    tag = f" round {r + 1}/{args.rounds}" if args.rounds > 1 else ""
+                    row = measure_level(front, running[front], n, stream, c, args, tag)
+                    measured.setdefault((front, stream, c), []).append(row)
+            finally:
+                for started in running.values():
+                    started.stop()
+            rows.extend(
+                merge_rounds(measured[(front, stream, c)]) for front in running for stream, c in levels
+            )
 
     print(report(rows, fronts))
     print()
@@ -845,6 +925,7 @@ def _run(args: argparse.Namespace, fronts: list[str], front_cpus: list[int], oth
         "front_cpus": front_cpus,
         "other_cpus": other,
         "requests": args.requests,
+        "rounds": args.rounds,
         "warmup": args.warmup,
         "max_seconds": args.max_seconds,
         "max_tokens": args.max_tokens,

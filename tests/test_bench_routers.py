@@ -89,8 +89,12 @@ def _check_rows(data: dict, fronts: list[str]) -> None:
 def test_the_harness_measures_the_raw_floor_and_fastcore(tmp_path: Path) -> None:
     """Paced (--rate): every level of every front at the same offered load, 12 requests at 40/s; on
     the mocks (the default), whose protocol checks saw every fastcore leg right."""
-    data = _run(tmp_path, "rawfloor,fastcore:both-gates", "--rate", "40")
+    data = _run(tmp_path, "rawfloor,fastcore:both-gates", "--rate", "40", "--rounds", "2")
     _check_rows(data, ["rawfloor", "fastcore:both-gates"])
+    assert data["meta"]["rounds"] == 2
+    for r in data["rows"]:  # each level measured twice, the row the median (lower) round's
+        assert len(r["cpu_ms_rounds"]) == 2 and len(r["sched_ms_rounds"]) == 2, r
+        assert r["cpu_ms_per_request"] == min(r["cpu_ms_rounds"]), r
     assert data["meta"]["workers"] == "mocks"
     assert all(r["violations"] == 0 for r in data["rows"] if r["front"] == "fastcore:both-gates"), data[
         "rows"
@@ -504,6 +508,47 @@ def test_live_sglang_mocks_count_missing_bootstrap_fields_and_stream_sse(mocks) 
     stats = _stats(prefill)
     assert stats["violations"] == 1 and "bootstrap" in stats["samples"][0]  # the stream had none
     assert stats["unpaired"] == 0  # room 99 arrived on both sides
+
+
+def _row(front: str, cpu: float | None, **kw: object) -> routers.Row:
+    fields = dict(
+        front=front, prompt_tokens=250, body_bytes=1024, stream=False, concurrency=16, requests=1000,
+        completed=1000, errors=0, timeouts=0, warmup_errors=0, violations=0, cpu_ms_per_request=cpu,
+        sched_ms_per_request=cpu, completions_per_s=1445.0, ttft_p50_ms=10.7, duration_s=0.7,
+        time_bound=False,
+    )  # fmt: skip
+    fields.update(kw)
+    return routers.Row(**fields)  # type: ignore[arg-type]
+
+
+def test_rounds_interleave_the_fronts_level_by_level_in_a_rotated_order() -> None:
+    levels = [(True, 16), (False, 16)]
+    order = routers.interleaved(["a", "b", "c"], 3, levels)
+    assert len(order) == 3 * 2 * 3 and len(set(order)) == len(order)  # every (round, level, front) once
+    assert [f for r, s, c, f in order if (r, s, c) == (0, True, 16)] == ["a", "b", "c"]
+    assert [f for r, s, c, f in order if (r, s, c) == (1, False, 16)] == ["b", "c", "a"]
+    assert [f for r, s, c, f in order if (r, s, c) == (2, True, 16)] == ["c", "a", "b"]
+    assert [(s, c) for r, s, c, f in order if f == "a" and r == 1] == levels  # each round walks every level
+    assert routers.interleaved([], 2, levels) == []
+
+
+def test_a_levels_rounds_merge_to_the_median_round_with_every_rounds_errors() -> None:
+    rounds = [_row("x", 0.07), _row("x", None, completed=0, errors=5), _row("x", 0.05, violations=2)]
+    merged = routers.merge_rounds(rounds)
+    assert merged.cpu_ms_per_request == 0.07  # 0.05, 0.07, then the round that completed none
+    assert merged.cpu_ms_rounds == [0.07, None, 0.05] and merged.sched_ms_rounds == [0.07, None, 0.05]
+    assert merged.errors == 5 and merged.violations == 2 and merged.flagged  # one bad round flags the level
+    assert routers.merge_rounds([_row("x", 0.04), _row("x", 0.06)]).cpu_ms_per_request == 0.04  # the lower
+    assert routers.merge_rounds([_row("x", 0.04, violations=None)]).violations is None  # no mocks to ask
+    assert rounds[0].cpu_ms_rounds == []  # the rounds' own rows are left as they were
+    table = routers.report([merged], ["x"])
+    assert "each round" in table and "0.070/-/0.050" in table
+
+
+def test_rounds_below_one_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        routers.main(["--rounds", "0"])
+    assert "--rounds must be at least 1" in capsys.readouterr().err
 
 
 def test_the_report_prints_the_schedulers_cpu_time_beside_the_clock_ticks() -> None:
