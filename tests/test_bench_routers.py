@@ -94,7 +94,7 @@ def test_the_harness_measures_the_raw_floor_and_fastcore(tmp_path: Path) -> None
     assert data["meta"]["rounds"] == 2
     for r in data["rows"]:  # each level measured twice, the row the median (lower) round's
         assert len(r["cpu_ms_rounds"]) == 2 and len(r["sched_ms_rounds"]) == 2, r
-        assert r["cpu_ms_per_request"] == min(r["cpu_ms_rounds"]), r
+        assert r["sched_ms_per_request"] == min(r["sched_ms_rounds"]), r
     assert data["meta"]["workers"] == "mocks"
     assert all(r["violations"] == 0 for r in data["rows"] if r["front"] == "fastcore:both-gates"), data[
         "rows"
@@ -542,7 +542,7 @@ def test_a_levels_rounds_merge_to_the_median_round_with_every_rounds_errors() ->
     assert routers.merge_rounds([_row("x", 0.04, violations=None)]).violations is None  # no mocks to ask
     assert rounds[0].cpu_ms_rounds == []  # the rounds' own rows are left as they were
     table = routers.report([merged], ["x"])
-    assert "each round" in table and "0.070/-/0.050" in table
+    assert "sched each round" in table and "0.0700/-/0.0500" in table
 
 
 def test_rounds_below_one_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
