@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -90,6 +91,26 @@ async def test_start_skips_a_pooled_connection_whose_transport_is_closing() -> N
         assert await listener.ended()
         assert listener.events == [("done", b"second")]
         assert up.accepted == 2 and [r[2] for r in up.requests] == [b"first", b"second"]
+
+
+async def test_start_closes_pooled_connections_idle_too_long_and_sends_on_the_newest_fresh_one() -> None:
+    """Pooled connections are taken newest first; one idle longer than ``idle_timeout_s`` is closed
+    on the way (never written to), and the request goes on the next one: no new connection."""
+    async with Upstream(answering(echo_response)) as up, pool_for(up, idle_timeout_s=60.0) as pool:
+        (_, first), (_, second) = await asyncio.gather(fetch(pool, body=b"a"), fetch(pool, body=b"b"))
+        assert (first, second) == (b"a", b"b") and up.accepted == 2 and len(pool.idle) == 2
+        stale = list(pool.idle)
+        for conn in stale:  # both idle a second past the bound
+            conn.idle_since -= 61.0
+        fresh = await pool._connect()
+        fresh.idle_since = asyncio.get_running_loop().time()
+        pool.idle.insert(0, fresh)  # the oldest in the pool: taken after the stale ones
+        listener = Recorder()
+        pool.start(listener, b"POST", b"/", [b"c", b"d"], timeout=5.0, max_body=1000)
+        assert all(conn.closed for conn in stale) and not fresh.closed and pool.idle == []
+        assert await listener.ended()
+        assert listener.events == [("done", b"cd")]
+        assert up.accepted == 3 and [r[2] for r in up.requests] == [b"a", b"b", b"cd"]
 
 
 @pytest.mark.parametrize("answered", [False, True], ids=["unanswered", "part-answered"])

@@ -40,16 +40,18 @@ class Pool(UpstreamPool):
 
 
 def set_twin(pool: type[UpstreamPool], http_twin: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``pool``'s connections, responses and parser: the compiled twins where ``http_twin`` is the
-    compiled parser module, else client.py's classes on the pure parser."""
+    """``pool``'s connections, responses, parser and ``start``: the compiled twins where ``http_twin``
+    is the compiled parser module, else client.py's on the pure parser."""
     monkeypatch.setattr(pool, "response_parser", http_twin.ResponseParser)
     if http_twin.__name__.endswith("_py"):
         monkeypatch.setattr(pool, "connection_class", client._Connection)
         monkeypatch.setattr(pool, "response_class", client.UpstreamResponse)
+        monkeypatch.setattr(pool, "start", client.pure_start)
     else:
         upstream = importlib.import_module("server.http._upstream")
         monkeypatch.setattr(pool, "connection_class", upstream.Connection)
         monkeypatch.setattr(pool, "response_class", upstream.Response)
+        monkeypatch.setattr(pool, "start", upstream.pool_start)
 
 
 @pytest.fixture(autouse=True)

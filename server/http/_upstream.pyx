@@ -9,7 +9,8 @@ method does; the behaviour is theirs, line for line).
 a stream. What stays a Python call is what the connection tells others: the listener's
 ``leg_head``/``leg_done``/``leg_error``, the sink, the held writer, the pool and the deadline
 sweeper. :class:`~server.http.client.UpstreamPool` uses these two classes where the compiled
-parsers are (``UpstreamPool.connection_class`` / ``response_class``), else client.py's.
+parsers are (``UpstreamPool.connection_class`` / ``response_class``), else client.py's, and
+:func:`pool_start` as its ``start`` (client.py's ``pure_start`` is the twin).
 """
 
 import socket
@@ -20,7 +21,7 @@ from ._parse cimport BodyReader, ResponseParser
 from .client import WRITE_JOINED_BELOW, UpstreamError, UpstreamTimeout
 from .request import BadResponse
 
-__all__ = ["Connection", "Response"]
+__all__ = ["Connection", "Response", "pool_start"]
 
 cdef Py_ssize_t _JOINED_BELOW = WRITE_JOINED_BELOW
 cdef bytes _SEMICOLON = b";"
@@ -492,3 +493,44 @@ cdef class Connection(ResponseParser):
                 transport.abort()
             else:
                 transport.close()
+
+
+# -- the pool's start, in C ----------------------------------------------------------------------
+
+def pool_start(pool, listener, bytes method, bytes path, pieces=_NOTHING, *, bytes headers=_EMPTY, timeout=None,
+               read_timeout=None, Py_ssize_t max_body=0, headers_timeout=None):
+    """:meth:`server.http.client.UpstreamPool.start`, line for line in one C call (no Python frame for
+    it, ``_size``, ``_head``, ``_idle_connection`` or ``_send_on``): the response, sent on the newest
+    idle connection still open and not idle too long (the stale ones closed on the way), else on one
+    being opened; a pooled one found closing as it is written to is closed and a new one opened.
+    ``UpstreamPool`` is given it as its ``start`` where the compiled twins are (client.py)."""
+    cdef Py_ssize_t size = 0
+    cdef list idle
+    cdef double now, limit
+    resp = pool.response_class(None, max_body, listener)
+    for piece in pieces:
+        size += len(piece)
+    head = b"%s %s%s HTTP/1.1\r\n%sContent-Length: %d\r\n%s\r\n" % (
+        method, pool.prefix, path, pool._fixed, size, headers
+    )
+    resp.sending = (head, pieces, size, timeout, read_timeout, headers_timeout)
+    idle = pool.idle
+    if idle:
+        now = pool.loop.time()
+        limit = pool.idle_timeout_s
+        while idle:
+            conn = idle.pop()
+            if conn.closed or conn.transport is None or conn.transport.is_closing():
+                continue
+            if now - conn.idle_since > limit:
+                conn.close()
+                continue
+            try:
+                conn.send(resp, head, pieces, size, timeout, read_timeout, headers_timeout)
+            except UpstreamError:
+                conn.close()
+                break
+            resp.reused = True
+            return resp
+    pool._open_for(resp)
+    return resp
