@@ -18,7 +18,7 @@ import struct
 
 from ._parse cimport BodyReader, ResponseParser
 
-from .client import WRITE_JOINED_BELOW, UpstreamError, UpstreamTimeout
+from .client import REQUEST_HEAD, WRITE_JOINED_BELOW, UpstreamError, UpstreamTimeout
 from .request import BadResponse
 
 __all__ = ["Connection", "Response", "pool_start"]
@@ -510,9 +510,7 @@ def pool_start(pool, listener, bytes method, bytes path, pieces=_NOTHING, *, byt
     resp = pool.response_class(None, max_body, listener)
     for piece in pieces:
         size += len(piece)
-    head = b"%s %s%s HTTP/1.1\r\n%sContent-Length: %d\r\n%s\r\n" % (
-        method, pool.prefix, path, pool._fixed, size, headers
-    )
+    head = REQUEST_HEAD % (method, pool.prefix, path, pool._fixed, size, headers)
     resp.sending = (head, pieces, size, timeout, read_timeout, headers_timeout)
     idle = pool.idle
     if idle:

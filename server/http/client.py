@@ -51,6 +51,11 @@ IDLE_TIMEOUT_S = 30.0
 WRITE_JOINED_BELOW = 32 * 1024
 
 
+#: a leg's request line and headers: method, the pool's path prefix, path, the pool's fixed lines
+#: (Host, extra), the body's size, the leg's own lines (both twins of UpstreamPool.start format it)
+REQUEST_HEAD = b"%s %s%s HTTP/1.1\r\n%sContent-Length: %d\r\n%s\r\n"
+
+
 def _size(pieces: Sequence[BodyPiece]) -> int:
     size = 0
     for piece in pieces:
@@ -727,7 +732,7 @@ class UpstreamPool:
         raise AssertionError("unreachable")
 
     def _head(self, method: bytes, path: bytes, size: int, headers: bytes) -> bytes:
-        return b"%s %s%s HTTP/1.1\r\n%sContent-Length: %d\r\n%s\r\n" % (
+        return REQUEST_HEAD % (
             method,
             self.prefix,
             path,
