@@ -163,6 +163,11 @@ RUST_ROUTERS = {
         RustRouter("vllm-router", "vllm-router==0.1.17", "vllm_router", "vllm"),
     )
 }
+#: what runs a front's argv instead of itself (``wrap(argv)``: valgrind's argv around it)
+Wrap = Callable[[list[str]], list[str]]
+#: seconds a wrapped front (under valgrind, ~50x slower) gets to start and serve its first request
+WRAPPED_START_S = 300.0
+
 DEFAULT_FRONTS = ["fastcore:both-gates", "fastcore:parsed", FLOOR, RAWFLOOR, *RUST_ROUTERS]
 
 
@@ -235,10 +240,11 @@ def mock_gates(mode: str) -> list[str]:
 
 def start_on_mocks(
     name: str, argv_for: Callable[[int, str, str], list[str]], flavor: str, workdir: Path,
-    mock_args: list[str] | None = None, env: dict[str, str] | None = None,
+    mock_args: list[str] | None = None, env: dict[str, str] | None = None, wrap: Wrap | None = None,
 ) -> Running:  # fmt: skip
     """A front (``argv_for(port, prefill, decode)``) on instant mocks of ``flavor``'s PD protocol
-    (``bench/pd_mocks.py`` with ``mock_args``, on the client's cores), its log in ``workdir``."""
+    (``bench/pd_mocks.py`` with ``mock_args``, on the client's cores), its log in ``workdir``;
+    ``wrap``: what runs the front's argv (bench.front_instructions: valgrind), given time to start."""
     front_cpus, other = cores()
     prefill_port, decode_port, port = free_port(), free_port(), free_port()
     mocks_argv = [*PYTHON, "bench.pd_mocks", "--flavor", flavor, *(mock_args or [])]
@@ -246,7 +252,7 @@ def start_on_mocks(
     mocks = Child(f"{flavor} mocks", pinned(mocks_argv, other), prefill_port)
     argv = argv_for(port, f"127.0.0.1:{prefill_port}", f"127.0.0.1:{decode_port}")
     log = workdir / f"{name}.log"
-    front = _LoggedChild(name, pinned(argv, front_cpus), port, log=log)
+    front = _LoggedChild(name, pinned(argv if wrap is None else wrap(argv), front_cpus), port, log=log)
     env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
     children = [mocks, front]
     try:
@@ -254,7 +260,9 @@ def start_on_mocks(
         wait_healthy(f"http://127.0.0.1:{prefill_port}/health", [mocks], timeout=30)
         wait_healthy(f"http://127.0.0.1:{decode_port}/health", [mocks], timeout=30)
         front.start(env)
-        wait_healthy(f"http://127.0.0.1:{port}/health", children, timeout=60)
+        wait_healthy(
+            f"http://127.0.0.1:{port}/health", children, timeout=60 if wrap is None else WRAPPED_START_S
+        )
     except BaseException:
         stop_all(children, grace_s=5.0)
         raise
@@ -268,13 +276,13 @@ def start_on_mocks(
     )
 
 
-def start_rust(router: RustRouter, venvs: Path, workdir: Path) -> Running:
+def start_rust(router: RustRouter, venvs: Path, workdir: Path, wrap: Wrap | None = None) -> Running:
     def argv(port: int, prefill: str, decode: str) -> list[str]:
         return router.argv(venvs, port, f"http://{prefill}", f"http://{decode}", free_port())
 
     env = dict(os.environ, RUST_LOG="warn", NO_COLOR="1")
     env.pop("PYTHONPATH", None)
-    return start_on_mocks(router.name, argv, router.flavor, workdir, env=env)
+    return start_on_mocks(router.name, argv, router.flavor, workdir, env=env, wrap=wrap)
 
 
 @dataclass
@@ -484,9 +492,12 @@ def merge_rounds(rows: list[Row]) -> Row:
     return merged
 
 
-def start_front(front: str, prompt_tokens: int, args: argparse.Namespace, workdir: Path) -> Running:
+def start_front(
+    front: str, prompt_tokens: int, args: argparse.Namespace, workdir: Path, wrap: Wrap | None = None
+) -> Running:
+    """``front`` started and serving; ``wrap`` (on the mocks only): what runs its argv."""
     if front in RUST_ROUTERS:
-        running = start_rust(RUST_ROUTERS[front], args.venvs, workdir)
+        running = start_rust(RUST_ROUTERS[front], args.venvs, workdir, wrap)
     elif args.workers == "mocks":
         label, _, mode = front.rpartition(":")  # a floor: no label, its name the mode
         running = start_on_mocks(
@@ -496,14 +507,17 @@ def start_front(front: str, prompt_tokens: int, args: argparse.Namespace, workdi
             workdir,
             mock_args=mock_gates(mode) if label else None,
             env=_fastcore_env(args.fastcore_root if label not in ("", "fastcore") else None),
+            wrap=wrap,
         )
+    elif wrap is not None:
+        raise ValueError("a wrapped front runs on the mocks only (--workers mocks)")
     elif front in (FLOOR, RAWFLOOR):
         running = start_deployment(front, prompt_tokens)
     else:
         label, mode = front.split(":", 1)
         running = start_deployment(mode, prompt_tokens, None if label == "fastcore" else args.fastcore_root)
     try:
-        wait_serving(running.url)
+        wait_serving(running.url, 60 if wrap is None else WRAPPED_START_S)
     except BaseException:
         running.stop()
         raise
