@@ -29,7 +29,7 @@ UBSAN_LIB = $(shell gcc -print-file-name=libubsan.so)
 SAN_ENV = LD_PRELOAD="$(ASAN_LIB) $(UBSAN_LIB)" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYTHONMALLOC=malloc
 
 debug:          ## ASan/UBSan build of the extensions, in place
-	rm -f fastcore/*.so server/http/*.so
+	rm -f fastcore/*.so server/http/*.so server/orchestrator/*.so
 	FASTCORE_DEBUG_BUILD=1 $(PY) setup.py build_ext --inplace --force
 
 test-debug: debug  ## compiled-twin tests under the sanitizers
@@ -113,3 +113,4 @@ plot:
 clean:
 	rm -rf build dist *.egg-info $(RELEASE_VENV) fastcore/*.so fastcore/_codec.c fastcore/_scan.c fastcore/_relay.c fastcore/_hash.c
 	rm -f server/http/*.so server/http/_parse.c server/http/_upstream.c
+	rm -f server/orchestrator/*.so server/orchestrator/_tally.c

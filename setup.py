@@ -168,6 +168,8 @@ def _extensions() -> list[Extension]:
         + [f"{llhttp}/src/{name}" for name in ("llhttp.c", "api.c", "http.c")],
         # the upstream connection: a subclass of _parse's ResponseParser (cimported through _parse.pxd)
         "server.http._upstream": ["server/http/_upstream.pyx"],
+        # the orchestrator's per-request counts and estimates (server/orchestrator/twins.py picks them)
+        "server.orchestrator._tally": ["server/orchestrator/_tally.pyx"],
     }
     extensions = [
         Extension(

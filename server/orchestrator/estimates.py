@@ -24,6 +24,8 @@ from fastcore import JSONSpanError
 from fastcore import protocol as wire
 from fastcore.relay import count_at
 
+from . import twins
+
 __all__ = ["DEFAULT_BYTES_PER_TOKEN", "BytesPerToken", "UsageLearner", "read_usage"]
 
 #: the figure before anything is known (agentic chat JSON: about 4)
@@ -103,6 +105,13 @@ class BytesPerToken:
     def tokens(self, nbytes: int | float) -> int:
         """The tokens ``nbytes`` prompt bytes are estimated to hold."""
         return int(nbytes / self.value)
+
+
+#: the pure twin (the behavioural reference); where the compiled one is built
+#: (server/orchestrator/_tally.pyx, picked by twins.py) ``BytesPerToken`` is its
+PURE: dict[str, type] = {"BytesPerToken": BytesPerToken}
+if twins.tally is not None:
+    BytesPerToken = twins.tally.BytesPerToken  # type: ignore[misc]
 
 
 class UsageLearner:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
+from . import twins
 from .routing import KvCacheAwareRouter
 from .routing_metrics import bytes_per_token, routing_quality
 
@@ -460,6 +461,14 @@ class NoClock:
     def finish(self) -> None:
         pass
 
+
+#: the pure twins of the per-request numbers (the behavioural reference); where the compiled ones are
+#: built (server/orchestrator/_tally.pyx, picked by twins.py) the names above are theirs
+PURE: dict[str, type] = {"TallyOne": TallyOne, "TallyHistogram": TallyHistogram, "NoClock": NoClock}
+if twins.tally is not None:
+    TallyOne = twins.tally.TallyOne  # type: ignore[misc]
+    TallyHistogram = twins.tally.TallyHistogram  # type: ignore[misc]
+    NoClock = twins.tally.NoClock  # type: ignore[misc]
 
 NO_CLOCK = NoClock()
 Clock = CpuClock | NoClock

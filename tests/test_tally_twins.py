@@ -1,0 +1,138 @@
+"""The orchestrator's per-request numbers, both twins: server/orchestrator/_tally.pyx against the pure
+classes of metrics.py and estimates.py (their ``PURE``), the same inputs giving the same results to
+the bit, the same errors, and the same values on the metrics page after a flush."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import pytest
+
+from server.metrics import Registry
+from server.orchestrator import estimates, metrics, twins
+
+COMPILED = twins.tally
+needs_compiled = pytest.mark.skipif(
+    COMPILED is None, reason="compiled twins not built (or FASTCORE_NO_EXTENSIONS=1)"
+)
+
+
+def pair(name: str) -> tuple[Any, Any]:
+    """(the pure class, the compiled one) of ``name``."""
+    pure = {**metrics.PURE, **estimates.PURE}[name]
+    assert COMPILED is not None
+    return pure, getattr(COMPILED, name)
+
+
+def test_the_chosen_twins_are_the_ones_the_orchestrator_uses() -> None:
+    if COMPILED is None:
+        assert twins.backend == "python"
+        assert metrics.TallyOne is metrics.PURE["TallyOne"]
+        assert estimates.BytesPerToken is estimates.PURE["BytesPerToken"]
+    else:
+        assert twins.backend == "cython"
+        assert metrics.TallyHistogram is COMPILED.TallyHistogram
+        assert isinstance(metrics.NO_CLOCK, COMPILED.NoClock)
+        assert estimates.BytesPerToken is COMPILED.BytesPerToken
+
+
+@needs_compiled
+def test_bytes_per_token_twins_agree_to_the_bit() -> None:
+    pure_class, c_class = pair("BytesPerToken")
+    rng = random.Random(25)
+    for trial in range(50):
+        pure, comp = pure_class(), c_class()
+        if trial % 3 == 0:
+            seed = rng.choice([None, 0.1, 2.0, 3.7, 64.0, 65.0, True, 7])
+            pure.seed(seed)
+            comp.seed(seed)
+        for _ in range(200):
+            nbytes = rng.choice([0, -5, 1, rng.randrange(1, 200_000), rng.randrange(1, 10**12)])
+            tokens = rng.choice([None, 0, 1, rng.randrange(1, 60_000), rng.randrange(1, 10**11)])
+            pure.observe(nbytes, tokens)
+            comp.observe(nbytes, tokens)
+            assert (comp.value, comp._bytes, comp._tokens, comp.observed) == (
+                pure.value, pure._bytes, pure._tokens, pure.observed,
+            )  # fmt: skip
+            n = rng.choice([0, 7, 4000, 160_000, 2.5])
+            assert comp.tokens(n) == pure.tokens(n)
+        comp.seed(3.0)  # after answers: ignored by both
+        pure.seed(3.0)
+        assert comp.value == pure.value
+
+
+@needs_compiled
+@pytest.mark.parametrize(
+    ("call", "error"),
+    [
+        (lambda e: e.seed("4"), TypeError),  # a worker's /server_info is not trusted to send a number
+        (lambda e: e.observe(10**400, 10), OverflowError),
+        (lambda e: e.observe("100", 10), TypeError),
+        (lambda e: e.tokens(None), TypeError),
+    ],
+)
+def test_bytes_per_token_twins_refuse_the_same_inputs(call: Any, error: type[Exception]) -> None:
+    for cls in pair("BytesPerToken"):
+        with pytest.raises(error):
+            call(cls())
+
+
+def histogram_child(name: str) -> Any:
+    return Registry().histogram(name, "Tallied.", ("phase",)).labels(phase="x")
+
+
+@needs_compiled
+def test_histogram_twins_count_the_same_buckets_and_flush_the_same_page() -> None:
+    amounts = [0.0, -1.0, 0.005, 0.0050000001, 0.1, 0.25, 2.5, 10.0, 1e9, math.inf, math.nan, 3, True]
+    amounts += [random.Random(1).uniform(0, 12) for _ in range(500)]
+    results = []
+    for cls in pair("TallyHistogram"):
+        child = histogram_child(f"t_twin_{cls.__module__.replace('.', '_')}_seconds")
+        tally = cls(child)
+        for amount in amounts:
+            tally.observe(amount)
+        counts, total = list(tally.counts), tally.sum
+        assert tally.pending
+        tally.flush()
+        assert not tally.pending and not any(tally.counts) and tally.sum == 0.0
+        tally.flush()  # nothing pending: nothing added
+        buckets = [b.get() for b in child._buckets]
+        results.append((counts, math.isnan(total), buckets, math.isnan(child._sum.get())))
+    assert results[0] == results[1]
+    assert sum(results[0][0]) == len(amounts) - 1  # every amount in a bucket, but NaN
+
+
+@needs_compiled
+def test_histogram_twins_refuse_what_is_not_a_number() -> None:
+    for cls in pair("TallyHistogram"):
+        child = histogram_child(f"t_twin_bad_{cls.__module__.replace('.', '_')}_seconds")
+        with pytest.raises(TypeError):
+            cls(child).observe(None)
+
+
+@needs_compiled
+def test_counter_twins_add_their_counts_at_the_flush() -> None:
+    for cls in pair("TallyOne"):
+        registry = Registry()
+        counter = registry.counter(f"t_twin_{cls.__module__.replace('.', '_')}_total", "Tallied.", ("path",))
+        tally = cls(counter.labels(path="a"))
+        for _ in range(5):
+            tally.inc()
+        assert tally.n == 5 and tally._value.get() == 0.0
+        tally.flush()
+        assert tally.n == 0 and tally._value.get() == 5.0
+        tally.flush()
+        assert tally._value.get() == 5.0
+
+
+@needs_compiled
+def test_clock_twins_take_the_same_arguments() -> None:
+    for cls in pair("NoClock"):
+        clock = cls()
+        assert clock.start() is None and clock.lap("relay") is None and clock.finish() is None
+        with pytest.raises(TypeError):
+            clock.lap()
+        with pytest.raises(TypeError):
+            clock.start("relay")
