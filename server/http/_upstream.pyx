@@ -300,7 +300,7 @@ cdef class Connection(ResponseParser):
             if failed:
                 self.close()
             elif self.response is None and not self.closed:
-                self.pool._release(self)
+                _pool_release(self.pool, self)
 
     cdef _flush(self, Response resp):
         pending = self.pending
@@ -406,7 +406,7 @@ cdef class Connection(ResponseParser):
             self.deadline = now + headers_timeout if headers_timeout else 0.0
         if self.deadline or self.read_timeout:
             self.timed = True
-            self.sweeper.add(self)
+            _sweeper_add(self.sweeper, self)
         if size < _JOINED_BELOW:
             transport.write(_EMPTY.join((head, *pieces)))
         else:
@@ -431,7 +431,7 @@ cdef class Connection(ResponseParser):
     cdef _cancel_timer(self):
         if self.timed:
             self.timed = False
-            self.sweeper.remove(self)
+            self.sweeper.active.discard(self)  # Deadlines.remove
 
     def _fail(self, exc):
         cdef Response resp = self.response
@@ -460,7 +460,7 @@ cdef class Connection(ResponseParser):
             if self.feeding:
                 self.release_after_feed = True
             else:
-                self.pool._release(self)
+                _pool_release(self.pool, self)
         else:
             self.close(reset=not resp.complete)
 
@@ -493,6 +493,24 @@ cdef class Connection(ResponseParser):
                 transport.abort()
             else:
                 transport.close()
+
+
+cdef inline _sweeper_add(sweeper, Connection conn):
+    """:meth:`server.http.client.Deadlines.add`: ``conn`` timed; the tick started if it is not running."""
+    sweeper.active.add(conn)
+    if sweeper.handle is None:
+        sweeper.handle = conn.loop.call_later(sweeper.TICK_S, sweeper.tick, conn.loop)
+
+
+cdef inline _pool_release(pool, Connection conn):
+    """:meth:`server.http.client.UpstreamPool._release`: ``conn`` idle in ``pool``, or closed past its
+    ``max_idle``."""
+    cdef list idle = pool.idle
+    if len(idle) >= pool.max_idle:
+        conn.close()
+        return
+    conn.idle_since = pool.loop.time()
+    idle.append(conn)
 
 
 # -- the pool's start, in C ----------------------------------------------------------------------

@@ -577,6 +577,7 @@ class Deadlines:
         self.handle: asyncio.TimerHandle | None = None
 
     def add(self, conn: _Connection) -> None:
+        # the compiled connection does this (and remove) in C: _upstream.pyx _sweeper_add
         self.active.add(conn)
         if self.handle is None:
             self.handle = conn.loop.call_later(self.TICK_S, self.tick, conn.loop)
@@ -804,6 +805,7 @@ class UpstreamPool:
             resp.on_error(UpstreamError("connection closed before the request was sent", sent=False))
 
     def _release(self, conn: _Connection) -> None:
+        # the compiled connection does this in C: _upstream.pyx _pool_release
         if len(self.idle) >= self.max_idle:
             conn.close()
             return
