@@ -13,7 +13,7 @@ from helpers import free_port
 
 from server.orchestrator import cli
 from server.orchestrator.config import ConfigError, OrchestratorConfig, build_config, merge_overrides
-from server.orchestrator.pools import UNHEALTHY_AFTER_TIMEOUTS, HealthChecker, Pool
+from server.orchestrator.pools import UNHEALTHY_AFTER_TIMEOUTS, Capabilities, HealthChecker, Pool
 
 PROTOCOL_YAML = """
 hostname: 127.0.0.1
@@ -441,6 +441,23 @@ async def test_b64_on_completions_only_when_server_info_says_so(answer, b64):
     assert not mixed.b64_completions
     mixed.workers[1].b64_completions = True
     assert mixed.b64_completions
+    mixed.workers[1].set_capabilities(Capabilities(b64_completions=False))  # read since: not a stale answer
+    assert not mixed.b64_completions
+
+
+def test_a_pools_readiness_follows_its_workers_health_though_kept_between_changes() -> None:
+    """Pool.ready and b64_completions are read on every request and kept with the routable workers:
+    each health, capability or membership change is seen by the next read."""
+    pool = Pool("generation", ["http://a", "http://b"], "round_robin")
+    assert not pool.ready  # nothing checked yet
+    pool.workers[1].healthy = True
+    assert pool.ready
+    pool.workers[1].healthy = False
+    assert not pool.ready
+    pool.workers[0].healthy = True
+    assert pool.ready
+    pool.workers = [pool.workers[1]]  # a new member list (discovery): the unhealthy one alone
+    assert not pool.ready
 
 
 def test_disagg_cluster_is_validated_and_needs_no_urls():

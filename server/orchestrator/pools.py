@@ -49,8 +49,9 @@ log = logging.getLogger("fastcore.orchestrator")
 
 
 UNHEALTHY_AFTER_TIMEOUTS = 3
-#: bumped by every change of a worker's health or a breaker's state: Pool.choose's cached list of
-#: routable workers is rebuilt only then, not on every request (routing cost independent of fleet size)
+#: bumped by every change of a worker's health, capabilities or breaker state: a Pool's cached view of
+#: its workers (routable ones, readiness, base64 ids) is rebuilt only then, not on every request
+#: (routing cost independent of fleet size)
 _ROUTABLE_EPOCH = [0]
 
 
@@ -188,8 +189,8 @@ class CircuitBreaker:
 
 class Worker:
     __slots__ = (
+        "_b64_completions",
         "_healthy",
-        "b64_completions",
         "breaker",
         "checked",
         "in_flight",
@@ -218,7 +219,7 @@ class Worker:
         # Health checks in a row that timed out.
         self.timeouts = 0
         # From /server_info, read each time the worker becomes healthy.
-        self.b64_completions = False
+        self._b64_completions = False
         self.local_prefill = False
         self.kv_capacity_tokens: int | None = None
         # The worker process's id, from its /health (a fastcore worker says it): a new one is
@@ -234,6 +235,16 @@ class Worker:
         if healthy != self._healthy:
             self._healthy = healthy
             _ROUTABLE_EPOCH[0] += 1  # Pool.choose's cached candidates are stale
+
+    @property
+    def b64_completions(self) -> bool:
+        return self._b64_completions
+
+    @b64_completions.setter
+    def b64_completions(self, b64: bool) -> None:
+        if b64 != self._b64_completions:
+            self._b64_completions = b64
+            _ROUTABLE_EPOCH[0] += 1  # Pool.b64_completions' cached answer is stale
 
     def set_capabilities(self, caps: Capabilities) -> None:
         self.b64_completions = caps.b64_completions
@@ -268,6 +279,7 @@ class Pool:
         self.discovered: set[str] = set()
         #: Pool.choose's cached routable workers (see _routable)
         self._routable_list: list[Worker] | None = None
+        self._ready = self._b64 = False
         self._routable_epoch = -1
         self._routable_of: list[Worker] | None = None
 
@@ -301,14 +313,16 @@ class Pool:
         Any worker of the pool may take a request, so one that cannot (a
         trtllm-serve server, or one not heard from yet) means the list.
         """
-        return all(w.b64_completions for w in self.workers)
+        if self._routable_epoch != _ROUTABLE_EPOCH[0] or self._routable_of is not self.workers:
+            self._refresh()
+        return self._b64
 
     @property
     def ready(self) -> bool:
-        for worker in self.workers:  # a loop, not any(genexpr): this runs on every request
-            if worker.healthy:
-                return True
-        return False
+        """Some worker is healthy (read on every request: kept with the routable workers)."""
+        if self._routable_epoch != _ROUTABLE_EPOCH[0] or self._routable_of is not self.workers:
+            self._refresh()
+        return self._ready
 
     def choose(self, exclude: Collection[Worker] = (), key: RequestKey | None = None) -> Worker | None:
         """A healthy worker not in ``exclude`` (those already tried) whose breaker lets a leg through,
@@ -332,15 +346,23 @@ class Pool:
 
     def _routable(self) -> list[Worker] | None:
         """The healthy workers whose breakers are closed (a list routers must not change), kept until
-        a health or breaker change or a new member list; None while some healthy worker's breaker
-        is not closed (whether it lets a probe through depends on the time: the full pass decides)."""
-        workers = self.workers
-        if self._routable_epoch != _ROUTABLE_EPOCH[0] or self._routable_of is not workers:
-            closed = [w for w in workers if w.healthy and w.breaker.state == CircuitBreaker.CLOSED]
-            tripped = any(w.healthy and w.breaker.state != CircuitBreaker.CLOSED for w in workers)
-            self._routable_list = None if tripped else closed
-            self._routable_epoch, self._routable_of = _ROUTABLE_EPOCH[0], workers
+        a health, breaker or capability change or a new member list; None while some healthy worker's
+        breaker is not closed (whether it lets a probe through depends on the time: the full pass
+        decides)."""
+        if self._routable_epoch != _ROUTABLE_EPOCH[0] or self._routable_of is not self.workers:
+            self._refresh()
         return self._routable_list
+
+    def _refresh(self) -> None:
+        """What the pool's workers say now, kept until the next change (``_ROUTABLE_EPOCH``) or member
+        list: the routable ones, whether any is healthy, whether all answer with base64 ids."""
+        workers = self.workers
+        closed = [w for w in workers if w.healthy and w.breaker.state == CircuitBreaker.CLOSED]
+        tripped = any(w.healthy and w.breaker.state != CircuitBreaker.CLOSED for w in workers)
+        self._routable_list = None if tripped else closed
+        self._ready = any(w.healthy for w in workers)
+        self._b64 = all(w.b64_completions for w in workers)
+        self._routable_epoch, self._routable_of = _ROUTABLE_EPOCH[0], workers
 
     def all_open(self) -> bool:
         """Some worker is healthy, and every healthy one's breaker is open (or probing)."""
