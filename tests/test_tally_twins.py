@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from server.metrics import Registry
-from server.orchestrator import estimates, metrics, twins
+from server.orchestrator import estimates, metrics, pools, twins
 
 COMPILED = twins.tally
 needs_compiled = pytest.mark.skipif(
@@ -21,7 +21,7 @@ needs_compiled = pytest.mark.skipif(
 
 def pair(name: str) -> tuple[Any, Any]:
     """(the pure class, the compiled one) of ``name``."""
-    pure = {**metrics.PURE, **estimates.PURE}[name]
+    pure = {**metrics.PURE, **estimates.PURE, **pools.PURE}[name]
     assert COMPILED is not None
     return pure, getattr(COMPILED, name)
 
@@ -36,6 +36,7 @@ def test_the_chosen_twins_are_the_ones_the_orchestrator_uses() -> None:
         assert metrics.TallyHistogram is COMPILED.TallyHistogram
         assert isinstance(metrics.NO_CLOCK, COMPILED.NoClock)
         assert estimates.BytesPerToken is COMPILED.BytesPerToken
+        assert isinstance(pools.Worker("http://a").breaker, COMPILED.CircuitBreaker)
 
 
 @needs_compiled
@@ -136,3 +137,40 @@ def test_clock_twins_take_the_same_arguments() -> None:
             clock.lap()
         with pytest.raises(TypeError):
             clock.start("relay")
+
+
+def breaker_state(b: Any) -> tuple[Any, ...]:
+    return (b.state, b._state, b.failures, b.open_for, b.probing, b.opened, b.threshold, b.open_s)
+
+
+@needs_compiled
+def test_breaker_twins_walk_the_same_states_and_bump_the_same_epoch() -> None:
+    pure_class, c_class = pair("CircuitBreaker")
+    assert breaker_state(pure_class()) == breaker_state(c_class())  # the same defaults
+    assert (c_class.CLOSED, c_class.HALF_OPEN, c_class.OPEN, c_class.MAX_OPEN_FACTOR) == (
+        pure_class.CLOSED, pure_class.HALF_OPEN, pure_class.OPEN, pure_class.MAX_OPEN_FACTOR,
+    )  # fmt: skip
+    rng = random.Random(7)
+    for trial in range(40):
+        threshold, open_s = rng.choice([1, 2, 3]), rng.choice([5, 0.5, 2.0])
+        twins_ = [pure_class(threshold, open_s), c_class(threshold, open_s)]
+        for _ in range(60):
+            op = rng.choice(["chosen", "succeeded", "failed", "failed_at_once", "ended", "allows"])
+            delta = rng.choice([0.0, 0.1, open_s, open_s * 3, open_s * 20])
+            answers, bumps = [], []
+            for b in twins_:
+                epoch = pools._ROUTABLE_EPOCH[0]
+                if op == "failed":
+                    answers.append(b.failed())
+                elif op == "failed_at_once":
+                    answers.append(b.failed(at_once=True))
+                elif op == "allows":
+                    answers.append(b.allows(b.opened_at + delta))
+                else:
+                    answers.append(getattr(b, op)())
+                bumps.append(pools._ROUTABLE_EPOCH[0] - epoch)
+            assert answers[0] == answers[1] and bumps[0] == bumps[1], (trial, op)
+            assert breaker_state(twins_[0]) == breaker_state(twins_[1]), (trial, op)
+        for b in twins_:
+            b.state = pure_class.HALF_OPEN  # set from outside (the tests do): the same epoch bump
+        assert breaker_state(twins_[0]) == breaker_state(twins_[1])

@@ -1,14 +1,17 @@
 # cython: language_level=3, auto_pickle=False
 """The orchestrator's per-request numbers in C: the compiled twins of :mod:`.metrics`' ``TallyOne``,
-``TallyHistogram`` and ``NoClock`` and of :mod:`.estimates`' ``BytesPerToken``.
+``TallyHistogram`` and ``NoClock``, of :mod:`.estimates`' ``BytesPerToken`` and of :mod:`.pools`'
+``CircuitBreaker``.
 
-Each request counts itself, observes three latencies, laps a clock that is not sampled and teaches
-two bytes-per-token estimates: in Python that is a dozen frames and their float objects (about 6%
-of the orchestrator's instructions per 1 KB request, ``bench.front_instructions``); here each is one
-C method call on C numbers. The pure classes are the behavioural reference (the same arithmetic in
+Each request counts itself, observes three latencies, laps a clock that is not sampled, teaches
+two bytes-per-token estimates and passes each leg's worker's breaker three times: in Python that
+is some twenty frames and their float objects (about 7% of the orchestrator's instructions per
+1 KB request, ``bench.front_instructions``); here each is one C method call on C numbers. The pure classes are the behavioural reference (the same arithmetic in
 the same order, on doubles: the same results to the bit); :mod:`.twins` picks these where they are
 built, and the tests run both.
 """
+
+import time
 
 from libc.stdlib cimport free, malloc
 
@@ -169,3 +172,87 @@ cdef class BytesPerToken:
 
     def tokens(self, nbytes):
         return int(nbytes / self.value)
+
+
+#: pools.py's ``_ROUTABLE_EPOCH`` (a one-item list), bumped by a breaker's change of state as the pure
+#: twin bumps it; pools.py hands it over at import (watch_epoch)
+cdef list _epoch = [0]
+
+
+def watch_epoch(list epoch):
+    """Bump ``epoch[0]`` on each breaker's change of state (pools.py's cached routable workers)."""
+    global _epoch
+    _epoch = epoch
+
+
+cdef class CircuitBreaker:
+    """pools.CircuitBreaker: one worker's breaker, its state, counts and times in C (three C calls per
+    leg: ``chosen``, ``succeeded`` or ``failed``, ``ended``)."""
+
+    CLOSED, HALF_OPEN, OPEN = 0, 1, 2
+    MAX_OPEN_FACTOR = 8
+
+    cdef public object threshold
+    cdef public object open_s
+    cdef public int _state
+    cdef public object failures
+    cdef public object open_for
+    cdef public double opened_at
+    cdef public bint probing
+    cdef public object opened
+
+    def __init__(self, threshold=3, open_s=5.0):
+        self.threshold = threshold
+        self.open_s = open_s
+        self._state = 0
+        self.failures = 0
+        self.open_for = open_s
+        self.opened_at = 0.0
+        self.probing = False
+        self.opened = 0
+
+    @property
+    def state(self):
+        return self._state
+
+    @state.setter
+    def state(self, int state):
+        if state != self._state:
+            self._state = state
+            _epoch[0] += 1  # Pool.choose's cached candidates are stale
+
+    def allows(self, now):
+        if self._state == 2:
+            if now - self.opened_at < self.open_for:
+                return False
+            self.state = 1
+            self.probing = False
+        return not self.probing
+
+    def chosen(self):
+        if self._state == 1:
+            self.probing = True
+
+    def succeeded(self):
+        self.failures = 0
+        self.probing = False
+        if self._state != 0:
+            self.state = 0
+            self.open_for = self.open_s
+
+    def failed(self, *, at_once=False):
+        self.failures += 1
+        probe = self._state == 1
+        if self._state == 2 or not (at_once or probe or self.failures >= self.threshold):
+            return False
+        if probe:
+            self.open_for = min(self.open_for * 2, self.open_s * self.MAX_OPEN_FACTOR)
+        self.state = 2
+        self.opened_at = time.monotonic()
+        self.probing = False
+        self.opened += 1
+        return True
+
+    def ended(self):
+        if self._state == 1:
+            self.probing = False

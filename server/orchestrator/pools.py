@@ -31,6 +31,7 @@ import aiohttp
 from fastcore import protocol as wire
 from server.tasks import stop_tasks
 
+from . import twins
 from .routing import ROUTERS, LeastLoadedRouter, RequestKey, RoundRobinRouter, Router, make_router
 
 __all__ = [
@@ -185,6 +186,14 @@ class CircuitBreaker:
         """The leg is over, whatever its verdict: a probe without one lets the next leg probe."""
         if self._state == self.HALF_OPEN:
             self.probing = False
+
+
+#: the pure twin (the behavioural reference); where the compiled one is built
+#: (server/orchestrator/_tally.pyx, picked by twins.py) ``CircuitBreaker`` is its, bumping the same epoch
+PURE: dict[str, type] = {"CircuitBreaker": CircuitBreaker}
+if twins.tally is not None:
+    twins.tally.watch_epoch(_ROUTABLE_EPOCH)
+    CircuitBreaker = twins.tally.CircuitBreaker  # type: ignore[misc]
 
 
 class Worker:

@@ -3,7 +3,8 @@ it is missing or ``FASTCORE_NO_EXTENSIONS=1`` is set (as :mod:`fastcore` and
 :mod:`server.http.parse` choose theirs).
 
 ``_tally`` holds the C twins of the per-request numbers: :mod:`.metrics`' ``TallyOne``,
-``TallyHistogram`` and ``NoClock``, :mod:`.estimates`' ``BytesPerToken``. Each of those modules
+``TallyHistogram`` and ``NoClock``, :mod:`.estimates`' ``BytesPerToken``, :mod:`.pools`'
+``CircuitBreaker``. Each of those modules
 keeps its pure class (the behavioural reference) under ``PURE`` and exports the twin chosen here
 under the class's name.
 """
