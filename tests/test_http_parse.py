@@ -349,3 +349,36 @@ def test_a_refused_request_s_body_is_not_kept_by_the_compiled_parser(second: byt
         parser.feed(second)
     assert refused.value.status == status
     assert not [o for o in gc.get_referents(parser) if isinstance(o, (list, bytes)) and o]
+
+
+def read_into(parser: Any, data: bytes) -> tuple[int, int]:
+    """One read as uvloop makes it on the compiled parser: into what get_buffer hands (at most its size
+    of ``data``), then feed_buffered; (the buffer's size, the bytes read)."""
+    window = memoryview(parser.get_buffer(-1)).cast("B")
+    n = min(len(window), len(data))
+    window[:n] = data[:n]
+    parser.feed_buffered(n)
+    return len(window), n
+
+
+def test_a_read_between_messages_takes_a_head_and_a_large_bodys_rest_goes_straight_into_it() -> None:
+    """Compiled parser: between messages uvloop gets the read buffer's first HEAD_READ bytes (a head
+    and the start of its body), so a large body of a known length is read into its own bytes object
+    from there on instead of up to 64 KB of it being copied there out of a whole read buffer; in the
+    middle of any other message (a chunked body) a read takes the whole buffer."""
+    _parse = compiled()
+    conn = Recorder()
+    parser = _parse.RequestParser(conn, Limits(max_body_bytes=1 << 20))
+    body = bytes(range(256)) * 640  # 160 KB: a 40k-token prompt
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % len(body)
+    data = head + body
+    size, n = read_into(parser, data)
+    assert size == n == _parse.HEAD_READ < _parse.READ_BUFFER
+    size, n = read_into(parser, data[n:])
+    assert size == n == len(data) - _parse.HEAD_READ  # the rest of the body, into its own bytes
+    assert conn.events[-1] == ("complete", body, True, len(body))
+    chunked_head = b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab"
+    assert read_into(parser, chunked_head) == (_parse.HEAD_READ, len(chunked_head))
+    assert read_into(parser, b"cde\r\n0\r\n\r\n") == (_parse.READ_BUFFER, 10)  # mid-message: all of it
+    assert conn.events[-1][:2] == ("complete", b"abcde")
+    assert len(memoryview(parser.get_buffer(-1))) == _parse.HEAD_READ  # between messages again

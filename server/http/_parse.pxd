@@ -13,6 +13,7 @@ cdef extern from "llhttp.h":
         uint8_t upgrade
         uint16_t flags
         uint16_t status_code
+        uint8_t finish
         void* data
 
     ctypedef int (*llhttp_data_cb)(llhttp_t*, const char*, size_t) noexcept
@@ -42,6 +43,7 @@ cdef extern from "llhttp.h":
 
     enum:
         F_CONTENT_LENGTH
+        HTTP_FINISH_SAFE
 
     void llhttp_settings_init(llhttp_settings_t* settings)
     void llhttp_init(llhttp_t* parser, llhttp_type_t type, const llhttp_settings_t* settings)
@@ -110,7 +112,7 @@ cdef class BodyReader:
     cdef bint into
 
     cdef bint begin(self, Py_ssize_t size)
-    cdef object buffer(self)
+    cdef object buffer(self, bint between_messages)
     cdef const char* last_read(self) noexcept
     cdef int take(self, const char* at, Py_ssize_t n) except -1
     cdef object finish(self)

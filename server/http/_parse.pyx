@@ -225,7 +225,7 @@ cdef class RequestParser:
         a body being read whole, else the process's read buffer."""
         if self.reader is None:
             self.reader = BodyReader()
-        return self.reader.buffer()
+        return self.reader.buffer(self.parser.finish == HTTP_FINISH_SAFE)
 
     def feed_buffered(self, Py_ssize_t nbytes):
         """:meth:`feed` of the ``nbytes`` a read put where :meth:`get_buffer` said."""
@@ -612,6 +612,12 @@ READ_BUFFER = 64 * 1024
 # body into its own bytes).
 cdef bytearray _SCRATCH = bytearray(READ_BUFFER)
 cdef char* _SCRATCH_AT = PyByteArray_AS_STRING(_SCRATCH)
+#: what a read between two messages takes: the next head and the start of its body, not a whole read
+#: buffer of body bytes that would then be copied into the body's own bytes object once the head
+#: says its size (up to 64 KB of copying per large body); the rest of a body of a known length is
+#: read straight into it, and a read in the middle of any other message takes the whole buffer
+HEAD_READ = 16 * 1024
+cdef object _SCRATCH_HEAD = memoryview(_SCRATCH)[:HEAD_READ]
 
 
 cdef class ReadWindow:
@@ -653,8 +659,9 @@ cdef class BodyReader:
         self.filled = 0
         return True
 
-    cdef object buffer(self):
-        """What get_buffer hands uvloop: the rest of the body being read, else the read buffer."""
+    cdef object buffer(self, bint between_messages):
+        """What get_buffer hands uvloop: the rest of the body being read, else the read buffer (its first
+        ``HEAD_READ`` bytes ``between_messages``: llhttp has no message begun)."""
         cdef ReadWindow window
         if self.data is not None and self.filled < self.size:
             window = self.window
@@ -666,7 +673,7 @@ cdef class BodyReader:
             self.into = True
             return window
         self.into = False
-        return _SCRATCH
+        return _SCRATCH_HEAD if between_messages else _SCRATCH
 
     cdef const char* last_read(self) noexcept:
         """Where the read buffer_updated reports went."""
