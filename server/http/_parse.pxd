@@ -112,7 +112,7 @@ cdef class BodyReader:
     cdef bint into
 
     cdef bint begin(self, Py_ssize_t size)
-    cdef object buffer(self, bint between_messages)
+    cdef object buffer(self, const llhttp_t* parser)
     cdef const char* last_read(self) noexcept
     cdef int take(self, const char* at, Py_ssize_t n) except -1
     cdef object finish(self)

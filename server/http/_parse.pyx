@@ -225,7 +225,7 @@ cdef class RequestParser:
         a body being read whole, else the process's read buffer."""
         if self.reader is None:
             self.reader = BodyReader()
-        return self.reader.buffer(self.parser.finish == HTTP_FINISH_SAFE)
+        return self.reader.buffer(&self.parser)
 
     def feed_buffered(self, Py_ssize_t nbytes):
         """:meth:`feed` of the ``nbytes`` a read put where :meth:`get_buffer` said."""
@@ -659,9 +659,9 @@ cdef class BodyReader:
         self.filled = 0
         return True
 
-    cdef object buffer(self, bint between_messages):
+    cdef object buffer(self, const llhttp_t* parser):
         """What get_buffer hands uvloop: the rest of the body being read, else the read buffer (its first
-        ``HEAD_READ`` bytes ``between_messages``: llhttp has no message begun)."""
+        ``HEAD_READ`` bytes between messages: ``parser``, the connection's llhttp, has none begun)."""
         cdef ReadWindow window
         if self.data is not None and self.filled < self.size:
             window = self.window
@@ -673,7 +673,7 @@ cdef class BodyReader:
             self.into = True
             return window
         self.into = False
-        return _SCRATCH_HEAD if between_messages else _SCRATCH
+        return _SCRATCH_HEAD if parser.finish == HTTP_FINISH_SAFE else _SCRATCH
 
     cdef const char* last_read(self) noexcept:
         """Where the read buffer_updated reports went."""

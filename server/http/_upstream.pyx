@@ -16,7 +16,7 @@ parsers are (``UpstreamPool.connection_class`` / ``response_class``), else clien
 import socket
 import struct
 
-from ._parse cimport HTTP_FINISH_SAFE, BodyReader, ResponseParser
+from ._parse cimport BodyReader, ResponseParser
 
 from .client import REQUEST_HEAD, WRITE_JOINED_BELOW, UpstreamError, UpstreamTimeout
 from .request import BadResponse
@@ -256,7 +256,7 @@ cdef class Connection(ResponseParser):
     def get_buffer(self, Py_ssize_t sizehint):
         if self.reader is None:
             self.reader = BodyReader()
-        return self.reader.buffer(self.parser.finish == HTTP_FINISH_SAFE)
+        return self.reader.buffer(&self.parser)
 
     def buffer_updated(self, Py_ssize_t nbytes):
         self._received(None, self.reader.last_read(), nbytes)
