@@ -6,9 +6,10 @@
 Each request counts itself, observes three latencies, laps a clock that is not sampled, teaches
 two bytes-per-token estimates and passes each leg's worker's breaker three times: in Python that
 is some twenty frames and their float objects (about 7% of the orchestrator's instructions per
-1 KB request, ``bench.front_instructions``); here each is one C method call on C numbers. The pure classes are the behavioural reference (the same arithmetic in
-the same order, on doubles: the same results to the bit); :mod:`.twins` picks these where they are
-built, and the tests run both.
+1 KB request, ``bench.front_instructions``); here each is one C method call on C numbers. The
+pure classes are the behavioural reference (the same arithmetic in the same order, on doubles:
+the same results to the bit); :mod:`.twins` picks these where they are built, and the tests run
+both (tests/test_tally_twins.py, which also pins the constants below to the pure twins').
 """
 
 import time
@@ -185,11 +186,19 @@ def watch_epoch(list epoch):
     _epoch = epoch
 
 
+cdef enum:
+    # pools.CircuitBreaker's states (its CLOSED, HALF_OPEN, OPEN)
+    B_CLOSED = 0
+    B_HALF_OPEN = 1
+    B_OPEN = 2
+
+
 cdef class CircuitBreaker:
     """pools.CircuitBreaker: one worker's breaker, its state, counts and times in C (three C calls per
-    leg: ``chosen``, ``succeeded`` or ``failed``, ``ended``)."""
+    leg: ``chosen``, ``succeeded`` or ``failed``, ``ended``); its defaults pools' BREAKER_FAILURES and
+    BREAKER_OPEN_S."""
 
-    CLOSED, HALF_OPEN, OPEN = 0, 1, 2
+    CLOSED, HALF_OPEN, OPEN = B_CLOSED, B_HALF_OPEN, B_OPEN
     MAX_OPEN_FACTOR = 8
 
     cdef public object threshold
@@ -204,7 +213,7 @@ cdef class CircuitBreaker:
     def __init__(self, threshold=3, open_s=5.0):
         self.threshold = threshold
         self.open_s = open_s
-        self._state = 0
+        self._state = B_CLOSED
         self.failures = 0
         self.open_for = open_s
         self.opened_at = 0.0
@@ -222,37 +231,37 @@ cdef class CircuitBreaker:
             _epoch[0] += 1  # Pool.choose's cached candidates are stale
 
     def allows(self, now):
-        if self._state == 2:
+        if self._state == B_OPEN:
             if now - self.opened_at < self.open_for:
                 return False
-            self.state = 1
+            self.state = B_HALF_OPEN
             self.probing = False
         return not self.probing
 
     def chosen(self):
-        if self._state == 1:
+        if self._state == B_HALF_OPEN:
             self.probing = True
 
     def succeeded(self):
         self.failures = 0
         self.probing = False
-        if self._state != 0:
-            self.state = 0
+        if self._state != B_CLOSED:
+            self.state = B_CLOSED
             self.open_for = self.open_s
 
     def failed(self, *, at_once=False):
         self.failures += 1
-        probe = self._state == 1
-        if self._state == 2 or not (at_once or probe or self.failures >= self.threshold):
+        probe = self._state == B_HALF_OPEN
+        if self._state == B_OPEN or not (at_once or probe or self.failures >= self.threshold):
             return False
         if probe:
             self.open_for = min(self.open_for * 2, self.open_s * self.MAX_OPEN_FACTOR)
-        self.state = 2
+        self.state = B_OPEN
         self.opened_at = time.monotonic()
         self.probing = False
         self.opened += 1
         return True
 
     def ended(self):
-        if self._state == 1:
+        if self._state == B_HALF_OPEN:
             self.probing = False

@@ -4,9 +4,8 @@ it is missing or ``FASTCORE_NO_EXTENSIONS=1`` is set (as :mod:`fastcore` and
 
 ``_tally`` holds the C twins of the per-request numbers: :mod:`.metrics`' ``TallyOne``,
 ``TallyHistogram`` and ``NoClock``, :mod:`.estimates`' ``BytesPerToken``, :mod:`.pools`'
-``CircuitBreaker``. Each of those modules
-keeps its pure class (the behavioural reference) under ``PURE`` and exports the twin chosen here
-under the class's name.
+``CircuitBreaker``. Each of those modules keeps its pure class (the behavioural reference) under
+``PURE`` and exports the twin chosen here under the class's name.
 """
 
 from __future__ import annotations
