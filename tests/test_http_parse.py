@@ -382,3 +382,21 @@ def test_a_read_between_messages_takes_a_head_and_a_large_bodys_rest_goes_straig
     assert read_into(parser, b"cde\r\n0\r\n\r\n") == (_parse.READ_BUFFER, 10)  # mid-message: all of it
     assert conn.events[-1][:2] == ("complete", b"abcde")
     assert len(memoryview(parser.get_buffer(-1))) == _parse.HEAD_READ  # between messages again
+
+
+def test_a_request_after_a_large_one_is_framed_the_same_however_the_reads_split(
+    http_twin: ModuleType,
+) -> None:
+    """A valid request pipelined after a 17 KB one (its body past the 16 KB header limit): the first
+    request's head being in progress when a read began is not counted against the second's head,
+    which that read also began; the two requests in one read and split at every boundary (the first
+    read ending inside the first head) give the same events, on each twin."""
+    body = b"x" * (17 * 1024)
+    first = HEAD + b"Content-Length: %d\r\n\r\n" % len(body) + body
+    data = first + b"GET /second HTTP/1.1\r\nHost: t\r\n\r\n"
+    whole = events(http_twin.RequestParser, [data], Limits())
+    assert [e[0] for e in whole] == ["begin", "head", "complete", "begin", "head", "complete"]
+    lead = 10  # the first read: inside the first request's head
+    for cut in range(lead + 1, len(data)):
+        reads = [data[:lead], data[lead:cut], data[cut:]]
+        assert events(http_twin.RequestParser, reads, Limits()) == whole, cut

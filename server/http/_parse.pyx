@@ -431,6 +431,9 @@ cdef int _on_message_begin(llhttp_t* p) noexcept:
     self.in_field = self.field_pending = self.head_done = self.chunked = self.expect_continue = False
     self.hosts = self.transfer_encodings = self.size = self.head_bytes = 0
     self.begin_read = self.last_read
+    # This read is the one the request began in, not one of its head's later reads (uncounted
+    # even if the previous request's head was in progress when it began).
+    self.mid_headers = False
     if self.capacity > 16 * HEAD_BUFFER:
         # A large head is not kept for the connection's life.
         free(self.buf)

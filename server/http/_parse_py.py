@@ -122,11 +122,11 @@ class RequestParser:
     def feed(self, data: bytes) -> None:
         """Parse one read; raises :class:`Refused`, or what a ``conn`` event raised."""
         self.last_read = len(data)
-        req = self.req
+        begun = self.req  # the request in progress when this read began
         # Headers already in progress when this read began: the whole read is header bytes.
-        mid_headers = req is not None and not req.method
+        mid_headers = begun is not None and not begun.method
         # Likewise a trailer section (after the last chunk's size line): bounded like headers.
-        mid_trailers = self.chunk_state == 1 and req is not None
+        mid_trailers = self.chunk_state == 1 and begun is not None
         self.chunk_header_in_read = False
         try:
             self.parser.feed_data(data)
@@ -142,8 +142,9 @@ class RequestParser:
         if req is not None and not req.method:
             # Headers still incomplete after this read: bound what they may
             # take. The read they began in is not counted (it may carry the
-            # previous request's tail); the exact sum is taken when they end.
-            if mid_headers:
+            # previous request's tail); the exact sum is taken when they end. Nor is a read
+            # that began in another request's head: it is the read this one began in.
+            if mid_headers and req is begun:
                 self.head_bytes += len(data)
             if self.head_bytes > self.max_header_bytes:
                 raise refusal(R_HEADER_BYTES, self.max_header_bytes)
