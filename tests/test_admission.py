@@ -363,6 +363,37 @@ async def test_sighup_reloads_the_key_file_in_a_real_process(tmp_path: Path) -> 
         assert proc.returncode == 0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
+async def test_sighup_without_a_key_file_is_a_logged_no_op(processes: int, tmp_path: Path) -> None:
+    """As nginx's reload: SIGHUP to an orchestrator with no api_keys_file (one process, or the parent
+    of --workers 2) re-reads nothing, says so, and the orchestrator goes on serving (SIGHUP's
+    default action ended it)."""
+    log = tmp_path / "stderr"
+    said = "SIGHUP: no api_keys_file, nothing to reload"
+    async with workers() as (ctx_url, gen_url):
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "server.cli", "orchestrator", "--port", str(port), "--context-urls", ctx_url,
+             "--generation-urls", gen_url, "--health-check-interval-s", "0.1", "--workers", str(processes)],
+            stderr=log.open("w"), env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+        try:
+            assert await eventually_long(
+                lambda: log.read_text().count("listening on") == processes, timeout=60
+            )
+            proc.send_signal(signal.SIGHUP)
+            assert await eventually_long(lambda: log.read_text().count(said) == processes)
+            assert proc.poll() is None
+            for _ in range(4):  # a new connection each: whichever process takes it
+                async with aiohttp.ClientSession() as session:
+                    assert (await post(session, f"http://127.0.0.1:{port}"))[0] == 200
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+        assert proc.returncode == 0, log.read_text()[-2000:]
+
+
 # -- admission on real sockets --------------------------------------------------------------------------
 
 

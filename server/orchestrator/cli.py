@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 from collections.abc import Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from server.cli import cannot_listen
 from server.ports import listen_problem, port_problem
@@ -32,6 +32,9 @@ from .config import (
     load_config_file,
     merge_overrides,
 )
+
+if TYPE_CHECKING:
+    from .tenants import ApiKeys
 
 log = logging.getLogger("fastcore.orchestrator")
 
@@ -210,8 +213,9 @@ async def serve(config: OrchestratorConfig, *, reuse_port: bool) -> None:
             raise
         print(cannot_listen("orchestrator", config.hostname, config.port, why), file=sys.stderr)
         raise SystemExit(2) from None
-    if orchestrator.keys is not None:  # SIGHUP: the key file re-read (a bad one keeps the old keys)
-        loop.add_signal_handler(signal.SIGHUP, orchestrator.keys.reload)
+    # SIGHUP: the key file re-read (a bad one keeps the old keys); without one, a logged no-op
+    # (as nginx's reload) rather than the signal's default, which ends the process.
+    loop.add_signal_handler(signal.SIGHUP, reload_keys, orchestrator.keys)
     # --workers N: this process's scrape-time values written where the others' scrapes read them.
     metrics_sync = asyncio.ensure_future(orchestrator.registry.keep_synced())
     log.info(
@@ -231,6 +235,14 @@ async def serve(config: OrchestratorConfig, *, reuse_port: bool) -> None:
         metrics_sync.cancel()
         await runner.cleanup()
         orchestrator.registry.sync()  # the last totals of a process that stops
+
+
+def reload_keys(keys: ApiKeys | None) -> None:
+    """SIGHUP: the key table re-reads its file; with no file (none, or one key from the environment) a no-op."""
+    if keys is None or keys.path is None:
+        log.info("SIGHUP: no api_keys_file, nothing to reload")
+        return
+    keys.reload()
 
 
 def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
@@ -271,14 +283,14 @@ def _run_processes(config: OrchestratorConfig, log_level: str) -> int:
 
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
-    if config.api_keys_file is not None:  # each process holds its own key table: each re-reads it
 
-        def _reload(signum: int, frame: Any) -> None:
-            for proc in procs:
-                if proc.pid is not None and proc.exitcode is None:
-                    os.kill(proc.pid, signal.SIGHUP)
+    # Each process holds its own key table: each re-reads it (or says there is none to re-read).
+    def _reload(signum: int, frame: Any) -> None:
+        for proc in procs:
+            if proc.pid is not None and proc.exitcode is None:
+                os.kill(proc.pid, signal.SIGHUP)
 
-        signal.signal(signal.SIGHUP, _reload)
+    signal.signal(signal.SIGHUP, _reload)
     metrics_dir = SharedMetricsDir()
     with metrics_dir.exported():  # the spawned children import prometheus_client with it set
         for proc in procs:
