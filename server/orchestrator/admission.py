@@ -153,13 +153,16 @@ class _Waiter:
 class _TenantQueue:
     """One tenant's state: its waiting requests (a heap by priority, then arrival), its deficit."""
 
-    __slots__ = ("admitted", "deficit", "heap", "limits", "name", "rejected", "waiting", "weight")
+    __slots__ = ("admitted", "deficit", "heap", "left", "limits", "name", "rejected", "waiting", "weight")
 
     def __init__(self, tenant: Tenant, limits: _Limits | None) -> None:
         self.name = tenant.name
         self.weight = tenant.weight
         self.heap: list[tuple[int, int, _Waiter]] = []
         self.waiting = 0
+        #: entries of the heap whose request left (lazy deletion: dropped when popped, or all at
+        #: once when they are over half of it, so joins and leaves cannot grow it)
+        self.left = 0
         self.deficit = 0.0
         self.admitted = 0
         self.rejected = dict.fromkeys(REJECT_REASONS, 0)
@@ -308,6 +311,7 @@ class Admission:
             heap = queue.heap
             waiter = heapq.heappop(heap)[2]
             while not waiter.live:  # removed (left, timed out) after it was pushed
+                queue.left -= 1
                 waiter = heapq.heappop(heap)[2]
             if queue.waiting == 1:
                 active.popleft()
@@ -328,6 +332,7 @@ class Admission:
         self._take_out(waiter)
         if not waiter.queue.waiting:
             waiter.queue.heap.clear()
+            waiter.queue.left = 0
         self.inflight += 1
         waiter.queue.admitted += 1
         waiter.future.set_result(None)
@@ -336,8 +341,15 @@ class Admission:
         """A waiter that leaves the queue without a slot."""
         self._take_out(waiter)
         queue = waiter.queue
-        if not queue.waiting:
+        if queue.waiting:
+            queue.left += 1
+            if queue.left * 2 > len(queue.heap):  # left ones over half: rebuilt from the live ones
+                queue.heap = [entry for entry in queue.heap if entry[2].live]
+                heapq.heapify(queue.heap)
+                queue.left = 0
+        else:
             queue.heap.clear()
+            queue.left = 0
             queue.deficit = 0.0
             try:
                 self._active.remove(queue)
