@@ -54,7 +54,7 @@ from server.metrics_access import METRICS_TOKEN_ENV
 from server.orchestrator.cli import add_gate_arguments, gate_flags
 from server.orchestrator.config import RELAY_MODES, config_default
 from server.ports import port_problem, release_ports, reserve_ports
-from server.process import start_child
+from server.process import import_path_env, python_module, start_child
 from server.worker.cli import DEFAULT_MODEL, served_name
 
 STOP_GRACE_S = 10.0
@@ -191,7 +191,7 @@ def plan(args: argparse.Namespace, cluster_uri: str | None = None) -> list[Child
         raise ValueError("--drain-timeout-s must be 0 or more")
     cluster_name = getattr(args, "cluster_name", None) or DEFAULT_CLUSTER_NAME
     cluster_args = ["--cluster-uri", cluster_uri, "--cluster-name", cluster_name] if cluster_uri else []
-    python = [sys.executable, "-m", "server.cli"]
+    python = python_module("server.cli")  # never the working directory's server/ or fastcore/
     port = args.worker_base_port if args.worker_base_port is not None else args.port + 1
     children: list[Child] = []
     urls: dict[str, list[str]] = {"context": [], "generation": []}
@@ -455,7 +455,7 @@ def _deploy(args: argparse.Namespace, children: list[Child], cluster_uri: str | 
     stop = _StopRequest()
     # The secret reaches the children in a 0600 file (--shared-secret-file), not their environment:
     # a process's environment is in /proc/<pid>/environ and passes to everything it starts.
-    env = dict(os.environ)
+    env = import_path_env(dict(os.environ))
     secret_file = write_secret_file(env.pop(SHARED_SECRET_ENV, "") or secrets.token_hex(32))
     for child in children:
         child.argv += ["--shared-secret-file", secret_file]

@@ -199,3 +199,26 @@ def test_a_port_taken_between_the_check_and_the_bind_is_one_line_too(busy_port: 
     assert ports.listen_problem(OSError(2, "No such file")) is None
     assert ports.port_problem("127.0.0.1", busy_port) == "the port is already in use"
     assert ports.port_problem("127.0.0.1", 0) is None
+
+
+# ---------------------------------------------------------------- another project's fastcore
+
+
+@pytest.mark.parametrize("argv", [("--help",), ("--version",), ("up", "--model", "synthetic")])
+def test_another_projects_fastcore_first_on_the_path_is_one_line_naming_it(
+    argv: tuple[str, ...], tmp_path: Path
+) -> None:
+    """fast.ai's ``fastcore`` (2.x) installed over ours, or first on the import path: every command,
+    even --help, says so in one line with the fix and exits 2 (each died of an AttributeError)."""
+    foreign = tmp_path / "fastcore"
+    foreign.mkdir()
+    (foreign / "__init__.py").write_text('__version__ = "2.0.0"\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "server.cli", *argv], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join((str(tmp_path), str(ROOT)))}, check=False,
+    )  # fmt: skip
+    line = one_line(done)
+    assert line.startswith(
+        "fastcore-serve: `import fastcore` finds another project's package (version 2.0.0, "
+    )
+    assert str(foreign / "__init__.py") in line and "virtual environment" in line

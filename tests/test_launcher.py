@@ -42,14 +42,21 @@ def _port_free(port: int) -> bool:
 class Up:
     """``python -m server.cli up ...`` with its output read line by line on a thread."""
 
-    def __init__(self, *extra: str, port: int | None = None, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, *extra: str, port: int | None = None, env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> None:
         self.port = port if port is not None else free_port()
         self.worker_base = free_ports(2)
-        argv = [sys.executable, "-m", "server.cli", "up", "--port", str(self.port)]
+        # From another directory: started as the console script is (the working directory not on
+        # the import path), with the checkout's packages importable from there.
+        python = [sys.executable, "-m"] if cwd is None else [sys.executable, "-P", "-m"]
+        if cwd is not None:
+            env = {**(env or os.environ), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        argv = [*python, "server.cli", "up", "--port", str(self.port)]
         argv += ["--worker-base-port", str(self.worker_base), *extra]
         # Its own process group, so a test can send SIGINT to the group as a terminal's Ctrl-C does.
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                     start_new_session=True)  # fmt: skip
+                                     start_new_session=True, cwd=cwd)  # fmt: skip
         self.lines: queue.Queue[tuple[str, str]] = queue.Queue()
         self.stderr: list[str] = []
         for name, stream in (("out", self.proc.stdout), ("err", self.proc.stderr)):
@@ -166,6 +173,24 @@ def test_up_serves_prints_a_working_curl_line_and_stops_on_sigint():
         assert all(_port_free(p) for p in (up.port, up.worker_base, up.worker_base + 1))
     finally:
         up.stop()
+
+
+def test_up_from_a_directory_holding_server_and_fastcore_folders(tmp_path):
+    """A user's own project (or a clone's parent) with ``server/`` and ``fastcore/`` folders: the
+    children import ours, not those (``python -m`` put the working directory first on their path)."""
+    for name in ("server", "fastcore"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(
+            f"raise SystemExit('the working directory\\'s {name}')\n"
+        )
+    up = Up("--model", "synthetic", cwd=tmp_path)
+    try:
+        up.wait_for("fastcore-serve is up")
+        up.proc.send_signal(signal.SIGINT)
+        assert up.proc.wait(60) == 0
+    finally:
+        up.stop()
+    assert "the working directory" not in "".join(up.stderr)
 
 
 def test_a_child_that_dies_is_reported_and_up_exits_nonzero():
