@@ -14,13 +14,19 @@ each chosen port bound (``SO_REUSEADDR``, never listening) until released:
   all set ``SO_REUSEADDR`` share a port while at most one of them listens.
 
 So a reserved port stays ours from the choice to the child's ``listen()``,
-whatever else runs on the machine.
+whatever else runs on the machine. The kernel picks the first port; when
+200 of its picks give no run of consecutive free ports (every odd port of
+its range held, say), every unprivileged port is tried by binding, outside
+its range too.
 """
 
 from __future__ import annotations
 
 import errno
+import itertools
+import random
 import socket
+from collections.abc import Iterator
 
 #: why a listening socket cannot bind, by errno (the rest keep their own message)
 _LISTEN_ERRORS = {
@@ -63,14 +69,44 @@ def port_problem(host: str, port: int) -> str | None:
 
 
 def _hold(host: str, port: int) -> socket.socket | None:
+    """A socket bound to ``host:port`` (0: the kernel's pick), or None when it cannot be bound.
+
+    A named port is bound without ``SO_REUSEADDR`` first, so that it is never shared with another
+    process's reservation (sockets that all set it may share a port); set after the bind, the
+    option still lets the child's listener take the port over, as with the kernel's picks.
+    """
     s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if port == 0:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         s.bind((host, port))
-    except OSError:
+    except (OSError, OverflowError):
         s.close()
         return None
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     return s
+
+
+#: how many times the kernel is asked for a first port before every port is scanned
+KERNEL_PICKS = 200
+#: the lowest port the scan tries (below it, ports need privileges)
+FIRST_UNPRIVILEGED = 1024
+
+
+def _first_ports(host: str) -> Iterator[socket.socket]:
+    """Held first ports to build a reservation from: the kernel's picks, then a scan of every
+    unprivileged port by binding (from a random one, wrapping), outside the ephemeral range too.
+    The kernel alone may never offer a run (every odd port of its range held, say)."""
+    for _ in range(KERNEL_PICKS):
+        first = _hold(host, 0)
+        if first is None:
+            raise OSError(f"cannot bind any port on {host}")
+        yield first
+    start = random.randrange(FIRST_UNPRIVILEGED, 65536)
+    for port in itertools.chain(range(start, 65536), range(FIRST_UNPRIVILEGED, start)):
+        first = _hold(host, port)
+        if first is not None:
+            yield first
 
 
 def reserve_ports(
@@ -85,10 +121,7 @@ def reserve_ports(
     ``consecutive``: ``base, base+1, ...`` (``fastcore-serve up --worker-base-port`` numbers its
     workers so). ``avoid``: ports not to return. Raises OSError when none can be found.
     """
-    for _ in range(200):
-        first = _hold(host, 0)
-        if first is None:
-            raise OSError(f"cannot bind any port on {host}")
+    for first in _first_ports(host):
         base = int(first.getsockname()[1])
         held = [first]
         if base in avoid:

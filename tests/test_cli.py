@@ -222,3 +222,39 @@ def test_another_projects_fastcore_first_on_the_path_is_one_line_naming_it(
         "fastcore-serve: `import fastcore` finds another project's package (version 2.0.0, "
     )
     assert str(foreign / "__init__.py") in line and "virtual environment" in line
+
+
+def test_a_run_of_free_ports_is_found_when_the_kernel_never_offers_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every port the kernel picks has its next one busy (as when every odd port of the ephemeral
+    range is held): reserve_ports scans for a run by binding, outside the ephemeral range too, and
+    holds it; the scan never joins a port another socket holds (a plain bind there fails)."""
+    blockers: list[socket.socket] = []
+    picks: list[int] = []
+    hold = ports._hold
+
+    def kernel_pick_with_its_next_port_busy(host: str, port: int) -> socket.socket | None:
+        held = hold(host, port)
+        if port == 0 and held is not None:
+            picked = held.getsockname()[1]
+            picks.append(picked)
+            blocker = socket.socket()
+            try:
+                blocker.bind((host, picked + 1))
+                blockers.append(blocker)
+            except (OSError, OverflowError):
+                blocker.close()  # busy already (or past 65535): busy either way
+        return held
+
+    monkeypatch.setattr(ports, "_hold", kernel_pick_with_its_next_port_busy)
+    try:
+        base = ports.reserve_ports(2, consecutive=True)[0]
+        assert picks and base not in picks  # the kernel's picks were all refused: the scan found it
+        for port in (base, base + 1):
+            with socket.socket() as other, pytest.raises(OSError):  # held by us
+                other.bind(("127.0.0.1", port))
+        ports.release_ports([base, base + 1])
+    finally:
+        for blocker in blockers:
+            blocker.close()
