@@ -46,8 +46,9 @@ _GUARDED = frozenset({b"/prometheus/metrics", b"/kv_cache_events", b"/cluster_in
 
 class TrtllmEndpoints:
     """``routes``: WORKER_ROUTES or ORCHESTRATOR_ROUTES; ``render``: the /metrics page; ``access``:
-    its :class:`~server.metrics_access.MetricsAccess`; ``kv_events`` (workers): the waiting KV
-    events as a list; ``cluster_info`` (orchestrators): its answer."""
+    its :class:`~server.metrics_access.MetricsAccess`; ``kv_events`` (workers): a page of the
+    waiting KV events as JSON (bounded: the rest wait for the next poll) and how many wait after
+    it (the ``X-Fastcore-Events-Waiting`` header); ``cluster_info`` (orchestrators): its answer."""
 
     def __init__(
         self,
@@ -55,7 +56,7 @@ class TrtllmEndpoints:
         render: Callable[[], bytes],
         access: Any,
         *,
-        kv_events: Callable[[], list[dict[str, Any]]] | None = None,
+        kv_events: Callable[[], tuple[bytes, int]] | None = None,
         cluster_info: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.routes = routes
@@ -90,7 +91,8 @@ class TrtllmEndpoints:
             out.send(200, self.render(), CONTENT_TYPE.encode())
         elif path == b"/kv_cache_events":
             assert self.kv_events is not None
-            out.send(200, json.dumps(self.kv_events(), separators=(",", ":")).encode())
+            page, waiting = self.kv_events()
+            out.send(200, page, headers=b"X-Fastcore-Events-Waiting: %d\r\n" % waiting)
         elif path == b"/cluster_info":
             assert self.cluster_info is not None
             out.send(200, json.dumps(self.cluster_info()).encode())

@@ -13,7 +13,9 @@ A follower asks for the events after the last ``seq`` it applied, naming the wor
 than its buffer happened since), when the instance is not its own (it restarted), or when the
 follower names none: the router's index of the worker is then replaced by the snapshot. A gap in
 the sequence, a malformed answer, or an index the router dropped meanwhile (the worker turned
-unhealthy) asks for a resync too. A worker that answers 404 (trtllm-serve's, a torch worker: no
+unhealthy) asks for a resync too. An answer holds a bounded page of the events; while the
+worker's ``seq`` is past the last one applied, the next poll goes at once. A worker that answers
+400 (its chunk size is not this router's ``chunk_bytes``) or 404 (trtllm-serve's, a torch worker: no
 events in our key space) keeps the approximate index, asked again every
 :data:`UNSUPPORTED_RETRY_S`. The events endpoint is under /metrics' access rule: the orchestrator
 sends its metrics token, if it has one, as a bearer token.
@@ -116,7 +118,8 @@ class _Follower:
             return RETRY_S
         finally:
             resp.release()
-        if status in (401, 403, 404, 405, 409):
+        # 400: the worker's chunk size is not this router's (its --cache-events-chunk-bytes)
+        if status in (400, 401, 403, 404, 405, 409):
             if status != 404:
                 log.warning("%s: GET /cache_events answered %d (%s); routing on an estimate of its cache",
                             worker.url, status, body[:200].decode("utf-8", "replace"))  # fmt: skip
@@ -130,7 +133,8 @@ class _Follower:
         if not self.apply(answer):
             self.instance = None  # resync next
             return RETRY_S
-        return self.view.batch_s
+        # a page of a longer run of events (the worker bounds an answer): the next one at once
+        return 0.0 if self.seq < answer["seq"] else self.view.batch_s
 
     def apply(self, answer: Any) -> bool:
         """Apply one answer to the router; False when it cannot be (a resync is needed)."""

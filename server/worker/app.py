@@ -314,17 +314,20 @@ class WorkerApp:
         refused = self.metrics_access.refusal(request.header(b"authorization"), out.peer)
         if refused is not None:
             raise refused
-        answer = await follow_cache_events(getattr(self.engine, "cache", None), self.instance, request.query)
-        out.send(200, json.dumps(answer).encode())
+        cache = getattr(self.engine, "cache", None)
+        chunk_bytes = self.settings.cache_events_chunk_bytes
+        out.send(200, await follow_cache_events(cache, self.instance, request.query, chunk_bytes))
 
-    def _kv_events(self) -> list[dict[str, Any]]:
-        """trtllm-serve's KV cache events of the engine's prefix cache (recorded from the first poll)."""
+    def _kv_events(self) -> tuple[bytes, int]:
+        """A page of trtllm-serve's KV cache events of the engine's prefix cache (recorded from the
+        first poll), as JSON, and how many events wait after it."""
         from .kv_events import events_of
 
         cache = getattr(self.engine, "cache", None)
         if cache is None:
-            return []
-        return events_of(cache, cache.block_size, cache.num_blocks).drain()
+            return b"[]", 0
+        log = events_of(cache, cache.block_size, cache.num_blocks)
+        return log.page(), log.waiting
 
     # -- completions -------------------------------------------------------------
 

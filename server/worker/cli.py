@@ -33,6 +33,7 @@ _SETTINGS = {
     "public_url": "public_url",
     "accept_trtllm_orchestrator": "accept_trtllm_orchestrator",
     "otlp_traces_endpoint": "otlp_traces_endpoint",
+    "cache_events_chunk_bytes": "cache_events_chunk_bytes",
     "max_body_bytes": "max_body_bytes",
     "header_timeout": "header_timeout_s",
     "body_timeout": "body_timeout_s",
@@ -131,6 +132,10 @@ def _add_serving_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a stream's client may read nothing (its write buffer full) before the "
                              "stream is dropped and its KV freed "
                              f"(default {_default('stream_stall_timeout'):g})")  # fmt: skip
+    parser.add_argument("--cache-events-chunk-bytes", type=int, default=_default("cache_events_chunk_bytes"),
+                        help="GET /cache_events' chunk size in prompt bytes: the orchestrators' kv_cache_aware "
+                             "chunk_bytes must be it (another is refused) "
+                             f"(default {_default('cache_events_chunk_bytes')})")  # fmt: skip
     parser.add_argument("--otlp-traces-endpoint", default=_default("otlp_traces_endpoint"), metavar="URL",
                         help="send OpenTelemetry traces to this OTLP/HTTP collector URL (needs the [otel] "
                              "extra; else $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / $OTEL_EXPORTER_OTLP_ENDPOINT; "

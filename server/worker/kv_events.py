@@ -14,10 +14,16 @@ once::
 A block hash is the first 8 bytes of our chained BLAKE2b-128 block key as a signed little-endian
 int64 (trtllm-serve's are int64 too). ``tokens`` is empty: the router reads only the hashes, and
 token ids would hand every poller the prompts themselves. The log records nothing until the first
-poll (a worker nobody polls pays nothing); the first answer starts with ``created``. At most
-``max_events`` wait; past that the oldest are dropped (``dropped``), as trtllm-serve's bounded
-event buffer drops them. Appends come from the engine thread, drains from the event loop: a deque's
-append and popleft are atomic.
+poll (a worker nobody polls pays nothing); the first answer starts with ``created``.
+
+Bounded in bytes, not only in events (a dict per block made one poll's log of 1,000 long prompts
+720 MiB): an event keeps its hashes packed, 8 bytes each, and is at most :data:`MAX_EVENT_BLOCKS`
+blocks (a longer one is split, each piece chained to the one before); past :data:`MAX_LOG_BYTES`
+(or :data:`MAX_EVENTS`) the oldest are dropped (``dropped``), as trtllm-serve's bounded event
+buffer drops them. A poll takes the oldest events up to :data:`MAX_ANSWER_BYTES` of JSON (at
+least one), so an answer, and the loop's time building it, is bounded; the rest wait for the next
+poll. Appends come from the engine thread, polls from the event loop: one lock orders them (an
+append evicts from the same end a poll takes from).
 """
 
 from __future__ import annotations
@@ -25,17 +31,38 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
+import sys
+import threading
+from array import array
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qs
 
-from fastcore._hash_py import CHUNK_MAX
 from server.cache_keys import prompt_keys
 from server.errors import HTTPError
 
 #: events waiting for a poll (trtllm-serve's kv_cache_config.event_buffer_max_size plays this part)
 MAX_EVENTS = 4096
+#: a log's bytes (its own accounting: packed hashes or keys plus :data:`EVENT_BYTES` an event);
+#: past it the oldest events go. 8 MiB: a million block hashes, 16 turns of a 1M-token cache
+MAX_LOG_BYTES = 8 << 20
+#: one answer's JSON, at most (a single event larger than it still goes alone: it is bounded by
+#: :data:`MAX_EVENT_BLOCKS` / :data:`MAX_EVENT_KEYS`); about 10 ms of the loop to build
+MAX_ANSWER_BYTES = 1 << 20
+#: blocks in one trtllm-serve event (~100 KB of JSON); a longer store or removal is split
+MAX_EVENT_BLOCKS = 1024
+#: accounted per event beside its packed hashes: the tuple, its ints, the bytes object's header
+EVENT_BYTES = 160
+
+_STORED, _REMOVED, _CREATED = 0, 1, 2
+_BLOCK = '{"type":"stored_block","block_hash":%d,"tokens":[],"cache_level":0,"priority":0}'
+#: the JSON of one stored block (the longest int64) and of one removed hash, a comma each
+_BLOCK_JSON = len(_BLOCK) - 2 + 20 + 1
+_HASH_JSON = 20 + 1
+#: an event's JSON around its hashes, at most (ids, type, parent hash, window size)
+_EVENT_JSON = 160
 
 
 def block_hash(digest: bytes) -> int:
@@ -43,42 +70,100 @@ def block_hash(digest: bytes) -> int:
     return int.from_bytes(digest[:8], "little", signed=True)
 
 
+def _pack(digests: list[bytes]) -> bytes:
+    """The digests' block hashes, 8 bytes each (each digest's first 8: a little-endian int64)."""
+    return b"".join([d[:8] for d in digests])
+
+
+def _unpack(packed: bytes) -> array[int]:
+    hashes = array("q")
+    hashes.frombytes(packed)
+    if sys.byteorder == "big":
+        hashes.byteswap()
+    return hashes
+
+
 class KvEventLog:
-    def __init__(self, num_blocks: int, block_size: int, max_events: int = MAX_EVENTS) -> None:
+    """trtllm-serve's event buffer of one cache; ``bytes``: its accounting, kept under ``max_bytes``."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_events: int = MAX_EVENTS,
+        max_bytes: int = MAX_LOG_BYTES,
+        answer_bytes: int = MAX_ANSWER_BYTES,
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._events: deque[dict[str, Any]] = deque(maxlen=max_events)
+        self.max_events = max_events
+        self.max_bytes = max_bytes
+        self.answer_bytes = answer_bytes
+        #: (event_id, kind, the parent hash or, for created, the block count, packed hashes)
+        self._events: deque[tuple[int, int, int | None, bytes]] = deque()
+        self._lock = threading.Lock()
         self._ids = itertools.count()
-        #: events dropped unread (the buffer was full)
+        self.bytes = 0
+        #: events dropped unread (the log was full)
         self.dropped = 0
-        self._append({"type": "created", "num_blocks_per_cache_level": [num_blocks]})
+        self._append(_CREATED, num_blocks, b"")
 
-    def _append(self, data: dict[str, Any]) -> None:
-        events = self._events
-        if len(events) == events.maxlen:
-            self.dropped += 1
-        events.append({"event_id": next(self._ids), "data": data, "window_size": self.block_size})
+    @property
+    def waiting(self) -> int:
+        return len(self._events)
+
+    def _append(self, kind: int, parent: int | None, packed: bytes) -> None:
+        with self._lock:
+            events = self._events
+            events.append((next(self._ids), kind, parent, packed))
+            self.bytes += EVENT_BYTES + len(packed)
+            while events and (len(events) > self.max_events or self.bytes > self.max_bytes):
+                self.bytes -= EVENT_BYTES + len(events.popleft()[3])
+                self.dropped += 1
 
     def stored(self, parent: bytes, digests: list[bytes]) -> None:
         """``digests``: blocks now held, in chain order; ``parent``: the block before the first (b"": none)."""
-        if not digests:
-            return
-        blocks = [{"type": "stored_block", "block_hash": block_hash(d), "tokens": [], "cache_level": 0,
-                   "priority": 0} for d in digests]  # fmt: skip
-        self._append(
-            {"type": "stored", "parent_hash": block_hash(parent) if parent else None, "blocks": blocks}
-        )
+        for start in range(0, len(digests), MAX_EVENT_BLOCKS):
+            before = digests[start - 1] if start else parent
+            self._append(_STORED, block_hash(before) if before else None,
+                         _pack(digests[start : start + MAX_EVENT_BLOCKS]))  # fmt: skip
 
     def removed(self, digests: list[bytes]) -> None:
-        if digests:
-            self._append({"type": "removed", "block_hashes": [block_hash(d) for d in digests]})
+        for start in range(0, len(digests), MAX_EVENT_BLOCKS):
+            self._append(_REMOVED, None, _pack(digests[start : start + MAX_EVENT_BLOCKS]))
+
+    def page(self) -> bytes:
+        """The oldest waiting events, as one JSON list of at most ``answer_bytes`` (or one event);
+        each is returned once. The JSON is built outside the lock, from the events taken."""
+        taken = []
+        with self._lock:
+            events, size = self._events, 2
+            while events:
+                _, kind, _, packed = events[0]
+                cost = _EVENT_JSON + len(packed) // 8 * (_BLOCK_JSON if kind == _STORED else _HASH_JSON)
+                if taken and size + cost > self.answer_bytes:
+                    break
+                taken.append(events.popleft())
+                self.bytes -= EVENT_BYTES + len(packed)
+                size += cost
+        return ("[" + ",".join([self._json(*event) for event in taken]) + "]").encode()
+
+    def _json(self, event_id: int, kind: int, parent: int | None, packed: bytes) -> str:
+        if kind == _STORED:
+            blocks = ",".join([_BLOCK % h for h in _unpack(packed)])
+            before = "null" if parent is None else parent
+            data = f'{{"type":"stored","parent_hash":{before},"blocks":[{blocks}]}}'
+        elif kind == _REMOVED:
+            data = f'{{"type":"removed","block_hashes":[{",".join(map(str, _unpack(packed)))}]}}'
+        else:
+            data = f'{{"type":"created","num_blocks_per_cache_level":[{parent}]}}'
+        return f'{{"event_id":{event_id},"data":{data},"window_size":{self.block_size}}}'
 
     def drain(self) -> list[dict[str, Any]]:
-        """Every waiting event, oldest first; each is returned once."""
-        out = []
-        events = self._events
-        while events:
-            out.append(events.popleft())
+        """Every waiting event, oldest first (page after page); each is returned once."""
+        out: list[dict[str, Any]] = []
+        while page := json.loads(self.page()):
+            out.extend(page)
         return out
 
 
@@ -90,6 +175,23 @@ def events_of(cache: Any, block_size: int, num_blocks: int) -> KvEventLog:
     return log
 
 
+#: the keys in one of our events (~86 KB of JSON); a longer store or removal is split
+MAX_EVENT_KEYS = 4096
+#: keys held at once (a resync lists them all: ~21 bytes of JSON each); past it new keys are not
+#: published (the orchestrator then estimates them, as without events)
+MAX_HELD_KEYS = 1 << 18
+#: keys mapped to one block: a block covers block_size ids of a chunk's bytes, but a request's
+#: JSON may pad its prompt span (whitespace between messages) so that thousands of chunks end in one
+#: block, each a key held as long as that block
+MAX_KEYS_PER_BLOCK = 64
+#: an answer's JSON around its events (instance, chunk_bytes, seq, more), at most
+_ANSWER_JSON = 160
+#: one of our events' JSON around its keys, at most
+_CHUNK_EVENT_JSON = 40
+#: a resync's keys are written this many at a time, the loop free between
+_RESYNC_PIECE = 1 << 15
+
+
 class ChunkEventLog:
     """This worker's cache in the orchestrator's key space (server/cache_keys.py), as a stream every
     orchestrator may follow (``GET /cache_events``, docs/protocol.md).
@@ -97,21 +199,37 @@ class ChunkEventLog:
     A request's prompt keys (one per ``chunk_bytes`` chunk of its raw ``messages`` / ``prompt``
     bytes, salted) are mapped to the token block covering each chunk's end (in proportion: chunk
     ``i`` ends at byte ``(i + 1) x chunk_bytes`` of ``span_bytes``, so at token
-    ``ceil(that x ids / span_bytes)``); a key is held while that block is. Events: ``stored`` keys
-    (their blocks were computed or imported) and ``removed`` keys (their blocks were evicted), each
-    numbered by ``seq``. The last ``max_events`` are kept: a follower that asks after an older
-    ``seq``, or names another ``instance`` (this process restarted), gets a resync (every held key)
-    instead. The first follower's ``chunk_bytes`` is the log's; it records nothing before.
+    ``ceil(that x ids / span_bytes)``); a key is held while that block is (at most
+    :data:`MAX_KEYS_PER_BLOCK` a block, ``max_held_keys`` in all). Events: ``stored`` keys (their
+    blocks were computed or imported) and ``removed`` keys (their blocks were evicted), each
+    numbered by ``seq``, kept packed (8 bytes a key) under ``max_bytes`` and ``max_events``: a
+    follower that asks after an older ``seq``, or names another ``instance`` (this process
+    restarted), gets a resync (every held key) instead. An answer holds the events after the
+    follower's ``seq`` up to ``answer_bytes`` of JSON (``more``: the rest follow). ``chunk_bytes``
+    is the worker's (``--cache-events-chunk-bytes``); the log records nothing before its first follower.
     """
 
     def __init__(
-        self, instance: str, chunk_bytes: int, block_size: int, max_events: int = MAX_EVENTS
+        self,
+        instance: str,
+        chunk_bytes: int,
+        block_size: int,
+        max_events: int = MAX_EVENTS,
+        max_bytes: int = MAX_LOG_BYTES,
+        answer_bytes: int = MAX_ANSWER_BYTES,
+        max_held_keys: int = MAX_HELD_KEYS,
     ) -> None:
         self.instance = instance
         self.chunk_bytes = chunk_bytes
         self.block_size = block_size
+        self.max_events = max_events
+        self.max_bytes = max_bytes
+        self.answer_bytes = answer_bytes
+        self.max_held_keys = max_held_keys
         self.seq = 0
-        self._events: deque[tuple[int, str, list[int]]] = deque(maxlen=max_events)
+        #: (seq, "stored" or "removed", the keys packed as uint64)
+        self._events: deque[tuple[int, str, bytes]] = deque()
+        self.bytes = 0
         #: key -> the block digest it is mapped to; block digest -> its keys
         self.held: dict[int, bytes] = {}
         self._by_block: dict[bytes, list[int]] = {}
@@ -127,8 +245,14 @@ class ChunkEventLog:
             self.pending[request_id] = (keys, span_bytes)
 
     def _append(self, kind: str, keys: list[int]) -> None:
-        self.seq += 1
-        self._events.append((self.seq, kind, keys))
+        events = self._events
+        for start in range(0, len(keys), MAX_EVENT_KEYS):
+            self.seq += 1
+            packed = array("Q", keys[start : start + MAX_EVENT_KEYS]).tobytes()
+            events.append((self.seq, kind, packed))
+            self.bytes += EVENT_BYTES + len(packed)
+        while events and (len(events) > self.max_events or self.bytes > self.max_bytes):
+            self.bytes -= EVENT_BYTES + len(events.popleft()[2])
         if self._changed is not None:
             self._changed.set()
             self._changed = None
@@ -144,13 +268,16 @@ class ChunkEventLog:
         for i, key in enumerate(keys):
             end_token = -(-(i + 1) * chunk * ids // span_bytes)
             block = (end_token - 1) // block_size
-            if block >= len(digests):
+            if block >= len(digests) or len(held) >= self.max_held_keys:
                 break
             if key in held:
                 continue
             digest = digests[block]
+            mapped = by_block.setdefault(digest, [])
+            if len(mapped) >= MAX_KEYS_PER_BLOCK:
+                continue
             held[key] = digest
-            by_block.setdefault(digest, []).append(key)
+            mapped.append(key)
             new.append(key)
         if new:
             self._append("stored", new)
@@ -168,14 +295,27 @@ class ChunkEventLog:
             self._append("removed", gone)
 
     def answer(self, after: int, instance: str | None) -> dict[str, Any]:
-        """Events after ``after``, or a resync (``held``: every key) when they cannot be given."""
+        """The events after ``after`` up to ``answer_bytes`` of JSON (``more``: not all of them), or a
+        resync (``held``: every key) when they cannot be given."""
         events = self._events
         oldest = events[0][0] if events else self.seq + 1
         if instance != self.instance or after > self.seq or after < oldest - 1:
             return {"instance": self.instance, "chunk_bytes": self.chunk_bytes, "seq": self.seq,
                     "resync": True, "held": list(self.held)}  # fmt: skip
-        out = [{"seq": seq, kind: keys} for seq, kind, keys in events if seq > after]
-        return {"instance": self.instance, "chunk_bytes": self.chunk_bytes, "seq": self.seq, "events": out}
+        out: list[dict[str, Any]] = []
+        size, more = _ANSWER_JSON, False
+        for seq, kind, packed in itertools.islice(events, after + 1 - oldest, None):  # seqs run on
+            size += _CHUNK_EVENT_JSON + len(packed) // 8 * 21
+            if out and size > self.answer_bytes:
+                more = True
+                break
+            keys = array("Q")
+            keys.frombytes(packed)
+            out.append({"seq": seq, kind: keys.tolist()})
+        answer = {"instance": self.instance, "chunk_bytes": self.chunk_bytes, "seq": self.seq, "events": out}
+        if more:
+            answer["more"] = True
+        return answer
 
     async def wait(self, after: int, timeout: float) -> None:
         """Until an event after ``after`` exists (or ``timeout`` seconds)."""
@@ -185,6 +325,24 @@ class ChunkEventLog:
             self._changed = asyncio.Event()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._changed.wait(), timeout)
+
+
+async def encode_answer(answer: dict[str, Any]) -> bytes:
+    """An answer of :meth:`ChunkEventLog.answer` as compact JSON; a resync's keys (up to
+    :data:`MAX_HELD_KEYS`, megabytes of text) written :data:`_RESYNC_PIECE` at a time, the loop
+    free between (the keys are a snapshot: later events follow from its ``seq``)."""
+    held = answer.get("held")
+    if held is None:
+        return json.dumps(answer, separators=(",", ":")).encode()
+    head = json.dumps({k: v for k, v in answer.items() if k != "held"}, separators=(",", ":"))
+    parts = [head[:-1], ',"held":[']
+    for start in range(0, len(held), _RESYNC_PIECE):
+        if start:
+            parts.append(",")
+            await asyncio.sleep(0)
+        parts.append(",".join(map(str, held[start : start + _RESYNC_PIECE])))
+    parts.append("]}")
+    return "".join(parts).encode()
 
 
 #: the longest a follower's ``wait`` holds a poll open
@@ -202,36 +360,36 @@ def _query_value(params: dict[str, list[str]], name: str, parse: Callable[[str],
                         param=name) from None  # fmt: skip
 
 
-async def follow_cache_events(cache: Any, instance: str, query: bytes) -> dict[str, Any]:
+async def follow_cache_events(cache: Any, instance: str, query: bytes, chunk_bytes: int) -> bytes:
     """``GET /cache_events?after=<seq>&instance=<id>&chunk_bytes=<n>&wait=<s>``: the events after
     ``after`` (a resync when they are gone or ``instance`` is not this process's), held up to
-    ``wait`` seconds (at most 30) until there is one. The first follower's ``chunk_bytes`` starts
-    the log; another size is a 409 (every orchestrator of a deployment routes with one)."""
+    ``wait`` seconds (at most 30) until there is one, as JSON. ``chunk_bytes`` is the worker's
+    (``--cache-events-chunk-bytes``): a caller's other size is a 400 naming both, and changes
+    nothing (the first caller's chose the log's size for every caller before)."""
     if cache is None or not hasattr(cache, "chunks"):
         raise HTTPError(404, "GET /cache_events: this worker's engine publishes no cache events "
                              "(an orchestrator keeps its own estimate of this worker's cache)")  # fmt: skip
     params = parse_qs(query.decode("latin-1"), keep_blank_values=True)
     after = _query_value(params, "after", int, 0)
-    chunk_bytes = _query_value(params, "chunk_bytes", int, 512)
+    asked = _query_value(params, "chunk_bytes", int, chunk_bytes)
     wait = _query_value(params, "wait", float, 0.0)
     if after < 0:
         raise HTTPError(400, f"GET /cache_events: after must be >= 0, got {after}", param="after")
-    if chunk_bytes < 32 or chunk_bytes % 32 or chunk_bytes > CHUNK_MAX:
-        raise HTTPError(400, f"GET /cache_events: chunk_bytes must be a multiple of 32 in [32, {CHUNK_MAX}], "
-                             f"got {chunk_bytes}", param="chunk_bytes")  # fmt: skip
+    if asked != chunk_bytes:
+        raise HTTPError(400, f"GET /cache_events: chunk_bytes is this worker's {chunk_bytes} "
+                             f"(--cache-events-chunk-bytes; a kv_cache_aware router's chunk_bytes must be it), "
+                             f"got {asked}", param="chunk_bytes")  # fmt: skip
     if not 0 <= wait <= MAX_WAIT_S:  # NaN too
         raise HTTPError(400, f"GET /cache_events: wait must be in [0, {MAX_WAIT_S:g}] seconds, got {wait}",
                         param="wait")  # fmt: skip
     log = cache.chunks
     if log is None:
         log = cache.chunks = ChunkEventLog(instance, chunk_bytes, cache.block_size)
-    elif log.chunk_bytes != chunk_bytes:
-        raise HTTPError(409, f"GET /cache_events: this worker's log is in chunks of {log.chunk_bytes} bytes "
-                             f"(its first follower's), not {chunk_bytes}", param="chunk_bytes")  # fmt: skip
     names = params.get("instance")
     if names and names[-1] == instance:
         await log.wait(after, wait)
-    return log.answer(after, names[-1] if names else None)
+    return await encode_answer(log.answer(after, names[-1] if names else None))
 
 
-__all__ = ["MAX_EVENTS", "ChunkEventLog", "KvEventLog", "block_hash", "events_of", "follow_cache_events"]
+__all__ = ["MAX_ANSWER_BYTES", "MAX_EVENTS", "MAX_EVENT_BLOCKS", "MAX_EVENT_KEYS", "MAX_LOG_BYTES",
+           "ChunkEventLog", "KvEventLog", "block_hash", "encode_answer", "events_of", "follow_cache_events"]  # fmt: skip

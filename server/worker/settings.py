@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from fastcore._hash_py import CHUNK_MAX
 from server import tracing
 from server.http import Limits
 from server.http import limits as http_limits
@@ -69,6 +70,9 @@ class WorkerSettings:
     #: one client IP's share of max_connections and max_inflight_body_bytes (Limits.peer_share)
     client_ip_share: float = http_limits.PEER_SHARE
     device: str = "cpu"
+    #: GET /cache_events' chunk size: the worker's, whatever a caller asks (the orchestrators'
+    #: kv_cache_aware chunk_bytes; its default, 512)
+    cache_events_chunk_bytes: int = 512
     #: OpenTelemetry traces (OTLP/HTTP); None: OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT or off (server/tracing.py)
     otlp_traces_endpoint: str | None = None
 
@@ -84,6 +88,11 @@ class WorkerSettings:
             raise ValueError(f"stream_stall_timeout_s must be > 0, got {self.stream_stall_timeout_s}")
         if not 0.0 <= self.max_parked_fraction <= 1.0:
             raise ValueError(f"max_parked_fraction must be within [0, 1], got {self.max_parked_fraction}")
+        chunk = self.cache_events_chunk_bytes
+        if chunk < 32 or chunk % 32 or chunk > CHUNK_MAX:
+            raise ValueError(
+                f"cache_events_chunk_bytes must be a multiple of 32 in [32, {CHUNK_MAX}], got {chunk}"
+            )
         self.kv_allow = tuple(self.kv_allow)
         for entry in self.kv_allow:
             host_port(entry)
