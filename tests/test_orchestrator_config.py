@@ -148,6 +148,30 @@ def test_router_arguments_beside_type_as_trtllm_serve_writes_them():
         build_config(pools | {"generation_servers": {"urls": ["h:2"], "router": twice}}, environ={})
 
 
+def test_a_misspelt_key_is_warned_with_a_suggestion_and_refused_with_strict_config(tmp_path, caplog, capsys):
+    """A key the orchestrator does not use is warned about (trtllm-serve's YAML has many), with the
+    key it most resembles; --strict-config refuses it instead (exit 2)."""
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        "contxt_servers: {urls: ['h:1']}\ncontext_servers: {urls: ['h:1'], num_instance: 1}\n"
+        "generation_servers: {urls: ['h:2']}\nrequest_timeout: 5\nbackend: pytorch\n"
+    )
+    with caplog.at_level("WARNING", logger="fastcore.orchestrator"):
+        cli.config_from_args(_args("-c", str(path)))
+    (warning,) = [r.getMessage() for r in caplog.records if "not used" in r.getMessage()]
+    assert warning == (
+        "config keys not used by the fastcore orchestrator (ignored): contxt_servers (did you mean "
+        "context_servers?), request_timeout (did you mean request_timeout_s?), backend, "
+        "context_servers.num_instance (did you mean context_servers.num_instances?)"
+    )
+    assert cli.run(_args("-c", str(path), "--strict-config")) == 2
+    assert capsys.readouterr().err == (
+        "fastcore-serve orchestrator: --strict-config: keys not used by the fastcore orchestrator: "
+        "contxt_servers (did you mean context_servers?), request_timeout (did you mean request_timeout_s?), "
+        "backend, context_servers.num_instance (did you mean context_servers.num_instances?)\n"
+    )
+
+
 def test_num_instances_other_than_the_urls_is_one_warning(caplog):
     with caplog.at_level("WARNING", logger="fastcore.orchestrator"):
         config = build_config(
@@ -167,8 +191,8 @@ def test_num_instances_other_than_the_urls_is_one_warning(caplog):
         ({"disagg_cluster": {"cluster_uri": "http://127.0.0.1:8000"}, "workers": 2}, r"http:// registry is kept by one orchestrator process"),
         ({"conditional_disagg_config": {"max_local_prefill_length": 512}}, "conditional_disagg_config: .*needs generation_servers.router.type: kv_cache_aware.*'round_robin'"),
         ({"conditional_disagg_config": {"max_local_prefill_length": 512}, "context_servers": {"urls": ["h:1"], "router": {"type": "kv_cache_aware"}}}, "conditional_disagg_config: .*needs generation_servers"),
-        ({"generation_servers": {"urls": ["h:2"], "router": {"type": "kv_cache_aware", "block_size": 3}}}, r"generation_servers\.router\.args: block_size: not arguments of kv_cache_aware"),
-        ({"generation_servers": {"urls": ["h:2"], "router": {"type": "conversation", "args": {"use_tokens": False}}}}, r"router\.args: use_tokens: not arguments of conversation"),
+        ({"generation_servers": {"urls": ["h:2"], "router": {"type": "kv_cache_aware", "block_size": 3}}}, r"generation_servers\.router: block_size: not an argument of kv_cache_aware; it takes chunk_bytes, "),
+        ({"generation_servers": {"urls": ["h:2"], "router": {"type": "conversation", "args": {"use_tokens": False}}}}, r"router: use_tokens: not an argument of conversation; it takes chunk_bytes, load_factor, "),
         ({"generation_servers": {"urls": ["h:2"], "router": {"type": "kv_cache_aware", "chunk_bytes": 100}}}, r"generation_servers\.router\.args\.chunk_bytes must be a multiple of 32, got 100"),
         ({"generation_servers": {"urls": ["h:2"], "router": {"type": "kv_cache_aware", "chunk_bytes": 16}}}, r"router\.args\.chunk_bytes must be an integer in \[32, "),
         ({"generation_servers": {"urls": ["h:2"], "router": {"type": "kv_cache_aware", "max_cached_tokens": 0}}}, r"router\.args\.max_cached_tokens must be an integer >= 1, got 0"),
@@ -180,8 +204,9 @@ def test_num_instances_other_than_the_urls_is_one_warning(caplog):
         ({"context_servers": {"urls": ["h:1"], "router": {"type": "conversation", "load_factor": 0.5}}}, r"context_servers\.router\.args\.load_factor must be 0 \(no bound\) or >= 1, got 0\.5"),
         ({"generation_servers": {"urls": ["h:2"], "router": {"type": "kv_cache_aware", "max_index_tokens": 0}}}, r"router\.args\.max_index_tokens must be an integer >= 1, got 0"),
         ({"generation_servers": {"urls": ["h:2"], "router": {"type": "load_balancing", "args": {"use_tokens": "yes"}}}}, r"router\.args\.use_tokens must be true or false, got 'yes'"),
-        ({"generation_servers": {"urls": ["h:2"], "router": {"type": "load_balancing", "args": {"speed": 1}}}}, r"router\.args: speed"),
-        ({"generation_servers": {"urls": ["h:2"], "router": {"type": "round_robin", "args": {"use_tokens": False}}}}, r"router\.args: use_tokens"),
+        ({"generation_servers": {"urls": ["h:2"], "router": {"type": "load_balancing", "use_token": True}}}, r"^generation_servers\.router: use_token \(did you mean use_tokens\?\): not an argument of load_balancing; it takes use_tokens$"),
+        ({"generation_servers": {"urls": ["h:2"], "router": {"type": "load_balancing", "args": {"speed": 1}}}}, r"generation_servers\.router: speed: not an argument of load_balancing; it takes use_tokens$"),
+        ({"generation_servers": {"urls": ["h:2"], "router": {"type": "round_robin", "args": {"use_tokens": False}}}}, r"router: use_tokens: not an argument of round_robin, which takes none$"),
     ],
 )
 def test_sections_not_runnable_are_refused_with_a_message(data, match):

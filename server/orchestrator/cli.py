@@ -151,6 +151,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-queue-wait-s", type=float, help="admission: seconds a completion may wait for a slot (429 beyond)"
     )
+    parser.add_argument(
+        "--strict-config",
+        action="store_true",
+        help="refuse a config key the orchestrator does not use (a misspelling), instead of warning",
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
 
 
@@ -188,7 +193,7 @@ _OVERRIDES = {
 def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
     data = load_config_file(args.config) if args.config else {}
     overrides = {key: getattr(args, attr, None) for attr, key in _OVERRIDES.items()}
-    config = build_config(merge_overrides(data, overrides))
+    config = build_config(merge_overrides(data, overrides), strict=getattr(args, "strict_config", False))
     config.check_runnable()
     return config
 
