@@ -138,7 +138,7 @@ def test_key_file_lines_weights_and_errors_name_the_line_never_the_key() -> None
     keys = parse_key_file(b"# comment\n\nk1 alpha 2\nk#2 alpha 2\nk3 beta\n", "keys")
     assert keys == {b"k1": Tenant("alpha", 2.0), b"k#2": Tenant("alpha", 2.0), b"k3": Tenant("beta", 1.0)}
     bad = {
-        b"secret-one\n": "line 1: expected '<key> <tenant> [weight]'",
+        b"secret-one\n": "line 1: expected '<key> <tenant> [weight] [priority=MIN..MAX]'",
         b"secret-one a 0\n": "line 1: weight must be a number > 0",
         b"secret-one a nan\n": "weight must be a number > 0",
         b"secret-one a\nsecret-one b\n": "line 2: this key is listed twice",
@@ -202,7 +202,7 @@ def test_admission_config_is_checked() -> None:
 
 async def _order(weights: dict[str, float], arrivals: list[tuple[str, int]]) -> list[int]:
     """The order in which one slot serves ``arrivals`` (tenant, priority), queued in that order."""
-    admission = Admission(AdmissionConfig(max_inflight=1), Registry(), retry_after_s=1)
+    admission = Admission(AdmissionConfig(max_inflight=1, client_priority=True), Registry(), retry_after_s=1)
     await admission.slot(Tenant("holder"), b"{}").__aenter__()
     served: list[int] = []
 
@@ -231,7 +231,9 @@ async def test_deficit_round_robin_shares_by_weight_and_priority_orders_within_a
 
 
 async def test_a_full_queue_gives_a_newcomer_the_place_of_the_tenant_holding_the_most() -> None:
-    admission = Admission(AdmissionConfig(max_inflight=1, max_queue=3), Registry(), retry_after_s=1)
+    admission = Admission(
+        AdmissionConfig(max_inflight=1, max_queue=3, client_priority=True), Registry(), retry_after_s=1
+    )
     await admission.slot(Tenant("holder"), b"{}").__aenter__()
     outcome: dict[str, object] = {}
 
@@ -352,7 +354,9 @@ async def test_sighup_reloads_the_key_file_in_a_real_process(tmp_path: Path) -> 
                 assert await status("old-key-123") == 401
                 keys.write_text("broken line with four fields\n")  # refused: the keys in force stay
                 proc.send_signal(signal.SIGHUP)
-                assert await eventually_long(lambda: "api_keys_file not reloaded" in log.read_text(), timeout=30)
+                assert await eventually_long(
+                    lambda: "api_keys_file not reloaded" in log.read_text(), timeout=30
+                )
                 assert await status("new-key-456") == 200
         finally:
             proc.terminate()
@@ -457,7 +461,8 @@ async def test_a_queued_client_that_leaves_is_dropped_at_once() -> None:
 async def test_fair_share_and_priority_through_the_orchestrator(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text("ka alpha 2\nkb beta\n")
-    async with orchestrator(api_keys_file=str(keys), admission={"max_inflight": 1}) as (orch, url):
+    admission_config = {"max_inflight": 1, "client_priority": True}
+    async with orchestrator(api_keys_file=str(keys), admission=admission_config) as (orch, url):
         admission = orch.admission
         assert admission is not None
         async with aiohttp.ClientSession() as s:
@@ -499,11 +504,12 @@ async def test_rate_limits_per_tenant_answer_429_with_retry_after(tmp_path: Path
             status, headers, body = await post(s, url, "ka")
             assert status == 429 and body["error"]["code"] == "requests_per_minute"
             assert 1 <= int(headers["Retry-After"]) <= 30  # one request a 30 s refill
-            # beta: 100 prompt tokens a minute, each body ~ 200 bytes / 4 = 50 tokens
-            big = {**BODY, "messages": [{"role": "user", "content": "x" * 100}]}
-            tokens = len(json.dumps(big).encode()) // 4
-            assert 2 * tokens <= 100 < 3 * tokens
-            assert (await post(s, url, "kb", big))[0] == 200
+            # beta: 100 prompt tokens a minute, each request 46 as the workers count them (charged
+            # as estimated at admission, then corrected to that)
+            big = {**BODY, "messages": [{"role": "user", "content": "x" * 160}]}
+            status, _, body = await post(s, url, "kb", big)
+            tokens = body["usage"]["prompt_tokens"]
+            assert status == 200 and 2 * tokens <= 100 < 3 * tokens
             assert (await post(s, url, "kb", big))[0] == 200
             status, headers, body = await post(s, url, "kb", big)
             assert status == 429 and body["error"]["code"] == "prompt_tokens_per_minute"
@@ -542,7 +548,9 @@ async def test_sighup_to_the_parent_of_workers_n_reloads_every_process(tmp_path:
             assert await eventually_long(lambda: log.read_text().count("listening on") == 2, timeout=60)
             keys.write_text("new-key-456 beta\n")
             proc.send_signal(signal.SIGHUP)
-            assert await eventually_long(lambda: log.read_text().count("api_keys_file reloaded") == 2, timeout=30)
+            assert await eventually_long(
+                lambda: log.read_text().count("api_keys_file reloaded") == 2, timeout=30
+            )
             for _ in range(8):  # a new connection each: whichever process takes it
                 async with aiohttp.ClientSession() as session:
                     assert (await post(session, f"http://127.0.0.1:{port}", "old-key-123"))[0] == 401

@@ -1,7 +1,7 @@
 """Who goes first: the orchestrator's admission queue, fair share by tenant, priorities, 429s.
 
-``admission: {max_inflight, max_queue, max_queue_wait_s, rate_limits}`` (docs/protocol.md, "Client
-authentication and admission"):
+``admission: {max_inflight, max_queue, max_queue_wait_s, client_priority, rate_limits}``
+(docs/protocol.md, "Client authentication and admission"):
 
 - At most ``max_inflight`` completions of this orchestrator process are in the workers at once: a
   request holds its slot from its context leg to the last byte of its answer (both legs; one count,
@@ -11,18 +11,26 @@ authentication and admission"):
   tenant's weight as its quantum and one request as the cost: each tenant's share of the slots is
   its weight over the waiting tenants' weights, however many streams it opens.
 - Within a tenant, a lower ``priority`` (the body field as vLLM reads it: an integer, lower first,
-  default 0) goes first, arrival order among equals; it is read from the raw body with one
-  ``fastcore.find_span`` (no JSON parse), and a value that is not an integer is a 400 naming it.
+  default 0) goes first, arrival order among equals, where the operator grants it:
+  ``client_priority`` false (the default) reads every request as 0, since without keys every client
+  is one tenant and a claimed priority would put one client's requests before everyone's; true or
+  ``[min, max]`` takes it, clamped into the key's ``priority=MIN..MAX`` (api_keys_file) or else
+  that range. It is read from the raw body by one non-validating scan (no JSON parse), with the
+  prompt's span; a value that is not an integer is a 400 naming it, granted or not.
 - A request that finds ``max_queue`` waiting, or is not started within ``max_queue_wait_s``, gets
   429 with ``Retry-After``; a full queue keeps its places fair too: a newcomer takes the place of
   the last in line of the tenant holding the most of it for its weight (who gets the 429), unless
-  that is the newcomer's own tenant; a client that leaves while queued is dropped at once (its task is
-  cancelled by the HTTP layer, and its place with it).
+  that is the newcomer's own tenant (then only a more urgent request of it takes the place of its own
+  last: a priority never reaches into another tenant's requests); a client that leaves while
+  queued is dropped at once (its task is cancelled by the HTTP layer, and its place with it).
 - Optional per-tenant rate limits (``rate_limits: {<tenant> or "*": {requests_per_minute,
   prompt_tokens_per_minute}}``): token buckets that hold one minute's worth, refilled continuously;
-  prompt tokens estimated as body bytes over the context pool's learned bytes per token
-  (server/orchestrator/estimates.py; 4 until a worker or an answer teaches it). Beyond: 429 with
-  the ``Retry-After`` that the bucket needs.
+  prompt tokens estimated at admission as the prompt's bytes (the ``messages`` or ``prompt`` span)
+  over the context pool's learned bytes per token (server/orchestrator/estimates.py; 4 until a
+  worker or an answer teaches it), then corrected to the workers' ``usage.prompt_tokens`` when its
+  first answer with usage comes (:meth:`Admission.settle`). Beyond: 429 with the ``Retry-After``
+  that the bucket needs; a prompt estimated above a whole minute's worth can never be admitted:
+  429 at once, naming the limit, with no ``Retry-After``.
 
 The per-request cost when a slot is free is a priority read, two bucket checks when limits are
 set, a counter and a coroutine call; counts are kept as ints and handed to the metrics registry at
@@ -39,9 +47,11 @@ import re
 import time
 from collections import deque
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 import fastcore
+from fastcore import protocol as wire
 from fastcore.errors import JSONSpanError
 from server.errors import HTTPError
 from server.metrics import Registry
@@ -57,29 +67,40 @@ REJECT_REASONS = ("queue_full", "queue_timeout", "requests_per_minute", "prompt_
 #: ``rate_limits``' entry for every tenant not named
 ANY_TENANT = "*"
 PRIORITY_FIELD = "priority"
-_PRIORITY_PATH = (PRIORITY_FIELD,)
+#: what admission reads of a body, in one non-validating scan: the priority, the prompt's span
+_ADMISSION_PATHS = ((PRIORITY_FIELD,), (wire.MESSAGES,), (wire.PROMPT,))
 #: vLLM's field is a Python int; here it is bounded to a signed 64-bit integer
 _INTEGER = re.compile(rb"-?(?:0|[1-9][0-9]{0,18})")
 _INT64 = 1 << 63
+#: ``client_priority: true``: any signed 64-bit priority
+ANY_PRIORITY = (-_INT64, _INT64 - 1)
 #: queue waits (seconds) of the requests that waited
 WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 def read_priority(body: bytes) -> int:
-    """The body's top-level ``priority`` (0 when absent); a 400 naming it when it is not an integer.
+    """The body's top-level ``priority`` (0 when absent); a 400 naming it when it is not an integer."""
+    return read_admission(body)[0]
 
-    A body that is not JSON reads as 0 here: the relay's own check answers it, with the offset."""
+
+def read_admission(body: bytes) -> tuple[int, int]:
+    """The body's top-level ``priority`` (0 when absent; a 400 naming it when it is not an integer)
+    and its prompt's bytes (the ``messages`` or ``prompt`` value's span; 0 without one).
+
+    A body that is not JSON reads as (0, 0) here: the relay's own check answers it, with the offset."""
     try:
-        span = fastcore.find_span(body, _PRIORITY_PATH, validate=False)
+        span, messages, prompt = fastcore.find_spans(body, _ADMISSION_PATHS, validate=False)
     except JSONSpanError:
-        return 0
+        return 0, 0
+    prompt = messages or prompt
+    prompt_bytes = prompt[1] - prompt[0] if prompt is not None else 0
     if span is None:
-        return 0
+        return 0, prompt_bytes
     raw = body[span[0] : span[1]]
     if _INTEGER.fullmatch(raw):
         value = int(raw)
         if -_INT64 <= value < _INT64:
-            return value
+            return value, prompt_bytes
     shown = raw[:40].decode("utf-8", "replace")
     raise HTTPError(
         400,
@@ -109,6 +130,33 @@ class TokenBucket:
     def take(self, cost: float) -> None:
         self.level -= min(cost, self.capacity)
 
+    def correct(self, more: float) -> None:
+        """``more`` units than were taken were used (fewer when negative): a debt the refill pays
+        before the next request is let through, or a refund up to the bucket's size."""
+        self.level = min(self.capacity, self.level - more)
+
+
+class Charge:
+    """A request's estimated prompt tokens taken from its tenant's bucket: :meth:`settle` corrects
+    them to the workers' count once, when its first answer with ``usage`` comes."""
+
+    __slots__ = ("bucket", "tokens")
+
+    def __init__(self, bucket: TokenBucket, tokens: float) -> None:
+        self.bucket: TokenBucket | None = bucket
+        self.tokens = tokens
+
+    def settle(self, prompt_tokens: int) -> None:
+        bucket = self.bucket
+        if bucket is not None:
+            self.bucket = None
+            bucket.correct(prompt_tokens - self.tokens)
+
+
+#: the charge of the request this task serves (set while it holds its slot: the usage of its
+#: answer is read deep in the legs, which need not know of admission)
+_CHARGE: ContextVar[Charge | None] = ContextVar("fastcore_admission_charge", default=None)
+
 
 class _Limits:
     """One tenant's rate limits."""
@@ -121,22 +169,30 @@ class _Limits:
             TokenBucket(config.prompt_tokens_per_minute) if config.prompt_tokens_per_minute else None
         )
 
-    def refusal(self, body_bytes: int, bytes_per_token: Callable[[], float]) -> tuple[str, float] | None:
-        """(reason, seconds to wait) when over a limit, else None with both buckets charged."""
+    def refusal(
+        self, prompt_bytes: int, bytes_per_token: Callable[[], float]
+    ) -> tuple[str, float | None] | Charge | None:
+        """(reason, seconds to wait; None: never) when over a limit; else both buckets charged, and
+        the prompt tokens' :class:`Charge` (None without a token limit)."""
         now = time.monotonic()
-        tokens = body_bytes / bytes_per_token() if self.tokens is not None else 0.0
+        bucket = self.tokens
+        tokens = prompt_bytes / bytes_per_token() if bucket is not None else 0.0
+        if bucket is not None and tokens > bucket.capacity:
+            return "prompt_tokens_per_minute", None  # more than a minute's worth: no wait lets it in
         if self.requests is not None:
             wait = self.requests.wait(1, now)
             if wait:
                 return "requests_per_minute", wait
-        if self.tokens is not None:
-            wait = self.tokens.wait(tokens, now)
+        charge = None
+        if bucket is not None:
+            wait = bucket.wait(tokens, now)
             if wait:
                 return "prompt_tokens_per_minute", wait
-            self.tokens.take(tokens)
+            bucket.take(tokens)
+            charge = Charge(bucket, tokens)
         if self.requests is not None:
             self.requests.take(1)
-        return None
+        return charge
 
 
 class _Waiter:
@@ -187,6 +243,11 @@ class Admission:
         self.max_wait = config.max_queue_wait_s
         self.retry_after_s = retry_after_s
         self.rate_limits = config.rate_limits
+        #: the priorities a request may claim where its key names no range (None: none, all are 0)
+        granted = config.client_priority
+        self.client_priority: tuple[int, int] | None = (
+            ANY_PRIORITY if granted is True else None if granted is False else tuple(granted)  # type: ignore[assignment]
+        )
         self.inflight = 0
         self.queued = 0
         self._tenants: dict[str, _TenantQueue] = {}
@@ -200,19 +261,48 @@ class Admission:
     def slot(self, tenant: Tenant, body: bytes) -> _Slot:
         """The slot a completion holds while it runs (``async with``): entering it may wait in the
         queue or raise the 429; the 400 of a bad priority and a rate limit's 429 come at once."""
-        priority = read_priority(body)
+        claimed, prompt_bytes = read_admission(body)
+        priority = 0
+        granted = self.client_priority
+        if granted is not None:
+            low, high = tenant.priority or granted
+            priority = low if claimed < low else high if claimed > high else claimed
         queue = self._tenants.get(tenant.name)
         if queue is None:
             queue = self._new_tenant(tenant)
         elif queue.weight != tenant.weight:
             queue.weight = tenant.weight  # a reloaded key file changed it
+        charge = None
         if queue.limits is not None:
-            over = queue.limits.refusal(len(body), self.bytes_per_token)
-            if over is not None:
+            over = queue.limits.refusal(prompt_bytes, self.bytes_per_token)
+            if isinstance(over, tuple):
                 reason, wait = over
+                if wait is None:
+                    raise self._never_fits(queue, prompt_bytes)
                 raise self._reject(queue, reason, math.ceil(wait),
                                    f"tenant {queue.name} is over its {reason.replace('_', ' ')} limit")  # fmt: skip
-        return _Slot(self, queue, priority)
+            charge = over
+        return _Slot(self, queue, priority, charge)
+
+    def _never_fits(self, queue: _TenantQueue, prompt_bytes: int) -> HTTPError:
+        queue.rejected["prompt_tokens_per_minute"] += 1
+        name = queue.name if queue.name in self.rate_limits else ANY_TENANT
+        limit = self.rate_limits[name].prompt_tokens_per_minute
+        tokens = prompt_bytes / self.bytes_per_token()
+        return HTTPError(
+            429,
+            f"the prompt's estimated {tokens:.0f} tokens are more than admission.rate_limits.{name}."
+            f"prompt_tokens_per_minute ({limit:g}) of tenant {queue.name}: it can never be admitted",
+            code="prompt_tokens_per_minute",
+        )
+
+    @staticmethod
+    def settle(prompt_tokens: int) -> None:
+        """The workers' count of the prompt of the request this task serves (its first answer's
+        ``usage.prompt_tokens``): its tenant's token bucket corrected from the estimate to it."""
+        charge = _CHARGE.get()
+        if charge is not None:
+            charge.settle(prompt_tokens)
 
     def _new_tenant(self, tenant: Tenant) -> _TenantQueue:
         limit = self.rate_limits.get(tenant.name) or self.rate_limits.get(ANY_TENANT)
@@ -414,20 +504,44 @@ class Admission:
 
 
 class _Slot:
-    """``async with admission.slot(tenant, body):``: a slot held for the body of the block."""
+    """``async with admission.slot(tenant, body):``: a slot held for the body of the block, the
+    request's prompt-token :class:`Charge` the task's (:meth:`Admission.settle`) meanwhile."""
 
-    __slots__ = ("admission", "priority", "queue")
+    __slots__ = ("admission", "charge", "priority", "queue")
 
-    def __init__(self, admission: Admission, queue: _TenantQueue, priority: int) -> None:
+    def __init__(
+        self, admission: Admission, queue: _TenantQueue, priority: int, charge: Charge | None
+    ) -> None:
         self.admission = admission
         self.queue = queue
         self.priority = priority
+        self.charge = charge
 
     async def __aenter__(self) -> None:
-        await self.admission.acquire(self.queue, self.priority)
+        charge = self.charge
+        try:
+            await self.admission.acquire(self.queue, self.priority)
+        except BaseException:
+            if charge is not None:
+                charge.settle(0)  # never in a worker: its tokens go back
+            raise
+        if charge is not None:
+            _CHARGE.set(charge)
 
     async def __aexit__(self, *exc_info: object) -> None:
+        if self.charge is not None:
+            _CHARGE.set(None)
         self.admission.release()
 
 
-__all__ = ["ANY_TENANT", "PRIORITY_FIELD", "REJECT_REASONS", "Admission", "TokenBucket", "read_priority"]
+__all__ = [
+    "ANY_PRIORITY",
+    "ANY_TENANT",
+    "PRIORITY_FIELD",
+    "REJECT_REASONS",
+    "Admission",
+    "Charge",
+    "TokenBucket",
+    "read_admission",
+    "read_priority",
+]

@@ -1,8 +1,10 @@
 """Who may call the orchestrator: client API keys, the tenant each names, its fair-share weight.
 
-``api_keys_file`` holds one key a line, ``<key> <tenant> [weight]`` (``#`` comments and blank
-lines skipped). With it (or one key in ``$FASTCORE_API_KEY`` / ``api_key``, tenant ``default``,
-as vllm serve's ``--api-key``), every ``/v1/*`` request needs ``Authorization: Bearer <key>``;
+``api_keys_file`` holds one key a line, ``<key> <tenant> [weight] [priority=MIN..MAX]`` (``#``
+comments and blank lines skipped); ``priority=`` bounds the ``priority`` a request with that key may
+claim, when ``admission.client_priority`` grants any (server/orchestrator/admission.py). With it
+(or one key in ``$FASTCORE_API_KEY`` / ``api_key``, tenant ``default``, as vllm serve's
+``--api-key``), every ``/v1/*`` request needs ``Authorization: Bearer <key>``;
 anything else gets one 401, the same bytes for a missing, malformed and wrong key, so an answer
 tells a caller nothing about how close it came.
 
@@ -66,6 +68,10 @@ DEFAULT_TENANT = "default"
 _TENANT_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 #: a key: printable ASCII without spaces (RFC 6750's b64token is narrower; any such key works)
 _KEY_RE = re.compile(rb"[\x21-\x7e]{1,512}")
+#: a key's priority range: ``priority=MIN..MAX``, signed 64-bit integers (vLLM's field, bounded)
+_PRIORITY_RE = re.compile(rb"priority=(-?[0-9]{1,19})\.\.(-?[0-9]{1,19})")
+_INT64 = 1 << 63
+_FIELDS = "'<key> <tenant> [weight] [priority=MIN..MAX]'"
 
 #: the one answer to a request without a valid key (built once: the same bytes every time)
 UNAUTHORIZED_BODY = error_body(
@@ -78,10 +84,12 @@ UNAUTHORIZED_HEADERS = b'WWW-Authenticate: Bearer realm="api"\r\n'
 
 @dataclass(frozen=True, slots=True)
 class Tenant:
-    """A client of the deployment: its name (a metric label) and its fair-share weight."""
+    """A client of the deployment: its name (a metric label), its fair-share weight and the range of
+    ``priority`` its key may claim (None: ``admission.client_priority``'s)."""
 
     name: str
     weight: float = 1.0
+    priority: tuple[int, int] | None = None
 
 
 #: every request's tenant when admission runs without keys
@@ -112,34 +120,56 @@ def parse_key_file(text: bytes, path: str) -> dict[bytes, Tenant]:
             continue
         parts = line.split()
         where = f"{path} line {number}"
-        if len(parts) not in (2, 3):
-            raise KeyFileError(f"{where}: expected '<key> <tenant> [weight]', got {len(parts)} fields")
+        if not 2 <= len(parts) <= 4:
+            raise KeyFileError(f"{where}: expected {_FIELDS}, got {len(parts)} fields")
         key, tenant_raw = parts[0], parts[1]
         if not _KEY_RE.fullmatch(key):
             raise KeyFileError(f"{where}: a key is 1-512 printable ASCII characters")
         tenant = tenant_raw.decode("ascii", "replace")
         if not _TENANT_RE.fullmatch(tenant):
             raise KeyFileError(f"{where}: a tenant name is 1-64 of A-Z a-z 0-9 . _ -, got {tenant[:70]!r}")
-        weight = 1.0
-        if len(parts) == 3:
-            try:
-                weight = float(parts[2])
-            except ValueError:
-                weight = math.nan
-            if not (0 < weight < math.inf):
-                raise KeyFileError(
-                    f"{where}: weight must be a number > 0, got {parts[2][:40].decode('ascii', 'replace')!r}"
-                )
+        weight, priority = None, None
+        for field in parts[2:]:
+            if field.startswith(b"priority=") and priority is None:
+                priority = _priority_range(field, where)
+            elif weight is None and priority is None:
+                weight = _weight(field, where)
+            else:
+                raise KeyFileError(f"{where}: expected {_FIELDS}")
+        weight = 1.0 if weight is None else weight
         if weights.setdefault(tenant, weight) != weight:
             raise KeyFileError(
                 f"{where}: tenant {tenant} has weight {weight:g} here and {weights[tenant]:g} on an earlier line"
             )
         if key in keys:
             raise KeyFileError(f"{where}: this key is listed twice")
-        keys[key] = Tenant(tenant, weight)
+        keys[key] = Tenant(tenant, weight, priority)
     if not keys:
-        raise KeyFileError(f"{path}: no keys (lines '<key> <tenant> [weight]')")
+        raise KeyFileError(f"{path}: no keys (lines {_FIELDS})")
     return keys
+
+
+def _weight(field: bytes, where: str) -> float:
+    try:
+        weight = float(field)
+    except ValueError:
+        weight = math.nan
+    if not (0 < weight < math.inf):
+        raise KeyFileError(
+            f"{where}: weight must be a number > 0, got {field[:40].decode('ascii', 'replace')!r}"
+        )
+    return weight
+
+
+def _priority_range(field: bytes, where: str) -> tuple[int, int]:
+    match = _PRIORITY_RE.fullmatch(field)
+    low, high = (int(match[1]), int(match[2])) if match else (1, 0)
+    if not (-_INT64 <= low <= high < _INT64):
+        raise KeyFileError(
+            f"{where}: priority=MIN..MAX takes two integers, MIN <= MAX, within a signed 64-bit range, "
+            f"got {field[:60].decode('ascii', 'replace')!r}"
+        )
+    return low, high
 
 
 def read_key_file(path: str) -> dict[bytes, Tenant]:
