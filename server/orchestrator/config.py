@@ -7,6 +7,7 @@ shared secret from the environment included), so handlers never look at
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 from pathlib import Path
@@ -400,13 +401,35 @@ class OrchestratorConfig(BaseModel):
                     + (launch if pool.num_instances else "")
                 )
             router = pool.router
-            unknown = sorted(set(router.args) - ROUTER_ARGS[router.kind])
+            known = ROUTER_ARGS[router.kind]
+            unknown = sorted(set(router.args) - known)
             if unknown:
-                raise ConfigError(f"{name}.router.args: {', '.join(unknown)}: not arguments of {router.type}")
+                # Named under "router", where trtllm-serve writes them (beside "type") or "args:" does.
+                which = f"; it takes {', '.join(sorted(known))}" if known else ", which takes none"
+                raise ConfigError(
+                    f"{name}.router: {', '.join(_suggest(k, known) for k in unknown)}: "
+                    f"not {'an argument' if len(unknown) == 1 else 'arguments'} of {router.type}{which}"
+                )
             try:
                 make_router(router.kind, router.args)
             except ValueError as exc:
                 raise ConfigError(f"{name}.router.args.{exc}") from None
+
+
+def _suggest(key: str, known: Any, prefix: str = "") -> str:
+    """``key``, with the known key it most resembles (a misspelling's likely intent)."""
+    close = difflib.get_close_matches(key, list(known), n=1)
+    return f"{prefix}{key} (did you mean {prefix}{close[0]}?)" if close else prefix + key
+
+
+def unused_key_words(config: OrchestratorConfig) -> str:
+    """The keys of the file the orchestrator does not use, each with its likely intent if any."""
+    words = []
+    for key in config.unused_keys():
+        section, _, name = key.rpartition(".")
+        fields = (PoolConfig if section else OrchestratorConfig).model_fields
+        words.append(_suggest(name, fields, section + "." if section else ""))
+    return ", ".join(words)
 
 
 def config_default(key: str) -> Any:
@@ -422,8 +445,11 @@ def _describe(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def build_config(data: dict[str, Any], *, environ: dict[str, str] | None = None) -> OrchestratorConfig:
-    """Validate a config mapping; the shared secret falls back to ``FASTCORE_SHARED_SECRET``."""
+def build_config(
+    data: dict[str, Any], *, environ: dict[str, str] | None = None, strict: bool = False
+) -> OrchestratorConfig:
+    """Validate a config mapping; the shared secret falls back to ``FASTCORE_SHARED_SECRET``.
+    ``strict`` (--strict-config): a key not used is refused, not warned about."""
     environ = dict(os.environ) if environ is None else environ
     try:
         config = OrchestratorConfig.model_validate(data)
@@ -456,9 +482,11 @@ def build_config(data: dict[str, Any], *, environ: dict[str, str] | None = None)
     if config.metrics_requires_key and config.api_keys_file is None and not config.api_key:
         raise ConfigError(f"metrics_requires_key: needs api_keys_file or a key (api_key, ${API_KEY_ENV})")
     # Warnings here, once per start: check_runnable runs again in each orchestrator process.
-    unused = config.unused_keys()
+    unused = unused_key_words(config)
+    if unused and strict:
+        raise ConfigError(f"--strict-config: keys not used by the fastcore orchestrator: {unused}")
     if unused:
-        log.warning("config keys not used by the fastcore orchestrator (ignored): %s", ", ".join(unused))
+        log.warning("config keys not used by the fastcore orchestrator (ignored): %s", unused)
     for name in ("context_servers", "generation_servers"):
         pool: PoolConfig = getattr(config, name)
         if pool.num_instances is not None and pool.urls and pool.num_instances != len(pool.urls):
