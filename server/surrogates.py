@@ -60,7 +60,7 @@ def _first(body: dict[str, Any], lazy: type | None) -> tuple[str, int, int] | No
 
 def check_no_lone_surrogates(raw: bytes, body: dict[str, Any], *, lazy: type | None = None) -> None:
     """Raise a 400 naming the first string of ``body`` (parsed from ``raw``) that holds a lone
-    surrogate; ``param`` is its top-level field. ``lazy``: a type of values left as bytes
+    surrogate; ``param`` is its path, as the message names it (``messages[0].content``). ``lazy``: a type of values left as bytes
     (``data``, ``start``, ``end``) whose ``value()`` parses them."""
     if b"\\u" not in raw or _ESCAPE.search(raw) is None:
         return
@@ -68,12 +68,11 @@ def check_no_lone_surrogates(raw: bytes, body: dict[str, Any], *, lazy: type | N
     if found is None:
         return  # escapes that were all pairs
     path, index, code = found
-    top = re.split(r"[.\[]", path, maxsplit=1)[0]
     raise HTTPError(
         400,
         f"'{path}' holds a lone surrogate (U+{code:04X} at character {index}): it is not Unicode text "
         "(a \\uD800-\\uDFFF escape must be half of a pair)",
-        param=top,
+        param=path,
         code="invalid_unicode",
     )
 
