@@ -86,6 +86,7 @@ from .routing import (
     conversation_header,
     request_key,
 )
+from .tenant_salt import salted_body
 from .tenants import (
     ANONYMOUS,
     UNAUTHORIZED_BODY,
@@ -188,6 +189,8 @@ class Orchestrator:
         self.metrics = OrchestratorMetrics(self.registry, self)
         #: client API keys and the admission queue (tenants.py, admission.py): None when not configured
         self.keys = keys_from_config(config, self.registry)
+        #: each tenant's prompts cached apart: its own cache_salt on every leg (tenant_salt.py)
+        self.tenant_salts = self.keys is not None and not config.share_prefix_cache_across_tenants
         self.admission = (Admission(config.admission, self.registry, config.retry_after_s,
                                     lambda: self.context_pool.router.estimate.value)
                           if config.admission is not None else None)  # fmt: skip
@@ -356,7 +359,7 @@ class Orchestrator:
                 self.metrics.count_request("chat" if chat else "completions", 503)
                 return None
             if self.callbacks:
-                return Exchange(self, request, out, chat).start()
+                return Exchange(self, request, out, chat, tenant).start()
             return self._serve(request, out, chat, tenant)
         if path in _GET_ROUTES:
             if request.method != b"GET":
@@ -468,11 +471,11 @@ class Orchestrator:
         try:
             header = conversation_header(request) if self.needs_conversation else None
             if self.admission is None:
-                status = await self._settle(out, self._run_legs(request.body, out, chat, header))
+                status = await self._settle(out, self._run_legs(request.body, out, chat, header, tenant))
             else:  # a slot in the workers, maybe after a wait in the queue (or a 429)
                 slot = self.admission.slot(tenant, request.body)
                 async with traced_wait(trace, "fastcore.admission", slot):
-                    status = await self._settle(out, self._run_legs(request.body, out, chat, header))
+                    status = await self._settle(out, self._run_legs(request.body, out, chat, header, tenant))
         except HTTPError as exc:  # the admission's 429
             status = self.answer_error(out, exc)
         except asyncio.CancelledError:
@@ -512,14 +515,21 @@ class Orchestrator:
         return CpuClock(self.metrics.cpu_phase)
 
     def prepare(
-        self, body: bytes, chat: bool, conversation: bytes | None
+        self, body: bytes, chat: bool, conversation: bytes | None, tenant: Tenant = ANONYMOUS
     ) -> tuple[ClientRequest, RequestKey | None, int, Clock]:
         """A completion's first steps, before any leg: the client's body read and checked (or its 400), a
         worker pool not ready (503), its routing key and token weight, the clock of its CPU phases. The
-        body both legs carry is the request's ``body`` (a top-level ``conversation_id`` moved)."""
+        body both legs carry is the request's ``body`` (a top-level ``conversation_id`` moved; with
+        ``tenant_salts``, its ``cache_salt`` the tenant's, which the routing key reads too)."""
         clock = self._clock()
         check_not_empty(body)
         req = self.relay.read_client(body, chat)
+        if self.tenant_salts:
+            # trtllm-serve's completions take no cache_salt: added there only where every worker does
+            add = chat or (self.context_pool.salts_completions and self.generation_pool.salts_completions)
+            salted = salted_body(req.body, tenant.name, add)
+            if salted is not req.body:
+                req = self.relay.read_client(salted, chat)  # the spans both legs splice, of this body
         body = req.body
         clock.lap("validate")
         if self.tracing is not None and (trace := current_trace()) is not None:
@@ -534,12 +544,13 @@ class Orchestrator:
         return req, key, tokens, clock
 
     async def _run_legs(
-        self, body: bytes, out: Responder, chat: bool, conversation: bytes | None = None
-    ) -> int:
+        self, body: bytes, out: Responder, chat: bool, conversation: bytes | None = None,
+        tenant: Tenant = ANONYMOUS,
+    ) -> int:  # fmt: skip
         """Serve one completion; the status the client got (a stream cut by its worker counts as 502).
 
         ``conversation``: the ``X-Conversation-Id`` header (read only for a conversation router)."""
-        req, key, tokens, clock = self.prepare(body, chat, conversation)
+        req, key, tokens, clock = self.prepare(body, chat, conversation, tenant)
         body = req.body
         relay = self.relay
         path = _CHAT if chat else _COMPLETIONS

@@ -300,6 +300,9 @@ class OrchestratorConfig(BaseModel):
     api_key: str | None = Field(None, repr=False)  # never in logs
     # /metrics to the metrics token or any client API key only (loopback alone no longer enough)
     metrics_requires_key: bool = False
+    # With client keys each tenant's prompts are cached apart (server/orchestrator/tenant_salt.py);
+    # true: one prefix cache for all, each request's cache_salt as its client sent it
+    share_prefix_cache_across_tenants: bool = False
     # The admission queue: max_inflight, max_queue, max_queue_wait_s, rate_limits (None: none)
     admission: AdmissionConfig | None = None
     workers: int = Field(1, ge=1)

@@ -34,6 +34,7 @@ from server.http import BodyPiece, Handling, Request, Responder, UpstreamRespons
 
 from .legs import MAX_WORKER_BODY, Sent, WorkerAnswer
 from .routing import conversation_header
+from .tenants import ANONYMOUS, Tenant
 
 if TYPE_CHECKING:
     from .pools import Worker
@@ -72,18 +73,22 @@ class Exchange(Handling):
         "started",
         "streaming",
         "task",
+        "tenant",
         "tokens",
         "tried",
         "work",
         "worker",
     )
 
-    def __init__(self, orch: Any, request: Request, out: Responder, chat: bool) -> None:
+    def __init__(
+        self, orch: Any, request: Request, out: Responder, chat: bool, tenant: Tenant = ANONYMOUS
+    ) -> None:
         #: the Orchestrator (app.py, which imports this module: typed Any, no import circle)
         self.orch = orch
         self.request = request
         self.out = out
         self.chat = chat
+        self.tenant = tenant
         self.path = request.path
         #: the leg in flight from callbacks (CONTEXT, GENERATION; 0: none), its response and worker
         self.leg = 0
@@ -120,7 +125,7 @@ class Exchange(Handling):
         orch = self.orch
         request = self.request
         conversation = conversation_header(request) if orch.needs_conversation else None
-        req, key, tokens, clock = orch.prepare(request.body, self.chat, conversation)
+        req, key, tokens, clock = orch.prepare(request.body, self.chat, conversation, self.tenant)
         body = self.body = req.body  # a top-level conversation_id moved (prepare)
         self.req, self.key, self.tokens, self.clock = req, key, tokens, clock
         disagg_id = self.disagg_id = orch.disagg_id()

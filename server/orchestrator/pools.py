@@ -59,7 +59,8 @@ _ROUTABLE_EPOCH = [0]
 class Capabilities:
     """What a worker's ``/server_info`` says it can do (everything False / None on any doubt)."""
 
-    __slots__ = ("b64_completions", "bytes_per_token", "kv_capacity_tokens", "local_prefill")
+    __slots__ = ("b64_completions", "bytes_per_token", "cache_salt_completions", "kv_capacity_tokens",
+                 "local_prefill")  # fmt: skip
 
     def __init__(
         self,
@@ -67,11 +68,15 @@ class Capabilities:
         local_prefill: bool = False,
         kv_capacity_tokens: int | None = None,
         bytes_per_token: float | None = None,
+        cache_salt_completions: bool = False,
     ) -> None:
         self.b64_completions = b64_completions
         self.local_prefill = local_prefill
         self.kv_capacity_tokens = kv_capacity_tokens
         self.bytes_per_token = bytes_per_token
+        #: it takes ``cache_salt`` on completions: a fastcore worker (it says ``prefix_caching``);
+        #: trtllm-serve's completion request has no such field and refuses one
+        self.cache_salt_completions = cache_salt_completions
 
     @classmethod
     def of(cls, info: object) -> Capabilities:
@@ -85,6 +90,7 @@ class Capabilities:
             local is True,
             capacity if type(capacity) is int and capacity > 0 else None,
             float(bpt) if isinstance(bpt, int | float) and not isinstance(bpt, bool) and bpt > 0 else None,
+            wire.INFO_PREFIX_CACHING in info,
         )
 
 
@@ -201,6 +207,7 @@ class Worker:
         "_b64_completions",
         "_healthy",
         "breaker",
+        "cache_salt_completions",
         "checked",
         "in_flight",
         "in_flight_tokens",
@@ -229,6 +236,7 @@ class Worker:
         self.timeouts = 0
         # From /server_info, read each time the worker becomes healthy.
         self._b64_completions = False
+        self.cache_salt_completions = False
         self.local_prefill = False
         self.kv_capacity_tokens: int | None = None
         # The worker process's id, from its /health (a fastcore worker says it): a new one is
@@ -257,6 +265,9 @@ class Worker:
 
     def set_capabilities(self, caps: Capabilities) -> None:
         self.b64_completions = caps.b64_completions
+        if caps.cache_salt_completions != self.cache_salt_completions:
+            self.cache_salt_completions = caps.cache_salt_completions
+            _ROUTABLE_EPOCH[0] += 1  # Pool.salts_completions' cached answer is stale
         self.local_prefill = caps.local_prefill
         self.kv_capacity_tokens = caps.kv_capacity_tokens
 
@@ -288,7 +299,7 @@ class Pool:
         self.discovered: set[str] = set()
         #: Pool.choose's cached routable workers (see _routable)
         self._routable_list: list[Worker] | None = None
-        self._ready = self._b64 = False
+        self._ready = self._b64 = self._salts = False
         self._routable_epoch = -1
         self._routable_of: list[Worker] | None = None
 
@@ -325,6 +336,15 @@ class Pool:
         if self._routable_epoch != _ROUTABLE_EPOCH[0] or self._routable_of is not self.workers:
             self._refresh()
         return self._b64
+
+    @property
+    def salts_completions(self) -> bool:
+        """Every healthy worker takes ``cache_salt`` on completions (server/orchestrator/tenant_salt.py):
+        one that does not (a trtllm-serve server) means none is added. A worker's capabilities are
+        read before it is healthy, and one that is not takes no leg."""
+        if self._routable_epoch != _ROUTABLE_EPOCH[0] or self._routable_of is not self.workers:
+            self._refresh()
+        return self._salts
 
     @property
     def ready(self) -> bool:
@@ -371,6 +391,7 @@ class Pool:
         self._routable_list = None if tripped else closed
         self._ready = any(w.healthy for w in workers)
         self._b64 = all(w.b64_completions for w in workers)
+        self._salts = all(w.cache_salt_completions for w in workers if w.healthy)
         self._routable_epoch, self._routable_of = _ROUTABLE_EPOCH[0], workers
 
     def all_open(self) -> bool:
