@@ -12,6 +12,8 @@ fault is set. Faults apply to new requests; ``mode`` is one of:
   status line and half of the body, then the connection closes);
 - ``hold``: forward a completion POST, keep its answer (the worker has done
   the work, parked the KV; its answer never arrives);
+- ``stall``: forward a completion POST, relay its head and its first piece,
+  then nothing more (a stream that stalls: no bytes, the connection open);
 - ``freeze``: accept and read every request, answer none (what a SIGSTOPped
   worker's kernel does; ``/health`` hangs too);
 - ``refuse``: stop listening and drop every connection (connections refused);
@@ -38,7 +40,8 @@ from server.errors import error_body
 
 #: headers never forwarded (hop-by-hop, or recomputed by aiohttp)
 _HOP = frozenset(("connection", "keep-alive", "transfer-encoding", "content-length", "te", "upgrade"))
-MODES = ("pass", "reset", "hold", "freeze", "refuse", "kv_refuse", "kv_timeout", "kv_truncate", "kv_delay")
+MODES = ("pass", "reset", "hold", "stall", "freeze", "refuse", "kv_refuse", "kv_timeout", "kv_truncate",
+         "kv_delay")  # fmt: skip
 
 
 class FaultProxy:
@@ -83,7 +86,7 @@ class FaultProxy:
             await self._close_listener()
         elif was == "refuse" and mode != "refuse":
             await self._reopen()
-        if was in ("freeze", "hold", "kv_timeout") and mode != was:
+        if was in ("freeze", "hold", "stall", "kv_timeout") and mode != was:
             self._release_hung()
 
     async def _close_listener(self) -> None:
@@ -180,8 +183,12 @@ class FaultProxy:
                 request.transport.abort()
                 return out
             await out.prepare(request)
+            stall = request.method == "POST" and self.mode == "stall"
             async for chunk in up.content.iter_any():
                 await out.write(chunk)
+                if stall:  # the head and one piece went out: the rest never does
+                    await self._hang()
+                    raise web.HTTPServiceUnavailable()
             await out.write_eof()
             return out
 

@@ -140,11 +140,12 @@ class Orchestrator:
             strip_history=config.gen_strip_message_history,
         )
         ctx_router, gen_router = config.context_servers.router, config.generation_servers.router
-        failures, open_s = config.circuit_breaker_failures, config.circuit_breaker_open_s
+        breakers = {"breaker_failures": config.circuit_breaker_failures, "breaker_open_s":
+                    config.circuit_breaker_open_s, "panic_threshold": config.circuit_breaker_panic_threshold}  # fmt: skip
         self.context_pool = Pool("context", config.context_servers.urls, ctx_router.kind, ctx_router.args,
-                                 breaker_failures=failures, breaker_open_s=open_s)  # fmt: skip
+                                 **breakers)  # fmt: skip
         self.generation_pool = Pool("generation", config.generation_servers.urls, gen_router.kind,
-                                    gen_router.args, breaker_failures=failures, breaker_open_s=open_s)  # fmt: skip
+                                    gen_router.args, **breakers)  # fmt: skip
         #: no context worker takes a request: a local_prefill generation worker serves it whole
         self.fallback = config.context_fallback == "local_prefill"
         self.pools = [self.context_pool, self.generation_pool]
@@ -594,7 +595,7 @@ class Orchestrator:
         try:
             context_response = await self.legs.run("context", self.context_pool, path, context_body, _body,
                 headers=self.relay.leg_headers, timeout=self._context_timeout(len(body)), key=key, tokens=tokens,
-                tried=tried, disagg_id=disagg_id, resume=resume)  # fmt: skip
+                tried=tried, disagg_id=disagg_id, resume=resume, panic=not self._can_fall_back())  # fmt: skip
         except LegUnavailable as exc:
             unavailable = exc  # served outside this handler: the client's error carries no context
         if unavailable is not None:

@@ -23,7 +23,7 @@ from server.http.client import CONNECT_TIMEOUT_S
 from server.metrics_access import METRICS_TOKEN_ENV
 from server.tracing import TracingConfigError, check_endpoint, configured_endpoint
 
-from .pools import BREAKER_FAILURES, BREAKER_OPEN_S
+from .pools import BREAKER_FAILURES, BREAKER_OPEN_S, PANIC_THRESHOLD
 from .routing import ROUTER_ARGS, ROUTERS, make_router
 from .tenants import API_KEY_ENV, KeyFileError, read_key_file
 
@@ -266,6 +266,9 @@ class OrchestratorConfig(BaseModel):
     # and the seconds it stays open before a probe leg.
     circuit_breaker_failures: int = Field(BREAKER_FAILURES, ge=1)
     circuit_breaker_open_s: float = Field(BREAKER_OPEN_S, gt=0)
+    # Below this share of a pool's healthy workers with a breaker that lets legs through, legs go to
+    # every healthy worker (envoy's panic threshold; pools.py); 0: never
+    circuit_breaker_panic_threshold: float = Field(PANIC_THRESHOLD, ge=0, le=1)
     # SIGTERM: requests in flight may finish for this long, then they are cancelled.
     drain_timeout_s: float = Field(30.0, ge=0)
     connect_timeout_s: float = Field(CONNECT_TIMEOUT_S, gt=0)

@@ -19,6 +19,29 @@ with a 200; the rest is one loop (:meth:`LegRunner.run`):
 
 A leg whose answer was lost (cut, timed out, the client left) may have parked KV
 whose id never arrived: with ``disagg_id`` it is released by that id.
+
+What counts against a worker's breaker (:meth:`LegRunner.breaker_failed`): evidence about the
+worker, never what a client's own request explains.
+
+- Counted: a connection that cannot be opened or breaks (reset, closed mid-answer), a response
+  that breaks the protocol (every :class:`UpstreamError` is one call site, ``_no_answer``), a 5xx
+  other than 503, a stream's head that does not come within its first-byte deadline (at once), a
+  stream that stalls (no byte for ``request_timeout_s`` once its head came: app.py's
+  ``stream_ended``), a context leg's deadline (it grows with the prompt: the client's size is in
+  it already; at once), and a probe that fails.
+- A unary generation leg's deadline (``request_timeout_s`` for the whole answer, which a worker
+  sends whole once its decode ends, so no head or byte shows progress before it): the worker's
+  (at once) only when the worker answered no other generation leg after this one was handed to
+  it. A worker that answered others meanwhile is decoding; what kept this leg past the deadline
+  is the request itself (its ``max_tokens`` at the worker's decode rate, a prompt that cannot be
+  served), and opening the breaker would refuse every other client for it. The client still gets
+  its 504, and the worker's connection is reset (it stops decoding). Workers publish no decode
+  rate (``/server_info``; a worker's tokens per second is its whole batch's, not a request's),
+  so the worker's own answers, not an estimate, are the evidence. A lone long request on an idle
+  worker does count: nobody else's answer is lost to that breaker (a pool with every breaker open
+  keeps routing to them: pools.py's panic), and the next success closes it.
+- Never counted: a refusal (429, 503), a misdirected leg (403 ``wrong_destination``), the
+  client's own 4xx, a client that left.
 """
 
 from __future__ import annotations
@@ -143,12 +166,14 @@ class LegRunner:
         headers: bytes, timeout: float | None, read_timeout: float | None = None, max_body: int = MAX_WORKER_BODY,
         first_byte: float | None = None, extra: bytes = b"", key: RequestKey | None = None, tokens: int = 0,
         first: Worker | None = None, tried: list[Worker] | None = None, disagg_id: int | None = None,
-        handoff_from: float | None = None, ttfb: Any = None, resume: Sent | None = None,
+        handoff_from: float | None = None, ttfb: Any = None, resume: Sent | None = None, panic: bool = True,
     ) -> T:  # fmt: skip
         """Leg ``name`` to ``pool``: ``answered(worker, resp)`` of the first worker that answers 200 (held
         until it returns), else :class:`WorkerAnswer` or :class:`LegUnavailable` (see the class).
         ``resume``: the first attempt, already sent (from callbacks, server/orchestrator/exchange.py)
-        and held: what came back is classified here as if this loop had sent it."""
+        and held: what came back is classified here as if this loop had sent it. ``panic``: when
+        too few breakers let legs through, every healthy worker is chosen from (pools.py); False
+        for a leg with another way out (a context leg that falls back to local prefill)."""
         pieces: Sequence[BodyPiece] = (body,) if isinstance(body, bytes) else body
         tried = tried if tried is not None else []
         failure: HTTPError | WorkerAnswer | None = None
@@ -165,7 +190,7 @@ class LegRunner:
                 if attempt == 0 and first is not None and first.healthy:
                     worker = first
                 else:
-                    worker = pool.choose(exclude=tried, key=key)
+                    worker = pool.choose(exclude=tried, key=key, panic=panic)
                 if worker is None:
                     break
                 if attempt:
@@ -194,7 +219,8 @@ class LegRunner:
                     continue
                 except UpstreamTimeout:
                     # raises unless a stream's first byte: that one goes to the next worker
-                    failure = self._timed_out(name, pool, worker, span, timeout, first_byte, disagg_id)
+                    failure = self._timed_out(name, pool, worker, span, timeout, first_byte, disagg_id,
+                                              handed_over if ttfb is not None else None)  # fmt: skip
                     reason = "timeout"
                     continue
                 except BaseException as exc:
@@ -251,9 +277,12 @@ class LegRunner:
         worker.breaker.ended()
 
     def served(self, worker: Worker, ttfb: Any, handed_over: float) -> None:
-        """``worker`` answered 200: counted, its breaker closes, the time to its first byte observed."""
+        """``worker`` answered 200: counted, its breaker closes; a generation leg's (``ttfb``): the time
+        to its first byte observed, and when it answered kept (evidence for its other legs' deadlines)."""
         if ttfb is not None:
-            ttfb.observe(time.perf_counter() - handed_over)
+            now = time.perf_counter()
+            ttfb.observe(now - handed_over)
+            worker.answered_at = now
         worker.served += 1
         worker.breaker.succeeded()
 
@@ -300,11 +329,20 @@ class LegRunner:
         timeout: float | None,
         first_byte: float | None,
         disagg_id: int | None,
+        handed_over: float | None,
     ) -> HTTPError:
         """A leg's deadline ran out (the connection is reset: the worker sees the cancel when it can).
         A stream with no first byte goes to another worker (nothing reached the client yet): its
-        error is returned; any other deadline is spent, the leg ends (:class:`LegUnavailable`)."""
-        self.breaker_failed(pool, worker, at_once=True)
+        error is returned; any other deadline is spent, the leg ends (:class:`LegUnavailable`).
+        ``handed_over``: a generation leg's, when it was handed to ``worker``: its whole-answer
+        deadline counts against the worker only if the worker answered no leg since (the module)."""
+        clients = first_byte is None and handed_over is not None and worker.answered_at > handed_over
+        if clients:
+            log.info("%s worker %s: a leg outlasted its deadline while the worker answered others: the "
+                     "request's own length, not counted against the worker", name, worker.url)  # fmt: skip
+            self.metrics.deadlines_not_counted.inc(pool=pool.name)
+        else:
+            self.breaker_failed(pool, worker, at_once=True)
         if disagg_id is not None:
             self.release_lost_kv(worker, disagg_id)
         if first_byte is not None:
@@ -324,6 +362,7 @@ class LegRunner:
         return b"%s: %s\r\n" % (_SIGNATURE, signature.encode())
 
     def breaker_failed(self, pool: Pool, worker: Worker, *, at_once: bool = False) -> None:
+        """Evidence against ``worker`` (see the module for what is): its breaker counts a failure."""
         if worker.breaker.failed(at_once=at_once):
             log.warning("%s worker %s: circuit breaker open (no new legs for %g s)", pool.name, worker.url,
                         worker.breaker.open_for)  # fmt: skip

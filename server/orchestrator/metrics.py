@@ -176,6 +176,12 @@ class OrchestratorMetrics:
             "Worker circuit breakers opened (failed legs in a row, a timed-out leg, a failed probe).",
             ("pool",),
         )
+        self.deadlines_not_counted = registry.counter(
+            "fastcore_orchestrator_deadlines_not_counted_total",
+            "Unary generation legs past request_timeout_s while their worker answered other legs: the "
+            "request's own length, not counted against the worker's breaker.",
+            ("pool",),
+        )
         for pool in pools:
             self.breaker_opened.inc(0, pool=pool.name)
         self.breaker_state = registry.gauge(

@@ -11,10 +11,21 @@ checks in a row time out with no request served by it in between. The checker
 puts a worker back when ``/health`` answers 200 again.
 
 Beside health, each worker has a :class:`CircuitBreaker` fed by the legs
-themselves: failures in a row (a timed-out leg at once) open it, and an open
+themselves, on evidence about the worker only (server/orchestrator/legs.py
+says which): failures in a row (a timed-out leg at once) open it, and an open
 worker gets no new legs until one probe leg, let through after a while,
 succeeds. A frozen worker (its socket accepts, nothing answers) is out after
 its first timed-out leg, not after three health checks.
+
+A breaker may still be wrong, and a pool that refuses every client because
+every breaker is open turns a few failed legs into an outage. So, as envoy's
+panic threshold does, once fewer than ``panic_threshold`` of a pool's up
+workers (healthy by ``/health``) have a breaker that lets legs through, legs
+go to every up worker as if no breaker were open (a success there closes its
+breaker). A worker down by ``/health`` is never included: its refused
+connection or non-200 is evidence from now, and the checker puts it back
+within an interval of its recovery. A leg with another way out (a context
+leg that can fall back to local prefill) does not panic.
 """
 
 from __future__ import annotations
@@ -113,6 +124,9 @@ def _instance(body: bytes) -> str | None:
 #: circuit_breaker_open_s read them): failed legs in a row that open it, seconds it stays open
 BREAKER_FAILURES = 3
 BREAKER_OPEN_S = 5.0
+#: the default share of a pool's up workers whose breakers must let legs through, below which legs go
+#: to every up worker (the config key circuit_breaker_panic_threshold; envoy's healthy_panic_threshold)
+PANIC_THRESHOLD = 0.5
 
 
 class CircuitBreaker:
@@ -206,6 +220,7 @@ class Worker:
     __slots__ = (
         "_b64_completions",
         "_healthy",
+        "answered_at",
         "breaker",
         "cache_salt_completions",
         "checked",
@@ -232,6 +247,9 @@ class Worker:
         self.in_flight_tokens = 0
         # Requests this worker answered since the last health check (passive evidence).
         self.served = 0
+        #: when (perf_counter) it last answered a generation leg 200: evidence that it serves while a
+        #: leg sent to it before then waits (server/orchestrator/legs.py, LegRunner.served)
+        self.answered_at = 0.0
         # Health checks in a row that timed out.
         self.timeouts = 0
         # From /server_info, read each time the worker becomes healthy.
@@ -285,10 +303,15 @@ class Pool:
         *,
         breaker_failures: int = BREAKER_FAILURES,
         breaker_open_s: float = BREAKER_OPEN_S,
+        panic_threshold: float = PANIC_THRESHOLD,
     ) -> None:
         self.name = name
         self.breaker_failures = breaker_failures
         self.breaker_open_s = breaker_open_s
+        #: see the module: 0 never panics, 1 panics once any up worker's breaker is open
+        self.panic_threshold = panic_threshold
+        #: in panic since the last choice that was not (logged once per panic, not per leg)
+        self.panicking = False
         self.workers = [self._worker(u) for u in urls]
         self.router: Router = make_router(router, router_args)
         #: the router reads a per-request key (RequestKey); round_robin and least_loaded do not
@@ -353,22 +376,30 @@ class Pool:
             self._refresh()
         return self._ready
 
-    def choose(self, exclude: Collection[Worker] = (), key: RequestKey | None = None) -> Worker | None:
+    def choose(
+        self, exclude: Collection[Worker] = (), key: RequestKey | None = None, *, panic: bool = False
+    ) -> Worker | None:
         """A healthy worker not in ``exclude`` (those already tried) whose breaker lets a leg through,
         or None. ``key``: the request's routing key, for a router that ``needs_key`` (None: it routes
-        as least_loaded would). The leg that goes there marks its breaker (:meth:`CircuitBreaker.chosen`)."""
+        as least_loaded would). ``panic``: the leg has no other way out, so below ``panic_threshold``
+        every healthy worker is a candidate, breakers ignored (see the module). The leg that goes
+        there marks its breaker (:meth:`CircuitBreaker.chosen`)."""
         if not exclude:
             routable = self._routable()
             if routable is not None:
                 return self.router.choose(routable, key) if routable else None
         now = time.monotonic()
-        candidates = [
-            w
-            for w in self.workers
-            if w.healthy
-            and (w.breaker.state == CircuitBreaker.CLOSED or w.breaker.allows(now))
-            and not (exclude and w in exclude)
-        ]
+        up = [w for w in self.workers if w.healthy]
+        passing = [w for w in up if w.breaker.state == CircuitBreaker.CLOSED or w.breaker.allows(now)]
+        if panic and len(passing) < self.panic_threshold * len(up):
+            passing = up
+            if not self.panicking:
+                self.panicking = True
+                log.warning("%s pool: too few breakers let legs through: legs go to every healthy worker "
+                            "(circuit_breaker_panic_threshold %g)", self.name, self.panic_threshold)  # fmt: skip
+        elif panic:
+            self.panicking = False
+        candidates = [w for w in passing if not (exclude and w in exclude)] if exclude else passing
         if not candidates:
             return None
         return self.router.choose(candidates, key)
@@ -389,6 +420,8 @@ class Pool:
         closed = [w for w in workers if w.healthy and w.breaker.state == CircuitBreaker.CLOSED]
         tripped = any(w.healthy and w.breaker.state != CircuitBreaker.CLOSED for w in workers)
         self._routable_list = None if tripped else closed
+        if not tripped:
+            self.panicking = False  # every breaker closed: the next panic is logged again
         self._ready = any(w.healthy for w in workers)
         self._b64 = all(w.b64_completions for w in workers)
         self._salts = all(w.cache_salt_completions for w in workers if w.healthy)
