@@ -457,3 +457,31 @@ async def test_a_non_loopback_client_reads_no_metrics_and_makes_no_loopback_kv_f
     )
     assert (local["fetched"], outside["fetched"]) == (1, 0)
     assert seen["not_allowed"] == 1
+
+
+# ---------------------------------------------------------------- a 404 names what is served
+
+
+@pytest.mark.parametrize("registry", [False, True])
+async def test_a_404_lists_every_route_the_orchestrator_serves(registry: bool) -> None:
+    """The text is made from the route tables themselves: trtllm-serve's endpoints (/version,
+    /cluster_info, ...) and, where this orchestrator keeps the worker registry, its paths too."""
+    from server.cluster.embedded import REGISTRY_PATH, TRTLLM_STORE_ROUTES
+    from server.trtllm_endpoints import ORCHESTRATOR_ROUTES
+
+    port = free_port()
+    pools = {"context_servers": {"urls": ["127.0.0.1:1"]}, "generation_servers": {"urls": ["127.0.0.1:2"]}}
+    cluster = {"disagg_cluster": {"cluster_uri": f"http://127.0.0.1:{port}"}}
+    config = build_config({"port": port, **(cluster if registry else pools)}, environ={})
+    server, _ = await start_server(config)
+    try:
+        error = assert_openai_error(await get(port, CHAT[:-1]), 404)
+    finally:
+        await server.cleanup()
+    message = error["message"]
+    assert message.startswith(f"no route {CHAT[:-1]}: the orchestrator serves POST {CHAT}, ")
+    trtllm = [p.decode() for p in ORCHESTRATOR_ROUTES]
+    for path in (CHAT, COMPLETIONS, "/v1/models", "/health", "/metrics", *trtllm):
+        assert f" {path}" in message, path
+    for path in (REGISTRY_PATH, *TRTLLM_STORE_ROUTES):
+        assert (f" {path.decode()}" in message) == registry, path

@@ -143,6 +143,12 @@ class EmbeddedRegistry:
     def handles(self, path: bytes) -> bool:
         return path == REGISTRY_PATH or path.startswith(REGISTRY_PATH + b"/") or path in TRTLLM_STORE_ROUTES
 
+    @staticmethod
+    def routes() -> list[str]:
+        """What :meth:`handles` takes, as its orchestrator's 404 lists it."""
+        store = [f"{method.decode()} {path.decode()}" for path, method in TRTLLM_STORE_ROUTES.items()]
+        return [f"{REGISTRY_PATH.decode()}[/...]", *store]
+
     async def handle(self, request: Any, out: Any) -> None:
         if request.path in TRTLLM_STORE_ROUTES:
             self._trtllm_store(request, out)

@@ -377,12 +377,17 @@ class Orchestrator:
         if self.trtllm.handles(path):
             self.trtllm.handle(request, out)
             return None
-        out.send_error(
-            404,
-            f"no route {path.decode('utf-8', 'replace')[:200]}: the orchestrator serves "
-            f"POST {CHAT_PATH}, POST {COMPLETIONS_PATH}, GET /v1/models, /health, /metrics",
-        )
+        shown = path.decode("utf-8", "replace")[:200]
+        out.send_error(404, f"no route {shown}: the orchestrator serves {self.routes()}")
         return None
+
+    def routes(self) -> str:
+        """Every route :meth:`handle` serves, from the route tables it serves them by (a 404 lists them)."""
+        served = [f"POST {p.decode()}" for p in _ROUTES] + [f"GET {p.decode()}" for p in _GET_ROUTES]
+        served += [f"{'|'.join(m.decode() for m in ms)} {p.decode()}" for p, ms in self.trtllm.routes.items()]
+        if self.discovery is not None and self.discovery.embedded is not None:
+            served += self.discovery.embedded.routes()
+        return ", ".join(served)
 
     # -- small endpoints ---------------------------------------------------
 
