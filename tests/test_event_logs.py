@@ -279,6 +279,32 @@ async def test_a_follower_reads_every_page_at_once() -> None:
         await server.cleanup()
 
 
+async def test_a_follower_polls_at_once_only_after_progress() -> None:
+    """A worker whose answer applies nothing but says more is newer is polled at the batch delay,
+    not at once in a loop."""
+    from aiohttp import web
+
+    async def events(request: web.Request) -> web.Response:
+        return web.json_response({"instance": "i", "chunk_bytes": 512, "seq": 9, "events": [], "more": True})
+
+    app = web.Application()
+    app.router.add_get("/cache_events", events)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    follower, router, worker = await _follower(f"http://127.0.0.1:{port}")
+    try:
+        router.resync(worker, [])
+        follower.instance, follower.seq = "i", 3
+        assert await follower.poll_once() == follower.view.batch_s
+        assert follower.seq == 3
+    finally:
+        follower.close()
+        await runner.cleanup()
+
+
 async def test_the_workers_chunk_size_is_a_setting_checked_once() -> None:
     import pytest
 

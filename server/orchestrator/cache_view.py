@@ -130,11 +130,13 @@ class _Follower:
             answer = json.loads(body)
         except ValueError:
             answer = None
+        before = self.seq
         if not self.apply(answer):
             self.instance = None  # resync next
             return RETRY_S
-        # a page of a longer run of events (the worker bounds an answer): the next one at once
-        return 0.0 if self.seq < answer["seq"] else self.view.batch_s
+        # a page of a longer run of events (the worker bounds an answer): the next one at once,
+        # only after progress (an answer that applies nothing and says more cannot make us spin)
+        return 0.0 if before < self.seq < answer["seq"] else self.view.batch_s
 
     def apply(self, answer: Any) -> bool:
         """Apply one answer to the router; False when it cannot be (a resync is needed)."""
