@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from functools import lru_cache
 
 import fastcore
 from fastcore import JSONSpanError
@@ -47,6 +48,12 @@ def tenant_salt(tenant: str, client_salt: str | None) -> str:
     if client_salt is not None:
         data += b"\0" + client_salt.encode("utf-8", "surrogatepass")
     return TENANT_SALT_PREFIX + hashlib.blake2b(data, digest_size=16, person=_PERSON).hexdigest()
+
+
+@lru_cache(maxsize=1024)  # one per tenant (the key file names them): no client's value is kept
+def _member(tenant: str) -> bytes:
+    """The ``"cache_salt":"..."`` member a body without one is given (a hash per request saved)."""
+    return b'"%s":"%s"' % (wire.CACHE_SALT.encode(), tenant_salt(tenant, None).encode())
 
 
 def _client_salt(body: bytes, span: tuple[int, int]) -> str | None:
@@ -82,8 +89,7 @@ def salted_body(body: bytes, tenant: str, add: bool = True) -> bytes:
         inner = root[0] + 1
         while body[inner] in _SPACE:
             inner += 1
-        comma = b"" if body[inner] == 0x7D else b","  # "}": no member to separate from
-        member = b'"%s":"%s"%s' % (wire.CACHE_SALT.encode(), tenant_salt(tenant, None).encode(), comma)
+        member = _member(tenant) if body[inner] == 0x7D else _member(tenant) + b","  # "}": none to separate
         return fastcore.splice(body, ((root[0] + 1, root[0] + 1, member),))
     salt = b'"%s"' % tenant_salt(tenant, _client_salt(body, span)).encode()
     return fastcore.splice(body, ((span[0], span[1], salt),))
