@@ -40,8 +40,9 @@ test-debug: debug  ## compiled-twin tests under the sanitizers
 	# The HTTP parsers (server.http._parse) and the upstream connection (_upstream): side by side, then on sockets (both twins run, the C one sanitized).
 	$(SAN_ENV) FASTCORE_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_http_parse.py tests/test_http_server.py tests/test_http_client.py tests/test_http_client_start.py tests/test_http_abuse.py
 
-fuzz: debug     ## hypothesis fuzz of the scanner under the sanitizers
+fuzz: debug     ## under the sanitizers, FUZZ_SECONDS each: the scanner (hypothesis), then the upstream side (worker answers, both twins, h11 the reference)
 	$(SAN_ENV) $(PY) -m tests.fuzz_jsonspan --seconds $${FUZZ_SECONDS:-120}
+	$(SAN_ENV) FASTCORE_REQUIRE_EXTENSIONS=1 $(PY) -m tests.fuzz_upstream --seconds $${FUZZ_SECONDS:-120}
 
 gpu-check: build  ## on a CUDA machine: the checkpoint tests (one needs CUDA) and the worker benchmark on the GPU
 	$(PY) -m pytest -q tests/test_hf_checkpoints.py tests/test_worker_cli.py

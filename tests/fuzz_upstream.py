@@ -1,0 +1,823 @@
+"""Fuzz the upstream side: ``python -m tests.fuzz_upstream --seconds N [--seed S]`` (``make fuzz`` runs
+it under ASan/UBSan).
+
+A case is what one worker writes on one keep-alive connection: one answer per request the pool
+sends on it (Content-Length and chunked bodies, with and without trailers, SSE streams, 1xx before
+the answer, 204/304, close-delimited bodies, keep-alive and ``Connection: close``), sometimes with
+more whole responses behind an answer in the same write, mutated (byte flips, truncation,
+duplication, header injection, huge values, bad chunk sizes, obs-fold, bare LF, bare CR, NULs) and
+split at random read boundaries. Each case runs through both twins of the connection
+(server/http/_upstream.pyx's ``Connection`` on _parse.pyx's ``ResponseParser``, fed bytes objects
+and, as uvloop does, read into through ``get_buffer``/``buffer_updated``; client.py's
+``_Connection`` on _parse_py.py's) with no socket: a stand-in transport, a pool on an event loop
+that never runs, and a listener that does what server/orchestrator/exchange.py's does (release at
+the end, a sink set at the head) or no listener (the coroutine path, released after the reads).
+
+What must hold:
+
+- the twins report the same events: heads (status, Content-Type, Content-Length, Retry-After), the
+  body bytes, the end and keep-alive, the error (type and words), and leave the connection the same
+  way (pooled, closed, reset);
+- where h11 (the reference) frames an answer, a twin that frames it too frames it the same
+  (status, body bytes), and pools the connection only if h11 would reuse it: bytes past an answer
+  with nothing outstanding are a protocol error, the connection closes and that answer stands;
+- a response head past ``BOUND_HEAD_BYTES`` or ``BOUND_HEADERS`` is refused (a worker's head is
+  bounded like a client's);
+- nothing crashes, hangs or grows: each batch of cases runs in a forked child, so a crash or a hang
+  is reported with its case (reproducer bytes and read boundaries) and the fuzz goes on; the
+  child's RSS is checked after each batch.
+
+Where a twin is stricter than h11 (refuses what h11 frames) or laxer (frames what h11 refuses) is
+counted by reason and printed, not failed: llhttp's strictness differs from h11's on purpose. A case
+is ``(seed, index)``: ``--seed S --case K`` replays one and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import itertools
+import json
+import os
+import pickle
+import random
+import select
+import signal
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import h11
+
+import fastcore
+from server.http import UpstreamPool, client
+from server.http import _parse_py as PURE_PARSE
+
+UPSTREAM: Any = None
+if not fastcore.NO_EXTENSIONS:  # FASTCORE_NO_EXTENSIONS=1: the pure twin alone (the summary says so)
+    try:
+        UPSTREAM = importlib.import_module("server.http._upstream")
+    except ImportError:
+        if os.environ.get("FASTCORE_REQUIRE_EXTENSIONS") == "1":
+            raise
+
+#: a response head longer than this, or with more header lines, must be refused (any sane bound is
+#: far below: nginx's upstream buffer is 4-8 KB, envoy's header limit 60 KB, a client's 16 KB)
+BOUND_HEAD_BYTES = 1024 * 1024
+BOUND_HEADERS = 1000
+#: max_body of the "whole" mode (a context leg's answer read whole)
+WHOLE_LIMIT = 1 << 20
+#: a case's budget in the child; one that runs past it is reported as a hang
+CASE_TIMEOUT_S = 20.0
+#: RSS growth of one child over its cases (after its first batch) reported as memory growing
+RSS_GROWTH_LIMIT = 256 * 1024 * 1024
+REQUEST_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: w\r\nContent-Length: 0\r\n\r\n"
+MODES = ("callbacks", "stream", "whole", "coroutine")
+
+# -- answers ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    """What a worker writes on one connection: ``exchanges[i]`` after the pool's i-th request, read
+    in ``reads[i]`` (boundaries); ``eof``: the worker closes after the last."""
+
+    exchanges: list[bytes]
+    reads: list[list[int]]
+    eof: bool
+    mode: str
+    tags: list[str] = field(default_factory=list)
+    #: the exchange whose first head is over the bounds (it must be refused), and the lines that make it so
+    oversized: int | None = None
+    marker: bytes = b""
+
+    def pieces(self, i: int) -> list[bytes]:
+        data, cuts = self.exchanges[i], self.reads[i]
+        bounds = [0, *cuts, len(data)]
+        return [data[a:b] for a, b in itertools.pairwise(bounds) if b > a]
+
+    def show(self) -> str:
+        lines = [f"mode={self.mode} eof={self.eof} tags={','.join(self.tags)}"]
+        for i, data in enumerate(self.exchanges):
+            shown = data if len(data) <= 600 else data[:300] + b"...%d bytes..." % len(data) + data[-200:]
+            lines.append(f"  exchange {i}: {shown!r}")
+            lines.append(f"    read boundaries: {self.reads[i]}")
+        return "\n".join(lines)
+
+
+def _json_body(rng: random.Random) -> bytes:
+    ids = [rng.randrange(150_000) for _ in range(rng.choice((0, 1, 5, 40, 400)))]
+    return json.dumps({"id": f"cmpl-{rng.randrange(1000)}", "choices": [{"text": "hi"}], "ids": ids}).encode()
+
+
+def _head(rng: random.Random, status: int, lines: list[bytes], version: bytes = b"1.1") -> bytes:
+    reason = rng.choice((b"OK", b"", b"Whatever Reason", b"\xe9t\xe9"))
+    if rng.random() < 0.3:
+        lines = [*lines, b"Date: Sun, 06 Dec 2026 03:00:00 GMT", b"Server: uvicorn"]
+    if rng.random() < 0.2:
+        rng.shuffle(lines)
+    return b"HTTP/%s %d %s\r\n%s\r\n" % (version, status, reason, b"".join(line + b"\r\n" for line in lines))
+
+
+def _chunked(rng: random.Random, pieces: list[bytes], trailers: bool) -> bytes:
+    out = []
+    for piece in pieces:
+        ext = rng.choice((b"", b"", b";x=1", b';name="v"'))
+        size = b"%x" % len(piece)
+        out.append((size.upper() if rng.random() < 0.2 else size) + ext + b"\r\n" + piece + b"\r\n")
+    out.append(b"0\r\n")
+    if trailers:
+        out.append(b"X-Trailer: 1\r\nServer-Timing: total;dur=3\r\n")
+    out.append(b"\r\n")
+    return b"".join(out)
+
+
+def answer(rng: random.Random, last: bool) -> tuple[bytes, str]:
+    """One worker answer (its final response, maybe after 1xx) and its kind."""
+    kind = rng.choice(("length", "length", "chunked", "sse", "error", "nobody", "close", "interim"))
+    if kind == "close" and not last:
+        kind = "length"
+    close = rng.random() < 0.15 and last
+    conn = [b"Connection: close"] if close else ([b"Connection: keep-alive"] if rng.random() < 0.2 else [])
+    version = b"1.0" if rng.random() < 0.05 else b"1.1"
+    prefix = b""
+    if kind == "interim":
+        prefix = _head(rng, rng.choice((100, 102, 103)), rng.choice(([], [b"Link: </a>; rel=preload"])))
+        kind = rng.choice(("length", "chunked"))
+    if kind == "length":
+        body = _json_body(rng)
+        lines = [b"Content-Type: application/json", b"Content-Length: %d" % len(body), *conn]
+        return prefix + _head(rng, 200, lines, version) + body, kind
+    if kind in ("chunked", "sse"):
+        if kind == "sse":
+            events = [b"data: %s\n\n" % _json_body(rng) for _ in range(rng.randrange(1, 6))]
+            events.append(b"data: [DONE]\n\n")
+            pieces = [e for e in events for e in ([e] if rng.random() < 0.7 else [e[:3], e[3:]]) if e]
+            ctype = b"text/event-stream; charset=utf-8"
+        else:
+            body = _json_body(rng)
+            cut = sorted(rng.randrange(len(body) + 1) for _ in range(rng.randrange(3)))
+            pieces = [body[a:b] for a, b in zip([0, *cut], [*cut, len(body)]) if b > a]
+            ctype = b"application/json"
+        lines = [b"Content-Type: " + ctype, b"Transfer-Encoding: chunked", *conn]
+        return prefix + _head(rng, 200, lines) + _chunked(rng, pieces, rng.random() < 0.3), kind
+    if kind == "error":
+        status = rng.choice((400, 404, 429, 500, 502, 503))
+        body = b'{"error": {"message": "no", "code": %d}}' % status
+        lines = [b"Content-Type: application/json", b"Content-Length: %d" % len(body), *conn]
+        if status in (429, 503):
+            lines.append(b"Retry-After: %d" % rng.randrange(5))
+        return _head(rng, status, lines, version) + body, kind
+    if kind == "nobody":
+        status = rng.choice((204, 304))
+        lines = rng.choice(([], [b"Content-Length: 0"], [b"Content-Length: 17"] if status == 304 else []))
+        return _head(rng, status, [*lines, *conn]), kind
+    body = _json_body(rng)  # close-delimited: no framing header, the worker's close ends it
+    return _head(rng, 200, [b"Content-Type: application/json", b"Connection: close"], version) + body, kind
+
+
+# -- mutations ---------------------------------------------------------------------------------------
+
+INJECTED = (
+    b"Content-Length: 3",
+    b"Content-Length: 0",
+    b"Content-Length: -1",
+    b"Content-Length: 99999999999999999999",
+    b"Content-Length: 1, 1",
+    b"Transfer-Encoding: chunked",
+    b"Transfer-Encoding: gzip, chunked",
+    b"Transfer-Encoding: identity",
+    b"Content-Type: text/event-stream",
+    b"Connection: close",
+    b"Connection: upgrade",
+    b"Upgrade: h2c",
+    b"Retry-After: 7",
+    b"X: \x00",
+    b"Bad Name: v",
+    b": empty name",
+    b"X-Long: " + b"v" * 20_000,
+)
+BAD_CHUNK_SIZES = (
+    b"ffffffffffffffffff",
+    b"-1",
+    b"0x5",
+    b" 5",
+    b"5 ",
+    b"g",
+    b"",
+    b"5;" + b"e" * 5000,
+    b"1\r\n\r",
+)
+
+MUTATIONS = "flip flip truncate duplicate delete inject huge chunk fold lf cr nul".split()
+
+
+def _mutate(rng: random.Random, data: bytes, case: Case, i: int, known: bool) -> bytes:
+    buf = bytearray(data)
+    op = rng.choice(MUTATIONS)
+    if op == "huge" and not known:
+        op = "flip"
+    case.tags.append(op)
+    at = rng.randrange(len(buf) + 1)
+    heads = [i + 2 for i in range(len(buf)) if buf[i : i + 2] == b"\r\n"]
+    if op == "flip" and buf:
+        buf[min(at, len(buf) - 1)] = rng.randrange(256)
+    elif op == "truncate":
+        del buf[at:]
+    elif op == "duplicate":
+        end = min(len(buf), at + rng.choice((1, 8, 64, len(buf))))
+        buf[at:at] = buf[at:end]
+    elif op == "delete":
+        del buf[at : at + rng.randrange(1, 8)]
+    elif op == "inject" and heads:
+        line = rng.choice(INJECTED)
+        pos = rng.choice(heads[: rng.randrange(1, 6)])
+        buf[pos:pos] = line + b"\r\n"
+    elif op == "huge" and heads:
+        return _huge(rng, bytes(buf), case, i)
+    elif op == "chunk":
+        sizes = [i for i in heads if i < len(buf) and chr(buf[i]) in "0123456789abcdefABCDEF"]
+        if sizes:
+            pos = rng.choice(sizes)
+            end = buf.find(b"\r\n", pos)
+            buf[pos : end if end >= 0 else pos] = rng.choice(BAD_CHUNK_SIZES)
+    elif op == "fold" and heads:
+        pos = rng.choice(heads[:6]) - 2
+        buf[pos:pos] = rng.choice((b"\r\n folded", b"\r\n\tfolded", b"\r\n "))
+    elif op == "lf" and heads:
+        for pos in sorted(rng.sample(heads, min(len(heads), rng.randrange(1, 4))), reverse=True):
+            del buf[pos - 2]
+    elif op == "cr" and heads:
+        pos = rng.choice(heads)
+        buf[pos - 1 : pos] = b""
+    elif op == "nul":
+        buf[at:at] = b"\x00" * rng.choice((1, 1, 3))
+    return bytes(buf)
+
+
+def _huge(rng: random.Random, data: bytes, case: Case, i: int) -> bytes:
+    """A huge value or count of headers in exchange ``i``'s first head (a 1xx's or its answer's)."""
+    end = data.find(b"\r\n\r\n")
+    if end < 0:
+        return data
+    style = rng.choice(("content-type", "retry-after", "other", "count"))
+    size = rng.choice((20_000, 70_000, 300_000, 1_100_000, 2_500_000))
+    if style == "count":
+        n = size // 40
+        lines = b"".join(b"X-H-%d: %s\r\n" % (i, b"v" * 30) for i in range(n))
+        oversized = n > BOUND_HEADERS
+    else:
+        name = {"content-type": b"Content-Type", "retry-after": b"Retry-After", "other": b"X-Huge"}[style]
+        lines = name + b": " + b"t" * size + b"\r\n"
+        oversized = size > BOUND_HEAD_BYTES
+    case.tags.append(f"huge-{style}-{size}")
+    if oversized and case.oversized is None:
+        case.oversized, case.marker = i, lines
+    return data[: end + 2] + lines + data[end + 2 :]
+
+
+def endless_head(rng: random.Random) -> bytes:
+    """A head that never ends: header lines (or one value) past every bound."""
+    one = rng.random() < 0.5
+    filler = b"X-Content-Type: " + b"v" * (3 * 1024 * 1024) if one else b"X-H: v\r\n" * 400_000
+    return (
+        b"HTTP/1.1 200 OK\r\nContent-Type: "
+        + (b"t" * 600_000 if rng.random() < 0.3 else b"a/b")
+        + b"\r\n"
+        + filler
+    )
+
+
+def make_case(seed: int, index: int, known: bool = True) -> Case:
+    """The case ``index`` of ``seed`` (the same bytes and boundaries wherever it is made). ``known``
+    False: none of the shapes of the findings still open (tests/test_fuzz_upstream.py has them):
+    no response behind an answer, no head over the bounds."""
+    rng = random.Random(f"{seed}:{index}")
+    roll = rng.random()
+    n = 1 if roll < 0.6 else rng.randrange(2, 4)
+    exchanges, kinds = [], []
+    for i in range(n):
+        data, kind = answer(rng, last=i == n - 1)
+        exchanges.append(data)
+        kinds.append(kind)
+    case = Case(exchanges, [], eof=False, mode=rng.choice(MODES), tags=list(kinds))
+    if known and rng.random() < 0.15:  # more whole responses behind an answer, in the same write
+        i = rng.randrange(n)
+        behind = b"".join(answer(rng, last=True)[0] for _ in range(rng.randrange(1, 3)))
+        exchanges[i] += behind
+        case.tags.append(f"behind-{i}")
+    if known and rng.random() < 0.01:
+        exchanges[0] = endless_head(rng)
+        case.oversized, case.marker = 0, exchanges[0][-1000:]
+        case.tags.append("endless-head")
+    for _ in range(rng.choice((0, 0, 1, 1, 2, 3))):
+        i = rng.randrange(len(exchanges))
+        exchanges[i] = _mutate(rng, exchanges[i], case, i, known)
+    if case.oversized is not None and case.marker not in exchanges[case.oversized]:
+        case.oversized = None  # (cut or broken by a later mutation)
+    case.eof = "close" in kinds or rng.random() < 0.4
+    if not known:  # no byte past an answer (where h11 frames it), so none of findings 1 and 2
+        for i, framing in enumerate(run_h11(case)):
+            if framing[0] == "done" and framing[4] < len(exchanges[i]):
+                exchanges[i] = exchanges[i][: framing[4]]
+                case.tags.append(f"cut-{i}")
+    for data in exchanges:
+        if rng.random() < 0.1 and len(data) < 3000:
+            cuts = list(range(1, len(data)))  # byte by byte
+        elif len(data) > 100_000:
+            cuts = sorted(rng.sample(range(1, len(data)), 40))
+        else:
+            cuts = sorted({rng.randrange(1, max(2, len(data))) for _ in range(rng.choice((0, 1, 2, 4, 12)))})
+        case.reads.append([c for c in cuts if 0 < c < len(data)])
+    return case
+
+
+# -- the twins, without sockets ---------------------------------------------------------------------
+
+
+class Transport:
+    """Stands where asyncio's transport stands: records how the connection ends."""
+
+    def __init__(self) -> None:
+        self.state = "open"
+
+    def write(self, data: Any = None) -> None:
+        pass
+
+    writelines = pause_reading = resume_reading = write
+
+    def is_closing(self) -> bool:
+        return self.state != "open"
+
+    def close(self) -> None:
+        if self.state == "open":
+            self.state = "closed"
+
+    def abort(self) -> None:
+        self.state = "reset"
+
+    def get_extra_info(self, name: str) -> None:
+        return None
+
+
+class Listener:
+    """What exchange.py's listener does with a leg: ``stream`` sets a sink at the head; the end and
+    an error release the response (back to the pool, or closed)."""
+
+    def __init__(self, events: list[tuple[Any, ...]], stream: bool) -> None:
+        self.events = events
+        self.stream = stream
+        self.streamed: list[bytes] = []
+        self.headed = False
+
+    def _head(self, resp: Any) -> None:
+        self.headed = True
+        self.events.append(("head", resp.status, resp.content_type, resp.content_length, resp.retry_after))
+
+    def leg_head(self, resp: Any) -> None:
+        self._head(resp)
+        if self.stream:
+            resp.sink = self.streamed.append
+
+    def leg_done(self, resp: Any) -> None:
+        body = b"".join(self.streamed) if self.stream else resp.body()
+        self.streamed = []
+        if not self.headed:  # a whole-body leg hears the end only
+            self._head(resp)
+        self.events.append(("done", body, resp.keep_alive))
+        resp.release()
+
+    def leg_error(self, resp: Any, exc: BaseException) -> None:
+        self.events.append(("error", type(exc).__name__, str(exc)))
+        resp.release()
+
+
+def _pool(twin: str, loop: asyncio.AbstractEventLoop) -> tuple[UpstreamPool, Any, Any]:
+    pool = UpstreamPool("http://127.0.0.1:9")
+    pool.loop = loop
+    if twin == "py":
+        pool.response_parser = PURE_PARSE.ResponseParser
+        return pool, client._Connection, client.UpstreamResponse
+    return pool, UPSTREAM.Connection, UPSTREAM.Response
+
+
+def _feed(conn: Any, piece: bytes, buffered: bool) -> None:
+    if not buffered:
+        conn.data_received(piece)
+        return
+    while piece:  # as uvloop: a buffer asked for, read into, reported
+        window = memoryview(conn.get_buffer(-1)).cast("B")
+        n = min(len(window), len(piece))
+        window[:n] = piece[:n]
+        window.release()
+        conn.buffer_updated(n)
+        piece = piece[n:]
+
+
+_LOOP: list[asyncio.AbstractEventLoop] = []
+
+
+def run_twin(case: Case, twin: str, buffered: bool = False) -> list[Any]:
+    """One twin's record of a case: per exchange, its events and how the connection was left (on an
+    event loop that never runs: futures are made on it, nothing is scheduled)."""
+    if not _LOOP:
+        _LOOP.append(asyncio.new_event_loop())
+    return _run(case, twin, buffered, _LOOP[0])
+
+
+def _run(case: Case, twin: str, buffered: bool, loop: asyncio.AbstractEventLoop) -> list[Any]:
+    pool, connection_class, response_class = _pool(twin, loop)
+    conn = connection_class(pool)
+    transport = Transport()
+    conn.connection_made(transport)
+    pool.open.add(conn)
+    record: list[Any] = []
+    for i in range(len(case.exchanges)):
+        events: list[tuple[Any, ...]] = []
+        listener = None if case.mode == "coroutine" else Listener(events, case.mode == "stream")
+        max_body = WHOLE_LIMIT if case.mode == "whole" else 0
+        resp = response_class(None if listener else conn, max_body, listener)
+        conn.send(resp, REQUEST_HEAD, (), 0, None, None)
+        pooled_at, at = None, 0
+        for piece in case.pieces(i):
+            _feed(conn, piece, buffered)
+            at += len(piece)
+            if pooled_at is None and conn in pool.idle and not conn.closed:
+                pooled_at = at  # back in the pool after the read that ended here
+        eof = i == len(case.exchanges) - 1 and case.eof
+        if listener is None:  # the coroutine path: it wakes, reads what came, then releases
+            events.append(_state(resp))
+            if eof:
+                conn.connection_lost(None)
+                events.append(_state(resp))
+            resp.release()
+            if conn in pool.idle and not conn.closed:
+                pooled_at = at
+        pooled = conn in pool.idle and not conn.closed
+        if listener is not None and (eof or transport.state != "open"):
+            conn.connection_lost(None)  # the worker's close, or what the loop calls after ours
+        record.append((events, "pooled" if pooled else transport.state, pooled_at))
+        if not pooled:
+            break
+        pool.idle.remove(conn)
+    return record
+
+
+def _state(resp: Any) -> tuple[Any, ...]:
+    """A response on the coroutine path, as its awaiting code would find it."""
+    error = resp.error
+    if resp._headers is not None and resp._headers.done():
+        resp._headers.exception()  # (taken, as its awaiting code would: no "never retrieved" noise)
+    return (
+        "state",
+        resp.headers_done,
+        resp.status,
+        resp.content_type,
+        resp.complete,
+        resp.keep_alive,
+        resp.body(),
+        None if error is None else (type(error).__name__, str(error)),
+    )
+
+
+# -- h11, the reference ------------------------------------------------------------------------------
+
+
+def run_h11(case: Case) -> list[tuple[Any, ...]]:
+    """h11's framing of each exchange's first final response: ("done", status, body, reusable, end),
+    ("error", words) or ("incomplete",); reusable: keep-alive and no byte past the response, which
+    ends at byte ``end`` of the exchange."""
+    conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=1 << 40)
+    out: list[tuple[Any, ...]] = []
+    for i, data in enumerate(case.exchanges):
+        conn.send(h11.Request(method="POST", target="/", headers=[("Host", "w"), ("Content-Length", "0")]))
+        conn.send(h11.EndOfMessage())
+        conn.receive_data(data)
+        if case.eof and i == len(case.exchanges) - 1:
+            conn.receive_data(b"")
+        status, body = 0, bytearray()
+        try:
+            while True:
+                event = conn.next_event()
+                if isinstance(event, h11.Response):
+                    status = event.status_code
+                elif isinstance(event, h11.Data):
+                    body += event.data
+                elif isinstance(event, h11.EndOfMessage):
+                    break
+                elif event is h11.NEED_DATA or isinstance(event, h11.ConnectionClosed):
+                    out.append(("incomplete",))
+                    return out
+        except h11.RemoteProtocolError as exc:
+            out.append(("error", str(exc)))
+            return out
+        left = len(conn.trailing_data[0])
+        reusable = conn.their_state is h11.DONE and not left
+        out.append(("done", status, bytes(body), reusable, len(data) - left))
+        if not reusable:
+            return out
+        conn.start_next_cycle()
+    return out
+
+
+# -- checks ------------------------------------------------------------------------------------------
+
+
+def framed(events: list[tuple[Any, ...]]) -> tuple[Any, ...]:
+    """A twin's first answer of an exchange as h11's are written: done, error or incomplete."""
+    for event in events:
+        if event[0] == "state":
+            if event[4]:
+                return ("done", event[2], event[6])
+            if event[7] is not None:
+                return ("error", event[7][1])
+        if event[0] == "done":
+            status = next(e[1] for e in reversed(events[: events.index(event)]) if e[0] == "head")
+            return ("done", status, event[1])
+        if event[0] == "error":
+            return ("error", event[2])
+    return ("incomplete",)
+
+
+@dataclass
+class Verdict:
+    failures: list[str] = field(default_factory=list)
+    stricter: list[str] = field(default_factory=list)
+    laxer: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _reason(words: str) -> str:
+    """An error's words without the positions and values that make each one unique."""
+    words = words.removeprefix("malformed HTTP response: ")
+    return "".join(c if not c.isdigit() else "#" for c in words.split(":")[0] if c != "'")[:60]
+
+
+def check_case(case: Case) -> tuple[Verdict, dict[str, Any]]:
+    """Run ``case`` through both twins (the compiled one both ways it reads) and h11, and judge."""
+    verdict = Verdict()
+    records: dict[str, Any] = {"py": run_twin(case, "py")}
+    if UPSTREAM is not None:
+        records["c"] = run_twin(case, "c")
+        records["c-buffered"] = run_twin(case, "c", buffered=True)
+    for name, record in records.items():
+        if name == "c" and record != records["py"]:
+            verdict.failures.append("twins disagree: c vs py")
+        if name == "c-buffered" and _unpooled(record) != _unpooled(records["py"]):
+            # (where a read into the body's own buffer ends is the body's end, not the case's boundary)
+            verdict.failures.append("twins disagree: c-buffered vs py")
+    reference = run_h11(case)
+    records["h11"] = reference
+    for name, record in records.items():
+        if name == "h11":
+            continue
+        _against_h11(case, name, record, reference, verdict)
+    return verdict, records
+
+
+def _unpooled(record: list[Any]) -> list[Any]:
+    return [(events, left) for events, left, _ in record]
+
+
+def _against_h11(case: Case, name: str, record: list[Any], reference: list[Any], verdict: Verdict) -> None:
+    for i, (events, left, pooled_at) in enumerate(record):
+        if i >= len(reference):  # h11 closed after the one before (HTTP/1.0 keep-alive: noted)
+            return
+        mine, theirs = framed(events), reference[i]
+        if case.oversized == i and any(e[0] == "head" or (e[0] == "state" and e[1]) for e in events):
+            verdict.failures.append(
+                f"{name}: a head over {BOUND_HEAD_BYTES} bytes or {BOUND_HEADERS} lines accepted"
+            )
+            return
+        if theirs[0] == "done" and mine[0] == "done":
+            if mine[1:] != theirs[1:3]:
+                verdict.failures.append(
+                    f"{name}: exchange {i} framed {mine[1]}/{len(mine[2])} bytes, h11 {theirs[1]}/{len(theirs[2])}"
+                )
+                return
+            if pooled_at is not None and pooled_at > theirs[4]:
+                verdict.failures.append(
+                    f"{name}: exchange {i}: pooled after a read with bytes past the answer"
+                )
+                return
+            if left == "pooled" and not theirs[3]:  # (no byte past it: HTTP/1.0 keep-alive)
+                verdict.notes.append("keep-alive where h11 closes (HTTP/1.0 with Connection: keep-alive)")
+            if left != "pooled" and theirs[3] and not (case.eof and i == len(case.exchanges) - 1):
+                verdict.notes.append("not reused where h11 would reuse it")
+        elif theirs[0] == "done" and mine[0] == "error":
+            verdict.stricter.append(_reason(mine[1]))
+            return
+        elif theirs[0] == "error" and mine[0] == "done":
+            verdict.laxer.append(_reason(theirs[1]))
+            return
+        elif theirs[0] != mine[0] and "error" not in (theirs[0], mine[0]):
+            verdict.failures.append(f"{name}: exchange {i}: {mine[0]}, h11 {theirs[0]}")
+            return
+        elif mine[0] != "done" or theirs[0] != "done":
+            return
+
+
+# -- the run: batches in forked children -------------------------------------------------------------
+
+
+def _child(seed: int, start: int, stop: int, known: bool, out: int) -> None:
+    """Run cases ``start``..``stop`` here, telling the parent each index before it runs and its
+    verdict after (so a crash loses nothing but the case it hit)."""
+    rss0 = _rss()
+    for index in range(start, stop):
+        os.write(out, b"start %d\n" % index)
+        case = make_case(seed, index, known)
+        verdict, _ = check_case(case)
+        line = {
+            "index": index,
+            "failures": verdict.failures,
+            "tags": case.tags,
+            "stricter": sorted(set(verdict.stricter)),
+            "laxer": sorted(set(verdict.laxer)),
+            "notes": sorted(set(verdict.notes)),
+            "rss": _rss() - rss0 if index % 100 == 99 else 0,
+        }
+        os.write(out, b"done " + json.dumps(line).encode() + b"\n")
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass
+class Totals:
+    cases: int = 0
+    failures: list[tuple[int, str, list[str]]] = field(default_factory=list)
+    crashes: list[tuple[int, int]] = field(default_factory=list)
+    hangs: list[int] = field(default_factory=list)
+    stricter: Counter[str] = field(default_factory=Counter)
+    laxer: Counter[str] = field(default_factory=Counter)
+    notes: Counter[str] = field(default_factory=Counter)
+    rss_growth: int = 0
+    #: the first case of each reason counted (to replay it)
+    first: dict[str, int] = field(default_factory=dict)
+
+    def add(self, line: dict[str, Any]) -> None:
+        self.cases += 1
+        for reason in (*line["stricter"], *line["laxer"], *line["notes"]):
+            self.first.setdefault(reason, line["index"])
+        self.failures += [(line["index"], failure, line["tags"]) for failure in line["failures"]]
+        self.stricter.update(line["stricter"])
+        self.laxer.update(line["laxer"])
+        self.notes.update(line["notes"])
+        self.rss_growth = max(self.rss_growth, line["rss"])
+
+    @property
+    def bad(self) -> bool:
+        return bool(self.failures or self.crashes or self.hangs or self.rss_growth > RSS_GROWTH_LIMIT)
+
+
+def run_batch(seed: int, start: int, stop: int, totals: Totals, known: bool = True) -> int:
+    """Cases ``start``..``stop`` in a forked child, added to ``totals``; the index to go on from (past
+    a case that crashed or hung the child, which ``totals`` records)."""
+    read_end, write_end = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        code = 0
+        try:
+            _child(seed, start, stop, known, write_end)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+            code = 3
+        os._exit(code)
+    os.close(write_end)
+    current, pending, hung = start, b"", False
+    with os.fdopen(read_end, "rb", buffering=0) as pipe:
+        while True:
+            ready, _, _ = select.select([pipe], [], [], CASE_TIMEOUT_S)
+            if not ready:
+                os.kill(pid, signal.SIGKILL)
+                hung = True
+                break
+            chunk = pipe.read(1 << 20)
+            if not chunk:
+                break
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                if line.startswith(b"start "):
+                    current = int(line[6:])
+                else:
+                    totals.add(json.loads(line[5:]))
+                    current += 1
+    _, status = os.waitpid(pid, 0)
+    if hung:
+        totals.hangs.append(current)
+    elif status != 0:
+        totals.crashes.append(
+            (current, -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
+        )
+    else:
+        return stop
+    totals.cases += 1
+    return current + 1
+
+
+def in_child(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` in a forked child: its result, or None when the child died (a crash)."""
+    read_end, write_end = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        try:
+            os.write(write_end, pickle.dumps(fn(*args)))
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        data = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    return pickle.loads(data) if status == 0 and data else None
+
+
+def fuzz(
+    seed: int, seconds: float, batch: int = 500, known: bool = True, first: int = 0, cases: int = 0
+) -> Totals:
+    """Cases from ``first`` on, for ``seconds`` (or ``cases`` of them)."""
+    totals = Totals()
+    index, end = first, time.monotonic() + seconds
+    while (index < first + cases) if cases else (time.monotonic() < end):
+        stop = min(index + batch, first + cases) if cases else index + batch
+        index = run_batch(seed, index, stop, totals, known)
+    return totals
+
+
+def replay(seed: int, index: int, known: bool = True) -> int:
+    case = make_case(seed, index, known)
+    print(case.show())
+    verdict, records = check_case(case)
+    for name, record in records.items():
+        print(f"{name}: {record!r}"[:4000])
+    print(f"failures: {verdict.failures}\nstricter: {verdict.stricter}\nlaxer: {verdict.laxer}")
+    return 1 if verdict.failures else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.fuzz_upstream", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--seconds", type=float, default=60.0, help="how long to fuzz")
+    parser.add_argument(
+        "--seed", type=int, default=None, help="the cases' seed (default: from the clock, printed)"
+    )
+    parser.add_argument(
+        "--case", type=int, default=None, help="replay this one case of --seed in-process, verbosely"
+    )
+    parser.add_argument(
+        "--known", choices=("on", "off"), default="on", help="off: leave out the open findings' shapes"
+    )
+    args = parser.parse_args(argv)
+    seed = args.seed if args.seed is not None else int(time.time())
+    if args.case is not None:
+        return replay(seed, args.case, args.known == "on")
+    totals = fuzz(seed, args.seconds, known=args.known == "on")
+    print(report(seed, totals, f"{args.seconds:.0f} s"))
+    return 1 if totals.bad else 0
+
+
+def _counted(totals: Totals, counter: Counter[str]) -> str:
+    return (
+        ", ".join(f"{reason!r} x{n} ({totals.first[reason]})" for reason, n in counter.most_common(8))
+        or "none"
+    )
+
+
+def report(seed: int, totals: Totals, spent: str) -> str:
+    twins = "both twins" if UPSTREAM is not None else "the pure twin only (server.http._upstream not built)"
+    lines = [f"fuzz_upstream: seed {seed}, {totals.cases} cases on {twins}, {spent}"]
+    for key in ("stricter", "laxer"):
+        counter: Counter[str] = getattr(totals, key)
+        lines.append(f"  {key} than h11 (cases by reason, first case): {_counted(totals, counter)}")
+    lines.append(f"  notes: {_counted(totals, totals.notes)}")
+    lines.append(f"  RSS growth of a child over its batch: {totals.rss_growth / 2**20:.1f} MiB")
+    failures = Counter(f for _, f, _ in totals.failures)
+    for what, n in failures.most_common(12):
+        first = next(i for i, f, _ in totals.failures if f == what)
+        lines.append(f"  DISAGREEMENT x{n} (first: --seed {seed} --case {first}): {what}")
+    if totals.crashes:
+        lines.append(
+            f"  CRASHES: {len(totals.crashes)} (first: --seed {seed} --case {totals.crashes[0][0]}, status {totals.crashes[0][1]}; cases {[i for i, _ in totals.crashes[:10]]})"
+        )
+    if totals.hangs:
+        lines.append(f"  HANGS: {len(totals.hangs)} (first: --seed {seed} --case {totals.hangs[0]})")
+    lines.append(f"fuzz_upstream: {'FAILED' if totals.bad else 'no disagreement, no crash, no hang'}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
