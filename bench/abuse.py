@@ -27,6 +27,10 @@ summary, the processes' RSS before and after, and the context worker's
 ``fastcore_worker_kv_used_tokens`` at the end. Exit status 1 when an honest
 request failed.
 
+Then, on a deployment of its own with API keys and admission (not with ``--url``;
+``--tenants-only``, ``--no-tenants``), bench/abuse_tenants.py's phases: an honest tenant alone
+and beside other tenants' breaker, priority and token-limit abuse (issue 36).
+
 Without ``--url`` the run starts its own deployment: the processes
 ``fastcore-serve up`` starts (``server.launcher.plan``: a context and a
 generation torch worker on ``tiny`` and an orchestrator with both gates) on
@@ -65,6 +69,7 @@ from server.auth import SECRET_ENV as SHARED_SECRET_ENV
 from server.launcher import Child, plan, stop_all
 from server.launcher import add_arguments as add_launcher_arguments
 from server.orchestrator.config import OrchestratorConfig
+from server.process import import_path_env
 
 CHAT = "/v1/chat/completions"
 #: the orchestrator's default client limits (``server/orchestrator/config.py``)
@@ -208,9 +213,10 @@ def large_body(n_bytes: int, *, model: str = "tiny") -> bytes:
     return prefix + filler[: max(0, n_bytes - len(prefix) - len(suffix))] + suffix
 
 
-def http_request(host: str, port: int, path: str, body: bytes) -> bytes:
+def http_request(host: str, port: int, path: str, body: bytes, headers: str = "") -> bytes:
+    """A POST's bytes; ``headers``: more header lines, each ending in CRLF (an API key)."""
     return (
-        f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n{headers}"
         f"Content-Length: {len(body)}\r\n\r\n"
     ).encode() + body
 
@@ -299,9 +305,14 @@ def _close(writer: asyncio.StreamWriter, *, reset: bool = False) -> None:
         writer.close()
 
 
-async def _open(host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+async def _open(
+    host: str, port: int, source: str | None = None
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+    local = (source, 0) if source else None
     try:
-        return await asyncio.wait_for(asyncio.open_connection(host, port, limit=1 << 16), 5.0)
+        return await asyncio.wait_for(
+            asyncio.open_connection(host, port, limit=1 << 16, local_addr=local), 5.0
+        )
     except (OSError, TimeoutError):
         return None
 
@@ -315,8 +326,11 @@ def _settle(task: asyncio.Future[Any]) -> None:
 class Attack:
     """Every attacker of the abuse phase against one ``host:port``, bounded, stopped by :meth:`stop`."""
 
-    def __init__(self, host: str, port: int, s: AbuseSettings) -> None:
+    def __init__(self, host: str, port: int, s: AbuseSettings, *, headers: str = "",
+                 source: str | None = None) -> None:  # fmt: skip
+        """``headers``: lines each request carries (an API key); ``source``: the address to connect from."""
         self.host, self.port, self.s = host, port, s
+        self.headers, self.source = headers, source
         self.stats = AttackStats()
         self._stop = asyncio.Event()
         self._stopped: asyncio.Future[Any] | None = None
@@ -367,7 +381,7 @@ class Attack:
     async def _abandon_flood(self) -> None:
         s = self.s
         request = http_request(self.host, self.port, CHAT, tiny_chat_body(
-            s.abandon_prompt_tokens, max_tokens=s.abandon_max_tokens))  # fmt: skip
+            s.abandon_prompt_tokens, max_tokens=s.abandon_max_tokens), self.headers)  # fmt: skip
         while not self.stopping and self.stats.abandon_rounds < s.abandon_max_rounds:
             reset = self.stats.abandon_rounds % 2 == 1
             self.stats.abandon_rounds += 1
@@ -375,7 +389,7 @@ class Attack:
             await self._sleep(s.abandon_interval_s)
 
     async def _abandon_one(self, request: bytes, reset: bool) -> None:
-        conn = await _open(self.host, self.port)
+        conn = await _open(self.host, self.port, self.source)
         if conn is None:
             self.stats.abandon_connect_errors += 1
             return
@@ -430,7 +444,7 @@ class Attack:
             if self.stopping:
                 return
             since = time.perf_counter()  # the server's header clock starts at its accept
-            conn = await _open(self.host, self.port)
+            conn = await _open(self.host, self.port, self.source)
             if conn is None:
                 stats.connect_errors += 1
                 await self._sleep(self.s.slowloris_interval_s)
@@ -447,7 +461,7 @@ class Attack:
             # The server's header clock starts when it accepts, before the open
             # completes here (a busy loop may see it much later): time from the connect.
             since = time.perf_counter()
-            conn = await _open(self.host, self.port)
+            conn = await _open(self.host, self.port, self.source)
             if conn is None:
                 stats.connect_errors += 1
                 await self._sleep(self.s.slowloris_interval_s)
@@ -486,7 +500,7 @@ class Attack:
         """Content-Length one byte past the limit, then the first 64 KiB: 413 before the body is read."""
         kind = "content-length"
         t0 = time.perf_counter()
-        conn = await _open(self.host, self.port)
+        conn = await _open(self.host, self.port, self.source)
         if conn is None:
             self.stats.oversized_outcome(kind, "connect error", None)
             return
@@ -507,7 +521,7 @@ class Attack:
         """A chunked body sent 1 MiB a chunk up to the limit plus 2 MiB: 413 once it passes the limit."""
         kind = "chunked"
         t0 = time.perf_counter()
-        conn = await _open(self.host, self.port)
+        conn = await _open(self.host, self.port, self.source)
         if conn is None:
             self.stats.oversized_outcome(kind, "connect error", None)
             return
@@ -544,13 +558,13 @@ class Attack:
         """A valid chat request of several MB, under the limit: the orchestrator relays it, the worker refuses it."""
         kind = "large-allowed"
         t0 = time.perf_counter()
-        conn = await _open(self.host, self.port)
+        conn = await _open(self.host, self.port, self.source)
         if conn is None:
             self.stats.oversized_outcome(kind, "connect error", None)
             return
         reader, writer = conn
         try:
-            writer.write(http_request(self.host, self.port, CHAT, body))
+            writer.write(http_request(self.host, self.port, CHAT, body, self.headers))
             try:
                 status = await asyncio.wait_for(read_status(reader), 60.0)
             except TimeoutError:
@@ -612,7 +626,7 @@ class UpDeployment:
         config = Path(self._tmp.name) / "orchestrator.yaml"
         config.write_text(yaml.safe_dump(dict(self.limits)))
         self.child("orchestrator").argv += ["-c", str(config), "--log-level", "WARNING"]
-        env = dict(os.environ)
+        env = import_path_env(dict(os.environ))  # the children import this checkout, as up's do
         env.setdefault(SHARED_SECRET_ENV, secrets.token_hex(32))
         env.setdefault("PYTHONUNBUFFERED", "1")
         try:
@@ -889,7 +903,21 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """``--abuse``: its own deployment unless ``--url``; the report; 1 if an honest request failed."""
+    """``--abuse``: these phases, then bench/abuse_tenants.py's on a keyed deployment of its own
+    (not with ``--url``: its keys and limits are the run's own); 1 if either's targets were missed."""
+    from bench import abuse_tenants
+
+    if args.tenants_only:
+        return abuse_tenants.main(args)
+    rc = _main_clients(args)
+    if args.url or args.no_tenants:
+        return rc
+    print("\nTenants (issue 36): an honest tenant beside three attacker tenants' clients\n")
+    return max(rc, abuse_tenants.main(args))
+
+
+def _main_clients(args: argparse.Namespace) -> int:
+    """The abandon/slowloris/oversize run and issue 19's HTTP phases: 1 if an honest request failed."""
     s = settings_from_args(args)
     from server.cli import raise_open_file_limit
 
@@ -953,7 +981,11 @@ def _rss_of(child: Child) -> Any:
 def _http_phases(args: argparse.Namespace, s: AbuseSettings, url: str, rss: Any,
                  max_connections: int) -> tuple[list[abuse_http.PhaseResult], dict[str, str], Any]:  # fmt: skip
     """Issue 19's phases (bench/abuse_http.py) against ``url``, after the abandon/slowloris/oversize run."""
-    hs = abuse_http.HTTPAbuseSettings.quick() if args.quick else abuse_http.HTTPAbuseSettings.full(s.max_body_bytes)
+    hs = (
+        abuse_http.HTTPAbuseSettings.quick()
+        if args.quick
+        else abuse_http.HTTPAbuseSettings.full(s.max_body_bytes)
+    )
     body = tiny_chat_body(s.prompt_tokens, max_tokens=s.max_tokens, model=args.model)
 
     async def both() -> tuple[list[abuse_http.PhaseResult], dict[str, str]]:

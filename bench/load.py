@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--abuse: the target's header timeout (default the orchestrator's)")  # fmt: skip
     p.add_argument("--keepalive-timeout-s", type=float, default=None,
                    help="--abuse: the target's keep-alive timeout (default the orchestrator's)")  # fmt: skip
+    p.add_argument("--tenants-only", action="store_true",
+                   help="--abuse: only the tenant phases (issue 36: breaker, priority, token-limit abuse)")  # fmt: skip
+    p.add_argument("--no-tenants", action="store_true", help="--abuse: without the tenant phases")
     p.add_argument("--quick", action="store_true", help="small levels, for a smoke run")
     return p
 

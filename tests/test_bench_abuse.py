@@ -1,4 +1,4 @@
-"""``python -m bench.load --abuse``: its bodies and report, and a quick run end to end.
+"""``python -m bench.load --abuse``: its bodies and report, and quick runs end to end.
 
 The end-to-end test starts what ``fastcore-serve up`` starts (tiny torch
 workers, an orchestrator with short client timeouts) on 127.0.0.1 and runs the
@@ -10,14 +10,19 @@ connections, at the configured timeouts), and no honest request may fail.
 from __future__ import annotations
 
 import json
+import os
 import time
 from itertools import islice
 from pathlib import Path
 
 import pytest
 
-from bench import abuse, abuse_http, load
-from bench.loadgen import LevelResult
+from bench import abuse, abuse_http, abuse_tenants, load
+from bench.loadgen import LevelResult, RequestResult
+from server.errors import error_body
+from server.orchestrator.config import OrchestratorConfig
+from server.orchestrator.tenants import read_key_file
+from server.worker.tiny import tiny_config
 
 
 def test_bodies_are_what_the_attackers_claim() -> None:
@@ -57,7 +62,9 @@ def test_phase_table_has_the_ratio_row() -> None:
 
 def test_http_phase_table_has_success_ratio_and_rss() -> None:
     def phase(name: str, ok: int, failed: int, p99: float) -> abuse_http.PhaseResult:
-        level = LevelResult(name, 4, None, ok + failed, failed, 0, 1.0, 10.0, 5.0, 6.0, 7.0, p99 / 2, p99, p99)
+        level = LevelResult(
+            name, 4, None, ok + failed, failed, 0, 1.0, 10.0, 5.0, 6.0, 7.0, p99 / 2, p99, p99
+        )
         return abuse_http.PhaseResult(name, level, 100 << 20, 300 << 20, 110 << 20, 1.5)
 
     rows = abuse_http.phase_table([phase("clean", 100, 0, 40.0), phase("trailers", 96, 4, 60.0)]).splitlines()
@@ -70,7 +77,7 @@ def test_http_phase_table_has_success_ratio_and_rss() -> None:
 def test_quick_abuse_run_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "abuse.json"
     t0 = time.monotonic()
-    rc = load.main(["--abuse", "--quick", "--output", str(out)])
+    rc = load.main(["--abuse", "--quick", "--no-tenants", "--output", str(out)])
     elapsed = time.monotonic() - t0
     data = json.loads(out.read_text())
     clean, attacked = data["levels"]
@@ -126,10 +133,125 @@ def test_quick_abuse_run_end_to_end(tmp_path: Path) -> None:
     hold = phases["body hold"]["outcomes"]["body hold"]  # 3/4 of the budget at most, the rest refused
     assert hold.get("429", 0) >= 1 and hold.get("open at stop", 0) <= 12, hold
     slow = phases["slowloris at cap"]["outcomes"]["slowloris"]
-    assert slow.get("429", 0) >= 1 and slow.get("open at stop", 0) <= 3 * meta["http_max_connections"] // 4, slow
+    assert slow.get("429", 0) >= 1 and slow.get("open at stop", 0) <= 3 * meta["http_max_connections"] // 4, (
+        slow
+    )
     assert set(phases["large bodies"]["outcomes"]["large bodies"]) <= {"404", "429", "503"}
     assert phases["large bodies"]["rss_peak"] > phases["large bodies"]["rss_before"]
     framing = http["framing"]
-    assert [framing[k].split()[0] for k in ("no Host", "two Hosts", "4 GiB chunk declared")] == ["400", "400", "413"]
-    assert framing["half-closed GET /health"].startswith("200") and framing["half-closed GET /health"].endswith("then closed")
+    assert [framing[k].split()[0] for k in ("no Host", "two Hosts", "4 GiB chunk declared")] == [
+        "400",
+        "400",
+        "413",
+    ]
+    assert framing["half-closed GET /health"].startswith("200") and framing[
+        "half-closed GET /health"
+    ].endswith("then closed")
     assert elapsed < 90
+
+
+# -- the tenant phases (bench/abuse_tenants.py, issue 36)
+
+
+def test_tenant_bodies_are_what_the_attackers_claim() -> None:
+    s = abuse_tenants.TenantAbuseSettings.quick()
+    claimed = json.loads(
+        abuse_tenants.chat_body(50, max_tokens=3, stream=True, priority=abuse_tenants.MIN_PRIORITY)
+    )
+    assert claimed["priority"] == -(2**63) and claimed["stream"] is True and claimed["max_tokens"] == 3
+    plain = json.loads(abuse_tenants.chat_body(s.pad_prompt_tokens, max_tokens=1, stream=False))
+    padded_bytes = abuse_tenants.padded_body(s)
+    padded = json.loads(padded_bytes)  # still JSON, the same request: only whitespace added
+    assert padded == plain
+    assert abs(len(padded_bytes) - s.pad_bytes_per_token * s.pad_prompt_tokens) < 8
+    assert padded_bytes.count(b" \n\t\r") > 1000
+    # larger than a minute of the limit at any bytes per token up to the default 4
+    assert s.over_minute_bytes / 4 > s.attacker_prompt_tokens_per_minute
+    # the breaker request's decode fits tiny's context: it is refused for time, never for length
+    assert abuse_tenants.TINY_CONTEXT == tiny_config().max_position_embeddings
+    assert s.breaker_prompt_tokens + s.breaker_max_tokens < abuse_tenants.TINY_CONTEXT
+
+
+@pytest.mark.parametrize("preset", ["quick", "full"])
+def test_tenant_deployment_config_loads(tmp_path: Path, preset: str) -> None:
+    s = getattr(abuse_tenants.TenantAbuseSettings, preset)()
+    keys_file = abuse_tenants.write_keys_file(str(tmp_path))
+    tenants = {t.name for t in read_key_file(keys_file).values()}
+    assert tenants == {"honest", *abuse_tenants.ATTACKER_TENANTS}
+    config = OrchestratorConfig.model_validate(abuse_tenants.deployment_config(s, keys_file))
+    assert config.admission is not None and config.request_timeout_s == s.request_timeout_s
+    limits = config.admission.rate_limits
+    assert set(limits) == set(abuse_tenants.ATTACKER_TENANTS)  # the honest tenant unlimited
+    assert all(v.prompt_tokens_per_minute == s.attacker_prompt_tokens_per_minute for v in limits.values())
+
+
+def test_tenant_outcomes_name_the_status_and_the_code() -> None:
+    outcome = abuse_tenants.outcome
+    assert outcome(503, error_body(503, "no healthy", code="no_healthy_worker")) == "503 no_healthy_worker"
+    assert outcome(429, b"not json") == "429"
+    assert outcome(200, b'data: {"choices": []}\n\ndata: [DONE]\n\n') == "200"
+    event = b'data: {"error": {"message": "x", "code": "upstream_error"}}\n\n'
+    assert outcome(200, event) == "200 stream error upstream_error"
+    text = "HTTP 503: " + error_body(503, "none", code="no_healthy_worker").decode()
+    assert abuse_tenants.honest_error_kind(RequestResult(False, error=text)) == "503 no_healthy_worker"
+    assert abuse_tenants.honest_error_kind(RequestResult(False, timed_out=True, error="t")) == "timeout"
+    assert (
+        abuse_tenants.honest_error_kind(RequestResult(False, error="ClientOSError: reset")) == "ClientOSError"
+    )
+
+
+def test_attackers_get_a_core_of_their_own() -> None:
+    assert abuse_tenants.split_cores({0, 1}) == (1, {0})
+    assert abuse_tenants.split_cores(set(range(16))) == (15, set(range(15)))
+    assert abuse_tenants.split_cores({3}) == (None, {3})  # one core: nothing to split
+
+
+def test_tenant_report_has_the_ratios_and_the_verdict() -> None:
+    def level(label: str, n: int, errors: int, ttft_p99: float) -> LevelResult:
+        return LevelResult(label, 4, None, n, errors, 0, 1.0, 10.0, 5.0, 6.0, ttft_p99, 10.0, 12.0, 14.0)
+
+    s = abuse_tenants.TenantAbuseSettings.quick()
+    passing = abuse_tenants.TenantRun(level("clean", 100, 0, 20.0), level("mix", 100, 4, 39.0), s)
+    rows = abuse_tenants.phase_table(passing).splitlines()
+    cells = [c.strip() for c in rows[-1].split("|")[1:-1]]
+    assert cells[0] == "mix/clean" and cells[4] == "1.95x"
+    assert "96.0%" in rows[-2]
+    assert passing.meets_targets and abuse_tenants.verdict(passing).count("PASS") == 2
+    failing = abuse_tenants.TenantRun(level("clean", 100, 0, 20.0), level("mix", 100, 6, 41.0), s)
+    assert not failing.meets_targets and abuse_tenants.verdict(failing).count("FAIL") == 2
+    parser = load.build_parser()
+    assert parser.parse_args(["--abuse", "--tenants-only"]).tenants_only
+    assert parser.parse_args(["--abuse", "--no-tenants"]).no_tenants
+
+
+@pytest.mark.slow
+def test_quick_tenant_phases_end_to_end(tmp_path: Path) -> None:
+    """The keyed deployment, the clean phase and the mix: every attacker ran and was answered.
+
+    Not the targets (success, TTFT ratio): those are what the benchmark measures, on a machine of its own."""
+    out = tmp_path / "tenants.json"
+    load.main(["--abuse", "--tenants-only", "--quick", "--output", str(out)])
+    data = json.loads(out.read_text())
+    clean, mix = data["levels"]
+    assert (clean["label"], mix["label"]) == ("clean", "mix")
+    assert clean["requests"] > 0 and mix["requests"] > 0
+    run = data["meta"]["tenant_phases"]
+    assert set(run["success"]) == {"clean", "mix"} and "ttft_p99_ratio" in run and "meets_targets" in run
+    attack = run["attack"]
+    kinds = {"breaker", "priority -2^63", "over a minute's tokens", "whitespace-padded", "long-prompt flood"}
+    assert set(attack["tenants"]) == kinds, attack["tenants"]
+    for kind, counts in attack["tenants"].items():  # each answered with an HTTP status
+        assert any(k.split()[0].isdigit() for k in counts), (kind, counts)
+    assert len(attack["breaker_s"]) >= 1
+    existing = attack["existing"]
+    assert existing["abandon_sent"] > 0 and existing["crashed"] == [], existing["crashed"]
+    assert existing["slowloris"]["opened"] > 0 and existing["oversized"]
+    assert set(attack["http"]) == {"trailers", "body hold"}
+    # every attacker tenant was let in by its key and admitted at least once
+    admitted = {
+        k for k, v in run["counters"].items() if k.startswith("fastcore_orchestrator_tenant_admitted_total")
+    }
+    for tenant in ("honest", *abuse_tenants.ATTACKER_TENANTS):
+        assert any(f'tenant="{tenant}"' in k for k in admitted), (tenant, admitted)
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert run["attacker_core"] is not None and run["attacker_core"] not in run["other_cores"]
