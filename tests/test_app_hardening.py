@@ -37,7 +37,7 @@ from tiny_workers import LiveWorker, one_torch_thread, synthetic_worker, tiny_wo
 from server.auth import SIGNATURE_HEADER, sign_body
 from server.orchestrator.app import start_server
 from server.orchestrator.config import build_config
-from server.worker.app import WorkerSettings, start_worker
+from server.worker.app import WorkerApp, WorkerSettings, start_worker
 from server.worker.kv_handoff import KVSources
 from server.worker.synthetic import SyntheticEngine
 
@@ -485,3 +485,39 @@ async def test_a_404_lists_every_route_the_orchestrator_serves(registry: bool) -
         assert f" {path}" in message, path
     for path in (REGISTRY_PATH, *TRTLLM_STORE_ROUTES):
         assert (f" {path.decode()}" in message) == registry, path
+
+
+# ---------------------------------------------------------------- a draining worker, as a client sees it
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_draining_workers_refusal_reaches_the_client_in_words_for_a_client(
+    stream: bool, request_path: str
+) -> None:
+    """A worker that drains answers the orchestrator "draining (shutting down): send it elsewhere";
+    with no other worker to send it to, the client is told that no worker can take it now (503 with
+    Retry-After), not what the worker told the orchestrator."""
+    apps = {role: WorkerApp(SyntheticEngine(64), WorkerSettings(role=role, model_name="synthetic"))
+            for role in ("context", "generation")}  # fmt: skip
+    servers = {role: await app.start("127.0.0.1", 0) for role, app in apps.items()}
+    port = free_port()
+    config = build_config({"port": port, "health_check_interval_s": 60,
+                           **{f"{role}_servers": {"urls": [f"127.0.0.1:{servers[role][1]}"]} for role in apps}},
+                          environ={})  # fmt: skip
+    orch_server, _ = await start_server(config)
+    try:
+        for _ in range(200):
+            if (await get(port, "/health")).status == 200:
+                break
+            await asyncio.sleep(0.05)
+        apps["generation"].draining = True  # the orchestrator's health check has not seen it yet
+        body = {"model": "synthetic", "prompt": "hello", "max_tokens": 2, "stream": stream}
+        resp = await post(port, COMPLETIONS, json.dumps(body).encode())
+        error = assert_openai_error(resp, 503)
+        assert error == {"message": "no healthy generation worker", "type": "service_unavailable",
+                         "param": None, "code": "no_healthy_worker"}, error  # fmt: skip
+        assert resp.headers["retry-after"] == str(config.retry_after_s)
+    finally:
+        await orch_server.cleanup()
+        for server, _ in servers.values():
+            await server.cleanup()

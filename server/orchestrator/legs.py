@@ -76,6 +76,8 @@ MAX_WORKER_BODY = 256 * 1024 * 1024
 REFUSED_STATUSES = frozenset((429, 503))
 #: the code of a worker's 403 for a leg signed for another instance of it (server/worker/app.py)
 _MISDIRECTED = b'"wrong_destination"'
+#: the code of a draining worker's 503 (server/worker/app.py)
+_DRAINING = b'"draining"'
 
 T = TypeVar("T")
 
@@ -314,6 +316,10 @@ class LegRunner:
         if self._misdirected(pool, worker, failure):
             return self.unavailable(f"no healthy {name} worker"), "refused"
         if resp.status in REFUSED_STATUSES:
+            if isinstance(failure, WorkerAnswer) and _DRAINING in failure.body:
+                # Its words are for an orchestrator ("send it elsewhere"): should no other worker take
+                # the leg, the client is told what it can do about it.
+                return self.unavailable(f"no healthy {name} worker"), "refused"
             return failure, "refused"
         if resp.status < 500:
             raise failure  # the client's answer: another worker would give the same
