@@ -209,6 +209,25 @@ async def test_the_local_prefill_path_is_salted_too(
 
 
 @live
+async def test_requests_that_wait_for_admission_are_salted_too(
+    pair: tuple[LiveWorker, LiveWorker], keys_file: str
+) -> None:
+    """The admission queue's path (a coroutine from the start) knows the tenant as well."""
+    ctx, gen = pair
+    server, orch, port = await orchestrator(
+        ctx.url, gen, api_keys_file=keys_file, admission={"max_inflight": 1}
+    )
+    try:
+        assert orch.admission is not None and not orch.callbacks
+        body = chat(fresh_prompt())
+        assert await cached(port, body, A, CHAT, ctx) == 0
+        assert await cached(port, body, A, CHAT, ctx) >= 64
+        assert await cached(port, body, B, CHAT, ctx) == 0
+    finally:
+        await server.cleanup()
+
+
+@live
 async def test_the_opt_out_shares_one_cache_and_relays_the_clients_salt(
     pair: tuple[LiveWorker, LiveWorker], keys_file: str, relay: str
 ) -> None:
