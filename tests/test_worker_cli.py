@@ -97,8 +97,28 @@ def test_a_model_directory_that_cannot_load_is_reported(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 def test_cuda_without_a_gpu_is_refused() -> None:
+    """One line with the command's prefix and exit 2, as every other refusal of the worker."""
     done = run_worker("--device", "cuda", "--port", str(free_port()))
-    assert done.returncode != 0 and "torch sees no CUDA device" in done.stderr
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        "fastcore-serve worker: --device cuda: torch sees no CUDA device (without a GPU: --device cpu or auto)"
+    ]
+
+
+@pytest.mark.slow
+def test_a_hub_id_says_weights_are_not_downloaded_and_what_to_pass(tmp_path: Path) -> None:
+    """--model Qwen/Qwen2-0.5B (a hub id, no such directory): the weights are not downloaded here;
+    the line says so and what to pass instead, not only "not a directory"."""
+    done = subprocess.run(worker_cmd("--model", "Qwen/Qwen2-0.5B", "--port", str(free_port()), "--device", "cpu"),
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line == (
+        "fastcore-serve worker: cannot load model 'Qwen/Qwen2-0.5B': no such directory, and a Hugging "
+        "Face hub id is not downloaded here: download the checkpoint first (huggingface-cli download "
+        "Qwen/Qwen2-0.5B --local-dir Qwen2-0.5B) and pass its directory (--model Qwen2-0.5B)"
+    )
 
 
 def start_synthetic(port: int, *flags: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import signal
 import sys
 from typing import Any
@@ -256,14 +257,34 @@ def default_torch_threads() -> int:
     return max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
+class DeviceError(ValueError):
+    """``--device`` names a device torch cannot use here."""
+
+
 def resolve_device(name: str) -> str:
     import torch
 
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: torch sees no CUDA device")
+        raise DeviceError("--device cuda: torch sees no CUDA device (without a GPU: --device cpu or auto)")
     return name
+
+
+#: what a Hugging Face hub id looks like (``Qwen/Qwen2-0.5B``): one slash, no leading ``/`` or ``.``
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def not_downloaded(model: str) -> str | None:
+    """Why ``--model`` cannot load when it names no directory but reads as a hub id (else None):
+    nothing is downloaded here, so say what to fetch and what to pass instead."""
+    if os.path.exists(model) or not _HUB_ID.fullmatch(model):
+        return None
+    local = model.rsplit("/", 1)[1]
+    return (
+        "no such directory, and a Hugging Face hub id is not downloaded here: download the checkpoint "
+        f"first (huggingface-cli download {model} --local-dir {local}) and pass its directory (--model {local})"
+    )
 
 
 def build_engine(args: argparse.Namespace) -> tuple[Any, str, str]:
@@ -295,6 +316,9 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str, str]:
     else:
         from .hf import load_model_dir
 
+        why = not_downloaded(args.model)
+        if why is not None:
+            raise ValueError(why)
         # auto: the loader picks (float32 on CPU, the checkpoint's dtype on CUDA).
         dtype_arg = None if args.dtype == "auto" else dtypes[args.dtype]
         config, model, tokenizer = load_model_dir(args.model, device, dtype_arg)
@@ -359,6 +383,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         engine, model_name, device = build_engine(args)
+    except DeviceError as exc:
+        print(f"fastcore-serve worker: {exc}", file=sys.stderr)
+        return 2
     except (OSError, ValueError) as exc:  # CheckpointError is a ValueError naming the file and field
         print(f"fastcore-serve worker: cannot load model {args.model!r}: {exc}", file=sys.stderr)
         return 2
