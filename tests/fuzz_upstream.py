@@ -480,6 +480,7 @@ def _state(resp: Any) -> tuple[Any, ...]:
         resp.keep_alive,
         resp.body(),
         None if error is None else (type(error).__name__, str(error)),
+        resp.retry_after,
     )
 
 
@@ -487,9 +488,9 @@ def _state(resp: Any) -> tuple[Any, ...]:
 
 
 def run_h11(case: Case) -> list[tuple[Any, ...]]:
-    """h11's framing of each exchange's first final response: ("done", status, body, reusable, end),
-    ("error", words) or ("incomplete",); reusable: keep-alive and no byte past the response, which
-    ends at byte ``end`` of the exchange."""
+    """h11's framing of each exchange's first final response: ("done", status, body, reusable, end,
+    exposed), ("error", words) or ("incomplete",); reusable: keep-alive and no byte past the
+    response, which ends at byte ``end`` of the exchange; exposed: the headers the twins hand on."""
     conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=1 << 40)
     out: list[tuple[Any, ...]] = []
     for i, data in enumerate(case.exchanges):
@@ -498,12 +499,13 @@ def run_h11(case: Case) -> list[tuple[Any, ...]]:
         conn.receive_data(data)
         if case.eof and i == len(case.exchanges) - 1:
             conn.receive_data(b"")
-        status, body = 0, bytearray()
+        status, body, exposed = 0, bytearray(), (b"", None)
         try:
             while True:
                 event = conn.next_event()
                 if isinstance(event, h11.Response):
                     status = event.status_code
+                    exposed = _exposed(event.headers)
                 elif isinstance(event, h11.Data):
                     body += event.data
                 elif isinstance(event, h11.EndOfMessage):
@@ -516,11 +518,17 @@ def run_h11(case: Case) -> list[tuple[Any, ...]]:
             return out
         left = len(conn.trailing_data[0])
         reusable = conn.their_state is h11.DONE and not left
-        out.append(("done", status, bytes(body), reusable, len(data) - left))
+        out.append(("done", status, bytes(body), reusable, len(data) - left, exposed))
         if not reusable:
             return out
         conn.start_next_cycle()
     return out
+
+
+def _exposed(headers: Any) -> tuple[bytes, bytes | None]:
+    """The last Content-Type (b"" if none) and Retry-After (None if none), as the twins read them."""
+    found: dict[bytes, bytes] = dict(headers)  # (h11 lowers the names; the last of each stays)
+    return found.get(b"content-type", b""), found.get(b"retry-after")
 
 
 # -- checks ------------------------------------------------------------------------------------------
@@ -531,12 +539,12 @@ def framed(events: list[tuple[Any, ...]]) -> tuple[Any, ...]:
     for event in events:
         if event[0] == "state":
             if event[4]:
-                return ("done", event[2], event[6])
+                return ("done", event[2], event[6], (event[3], event[8]))
             if event[7] is not None:
                 return ("error", event[7][1])
         if event[0] == "done":
-            status = next(e[1] for e in reversed(events[: events.index(event)]) if e[0] == "head")
-            return ("done", status, event[1])
+            head = next(e for e in reversed(events[: events.index(event)]) if e[0] == "head")
+            return ("done", head[1], event[1], (head[2], head[4]))
         if event[0] == "error":
             return ("error", event[2])
     return ("incomplete",)
@@ -593,10 +601,13 @@ def _against_h11(case: Case, name: str, record: list[Any], reference: list[Any],
             )
             return
         if theirs[0] == "done" and mine[0] == "done":
-            if mine[1:] != theirs[1:3]:
-                verdict.failures.append(
-                    f"{name}: exchange {i} framed {mine[1]}/{len(mine[2])} bytes, h11 {theirs[1]}/{len(theirs[2])}"
-                )
+            if mine[1:] != (*theirs[1:3], theirs[5]):
+                what = [
+                    f
+                    for f, a, b in zip(("status", "body", "headers"), mine[1:], (*theirs[1:3], theirs[5]))
+                    if a != b
+                ]
+                verdict.failures.append(f"{name}: exchange {i}: {' and '.join(what)} not h11's")
                 return
             if pooled_at is not None and pooled_at > theirs[4]:
                 verdict.failures.append(
