@@ -602,3 +602,32 @@ def test_breaker_and_connect_defaults_are_the_pools_and_the_clients():
     assert (config.circuit_breaker_failures, config.circuit_breaker_open_s) == (breaker.threshold, breaker.open_s)
     assert (pool.breaker_failures, pool.breaker_open_s) == (breaker.threshold, breaker.open_s)
     assert config.connect_timeout_s == CONNECT_TIMEOUT_S == UpstreamPool("http://h:1").connect_timeout_s
+
+
+def test_orchestrator_flags_show_their_defaults_in_help():
+    """Each flag whose key has a default says it in --help (the defaults of the config model)."""
+    from server.orchestrator.config import AdmissionConfig
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    helps = {a.option_strings[-1]: " ".join((a.help or "").split()) for a in parser._actions if a.option_strings}
+    top, admission = OrchestratorConfig.model_fields, AdmissionConfig.model_fields
+    expected = {
+        "--context-router": "round_robin",
+        "--generation-router": "round_robin",
+        "--relay": top["relay"].default,
+        "--max-retries": top["max_retries"].default,
+        "--request-timeout-s": f"{top['request_timeout_s'].default:g}",
+        "--context-timeout-s": f"{top['context_timeout_s'].default:g}",
+        "--context-fallback": top["context_fallback"].default,
+        "--drain-timeout-s": f"{top['drain_timeout_s'].default:g}",
+        "--health-check-interval-s": f"{top['health_check_interval_s'].default:g}",
+        "--max-body-bytes": top["max_body_bytes"].default,
+        "--workers": top["workers"].default,
+        "--max-inflight": admission["max_inflight"].default,
+        "--max-queue": admission["max_queue"].default,
+        "--max-queue-wait-s": f"{admission['max_queue_wait_s'].default:g}",
+        "--no-metrics-requires-key": "off",
+    }
+    for flag, default in expected.items():
+        assert f"(default {default})" in helps[flag], (flag, helps[flag])

@@ -16,7 +16,9 @@ import signal
 import sys
 import time
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
+
+from pydantic import BaseModel
 
 from server.cli import cannot_listen
 from server.ports import listen_problem, port_problem
@@ -157,6 +159,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="refuse a config key the orchestrator does not use (a misspelling), instead of warning",
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    _show_defaults(parser)
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Each flag of a config key with a default says it in --help: the flags default to None (a
+    flag not given leaves the file's value), so the formatter cannot, and the model has them."""
+    for action in parser._actions:
+        key = _OVERRIDES.get(action.dest)
+        if key is None or action.help is None or "default" in action.help:
+            continue
+        value = _key_default(key)
+        if value is None or value == []:
+            continue  # no value of its own (its help says what stands in)
+        if isinstance(value, bool):
+            value = "on" if value else "off"
+        elif isinstance(value, float):
+            value = f"{value:g}"
+        action.help += f" (default {value})"
+
+
+def _key_default(key: str) -> Any:
+    """The config model's default of a dotted key (``admission.max_queue``: its section's own)."""
+    model: Any = OrchestratorConfig
+    *sections, name = key.split(".")
+    for section in sections:
+        annotation = model.model_fields[section].annotation
+        # the section's model, also where it is optional (``AdmissionConfig | None``)
+        model = next(t for t in (annotation, *get_args(annotation)) if isinstance(t, type)
+                     and issubclass(t, BaseModel))  # fmt: skip
+    return model.model_fields[name].get_default(call_default_factory=True)
 
 
 _OVERRIDES = {
