@@ -30,9 +30,11 @@ from server.orchestrator import relay_modes
 from server.orchestrator.app import Orchestrator, start_server
 from server.orchestrator.config import build_config
 from server.orchestrator.relay_fast import FastRelay
-from server.orchestrator.routing import request_key
+from server.orchestrator.routing import KvCacheAwareRouter, request_key
 from server.orchestrator.tenant_salt import salted_body, tenant_salt
 from server.orchestrator.tenants import Tenant
+from server.worker.app import WorkerSettings, start_worker
+from server.worker.synthetic import SyntheticEngine
 
 
 def live(test: Any) -> Any:
@@ -365,3 +367,64 @@ def test_the_routing_key_reads_the_tenants_salt(keys_file: str) -> None:
         keys[tenant] = key.hashes(64)
     assert keys["tenant-a"] and not set(keys["tenant-a"]) & set(keys["tenant-b"])
     assert request_key(body, True, None).hashes(64)[0] not in keys["tenant-a"]  # not the client's salt
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_another_orchestrator_routes_by_the_workers_events_under_the_tenants_salt(
+    keys_file: str,
+) -> None:
+    """A worker publishes its cache under the salt it was sent (the tenant's): an orchestrator that
+    never saw tenant A's prompt expects A's next turn to hit there, from those events alone, and
+    B's same turn to hit nowhere (it predicted a hit the salt then denied: a route, and a leak's
+    timing, wasted)."""
+    chunk = 64
+    workers = []
+    for role in ("context", "generation"):
+        engine = SyntheticEngine(0, bytes_per_token=1, kv_tokens=4096)
+        settings = WorkerSettings(model_name="synthetic", role=role, cache_events_chunk_bytes=chunk)
+        workers.append((*(await start_worker(engine, settings)), engine))
+    (_, ctx_port, ctx_engine), (_, gen_port, _) = workers
+    fronts = []
+    for _ in range(2):
+        config = build_config({
+            "port": free_port(), "health_check_interval_s": 0.1, "api_keys_file": keys_file,
+            "context_servers": {"urls": [f"127.0.0.1:{ctx_port}"],
+                                "router": {"type": "kv_cache_aware", "args": {"chunk_bytes": chunk}}},
+            "generation_servers": {"urls": [f"127.0.0.1:{gen_port}"]},
+        }, environ={})  # fmt: skip
+        fronts.append((*(await start_server(config)), config.port))
+    (_, _, port_a), (_, other, _) = fronts
+    try:
+        for _ in range(200):
+            if all(o.context_pool.ready and o.generation_pool.ready for _, o, _ in fronts):
+                break
+            await asyncio.sleep(0.05)
+        for _ in range(200):  # the other orchestrator follows the worker's events (its first: a resync)
+            if other.cache_view is not None and other.cache_view.resyncs >= 1:
+                break
+            await asyncio.sleep(0.05)
+        text = "the agent reads the file and writes the patch " * 30
+        message = {"role": "user", "content": text}
+        resp = await post(port_a, CHAT, {"model": "synthetic", "messages": [message], "max_tokens": 2}, **A)
+        assert resp.status == 200, resp.body[:300]
+        assert ctx_engine.cache.cached_tokens
+        message["content"] = text + "and then the tests"
+        following = json.dumps({"model": "synthetic", "messages": [message], "max_tokens": 2}).encode()
+        router = other.context_pool.router
+        assert isinstance(router, KvCacheAwareRouter)
+        home = other.context_pool.workers[0]
+        key_a = other.prepare(following, True, None, Tenant("tenant-a"))[1]
+        key_b = other.prepare(following, True, None, Tenant("tenant-b"))[1]
+        assert key_a is not None and key_b is not None
+        for _ in range(200):
+            if router.expected_hit(home, key_a) > 0:
+                break
+            await asyncio.sleep(0.05)
+        assert router.expected_hit(home, key_a) >= len(key_a.hashes(chunk)) - 3
+        assert router.expected_hit(home, key_b) == 0
+        assert router.expected_hit(home, request_key(following, True, None)) == 0  # the client's own body
+    finally:
+        for server, _, _ in fronts:
+            await server.cleanup()
+        for server, _, _ in workers:
+            await server.cleanup()
