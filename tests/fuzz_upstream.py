@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import importlib
 import itertools
 import json
@@ -663,7 +664,8 @@ def _rss() -> int:
 class Totals:
     cases: int = 0
     failures: list[tuple[int, str, list[str]]] = field(default_factory=list)
-    crashes: list[tuple[int, int]] = field(default_factory=list)
+    #: (case, exit status or -signal, the twins that crash on it alone)
+    crashes: list[tuple[int, int, list[str]]] = field(default_factory=list)
     hangs: list[int] = field(default_factory=list)
     stricter: Counter[str] = field(default_factory=Counter)
     laxer: Counter[str] = field(default_factory=Counter)
@@ -687,6 +689,16 @@ class Totals:
         return bool(self.failures or self.crashes or self.hangs or self.rss_growth > RSS_GROWTH_LIMIT)
 
 
+def crashing(case: Case) -> list[str]:
+    """Which of the twins (and read paths) crash on ``case``, each run alone in a child."""
+    twins = (
+        {"py": ("py", False), "c": ("c", False), "c-buffered": ("c", True)}
+        if UPSTREAM
+        else {"py": ("py", False)}
+    )
+    return [name for name, args in twins.items() if in_child(run_twin, case, *args) is None]
+
+
 def run_batch(seed: int, start: int, stop: int, totals: Totals, known: bool = True) -> int:
     """Cases ``start``..``stop`` in a forked child, added to ``totals``; the index to go on from (past
     a case that crashed or hung the child, which ``totals`` records)."""
@@ -696,6 +708,8 @@ def run_batch(seed: int, start: int, stop: int, totals: Totals, known: bool = Tr
     pid = os.fork()
     if pid == 0:
         os.close(read_end)
+        if not totals.crashes:  # the first crash's Python stack on stderr (ASan prints its own)
+            faulthandler.enable()
         code = 0
         try:
             _child(seed, start, stop, known, write_end)
@@ -728,9 +742,8 @@ def run_batch(seed: int, start: int, stop: int, totals: Totals, known: bool = Tr
     if hung:
         totals.hangs.append(current)
     elif status != 0:
-        totals.crashes.append(
-            (current, -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
-        )
+        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        totals.crashes.append((current, code, crashing(make_case(seed, current, known))))
     else:
         return stop
     totals.cases += 1
@@ -770,7 +783,7 @@ def fuzz(
 
 def replay(seed: int, index: int, known: bool = True) -> int:
     case = make_case(seed, index, known)
-    print(case.show())
+    print(case.show(), flush=True)  # (before a crash)
     verdict, records = check_case(case)
     for name, record in records.items():
         print(f"{name}: {record!r}"[:4000])
@@ -821,8 +834,10 @@ def report(seed: int, totals: Totals, spent: str) -> str:
         first = next(i for i, f, _ in totals.failures if f == what)
         lines.append(f"  DISAGREEMENT x{n} (first: --seed {seed} --case {first}): {what}")
     if totals.crashes:
+        at, code, which = totals.crashes[0]
         lines.append(
-            f"  CRASHES: {len(totals.crashes)} (first: --seed {seed} --case {totals.crashes[0][0]}, status {totals.crashes[0][1]}; cases {[i for i, _ in totals.crashes[:10]]})"
+            f"  CRASHES: {len(totals.crashes)} (first: --seed {seed} --case {at}, status {code}, in {which}; "
+            f"cases {[c[0] for c in totals.crashes[:10]]})"
         )
     if totals.hangs:
         lines.append(f"  HANGS: {len(totals.hangs)} (first: --seed {seed} --case {totals.hangs[0]})")
