@@ -396,6 +396,14 @@ cdef class ClientScan(_Scan):
         """A top-level ``conversation_id`` (see the pure twin)."""
         return self.starts[C_CONVERSATION_ID] >= 0
 
+    @property
+    def prompt_bytes(self):
+        """The bytes of the prompt's span (see the pure twin)."""
+        cdef int field = C_MESSAGES if self.chat else C_PROMPT
+        if self.starts[field] < 0:
+            return 0
+        return self.ends[field] - self.starts[field]
+
 
 
 @cython.no_gc

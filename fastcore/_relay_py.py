@@ -311,6 +311,13 @@ class ClientScan(_Scan):
         so a body without one needs no scan of its own for it."""
         return self.spans[C_CONVERSATION_ID] is not None
 
+    @property
+    def prompt_bytes(self) -> int:
+        """The bytes of the prompt's span, ``messages`` (chat) or ``prompt`` (completions); 0 without
+        one: what an orchestrator learns bytes per token from (not the body, which a client may pad)."""
+        span = self.spans[C_MESSAGES if self.chat else C_PROMPT]
+        return 0 if span is None else span[1] - span[0]
+
 
 class ContextScan(_Scan):
     """A context response read by :func:`read_context_response` (spans of ``CONTEXT_RESPONSE_PATHS``)."""

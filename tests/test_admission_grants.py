@@ -206,3 +206,45 @@ def test_a_key_may_carry_a_priority_range_and_a_bad_one_names_the_line() -> None
         with pytest.raises(KeyFileError, match=re.escape(message)) as info:
             parse_key_file(line, "keys")
         assert "secret" not in str(info.value)
+
+
+async def test_the_workers_count_is_what_a_tenant_is_charged_on_real_sockets() -> None:
+    """Workers that count every prompt as 5,000 tokens, prompts of ~10 estimated, 9,000 tokens a
+    minute: charged the estimate, a tenant got ~900 requests a minute; charged the workers' count
+    once each answer comes, the third is refused."""
+    import aiohttp
+
+    from server.orchestrator.app import start_server
+    from server.orchestrator.config import build_config
+    from server.worker.app import WorkerSettings, start_worker
+    from server.worker.synthetic import SyntheticEngine
+
+    started = [
+        await start_worker(SyntheticEngine(5_000), WorkerSettings(role=role, model_name="synthetic"))
+        for role in ("context", "generation")
+    ]
+    config = build_config(
+        {
+            "port": 0,
+            "health_check_interval_s": 0.1,
+            "context_servers": {"urls": [f"http://127.0.0.1:{started[0][1]}"]},
+            "generation_servers": {"urls": [f"http://127.0.0.1:{started[1][1]}"]},
+            "admission": {"rate_limits": {"*": {"prompt_tokens_per_minute": 9_000}}},
+        },
+        environ={},
+    )
+    server, orch = await start_server(config)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/chat/completions"
+    body = {"model": "synthetic", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+    try:
+        assert await eventually_long(lambda: orch.context_pool.ready and orch.generation_pool.ready)
+        async with aiohttp.ClientSession() as session:
+            statuses = []
+            for _ in range(3):
+                async with session.post(url, json=body) as resp:
+                    statuses.append((resp.status, (await resp.json()).get("error", {}).get("code")))
+        assert statuses == [(200, None), (200, None), (429, "prompt_tokens_per_minute")]
+    finally:
+        await server.cleanup()
+        for s, _ in started:
+            await s.cleanup()

@@ -65,6 +65,28 @@ def test_bytes_per_token_twins_agree_to_the_bit() -> None:
 
 
 @needs_compiled
+def test_bytes_per_token_twins_bound_their_steps_alike() -> None:
+    """Ratios near the figure, far from it (both bounds: the outlier's and the step's) and long runs
+    of either: the same figure, sums and count to the bit."""
+    pure_class, c_class = pair("BytesPerToken")
+    rng = random.Random(36)
+    for trial in range(30):
+        pure, comp = pure_class(), c_class()
+        if trial % 2:
+            pure.seed(trial / 4 + 0.5)
+            comp.seed(trial / 4 + 0.5)
+        for _ in range(300):
+            tokens = rng.choice([1, 7, rng.randrange(1, 5_000), rng.randrange(1, 200_000)])
+            ratio = rng.choice([pure.value, rng.uniform(0.3, 63.0), pure.value * rng.uniform(0.4, 2.5)])
+            nbytes = max(1, int(tokens * ratio))
+            pure.observe(nbytes, tokens)
+            comp.observe(nbytes, tokens)
+            assert (comp.value, comp._bytes, comp._tokens, comp.observed) == (
+                pure.value, pure._bytes, pure._tokens, pure.observed,
+            )  # fmt: skip
+
+
+@needs_compiled
 @pytest.mark.parametrize(
     ("call", "error"),
     [

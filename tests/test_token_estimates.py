@@ -20,16 +20,20 @@ from tiny_workers import one_torch_thread, tiny_worker  # noqa: F401 (autouse fi
 
 import fastcore
 import fastcore.relay
+from server.orchestrator import estimates, twins
 from server.orchestrator.app import start_server
 from server.orchestrator.config import build_config
 from server.orchestrator.estimates import (
     DEFAULT_BYTES_PER_TOKEN,
+    MAX_STEP,
     BytesPerToken,
     UsageLearner,
     read_usage,
 )
 from server.orchestrator.pools import Capabilities, HealthChecker, Pool, Worker
 from server.orchestrator.routing import KvCacheAwareRouter, RequestKey, make_router, request_key
+from server.worker.app import WorkerSettings, start_worker
+from server.worker.synthetic import SyntheticEngine
 
 # -- reading usage ----------------------------------------------------------------------------------
 
@@ -144,6 +148,34 @@ def test_the_orchestrators_learner_reads_the_counts_of_the_relays_context_scan(
     assert context.estimate.value == generation.estimate.value == pytest.approx(4.0)
 
 
+@pytest.mark.parametrize(
+    ("body", "chat", "expected"),
+    [
+        (b'{"model": "m",' + b" " * 1000 + b'"messages": [{"role": "user", "content": "hi"}]}', True, 35),
+        (b'{"prompt": "abc", "messages": [1]}', False, 5),  # completions: the prompt's span
+        (b'{"prompt": [1, 2, 3]}', False, 9),
+        (b'{"model": "m", "prompt": "abc"}', True, 0),  # chat without messages: nothing to learn from
+    ],
+    ids=["padded-chat", "completions", "completion-ids", "chat-without-messages"],
+)
+def test_the_client_scan_gives_the_prompts_span_not_the_body(
+    relay_twin: ModuleType, body: bytes, chat: bool, expected: int
+) -> None:
+    """What bytes per token is learned from (both relay twins; the parsed relay modes' own scan
+    agrees): a client's padding outside its prompt is not a byte of it."""
+    from server.orchestrator.relay_common import ClientRequest
+    from server.orchestrator.relay_parsed import ParsedRelay
+
+    try:
+        scan = fastcore.relay.Relay(relay_twin).read_client_request(body, chat)
+    except fastcore.RelayError:  # chat without messages: refused before anything is learned
+        assert expected == 0
+        return
+    assert scan.prompt_bytes == expected
+    parsed = ParsedRelay(tokids_b64=True, strip_history=False)
+    assert parsed.prompt_bytes(ClientRequest(body, chat, False, False, None, None)) == expected
+
+
 # -- the estimate -----------------------------------------------------------------------------------
 
 
@@ -168,19 +200,59 @@ def test_an_estimate_ignores_samples_no_tokenizer_gives(nbytes: int, tokens: int
     assert estimate.value == DEFAULT_BYTES_PER_TOKEN and estimate.observed == 0
 
 
-def test_a_long_prompt_weighs_more_than_a_short_one() -> None:
-    estimate = BytesPerToken()
-    estimate.observe(100_000, 100_000)  # 1 byte per token, long
-    estimate.observe(40, 10)  # 4, short
-    assert estimate.value < 1.01
+#: both twins of BytesPerToken (the compiled one where it is built)
+ESTIMATE_TWINS = [estimates.PURE["BytesPerToken"]] + ([twins.tally.BytesPerToken] if twins.tally else [])
+
+
+@pytest.fixture(params=ESTIMATE_TWINS, ids=lambda cls: cls.__module__.rsplit(".", 1)[-1])
+def estimate_class(request: pytest.FixtureRequest) -> Any:
+    return request.param
+
+
+def test_a_long_prompt_weighs_more_than_a_short_one(estimate_class: Any) -> None:
+    long_first, short_first = estimate_class(), estimate_class()
+    for estimate in long_first, short_first:
+        estimate.seed(2.0)
+    long_first.observe(100_000, 50_000)  # 2 bytes per token, long
+    long_first.observe(30, 10)  # 3, short
+    short_first.observe(30_000, 10_000)  # 3, as long
+    assert long_first.value < 2.001 and short_first.value > 2.05
+
+
+def test_one_padded_prompt_moves_the_estimate_by_at_most_a_few_percent(estimate_class: Any) -> None:
+    """5.6 MB of whitespace in one tenant's prompt took the pool's figure from 4.0 to 29.5 (and every
+    tenant's token limit ~6x up with it): one answer now moves it by at most MAX_STEP, and a tenant
+    sending a tenth of the prompt tokens, every one of them padded, moves it ~12%, not 7x."""
+    estimate = estimate_class()
+    for _ in range(300):
+        estimate.observe(4_000, 1_000)
+    assert estimate.value == pytest.approx(4.0)
+    estimate.observe(5_600_000, 100_000)  # a long prompt padded to 56 bytes a token: was 4.0 -> 30
+    assert 4.0 < estimate.value <= 4.0 * MAX_STEP + 1e-9
+    for i in range(2_000):
+        estimate.observe(56_000 if i % 10 == 0 else 4_000, 1_000)
+    assert estimate.value < 4.6
+
+
+def test_a_wrong_start_is_corrected_by_agreeing_answers(estimate_class: Any) -> None:
+    """Bounded steps still get there: 1 byte per token from the 4 of before anything is known."""
+    estimate = estimate_class()
+    values = []
+    for _ in range(300):
+        estimate.observe(10_000, 10_000)
+        values.append(estimate.value)
+    assert values[0] == pytest.approx(4.0 / MAX_STEP) and values[19] < 1.8 and values[-1] < 1.02
 
 
 def test_usage_teaches_both_pools_and_scores_the_prediction() -> None:
     context, generation = KvCacheAwareRouter({"chunk_bytes": 64}), make_router("round_robin")
+    for router in context, generation:
+        router.estimate.seed(2.0)
     learner = UsageLearner(context, generation)
     usage = {"prompt_tokens": 1000, "prompt_tokens_details": {"cached_tokens": 500}}
     learner.context_answer(answer(usage), 2000, hit_chunks=10)  # 2 bytes per token
-    assert context.estimate.value == generation.estimate.value == 2.0
+    assert context.estimate.value == generation.estimate.value == pytest.approx(2.0)
+    assert context.estimate.observed == 1
     assert context.predicted_tokens == 10 * 64 // 2 and context.achieved_tokens == 500
     assert context.error_tokens == 500 - 320
     learner.context_answer(answer(None), 2000, hit_chunks=10)  # no usage: nothing learned
@@ -194,7 +266,7 @@ def test_the_index_bound_follows_the_learned_bytes_per_token() -> None:
     worker = Worker("http://w")
     worker.healthy, worker.kv_capacity_tokens = True, 2048
     assert router._limit(worker) == 2048 * 4 // 64
-    for _ in range(20):
+    for _ in range(300):
         router.estimate.observe(10_000, 10_000)
     assert router._limit(worker) == 32
     key = request_key(
@@ -282,7 +354,8 @@ async def _metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]
 
 
 async def test_conditional_disaggregation_decides_in_the_workers_tokens() -> None:
-    """Tiny workers count one token per byte. After one answer has taught the orchestrator that, a
+    """Tiny workers count one token per byte. Once answers have taught the orchestrator that (the
+    first one's ratio replayed as the hundred answers the bounded steps take to converge), a
     first turn of ~900 bytes (900 tokens, more than max_local_prefill_length 300; 225 at the old
     fixed 4 bytes per token, which prefilled it locally) takes the context leg, and its short
     follow-up (the prefix cached on the generation worker) is prefilled there. The context pool's
@@ -316,7 +389,10 @@ async def test_conditional_disaggregation_decides_in_the_workers_tokens() -> Non
             await asyncio.sleep(0.05)
         async with aiohttp.ClientSession() as session:
             warm = [{"role": "user", "content": "w" * 1200}]
-            await ask(session, warm)  # 1,200 tokens even at 4 bytes each: both legs
+            got = await ask(session, warm)  # 1,200 tokens even at 4 bytes each: both legs
+            assert orch.context_pool.router.estimate.observed == 1
+            for _ in range(300):  # as many answers of this ratio would: each moves it by at most 5%
+                orch.usage.learn(len(json.dumps(warm).encode()), got["usage"]["prompt_tokens"])
             # its prefix again, and 500 tokens more: both legs, the context worker's cache serving the prefix
             await ask(session, [*warm, {"role": "user", "content": "v" * 500}])
             seen = await _metrics(session, url)
@@ -341,3 +417,70 @@ async def test_conditional_disaggregation_decides_in_the_workers_tokens() -> Non
         await server.cleanup()
         for w in (ctx, gen):
             await w.server.cleanup()
+
+
+# -- local prefill's answers teach too (issue 36, 9) -----------------------------------------------------
+
+
+class _UnpublishedEngine(SyntheticEngine):
+    """A text-mode synthetic engine, one byte a token, that publishes no bytes_per_token (as a torch
+    worker does not): the orchestrator starts from its guess of 4 and must learn the rest."""
+
+    @property
+    def bytes_per_token(self) -> int | None:
+        return None
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+async def test_local_prefill_answers_correct_a_wrong_guess(stream: bool) -> None:
+    """1,600-byte prompts of 1,600 tokens with max_local_prefill_length 512: at the guessed 4 bytes a
+    token they look like 400 and are prefilled locally, where no context answer ever teaches the
+    figure, so the guess kept itself (seven 1,386-token prompts all went local). Local answers' usage
+    (the body's; a stream's last chunk's) now teaches it, and the prompts soon take both legs."""
+    started = [
+        await start_worker(
+            _UnpublishedEngine(0, bytes_per_token=1), WorkerSettings(role=role, model_name="synthetic")
+        )
+        for role in ("context", "generation")
+    ]
+    router = {"type": "kv_cache_aware"}
+    config = build_config(
+        {
+            "port": 0,
+            "health_check_interval_s": 0.1,
+            "context_servers": {"urls": [f"http://127.0.0.1:{started[0][1]}"], "router": router},
+            "generation_servers": {"urls": [f"http://127.0.0.1:{started[1][1]}"], "router": router},
+            "conditional_disagg_config": {"max_local_prefill_length": 512},
+        },
+        environ={},
+    )
+    server, orch = await start_server(config)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    estimate = orch.generation_pool.router.estimate
+    paths = []
+    try:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(200):
+                if orch.context_pool.ready and orch.generation_pool.ready:
+                    break
+                await asyncio.sleep(0.05)
+            for i in range(20):
+                body: dict[str, Any] = {"model": "synthetic", "max_tokens": 2,
+                                        "messages": [{"role": "user", "content": f"{i:04d} " + "x" * 1560}]}  # fmt: skip
+                if stream:
+                    body |= {"stream": True, "stream_options": {"include_usage": True}}
+                async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    await resp.read()
+                seen = await _metrics(session, url)
+                paths.append(
+                    seen.get('fastcore_orchestrator_requests_by_path_total{path="disaggregated"}', 0)
+                )
+                if paths[-1]:
+                    break
+    finally:
+        await server.cleanup()
+        for s, _ in started:
+            await s.cleanup()
+    assert estimate.observed >= 5 and estimate.value < 3.2, (estimate.observed, estimate.value)
+    assert paths[0] == 0 and paths[-1] == 1 and len(paths) <= 8, paths

@@ -22,6 +22,8 @@ cdef double MIN_BYTES_PER_TOKEN = 0.25
 cdef double MAX_BYTES_PER_TOKEN = 64.0
 cdef double DECAY = 0.99
 cdef double SEED_TOKENS = 4096.0
+cdef double OUTLIER_FACTOR = 2.0
+cdef double MAX_STEP = 1.05
 
 
 cdef class TallyOne:
@@ -158,17 +160,33 @@ cdef class BytesPerToken:
         self._bytes = SEED_TOKENS * self.value
 
     def observe(self, prompt_bytes, prompt_tokens):
-        cdef double nbytes, ntokens, ratio
+        # the pure twin's steps in its order, on doubles: the same bounds, the same results to the bit
+        cdef double nbytes, ntokens, ratio, value, low, high, tokens, target
         if not prompt_tokens or prompt_bytes <= 0:
             return
         ratio = prompt_bytes / prompt_tokens  # Python's true division: the pure twin's ratio
         if not MIN_BYTES_PER_TOKEN <= ratio <= MAX_BYTES_PER_TOKEN:
             return
+        value = self.value
         nbytes = prompt_bytes
         ntokens = prompt_tokens
-        self._bytes = self._bytes * DECAY + nbytes
-        self._tokens = self._tokens * DECAY + ntokens
-        self.value = self._bytes / self._tokens
+        low = value / OUTLIER_FACTOR
+        high = value * OUTLIER_FACTOR
+        if ratio < low:
+            nbytes = low * ntokens
+        elif ratio > high:
+            nbytes = high * ntokens
+        tokens = self._tokens * DECAY + ntokens
+        target = (self._bytes * DECAY + nbytes) / tokens
+        low = value / MAX_STEP
+        high = value * MAX_STEP
+        if target < low:
+            target = low
+        elif target > high:
+            target = high
+        self._tokens = tokens
+        self._bytes = target * tokens
+        self.value = target
         self.observed += 1
 
     def tokens(self, nbytes):

@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from .discovery import Discovery
 from .admission import Admission
 from .cache_view import CacheView
-from .estimates import UsageLearner
+from .estimates import StreamUsage, UsageLearner
 from .exchange import Exchange
 from .legs import (
     MAX_ERROR_BODY,
@@ -195,6 +195,8 @@ class Orchestrator:
         self.admission = (Admission(config.admission, self.registry, config.retry_after_s,
                                     lambda: self.context_pool.router.estimate.value)
                           if config.admission is not None else None)  # fmt: skip
+        if self.admission is not None:  # a request's first usage corrects its prompt-token charge
+            self.usage.settle = self.admission.settle
         self.metrics_access = metrics_access_for(config, self.keys)
         #: trtllm-serve's other endpoints: /cluster_info, /version, ... (server/trtllm_endpoints.py)
         self.trtllm = TrtllmEndpoints(ORCHESTRATOR_ROUTES, self.registry.render, self.metrics_access,
@@ -626,7 +628,8 @@ class Orchestrator:
         clock.start()
         relay = self.relay
         ctx = relay.read_context(req, context_response)
-        self.usage.context_answer(context_response, key.prompt_bytes if key else body_bytes,
+        # learned from the prompt's span, not the body (body_bytes), which a client may pad
+        self.usage.context_answer(context_response, key.prompt_bytes if key else relay.prompt_bytes(req),
                                   key.hit_chunks if key else None, relay.usage_tokens(ctx))  # fmt: skip
         clock.lap("read_context")
         if ctx.finished:
@@ -821,7 +824,7 @@ class Orchestrator:
         timeout, read_timeout, max_body, first_byte = self.generation_bounds(req.stream, body)
         try:
             return await self.legs.run(
-                "generation", pool, path, body, partial(self._relay, out, req, clock),
+                "generation", pool, path, body, partial(self._relay_local if local else self._relay, out, req, clock),
                 headers=b"" if local else self.relay.leg_headers, extra=extra_headers,
                 timeout=timeout, read_timeout=read_timeout, max_body=max_body, first_byte=first_byte,
                 key=key, tokens=tokens, first=first,
@@ -841,6 +844,18 @@ class Orchestrator:
             return self._relay_stream(out, worker, resp, clock)
         return self._relay_unary(out, req, worker, resp, clock)
 
+    def _relay_local(
+        self, out: Responder, req: ClientRequest, clock: Clock, worker: Worker, resp: UpstreamResponse
+    ) -> Coroutine[Any, Any, int]:
+        """Local prefill's answer, relayed as :meth:`_relay` does and its ``usage`` learned from: no
+        context answer taught anything for this request, and a figure learned only from context
+        answers would keep a wrong guess that sends every prompt here (the body's usage; a stream's
+        last chunk's, which it has when the client asked for it)."""
+        if resp.media_type == _SSE:
+            usage = StreamUsage(self.relay.prompt_bytes(req)) if req.include_usage else None
+            return self._relay_stream(out, worker, resp, clock, usage)
+        return self._relay_unary(out, req, worker, resp, clock, learn=True)
+
     async def _relay_unary(
         self,
         out: Responder,
@@ -848,6 +863,7 @@ class Orchestrator:
         worker: Worker,
         resp: UpstreamResponse,
         clock: Clock,
+        learn: bool = False,
     ) -> int:
         try:
             body = await resp.read()
@@ -861,16 +877,22 @@ class Orchestrator:
         clock.lap("relay")
         clock.finish()
         out.send(200, answer)
+        if learn:
+            self.usage.answer(body, self.relay.prompt_bytes(req))
         return 200
 
     async def _relay_stream(
-        self, out: Responder, worker: Worker, resp: UpstreamResponse, clock: Clock
-    ) -> int:
+        self, out: Responder, worker: Worker, resp: UpstreamResponse, clock: Clock,
+        usage: StreamUsage | None = None,
+    ) -> int:  # fmt: skip
         self.start_stream(out, resp)
         failure: BaseException | None = None
         trace = current_trace()
+        sink = out.write if trace is None else trace.watch_stream(out.write)
+        if usage is not None:
+            usage.write, sink = sink, usage
         try:
-            await resp.stream(out.write if trace is None else trace.watch_stream(out.write))
+            await resp.stream(sink)
         except (UpstreamError, UpstreamTimeout) as exc:
             failure = exc
         except BaseException:
@@ -878,6 +900,8 @@ class Orchestrator:
             raise
         status = self.stream_ended(out, worker, resp, failure, clock, trace)
         out.flush()
+        if usage is not None and status == 200:
+            self.usage.learn(usage.prompt_bytes, usage.prompt_tokens())
         return status
 
     @staticmethod

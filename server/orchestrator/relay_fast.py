@@ -101,6 +101,12 @@ class FastRelay:
             raise HTTPError(502, str(exc)) from None
         return ContextResult(body, scan.finished, scan)
 
+    def prompt_bytes(self, req: ClientRequest) -> int:
+        """The bytes of the client's prompt span (``messages`` or ``prompt``; 0 without one), which
+        read_client's scan found: what bytes per token is learned from."""
+        nbytes: int = req.parsed.prompt_bytes
+        return nbytes
+
     def usage_tokens(self, ctx: ContextResult) -> tuple[int | None, int | None]:
         """The context response's ``usage.prompt_tokens`` and ``.prompt_tokens_details.cached_tokens``
         (read_context's scan found their spans)."""

@@ -6,7 +6,7 @@
 
 Every mode has the same interface (``read_client``, ``context_request(req, disagg_request_id,
 ask_b64_completions)``, ``read_context``, ``auth_fields``, ``generation_request``,
-``finished_answer``, ``client_answer``, ``leg_headers``; ``context_pieces`` and ``generation_pieces``,
+``finished_answer``, ``client_answer``, ``prompt_bytes``, ``leg_headers``; ``context_pieces`` and ``generation_pieces``,
 the legs' bodies as the orchestrator sends them: bytes, or pieces for one vectored write) and raises
 :class:`server.errors.HTTPError`: 400 for a client's bad body, 502 for a worker's unusable one.
 """

@@ -238,6 +238,16 @@ class ParsedRelay:
             raise HTTPError(502, "context worker response lacks choices[0].disaggregated_params")
         return ContextResult(body, finished, parsed)
 
+    def prompt_bytes(self, req: ClientRequest) -> int:
+        """As ``FastRelay.prompt_bytes``: its own non-validating scan (the baseline's model keeps no
+        byte spans)."""
+        path = (protocol.MESSAGES,) if req.chat else (protocol.PROMPT,)
+        try:
+            span = fastcore.find_span(req.body, path, validate=False)
+        except JSONSpanError:
+            return 0
+        return 0 if span is None else span[1] - span[0]
+
     def usage_tokens(self, ctx: ContextResult) -> None:
         """None: the learner reads ``usage`` from the bytes itself (the baseline's parse is its own)."""
         return None
