@@ -2,7 +2,7 @@
 
 Its own deployment (``bench.abuse.UpDeployment``: ``fastcore-serve up`` on tiny) with API keys
 (an ``honest`` tenant and three attacker tenants, ``attacker``, ``attacker-2`` and ``attacker-3``,
-each held to ``prompt_tokens_per_minute``; weight 1 each), admission on (``max_inflight``, a queue) and a
+the first two held to ``prompt_tokens_per_minute``; weight 1 each), admission on (``max_inflight``, a queue) and a
 ``request_timeout_s`` under tiny's longest decode (2,048 positions at about 1 ms a token), so that
 a request's own length can outlast it. Two phases of the same honest closed loop (streaming chats
 with the honest tenant's key):
@@ -10,7 +10,8 @@ with the honest tenant's key):
 - clean: the honest clients alone;
 - mix: beside an attacker process pinned to a core of its own (``os.sched_setaffinity``; the
   honest clients and the deployment on the other cores), which runs all at once, each attacker
-  bounded in count and time, all from 127.0.0.2 (another client than the honest 127.0.0.1):
+  bounded in count and time, from 127.0.0.3 (items 3, 5, 6) and 127.0.0.2 (the existing
+  attacks), other clients than the honest 127.0.0.1:
 
   - breaker (issue 36 item 3, tenant ``attacker``): every ``breaker_interval_s`` a unary request
     whose ``max_tokens`` decode outlasts ``request_timeout_s`` (a 504 that opened the generation
@@ -59,6 +60,15 @@ HONEST_KEY, ATTACKER_KEY = "honest-key-36", "attacker-key-36"
 #: each would find the bucket emptied by the others and be refused for that, not for what it is.
 BIG_KEY, PAD_KEY = "attacker-2-key-36", "attacker-3-key-36"
 ATTACKER_TENANTS = ("attacker", "attacker-2", "attacker-3")
+#: the tenants held to prompt_tokens_per_minute: not the padding's, whose own limit is not the
+#: point (it moves the bytes per token every tenant's prompts are counted in; limited, it would
+#: get a body or two through a minute, each weighed against ~100 honest answers); its prompts are
+#: short (600 tokens), so that what it costs the workers is small beside what it moves
+LIMITED_TENANTS = ATTACKER_TENANTS[:2]
+#: the address the tenant attacks (items 3, 5, 6) come from; the existing attacks come from
+#: abuse_http.ATTACKER_IP: from one address the existing attacks' hundreds of held connections
+#: would have the HTTP layer's per-address share refuse these (429) before any tenant rule is met
+TENANT_ATTACKER_IP = "127.0.0.3"
 #: the lowest priority a client can claim (vLLM's field; the orchestrator bounds it to int64)
 MIN_PRIORITY = -(1 << 63)
 #: issue 36's targets for the honest tenant under the mix
@@ -120,7 +130,7 @@ class TenantAbuseSettings:
             attacker_prompt_tokens_per_minute=120_000,
             breaker_interval_s=3.0, breaker_prompt_tokens=40,
             priority_clients=3, priority_prompt_tokens=300, priority_max_tokens=16,
-            over_minute_interval_s=5.0, pad_interval_s=0.25, pad_prompt_tokens=1800, pad_bytes_per_token=60,
+            over_minute_interval_s=5.0, pad_interval_s=0.25, pad_prompt_tokens=600, pad_bytes_per_token=60,
             flood_clients=4, flood_prompt_tokens=1800,
         )  # fmt: skip
 
@@ -132,7 +142,7 @@ class TenantAbuseSettings:
             attacker_prompt_tokens_per_minute=120_000,
             breaker_interval_s=2.0, breaker_prompt_tokens=40,
             priority_clients=2, priority_prompt_tokens=200, priority_max_tokens=8,
-            over_minute_interval_s=3.0, pad_interval_s=0.25, pad_prompt_tokens=1800, pad_bytes_per_token=60,
+            over_minute_interval_s=3.0, pad_interval_s=0.25, pad_prompt_tokens=600, pad_bytes_per_token=60,
             flood_clients=2, flood_prompt_tokens=1800,
         )  # fmt: skip
 
@@ -158,14 +168,14 @@ def deployment_config(s: TenantAbuseSettings, keys_file: str) -> dict[str, Any]:
             "max_queue_wait_s": s.max_queue_wait_s,
             "rate_limits": {
                 name: {"prompt_tokens_per_minute": s.attacker_prompt_tokens_per_minute}
-                for name in ATTACKER_TENANTS
+                for name in LIMITED_TENANTS
             },
         },
     }
 
 
 def write_keys_file(directory: str) -> str:
-    """``api_keys_file`` (server/orchestrator/tenants.py: ``<key> <tenant> [weight]``), both weight 1."""
+    """``api_keys_file`` (server/orchestrator/tenants.py: ``<key> <tenant> [weight]``), all weight 1."""
     path = Path(directory) / "api_keys"
     keys = (HONEST_KEY, ATTACKER_KEY, BIG_KEY, PAD_KEY)
     path.write_text(
@@ -254,7 +264,7 @@ class TenantAttacks:
         s, m = self.s, self.model
         self._sessions = {
             key: aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, local_addr=(abuse_http.ATTACKER_IP, 0)),
+                connector=aiohttp.TCPConnector(limit=0, local_addr=(TENANT_ATTACKER_IP, 0)),
                 timeout=aiohttp.ClientTimeout(total=None),
                 headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
             )

@@ -181,7 +181,7 @@ def test_tenant_deployment_config_loads(tmp_path: Path, preset: str) -> None:
     config = OrchestratorConfig.model_validate(abuse_tenants.deployment_config(s, keys_file))
     assert config.admission is not None and config.request_timeout_s == s.request_timeout_s
     limits = config.admission.rate_limits
-    assert set(limits) == set(abuse_tenants.ATTACKER_TENANTS)  # the honest tenant unlimited
+    assert set(limits) == set(abuse_tenants.LIMITED_TENANTS) == {"attacker", "attacker-2"}
     assert all(v.prompt_tokens_per_minute == s.attacker_prompt_tokens_per_minute for v in limits.values())
 
 
