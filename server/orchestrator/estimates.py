@@ -179,7 +179,11 @@ class UsageLearner:
         prompt, cached = read_usage(response) if usage is None else usage
         if prompt is None:
             return
-        self.learn(prompt_bytes, prompt)
+        for estimate in self.estimates:  # learn()'s, inline: this runs for every request
+            estimate.observe(prompt_bytes, prompt)
+        settle = self.settle
+        if settle is not None:
+            settle(prompt)
         if self.accounting is not None and hit_chunks is not None and cached is not None:
             self.accounting.account(hit_chunks, prompt, min(cached, prompt))
 
