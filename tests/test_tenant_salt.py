@@ -428,3 +428,23 @@ async def test_another_orchestrator_routes_by_the_workers_events_under_the_tenan
             await server.cleanup()
         for server, _, _ in workers:
             await server.cleanup()
+
+
+def test_a_pool_salts_completions_only_when_every_healthy_worker_takes_a_salt() -> None:
+    """``/server_info``: a fastcore worker says ``prefix_caching`` (and takes ``cache_salt`` on both
+    routes); trtllm-serve's says neither, and an unknown server's nothing at all."""
+    from server.orchestrator.pools import Capabilities, Pool
+
+    assert Capabilities.of({"prefix_caching": False, "role": "both"}).cache_salt_completions
+    assert not Capabilities.of({"disaggregated_params": {}, "max_batch_size": 64}).cache_salt_completions
+    assert not Capabilities.of(None).cache_salt_completions
+    pool = Pool("generation", ["127.0.0.1:1", "127.0.0.1:2"], "round_robin", {})
+    ours, theirs = pool.workers
+    ours.set_capabilities(Capabilities.of({"prefix_caching": True}))
+    theirs.set_capabilities(Capabilities.of({"disaggregated_params": {}}))
+    ours.healthy = True
+    assert pool.salts_completions  # the trtllm-serve worker takes no leg while it is down
+    theirs.healthy = True
+    assert not pool.salts_completions
+    theirs.set_capabilities(Capabilities.of({"prefix_caching": True}))  # replaced by ours, same URL
+    assert pool.salts_completions
