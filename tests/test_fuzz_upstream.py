@@ -1,6 +1,6 @@
 """The upstream side's fuzz (tests/fuzz_upstream.py), bounded: a few hundred seeded cases through both
-twins with h11 as the reference, and each shape the fuzz found broken as its own case (the findings
-in the xfail reasons; /work/notes/fuzz_findings.md has their reproducers).
+twins with h11 as the reference, and each shape the fuzz found broken as its own case, its bytes
+here (strict xfails naming the finding until it is fixed).
 
 Every case runs in a forked child (``fuzz_upstream.in_child``): a twin that crashes fails its test
 instead of ending the session. ``make fuzz`` runs the same harness for minutes, under ASan/UBSan.
