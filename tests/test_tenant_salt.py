@@ -339,7 +339,7 @@ def test_tenant_salts_are_the_tenants_and_never_meet() -> None:
 @pytest.mark.parametrize(
     "body",
     [b'{"prompt":"p"}', b' { "prompt" : "p" , "cache_salt" : "c" } ', b'{"cache_salt":null,"prompt":"p"}',
-     b'{"prompt":"p","cache_salt":"\\u00e9"}', b'{\n}'],
+     b'{"prompt":"p","cache_salt":"\\u00e9"}', '{"prompt":"p","cache_salt":"é"}'.encode(), b'{\n}'],
 )  # fmt: skip
 def test_salted_body_sets_one_top_level_cache_salt(body: bytes) -> None:
     salted = json.loads(salted_body(body, "tenant-a"))

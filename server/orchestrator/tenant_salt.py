@@ -62,7 +62,9 @@ def _client_salt(body: bytes, span: tuple[int, int]) -> str | None:
     raw = body[span[0] : span[1]]
     if raw == b"null":
         return None
-    value = json.loads(raw) if raw[:1] == b'"' else None  # a validated body: a string decodes
+    value: object = None
+    if raw[:1] == b'"':  # a validated body: the string's UTF-8 is valid, escapes are the stdlib's to read
+        value = raw[1:-1].decode() if b"\\" not in raw else json.loads(raw)
     if type(value) is not str or not value.strip():
         shown = raw[:40].decode("utf-8", "replace") + ("..." if len(raw) > 40 else "")
         raise HTTPError(
