@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 import fastcore
 from server.http import _parse_py
-from server.http.limits import Limits
+from server.http.limits import MAX_RESPONSE_HEAD_BYTES, MAX_RESPONSE_HEADERS, Limits
 from server.http.request import BadResponse, Refused, Request
 
 LIMITS = [
@@ -310,6 +310,120 @@ def test_property_responses_same_events_for_any_bytes_in_any_reads(data: st.Data
     assert_responses_agree([stream[a:b] for a, b in itertools.pairwise([0, *cuts, len(stream)]) if b > a])
 
 
+# -- a worker's head, bounded; one response per request ----------------------------------------------
+
+_HEAD = b"HTTP/1.1 200 OK\r\n"
+BOUNDED_HEADS = {
+    # a value that never ends, and a name that never ends
+    "endless-content-type": _HEAD + b"Content-Type: " + b"t" * (MAX_RESPONSE_HEAD_BYTES + 10),
+    "endless-retry-after": _HEAD + b"Retry-After: " + b"1" * (MAX_RESPONSE_HEAD_BYTES + 10),
+    "endless-other": _HEAD + b"X-Other: " + b"o" * (MAX_RESPONSE_HEAD_BYTES + 10),
+    "endless-name": _HEAD + b"X-" + b"n" * (MAX_RESPONSE_HEAD_BYTES + 10),
+    # heads that end: at the bound (taken), one byte past it, many fields adding up, too many fields
+    # (a head's reads count whole while it is in progress: one whose every byte is under the bound is
+    # taken however it is cut; its fields' bytes are counted exactly at its end: X, 14 + 1, the value)
+    "under-the-bound": _HEAD
+    + b"X: "
+    + b"v" * (MAX_RESPONSE_HEAD_BYTES - 100)
+    + b"\r\nContent-Length: 0\r\n\r\n",
+    "past-the-bound": _HEAD
+    + b"X: "
+    + b"v" * (MAX_RESPONSE_HEAD_BYTES - 15)
+    + b"\r\nContent-Length: 0\r\n\r\n",
+    "adding-up": _HEAD + b"".join(b"X-%d: %s\r\n" % (i, b"v" * 999) for i in range(66)) + b"\r\n",
+    "as-many-as-allowed": _HEAD + b"".join(b"X-%d: 1\r\n" % i for i in range(MAX_RESPONSE_HEADERS)) + b"\r\n",
+    "too-many": _HEAD + b"".join(b"X-%d: 1\r\n" % i for i in range(MAX_RESPONSE_HEADERS + 1)) + b"\r\n",
+    "too-many-then-endless": _HEAD
+    + b"".join(b"X-%d: 1\r\n" % i for i in range(MAX_RESPONSE_HEADERS + 1))
+    + b"Y: "
+    + b"y" * (MAX_RESPONSE_HEAD_BYTES + 10),
+}
+HEAD_WORDS = f"response head exceeds {MAX_RESPONSE_HEAD_BYTES} bytes"
+HEADERS_WORDS = f"more than {MAX_RESPONSE_HEADERS} response headers"
+BOUNDED_EXPECTED = {
+    "under-the-bound": None,
+    "as-many-as-allowed": None,
+    "too-many": HEADERS_WORDS,
+    "too-many-then-endless": HEADERS_WORDS,
+}
+
+
+@pytest.mark.parametrize("step", [0, 1000, 4096, 16384])
+@pytest.mark.parametrize("case", list(BOUNDED_HEADS))
+def test_a_worker_head_past_its_bounds_is_refused_by_both_twins_alike(case: str, step: int) -> None:
+    """A head whose fields' bytes or count pass limits.py's bounds is refused, in the same read and
+    words by both twins, whatever the reads; a head at the bounds is taken. A head that never ends is
+    refused by the read that takes it past the bound plus one read: what a parser holds of it is
+    bounded (the memory of an endless Content-Type, which was not)."""
+    data = BOUNDED_HEADS[case]
+    reads = [data] if not step else [data[i : i + step] for i in range(0, len(data), step)]
+    events = assert_responses_agree(reads)
+    words = BOUNDED_EXPECTED.get(case, HEAD_WORDS)
+    if words is None:
+        assert events[0][0] == "head", events
+    else:
+        assert events == [("bad", words)], events
+    for twin in (_parse_py, compiled()):
+        parser = twin.ResponseParser(ResponseRecorder())
+        fed = 0
+        with pytest.raises(BadResponse) if words else _nothing():
+            for data_read in reads:
+                parser.feed(data_read)
+                fed += len(data_read)
+        if words == HEAD_WORDS:
+            assert fed <= MAX_RESPONSE_HEAD_BYTES + 2 * max(step, len(_HEAD) + 20), (twin, fed)
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+@settings(
+    max_examples=100, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+)
+@given(data=st.data())
+def test_property_a_worker_head_near_its_bounds_same_refusal_in_any_reads(data: st.DataObject) -> None:
+    """Fields of any sizes and count around the bounds, cut at any reads: the twins agree."""
+    sizes = data.draw(
+        st.lists(st.integers(0, MAX_RESPONSE_HEAD_BYTES // 2), min_size=1, max_size=4), label="sizes"
+    )
+    count = data.draw(st.integers(0, MAX_RESPONSE_HEADERS + 2), label="short fields")
+    ends = data.draw(st.booleans(), label="head ends")
+    stream = _HEAD + b"".join(b"X-%d: %s\r\n" % (i, b"v" * n) for i, n in enumerate(sizes))
+    stream += b"".join(b"S-%d: 1\r\n" % i for i in range(count))
+    stream += b"Content-Length: 0\r\n\r\n" if ends else b"Open: " + b"o" * data.draw(st.integers(0, 70000))
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=12), label="cuts"))
+    assert_responses_agree([stream[a:b] for a, b in itertools.pairwise([0, *cuts, len(stream)]) if b > a])
+
+
+@pytest.mark.parametrize("twin_name", ["py", "c"])
+def test_a_message_past_a_response_is_refused_until_the_next_request(twin_name: str) -> None:
+    """One response per request: a second message behind an answer (in its read or a later one) is
+    refused; a 1xx is followed by its answer; ``ended`` set False (the connection sending its next
+    request) lets the next answer in."""
+    twin = _parse_py if twin_name == "py" else compiled()
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    conn = ResponseRecorder()
+    parser = twin.ResponseParser(conn)
+    with pytest.raises(BadResponse, match=r"^bytes past the end of the response$"):
+        parser.feed(answer + answer)
+    assert conn.events == [("head", 200, b"", 2, None), ("body", b"ok"), ("complete", True)]
+    conn = ResponseRecorder()
+    parser = twin.ResponseParser(conn)
+    parser.feed(b"HTTP/1.1 100 Continue\r\n\r\n" + answer)
+    with pytest.raises(BadResponse, match="past the end"):
+        parser.feed(b"H")
+    parser = twin.ResponseParser(conn)
+    parser.feed(answer)
+    parser.ended = False
+    parser.feed(answer)
+    assert [e[0] for e in conn.events].count("complete") == 4
+
+
 def test_a_body_piece_that_is_a_whole_read_is_that_read_not_a_copy() -> None:
     """The compiled twin hands on a read that is all body as the read's own bytes object (the middle
     reads of a large body, of a streamed response); a piece of a read is copied (the pure twin: always)."""
@@ -331,6 +445,7 @@ def test_a_body_piece_that_is_a_whole_read_is_that_read_not_a_copy() -> None:
     upstream.feed(first)
     assert response.events[1] == ("body", b"ab") and response.events[2][1] is first
     whole = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nab"
+    upstream.ended = False  # the next request sent (the connection does this)
     upstream.feed(whole)
     assert response.events[-2][1] == b"ab" and response.events[-2][1] is not whole
 

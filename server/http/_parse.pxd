@@ -79,10 +79,18 @@ cdef class ResponseParser:
     cdef bytearray content_type, retry_after
     cdef bint has_content_type, has_retry_after
     cdef Wanted framing
+    # The head's bounds (limits.py MAX_RESPONSE_HEAD_BYTES, MAX_RESPONSE_HEADERS), counted as the
+    # pure twin counts them: each field's bytes and the fields ended, checked as a field ends; the
+    # reads that end with the head still in progress (in_head), checked at each read's end.
+    cdef bint in_head
+    cdef Py_ssize_t head_bytes, head_read, fields
+    # A response (not a 1xx) ended: a message after it is bytes nobody asked for (refused) until the
+    # connection sends its next request (sets it False).
+    cdef public bint ended
 
     cdef int execute(self, object data) except -1
     cdef int execute_at(self, const char* at, Py_ssize_t n) except -1
-    cdef int _after_execute(self, int err) except -1
+    cdef int _after_execute(self, int err, Py_ssize_t n) except -1
     cdef int _event_failed(self) noexcept
     # The events: ``conn``'s on_head, on_body and on_message_complete here; a subclass's own C code
     cdef int head(self, int status, bytes content_type, object content_length, object retry_after) except -1

@@ -24,7 +24,8 @@ from libc.string cimport memcpy
 
 import sys
 
-from .request import UPGRADE_RESPONSE, BadResponse, Request, refusal
+from .limits import MAX_RESPONSE_HEAD_BYTES, MAX_RESPONSE_HEADERS
+from .request import PAST_THE_RESPONSE, RESPONSE_HEAD_BYTES, RESPONSE_HEADERS, UPGRADE_RESPONSE, BadResponse, Request, refusal
 from . import request as _request
 
 # The refusal codes, read once from their one home (server/http/request.py).
@@ -49,6 +50,13 @@ cdef bytes CONTINUE = _request.CONTINUE
 cdef bytes IDENTITY = _request.IDENTITY[0]
 
 __all__ = ["RequestParser", "ResponseParser"]
+
+# A worker's response head: its bounds and the refusals' words, read once from their one home.
+cdef Py_ssize_t _HEAD_BYTES = MAX_RESPONSE_HEAD_BYTES
+cdef Py_ssize_t _HEADERS = MAX_RESPONSE_HEADERS
+cdef str _HEAD_BYTES_WORDS = RESPONSE_HEAD_BYTES.format(MAX_RESPONSE_HEAD_BYTES)
+cdef str _HEADERS_WORDS = RESPONSE_HEADERS.format(MAX_RESPONSE_HEADERS)
+cdef str _PAST_WORDS = PAST_THE_RESPONSE
 
 cdef enum:
     # a refusal stops llhttp with this (any non-zero return of a callback stops it)
@@ -749,14 +757,22 @@ cdef class ResponseParser:
         self.execute(data)
 
     cdef int execute(self, object data) except -1:
-        return self._after_execute(_execute(&self.parser, data, NULL))
+        cdef Py_ssize_t n = PyBytes_GET_SIZE(data) if PyBytes_CheckExact(data) else len(data)
+        return self._after_execute(_execute(&self.parser, data, NULL), n)
 
     cdef int execute_at(self, const char* at, Py_ssize_t n) except -1:
         """:meth:`execute` over bytes that are no Python object's (a buffer read into): pieces are copied."""
-        return self._after_execute(_execute_at(&self.parser, at, n, NULL))
+        return self._after_execute(_execute_at(&self.parser, at, n, NULL), n)
 
-    cdef int _after_execute(self, int err) except -1:
+    cdef int _after_execute(self, int err, Py_ssize_t n) except -1:
         if err == HPE_OK:
+            if self.in_head:
+                # A head still in progress after this read: the whole read counts against its bound
+                # (what llhttp keeps of it here is a Content-Type or Retry-After value, at most the
+                # bound and one read; the pure twin's httptools keeps any field, as much).
+                self.head_read += n
+                if self.head_read > _HEAD_BYTES:
+                    raise BadResponse(_HEAD_BYTES_WORDS)
             return 0
         error = self.error
         if error is not None:
@@ -786,10 +802,37 @@ cdef class ResponseParser:
         return 0
 
 
+cdef int _response_refused(ResponseParser self, str words) noexcept:
+    """Stop llhttp; ``execute`` raises :class:`BadResponse` with ``words``."""
+    try:
+        self.error = BadResponse(words)
+    except BaseException:
+        return self._event_failed()
+    return STOP
+
+
+cdef inline int _field_ended(ResponseParser self) noexcept:
+    """A field ended (the next began, or the head ended): the head's bounds, as the pure twin checks
+    them when httptools hands it that field (its bytes first: a bound passed in a read is refused in
+    that read by either twin, in the same words)."""
+    if self.head_bytes > _HEAD_BYTES:
+        return _response_refused(self, _HEAD_BYTES_WORDS)
+    if self.fields > _HEADERS:
+        return _response_refused(self, _HEADERS_WORDS)
+    return 0
+
+
 cdef int _response_begin(llhttp_t* p) noexcept:
     cdef ResponseParser self = <ResponseParser>p.data
+    if self.ended:
+        # One response per request: a worker that writes more than it was asked for (a second
+        # answer behind the first) cannot be trusted with the connection, nor its bytes be taken
+        # for the next request's answer.
+        return _response_refused(self, _PAST_WORDS)
     self.has_content_type = self.has_retry_after = self.in_field = False
     self.framing = OTHER
+    self.in_head = True
+    self.head_bytes = self.head_read = self.fields = 0
     return 0
 
 
@@ -797,8 +840,12 @@ cdef int _response_field(llhttp_t* p, const char* at, size_t n) noexcept:
     cdef ResponseParser self = <ResponseParser>p.data
     cdef Py_ssize_t keep
     if not self.in_field:
+        if self.fields and _field_ended(self):
+            return STOP
+        self.fields += 1
         self.in_field = True
         self.name_len = 0
+    self.head_bytes += <Py_ssize_t>n
     keep = min(<Py_ssize_t>n, NAME_BYTES - min(self.name_len, NAME_BYTES))
     if keep > 0:
         memcpy(self.name + self.name_len, at, keep)
@@ -828,6 +875,7 @@ cdef int _response_field_complete(llhttp_t* p) noexcept:
 
 cdef int _response_value(llhttp_t* p, const char* at, size_t n) noexcept:
     cdef ResponseParser self = <ResponseParser>p.data
+    self.head_bytes += <Py_ssize_t>n
     try:
         if self.wanted == CONTENT_TYPE:
             self.content_type += (<const unsigned char*>at)[:n]
@@ -845,6 +893,9 @@ cdef int _response_value_complete(llhttp_t* p) noexcept:
 
 cdef int _response_head(llhttp_t* p) noexcept:
     cdef ResponseParser self = <ResponseParser>p.data
+    if self.fields and _field_ended(self):
+        return STOP
+    self.in_head = False
     try:
         content_length = None
         if self.framing == CONTENT_LENGTH:
@@ -873,6 +924,8 @@ cdef int _response_body(llhttp_t* p, const char* at, size_t n) noexcept:
 
 cdef int _response_complete(llhttp_t* p) noexcept:
     cdef ResponseParser self = <ResponseParser>p.data
+    if not 100 <= p.status_code < 200:  # a 1xx is followed by the answer
+        self.ended = True
     try:
         self.complete(llhttp_should_keep_alive(p) != 0)
     except BaseException:

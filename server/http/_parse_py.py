@@ -27,7 +27,11 @@ content_type, content_length, retry_after)`` (the four fields the orchestrator r
 ``content_length`` is None without one, -1 when chunked), ``conn.on_body(piece)`` per body piece,
 ``conn.on_message_complete(keep_alive)``. Its :meth:`~ResponseParser.feed` raises
 :class:`~server.http.request.BadResponse` for bytes it cannot frame, and re-raises what an event
-raised. A worker is trusted: no bound is counted here.
+raised. A worker is another process: its head is bounded as a client's is (the fields' bytes, counted
+per read while the head is in progress and exactly as each field ends, and their count:
+:mod:`server.http.limits` ``MAX_RESPONSE_HEAD_BYTES``, ``MAX_RESPONSE_HEADERS``), and one response
+answers one request: a message after a response (not a 1xx) is refused until the connection sets
+``ended`` False as it sends its next request.
 """
 
 from __future__ import annotations
@@ -36,11 +40,12 @@ from typing import Any
 
 import httptools
 
-from .limits import Limits
+from .limits import MAX_RESPONSE_HEAD_BYTES, MAX_RESPONSE_HEADERS, Limits
 from .request import (
     CHUNKED,
     CONTINUE,
     IDENTITY,
+    PAST_THE_RESPONSE,
     R_BODY_BYTES,
     R_CHUNK_SIZE,
     R_CONTENT_ENCODING,
@@ -57,6 +62,8 @@ from .request import (
     R_UPGRADE,
     R_URL_BYTES,
     R_VERSION,
+    RESPONSE_HEAD_BYTES,
+    RESPONSE_HEADERS,
     UPGRADE_RESPONSE,
     BadResponse,
     Request,
@@ -70,6 +77,9 @@ _SIZE_LINE_TAIL = 64
 
 # len() of the header names checked: content-length, transfer-encoding, expect, content-encoding, host
 _CHECKED_LENGTHS = frozenset((14, 17, 6, 16, 4))
+
+_HEAD_BYTES_WORDS = RESPONSE_HEAD_BYTES.format(MAX_RESPONSE_HEAD_BYTES)
+_HEADERS_WORDS = RESPONSE_HEADERS.format(MAX_RESPONSE_HEADERS)
 
 
 class RequestParser:
@@ -336,7 +346,19 @@ _WANTED_LENGTHS = frozenset((12, 14, 11, 17))
 class ResponseParser:
     """Frames one upstream connection's bytes into responses (see the module's docstring)."""
 
-    __slots__ = ("conn", "content_length", "content_type", "parser", "retry_after")
+    __slots__ = (
+        "conn",
+        "content_length",
+        "content_type",
+        "ended",
+        "fields",
+        "head_bytes",
+        "head_read",
+        "in_head",
+        "interim",
+        "parser",
+        "retry_after",
+    )
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
@@ -344,6 +366,13 @@ class ResponseParser:
         self.content_type = b""
         self.content_length: int | None = None
         self.retry_after: bytes | None = None
+        #: a response (not a 1xx) ended: the next message is refused until the connection sets it False
+        self.ended = False
+        #: the response being read is a 1xx (the answer follows it)
+        self.interim = False
+        #: the head is in progress; its fields' bytes and count, the bytes of its reads (see the docstring)
+        self.in_head = False
+        self.head_bytes = self.head_read = self.fields = 0
 
     def feed(self, data: bytes) -> None:
         """Parse one read; raises :class:`BadResponse`, or what a ``conn`` event raised."""
@@ -355,15 +384,32 @@ class ResponseParser:
             raise (exc.__context__ or BadResponse(str(exc))) from None
         except httptools.HttpParserError as exc:
             raise BadResponse(str(exc)) from None
+        if self.in_head:
+            # A head still in progress after this read: the whole read counts against its bound
+            # (httptools joins a field's pieces itself: only this keeps what it holds bounded).
+            self.head_read += len(data)
+            if self.head_read > MAX_RESPONSE_HEAD_BYTES:
+                raise BadResponse(_HEAD_BYTES_WORDS)
 
     # -- httptools' callbacks ------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        if self.ended:  # one response per request: a worker that writes more is not trusted again
+            raise BadResponse(PAST_THE_RESPONSE)
         self.content_type = b""
         self.content_length = None
         self.retry_after = None
+        self.in_head = True
+        self.head_bytes = self.head_read = self.fields = 0
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        # A field ended: the head's bounds (its bytes first, as the compiled twin checks them).
+        self.head_bytes += len(name) + len(value)
+        self.fields += 1
+        if self.head_bytes > MAX_RESPONSE_HEAD_BYTES:
+            raise BadResponse(_HEAD_BYTES_WORDS)
+        if self.fields > MAX_RESPONSE_HEADERS:
+            raise BadResponse(_HEADERS_WORDS)
         # Four names matter, told apart by length first (Date and Server are
         # in every response and matter not).
         if len(name) not in _WANTED_LENGTHS:
@@ -379,11 +425,15 @@ class ResponseParser:
             self.content_length = -1  # chunked: framed, not close-delimited
 
     def on_headers_complete(self) -> None:
+        self.in_head = False
         status = self.parser.get_status_code()
+        self.interim = 100 <= status < 200
         self.conn.on_head(status, self.content_type, self.content_length, self.retry_after)
 
     def on_body(self, body: bytes) -> None:
         self.conn.on_body(body)
 
     def on_message_complete(self) -> None:
+        if not self.interim:
+            self.ended = True
         self.conn.on_message_complete(self.parser.should_keep_alive())

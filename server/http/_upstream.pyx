@@ -1,4 +1,4 @@
-# cython: language_level=3, auto_pickle=False
+# cython: language_level=3, auto_pickle=False, nonecheck=True
 """The upstream side's connection and response in C: twin of :mod:`server.http.client`'s
 ``_Connection`` and :class:`~server.http.client.UpstreamResponse` (their docstrings say what each
 method does; the behaviour is theirs, line for line).
@@ -19,7 +19,7 @@ import struct
 from ._parse cimport BodyReader, ResponseParser
 
 from .client import REQUEST_HEAD, WRITE_JOINED_BELOW, UpstreamError, UpstreamTimeout
-from .request import BadResponse
+from .request import PAST_THE_RESPONSE, BadResponse
 
 __all__ = ["Connection", "Response", "pool_start"]
 
@@ -312,9 +312,13 @@ cdef class Connection(ResponseParser):
 
     cdef int head(self, int status, bytes content_type, object content_length, object retry_after) except -1:
         cdef Response resp = self.response
+        if resp is None:
+            raise BadResponse(PAST_THE_RESPONSE)
         if 100 <= status < 200 and status != 101:
             self.interim = True
             return 0
+        if resp._whole and content_length is not None and content_length > resp.limit:
+            raise UpstreamError(f"response body exceeds {resp.limit} bytes")
         resp.content_type = content_type
         resp.content_length = content_length
         resp.retry_after = retry_after
@@ -336,6 +340,8 @@ cdef class Connection(ResponseParser):
 
     cdef int body(self, object piece) except -1:
         cdef Response resp = self.response
+        if resp is None:
+            raise BadResponse(PAST_THE_RESPONSE)
         if self.interim:
             return 0
         if resp.sink is not None:
@@ -348,22 +354,24 @@ cdef class Connection(ResponseParser):
         resp.chunks.append(piece)
         if resp.limit and resp.size > resp.limit:
             if resp._whole:
-                self._fail(UpstreamError(f"response body exceeds {resp.limit} bytes"))
-            else:
-                resp._truncate()
+                raise UpstreamError(f"response body exceeds {resp.limit} bytes")
+            resp._truncate()
         return 0
 
     cdef int body_at(self, const char* at, Py_ssize_t n) except -1:
-        cdef Response resp
+        cdef Response resp = self.response
+        if resp is None:
+            raise BadResponse(PAST_THE_RESPONSE)
         if self.reader is None or self.reader.data is None or self.interim:
             return ResponseParser.body_at(self, at, n)
         self.reader.take(at, n)
-        resp = self.response
         resp.size += n
         return 0
 
     cdef int complete(self, bint keep_alive) except -1:
         cdef Response resp = self.response
+        if resp is None:
+            raise BadResponse(PAST_THE_RESPONSE)
         if self.interim:
             self.interim = False
             return 0
@@ -393,6 +401,7 @@ cdef class Connection(ResponseParser):
             raise UpstreamError("connection closed before the request was sent", sent=False)
         resp._conn = self
         self.response = resp
+        self.ended = False  # its answer may begin
         self.requests += 1
         self.got_bytes = False
         self.interim = False

@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 
 from . import parse
 from .parse import ResponseParser
-from .request import BadResponse
+from .request import PAST_THE_RESPONSE, BadResponse
 
 BodyPiece = bytes | bytearray | memoryview
 
@@ -352,10 +352,14 @@ class _Connection(asyncio.Protocol):
         self, status: int, content_type: bytes, content_length: int | None, retry_after: bytes | None
     ) -> None:
         resp = self.response
-        assert resp is not None
+        if resp is None:  # given up by a listener's event earlier in this read: nobody reads on
+            raise BadResponse(PAST_THE_RESPONSE)
         if 100 <= status < 200 and status != 101:
             self.interim = True  # 100 Continue and friends: skipped, the real answer follows
             return
+        if resp._whole and content_length is not None and content_length > resp.limit:
+            # refused before any of it is read (a worker's answer is held whole: bounded)
+            raise UpstreamError(f"response body exceeds {resp.limit} bytes")
         resp.content_type = content_type
         resp.content_length = content_length
         resp.retry_after = retry_after
@@ -371,7 +375,8 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         resp = self.response
-        assert resp is not None
+        if resp is None:
+            raise BadResponse(PAST_THE_RESPONSE)
         if self.interim:
             return
         if resp.sink is not None:
@@ -384,13 +389,14 @@ class _Connection(asyncio.Protocol):
         resp.chunks.append(body)
         if resp.limit and resp.size > resp.limit:
             if resp._whole:
-                self._fail(UpstreamError(f"response body exceeds {resp.limit} bytes"))
-            else:
-                resp._truncate()
+                # raised, not failed here: the parser stops (the rest of the read is not parsed)
+                raise UpstreamError(f"response body exceeds {resp.limit} bytes")
+            resp._truncate()
 
     def on_message_complete(self, keep_alive: bool) -> None:
         resp = self.response
-        assert resp is not None
+        if resp is None:
+            raise BadResponse(PAST_THE_RESPONSE)
         if self.interim:  # a 1xx ended (on_head kept none of its headers): the real answer follows
             self.interim = False
             return
@@ -426,6 +432,7 @@ class _Connection(asyncio.Protocol):
             raise UpstreamError("connection closed before the request was sent", sent=False)
         resp._conn = self
         self.response = resp
+        self.parser.ended = False  # its answer may begin
         self.requests += 1
         self.got_bytes = False
         self.interim = False

@@ -39,6 +39,16 @@ WORKER_MAX_INFLIGHT_BODY_BYTES = 16 * WORKER_MAX_BODY_BYTES
 #: aiohttp served it
 WORKER_KEEPALIVE_TIMEOUT_S = 75.0
 
+# A worker's answers, as the orchestrator reads them (both response parsers, server/http/_parse*.py).
+# A worker is another process, not a trusted part of this one: a head that never ends would take
+# the orchestrator's memory as it came (one endless Content-Type: 68 MiB -> 2.9 GiB) and be answered
+# only at the request's deadline. Bounded as a client's request head is (MAX_HEADERS), with room to
+# spare: a worker's head is a status line and a handful of short headers.
+#: bytes of a worker's response header fields (names and values), refused past it (a 502)
+MAX_RESPONSE_HEAD_BYTES = 64 * 1024
+#: header fields of a worker's response, refused past it (a 502)
+MAX_RESPONSE_HEADERS = MAX_HEADERS
+
 
 @dataclass(slots=True)
 class Limits:

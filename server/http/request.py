@@ -69,11 +69,18 @@ class Refused(Exception):
 
 
 class BadResponse(Exception):
-    """A response parser (the upstream side) could not frame a worker's bytes: llhttp's reason, or an upgrade."""
+    """A response parser (the upstream side) could not frame a worker's bytes, or refuses them:
+    llhttp's reason, an upgrade, a head past its bounds, bytes past the response."""
 
 
 #: BadResponse's words for a 101 (an upgrade): a worker's connection carries HTTP only
 UPGRADE_RESPONSE = "protocol upgrades are not supported"
+#: ... for a head whose fields' bytes pass server/http/limits.py MAX_RESPONSE_HEAD_BYTES (filled with it)
+RESPONSE_HEAD_BYTES = "response head exceeds {} bytes"
+#: ... for more header fields than MAX_RESPONSE_HEADERS (filled with it)
+RESPONSE_HEADERS = "more than {} response headers"
+#: ... for a message after a response, before the next request was sent
+PAST_THE_RESPONSE = "bytes past the end of the response"
 
 # The refusals, by code (the compiled twin reads these numbers once at import).
 R_MALFORMED = 1
