@@ -116,7 +116,11 @@ async def drive(url: str, phase: Phase, warmup_s: float) -> None:
 def config_file(directory: Path, phase: Phase | None, max_inflight: int) -> list[str]:
     keys = directory / "keys"
     keys.write_text("".join(f"{key} {tenant}\n" for tenant, key in KEYS.items()))
-    config = {"api_keys_file": str(keys), "admission": {"max_inflight": max_inflight}}
+    # client_priority: the operator grants the body's priority (else every request counts as 0)
+    config = {
+        "api_keys_file": str(keys),
+        "admission": {"max_inflight": max_inflight, "client_priority": True},
+    }
     if phase is not None:
         config["admission"].update(max_queue=phase.max_queue, max_queue_wait_s=phase.max_queue_wait_s)  # type: ignore[attr-defined]
     path = directory / "orchestrator.yaml"
