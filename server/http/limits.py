@@ -48,6 +48,12 @@ WORKER_KEEPALIVE_TIMEOUT_S = 75.0
 MAX_RESPONSE_HEAD_BYTES = 64 * 1024
 #: header fields of a worker's response, refused past it (a 502)
 MAX_RESPONSE_HEADERS = MAX_HEADERS
+#: a worker's answer that the orchestrator holds whole (a context answer, a unary generation answer;
+#: the orchestrator's max_worker_body_bytes): the bound of a client's body. A context answer with
+#: 128k prompt ids is under 1 MB; a unary generation answer is its text, times n, and with logprobs
+#: about 1.3 KB per token at 20 top_logprobs each (OpenAI's most): ~25k such tokens fit, and a longer
+#: answer is a stream (relayed as it comes, never held whole: no bound)
+MAX_WORKER_ANSWER_BYTES = MAX_BODY_BYTES
 
 
 @dataclass(slots=True)

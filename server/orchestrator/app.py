@@ -68,7 +68,6 @@ from .estimates import StreamUsage, UsageLearner
 from .exchange import Exchange
 from .legs import (
     MAX_ERROR_BODY,
-    MAX_WORKER_BODY,
     LegRunner,
     LegUnavailable,
     Sent,
@@ -219,7 +218,8 @@ class Orchestrator:
         #: both legs' one loop (legs.py): choose, send, classify, retry, breakers
         self.legs = LegRunner(max_retries=config.max_retries, metrics=self.metrics, upstream=self._upstream,
                               secret=self.secret, mark_failed=self._mark_failed,
-                              release_lost_kv=self._release_lost_kv_soon, unavailable=self._unavailable)  # fmt: skip
+                              release_lost_kv=self._release_lost_kv_soon, unavailable=self._unavailable,
+                              max_worker_body=config.max_worker_body_bytes)  # fmt: skip
         self.session: aiohttp.ClientSession | None = None
         self.health: HealthChecker | None = None
         self.cache_view: CacheView | None = None
@@ -694,7 +694,7 @@ class Orchestrator:
         limit = self.config.request_timeout_s
         if stream:
             return None, limit, 0, self._first_byte_timeout(body)
-        return limit, None, MAX_WORKER_BODY, None
+        return limit, None, self.config.max_worker_body_bytes, None
 
     async def _fall_back(
         self,

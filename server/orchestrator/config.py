@@ -276,6 +276,9 @@ class OrchestratorConfig(BaseModel):
     health_check_timeout_s: float = Field(2.0, gt=0)
     # What one client connection may hold (server/http/limits.py, Limits: the defaults' one home).
     max_body_bytes: int = Field(limits.MAX_BODY_BYTES, gt=0)
+    # A worker's answer held whole (context, unary generation; a stream is relayed as it comes): past
+    # it the leg fails at once (a 502, the worker's breaker counts it), not at the deadline.
+    max_worker_body_bytes: int = Field(limits.MAX_WORKER_ANSWER_BYTES, ge=64 * 1024)
     max_header_bytes: int = Field(limits.MAX_HEADER_BYTES, ge=1024)
     client_header_timeout_s: float = Field(limits.HEADER_TIMEOUT_S, gt=0)
     client_body_timeout_s: float = Field(limits.BODY_TIMEOUT_S, gt=0)

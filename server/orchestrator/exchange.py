@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from server.errors import HTTPError
 from server.http import BodyPiece, Handling, Request, Responder, UpstreamResponse, handler_failed
 
-from .legs import MAX_WORKER_BODY, Sent, WorkerAnswer
+from .legs import Sent, WorkerAnswer
 from .routing import conversation_header
 from .tenants import ANONYMOUS, Tenant
 
@@ -138,7 +138,7 @@ class Exchange(Handling):
             return
         self.tried.append(worker)
         self._send(CONTEXT, worker, self.context_body, orch.relay.leg_headers, b"", False, None,
-                   timeout=orch._context_timeout(len(body)), read_timeout=None, max_body=MAX_WORKER_BODY,
+                   timeout=orch._context_timeout(len(body)), read_timeout=None, max_body=orch.config.max_worker_body_bytes,
                    first_byte=None)  # fmt: skip
 
     def _send(

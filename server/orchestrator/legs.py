@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from server.auth import SIGNATURE_HEADER, sign_pieces
 from server.errors import HTTPError, normalise_error_body
 from server.http import BodyPiece, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout
+from server.http.limits import MAX_WORKER_ANSWER_BYTES
 from server.tracing import current_trace
 
 if TYPE_CHECKING:
@@ -69,8 +70,6 @@ _JSON = b"application/json"
 _SIGNATURE = SIGNATURE_HEADER.encode()
 # A worker's error body is relayed, but not an unbounded one.
 MAX_ERROR_BODY = 64 * 1024
-# A worker's whole answer (a context response carries every prompt id): bounded too.
-MAX_WORKER_BODY = 256 * 1024 * 1024
 #: a worker's statuses that say "not me, not now" (full, draining, rate-limited): the leg is retried
 #: on another worker (a context leg then falls back); any other 4xx is the client's answer
 REFUSED_STATUSES = frozenset((429, 503))
@@ -135,7 +134,8 @@ class LegRunner:
     ``body``: bytes or pieces (views into the bodies it was spliced from go out in one vectored
     write, never joined). ``headers``: the relay mode's lines (empty for a plain JSON body), then
     the signature, then ``extra`` (trtllm-serve's auth). ``timeout``, ``read_timeout``,
-    ``max_body``: the upstream request's; ``first_byte``: a stream's deadline for its first byte
+    ``max_body``: the upstream request's (None: ``max_worker_body``, a whole answer's bound, the
+    orchestrator's ``max_worker_body_bytes``); ``first_byte``: a stream's deadline for its first byte
     (past it, the next worker). ``tried``: workers not to choose (a local prefill excludes those
     that cannot), each one tried appended: the last is the one that answered. ``first``: the first
     attempt's worker, already chosen (while healthy). ``disagg_id``: the id whose parked KV is
@@ -153,8 +153,10 @@ class LegRunner:
         mark_failed: Callable[[Pool, Worker], None],
         release_lost_kv: Callable[[Worker, int], None],
         unavailable: Callable[[str], HTTPError],
+        max_worker_body: int = MAX_WORKER_ANSWER_BYTES,
     ) -> None:
         self.attempts = max_retries + 1
+        self.max_worker_body = max_worker_body
         self.metrics = metrics
         self.upstream = upstream
         self.secret = secret
@@ -165,7 +167,7 @@ class LegRunner:
     async def run(
         self, name: str, pool: Pool, path: bytes, body: bytes | Sequence[BodyPiece],
         answered: Callable[[Worker, UpstreamResponse], Awaitable[T]], *,
-        headers: bytes, timeout: float | None, read_timeout: float | None = None, max_body: int = MAX_WORKER_BODY,
+        headers: bytes, timeout: float | None, read_timeout: float | None = None, max_body: int | None = None,
         first_byte: float | None = None, extra: bytes = b"", key: RequestKey | None = None, tokens: int = 0,
         first: Worker | None = None, tried: list[Worker] | None = None, disagg_id: int | None = None,
         handoff_from: float | None = None, ttfb: Any = None, resume: Sent | None = None, panic: bool = True,
@@ -177,6 +179,7 @@ class LegRunner:
         too few breakers let legs through, every healthy worker is chosen from (pools.py); False
         for a leg with another way out (a context leg that falls back to local prefill)."""
         pieces: Sequence[BodyPiece] = (body,) if isinstance(body, bytes) else body
+        max_body = self.max_worker_body if max_body is None else max_body
         tried = tried if tried is not None else []
         failure: HTTPError | WorkerAnswer | None = None
         reason = "failed"
