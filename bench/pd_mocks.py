@@ -10,8 +10,10 @@ vLLM (``vllm-router --vllm-pd-disaggregation``): the router sends the prefill
 worker the client's request with ``max_tokens: 1``, ``stream: false`` and
 ``kv_transfer_params: {"do_remote_decode": true, ...}``; the prefill answer is
 a chat completion carrying ``kv_transfer_params`` (``do_remote_prefill``,
-``remote_engine_id``, ``remote_block_ids``, ``remote_host``, ``remote_port``),
-which the router copies into the decode request. Here the block id is unique
+``remote_engine_id``, ``remote_block_ids``, ``remote_request_id``, ``remote_host``,
+``remote_port``), which the router copies into the decode request. The rules on
+both legs are ``bench/engine_protocols.py``'s, which the tests' strict vLLM and
+SGLang stand-ins check too. Here the block id is unique
 per prefill, so the decode side checks it was issued (and only once).
 
 SGLang (``sglang_router.launch_router --pd-disaggregation``): the router sends
@@ -58,6 +60,7 @@ try:
 except ImportError:  # pragma: no cover - orjson is in the bench extra
     loads = json.loads
 
+from bench import engine_protocols as rules
 from bench.rawfloor import LISTEN_BACKLOG, ServerProtocol
 from fastcore import protocol as wire
 
@@ -81,24 +84,18 @@ PROBE_PATHS = {
 _WORDS = ["alpha", "beta", "gamma", "delta", "kernel", "token", "cache", "batch"]
 
 
-def check_vllm_prefill(req: dict[str, Any]) -> list[str]:
-    problems = []
-    if req.get("max_tokens") != 1 and req.get("max_completion_tokens") != 1:
-        problems.append(f"prefill max_tokens={req.get('max_tokens')!r}, expected 1")
-    if req.get("stream"):
-        problems.append("prefill request is streaming")
-    ktp = req.get("kv_transfer_params")
-    if not isinstance(ktp, dict) or ktp.get("do_remote_decode") is not True:
-        problems.append(f"prefill kv_transfer_params={ktp!r}, expected do_remote_decode=true")
-    return problems
+def check_vllm_prefill(req: dict[str, Any], chat: bool = False) -> list[str]:
+    """A NIXL prefill leg (bench/engine_protocols.py's rules, shared with the tests' vLLM stand-in)."""
+    return rules.check_vllm_prefill(req, chat)
 
 
 def check_vllm_decode(req: dict[str, Any], issued: set[int]) -> list[str]:
+    """A NIXL decode leg: the shared rules, then the block this mock's prefill issued, good once."""
+    problems = rules.check_vllm_decode(req)
     ktp = req.get("kv_transfer_params")
     if not isinstance(ktp, dict):
-        return [f"decode kv_transfer_params={ktp!r}, expected the prefill's"]
-    problems = []
-    if ktp.get("do_remote_prefill") is not True or ktp.get("remote_engine_id") != ENGINE_ID:
+        return problems
+    if ktp.get("remote_engine_id") != ENGINE_ID:
         problems.append(f"decode kv_transfer_params not copied from prefill: {ktp!r}"[:200])
     blocks = ktp.get("remote_block_ids")
     if not (isinstance(blocks, list) and blocks and blocks[0] in issued):
@@ -110,15 +107,7 @@ def check_vllm_decode(req: dict[str, Any], issued: set[int]) -> list[str]:
     return problems
 
 
-def check_sglang(req: dict[str, Any]) -> list[str]:
-    problems = []
-    if not isinstance(req.get("bootstrap_host"), str):
-        problems.append(f"bootstrap_host={req.get('bootstrap_host')!r}")
-    if not isinstance(req.get("bootstrap_port"), int):
-        problems.append(f"bootstrap_port={req.get('bootstrap_port')!r}")
-    if not isinstance(req.get("bootstrap_room"), int):
-        problems.append(f"bootstrap_room={req.get('bootstrap_room')!r}")
-    return problems
+check_sglang = rules.check_sglang
 
 
 def check_fastcore_context(req: dict[str, Any], b64: bool) -> list[str]:
@@ -252,14 +241,14 @@ class Mocks:
         elif self.flavor == "plain":
             pass
         elif self.flavor == "vllm" and role == "prefill":
-            problems = check_vllm_prefill(req)
+            problems = check_vllm_prefill(req, chat)
             block = next(self.block_ids)
             self.issued.add(block)
             extra = (
                 b', "kv_transfer_params": {"do_remote_prefill": true, "do_remote_decode": false, '
-                b'"remote_engine_id": "%s", "remote_block_ids": [%d], "remote_host": "127.0.0.1", '
-                b'"remote_port": 5600, "tp_size": 1}'
-            ) % (ENGINE_ID.encode(), block)
+                b'"remote_engine_id": "%s", "remote_block_ids": [%d], "remote_request_id": "mock-%d", '
+                b'"remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1}'
+            ) % (ENGINE_ID.encode(), block, block)
         elif self.flavor == "vllm":
             problems = check_vllm_decode(req, self.issued)
         else:

@@ -323,11 +323,21 @@ def test_vllm_checks_want_the_prefill_and_decode_fields() -> None:
     assert check_vllm_prefill({"max_tokens": 1, "stream": False})  # no kv_transfer_params
     assert check_vllm_prefill({**good_prefill, "max_tokens": 16})
     assert check_vllm_prefill({**good_prefill, "stream": True})
-    ktp = {"do_remote_prefill": True, "remote_engine_id": ENGINE_ID, "remote_block_ids": [7]}
+    ktp = {
+        "do_remote_prefill": True,
+        "remote_engine_id": ENGINE_ID,
+        "remote_block_ids": [7],
+        "remote_request_id": "p-7",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5600,
+    }
     issued = {7}
     assert check_vllm_decode({"max_tokens": 16, "kv_transfer_params": ktp}, issued) == []
     assert check_vllm_decode({"max_tokens": 16, "kv_transfer_params": ktp}, issued)  # block 7 used twice
     assert check_vllm_decode({"max_tokens": 16}, {7})  # nothing copied from the prefill
+    partial = {k: v for k, v in ktp.items() if k != "remote_request_id"}
+    assert check_vllm_decode({"max_tokens": 16, "kv_transfer_params": partial}, {7})  # vLLM would not pull
+    assert check_vllm_prefill({**good_prefill, "stream_options": {"include_usage": True}})  # vLLM refuses it
 
 
 def test_sglang_checks_want_the_bootstrap_fields() -> None:
