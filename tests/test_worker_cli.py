@@ -270,7 +270,11 @@ def test_each_flag_that_fills_a_worker_setting_defaults_to_the_settings_own() ->
         max_inflight_body_bytes=limits.WORKER_MAX_INFLIGHT_BODY_BYTES,
     )
     # the user-visible defaults the worker had before they moved to server/http/limits.py
-    assert (args.max_body_bytes, args.max_inflight_body_bytes, args.keepalive_timeout) == (64 << 20, 1 << 30, 75.0)
+    assert (args.max_body_bytes, args.max_inflight_body_bytes, args.keepalive_timeout) == (
+        64 << 20,
+        1 << 30,
+        75.0,
+    )
     help_text = " ".join(parser.format_help().split())  # argparse wraps at the terminal's width
     assert "(default 64 MiB)" in help_text and "(default 1 GiB)" in help_text
 
@@ -287,7 +291,7 @@ def test_the_engine_flags_default_to_the_torch_engines_own() -> None:
     cli.add_arguments(parser)
     args = parser.parse_args([])
     engine = inspect.signature(TorchEngine).parameters
-    for flag in ("block_size", "max_num_seqs", "prefix_caching"):
+    for flag in ("block_size", "max_num_seqs", "prefix_caching", "prefill_chunk_tokens"):
         assert getattr(args, flag) == engine[flag].default, flag
     assert args.kv_tokens is None and engine["kv_tokens"].default == cli.DEFAULT_KV_TOKENS  # tiny's
     help_text = " ".join(parser.format_help().split())

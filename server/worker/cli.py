@@ -17,7 +17,13 @@ from server.cli import cannot_listen
 from server.metrics_access import METRICS_TOKEN_ENV
 from server.ports import listen_problem, port_problem
 
-from .engine_api import DEFAULT_BLOCK_SIZE, DEFAULT_KV_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFIX_CACHING
+from .engine_api import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_KV_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_PREFILL_CHUNK_TOKENS,
+    DEFAULT_PREFIX_CACHING,
+)
 from .settings import ROLES, WorkerSettings
 from .synthetic import add_arguments as add_synthetic_arguments
 from .tokenizer import Tokenizer
@@ -104,6 +110,11 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default {'on' if DEFAULT_PREFIX_CACHING else 'off'})")  # fmt: skip
     parser.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
                         help=f"most sequences in one decode batch (default {DEFAULT_MAX_NUM_SEQS})")  # fmt: skip
+    parser.add_argument("--prefill-chunk-tokens", type=_non_negative, default=DEFAULT_PREFILL_CHUNK_TOKENS,
+                        help="a step's token budget: one per running stream's decode, the rest for chunks of "
+                             "waiting prompts (a long one cut to fit, several short ones in one forward), so a "
+                             "long prefill does not stop the running streams; 0: each prompt prefilled whole "
+                             f"(default {DEFAULT_PREFILL_CHUNK_TOKENS})")  # fmt: skip
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch intra-op threads (default: half the CPUs, 1 to 4)")  # fmt: skip
 
@@ -211,6 +222,13 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                          help="register fastcore's record (default), or trtllm-serve's {worker_id, host, "
                               "port, role} under /trtllm-disagg/ (its HTTP storage API on http://) so a "
                               "trtllm-serve orchestrator discovers this worker")  # fmt: skip
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
 
 
 def _share(text: str) -> float:
@@ -332,6 +350,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str, str]:
         block_size=args.block_size,
         prefix_caching=args.prefix_caching,
         max_num_seqs=args.max_num_seqs,
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
     )
     return engine, args.served_model_name or served_name(args.model), device
 
@@ -457,7 +476,9 @@ async def _serve(
                 WorkerRecord.from_json(record.to_json())
                 registration = WorkerRegistration(cluster, record)
             except RecordError as exc:
-                print(f"fastcore worker: cannot register: {exc} (--public-url, --host, --role)", file=sys.stderr)
+                print(
+                    f"fastcore worker: cannot register: {exc} (--public-url, --host, --role)", file=sys.stderr
+                )
                 return 2
             await registration.start()
         await stop.wait()

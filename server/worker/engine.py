@@ -4,19 +4,27 @@ One dedicated thread owns the model and the KV cache and loops:
 
 1. take newly submitted requests and drop cancelled ones (their blocks go
    back to the pool before the next forward);
-2. start waiting requests while there is room in the batch: prefill each
-   alone (or load its KV from a context worker), sample its first token;
+2. admit waiting requests, oldest first, while there is room in the batch: a
+   KV import from a context worker starts at once, a prompt joins the
+   prefilling queue;
 3. one batched decode forward over every running sequence, one token each;
-4. hand the step's outputs to the event loop in one ``call_soon_threadsafe``.
+4. one prefill forward over chunks of the prefilling prompts, oldest first,
+   under the step's token budget (``prefill_chunk_tokens``, less one per
+   decode row): a long prompt is cut into chunks over several steps, several
+   short ones share a forward; a prompt whose last chunk ran samples its
+   first token and starts decoding (or parks, for a context leg);
+5. hand the step's outputs to the event loop in one ``call_soon_threadsafe``.
 
-So concurrent requests share decode steps, new prefills join between steps,
+So concurrent requests share decode steps, a prompt as long as the context
+delays the running streams by one chunk a step instead of its whole prefill,
 and the aiohttp loop never waits on a forward pass. Admission control lives
 in :meth:`TorchEngine.submit`: a request reserves the KV blocks for its
 prompt plus ``max_tokens`` there, or is refused with :class:`KVCacheFull`
 (the server's 503), so the engine never runs out of cache mid-request.
 
-Greedy outputs do not depend on the batch: a prefill always runs alone,
-and a decode row's attention is masked to its own sequence. (Matmul kernels
+Greedy outputs do not depend on the batch or the chunking: a chunk attends to
+its own sequence's earlier positions (in the cache) exactly as a whole prefill
+would, and a decode row's attention is masked to its own sequence. (Matmul kernels
 may round a row differently for another batch size, at the 1e-7 level; a
 greedy choice flips only on an exact near-tie.)
 
@@ -35,6 +43,7 @@ import math
 import random
 import threading
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -43,6 +52,7 @@ from .engine_api import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_KV_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_PREFILL_CHUNK_TOKENS,
     DEFAULT_PREFIX_CACHING,
     NOT_FINISHED,
     EngineRequest,
@@ -50,13 +60,40 @@ from .engine_api import (
     ParkedKV,
     prompt_checksum,
 )
-from .kv_cache import DecodeAttention, PagedKVCache, PrefillAttention
+from .kv_cache import DecodeAttention, PagedKVCache, PrefillBatchAttention
 from .kv_transfer import KVLayout
 from .model import LlamaForCausalLM, ModelConfig
 from .output import Delta, SamplingParams, TokenLogprob
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Prefill:
+    """An admitted prompt whose prefill runs in chunks; ``req.cached_len`` is how far it got."""
+
+    req: EngineRequest
+    #: what is prefilled: the prompt plus all but the last forced token (a recomputed hand-off)
+    ids: torch.Tensor
+    ids_np: np.ndarray
+    prompt_len: int
+    #: logits of the rows from the prompt's last position on, gathered chunk by chunk
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return int(self.ids_np.size)
+
+    @classmethod
+    def of(cls, req: EngineRequest) -> _Prefill:
+        prompt = np.ascontiguousarray(req.prompt_ids, dtype=np.int32)
+        forced = req.forced_tokens
+        ids = np.concatenate([prompt, np.asarray(forced[:-1], dtype=np.int32)]) if forced else prompt
+        # From the end of the cached prefix on (at most prompt_len - 1: the last prompt id's
+        # logits are always computed).
+        req.cached_len = req.cached_prefix
+        return cls(req, torch.from_numpy(ids), ids, int(prompt.size))
 
 
 class TorchEngine:
@@ -74,6 +111,7 @@ class TorchEngine:
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         prefill_tokens_per_step: int = 2048,
         prefix_caching: bool = DEFAULT_PREFIX_CACHING,
+        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
     ) -> None:
         self.config = config
         self.model = model
@@ -88,6 +126,12 @@ class TorchEngine:
         )  # fmt: skip
         self.max_num_seqs = max_num_seqs
         self.prefill_tokens_per_step = prefill_tokens_per_step
+        if prefill_chunk_tokens < 0:
+            raise ValueError(f"prefill_chunk_tokens must be >= 0 (0: off), got {prefill_chunk_tokens}")
+        #: a step's token budget (decode rows and prefill chunks); 0: prompts prefilled whole
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        #: admitted prompts whose prefill is under way, oldest first (they hold a sequence slot)
+        self._prefilling: list[_Prefill] = []
         self._inbox: collections.deque[EngineRequest] = collections.deque()
         self._waiting: collections.deque[EngineRequest] = collections.deque()
         self._running: list[EngineRequest] = []
@@ -107,6 +151,8 @@ class TorchEngine:
         self.prompt_tokens_total = 0
         self.generated_tokens_total = 0
         self.decode_steps_total = 0
+        #: prefill forwards (each may carry several prompts' chunks)
+        self.prefill_steps_total = 0
         self.engine_errors_total = 0
         self.tokens_per_second = 0.0
         self._rate_window: collections.deque[tuple[float, int]] = collections.deque()
@@ -133,7 +179,8 @@ class TorchEngine:
 
     @property
     def queue_depth(self) -> int:
-        return len(self._inbox) + len(self._waiting)
+        """Requests waiting for their first token: queued, or their prompt's prefill under way."""
+        return len(self._inbox) + len(self._waiting) + len(self._prefilling)
 
     @property
     def running(self) -> int:
@@ -282,7 +329,9 @@ class TorchEngine:
         with torch.inference_mode():
             while True:
                 with self._wake:
-                    while not self._stop and not self._inbox and not self._waiting and not self._running:
+                    while not (
+                        self._stop or self._inbox or self._waiting or self._running or self._prefilling
+                    ):
                         self._wake.wait(timeout=1.0)
                     if self._stop:
                         break
@@ -293,10 +342,12 @@ class TorchEngine:
                 self._admit(outputs)
                 if self._running:
                     self._decode_step(outputs)
+                if self._prefilling:
+                    self._prefill_step(outputs)
                 if outputs:
                     self._deliver(outputs)
         leftovers: list[tuple[EngineRequest, Delta]] = []
-        for req in [*self._waiting, *self._running, *self._inbox]:
+        for req in [*self._waiting, *(p.req for p in self._prefilling), *self._running, *self._inbox]:
             self._finish_with_error(req, "the worker is shutting down", leftovers)
         self._deliver(leftovers)
 
@@ -308,6 +359,9 @@ class TorchEngine:
         for req in [r for r in self._running if r.cancelled]:
             self._running.remove(req)
             self._release(req)
+        for state in [p for p in self._prefilling if p.req.cancelled]:
+            self._prefilling.remove(state)
+            self._release(state.req)
 
     def _release(self, req: EngineRequest) -> None:
         if req.blocks:
@@ -321,59 +375,153 @@ class TorchEngine:
         self._by_id.pop(req.request_id, None)
 
     def _admit(self, outputs: list[tuple[EngineRequest, Delta]]) -> None:
-        budget = self.prefill_tokens_per_step
-        while self._waiting and len(self._running) < self.max_num_seqs:
-            # At least one prefill per step, then only while the step's token budget lasts,
-            # so a burst of long prompts does not stall the running decodes.
+        """Waiting requests take free sequence slots in arrival order: a KV import starts at once (no
+        compute), a prompt joins the prefilling queue, whose chunks :meth:`_prefill_step` runs."""
+        while self._waiting and len(self._running) + len(self._prefilling) < self.max_num_seqs:
+            req = self._waiting.popleft()
+            try:
+                if req.kv_import is not None:
+                    self._import(req, outputs)
+                else:
+                    self._prefilling.append(_Prefill.of(req))
+            except Exception as exc:  # a bad request must not take the loop down
+                self._prefill_failed(req, exc, outputs)
+
+    def _prefill_failed(
+        self, req: EngineRequest, exc: Exception, outputs: list[tuple[EngineRequest, Delta]]
+    ) -> None:
+        log.error("prefill of %s failed", req.request_id, exc_info=exc)
+        self.engine_errors_total += 1
+        self._finish_with_error(req, f"prefill failed: {exc}", outputs)
+
+    def _import(self, req: EngineRequest, outputs: list[tuple[EngineRequest, Delta]]) -> None:
+        forced = req.forced_tokens
+        if len(forced) != 1:
+            raise ValueError("a KV import continues from exactly one first token")
+        assert req.kv_import is not None
+        k, v = req.kv_import
+        prompt_len = int(req.prompt_ids.size)
+        # A cached prefix is already here (and shared): only the rest is written.
+        self.cache.write(req.blocks, k, v, start=req.cached_prefix)
+        req.kv_import = None
+        req.cached_len = prompt_len
+        req.registered = self.cache.register(req.blocks, req.prompt_ids, prompt_len, req.registered)
+        self._first_tokens(req, forced, req.forced_logprobs or [None] * len(forced), outputs)
+
+    def _plan_chunks(self) -> list[tuple[_Prefill, int]]:
+        """This step's prefill chunks, oldest prompt first (so no prompt waits behind a later one).
+
+        Chunked (``prefill_chunk_tokens`` > 0): the step's budget is that many tokens, less one per
+        running decode (at least a block's worth, so a full batch still makes progress); a prompt
+        takes what is left of it, cut anywhere. Off: whole prompts while ``prefill_tokens_per_step``
+        lasts, at least one. Several prompts in one plan share one forward."""
+        chunk = self.prefill_chunk_tokens
+        if chunk > 0:
+            budget = max(chunk - len(self._running), min(chunk, self.cache.block_size))
+        else:
+            budget = self.prefill_tokens_per_step
+        plan: list[tuple[_Prefill, int]] = []
+        for state in self._prefilling:
+            left = state.total - state.req.cached_len
+            if chunk <= 0 and plan and left > budget:
+                break
+            take = min(left, budget) if chunk > 0 else left
+            plan.append((state, take))
+            budget -= take
             if budget <= 0:
                 break
-            req = self._waiting.popleft()
-            budget -= int(req.prompt_ids.size) - req.cached_prefix
-            try:
-                self._start(req, outputs)
-            except Exception as exc:  # a bad request must not take the loop down
-                log.exception("prefill of %s failed", req.request_id)
-                self.engine_errors_total += 1
-                self._finish_with_error(req, f"prefill failed: {exc}", outputs)
+        return plan
 
-    def _start(self, req: EngineRequest, outputs: list[tuple[EngineRequest, Delta]]) -> None:
-        prompt = torch.from_numpy(np.ascontiguousarray(req.prompt_ids, dtype=np.int32))
-        prompt_len = int(prompt.numel())
+    def _prefill_step(self, outputs: list[tuple[EngineRequest, Delta]]) -> None:
+        plan = self._plan_chunks()
+        if plan:
+            self._run_chunks(plan, outputs)
+
+    def _run_chunks(
+        self, plan: list[tuple[_Prefill, int]], outputs: list[tuple[EngineRequest, Delta]]
+    ) -> None:
+        try:
+            logits = self._prefill_forward(plan)
+        except Exception as exc:
+            if len(plan) > 1:
+                # Which prompt broke the shared forward? Each again alone (rewriting the same slots),
+                # so only that one fails.
+                for part in plan:
+                    self._run_chunks([part], outputs)
+                return
+            self._prefilling.remove(plan[0][0])
+            self._prefill_failed(plan[0][0].req, exc, outputs)
+            return
+        self._prefill_done(plan, logits, outputs)
+
+    def _prefill_forward(self, plan: list[tuple[_Prefill, int]]) -> torch.Tensor:
+        """One forward over the plan's chunks, flattened; the logits of the rows a first token or a
+        forced token's logprob needs (positions from the prompt's last on)."""
+        ids, positions, rows, spans = [], [], [], []
+        offset = 0
+        for state, take in plan:
+            start = state.req.cached_len
+            ids.append(state.ids[start : start + take])
+            positions.append(torch.arange(start, start + take))
+            first = min(max(start, state.prompt_len - 1), start + take)  # none before the prompt's last
+            rows.append(torch.arange(offset + first - start, offset + take))
+            spans.append((state.req.blocks, start, take))
+            offset += take
+        attention = PrefillBatchAttention(self.cache, spans)
+        dev = self.device
+        return self.model.forward_step(
+            torch.cat(ids).to(dev, torch.int64),
+            torch.cat(positions).to(dev),
+            attention,
+            torch.cat(rows).to(dev),
+        )
+
+    def _prefill_done(
+        self,
+        plan: list[tuple[_Prefill, int]],
+        logits: torch.Tensor,
+        outputs: list[tuple[EngineRequest, Delta]],
+    ) -> None:
+        self.prefill_steps_total += 1
+        row = 0
+        for state, take in plan:
+            req = state.req
+            start = req.cached_len
+            wanted = max(0, start + take - max(start, state.prompt_len - 1))
+            if wanted:
+                state.logits.append(logits[row : row + wanted])
+                row += wanted
+            req.cached_len = start + take
+            self.prompt_tokens_total += take
+            req.registered = self.cache.register(req.blocks, state.ids_np, req.cached_len, req.registered)
+            if req.cached_len < state.total:
+                continue
+            self._prefilling.remove(state)
+            try:
+                self._prefill_finished(state, outputs)
+            except Exception as exc:
+                self._prefill_failed(req, exc, outputs)
+
+    def _prefill_finished(self, state: _Prefill, outputs: list[tuple[EngineRequest, Delta]]) -> None:
+        req = state.req
+        logits = torch.cat(state.logits)
         forced = req.forced_tokens
-        if req.kv_import is not None:
-            if len(forced) != 1:
-                raise ValueError("a KV import continues from exactly one first token")
-            k, v = req.kv_import
-            # A cached prefix is already here (and shared): only the rest is written.
-            self.cache.write(req.blocks, k, v, start=req.cached_prefix)
-            req.kv_import = None
-            req.cached_len = prompt_len
-            req.registered = self.cache.register(req.blocks, req.prompt_ids, prompt_len, req.registered)
-            logprobs = req.forced_logprobs or [None] * len(forced)
+        if forced:
+            logprobs = [self._forced_logprob(req, logits[i], t) for i, t in enumerate(forced)]
         else:
-            # Recompute the context: the prompt plus all but the last forced token, from the
-            # end of the cached prefix on (at most prompt_len - 1: the last prompt id's logits
-            # are always computed).
-            ids = torch.cat([prompt, torch.tensor(forced[:-1], dtype=torch.int32)]) if forced else prompt
-            total = int(ids.numel())
-            start = req.cached_prefix
-            attention = PrefillAttention(self.cache, req.blocks, start, total - start)
-            rows = torch.arange(prompt_len - 1 - start, total - start, device=self.device)
-            logits = self.model.forward_step(
-                ids[start:].to(self.device, torch.int64),
-                torch.arange(start, total, device=self.device),
-                attention,
-                rows,
-            )
-            self.prompt_tokens_total += total - start
-            req.cached_len = total
-            req.registered = self.cache.register(req.blocks, ids.numpy(), total, req.registered)
-            if forced:
-                logprobs = [self._forced_logprob(req, logits[i], t) for i, t in enumerate(forced)]
-            else:
-                token, lp = self._sample(logits[-1:], [req])[0]
-                forced, logprobs = [token], [lp]
-                self.generated_tokens_total += 1
+            token, lp = self._sample(logits[-1:], [req])[0]
+            forced, logprobs = [token], [lp]
+            self.generated_tokens_total += 1
+        self._first_tokens(req, forced, logprobs, outputs)
+
+    def _first_tokens(
+        self,
+        req: EngineRequest,
+        forced: list[int],
+        logprobs: list[TokenLogprob | None],
+        outputs: list[tuple[EngineRequest, Delta]],
+    ) -> None:
+        """Hand out a started request's first token(s); then it finishes, parks or decodes."""
         for token, lp in zip(forced, logprobs):
             req.generated.append(token)
             delta = req.processor.add(token, lp)

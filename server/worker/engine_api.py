@@ -35,6 +35,9 @@ DEFAULT_KV_TOKENS = 1 << 16
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_PREFIX_CACHING = True
+#: a step's token budget with chunked prefill: one token per running decode, the rest for prompt
+#: chunks (a long prompt is cut to fit); 0 prefills each prompt whole (--prefill-chunk-tokens)
+DEFAULT_PREFILL_CHUNK_TOKENS = 512
 #: seconds a context leg's KV stays parked for its generation worker (EngineRequest.park_ttl_s;
 #: the app sets it from WorkerSettings.kv_ttl_s, --kv-ttl, which defaults to this)
 DEFAULT_KV_TTL_S = 30.0

@@ -17,19 +17,32 @@ positions past its cached prefix, into blocks of its own) and only the rest is
 prefilled. A hit needs the hash *and* the ids to match, so a hash collision can
 never hand a sequence another prefix's KV. A block whose last user frees it
 stays cached, least recently used first out, until an allocation needs room.
+
+What the prefix cache holds is published twice, once a poller or follower asks
+(server/worker/kv_events.py): trtllm-serve's block events (``events``) and the
+orchestrators' key space (``chunks``, ``GET /cache_events``): a request's
+prompt keys are stored once its prompt's full blocks are registered (the
+engine names the request: ``register(..., owner=...)``) and removed with the
+block they map to when it is evicted. The key log lives on the event loop;
+the engine thread hands it its updates through :attr:`PagedKVCache.post` (the
+loop's ``call_soon_threadsafe``, set when the first follower made the log),
+under the cache's lock, so stores and evictions reach it in the cache's order.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from .engine_api import KVCacheFull, chain_block_hashes
-from .kv_events import KvEventLog
+from .kv_events import ChunkEventLog, KvEventLog
 from .model import ModelConfig
 
 
@@ -70,6 +83,23 @@ class PagedKVCache:
         self.evicted_blocks_total = 0
         #: trtllm-serve's KV cache events (server/worker/kv_events.py), once someone polls them
         self.events: KvEventLog | None = None
+        self._chunks: ChunkEventLog | None = None
+        #: runs a key-log update on the log's loop, in order (see the module docstring)
+        self.post: Callable[..., Any] = _call_now
+
+    @property
+    def chunks(self) -> ChunkEventLog | None:
+        """The orchestrators' key space (``GET /cache_events``), once one follows it."""
+        return self._chunks
+
+    @chunks.setter
+    def chunks(self, log: ChunkEventLog | None) -> None:
+        # Set on the event loop (the first follower): its updates are made there from now on.
+        try:
+            self.post = asyncio.get_running_loop().call_soon_threadsafe
+        except RuntimeError:  # no loop (a test's direct use): updates run where they are made
+            self.post = _call_now
+        self._chunks = log
 
     @property
     def capacity_tokens(self) -> int:
@@ -118,6 +148,8 @@ class PagedKVCache:
                 self.evicted_blocks_total += 1
                 if self.events is not None:
                     self.events.removed([digest])
+                if self._chunks is not None:
+                    self.post(self._chunks.evicted, [digest])
             self._refs[block] = 1
             blocks.append(block)
         return blocks
@@ -162,13 +194,19 @@ class PagedKVCache:
         return blocks, cached
 
     def register(
-        self, blocks: list[int], ids: np.ndarray, num_tokens: int, done: tuple[int, bytes] = (0, b"")
+        self,
+        blocks: list[int],
+        ids: np.ndarray,
+        num_tokens: int,
+        done: tuple[int, bytes] = (0, b""),
+        owner: tuple[str, int] | None = None,
     ) -> tuple[int, bytes]:
         """Register the full blocks among the first ``num_tokens`` positions (their KV computed) of a
         sequence whose ids start with ``ids``, so later sequences may start from them.
 
         ``done``: (blocks already registered, the last one's hash) from an earlier call for this
-        sequence, so a long one is hashed once; returns the new pair."""
+        sequence, so a long one is hashed once; returns the new pair. ``owner``: (the request's id,
+        its prompt's length): the call that completes the prompt's full blocks stores its keys."""
         if not self.prefix_caching:
             return done
         first, digest = done
@@ -191,7 +229,26 @@ class PagedKVCache:
                 # the chain's parent: the block before the first one stored now
                 index = next(i for i, (d, _) in enumerate(hashes) if d == stored[0])
                 self.events.stored(hashes[index - 1][0] if index else parent, stored)
+            if self._chunks is not None and owner is not None:
+                request_id, prompt_len = owner
+                full = prompt_len // self.block_size
+                if first < full <= count:
+                    chain = self._chain(blocks[:first])
+                    if len(chain) == first:
+                        chain += [d for d, _ in hashes[: full - first]]
+                    self.post(self._chunks.stored, request_id, chain, prompt_len)
         return count, hashes[-1][0]
+
+    def _chain(self, blocks: list[int]) -> list[bytes]:
+        """The hashes of a sequence's leading registered blocks (lock held), up to the first that is
+        not (a copy of a prefix computed twice at once, whose first copy is the one kept)."""
+        chain = []
+        for block in blocks:
+            entry = self._cached.get(block)
+            if entry is None:
+                break
+            chain.append(entry[0])
+        return chain
 
     def free(self, blocks: list[int]) -> None:
         with self._lock:
@@ -227,6 +284,10 @@ class PagedKVCache:
         self.v.index_copy_(1, idx, v[:, start:].to(self.device, self.dtype))
 
 
+def _call_now(fn: Callable[..., Any], *args: Any) -> None:
+    fn(*args)
+
+
 class PrefillAttention:
     """One sequence, tokens at positions ``start..start+T-1``, attending to all earlier positions."""
 
@@ -252,6 +313,27 @@ class PrefillAttention:
             mask = torch.arange(total, device=q.device)[None, :] <= q_pos
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)
+
+
+class PrefillBatchAttention:
+    """Several sequences' prefill chunks in one forward, flattened in order: ``spans`` is
+    ``(blocks, start, length)`` per sequence. The projections and MLP run once over all their
+    tokens; attention runs per sequence (each chunk sees its own sequence's earlier positions
+    only), each exactly as :class:`PrefillAttention` alone would compute it."""
+
+    def __init__(self, cache: PagedKVCache, spans: list[tuple[list[int], int, int]]) -> None:
+        self.parts = [PrefillAttention(cache, blocks, start, length) for blocks, start, length in spans]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if len(self.parts) == 1:
+            return self.parts[0].attend(layer, q, k, v)
+        outs = []
+        row = 0
+        for part in self.parts:
+            end = row + part.length
+            outs.append(part.attend(layer, q[row:end], k[row:end], v[row:end]))
+            row = end
+        return torch.cat(outs)
 
 
 class DecodeAttention:
@@ -286,4 +368,4 @@ class DecodeAttention:
         return out.squeeze(2)
 
 
-__all__ = ["DecodeAttention", "KVCacheFull", "PagedKVCache", "PrefillAttention"]
+__all__ = ["DecodeAttention", "KVCacheFull", "PagedKVCache", "PrefillAttention", "PrefillBatchAttention"]

@@ -1,0 +1,268 @@
+"""Chunked and batched prefill in the torch engine (issue 38 items 2 and 3).
+
+A long prompt's prefill is cut into chunks under a per-step token budget and interleaved with the
+running streams' decode steps; several waiting prompts' chunks share one forward; the oldest
+waiting prompt is served first. The output is what a whole, unbatched prefill gives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")  # the torch worker: skipped where the [worker] extra is not installed
+
+import torch
+from engines import make_request, run
+
+from server.worker.engine import EngineRequest, TorchEngine
+from server.worker.output import Delta
+from server.worker.tiny import build_tiny
+
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 6
+
+
+@pytest.fixture
+def tiny() -> Any:
+    torch.set_num_threads(1)
+    return build_tiny()
+
+
+@pytest.fixture
+def make_engine(tiny: Any) -> Any:
+    made: list[TorchEngine] = []
+
+    def make(**kw: Any) -> TorchEngine:
+        config, model, tokenizer = tiny
+        engine = TorchEngine(config, model, tokenizer, **{"kv_tokens": 8192, **kw})
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine.stop()
+
+
+def started(engine: TorchEngine) -> TorchEngine:
+    engine.start(asyncio.get_running_loop())
+    return engine
+
+
+def text(i: int, n: int) -> str:
+    """A prompt of about ``n`` byte tokens, different for each ``i``."""
+    return (f"{i} lorem ipsum {i * 7} dolor sit amet, " * (n // 20 + 1))[:n]
+
+
+async def test_the_same_greedy_text_chunked_or_not_with_prefix_hits(make_engine: Any) -> None:
+    whole = started(make_engine(prefill_chunk_tokens=0))
+    chunked = [started(make_engine(prefill_chunk_tokens=n)) for n in (16, 37, 512)]
+    # second and third turns extend the first: prefix-cache hits, then chunks from the hit on
+    turns = [
+        PROMPT,
+        PROMPT + "And then?",
+        PROMPT + "And then? It ran off into the woods, far away.",
+        text(1, 1500),
+    ]
+    for prompt in turns:
+        want, _, _ = await run(whole, prompt, max_tokens=24, logprobs=2)
+        for engine in chunked:
+            got, _, _ = await run(engine, prompt, max_tokens=24, logprobs=2)
+            assert got == want, (engine.prefill_chunk_tokens, prompt[:40])
+    for engine in chunked:
+        # the same prefix hits (blocks registered chunk by chunk), the same tokens computed
+        assert engine.prefix_hit_tokens == whole.prefix_hit_tokens > 0
+        assert engine.prefill_computed_tokens == whole.prefill_computed_tokens
+        assert engine.kv_used_tokens == 0
+    # a 1,500-token prompt in chunks of 16: that many forwards, none of them whole
+    assert chunked[0].prefill_steps_total >= 1500 // 16
+    # seeded sampling draws the same tokens too
+    want, _, _ = await run(whole, turns[1], max_tokens=8, temperature=0.9, seed=5)
+    assert (await run(chunked[1], turns[1], max_tokens=8, temperature=0.9, seed=5))[0] == want
+
+
+async def test_a_recomputed_hand_off_replays_its_forced_tokens_chunked(make_engine: Any) -> None:
+    """A generation leg without KV recomputes prompt + forced[:-1] in chunks; the forced tokens'
+    logprobs come from rows that span chunk boundaries."""
+    whole = started(make_engine(prefill_chunk_tokens=0))
+    chunked = started(make_engine(prefill_chunk_tokens=8))
+    want, _, _ = await run(whole, PROMPT, max_tokens=20)
+    results = []
+    for engine in (whole, chunked):
+        req, queue = make_request(engine, PROMPT, max_tokens=20, logprobs=1)
+        req.forced_tokens = want[:12]
+        engine.submit(req)
+        deltas = await collect(queue)
+        results.append(deltas)
+    tokens = [[t for d in ds for t in d.token_ids] for ds in results]
+    assert tokens[0] == tokens[1] == want
+    lps = [[lp.logprob for d in ds for lp in d.logprobs] for ds in results]
+    assert np.allclose(lps[0], lps[1], atol=1e-4)
+
+
+async def collect(queue: asyncio.Queue[Delta]) -> list[Delta]:
+    deltas = []
+    while True:
+        d = await asyncio.wait_for(queue.get(), 60)
+        deltas.append(d)
+        if d.finish_reason:
+            return deltas
+
+
+@pytest.mark.parametrize("chunk", [0, 64])
+async def test_running_streams_decode_while_a_whole_context_prompt_prefills(
+    make_engine: Any, chunk: int
+) -> None:
+    engine = started(make_engine(prefill_chunk_tokens=chunk))
+    order: list[str] = []
+    done = asyncio.Event()
+
+    def watch(name: str, req: EngineRequest) -> None:
+        def on_delta(delta: Delta) -> None:
+            order.append(name)
+            if name == "long" and delta.token_ids:
+                done.set()
+
+        req.on_delta = on_delta
+
+    streams = []
+    for i in range(4):
+        req, queue = make_request(engine, text(i, 20), max_tokens=600)
+        engine.submit(req)
+        await asyncio.wait_for(queue.get(), 30)  # running
+        watch(f"s{i}", req)
+        streams.append(req)
+    long, _ = make_request(engine, text(9, engine.max_context - 8), max_tokens=4)
+    watch("long", long)
+    engine.submit(long)
+    await asyncio.wait_for(done.wait(), 60)
+    for req in streams:
+        engine.abort(req.request_id)
+    # decode steps the streams got between the long prompt's submission and its first token
+    steps = order.index("long") // len(streams)
+    if chunk:
+        # each step's budget: 64 tokens less the 4 decodes, so ~34 steps of ~60 tokens
+        assert steps >= (engine.max_context - 8) // 60 - 2, order
+    else:
+        assert steps <= 2, order  # the whole prefill at once: every stream stopped for it
+
+
+async def test_the_context_roles_first_token_and_parked_kv_are_unchanged(make_engine: Any) -> None:
+    parked = []
+    prompt = text(3, 700)
+    for engine in (
+        started(make_engine(prefill_chunk_tokens=0)),
+        started(make_engine(prefill_chunk_tokens=50)),
+    ):
+        req, queue = make_request(engine, prompt)
+        req.park_as = 5
+        engine.submit(req)
+        deltas = await collect(queue)
+        assert deltas[-1].finish_reason == "not_finished"
+        entry = engine.take_parked(5)
+        assert entry is not None and entry.num_tokens == req.prompt_ids.size
+        parked.append((entry.first_token, *engine.read_parked(entry)))
+        assert engine.kv_used_tokens == 0
+    (t0, k0, v0), (t1, k1, v1) = parked
+    assert t0 == t1
+    torch.testing.assert_close(k1, k0, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(v1, v0, atol=1e-5, rtol=1e-4)
+
+
+async def test_waiting_prompts_share_one_forward_and_match_their_unbatched_text(make_engine: Any) -> None:
+    lengths = [30, 75, 12, 140, 51, 300]
+    alone = started(make_engine(prefill_chunk_tokens=0, prefill_tokens_per_step=1))  # one prompt a forward
+    want = [(await run(alone, text(i, n), max_tokens=12))[0] for i, n in enumerate(lengths)]
+    assert alone.prefill_steps_total == len(lengths)
+    for chunk in (0, 256):
+        engine = make_engine(prefill_chunk_tokens=chunk)
+        queued = [make_request(engine, text(i, n), max_tokens=12) for i, n in enumerate(lengths)]
+        for req, _ in queued:
+            engine.submit(req)  # all waiting before the engine starts: one plan sees them all
+        started(engine)
+        got = [[t for d in await collect(q) for t in d.token_ids] for _, q in queued]
+        assert got == want, chunk
+        # whole: all six in one forward; chunks: 614 tokens at 250 to 256 a step, 3 forwards
+        assert engine.prefill_steps_total == (1 if chunk == 0 else 3), chunk
+
+
+async def test_first_tokens_come_in_arrival_order(make_engine: Any) -> None:
+    """FIFO within the budget: a long prompt is not overtaken by the short ones behind it, even those
+    that arrive while its chunks run."""
+    engine = make_engine(prefill_chunk_tokens=64)
+    firsts: list[int] = []
+
+    def submit(i: int, n: int) -> None:
+        req, _ = make_request(engine, text(i, n), max_tokens=2)
+        req.on_delta = lambda d: d.token_ids and firsts.count(i) == 0 and firsts.append(i)
+        engine.submit(req)
+
+    for i, n in enumerate([900, 10, 300, 8, 40]):
+        submit(i, n)
+    started(engine)
+    for i in range(5, 12):  # later arrivals, short ones, some while the first prompt is still in chunks
+        await asyncio.sleep(0.002)
+        submit(i, 6)
+    for _ in range(3000):
+        if len(firsts) == 12:
+            break
+        await asyncio.sleep(0.01)
+    assert firsts == list(range(12))
+
+
+async def test_a_bad_prompt_in_a_shared_forward_fails_alone(make_engine: Any) -> None:
+    engine = make_engine(prefill_chunk_tokens=0)
+    good, good_q = make_request(engine, PROMPT, max_tokens=8)
+    bad, bad_q = make_request(engine, "x")
+    bad.prompt_ids = np.asarray([1, 5000], dtype=np.int32)  # past the embedding table
+    engine.submit(bad)
+    engine.submit(good)
+    started(engine)
+    delta = (await collect(bad_q))[-1]
+    assert delta.finish_reason == "error" and "prefill failed" in (delta.error or "")
+    tokens = [t for d in await collect(good_q) for t in d.token_ids]
+    assert tokens == (await run(engine, PROMPT, max_tokens=8))[0] and len(tokens) == 8
+    assert engine.engine_errors_total == 1 and engine.kv_used_tokens == 0
+
+
+async def test_a_prompt_cancelled_between_its_chunks_frees_its_blocks(make_engine: Any) -> None:
+    engine = started(make_engine(prefill_chunk_tokens=16))
+    req, queue = make_request(engine, text(4, 1800), max_tokens=4)
+    engine.submit(req)
+    for _ in range(1000):
+        if req.cached_len > 0:
+            break
+        await asyncio.sleep(0.001)
+    engine.abort(req.request_id)
+    for _ in range(1000):
+        if engine.kv_used_tokens == 0 and engine.queue_depth == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.kv_used_tokens == 0 and engine.queue_depth == 0 and engine.running == 0
+    assert queue.empty()
+    assert (await run(engine, "still alive", max_tokens=3))[1] == "length"
+
+
+def test_a_negative_chunk_is_refused(tiny: Any) -> None:
+    with pytest.raises(ValueError, match="prefill_chunk_tokens must be >= 0"):
+        TorchEngine(*tiny, kv_tokens=256, prefill_chunk_tokens=-1)
+
+
+def test_the_worker_flag_reaches_the_engine_and_refuses_a_negative(capsys: Any) -> None:
+    import argparse
+
+    from server.worker import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    engine, _, _ = cli.build_engine(
+        parser.parse_args(["--prefill-chunk-tokens", "96", "--kv-tokens", "4096"])
+    )
+    assert engine.prefill_chunk_tokens == 96
+    engine.stop()
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(["--prefill-chunk-tokens", "-5"])
+    assert exit_info.value.code == 2
+    assert "--prefill-chunk-tokens: must be >= 0, got -5" in capsys.readouterr().err
