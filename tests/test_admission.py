@@ -558,3 +558,42 @@ async def test_sighup_to_the_parent_of_workers_n_reloads_every_process(tmp_path:
             proc.terminate()
             proc.wait(timeout=60)
         assert proc.returncode == 0, log.read_text()[-2000:]
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["without-keys", "with-keys"])
+async def test_priority_grants_through_the_orchestrator(tmp_path: Any, keyed: bool) -> None:
+    """On real sockets, one slot held: without keys (client_priority off) a request claiming -2^63
+    waits its turn; with keys (client_priority: true), a key of range priority=0..10 claiming it is
+    read as 0, behind another key's -1 and the 0 that came first (both keys of one tenant)."""
+    config: dict[str, Any] = {"admission": {"max_inflight": 1}}
+    keys = {"honest": None, "greedy": None}
+    if keyed:
+        path = tmp_path / "keys"
+        path.write_text("key-honest alpha\nkey-greedy alpha priority=0..10\n")
+        config = {"api_keys_file": str(path), "admission": {"max_inflight": 1, "client_priority": True}}
+        keys = {"honest": "key-honest", "greedy": "key-greedy"}
+    async with orchestrator(**config) as (orch, url), aiohttp.ClientSession() as session:
+        admission = orch.admission
+        assert admission is not None
+        holder = await Holder(url, keys["honest"]).hold(orch)
+        done: list[str] = []
+
+        async def one(name: str, key: str | None, priority: int) -> None:
+            status, _, _ = await post(session, url, key, {**BODY, "priority": priority})
+            assert status == 200
+            done.append(name)
+
+        arrivals = [
+            ("first", keys["honest"], 0),
+            ("greedy", keys["greedy"], -(1 << 63)),
+            ("urgent", keys["honest"], -1),
+        ]
+        tasks = []
+        for i, (name, key, priority) in enumerate(arrivals):
+            tasks.append(asyncio.create_task(one(name, key, priority)))
+            assert await eventually_long(lambda n=i + 1: admission.queued == n)
+        await holder.release()
+        await asyncio.gather(*tasks)
+    # without keys: no priority counts, arrival order; with keys: the unbounded key's -1 first, the
+    # greedy key's -2^63 read as 0, after the first 0 that came before it
+    assert done == (["urgent", "first", "greedy"] if keyed else ["first", "greedy", "urgent"])
