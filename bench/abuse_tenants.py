@@ -4,10 +4,11 @@ Its own deployment (``bench.abuse.UpDeployment``: ``fastcore-serve up`` on tiny)
 (an ``honest`` tenant and three attacker tenants, ``attacker``, ``attacker-2`` and ``attacker-3``,
 the first two held to ``prompt_tokens_per_minute``; weight 1 each), admission on (``max_inflight``, a queue) and a
 ``request_timeout_s`` under tiny's longest decode (2,048 positions at about 1 ms a token), so that
-a request's own length can outlast it. Two phases of the same honest closed loop (streaming chats
-with the honest tenant's key):
+a request's own length can outlast it. Three phases of the same honest closed loop (streaming
+chats with the honest tenant's key):
 
 - clean: the honest clients alone;
+- mix 3/5/6: beside the attacks of issue 36's items 3, 5 and 6 alone (below);
 - mix: beside an attacker process pinned to a core of its own (``os.sched_setaffinity``; the
   honest clients and the deployment on the other cores), which runs all at once, each attacker
   bounded in count and time, from 127.0.0.3 (items 3, 5, 6) and 127.0.0.2 (the existing
@@ -26,10 +27,12 @@ with the honest tenant's key):
     (abandon flood, slowloris, idle and idle keep-alive connections, oversized bodies) and
     ``bench.abuse_http``'s trailers and body hold.
 
-The report: per phase the honest requests' success, TTFT and E2E p50/p99 and the mix/clean
-ratios, the verdict against issue 36's targets (success >= 95%, TTFT p99 <= 2x clean), what
+The report: per phase the honest requests' success, TTFT and E2E p50/p99 and the ratios to
+clean, the verdict of each mix against issue 36's targets (success >= 95%, TTFT p99 <= 2x clean), what
 each attacker got (statuses with their error codes), and the orchestrator's counters over the
-mix (breaker openings, per-tenant admissions and refusals, the learned bytes per token).
+mix (breaker openings, per-tenant admissions and refusals, the learned bytes per token) and the
+admission slots still held once every client is gone (a slot lost for good shrinks
+``max_inflight`` for everyone).
 """
 
 from __future__ import annotations
@@ -84,6 +87,11 @@ MIX_COUNTERS = (
     "fastcore_orchestrator_requests_total",
 )
 BYTES_PER_TOKEN = "fastcore_orchestrator_bytes_per_token"
+#: slots held with nothing left in flight: each is one lost for good (a slot granted to a request
+#: that had left, never given back), and max_inflight is that much smaller for everyone
+INFLIGHT = "fastcore_orchestrator_admission_inflight"
+#: how long after the mix the slots may take to come back (the breaker's decode ends at request_timeout_s)
+IDLE_SETTLE_S = 10.0
 
 
 @dataclass
@@ -125,7 +133,7 @@ class TenantAbuseSettings:
     @classmethod
     def full(cls) -> TenantAbuseSettings:
         return cls(
-            phase_s=20.0, concurrency=4, prompt_tokens=300, max_tokens=16, timeout=15.0,
+            phase_s=15.0, concurrency=4, prompt_tokens=300, max_tokens=16, timeout=15.0,
             request_timeout_s=1.5, max_inflight=20, max_queue=64, max_queue_wait_s=5.0,
             attacker_prompt_tokens_per_minute=120_000,
             breaker_interval_s=3.0, breaker_prompt_tokens=40,
@@ -435,32 +443,54 @@ def pinned(cores: set[int]) -> Iterator[None]:
 
 
 @dataclass
-class TenantRun:
-    clean: LevelResult
-    mix: LevelResult
-    settings: TenantAbuseSettings
-    #: honest failures by kind, per phase
-    honest_errors: dict[str, dict[str, int]] = field(default_factory=dict)
+class MixPhase:
+    """One phase beside the attacker process: the honest clients' result and what the attackers got."""
+
+    honest: LevelResult
+    #: whether the existing attacks (bench.abuse, bench.abuse_http) ran beside items 3, 5 and 6
+    existing: bool
+    #: honest failures by kind
+    honest_errors: dict[str, int] = field(default_factory=dict)
     #: what the attacker process got: "tenants" (items 3, 5, 6), "existing", "http", "breaker_s"
     attack: dict[str, Any] = field(default_factory=dict)
-    #: the orchestrator's counters' growth over the mix; bytes per token before and after it
+    #: the orchestrator's counters' growth over the phase; bytes per token before and after it
     counters: dict[str, float] = field(default_factory=dict)
     bytes_per_token: dict[str, float | None] = field(default_factory=dict)
+    #: admission slots still held after the phase with every client gone (lost slots)
+    idle_inflight: float | None = None
+
+
+@dataclass
+class TenantRun:
+    clean: LevelResult
+    #: "mix 3/5/6" (items 3, 5 and 6 alone), then "mix" (with the existing attacks: the target's)
+    mixes: list[MixPhase]
+    settings: TenantAbuseSettings
+    clean_errors: dict[str, int] = field(default_factory=dict)
     attacker_core: int | None = None
     other_cores: list[int] = field(default_factory=list)
 
-    def success(self, level: LevelResult) -> float:
+    @property
+    def mix(self) -> LevelResult:
+        """The phase issue 36's target is about: every abuse at once."""
+        return self.mixes[-1].honest
+
+    @staticmethod
+    def success(level: LevelResult) -> float:
         return (level.requests - level.errors) / level.requests if level.requests else 0.0
 
-    @property
-    def ttft_p99_ratio(self) -> float | None:
-        a, b = self.mix.ttft_p99_ms, self.clean.ttft_p99_ms
+    def ttft_p99_ratio(self, level: LevelResult) -> float | None:
+        a, b = level.ttft_p99_ms, self.clean.ttft_p99_ms
         return a / b if a is not None and b else None
+
+    def meets(self, level: LevelResult) -> tuple[bool, bool]:
+        """(success >= MIN_SUCCESS, TTFT p99 <= MAX_TTFT_P99_RATIO x clean) for one phase."""
+        ratio = self.ttft_p99_ratio(level)
+        return self.success(level) >= MIN_SUCCESS, ratio is not None and ratio <= MAX_TTFT_P99_RATIO
 
     @property
     def meets_targets(self) -> bool:
-        ratio = self.ttft_p99_ratio
-        return self.success(self.mix) >= MIN_SUCCESS and ratio is not None and ratio <= MAX_TTFT_P99_RATIO
+        return all(self.meets(self.mix))
 
 
 def _scrape_mix(url: str) -> dict[str, float]:
@@ -488,28 +518,49 @@ async def _honest(url: str, body: bytes, s: TenantAbuseSettings, label: str,
 
 async def run_tenant_phases(base_url: str, s: TenantAbuseSettings, spec: dict[str, Any], *,
                             model: str = "tiny") -> TenantRun:  # fmt: skip
-    """Warm-up, the clean phase, the mix (beside the attacker process ``spec`` describes)."""
+    """Warm-up, the clean phase, then each mix beside the attacker process ``spec`` describes:
+    items 3, 5 and 6 alone, then with the existing attacks (``s.existing``)."""
     url = base_url.rstrip("/") + CHAT
     body = chat_body(s.prompt_tokens, max_tokens=s.max_tokens, stream=True, model=model)
-    errors: dict[str, dict[str, int]] = {"warm-up": {}, "clean": {}, "mix": {}}
-    await _honest(
-        url, body, TenantAbuseSettings(**{**asdict(s), "phase_s": 1.0}), "warm-up", errors["warm-up"]
-    )
-    clean = await _honest(url, body, s, "clean", errors["clean"])
-    metrics_url = base_url.rstrip("/") + "/metrics"
+    await _honest(url, body, TenantAbuseSettings(**{**asdict(s), "phase_s": 1.0}), "warm-up", {})
+    clean_errors: dict[str, int] = {}
+    clean = await _honest(url, body, s, "clean", clean_errors)
+    mixes = [await _mix_phase(url, body, s, spec, "mix 3/5/6", existing=False)]
+    if s.existing:
+        mixes.append(await _mix_phase(url, body, s, spec, "mix", existing=True))
+    return TenantRun(clean, mixes, s, clean_errors)
+
+
+async def _mix_phase(url: str, body: bytes, s: TenantAbuseSettings, spec: dict[str, Any], label: str, *,
+                     existing: bool) -> MixPhase:  # fmt: skip
+    metrics_url = url.removesuffix(CHAT) + "/metrics"
     before = await asyncio.to_thread(_scrape_mix, metrics_url)
-    proc = await _start_attacker(spec)
+    proc = await _start_attacker({**spec, "settings": {**spec["settings"], "existing": existing}})
     await asyncio.sleep(0.5)  # the attacks in place before the honest load
-    mix = await _honest(url, body, s, "mix", errors["mix"])
-    attack = await _stop_attacker(proc)
+    phase = MixPhase(LevelResult(label, s.concurrency, None, 0, 0, 0, 0.0, 0.0, *[None] * 6), existing)
+    phase.honest = await _honest(url, body, s, label, phase.honest_errors)
+    phase.attack = await _stop_attacker(proc)
     after = await asyncio.to_thread(_scrape_mix, metrics_url)
+    phase.idle_inflight = await _idle_inflight(metrics_url)
     grew = {k: v - before.get(k, 0.0) for k, v in after.items() if k.split("{")[0] != BYTES_PER_TOKEN}
+    phase.counters = {k: d for k, d in grew.items() if d}
     bpt_key = next((k for k in after if k.startswith(BYTES_PER_TOKEN) and '"context"' in k), None)
-    bpt = {
-        "before mix": before.get(bpt_key) if bpt_key else None,
-        "after mix": after.get(bpt_key) if bpt_key else None,
-    }
-    return TenantRun(clean, mix, s, errors, attack, {k: d for k, d in grew.items() if d}, bpt)
+    phase.bytes_per_token = {"before": before.get(bpt_key) if bpt_key else None,
+                             "after": after.get(bpt_key) if bpt_key else None}  # fmt: skip
+    return phase
+
+
+async def _idle_inflight(metrics_url: str) -> float | None:
+    """The admission slots held once every client stopped (0 unless some were lost), waited for up
+    to IDLE_SETTLE_S for the last legs to end."""
+    from bench.abuse import metric
+
+    deadline = time.perf_counter() + IDLE_SETTLE_S
+    while True:
+        value = await asyncio.to_thread(metric, metrics_url, INFLIGHT)
+        if not value or time.perf_counter() > deadline:
+            return value
+        await asyncio.sleep(0.5)
 
 
 def run(args: Any, quick: bool) -> TenantRun:
@@ -556,27 +607,35 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 def phase_table(r: TenantRun) -> str:
     headers = ["phase", "honest reqs", "success", "TTFT p50 ms", "TTFT p99 ms", "E2E p50 ms", "E2E p99 ms"]
+    levels = [r.clean, *(m.honest for m in r.mixes)]
     rows: list[list[Any]] = [
         [lv.label, lv.requests, f"{100 * r.success(lv):.1f}%", lv.ttft_p50_ms, lv.ttft_p99_ms,
          lv.latency_p50_ms, lv.latency_p99_ms]
-        for lv in (r.clean, r.mix)
+        for lv in levels
     ]  # fmt: skip
-    rows.append(["mix/clean", "", "", _ratio(r.mix.ttft_p50_ms, r.clean.ttft_p50_ms),
-                 _ratio(r.mix.ttft_p99_ms, r.clean.ttft_p99_ms),
-                 _ratio(r.mix.latency_p50_ms, r.clean.latency_p50_ms),
-                 _ratio(r.mix.latency_p99_ms, r.clean.latency_p99_ms)])  # fmt: skip
+    c = r.clean
+    for lv in levels[1:]:
+        rows.append([f"{lv.label} / clean", "", "", _ratio(lv.ttft_p50_ms, c.ttft_p50_ms),
+                     _ratio(lv.ttft_p99_ms, c.ttft_p99_ms), _ratio(lv.latency_p50_ms, c.latency_p50_ms),
+                     _ratio(lv.latency_p99_ms, c.latency_p99_ms)])  # fmt: skip
     return format_table(headers, rows)
 
 
 def verdict(r: TenantRun) -> str:
-    success, ratio = r.success(r.mix), r.ttft_p99_ratio
-    ok_success = success >= MIN_SUCCESS
-    ok_ttft = ratio is not None and ratio <= MAX_TTFT_P99_RATIO
-    shown = f"{ratio:.2f}x" if ratio is not None else "-"
-    return (f"verdict (issue 36): honest success under the mix {100 * success:.1f}% "
+    """One line per mix against issue 36's targets (the last, every abuse at once, is the target's)."""
+    lines = []
+    for m in r.mixes:
+        level = m.honest
+        success, ratio = r.success(level), r.ttft_p99_ratio(level)
+        ok_success, ok_ttft = r.meets(level)
+        shown = f"{ratio:.2f}x" if ratio is not None else "-"
+        lines.append(
+            f"verdict (issue 36), {level.label}: honest success {100 * success:.1f}% "
             f"{'>=' if ok_success else '<'} {100 * MIN_SUCCESS:.0f}%: {'PASS' if ok_success else 'FAIL'}; "
             f"TTFT p99 {shown} clean {'<=' if ok_ttft else '>'} {MAX_TTFT_P99_RATIO:g}x: "
-            f"{'PASS' if ok_ttft else 'FAIL'}")  # fmt: skip
+            f"{'PASS' if ok_ttft else 'FAIL'}"
+        )
+    return "\n".join(lines)
 
 
 def _counts(d: dict[str, int]) -> str:
@@ -584,14 +643,14 @@ def _counts(d: dict[str, int]) -> str:
 
 
 def attacker_text(r: TenantRun) -> str:
-    s, a = r.settings, r.attack
+    s = r.settings
     what = {
         "breaker": f"unary, max_tokens {s.breaker_max_tokens}, every {s.breaker_interval_s:g} s "
                    f"(request_timeout_s {s.request_timeout_s:g})",
         "priority -2^63": f"{s.priority_clients} closed-loop streams",
         "over a minute's tokens": f"{s.over_minute_bytes:,}-byte prompt, limit "
-                                  f"{s.attacker_prompt_tokens_per_minute:,} tokens/min, every {s.over_minute_interval_s:g} s, "
-                                  "tenant attacker-2",
+                                  f"{s.attacker_prompt_tokens_per_minute:,} tokens/min, every "
+                                  f"{s.over_minute_interval_s:g} s, tenant attacker-2",
         "whitespace-padded": f"{s.pad_prompt_tokens}-token prompt at {s.pad_bytes_per_token} bytes/token, "
                              f"every {s.pad_interval_s:g} s, tenant attacker-3",
         "long-prompt flood": f"{s.flood_clients} closed-loop clients, {s.flood_prompt_tokens}-token prompts",
@@ -599,6 +658,15 @@ def attacker_text(r: TenantRun) -> str:
     cores = (f"attacker on core {r.attacker_core}, deployment and honest clients on {r.other_cores}"
              if r.attacker_core is not None else "one core: attackers not pinned apart")  # fmt: skip
     lines = [cores]
+    if r.clean_errors:
+        lines.append(f"honest failures, clean: {_counts(r.clean_errors)}")
+    for m in r.mixes:
+        lines += [f"-- {m.honest.label}", *_mix_lines(m, what, s)]
+    return "\n".join(lines)
+
+
+def _mix_lines(m: MixPhase, what: dict[str, str], s: TenantAbuseSettings) -> list[str]:
+    a, lines = m.attack, []
     for kind, counts in a.get("tenants", {}).items():
         lines.append(f"{kind} ({what.get(kind, '')}): {_counts(counts)}")
     if a.get("breaker_s"):
@@ -613,17 +681,19 @@ def attacker_text(r: TenantRun) -> str:
     for kind, counts in a.get("http", {}).items():
         top = sorted(counts.items(), key=lambda kv: -kv[1])[:6]
         lines.append(f"existing {kind}: " + ", ".join(f"{k} {v}" for k, v in top))
-    for phase, errors in r.honest_errors.items():
-        if errors and phase != "warm-up":
-            lines.append(f"honest failures, {phase}: {_counts(errors)}")
-    if r.counters:
-        lines.append("orchestrator over the mix: " + ", ".join(
-            f"{k.removeprefix('fastcore_orchestrator_').replace(chr(34), '')} +{v:g}" for k, v in sorted(r.counters.items())))  # fmt: skip
-    bpt = r.bytes_per_token
+    if m.honest_errors:
+        lines.append(f"honest failures: {_counts(m.honest_errors)}")
+    if m.counters:
+        lines.append("orchestrator over the phase: " + ", ".join(
+            f"{k.removeprefix('fastcore_orchestrator_').replace(chr(34), '')} +{v:g}" for k, v in sorted(m.counters.items())))  # fmt: skip
+    if m.idle_inflight is not None:
+        lines.append(f"admission slots held after the phase, every client gone: {m.idle_inflight:g} of "
+                     f"max_inflight {s.max_inflight}" + (" (lost for good)" if m.idle_inflight else ""))  # fmt: skip
+    bpt = m.bytes_per_token
     if any(v is not None for v in bpt.values()):
         lines.append("context pool's learned bytes per token: " + " -> ".join(
             f"{v:.2f} ({k})" if v is not None else f"- ({k})" for k, v in bpt.items()))  # fmt: skip
-    return "\n".join(lines)
+    return lines
 
 
 def report(r: TenantRun) -> str:
@@ -631,8 +701,10 @@ def report(r: TenantRun) -> str:
 
 
 def to_json(r: TenantRun) -> dict[str, Any]:
-    return {**asdict(r), "success": {"clean": r.success(r.clean), "mix": r.success(r.mix)},
-            "ttft_p99_ratio": r.ttft_p99_ratio, "meets_targets": r.meets_targets}  # fmt: skip
+    levels = [r.clean, *(m.honest for m in r.mixes)]
+    return {**asdict(r), "success": {lv.label: r.success(lv) for lv in levels},
+            "ttft_p99_ratio": {m.honest.label: r.ttft_p99_ratio(m.honest) for m in r.mixes},
+            "meets_targets": r.meets_targets}  # fmt: skip
 
 
 def main(args: Any) -> int:
@@ -645,7 +717,7 @@ def main(args: Any) -> int:
     out = args.output or RESULTS_DIR / ("abuse_quick.json" if args.quick else "abuse.json")
     if not args.tenants_only:  # beside the other phases' file
         out = out.with_name(out.stem + "_tenants.json")
-    write_json([r.clean, r.mix], out, {"url": "own deployment (fastcore-serve up, tiny, API keys)",
+    write_json([r.clean, *(m.honest for m in r.mixes)], out, {"url": "own deployment (fastcore-serve up, tiny, API keys)",
                                        "tenant_phases": to_json(r)})  # fmt: skip
     print(f"\nresults: {out}")
     return 0 if r.meets_targets else 1

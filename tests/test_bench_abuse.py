@@ -210,15 +210,21 @@ def test_tenant_report_has_the_ratios_and_the_verdict() -> None:
     def level(label: str, n: int, errors: int, ttft_p99: float) -> LevelResult:
         return LevelResult(label, 4, None, n, errors, 0, 1.0, 10.0, 5.0, 6.0, ttft_p99, 10.0, 12.0, 14.0)
 
-    s = abuse_tenants.TenantAbuseSettings.quick()
-    passing = abuse_tenants.TenantRun(level("clean", 100, 0, 20.0), level("mix", 100, 4, 39.0), s)
+    def run(*mixes: LevelResult) -> abuse_tenants.TenantRun:
+        phases = [abuse_tenants.MixPhase(m, existing=i > 0) for i, m in enumerate(mixes)]
+        s = abuse_tenants.TenantAbuseSettings.quick()
+        return abuse_tenants.TenantRun(level("clean", 100, 0, 20.0), phases, s)
+
+    passing = run(level("mix 3/5/6", 100, 0, 30.0), level("mix", 100, 4, 39.0))
     rows = abuse_tenants.phase_table(passing).splitlines()
     cells = [c.strip() for c in rows[-1].split("|")[1:-1]]
-    assert cells[0] == "mix/clean" and cells[4] == "1.95x"
-    assert "96.0%" in rows[-2]
-    assert passing.meets_targets and abuse_tenants.verdict(passing).count("PASS") == 2
-    failing = abuse_tenants.TenantRun(level("clean", 100, 0, 20.0), level("mix", 100, 6, 41.0), s)
-    assert not failing.meets_targets and abuse_tenants.verdict(failing).count("FAIL") == 2
+    assert cells[0] == "mix / clean" and cells[4] == "1.95x"
+    assert rows[-2].split("|")[1].strip() == "mix 3/5/6 / clean" and "96.0%" in rows[-3]
+    assert passing.meets_targets and abuse_tenants.verdict(passing).count("PASS") == 4
+    # the target is the whole mix's; items 3, 5 and 6 alone get their own verdict line
+    failing = run(level("mix 3/5/6", 100, 0, 30.0), level("mix", 100, 6, 41.0))
+    assert not failing.meets_targets
+    assert [line.count("FAIL") for line in abuse_tenants.verdict(failing).splitlines()] == [0, 2]
     parser = load.build_parser()
     assert parser.parse_args(["--abuse", "--tenants-only"]).tenants_only
     assert parser.parse_args(["--abuse", "--no-tenants"]).no_tenants
@@ -232,26 +238,30 @@ def test_quick_tenant_phases_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "tenants.json"
     load.main(["--abuse", "--tenants-only", "--quick", "--output", str(out)])
     data = json.loads(out.read_text())
-    clean, mix = data["levels"]
-    assert (clean["label"], mix["label"]) == ("clean", "mix")
-    assert clean["requests"] > 0 and mix["requests"] > 0
+    labels = ["clean", "mix 3/5/6", "mix"]
+    assert [lv["label"] for lv in data["levels"]] == labels
+    assert all(lv["requests"] > 0 for lv in data["levels"])
     run = data["meta"]["tenant_phases"]
-    assert set(run["success"]) == {"clean", "mix"} and "ttft_p99_ratio" in run and "meets_targets" in run
-    attack = run["attack"]
+    assert list(run["success"]) == labels and list(run["ttft_p99_ratio"]) == labels[1:]
+    assert "meets_targets" in run
     kinds = {"breaker", "priority -2^63", "over a minute's tokens", "whitespace-padded", "long-prompt flood"}
-    assert set(attack["tenants"]) == kinds, attack["tenants"]
-    for kind, counts in attack["tenants"].items():  # each answered with an HTTP status
-        assert any(k.split()[0].isdigit() for k in counts), (kind, counts)
-    assert len(attack["breaker_s"]) >= 1
-    existing = attack["existing"]
+    for phase in run["mixes"]:
+        attack = phase["attack"]
+        assert set(attack["tenants"]) == kinds, attack["tenants"]
+        for kind, counts in attack["tenants"].items():  # each answered with an HTTP status
+            assert any(k.split()[0].isdigit() for k in counts), (kind, counts)
+        assert len(attack["breaker_s"]) >= 1
+        # every tenant was known by its key: admitted, or refused by its own limits (not a 401)
+        counted = [k for k in phase["counters"] if k.startswith("fastcore_orchestrator_tenant_")]
+        for tenant in ("honest", *abuse_tenants.ATTACKER_TENANTS):
+            assert any(f'tenant="{tenant}"' in k for k in counted), (tenant, counted)
+        assert phase["idle_inflight"] is not None
+    alone, everything = run["mixes"]
+    assert (alone["existing"], everything["existing"]) == (False, True)
+    assert "existing" not in alone["attack"] and "http" not in alone["attack"]
+    existing = everything["attack"]["existing"]
     assert existing["abandon_sent"] > 0 and existing["crashed"] == [], existing["crashed"]
     assert existing["slowloris"]["opened"] > 0 and existing["oversized"]
-    assert set(attack["http"]) == {"trailers", "body hold"}
-    # every attacker tenant was let in by its key and admitted at least once
-    admitted = {
-        k for k, v in run["counters"].items() if k.startswith("fastcore_orchestrator_tenant_admitted_total")
-    }
-    for tenant in ("honest", *abuse_tenants.ATTACKER_TENANTS):
-        assert any(f'tenant="{tenant}"' in k for k in admitted), (tenant, admitted)
+    assert set(everything["attack"]["http"]) == {"trailers", "body hold"}
     if len(os.sched_getaffinity(0)) >= 2:
         assert run["attacker_core"] is not None and run["attacker_core"] not in run["other_cores"]
