@@ -15,8 +15,8 @@ follower names none: the router's index of the worker is then replaced by the sn
 the sequence, a malformed answer, or an index the router dropped meanwhile (the worker turned
 unhealthy) asks for a resync too. An answer holds a bounded page of the events; while the
 worker's ``seq`` is past the last one applied, the next poll goes at once. A worker that answers
-400 (its chunk size is not this router's ``chunk_bytes``) or 404 (trtllm-serve's, a torch worker: no
-events in our key space) keeps the approximate index, asked again every
+400 (its chunk size is not this router's ``chunk_bytes``) or 404 (trtllm-serve's: no events in our
+key space) keeps the approximate index, asked again every
 :data:`UNSUPPORTED_RETRY_S`. The events endpoint is under /metrics' access rule: the orchestrator
 sends its metrics token, if it has one, as a bearer token.
 """

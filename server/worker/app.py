@@ -63,6 +63,7 @@ from .internal_auth import InternalAuth
 from .kv_handoff import KVHandoff
 from .metrics import WorkerMetrics
 from .output import Delta, OutputProcessor
+from .prompt_bytes import PromptBytesPerToken, prompt_span_bytes
 from .request import CONTEXT_ONLY, ParsedRequest, RequestReader, Route
 from .responses import (
     StreamWriterState,
@@ -118,7 +119,9 @@ class WorkerApp:
         self.settings = settings
         self.server: HTTPServer | None = None
         #: OpenTelemetry (server/tracing.py): None unless an OTLP endpoint is configured
-        self.tracing = tracing.start_tracing(f"fastcore-worker-{settings.role}", settings.otlp_traces_endpoint)
+        self.tracing = tracing.start_tracing(
+            f"fastcore-worker-{settings.role}", settings.otlp_traces_endpoint
+        )
         self.metrics = WorkerMetrics(engine, lambda: len(self.admission.waiting), lambda: self.server)
         #: this process's id (in /health and /server_info): a restarted worker has a new one
         self.instance = uuid.uuid4().hex
@@ -129,6 +132,11 @@ class WorkerApp:
         self.auth = InternalAuth(verifier, trtllm_key, self.instance,
                                  accept_trtllm_orchestrator=settings.accept_trtllm_orchestrator)  # fmt: skip
         self.reader = RequestReader(engine.tokenizer, settings.model_name, engine.max_context, settings.role)
+        #: /server_info's bytes_per_token, measured on the prompts tokenized here; None where the
+        #: engine states its own (the synthetic one's: its ids are not a tokenizer's)
+        self.prompt_bytes = (
+            None if hasattr(engine, "bytes_per_token") else PromptBytesPerToken(engine.tokenizer)
+        )
         self.kv = KVHandoff(engine, settings, self.metrics, verifier, self.instance, self.tracing)
         self.admission = Admission(engine, settings, self.metrics)
         #: GET /metrics: counts prefix-cache hits and names KV fetch failures (server/metrics_access.py)
@@ -248,7 +256,10 @@ class WorkerApp:
             out.send_error(503, "the engine is not running")
             return
         out.send(
-            200, json.dumps({"status": "ok", wire.INFO_ROLE: self.settings.role, wire.INFO_INSTANCE: self.instance}).encode()
+            200,
+            json.dumps(
+                {"status": "ok", wire.INFO_ROLE: self.settings.role, wire.INFO_INSTANCE: self.instance}
+            ).encode(),
         )
 
     def models(self, out: Responder) -> None:
@@ -289,8 +300,10 @@ class WorkerApp:
             wire.INFO_LOCAL_PREFILL: True,
             # Full KV blocks are reused across requests that share a prefix (server/worker/kv_cache.py).
             wire.INFO_PREFIX_CACHING: bool(getattr(engine, "prefix_caching", False)),
-            # The synthetic text mode's text bytes per prompt id (--bytes-per-token); absent otherwise.
-            **({wire.INFO_BYTES_PER_TOKEN: bpt} if (bpt := getattr(engine, "bytes_per_token", None)) else {}),
+            # Bytes of prompt span (messages / prompt, as sent) per prompt id: measured on what this
+            # worker tokenizes (server/worker/prompt_bytes.py); the synthetic text mode's own
+            # --bytes-per-token; absent where neither is known (the synthetic fixed prompts).
+            **({wire.INFO_BYTES_PER_TOKEN: bpt} if (bpt := self.bytes_per_token) else {}),
             # Legs this worker accepts: a fastcore signature needed (else unsigned); an
             # x-trtllm-disagg-auth accepted (and needed) on legs naming where the KV is.
             wire.INFO_INTERNAL_AUTH: {
@@ -300,6 +313,12 @@ class WorkerApp:
             },
         }
         return info
+
+    @property
+    def bytes_per_token(self) -> float | None:
+        if self.prompt_bytes is not None:
+            return self.prompt_bytes.value
+        return getattr(self.engine, "bytes_per_token", None)
 
     def metrics_endpoint(self, out: Responder) -> None:
         out.send(200, self.metrics.registry.render(), CONTENT_TYPE.encode())
@@ -358,6 +377,11 @@ class WorkerApp:
         arrived = time.monotonic()
         req = self.reader.read(request, route, self.auth)
         engine = self.engine
+        if self.prompt_bytes is not None and not req.prompt_from_ids and not req.msgpack:
+            # the orchestrator's units: the span's bytes as sent (a msgpack body has none of its own)
+            self.prompt_bytes.observe(
+                prompt_span_bytes(request.body, route == "chat"), int(req.prompt_ids.size)
+            )
         if not engine.alive:
             raise HTTPError(503, "the engine is not running", code="engine_down",
                             headers={"Retry-After": str(self.settings.retry_after_s)})  # fmt: skip
@@ -536,7 +560,6 @@ class WorkerApp:
         self.metrics.latency.observe(time.monotonic() - arrived, route=req.route)
         out.end()
         return not out.closed
-
 
     async def _drained(self, out: Responder) -> bool:
         """Wait while the client's write buffer is above the high-water mark (a client that does not

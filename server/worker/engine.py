@@ -96,6 +96,12 @@ class _Prefill:
         return cls(req, torch.from_numpy(ids), ids, int(prompt.size))
 
 
+def _owner(req: EngineRequest) -> tuple[str, int]:
+    """A request as the prefix cache's key log knows it: its prompt's keys are stored once the
+    prompt's full blocks are registered (kv_cache.PagedKVCache.register)."""
+    return req.request_id, int(req.prompt_ids.size)
+
+
 class TorchEngine:
     """Owns the model, the paged KV cache and the engine thread."""
 
@@ -369,7 +375,9 @@ class TorchEngine:
                 ids = req.prompt_ids
                 if req.generated:
                     ids = np.concatenate([ids, np.asarray(req.generated, dtype=np.int32)])
-                req.registered = self.cache.register(req.blocks, ids, req.cached_len, req.registered)
+                req.registered = self.cache.register(
+                    req.blocks, ids, req.cached_len, req.registered, _owner(req)
+                )
             self.cache.free(req.blocks)
             req.blocks = []
         self._by_id.pop(req.request_id, None)
@@ -405,7 +413,9 @@ class TorchEngine:
         self.cache.write(req.blocks, k, v, start=req.cached_prefix)
         req.kv_import = None
         req.cached_len = prompt_len
-        req.registered = self.cache.register(req.blocks, req.prompt_ids, prompt_len, req.registered)
+        req.registered = self.cache.register(
+            req.blocks, req.prompt_ids, prompt_len, req.registered, _owner(req)
+        )
         self._first_tokens(req, forced, req.forced_logprobs or [None] * len(forced), outputs)
 
     def _plan_chunks(self) -> list[tuple[_Prefill, int]]:
@@ -493,7 +503,9 @@ class TorchEngine:
                 row += wanted
             req.cached_len = start + take
             self.prompt_tokens_total += take
-            req.registered = self.cache.register(req.blocks, state.ids_np, req.cached_len, req.registered)
+            req.registered = self.cache.register(
+                req.blocks, state.ids_np, req.cached_len, req.registered, _owner(req)
+            )
             if req.cached_len < state.total:
                 continue
             self._prefilling.remove(state)
