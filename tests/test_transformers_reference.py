@@ -14,7 +14,7 @@ reference's own file layout and config.json, not ours. The same directory is loa
 - greedy continuations of 32 tokens identical to ``generate``'s;
 - the same continuation served by a context and a generation worker behind an orchestrator on
   127.0.0.1 (the KV handed off), and again for a prompt that extends the first (a prefix-cache
-  hit on the context worker).
+  hit on the context worker), with the context worker's prefill whole or chunked.
 
 The tokenizer is a word-level one (``w17`` is id 17), so served text reads back as ids exactly.
 """
@@ -239,11 +239,12 @@ def test_greedy_continuations_are_identical(reference: Reference) -> None:
 # -- served: context and generation workers behind an orchestrator ------------------------------------------
 
 
-async def _served(directory: Path) -> tuple[Any, list[tuple[Any, str, TorchEngine]], str]:
+async def _served(directory: Path, chunk: int) -> tuple[Any, list[tuple[Any, str, TorchEngine]], str]:
     started = []
     for role in ("context", "generation"):
         config, model, tokenizer = load_model_dir(directory)
-        engine = TorchEngine(config, model, tokenizer, kv_tokens=2048, prefix_caching=True)
+        engine = TorchEngine(config, model, tokenizer, kv_tokens=2048, prefix_caching=True,
+                             prefill_chunk_tokens=chunk)  # fmt: skip
         server, port = await start_worker(engine, WorkerSettings(role=role, model_name="ref"))
         started.append((server, f"http://127.0.0.1:{port}", engine))
     config = build_config(
@@ -277,20 +278,28 @@ async def _complete(session: aiohttp.ClientSession, url: str, prompt: list[int],
         return {"choices": [{"text": text}]}
 
 
-@pytest.mark.parametrize("shape", ["llama-gqa-untied", "mistral-head-dim", "qwen2-tied"])
-async def test_served_disaggregated_with_prefix_hits_matches_generate(shape: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("shape", "chunk"),
+    # chunk: the context worker's --prefill-chunk-tokens (0: whole prompts; 20: chunks that end
+    # inside blocks, the second prompt's remainder across a chunk boundary)
+    [(shape, 0) for shape in SHAPES] + [("llama3-rope-tied-biases", 20), ("qwen2-tied", 20)],
+)
+async def test_served_disaggregated_with_prefix_hits_matches_generate(
+    shape: str, chunk: int, tmp_path: Path
+) -> None:
     ref = Reference(shape, tmp_path)
     first = prompts(1, 50, seed=11)[0].tolist()
     # the second shares the first's 50 ids (three full 16-id blocks cached on the context worker)
     second = first + prompts(1, 9, seed=12)[0].tolist()
     expected = [greedy_theirs(ref.theirs, p, GREEDY_TOKENS) for p in (first, second)]
-    front, started, url = await _served(ref.directory)
+    front, started, url = await _served(ref.directory, chunk)
     (_, _, context_engine), (_, _, generation_engine) = started
     try:
         async with aiohttp.ClientSession() as session:
             body = await _complete(session, url, first)
             assert ids_of_text(body["choices"][0]["text"]) == expected[0]
             assert context_engine.prompt_tokens_total >= len(first)  # prefilled there, handed off
+            assert context_engine.prefill_steps_total >= (3 if chunk else 1)  # 50 ids, 20 a step
             assert generation_engine.generated_tokens_total >= GREEDY_TOKENS - 1
             computed = context_engine.prompt_tokens_total
             body = await _complete(session, url, second)
