@@ -382,3 +382,15 @@ async def test_models_health_and_version_as_vllm_answers(session: aiohttp.Client
             assert r.status == 404  # vLLM serves no /server_info (a probe tells it from SGLang by that)
     finally:
         await worker.stop()
+
+
+async def test_a_decode_with_another_prompt_than_its_prefill_is_a_violation(
+    session: aiohttp.ClientSession, nixl: tuple[VllmStandin, VllmStandin]
+) -> None:
+    prefill, decode = nixl
+    status, raw = await post(session, prefill.url + PATH["chat"], prefill_leg(CHAT))
+    ktp = json.loads(raw)["kv_transfer_params"]
+    other = {**CHAT, "messages": [{"role": "user", "content": "Name one animal."}], "kv_transfer_params": ktp}
+    status, raw = await post(session, decode.url + PATH["chat"], other)
+    assert status == 400 and "not the one its prefill computed" in json.loads(raw)["error"]["message"]
+    assert decode.received()[0].kv_match is False

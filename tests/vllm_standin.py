@@ -464,6 +464,8 @@ class VllmStandin(EngineStandin):
         else:
             held = self._nixl_pull(rec, ktp)
         rec.kv_match = held is not None and held.prompt_ids == ids
+        if held is not None and not rec.kv_match:
+            self.protocol(rec, ["the decode's prompt is not the one its prefill computed"])
         if not rec.kv_match:
             return Answer(garbage_tokens(ids, cap), "length", len(ids))
         return Answer(expected_tokens(ids, cap, self.eos_at), self._finish_reason(ids, cap), len(ids))
@@ -487,10 +489,14 @@ class VllmStandin(EngineStandin):
             return None
         if ktp["remote_block_ids"] != [held.block_ids]:
             self.protocol(rec, [f"decode remote_block_ids={ktp['remote_block_ids']!r} are not the prefill's"])
+        self._same_request_id(rec, held)
+        return self.plane.release(rid, "read")
+
+    def _same_request_id(self, rec: Received, held: Held) -> None:
+        """The reference proxies send both legs one X-Request-Id (vLLM's request id is built from it)."""
         xid = rec.headers.get("x-request-id")
         if held.x_request_id is not None and xid != held.x_request_id:
             self.protocol(rec, [f"decode X-Request-Id={xid!r}, the prefill's was {held.x_request_id!r}"])
-        return self.plane.release(rid, "read")
 
     async def _mooncake_pull(self, rec: Received, ktp: dict[str, Any]) -> Held | None:
         key = str(ktp["transfer_id"])
@@ -510,6 +516,7 @@ class VllmStandin(EngineStandin):
             self.protocol(
                 rec, [f"decode remote_engine_id={ktp['remote_engine_id']!r}, pushed by {held.engine_id!r}"]
             )
+        self._same_request_id(rec, held)
         return self.plane.release(key, "read")
 
 
