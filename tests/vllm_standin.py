@@ -29,8 +29,9 @@ What vLLM does where the protocol is broken, and so what this stand-in does:
   "Got invalid KVTransferParams ... will not utilize KVTransfer" and computes
   the prompt itself (the prefill's blocks stay held until the lease ends).
 - A NIXL decode that reads blocks whose lease ended, or that were read before,
-  gets no error: the prefill only logs that an unrecognised request's blocks
-  were read, and the decode computes from whatever the blocks hold. The
+  gets no error: the prefill only logs "Potentially invalid KV blocks for
+  unrecognized request ... were retrieved by a decode worker. They may have
+  expired." (``nixl/worker.py``), and the decode computes from whatever the blocks hold. The
   stand-in answers other tokens (``kv_match`` False).
 - A transfer that fails (no such prefill engine; a Mooncake push that never
   comes within ``transfer_timeout_s``) fails the request under vLLM's default
