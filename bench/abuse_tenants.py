@@ -715,7 +715,7 @@ def main(args: Any) -> int:
     r = run(args, args.quick)
     print(report(r))
     out = args.output or RESULTS_DIR / ("abuse_quick.json" if args.quick else "abuse.json")
-    if not args.tenants_only:  # beside the other phases' file
+    if not (args.tenants_only and args.output):  # beside the other phases' file, never over it
         out = out.with_name(out.stem + "_tenants.json")
     write_json([r.clean, *(m.honest for m in r.mixes)], out, {"url": "own deployment (fastcore-serve up, tiny, API keys)",
                                        "tenant_phases": to_json(r)})  # fmt: skip
