@@ -30,9 +30,10 @@ import itertools
 import json
 import socket
 import struct
+import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -332,6 +333,50 @@ class EngineStandin:
         return out
 
 
+class StandinsThread:
+    """Stand-ins served from one event-loop thread, for blocking code (an orchestrator under test).
+
+    A prefill and its decodes must share a loop (their KV plane's timers and
+    futures are the loop's), so they are started together::
+
+        with StandinsThread(lambda: start_pair()) as started:
+            prefill, decode = started.value
+    """
+
+    def __init__(self, start: Callable[[], Awaitable[Any]]) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="engine-standins")
+        self._thread.start()
+        self.value = self.run(start)
+
+    def run(self, make: Callable[[], Awaitable[Any]], timeout: float = 30) -> Any:
+        """``await make()`` on the stand-ins' loop, from this thread."""
+
+        async def call() -> Any:
+            return await make()
+
+        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(timeout)
+
+    def close(self) -> None:
+        values = self.value if isinstance(self.value, (tuple, list)) else [self.value]
+
+        async def stop_all() -> None:
+            for standin in values:
+                if isinstance(standin, EngineStandin):
+                    await standin.stop()
+
+        self.run(stop_all)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+    def __enter__(self) -> StandinsThread:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def iter_events(body: bytes) -> list[Any]:
     """The decoded ``data:`` payloads of an SSE body (``"[DONE]"`` kept as the string)."""
     out: list[Any] = []
@@ -361,6 +406,7 @@ __all__ = [
     "Received",
     "Refused",
     "Route",
+    "StandinsThread",
     "expected_tokens",
     "garbage_tokens",
     "iter_events",

@@ -15,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import urllib.request
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import pytest
 import pytest_asyncio
-from engine_standin import Route, expected_tokens, prompt_ids_of, streamed_text
+from engine_standin import Route, StandinsThread, expected_tokens, prompt_ids_of, streamed_text
 from sglang_standin import BootstrapPlane, SglangStandin, start_sglang
 from trtllm_standin import detokenize
 
@@ -271,3 +272,15 @@ async def test_server_info_publishes_the_bootstrap_port(
         assert (await r.json())["data"][0]["owned_by"] == "sglang"
     async with session.get(decode.url + "/version") as r:
         assert r.status == 404  # vLLM's probe path; SGLang answers its version in /server_info
+
+
+def test_a_pair_on_its_own_thread_serves_blocking_clients() -> None:
+    async def start_pair() -> tuple[SglangStandin, SglangStandin]:
+        plane = BootstrapPlane()
+        return await start_sglang("prefill", plane=plane), await start_sglang("decode", plane=plane)
+
+    with StandinsThread(start_pair) as started:
+        prefill, decode = started.value
+        with urllib.request.urlopen(prefill.url + "/server_info", timeout=10) as r:
+            assert json.loads(r.read())["disaggregation_bootstrap_port"] == prefill.bootstrap_port
+    assert prefill.runner is None and decode.runner is None
