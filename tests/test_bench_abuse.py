@@ -265,3 +265,18 @@ def test_quick_tenant_phases_end_to_end(tmp_path: Path) -> None:
     assert set(everything["attack"]["http"]) == {"trailers", "body hold"}
     if len(os.sched_getaffinity(0)) >= 2:
         assert run["attacker_core"] is not None and run["attacker_core"] not in run["other_cores"]
+
+
+def test_abuse_runs_the_tenant_phases_after_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[str] = []
+    monkeypatch.setattr(abuse, "_main_clients", lambda args: ran.append("clients") or 0)
+    monkeypatch.setattr(abuse_tenants, "main", lambda args: ran.append("tenants") or 1)
+
+    def main(*flags: str) -> int:
+        ran.clear()
+        return abuse.main(load.build_parser().parse_args(["--abuse", *flags]))
+
+    assert (main(), ran) == (1, ["clients", "tenants"])  # the worse exit status of the two
+    assert (main("--no-tenants"), ran) == (0, ["clients"])
+    assert (main("--tenants-only"), ran) == (1, ["tenants"])
+    assert (main("--url", "http://127.0.0.1:9"), ran) == (0, ["clients"])  # keys and limits not ours
