@@ -313,8 +313,6 @@ class EngineStandin:
             }
             await send({**head, "choices": [role]})
         for i, token in enumerate(answer.tokens):
-            if self.fault == "reset_mid_stream":
-                await self.reset(request)
             last = i == len(answer.tokens) - 1
             piece = detokenize([token])
             choice: dict[str, Any] = {
@@ -324,6 +322,8 @@ class EngineStandin:
             }
             choice.update({"delta": {"content": piece}} if route == "chat" else {"text": piece})
             await send({**head, "choices": [choice]})
+            if self.fault == "reset_mid_stream":
+                await self.reset(request)  # after the first token's event: the client has started
             await asyncio.sleep(0)
         if options.get("include_usage"):
             await send({**head, "choices": [], "usage": self._usage(answer, len(answer.tokens))})

@@ -361,7 +361,8 @@ async def test_fault_switches(session: aiohttp.ClientSession) -> None:
         worker.fault = "reset_mid_stream"
         with pytest.raises(aiohttp.ClientError):
             await post(session, worker.url + PATH["chat"], {**CHAT, "stream": True})
-        assert worker.received()[-1].sse and "[DONE]" not in worker.received()[-1].sse
+        sse = worker.received()[-1].sse
+        assert len(sse) == 2 and "[DONE]" not in sse  # the role chunk and the first token, then the reset
         worker.fault = None
         assert (await post(session, worker.url + PATH["chat"], CHAT))[0] == 200
     finally:
