@@ -246,6 +246,8 @@ async def test_kv_cache_aware_follows_torch_workers_through_evictions() -> None:
         texts = [t[:300] for t in texts]
         bodies = [_completion(t) for t in texts + texts[-1:]]
         async with aiohttp.ClientSession() as session:
+            # the generation worker too, followed by hand: it stores what it imports
+            await _get(session, f"{generation.url}/cache_events?chunk_bytes={CHUNK}")
             for body in bodies:
                 await _post(session, url + "/v1/completions", body)
         assert sum(w.engine.cache.evicted_blocks_total for w in contexts) > 0
@@ -277,6 +279,15 @@ async def test_kv_cache_aware_follows_torch_workers_through_evictions() -> None:
                 break
             await asyncio.sleep(0.05)
         assert mismatches() == []
+        # a chat leg relays the client's messages: the generation worker's import is held under
+        # the client's keys (a completion's generation leg carries the prompt as ids: no text)
+        chat = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": texts[0]}],
+                           "max_tokens": 3}).encode()  # fmt: skip
+        async with aiohttp.ClientSession() as session:
+            await _post(session, url + "/v1/chat/completions", chat)
+        chat_keys, _ = prompt_keys(chat, True, CHUNK)
+        imported = generation.engine.cache.chunks.held
+        assert _held_prefix(chat_keys, imported) >= len(chat_keys) - 1 >= 3
         held = [w.engine.cache.chunks.held for w in contexts]
         assert sum(map(len, held)) >= 4  # the last prompt, at least, is held whole
         # the first prompt's head was evicted from its worker: neither it nor the index has it
