@@ -266,3 +266,45 @@ def test_the_worker_flag_reaches_the_engine_and_refuses_a_negative(capsys: Any) 
         parser.parse_args(["--prefill-chunk-tokens", "-5"])
     assert exit_info.value.code == 2
     assert "--prefill-chunk-tokens: must be >= 0, got -5" in capsys.readouterr().err
+
+
+async def test_streams_and_a_prompt_sharing_forwards_give_their_text_alone(make_engine: Any) -> None:
+    """Decode rows and prefill chunks in one forward: each sequence's text is what it gets alone."""
+    alone = started(make_engine(prefill_chunk_tokens=0))
+    stream_prompts = [text(i, 15 + 9 * i) for i in range(3)]
+    want = [(await run(alone, p, max_tokens=60))[0] for p in stream_prompts]
+    want_long = (await run(alone, text(7, 1200), max_tokens=6))[0]
+    engine = make_engine(prefill_chunk_tokens=48)
+    forwards = []
+    model = engine.model
+    real = model.forward_step
+    model.forward_step = lambda *a, **kw: forwards.append(1) or real(*a, **kw)  # type: ignore[method-assign]
+    # all queued before the engine starts: the streams' prompts first, so they decode (60 steps)
+    # while the long prompt's ~26 chunks run
+    queued = [make_request(engine, p, max_tokens=60) for p in stream_prompts]
+    long, long_q = make_request(engine, text(7, 1200), max_tokens=6)
+    for req, _ in [*queued, (long, long_q)]:
+        engine.submit(req)
+    started(engine)
+    got_long = [t for d in await collect(long_q) for t in d.token_ids]
+    got = [[t for d in await collect(q) for t in d.token_ids] for _, q in queued]
+    assert got == want and got_long == want_long
+    del model.forward_step  # the class's again
+    # the long prompt's chunks rode on the streams' decode steps: fewer forwards than steps of each
+    assert engine.prefill_steps_total >= 1200 // 48
+    assert len(forwards) <= engine.decode_steps_total + engine.prefill_steps_total - 1200 // 48 + 1
+
+
+async def test_a_bad_prompt_sharing_a_forward_with_running_streams_fails_alone(make_engine: Any) -> None:
+    engine = started(make_engine(prefill_chunk_tokens=64))
+    want = (await run(engine, PROMPT, max_tokens=30))[0]
+    req, queue = make_request(engine, PROMPT, max_tokens=30)
+    engine.submit(req)
+    first = await asyncio.wait_for(queue.get(), 30)
+    bad, bad_q = make_request(engine, "x")
+    bad.prompt_ids = np.asarray([1, 5000] * 100, dtype=np.int32)  # past the embedding table
+    engine.submit(bad)
+    delta = (await collect(bad_q))[-1]
+    assert delta.finish_reason == "error" and "prefill failed" in (delta.error or "")
+    assert [*first.token_ids, *(t for d in await collect(queue) for t in d.token_ids)] == want
+    assert engine.engine_errors_total == 1 and engine.kv_used_tokens == 0

@@ -7,13 +7,13 @@ One dedicated thread owns the model and the KV cache and loops:
 2. admit waiting requests, oldest first, while there is room in the batch: a
    KV import from a context worker starts at once, a prompt joins the
    prefilling queue;
-3. one batched decode forward over every running sequence, one token each;
-4. one prefill forward over chunks of the prefilling prompts, oldest first,
-   under the step's token budget (``prefill_chunk_tokens``, less one per
-   decode row): a long prompt is cut into chunks over several steps, several
-   short ones share a forward; a prompt whose last chunk ran samples its
-   first token and starts decoding (or parks, for a context leg);
-5. hand the step's outputs to the event loop in one ``call_soon_threadsafe``.
+3. one forward over every running sequence's next token and chunks of the
+   prefilling prompts, oldest first, under the step's token budget
+   (``prefill_chunk_tokens``, less one per decode row): a long prompt is cut
+   into chunks over several steps, several short ones share a step; a prompt
+   whose last chunk ran samples its first token and starts decoding (or
+   parks, for a context leg);
+4. hand the step's outputs to the event loop in one ``call_soon_threadsafe``.
 
 So concurrent requests share decode steps, a prompt as long as the context
 delays the running streams by one chunk a step instead of its whole prefill,
@@ -60,7 +60,7 @@ from .engine_api import (
     ParkedKV,
     prompt_checksum,
 )
-from .kv_cache import DecodeAttention, PagedKVCache, PrefillBatchAttention
+from .kv_cache import DecodeAttention, PagedKVCache, PrefillBatchAttention, StepAttention
 from .kv_transfer import KVLayout
 from .model import LlamaForCausalLM, ModelConfig
 from .output import Delta, SamplingParams, TokenLogprob
@@ -346,10 +346,8 @@ class TorchEngine:
                 outputs: list[tuple[EngineRequest, Delta]] = []
                 self._drop_cancelled()
                 self._admit(outputs)
-                if self._running:
-                    self._decode_step(outputs)
-                if self._prefilling:
-                    self._prefill_step(outputs)
+                if self._running or self._prefilling:
+                    self._step(outputs)
                 if outputs:
                     self._deliver(outputs)
         leftovers: list[tuple[EngineRequest, Delta]] = []
@@ -442,11 +440,6 @@ class TorchEngine:
                 break
         return plan
 
-    def _prefill_step(self, outputs: list[tuple[EngineRequest, Delta]]) -> None:
-        plan = self._plan_chunks()
-        if plan:
-            self._run_chunks(plan, outputs)
-
     def _run_chunks(
         self, plan: list[tuple[_Prefill, int]], outputs: list[tuple[EngineRequest, Delta]]
     ) -> None:
@@ -464,9 +457,11 @@ class TorchEngine:
             return
         self._prefill_done(plan, logits, outputs)
 
-    def _prefill_forward(self, plan: list[tuple[_Prefill, int]]) -> torch.Tensor:
-        """One forward over the plan's chunks, flattened; the logits of the rows a first token or a
-        forced token's logprob needs (positions from the prompt's last on)."""
+    def _prefill_inputs(
+        self, plan: list[tuple[_Prefill, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, PrefillBatchAttention, torch.Tensor]:
+        """The plan's chunks flattened: ids, positions, their attention, and the rows whose logits a
+        first token or a forced token's logprob needs (positions from the prompt's last on)."""
         ids, positions, rows, spans = [], [], [], []
         offset = 0
         for state, take in plan:
@@ -477,14 +472,13 @@ class TorchEngine:
             rows.append(torch.arange(offset + first - start, offset + take))
             spans.append((state.req.blocks, start, take))
             offset += take
-        attention = PrefillBatchAttention(self.cache, spans)
         dev = self.device
-        return self.model.forward_step(
-            torch.cat(ids).to(dev, torch.int64),
-            torch.cat(positions).to(dev),
-            attention,
-            torch.cat(rows).to(dev),
-        )
+        attention = PrefillBatchAttention(self.cache, spans)
+        return torch.cat(ids).to(dev, torch.int64), torch.cat(positions).to(dev), attention, torch.cat(rows)
+
+    def _prefill_forward(self, plan: list[tuple[_Prefill, int]]) -> torch.Tensor:
+        ids, positions, attention, rows = self._prefill_inputs(plan)
+        return self.model.forward_step(ids, positions, attention, rows.to(self.device))
 
     def _prefill_done(
         self,
@@ -579,14 +573,50 @@ class TorchEngine:
             self.cache.free(parked.blocks)
         self._by_id.pop(req.request_id, None)
 
-    def _decode_step(self, outputs: list[tuple[EngineRequest, Delta]]) -> None:
+    def _step(self, outputs: list[tuple[EngineRequest, Delta]]) -> None:
+        """One forward over the running streams' next tokens and this step's prefill chunks: the
+        weights are read once for both (Sarathi-Serve's stall-free batches), so a chunk costs the
+        streams its own compute only, not a second pass."""
         batch = list(self._running)
+        plan = self._plan_chunks() if self._prefilling else []
+        if not plan:
+            if batch:
+                self._decode_step(batch, outputs)
+            return
+        if not batch:
+            self._run_chunks(plan, outputs)
+            return
         try:
-            ids = torch.tensor([r.next_token for r in batch], dtype=torch.int64, device=self.device)
-            positions = torch.tensor([r.cached_len for r in batch], dtype=torch.int64, device=self.device)
-            attention = DecodeAttention(
-                self.cache, [r.blocks for r in batch], [r.cached_len + 1 for r in batch]
+            ids, positions, attention = self._decode_inputs(batch)
+            p_ids, p_positions, p_attention, p_rows = self._prefill_inputs(plan)
+            rows = torch.cat([torch.arange(len(batch)), p_rows + len(batch)]).to(self.device)
+            logits = self.model.forward_step(
+                torch.cat([ids, p_ids]),
+                torch.cat([positions, p_positions]),
+                StepAttention([(attention, len(batch)), (p_attention, int(p_ids.numel()))]),
+                rows,
             )
+            sampled = self._sample(logits[: len(batch)], batch)
+        except Exception:
+            # Whose fault? The decodes and the chunks again apart (rewriting the same slots), each
+            # failing on its own as it would in a step of its own.
+            self._decode_step(batch, outputs)
+            self._run_chunks(plan, outputs)
+            return
+        self._decode_done(batch, sampled, outputs)
+        self._prefill_done(plan, logits[len(batch) :], outputs)
+
+    def _decode_inputs(
+        self, batch: list[EngineRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, DecodeAttention]:
+        ids = torch.tensor([r.next_token for r in batch], dtype=torch.int64, device=self.device)
+        positions = torch.tensor([r.cached_len for r in batch], dtype=torch.int64, device=self.device)
+        attention = DecodeAttention(self.cache, [r.blocks for r in batch], [r.cached_len + 1 for r in batch])
+        return ids, positions, attention
+
+    def _decode_step(self, batch: list[EngineRequest], outputs: list[tuple[EngineRequest, Delta]]) -> None:
+        try:
+            ids, positions, attention = self._decode_inputs(batch)
             logits = self.model.forward_step(ids, positions, attention)
             sampled = self._sample(logits, batch)
         except Exception as exc:
@@ -596,6 +626,14 @@ class TorchEngine:
                 self._running.remove(req)
                 self._finish_with_error(req, f"decode step failed: {exc}", outputs)
             return
+        self._decode_done(batch, sampled, outputs)
+
+    def _decode_done(
+        self,
+        batch: list[EngineRequest],
+        sampled: list[tuple[int, TokenLogprob | None]],
+        outputs: list[tuple[EngineRequest, Delta]],
+    ) -> None:
         self.decode_steps_total += 1
         self._count_tokens(len(batch))
         for req, (token, lp) in zip(batch, sampled):

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from .engine_api import KVCacheFull, chain_block_hashes
 from .kv_events import ChunkEventLog, KvEventLog
-from .model import ModelConfig
+from .model import AttentionBackend, ModelConfig
 
 
 class PagedKVCache:
@@ -315,25 +315,32 @@ class PrefillAttention:
         return out.squeeze(0).transpose(0, 1)
 
 
-class PrefillBatchAttention:
-    """Several sequences' prefill chunks in one forward, flattened in order: ``spans`` is
-    ``(blocks, start, length)`` per sequence. The projections and MLP run once over all their
-    tokens; attention runs per sequence (each chunk sees its own sequence's earlier positions
-    only), each exactly as :class:`PrefillAttention` alone would compute it."""
+class StepAttention:
+    """Several backends' rows in one forward, in order: ``parts`` is ``(backend, rows)``. Each part
+    attends its own rows exactly as it would in a forward of its own, so the projections and the
+    MLP run once over all of a step's tokens (running decodes and prefill chunks alike)."""
 
-    def __init__(self, cache: PagedKVCache, spans: list[tuple[list[int], int, int]]) -> None:
-        self.parts = [PrefillAttention(cache, blocks, start, length) for blocks, start, length in spans]
+    def __init__(self, parts: list[tuple[AttentionBackend, int]]) -> None:
+        self.parts = parts
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if len(self.parts) == 1:
-            return self.parts[0].attend(layer, q, k, v)
+            return self.parts[0][0].attend(layer, q, k, v)
         outs = []
         row = 0
-        for part in self.parts:
-            end = row + part.length
+        for part, rows in self.parts:
+            end = row + rows
             outs.append(part.attend(layer, q[row:end], k[row:end], v[row:end]))
             row = end
         return torch.cat(outs)
+
+
+class PrefillBatchAttention(StepAttention):
+    """Several sequences' prefill chunks, flattened in order: ``spans`` is ``(blocks, start,
+    length)`` per sequence; each chunk sees its own sequence's earlier positions only."""
+
+    def __init__(self, cache: PagedKVCache, spans: list[tuple[list[int], int, int]]) -> None:
+        super().__init__([(PrefillAttention(cache, blocks, start, n), n) for blocks, start, n in spans])
 
 
 class DecodeAttention:
@@ -368,4 +375,11 @@ class DecodeAttention:
         return out.squeeze(2)
 
 
-__all__ = ["DecodeAttention", "KVCacheFull", "PagedKVCache", "PrefillAttention", "PrefillBatchAttention"]
+__all__ = [
+    "DecodeAttention",
+    "KVCacheFull",
+    "PagedKVCache",
+    "PrefillAttention",
+    "PrefillBatchAttention",
+    "StepAttention",
+]
