@@ -366,12 +366,15 @@ def _against_h11(case: Case, name: str, record: list[Any], reference: list[Any],
                 ]
                 verdict.failures.append(f"{name}: exchange {i}: {' and '.join(what)} not h11's")
                 return
-            if pooled_at is not None and pooled_at > theirs[4]:
+            past = case.exchanges[i][theirs[4] : pooled_at or 0]
+            if past.strip(b"\r\n"):
                 verdict.failures.append(
                     f"{name}: exchange {i}: pooled after a read with bytes past the answer"
                 )
                 return
-            if left == "pooled" and not theirs[3]:  # (no byte past it: HTTP/1.0 keep-alive)
+            if past:  # (RFC 9112 2.2's robustness: an empty line between messages is skipped)
+                verdict.notes.append("empty lines after an answer skipped (llhttp); h11 would not reuse")
+            elif left == "pooled" and not theirs[3]:
                 verdict.notes.append("keep-alive where h11 closes (HTTP/1.0 with Connection: keep-alive)")
             if left != "pooled" and theirs[3] and not (case.eof and i == len(case.exchanges) - 1):
                 verdict.notes.append("not reused where h11 would reuse it")
