@@ -255,7 +255,7 @@ def _bump(outcomes: dict[str, dict[str, int]], kind: str, what: str) -> None:
 
 
 class TenantAttacks:
-    """Items 3, 5 and 6's attackers with the attacker tenant's key, each a bounded loop until :meth:`stop`."""
+    """Items 3, 5 and 6's attackers with the attacker tenants' keys, each a bounded loop until :meth:`stop`."""
 
     def __init__(self, base_url: str, s: TenantAbuseSettings, model: str = "tiny") -> None:
         self.url = base_url.rstrip("/") + CHAT
