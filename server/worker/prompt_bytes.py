@@ -23,18 +23,27 @@ __all__ = ["DECAY", "SAMPLE_MESSAGES", "PromptBytesPerToken", "prompt_span_bytes
 
 log = logging.getLogger("fastcore.worker")
 
-#: a chat turn of ordinary English with a little code and punctuation (the seed's sample)
+#: a chat turn of ordinary English with a little code (the seed's sample): long enough (~1,100
+#: bytes) that the roles' JSON and the template's tokens weigh as little as in a real prompt
 SAMPLE_MESSAGES: list[dict[str, str]] = [
     {"role": "system", "content": "You are a careful assistant. Answer briefly and cite the file you read."},
     {
         "role": "user",
         "content": (
-            "The service starts two workers, one for prefill and one for decode, and an "
-            "orchestrator in front of them. When a request arrives, the orchestrator picks a "
-            "context worker, waits for its first token, then hands the KV cache to a generation "
-            'worker. In config.yaml I set `max_local_prefill_length: 512` and "router": '
-            '{"type": "kv_cache_aware"}. Why does every prompt of about 1,400 tokens still go '
-            "to local prefill? Show me the lines of pools.py that decide it."
+            "The service starts two workers, one for prefill and one for decode, and an orchestrator "
+            "in front of them. When a request arrives, the orchestrator picks a context worker, waits "
+            "for its first token, then hands the KV cache to a generation worker, which streams the "
+            "rest of the answer back through the orchestrator to the client. In config.yaml I set "
+            "`max_local_prefill_length: 512` under conditional_disagg_config and chose the "
+            "kv_cache_aware router for both pools, with chunk_bytes left at its default. I expected "
+            "short follow-up turns of a conversation to be prefilled on the generation worker, and "
+            "long first turns to go through the context worker. Instead, every prompt of about "
+            "1,400 tokens still goes to local prefill, and the context worker sits idle while the "
+            "generation worker stalls its running streams for each long prompt. The metrics show "
+            "the pool estimating far fewer tokens than the workers report in usage. Which lines of "
+            "pools.py and estimates.py decide where a request goes, how is the token count of a "
+            "prompt estimated before any worker has answered, and what should I change so that the "
+            "estimate matches what the tokenizer really produces for my traffic?"
         ),
     },
 ]
