@@ -13,6 +13,7 @@ bench: build
 	$(PY) -m bench.codec
 	$(PY) -m bench.relay
 	$(PY) -m bench.worker
+	$(PY) -m bench.engine
 	$(PY) -m bench.orchestrator_work
 	$(PY) -m bench.orchestrator
 
@@ -44,9 +45,11 @@ fuzz: debug     ## under the sanitizers, FUZZ_SECONDS each: the scanner (hypothe
 	$(SAN_ENV) $(PY) -m tests.fuzz_jsonspan --seconds $${FUZZ_SECONDS:-120}
 	$(SAN_ENV) FASTCORE_REQUIRE_EXTENSIONS=1 $(PY) -m tests.fuzz_upstream --seconds $${FUZZ_SECONDS:-120}
 
-gpu-check: build  ## on a CUDA machine: the checkpoint tests (one needs CUDA) and the worker benchmark on the GPU
+gpu-check: build  ## on a CUDA machine: the checkpoint tests (one needs CUDA) and the worker benchmarks on the GPU
 	$(PY) -m pytest -q tests/test_hf_checkpoints.py tests/test_worker_cli.py
 	$(PY) -m bench.worker --device cuda
+	$(PY) -m bench.engine --device cuda --quick --output bench/results/engine_cuda_quick.json
+	$(PY) -m bench.engine --device cuda --output bench/results/engine_cuda.json
 
 # Release artefacts in dist/: the sdist, and a manylinux wheel built from that
 # sdist (so the sdist is proven complete) by `build` in an isolated

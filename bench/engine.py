@@ -1,0 +1,403 @@
+"""The torch engine beside transformers: ``python -m bench.engine [--quick] [--device auto]``.
+
+The same checkpoint (the tiny Llama: this bench writes it with transformers' ``save_pretrained``
+from the weights ``--model tiny`` builds, loads it back with ``from_pretrained`` and checks the
+weights are ours bit for bit) and the same torch threads for every contender:
+
+1. Decode tokens/s and TTFT at 1, 8 and 32 concurrent requests of the same prompts: our engine
+   in process (continuous batching, requests submitted at once), our worker over HTTP (a
+   ``fastcore-serve worker`` process, streamed completions), and transformers' ``generate`` on
+   a static batch of the same prompts (greedy, ``min_new_tokens`` = ``max_new_tokens`` as our
+   ``ignore_eos``; its TTFT is a ``max_new_tokens=1`` call, its decode time the rest). Ratios are
+   ours over transformers', measured in the same run; at 1 request the ratio of time per token.
+2. Inter-token latency of 8 running streams while a prompt of the model's whole context is
+   prefilled on the same engine, p50/p99 over every gap of every stream, beside the same
+   streams' gaps with no prefill running (measured just before), for prefill whole
+   (``--prefill-chunk-tokens 0``), the default chunk and a small one.
+
+Targets (issue 38): ITL p99 with the prefill <= 2x without; decode tokens/s at 32 >= 2x
+transformers'; at 1 request no worse than 1.2x its time per token. Results: a table on stdout
+and ``bench/results/engine.json`` (``engine_quick.json`` with ``--quick``). Absolute numbers
+depend on the machine; compare the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench._timing import format_table
+from bench.deploy import free_port
+from bench.loadgen import RESULTS_DIR, percentile
+from bench.worker import _one_stream, _wait_healthy
+from server.worker.cli import default_torch_threads
+from server.worker.engine import EngineRequest, TorchEngine
+from server.worker.engine_api import DEFAULT_PREFILL_CHUNK_TOKENS
+from server.worker.output import Delta, OutputProcessor, SamplingParams
+from server.worker.tiny import build_tiny, tiny_config
+
+PROMPT_TOKENS = 64
+
+
+def prompts(count: int, tokenizer: Any) -> list[list[int]]:
+    """``count`` different prompts of exactly PROMPT_TOKENS ids (a static batch needs no padding)."""
+    return [
+        tokenizer.encode(f"{i:04d} " + "the cat sat on the mat. " * 4)[:PROMPT_TOKENS] for i in range(count)
+    ]
+
+
+def hf_model_from_checkpoint(ours: torch.nn.Module, directory: Path, device: str) -> Any:
+    """Write the tiny model as a transformers checkpoint, load it back, check its weights are ours."""
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+
+    c = tiny_config()
+    config = LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
+        bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id, pad_token_id=0, torch_dtype="float32",
+    )  # fmt: skip
+    writer = LlamaForCausalLM(config)
+    writer.load_state_dict(ours.state_dict(), strict=False)  # rotary inv_freq is a buffer on both sides
+    writer.save_pretrained(directory)
+    model = LlamaForCausalLM.from_pretrained(directory, torch_dtype=torch.float32).to(device).eval()
+    theirs = model.state_dict()
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(theirs[name].cpu(), tensor.cpu()), f"{name} differs after the round trip"
+    return model
+
+
+def hf_static(model: Any, batch: list[list[int]], max_tokens: int, device: str) -> dict[str, Any]:
+    """transformers' generate on a static batch: TTFT (a one-token call) and decode tokens/s."""
+    ids = torch.tensor(batch, device=device)
+    mask = torch.ones_like(ids)
+    common = dict(attention_mask=mask, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(
+            ids[:, :8], max_new_tokens=2, min_new_tokens=2, attention_mask=mask[:, :8], pad_token_id=0
+        )
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **common)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, **common)
+        total = time.perf_counter() - t0
+    decode_tokens = len(batch) * (max_tokens - 1)
+    return {
+        "ttft_s": ttft,
+        "total_s": total,
+        "decode_tps": decode_tokens / max(total - ttft, 1e-9),
+        "tokens": out[:, ids.shape[1] :].tolist(),
+    }
+
+
+def engine_request(engine: TorchEngine, ids: list[int], max_tokens: int, name: str) -> EngineRequest:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return EngineRequest(
+        request_id=name,
+        prompt_ids=np.asarray(ids, dtype=np.int32),
+        params=params,
+        processor=OutputProcessor(engine.tokenizer, params),
+        on_delta=lambda d: None,
+    )
+
+
+async def ours_in_process(engine: TorchEngine, batch: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """Submit the batch at once; per request: first and last token times and the tokens."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    t0 = time.perf_counter()
+    firsts: list[float] = [0.0] * len(batch)
+    lasts: list[float] = [0.0] * len(batch)
+    tokens: list[list[int]] = [[] for _ in batch]
+    left = len(batch)
+
+    def watch(i: int, delta: Delta) -> None:
+        nonlocal left
+        now = time.perf_counter() - t0
+        if delta.token_ids:
+            firsts[i] = firsts[i] or now
+            lasts[i] = now
+            tokens[i] += delta.token_ids
+        if delta.error and not done.done():
+            done.set_exception(RuntimeError(f"request {i} failed: {delta.error}"))
+        if delta.finish_reason:
+            left -= 1
+            if not left and not done.done():
+                done.set_result(None)
+
+    for i, ids in enumerate(batch):
+        req = engine_request(engine, ids, max_tokens, f"r{i}-{t0}")
+        req.on_delta = lambda d, i=i: watch(i, d)
+        engine.submit(req)
+    await asyncio.wait_for(done, 600)
+    decode_tokens = sum(len(t) - 1 for t in tokens)
+    span = max(lasts) - min(firsts)
+    return {
+        "ttft_p50_s": statistics.median(firsts),
+        "decode_tps": decode_tokens / span if span > 0 else float("nan"),
+        "tokens": tokens,
+    }
+
+
+async def ours_over_http(url: str, batch: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    import aiohttp
+
+    body = {"model": "tiny", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        await _one_stream(session, url, {**body, "prompt": batch[0][:8], "max_tokens": 2})
+        results = await asyncio.gather(*(_one_stream(session, url, {**body, "prompt": ids}) for ids in batch))
+    span = max(r[1] for r in results) - min(r[0] for r in results)
+    return {
+        "ttft_p50_s": statistics.median(r[0] for r in results),
+        "decode_tps": sum(r[2] - 1 for r in results) / span if span > 0 else float("nan"),
+    }
+
+
+class Worker:
+    """A ``fastcore-serve worker --model tiny`` process on a free port."""
+
+    def __init__(self, threads: int, device: str) -> None:
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "server.cli", "worker", "--model", "tiny", "--port", str(port),
+               "--device", device, "--torch-threads", str(threads)]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def __enter__(self) -> Worker:
+        asyncio.run(_wait_healthy(self.url, self.proc))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def bench_decode(args: argparse.Namespace, device: str) -> tuple[str, list[dict[str, Any]], bool]:
+    config, model, tokenizer = build_tiny(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = hf_model_from_checkpoint(model, Path(tmp), device)
+    rows, records = [], []
+    same_text = True
+    with Worker(args.torch_threads, device) as worker:
+        for n in args.concurrency:
+            batch = prompts(n, tokenizer)
+            engine = TorchEngine(config, model, tokenizer, device=device)
+
+            async def in_process(
+                engine: TorchEngine = engine, batch: list[list[int]] = batch
+            ) -> dict[str, Any]:
+                engine.start(asyncio.get_running_loop())
+                try:
+                    await ours_in_process(engine, batch[:1], 2)  # warm up
+                    return await ours_in_process(engine, batch, args.max_tokens)
+                finally:
+                    engine.stop()
+
+            ours = asyncio.run(in_process())
+            http = asyncio.run(ours_over_http(worker.url, batch, args.max_tokens))
+            theirs = hf_static(hf, batch, args.max_tokens, device)
+            same_text &= ours["tokens"] == theirs["tokens"]
+            ratio = ours["decode_tps"] / theirs["decode_tps"]
+            record = {
+                "concurrency": n,
+                "ours_in_process": {k: v for k, v in ours.items() if k != "tokens"},
+                "ours_http": http,
+                "transformers": {k: v for k, v in theirs.items() if k != "tokens"},
+                "decode_ratio_in_process": ratio,
+                "decode_ratio_http": http["decode_tps"] / theirs["decode_tps"],
+            }
+            records.append(record)
+            rows.append([
+                n,
+                f"{ours['decode_tps']:.0f}", f"{http['decode_tps']:.0f}", f"{theirs['decode_tps']:.0f}",
+                f"{ratio:.2f}x", f"{record['decode_ratio_http']:.2f}x",
+                f"{ours['ttft_p50_s'] * 1e3:.1f}", f"{http['ttft_p50_s'] * 1e3:.1f}", f"{theirs['ttft_s'] * 1e3:.1f}",
+            ])  # fmt: skip
+    headers = ["requests", "ours tok/s", "ours HTTP tok/s", "transformers tok/s", "ours / tf",
+               "HTTP / tf", "ours TTFT p50 ms", "HTTP TTFT p50 ms", "tf TTFT ms"]  # fmt: skip
+    return format_table(headers, rows), records, same_text
+
+
+async def itl_round(engine: TorchEngine, streams: int, base_steps: int) -> dict[str, float]:
+    """Gaps between the tokens of ``streams`` running streams: ``base_steps`` steps with nothing
+    else running, then while a prompt of the whole context prefills (until its first token)."""
+    loop = asyncio.get_running_loop()
+    stamps: list[list[float]] = [[] for _ in range(streams)]
+    long_first = loop.create_future()
+    base_done = loop.create_future()
+    reqs = []
+    for i in range(streams):
+        req = engine_request(engine, engine.tokenizer.encode(f"stream {i} " * 3), 1800, f"s{i}-{id(stamps)}")
+
+        def on_delta(d: Delta, i: int = i) -> None:
+            if d.token_ids:
+                stamps[i].append(time.perf_counter())
+                if i == 0 and len(stamps[0]) == base_steps + 5 and not base_done.done():
+                    base_done.set_result(None)
+
+        req.on_delta = on_delta
+        reqs.append(req)
+        engine.submit(req)
+    await asyncio.wait_for(base_done, 120)
+    cut = len(stamps[0]), [len(s) for s in stamps]
+    text = engine.tokenizer.encode("a prompt as long as the whole context. " * (engine.max_context // 30))
+    long = engine_request(engine, text[: engine.max_context - 2], 1, f"long-{id(stamps)}")
+
+    def on_long(d: Delta) -> None:
+        if d.error and not long_first.done():
+            long_first.set_exception(RuntimeError(f"the long prompt failed: {d.error}"))
+        elif d.token_ids and not long_first.done():
+            long_first.set_result(time.perf_counter())
+
+    long.on_delta = on_long
+    started = time.perf_counter()
+    engine.submit(long)
+    ended = await asyncio.wait_for(long_first, 300)
+    for req in reqs:
+        engine.abort(req.request_id)
+
+    def gaps(times: list[float]) -> list[float]:
+        return [b - a for a, b in itertools.pairwise(times)]
+
+    # baseline: the steady steps before the long prompt (the first 5 are the streams' start)
+    base = [g for s, n in zip(stamps, cut[1]) for g in gaps(s[5:n])]
+    # during: every gap that ends after the prompt came and begins before its first token
+    during = [b - a for s in stamps for a, b in itertools.pairwise(s) if b > started and a < ended]
+    return {
+        "base_p50_ms": 1e3 * (percentile(base, 50) or 0.0),
+        "base_p99_ms": 1e3 * (percentile(base, 99) or 0.0),
+        "during_p50_ms": 1e3 * (percentile(during, 50) or 0.0),
+        "during_p99_ms": 1e3 * (percentile(during, 99) or 0.0),
+        "prefill_s": ended - started,
+        "gaps_during": len(during),
+    }
+
+
+def bench_itl(args: argparse.Namespace, device: str) -> tuple[str, list[dict[str, Any]]]:
+    config, model, tokenizer = build_tiny(device)
+    rows, records = [], []
+    base: float | None = None
+    for chunk in args.chunks:
+        engine = TorchEngine(config, model, tokenizer, device=device, prefill_chunk_tokens=chunk)
+
+        async def measure(engine: TorchEngine = engine) -> dict[str, float]:
+            engine.start(asyncio.get_running_loop())
+            try:
+                await ours_in_process(engine, prompts(2, tokenizer), 2)  # warm up
+                return await itl_round(engine, args.streams, args.base_steps)
+            finally:
+                engine.stop()
+
+        r = asyncio.run(measure())
+        r["ratio_p99"] = r["during_p99_ms"] / r["base_p99_ms"]
+        base = base or r["during_p99_ms"]
+        records.append({"prefill_chunk_tokens": chunk, **r})
+        rows.append([
+            "whole" if chunk == 0 else chunk,
+            f"{r['base_p50_ms']:.1f}", f"{r['base_p99_ms']:.1f}",
+            f"{r['during_p50_ms']:.1f}", f"{r['during_p99_ms']:.1f}",
+            f"{r['ratio_p99']:.2f}x", f"{r['during_p99_ms'] / base:.2f}x", f"{r['prefill_s'] * 1e3:.0f}",
+        ])  # fmt: skip
+    headers = ["prefill chunk", "ITL p50 ms alone", "ITL p99 ms alone", "ITL p50 ms prefill",
+               "ITL p99 ms prefill", "p99 prefill / alone", "p99 vs whole", "prefill ms"]  # fmt: skip
+    return format_table(headers, rows), records
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="a short run: 1 and 8 requests, 16 tokens, 40 steps alone"
+    )
+    parser.add_argument("--concurrency", default=None, help="concurrent requests per round (default 1,8,32)")
+    parser.add_argument(
+        "--max-tokens", type=int, default=None, help="completion tokens per request (default 64)"
+    )
+    parser.add_argument("--chunks", default=f"0,{DEFAULT_PREFILL_CHUNK_TOKENS},64",
+                        help="--prefill-chunk-tokens values for the ITL table (0: whole prompts)")  # fmt: skip
+    parser.add_argument("--streams", type=int, default=8, help="running streams in the ITL table")
+    parser.add_argument(
+        "--base-steps", type=int, default=None, help="steps measured with no prefill (default 200)"
+    )
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--torch-threads", type=int, default=default_torch_threads(),
+                        help="torch threads for every contender (default: the worker's own default)")  # fmt: skip
+    parser.add_argument("--output", type=Path, default=None)
+    args = parser.parse_args(argv)
+    quick = {"concurrency": "1,8", "max_tokens": 16, "base_steps": 40}
+    full = {"concurrency": "1,8,32", "max_tokens": 64, "base_steps": 200}
+    for name, value in (quick if args.quick else full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.concurrency = [int(n) for n in args.concurrency.split(",")]
+    args.chunks = [int(n) for n in args.chunks.split(",")]
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    torch.set_num_threads(args.torch_threads)
+    print(f"## tiny Llama ({tiny_config().max_position_embeddings}-token context), device {device}, "
+          f"{args.torch_threads} torch threads, {PROMPT_TOKENS}-token prompts, {args.max_tokens} tokens each\n")  # fmt: skip
+    decode_table, decode, same_text = bench_decode(args, device)
+    print("### Decode tokens/s and TTFT: ours (continuous batching) vs transformers' static batch\n")
+    print(decode_table)
+    print(f"\ngreedy tokens identical to transformers' (in process): {'yes' if same_text else 'NO'}")
+    itl_table, itl = bench_itl(args, device)
+    print(f"\n### ITL of {args.streams} running streams while a {tiny_config().max_position_embeddings - 2}"
+          "-token prompt prefills\n")  # fmt: skip
+    print(itl_table)
+    verdicts = targets(decode, itl)
+    print()
+    for line in verdicts:
+        print(line)
+    out = args.output or RESULTS_DIR / ("engine_quick.json" if args.quick else "engine.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"device": device, "torch_threads": args.torch_threads, "max_tokens": args.max_tokens,
+            "prompt_tokens": PROMPT_TOKENS, "quick": args.quick, "torch": torch.__version__}  # fmt: skip
+    out.write_text(json.dumps({"meta": meta, "decode": decode, "itl": itl, "same_text": same_text,
+                               "targets": verdicts}, indent=2))  # fmt: skip
+    print(f"\nwrote {out}")
+    return 0
+
+
+def targets(decode: list[dict[str, Any]], itl: list[dict[str, Any]]) -> list[str]:
+    """The issue's targets, each with its numbers and whether it is met."""
+    lines = []
+    for r in itl:
+        if r["prefill_chunk_tokens"]:
+            met = r["ratio_p99"] <= 2.0
+            lines.append(f"ITL p99 with a whole-context prefill, chunk {r['prefill_chunk_tokens']}: "
+                         f"{r['ratio_p99']:.2f}x of alone (target <= 2x): {'met' if met else 'NOT met'}")  # fmt: skip
+    by_n = {r["concurrency"]: r for r in decode}
+    if 32 in by_n:
+        ratio = by_n[32]["decode_ratio_in_process"]
+        lines.append(f"decode tok/s at 32: {ratio:.2f}x transformers' static batch (target >= 2x): "
+                     f"{'met' if ratio >= 2.0 else 'NOT met'}")  # fmt: skip
+    if 1 in by_n:
+        tpt = 1 / by_n[1]["decode_ratio_in_process"]  # our time per token over theirs
+        lines.append(f"time per token at 1 request: {tpt:.2f}x transformers' (target <= 1.2x): "
+                     f"{'met' if tpt <= 1.2 else 'NOT met'}")  # fmt: skip
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())
