@@ -216,6 +216,28 @@ def test_without_an_owner_or_a_follower_nothing_is_stored() -> None:
     assert log.seq == 0
 
 
+def test_an_update_after_the_loop_closed_is_dropped_not_raised() -> None:
+    """The engine thread may register blocks after the worker's loop closed (it stops): the key
+    log's update is dropped, and the engine's step does not fail for it."""
+    config, _, _ = build_tiny()
+    cache = PagedKVCache(config, 8 * BS, block_size=BS, prefix_caching=True)
+    loop = asyncio.new_event_loop()
+
+    async def follow() -> None:
+        cache.chunks = ChunkEventLog("w", CHUNK, BS)
+
+    loop.run_until_complete(follow())
+    loop.close()
+    log = cache.chunks
+    assert log is not None
+    body = _completion("x" * 100)
+    log.track("a", body, False)
+    ids = np.arange(101, dtype=np.int32)
+    blocks, _ = cache.allocate_prefix(ids, 102)
+    assert cache.register(blocks, ids, 101, (0, b""), ("a", 101))[0] == 6
+    assert log.seq == 0
+
+
 # -- an orchestrator following real torch workers -----------------------------------------------------------
 
 

@@ -96,7 +96,7 @@ class PagedKVCache:
     def chunks(self, log: ChunkEventLog | None) -> None:
         # Set on the event loop (the first follower): its updates are made there from now on.
         try:
-            self.post = asyncio.get_running_loop().call_soon_threadsafe
+            self.post = _OnLoop(asyncio.get_running_loop())
         except RuntimeError:  # no loop (a test's direct use): updates run where they are made
             self.post = _call_now
         self._chunks = log
@@ -286,6 +286,23 @@ class PagedKVCache:
 
 def _call_now(fn: Callable[..., Any], *args: Any) -> None:
     fn(*args)
+
+
+class _OnLoop:
+    """Hands a key-log update to its loop (FIFO with the loop's own callbacks); once the loop is
+    closed (the worker stopping, the engine finishing a step) the update is dropped: nobody
+    follows the log any more, and the engine step must not fail for it."""
+
+    __slots__ = ("loop",)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+
+    def __call__(self, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # "Event loop is closed"
+            pass
 
 
 class PrefillAttention:
