@@ -366,21 +366,21 @@ class DecodeAttention:
     def __init__(self, cache: PagedKVCache, tables: list[list[int]], lengths: list[int]) -> None:
         bs = cache.block_size
         device = cache.device
-        width = max(len(t) for t in tables)
-        padded = torch.zeros((len(tables), width), dtype=torch.int64)
+        # Only as many blocks as the longest sequence needs (a table holds the whole reservation):
+        # the gather is the step's main cost. Built with numpy on the host in one go, then moved:
+        # one small copy per step instead of a tensor per row (this ran 0.8 ms of a 2 ms step at 32).
+        blocks = -(-max(lengths) // bs)
+        padded = np.zeros((len(tables), blocks), dtype=np.int64)
         for i, t in enumerate(tables):
-            padded[i, : len(t)] = torch.tensor(t, dtype=torch.int64)
-        # Only as many blocks as the longest sequence needs: the gather is the step's main cost.
-        longest = max(lengths)
-        span = -(-longest // bs) * bs
-        offsets = torch.arange(span, dtype=torch.int64)
-        # Built on the host in one go, then moved: one small copy per step instead of many tiny kernels.
+            row = t[:blocks]
+            padded[i, : len(row)] = row
+        offsets = np.arange(blocks * bs, dtype=np.int64)
         gather = padded[:, offsets // bs] * bs + offsets % bs  # [B, span]
-        lens = torch.tensor(lengths, dtype=torch.int64)
-        new_slots = gather[torch.arange(len(tables)), lens - 1]
-        self.gather_slots = gather.to(device)
-        self.mask = (offsets[None, :] < lens[:, None]).to(device)[:, None, None, :]  # [B, 1, 1, span]
-        self.new_slots = new_slots.to(device)
+        lens = np.asarray(lengths, dtype=np.int64)
+        self.gather_slots = torch.from_numpy(gather).to(device)
+        self.new_slots = torch.from_numpy(gather[np.arange(len(tables)), lens - 1]).to(device)
+        mask = torch.from_numpy(offsets[None, :] < lens[:, None])
+        self.mask = mask.to(device)[:, None, None, :]  # [B, 1, 1, span]
         self.cache = cache
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
