@@ -263,8 +263,10 @@ def make_case(seed: int, index: int, known: bool = True, trim: Callable[[Case], 
     for _ in range(rng.choice((0, 0, 1, 1, 2, 3))):
         i = rng.randrange(len(exchanges))
         exchanges[i] = _mutate(rng, exchanges[i], case, i, known)
-    if case.oversized is not None and case.marker not in exchanges[case.oversized]:
-        case.oversized = None  # (cut or broken by a later mutation)
+    if case.oversized is not None:  # still there, and still in the first head (no mutation ended it before)
+        at = exchanges[case.oversized].find(case.marker)
+        if at < 0 or b"\r\n\r\n" in exchanges[case.oversized][:at]:
+            case.oversized = None
     case.eof = "close" in kinds or rng.random() < 0.4
     if trim is not None:
         trim(case)
