@@ -308,3 +308,50 @@ async def test_a_bad_prompt_sharing_a_forward_with_running_streams_fails_alone(m
     assert delta.finish_reason == "error" and "prefill failed" in (delta.error or "")
     assert [*first.token_ids, *(t for d in await collect(queue) for t in d.token_ids)] == want
     assert engine.engine_errors_total == 1 and engine.kv_used_tokens == 0
+
+
+async def test_served_disaggregated_chunked_equals_a_whole_prefill_single_worker() -> None:
+    """Through the HTTP workers: a context worker prefilling in chunks of 16 hands off KV (and its
+    first token) from which a chunked generation worker continues the text a single worker with
+    whole prefills gives; a second turn extending the first hits the context worker's prefix cache."""
+    import aiohttp
+    from tiny_workers import tiny_worker
+
+    torch.set_num_threads(1)
+    single = await tiny_worker("both")
+    single.engine.prefill_chunk_tokens = 0
+    ctx_worker = await tiny_worker("context", kv_ttl_s=30.0)
+    gen_worker = await tiny_worker("generation", kv_fetch_timeout_s=5.0)
+    for worker in (ctx_worker, gen_worker):
+        worker.engine.prefill_chunk_tokens = 16
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+                async with http.post(url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    return await resp.json()
+
+            first = text(5, 600)
+            for prompt in (first, first + " and a second turn that extends the first one"):
+                body = {
+                    "model": "tiny",
+                    "prompt": prompt,
+                    "max_tokens": 20,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                }
+                want = (await post(single.url, body))["choices"][0]["text"]
+                params = {"request_type": "context_only", "disagg_request_id": 7205759403792793601}
+                ctx = await post(ctx_worker.url, {**body, "disaggregated_params": params})
+                assert ctx["choices"][0]["finish_reason"] == "not_finished"
+                gen_params = {**ctx["choices"][0]["disaggregated_params"], "request_type": "generation_only",
+                              "ctx_usage": ctx["usage"]}  # fmt: skip
+                gen = await post(gen_worker.url, {**body, "prompt": ctx["prompt_token_ids"],
+                                                  "disaggregated_params": gen_params})  # fmt: skip
+                assert gen["choices"][0]["text"] == want
+            assert ctx_worker.engine.prefix_hit_tokens >= 512
+            assert ctx_worker.engine.prefill_steps_total >= 600 // 16
+    finally:
+        for worker in (single, ctx_worker, gen_worker):
+            await worker.server.cleanup()
