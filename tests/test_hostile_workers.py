@@ -16,10 +16,26 @@ what says it came at once.
 from __future__ import annotations
 
 import asyncio
+import json
+from types import ModuleType
 from typing import Any
 
 import pytest
 from helpers import eventually
+from test_exchange import (
+    CONTEXT_OK,
+    GENERATION_BODY,
+    GENERATION_OK,
+    STREAM_OK,
+    StandIn,
+    ask,
+    assert_answer,
+    completion,
+    error_of,
+    generation,
+    generation_default,
+    orchestrator,
+)
 from upstream_stand_ins import (  # noqa: F401  (fixtures: both twins, both loops)
     Pool,
     Reader,
@@ -32,10 +48,14 @@ from upstream_stand_ins import (  # noqa: F401  (fixtures: both twins, both loop
     fetch,
     ok,
     pool_for,
+    set_twin,
 )
 
-from server.http import UpstreamError, UpstreamResponse
+from bench.orchestrator_work import context_response
+from bench.request_path import http, sse_answer
+from server.http import UpstreamError, UpstreamPool, UpstreamResponse
 from server.http.limits import MAX_RESPONSE_HEAD_BYTES, MAX_RESPONSE_HEADERS
+from server.orchestrator.app import Orchestrator
 
 pytestmark = pytest.mark.filterwarnings('ignore:Overriding the "event_loop_policy" fixture is deprecated')
 
@@ -225,3 +245,142 @@ async def test_a_body_past_max_body_is_refused_and_the_connection_closed(framing
             exc = info.value
         assert isinstance(exc, UpstreamError) and "response body exceeds 4000 bytes" in str(exc)
         assert await eventually(lambda: not pool.idle and not pool.open)
+
+
+# -- 3. an orchestrator in front of hostile workers ---------------------------------------------------
+# (test_exchange's stand-ins and orchestrator: a worker answers its POSTs from a script of raw bytes)
+
+IDS_2 = [7] * 250
+CONTEXT_2 = http(b"200 OK", context_response(IDS_2, b64=True))
+GENERATION_2 = http(b"200 OK", GENERATION_BODY.replace(b"The answer is short.", b"A second, wrong one."))
+STREAM_2 = sse_answer(2)
+#: a worker's answer, then a second one in the same write, per leg
+DOUBLED = {
+    "context": (CONTEXT_OK + CONTEXT_2, False),
+    "generation": (GENERATION_OK + GENERATION_2, False),
+    "stream": (STREAM_OK + STREAM_2, True),
+}
+
+
+@pytest.fixture(params=["callbacks", "coroutines-admission"])
+def orchestrator_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """The orchestrator's two request paths: from callbacks (exchange.py), or in coroutines, where a
+    completion waits for its admission slot (admission on). The config it takes."""
+    monkeypatch.setattr(Orchestrator, "serve_from_callbacks", True)
+    if request.param == "callbacks":
+        return {}
+    return {"admission": {"max_inflight": 4}}
+
+
+@pytest.fixture
+def upstream_twin(http_twin: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every orchestrator's upstream connections on the twin of ``http_twin`` (compiled or pure)."""
+    set_twin(UpstreamPool, http_twin, monkeypatch)
+
+
+def _b64_ids(answer: bytes) -> bytes:
+    """The prompt_token_ids_b64 value of a context answer."""
+    body = answer.split(b"\r\n\r\n", 1)[1]
+    return json.loads(body)["prompt_token_ids_b64"].encode()
+
+
+@pytest.mark.usefixtures("upstream_twin")
+@pytest.mark.parametrize("leg", sorted(DOUBLED))
+async def test_a_worker_that_answers_twice_in_one_write_the_first_answer_stands(
+    leg: str, orchestrator_path: dict[str, Any]
+) -> None:
+    """Two complete answers in one write, on the context leg, the generation leg or a streamed one:
+    the orchestrator lives on (the compiled connection crashed it), the client gets what the first
+    answer makes, and that connection is not used again (the next leg opens another)."""
+    answer, stream = DOUBLED[leg]
+    ctx = StandIn(answer) if leg == "context" else StandIn()
+    gen = generation() if leg == "context" else generation(answer)
+    async with ctx, gen, orchestrator([ctx], [gen], **orchestrator_path) as (orch, port):
+        (first,) = await ask(port, completion(stream))
+        assert_answer(first, stream)
+        if leg == "context":
+            assert _b64_ids(CONTEXT_OK) in gen.posts[0] and _b64_ids(CONTEXT_2) not in gen.posts[0]
+        (second,) = await ask(port, completion(stream))
+        assert_answer(second, stream)
+        doubled = ctx if leg == "context" else gen
+        assert doubled.leg_connections == 2, "the connection of the doubled answer was pooled"
+        assert all(w.healthy for p in orch.pools for w in p.workers)
+
+
+class Trickle:
+    """A head that never ends: ``start``, then ``piece`` per write, forever."""
+
+    def __init__(self, start: bytes, piece: bytes) -> None:
+        self.start, self.piece = start, piece
+
+
+class HostileStandIn(StandIn):
+    """test_exchange's stand-in, whose script may also trickle a head forever (:class:`Trickle`)."""
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not (self.script and isinstance(self.script[0], Trickle)):
+            await super().serve(reader, writer)
+            return
+        while True:  # health checks until the POST
+            head = await reader.readuntil(b"\r\n\r\n")
+            if head.startswith(b"GET"):
+                writer.write(http(b"200 OK", b'{"status": "ok"}' if b" /health" in head else b"{}"))
+                continue
+            lengths = [int(h[15:]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")]
+            self.posts.append(await reader.readexactly(lengths[0] if lengths else 0))
+            break
+        trickle = self.script.pop(0)
+        assert isinstance(trickle, Trickle)
+        writer.write(trickle.start)
+        while True:
+            writer.write(trickle.piece)
+            await writer.drain()
+            await asyncio.sleep(0.002)
+
+
+_LINE = b"HTTP/1.1 200 OK\r\n"
+#: what a worker answers past the bounds, on a leg (the head's bound, or max_worker_body_bytes: 64 KiB here)
+HOSTILE = {
+    "endless-content-type": _LINE + b"Content-Type: " + b"a" * (MAX_RESPONSE_HEAD_BYTES + 1),
+    "endless-other-header": _LINE + b"X-Other: " + b"a" * (MAX_RESPONSE_HEAD_BYTES + 1),
+    "too-many-headers": _LINE
+    + b"".join(b"X-%d: 1\r\n" % i for i in range(MAX_RESPONSE_HEADERS + 1))
+    + b"\r\n",
+    "trickling-head": Trickle(_LINE + b"Content-Type: ", b"a" * 1024),
+    "body-over-the-bound": http(b"200 OK", b"{" + b" " * (64 * 1024) + b"}"),
+}
+
+
+@pytest.mark.usefixtures("upstream_twin")
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+@pytest.mark.parametrize("leg", ["context", "generation", "stream"])
+async def test_a_worker_answer_past_its_bounds_is_a_502_at_once_counted_against_the_worker(
+    leg: str, case: str, orchestrator_path: dict[str, Any]
+) -> None:
+    """An endless or oversized head, or a whole answer past max_worker_body_bytes: the client gets the
+    API's 502 for the leg (not the deadline's 504: the deadlines are far), the worker's breaker
+    counts a failure and the worker leaves the pool until its /health passes."""
+    hostile = HOSTILE[case]
+    stream = leg == "stream"
+    if case == "body-over-the-bound" and stream:
+        hostile = http(b"200 OK", b"data: " + b"x" * (64 * 1024) + b"\n\n", b"text/event-stream")
+    ctx = HostileStandIn(hostile) if leg == "context" else StandIn()
+    gen = HostileStandIn(hostile, default=generation_default) if leg != "context" else generation()
+    config = {
+        "context_fallback": "fail",
+        "request_timeout_s": 600,
+        "context_timeout_s": 300,
+        "max_worker_body_bytes": 64 * 1024,
+        **orchestrator_path,
+    }
+    async with ctx, gen, orchestrator([ctx], [gen], **config) as (orch, port):
+        (resp,) = await ask(port, completion(stream))
+        if case == "body-over-the-bound" and stream:
+            # a stream is relayed as it comes: no bound on it, the whole answer reaches the client
+            assert resp.status == 200 and len(resp.body) > 64 * 1024
+            return
+        name = "context" if leg == "context" else "generation"
+        error = error_of(resp, 502)
+        assert error["code"] == f"{name}_leg_failed", error
+        (worker,) = (orch.context_pool if name == "context" else orch.generation_pool).workers
+        assert worker.breaker.failures == 1 and not worker.healthy
