@@ -58,6 +58,7 @@ decode_tokens_into = _codec_impl.decode_tokens_into
 
 find_span = _scan_impl.find_span
 find_spans = _scan_impl.find_spans
+find_member_spans = _scan_impl.find_member_spans
 splice = _scan_impl.splice
 chunk_hashes = _hash_impl.chunk_hashes
 
@@ -76,6 +77,7 @@ __all__ = [
     "decode_tokens_into",
     "decode_tokens_list",
     "encode_tokens",
+    "find_member_spans",
     "find_span",
     "find_spans",
     "splice",

@@ -40,7 +40,7 @@ import aiohttp
 
 import fastcore
 from fastcore import protocol as wire
-from server.auth import SIGNATURE_HEADER, TRTLLM_AUTH_HEADER, sign_body, trtllm_disagg_auth
+from server.auth import SIGNATURE_HEADER, sign_body
 from server.errors import HTTPError, check_not_empty, error_body
 from server.http import (
     BodyPiece,
@@ -77,7 +77,8 @@ from .legs import (
 )
 from .metrics import CPU_SAMPLE_EVERY, NO_CLOCK, Clock, CpuClock, OrchestratorMetrics
 from .pools import HealthChecker, Pool, Worker
-from .relay_modes import ClientRequest, ContextResult, answer_as_sse, make_relay
+from .protocols import make_protocol
+from .relay_modes import ClientRequest, answer_as_sse
 from .routing import (
     BYTES_PER_TOKEN,
     KvCacheAwareRouter,
@@ -102,7 +103,6 @@ COMPLETIONS_PATH = wire.COMPLETIONS_PATH
 LISTEN_BACKLOG = 4096
 # Per-connection read buffer of the aiohttp pass-through floor (bench/passthrough.py).
 READ_BUFSIZE = 1 << 22
-_TRTLLM_AUTH = TRTLLM_AUTH_HEADER.encode()
 _KV_ENDPOINT_PATH = (("choices", 0, wire.DISAGGREGATED_PARAMS, wire.CTX_INFO_ENDPOINT),)
 #: a fastcore context worker's KV endpoint, at the end of ctx_info_endpoint
 _KV_PATH = re.compile(re.escape(wire.KV_PATH_PREFIX) + wire.KV_ID_PATTERN + r"\Z")
@@ -133,11 +133,10 @@ class Orchestrator:
     def __init__(self, config: OrchestratorConfig) -> None:
         config.check_runnable()
         self.config = config
-        self.relay = make_relay(
-            config.relay,
-            tokids_b64=config.gen_tokids_ctxbytes,
-            strip_history=config.gen_strip_message_history,
-        )
+        #: what the legs speak to the workers (protocols/: trtllm-serve's, vLLM's): their bodies (its relay),
+        #: headers, KV releases and capability probe
+        self.protocol = make_protocol(config)
+        self.relay = self.protocol.relay
         ctx_router, gen_router = config.context_servers.router, config.generation_servers.router
         breakers = {"breaker_failures": config.circuit_breaker_failures, "breaker_open_s":
                     config.circuit_breaker_open_s, "panic_threshold": config.circuit_breaker_panic_threshold}  # fmt: skip
@@ -178,7 +177,6 @@ class Orchestrator:
                 secret=config.shared_secret_bytes,
             )
         self.secret = config.shared_secret_bytes
-        self.trtllm_key = config.trtllm_auth_key
         self.in_flight = 0
         #: what serves completions now (tasks, exchanges): a drain that runs out of time cancels them
         self._serving: set[asyncio.Task[Any] | Exchange] = set()
@@ -246,6 +244,8 @@ class Orchestrator:
             interval=self.config.health_check_interval_s,
             timeout=self.config.health_check_timeout_s,
             on_change=self._record_health,
+            capabilities_path=self.protocol.capabilities_path,
+            capabilities_of=self.protocol.capabilities,
         )
         self.health.start()
         # kv_cache_aware pools follow their workers' cache events (cache_view.py)
@@ -601,7 +601,8 @@ class Orchestrator:
         unavailable: LegUnavailable | None = None
         try:
             context_response = await self.legs.run("context", self.context_pool, path, context_body, _body,
-                headers=self.relay.leg_headers, timeout=self._context_timeout(len(body)), key=key, tokens=tokens,
+                headers=self.relay.leg_headers, extra=self.protocol.context_headers(req),
+                timeout=self._context_timeout(len(body)), key=key, tokens=tokens,
                 tried=tried, disagg_id=disagg_id, resume=resume, panic=not self._can_fall_back())  # fmt: skip
         except LegUnavailable as exc:
             unavailable = exc  # served outside this handler: the client's error carries no context
@@ -646,7 +647,7 @@ class Orchestrator:
             return None
         generation_body = relay.generation_pieces(req, ctx)
         clock.lap("build_generation")
-        auth = self._trtllm_auth(ctx) if self.trtllm_key is not None else b""
+        auth = self.protocol.generation_headers(req, ctx)
         return generation_body, auth, context_done
 
     async def _generation_after_context(
@@ -734,26 +735,16 @@ class Orchestrator:
         remainder = router.estimate.tokens(key.prompt_bytes - key.hit_chunks * router.chunk_bytes)
         return remainder <= self.max_local_prefill
 
-    def _trtllm_auth(self, ctx: ContextResult) -> bytes:
-        """trtllm-serve's ``x-trtllm-disagg-auth`` line for the generation leg (docs/protocol.md).
-
-        It signs the context response's ``ctx_info_endpoint`` and
-        ``encoded_opaque_state`` (found by the relay's own scan), which leg (3)
-        carries verbatim; a leg with neither needs none.
-        """
-        assert self.trtllm_key is not None
-        endpoint, state = self.relay.auth_fields(ctx)
-        if endpoint is None and state is None:
-            return b""
-        return b"%s: %s\r\n" % (_TRTLLM_AUTH, trtllm_disagg_auth(self.trtllm_key, endpoint, state).encode())
-
     def _release_kv_soon(self, worker: Worker, context_response: bytes) -> None:
         """``DELETE`` the context leg's parked KV on ``worker``, in the background (best effort).
 
         Only a fastcore endpoint (``.../kv/<id>``) is released, and only on the
         worker that answered (never a host the response names). A 404 (the
-        generation worker fetched it first) is the common answer and fine.
+        generation worker fetched it first) is the common answer and fine. A protocol without
+        releases (vLLM's: its blocks' lease ends) sends none.
         """
+        if not self.protocol.releases_kv:
+            return
         try:
             (span,) = fastcore.find_spans(context_response, _KV_ENDPOINT_PATH, validate=False)
             endpoint = json.loads(context_response[span[0] : span[1]]) if span is not None else None
@@ -767,6 +758,8 @@ class Orchestrator:
     def _release_lost_kv_soon(self, worker: Worker, disagg_id: int) -> None:
         """``DELETE /kv/by-request/<disagg_id>`` on the context worker whose answer was lost (best
         effort: a fastcore worker frees what it parked for the leg; 404 when it parked nothing)."""
+        if not self.protocol.releases_kv:
+            return
         self._in_background(
             self._release_kv(worker, b"%s%d" % (wire.KV_BY_REQUEST_PREFIX.encode(), disagg_id))
         )

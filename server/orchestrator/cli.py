@@ -27,6 +27,7 @@ from .config import (
     CONTEXT_FALLBACKS,
     RELAY_MODES,
     ROUTER_TYPES,
+    WORKER_PROTOCOLS,
     ConfigError,
     OrchestratorConfig,
     build_config,
@@ -96,6 +97,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=RELAY_MODES,
         help="fast: zero-parse splices; parsed: the pydantic baseline; parsed-msgpack: it with msgpack legs "
         "(as newer trtllm-serve orchestrators send them)",
+    )
+    parser.add_argument(
+        "--worker-protocol",
+        choices=WORKER_PROTOCOLS,
+        help="what the legs speak to the workers: trtllm (trtllm-serve's disaggregated protocol) or vllm "
+        "(vLLM's NixlConnector: kv_transfer_params)",
     )
     parser.add_argument("--max-retries", type=int, help="context/generation leg retries on another worker")
     parser.add_argument("--request-timeout-s", type=float, help="per-leg timeout in seconds")
@@ -201,6 +208,7 @@ _OVERRIDES = {
     "gen_tokids_ctxbytes": "gen_tokids_ctxbytes",
     "gen_strip_message_history": "gen_strip_message_history",
     "relay": "relay",
+    "worker_protocol": "worker_protocol",
     "max_retries": "max_retries",
     "request_timeout_s": "request_timeout_s",
     "context_timeout_s": "context_timeout_s",

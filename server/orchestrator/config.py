@@ -24,6 +24,7 @@ from server.metrics_access import METRICS_TOKEN_ENV
 from server.tracing import TracingConfigError, check_endpoint, configured_endpoint
 
 from .pools import BREAKER_FAILURES, BREAKER_OPEN_S, PANIC_THRESHOLD
+from .protocols import refusal as protocol_refusal
 from .routing import ROUTER_ARGS, ROUTERS, make_router
 from .tenants import API_KEY_ENV, KeyFileError, read_key_file
 
@@ -33,6 +34,9 @@ log = logging.getLogger("fastcore.orchestrator")
 #: the orchestrator's relay modes (server/orchestrator/relay_modes.py implements them)
 RelayModeName = Literal["fast", "parsed", "parsed-msgpack"]
 RELAY_MODES: tuple[str, ...] = get_args(RelayModeName)
+#: the protocol the legs speak to the workers (server/orchestrator/protocols/ implements them)
+WorkerProtocolName = Literal["trtllm", "vllm"]
+WORKER_PROTOCOLS: tuple[str, ...] = get_args(WorkerProtocolName)
 #: what a request does when no context worker can take it (docs/configuration.md, Faults)
 ContextFallback = Literal["local_prefill", "fail"]
 CONTEXT_FALLBACKS: tuple[str, ...] = get_args(ContextFallback)
@@ -251,6 +255,9 @@ class OrchestratorConfig(BaseModel):
     # compare both; "parsed-msgpack" the same with msgpack leg bodies, as newer
     # trtllm-serve orchestrators send them; "fast" never parses bodies in Python.
     relay: RelayModeName = "fast"
+    # What the legs speak: trtllm-serve's disaggregated protocol, or vLLM's (NixlConnector:
+    # kv_transfer_params from the prefill's answer spliced into the decode leg); protocols/
+    worker_protocol: WorkerProtocolName = "trtllm"
     max_retries: int = Field(1, ge=0)
     request_timeout_s: float = Field(180.0, gt=0)
     # Faults (docs/protocol.md#faults): the context leg's own deadline (never above
@@ -387,6 +394,9 @@ class OrchestratorConfig(BaseModel):
         section not built yet."""
         cluster = self.disagg_cluster
         self._check_trtllm_keys()
+        refused = protocol_refusal(self)
+        if refused is not None:
+            raise ConfigError(f"worker_protocol: {self.worker_protocol}: {refused}")
         if cluster is not None and cluster.cluster_uri.startswith("http://") and self.workers > 1:
             raise ConfigError(
                 "disagg_cluster.cluster_uri: an http:// registry is kept by one orchestrator process; "

@@ -137,7 +137,8 @@ class Exchange(Handling):
             self._go_on(self._context_leg(None))
             return
         self.tried.append(worker)
-        self._send(CONTEXT, worker, self.context_body, orch.relay.leg_headers, b"", False, None,
+        self._send(CONTEXT, worker, self.context_body, orch.relay.leg_headers, orch.protocol.context_headers(req),
+                   False, None,
                    timeout=orch._context_timeout(len(body)), read_timeout=None, max_body=orch.config.max_worker_body_bytes,
                    first_byte=None)  # fmt: skip
 

@@ -449,8 +449,14 @@ class HealthChecker:
         interval: float,
         timeout: float,
         on_change: Callable[[Pool, Worker], None] = lambda pool, worker: None,
+        capabilities_path: str = wire.SERVER_INFO_PATH,
+        capabilities_of: Callable[[object], Capabilities] = Capabilities.of,
     ) -> None:
         self.pools = pools
+        #: the worker protocol's probe (server/orchestrator/protocols/): where a worker says what it can
+        #: do, and what that answer means
+        self.capabilities_path = capabilities_path
+        self.capabilities_of = capabilities_of
         self.session = session
         self.interval = interval
         self.timeout = aiohttp.ClientTimeout(total=timeout)
@@ -502,16 +508,16 @@ class HealthChecker:
         pool.router.estimate.seed(caps.bytes_per_token)  # until answers teach the pool better
 
     async def read_capabilities(self, worker: Worker) -> Capabilities:
-        """What ``worker``'s ``/server_info`` says: completions in base64, ``local_prefill``,
-        ``kv_capacity_tokens`` (False / None on any doubt)."""
+        """What ``worker``'s ``/server_info`` says (trtllm: completions in base64, ``local_prefill``,
+        ``kv_capacity_tokens``; another protocol's probe: ``capabilities_path``), False / None on any doubt."""
         try:
-            async with self.session.get(worker.url + wire.SERVER_INFO_PATH, timeout=self.timeout) as resp:
+            async with self.session.get(worker.url + self.capabilities_path, timeout=self.timeout) as resp:
                 if resp.status != 200:
                     return Capabilities()
                 info = await resp.json(content_type=None)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
             return Capabilities()
-        return Capabilities.of(info)
+        return self.capabilities_of(info)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check_worker(p, w) for p in self.pools for w in p.workers))

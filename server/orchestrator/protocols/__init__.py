@@ -1,0 +1,53 @@
+"""Worker protocols: what the orchestrator's legs say to its workers, one module per engine.
+
+A protocol owns what is the engine's in a disaggregated completion: the legs' bodies (its ``relay``,
+in the relay-mode interface of :mod:`..relay_modes`), their header lines (``context_headers``,
+``generation_headers``: trtllm-serve's auth, vLLM's ``X-Request-Id``), whether a context worker's
+parked KV is released on an abort (``releases_kv``), where and how a worker's capabilities are read
+(``capabilities_path``, ``capabilities``), and the features it does not run yet (``refusal``: the
+config is refused at startup, naming why). The sequence (context leg, then generation leg), routers,
+breakers, retries, admission and metrics are the orchestrator's, the same for every protocol.
+
+- ``trtllm`` (:mod:`.trtllm`, the default): trtllm-serve's protocol, today's relay modes;
+- ``vllm`` (:mod:`.vllm`): vLLM with its NixlConnector.
+
+A new protocol is one module here with a class of that shape, and its name in :data:`PROTOCOLS`
+(config.py's ``WorkerProtocolName`` lists the names the config takes).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .trtllm import TrtllmProtocol
+from .vllm import VllmProtocol, VllmRelay
+
+if TYPE_CHECKING:
+    from ..config import OrchestratorConfig
+
+WorkerProtocol = TrtllmProtocol | VllmProtocol
+#: config ``worker_protocol`` -> its class
+PROTOCOLS: dict[str, type[TrtllmProtocol] | type[VllmProtocol]] = {
+    TrtllmProtocol.name: TrtllmProtocol,
+    VllmProtocol.name: VllmProtocol,
+}
+
+
+def make_protocol(config: OrchestratorConfig) -> WorkerProtocol:
+    return PROTOCOLS[config.worker_protocol](config)
+
+
+def refusal(config: OrchestratorConfig) -> str | None:
+    """Why ``config``'s features cannot run on its ``worker_protocol`` (None: they can)."""
+    return PROTOCOLS[config.worker_protocol].refusal(config)
+
+
+__all__ = [
+    "PROTOCOLS",
+    "TrtllmProtocol",
+    "VllmProtocol",
+    "VllmRelay",
+    "WorkerProtocol",
+    "make_protocol",
+    "refusal",
+]
