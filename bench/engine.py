@@ -176,11 +176,11 @@ async def ours_over_http(url: str, batch: list[list[int]], max_tokens: int) -> d
 class Worker:
     """A ``fastcore-serve worker --model tiny`` process on a free port."""
 
-    def __init__(self, threads: int, device: str) -> None:
+    def __init__(self, threads: int, device: str, flags: tuple[str, ...] | list[str] = ()) -> None:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "server.cli", "worker", "--model", "tiny", "--port", str(port),
-               "--device", device, "--torch-threads", str(threads)]  # fmt: skip
+               "--device", device, "--torch-threads", str(threads), *flags]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def __enter__(self) -> Worker:
@@ -263,8 +263,8 @@ async def itl_round(engine: TorchEngine, streams: int, base_steps: int) -> dict[
         engine.submit(req)
     await asyncio.wait_for(base_done, 120)
     cut = len(stamps[0]), [len(s) for s in stamps]
-    text = engine.tokenizer.encode("a prompt as long as the whole context. " * (engine.max_context // 30))
-    long = engine_request(engine, text[: engine.max_context - 2], 1, f"long-{id(stamps)}")
+    long_ids = whole_context_prompt(engine.tokenizer, engine.max_context)
+    long = engine_request(engine, long_ids, 1, f"long-{id(stamps)}")
 
     def on_long(d: Delta) -> None:
         if d.error and not long_first.done():
@@ -279,12 +279,14 @@ async def itl_round(engine: TorchEngine, streams: int, base_steps: int) -> dict[
     for req in reqs:
         engine.abort(req.request_id)
 
-    def gaps(times: list[float]) -> list[float]:
-        return [b - a for a, b in itertools.pairwise(times)]
+    return itl_stats(stamps, cut[1], started, ended)
 
-    # baseline: the steady steps before the long prompt (the first 5 are the streams' start)
-    base = [g for s, n in zip(stamps, cut[1]) for g in gaps(s[5:n])]
-    # during: every gap that ends after the prompt came and begins before its first token
+
+def itl_stats(stamps: list[list[float]], cut: list[int], started: float, ended: float) -> dict[str, float]:
+    """p50/p99 of the streams' gaps alone (their steady steps before ``cut``, the first 5 being
+    their start) and while the long prompt prefilled (every gap that ends after it came, at
+    ``started``, and begins before its first token, at ``ended``)."""
+    base = [b - a for s, n in zip(stamps, cut) for a, b in itertools.pairwise(s[5:n])]
     during = [b - a for s in stamps for a, b in itertools.pairwise(s) if b > started and a < ended]
     return {
         "base_p50_ms": 1e3 * (percentile(base, 50) or 0.0),
@@ -296,10 +298,56 @@ async def itl_round(engine: TorchEngine, streams: int, base_steps: int) -> dict[
     }
 
 
+def whole_context_prompt(tokenizer: Any, max_context: int) -> list[int]:
+    """A prompt as long as the context allows with one token to generate."""
+    return tokenizer.encode("a prompt as long as the whole context. " * (max_context // 30))[
+        : max_context - 2
+    ]
+
+
+async def itl_round_http(url: str, streams: int, base_steps: int, long_ids: list[int]) -> dict[str, float]:
+    """:func:`itl_round` against a worker process: the gaps between a stream's SSE events as its
+    client reads them, the long prompt's first token as its own client reads it."""
+    import aiohttp
+
+    stamps: list[list[float]] = [[] for _ in range(streams)]
+    base_done = asyncio.Event()
+    body = {"model": "tiny", "max_tokens": 1800, "temperature": 0, "ignore_eos": True, "stream": True}
+
+    async def stream(session: aiohttp.ClientSession, i: int) -> None:
+        async with session.post(url + "/v1/completions", json={**body, "prompt": f"stream {i} " * 3}) as resp:
+            async for line in resp.content:
+                if line.startswith(b"data: {"):
+                    stamps[i].append(time.perf_counter())
+                    if i == 0 and len(stamps[0]) >= base_steps + 5:
+                        base_done.set()
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        tasks = [asyncio.create_task(stream(session, i)) for i in range(streams)]
+        try:
+            await asyncio.wait_for(base_done.wait(), 120)
+            cut = [len(s) for s in stamps]
+            started = time.perf_counter()
+            long = {**body, "prompt": long_ids, "max_tokens": 1}
+            async with session.post(url + "/v1/completions", json=long) as resp:
+                if resp.status != 200:
+                    raise SystemExit(f"the long prompt got {resp.status}: {await resp.text()}")
+                async for line in resp.content:
+                    if line.startswith(b"data: {"):
+                        break
+            ended = time.perf_counter()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    return itl_stats(stamps, cut, started, ended)
+
+
 def bench_itl(args: argparse.Namespace, device: str) -> tuple[str, list[dict[str, Any]]]:
     config, model, tokenizer = build_tiny(device)
+    long_ids = whole_context_prompt(tokenizer, config.max_context)
     rows, records = [], []
-    base: float | None = None
+    whole: dict[str, float] = {}
     for chunk in args.chunks:
         engine = TorchEngine(config, model, tokenizer, device=device, prefill_chunk_tokens=chunk)
 
@@ -311,18 +359,23 @@ def bench_itl(args: argparse.Namespace, device: str) -> tuple[str, list[dict[str
             finally:
                 engine.stop()
 
-        r = asyncio.run(measure())
-        r["ratio_p99"] = r["during_p99_ms"] / r["base_p99_ms"]
-        base = base or r["during_p99_ms"]
-        records.append({"prefill_chunk_tokens": chunk, **r})
-        rows.append([
-            "whole" if chunk == 0 else chunk,
-            f"{r['base_p50_ms']:.1f}", f"{r['base_p99_ms']:.1f}",
-            f"{r['during_p50_ms']:.1f}", f"{r['during_p99_ms']:.1f}",
-            f"{r['ratio_p99']:.2f}x", f"{r['during_p99_ms'] / base:.2f}x", f"{r['prefill_s'] * 1e3:.0f}",
-        ])  # fmt: skip
-    headers = ["prefill chunk", "ITL p50 ms alone", "ITL p99 ms alone", "ITL p50 ms prefill",
-               "ITL p99 ms prefill", "p99 prefill / alone", "p99 vs whole", "prefill ms"]  # fmt: skip
+        results = [("in process", asyncio.run(measure()))]
+        if not args.no_http_itl:
+            with Worker(args.torch_threads, device, ["--prefill-chunk-tokens", str(chunk)]) as worker:
+                results.append(("HTTP", asyncio.run(itl_round_http(worker.url, args.streams, args.base_steps,
+                                                                   long_ids))))  # fmt: skip
+        for path, r in results:
+            r["ratio_p99"] = r["during_p99_ms"] / r["base_p99_ms"]
+            whole.setdefault(path, r["during_p99_ms"])
+            records.append({"prefill_chunk_tokens": chunk, "path": path, **r})
+            rows.append([
+                "whole" if chunk == 0 else chunk, path,
+                f"{r['base_p50_ms']:.1f}", f"{r['base_p99_ms']:.1f}",
+                f"{r['during_p50_ms']:.1f}", f"{r['during_p99_ms']:.1f}",
+                f"{r['ratio_p99']:.2f}x", f"{r['during_p99_ms'] / whole[path]:.2f}x", f"{r['prefill_s'] * 1e3:.0f}",
+            ])  # fmt: skip
+    headers = ["prefill chunk", "path", "ITL p50 ms alone", "ITL p99 ms alone", "ITL p50 ms prefill",
+               "ITL p99 ms prefill", "p99 prefill / alone", "p99 vs whole", "TTFT of the long prompt ms"]  # fmt: skip
     return format_table(headers, rows), records
 
 
@@ -337,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--chunks", default=f"0,{DEFAULT_PREFILL_CHUNK_TOKENS},64",
                         help="--prefill-chunk-tokens values for the ITL table (0: whole prompts)")  # fmt: skip
+    parser.add_argument("--no-http-itl", action="store_true", help="the ITL table in process only")
     parser.add_argument("--streams", type=int, default=8, help="running streams in the ITL table")
     parser.add_argument(
         "--base-steps", type=int, default=None, help="steps measured with no prefill (default 200)"
@@ -385,7 +439,8 @@ def targets(decode: list[dict[str, Any]], itl: list[dict[str, Any]]) -> list[str
     for r in itl:
         if r["prefill_chunk_tokens"]:
             met = r["ratio_p99"] <= 2.0
-            lines.append(f"ITL p99 with a whole-context prefill, chunk {r['prefill_chunk_tokens']}: "
+            lines.append(f"ITL p99 with a whole-context prefill, chunk {r['prefill_chunk_tokens']} "
+                         f"({r.get('path', 'in process')}): "
                          f"{r['ratio_p99']:.2f}x of alone (target <= 2x): {'met' if met else 'NOT met'}")  # fmt: skip
     by_n = {r["concurrency"]: r for r in decode}
     if 32 in by_n:

@@ -18,10 +18,13 @@ def test_the_verdicts_name_each_target_with_its_numbers() -> None:
         {"concurrency": 1, "decode_ratio_in_process": 1 / 1.3},  # 1.3x transformers' time per token
         {"concurrency": 32, "decode_ratio_in_process": 2.5},
     ]
-    itl = [{"prefill_chunk_tokens": 0, "ratio_p99": 30.0}, {"prefill_chunk_tokens": 64, "ratio_p99": 1.5}]
+    itl = [
+        {"prefill_chunk_tokens": 0, "path": "in process", "ratio_p99": 30.0},
+        {"prefill_chunk_tokens": 64, "path": "HTTP", "ratio_p99": 1.5},
+    ]
     lines = bench_engine.targets(decode, itl)
     assert lines == [
-        "ITL p99 with a whole-context prefill, chunk 64: 1.50x of alone (target <= 2x): met",
+        "ITL p99 with a whole-context prefill, chunk 64 (HTTP): 1.50x of alone (target <= 2x): met",
         "decode tok/s at 32: 2.50x transformers' static batch (target >= 2x): met",
         "time per token at 1 request: 1.30x transformers' (target <= 1.2x): NOT met",
     ]
@@ -37,7 +40,12 @@ def test_a_quick_run_writes_every_table_and_the_same_text_as_transformers(tmp_pa
     for r in result["decode"]:
         for side in ("ours_in_process", "ours_http", "transformers"):
             assert r[side]["decode_tps"] > 0, side
-    assert [r["prefill_chunk_tokens"] for r in result["itl"]] == [0, 64]
+    assert [(r["prefill_chunk_tokens"], r["path"]) for r in result["itl"]] == [
+        (0, "in process"),
+        (0, "HTTP"),
+        (64, "in process"),
+        (64, "HTTP"),
+    ]
     assert all(r["gaps_during"] > 0 and r["base_p99_ms"] > 0 for r in result["itl"])
     # our greedy text is transformers' on the checkpoint the bench wrote
     assert result["same_text"] is True
