@@ -35,16 +35,20 @@ def answer_object(
     response_id: Any,
     created: Any,
     model: Any,
-    text: str,
+    text: str | None,
     finish_reason: str | None,
     usage: Any,
     logprobs: Any = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """A whole (non-streamed) ``chat.completion`` or ``text_completion`` with one choice.
-    ``logprobs`` is already in the route's wire shape."""
+    ``logprobs`` is already in the route's wire shape; ``tool_calls`` (chat): the calls parsed out
+    of the text (``text`` is then what was outside them, None when nothing was)."""
     choice: dict[str, Any]
     if chat:
-        message = {"role": "assistant", "content": text}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
         choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -69,10 +73,11 @@ def stream_chunk(
     role: bool = False,
     finish_reason: str | None = None,
     logprobs: Any = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One chunk of one choice. Chat: ``delta`` holds the role (``role``) and/or ``text`` (``None``:
-    no content key, as in the closing chunk); completions: ``text`` (``None`` is ``""``).
-    ``logprobs`` is already in the route's wire shape."""
+    no content key, as in the closing chunk) and/or ``tool_calls`` pieces; completions: ``text``
+    (``None`` is ``""``). ``logprobs`` is already in the route's wire shape."""
     choice: dict[str, Any]
     if chat:
         delta: dict[str, Any] = {}
@@ -80,6 +85,8 @@ def stream_chunk(
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
@@ -119,13 +126,17 @@ def answer_stream(answer: dict[str, Any], *, chat: bool, include_usage: bool) ->
     events: list[dict[str, Any]] = []
     for choice in answer.get(wire.CHOICES, []):
         index, finish = choice.get("index", 0), choice.get(wire.FINISH_REASON)
+        calls = None
         if chat:
-            text = (choice.get("message") or {}).get("content") or ""
+            message = choice.get("message") or {}
+            text, calls = message.get("content") or "", message.get("tool_calls")
             events.append(stream_chunk(**head, index=index, text="", role=True))
         else:
             text = choice.get("text") or ""
         if text:
             events.append(stream_chunk(**head, index=index, text=text, logprobs=choice.get("logprobs")))
+        for i, call in enumerate(calls or ()):  # each call whole, in one piece
+            events.append(stream_chunk(**head, index=index, tool_calls=[{"index": i, **call}]))
         events.append(stream_chunk(**head, index=index, text=None if chat else "", finish_reason=finish))
     if include_usage and answer.get(wire.USAGE) is not None:
         events.append(usage_chunk(**head, usage=answer[wire.USAGE]))

@@ -51,7 +51,7 @@ def test_chat_template() -> None:
     )
     assert TOK.apply_chat_template(messages[:1], add_generation_prompt=False).endswith("<|end|>")
     with pytest.raises(ValueError, match=r"messages\[0\].role must be one of"):
-        TOK.apply_chat_template([{"role": "tool", "content": "x"}])
+        TOK.apply_chat_template([{"role": "function", "content": "x"}])  # tool and developer are roles now
     with pytest.raises(ValueError, match=r"messages\[0\].content\[0\] must be a text part"):
         TOK.apply_chat_template([{"role": "user", "content": [{"type": "image_url"}]}])
     with pytest.raises(ValueError, match=r"messages\[0\].content must be a string"):

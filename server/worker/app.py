@@ -131,7 +131,8 @@ class WorkerApp:
         trtllm_key = settings.trtllm_auth_key if settings.trtllm_auth_key is not None else secret
         self.auth = InternalAuth(verifier, trtllm_key, self.instance,
                                  accept_trtllm_orchestrator=settings.accept_trtllm_orchestrator)  # fmt: skip
-        self.reader = RequestReader(engine.tokenizer, settings.model_name, engine.max_context, settings.role)
+        self.reader = RequestReader(engine.tokenizer, settings.model_name, engine.max_context, settings.role,
+                                    settings.tool_call_parser)  # fmt: skip
         #: /server_info's bytes_per_token, measured on the prompts tokenized here; None where the
         #: engine states its own (the synthetic one's: its ids are not a tokenizer's)
         self.prompt_bytes = (
@@ -514,6 +515,7 @@ class WorkerApp:
             usage=request_usage(req, len(token_ids), engine_req),
             logprobs=logprobs,
             tokenizer=self.engine.tokenizer,
+            tools=None if req.is_context_only else req.tools,  # a context leg's one token is no answer
         )
         members = (
             self._context_fields(request, req, engine_req, token_ids, body) if req.is_context_only else []

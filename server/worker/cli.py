@@ -27,6 +27,7 @@ from .engine_api import (
 from .settings import ROLES, WorkerSettings
 from .synthetic import add_arguments as add_synthetic_arguments
 from .tokenizer import Tokenizer
+from .tool_calls import TOOL_CALL_PARSERS
 
 #: flag dest -> the WorkerSettings field it sets: the flag's default is the field's (one home for it)
 _SETTINGS = {
@@ -48,6 +49,7 @@ _SETTINGS = {
     "max_connections": "max_connections",
     "max_inflight_body_bytes": "max_inflight_body_bytes",
     "client_ip_share": "client_ip_share",
+    "tool_call_parser": "tool_call_parser",
 }
 #: SIGTERM: seconds the requests in flight and parked KV get before the worker stops
 DRAIN_TIMEOUT_S = 30.0
@@ -115,6 +117,10 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "waiting prompts (a long one cut to fit, several short ones in one forward), so a "
                              "long prefill does not stop the running streams; 0: each prompt prefilled whole "
                              f"(default {DEFAULT_PREFILL_CHUNK_TOKENS})")  # fmt: skip
+    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=_default("tool_call_parser"),
+                        help="how a chat answer's tool calls are read out of the generated text, as vLLM names "
+                             "it: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Hermes), llama3_json "
+                             "(Llama 3.1+'s JSON calls), none: no parsing (default %(default)s)")  # fmt: skip
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch intra-op threads (default: half the CPUs, 1 to 4)")  # fmt: skip
 

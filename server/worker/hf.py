@@ -572,6 +572,13 @@ class HFTokenizer:
             else message
             for index, message in enumerate(messages)
         ]
+        if "developer" not in self.chat_template.source:
+            # OpenAI's newer name for system instructions; a template that never heard of it
+            # would refuse it or drop it
+            flattened = [
+                {**m, "role": "system"} if isinstance(m, Mapping) and m.get("role") == "developer" else m
+                for m in flattened
+            ]
         return self.chat_template.render(flattened, add_generation_prompt=add_generation_prompt, **kwargs)
 
 

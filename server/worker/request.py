@@ -30,6 +30,7 @@ from .json_body import JSON_BODY, SIMDJSON, JSONBody, RawJSON, Route, bad_reques
 from .msgpack_body import TokenIds, load_msgpack_body
 from .output import SamplingParams
 from .tokenizer import Tokenizer
+from .tool_calls import ToolRequest, read_tools, template_messages
 
 if TYPE_CHECKING:
     from server.http import Request
@@ -72,6 +73,8 @@ class ParsedRequest:
     cache_salt: str | None = None
     #: the body came as msgpack (``X-TRTLLM-Msgpack: 1``): ``body`` holds its JSON twin's values
     msgpack: bool = False
+    #: chat: the request's tools, tool_choice and the parser its answer goes through (tool_calls.py)
+    tools: ToolRequest | None = None
 
     @property
     def is_context_only(self) -> bool:
@@ -80,7 +83,6 @@ class ParsedRequest:
     @property
     def is_generation_only(self) -> bool:
         return self.disagg is not None and self.disagg.request_type == GENERATION_ONLY
-
 
 
 def _int_field(
@@ -270,6 +272,7 @@ def _prompt(
     tokenizer: Tokenizer,
     disagg: DisaggParams | None,
     max_context: int,
+    tools: ToolRequest | None = None,
 ) -> tuple[np.ndarray, bool]:
     vocab = tokenizer.vocab_size
     if body.get(wire.PROMPT_TOKEN_IDS_B64) is not None:
@@ -312,8 +315,11 @@ def _prompt(
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise bad_request(f"'messages[{i}]' must be an object", "messages")
+    messages = template_messages(messages)
+    # tools= only when given: a template sees them as transformers passes them (the schemas as sent)
+    extra = {"tools": tools.tools} if tools is not None and tools.tools else {}
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from None
     except RecursionError:  # a template walking deeply nested content
@@ -332,7 +338,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
-    "tools": (None, []),
     "response_format": (None, {"type": "text"}),
 }
 
@@ -361,10 +366,17 @@ def _token_limit(body: dict[str, Any], route: Route) -> tuple[str, int | None]:
 
 
 def read_request(
-    body: dict[str, Any], route: Route, *, tokenizer: Tokenizer, model_name: str, max_context: int
+    body: dict[str, Any],
+    route: Route,
+    *,
+    tokenizer: Tokenizer,
+    model_name: str,
+    max_context: int,
+    tool_call_parser: str = "none",
 ) -> ParsedRequest:
     """The request in ``body`` (a loaded body: :class:`RequestReader`, or the reference
-    ``json_body.load_json_body``), or an :class:`HTTPError` (400/404)."""
+    ``json_body.load_json_body``), or an :class:`HTTPError` (400/404). ``tool_call_parser``: how
+    a chat answer's tool calls are read out of its text (tool_calls.py)."""
     # Every field is read strictly, by type (no bool for a number, no 1.0 for an int), and as
     # the orchestrator reads the ones it acts on: a body is never read two ways.
     model = body.get("model")
@@ -390,9 +402,15 @@ def read_request(
         if not isinstance(stream_options, dict):
             raise bad_request("'stream_options' must be an object", wire.STREAM_OPTIONS)
         include_usage = _bool_field(stream_options, wire.INCLUDE_USAGE)
+    if route == "chat":
+        tools = read_tools(body, tool_call_parser)
+    elif _is_neutral(body.get("tools"), (None, [])):
+        tools = None
+    else:  # OpenAI's completions have no tools
+        raise bad_request(f"'tools' is not supported on completions (got {brief(body['tools'])})", "tools")
     key, max_tokens = _token_limit(body, route)
     disagg = _parse_disagg(body, tokenizer.vocab_size)
-    prompt_ids, from_ids = _prompt(body, route, tokenizer, disagg, max_context)
+    prompt_ids, from_ids = _prompt(body, route, tokenizer, disagg, max_context, tools)
     if prompt_ids.size >= max_context:
         raise bad_request(
             f"the prompt has {prompt_ids.size} tokens; this model's context is {max_context} tokens "
@@ -439,6 +457,7 @@ def read_request(
         disagg=disagg,
         want_logprobs=params.logprobs is not None,
         cache_salt=_cache_salt(body),
+        tools=tools,
     )
 
 
@@ -475,11 +494,19 @@ class RequestReader:
     #: the JSON loader, on the active scanner twin (a test or benchmark chooses the other by a subclass)
     json_body: ClassVar[JSONBody] = JSON_BODY
 
-    def __init__(self, tokenizer: Tokenizer, model_name: str, max_context: int, role: str) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        model_name: str,
+        max_context: int,
+        role: str,
+        tool_call_parser: str = "none",
+    ) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_context = max_context
         self.role = role
+        self.tool_call_parser = tool_call_parser
 
     def read(self, request: Request, route: Route, auth: LegAuth) -> ParsedRequest:
         """``request``'s body as a validated request, or a 400/403/404: the fastcore signature is
@@ -490,7 +517,7 @@ class RequestReader:
         body = load_msgpack_body(request.body) if msgpack else self.json_body.load(request.body, route)
         auth.refuse_unsigned_early(body, request, signed)
         req = read_request(body, route, tokenizer=self.tokenizer, model_name=self.model_name,
-                           max_context=self.max_context)  # fmt: skip
+                           max_context=self.max_context, tool_call_parser=self.tool_call_parser)  # fmt: skip
         req.msgpack = msgpack
         auth.authorize(req, request, signed)
         self._check_role(req)

@@ -22,6 +22,7 @@ from server import openai_shapes
 
 from .output import Delta, TokenLogprob
 from .tokenizer import Tokenizer
+from .tool_calls import ARGUMENT_FRAGMENT_CHARS, ToolCall, ToolCallStream, ToolRequest, parse_tool_calls
 
 if TYPE_CHECKING:
     from .engine_api import EngineRequest
@@ -54,6 +55,9 @@ def dump_with_members(body: dict[str, Any], members: list[bytes]) -> bytes:
 
 
 # ---------------------------------------------------------------- responses
+
+#: the finish_reason of an answer whose text held tool calls (OpenAI's)
+TOOL_CALLS = "tool_calls"
 
 
 def new_response_id(route: Route) -> str:
@@ -142,12 +146,20 @@ def completion_body(
     usage: dict[str, Any],
     logprobs: list[TokenLogprob] | None = None,
     tokenizer: Tokenizer | None = None,
+    tools: ToolRequest | None = None,
 ) -> dict[str, Any]:
-    """A whole (non-streamed) ``chat.completion`` or ``text_completion`` object."""
+    """A whole (non-streamed) ``chat.completion`` or ``text_completion`` object; the tool calls
+    in ``text`` parsed out when ``tools`` asks for it (``finish_reason`` then ``tool_calls``)."""
     lp = _logprobs_field(route, logprobs, tokenizer) if tokenizer is not None else None
+    content: str | None = text
+    calls = None
+    if tools is not None and tools.parsing:
+        content, found = parse_tool_calls(tools.stream(), text)
+        if found:
+            calls, finish_reason = [call.wire() for call in found], TOOL_CALLS
     return openai_shapes.answer_object(chat=route == "chat", response_id=response_id, created=created,
-                                       model=model, text=text, finish_reason=finish_reason, usage=usage,
-                                       logprobs=lp)  # fmt: skip
+                                       model=model, text=content, finish_reason=finish_reason, usage=usage,
+                                       logprobs=lp, tool_calls=calls)  # fmt: skip
 
 
 def stream_chunk(
@@ -162,12 +174,13 @@ def stream_chunk(
     logprobs: list[TokenLogprob] | None = None,
     tokenizer: Tokenizer | None = None,
     text_offset: int = 0,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One SSE chunk (:func:`server.openai_shapes.stream_chunk`) with the engine's logprobs in wire shape."""
     lp = _logprobs_field(route, logprobs, tokenizer, text_offset) if tokenizer is not None else None
     return openai_shapes.stream_chunk(chat=route == "chat", response_id=response_id, created=created,
                                       model=model, text=text, role=role, finish_reason=finish_reason,
-                                      logprobs=lp)  # fmt: skip
+                                      logprobs=lp, tool_calls=tool_calls)  # fmt: skip
 
 
 def usage_chunk(
@@ -197,6 +210,9 @@ class StreamWriterState:
         self.response_id = response_id or new_response_id(req.route)
         self.created = int(time.time())
         self.text_offset = 0
+        tools = req.tools
+        #: the tool-call parser the text goes through (chat with tools and a parser), else None
+        self.tool_stream = tools.stream() if tools is not None and tools.parsing else None
 
     def _common(self) -> dict[str, Any]:
         return {"route": self.req.route, "response_id": self.response_id, "created": self.created,
@@ -204,10 +220,15 @@ class StreamWriterState:
 
     def start(self) -> bytes:
         if self.req.route == "chat":
-            return sse_event(stream_chunk(**self._common(), text="", role=True))
+            # With tools, no content until there is some, as OpenAI streams a call: an SDK's assembly
+            # of an answer that is only calls then has the unary answer's content, null, not ""
+            text = None if self.tool_stream is not None else ""
+            return sse_event(stream_chunk(**self._common(), text=text, role=True))
         return b""
 
     def delta(self, delta: Delta) -> bytes:
+        if self.tool_stream is not None:
+            return self._tool_delta(delta, self.tool_stream)
         out = b""
         want_lp = self.req.want_logprobs and bool(delta.logprobs)
         if delta.text or want_lp:
@@ -226,12 +247,49 @@ class StreamWriterState:
             out += sse_event(stream_chunk(**self._common(), text=text, finish_reason=delta.finish_reason))
         return out
 
+    def _tool_delta(self, delta: Delta, stream: ToolCallStream) -> bytes:
+        """A delta through the tool-call parser: the content it releases (with the delta's
+        logprobs), each call it completes as the OpenAI SDK assembles one (index, id, type and
+        name first, then the arguments in fragments), and the finish (``tool_calls`` when any)."""
+        events = stream.feed(delta.text) if delta.text else []
+        if delta.finish_reason is not None:
+            events += stream.finish()
+        content = "".join(e for e in events if isinstance(e, str))
+        out = b""
+        if content or (self.req.want_logprobs and delta.logprobs):
+            out += sse_event(stream_chunk(**self._common(), text=content,
+                                          logprobs=delta.logprobs if self.req.want_logprobs else None,
+                                          tokenizer=self.tokenizer, text_offset=self.text_offset))  # fmt: skip
+            self.text_offset += len(content)
+        index = stream.calls - sum(isinstance(e, ToolCall) for e in events)  # the first new call's
+        for event in events:
+            if isinstance(event, ToolCall):
+                out += self._tool_call_events(event, index)
+                index += 1
+        if delta.finish_reason is not None:
+            finish = TOOL_CALLS if stream.calls else delta.finish_reason
+            out += sse_event(stream_chunk(**self._common(), text=None, finish_reason=finish))
+        return out
+
+    def _tool_call_events(self, call: ToolCall, index: int) -> bytes:
+        head = {
+            "index": index,
+            "id": call.id,
+            "type": "function",
+            "function": {"name": call.name, "arguments": ""},
+        }
+        out = sse_event(stream_chunk(**self._common(), tool_calls=[head]))
+        args = call.arguments
+        for start in range(0, len(args), ARGUMENT_FRAGMENT_CHARS):
+            piece = {"index": index, "function": {"arguments": args[start : start + ARGUMENT_FRAGMENT_CHARS]}}
+            out += sse_event(stream_chunk(**self._common(), tool_calls=[piece]))
+        return out
+
     def end(self, usage: dict[str, Any]) -> bytes:
         out = b""
         if self.req.include_usage:
             out += sse_event(usage_chunk(**self._common(), usage=usage))
         return out + SSE_DONE
-
 
 
 __all__ = [

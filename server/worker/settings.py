@@ -11,6 +11,7 @@ from server.http import Limits
 from server.http import limits as http_limits
 
 from .engine_api import DEFAULT_KV_TTL_S
+from .tool_calls import TOOL_CALL_PARSERS
 
 ROLES = ("both", "context", "generation")
 
@@ -75,10 +76,15 @@ class WorkerSettings:
     cache_events_chunk_bytes: int = 512
     #: OpenTelemetry traces (OTLP/HTTP); None: OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT or off (server/tracing.py)
     otlp_traces_endpoint: str | None = None
+    #: how a chat answer's tool calls are read out of its text (server/worker/tool_calls.py)
+    tool_call_parser: str = "none"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")  # fmt: skip
         endpoint = tracing.configured_endpoint(self.otlp_traces_endpoint)
         if endpoint is not None:  # tracing asked for: the SDK must be there, the URL OTLP/HTTP
             tracing.check_endpoint(endpoint)

@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import json
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -62,6 +63,7 @@ from .engine_api import (
     prompt_checksum,
 )
 from .kv_events import ChunkEventLog, KvEventLog
+from .synthetic_script import Script
 
 SYNTHETIC_VOCAB = 32_000
 SYNTHETIC_EOS = SYNTHETIC_VOCAB - 1
@@ -127,16 +129,36 @@ class SyntheticTokenizer:
         ids = (values.astype(np.uint64) % np.uint64(SYNTHETIC_EOS)).astype(np.int32)
         return ids if ids.size else np.zeros(1, dtype=np.int32)
 
+    #: --script: the answers' ids decode to their text (synthetic_script.py)
+    script: Script | None = None
+
     def decode(self, ids: Sequence[int]) -> str:
+        script = self.script
+        if script is not None:
+            return "".join(piece if (piece := script.piece(int(i))) is not None else " " + _WORDS[int(i) % len(_WORDS)]
+                           for i in ids)  # fmt: skip
         return "".join(" " + _WORDS[int(i) % len(_WORDS)] for i in ids)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> str:
         if not self.from_text:
             return ""  # encode() ignores the text: every prompt is the configured ids
-        parts = [f"<|{m.get('role', '')}|>\n{_text(m.get('content'))}\n" for m in messages]
+        # tools and calls are text of the prompt too (an agent's prompt is mostly its tools)
+        parts = [f"<|tools|>\n{json.dumps(tools)}\n"] if tools else []
+        parts += [f"<|{m.get('role', '')}|>\n{_text(m.get('content'))}{_calls(m)}\n" for m in messages]
         if add_generation_prompt:
             parts.append("<|assistant|>\n")
         return "".join(parts)
+
+
+def _calls(message: dict[str, Any]) -> str:
+    calls = message.get("tool_calls")
+    return json.dumps(calls) if calls else ""
 
 
 def _text(content: Any) -> str:
@@ -320,8 +342,11 @@ class SyntheticEngine:
         prefix_caching: bool = True,
         bytes_per_token: int = DEFAULT_BYTES_PER_TOKEN,
         prefill_tokens_per_s: float = 0.0,
+        script: Script | None = None,
     ) -> None:
         self.tokenizer = SyntheticTokenizer(prompt_tokens, seed, bytes_per_token)
+        #: --script: the texts the requests generate, in turn, instead of the position's words
+        self.script = self.tokenizer.script = script
         self.vocab_size = SYNTHETIC_VOCAB
         self.max_context = (TEXT_MAX_CONTEXT if prompt_tokens == 0 else prompt_tokens) + GENERATION_ROOM
         self.prefill_latency_s = prefill_latency_s
@@ -492,8 +517,15 @@ class SyntheticEngine:
         else:
             await self._prefill(req)
         position = 0
+        script = self.script
+        answer = script.answer_of(forced) if script is not None else 0
         while True:
-            token = forced[position] if position < len(forced) else synthetic_token(prompt_len, position)
+            if position < len(forced):
+                token = forced[position]
+            elif script is not None:
+                token = script.token(answer, position)
+            else:
+                token = synthetic_token(prompt_len, position)
             if position >= len(forced) and position > 0 and self.token_latency_s:
                 await asyncio.sleep(self.token_latency_s)
             delta = req.processor.add(token, None)
@@ -562,6 +594,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="the worker's prefill compute: prompt ids not served from the cache are computed "
                             "at this rate, shared first come first served, so prefills queue (default 0: "
                             "no shared compute)")  # fmt: skip
+    group.add_argument("--script", default=None, metavar="FILE",
+                       help="the text the requests generate, in turn: the file's text, or a .json file's list "
+                            "of answer strings (tests of tool-call parsing and stream assembly)")  # fmt: skip
     group.add_argument("--bytes-per-token", type=int, default=DEFAULT_BYTES_PER_TOKEN,
                        help=f"--prompt-tokens 0: text bytes per prompt id, 1 to {MAX_BYTES_PER_TOKEN} "
                             f"(/server_info's bytes_per_token; default {DEFAULT_BYTES_PER_TOKEN})")  # fmt: skip
@@ -578,4 +613,7 @@ def build_engine(args: argparse.Namespace) -> SyntheticEngine:
         prefix_caching=args.prefix_caching,
         bytes_per_token=args.bytes_per_token,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
+        script=None
+        if args.script is None
+        else Script.load(args.script, eos=SYNTHETIC_EOS, vocab=SYNTHETIC_VOCAB),
     )

@@ -9,7 +9,9 @@ Any tokenizer (this module's :class:`ByteTokenizer`, the Hugging Face one in
   hold their BOS, and ``True`` for plain completion prompts.
 - ``decode(ids) -> str``: bytes that do not form whole UTF-8 characters
   decode to U+FFFD, as ``bytes.decode(errors="replace")`` does.
-- ``apply_chat_template(messages, add_generation_prompt=True) -> str``.
+- ``apply_chat_template(messages, add_generation_prompt=True, tools=None) -> str``
+  (``tools``: the request's function schemas, as ``transformers`` passes them;
+  passed only when the request has some).
 - ``eos_token_ids`` (list of ids that end generation), ``vocab_size``,
   ``bos_token_id`` (or None).
 
@@ -19,6 +21,7 @@ with nothing but ``decode``, so it serves every implementation.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -35,7 +38,7 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str: ...
 
 
@@ -93,12 +96,20 @@ class ByteTokenizer:
 
         <|bos|><|system|>...<|end|><|user|>...<|end|><|assistant|>
 
-    (the system turn only when given). Special-token strings in user text are
-    recognised as the special tokens, as Hugging Face tokenizers do.
+    (the system turn only when given; a ``developer`` message is a system turn).
+    Tools (docs/protocol.md, "Tool calls") use no special tokens, so the
+    vocabulary, hence the seeded model, stays as it is: the request's tools are
+    a ``# Tools`` block of one JSON schema a line at the end of the first
+    system turn (a system turn of their own when there is none); an assistant
+    turn's calls follow its text as ``<tool_call>{"name": ..., "arguments":
+    {...}}</tool_call>`` (the ``hermes`` parser's format); a ``tool`` message
+    is a user turn ``<tool_response>...</tool_response>``. Special-token
+    strings in user text are recognised as the special tokens, as Hugging Face
+    tokenizers do.
     """
 
     SPECIALS = ("<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
-    ROLES = ("system", "user", "assistant")
+    ROLES = ("system", "developer", "user", "assistant", "tool")
 
     def __init__(self) -> None:
         self.special_ids = {s: 256 + i for i, s in enumerate(self.SPECIALS)}
@@ -136,18 +147,51 @@ class ByteTokenizer:
             out.append(run.decode("utf-8", errors="replace"))
         return "".join(out)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> str:
         parts = ["<|bos|>"]
+        tools_block = ""
+        if tools:
+            lines = "".join(json.dumps(tool, ensure_ascii=False) + "\n" for tool in tools)
+            tools_block = (
+                f"# Tools\n{lines}"
+                + 'Call a tool as <tool_call>{"name": ..., "arguments": {...}}</tool_call>.'
+            )
+            if not messages or messages[0].get("role") not in ("system", "developer"):
+                parts.append(f"<|system|>{tools_block}<|end|>")
+                tools_block = ""
         for index, message in enumerate(messages):
             role = message.get("role")
             if role not in self.ROLES:
                 raise ValueError(
                     f"messages[{index}].role must be one of {', '.join(self.ROLES)}, got {role!r}"
                 )
-            parts.append(f"<|{role}|>{message_text(message, index)}<|end|>")
+            text = message_text(message, index)
+            if role in ("system", "developer"):
+                if tools_block:
+                    text, tools_block = f"{text}\n\n{tools_block}" if text else tools_block, ""
+                parts.append(f"<|system|>{text}<|end|>")
+            elif role == "tool":
+                parts.append(f"<|user|><tool_response>{text}</tool_response><|end|>")
+            else:
+                calls = "".join(_tool_call_text(call) for call in message.get("tool_calls") or ())
+                parts.append(f"<|{role}|>{text}{calls}<|end|>")
         if add_generation_prompt:
             parts.append("<|assistant|>")
         return "".join(parts)
+
+
+def _tool_call_text(call: dict[str, Any]) -> str:
+    """An assistant's call as the ``tiny`` format writes it (its arguments already an object:
+    tool_calls.template_messages)."""
+    function = call.get("function") or {}
+    body = {"name": function.get("name"), "arguments": function.get("arguments")}
+    return f"<tool_call>{json.dumps(body, ensure_ascii=False)}</tool_call>"
 
 
 def message_text(message: dict[str, Any], index: int) -> str:
