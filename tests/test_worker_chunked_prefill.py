@@ -115,38 +115,39 @@ async def collect(queue: asyncio.Queue[Delta]) -> list[Delta]:
 async def test_running_streams_decode_while_a_whole_context_prompt_prefills(
     make_engine: Any, chunk: int
 ) -> None:
-    engine = started(make_engine(prefill_chunk_tokens=chunk))
+    """Deterministic: everything is queued before the engine starts (the streams first), and the
+    deltas reach the loop in the order the engine made them, so the streams' tokens before the
+    long prompt's first one count the steps it let them take."""
+    engine = make_engine(prefill_chunk_tokens=chunk)
     order: list[str] = []
     done = asyncio.Event()
 
-    def watch(name: str, req: EngineRequest) -> None:
+    def submit(name: str, prompt: str, max_tokens: int) -> EngineRequest:
+        req, _ = make_request(engine, prompt, max_tokens=max_tokens)
+
         def on_delta(delta: Delta) -> None:
-            order.append(name)
+            if delta.token_ids:
+                order.append(name)
             if name == "long" and delta.token_ids:
                 done.set()
 
         req.on_delta = on_delta
-
-    streams = []
-    for i in range(4):
-        req, queue = make_request(engine, text(i, 20), max_tokens=600)
         engine.submit(req)
-        await asyncio.wait_for(queue.get(), 30)  # running
-        watch(f"s{i}", req)
-        streams.append(req)
-    long, _ = make_request(engine, text(9, engine.max_context - 8), max_tokens=4)
-    watch("long", long)
-    engine.submit(long)
+        return req
+
+    streams = [submit(f"s{i}", text(i, 20), 600) for i in range(4)]
+    submit("long", text(9, engine.max_context - 8), 4)
+    started(engine)
     await asyncio.wait_for(done.wait(), 60)
     for req in streams:
         engine.abort(req.request_id)
-    # decode steps the streams got between the long prompt's submission and its first token
-    steps = order.index("long") // len(streams)
+    steps = order.index("long") // len(streams)  # the streams' tokens before the long prompt's first
     if chunk:
         # each step's budget: 64 tokens less the 4 decodes, so ~34 steps of ~60 tokens
         assert steps >= (engine.max_context - 8) // 60 - 2, order
     else:
-        assert steps <= 2, order  # the whole prefill at once: every stream stopped for it
+        # the streams' first tokens, then one decode step beside the whole prefill: they stopped for it
+        assert steps == 2, order
 
 
 async def test_the_context_roles_first_token_and_parked_kv_are_unchanged(make_engine: Any) -> None:
@@ -228,20 +229,38 @@ async def test_a_bad_prompt_in_a_shared_forward_fails_alone(make_engine: Any) ->
 
 
 async def test_a_prompt_cancelled_between_its_chunks_frees_its_blocks(make_engine: Any) -> None:
-    engine = started(make_engine(prefill_chunk_tokens=16))
+    import threading
+
+    engine = make_engine(prefill_chunk_tokens=16)
+    model = engine.model
+    real = model.forward_step
+    calls: list[int] = []
+    gate = threading.Event()
+
+    def gated(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:  # the engine thread holds here in its second chunk until the abort
+            gate.wait(30)
+        return real(*args, **kwargs)
+
+    model.forward_step = gated  # type: ignore[method-assign]
+    started(engine)
     req, queue = make_request(engine, text(4, 1800), max_tokens=4)
     engine.submit(req)
-    for _ in range(1000):
-        if req.cached_len > 0:
+    for _ in range(3000):
+        if len(calls) >= 2:
             break
-        await asyncio.sleep(0.001)
+        await asyncio.sleep(0.01)
+    assert req.cached_len == 16 and engine.kv_used_tokens > 0  # one chunk in, 111 to go
     engine.abort(req.request_id)
+    gate.set()
     for _ in range(1000):
         if engine.kv_used_tokens == 0 and engine.queue_depth == 0:
             break
         await asyncio.sleep(0.01)
+    del model.forward_step
     assert engine.kv_used_tokens == 0 and engine.queue_depth == 0 and engine.running == 0
-    assert queue.empty()
+    assert queue.empty() and len(calls) == 2  # no token, and no chunk after the abort
     assert (await run(engine, "still alive", max_tokens=3))[1] == "length"
 
 
@@ -296,17 +315,20 @@ async def test_streams_and_a_prompt_sharing_forwards_give_their_text_alone(make_
 
 
 async def test_a_bad_prompt_sharing_a_forward_with_running_streams_fails_alone(make_engine: Any) -> None:
-    engine = started(make_engine(prefill_chunk_tokens=64))
-    want = (await run(engine, PROMPT, max_tokens=30))[0]
-    req, queue = make_request(engine, PROMPT, max_tokens=30)
-    engine.submit(req)
-    first = await asyncio.wait_for(queue.get(), 30)
+    """Both queued before the engine starts: step 1 prefills the stream's prompt and the bad prompt's
+    first (good) chunk; step 2 is the stream's decode beside the bad chunk, which fails."""
+    engine = make_engine(prefill_chunk_tokens=64)
+    req, queue = make_request(engine, "hi", max_tokens=30)
     bad, bad_q = make_request(engine, "x")
-    bad.prompt_ids = np.asarray([1, 5000] * 100, dtype=np.int32)  # past the embedding table
+    bad.prompt_ids = np.asarray([1] * 100 + [5000], dtype=np.int32)  # past the embedding table at 100
+    engine.submit(req)
     engine.submit(bad)
+    started(engine)
     delta = (await collect(bad_q))[-1]
     assert delta.finish_reason == "error" and "prefill failed" in (delta.error or "")
-    assert [*first.token_ids, *(t for d in await collect(queue) for t in d.token_ids)] == want
+    assert bad.cached_len == 61  # its first chunk ran (beside the stream's prompt), its second failed
+    got = [t for d in await collect(queue) for t in d.token_ids]
+    assert got == (await run(engine, "hi", max_tokens=30))[0]
     assert engine.engine_errors_total == 1 and engine.kv_used_tokens == 0
 
 
