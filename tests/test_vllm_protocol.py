@@ -9,6 +9,8 @@ without ``kv_transfer_params`` is a 502 naming it. The stand-ins and the orchest
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import importlib
 import json
 from collections.abc import AsyncIterator
@@ -332,3 +334,33 @@ async def test_a_clients_kv_transfer_params_never_reaches_a_worker(request_path:
         status, raw = await stack.post("chat", {**CHAT_BODY, "kv_transfer_params": {"remote_engine_id": "x"}})
         assert status == 400 and json.loads(raw)["error"]["param"] == "kv_transfer_params"
         assert stack.legs(stack.prefill) == [] and stack.legs(stack.decode) == []
+
+
+async def test_capabilities_come_from_v1_models(request_path: str) -> None:
+    async with vllm_stack(request_path) as stack:
+        for worker in (stack.prefill, stack.decode):
+            paths = {r.path for r in worker.requests if r.method == "GET"}
+            assert "/v1/models" in paths and "/server_info" not in paths
+        assert all(w.local_prefill for w in stack.orch.generation_pool.workers)  # the fallback's worker
+
+
+async def test_a_client_that_leaves_mid_prefill_releases_nothing(request_path: str) -> None:
+    async with vllm_stack(request_path) as stack:
+        stack.prefill.fault = "stall"
+        sent = asyncio.get_running_loop().create_task(stack.post("chat", CHAT_BODY))
+        assert await eventually(lambda: stack.legs(stack.prefill), timeout=30)
+        sent.cancel()  # the client's connection closes
+        with contextlib.suppress(asyncio.CancelledError):
+            await sent
+        assert await eventually(lambda: stack.orch.in_flight == 0 and not stack.orch._background, timeout=30)
+        # vLLM has no release endpoint (the blocks' lease ends): nothing but legs and probes was sent
+        assert {r.method for r in stack.prefill.requests} <= {"GET", "POST"}
+        assert stack.legs(stack.decode) == []
+
+
+async def test_a_decode_cut_mid_stream_ends_the_clients_stream_with_an_error(request_path: str) -> None:
+    async with vllm_stack(request_path) as stack:
+        stack.decode.fault = "reset_mid_stream"
+        status, raw = await stack.post("chat", _body("chat", True))
+        assert status == 200  # the head was relayed; the error comes in-band
+        assert iter_events(raw)[-1]["error"]["code"] == "generation_leg_failed"

@@ -264,10 +264,12 @@ async def serve(config: OrchestratorConfig, *, reuse_port: bool) -> None:
     # --workers N: this process's scrape-time values written where the others' scrapes read them.
     metrics_sync = asyncio.ensure_future(orchestrator.registry.keep_synced())
     log.info(
-        "orchestrator listening on http://%s:%d (pid %d, relay %s, gen_tokids_ctxbytes=%s, gen_strip_message_history=%s)",
+        "orchestrator listening on http://%s:%d (pid %d, worker_protocol %s, relay %s, gen_tokids_ctxbytes=%s, "
+        "gen_strip_message_history=%s)",
         config.hostname,
         config.port,
         multiprocessing.current_process().pid,
+        orchestrator.protocol.name,
         orchestrator.relay.name,
         config.gen_tokids_ctxbytes,
         config.gen_strip_message_history,
