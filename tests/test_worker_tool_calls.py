@@ -4,6 +4,7 @@ templates' rendering, and a scripted synthetic worker on 127.0.0.1 answering the
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -428,3 +429,54 @@ def test_script_ids_name_their_answer():
     assert "".join(script.piece(i) for i in (1, 2, 3)) == "abcdefg"
     with pytest.raises(ValueError):
         Script(["x" * 3 * SYNTHETIC_VOCAB], eos=SYNTHETIC_EOS, vocab=SYNTHETIC_VOCAB)
+
+
+@pytest.mark.parametrize(
+    "relay", [{"relay": "fast", "gen_tokids_ctxbytes": True, "gen_strip_message_history": True},
+              {"relay": "parsed"}, {"relay": "parsed-msgpack", "gen_tokids_ctxbytes": True}],
+)  # fmt: skip
+async def test_disaggregated_the_generation_leg_goes_on_with_its_context_legs_answer(relay):
+    """A scripted context and generation worker behind an orchestrator: the generation leg continues the
+    answer its first token names and parses it; a history with a call and its result passes."""
+    from helpers import get
+
+    from server.orchestrator.app import start_server
+    from server.orchestrator.config import build_config
+
+    workers = []
+    for role in ("context", "generation"):
+        script = Script([PLAIN, HERMES_TWO], eos=SYNTHETIC_EOS, vocab=SYNTHETIC_VOCAB)
+        settings = WorkerSettings(role=role, model_name="synthetic", tool_call_parser="hermes")
+        workers.append(await start_worker(SyntheticEngine(0, script=script), settings))
+    (_, ctx_port), (_, gen_port) = workers
+    config = build_config({"port": 0, "health_check_interval_s": 0.2, **relay,
+                           "context_servers": {"urls": [f"127.0.0.1:{ctx_port}"]},
+                           "generation_servers": {"urls": [f"127.0.0.1:{gen_port}"]}}, environ={})  # fmt: skip
+    server, _ = await start_server(config)
+    port = server.sockets[0].getsockname()[1]
+    client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    try:
+        for _ in range(200):
+            if (await get(port, "/health")).status == 200:
+                break
+            await asyncio.sleep(0.05)
+        history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "noon"}]  # fmt: skip
+        # The context worker answers the script's texts in turn; the generation worker, whose own turn
+        # never moves (its legs all carry a first token), goes on with the answer that token names.
+        kw = {"model": "synthetic", "messages": history, "tools": TOOLS}
+        unary = [visible((await client.chat.completions.create(**kw)).choices[0]) for _ in range(2)]
+        assembled = []
+        for _ in range(2):
+            async with client.chat.completions.stream(**kw) as stream:
+                async for _event in stream:
+                    pass
+                assembled.append(visible((await stream.get_final_completion()).choices[0]))
+        calls = [("function", "get_weather", {"city": "Paris"}), ("function", "get_time", {})]
+        assert unary == assembled == [("stop", PLAIN, []), ("tool_calls", "I will look.", calls)]
+    finally:
+        await client.close()
+        await server.cleanup()
+        for runner, _port in workers:
+            await runner.cleanup()
