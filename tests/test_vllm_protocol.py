@@ -193,6 +193,7 @@ class Stack:
     decode: VllmStandin
     reference: VllmStandin
     session: aiohttp.ClientSession
+    prefills: list[VllmStandin]
 
     async def post(self, route: str, body: dict[str, Any], *, reference: bool = False) -> tuple[int, bytes]:
         url = (self.reference.url if reference else self.url) + PATHS[route]
@@ -200,7 +201,7 @@ class Stack:
             return resp.status, await resp.read()
 
     def violations(self) -> list[str]:
-        return [v for w in (self.prefill, self.decode, self.reference) for v in w.violations]
+        return [v for w in (*self.prefills, self.decode, self.reference) for v in w.violations]
 
     def legs(self, worker: VllmStandin) -> list[Received]:
         return [r for r in worker.requests if r.method == "POST"]
@@ -219,20 +220,22 @@ class NoParamsPrefill(VllmStandin):
 
 
 @asynccontextmanager
-async def vllm_stack(request_path: str, prefill_class: type[VllmStandin] = VllmStandin,
+async def vllm_stack(request_path: str, prefill_class: type[VllmStandin] = VllmStandin, prefills: int = 1,
                      **config: Any) -> AsyncIterator[Stack]:  # fmt: skip
     """A prefill and a decode stand-in (one KV plane), a reference ``both`` worker, an orchestrator
     with ``worker_protocol: vllm``; on the coroutine path with the admission queue on."""
     plane = KVPlane()
-    prefill = prefill_class("prefill", plane=plane)
-    await prefill.start()
+    started = [prefill_class("prefill", plane=plane) for _ in range(prefills)]
+    for worker in started:
+        await worker.start()
+    prefill = started[0]
     decode = await start_vllm("decode", plane=plane)
     reference = await start_vllm("both")
     data: dict[str, Any] = {
         "port": 0,
         "health_check_interval_s": 0.1,
         "worker_protocol": "vllm",
-        "context_servers": {"urls": [prefill.url]},
+        "context_servers": {"urls": [w.url for w in started]},
         "generation_servers": {"urls": [decode.url]},
         **config,
     }
@@ -245,11 +248,11 @@ async def vllm_stack(request_path: str, prefill_class: type[VllmStandin] = VllmS
         port = server.sockets[0].getsockname()[1]
         assert await eventually(lambda: all(w.healthy for p in orch.pools for w in p.workers), timeout=30)
         async with aiohttp.ClientSession() as session:
-            yield Stack(orch, f"http://127.0.0.1:{port}", prefill, decode, reference, session)
+            yield Stack(orch, f"http://127.0.0.1:{port}", prefill, decode, reference, session, started)
     finally:
         if server is not None:
             await server.cleanup()
-        for worker in (prefill, decode, reference):
+        for worker in (*started, decode, reference):
             await worker.stop()
 
 
@@ -364,3 +367,14 @@ async def test_a_decode_cut_mid_stream_ends_the_clients_stream_with_an_error(req
         status, raw = await stack.post("chat", _body("chat", True))
         assert status == 200  # the head was relayed; the error comes in-band
         assert iter_events(raw)[-1]["error"]["code"] == "generation_leg_failed"
+
+
+async def test_a_prefill_worker_that_resets_is_retried_on_another(request_path: str) -> None:
+    async with vllm_stack(request_path, prefills=2) as stack:
+        stack.prefill.fault = "reset"
+        _, ref = await stack.post("chat", CHAT_BODY, reference=True)
+        for _ in range(2):  # round robin: one of them goes to the resetting worker first
+            status, raw = await stack.post("chat", CHAT_BODY)
+            assert status == 200 and _seen(raw, "chat", False) == _seen(ref, "chat", False)
+        assert stack.legs(stack.prefill) and all(leg.kv_match for leg in stack.legs(stack.decode))
+        assert stack.violations() == []
