@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from openai import AsyncOpenAI, BadRequestError
+from tiny_workers import one_torch_thread, tiny_worker  # noqa: F401 (autouse)
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from server.errors import HTTPError
@@ -480,3 +481,36 @@ async def test_disaggregated_the_generation_leg_goes_on_with_its_context_legs_an
         await server.cleanup()
         for runner, _port in workers:
             await runner.cleanup()
+
+
+async def test_the_tiny_worker_takes_a_tool_conversation():
+    """The issue's new user: the built-in model answered a tool or developer message with a 400."""
+    worker = await tiny_worker()
+    client = AsyncOpenAI(base_url=worker.url + "/v1", api_key="unused", max_retries=0)
+    try:
+        answer = await client.chat.completions.create(model="tiny", messages=CONVERSATION, tools=[CLOCK],
+                                                      max_tokens=4, temperature=0)  # fmt: skip
+        expected = ByteTokenizer().encode(prompt_text({"messages": CONVERSATION, "tools": [CLOCK]}),
+                                          add_special_tokens=False)  # fmt: skip
+        assert answer.usage.prompt_tokens == len(expected)
+        assert (
+            answer.choices[0].finish_reason in ("stop", "length") and not answer.choices[0].message.tool_calls
+        )
+    finally:
+        await client.close()
+        await worker.server.cleanup()
+
+
+def test_script_files_and_the_parser_setting(tmp_path: Path):
+    text = tmp_path / "answer.txt"
+    text.write_text(HERMES_TWO)
+    assert Script.load(text, eos=SYNTHETIC_EOS, vocab=SYNTHETIC_VOCAB).answers == [HERMES_TWO]
+    listed = tmp_path / "answers.json"
+    listed.write_text(json.dumps([PLAIN, HERMES_TWO]))
+    assert Script.load(listed, eos=SYNTHETIC_EOS, vocab=SYNTHETIC_VOCAB).answers == [PLAIN, HERMES_TWO]
+    for bad in ("{", '{"a": 1}', "[]", "[1]"):
+        listed.write_text(bad)
+        with pytest.raises(ValueError):
+            Script.load(listed, eos=SYNTHETIC_EOS, vocab=SYNTHETIC_VOCAB)
+    with pytest.raises(ValueError, match="tool_call_parser must be one of none, hermes, llama3_json"):
+        WorkerSettings(tool_call_parser="mistral")
