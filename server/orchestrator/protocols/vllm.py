@@ -163,8 +163,8 @@ class VllmRelay:
             what = "no" if params is None else "a non-object"
             raise HTTPError(
                 502,
-                f"context worker response has {what} 'kv_transfer_params': a vLLM prefill worker (NixlConnector, "
-                "kv_role kv_producer) answers the object its decode needs",
+                f"context worker response has {what} 'kv_transfer_params': a vLLM prefill worker with the "
+                "NixlConnector answers the object its decode needs",
             )
         return ContextResult(body, False, spans)
 
