@@ -514,3 +514,20 @@ def test_script_files_and_the_parser_setting(tmp_path: Path):
             Script.load(listed, eos=SYNTHETIC_EOS, vocab=SYNTHETIC_VOCAB)
     with pytest.raises(ValueError, match="tool_call_parser must be one of none, hermes, llama3_json"):
         WorkerSettings(tool_call_parser="mistral")
+
+
+def test_hostile_arguments_are_400s_or_text_never_500s():
+    def call(arguments: str) -> dict[str, Any]:
+        return {"messages": [{"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}]}]}  # fmt: skip
+
+    where = "messages[0].tool_calls[0].function.arguments"
+    for arguments, wording in (("[" * 100_000 + "]" * 100_000, "not valid JSON"),
+                               ('{"a": "\\ud800"}', "lone surrogate")):  # fmt: skip
+        with pytest.raises(HTTPError) as info:
+            read(call(arguments))
+        assert (info.value.status, info.value.param) == (400, where) and wording in info.value.message
+    deep = '<tool_call>{"name": "f", "arguments": ' + "[" * 100_000 + "]" * 100_000 + "}</tool_call>"
+    assert parse_tool_calls(HermesStream(), deep) == (deep, [])
+    deep = '{"name": "f", "parameters": {"a": ' + "[" * 100_000 + "]" * 100_000 + "}}"
+    assert parse_tool_calls(Llama3JsonStream(), deep) == (deep, [])

@@ -157,11 +157,19 @@ def _tool_call_arguments(call: dict[str, Any], where: str) -> Any:
             f"'{where}.function.arguments' must be a string of JSON", f"{where}.function.arguments"
         )
     try:
-        return json.loads(arguments) if arguments.strip() else {}
-    except ValueError:
+        value = json.loads(arguments) if arguments.strip() else {}
+        # An escaped lone surrogate inside the string is one once decoded: no tokenizer encodes it
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request(
+            f"'{where}.function.arguments' holds a lone surrogate (an unpaired \\uD800-\\uDFFF escape)",
+            f"{where}.function.arguments",
+        ) from None
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the decoder goes
         raise bad_request(
             f"'{where}.function.arguments' is not valid JSON", f"{where}.function.arguments"
         ) from None
+    return value
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -210,15 +218,15 @@ def _call_of(obj: Any, *argument_keys: str) -> ToolCall | None:
         if key in obj:
             arguments = obj[key]
             break
-    if isinstance(arguments, str):  # some models send the arguments as JSON text already
-        try:
+    try:
+        if isinstance(arguments, str):  # some models send the arguments as JSON text already
             json.loads(arguments)
-        except ValueError:
+            return ToolCall(obj["name"], arguments)
+        if not isinstance(arguments, dict):
             return None
-        return ToolCall(obj["name"], arguments)
-    if not isinstance(arguments, dict):
+        return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
+    except (ValueError, RecursionError):
         return None
-    return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
 
 
 def _held_prefix(text: str, tag: str) -> int:
@@ -331,7 +339,7 @@ class HermesStream(ToolCallStream):
     def _parse(body: str) -> ToolCall | None:
         try:
             return _call_of(json.loads(body), "arguments")
-        except ValueError:
+        except (ValueError, RecursionError):  # a model's runaway nesting is text, not a call
             return None
 
 
@@ -377,7 +385,7 @@ class Llama3JsonStream(ToolCallStream):
                 return out
             try:
                 obj, end = self._DECODER.raw_decode(rest)
-            except ValueError:  # not complete yet, or never will be: known at the end
+            except (ValueError, RecursionError):  # not complete yet, or never will be: known at the end
                 if final:
                     self.state, self.buffer = "text", ""
                     out.append(rest)
