@@ -56,6 +56,7 @@ from server.orchestrator.config import RELAY_MODES, config_default
 from server.ports import port_problem, release_ports, reserve_ports
 from server.process import import_path_env, python_module, start_child
 from server.worker.cli import DEFAULT_MODEL, served_name
+from server.worker.tool_calls import TOOL_CALL_PARSERS
 
 STOP_GRACE_S = 10.0
 #: how long past its drain deadline a child may take to exit before it is killed (a worker waits up
@@ -111,6 +112,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--orchestrator-workers", type=int, default=1, help="orchestrator processes (default %(default)s)"
     )
     parser.add_argument("--device", default=None, help="worker device: auto, cpu or cuda (worker default)")
+    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                        help="the workers' tool-call parser: hermes, llama3_json or none (worker default)")  # fmt: skip
+    parser.add_argument("--script", default=None, metavar="FILE",
+                        help="--model synthetic: the workers' scripted answers (the worker's --script), e.g. "
+                             "tool calls for an agent client's tests")  # fmt: skip
     add_gate_arguments(parser, default=True)  # up runs the product's profile: both gates on
     relay = config_default("relay")
     parser.add_argument("--relay", choices=RELAY_MODES, default=relay,
@@ -189,6 +195,8 @@ def plan(args: argparse.Namespace, cluster_uri: str | None = None) -> list[Child
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
     if not args.drain_timeout_s >= 0:
         raise ValueError("--drain-timeout-s must be 0 or more")
+    if getattr(args, "script", None) and args.model != "synthetic":
+        raise ValueError("--script scripts the synthetic workers' answers: it needs --model synthetic")
     cluster_name = getattr(args, "cluster_name", None) or DEFAULT_CLUSTER_NAME
     cluster_args = ["--cluster-uri", cluster_uri, "--cluster-name", cluster_name] if cluster_uri else []
     python = python_module("server.cli")  # never the working directory's server/ or fastcore/
@@ -217,6 +225,10 @@ def plan(args: argparse.Namespace, cluster_uri: str | None = None) -> list[Child
             ]
             if args.device:
                 argv += ["--device", args.device]
+            if args.tool_call_parser:
+                argv += ["--tool-call-parser", args.tool_call_parser]
+            if args.script:  # the children's working directory may differ
+                argv += ["--script", os.path.abspath(args.script)]
             argv += ["--drain-timeout", f"{args.drain_timeout_s:g}", *allow, *cluster_args]
             children.append(Child(f"{role} worker {i}", argv, port))
             urls[role].append(f"{args.host}:{port}")

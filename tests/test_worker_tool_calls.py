@@ -531,3 +531,29 @@ def test_hostile_arguments_are_400s_or_text_never_500s():
     assert parse_tool_calls(HermesStream(), deep) == (deep, [])
     deep = '{"name": "f", "parameters": {"a": ' + "[" * 100_000 + "]" * 100_000 + "}}"
     assert parse_tool_calls(Llama3JsonStream(), deep) == (deep, [])
+
+
+def test_up_hands_the_parser_and_the_script_to_its_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    import argparse
+
+    from server import launcher
+
+    def parse(*argv: str) -> argparse.Namespace:
+        parser = argparse.ArgumentParser()
+        launcher.add_arguments(parser)
+        return parser.parse_args(list(argv))
+
+    monkeypatch.chdir(tmp_path)
+    children = launcher.plan(
+        parse("--model", "synthetic", "--tool-call-parser", "hermes", "--script", "a.json")
+    )
+    workers, orchestrator = children[:-1], children[-1]
+    for worker in workers:
+        assert worker.argv[worker.argv.index("--tool-call-parser") + 1] == "hermes"
+        assert worker.argv[worker.argv.index("--script") + 1] == str(tmp_path / "a.json")
+    assert "--script" not in orchestrator.argv and "--tool-call-parser" not in orchestrator.argv
+    assert all(
+        "--script" not in c.argv and "--tool-call-parser" not in c.argv for c in launcher.plan(parse())
+    )
+    with pytest.raises(ValueError, match=r"--script .* needs --model synthetic"):
+        launcher.plan(parse("--script", "a.json"))
