@@ -557,3 +557,40 @@ def test_up_hands_the_parser_and_the_script_to_its_workers(tmp_path: Path, monke
     )
     with pytest.raises(ValueError, match=r"--script .* needs --model synthetic"):
         launcher.plan(parse("--script", "a.json"))
+
+
+def test_the_worker_command_with_a_script_and_a_parser(tmp_path: Path):
+    """``fastcore-serve worker --model synthetic --script FILE --tool-call-parser llama3_json``, port 0,
+    and the blocking SDK client, unary and through its stream helper."""
+    import re
+    import subprocess
+    import sys
+    import threading
+
+    from openai import OpenAI
+
+    script = tmp_path / "answers.json"
+    script.write_text(json.dumps([LLAMA_TWO]))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server.cli", "worker", "--model", "synthetic", "--prompt-tokens", "0",
+         "--script", str(script), "--tool-call-parser", "llama3_json", "--port", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # the bound port, from its start line
+            found = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+            if found:
+                break
+        else:
+            raise AssertionError(f"the worker exited with {proc.wait()}")
+        threading.Thread(target=proc.stderr.read, daemon=True).start()  # a full pipe would block it
+        with OpenAI(base_url=found.group(1) + "/v1", api_key="unused", max_retries=0) as client:
+            unary = client.chat.completions.create(model="synthetic", messages=MESSAGES, tools=TOOLS)
+            with client.chat.completions.stream(model="synthetic", messages=MESSAGES, tools=TOOLS) as stream:
+                assembled = stream.get_final_completion()
+        calls = [("function", "get_weather", {"city": "Zürich"}), ("function", "get_time", {})]
+        assert visible(unary.choices[0]) == visible(assembled.choices[0]) == ("tool_calls", None, calls)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
