@@ -174,10 +174,11 @@ def test_malformed_tools_are_400s_naming_the_field(body, param):
 def test_tools_read_with_the_choice_and_the_parser():
     assert read({}).tools is None
     tools = read({"tools": TOOLS}).tools
-    assert (tools.choice, tools.named, tools.parallel, tools.parsing) == ("auto", False, True, True)
-    tools = read({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}},
-                  "parallel_tool_calls": False}).tools  # fmt: skip
-    assert (tools.choice, tools.named, tools.parallel, tools.parsing) == ("get_time", True, False, True)
+    assert (tools.choice, tools.function, tools.parallel, tools.parsing) == ("auto", None, True, True)
+    none = {"type": "function", "function": {"name": "none"}}  # a function may be named "none"
+    tools = read({"tools": [*TOOLS, none], "parallel_tool_calls": False,
+                  "tool_choice": {"type": "function", "function": {"name": "none"}}}).tools  # fmt: skip
+    assert (tools.choice, tools.function, tools.parallel, tools.parsing) == ("function", "none", False, True)
     assert not read({"tools": TOOLS, "tool_choice": "none"}).tools.parsing  # none: no parsing
     assert not read({"tools": TOOLS}, parser="none").tools.parsing
     with pytest.raises(HTTPError) as info:  # completions have no tools

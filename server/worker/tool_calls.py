@@ -65,9 +65,9 @@ class ToolRequest:
     """A chat request's tools: the schemas, the choice, and the parser its answer goes through."""
 
     tools: list[dict[str, Any]]
-    #: "none", "auto", "required", or the named function's name
+    #: "none", "auto", "required", or "function": the one named by ``function``
     choice: str
-    named: bool
+    function: str | None
     parallel: bool
     parser: str
 
@@ -102,17 +102,17 @@ def _check_tool(tool: Any, i: int) -> str:
     return name
 
 
-def _tool_choice(body: dict[str, Any], names: list[str]) -> tuple[str, bool]:
+def _tool_choice(body: dict[str, Any], names: list[str]) -> tuple[str, str | None]:
     choice = body.get("tool_choice")
     if choice is None:
-        return ("auto" if names else "none"), False
+        return ("auto" if names else "none"), None
     if not names:
         raise bad_request("'tool_choice' is only allowed when 'tools' are specified", "tool_choice")
     if isinstance(choice, str):
         if choice not in TOOL_CHOICES:
             raise bad_request(f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or a named function, "
                               f"got {brief(choice)}", "tool_choice")  # fmt: skip
-        return choice, False
+        return choice, None
     function = choice.get("function") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(function, dict):
         raise bad_request("'tool_choice' must be a string or {'type': 'function', 'function': {'name': ...}}",
@@ -123,7 +123,7 @@ def _tool_choice(body: dict[str, Any], names: list[str]) -> tuple[str, bool]:
     if name not in names:
         raise bad_request(f"'tool_choice.function.name' {brief(name)} names no function of 'tools'",
                           "tool_choice.function.name")  # fmt: skip
-    return name, True
+    return "function", name  # (a function may be named "none")
 
 
 def read_tools(body: dict[str, Any], parser: str) -> ToolRequest | None:
@@ -139,8 +139,8 @@ def read_tools(body: dict[str, Any], parser: str) -> ToolRequest | None:
     if not isinstance(tools, list):
         raise bad_request("'tools' must be a list", "tools")
     names = [_check_tool(tool, i) for i, tool in enumerate(tools)]
-    choice, named = _tool_choice(body, names)
-    return ToolRequest(tools, choice, named, parallel is not False, parser)
+    choice, function = _tool_choice(body, names)
+    return ToolRequest(tools, choice, function, parallel is not False, parser)
 
 
 def _tool_call_arguments(call: dict[str, Any], where: str) -> Any:
