@@ -595,3 +595,31 @@ def test_the_worker_command_with_a_script_and_a_parser(tmp_path: Path):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_a_finished_answer_streamed_by_the_orchestrator_keeps_its_calls():
+    """openai_shapes.answer_stream (a context leg's finished answer, streamed): the calls whole, one chunk
+    each, as the SDK's stream state assembles them."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    from server import openai_shapes
+
+    calls = [{"id": "call_a", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    answer = openai_shapes.answer_object(chat=True, response_id="chatcmpl-1", created=1, model="m", text=None,
+                                         finish_reason="tool_calls", usage=usage, tool_calls=calls)  # fmt: skip
+    assert answer["choices"][0]["message"] == {"role": "assistant", "content": None, "tool_calls": calls}
+    state = ChatCompletionStreamState()
+    for event in openai_shapes.answer_stream(answer, chat=True, include_usage=True).split(b"\n\n"):
+        if event.startswith(b"data: {"):
+            state.handle_chunk(ChatCompletionChunk.model_validate_json(event[len(b"data: ") :]))
+    choice = state.get_final_completion().choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert [c.model_dump(include={"id", "type", "function"}) for c in choice.message.tool_calls] == [
+        {
+            "id": "call_a",
+            "type": "function",
+            "function": {"name": "get_time", "arguments": "{}", "parsed_arguments": None},
+        }
+    ]
