@@ -45,7 +45,7 @@ from bench.loadgen import RESULTS_DIR, percentile
 from bench.worker import _one_stream, _wait_healthy
 from server.worker.cli import default_torch_threads
 from server.worker.engine import EngineRequest, TorchEngine
-from server.worker.engine_api import DEFAULT_PREFILL_CHUNK_TOKENS
+from server.worker.engine_api import DEFAULT_PREFILL_CHUNK_TOKENS, DEFAULT_PREFILL_STEP_RATIO
 from server.worker.output import Delta, OutputProcessor, SamplingParams
 from server.worker.tiny import build_tiny, tiny_config
 
@@ -348,8 +348,9 @@ def bench_itl(args: argparse.Namespace, device: str) -> tuple[str, list[dict[str
     long_ids = whole_context_prompt(tokenizer, config.max_context)
     rows, records = [], []
     whole: dict[str, float] = {}
-    for chunk in args.chunks:
-        engine = TorchEngine(config, model, tokenizer, device=device, prefill_chunk_tokens=chunk)
+    for chunk, ratio in args.chunks:
+        engine = TorchEngine(config, model, tokenizer, device=device, prefill_chunk_tokens=chunk,
+                             prefill_step_ratio=ratio)  # fmt: skip
 
         async def measure(engine: TorchEngine = engine) -> dict[str, float]:
             engine.start(asyncio.get_running_loop())
@@ -361,15 +362,16 @@ def bench_itl(args: argparse.Namespace, device: str) -> tuple[str, list[dict[str
 
         results = [("in process", asyncio.run(measure()))]
         if not args.no_http_itl:
-            with Worker(args.torch_threads, device, ["--prefill-chunk-tokens", str(chunk)]) as worker:
+            flags = ["--prefill-chunk-tokens", str(chunk), "--prefill-step-ratio", str(ratio)]
+            with Worker(args.torch_threads, device, flags) as worker:
                 results.append(("HTTP", asyncio.run(itl_round_http(worker.url, args.streams, args.base_steps,
                                                                    long_ids))))  # fmt: skip
         for path, r in results:
             r["ratio_p99"] = r["during_p99_ms"] / r["base_p99_ms"]
             whole.setdefault(path, r["during_p99_ms"])
-            records.append({"prefill_chunk_tokens": chunk, "path": path, **r})
+            records.append({"prefill_chunk_tokens": chunk, "prefill_step_ratio": ratio, "path": path, **r})
             rows.append([
-                "whole" if chunk == 0 else chunk, path,
+                chunk_label(chunk, ratio), path,
                 f"{r['base_p50_ms']:.1f}", f"{r['base_p99_ms']:.1f}",
                 f"{r['during_p50_ms']:.1f}", f"{r['during_p99_ms']:.1f}",
                 f"{r['ratio_p99']:.2f}x", f"{r['during_p99_ms'] / whole[path]:.2f}x", f"{r['prefill_s'] * 1e3:.0f}",
@@ -377,6 +379,20 @@ def bench_itl(args: argparse.Namespace, device: str) -> tuple[str, list[dict[str
     headers = ["prefill chunk", "path", "ITL p50 ms alone", "ITL p99 ms alone", "ITL p50 ms prefill",
                "ITL p99 ms prefill", "p99 prefill / alone", "p99 vs whole", "TTFT of the long prompt ms"]  # fmt: skip
     return format_table(headers, rows), records
+
+
+def parse_chunk(item: str) -> tuple[int, float]:
+    """``C`` or ``C:R``: --prefill-chunk-tokens C, --prefill-step-ratio R (default the worker's)."""
+    chunk, _, ratio = item.partition(":")
+    if int(chunk) == 0:
+        return 0, 0.0  # whole prompts: nothing to pace
+    return int(chunk), float(ratio) if ratio else DEFAULT_PREFILL_STEP_RATIO
+
+
+def chunk_label(chunk: int, ratio: float) -> str:
+    if chunk == 0:
+        return "whole"
+    return f"{chunk} paced {ratio:g}x" if ratio else str(chunk)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -388,8 +404,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-tokens", type=int, default=None, help="completion tokens per request (default 64)"
     )
-    parser.add_argument("--chunks", default=f"0,{DEFAULT_PREFILL_CHUNK_TOKENS},64",
-                        help="--prefill-chunk-tokens values for the ITL table (0: whole prompts)")  # fmt: skip
+    parser.add_argument("--chunks", default=f"0,{DEFAULT_PREFILL_CHUNK_TOKENS}:0,64:0,"
+                                             f"{DEFAULT_PREFILL_CHUNK_TOKENS}:{DEFAULT_PREFILL_STEP_RATIO:g}",
+                        help="the ITL table's engines: --prefill-chunk-tokens values (0: whole prompts), each "
+                             "with :--prefill-step-ratio (0: unpaced; default "
+                             f"{DEFAULT_PREFILL_STEP_RATIO:g}) (default %(default)s)")  # fmt: skip
     parser.add_argument("--no-http-itl", action="store_true", help="the ITL table in process only")
     parser.add_argument("--streams", type=int, default=8, help="running streams in the ITL table")
     parser.add_argument(
@@ -406,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) is None:
             setattr(args, name, value)
     args.concurrency = [int(n) for n in args.concurrency.split(",")]
-    args.chunks = [int(n) for n in args.chunks.split(",")]
+    args.chunks = [parse_chunk(item) for item in args.chunks.split(",")]
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(args.torch_threads)
     print(f"## tiny Llama ({tiny_config().max_position_embeddings}-token context), device {device}, "
@@ -439,7 +458,8 @@ def targets(decode: list[dict[str, Any]], itl: list[dict[str, Any]]) -> list[str
     for r in itl:
         if r["prefill_chunk_tokens"]:
             met = r["ratio_p99"] <= 2.0
-            lines.append(f"ITL p99 with a whole-context prefill, chunk {r['prefill_chunk_tokens']} "
+            label = chunk_label(r["prefill_chunk_tokens"], r.get("prefill_step_ratio", 0.0))
+            lines.append(f"ITL p99 with a whole-context prefill, chunks of {label} "
                          f"({r.get('path', 'in process')}): "
                          f"{r['ratio_p99']:.2f}x of alone (target <= 2x): {'met' if met else 'NOT met'}")  # fmt: skip
     by_n = {r["concurrency"]: r for r in decode}

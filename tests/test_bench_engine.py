@@ -20,11 +20,14 @@ def test_the_verdicts_name_each_target_with_its_numbers() -> None:
     ]
     itl = [
         {"prefill_chunk_tokens": 0, "path": "in process", "ratio_p99": 30.0},
-        {"prefill_chunk_tokens": 64, "path": "HTTP", "ratio_p99": 1.5},
+        {"prefill_chunk_tokens": 64, "prefill_step_ratio": 0.0, "path": "HTTP", "ratio_p99": 1.5},
+        {"prefill_chunk_tokens": 512, "prefill_step_ratio": 1.5, "path": "HTTP", "ratio_p99": 2.5},
     ]
     lines = bench_engine.targets(decode, itl)
     assert lines == [
-        "ITL p99 with a whole-context prefill, chunk 64 (HTTP): 1.50x of alone (target <= 2x): met",
+        "ITL p99 with a whole-context prefill, chunks of 64 (HTTP): 1.50x of alone (target <= 2x): met",
+        "ITL p99 with a whole-context prefill, chunks of 512 paced 1.5x (HTTP): 2.50x of alone (target <= 2x): "
+        "NOT met",
         "decode tok/s at 32: 2.50x transformers' static batch (target >= 2x): met",
         "time per token at 1 request: 1.30x transformers' (target <= 1.2x): NOT met",
     ]
@@ -32,7 +35,7 @@ def test_the_verdicts_name_each_target_with_its_numbers() -> None:
 
 def test_a_quick_run_writes_every_table_and_the_same_text_as_transformers(tmp_path: Path, capsys) -> None:
     out = tmp_path / "engine.json"
-    argv = ["--quick", "--concurrency", "1,3", "--max-tokens", "4", "--chunks", "0,64", "--base-steps", "8",
+    argv = ["--quick", "--concurrency", "1,3", "--max-tokens", "4", "--chunks", "0,64:0,64", "--base-steps", "8",
             "--torch-threads", "1", "--device", "cpu", "--output", str(out)]  # fmt: skip
     assert bench_engine.main(argv) == 0
     result = json.loads(out.read_text())
@@ -40,11 +43,13 @@ def test_a_quick_run_writes_every_table_and_the_same_text_as_transformers(tmp_pa
     for r in result["decode"]:
         for side in ("ours_in_process", "ours_http", "transformers"):
             assert r[side]["decode_tps"] > 0, side
-    assert [(r["prefill_chunk_tokens"], r["path"]) for r in result["itl"]] == [
-        (0, "in process"),
-        (0, "HTTP"),
-        (64, "in process"),
-        (64, "HTTP"),
+    assert [(r["prefill_chunk_tokens"], r["prefill_step_ratio"], r["path"]) for r in result["itl"]] == [
+        (0, 0.0, "in process"),
+        (0, 0.0, "HTTP"),
+        (64, 0.0, "in process"),
+        (64, 0.0, "HTTP"),
+        (64, 1.5, "in process"),
+        (64, 1.5, "HTTP"),
     ]
     assert all(r["gaps_during"] > 0 and r["base_p99_ms"] > 0 for r in result["itl"])
     # our greedy text is transformers' on the checkpoint the bench wrote

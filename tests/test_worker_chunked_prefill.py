@@ -37,7 +37,8 @@ def make_engine(tiny: Any) -> Any:
 
     def make(**kw: Any) -> TorchEngine:
         config, model, tokenizer = tiny
-        engine = TorchEngine(config, model, tokenizer, **{"kv_tokens": 8192, **kw})
+        # unpaced unless asked: the step-count tests need chunks that do not follow the clock
+        engine = TorchEngine(config, model, tokenizer, **{"kv_tokens": 8192, "prefill_step_ratio": 0.0, **kw})
         made.append(engine)
         return engine
 
@@ -269,22 +270,31 @@ def test_a_negative_chunk_is_refused(tiny: Any) -> None:
         TorchEngine(*tiny, kv_tokens=256, prefill_chunk_tokens=-1)
 
 
-def test_the_worker_flag_reaches_the_engine_and_refuses_a_negative(capsys: Any) -> None:
+def test_the_worker_flags_reach_the_engine_and_refuse_bad_values(capsys: Any) -> None:
     import argparse
 
     from server.worker import cli
 
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
-    engine, _, _ = cli.build_engine(
-        parser.parse_args(["--prefill-chunk-tokens", "96", "--kv-tokens", "4096"])
+    args = parser.parse_args(
+        ["--prefill-chunk-tokens", "96", "--prefill-step-ratio", "3", "--kv-tokens", "4096"]
     )
-    assert engine.prefill_chunk_tokens == 96
+    engine, _, _ = cli.build_engine(args)
+    assert engine.prefill_chunk_tokens == 96 and engine.pacer.ratio == 3.0 and engine.pacer.max_tokens == 96
     engine.stop()
-    with pytest.raises(SystemExit) as exit_info:
-        parser.parse_args(["--prefill-chunk-tokens", "-5"])
-    assert exit_info.value.code == 2
-    assert "--prefill-chunk-tokens: must be >= 0, got -5" in capsys.readouterr().err
+    engine, _, _ = cli.build_engine(parser.parse_args(["--prefill-step-ratio", "0", "--kv-tokens", "4096"]))
+    assert engine.pacer.ratio == 0.0
+    engine.stop()
+    for flag, value, message in (
+        ("--prefill-chunk-tokens", "-5", "--prefill-chunk-tokens: must be >= 0, got -5"),
+        ("--prefill-step-ratio", "1", "--prefill-step-ratio: must be > 1 (0: off), got 1"),
+        ("--prefill-step-ratio", "nan", "--prefill-step-ratio: must be > 1 (0: off), got nan"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            parser.parse_args([flag, value])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
 
 
 async def test_streams_and_a_prompt_sharing_forwards_give_their_text_alone(make_engine: Any) -> None:
@@ -377,3 +387,73 @@ async def test_served_disaggregated_chunked_equals_a_whole_prefill_single_worker
     finally:
         for worker in (single, ctx_worker, gen_worker):
             await worker.server.cleanup()
+
+
+# -- pacing: a step with chunks within prefill_step_ratio x a decode-only step -------------------
+
+
+def test_the_pacer_shrinks_at_once_grows_gradually_and_stays_in_bounds() -> None:
+    from server.worker.prefill_pacer import PrefillPacer
+
+    pacer = PrefillPacer(512, 16, 1.5)
+    assert pacer.budget(decoding=True) == 16  # from a block up
+    pacer.mixed_step(0.100, 16)  # no decode-only step known: nothing to compare with
+    assert pacer.allowance == 16
+    pacer.allowance = 512
+    pacer.decode_step(0.002)
+    pacer.mixed_step(0.042, 512)  # the chunk took 40 ms; it may take 1 ms: 512 * 1 / 40
+    assert pacer.allowance == 16  # 12.8 tokens, floored at a block
+    assert pacer.budget(decoding=False) == 512  # nobody decoding: the whole budget
+    pacer.mixed_step(0.0021, 16)  # far within: grows, but at most 1.5x a step
+    assert pacer.allowance == 24
+    for _ in range(30):
+        pacer.mixed_step(0.0021, pacer.allowance)
+    assert pacer.allowance == 512  # never past the token budget
+    pacer.decode_step(0.004)  # a running average: 2 ms + 0.2 * 2 ms
+    assert pacer.decode_s == pytest.approx(0.0024)
+    off = PrefillPacer(512, 16, 0.0)
+    off.decode_step(0.002)
+    off.mixed_step(1.0, 512)
+    assert off.budget(decoding=True) == 512
+    for bad in (1.0, 0.5, -2.0, float("nan")):
+        with pytest.raises(ValueError, match="prefill step ratio must be > 1"):
+            PrefillPacer(512, 16, bad)
+
+
+async def test_a_paced_engine_takes_smaller_chunks_beside_slow_decodes_and_the_same_text(
+    make_engine: Any,
+) -> None:
+    """Each forward made to cost 0.1 ms per token on top of 2 ms on the pacer's clock (a fake one:
+    deterministic): a 500-token chunk takes 26x a decode step of 4 streams, so the pacer cuts chunks
+    to a block; the text is unchanged."""
+    alone = started(make_engine(prefill_chunk_tokens=0))
+    want = (await run(alone, text(8, 900), max_tokens=4))[0]
+    engine = make_engine(prefill_chunk_tokens=512, prefill_step_ratio=1.5)
+    model = engine.model
+    real = model.forward_step
+    sizes: list[int] = []
+    now = [0.0]
+    engine.pacer.clock = lambda: now[0]
+
+    def slow(ids: Any, *args: Any, **kwargs: Any) -> Any:
+        sizes.append(int(ids.numel()))
+        now[0] += 0.002 + 0.0001 * ids.numel()
+        return real(ids, *args, **kwargs)
+
+    model.forward_step = slow  # type: ignore[method-assign]
+    streams = [make_request(engine, text(i, 10), max_tokens=1500) for i in range(4)]
+    for req, _ in streams:
+        engine.submit(req)
+    started(engine)
+    for _, queue in streams:
+        await asyncio.wait_for(queue.get(), 30)  # decoding; decode-only steps measured
+    while engine.pacer.decode_s is None:
+        await asyncio.sleep(0.01)
+    got = (await run(engine, text(8, 900), max_tokens=4))[0]
+    for req, _ in streams:
+        engine.abort(req.request_id)
+    del model.forward_step
+    assert got == want
+    # small chunks from the first on: 900 tokens in many steps
+    assert max(sizes) < 128 and engine.pacer.allowance < 128, sizes
+    assert sum(1 for n in sizes if n > 8) >= 900 // 128, sizes

@@ -291,7 +291,13 @@ def test_the_engine_flags_default_to_the_torch_engines_own() -> None:
     cli.add_arguments(parser)
     args = parser.parse_args([])
     engine = inspect.signature(TorchEngine).parameters
-    for flag in ("block_size", "max_num_seqs", "prefix_caching", "prefill_chunk_tokens"):
+    for flag in (
+        "block_size",
+        "max_num_seqs",
+        "prefix_caching",
+        "prefill_chunk_tokens",
+        "prefill_step_ratio",
+    ):
         assert getattr(args, flag) == engine[flag].default, flag
     assert args.kv_tokens is None and engine["kv_tokens"].default == cli.DEFAULT_KV_TOKENS  # tiny's
     help_text = " ".join(parser.format_help().split())

@@ -22,6 +22,7 @@ from .engine_api import (
     DEFAULT_KV_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_PREFILL_CHUNK_TOKENS,
+    DEFAULT_PREFILL_STEP_RATIO,
     DEFAULT_PREFIX_CACHING,
 )
 from .settings import ROLES, WorkerSettings
@@ -121,6 +122,11 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how a chat answer's tool calls are read out of the generated text, as vLLM names "
                              "it: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Hermes), llama3_json "
                              "(Llama 3.1+'s JSON calls), none: no parsing (default %(default)s)")  # fmt: skip
+    parser.add_argument("--prefill-step-ratio", type=_step_ratio, default=DEFAULT_PREFILL_STEP_RATIO,
+                        help="while streams decode, a step carrying prompt chunks may take this many times "
+                             "their decode-only step (measured): fewer chunk tokens where a chunk costs more "
+                             "than a decode step, e.g. on a CPU or late in a long prompt; 0: the token budget "
+                             f"alone (default {DEFAULT_PREFILL_STEP_RATIO:g})")  # fmt: skip
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch intra-op threads (default: half the CPUs, 1 to 4)")  # fmt: skip
 
@@ -234,6 +240,13 @@ def _non_negative(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _step_ratio(text: str) -> float:
+    value = float(text)
+    if value != 0.0 and not value > 1.0:  # a NaN is refused too
+        raise argparse.ArgumentTypeError(f"must be > 1 (0: off), got {text}")
     return value
 
 
@@ -357,6 +370,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str, str]:
         prefix_caching=args.prefix_caching,
         max_num_seqs=args.max_num_seqs,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
+        prefill_step_ratio=args.prefill_step_ratio,
     )
     return engine, args.served_model_name or served_name(args.model), device
 

@@ -9,7 +9,9 @@ One dedicated thread owns the model and the KV cache and loops:
    prefilling queue;
 3. one forward over every running sequence's next token and chunks of the
    prefilling prompts, oldest first, under the step's token budget
-   (``prefill_chunk_tokens``, less one per decode row): a long prompt is cut
+   (``prefill_chunk_tokens``, less one per decode row, and no more than keeps
+   the step within ``prefill_step_ratio`` times a decode-only step while
+   streams decode: :mod:`.prefill_pacer`): a long prompt is cut
    into chunks over several steps, several short ones share a step; a prompt
    whose last chunk ran samples its first token and starts decoding (or
    parks, for a context leg);
@@ -53,6 +55,7 @@ from .engine_api import (
     DEFAULT_KV_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_PREFILL_CHUNK_TOKENS,
+    DEFAULT_PREFILL_STEP_RATIO,
     DEFAULT_PREFIX_CACHING,
     NOT_FINISHED,
     EngineRequest,
@@ -64,6 +67,7 @@ from .kv_cache import DecodeAttention, PagedKVCache, PrefillBatchAttention, Step
 from .kv_transfer import KVLayout
 from .model import LlamaForCausalLM, ModelConfig
 from .output import Delta, SamplingParams, TokenLogprob
+from .prefill_pacer import PrefillPacer
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -118,6 +122,7 @@ class TorchEngine:
         prefill_tokens_per_step: int = 2048,
         prefix_caching: bool = DEFAULT_PREFIX_CACHING,
         prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
+        prefill_step_ratio: float = DEFAULT_PREFILL_STEP_RATIO,
     ) -> None:
         self.config = config
         self.model = model
@@ -136,6 +141,10 @@ class TorchEngine:
             raise ValueError(f"prefill_chunk_tokens must be >= 0 (0: off), got {prefill_chunk_tokens}")
         #: a step's token budget (decode rows and prefill chunks); 0: prompts prefilled whole
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        # Paces chunks beside running decodes (chunked prefill only: whole prompts are whole).
+        self.pacer = PrefillPacer(
+            prefill_chunk_tokens, self.cache.block_size, prefill_step_ratio if prefill_chunk_tokens else 0.0
+        )
         #: admitted prompts whose prefill is under way, oldest first (they hold a sequence slot)
         self._prefilling: list[_Prefill] = []
         self._inbox: collections.deque[EngineRequest] = collections.deque()
@@ -420,12 +429,14 @@ class TorchEngine:
         """This step's prefill chunks, oldest prompt first (so no prompt waits behind a later one).
 
         Chunked (``prefill_chunk_tokens`` > 0): the step's budget is that many tokens, less one per
-        running decode (at least a block's worth, so a full batch still makes progress); a prompt
-        takes what is left of it, cut anywhere. Off: whole prompts while ``prefill_tokens_per_step``
+        running decode (at least a block's worth, so a full batch still makes progress), and no more
+        than the pacer allows beside running decodes; a prompt takes what is left of it, cut
+        anywhere. Off: whole prompts while ``prefill_tokens_per_step``
         lasts, at least one. Several prompts in one plan share one forward."""
         chunk = self.prefill_chunk_tokens
         if chunk > 0:
             budget = max(chunk - len(self._running), min(chunk, self.cache.block_size))
+            budget = min(budget, self.pacer.budget(bool(self._running)))
         else:
             budget = self.prefill_tokens_per_step
         plan: list[tuple[_Prefill, int]] = []
@@ -579,9 +590,11 @@ class TorchEngine:
         streams its own compute only, not a second pass."""
         batch = list(self._running)
         plan = self._plan_chunks() if self._prefilling else []
+        began = self.pacer.clock()
         if not plan:
             if batch:
                 self._decode_step(batch, outputs)
+                self.pacer.decode_step(self.pacer.clock() - began)
             return
         if not batch:
             self._run_chunks(plan, outputs)
@@ -605,6 +618,7 @@ class TorchEngine:
             return
         self._decode_done(batch, sampled, outputs)
         self._prefill_done(plan, logits[len(batch) :], outputs)
+        self.pacer.mixed_step(self.pacer.clock() - began, sum(take for _, take in plan))
 
     def _decode_inputs(
         self, batch: list[EngineRequest]

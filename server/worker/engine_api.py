@@ -38,6 +38,9 @@ DEFAULT_PREFIX_CACHING = True
 #: a step's token budget with chunked prefill: one token per running decode, the rest for prompt
 #: chunks (a long prompt is cut to fit); 0 prefills each prompt whole (--prefill-chunk-tokens)
 DEFAULT_PREFILL_CHUNK_TOKENS = 512
+#: while streams decode, a step carrying prompt chunks may take this many times their decode-only
+#: step (server/worker/prefill_pacer.py; 0: the token budget alone; --prefill-step-ratio)
+DEFAULT_PREFILL_STEP_RATIO = 1.5
 #: seconds a context leg's KV stays parked for its generation worker (EngineRequest.park_ttl_s;
 #: the app sets it from WorkerSettings.kv_ttl_s, --kv-ttl, which defaults to this)
 DEFAULT_KV_TTL_S = 30.0
