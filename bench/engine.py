@@ -12,8 +12,9 @@ weights are ours bit for bit) and the same torch threads for every contender:
    ours over transformers', measured in the same run; at 1 request the ratio of time per token.
 2. Inter-token latency of 8 running streams while a prompt of the model's whole context is
    prefilled on the same engine, p50/p99 over every gap of every stream, beside the same
-   streams' gaps with no prefill running (measured just before), for prefill whole
-   (``--prefill-chunk-tokens 0``), the default chunk and a small one.
+   streams' gaps with no prefill running (measured just before), in process and over HTTP,
+   for prefill whole (``--prefill-chunk-tokens 0``), the default chunk and a small one unpaced
+   (``--prefill-step-ratio 0``) and the default chunk paced (the worker's default).
 
 Targets (issue 38): ITL p99 with the prefill <= 2x without; decode tokens/s at 32 >= 2x
 transformers'; at 1 request no worse than 1.2x its time per token. Results: a table on stdout
