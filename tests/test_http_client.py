@@ -938,8 +938,8 @@ async def test_a_declared_length_above_the_read_into_bound_is_kept_as_its_pieces
 
 
 async def test_a_whole_body_over_max_body_is_refused_before_it_is_read() -> None:
-    """A Content-Length above max_body is no body to read into: the response fails as it does on
-    every path (the bytes counted as they come, the request failed past the bound)."""
+    """A Content-Length above max_body is no body to read into: the response fails at its head, before
+    any of it is read (a chunked one as its bytes pass the bound: test_hostile_workers)."""
     async with Upstream(answering(lambda req: ok(b"y" * 5000))) as up, pool_for(up) as pool:
         with pytest.raises(UpstreamError, match="exceeds 4000 bytes"):
             await fetch(pool, body=b"x", max_body=4000)
