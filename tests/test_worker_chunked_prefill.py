@@ -457,3 +457,54 @@ async def test_a_paced_engine_takes_smaller_chunks_beside_slow_decodes_and_the_s
     # small chunks from the first on: 900 tokens in many steps
     assert max(sizes) < 128 and engine.pacer.allowance < 128, sizes
     assert sum(1 for n in sizes if n > 8) >= 900 // 128, sizes
+
+
+async def test_a_burst_of_short_prompts_goes_whole_and_only_a_cut_prompt_is_paced(make_engine: Any) -> None:
+    """Six 60-token prompts and a 900-token one arrive together beside 4 decoding streams (queued
+    while the engine thread is held in a forward, so one step sees them all): the six go whole in
+    the next step, the long one then follows in paced chunks."""
+    import threading
+
+    engine = make_engine(prefill_chunk_tokens=512, prefill_step_ratio=1.5)
+    model = engine.model
+    real = model.forward_step
+    sizes: list[int] = []
+    now = [0.0]
+    engine.pacer.clock = lambda: now[0]
+    hold, held, release = threading.Event(), threading.Event(), threading.Event()
+
+    def slow(ids: Any, *args: Any, **kwargs: Any) -> Any:
+        if hold.is_set() and not release.is_set():
+            held.set()
+            release.wait(30)
+        sizes.append(int(ids.numel()))
+        now[0] += 0.002 + 0.0001 * ids.numel()
+        return real(ids, *args, **kwargs)
+
+    model.forward_step = slow  # type: ignore[method-assign]
+    streams = [make_request(engine, text(i, 10), max_tokens=1500) for i in range(4)]
+    for req, _ in streams:
+        engine.submit(req)
+    started(engine)
+    for _, queue in streams:
+        await asyncio.wait_for(queue.get(), 30)
+    while engine.pacer.decode_s is None:
+        await asyncio.sleep(0.01)
+    hold.set()
+    while not held.is_set():
+        await asyncio.sleep(0.001)
+    before = len(sizes)
+    shorts = [make_request(engine, text(10 + i, 59), max_tokens=2) for i in range(6)]
+    long, long_q = make_request(engine, text(20, 900), max_tokens=2)
+    for req, _ in [*shorts, (long, long_q)]:
+        engine.submit(req)
+    release.set()
+    await collect(long_q)
+    for _, queue in shorts:
+        await collect(queue)
+    for req, _ in streams:
+        engine.abort(req.request_id)
+    del model.forward_step
+    after = sizes[before + 1 :]  # the held forward was the streams' own decode step
+    assert after[0] == 4 + sum(int(r.prompt_ids.size) for r, _ in shorts), sizes  # 6 x 60 whole
+    assert len(after) > 900 // 128 and max(after[1:]) < 128, sizes  # then the long one, paced

@@ -429,24 +429,42 @@ class TorchEngine:
         """This step's prefill chunks, oldest prompt first (so no prompt waits behind a later one).
 
         Chunked (``prefill_chunk_tokens`` > 0): the step's budget is that many tokens, less one per
-        running decode (at least a block's worth, so a full batch still makes progress), and no more
-        than the pacer allows beside running decodes; a prompt takes what is left of it, cut
-        anywhere. Off: whole prompts while ``prefill_tokens_per_step``
+        running decode (at least a block's worth, so a full batch still makes progress). A prompt
+        not yet started that fits what is left goes whole (a burst of short prompts is not held
+        back); one that must be cut, or was cut before, takes no more than the pacer allows beside
+        running decodes, and ends the plan. Off: whole prompts while ``prefill_tokens_per_step``
         lasts, at least one. Several prompts in one plan share one forward."""
         chunk = self.prefill_chunk_tokens
-        if chunk > 0:
-            budget = max(chunk - len(self._running), min(chunk, self.cache.block_size))
-            budget = min(budget, self.pacer.budget(bool(self._running)))
-        else:
-            budget = self.prefill_tokens_per_step
+        if chunk <= 0:
+            return self._plan_whole(self.prefill_tokens_per_step)
+        budget = max(chunk - len(self._running), min(chunk, self.cache.block_size))
+        paced = self.pacer.budget(bool(self._running))
+        plan: list[tuple[_Prefill, int]] = []
+        for state in self._prefilling:
+            req = state.req
+            left = state.total - req.cached_len
+            if req.cached_len == req.cached_prefix and left <= budget:
+                take = left
+            else:
+                take = min(left, budget, paced)
+                if take <= 0:
+                    break
+            plan.append((state, take))
+            budget -= take
+            paced -= take
+            if budget <= 0 or take < left:
+                break
+        return plan
+
+    def _plan_whole(self, budget: int) -> list[tuple[_Prefill, int]]:
+        """Whole prompts while ``budget`` lasts, at least one."""
         plan: list[tuple[_Prefill, int]] = []
         for state in self._prefilling:
             left = state.total - state.req.cached_len
-            if chunk <= 0 and plan and left > budget:
+            if plan and left > budget:
                 break
-            take = min(left, budget) if chunk > 0 else left
-            plan.append((state, take))
-            budget -= take
+            plan.append((state, left))
+            budget -= left
             if budget <= 0:
                 break
         return plan
