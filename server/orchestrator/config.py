@@ -238,6 +238,16 @@ class AdmissionConfig(BaseModel):
         return value
 
 
+class ResponsesStoreConfig(BaseModel):
+    """Stored responses of POST /v1/responses (server/orchestrator/apis/responses_store.py), per tenant."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_entries: int = Field(1024, ge=1)
+    max_bytes: int = Field(64 << 20, ge=1)
+    ttl_s: float = Field(3600.0, gt=0)
+
+
 class OrchestratorConfig(BaseModel):
     # trtllm-serve's disaggregated YAML loads unchanged: keys not used here
     # (it hands them to the workers it launches) are warned about, not refused.
@@ -325,6 +335,8 @@ class OrchestratorConfig(BaseModel):
     disagg_cluster: DisaggClusterConfig | None = None
     # trtllm-serve's: which leg goes first; generation_first is refused (check_runnable says why)
     schedule_style: Literal["context_first", "generation_first"] = "context_first"
+    # /v1/responses' store (store, previous_response_id, GET/DELETE by id); None: off, those refused
+    responses_store: ResponsesStoreConfig | None = None
     # trtllm-serve's OpenTelemetry tracing ({otlp_traces_endpoint: URL}): server/tracing.py, docs/tracing.md
     otlp_config: OtlpConfig | None = None
     # trtllm-serve's per-request entries of GET /perf_metrics (0: none kept, its default); above 0 refused

@@ -1,0 +1,643 @@
+"""OpenAI's Responses API (``POST /v1/responses``) translated to one chat completion and back.
+
+Sans-IO, like the rest of the orchestrator's protocol code: :func:`read_request` checks a client's
+body and builds the chat leg's body once (every gate, router and relay then treat it as any chat
+request); :func:`response_object` turns a chat answer into a ``response`` object and
+:class:`EventTranslator` turns the chat leg's SSE bytes, cut anywhere, into the Responses event
+sequence whose ``response.completed`` carries what the unary answer would. Field and event names
+follow the official ``openai`` SDK's ``types/responses``. Every malformed body is a 400 in OpenAI's
+error shape naming the field (``param``), never a 500. Stored responses (``store``,
+``previous_response_id``) live in :mod:`.responses_store`.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from server.errors import HTTPError, error_body
+from server.http import Request
+
+from .responses_store import ResponseStore, previous_history, refuse_store
+
+#: top-level members read as documented; anything else is refused by name, as OpenAI does
+_SUPPORTED = frozenset({
+    "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
+    "temperature", "top_p", "stream", "store", "previous_response_id", "metadata", "user", "text",
+    "truncation", "include", "reasoning", "safety_identifier", "prompt_cache_key", "service_tier",
+    "stream_options", "background", "top_logprobs",
+})  # fmt: skip
+_ROLES = ("user", "assistant", "system", "developer")
+_TOOL_CHOICES = ("none", "auto", "required")
+
+
+def bad(message: str, param: str) -> HTTPError:
+    return HTTPError(400, message, param=param, code="invalid_request_error")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+@dataclass
+class ResponsesRequest:
+    """A checked Responses request: the chat leg's body and what the answer echoes."""
+
+    chat: dict[str, Any]
+    stream: bool
+    store: bool | None  # None: the client left it out
+    previous_response_id: str | None
+    #: the conversation this request adds (chat messages, instructions left out): what a stored
+    #: response keeps, so that a later ``previous_response_id`` goes on from it
+    turn: list[dict[str, Any]] = field(default_factory=list)
+    echo: dict[str, Any] = field(default_factory=dict)
+    #: function_call_output call ids not called in ``turn`` -> where the input names them
+    unresolved: dict[str, str] = field(default_factory=dict)
+
+
+def _string(body: dict[str, Any], key: str, param: str, *, required: bool = False) -> str | None:
+    value = body.get(key)
+    if value is None:
+        if required:
+            raise bad(f"Missing required parameter: '{param}'.", param)
+        return None
+    if not isinstance(value, str):
+        raise bad(f"Invalid type for '{param}': expected a string.", param)
+    return value
+
+
+def _number(body: dict[str, Any], key: str, low: float, high: float) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise bad(f"'{key}' must be a number from {low:g} to {high:g}.", key)
+    return value
+
+
+def _bool(body: dict[str, Any], key: str) -> bool | None:
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise bad(f"Invalid type for '{key}': expected a boolean.", key)
+    return value
+
+
+def _text_of(content: Any, param: str, kinds: tuple[str, ...]) -> str:
+    """A message's content: a string, or text parts (``input_text``; ``output_text`` and ``refusal``
+    where an earlier answer's message is fed back) joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(f"Invalid type for '{param}': expected a string or an array of content parts.", param)
+    texts = []
+    for j, part in enumerate(content):
+        where = f"{param}[{j}]"
+        if not isinstance(part, dict):
+            raise bad(f"Invalid type for '{where}': expected an object.", where)
+        kind = part.get("type")
+        if kind not in kinds:
+            # images, files and audio need a multimodal worker; none of ours is
+            raise bad(f"'{where}.type' must be one of {', '.join(kinds)} (got {kind!r}).", f"{where}.type")
+        text = part.get("refusal" if kind == "refusal" else "text")
+        if not isinstance(text, str):
+            raise bad(f"Invalid type for '{where}.text': expected a string.", f"{where}.text")
+        texts.append(text)
+    return "".join(texts)
+
+
+def _message(item: dict[str, Any], param: str) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in _ROLES:
+        raise bad(f"'{param}.role' must be one of {', '.join(_ROLES)}.", f"{param}.role")
+    kinds = ("output_text", "refusal") if role == "assistant" else ("input_text",)
+    return {"role": role, "content": _text_of(item.get("content"), f"{param}.content", kinds)}
+
+
+def _function_call(item: dict[str, Any], param: str) -> dict[str, Any]:
+    for key in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(key), str) or not item[key]:
+            raise bad(f"'{param}.{key}' must be a non-empty string.", f"{param}.{key}")
+    function = {"name": item["name"], "arguments": item["arguments"]}
+    return {"id": item["call_id"], "type": "function", "function": function}
+
+
+def _tool_result(
+    item: dict[str, Any], param: str, calls: set[str], unresolved: dict[str, str]
+) -> dict[str, Any]:
+    call_id = item.get("call_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise bad(f"'{param}.call_id' must be a non-empty string.", f"{param}.call_id")
+    if call_id not in calls:
+        unresolved[call_id] = f"{param}.call_id"  # a previous response's call, or none: with_history says
+    output = _text_of(item.get("output"), f"{param}.output", ("input_text",))
+    return {"role": "tool", "tool_call_id": call_id, "content": output}
+
+
+def chat_messages(items: Any, unresolved: dict[str, str]) -> list[dict[str, Any]]:
+    """``input`` as chat messages: a string is one user message; consecutive ``function_call`` items
+    join the assistant message before them (chat carries a turn's calls in one message). A result
+    whose call is not in ``items`` goes in ``unresolved`` (its call id -> its param): it must name
+    a call of the previous response's conversation."""
+    calls: set[str] = set()
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list):
+        raise bad("Invalid type for 'input': expected a string or an array of items.", "input")
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        param = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise bad(f"Invalid type for '{param}': expected an object.", param)
+        kind = item.get("type", "message")  # EasyInputMessage leaves the type out
+        if kind == "message":
+            messages.append(_message(item, param))
+        elif kind == "function_call":
+            call = _function_call(item, param)
+            calls.add(call["id"])
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)
+            elif last is not None and last["role"] == "assistant":
+                last["tool_calls"] = [call]
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append(_tool_result(item, param, calls, unresolved))
+        else:
+            raise bad(f"'{param}.type' must be one of message, function_call, function_call_output (got {kind!r}).",
+                      f"{param}.type")  # fmt: skip
+    return messages
+
+
+def _tools(value: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Responses' flat function tools as chat's nested ones, and the tools as the answer echoes them."""
+    if not isinstance(value, list):
+        raise bad("Invalid type for 'tools': expected an array.", "tools")
+    chat, echo = [], []
+    for i, tool in enumerate(value):
+        param = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise bad(f"Invalid type for '{param}': expected an object.", param)
+        if tool.get("type") != "function":
+            # hosted tools (web search, file search, computer use...) run at OpenAI, not in a model
+            raise bad(
+                f"'{param}.type' must be 'function': hosted tools are not served here.", f"{param}.type"
+            )
+        if not isinstance(tool.get("name"), str):
+            raise bad(f"'{param}.name' must be a string.", f"{param}.name")
+        function: dict[str, Any] = {"name": tool["name"]}
+        for key, kind in (("description", str), ("parameters", dict), ("strict", bool)):
+            if tool.get(key) is not None:
+                if not isinstance(tool[key], kind) or (kind is not bool and isinstance(tool[key], bool)):
+                    raise bad(f"Invalid type for '{param}.{key}'.", f"{param}.{key}")
+                function[key] = tool[key]
+        chat.append({"type": "function", "function": function})
+        echo.append({"type": "function", "description": None, "parameters": None, "strict": None,
+                     **{k: v for k, v in tool.items() if k != "type"}, "name": tool["name"]})  # fmt: skip
+    return chat, echo
+
+
+def _tool_choice(value: Any) -> Any:
+    if value in _TOOL_CHOICES:
+        return value
+    if isinstance(value, dict) and value.get("type") == "function":
+        if not isinstance(value.get("name"), str):
+            raise bad("'tool_choice.name' must be a string.", "tool_choice.name")
+        return {"type": "function", "function": {"name": value["name"]}}
+    raise bad("'tool_choice' must be one of none, auto, required or {'type': 'function', 'name': ...}.",
+              "tool_choice")  # fmt: skip
+
+
+def _refuse_unserved(body: dict[str, Any]) -> None:
+    """Members we read only to refuse what they ask for, each naming why."""
+    for key in body:
+        if key not in _SUPPORTED:
+            raise bad(f"Unknown parameter: '{key}'.", key)
+    if body.get("background"):
+        raise bad("'background' responses are not served: stream or wait for the answer.", "background")
+    if body.get("truncation") not in (None, "disabled"):
+        raise bad("'truncation' must be 'disabled': the orchestrator never drops a conversation's items.",
+                  "truncation")  # fmt: skip
+    text = body.get("text")
+    if text is not None:
+        fmt = text.get("format") if isinstance(text, dict) else None
+        if not isinstance(text, dict) or (
+            fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text")
+        ):
+            raise bad(
+                "'text.format.type' must be 'text': structured outputs are not served.", "text.format.type"
+            )
+    if body.get("top_logprobs"):
+        raise bad("'top_logprobs' is not served.", "top_logprobs")
+    if body.get("include"):
+        raise bad("'include' is not served: nothing is kept beside the answer's own items.", "include")
+    metadata = body.get("metadata")
+    if metadata is not None and (
+        not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise bad("'metadata' must be an object of strings.", "metadata")
+
+
+def read_request(body: Any) -> ResponsesRequest:
+    """A client's Responses body checked and translated into the chat leg's body."""
+    if not isinstance(body, dict):
+        raise bad("The request body must be a JSON object.", "body")
+    _refuse_unserved(body)
+    model = _string(body, "model", "model", required=True)
+    instructions = _string(body, "instructions", "instructions")
+    if "input" not in body:
+        raise bad("Missing required parameter: 'input'.", "input")
+    stream, store = bool(_bool(body, "stream")), _bool(body, "store")
+    previous = _string(body, "previous_response_id", "previous_response_id")
+    turn = chat_messages(body["input"], unresolved := {})
+    chat: dict[str, Any] = {"model": model, "messages": turn, "stream": stream}
+    if stream:
+        chat["stream_options"] = {"include_usage": True}  # the final event's usage
+    echo: dict[str, Any] = {"model": model, "instructions": instructions, "tools": [], "tool_choice": "auto",
+                            "parallel_tool_calls": True, "temperature": None, "top_p": None,
+                            "max_output_tokens": None, "previous_response_id": previous,
+                            "metadata": body.get("metadata") or {}, "text": {"format": {"type": "text"}},
+                            "truncation": "disabled", "user": _string(body, "user", "user")}  # fmt: skip
+    if body.get("tools") is not None:
+        chat["tools"], echo["tools"] = _tools(body["tools"])
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+        echo["tool_choice"] = body["tool_choice"]
+    if (parallel := _bool(body, "parallel_tool_calls")) is not None:
+        chat["parallel_tool_calls"] = echo["parallel_tool_calls"] = parallel
+    for key, high in (("temperature", 2.0), ("top_p", 1.0)):
+        if (value := _number(body, key, 0.0, high)) is not None:
+            chat[key] = echo[key] = value
+    limit = body.get("max_output_tokens")
+    if limit is not None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise bad("'max_output_tokens' must be a positive integer.", "max_output_tokens")
+        chat["max_tokens"] = echo["max_output_tokens"] = limit
+    request = ResponsesRequest(chat, stream, store, previous, turn, echo, unresolved)
+    if previous is None:  # else the store's conversation comes first: with_history then
+        with_history(request, [])
+    return request
+
+
+def with_history(request: ResponsesRequest, history: list[dict[str, Any]]) -> None:
+    """The chat leg's messages: the instructions (never carried from a previous response, as OpenAI
+    documents), a previous response's conversation, then this request's input. Each tool result
+    must answer a call of that conversation (as OpenAI checks)."""
+    called = {c["id"] for m in history for c in m.get("tool_calls") or ()}
+    for call_id, param in request.unresolved.items():
+        if call_id not in called:
+            raise bad(f"No function call found for function_call_output with call_id '{call_id}'.", param)
+    head = (
+        [{"role": "system", "content": request.echo["instructions"]}] if request.echo["instructions"] else []
+    )
+    request.chat["messages"] = [*head, *history, *request.turn]
+
+
+# ------------------------------------------------------------------ the answer
+
+
+def _usage(usage: Any) -> dict[str, Any] | None:
+    if not isinstance(usage, dict):
+        return None
+    prompt, completion = usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0
+    details = usage.get("prompt_tokens_details")
+    cached = (details.get("cached_tokens") if isinstance(details, dict) else None) or 0
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion}  # fmt: skip
+
+
+def message_item(text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"id": item_id or new_id("msg"), "type": "message", "role": "assistant", "status": status,
+            "content": [part]}  # fmt: skip
+
+
+def call_item(
+    call_id: str, name: str, arguments: str, status: str, item_id: str | None = None
+) -> dict[str, Any]:
+    return {"id": item_id or new_id("fc"), "type": "function_call", "status": status, "call_id": call_id,
+            "name": name, "arguments": arguments}  # fmt: skip
+
+
+def envelope(request: ResponsesRequest, response_id: str, created_at: int, status: str) -> dict[str, Any]:
+    """The ``response`` object without its output: what ``response.created`` carries."""
+    return {"id": response_id, "object": "response", "created_at": created_at, "status": status,
+            "error": None, "incomplete_details": None, **request.echo, "output": [], "usage": None,
+            "store": bool(request.store)}  # fmt: skip
+
+
+def finish(response: dict[str, Any], output: list[dict[str, Any]], finish_reason: Any, usage: Any) -> None:
+    """The finished response: its output, its status (a length cut is ``incomplete``), its usage."""
+    complete = finish_reason != "length"
+    response["status"] = "completed" if complete else "incomplete"
+    if not complete:
+        response["incomplete_details"] = {"reason": "max_output_tokens"}
+        if output:  # the item the limit cut, as a stream closes it
+            output[-1]["status"] = "incomplete"
+    response["output"] = output
+    response["usage"] = _usage(usage)
+
+
+def response_object(request: ResponsesRequest, answer: Any, response_id: str | None = None) -> dict[str, Any]:
+    """A chat completion's answer as a ``response``; ValueError for a malformed one (the client's 502)."""
+    try:
+        choice = answer["choices"][0]
+        message = choice["message"]
+        output = []
+        if isinstance(message.get("content"), str) and message["content"]:
+            output.append(message_item(message["content"], "completed"))
+        for call in message.get("tool_calls") or ():
+            fn = call["function"]
+            output.append(call_item(str(call["id"]), str(fn["name"]), str(fn["arguments"]), "completed"))
+        created = answer.get("created")
+    except (KeyError, IndexError, TypeError, AttributeError) as exc:
+        raise ValueError(f"the worker's chat answer is malformed ({exc!r})") from None
+    response = envelope(request, response_id or new_id("resp"), int(created) if isinstance(created, int) else
+                        int(time.time()), "completed")  # fmt: skip
+    finish(response, output, choice.get("finish_reason"), answer.get("usage"))
+    return response
+
+
+def answer_messages(response: dict[str, Any]) -> list[dict[str, Any]]:
+    """A response's output as the chat messages a later turn's history holds."""
+    text = "".join(
+        p["text"] for item in response["output"] if item["type"] == "message" for p in item["content"]
+    )
+    calls = [{"id": item["call_id"], "type": "function",
+              "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in response["output"] if item["type"] == "function_call"]  # fmt: skip
+    message: dict[str, Any] = {"role": "assistant", "content": text or None}
+    if calls:
+        message["tool_calls"] = calls
+    return [message]
+
+
+# ------------------------------------------------------------------ the stream
+
+
+class EventTranslator:
+    """The chat leg's SSE bytes, fed as they come (cut anywhere), as the Responses event stream.
+
+    One output item is open at a time: text opens a ``message`` item, a new ``delta.tool_calls``
+    index a ``function_call`` item; the next one (or the end) closes it with its ``...done`` events.
+    ``[DONE]`` ends the stream with ``response.completed`` (``response.incomplete`` at a length cut)
+    carrying the response the unary answer would; an in-band error or a stream cut before its end
+    is ``response.failed``."""
+
+    def __init__(self, request: ResponsesRequest, response_id: str | None = None) -> None:
+        self.response = envelope(request, response_id or new_id("resp"), int(time.time()), "in_progress")
+        self.sequence = 0
+        self.output: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None
+        self.calls: dict[int, dict[str, Any]] = {}  # chat's tool_calls index -> its item
+        self.finish_reason: Any = None
+        self.usage: Any = None
+        self.done = False
+        self._line = b""
+        self._data: list[bytes] = []
+
+    def event(self, kind: str, **members: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self.sequence, **members}
+        self.sequence += 1
+        return b"event: %s\ndata: %s\n\n" % (kind.encode(), json.dumps(data, ensure_ascii=False).encode())
+
+    def start(self) -> bytes:
+        return self.event("response.created", response=self.response) + self.event(
+            "response.in_progress", response=self.response
+        )
+
+    def feed(self, data: bytes) -> bytes:
+        """Whatever events the bytes complete (SSE: lines, an event ends at an empty one)."""
+        out = []
+        lines = (self._line + data).split(b"\n")
+        self._line = lines.pop()
+        for line in lines:
+            line = line.rstrip(b"\r")
+            if line:
+                if line.startswith(b"data:"):
+                    self._data.append(line[5:].lstrip(b" "))
+                continue  # comments, event: and id: lines carry nothing chat needs
+            if self._data and not self.done:
+                payload, self._data = b"\n".join(self._data), []
+                out.append(self._chunk(payload))
+        return b"".join(out)
+
+    def close(self) -> bytes:
+        """The chat stream ended: a stream without its ``[DONE]`` failed."""
+        if self.done:
+            return b""
+        return self._failed(
+            {"code": "server_error", "message": "the answer's stream ended before it finished"}
+        )
+
+    def _chunk(self, payload: bytes) -> bytes:
+        if payload == b"[DONE]":
+            return self._completed()
+        try:
+            chunk = json.loads(payload)
+            if isinstance(chunk.get("error"), dict):
+                error = chunk["error"]
+                return self._failed({"code": str(error.get("code") or "server_error"),
+                                     "message": str(error.get("message") or "")})  # fmt: skip
+            if chunk.get("usage"):
+                self.usage = chunk["usage"]
+            out = []
+            for choice in chunk.get("choices") or ():
+                delta = choice.get("delta") or {}
+                if isinstance(delta.get("content"), str) and delta["content"]:
+                    out.append(self._text(delta["content"]))
+                for call in delta.get("tool_calls") or ():
+                    out.append(self._call(call))
+                if choice.get("finish_reason") is not None:
+                    self.finish_reason = choice["finish_reason"]
+        except (ValueError, TypeError, AttributeError, KeyError, RecursionError) as exc:
+            return self._failed(
+                {"code": "bad_gateway", "message": f"the worker's stream is malformed ({exc!r})"}
+            )
+        return b"".join(out)
+
+    def _where(self) -> dict[str, Any]:
+        assert self.open is not None
+        return {"item_id": self.open["id"], "output_index": len(self.output)}
+
+    def _text(self, text: str) -> bytes:
+        out = b""
+        if self.open is None or self.open["type"] != "message":
+            out += self._close("completed")
+            self.open = message_item("", "in_progress")
+            part = self.open["content"].pop()
+            out += self.event("response.output_item.added", output_index=len(self.output), item=self.open)
+            out += self.event("response.content_part.added", content_index=0, part=part, **self._where())
+            self.open["content"].append(part)
+        self.open["content"][0]["text"] += text
+        return out + self.event("response.output_text.delta", content_index=0, delta=text, logprobs=[],
+                                **self._where())  # fmt: skip
+
+    def _call(self, call: dict[str, Any]) -> bytes:
+        out = b""
+        index = call["index"]
+        function = call.get("function") or {}
+        if index not in self.calls:
+            out += self._close("completed")
+            self.open = self.calls[index] = call_item(
+                str(call["id"]), str(function["name"]), "", "in_progress"
+            )
+            out += self.event("response.output_item.added", output_index=len(self.output), item=self.open)
+        elif self.open is not self.calls[index]:
+            raise ValueError(f"tool call {index} goes on after another item began")
+        fragment = function.get("arguments")
+        if isinstance(fragment, str) and fragment:
+            self.open["arguments"] += fragment
+            out += self.event("response.function_call_arguments.delta", delta=fragment, **self._where())
+        return out
+
+    def _close(self, status: str) -> bytes:
+        item, out = self.open, b""
+        if item is None:
+            return out
+        where = self._where()
+        if item["type"] == "message":
+            part = item["content"][0]
+            out += self.event(
+                "response.output_text.done", content_index=0, text=part["text"], logprobs=[], **where
+            )
+            out += self.event("response.content_part.done", content_index=0, part=part, **where)
+        else:
+            out += self.event("response.function_call_arguments.done", name=item["name"],
+                              arguments=item["arguments"], **where)  # fmt: skip
+        item["status"] = status
+        out += self.event("response.output_item.done", output_index=where["output_index"], item=item)
+        self.output.append(item)
+        self.open = None
+        return out
+
+    def _completed(self) -> bytes:
+        out = self._close("incomplete" if self.finish_reason == "length" else "completed")
+        finish(self.response, self.output, self.finish_reason, self.usage)
+        self.done = True
+        kind = "response.completed" if self.response["status"] == "completed" else "response.incomplete"
+        return out + self.event(kind, response=self.response)
+
+    def _failed(self, error: dict[str, Any]) -> bytes:
+        self.open = None
+        self.done = True
+        self.response.update(status="failed", error=error, output=self.output)
+        return self.event("response.failed", response=self.response)
+
+
+# ------------------------------------------------------------------ the hook (apis/__init__.py's contract)
+
+
+def _surrogate_path(value: Any) -> str | None:
+    """Where a string holding a lone surrogate (an escaped ``\\ud800``: valid JSON, no UTF-8) is."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode()
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(item, dict):
+            stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(item))
+    return None
+
+
+def parse_body(body: bytes) -> Any:
+    """The client's JSON, or a 400: not JSON, nested past the decoder, or a lone surrogate (named)."""
+    try:
+        data = json.loads(body)
+    except RecursionError:
+        raise bad("The request body is nested too deeply.", "body") from None
+    except ValueError as exc:
+        raise bad(f"The request body is not valid JSON ({exc}).", "body") from None
+    where = _surrogate_path(data)
+    if where is not None:
+        raise bad(f"'{where}' holds a lone surrogate: not a Unicode string.", where)
+    return data
+
+
+class ResponsesCall:
+    """One request's translation both ways; with a store, its finished response is kept."""
+
+    def __init__(self, request: ResponsesRequest, store: ResponseStore | None, tenant: str) -> None:
+        self.request = request
+        self.body = json.dumps(request.chat, ensure_ascii=False).encode()
+        self.keep = store if store is not None and request.store is not False else None
+        self.tenant = tenant
+        self.history = request.chat["messages"][1 if request.echo["instructions"] else 0 :]
+
+    def answer(self, chat: bytes) -> bytes:
+        try:
+            answer = json.loads(chat)
+        except RecursionError:
+            raise ValueError("the worker's chat answer is nested too deeply") from None
+        response = response_object(self.request, answer)
+        self.kept(response)
+        return json.dumps(response, ensure_ascii=False).encode()
+
+    def kept(self, response: dict[str, Any]) -> None:
+        if self.keep is not None and response["status"] in ("completed", "incomplete"):
+            response["store"] = self.keep.put(
+                self.tenant, response, [*self.history, *answer_messages(response)]
+            )
+
+    def stream(self) -> ResponsesStream:
+        return ResponsesStream(self)
+
+
+class ResponsesStream:
+    """The hook's stream translator (``feed`` / ``flush``) over :class:`EventTranslator`."""
+
+    def __init__(self, call: ResponsesCall) -> None:
+        self.call = call
+        self.translator = EventTranslator(call.request)
+        self.started = False
+
+    def feed(self, data: bytes) -> bytes:
+        head = b""
+        if not self.started:
+            self.started = True
+            head = self.translator.start()
+            self.translator.response["store"] = self.call.keep is not None
+        done = self.translator.done
+        out = head + self.translator.feed(data)
+        if self.translator.done and not done and self.translator.response["status"] != "failed":
+            self.call.kept(self.translator.response)
+        return out
+
+    def flush(self) -> bytes:
+        return self.feed(b"") + self.translator.close()
+
+
+class ResponsesApi:
+    """``POST /v1/responses`` (apis/__init__.py's contract). ``store``: the deployment's stored
+    responses (None: off, ``store: true`` and ``previous_response_id`` refused)."""
+
+    name = "responses"
+    paths = (b"/v1/responses",)
+
+    def __init__(self, store: ResponseStore | None = None) -> None:
+        self.store = store
+
+    def credentials(self, request: Request) -> bytes | None:
+        return request.header(b"authorization")
+
+    def to_chat(self, body: bytes, request: Request, tenant: str = "") -> ResponsesCall:
+        checked = read_request(parse_body(body))
+        refuse_store(self.store, checked.store)
+        if checked.previous_response_id is not None:
+            with_history(checked, previous_history(self.store, tenant, checked.previous_response_id))
+        return ResponsesCall(checked, self.store, tenant)
+
+    def error_body(self, status: int, message: str, param: str | None, code: str | None) -> bytes:
+        return error_body(status, message, param=param, code=code)
+
+
+API = ResponsesApi()

@@ -1,0 +1,113 @@
+"""Stored responses for ``store`` / ``previous_response_id`` and ``GET``/``DELETE /v1/responses/{id}``.
+
+In memory, bounded per tenant (entries, bytes, time to live): a tenant's entries are its own, so
+one never reads (nor evicts) another's. The oldest entries go first when a bound is reached. A
+restart forgets them all: a client going on from a forgotten id gets a 400 naming it and resends
+its conversation.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from server.errors import HTTPError
+
+
+class StoreLimits(Protocol):
+    """``responses_store`` in the config (config.ResponsesStoreConfig): each tenant's bounds."""
+
+    max_entries: int
+    max_bytes: int
+    ttl_s: float
+
+
+@dataclass
+class Stored:
+    response: dict[str, Any]
+    #: the conversation up to and with this response's answer, in chat messages (instructions left out)
+    history: list[dict[str, Any]]
+    size: int
+    expires: float
+
+
+class ResponseStore:
+    def __init__(self, limits: StoreLimits, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limits = limits
+        self.clock = clock
+        self._tenants: dict[str, OrderedDict[str, Stored]] = {}
+        self._bytes: dict[str, int] = {}
+
+    def put(self, tenant: str, response: dict[str, Any], history: list[dict[str, Any]]) -> bool:
+        """Keeps a response (False: larger than the tenant's whole byte bound, not kept)."""
+        size = len(json.dumps(response)) + len(json.dumps(history))
+        if size > self.limits.max_bytes:
+            return False
+        entries = self._tenants.setdefault(tenant, OrderedDict())
+        self._drop(tenant, response["id"])
+        entries[response["id"]] = Stored(response, history, size, self.clock() + self.limits.ttl_s)
+        self._bytes[tenant] = self._bytes.get(tenant, 0) + size
+        while len(entries) > self.limits.max_entries or self._bytes[tenant] > self.limits.max_bytes:
+            self._drop(tenant, next(iter(entries)))
+        return True
+
+    def get(self, tenant: str, response_id: str) -> Stored | None:
+        entries = self._tenants.get(tenant)
+        stored = entries.get(response_id) if entries is not None else None
+        if stored is not None and stored.expires <= self.clock():
+            self._drop(tenant, response_id)
+            return None
+        return stored
+
+    def delete(self, tenant: str, response_id: str) -> bool:
+        return self.get(tenant, response_id) is not None and self._drop(tenant, response_id)
+
+    def _drop(self, tenant: str, response_id: str) -> bool:
+        stored = self._tenants[tenant].pop(response_id, None)
+        if stored is None:
+            return False
+        self._bytes[tenant] -= stored.size
+        return True
+
+    def sweep(self) -> None:
+        """Forgets what expired (oldest first: entries keep their insertion order)."""
+        now = self.clock()
+        for tenant, entries in self._tenants.items():
+            while entries and next(iter(entries.values())).expires <= now:
+                self._drop(tenant, next(iter(entries)))
+
+
+def previous_history(store: ResponseStore | None, tenant: str, response_id: str) -> list[dict[str, Any]]:
+    """The conversation a ``previous_response_id`` goes on from: a 400 naming the id when the store
+    is off or holds no such response for this tenant."""
+    if store is None:
+        raise HTTPError(400, "'previous_response_id' needs stored responses, and this deployment stores none "
+                        "(responses_store is off): send the whole conversation in 'input'.",
+                        param="previous_response_id", code="invalid_request_error")  # fmt: skip
+    stored = store.get(tenant, response_id)
+    if stored is None:
+        raise HTTPError(400, f"Previous response with id '{response_id}' not found.", param="previous_response_id",
+                        code="previous_response_not_found")  # fmt: skip
+    return stored.history
+
+
+def refuse_store(store: ResponseStore | None, asked: bool | None) -> None:
+    """``store: true`` asked of a deployment that stores nothing is refused (left out, it is off)."""
+    if asked and store is None:
+        raise HTTPError(400, "'store' is off on this deployment (responses_store is not configured): "
+                        "send store: false, or leave it out.", param="store", code="invalid_request_error")  # fmt: skip
+
+
+def stored_or_404(store: ResponseStore | None, tenant: str, response_id: str) -> Stored:
+    stored = store.get(tenant, response_id) if store is not None else None
+    if stored is None:
+        raise HTTPError(404, f"Response with id '{response_id}' not found.", param="response_id")
+    return stored
+
+
+def deleted(response_id: str) -> dict[str, Any]:
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
