@@ -17,13 +17,9 @@ A new protocol is one module here with a class of that shape, and its name in :d
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from .base import ProtocolConfig
 from .trtllm import TrtllmProtocol
 from .vllm import VllmProtocol, VllmRelay
-
-if TYPE_CHECKING:
-    from ..config import OrchestratorConfig
 
 WorkerProtocol = TrtllmProtocol | VllmProtocol
 #: config ``worker_protocol`` -> its class
@@ -33,11 +29,11 @@ PROTOCOLS: dict[str, type[TrtllmProtocol] | type[VllmProtocol]] = {
 }
 
 
-def make_protocol(config: OrchestratorConfig) -> WorkerProtocol:
+def make_protocol(config: ProtocolConfig) -> WorkerProtocol:
     return PROTOCOLS[config.worker_protocol](config)
 
 
-def refusal(config: OrchestratorConfig) -> str | None:
+def refusal(config: ProtocolConfig) -> str | None:
     """Why ``config``'s features cannot run on its ``worker_protocol`` (None: they can)."""
     return PROTOCOLS[config.worker_protocol].refusal(config)
 

@@ -8,16 +8,14 @@ released on an abort, and where a worker's capabilities are read.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastcore import protocol as wire
 from server.auth import TRTLLM_AUTH_HEADER, trtllm_disagg_auth
 
 from ..pools import Capabilities
 from ..relay_modes import ClientRequest, ContextResult, RelayMode, make_relay
-
-if TYPE_CHECKING:
-    from ..config import OrchestratorConfig
+from .base import ProtocolConfig
 
 _TRTLLM_AUTH = TRTLLM_AUTH_HEADER.encode()
 
@@ -31,7 +29,7 @@ class TrtllmProtocol:
     #: where a worker says what it can do (pools.py's HealthChecker reads it when it becomes healthy)
     capabilities_path = wire.SERVER_INFO_PATH
 
-    def __init__(self, config: OrchestratorConfig) -> None:
+    def __init__(self, config: ProtocolConfig) -> None:
         self.relay: RelayMode = make_relay(
             config.relay,
             tokids_b64=config.gen_tokids_ctxbytes,
@@ -40,7 +38,7 @@ class TrtllmProtocol:
         self.trtllm_key = config.trtllm_auth_key
 
     @staticmethod
-    def refusal(config: OrchestratorConfig) -> str | None:
+    def refusal(config: ProtocolConfig) -> str | None:
         """Why ``config`` cannot run on this protocol (None: it can); every feature runs on trtllm's."""
         return None
 

@@ -22,7 +22,7 @@ vLLM has no release endpoint: blocks a decode never read are freed when their le
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import fastcore
 from fastcore import JSONSpanError, RelayError
@@ -32,9 +32,7 @@ from server.http import BodyPiece
 
 from ..pools import Capabilities
 from ..relay_common import ClientRequest, ContextResult, scan_refusal
-
-if TYPE_CHECKING:
-    from ..config import OrchestratorConfig
+from .base import ProtocolConfig
 
 Span = tuple[int, int]
 
@@ -223,11 +221,11 @@ class VllmProtocol:
     #: vLLM serves no /server_info; /v1/models answers once the engine is up
     capabilities_path = "/v1/models"
 
-    def __init__(self, config: OrchestratorConfig) -> None:
+    def __init__(self, config: ProtocolConfig) -> None:
         self.relay = VllmRelay()
 
     @staticmethod
-    def refusal(config: OrchestratorConfig) -> str | None:
+    def refusal(config: ProtocolConfig) -> str | None:
         """Why ``config`` cannot run on vLLM's protocol yet (None: it can)."""
         if config.relay != "fast":
             return (

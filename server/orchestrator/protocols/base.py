@@ -1,0 +1,23 @@
+"""What every worker protocol reads of the orchestrator's config, as a structural type.
+
+The protocols are built from the config (``OrchestratorConfig``), and config.py asks them what
+they refuse (``refusal``), so they name the fields they read here instead of importing config.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class ProtocolConfig(Protocol):
+    """The ``OrchestratorConfig`` fields a protocol reads (config.py documents each)."""
+
+    worker_protocol: str
+    relay: str
+    gen_tokids_ctxbytes: bool
+    gen_strip_message_history: bool
+    conditional_disagg_config: Any
+    disagg_cluster: Any
+
+    @property
+    def trtllm_auth_key(self) -> bytes | None: ...
