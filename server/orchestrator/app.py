@@ -63,6 +63,8 @@ from .config import OrchestratorConfig
 if TYPE_CHECKING:
     from .discovery import Discovery
 from .admission import Admission
+from .apis import ROUTES as API_ROUTES
+from .apis import ApiResponder, ClientApi
 from .cache_view import CacheView
 from .estimates import StreamUsage, UsageLearner
 from .exchange import Exchange
@@ -343,6 +345,9 @@ class Orchestrator:
         (an :class:`Exchange`, no task), or the awaitable that serves ``request`` (a task runs
         :meth:`_serve`'s coroutine itself: no layer that only forwards); None: answered at once."""
         path = request.path
+        chat = _ROUTES.get(path)
+        if chat is None and (api := API_ROUTES.get(path)) is not None:  # translated to chat (apis/)
+            return self.serve_api(api, request, out)
         tenant = ANONYMOUS
         if self.keys is not None and path.startswith(b"/v1/"):
             found = self.keys.tenant(request.header(b"authorization"))
@@ -350,7 +355,6 @@ class Orchestrator:
                 out.send(401, UNAUTHORIZED_BODY, headers=UNAUTHORIZED_HEADERS)
                 return None
             tenant = found
-        chat = _ROUTES.get(path)
         if chat is not None:
             if request.method != _POST:
                 out.send_error(405, f"{path.decode()} takes POST", headers=b"Allow: POST\r\n")
@@ -383,9 +387,49 @@ class Orchestrator:
         out.send_error(404, f"no route {shown}: the orchestrator serves {self.routes()}")
         return None
 
+    def serve_api(
+        self, api: ClientApi, request: Request, out: Responder
+    ) -> Awaitable[None] | Exchange | None:
+        """A client API's request (apis/): its key, its body translated to chat completions, then the chat
+        path as :meth:`handle` runs it, writing to an :class:`ApiResponder` that translates the answer
+        (and every error, ours or a worker's) into the API's."""
+        tenant = ANONYMOUS
+        if self.keys is not None:
+            found = self.keys.tenant(api.credentials(request))
+            if found is None:  # one answer for a missing, malformed and wrong key, in the API's shape
+                message = "missing or invalid API key: send x-api-key: <key> or Authorization: Bearer <key>"
+                out.send(
+                    401, api.error_body(401, message, None, "invalid_api_key"), headers=UNAUTHORIZED_HEADERS
+                )
+                return None
+            tenant = found
+        if request.method != _POST:
+            out.send(405, api.error_body(405, f"{request.path.decode()} takes POST", None, None),
+                     headers=b"Allow: POST\r\n")  # fmt: skip
+            return None
+        if self.draining:
+            out.keep_alive = False
+            out.send(503, api.error_body(503, "the orchestrator is shutting down", None, "shutting_down"),
+                     headers=b"Retry-After: %d\r\n" % self.config.retry_after_s)  # fmt: skip
+            self.metrics.count_request("chat", 503)
+            return None
+        try:
+            call = api.to_chat(request.body, request)
+        except HTTPError as exc:
+            out.send(exc.status, api.error_body(exc.status, exc.message, exc.param, exc.code),
+                     headers=exc.header_lines())  # fmt: skip
+            self.metrics.count_request("chat", exc.status)
+            return None
+        request.body, request.path = call.body, _CHAT  # the legs go to the workers' chat route
+        translated: Any = ApiResponder(out, api, call)  # a Responder to the chat path
+        if self.callbacks:
+            return Exchange(self, request, translated, True, tenant).start()
+        return self._serve(request, translated, True, tenant)
+
     def routes(self) -> str:
         """Every route :meth:`handle` serves, from the route tables it serves them by (a 404 lists them)."""
-        served = [f"POST {p.decode()}" for p in _ROUTES] + [f"GET {p.decode()}" for p in _GET_ROUTES]
+        served = [f"POST {p.decode()}" for p in (*_ROUTES, *API_ROUTES)]
+        served += [f"GET {p.decode()}" for p in _GET_ROUTES]
         served += [f"{'|'.join(m.decode() for m in ms)} {p.decode()}" for p, ms in self.trtllm.routes.items()]
         if self.discovery is not None and self.discovery.embedded is not None:
             served += self.discovery.embedded.routes()

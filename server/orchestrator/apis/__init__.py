@@ -1,0 +1,230 @@
+"""Client APIs served by translation to chat completions (Anthropic's Messages, OpenAI's Responses).
+
+An API whose requests can be said as a chat completion is served by translating the client's body
+into one on the way in and the chat answer into the API's on the way out; in between the request
+runs the orchestrator's chat path unchanged (both legs, routers, gates, admission, tenants, traces,
+the callback path and the coroutine path alike). Nothing of it touches that path: a translated
+route is looked up only after the chat routes missed (``Orchestrator.handle``), and the answer is
+translated by :class:`ApiResponder`, which the chat path is handed in place of the client's
+:class:`~server.http.Responder` and writes through as it would.
+
+The contract. A module here defines one object (its ``API``) with:
+
+``name``
+    a short label (logs, docs).
+``paths``
+    the ``POST`` routes it serves, as bytes (``(b"/v1/messages",)``).
+``credentials(request) -> bytes | None``
+    the client key as an ``Authorization`` header value (``b"Bearer <key>"``) from whichever header
+    the API uses (Anthropic's ``x-api-key``); checked against the tenants' keys (tenants.py) when
+    keys are configured.
+``to_chat(body: bytes, request) -> call``
+    the client's body read and checked, raising :class:`~server.errors.HTTPError` (a 4xx whose
+    ``param`` names the API's own field) for anything malformed; the call holds what the answer's
+    translation needs (the model asked for, stop sequences, ...) and ``call.body``, the chat
+    completions body (bytes) that the chat path then serves. A streamed request's chat body should
+    ask ``stream_options.include_usage`` where the API's stream ends with usage.
+``call.answer(chat: bytes) -> bytes``
+    a whole chat completion (JSON bytes, internal fields already stripped) as the API's JSON
+    answer; ``ValueError`` for a chat answer it cannot read (the client gets a 502).
+``call.stream() -> translator``
+    a stream translator: ``translator.feed(data: bytes) -> bytes`` is handed the chat SSE bytes as
+    they arrive (pieces split anywhere: mid-event, mid-line, mid-UTF-8 character) and returns the
+    API's SSE bytes ready so far (``b""`` for none); ``translator.flush() -> bytes`` at the end of
+    the stream returns the rest (closing events). The in-band error the chat path writes when a
+    worker fails mid-stream (``data: {"error": {...}}``) arrives through ``feed`` too.
+``error_body(status, message, param, code) -> bytes``
+    the API's error body for one of our errors (or a worker's, read out of its OpenAI shape).
+
+Registering: import the module's ``API`` below and add it to ``APIS``; its paths become routes
+(``ROUTES``), listed by the 404's route list. Tests: a real orchestrator in front of scripted
+synthetic workers and the API's official SDK (tests/test_api_anthropic.py shows how).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from server.http import Request, Responder
+
+from .anthropic import API as ANTHROPIC
+
+_JSON = b"application/json"
+_SSE = b"text/event-stream"
+
+
+class StreamTranslator(Protocol):
+    def feed(self, data: bytes) -> bytes: ...
+    def flush(self) -> bytes: ...
+
+
+class ApiCall(Protocol):
+    body: bytes
+
+    def answer(self, chat: bytes) -> bytes: ...
+    def stream(self) -> StreamTranslator: ...
+
+
+class ClientApi(Protocol):
+    name: str
+    paths: tuple[bytes, ...]
+
+    def credentials(self, request: Request) -> bytes | None: ...
+    def to_chat(self, body: bytes, request: Request) -> ApiCall: ...
+    def error_body(self, status: int, message: str, param: str | None, code: str | None) -> bytes: ...
+
+
+def chat_error(body: bytes) -> tuple[str, str | None, str | None]:
+    """(message, param, code) of an OpenAI-shaped error body (ours, or a worker's normalised one); its
+    text when it is not one."""
+    try:
+        error = json.loads(body).get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            param, code = error.get("param"), error.get("code")
+            return (
+                error["message"],
+                param if isinstance(param, str) else None,
+                code if isinstance(code, str) else None,
+            )
+    except (ValueError, AttributeError, RecursionError):
+        pass
+    return body[:2000].decode("utf-8", "replace"), None, None
+
+
+class ApiResponder:
+    """The client's :class:`~server.http.Responder` as the chat path sees it, the answer translated into
+    the API's on the way: a whole answer (:meth:`send`), a stream (:meth:`start`, :meth:`write`,
+    :meth:`end`), an error (:meth:`send_error`, or :meth:`send` of a non-200). Everything else is the
+    client's responder's (held writes, backpressure, abort, done)."""
+
+    __slots__ = ("api", "call", "out", "translator")
+
+    def __init__(self, out: Responder, api: ClientApi, call: ApiCall) -> None:
+        self.out = out
+        self.api = api
+        self.call = call
+        self.translator: StreamTranslator | None = None
+
+    # -- translated ------------------------------------------------------------------------------
+
+    def send(self, status: int, body: bytes, content_type: bytes = _JSON, headers: bytes = b"") -> None:
+        if status != 200:
+            message, param, code = chat_error(body)
+            self.out.send(status, self.api.error_body(status, message, param, code), _JSON, headers)
+            return
+        if content_type == _SSE:  # a context worker's finished answer, streamed whole (app.py)
+            translator = self.call.stream()
+            self.out.send(200, translator.feed(body) + translator.flush(), content_type, headers)
+            return
+        try:
+            answer = self.call.answer(body)
+        except ValueError as exc:
+            message = f"the worker's answer could not be translated: {exc}"
+            self.out.send(502, self.api.error_body(502, message, None, "bad_worker_answer"), _JSON)
+            return
+        self.out.send(200, answer, content_type, headers)
+
+    def send_error(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: bytes = b"",
+    ) -> None:
+        self.out.send(status, self.api.error_body(status, message, param, code), _JSON, headers)
+
+    def start(self, status: int, content_type: bytes, headers: bytes = b"") -> None:
+        self.translator = self.call.stream()
+        self.out.start(status, content_type, headers)
+
+    def write(self, data: bytes | memoryview) -> None:
+        translator = self.translator
+        if translator is None:
+            self.out.write(data)
+            return
+        translated = translator.feed(bytes(data))
+        if translated:
+            self.out.write(translated)
+
+    def end(self) -> None:
+        translator = self.translator
+        if translator is not None and not self.out.finished:
+            self.translator = None
+            rest = translator.flush()
+            if rest:
+                self.out.write(rest)
+        self.out.end()
+
+    def send_pieces(
+        self, status: int, pieces: Sequence[bytes | memoryview], content_type: bytes, headers: bytes = b""
+    ) -> None:
+        self.send(status, b"".join(pieces), content_type, headers)
+
+    # -- the client's responder's --------------------------------------------------------------
+
+    def hold(self) -> None:
+        self.out.hold()
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def abort(self) -> None:
+        self.out.abort()
+
+    def done(self) -> None:
+        self.out.done()
+
+    async def drain(self) -> None:
+        await self.out.drain()
+
+    @property
+    def flow(self) -> Any:
+        return self.out.flow
+
+    @flow.setter
+    def flow(self, flow: Any) -> None:
+        self.out.flow = flow
+
+    @property
+    def keep_alive(self) -> bool:
+        return self.out.keep_alive
+
+    @keep_alive.setter
+    def keep_alive(self, keep: bool) -> None:
+        self.out.keep_alive = keep
+
+    @property
+    def closed(self) -> bool:
+        return self.out.closed
+
+    @property
+    def paused(self) -> bool:
+        return self.out.paused
+
+    @property
+    def peer(self) -> object:
+        return self.out.peer
+
+    @property
+    def started(self) -> bool:
+        return self.out.started
+
+    @property
+    def finished(self) -> bool:
+        return self.out.finished
+
+    @property
+    def status(self) -> int:
+        return self.out.status
+
+
+#: every translated API (add a module's API here)
+APIS: tuple[ClientApi, ...] = (ANTHROPIC,)
+#: path -> its API (Orchestrator.handle looks here only after the chat routes missed)
+ROUTES: dict[bytes, ClientApi] = {path: api for api in APIS for path in api.paths}
+
+__all__ = ["APIS", "ROUTES", "ApiCall", "ApiResponder", "ClientApi", "StreamTranslator", "chat_error"]
