@@ -195,9 +195,12 @@ class Stack:
     session: aiohttp.ClientSession
     prefills: list[VllmStandin]
 
-    async def post(self, route: str, body: dict[str, Any], *, reference: bool = False) -> tuple[int, bytes]:
+    async def post(
+        self, route: str, body: dict[str, Any], *, reference: bool = False, key: str | None = None
+    ) -> tuple[int, bytes]:
         url = (self.reference.url if reference else self.url) + PATHS[route]
-        async with self.session.post(url, json=body) as resp:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        async with self.session.post(url, json=body, headers=headers) as resp:
             return resp.status, await resp.read()
 
     def violations(self) -> list[str]:
@@ -221,7 +224,7 @@ class NoParamsPrefill(VllmStandin):
 
 @asynccontextmanager
 async def vllm_stack(request_path: str, prefill_class: type[VllmStandin] = VllmStandin, prefills: int = 1,
-                     **config: Any) -> AsyncIterator[Stack]:  # fmt: skip
+                     router: str = "round_robin", **config: Any) -> AsyncIterator[Stack]:  # fmt: skip
     """A prefill and a decode stand-in (one KV plane), a reference ``both`` worker, an orchestrator
     with ``worker_protocol: vllm``; on the coroutine path with the admission queue on."""
     plane = KVPlane()
@@ -235,8 +238,8 @@ async def vllm_stack(request_path: str, prefill_class: type[VllmStandin] = VllmS
         "port": 0,
         "health_check_interval_s": 0.1,
         "worker_protocol": "vllm",
-        "context_servers": {"urls": [w.url for w in started]},
-        "generation_servers": {"urls": [decode.url]},
+        "context_servers": {"urls": [w.url for w in started], "router": {"type": router}},
+        "generation_servers": {"urls": [decode.url], "router": {"type": router}},
         **config,
     }
     if request_path == "tasks":
@@ -377,4 +380,23 @@ async def test_a_prefill_worker_that_resets_is_retried_on_another(request_path: 
             status, raw = await stack.post("chat", CHAT_BODY)
             assert status == 200 and _seen(raw, "chat", False) == _seen(ref, "chat", False)
         assert stack.legs(stack.prefill) and all(leg.kv_match for leg in stack.legs(stack.decode))
+        assert stack.violations() == []
+
+
+@pytest.mark.parametrize("router", ["kv_cache_aware", "least_loaded"])
+async def test_routers_and_tenants_run_as_on_trtllm(request_path: str, router: str) -> None:
+    """The routers read the client's bytes, not the protocol's; a tenant's cache_salt is on both legs."""
+    body = {**CHAT_BODY, "messages": [{"role": "user", "content": "Tell me about caches and kernels. " * 40}]}
+    async with vllm_stack(request_path, prefills=2, router=router, api_key="tenant-key") as stack:
+        _, ref = await stack.post("chat", body, reference=True)
+        status, raw = await stack.post("chat", body)
+        assert status == 401
+        for _ in range(3):
+            status, raw = await stack.post("chat", body, key="tenant-key")
+            assert status == 200 and _seen(raw, "chat", False) == _seen(ref, "chat", False)
+        prefill_legs = [leg for w in stack.prefills for leg in stack.legs(w)]
+        legs = [*prefill_legs, *stack.legs(stack.decode)]
+        assert len(legs) == 6 and len({leg.body["cache_salt"] for leg in legs}) == 1
+        if router == "kv_cache_aware":  # one prompt: its prefix is on one prefill worker, each time
+            assert len({leg.headers["host"] for leg in prefill_legs}) == 1
         assert stack.violations() == []
