@@ -21,8 +21,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from helpers import eventually
-from test_exchange import (
+from exchange_stand_ins import (
     CONTEXT_OK,
     GENERATION_BODY,
     GENERATION_OK,
@@ -36,6 +35,7 @@ from test_exchange import (
     generation_default,
     orchestrator,
 )
+from helpers import eventually
 from upstream_stand_ins import (  # noqa: F401  (fixtures: both twins, both loops)
     Pool,
     Reader,
