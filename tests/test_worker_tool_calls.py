@@ -12,6 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
 from openai import AsyncOpenAI, BadRequestError
 from tiny_workers import one_torch_thread, tiny_worker  # noqa: F401 (autouse)
 from transformers.utils.chat_template_utils import render_jinja_template
