@@ -63,8 +63,7 @@ from .config import OrchestratorConfig
 if TYPE_CHECKING:
     from .discovery import Discovery
 from .admission import Admission
-from .apis import ROUTES as API_ROUTES
-from .apis import ApiResponder, ClientApi
+from .apis import ApiResponder, ClientApi, bound_apis
 from .cache_view import CacheView
 from .estimates import StreamUsage, UsageLearner
 from .exchange import Exchange
@@ -197,6 +196,8 @@ class Orchestrator:
         if self.admission is not None:  # a request's first usage corrects its prompt-token charge
             self.usage.settle = self.admission.settle
         self.metrics_access = metrics_access_for(config, self.keys)
+        #: client APIs translated to chat completions (apis/): their POST routes, their other routes' prefixes
+        self.api_routes, self.api_prefixes = bound_apis(config)
         #: trtllm-serve's other endpoints: /cluster_info, /version, ... (server/trtllm_endpoints.py)
         self.trtllm = TrtllmEndpoints(ORCHESTRATOR_ROUTES, self.registry.render, self.metrics_access,
                                       cluster_info=self.cluster_info)  # fmt: skip
@@ -346,7 +347,7 @@ class Orchestrator:
         :meth:`_serve`'s coroutine itself: no layer that only forwards); None: answered at once."""
         path = request.path
         chat = _ROUTES.get(path)
-        if chat is None and (api := API_ROUTES.get(path)) is not None:  # translated to chat (apis/)
+        if chat is None and (api := self.api_routes.get(path)) is not None:  # translated to chat (apis/)
             return self.serve_api(api, request, out)
         tenant = ANONYMOUS
         if self.keys is not None and path.startswith(b"/v1/"):
@@ -383,6 +384,10 @@ class Orchestrator:
         if self.trtllm.handles(path):
             self.trtllm.handle(request, out)
             return None
+        for prefix, api in self.api_prefixes:  # an API's other routes (GET /v1/responses/<id>, ...)
+            if path.startswith(prefix):
+                self.serve_api_other(api, request, out)
+                return None
         shown = path.decode("utf-8", "replace")[:200]
         out.send_error(404, f"no route {shown}: the orchestrator serves {self.routes()}")
         return None
@@ -393,16 +398,9 @@ class Orchestrator:
         """A client API's request (apis/): its key, its body translated to chat completions, then the chat
         path as :meth:`handle` runs it, writing to an :class:`ApiResponder` that translates the answer
         (and every error, ours or a worker's) into the API's."""
-        tenant = ANONYMOUS
-        if self.keys is not None:
-            found = self.keys.tenant(api.credentials(request))
-            if found is None:  # one answer for a missing, malformed and wrong key, in the API's shape
-                message = "missing or invalid API key: send x-api-key: <key> or Authorization: Bearer <key>"
-                out.send(
-                    401, api.error_body(401, message, None, "invalid_api_key"), headers=UNAUTHORIZED_HEADERS
-                )
-                return None
-            tenant = found
+        tenant = self.api_tenant(api, request, out)
+        if tenant is None:
+            return None
         if request.method != _POST:
             out.send(405, api.error_body(405, f"{request.path.decode()} takes POST", None, None),
                      headers=b"Allow: POST\r\n")  # fmt: skip
@@ -414,7 +412,7 @@ class Orchestrator:
             self.metrics.count_request("chat", 503)
             return None
         try:
-            call = api.to_chat(request.body, request)
+            call = api.to_chat(request.body, request, tenant.name)
         except HTTPError as exc:
             out.send(exc.status, api.error_body(exc.status, exc.message, exc.param, exc.code),
                      headers=exc.header_lines())  # fmt: skip
@@ -426,9 +424,33 @@ class Orchestrator:
             return Exchange(self, request, translated, True, tenant).start()
         return self._serve(request, translated, True, tenant)
 
+    def api_tenant(self, api: ClientApi, request: Request, out: Responder) -> Tenant | None:
+        """The tenant of an API's request by the API's key header; None: answered 401 in its shape."""
+        if self.keys is None:
+            return ANONYMOUS
+        found = self.keys.tenant(api.credentials(request))
+        if found is None:  # one answer for a missing, malformed and wrong key, in the API's shape
+            message = "missing or invalid API key: send x-api-key: <key> or Authorization: Bearer <key>"
+            out.send(401, api.error_body(401, message, None, "invalid_api_key"), headers=UNAUTHORIZED_HEADERS)
+        return found
+
+    def serve_api_other(self, api: ClientApi, request: Request, out: Responder) -> None:
+        """A route of an API under one of its ``prefixes`` (apis/): answered at once by the API."""
+        tenant = self.api_tenant(api, request, out)
+        if tenant is None:
+            return
+        try:
+            status, body = api.serve_other(request.method, request.path, tenant.name)
+        except HTTPError as exc:
+            status, body = exc.status, api.error_body(exc.status, exc.message, exc.param, exc.code)
+            out.send(status, body, headers=exc.header_lines())
+            return
+        out.send(status, body)
+
     def routes(self) -> str:
         """Every route :meth:`handle` serves, from the route tables it serves them by (a 404 lists them)."""
-        served = [f"POST {p.decode()}" for p in (*_ROUTES, *API_ROUTES)]
+        served = [f"POST {p.decode()}" for p in (*_ROUTES, *self.api_routes)]
+        served += [f"{p.decode()}..." for p, _api in self.api_prefixes]
         served += [f"GET {p.decode()}" for p in _GET_ROUTES]
         served += [f"{'|'.join(m.decode() for m in ms)} {p.decode()}" for p, ms in self.trtllm.routes.items()]
         if self.discovery is not None and self.discovery.embedded is not None:

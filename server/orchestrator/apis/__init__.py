@@ -18,7 +18,7 @@ The contract. A module here defines one object (its ``API``) with:
     the client key as an ``Authorization`` header value (``b"Bearer <key>"``) from whichever header
     the API uses (Anthropic's ``x-api-key``); checked against the tenants' keys (tenants.py) when
     keys are configured.
-``to_chat(body: bytes, request) -> call``
+``to_chat(body: bytes, request, tenant: str) -> call``
     the client's body read and checked, raising :class:`~server.errors.HTTPError` (a 4xx whose
     ``param`` names the API's own field) for anything malformed; the call holds what the answer's
     translation needs (the model asked for, stop sequences, ...) and ``call.body``, the chat
@@ -36,8 +36,19 @@ The contract. A module here defines one object (its ``API``) with:
 ``error_body(status, message, param, code) -> bytes``
     the API's error body for one of our errors (or a worker's, read out of its OpenAI shape).
 
+Optional:
+
+``bind(config) -> api``
+    called once per orchestrator with its :class:`~server.orchestrator.config.OrchestratorConfig`: the API
+    object that orchestrator serves with (state of its own, e.g. a store built from the config);
+    without it the module's object serves as it is.
+``prefixes: tuple[bytes, ...]`` and ``serve_other(method: bytes, path: bytes, tenant: str) -> (status, body)``
+    routes under a path prefix (``GET``/``DELETE /v1/responses/<id>``) answered at once, after the key
+    check, with a JSON body (or an :class:`~server.errors.HTTPError` in the API's shape). They are looked
+    up after every other route missed.
+
 Registering: import the module's ``API`` below and add it to ``APIS``; its paths become routes
-(``ROUTES``), listed by the 404's route list. Tests: a real orchestrator in front of scripted
+(:func:`bound_apis`, per orchestrator), listed by the 404's route list. Tests: a real orchestrator in front of scripted
 synthetic workers and the API's official SDK (tests/test_api_anthropic.py shows how).
 """
 
@@ -50,6 +61,7 @@ from typing import Any, Protocol
 from server.http import Request, Responder
 
 from .anthropic import API as ANTHROPIC
+from .responses import API as RESPONSES
 
 _JSON = b"application/json"
 _SSE = b"text/event-stream"
@@ -72,7 +84,7 @@ class ClientApi(Protocol):
     paths: tuple[bytes, ...]
 
     def credentials(self, request: Request) -> bytes | None: ...
-    def to_chat(self, body: bytes, request: Request) -> ApiCall: ...
+    def to_chat(self, body: bytes, request: Request, tenant: str) -> ApiCall: ...
     def error_body(self, status: int, message: str, param: str | None, code: str | None) -> bytes: ...
 
 
@@ -223,8 +235,20 @@ class ApiResponder:
 
 
 #: every translated API (add a module's API here)
-APIS: tuple[ClientApi, ...] = (ANTHROPIC,)
-#: path -> its API (Orchestrator.handle looks here only after the chat routes missed)
-ROUTES: dict[bytes, ClientApi] = {path: api for api in APIS for path in api.paths}
+APIS: tuple[ClientApi, ...] = (ANTHROPIC, RESPONSES)
 
-__all__ = ["APIS", "ROUTES", "ApiCall", "ApiResponder", "ClientApi", "StreamTranslator", "chat_error"]
+
+def bound_apis(config: Any) -> tuple[dict[bytes, ClientApi], tuple[tuple[bytes, Any], ...]]:
+    """One orchestrator's APIs (each ``bind(config)`` where it has one): path -> API (its POST routes,
+    looked up only after the chat routes missed) and (prefix, API) for their other routes."""
+    routes: dict[bytes, ClientApi] = {}
+    prefixes: list[tuple[bytes, Any]] = []
+    for api in APIS:
+        bind = getattr(api, "bind", None)
+        served = bind(config) if bind is not None else api
+        routes.update((path, served) for path in served.paths)
+        prefixes += [(prefix, served) for prefix in getattr(served, "prefixes", ())]
+    return routes, tuple(prefixes)
+
+
+__all__ = ["APIS", "ApiCall", "ApiResponder", "ClientApi", "StreamTranslator", "bound_apis", "chat_error"]

@@ -567,7 +567,7 @@ class AnthropicMessages:
         return request.header(b"authorization")
 
     @staticmethod
-    def to_chat(body: bytes, request: Request) -> Messages:
+    def to_chat(body: bytes, request: Request, tenant: str = "") -> Messages:
         data = _json_body(body)
         _check_others(data)
         chat: dict[str, Any] = {"model": data["model"], "messages": _messages(data)}
