@@ -15,11 +15,12 @@ from typing import Any
 
 import pytest
 from helpers import assert_openai_error, get, post
-from openai import AsyncOpenAI, BadRequestError
+from openai import AsyncOpenAI, BadRequestError, NotFoundError
 
 from server.errors import HTTPError
 from server.orchestrator.apis.responses import (
     EventTranslator,
+    ResponsesApi,
     answer_messages,
     read_request,
     response_object,
@@ -469,3 +470,91 @@ async def test_malformed_bodies_and_the_store_off_are_400s_in_openais_shape(tmp_
             port, "/v1/responses", {"model": "synthetic", "input": "x"}, authorization="Bearer nope"
         )
         assert assert_openai_error(resp, 401)
+
+
+def test_the_api_keeps_answers_per_tenant_and_goes_on_from_them():
+    """ResponsesApi with a store: a unary and a streamed answer kept for their tenant, a
+    previous_response_id going on from the conversation (its call answered), another tenant's a 400."""
+    store = ResponseStore(ResponsesStoreConfig())
+    api = ResponsesApi(store)
+    body = {"model": "m", "input": "Weather?", "instructions": "Be brief.", "tools": [WEATHER, CLOCK]}
+    call = api.to_chat(json.dumps(body).encode(), None, "a")  # type: ignore[arg-type]
+    first = json.loads(call.answer(json.dumps(CHAT_ANSWER).encode()))
+    assert first["store"] is True and store.get("a", first["id"])
+    again = {"model": "m", "previous_response_id": first["id"], "instructions": "Be brief.",
+             "input": [{"type": "function_call_output", "call_id": "call_a", "output": "18 C"}], "stream": True}  # fmt: skip
+    with pytest.raises(HTTPError) as info:
+        api.to_chat(json.dumps(again).encode(), None, "b")  # type: ignore[arg-type]
+    assert info.value.param == "previous_response_id" and first["id"] in info.value.message
+    call = api.to_chat(json.dumps(again).encode(), None, "a")  # type: ignore[arg-type]
+    messages = json.loads(call.body)["messages"]
+    assert messages[0] == {"role": "system", "content": "Be brief."}
+    assert messages[1:] == [{"role": "user", "content": "Weather?"}, *answer_messages(first),
+                            {"role": "tool", "tool_call_id": "call_a", "content": "18 C"}]  # fmt: skip
+    translator = call.stream()
+    sse = chat_sse(CHAT_ANSWER)
+    events = events_of(translator.feed(sse[:50]) + translator.feed(sse[50:]) + translator.flush())
+    final = events[-1]["response"]
+    assert events[0]["response"]["store"] is True and final["store"] is True
+    assert final["previous_response_id"] == first["id"] and store.get("a", final["id"])
+    unstored = api.to_chat(json.dumps({**body, "store": False}).encode(), None, "a")  # type: ignore[arg-type]
+    assert json.loads(unstored.answer(json.dumps(CHAT_ANSWER).encode()))["store"] is False
+    assert len(store._tenants["a"]) == 2
+    for hostile in (b"{", b"[" * 100_000, b'{"model": "m", "input": ["\\udfff"]}'):
+        with pytest.raises(HTTPError) as info:
+            api.to_chat(hostile, None, "a")  # type: ignore[arg-type]
+        assert info.value.status == 400
+    with pytest.raises(ValueError):
+        call.answer(b"[" * 100_000 + b"]" * 100_000)
+
+
+@pytest.mark.usefixtures("request_path")
+async def test_stored_responses_through_the_sdk_per_tenant(tmp_path):
+    """responses_store on: a call answered, then previous_response_id with only its outputs; GET and
+    DELETE by id; another tenant reads, chains from and deletes none of them."""
+    store = {"responses_store": {"max_entries": 8, "max_bytes": 1 << 20, "ttl_s": 60}}
+    async with deployment([HERMES_TWO, PLAIN], tmp_path, **store) as (client, port):
+        first = await client.responses.create(
+            model="synthetic", input="Weather and time?", tools=[WEATHER, CLOCK]
+        )
+        assert first.store is True and [i.type for i in first.output][1:] == [
+            "function_call",
+            "function_call",
+        ]
+        outputs = [{"type": "function_call_output", "call_id": i.call_id, "output": "ok"}
+                   for i in first.output if i.type == "function_call"]  # fmt: skip
+        async with client.responses.stream(model="synthetic", previous_response_id=first.id, input=outputs,
+                                           tools=[WEATHER, CLOCK]) as stream:  # fmt: skip
+            second = await stream.get_final_response()
+        assert second.output_text == PLAIN and second.previous_response_id == first.id
+        assert comparable(await client.responses.retrieve(second.id)) == comparable(second)
+        other = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-other", max_retries=0)
+        try:
+            with pytest.raises(BadRequestError) as info:
+                await other.responses.create(
+                    model="synthetic", previous_response_id=first.id, input="and now?"
+                )
+            assert first.id in str(info.value)
+            for path in (f"/v1/responses/{first.id}",):
+                assert_openai_error(await get(port, path, authorization="Bearer sk-other"), 404)
+            with pytest.raises(NotFoundError):
+                await other.responses.delete(first.id)
+        finally:
+            await other.close()
+        await client.responses.delete(first.id)
+        with pytest.raises(NotFoundError):
+            await client.responses.retrieve(first.id)
+        unstored = await client.responses.create(model="synthetic", input="x", store=False)
+        assert unstored.store is False
+        with pytest.raises(NotFoundError):
+            await client.responses.retrieve(unstored.id)
+        resp = await post(port, f"/v1/responses/{second.id}", {}, authorization=f"Bearer {KEY}")
+        assert_openai_error(resp, 405)
+
+
+async def test_get_and_delete_with_the_store_off_are_404s(tmp_path):
+    async with deployment([PLAIN], tmp_path) as (client, _):
+        with pytest.raises(NotFoundError):
+            await client.responses.retrieve("resp_nothing")
+        with pytest.raises(NotFoundError):
+            await client.responses.delete("resp_nothing")

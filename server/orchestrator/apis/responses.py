@@ -21,7 +21,7 @@ from typing import Any
 from server.errors import HTTPError, error_body
 from server.http import Request
 
-from .responses_store import ResponseStore, previous_history, refuse_store
+from .responses_store import ResponseStore, deleted, previous_history, refuse_store, stored_or_404
 
 #: top-level members read as documented; anything else is refused by name, as OpenAI does
 _SUPPORTED = frozenset({
@@ -598,6 +598,7 @@ class ResponsesStream:
     def __init__(self, call: ResponsesCall) -> None:
         self.call = call
         self.translator = EventTranslator(call.request)
+        self.translator.response["store"] = call.keep is not None
         self.started = False
 
     def feed(self, data: bytes) -> bytes:
@@ -605,7 +606,6 @@ class ResponsesStream:
         if not self.started:
             self.started = True
             head = self.translator.start()
-            self.translator.response["store"] = self.call.keep is not None
         done = self.translator.done
         out = head + self.translator.feed(data)
         if self.translator.done and not done and self.translator.response["status"] != "failed":
@@ -622,9 +622,27 @@ class ResponsesApi:
 
     name = "responses"
     paths = (b"/v1/responses",)
+    prefixes = (b"/v1/responses/",)
 
     def __init__(self, store: ResponseStore | None = None) -> None:
         self.store = store
+
+    def bind(self, config: Any) -> ResponsesApi:
+        """This orchestrator's API: its own store where ``responses_store`` is configured."""
+        limits = getattr(config, "responses_store", None)
+        return ResponsesApi(ResponseStore(limits) if limits is not None else None)
+
+    def serve_other(self, method: bytes, path: bytes, tenant: str) -> tuple[int, bytes]:
+        """``GET`` / ``DELETE /v1/responses/{id}`` of a stored response (the tenant's own: 404 else)."""
+        response_id = path[len(self.prefixes[0]) :].decode("utf-8", "replace")
+        if method not in (b"GET", b"DELETE"):
+            raise HTTPError(405, "/v1/responses/{id} takes GET or DELETE", headers={"Allow": "GET, DELETE"})
+        stored = stored_or_404(self.store, tenant, response_id)
+        if method == b"DELETE":
+            assert self.store is not None
+            self.store.delete(tenant, response_id)
+            return 200, json.dumps(deleted(response_id)).encode()
+        return 200, json.dumps(stored.response, ensure_ascii=False).encode()
 
     def credentials(self, request: Request) -> bytes | None:
         return request.header(b"authorization")
