@@ -558,3 +558,46 @@ async def test_get_and_delete_with_the_store_off_are_404s(tmp_path):
             await client.responses.retrieve("resp_nothing")
         with pytest.raises(NotFoundError):
             await client.responses.delete("resp_nothing")
+
+
+HOSTILE_VALUES = [None, 3, -1, 2.5, True, "x", "", [], [3], ["x"], {}, {"a": 1}, {"type": "x"}, [{}], [[]]]
+
+
+def test_any_member_replaced_by_any_value_is_served_or_a_400_never_an_exception():
+    """Every member of a full body, and of its items, tools and parts, replaced by each hostile value."""
+    base = {"model": "m", "instructions": "Be brief.", "tools": [WEATHER], "tool_choice": "auto",
+            "temperature": 1, "top_p": 1, "max_output_tokens": 5, "stream": True, "store": False,
+            "parallel_tool_calls": True, "metadata": {"k": "v"}, "text": {"format": {"type": "text"}},
+            "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                      {"type": "function_call", "call_id": "c", "name": "get_weather", "arguments": "{}"},
+                      {"type": "function_call_output", "call_id": "c", "output": "ok"}]}  # fmt: skip
+    api = ResponsesApi()
+
+    def paths(value: Any, at: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        found = [at] if at else []
+        children = (
+            value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        )
+        for key, child in children:
+            found += paths(child, (*at, key))
+        return found
+
+    tried = 0
+    for path in paths(base):
+        for hostile in HOSTILE_VALUES:
+            body = json.loads(json.dumps(base))
+            holder = body
+            for key in path[:-1]:
+                holder = holder[key]
+            holder[path[-1]] = hostile
+            tried += 1
+            try:
+                call = api.to_chat(json.dumps(body).encode(), None, "a")  # type: ignore[arg-type]
+            except HTTPError as exc:
+                assert exc.status == 400 and exc.param, (path, hostile)
+                continue
+            json.loads(call.body)
+            translator = call.stream()
+            translator.feed(chat_sse(CHAT_ANSWER))
+            translator.flush()
+    assert tried > 500
