@@ -13,6 +13,7 @@ error shape naming the field (``param``), never a 500. Stored responses (``store
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -532,6 +533,9 @@ class EventTranslator:
 # ------------------------------------------------------------------ the hook (apis/__init__.py's contract)
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def _surrogate_path(value: Any) -> str | None:
     """Where a string holding a lone surrogate (an escaped ``\\ud800``: valid JSON, no UTF-8) is."""
     stack: list[tuple[str, Any]] = [("", value)]
@@ -557,7 +561,8 @@ def parse_body(body: bytes) -> Any:
         raise bad("The request body is nested too deeply.", "body") from None
     except ValueError as exc:
         raise bad(f"The request body is not valid JSON ({exc}).", "body") from None
-    where = _surrogate_path(data)
+    # only an escape can put a surrogate in valid JSON: the walk runs where one is (a pair too)
+    where = _surrogate_path(data) if _SURROGATE_ESCAPE.search(body) else None
     if where is not None:
         raise bad(f"'{where}' holds a lone surrogate: not a Unicode string.", where)
     return data
