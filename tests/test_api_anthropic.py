@@ -22,7 +22,8 @@ from server.worker.app import WorkerSettings, start_worker
 from server.worker.synthetic import SYNTHETIC_EOS, SYNTHETIC_VOCAB, SyntheticEngine
 from server.worker.synthetic_script import Script
 
-pytestmark = pytest.mark.usefixtures("request_path")
+#: a live test runs on both request paths (callbacks and coroutines)
+LIVE = pytest.mark.usefixtures("request_path")
 
 WEATHER = {
     "name": "get_weather",
@@ -41,7 +42,9 @@ KEY = "sk-ant-test-key"
 
 
 @contextlib.asynccontextmanager
-async def deployment(answers: list[str], tmp_path: Path, **config: Any) -> AsyncIterator[tuple[AsyncAnthropic, int]]:
+async def deployment(
+    answers: list[str], tmp_path: Path, **config: Any
+) -> AsyncIterator[tuple[AsyncAnthropic, int]]:
     """A scripted context and generation worker (hermes parser) behind an orchestrator with one API key;
     the SDK's client of it and the orchestrator's port."""
     from server.orchestrator.app import start_server
@@ -91,6 +94,7 @@ async def both_ways(client: AsyncAnthropic, **kw: Any) -> tuple[Any, Any, list[A
     return unary, final, events
 
 
+@LIVE
 async def test_text_unary_and_streamed_are_one_answer(tmp_path):
     async with deployment([PLAIN], tmp_path) as (client, _):
         unary, final, events = await both_ways(client, system="Be brief.", metadata={"user_id": "u1"},
@@ -104,6 +108,7 @@ async def test_text_unary_and_streamed_are_one_answer(tmp_path):
     assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
 
 
+@LIVE
 async def test_tool_use_and_tool_result_round_trip(tmp_path):
     async with deployment([HERMES_TWO, PLAIN], tmp_path) as (client, _):
         first = await client.messages.create(model="synthetic", max_tokens=300, messages=ASK, tools=TOOLS)
@@ -122,6 +127,7 @@ async def test_tool_use_and_tool_result_round_trip(tmp_path):
         assert visible(again)[:3] == ("end_turn", None, [("text", PLAIN)])
 
 
+@LIVE
 async def test_tool_use_streamed_as_the_sdk_accumulates_it(tmp_path):
     async with deployment([HERMES_TWO], tmp_path) as (client, _):
         for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}, None):
@@ -133,6 +139,7 @@ async def test_tool_use_streamed_as_the_sdk_accumulates_it(tmp_path):
             assert {e.delta.type for e in deltas} == {"text_delta", "input_json_delta"}
 
 
+@LIVE
 async def test_max_tokens_and_stop_sequences(tmp_path):
     async with deployment([PLAIN], tmp_path) as (client, _):
         unary, final, _ = await both_ways(client, max_tokens=3)
@@ -144,10 +151,13 @@ async def test_max_tokens_and_stop_sequences(tmp_path):
         assert unary.content[0].text == "It is sunny in Paris, "
 
 
+@LIVE
 async def test_auth_failures_are_401s_in_anthropics_shape(tmp_path):
     async with deployment([PLAIN], tmp_path) as (client, port):
         for headers in ({}, {"x-api-key": "wrong"}, {"authorization": "Bearer wrong"}):
-            resp = await post(port, "/v1/messages", {"model": "m", "max_tokens": 1, "messages": ASK}, **headers)
+            resp = await post(
+                port, "/v1/messages", {"model": "m", "max_tokens": 1, "messages": ASK}, **headers
+            )
             assert resp.status == 401
             assert resp.json()["type"] == "error"
             assert resp.json()["error"]["type"] == "authentication_error"
@@ -158,3 +168,275 @@ async def test_auth_failures_are_401s_in_anthropics_shape(tmp_path):
         answer = await bearer.messages.create(model="synthetic", max_tokens=5, messages=ASK)
         await bearer.close()
         assert answer.content[0].text == PLAIN[:15]
+
+
+@LIVE
+async def test_rate_limits_and_no_worker_in_anthropics_shape_with_retry_after(tmp_path):
+    """The tenants' rate limit (admission: the coroutine path) applies to a translated request: its 429 is
+    a rate_limit_error; no healthy worker is an overloaded_error; both carry retry-after."""
+    limits = {"admission": {"rate_limits": {"team-a": {"requests_per_minute": 1}}}}
+    async with deployment([PLAIN], tmp_path, **limits) as (client, _):
+        await client.messages.create(model="synthetic", max_tokens=3, messages=ASK)
+        with pytest.raises(anthropic.RateLimitError) as info:
+            await client.messages.create(model="synthetic", max_tokens=3, messages=ASK)
+        assert info.value.body["type"] == "error" and info.value.body["error"]["type"] == "rate_limit_error"
+        assert int(info.value.response.headers["retry-after"]) >= 1
+    from server.orchestrator.app import start_server
+    from server.orchestrator.config import build_config
+
+    config = build_config({"port": 0, "context_servers": {"urls": ["127.0.0.1:9"]},
+                           "generation_servers": {"urls": ["127.0.0.1:9"]}}, environ={})  # fmt: skip
+    server, _ = await start_server(config)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        resp = await post(port, "/v1/messages", {"model": "m", "max_tokens": 1, "messages": ASK})
+        assert resp.status == 503 and resp.headers["retry-after"]
+        assert resp.json() == {"type": "error", "error": {"type": "overloaded_error",
+                                                          "message": resp.json()["error"]["message"]}}  # fmt: skip
+    finally:
+        await server.cleanup()
+
+
+@LIVE
+async def test_a_workers_own_400_reaches_the_client_in_anthropics_shape(tmp_path):
+    async with deployment([PLAIN], tmp_path) as (client, _):
+        with pytest.raises(anthropic.BadRequestError) as info:  # our workers take at most 16 stop strings
+            await client.messages.create(model="synthetic", max_tokens=3, messages=ASK,
+                                         stop_sequences=[f"s{i}" for i in range(17)])  # fmt: skip
+        assert info.value.body["error"]["type"] == "invalid_request_error"
+        assert "stop" in info.value.body["error"]["message"]
+
+
+GOOD = {"model": "m", "max_tokens": 10, "messages": ASK}
+CALLED = [
+    {"role": "user", "content": "hi"},
+    {
+        "role": "assistant",
+        "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_time", "input": {}}],
+    },
+]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({k: v for k, v in GOOD.items() if k != "max_tokens"}, "max_tokens"),
+        ({**GOOD, "max_tokens": "10"}, "max_tokens"),
+        ({**GOOD, "max_tokens": 0}, "max_tokens"),
+        ({**GOOD, "max_tokens": True}, "max_tokens"),
+        ({**GOOD, "model": 5}, "model"),
+        ({**GOOD, "messages": []}, "messages"),
+        ({**GOOD, "messages": "hi"}, "messages"),
+        ({**GOOD, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+        ({**GOOD, "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({**GOOD, "messages": [{"role": "user", "content": "x", "name": "n"}]}, "messages[0].name"),
+        ({**GOOD, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+         "messages[0].content[0]"),
+        ({**GOOD, "messages": [{"role": "user", "content": [{"type": "video"}]}]}, "messages[0].content[0].type"),
+        ({**GOOD, "messages": [{"role": "user", "content": [{"text": "no type"}]}]}, "messages[0].content[0].type"),
+        ({**GOOD, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+         "messages[0].content[0].text"),
+        # a tool_result without its tool_use: none before it, or another id
+        ({**GOOD, "messages": [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "x"}]}]}, "messages[0].content[0].tool_use_id"),
+        ({**GOOD, "messages": [*CALLED, {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_2", "content": "x"}]}]}, "messages[2].content[0].tool_use_id"),
+        ({**GOOD, "messages": [*CALLED, {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "image"}]}]}]},
+         "messages[2].content[0].content[0]"),
+        ({**GOOD, "messages": [*CALLED, {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "is_error": "yes"}]}]}, "messages[2].content[0].is_error"),
+        ({**GOOD, "messages": [{"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t", "name": "f", "input": "{}"}]}]}, "messages[0].content[0].input"),
+        ({**GOOD, "messages": [{"role": "assistant", "content": [{"type": "tool_result"}]}]},
+         "messages[0].content[0].type"),
+        ({**GOOD, "system": 5}, "system"),
+        ({**GOOD, "system": [{"type": "image"}]}, "system[0]"),
+        ({**GOOD, "tools": {}}, "tools"),
+        ({**GOOD, "tools": [{"name": "a b", "input_schema": {}}]}, "tools[0].name"),
+        ({**GOOD, "tools": [{"name": "f"}]}, "tools[0].input_schema"),
+        ({**GOOD, "tools": [{"name": "f", "input_schema": {}, "description": 1}]}, "tools[0].description"),
+        ({**GOOD, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
+        ({**GOOD, "tool_choice": {"type": "any"}}, "tool_choice"),
+        ({**GOOD, "tool_choice": "auto"}, "tool_choice.type"),
+        ({**GOOD, "tools": [CLOCK], "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name"),
+        ({**GOOD, "tools": [CLOCK], "tool_choice": {"type": "auto", "disable_parallel_tool_use": 1}},
+         "tool_choice.disable_parallel_tool_use"),
+        ({**GOOD, "stop_sequences": "END"}, "stop_sequences"),
+        ({**GOOD, "stop_sequences": [""]}, "stop_sequences"),
+        ({**GOOD, "temperature": 2}, "temperature"),
+        ({**GOOD, "top_p": "1"}, "top_p"),
+        ({**GOOD, "top_k": -1}, "top_k"),
+        ({**GOOD, "stream": "yes"}, "stream"),
+        ({**GOOD, "metadata": {"user": "x"}}, "metadata"),
+        ({**GOOD, "thinking": {"type": "sometimes"}}, "thinking.type"),
+        ({**GOOD, "mcp_servers": [{"url": "x"}]}, "mcp_servers"),
+        ({**GOOD, "output_config": {"format": {"type": "json_schema"}}}, "output_config.format"),
+    ],
+)  # fmt: skip
+def test_every_malformed_field_is_a_400_naming_it(body, param):
+    from server.errors import HTTPError
+
+    with pytest.raises(HTTPError) as info:
+        API.to_chat(json.dumps(body).encode(), None)  # type: ignore[arg-type]
+    assert info.value.status == 400 and info.value.param == param and param in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("raw", "param", "words"),
+    [
+        (b"", None, "empty"),
+        (b"[1]", "body", "object"),
+        (b'{"model": "m",}', "body", "byte 14"),
+        (b"[" * 600 + b"]" * 600, "body", "deeper than the limit of 512"),
+        (json.dumps({**GOOD, "messages": [{"role": "user", "content": "x\ud800"}]}).encode(),
+         "messages[0].content", "lone surrogate"),
+        (json.dumps({**GOOD, "tools": [{"name": "f", "input_schema": {"\udc00": 1}}]}).encode(),
+         "tools[0].input_schema", "lone surrogate"),
+        (b'{"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "\xff"}]}', "body", "JSON"),
+    ],
+)  # fmt: skip
+def test_malformed_json_deep_nesting_and_lone_surrogates_are_400s(raw, param, words):
+    from server.errors import HTTPError
+
+    with pytest.raises(HTTPError) as info:
+        API.to_chat(raw, None)  # type: ignore[arg-type]
+    assert info.value.status == 400 and words in info.value.message
+    if param is not None:
+        assert (info.value.param or "").startswith(param)
+
+
+@LIVE
+async def test_malformed_bodies_reach_the_client_as_anthropic_400s(tmp_path):
+    async with deployment([PLAIN], tmp_path) as (client, port):
+        with pytest.raises(anthropic.BadRequestError) as info:
+            await client.messages.create(model="synthetic", max_tokens=5, messages=[
+                {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                          "data": "AAAA"}}]}])  # fmt: skip
+        assert info.value.body["error"]["type"] == "invalid_request_error"
+        assert "messages[0].content[0]" in info.value.body["error"]["message"]
+        for raw in (b"{", b"[" * 100_000, json.dumps({"model": "m", "messages": ASK}).encode()):
+            resp = await post(port, "/v1/messages", raw, **{"x-api-key": KEY})
+            assert resp.status == 400 and resp.json()["error"]["type"] == "invalid_request_error"
+        resp = await get(port, "/v1/messages", **{"x-api-key": KEY})
+        assert resp.status == 405 and resp.json()["type"] == "error"
+
+
+def test_the_request_as_chat():
+    body = {"model": "m", "max_tokens": 7, "system": [{"type": "text", "text": "A", "cache_control": {"type": "ephemeral"}},
+            {"type": "text", "text": "B"}], "messages": [*CALLED, {"role": "user", "content": [
+            {"type": "text", "text": "here"}, {"type": "tool_result", "tool_use_id": "toolu_1", "content": "noon"}]}],
+            "tools": [CLOCK], "tool_choice": {"type": "tool", "name": "get_time", "disable_parallel_tool_use": True},
+            "stop_sequences": ["END"], "temperature": 0.2, "top_p": 0.5, "top_k": 3, "stream": True,
+            "metadata": {"user_id": "u"}, "cache_control": {"type": "ephemeral"}, "service_tier": "auto"}  # fmt: skip
+    chat = json.loads(API.to_chat(json.dumps(body).encode(), None).body)  # type: ignore[arg-type]
+    assert chat == {
+        "model": "m", "max_tokens": 7, "temperature": 0.2, "top_p": 0.5, "top_k": 3, "stop": ["END"],
+        "stream": True, "stream_options": {"include_usage": True}, "parallel_tool_calls": False,
+        "messages": [
+            {"role": "system", "content": "A\nB"},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "toolu_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "toolu_1", "content": "noon"},  # before the user's text
+            {"role": "user", "content": "here"}],
+        "tools": [{"type": "function", "function": {"name": "get_time", "parameters": CLOCK["input_schema"]}}],
+        "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+    }  # fmt: skip
+
+
+def chat_stream(chunks: list[dict[str, Any]]) -> bytes:
+    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
+HEAD = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+CHUNKS = [
+    {**HEAD, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+    {**HEAD, "choices": [{"index": 0, "delta": {"content": "Zürich ☀"}, "finish_reason": None}]},
+    {**HEAD, "choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": ""}}]}}]},
+    {**HEAD, "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": '}}]}}]},
+    {**HEAD, "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]}}]},
+    {**HEAD, "choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 1, "id": "call_2", "type": "function", "function": {"name": "g", "arguments": "{}"}}]}}]},
+    {**HEAD, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+    {**HEAD, "choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4,
+                                      "prompt_tokens_details": {"cached_tokens": 5}}},
+]  # fmt: skip
+
+
+def events_of(sse: bytes) -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for block in sse.decode().split("\n\n"):
+        if block:
+            kind, data = block.split("\n")
+            out.append((kind.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    return out
+
+
+def test_the_stream_cut_at_every_byte_gives_the_same_events():
+    """Pieces may split anywhere (mid-line, mid-UTF-8 character): the same events as the whole stream."""
+    sse = chat_stream(CHUNKS)
+    call = API.to_chat(json.dumps(GOOD).encode(), None)  # type: ignore[arg-type]
+    whole = MessageStream(call)
+    expected = whole.feed(sse) + whole.flush()
+    for cut in range(1, len(sse)):
+        stream = MessageStream(call)
+        assert stream.feed(sse[:cut]) + stream.feed(sse[cut:]) + stream.flush() == expected
+    stream, out = MessageStream(call), b""
+    for i in range(len(sse)):
+        out += stream.feed(sse[i : i + 1])
+    assert out + stream.flush() == expected
+    events = events_of(expected)
+    assert [k for k, _ in events] == [
+        "message_start", "ping", "content_block_start", "content_block_delta", "content_block_stop",
+        "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
+        "content_block_start", "content_block_delta", "content_block_stop", "message_delta", "message_stop"]  # fmt: skip
+    assert events[3][1]["delta"] == {"type": "text_delta", "text": "Zürich ☀"}
+    assert events[5][1]["content_block"] == {"type": "tool_use", "id": "call_1", "name": "f", "input": {}}
+    assert events[-2][1] == {"type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": None},
+                             "usage": {"input_tokens": 4, "output_tokens": 4, "cache_read_input_tokens": 5}}  # fmt: skip
+
+
+def test_a_stream_the_worker_cut_ends_with_an_error_event():
+    call = API.to_chat(json.dumps(GOOD).encode(), None)  # type: ignore[arg-type]
+    for sse in (
+        chat_stream(CHUNKS[:2])[: -len(b"data: [DONE]\n\n")]
+        + b'data: {"error": {"message": "its worker failed"}}\n\n',
+        b"data: not json\n\n",
+        b"",
+    ):
+        stream = MessageStream(call)
+        events = events_of(stream.feed(sse) + stream.flush())
+        assert events[-1][0] == "error" and events[-1][1]["error"]["type"] == "api_error"
+        assert "message_stop" not in [k for k, _ in events]
+    stream = MessageStream(call)  # a stream that ends without [DONE]: closed as it stands
+    events = events_of(stream.feed(chat_stream(CHUNKS[:2])[: -len(b"data: [DONE]\n\n")]) + stream.flush())
+    assert [k for k, _ in events][-2:] == ["message_delta", "message_stop"]
+
+
+def test_a_chat_answer_that_is_none_is_a_502_in_anthropics_shape():
+    from server.orchestrator.apis import ApiResponder
+
+    class Out:
+        def send(self, status, body, content_type=b"application/json", headers=b""):
+            self.sent = (status, json.loads(body), headers)
+
+    out = Out()
+    call = API.to_chat(json.dumps(GOOD).encode(), None)  # type: ignore[arg-type]
+    ApiResponder(out, API, call).send(200, b'{"choices": "none"}')  # type: ignore[arg-type]
+    assert out.sent[0] == 502 and out.sent[1]["error"]["type"] == "api_error"
+    ApiResponder(out, API, call).send(
+        200,
+        b'{"choices": [{"message": {"tool_calls": [{"id": "c", "function": '
+        b'{"name": "f", "arguments": "[1]"}}]}}]}',
+    )  # type: ignore[arg-type]
+    assert out.sent[0] == 502
+    ApiResponder(out, API, call).send_error(429, "slow down", headers=b"Retry-After: 3\r\n")  # type: ignore[arg-type]
+    assert out.sent == (429, {"type": "error", "error": {"type": "rate_limit_error", "message": "slow down"}},
+                        b"Retry-After: 3\r\n")  # fmt: skip
+    ApiResponder(out, API, call).send(400, b"not json")  # type: ignore[arg-type]
+    assert out.sent[:2] == (
+        400,
+        {"type": "error", "error": {"type": "invalid_request_error", "message": "not json"}},
+    )

@@ -100,7 +100,7 @@ def _block_type(block: Any, where: str) -> str:
 def _unsupported(kind: str, where: str, why: str) -> HTTPError:
     if kind in ("image", "document"):
         return bad(f"'{where}' is an {kind} block: this deployment serves text models ({why})", where)
-    return bad(f"'{where}' has block type '{kind}', not supported ({why})", f"{where}.type")
+    return bad(f"'{where}.type' is '{kind}': not a block type served here ({why})", f"{where}.type")
 
 
 def _text(block: dict[str, Any], where: str) -> str:
