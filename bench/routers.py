@@ -38,6 +38,10 @@ Fronts:
   mocks (one context, one generation port; they check legs (1) and (3) against
   docs/protocol.md with the MODE's gates); ``LABEL:MODE`` is the same from
   another checkout (``--fastcore-root``, e.g. a ``git worktree``);
+- ``fastcore:vllm``: the orchestrator with ``worker_protocol: vllm`` (NixlConnector; the fast
+  relay, no trtllm gates) on the same vLLM mocks as ``vllm-router``, checked by the same rules
+  (``bench/engine_protocols.py``); the column ``this/rust same mocks`` and a verdict line compare
+  it with vllm-router there (issue 37: CPU/req at most 0.5x, completions/s not lower);
 - ``floor``: ``bench/passthrough.py``, the bare aiohttp pass-through (on the
   ``plain`` mocks, as ``rawfloor``: answers, no PD protocol to check);
 - ``rawfloor``: ``bench/rawfloor.py``, the callback-only pass-through (uvloop,
@@ -168,7 +172,28 @@ Wrap = Callable[[list[str]], list[str]]
 #: seconds a wrapped front (under valgrind, ~50x slower) gets to start and serve its first request
 WRAPPED_START_S = 300.0
 
-DEFAULT_FRONTS = ["fastcore:both-gates", "fastcore:parsed", FLOOR, RAWFLOOR, *RUST_ROUTERS]
+#: fastcore on an engine's own PD protocol (``worker_protocol``): mode -> the orchestrator's flags; its
+#: mocks are that engine's (``bench.pd_mocks --flavor MODE``), the Rust router's on that flavor beside it
+PROTOCOL_MODES: dict[str, list[str]] = {"vllm": ["--worker-protocol", "vllm"]}
+#: the relay mode (bench.deploy.MODES) the protocol fronts run in: the fast relay, no trtllm gates
+PROTOCOL_RELAY = "gates-off"
+
+DEFAULT_FRONTS = ["fastcore:both-gates", "fastcore:parsed", "fastcore:vllm", FLOOR, RAWFLOOR, *RUST_ROUTERS]
+
+
+def protocol_front_argv(mode: str, port: int, prefill: str, decode: str) -> list[str]:
+    """The orchestrator's argv as ``fastcore:MODE`` (``PROTOCOL_MODES``) runs it on ``mode``'s mocks."""
+    return front_argv(PROTOCOL_RELAY, port, [prefill], [decode], PROTOCOL_MODES[mode])
+
+
+def mocks_flavor(front: str) -> str:
+    """The bench.pd_mocks flavor ``front`` runs on (with ``--workers mocks``)."""
+    if front in RUST_ROUTERS:
+        return RUST_ROUTERS[front].flavor
+    if front in (FLOOR, RAWFLOOR):
+        return "plain"
+    mode = front.rpartition(":")[2]
+    return mode if mode in PROTOCOL_MODES else "fastcore"
 
 
 # -- running fronts -------------------------------------------------------------
@@ -500,12 +525,17 @@ def start_front(
         running = start_rust(RUST_ROUTERS[front], args.venvs, workdir, wrap)
     elif args.workers == "mocks":
         label, _, mode = front.rpartition(":")  # a floor: no label, its name the mode
+        flavor = mocks_flavor(front)
         running = start_on_mocks(
             front.replace(":", "-"),
-            lambda port, prefill, decode: front_argv(mode, port, [prefill], [decode]),
-            "fastcore" if label else "plain",
+            lambda port, prefill, decode: (
+                protocol_front_argv(mode, port, prefill, decode)
+                if mode in PROTOCOL_MODES
+                else front_argv(mode, port, [prefill], [decode])
+            ),
+            flavor,
             workdir,
-            mock_args=mock_gates(mode) if label else None,
+            mock_args=mock_gates(mode) if flavor == "fastcore" else None,
             env=_fastcore_env(args.fastcore_root if label not in ("", "fastcore") else None),
             wrap=wrap,
         )
@@ -534,8 +564,13 @@ def check_front(front: str, args: argparse.Namespace) -> str | None:
     if front in (FLOOR, RAWFLOOR):
         return None
     label, _, mode = front.partition(":")
-    if mode not in MODES:
-        return f"unknown front (fastcore:MODE with MODE in {list(MODES)}, {FLOOR}, {RAWFLOOR}, {list(RUST_ROUTERS)})"
+    if mode not in MODES and mode not in PROTOCOL_MODES:
+        return (
+            f"unknown front (fastcore:MODE with MODE in {[*MODES, *PROTOCOL_MODES]}, {FLOOR}, {RAWFLOOR}, "
+            f"{list(RUST_ROUTERS)})"
+        )
+    if mode in PROTOCOL_MODES and args.workers != "mocks":
+        return f"worker_protocol {mode} runs on its engine's mocks only (--workers mocks)"
     if label == "fastcore":
         return None
     if label != args.fastcore_label:
@@ -553,6 +588,22 @@ def check_front(front: str, args: argparse.Namespace) -> str | None:
 def _best_rust(rows: list[Row]) -> Row | None:
     rust = [r for r in rows if r.front in RUST_ROUTERS and not r.flagged and r.cpu]
     return min(rust, key=lambda r: r.cpu or 0.0, default=None)
+
+
+def _same_mocks_rust(rows: list[Row], front: str) -> Row | None:
+    """The Rust router's row on the mocks ``front`` runs on (vllm-router beside ``fastcore:vllm``),
+    None for a front whose protocol no Rust router speaks, or a flagged one."""
+    if front in RUST_ROUTERS:
+        return None
+    flavor = mocks_flavor(front)
+    return next(
+        (
+            r
+            for r in rows
+            if r.front in RUST_ROUTERS and RUST_ROUTERS[r.front].flavor == flavor and r.cpu and not r.flagged
+        ),
+        None,
+    )
 
 
 def _ratio(a: float | None, b: float | None) -> str:
@@ -601,6 +652,7 @@ def report(rows: list[Row], fronts: list[str]) -> str:
                         *([each or "-"] if rounds else []),
                         sched,
                         _ratio(r.cpu, best.cpu if best else None),
+                        _ratio(r.cpu, own.cpu if (own := _same_mocks_rust(at_c, front)) else None),
                         _ratio(r.cpu, raw.cpu if raw else None),
                         f"{r.completions_per_s:.0f}",
                         r.ttft_p50_ms,
@@ -626,6 +678,8 @@ def report(rows: list[Row], fronts: list[str]) -> str:
                     # of utime+stime, which at 1,000 requests of 0.1 ms read in 0.01 ms steps
                     "sched ms/req",
                     "this/best-rust",
+                    # fastcore on an engine's own protocol against that engine's Rust router, same mocks
+                    "this/rust same mocks",
                     "this/rawfloor",
                     "compl/s",
                     "TTFT p50 ms",
@@ -669,6 +723,39 @@ def verdicts(rows: list[Row], front: str = "fastcore:both-gates") -> list[str]:
             kind = "streaming" if stream else "non-streaming"
             verdict = "MET" if met else "NOT MET"
             lines.append(f"verdict {n:,} tok {kind}: {front} vs {target}: {verdict} ({'; '.join(parts)})")
+    return lines
+
+
+def protocol_verdicts(rows: list[Row]) -> list[str]:
+    """Issue 37's head-to-head, per ``fastcore:MODE`` of ``PROTOCOL_MODES`` measured and size x streaming:
+    its CPU/req at most half its engine's Rust router's on the same mocks, and its completions/s not
+    lower, at every concurrency level."""
+    lines = []
+    for mode in PROTOCOL_MODES:
+        front = f"fastcore:{mode}"
+        for n, stream in groups([r for r in rows if r.front == front]):
+            sel = [r for r in rows if r.prompt_tokens == n and r.stream == stream]
+            parts, met, rust = [], True, "its Rust router"
+            for c in sorted({r.concurrency for r in sel}):
+                at_c = [r for r in sel if r.concurrency == c]
+                ref, ours = _same_mocks_rust(at_c, front), next((r for r in at_c if r.front == front), None)
+                if ref is None or ours is None or ours.cpu is None or ours.flagged:
+                    parts.append(f"c={c}: no comparison")
+                    met = False
+                    continue
+                rust = ref.front
+                ratio = ours.cpu / (ref.cpu or 1.0)
+                met &= ratio <= 0.5 and ours.completions_per_s >= ref.completions_per_s
+                parts.append(
+                    f"c={c}: {ours.cpu:.4f} vs {ref.cpu:.4f} ms/req = {ratio:.2f}x, "
+                    f"{ours.completions_per_s:.0f} vs {ref.completions_per_s:.0f} compl/s"
+                )
+            kind = "streaming" if stream else "non-streaming"
+            verdict = "MET" if met else "NOT MET"
+            lines.append(
+                f"verdict {n:,} tok {kind}: {front} vs 0.5 x {rust} on the same mocks, compl/s not lower: "
+                f"{verdict} ({'; '.join(parts)})"
+            )
     return lines
 
 
@@ -925,7 +1012,7 @@ def _run(args: argparse.Namespace, fronts: list[str], front_cpus: list[int], oth
 
     print(report(rows, fronts))
     print()
-    for line in verdicts(rows):
+    for line in verdicts(rows) + protocol_verdicts(rows):
         print(line)
     for front, reason in skipped.items():
         print(f"note: {front} skipped: {reason}")
@@ -954,7 +1041,7 @@ def _run(args: argparse.Namespace, fronts: list[str], front_cpus: list[int], oth
         "fastcore_root": str(args.fastcore_root) if args.fastcore_root else None,
         "fastcore_root_rev": _git_rev(args.fastcore_root) if args.fastcore_root else None,
         "rust_routers": {r.name: r.installed_version(args.venvs) for r in RUST_ROUTERS.values()},
-        "verdicts": verdicts(rows),
+        "verdicts": verdicts(rows) + protocol_verdicts(rows),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -574,3 +574,68 @@ def test_the_report_prints_the_schedulers_cpu_time_beside_the_clock_ticks() -> N
     header, _, values = ([cell.strip() for cell in line.strip("|").split("|")] for line in lines)
     assert header[4:6] == ["CPU ms/req", "sched ms/req"], header
     assert values[4:6] == ["0.040", "0.0524"], values
+
+
+def test_the_vllm_protocol_front_is_the_fast_relay_with_worker_protocol_vllm_on_the_vllm_mocks() -> None:
+    """``fastcore:vllm``: the orchestrator in the fast relay, no trtllm gates, ``--worker-protocol vllm``,
+    one prefill and one decode worker, on the vLLM mocks as vllm-router is (its same-mocks router)."""
+    argv = routers.protocol_front_argv("vllm", 8500, "127.0.0.1:8501", "127.0.0.1:8502")
+    flags = argv[argv.index("orchestrator") + 1 :]
+    assert argv[:3] == [sys.executable, "-m", "server.cli"]
+    pairs = {flags[i]: flags[i + 1] for i in range(len(flags) - 1) if flags[i].startswith("--")}
+    assert pairs["--port"] == "8500" and pairs["--worker-protocol"] == "vllm" and pairs["--relay"] == "fast"
+    assert pairs["--context-urls"] == "127.0.0.1:8501" and pairs["--generation-urls"] == "127.0.0.1:8502"
+    assert "--no-gen-tokids-ctxbytes" in flags and "--no-gen-strip-message-history" in flags
+    assert "fastcore:vllm" in routers.DEFAULT_FRONTS
+    flavors = {
+        f: routers.mocks_flavor(f)
+        for f in ["fastcore:vllm", "fastcore:both-gates", "rawfloor", "vllm-router"]
+    }
+    assert flavors == {
+        "fastcore:vllm": "vllm",
+        "fastcore:both-gates": "fastcore",
+        "rawfloor": "plain",
+        "vllm-router": "vllm",
+    }
+    args = routers.build_parser().parse_args([])
+    assert routers.check_front("fastcore:vllm", args) is None
+    args.workers = "synthetic"  # fastcore's synthetic workers speak trtllm's protocol, not vLLM's
+    assert "--workers mocks" in (routers.check_front("fastcore:vllm", args) or "")
+
+
+def test_the_vllm_front_is_compared_with_vllm_router_on_the_same_mocks() -> None:
+    """The column ``this/rust same mocks`` and the verdict read vllm-router's row, not the best Rust
+    router's (sglang-router, on other mocks); a trtllm front has no router on its mocks."""
+    rows = [
+        _row("fastcore:vllm", 0.05, completions_per_s=2000.0),
+        _row("vllm-router", 0.2, completions_per_s=1500.0),
+        _row("sglang-router", 0.08),
+        _row("fastcore:both-gates", 0.04),
+    ]
+    lines = [
+        line for line in routers.report(rows, [r.front for r in rows]).splitlines() if line.startswith("|")
+    ]
+    header, _, *values = ([cell.strip() for cell in line.strip("|").split("|")] for line in lines)
+    col, best = header.index("this/rust same mocks"), header.index("this/best-rust")
+    by_front = {v[0]: v for v in values}
+    assert by_front["fastcore:vllm"][col] == "0.25x" and by_front["fastcore:vllm"][best] == "0.62x"
+    assert by_front["fastcore:both-gates"][col] == "-" and by_front["vllm-router"][col] == "-"
+    (line,) = routers.protocol_verdicts(rows)
+    assert "fastcore:vllm vs 0.5 x vllm-router on the same mocks" in line and ": MET (" in line, line
+    assert "c=16: 0.0500 vs 0.2000 ms/req = 0.25x, 2000 vs 1500 compl/s" in line, line
+    slower = [_row("fastcore:vllm", 0.05, completions_per_s=1000.0), *rows[1:]]  # CPU met, compl/s lower
+    assert "NOT MET" in routers.protocol_verdicts(slower)[0]
+    flagged = [_row("fastcore:vllm", 0.05, violations=1), *rows[1:]]
+    assert "NOT MET (c=16: no comparison)" in routers.protocol_verdicts(flagged)[0]
+    assert routers.protocol_verdicts(rows[1:]) == []  # no fastcore:vllm row, no verdict
+
+
+@pytest.mark.slow
+def test_a_quick_run_of_the_vllm_front_on_the_vllm_mocks_has_no_violation(tmp_path: Path) -> None:
+    """``fastcore:vllm`` end to end: every leg it sends is checked by bench.engine_protocols' vLLM rules
+    in the mocks (the prefill's kv_transfer_params, max_tokens 1, stream false; the decode's params
+    from that prefill's answer, each block id once): 0 violations, streaming and not."""
+    data = _run(tmp_path, "fastcore:vllm", "--quick")
+    _check_rows(data, ["fastcore:vllm"])
+    assert all(r["violations"] == 0 for r in data["rows"]), data["rows"]
+    assert data["meta"]["skipped"] == {}
