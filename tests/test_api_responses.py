@@ -601,3 +601,13 @@ def test_any_member_replaced_by_any_value_is_served_or_a_400_never_an_exception(
             translator.feed(chat_sse(CHAT_ANSWER))
             translator.flush()
     assert tried > 500
+
+
+def test_a_put_frees_its_tenants_expired_entries():
+    clock = Clock()
+    store = ResponseStore(ResponsesStoreConfig(max_entries=100, max_bytes=1 << 20, ttl_s=10), clock)
+    store.put("a", stored_response("r1"), [])
+    store.put("b", stored_response("b1"), [])
+    clock.now = 10.0
+    store.put("a", stored_response("r2"), [])
+    assert list(store._tenants["a"]) == ["r2"] and store._bytes["a"] == store._tenants["a"]["r2"].size

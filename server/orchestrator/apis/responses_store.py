@@ -48,6 +48,7 @@ class ResponseStore:
         if size > self.limits.max_bytes:
             return False
         entries = self._tenants.setdefault(tenant, OrderedDict())
+        self._expire(tenant, self.clock())  # what expired frees its bytes now, not when a bound is met
         self._drop(tenant, response["id"])
         entries[response["id"]] = Stored(response, history, size, self.clock() + self.limits.ttl_s)
         self._bytes[tenant] = self._bytes.get(tenant, 0) + size
@@ -74,11 +75,16 @@ class ResponseStore:
         return True
 
     def sweep(self) -> None:
-        """Forgets what expired (oldest first: entries keep their insertion order)."""
+        """Forgets what expired, every tenant's."""
         now = self.clock()
-        for tenant, entries in self._tenants.items():
-            while entries and next(iter(entries.values())).expires <= now:
-                self._drop(tenant, next(iter(entries)))
+        for tenant in self._tenants:
+            self._expire(tenant, now)
+
+    def _expire(self, tenant: str, now: float) -> None:
+        # oldest first: entries keep their insertion order, and every entry lives ttl_s
+        entries = self._tenants[tenant]
+        while entries and next(iter(entries.values())).expires <= now:
+            self._drop(tenant, next(iter(entries)))
 
 
 def previous_history(store: ResponseStore | None, tenant: str, response_id: str) -> list[dict[str, Any]]:
