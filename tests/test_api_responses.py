@@ -500,7 +500,13 @@ def test_the_api_keeps_answers_per_tenant_and_goes_on_from_them():
     unstored = api.to_chat(json.dumps({**body, "store": False}).encode(), None, "a")  # type: ignore[arg-type]
     assert json.loads(unstored.answer(json.dumps(CHAT_ANSWER).encode()))["store"] is False
     assert len(store._tenants["a"]) == 2
-    for hostile in (b"{", b"[" * 100_000, b'{"model": "m", "input": ["\\udfff"]}'):
+    for hostile in (
+        b"{",
+        b"[" * 100_000,
+        b'{"model": "m", "input": ["\\udfff"]}',
+        b'{"model": "m", "input": "x", "metadata": {"\\ud800": "v"}}',
+        b"[]",
+    ):
         with pytest.raises(HTTPError) as info:
             api.to_chat(hostile, None, "a")  # type: ignore[arg-type]
         assert info.value.status == 400

@@ -13,7 +13,6 @@ error shape naming the field (``param``), never a 500. Stored responses (``store
 from __future__ import annotations
 
 import json
-import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from typing import Any
 
 from server.errors import HTTPError, error_body
 from server.http import Request
+from server.surrogates import check_no_lone_surrogates
 
 from .responses_store import ResponseStore, deleted, previous_history, refuse_store, stored_or_404
 
@@ -533,26 +533,6 @@ class EventTranslator:
 # ------------------------------------------------------------------ the hook (apis/__init__.py's contract)
 
 
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-def _surrogate_path(value: Any) -> str | None:
-    """Where a string holding a lone surrogate (an escaped ``\\ud800``: valid JSON, no UTF-8) is."""
-    stack: list[tuple[str, Any]] = [("", value)]
-    while stack:
-        path, item = stack.pop()
-        if isinstance(item, str):
-            try:
-                item.encode()
-            except UnicodeEncodeError:
-                return path or "body"
-        elif isinstance(item, dict):
-            stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in item.items())
-        elif isinstance(item, list):
-            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(item))
-    return None
-
-
 def parse_body(body: bytes) -> Any:
     """The client's JSON, or a 400: not JSON, nested past the decoder, or a lone surrogate (named)."""
     try:
@@ -561,10 +541,8 @@ def parse_body(body: bytes) -> Any:
         raise bad("The request body is nested too deeply.", "body") from None
     except ValueError as exc:
         raise bad(f"The request body is not valid JSON ({exc}).", "body") from None
-    # only an escape can put a surrogate in valid JSON: the walk runs where one is (a pair too)
-    where = _surrogate_path(data) if _SURROGATE_ESCAPE.search(body) else None
-    if where is not None:
-        raise bad(f"'{where}' holds a lone surrogate: not a Unicode string.", where)
+    if isinstance(data, dict):  # (anything else is refused by read_request)
+        check_no_lone_surrogates(body, data)
     return data
 
 
