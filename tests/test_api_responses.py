@@ -96,6 +96,10 @@ def test_items_become_chat_messages_calls_joining_their_assistant_turn():
 
 
 MALFORMED = [
+    ({"model": "m", "input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]},
+     "input[0].arguments"),
+    ({"model": "m", "input": [{"type": "function_call", "call_id": "c", "name": "f",
+                               "arguments": "[" * 100_000 + "]" * 100_000}]}, "input[0].arguments"),
     ([], "body"),
     ({"input": "x"}, "model"),
     ({"model": 3, "input": "x"}, "model"),

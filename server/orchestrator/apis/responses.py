@@ -121,6 +121,11 @@ def _function_call(item: dict[str, Any], param: str) -> dict[str, Any]:
     for key in ("call_id", "name", "arguments"):
         if not isinstance(item.get(key), str) or not item[key]:
             raise bad(f"'{param}.{key}' must be a non-empty string.", f"{param}.{key}")
+    try:  # a worker renders the arguments as the object they encode: refused here by our name
+        json.loads(item["arguments"])
+    except (ValueError, RecursionError):
+        where = f"{param}.arguments"
+        raise bad(f"'{where}' must be a JSON text (the call's arguments).", where) from None
     function = {"name": item["name"], "arguments": item["arguments"]}
     return {"id": item["call_id"], "type": "function", "function": function}
 
