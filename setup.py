@@ -170,6 +170,8 @@ def _extensions() -> list[Extension]:
         "server.http._upstream": ["server/http/_upstream.pyx"],
         # the orchestrator's per-request counts and estimates (server/orchestrator/twins.py picks them)
         "server.orchestrator._tally": ["server/orchestrator/_tally.pyx"],
+        # the fleet's shared counts: GCC atomics on the --workers N processes' mapping (fleet.py picks it)
+        "server.orchestrator._fleet": ["server/orchestrator/_fleet.pyx"],
     }
     extensions = [
         Extension(
