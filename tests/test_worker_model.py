@@ -154,6 +154,46 @@ def test_paged_prefill_and_batched_decode_match_full_forward() -> None:
                 torch.testing.assert_close(logits[row], model(f[None, :n])[0, -1], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dense_bytes", [256 << 20, 0], ids=["dense", "gathered"])
+def test_decode_attention_kept_across_steps_equals_a_new_one_each_step(
+    dense_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch's attention advanced step by step (its K/V gathered once into dense buffers, or
+    gathered each step past DENSE_DECODE_BYTES) gives the logits a fresh one gives, bit for bit;
+    blocks of 4 with lengths crossing block edges."""
+    import server.worker.kv_cache as kv_cache
+
+    monkeypatch.setattr(kv_cache, "DENSE_DECODE_BYTES", dense_bytes)
+    config = small_config()
+    model = random_model(config)
+    g = torch.Generator().manual_seed(3)
+    runs = []
+    for keep in (False, True):
+        cache = PagedKVCache(config, 256, block_size=4)
+        tables, lengths = [], []
+        for n in (3, 9, 6):
+            blocks = cache.allocate(n + 7)
+            ids = torch.randint(0, config.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+            model.forward_step(ids, torch.arange(n), PrefillAttention(cache, blocks, 0, n))
+            tables.append(blocks)
+            lengths.append(n)
+        steps, attention = [], None
+        g.manual_seed(3)
+        with torch.no_grad():
+            for _ in range(7):
+                ids = torch.randint(0, config.vocab_size, (3,), generator=g)
+                positions = torch.tensor(lengths)
+                lengths = [n + 1 for n in lengths]
+                if keep and attention is not None:
+                    attention.advance()
+                else:
+                    attention = DecodeAttention(cache, tables, lengths)
+                assert bool(attention.capacity) == bool(dense_bytes)
+                steps.append(model.forward_step(ids, positions, attention))
+        runs.append(torch.stack(steps))
+    assert torch.equal(runs[0], runs[1])
+
+
 def test_prefill_in_two_chunks_matches_one() -> None:
     config = small_config()
     model = random_model(config)

@@ -150,6 +150,8 @@ class TorchEngine:
         self._inbox: collections.deque[EngineRequest] = collections.deque()
         self._waiting: collections.deque[EngineRequest] = collections.deque()
         self._running: list[EngineRequest] = []
+        #: the last decode step's batch and its attention, kept while the same streams decode on
+        self._decode_kv: tuple[list[EngineRequest], DecodeAttention | None] = ([], None)
         self._by_id: dict[str, EngineRequest] = {}
         self._wake = threading.Condition()
         self._stop = False
@@ -607,6 +609,8 @@ class TorchEngine:
         weights are read once for both (Sarathi-Serve's stall-free batches), so a chunk costs the
         streams its own compute only, not a second pass."""
         batch = list(self._running)
+        if not batch:
+            self._decode_kv = ([], None)  # its dense K/V goes
         plan = self._plan_chunks() if self._prefilling else []
         began = self.pacer.clock()
         if not plan:
@@ -642,8 +646,21 @@ class TorchEngine:
         self, batch: list[EngineRequest]
     ) -> tuple[torch.Tensor, torch.Tensor, DecodeAttention]:
         ids = torch.tensor([r.next_token for r in batch], dtype=torch.int64, device=self.device)
-        positions = torch.tensor([r.cached_len for r in batch], dtype=torch.int64, device=self.device)
-        attention = DecodeAttention(self.cache, [r.blocks for r in batch], [r.cached_len + 1 for r in batch])
+        lengths = [r.cached_len for r in batch]
+        positions = torch.tensor(lengths, dtype=torch.int64, device=self.device)
+        kept, attention = self._decode_kv
+        # The same streams one token on since the last step (not after a failed one, whose
+        # streams did not move): its attention goes on, its K/V gathered once.
+        if (
+            attention is not None
+            and len(kept) == len(batch)
+            and all(a is b for a, b in zip(kept, batch))
+            and np.array_equal(attention.lengths, lengths)
+        ):
+            attention.advance()
+        else:
+            attention = DecodeAttention(self.cache, [r.blocks for r in batch], [n + 1 for n in lengths])
+            self._decode_kv = (batch, attention)
         return ids, positions, attention
 
     def _decode_step(self, batch: list[EngineRequest], outputs: list[tuple[EngineRequest, Delta]]) -> None:

@@ -360,39 +360,92 @@ class PrefillBatchAttention(StepAttention):
         super().__init__([(PrefillAttention(cache, blocks, start, n), n) for blocks, start, n in spans])
 
 
+#: the most bytes a decode batch's dense K/V (every layer, K and V) may take; a batch past it gathers
+#: each layer's K/V from the pool at every step instead
+DENSE_DECODE_BYTES = 256 << 20
+
+
 class DecodeAttention:
-    """One new token for each of B sequences; sequence ``b`` has ``lengths[b]`` tokens including it."""
+    """One new token for each of B sequences; sequence ``b`` has ``lengths[b]`` tokens including it.
+
+    Kept from step to step while the batch stays the same (:meth:`advance`): each layer's K/V is
+    gathered from the pool once, into a dense ``[B, kv_heads, capacity, D]`` buffer per layer, and
+    each later step writes only its new token there (beside the pool). Gathering every sequence's
+    whole K/V anew at every step was most of a decode step at 32 sequences. A batch whose dense
+    copy would pass :data:`DENSE_DECODE_BYTES` gathers at every step (the same numbers: the
+    attention reads the same values, and masked positions weigh exactly 0)."""
 
     def __init__(self, cache: PagedKVCache, tables: list[list[int]], lengths: list[int]) -> None:
-        bs = cache.block_size
-        device = cache.device
-        # Only as many blocks as the longest sequence needs (a table holds the whole reservation):
-        # the gather is the step's main cost. Built with numpy on the host in one go, then moved:
-        # one small copy per step instead of a tensor per row (this ran 0.8 ms of a 2 ms step at 32).
-        blocks = -(-max(lengths) // bs)
-        padded = np.zeros((len(tables), blocks), dtype=np.int64)
-        for i, t in enumerate(tables):
-            row = t[:blocks]
-            padded[i, : len(row)] = row
-        offsets = np.arange(blocks * bs, dtype=np.int64)
-        gather = padded[:, offsets // bs] * bs + offsets % bs  # [B, span]
-        lens = np.asarray(lengths, dtype=np.int64)
-        self.gather_slots = torch.from_numpy(gather).to(device)
-        self.new_slots = torch.from_numpy(gather[np.arange(len(tables)), lens - 1]).to(device)
-        mask = torch.from_numpy(offsets[None, :] < lens[:, None])
-        self.mask = mask.to(device)[:, None, None, :]  # [B, 1, 1, span]
         self.cache = cache
+        bs = cache.block_size
+        width = max(len(t) for t in tables)
+        # A table holds the whole reservation, so the batch never grows past it.
+        self.table = np.zeros((len(tables), width), dtype=np.int64)
+        for i, t in enumerate(tables):
+            self.table[i, : len(t)] = t
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.rows = torch.arange(len(tables), device=cache.device)
+        capacity = max(width * bs, -(-max(lengths) // bs) * bs)
+        per_layer = len(tables) * capacity * cache.kv_heads * cache.head_dim * cache.k.element_size()
+        self.capacity = capacity if 2 * cache.num_layers * per_layer <= DENSE_DECODE_BYTES else 0
+        self.dense: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * cache.num_layers
+        self._positions()
+
+    def advance(self) -> None:
+        """The next step of the same batch: every sequence one token longer."""
+        self.lengths += 1
+        self._positions()
+
+    def _positions(self) -> None:
+        bs = self.cache.block_size
+        device = self.cache.device
+        lens = self.lengths
+        last = lens - 1
+        # Built with numpy on the host in one go, then moved: one small copy per step instead of
+        # a tensor per row. Only as many blocks as the longest sequence needs are read.
+        self.span = -(-int(lens.max()) // bs) * bs
+        new_slots = self.table[np.arange(lens.size), last // bs] * bs + last % bs
+        self.new_slots = torch.from_numpy(new_slots).to(device)
+        self.last = torch.from_numpy(last).to(device)
+        mask = torch.from_numpy(np.arange(self.span, dtype=np.int64)[None, :] < lens[:, None])
+        self.mask = mask.to(device)[:, None, None, :]  # [B, 1, 1, span]
+        self._gather: torch.Tensor | None = None
+
+    def gather_slots(self) -> torch.Tensor:
+        """``[B, span]``: the pool slot of each sequence's positions ``0..span-1``."""
+        if self._gather is None:
+            bs = self.cache.block_size
+            offsets = np.arange(self.span, dtype=np.int64)
+            gather = self.table[:, offsets // bs] * bs + offsets % bs
+            self._gather = torch.from_numpy(gather).to(self.cache.device)
+        return self._gather
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.cache.k[layer].index_copy_(0, self.new_slots, k)
-        self.cache.v[layer].index_copy_(0, self.new_slots, v)
-        kh = self.cache.k[layer][self.gather_slots].transpose(1, 2)  # [B, kv_heads, span, D]
-        vh = self.cache.v[layer][self.gather_slots].transpose(1, 2)
+        pool_k, pool_v = self.cache.k[layer], self.cache.v[layer]
+        pool_k.index_copy_(0, self.new_slots, k)
+        pool_v.index_copy_(0, self.new_slots, v)
+        dense = self.dense[layer]
+        if dense is None:
+            slots = self.gather_slots()
+            kh = pool_k[slots].transpose(1, 2)  # [B, kv_heads, span, D]
+            vh = pool_v[slots].transpose(1, 2)
+            if self.capacity:
+                shape = (kh.shape[0], kh.shape[1], self.capacity, kh.shape[3])
+                dense = (kh.new_zeros(shape), vh.new_zeros(shape))
+                dense[0][:, :, : self.span] = kh
+                dense[1][:, :, : self.span] = vh
+                self.dense[layer] = dense
+        else:
+            dense[0][self.rows, :, self.last] = k
+            dense[1][self.rows, :, self.last] = v
+        if dense is not None:
+            kh, vh = dense[0][:, :, : self.span], dense[1][:, :, : self.span]
         out = F.scaled_dot_product_attention(q.unsqueeze(2), kh, vh, attn_mask=self.mask, enable_gqa=True)
         return out.squeeze(2)
 
 
 __all__ = [
+    "DENSE_DECODE_BYTES",
     "DecodeAttention",
     "KVCacheFull",
     "PagedKVCache",
