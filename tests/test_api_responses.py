@@ -62,6 +62,7 @@ def test_a_string_input_instructions_tools_and_sampling_become_one_chat_body():
         "max_tokens": 7,
     }
     assert not request.stream and request.store is None and request.previous_response_id is None
+    assert "tool_choice" not in read_request({"model": "m", "input": "Hi", "tool_choice": "auto"}).chat
     streamed = read_request({"model": "m", "input": "Hi", "stream": True})
     assert streamed.chat["stream_options"] == {"include_usage": True} and streamed.stream
 
@@ -96,6 +97,11 @@ def test_items_become_chat_messages_calls_joining_their_assistant_turn():
 
 
 MALFORMED = [
+    ({"model": "m", "input": "x", "tools": [{"type": "function", "name": "a b"}]}, "tools[0].name"),
+    ({"model": "m", "input": "x", "tools": [{"type": "function", "name": "f" * 65}]}, "tools[0].name"),
+    ({"model": "m", "input": "x", "tool_choice": "required"}, "tool_choice"),
+    ({"model": "m", "input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}},
+     "tool_choice.name"),
     ({"model": "m", "input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]},
      "input[0].arguments"),
     ({"model": "m", "input": [{"type": "function_call", "call_id": "c", "name": "f",
@@ -131,8 +137,8 @@ MALFORMED = [
     ({"model": "m", "input": "x", "tools": [{"type": "function", "name": "f", "parameters": []}]},
      "tools[0].parameters"),
     ({"model": "m", "input": "x", "tools": [{"type": "function", "name": "f", "strict": "yes"}]}, "tools[0].strict"),
-    ({"model": "m", "input": "x", "tool_choice": "sometimes"}, "tool_choice"),
-    ({"model": "m", "input": "x", "tool_choice": {"type": "function"}}, "tool_choice.name"),
+    ({"model": "m", "input": "x", "tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"model": "m", "input": "x", "tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice.name"),
     ({"model": "m", "input": "x", "temperature": "hot"}, "temperature"),
     ({"model": "m", "input": "x", "temperature": 3}, "temperature"),
     ({"model": "m", "input": "x", "top_p": True}, "top_p"),

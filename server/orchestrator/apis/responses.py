@@ -13,6 +13,7 @@ error shape naming the field (``param``), never a 500. Stored responses (``store
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,8 @@ _SUPPORTED = frozenset({
 })  # fmt: skip
 _ROLES = ("user", "assistant", "system", "developer")
 _TOOL_CHOICES = ("none", "auto", "required")
+#: OpenAI's rule for a function's name (the workers' too: server/worker/tool_calls.py)
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def bad(message: str, param: str) -> HTTPError:
@@ -192,8 +195,8 @@ def _tools(value: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
             raise bad(
                 f"'{param}.type' must be 'function': hosted tools are not served here.", f"{param}.type"
             )
-        if not isinstance(tool.get("name"), str):
-            raise bad(f"'{param}.name' must be a string.", f"{param}.name")
+        if not isinstance(tool.get("name"), str) or not _FUNCTION_NAME.fullmatch(tool["name"]):
+            raise bad(f"'{param}.name' must be 1 to 64 letters, digits, '_' or '-'.", f"{param}.name")
         function: dict[str, Any] = {"name": tool["name"]}
         for key, kind in (("description", str), ("parameters", dict), ("strict", bool)):
             if tool.get(key) is not None:
@@ -206,12 +209,16 @@ def _tools(value: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     return chat, echo
 
 
-def _tool_choice(value: Any) -> Any:
+def _tool_choice(value: Any, tools: list[dict[str, Any]]) -> Any:
+    if not tools:  # none or auto of no tools asks nothing (the workers refuse any choice without tools)
+        if value in ("none", "auto"):
+            return None
+        raise bad("'tool_choice' other than none or auto needs 'tools'.", "tool_choice")
     if value in _TOOL_CHOICES:
         return value
     if isinstance(value, dict) and value.get("type") == "function":
-        if not isinstance(value.get("name"), str):
-            raise bad("'tool_choice.name' must be a string.", "tool_choice.name")
+        if value.get("name") not in {t["function"]["name"] for t in tools}:
+            raise bad("'tool_choice.name' must name a function of 'tools'.", "tool_choice.name")
         return {"type": "function", "function": {"name": value["name"]}}
     raise bad("'tool_choice' must be one of none, auto, required or {'type': 'function', 'name': ...}.",
               "tool_choice")  # fmt: skip
@@ -270,7 +277,8 @@ def read_request(body: Any) -> ResponsesRequest:
     if body.get("tools") is not None:
         chat["tools"], echo["tools"] = _tools(body["tools"])
     if body.get("tool_choice") is not None:
-        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+        if (choice := _tool_choice(body["tool_choice"], chat.get("tools", []))) is not None:
+            chat["tool_choice"] = choice
         echo["tool_choice"] = body["tool_choice"]
     if (parallel := _bool(body, "parallel_tool_calls")) is not None:
         chat["parallel_tool_calls"] = echo["parallel_tool_calls"] = parallel
