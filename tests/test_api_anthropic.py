@@ -145,6 +145,13 @@ async def test_max_tokens_and_stop_sequences(tmp_path):
         unary, final, _ = await both_ways(client, max_tokens=3)
         assert visible(unary) == visible(final)
         assert unary.stop_reason == "max_tokens" and unary.content[0].text == PLAIN[:9]
+        # one token: the context leg's answer is the whole answer, streamed whole by the orchestrator
+        unary, final, _ = await both_ways(client, max_tokens=1)
+        assert visible(unary) == visible(final) and visible(unary)[:3] == (
+            "max_tokens",
+            None,
+            [("text", PLAIN[:3])],
+        )
         unary, final, _ = await both_ways(client, stop_sequences=["18"])
         assert visible(unary) == visible(final)
         # our workers do not say which stop string matched (vLLM's stop_reason): end_turn, the text cut
@@ -440,3 +447,16 @@ def test_a_chat_answer_that_is_none_is_a_502_in_anthropics_shape():
         400,
         {"type": "error", "error": {"type": "invalid_request_error", "message": "not json"}},
     )
+
+
+def test_the_translation_benchmark_runs_and_its_body_is_served_as_chat():
+    """bench.api_translation's Messages body (the agentic history in Anthropic's blocks) translates to the
+    chat body's own texts, spliced as the client's bytes (escapes kept), and the benchmark's table comes out."""
+    from bench.api_translation import messages_body, run
+    from bench.workload import agentic_messages
+
+    history = [*agentic_messages(300), {"role": "user", "content": 'quote " back\\slash \n é 😀'}]
+    chat = json.loads(API.to_chat(messages_body(history), None).body)  # type: ignore[arg-type]
+    texts = [m["content"] for m in chat["messages"] if m["role"] != "assistant"]
+    assert texts == [m["content"] for m in history if m["role"] != "assistant"]
+    assert "messages (anthropic)" in run([50])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from typing import Any
 
 import fastcore
@@ -72,10 +73,57 @@ def _json_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _text_of(blocks: Any, param: str) -> str:
-    """A string, or a list of text blocks joined (``system``, a ``tool_result``'s content)."""
+#: a text of the client's body: its path there (for the scanner) and its value
+Piece = tuple[tuple[Any, ...], str]
+#: what stands for a text in the chat body until its bytes are spliced in (a nonce: no client's string
+#: can be taken for one); json.dumps writes its \x01 as \u0001
+_MARK = "\x01" + secrets.token_hex(8) + ":"
+_MARK_BYTES = b'"\\u0001' + _MARK[1:].encode()
+
+
+class Texts:
+    """The chat body's texts as the client's own bytes: the history is most of a body, and its strings
+    copied as they are (valid JSON strings already: the scanner checked them) cost a slice, where
+    encoding them again would cost most of the translation. The body is written with a marker per
+    text (:meth:`mark`), then each marker is replaced by its texts' bytes (:meth:`splice`)."""
+
+    __slots__ = ("groups",)
+
+    def __init__(self) -> None:
+        self.groups: list[list[Piece]] = []
+
+    def mark(self, pieces: list[Piece]) -> str:
+        """A string for the chat body that becomes ``pieces`` joined by newlines."""
+        self.groups.append(pieces)
+        return f"{_MARK}{len(self.groups) - 1}"
+
+    def splice(self, raw: bytes, skeleton: bytes) -> bytes:
+        if not self.groups:
+            return skeleton
+        paths = tuple(path for group in self.groups for path, _value in group)
+        spans = iter(fastcore.find_spans(raw, paths, validate=False))
+        strings = []
+        for group in self.groups:
+            inner = []
+            for _path, value in group:
+                span = next(spans)
+                if span is not None and raw[span[0] : span[0] + 1] == b'"':
+                    inner.append(raw[span[0] + 1 : span[1] - 1])
+                else:  # not where the walk found it (cannot happen: its bytes said again)
+                    inner.append(json.dumps(value, ensure_ascii=False).encode()[1:-1])
+            strings.append(b'"' + b"\\n".join(inner) + b'"')
+        parts = skeleton.split(_MARK_BYTES)
+        out = [parts[0]]
+        for part in parts[1:]:
+            number, _quote, rest = part.partition(b'"')
+            out += (strings[int(number)], rest)
+        return b"".join(out)
+
+
+def _text_of(blocks: Any, param: str, path: tuple[Any, ...]) -> list[Piece]:
+    """A string, or a list of text blocks (``system``, a ``tool_result``'s content): its pieces."""
     if isinstance(blocks, str):
-        return blocks
+        return [(path, blocks)]
     if not isinstance(blocks, list):
         raise bad(f"'{param}' must be a string or a list of text blocks", param)
     texts = []
@@ -84,8 +132,8 @@ def _text_of(blocks: Any, param: str) -> str:
         kind = _block_type(block, where)
         if kind != "text":
             raise _unsupported(kind, where, "here only text blocks are")
-        texts.append(_text(block, where))
-    return "\n".join(texts)
+        texts.append(_text(block, where, (*path, i)))
+    return texts
 
 
 def _block_type(block: Any, where: str) -> str:
@@ -103,12 +151,12 @@ def _unsupported(kind: str, where: str, why: str) -> HTTPError:
     return bad(f"'{where}.type' is '{kind}': not a block type served here ({why})", f"{where}.type")
 
 
-def _text(block: dict[str, Any], where: str) -> str:
+def _text(block: dict[str, Any], where: str, path: tuple[Any, ...]) -> Piece:
     _only(block, {"type", "text"}, where)
     text = block.get("text")
     if not isinstance(text, str):
         raise bad(f"'{where}.text' must be a string", f"{where}.text")
-    return text
+    return (*path, "text"), text
 
 
 def _only(block: dict[str, Any], allowed: set[str], where: str) -> None:
@@ -117,11 +165,13 @@ def _only(block: dict[str, Any], allowed: set[str], where: str) -> None:
             raise bad(f"'{where}.{key}' is not a field of a '{block.get('type')}' block", f"{where}.{key}")
 
 
-def _user_turn(content: Any, where: str, open_calls: set[str]) -> list[dict[str, Any]]:
+def _user_turn(
+    content: Any, where: str, path: tuple[Any, ...], open_calls: set[str], marks: Texts
+) -> list[dict[str, Any]]:
     """A user message's chat messages: its tool results (each a ``tool`` message, answering a call of
     the assistant turn before it), then its text."""
     if isinstance(content, str):
-        return [{"role": "user", "content": content}]
+        return [{"role": "user", "content": marks.mark([(path, content)])}]
     if not isinstance(content, list) or not content:
         raise bad(f"'{where}' must be a string or a non-empty list of content blocks", where)
     results, texts = [], []
@@ -129,7 +179,7 @@ def _user_turn(content: Any, where: str, open_calls: set[str]) -> list[dict[str,
         at = f"{where}[{j}]"
         kind = _block_type(block, at)
         if kind == "text":
-            texts.append(_text(block, at))
+            texts.append(_text(block, at, (*path, j)))
         elif kind == "tool_result":
             _only(block, {"type", "tool_use_id", "content", "is_error"}, at)
             call_id = block.get("tool_use_id")
@@ -138,19 +188,21 @@ def _user_turn(content: Any, where: str, open_calls: set[str]) -> list[dict[str,
                           f"{at}.tool_use_id")  # fmt: skip
             if not isinstance(block.get("is_error", False), bool):
                 raise bad(f"'{at}.is_error' must be a boolean", f"{at}.is_error")
-            text = _text_of(block.get("content", ""), f"{at}.content")
-            results.append({"role": "tool", "tool_call_id": call_id, "content": text})
+            text = _text_of(block.get("content", ""), f"{at}.content", (*path, j, "content"))
+            results.append({"role": "tool", "tool_call_id": call_id, "content": marks.mark(text)})
         else:
             raise _unsupported(kind, at, "a user turn holds text and tool_result blocks")
     if texts:
-        results.append({"role": "user", "content": "\n".join(texts)})
+        results.append({"role": "user", "content": marks.mark(texts)})
     return results
 
 
-def _assistant_turn(content: Any, where: str) -> tuple[dict[str, Any], set[str]]:
+def _assistant_turn(
+    content: Any, where: str, path: tuple[Any, ...], marks: Texts
+) -> tuple[dict[str, Any], set[str]]:
     """An assistant message as chat's, and the ids of its tool calls."""
     if isinstance(content, str):
-        return {"role": "assistant", "content": content}, set()
+        return {"role": "assistant", "content": marks.mark([(path, content)])}, set()
     if not isinstance(content, list):
         raise bad(f"'{where}' must be a string or a list of content blocks", where)
     texts, calls = [], []
@@ -158,7 +210,7 @@ def _assistant_turn(content: Any, where: str) -> tuple[dict[str, Any], set[str]]
         at = f"{where}[{j}]"
         kind = _block_type(block, at)
         if kind == "text":
-            texts.append(_text(block, at))
+            texts.append(_text(block, at, (*path, j)))
         elif kind == "tool_use":
             _only(block, {"type", "id", "name", "input"}, at)
             call_id, name, arguments = block.get("id"), block.get("name"), block.get("input")
@@ -174,20 +226,20 @@ def _assistant_turn(content: Any, where: str) -> tuple[dict[str, Any], set[str]]
             continue  # never ours (no answer here thinks): dropped, as the API drops past turns' thinking
         else:
             raise _unsupported(kind, at, "an assistant turn holds text and tool_use blocks")
-    message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts) if texts else None}
+    message: dict[str, Any] = {"role": "assistant", "content": marks.mark(texts) if texts else None}
     if calls:
         message["tool_calls"] = calls
     return message, {c["id"] for c in calls}
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+def _messages(body: dict[str, Any], marks: Texts) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list", "messages")
     chat: list[dict[str, Any]] = []
     system = body.get("system")
     if system is not None:
-        chat.append({"role": "system", "content": _text_of(system, "system")})
+        chat.append({"role": "system", "content": marks.mark(_text_of(system, "system", ("system",)))})
     open_calls: set[str] = set()
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
@@ -198,10 +250,10 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                 raise bad(f"'{where}.{key}' is not a field of a message", f"{where}.{key}")
         role, content = message.get("role"), message.get("content")
         if role == "user":
-            chat += _user_turn(content, f"{where}.content", open_calls)
+            chat += _user_turn(content, f"{where}.content", ("messages", i, "content"), open_calls, marks)
             open_calls = set()
         elif role == "assistant":
-            turn, open_calls = _assistant_turn(content, f"{where}.content")
+            turn, open_calls = _assistant_turn(content, f"{where}.content", ("messages", i, "content"), marks)
             chat.append(turn)
         else:
             raise bad(f"'{where}.role' must be 'user' or 'assistant'", f"{where}.role")
@@ -570,14 +622,16 @@ class AnthropicMessages:
     def to_chat(body: bytes, request: Request, tenant: str = "") -> Messages:
         data = _json_body(body)
         _check_others(data)
-        chat: dict[str, Any] = {"model": data["model"], "messages": _messages(data)}
+        marks = Texts()
+        chat: dict[str, Any] = {"model": data["model"], "messages": _messages(data, marks)}
         _sampling(data, chat)
         _tools(data, chat)
         streamed = data.get("stream", False)
         if streamed:
             chat["stream"] = True
             chat["stream_options"] = {wire.INCLUDE_USAGE: True}
-        encoded = json.dumps(chat, ensure_ascii=False, separators=(",", ":")).encode()
+        skeleton = json.dumps(chat, ensure_ascii=False, separators=(",", ":")).encode()
+        encoded = marks.splice(body, skeleton)
         return Messages(encoded, chat.get("stop", []), streamed)
 
     @staticmethod

@@ -1,0 +1,110 @@
+"""What translating a client API to chat completions costs the orchestrator per request, in process.
+
+    python -m bench.api_translation                  # 1 KB and 160 KB of agentic history
+    python -m bench.api_translation --sizes 250,40000
+
+Each row is one request's synchronous work on the orchestrator's event loop (bench.orchestrator_work's
+calls: the client body read, both legs built, the context answer read, the answer relayed; fast relay,
+base64 ids, history stripped), for the chat route and for Anthropic's ``/v1/messages`` (the same, plus
+the body translated to chat on the way in and the chat answer to a message on the way out:
+server/orchestrator/apis/anthropic.py). The Messages body is the chat body's history said in
+Anthropic's blocks (tool calls as ``tool_use``, their results as ``tool_result``). The issue's target:
+at most 2x the chat path's work at 160 KB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import random
+from typing import Any
+
+from bench._timing import format_table, time_call
+from bench.orchestrator_work import context_response, generation_response, one_request
+from bench.workload import agentic_messages
+from server.orchestrator.apis.anthropic import API as MESSAGES
+from server.orchestrator.relay_modes import FastRelay
+
+
+def messages_body(chat_messages: list[dict[str, Any]]) -> bytes:
+    """The agentic chat history as a Messages request: system apart, each tool result a ``tool_result``
+    answering a ``tool_use`` of the assistant turn before it."""
+    system = [m["content"] for m in chat_messages if m["role"] == "system"]
+    turns: list[dict[str, Any]] = []
+    calls = 0
+    for message in chat_messages:
+        role, text = message["role"], message["content"]
+        if role == "system":
+            continue
+        if role == "tool":
+            calls += 1
+            call_id = f"toolu_{calls}"
+            turns.append(
+                {
+                    "role": "assistant",
+                    "content": [
+                        {
+                            "type": "tool_use",
+                            "id": call_id,
+                            "name": "read_file",
+                            "input": {"path": f"src/{calls}.py"},
+                        }
+                    ],
+                }
+            )
+            turns.append(
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": call_id, "content": text}],
+                }
+            )
+        else:
+            turns.append({"role": role, "content": [{"type": "text", "text": text}]})
+    body = {"model": "tiny", "max_tokens": 16, "system": "\n".join(system), "messages": turns,
+            "temperature": 0, "tools": [{"name": "read_file", "input_schema": {"type": "object"}}]}  # fmt: skip
+    return json.dumps(body).encode()
+
+
+def chat_request(mode: Any, body: bytes, ctx: bytes, gen: bytes) -> bytes:
+    return one_request(mode, body, ctx, gen)
+
+
+def messages_request(mode: Any, body: bytes, ctx: bytes, gen: bytes) -> bytes:
+    call = MESSAGES.to_chat(body, None)  # type: ignore[arg-type]
+    return call.answer(one_request(mode, call.body, ctx, gen))
+
+
+def run(sizes: list[int]) -> str:
+    rows = []
+    rng = random.Random(0)
+    for n in sizes:
+        history = agentic_messages(n)
+        chat = json.dumps({"model": "tiny", "messages": history, "max_tokens": 16, "temperature": 0,
+                           "tools": [{"type": "function", "function": {"name": "read_file",
+                                                                       "parameters": {"type": "object"}}}]}).encode()  # fmt: skip
+        anthropic = messages_body(history)
+        ids = [rng.randrange(32000) for _ in range(n)]
+        ctx, gen = context_response(ids, b64=True), generation_response(n)
+        mode = FastRelay(tokids_b64=True, strip_history=True)
+        base = time_call(functools.partial(chat_request, mode, chat, ctx, gen), min_time=0.3)
+        translated = time_call(functools.partial(messages_request, mode, anthropic, ctx, gen), min_time=0.3)
+        rows.append(
+            [f"{n:,}", "chat completions", f"{len(chat) / 1e3:,.1f} KB", f"{base * 1e6:,.1f}", "1.0x"]
+        )
+        rows.append([f"{n:,}", "messages (anthropic)", f"{len(anthropic) / 1e3:,.1f} KB",
+                     f"{translated * 1e6:,.1f}", f"{translated / base:,.2f}x"])  # fmt: skip
+    return format_table(["prompt ids", "route", "client body", "µs / request", "vs chat"], rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--sizes", default="250,40000", help="prompt ids per request (~4 bytes of history each)"
+    )
+    args = parser.parse_args(argv)
+    print(run([int(s) for s in args.sizes.split(",")]))
+
+
+if __name__ == "__main__":
+    main()
