@@ -627,3 +627,28 @@ def test_a_put_frees_its_tenants_expired_entries():
     clock.now = 10.0
     store.put("a", stored_response("r2"), [])
     assert list(store._tenants["a"]) == ["r2"] and store._bytes["a"] == store._tenants["a"]["r2"].size
+
+
+async def test_the_openai_agents_sdk_runs_a_tool_through_the_deployment(tmp_path):
+    """docs/api-responses.md's recipe: an Agents SDK agent (Responses model) with a function tool; the
+    model's call is run by the SDK, its output fed back, the scripted answer final (skipped without
+    the ``openai-agents`` package)."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    seen: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        seen.append(city)
+        return "18 C"
+
+    one_call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    async with deployment([one_call, PLAIN], tmp_path) as (client, _):
+        model = agents.OpenAIResponsesModel(model="synthetic", openai_client=client)
+        agent = agents.Agent(name="assistant", instructions="Be brief.", model=model, tools=[get_weather])
+        result = await agents.Runner.run(agent, "What is the weather in Paris?")
+        streamed = agents.Runner.run_streamed(agent, "What is the weather in Paris?")
+        async for _event in streamed.stream_events():
+            pass
+    assert result.final_output == streamed.final_output == PLAIN and seen == ["Paris", "Paris"]
