@@ -327,6 +327,10 @@ async def test_malformed_bodies_reach_the_client_as_anthropic_400s(tmp_path):
             assert resp.status == 400 and resp.json()["error"]["type"] == "invalid_request_error"
         resp = await get(port, "/v1/messages", **{"x-api-key": KEY})
         assert resp.status == 405 and resp.json()["type"] == "error"
+        # Claude Code's route (a query string) and headers
+        resp = await post(port, "/v1/messages?beta=true", {"model": "synthetic", "max_tokens": 2, "messages": ASK},
+                          **{"x-api-key": KEY, "anthropic-version": "2023-06-01", "anthropic-beta": "x"})  # fmt: skip
+        assert resp.status == 200 and resp.json()["type"] == "message"
 
 
 def test_the_request_as_chat():
