@@ -652,3 +652,15 @@ async def test_the_openai_agents_sdk_runs_a_tool_through_the_deployment(tmp_path
         async for _event in streamed.stream_events():
             pass
     assert result.final_output == streamed.final_output == PLAIN and seen == ["Paris", "Paris"]
+
+
+@pytest.mark.usefixtures("request_path")
+async def test_an_answer_the_context_leg_finishes_streams_as_the_unary_one(tmp_path):
+    """One token: the context worker's answer is the whole answer, streamed by the orchestrator."""
+    async with deployment([PLAIN], tmp_path) as (client, _):
+        kw = {"model": "synthetic", "input": "Weather?", "max_output_tokens": 1}
+        unary = await client.responses.create(**kw)
+        events = [e async for e in await client.responses.create(**kw, stream=True)]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].type == "response.incomplete" and unary.status == "incomplete"
+    assert comparable(events[-1].response) == comparable(unary) and unary.usage.output_tokens == 1
