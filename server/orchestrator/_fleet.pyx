@@ -23,6 +23,9 @@ cdef enum:
     W_BUCKETS = 2
     W_BREAKERS = 3
 
+#: the enum above, for the test that pins it to .fleet's LAYOUT
+LAYOUT = {"HEADER_WORDS": HEADER_WORDS, "W_PROCS": W_PROCS, "W_BUCKETS": W_BUCKETS, "W_BREAKERS": W_BREAKERS}
+
 
 cdef class Core:
     """One process's view of the mapping: ``index`` names its slot count."""

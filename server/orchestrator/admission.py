@@ -56,11 +56,13 @@ from fastcore.errors import JSONSpanError
 from server.errors import HTTPError
 from server.metrics import Registry
 
+from .fleet import POLL_S
 from .routing import BYTES_PER_TOKEN
 from .tenants import Tenant
 
 if TYPE_CHECKING:
     from .config import AdmissionConfig, RateLimitConfig
+    from .fleet import Fleet, SharedBucket
 
 #: why a request was refused (``fastcore_orchestrator_tenant_rejected_total{reason}``)
 REJECT_REASONS = ("queue_full", "queue_timeout", "requests_per_minute", "prompt_tokens_per_minute")
@@ -142,8 +144,8 @@ class Charge:
 
     __slots__ = ("bucket", "tokens")
 
-    def __init__(self, bucket: TokenBucket, tokens: float) -> None:
-        self.bucket: TokenBucket | None = bucket
+    def __init__(self, bucket: TokenBucket | SharedBucket, tokens: float) -> None:
+        self.bucket: TokenBucket | SharedBucket | None = bucket
         self.tokens = tokens
 
     def settle(self, prompt_tokens: int) -> None:
@@ -195,6 +197,53 @@ class _Limits:
         return charge
 
 
+class _SharedLimits:
+    """One tenant's rate limits in the fleet's buckets (fleet.py, ``--workers N``): each bucket is
+    checked and taken in one step, the request's first and given back when the prompt's tokens are
+    not there, so that processes admitting at once cannot take one unit twice."""
+
+    __slots__ = ("requests", "tokens")
+
+    def __init__(self, requests: SharedBucket | None, tokens: SharedBucket | None) -> None:
+        self.requests = requests
+        self.tokens = tokens
+
+    def refusal(
+        self, prompt_bytes: int, bytes_per_token: Callable[[], float]
+    ) -> tuple[str, float | None] | Charge | None:
+        """As :meth:`_Limits.refusal`."""
+        bucket = self.tokens
+        tokens = prompt_bytes / bytes_per_token() if bucket is not None else 0.0
+        if bucket is not None and tokens > bucket.capacity:
+            return "prompt_tokens_per_minute", None
+        if self.requests is not None:
+            wait = self.requests.take(1)
+            if wait:
+                return "requests_per_minute", wait
+        if bucket is None:
+            return None
+        wait = bucket.take(tokens)
+        if wait:
+            if self.requests is not None:
+                self.requests.correct(-1)  # not admitted: its request goes back
+            return "prompt_tokens_per_minute", wait
+        return Charge(bucket, tokens)
+
+
+def _shared_limits(fleet: Fleet, tenant: str, config: RateLimitConfig) -> _SharedLimits | _Limits:
+    """``tenant``'s limits in the fleet's buckets (per process where its table is full)."""
+    requests = tokens = None
+    if config.requests_per_minute:
+        requests = fleet.bucket(tenant, "requests_per_minute", config.requests_per_minute)
+        if requests is None:
+            return _Limits(config)
+    if config.prompt_tokens_per_minute:
+        tokens = fleet.bucket(tenant, "prompt_tokens_per_minute", config.prompt_tokens_per_minute)
+        if tokens is None:
+            return _Limits(config)
+    return _SharedLimits(requests, tokens)
+
+
 class _Waiter:
     __slots__ = ("future", "live", "queue", "since", "timer")
 
@@ -211,7 +260,7 @@ class _TenantQueue:
 
     __slots__ = ("admitted", "deficit", "heap", "left", "limits", "name", "rejected", "waiting", "weight")
 
-    def __init__(self, tenant: Tenant, limits: _Limits | None) -> None:
+    def __init__(self, tenant: Tenant, limits: _Limits | _SharedLimits | None) -> None:
         self.name = tenant.name
         self.weight = tenant.weight
         self.heap: list[tuple[int, int, _Waiter]] = []
@@ -250,11 +299,21 @@ class Admission:
         )
         self.inflight = 0
         self.queued = 0
+        #: the host's other orchestrator processes' share of the slots and buckets (``--workers N``,
+        #: :meth:`share`); None: this process's own
+        self.fleet: Fleet | None = None
+        self._poll: asyncio.TimerHandle | None = None
         self._tenants: dict[str, _TenantQueue] = {}
         #: tenants with requests waiting, in round-robin order; the head is being served
         self._active: deque[_TenantQueue] = deque()
         self._order = itertools.count()
         self._metrics(registry)
+
+    def share(self, fleet: Fleet) -> None:
+        """Take slots and rate limits from the fleet's mapping (fleet.py) from now on: called once,
+        before the process serves (slots held before would be given back to the fleet)."""
+        self.fleet = fleet
+        self._tenants.clear()
 
     # -- the request path ---------------------------------------------------------------------
 
@@ -306,11 +365,9 @@ class Admission:
 
     def _new_tenant(self, tenant: Tenant) -> _TenantQueue:
         limit = self.rate_limits.get(tenant.name) or self.rate_limits.get(ANY_TENANT)
-        limits = (
-            _Limits(limit)
-            if limit is not None and (limit.requests_per_minute or limit.prompt_tokens_per_minute)
-            else None
-        )
+        limits: _Limits | _SharedLimits | None = None
+        if limit is not None and (limit.requests_per_minute or limit.prompt_tokens_per_minute):
+            limits = _Limits(limit) if self.fleet is None else _shared_limits(self.fleet, tenant.name, limit)
         queue = self._tenants[tenant.name] = _TenantQueue(tenant, limits)
         return queue
 
@@ -319,8 +376,15 @@ class Admission:
         return HTTPError(429, message, code=reason,
                          headers={"Retry-After": str(max(1, retry_after))})  # fmt: skip
 
+    def _room(self) -> bool:
+        """A slot for one more: this process's count below max_inflight, or the fleet's slot taken."""
+        fleet = self.fleet
+        if fleet is None:
+            return self.inflight < self.max_inflight
+        return fleet.core.acquire(self.max_inflight)
+
     async def acquire(self, queue: _TenantQueue, priority: int) -> None:
-        if self.inflight < self.max_inflight and not self.queued:
+        if not self.queued and self._room():
             self.inflight += 1
             queue.admitted += 1
             return
@@ -334,6 +398,8 @@ class Admission:
         self.queued += 1
         if queue.waiting == 1:
             self._active.append(queue)
+        if self.fleet is not None and self._poll is None:
+            self._poll = loop.call_later(POLL_S, self._look_for_slots)
         try:
             refused = await waiter.future
         except asyncio.CancelledError:
@@ -380,8 +446,19 @@ class Admission:
 
     def release(self) -> None:
         self.inflight -= 1
-        while self.queued and self.inflight < self.max_inflight:
+        if self.fleet is not None:
+            self.fleet.core.release()
+        while self.queued and self._room():
             self._grant(self._next())
+
+    def _look_for_slots(self) -> None:
+        """While requests wait here, slots other processes gave back (``--workers N``) are looked for
+        every POLL_S: this process hears only of its own releases."""
+        self._poll = None
+        while self.queued and self._room():
+            self._grant(self._next())
+        if self.queued:
+            self._poll = asyncio.get_running_loop().call_later(POLL_S, self._look_for_slots)
 
     # -- the queue ------------------------------------------------------------------------------
 

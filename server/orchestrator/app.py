@@ -62,6 +62,7 @@ from .config import OrchestratorConfig
 
 if TYPE_CHECKING:
     from .discovery import Discovery
+    from .fleet import Fleet
 from .admission import Admission
 from .apis import ApiResponder, ClientApi, bound_apis
 from .cache_view import CacheView
@@ -1013,9 +1014,12 @@ def _body(worker: Worker, resp: UpstreamResponse) -> Coroutine[Any, Any, bytes]:
 
 
 async def start_server(
-    config: OrchestratorConfig, *, reuse_port: bool = False
+    config: OrchestratorConfig, *, reuse_port: bool = False, fleet: Fleet | None = None
 ) -> tuple[HTTPServer, Orchestrator]:
-    """Start serving on ``config.hostname:config.port``; the caller ``await server.cleanup()``."""
+    """Start serving on ``config.hostname:config.port``; the caller ``await server.cleanup()``.
+    ``fleet``: one of ``--workers N``, sharing slots, rate limits and breakers (fleet.py)."""
     orchestrator = Orchestrator(config)
+    if fleet is not None:
+        fleet.join(orchestrator)
     server = await orchestrator.start(reuse_port=reuse_port)
     return server, orchestrator

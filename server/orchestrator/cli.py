@@ -2,7 +2,8 @@
 
 ``--workers N`` runs N orchestrator processes on one port (SO_REUSEPORT; the
 kernel spreads connections over them): one event loop per core is how the
-orchestrator scales on a host.
+orchestrator scales on a host. They share one ``max_inflight``, each tenant's
+rate limits and the workers' breakers through a mapping made here (fleet.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from .config import (
 )
 
 if TYPE_CHECKING:
+    from .fleet import Fleet, Mapping
     from .tenants import ApiKeys
 
 log = logging.getLogger("fastcore.orchestrator")
@@ -154,7 +156,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="GET /metrics to the metrics token or a client API key only, loopback alone not enough",
     )
     parser.add_argument(
-        "--max-inflight", type=int, help="admission: completions in the workers at once, per process"
+        "--max-inflight", type=int, help="admission: completions in the workers at once, all processes"
     )
     parser.add_argument("--max-queue", type=int, help="admission: completions waiting for a slot (429 beyond)")
     parser.add_argument(
@@ -238,8 +240,8 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
     return config
 
 
-async def serve(config: OrchestratorConfig, *, reuse_port: bool) -> None:
-    """Serve until SIGINT/SIGTERM."""
+async def serve(config: OrchestratorConfig, *, reuse_port: bool, fleet: Fleet | None = None) -> None:
+    """Serve until SIGINT/SIGTERM (``fleet``: this process's part of ``--workers N``)."""
     from server.http.memory import keep_heap_for_bodies
 
     from .app import start_server
@@ -251,7 +253,7 @@ async def serve(config: OrchestratorConfig, *, reuse_port: bool) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        runner, orchestrator = await start_server(config, reuse_port=reuse_port)
+        runner, orchestrator = await start_server(config, reuse_port=reuse_port, fleet=fleet)
     except OSError as exc:  # the port was taken after run()'s check
         why = listen_problem(exc)
         if why is None:
@@ -280,6 +282,8 @@ async def serve(config: OrchestratorConfig, *, reuse_port: bool) -> None:
         await orchestrator.drain(config.drain_timeout_s)
     finally:
         metrics_sync.cancel()
+        if fleet is not None:
+            await fleet.stop()
         await runner.cleanup()
         orchestrator.registry.sync()  # the last totals of a process that stops
 
@@ -303,9 +307,20 @@ def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
         uvloop.run(main)
 
 
-def _serve_process(config_data: dict[str, Any], log_level: str) -> None:
+def _serve_process(config_data: dict[str, Any], log_level: str, fleet_path: str, index: int) -> None:
+    from .fleet import Fleet
+
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
-    run_event_loop(serve(OrchestratorConfig.model_validate(config_data), reuse_port=True))
+    fleet = Fleet.attach(fleet_path, index)
+    run_event_loop(serve(OrchestratorConfig.model_validate(config_data), reuse_port=True, fleet=fleet))
+
+
+def give_back_slots(mapping: Mapping, index: int, name: str) -> int:
+    """A child that exited: the admission slots it held go back to the fleet (fleet.py); how many."""
+    held = mapping.clear(index)
+    if held:
+        log.warning("%s exited holding %d admission slots: given back to the other processes", name, held)
+    return held
 
 
 def _run_processes(config: OrchestratorConfig, log_level: str) -> int:
@@ -316,10 +331,14 @@ def _run_processes(config: OrchestratorConfig, log_level: str) -> int:
     """
     from server.metrics import SharedMetricsDir
 
+    from .fleet import Mapping
+
     ctx = multiprocessing.get_context("spawn")
     data = config.model_dump()
+    # slots, rate limits and breakers shared by the processes (fleet.py): made before they start
+    mapping = Mapping.create(config.workers)
     procs = [
-        ctx.Process(target=_serve_process, args=(data, log_level), name=f"orchestrator-{i}")
+        ctx.Process(target=_serve_process, args=(data, log_level, mapping.path, i), name=f"orchestrator-{i}")
         for i in range(config.workers)
     ]
     stopping = False
@@ -347,6 +366,7 @@ def _run_processes(config: OrchestratorConfig, log_level: str) -> int:
         dead = [p for p in procs if p.exitcode is not None]
         if dead:
             for proc in dead:
+                give_back_slots(mapping, procs.index(proc), proc.name)  # the others drain with them
                 metrics_dir.process_dead(proc.pid)
                 print(
                     f"fastcore-serve orchestrator: {proc.name} (pid {proc.pid}) exited with code {proc.exitcode}",
@@ -365,6 +385,7 @@ def _run_processes(config: OrchestratorConfig, log_level: str) -> int:
             proc.join()
         metrics_dir.process_dead(proc.pid)
     metrics_dir.remove()
+    mapping.remove()
     return exit_code
 
 

@@ -48,6 +48,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from fastcore import NO_EXTENSIONS
+from server.tasks import stop_tasks
 
 if TYPE_CHECKING:
     from .pools import Pool
@@ -348,6 +349,13 @@ class Fleet:
             return None
         return SharedBucket(self, entry, per_minute)
 
+    def join(self, orchestrator: Any) -> None:
+        """``orchestrator`` (app.py's, before it serves) takes its slots and rate limits from the
+        fleet and shares its pools' breakers until :meth:`stop`."""
+        if orchestrator.admission is not None:
+            orchestrator.admission.share(self)
+        self.start(orchestrator.pools)
+
     # -- breakers -----------------------------------------------------------------------------
 
     def start(self, pools: list[Pool]) -> None:
@@ -356,12 +364,7 @@ class Fleet:
 
     async def stop(self) -> None:
         task, self._sync = self._sync, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        await stop_tasks([task])
 
     async def _keep_breakers(self, pools: list[Pool]) -> None:
         while True:
