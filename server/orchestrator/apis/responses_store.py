@@ -8,12 +8,13 @@ its conversation.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import msgspec
 
 from server.errors import HTTPError
 
@@ -44,7 +45,7 @@ class ResponseStore:
 
     def put(self, tenant: str, response: dict[str, Any], history: list[dict[str, Any]]) -> bool:
         """Keeps a response (False: larger than the tenant's whole byte bound, not kept)."""
-        size = len(json.dumps(response)) + len(json.dumps(history))
+        size = len(msgspec.json.encode(response)) + len(msgspec.json.encode(history))
         if size > self.limits.max_bytes:
             return False
         entries = self._tenants.setdefault(tenant, OrderedDict())
