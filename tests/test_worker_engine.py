@@ -247,3 +247,24 @@ def test_kv_format_rejects_a_bad_logprob_and_layout() -> None:
         decode_kv(_with_header(header, good[12 + header_len :]), LAYOUT, num_tokens=3, prompt_crc32=99)
     with pytest.raises(KVTransferError, match="num_layers is 2, this worker expects 3"):
         decode_kv(good, KVLayout(3, 2, 4, torch.float32), num_tokens=3, prompt_crc32=99)
+
+
+def test_decode_rate_over_the_last_five_seconds(engine: TorchEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tokens_per_second: the tokens of the steps of the last 5 s over the time they span (a
+    running sum the steps that leave the window come off: it was summed anew each step)."""
+    import server.worker.engine as engine_module
+
+    clock = [0.0]
+    monkeypatch.setattr(engine_module.time, "monotonic", lambda: clock[0])
+    for at, n in ((0.0, 10), (1.0, 20), (2.0, 30), (3.0, 40)):
+        clock[0] = at
+        engine._count_tokens(n)
+    assert engine.tokens_per_second == pytest.approx(100 / 3)
+    clock[0] = 6.0
+    engine._count_tokens(50)  # the step at 0 s leaves the window
+    assert engine.tokens_per_second == pytest.approx(140 / 5)
+    for i in range(1, 2001):  # 20 s of steps 10 ms apart, 32 tokens each
+        clock[0] = 6.0 + i / 100
+        engine._count_tokens(32)
+    assert engine.tokens_per_second == pytest.approx(501 * 32 / 5)
+    assert engine.generated_tokens_total == 150 + 2000 * 32
