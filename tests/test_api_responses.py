@@ -97,6 +97,7 @@ def test_items_become_chat_messages_calls_joining_their_assistant_turn():
 
 
 MALFORMED = [
+    ({"model": "m", "input": []}, "input"),
     ({"model": "m", "input": "x", "tools": [{"type": "function", "name": "a b"}]}, "tools[0].name"),
     ({"model": "m", "input": "x", "tools": [{"type": "function", "name": "f" * 65}]}, "tools[0].name"),
     ({"model": "m", "input": "x", "tool_choice": "required"}, "tool_choice"),

@@ -157,6 +157,8 @@ def chat_messages(items: Any, unresolved: dict[str, str]) -> list[dict[str, Any]
         return [{"role": "user", "content": items}]
     if not isinstance(items, list):
         raise bad("Invalid type for 'input': expected a string or an array of items.", "input")
+    if not items:  # a chat completion of no messages is the worker's 400, naming a field never sent
+        raise bad("'input' must hold at least one item.", "input")
     messages: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         param = f"input[{i}]"
