@@ -78,6 +78,7 @@ from .legs import (
     leg_timed_out,
 )
 from .metrics import CPU_SAMPLE_EVERY, NO_CLOCK, Clock, CpuClock, OrchestratorMetrics
+from .pair import PairRunner
 from .pools import HealthChecker, Pool, Worker
 from .protocols import make_protocol
 from .relay_modes import ClientRequest, answer_as_sse
@@ -230,13 +231,17 @@ class Orchestrator:
         self.tracing = start_tracing("fastcore-orchestrator", config.otlp_traces_endpoint)
         self.client_trace = config.otlp_config is None or config.otlp_config.client_trace_context
         #: completions served from callbacks (exchange.py), but those that wait for admission, are
-        #: traced, or may be prefilled on their generation worker: their coroutines hold that state
+        #: traced, or may be prefilled on their generation worker: their coroutines hold that state;
+        #: and a concurrent protocol's (SGLang's), whose legs run at once in tasks (pair.py)
         self.callbacks = (
             self.serve_from_callbacks
             and self.admission is None
             and self.tracing is None
             and self.max_local_prefill is None
+            and not self.protocol.concurrent
         )
+        #: a protocol whose legs run at once (SGLang's): its pairs, on the coroutine path (pair.py)
+        self.pairs = PairRunner(self) if self.protocol.concurrent else None
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -629,6 +634,8 @@ class Orchestrator:
         body = req.body
         relay = self.relay
         path = _CHAT if chat else _COMPLETIONS
+        if self.pairs is not None:
+            return await self.pairs.run(out, req, path, clock, key, tokens)
         generation_worker: Worker | None = None
         if self.max_local_prefill is not None:
             # Conditional disaggregation: the generation worker first, by its prefix index; a short

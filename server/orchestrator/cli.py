@@ -103,8 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--worker-protocol",
         choices=WORKER_PROTOCOLS,
-        help="what the legs speak to the workers: trtllm (trtllm-serve's disaggregated protocol) or vllm "
-        "(vLLM's NixlConnector: kv_transfer_params)",
+        help="what the legs speak to the workers: trtllm (trtllm-serve's disaggregated protocol), vllm "
+        "(vLLM's NixlConnector: kv_transfer_params) or sglang (SGLang's bootstrap: both legs at once)",
     )
     parser.add_argument("--max-retries", type=int, help="context/generation leg retries on another worker")
     parser.add_argument("--request-timeout-s", type=float, help="per-leg timeout in seconds")

@@ -35,7 +35,7 @@ log = logging.getLogger("fastcore.orchestrator")
 RelayModeName = Literal["fast", "parsed", "parsed-msgpack"]
 RELAY_MODES: tuple[str, ...] = get_args(RelayModeName)
 #: the protocol the legs speak to the workers (server/orchestrator/protocols/ implements them)
-WorkerProtocolName = Literal["trtllm", "vllm"]
+WorkerProtocolName = Literal["trtllm", "vllm", "sglang"]
 WORKER_PROTOCOLS: tuple[str, ...] = get_args(WorkerProtocolName)
 #: what a request does when no context worker can take it (docs/configuration.md, Faults)
 ContextFallback = Literal["local_prefill", "fail"]
@@ -265,8 +265,9 @@ class OrchestratorConfig(BaseModel):
     # compare both; "parsed-msgpack" the same with msgpack leg bodies, as newer
     # trtllm-serve orchestrators send them; "fast" never parses bodies in Python.
     relay: RelayModeName = "fast"
-    # What the legs speak: trtllm-serve's disaggregated protocol, or vLLM's (NixlConnector:
-    # kv_transfer_params from the prefill's answer spliced into the decode leg); protocols/
+    # What the legs speak: trtllm-serve's disaggregated protocol, vLLM's (NixlConnector:
+    # kv_transfer_params from the prefill's answer spliced into the decode leg), or SGLang's
+    # (bootstrap: both legs at once, pair.py); protocols/
     worker_protocol: WorkerProtocolName = "trtllm"
     max_retries: int = Field(1, ge=0)
     request_timeout_s: float = Field(180.0, gt=0)

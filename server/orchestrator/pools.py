@@ -70,8 +70,8 @@ _ROUTABLE_EPOCH = [0]
 class Capabilities:
     """What a worker's ``/server_info`` says it can do (everything False / None on any doubt)."""
 
-    __slots__ = ("b64_completions", "bytes_per_token", "cache_salt_completions", "kv_capacity_tokens",
-                 "local_prefill")  # fmt: skip
+    __slots__ = ("b64_completions", "bootstrap_port", "bytes_per_token", "cache_salt_completions",
+                 "kv_capacity_tokens", "local_prefill")  # fmt: skip
 
     def __init__(
         self,
@@ -80,6 +80,7 @@ class Capabilities:
         kv_capacity_tokens: int | None = None,
         bytes_per_token: float | None = None,
         cache_salt_completions: bool = False,
+        bootstrap_port: int | None = None,
     ) -> None:
         self.b64_completions = b64_completions
         self.local_prefill = local_prefill
@@ -88,6 +89,8 @@ class Capabilities:
         #: it takes ``cache_salt`` on completions: a fastcore worker (it says ``prefix_caching``);
         #: trtllm-serve's completion request has no such field and refuses one
         self.cache_salt_completions = cache_salt_completions
+        #: an SGLang prefill worker's ``disaggregation_bootstrap_port`` (protocols/sglang.py)
+        self.bootstrap_port = bootstrap_port
 
     @classmethod
     def of(cls, info: object) -> Capabilities:
@@ -221,6 +224,7 @@ class Worker:
         "_b64_completions",
         "_healthy",
         "answered_at",
+        "bootstrap_port",
         "breaker",
         "cache_salt_completions",
         "checked",
@@ -257,6 +261,7 @@ class Worker:
         self.cache_salt_completions = False
         self.local_prefill = False
         self.kv_capacity_tokens: int | None = None
+        self.bootstrap_port: int | None = None
         # The worker process's id, from its /health (a fastcore worker says it): a new one is
         # a restart, whose cache is empty even though /health never failed.
         self.instance: str | None = None
@@ -288,6 +293,7 @@ class Worker:
             _ROUTABLE_EPOCH[0] += 1  # Pool.salts_completions' cached answer is stale
         self.local_prefill = caps.local_prefill
         self.kv_capacity_tokens = caps.kv_capacity_tokens
+        self.bootstrap_port = caps.bootstrap_port
 
     def __repr__(self) -> str:
         return f"Worker({self.url!r}, healthy={self.healthy}, in_flight={self.in_flight})"

@@ -9,7 +9,8 @@ config is refused at startup, naming why). The sequence (context leg, then gener
 breakers, retries, admission and metrics are the orchestrator's, the same for every protocol.
 
 - ``trtllm`` (:mod:`.trtllm`, the default): trtllm-serve's protocol, today's relay modes;
-- ``vllm`` (:mod:`.vllm`): vLLM with its NixlConnector.
+- ``vllm`` (:mod:`.vllm`): vLLM with its NixlConnector;
+- ``sglang`` (:mod:`.sglang`): SGLang's bootstrap, both legs at once (``concurrent``: run by ..pair.py).
 
 A new protocol is one module here with a class of that shape, and its name in :data:`PROTOCOLS`
 (config.py's ``WorkerProtocolName`` lists the names the config takes).
@@ -18,14 +19,16 @@ A new protocol is one module here with a class of that shape, and its name in :d
 from __future__ import annotations
 
 from .base import ProtocolConfig
+from .sglang import SglangProtocol, SglangRelay
 from .trtllm import TrtllmProtocol
 from .vllm import VllmProtocol, VllmRelay
 
-WorkerProtocol = TrtllmProtocol | VllmProtocol
+WorkerProtocol = TrtllmProtocol | VllmProtocol | SglangProtocol
 #: config ``worker_protocol`` -> its class
-PROTOCOLS: dict[str, type[TrtllmProtocol] | type[VllmProtocol]] = {
+PROTOCOLS: dict[str, type[TrtllmProtocol] | type[VllmProtocol] | type[SglangProtocol]] = {
     TrtllmProtocol.name: TrtllmProtocol,
     VllmProtocol.name: VllmProtocol,
+    SglangProtocol.name: SglangProtocol,
 }
 
 
@@ -40,6 +43,8 @@ def refusal(config: ProtocolConfig) -> str | None:
 
 __all__ = [
     "PROTOCOLS",
+    "SglangProtocol",
+    "SglangRelay",
     "TrtllmProtocol",
     "VllmProtocol",
     "VllmRelay",

@@ -14,6 +14,7 @@ class ProtocolConfig(Protocol):
 
     worker_protocol: str
     relay: str
+    context_fallback: str
     gen_tokids_ctxbytes: bool
     gen_strip_message_history: bool
     conditional_disagg_config: Any

@@ -24,6 +24,8 @@ class TrtllmProtocol:
     """trtllm-serve's legs: the relay mode's bodies, its ``x-trtllm-disagg-auth``, /kv releases."""
 
     name = "trtllm"
+    #: the legs one after the other (context, then generation); sglang.py's run at once
+    concurrent = False
     #: a fastcore context worker parks the prompt's KV behind an id, released by ``DELETE /kv/...``
     releases_kv = True
     #: where a worker says what it can do (pools.py's HealthChecker reads it when it becomes healthy)

@@ -217,6 +217,8 @@ class VllmProtocol:
     no release endpoint, capabilities from ``/v1/models``."""
 
     name = "vllm"
+    #: the legs one after the other (context, then generation); sglang.py's run at once
+    concurrent = False
     releases_kv = False
     #: vLLM serves no /server_info; /v1/models answers once the engine is up
     capabilities_path = "/v1/models"
