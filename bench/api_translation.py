@@ -2,6 +2,7 @@
 
     python -m bench.api_translation                  # 1 KB and 160 KB of agentic history
     python -m bench.api_translation --sizes 250,40000
+    python -m bench.api_translation --live 200       # and the live orchestrator's CPU per request
 
 Each row is one request's synchronous work on the orchestrator's event loop (bench.orchestrator_work's
 calls: the client body read, both legs built, the context answer read, the answer relayed; fast relay,
@@ -18,6 +19,7 @@ import argparse
 import functools
 import json
 import random
+import urllib.request
 from typing import Any
 
 from bench._timing import format_table, time_call
@@ -97,13 +99,60 @@ def run(sizes: list[int]) -> str:
     return format_table(["prompt ids", "route", "client body", "µs / request", "vs chat"], rows)
 
 
+def _post(url: str, body: bytes) -> None:
+    request = urllib.request.Request(url, body, {"Content-Type": "application/json", "x-api-key": "unused"})
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        answer.read()
+
+
+def run_live(sizes: list[int], requests: int) -> str:
+    """The live orchestrator's CPU per request (both gates, synthetic workers: bench.deploy), one request
+    at a time: the chat route vs /v1/messages with the same history."""
+    from bench.deploy import Deployment
+
+    rows = []
+    for n in sizes:
+        history = agentic_messages(n)
+        chat = json.dumps({"model": "synthetic", "messages": history, "max_tokens": 16}).encode()
+        anthropic = messages_body(history).replace(b'"model": "tiny"', b'"model": "synthetic"', 1)
+        with Deployment("both-gates", prompt_tokens=n) as deployment:
+            base = None
+            for route, path, body in (("chat completions", "/v1/chat/completions", chat),
+                                      ("messages (anthropic)", "/v1/messages", anthropic)):  # fmt: skip
+                for _ in range(10):  # warm-up
+                    _post(deployment.url + path, body)
+                before = deployment.front_cpu_seconds()
+                for _ in range(requests):
+                    _post(deployment.url + path, body)
+                cpu = (deployment.front_cpu_seconds() - before) / requests
+                base = base or cpu
+                rows.append(
+                    [
+                        f"{n:,}",
+                        route,
+                        f"{len(body) / 1e3:,.1f} KB",
+                        f"{cpu * 1e6:,.0f}",
+                        f"{cpu / base:,.2f}x",
+                    ]
+                )
+    return format_table(
+        ["prompt ids", "route", "client body", "orchestrator CPU µs / request", "vs chat"], rows
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--sizes", default="250,40000", help="prompt ids per request (~4 bytes of history each)"
     )
+    parser.add_argument("--live", type=int, default=0, metavar="N",
+                        help="also N requests per route to a live orchestrator (its process's CPU)")  # fmt: skip
     args = parser.parse_args(argv)
-    print(run([int(s) for s in args.sizes.split(",")]))
+    sizes = [int(s) for s in args.sizes.split(",")]
+    print(run(sizes))
+    if args.live:
+        print()
+        print(run_live(sizes, args.live))
 
 
 if __name__ == "__main__":
