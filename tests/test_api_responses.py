@@ -415,8 +415,12 @@ async def both_ways(client: AsyncOpenAI, **kw: Any) -> tuple[Any, Any, list[Any]
 
 
 @pytest.mark.usefixtures("request_path")
-async def test_the_sdk_unary_and_streamed_agree_through_a_function_call_round_trip(tmp_path):
-    async with deployment([HERMES_TWO, HERMES_TWO, PLAIN, PLAIN], tmp_path) as (client, _):
+@pytest.mark.parametrize(
+    "relay", [{}, {"relay": "fast", "gen_tokids_ctxbytes": True, "gen_strip_message_history": True},
+              {"relay": "parsed"}, {"relay": "parsed-msgpack", "gen_tokids_ctxbytes": True}],
+)  # fmt: skip
+async def test_the_sdk_unary_and_streamed_agree_through_a_function_call_round_trip(tmp_path, relay):
+    async with deployment([HERMES_TWO, HERMES_TWO, PLAIN, PLAIN], tmp_path, **relay) as (client, _):
         ask = [{"role": "user", "content": "Weather and time?"}]
         unary, final, events = await both_ways(client, input=ask, instructions="Be brief.")
         assert comparable(unary) == comparable(final)
