@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import aiohttp
 import pytest
+from aiohttp import web
 from engine_standin import Answer, Received, Refused, Route, iter_events, streamed_text
 from helpers import eventually
 from sglang_standin import BootstrapPlane, SglangStandin
@@ -164,6 +165,51 @@ class Leg(SglangStandin):
             raise
 
 
+class StreamThenStall(Leg):
+    """A decode that streams its first event, says so (``streaming``), then waits until it is cut."""
+
+    def __init__(self, mode: Any, *, plane: BootstrapPlane, how: How | None = None) -> None:
+        super().__init__(mode, plane=plane, how=how)
+        self.streaming = asyncio.Event()
+
+    async def _stream(self, request: Any, rec: Received, route: Route, answer: Answer) -> web.StreamResponse:
+        out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await out.prepare(request)
+        rec.status = 200
+        await out.write(
+            b'data: {"choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": null}]}\n\n'
+        )
+        self.streaming.set()
+        try:
+            await self.wait_forever()
+        except asyncio.CancelledError:
+            self.cut_at = time.monotonic()
+            self.cut.set()
+            raise
+        return out
+
+
+class FailsOnceDecodeStreams(Leg):
+    """A prefill that pushes its KV, then answers 500 once its decode's stream has begun."""
+
+    partner: StreamThenStall
+
+    async def _prefill(self, key: Any, ids: list[int]) -> None:
+        await super()._prefill(key, ids)
+        await self.partner.streaming.wait()
+        self.failed_at = time.monotonic()
+        raise Refused("Prefill failed after the transfer (stand-in)", 500, "InternalServerError")
+
+
+class NoBootstrapPort(Leg):
+    """A prefill whose /server_info publishes no disaggregation_bootstrap_port."""
+
+    def server_info(self) -> dict[str, Any]:
+        info = super().server_info()
+        del info["disaggregation_bootstrap_port"]
+        return info
+
+
 @dataclass
 class Stack:
     orch: Orchestrator
@@ -202,12 +248,13 @@ def legs(worker: Leg) -> list[Received]:
 @asynccontextmanager
 async def sglang_stack(request_path: str, prefills: list[How | None] | None = None,
                        decodes: list[How | None] | None = None, router: str = "round_robin",
+                       prefill_class: type[Leg] = Leg, decode_class: type[Leg] = Leg,
                        **config: Any) -> AsyncIterator[Stack]:  # fmt: skip
     """Prefill and decode stand-ins on one bootstrap plane, an orchestrator with ``worker_protocol:
     sglang`` (with ``request_path == "tasks"``: the admission queue on too)."""
     plane = BootstrapPlane()
-    started = [Leg("prefill", plane=plane, how=how) for how in (prefills or [None])]
-    started += [Leg("decode", plane=plane, how=how) for how in (decodes or [None])]
+    started = [prefill_class("prefill", plane=plane, how=how) for how in (prefills or [None])]
+    started += [decode_class("decode", plane=plane, how=how) for how in (decodes or [None])]
     for worker in started:
         await worker.start()
     p = [w for w in started if w.mode == "prefill"]
@@ -350,3 +397,24 @@ async def test_routers_and_tenants_run_as_on_trtllm(request_path: str, router: s
         if router == "kv_cache_aware":  # one prompt: its prefix is on one prefill worker, each time
             assert len({leg.headers["host"] for leg in prefill_legs}) == 1
         assert stack.violations() == []
+
+
+async def test_a_prefill_failing_mid_stream_ends_the_stream_in_band(request_path: str) -> None:
+    async with sglang_stack(
+        request_path, prefill_class=FailsOnceDecodeStreams, decode_class=StreamThenStall
+    ) as stack:
+        prefill, decode = stack.prefills[0], stack.decodes[0]
+        assert isinstance(prefill, FailsOnceDecodeStreams) and isinstance(decode, StreamThenStall)
+        prefill.partner = decode
+        status, raw = await stack.post("chat", _body("chat", True))
+        assert status == 200  # the head was relayed; the error comes in-band
+        assert iter_events(raw)[-1]["error"]["code"] == "context_leg_failed", raw[-300:]
+        await asyncio.wait_for(decode.cut.wait(), 10)
+        assert decode.cut_at - prefill.failed_at < CUT_BOUND_S
+
+
+async def test_a_prefill_without_a_bootstrap_port_is_never_chosen(request_path: str) -> None:
+    async with sglang_stack(request_path, prefill_class=NoBootstrapPort) as stack:
+        status, raw = await stack.post("chat", CHAT_BODY)
+        assert status == 503 and "bootstrap port" in json.loads(raw)["error"]["message"], raw[:300]
+        assert legs(stack.prefills[0]) == [] and legs(stack.decodes[0]) == []
