@@ -13,7 +13,7 @@ orchestrator's parsed relay modes (which write bodies out again), instead of a
 500 from whichever tokenizer or encoder meets it first.
 
 A body that is valid UTF-8 can only carry a surrogate through a ``\\uDxxx``
-escape, so bodies without one (nearly all) cost one byte search.
+escape, so bodies without one (nearly all) cost one byte search (a regex where the body has escapes).
 """
 
 from __future__ import annotations
@@ -62,7 +62,9 @@ def check_no_lone_surrogates(raw: bytes, body: dict[str, Any], *, lazy: type | N
     """Raise a 400 naming the first string of ``body`` (parsed from ``raw``) that holds a lone
     surrogate; ``param`` is its path, as the message names it (``messages[0].content``). ``lazy``: a type of values left as bytes
     (``data``, ``start``, ``end``) whose ``value()`` parses them."""
-    if b"\\u" not in raw or _ESCAPE.search(raw) is None:
+    # No backslash, no escape: one memchr. The two-byte ``b"\\u" in raw`` this was is the slowest of the
+    # three (CPython's search stops at every "u" of the text: ~250 us on 160 KB, the regex ~45 us).
+    if b"\\" not in raw or _ESCAPE.search(raw) is None:
         return
     found = _first(body, lazy)
     if found is None:
