@@ -6,10 +6,11 @@
 
 Each row is one request's synchronous work on the orchestrator's event loop (bench.orchestrator_work's
 calls: the client body read, both legs built, the context answer read, the answer relayed; fast relay,
-base64 ids, history stripped), for the chat route and for Anthropic's ``/v1/messages`` (the same, plus
-the body translated to chat on the way in and the chat answer to a message on the way out:
-server/orchestrator/apis/anthropic.py). The Messages body is the chat body's history said in
-Anthropic's blocks (tool calls as ``tool_use``, their results as ``tool_result``). The issue's target:
+base64 ids, history stripped), for the chat route and for Anthropic's ``/v1/messages`` and OpenAI's
+``/v1/responses`` (the same, plus the body translated to chat on the way in and the chat answer to the
+API's on the way out: server/orchestrator/apis/). The Messages body is the chat body's history said in
+Anthropic's blocks (tool calls as ``tool_use``, their results as ``tool_result``), the Responses body
+in its items (``function_call`` and ``function_call_output``). The issue's target:
 at most 2x the chat path's work at 160 KB.
 """
 
@@ -26,6 +27,7 @@ from bench._timing import format_table, time_call
 from bench.orchestrator_work import context_response, generation_response, one_request
 from bench.workload import agentic_messages
 from server.orchestrator.apis.anthropic import API as MESSAGES
+from server.orchestrator.apis.responses import API as RESPONSES
 from server.orchestrator.relay_modes import FastRelay
 
 
@@ -68,6 +70,34 @@ def messages_body(chat_messages: list[dict[str, Any]]) -> bytes:
     return json.dumps(body).encode()
 
 
+def responses_body(chat_messages: list[dict[str, Any]]) -> bytes:
+    """The agentic chat history as a Responses request: the system text as ``instructions``, each tool
+    result a ``function_call_output`` answering the ``function_call`` item before it."""
+    items: list[dict[str, Any]] = []
+    calls = 0
+    for message in chat_messages:
+        role, text = message["role"], message["content"]
+        if role == "system":
+            continue
+        if role == "tool":
+            calls += 1
+            call_id = f"call_{calls}"
+            items.append({"type": "function_call", "call_id": call_id, "name": "read_file",
+                          "arguments": json.dumps({"path": f"src/{calls}.py"})})  # fmt: skip
+            items.append({"type": "function_call_output", "call_id": call_id, "output": text})
+        else:
+            items.append({"type": "message", "role": role, "content": text})
+    system = "\n".join(m["content"] for m in chat_messages if m["role"] == "system")
+    body = {"model": "tiny", "max_output_tokens": 16, "instructions": system, "input": items, "temperature": 0,
+            "tools": [{"type": "function", "name": "read_file", "parameters": {"type": "object"}}]}  # fmt: skip
+    return json.dumps(body).encode()
+
+
+def responses_request(mode: Any, body: bytes, ctx: bytes, gen: bytes) -> bytes:
+    call = RESPONSES.to_chat(body, None, "default")  # type: ignore[arg-type]
+    return call.answer(one_request(mode, call.body, ctx, gen))
+
+
 def chat_request(mode: Any, body: bytes, ctx: bytes, gen: bytes) -> bytes:
     return one_request(mode, body, ctx, gen)
 
@@ -96,6 +126,10 @@ def run(sizes: list[int]) -> str:
         )
         rows.append([f"{n:,}", "messages (anthropic)", f"{len(anthropic) / 1e3:,.1f} KB",
                      f"{translated * 1e6:,.1f}", f"{translated / base:,.2f}x"])  # fmt: skip
+        openai = responses_body(history)
+        translated = time_call(functools.partial(responses_request, mode, openai, ctx, gen), min_time=0.3)
+        rows.append([f"{n:,}", "responses (openai)", f"{len(openai) / 1e3:,.1f} KB",
+                     f"{translated * 1e6:,.1f}", f"{translated / base:,.2f}x"])  # fmt: skip
     return format_table(["prompt ids", "route", "client body", "µs / request", "vs chat"], rows)
 
 
@@ -115,10 +149,12 @@ def run_live(sizes: list[int], requests: int) -> str:
         history = agentic_messages(n)
         chat = json.dumps({"model": "synthetic", "messages": history, "max_tokens": 16}).encode()
         anthropic = messages_body(history).replace(b'"model": "tiny"', b'"model": "synthetic"', 1)
+        openai = responses_body(history).replace(b'"model": "tiny"', b'"model": "synthetic"', 1)
         with Deployment("both-gates", prompt_tokens=n) as deployment:
             base = None
             for route, path, body in (("chat completions", "/v1/chat/completions", chat),
-                                      ("messages (anthropic)", "/v1/messages", anthropic)):  # fmt: skip
+                                      ("messages (anthropic)", "/v1/messages", anthropic),
+                                      ("responses (openai)", "/v1/responses", openai)):  # fmt: skip
                 for _ in range(10):  # warm-up
                     _post(deployment.url + path, body)
                 before = deployment.front_cpu_seconds()

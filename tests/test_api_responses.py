@@ -19,6 +19,7 @@ from openai import AsyncOpenAI, BadRequestError, NotFoundError
 
 from server.errors import HTTPError
 from server.orchestrator.apis.responses import (
+    API,
     EventTranslator,
     ResponsesApi,
     answer_messages,
@@ -670,3 +671,16 @@ async def test_an_answer_the_context_leg_finishes_streams_as_the_unary_one(tmp_p
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[-1].type == "response.incomplete" and unary.status == "incomplete"
     assert comparable(events[-1].response) == comparable(unary) and unary.usage.output_tokens == 1
+
+
+def test_the_translation_benchmark_body_is_served_as_the_chat_history():
+    """bench.api_translation's Responses body (the agentic history as items) translates to the chat
+    body's own messages, and its row comes out."""
+    from bench.api_translation import responses_body, run
+    from bench.workload import agentic_messages
+
+    history = [*agentic_messages(300), {"role": "user", "content": 'quote " back\\slash \n é 😀'}]
+    chat = json.loads(API.to_chat(responses_body(history), None, "default").body)  # type: ignore[arg-type]
+    texts = [(m["role"], m["content"]) for m in chat["messages"] if m["role"] != "assistant"]
+    assert texts == [(m["role"], m["content"]) for m in history if m["role"] != "assistant"]
+    assert "responses (openai)" in run([50])
