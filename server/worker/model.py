@@ -231,6 +231,21 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotate_half(x) * sin
 
 
+def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin as :func:`apply_rotary_tables` takes them, made once a forward: ``[..., 1,
+    head_dim]`` (broadcast over heads), sin's first half negated."""
+    half = sin.shape[-1] // 2
+    signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    return cos.unsqueeze(-2), signed.unsqueeze(-2)
+
+
+def apply_rotary_tables(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rotary` in three ops instead of eight (a decode step's ops cost more than
+    their arithmetic): ``rotate_half(x) * sin`` is ``x.roll(half) * signed_sin``, the same
+    numbers bit for bit (only signs move)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -294,8 +309,8 @@ class LlamaAttention(nn.Module):
         kv: AttentionBackend,
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = apply_rotary(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        q = apply_rotary_tables(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary_tables(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         out = kv.attend(layer, q, k, v)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
@@ -339,7 +354,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, x.dtype)
+        cos, sin = rotary_tables(*self.rotary_emb(positions, x.dtype))
         for layer in self.layers:
             x = layer(x, cos, sin, kv)
         return self.norm(x)
@@ -402,6 +417,8 @@ __all__ = [
     "RMSNorm",
     "RotaryEmbedding",
     "apply_rotary",
+    "apply_rotary_tables",
     "rope_inverse_frequencies",
+    "rotary_tables",
     "rotate_half",
 ]
