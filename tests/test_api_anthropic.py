@@ -301,6 +301,9 @@ def test_every_malformed_field_is_a_400_naming_it(body, param):
         (json.dumps({**GOOD, "tools": [{"name": "f", "input_schema": {"\udc00": 1}}]}).encode(),
          "tools[0].input_schema", "lone surrogate"),
         (b'{"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "\xff"}]}', "body", "JSON"),
+        # a repeated key where the texts are read (json.loads keeps the last; the scanner refuses it)
+        (b'{"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "a", "content": "b"}]}',
+         "body", "duplicate key 'content'"),
     ],
 )  # fmt: skip
 def test_malformed_json_deep_nesting_and_lone_surrogates_are_400s(raw, param, words):
@@ -464,3 +467,15 @@ def test_the_translation_benchmark_runs_and_its_body_is_served_as_chat():
     texts = [m["content"] for m in chat["messages"] if m["role"] != "assistant"]
     assert texts == [m["content"] for m in history if m["role"] != "assistant"]
     assert "messages (anthropic)" in run([50])
+
+
+def test_a_tool_result_without_content_is_an_empty_tool_message():
+    body = {
+        **GOOD,
+        "messages": [
+            *CALLED,
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1"}]},
+        ],
+    }
+    chat = json.loads(API.to_chat(json.dumps(body).encode(), None).body)  # type: ignore[arg-type]
+    assert chat["messages"][-1] == {"role": "tool", "tool_call_id": "toolu_1", "content": ""}

@@ -101,7 +101,10 @@ class Texts:
         if not self.groups:
             return skeleton
         paths = tuple(path for group in self.groups for path, _value in group)
-        spans = iter(fastcore.find_spans(raw, paths, validate=False))
+        try:
+            spans = iter(fastcore.find_spans(raw, paths, validate=False))
+        except fastcore.JSONSpanError as exc:  # a key repeated where a text is (json.loads kept the last)
+            raise bad(f"the request body is not valid: {exc}", "body") from None
         strings = []
         for group in self.groups:
             inner = []
@@ -109,7 +112,7 @@ class Texts:
                 span = next(spans)
                 if span is not None and raw[span[0] : span[0] + 1] == b'"':
                     inner.append(raw[span[0] + 1 : span[1] - 1])
-                else:  # not where the walk found it (cannot happen: its bytes said again)
+                else:  # a default (a tool_result without content): not in the client's bytes
                     inner.append(json.dumps(value, ensure_ascii=False).encode()[1:-1])
             strings.append(b'"' + b"\\n".join(inner) + b'"')
         parts = skeleton.split(_MARK_BYTES)
