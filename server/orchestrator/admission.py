@@ -3,7 +3,8 @@
 ``admission: {max_inflight, max_queue, max_queue_wait_s, client_priority, rate_limits}``
 (docs/protocol.md, "Client authentication and admission"):
 
-- At most ``max_inflight`` completions of this orchestrator process are in the workers at once: a
+- At most ``max_inflight`` completions of this orchestrator (with ``--workers N``, of its N processes
+  together: the slots are the fleet's, :mod:`.fleet`) are in the workers at once: a
   request holds its slot from its context leg to the last byte of its answer (both legs; one count,
   since a request is in one pool or the other, never queued between them). The rest wait here, in
   memory that holds only the request, instead of inside the workers until they time out.
@@ -30,7 +31,8 @@
   worker or an answer teaches it), then corrected to the workers' ``usage.prompt_tokens`` when its
   first answer with usage comes (:meth:`Admission.settle`). Beyond: 429 with the ``Retry-After``
   that the bucket needs; a prompt estimated above a whole minute's worth can never be admitted:
-  429 at once, naming the limit, with no ``Retry-After``.
+  429 at once, naming the limit, with no ``Retry-After``. With ``--workers N`` the buckets are the
+  fleet's, one per (tenant, limit) for the N processes (:class:`_SharedLimits`).
 
 The per-request cost when a slot is free is a priority read, two bucket checks when limits are
 set, a counter and a coroutine call; counts are kept as ints and handed to the metrics registry at
