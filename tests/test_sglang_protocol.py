@@ -354,9 +354,11 @@ async def test_a_failed_pair_is_retried_on_another_with_a_new_room(request_path:
             assert status == 200, raw[:300]
         broken, good = stack.prefills
         decoded = legs(stack.decodes[0])
-        assert len(legs(broken)) == 1 and len(legs(good)) == 2 and len(decoded) == 3
+        # each pair with the resetting prefill (one at least: round robin) was sent again, with the good one
+        failed = len(legs(broken))
+        assert failed >= 1 and len(legs(good)) == 2 and len(decoded) == 2 + failed
         rooms = [leg.body["bootstrap_room"] for leg in decoded]
-        assert len(set(rooms)) == 3  # a new room for the retried pair
+        assert len(set(rooms)) == len(rooms)  # a new room for each retried pair
         assert {leg.body["bootstrap_port"] for leg in decoded} == {broken.bootstrap_port, good.bootstrap_port}
         assert [leg.kv_match for leg in decoded].count(True) == 2 and stack.violations() == []
 
