@@ -356,3 +356,74 @@ def test_a_breaker_opened_in_one_process_is_honoured_by_the_other_until_its_own_
     fleets[0].sync_breakers([pools[0]])
     fleets[1].sync_breakers([pools[1]])
     assert theirs.state == theirs.CLOSED  # a withdrawn end is not honoured again
+
+
+def test_a_full_bucket_table_keeps_that_tenant_s_limit_per_process(
+    use_core: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    mapping = Mapping.create(2, buckets=2, breakers=2)
+    try:
+        config = AdmissionConfig(rate_limits={"*": {"requests_per_minute": 1}})
+        first, second = fleet_admissions(mapping, config, FakeClock())
+        first.slot(Tenant("alpha"), BODY)  # alpha's bucket: one entry of two
+        with pytest.raises(HTTPError):
+            second.slot(Tenant("alpha"), BODY)  # shared: alpha had its one
+        first.slot(Tenant("beta"), BODY)  # the second entry
+        with caplog.at_level("WARNING", logger="fastcore.orchestrator"):
+            first.slot(Tenant("gamma"), BODY)  # no entry left: per process
+            second.slot(Tenant("gamma"), BODY)  # its own bucket in the other process
+        assert (
+            "the rate-limit table is full (2 buckets): tenant gamma's requests_per_minute is per process"
+            in (caplog.text)
+        )
+    finally:
+        mapping.remove()
+
+
+def test_a_full_breaker_table_keeps_that_worker_s_breaker_per_process(
+    use_core: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    mapping = Mapping.create(2, buckets=2, breakers=1)
+    try:
+        urls = ["http://127.0.0.1:9", "http://127.0.0.1:10"]
+        fleets = [Fleet(mapping, i) for i in range(2)]
+        pools = [Pool("context", urls, "round_robin") for _ in range(2)]
+        with caplog.at_level("WARNING", logger="fastcore.orchestrator"):
+            for fleet, pool in zip(fleets, pools):
+                fleet.sync_breakers([pool])
+        assert (
+            "the breaker table is full (1 workers): http://127.0.0.1:10's breaker is per process"
+            in caplog.text
+        )
+        for _ in range(3):
+            pools[0].workers[1].breaker.failed()
+        for fleet, pool in zip(fleets, pools):
+            fleet.sync_breakers([pool])
+        assert pools[1].workers[1].breaker.state == pools[1].workers[1].breaker.CLOSED
+        # a worker gone from the pools is forgotten at the next exchange
+        pools[0].workers.pop()
+        fleets[0].sync_breakers([pools[0]])
+        assert list(fleets[0]._breakers) == [("context", urls[0])]
+    finally:
+        mapping.remove()
+
+
+async def test_the_breaker_exchange_runs_on_its_own(use_core: Any, mapping: Mapping) -> None:
+    """Fleet.start: the exchange as a task on the loop (every BREAKER_SYNC_S), stopped by stop()."""
+    fleets = [Fleet(mapping, i) for i in range(2)]
+    pools = [Pool("generation", ["http://127.0.0.1:9"], "round_robin") for _ in range(2)]
+    for fleet, pool in zip(fleets, pools):
+        fleet.start([pool])
+    try:
+        await asyncio.sleep(0.05)
+        pools[0].workers[0].breaker.failed(at_once=True)
+        theirs = pools[1].workers[0].breaker
+        for _ in range(500):
+            if theirs.state == theirs.OPEN:
+                break
+            await asyncio.sleep(0.01)
+        assert theirs.state == theirs.OPEN
+    finally:
+        for fleet in fleets:
+            await fleet.stop()
+    assert all(fleet._sync is None for fleet in fleets)

@@ -81,6 +81,10 @@ class Mapping:
         self.path = path
         self.fd = fd
         self.buffer = buffer
+        words = memoryview(buffer).cast("q")
+        #: the tables' sizes (entries), as the header says
+        self.buckets, self.breakers = words[W_BUCKETS], words[W_BREAKERS]
+        words.release()
 
     @staticmethod
     def size(procs: int, buckets: int = BUCKET_ENTRIES, breakers: int = BREAKER_ENTRIES) -> int:
@@ -329,7 +333,8 @@ class Fleet:
         self.clock = time.monotonic_ns
         self._breakers: dict[tuple[str, str], list[int]] = {}
         self._sync: asyncio.Task[None] | None = None
-        self._full_warned = False
+        #: the tables found full (each said once)
+        self._full: set[int] = set()
 
     @classmethod
     def attach(cls, path: str, index: int) -> Fleet:
@@ -342,10 +347,10 @@ class Fleet:
         tenant's limit is kept per process, as without a fleet, and a warning says so once)."""
         entry = self.core.entry(BUCKETS, key_of("bucket", tenant, limit))
         if entry < 0:
-            if not self._full_warned:
-                self._full_warned = True
+            if BUCKETS not in self._full:
+                self._full.add(BUCKETS)
                 log.warning("fleet: the rate-limit table is full (%d buckets): tenant %s's %s is per process",
-                            BUCKET_ENTRIES, tenant, limit)  # fmt: skip
+                            self.mapping.buckets, tenant, limit)  # fmt: skip
             return None
         return SharedBucket(self, entry, per_minute)
 
@@ -376,16 +381,25 @@ class Fleet:
         published by another copied into this process's breaker, an end withdrawn by a probe here
         that succeeded."""
         now = self.clock()
+        records, self._breakers = self._breakers, {}
         for pool in pools:
             for worker in pool.workers:
-                self._sync_breaker(pool.name, worker.url, worker.breaker, now)
+                self._sync_breaker(records, pool.name, worker.url, worker.breaker, now)
 
-    def _sync_breaker(self, pool: str, url: str, breaker: Any, now: int) -> None:
-        record = self._breakers.get((pool, url))
+    def _sync_breaker(
+        self, records: dict[tuple[str, str], list[int]], pool: str, url: str, breaker: Any, now: int
+    ) -> None:
+        """One worker's exchange; its record kept for the next (those of workers gone are dropped)."""
+        record = records.get((pool, url))
         if record is None:
             entry = self.core.entry(BREAKERS, key_of("breaker", pool, url))
+            if entry < 0 and BREAKERS not in self._full:
+                self._full.add(BREAKERS)
+                log.warning("fleet: the breaker table is full (%d workers): %s's breaker is per process",
+                            self.mapping.breakers, url)  # fmt: skip
             # [entry, the breaker's opened count seen, the end known here, its state seen]
-            record = self._breakers[(pool, url)] = [entry, breaker.opened, 0, breaker.state]
+            record = [entry, breaker.opened, 0, breaker.state]
+        self._breakers[(pool, url)] = record
         entry = record[0]
         if entry < 0:
             return  # a full table: this worker's breaker stays this process's own
