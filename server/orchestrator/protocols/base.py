@@ -10,11 +10,16 @@ from typing import Any, Protocol
 
 
 class ProtocolConfig(Protocol):
-    """The ``OrchestratorConfig`` fields a protocol reads (config.py documents each)."""
+    """The ``OrchestratorConfig`` fields a protocol reads (config.py documents each). The names the
+    config types as literals are read-only properties here: a ``Literal`` field is a ``str`` to read."""
 
-    worker_protocol: str
-    relay: str
-    context_fallback: str
+    @property
+    def worker_protocol(self) -> str: ...
+    @property
+    def relay(self) -> str: ...
+    @property
+    def context_fallback(self) -> str: ...
+
     gen_tokids_ctxbytes: bool
     gen_strip_message_history: bool
     conditional_disagg_config: Any

@@ -41,6 +41,7 @@ _BOOTSTRAP_PATHS = tuple((name,) for name in BOOTSTRAP_FIELDS)
 BOOTSTRAP_PORT_INFO = "disaggregation_bootstrap_port"
 ROOM_BITS = 63
 _getrandbits = random.getrandbits
+_SEQUENTIAL = "SGLang's legs run at once (server/orchestrator/pair.py), not in sequence"
 
 
 class SglangRelay:
@@ -107,6 +108,26 @@ class SglangRelay:
 
     def auth_fields(self, ctx: ContextResult) -> tuple[object, object]:
         return None, None
+
+    # -- a sequential protocol's steps (app.py's context leg, then generation leg): never run here,
+    # the orchestrator runs a concurrent protocol's pairs (pair.py)
+
+    def context_pieces(
+        self, req: ClientRequest, disagg_request_id: int, ask_b64_completions: bool = True
+    ) -> list[BodyPiece]:
+        raise NotImplementedError(_SEQUENTIAL)
+
+    def read_context(self, req: ClientRequest, body: bytes) -> ContextResult:
+        raise NotImplementedError(_SEQUENTIAL)
+
+    def usage_tokens(self, ctx: ContextResult) -> tuple[int | None, int | None]:
+        raise NotImplementedError(_SEQUENTIAL)
+
+    def finished_answer(self, req: ClientRequest, ctx: ContextResult) -> bytes:
+        raise NotImplementedError(_SEQUENTIAL)
+
+    def generation_pieces(self, req: ClientRequest, ctx: ContextResult) -> list[BodyPiece]:
+        raise NotImplementedError(_SEQUENTIAL)
 
 
 class SglangProtocol:
