@@ -106,8 +106,11 @@ def main() -> None:
     twins = ["python"] + (["cython"] if fleet_module.compiled is not None else [])
     rows, results = [], {}
     for label, config in (
-        ("slots only", AdmissionConfig(max_inflight=256)),
-        ("slots + 2 rate limits", AdmissionConfig(max_inflight=256, rate_limits=LIMITS)),
+        ("slots only", AdmissionConfig.model_validate({"max_inflight": 256})),
+        (
+            "slots + 2 rate limits",
+            AdmissionConfig.model_validate({"max_inflight": 256, "rate_limits": LIMITS}),
+        ),
     ):
         alone = admission_cost(config, None, repeat)
         results[label] = {"per_process_us": alone * 1e6}
@@ -122,7 +125,7 @@ def main() -> None:
     print(format_table(["config", "path", "per process us", "fleet us", "extra us", "ratio"], rows))
     ops = []
     for twin in twins:
-        costs = core_costs(PureCore if twin == "python" else fleet_module.compiled.Core, repeat)
+        costs = core_costs(fleet_module.Core if twin == "cython" else PureCore, repeat)
         results[f"ops_{twin}_us"] = {k: v * 1e6 for k, v in costs.items()}
         ops.append([twin, f"{costs['slot'] * 1e6:.3f}", f"{costs['bucket'] * 1e6:.3f}"])
     print()
