@@ -613,6 +613,17 @@ class AnthropicMessages:
 
     name = "anthropic-messages"
     paths = (b"/v1/messages",)
+    #: the API's other routes (count_tokens, batches): answered in its shape, saying why not served
+    prefixes = (b"/v1/messages/",)
+
+    @staticmethod
+    def serve_other(method: bytes, path: bytes, tenant: str) -> tuple[int, bytes]:
+        why = (
+            "the workers have no count-only endpoint; usage.input_tokens of an answer counts a prompt"
+            if path == b"/v1/messages/count_tokens"
+            else "only POST /v1/messages is served"
+        )
+        raise HTTPError(404, f"{path.decode('utf-8', 'replace')[:100]} is not served here: {why}")
 
     @staticmethod
     def credentials(request: Request) -> bytes | None:
