@@ -268,3 +268,34 @@ def test_decode_rate_over_the_last_five_seconds(engine: TorchEngine, monkeypatch
         engine._count_tokens(32)
     assert engine.tokens_per_second == pytest.approx(501 * 32 / 5)
     assert engine.generated_tokens_total == 150 + 2000 * 32
+
+
+async def test_decode_keeps_its_attention_while_the_batch_stays_the_same(
+    engine: TorchEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Streams ending at different steps: each gives its text alone, and the decode attention
+    (its K/V gathered from the pool) is built only when the batch changed, not at every step."""
+    import server.worker.engine as engine_module
+
+    built: list[int] = []
+
+    class Counted(engine_module.DecodeAttention):  # type: ignore[name-defined,misc]
+        def __init__(self, cache: Any, tables: list[list[int]], lengths: list[int]) -> None:
+            built.append(len(tables))
+            super().__init__(cache, tables, lengths)
+
+    engine.start(asyncio.get_running_loop())
+    lengths = (5, 12, 20, 30)
+    alone = [(await run(engine, f"stream {i}", max_tokens=n))[0] for i, n in enumerate(lengths)]
+    monkeypatch.setattr(engine_module, "DecodeAttention", Counted)
+    steps = engine.decode_steps_total
+    with engine._wake:  # all four admitted in one go: they prefill together and decode together
+        together = [run(engine, f"stream {i}", max_tokens=n) for i, n in enumerate(lengths)]
+        tasks = [asyncio.ensure_future(t) for t in together]
+        await asyncio.sleep(0)
+    results = await asyncio.gather(*tasks)
+    assert [r[0] for r in results] == alone
+    steps = engine.decode_steps_total - steps
+    assert steps >= 29
+    # one build per batch: 4 streams, then 3, 2 and 1 as they end (4 steps at most, not 29)
+    assert built == [4, 3, 2, 1]
