@@ -70,6 +70,8 @@ GATES = ("b64", "strip")
 FIRST_TOKEN = 450
 ENGINE_ID = "mock-engine-0"
 MAX_MOCK_TOKENS = 256
+#: the SGLang prefill mock's bootstrap port (published in /server_info, given to sglang-router)
+BOOTSTRAP_PORT = 8998
 PROBE_PATHS = {
     b"/health",
     b"/health_generate",
@@ -392,6 +394,10 @@ def make_handler(mocks: Mocks, role: str) -> Callable[[ServerProtocol, bytes, by
         "disaggregation_mode": role,
         "tokenizer_path": "mock",
     }
+    if mocks.flavor == "sglang" and role == "prefill":
+        # a prefill's --disaggregation-bootstrap-port, as SGLang's /server_info publishes it (fastcore's
+        # sglang protocol reads it there; sglang-router takes it on its argv); nothing listens on it
+        server_info["disaggregation_bootstrap_port"] = BOOTSTRAP_PORT
     if mocks.flavor == "fastcore":  # docs/protocol.md, "/server_info"
         server_info.update(
             role="context" if role == "prefill" else "generation",

@@ -42,6 +42,10 @@ Fronts:
   relay, no trtllm gates) on the same vLLM mocks as ``vllm-router``, checked by the same rules
   (``bench/engine_protocols.py``); the column ``this/rust same mocks`` and a verdict line compare
   it with vllm-router there (issue 37: CPU/req at most 0.5x, completions/s not lower);
+- ``fastcore:sglang``: the same with ``worker_protocol: sglang`` (concurrent legs, the bootstrap
+  triple) on the same SGLang mocks as ``sglang-router`` (whose prefill mock publishes its
+  ``disaggregation_bootstrap_port`` in ``/server_info``, where the sglang protocol reads it),
+  compared with sglang-router there;
 - ``floor``: ``bench/passthrough.py``, the bare aiohttp pass-through (on the
   ``plain`` mocks, as ``rawfloor``: answers, no PD protocol to check);
 - ``rawfloor``: ``bench/rawfloor.py``, the callback-only pass-through (uvloop,
@@ -88,13 +92,13 @@ from bench.deploy import (
     wait_healthy,
 )
 from bench.loadgen import RESULTS_DIR, new_session, one_request, one_unary_request, run_concurrency
+from bench.pd_mocks import BOOTSTRAP_PORT
 from bench.workload import chat_body
 from server.launcher import Child, stop_all
 from server.process import die_with_parent
 
 ROOT = Path(__file__).resolve().parent.parent
 VENVS = Path(os.environ.get("FASTCORE_BENCH_VENVS", Path.home() / ".cache" / "fastcore-bench"))
-BOOTSTRAP_PORT = 8998  # what the sglang mock expects to see; nothing listens on it
 MODEL = "synthetic"
 
 
@@ -174,11 +178,22 @@ WRAPPED_START_S = 300.0
 
 #: fastcore on an engine's own PD protocol (``worker_protocol``): mode -> the orchestrator's flags; its
 #: mocks are that engine's (``bench.pd_mocks --flavor MODE``), the Rust router's on that flavor beside it
-PROTOCOL_MODES: dict[str, list[str]] = {"vllm": ["--worker-protocol", "vllm"]}
+PROTOCOL_MODES: dict[str, list[str]] = {
+    "vllm": ["--worker-protocol", "vllm"],
+    "sglang": ["--worker-protocol", "sglang"],
+}
 #: the relay mode (bench.deploy.MODES) the protocol fronts run in: the fast relay, no trtllm gates
 PROTOCOL_RELAY = "gates-off"
 
-DEFAULT_FRONTS = ["fastcore:both-gates", "fastcore:parsed", "fastcore:vllm", FLOOR, RAWFLOOR, *RUST_ROUTERS]
+DEFAULT_FRONTS = [
+    "fastcore:both-gates",
+    "fastcore:parsed",
+    "fastcore:vllm",
+    "fastcore:sglang",
+    FLOOR,
+    RAWFLOOR,
+    *RUST_ROUTERS,
+]
 
 
 def protocol_front_argv(mode: str, port: int, prefill: str, decode: str) -> list[str]:

@@ -639,3 +639,49 @@ def test_a_quick_run_of_the_vllm_front_on_the_vllm_mocks_has_no_violation(tmp_pa
     _check_rows(data, ["fastcore:vllm"])
     assert all(r["violations"] == 0 for r in data["rows"]), data["rows"]
     assert data["meta"]["skipped"] == {}
+
+
+def test_the_sglang_protocol_front_runs_worker_protocol_sglang_on_the_sglang_mocks() -> None:
+    """``fastcore:sglang``: the orchestrator in the fast relay with ``--worker-protocol sglang`` on the
+    SGLang mocks, as sglang-router is (its same-mocks router)."""
+    argv = routers.protocol_front_argv("sglang", 8500, "127.0.0.1:8501", "127.0.0.1:8502")
+    flags = argv[argv.index("orchestrator") + 1 :]
+    pairs = {flags[i]: flags[i + 1] for i in range(len(flags) - 1) if flags[i].startswith("--")}
+    assert pairs["--worker-protocol"] == "sglang" and pairs["--relay"] == "fast"
+    assert pairs["--context-urls"] == "127.0.0.1:8501" and pairs["--generation-urls"] == "127.0.0.1:8502"
+    assert "fastcore:sglang" in routers.DEFAULT_FRONTS
+    assert {f: routers.mocks_flavor(f) for f in ["fastcore:sglang", "sglang-router"]} == {
+        "fastcore:sglang": "sglang",
+        "sglang-router": "sglang",
+    }
+    args = routers.build_parser().parse_args([])
+    assert routers.check_front("fastcore:sglang", args) is None
+    args.workers = "synthetic"
+    assert "--workers mocks" in (routers.check_front("fastcore:sglang", args) or "")
+    rows = [_row("fastcore:sglang", 0.05, completions_per_s=2000.0), _row("sglang-router", 0.2)]
+    (line,) = routers.protocol_verdicts(rows)
+    assert "fastcore:sglang vs 0.5 x sglang-router on the same mocks" in line and ": MET (" in line, line
+
+
+def test_the_sglang_prefill_mock_publishes_its_bootstrap_port_in_server_info(mocks) -> None:
+    """fastcore's sglang protocol takes a prefill's bootstrap port from its /server_info
+    (``disaggregation_bootstrap_port``, as SGLang publishes it): the prefill mock's is the port
+    sglang-router is given on its argv; a decode worker has none."""
+    prefill, decode = mocks("sglang")
+    info = [
+        json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=10).read())
+        for port in (prefill, decode)
+    ]
+    assert info[0]["disaggregation_bootstrap_port"] == routers.BOOTSTRAP_PORT
+    assert info[0]["disaggregation_mode"] == "prefill" and "disaggregation_bootstrap_port" not in info[1]
+
+
+@pytest.mark.slow
+def test_a_quick_run_of_the_sglang_front_on_the_sglang_mocks_has_no_violation(tmp_path: Path) -> None:
+    """``fastcore:sglang`` end to end: both legs carry the bootstrap triple by bench.engine_protocols'
+    SGLang rules (the room in [0, 2^63)), each room once on each side: 0 violations, none unpaired,
+    streaming and not."""
+    data = _run(tmp_path, "fastcore:sglang", "--quick")
+    _check_rows(data, ["fastcore:sglang"])
+    assert all(r["violations"] == 0 for r in data["rows"]), data["rows"]
+    assert data["meta"]["skipped"] == {}
