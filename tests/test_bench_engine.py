@@ -43,6 +43,12 @@ def test_a_quick_run_writes_every_table_and_the_same_text_as_transformers(tmp_pa
     for r in result["decode"]:
         for side in ("ours_in_process", "ours_http", "transformers"):
             assert r[side]["decode_tps"] > 0, side
+        # CPU per generated token beside the wall clock (a shared machine's load moves the latter)
+        for side in ("ours_in_process", "transformers"):
+            assert r[side]["cpu_us_per_token"] > 0, side
+        assert r["cpu_ratio_in_process"] == pytest.approx(
+            r["transformers"]["cpu_us_per_token"] / r["ours_in_process"]["cpu_us_per_token"]
+        )
     assert [(r["prefill_chunk_tokens"], r["prefill_step_ratio"], r["path"]) for r in result["itl"]] == [
         (0, 0.0, "in process"),
         (0, 0.0, "HTTP"),
@@ -57,6 +63,7 @@ def test_a_quick_run_writes_every_table_and_the_same_text_as_transformers(tmp_pa
     printed = capsys.readouterr().out
     assert (
         "ours / tf" in printed
+        and "ours / tf (CPU)" in printed
         and "p99 prefill / alone" in printed
         and "time per token at 1 request" in printed
     )
