@@ -255,6 +255,7 @@ class Orchestrator:
             on_change=self._record_health,
             capabilities_path=self.protocol.capabilities_path,
             capabilities_of=self.protocol.capabilities,
+            probe=getattr(self.protocol, "probe", None),
         )
         self.health.start()
         # kv_cache_aware pools follow their workers' cache events (cache_view.py)

@@ -28,6 +28,7 @@ from .config import (
     CONTEXT_FALLBACKS,
     RELAY_MODES,
     ROUTER_TYPES,
+    VLLM_TRANSFERS,
     WORKER_PROTOCOLS,
     ConfigError,
     OrchestratorConfig,
@@ -105,6 +106,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=WORKER_PROTOCOLS,
         help="what the legs speak to the workers: trtllm (trtllm-serve's disaggregated protocol), vllm "
         "(vLLM's NixlConnector: kv_transfer_params) or sglang (SGLang's bootstrap: both legs at once)",
+    )
+    parser.add_argument(
+        "--vllm-transfer",
+        choices=VLLM_TRANSFERS,
+        help="worker_protocol vllm's KV connector: nixl (sequential legs) or mooncake (both legs at once)",
     )
     parser.add_argument("--max-retries", type=int, help="context/generation leg retries on another worker")
     parser.add_argument("--request-timeout-s", type=float, help="per-leg timeout in seconds")
@@ -211,6 +217,7 @@ _OVERRIDES = {
     "gen_strip_message_history": "gen_strip_message_history",
     "relay": "relay",
     "worker_protocol": "worker_protocol",
+    "vllm_transfer": "vllm_transfer",
     "max_retries": "max_retries",
     "request_timeout_s": "request_timeout_s",
     "context_timeout_s": "context_timeout_s",

@@ -37,6 +37,9 @@ RELAY_MODES: tuple[str, ...] = get_args(RelayModeName)
 #: the protocol the legs speak to the workers (server/orchestrator/protocols/ implements them)
 WorkerProtocolName = Literal["trtllm", "vllm", "sglang"]
 WORKER_PROTOCOLS: tuple[str, ...] = get_args(WorkerProtocolName)
+#: vLLM's KV connector (worker_protocol: vllm): NIXL (sequential, the decode pulls) or Mooncake (concurrent)
+VllmTransfer = Literal["nixl", "mooncake"]
+VLLM_TRANSFERS: tuple[str, ...] = get_args(VllmTransfer)
 #: what a request does when no context worker can take it (docs/configuration.md, Faults)
 ContextFallback = Literal["local_prefill", "fail"]
 CONTEXT_FALLBACKS: tuple[str, ...] = get_args(ContextFallback)
@@ -269,6 +272,11 @@ class OrchestratorConfig(BaseModel):
     # kv_transfer_params from the prefill's answer spliced into the decode leg), or SGLang's
     # (bootstrap: both legs at once, pair.py); protocols/
     worker_protocol: WorkerProtocolName = "trtllm"
+    # worker_protocol: vllm's connector: nixl (prefill, then decode with the prefill's kv_transfer_params)
+    # or mooncake (both legs at once on a router-minted transfer_id, pair.py), whose prefills serve
+    # their bootstrap server on this port (vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT, 8998 by default)
+    vllm_transfer: VllmTransfer = "nixl"
+    vllm_mooncake_bootstrap_port: int = Field(8998, gt=0, lt=65536)
     max_retries: int = Field(1, ge=0)
     request_timeout_s: float = Field(180.0, gt=0)
     # Faults (docs/protocol.md#faults): the context leg's own deadline (never above

@@ -1,8 +1,9 @@
 """Concurrent legs: a protocol whose prefill and decode legs run at once (``concurrent``: SGLang's bootstrap,
 protocols/sglang.py), on the coroutine path.
 
-A pair is a prefill worker and a decode worker, chosen by their pools' routers, and one body for both
-(the protocol's ``pair_pieces``: the prefill's bootstrap address and a new room). Each leg is one
+A pair is a prefill worker and a decode worker, chosen by their pools' routers, and the legs' bodies
+(the protocol's ``pair_legs``: SGLang's one body with the prefill's bootstrap address and a new room;
+vLLM Mooncake's two on a new ``transfer_id``, protocols/vllm_mooncake.py). Each leg is one
 attempt of :class:`.legs.LegRunner` (its breakers, health marks, signatures, metrics; no retry of its
 own: a leg re-sent alone would join a room its partner left), each in a task:
 
@@ -31,7 +32,6 @@ from server.errors import HTTPError, error_body
 from server.http import BodyPiece, Responder, UpstreamResponse
 
 from .legs import LegRunner, LegUnavailable, WorkerAnswer, leg_failed
-from .protocols.sglang import new_room
 
 if TYPE_CHECKING:
     from .metrics import Clock
@@ -89,10 +89,10 @@ class PairRunner:
             if attempt:
                 orch.metrics.retries_leg["context"].inc()
                 orch.metrics.retries_leg["generation"].inc()
-            pieces = relay.pair_pieces(req, prefill, new_room())
+            legs = relay.pair_legs(req, prefill)
             clock.lap("build_context")
             try:
-                status: int = await self._pair(out, req, path, pieces, clock, key, tokens, prefill, decode)
+                status: int = await self._pair(out, req, path, legs, clock, key, tokens, prefill, decode)
                 return status
             except _PairFailed as failed:
                 error = failed.unavailable.error
@@ -115,26 +115,30 @@ class PairRunner:
         while (
             worker := pool.choose(exclude=excluded, key=key)
         ) is not None and worker.bootstrap_port is None:
-            log.warning("prefill worker %s published no disaggregation_bootstrap_port in /server_info: "
-                        "not chosen", worker.url)  # fmt: skip
+            log.warning("prefill worker %s has no %s: not chosen", worker.url,
+                        self.orch.protocol.bootstrap_source)  # fmt: skip
             excluded.append(worker)
         return worker
 
     async def _pair(
-        self, out: Responder, req: ClientRequest, path: bytes, pieces: list[BodyPiece], clock: Clock,
-        key: RequestKey | None, tokens: int, prefill: Worker, decode: Worker,
+        self, out: Responder, req: ClientRequest, path: bytes,
+        legs: tuple[list[BodyPiece], list[BodyPiece]], clock: Clock, key: RequestKey | None, tokens: int,
+        prefill: Worker, decode: Worker,
     ) -> int:  # fmt: skip
         """Both legs at once; the first to fail cuts the other (see the module)."""
         orch = self.orch
+        protocol = orch.protocol
         loop = asyncio.get_running_loop()
+        prefill_pieces, pieces = legs
         timeout, read_timeout, max_body, first_byte = orch.generation_bounds(req.stream, pieces)
         prefill_leg = loop.create_task(self.legs.run(
-            "context", orch.context_pool, path, pieces, _discard, headers=orch.relay.leg_headers,
-            timeout=orch._context_timeout(len(req.body)), key=key, tokens=tokens, first=prefill,
+            "context", orch.context_pool, path, prefill_pieces, _discard, headers=orch.relay.leg_headers,
+            extra=protocol.context_headers(req), timeout=orch._context_timeout(len(req.body)), key=key,
+            tokens=tokens, first=prefill,
         ))  # fmt: skip
         decode_leg = loop.create_task(self.legs.run(
             "generation", orch.generation_pool, path, pieces, partial(orch._relay, out, req, clock),
-            headers=orch.relay.leg_headers, timeout=timeout, read_timeout=read_timeout, max_body=max_body,
+            headers=orch.relay.leg_headers, extra=protocol.generation_headers(req, None), timeout=timeout, read_timeout=read_timeout, max_body=max_body,
             first_byte=first_byte, key=key, tokens=tokens, first=decode, ttfb=orch.metrics.generation_ttfb,
         ))  # fmt: skip
         try:

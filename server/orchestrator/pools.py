@@ -34,7 +34,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 import aiohttp
@@ -71,7 +71,7 @@ class Capabilities:
     """What a worker's ``/server_info`` says it can do (everything False / None on any doubt)."""
 
     __slots__ = ("b64_completions", "bootstrap_port", "bytes_per_token", "cache_salt_completions",
-                 "kv_capacity_tokens", "local_prefill")  # fmt: skip
+                 "engine_id", "kv_capacity_tokens", "local_prefill")  # fmt: skip
 
     def __init__(
         self,
@@ -81,6 +81,7 @@ class Capabilities:
         bytes_per_token: float | None = None,
         cache_salt_completions: bool = False,
         bootstrap_port: int | None = None,
+        engine_id: str | None = None,
     ) -> None:
         self.b64_completions = b64_completions
         self.local_prefill = local_prefill
@@ -89,8 +90,11 @@ class Capabilities:
         #: it takes ``cache_salt`` on completions: a fastcore worker (it says ``prefix_caching``);
         #: trtllm-serve's completion request has no such field and refuses one
         self.cache_salt_completions = cache_salt_completions
-        #: an SGLang prefill worker's ``disaggregation_bootstrap_port`` (protocols/sglang.py)
+        #: an SGLang prefill worker's ``disaggregation_bootstrap_port`` (protocols/sglang.py), a vLLM
+        #: Mooncake prefill's bootstrap server port (protocols/vllm_mooncake.py)
         self.bootstrap_port = bootstrap_port
+        #: a vLLM Mooncake prefill's engine id, from its bootstrap server's ``/query``
+        self.engine_id = engine_id
 
     @classmethod
     def of(cls, info: object) -> Capabilities:
@@ -228,6 +232,7 @@ class Worker:
         "breaker",
         "cache_salt_completions",
         "checked",
+        "engine_id",
         "in_flight",
         "in_flight_tokens",
         "instance",
@@ -262,6 +267,7 @@ class Worker:
         self.local_prefill = False
         self.kv_capacity_tokens: int | None = None
         self.bootstrap_port: int | None = None
+        self.engine_id: str | None = None
         # The worker process's id, from its /health (a fastcore worker says it): a new one is
         # a restart, whose cache is empty even though /health never failed.
         self.instance: str | None = None
@@ -294,6 +300,7 @@ class Worker:
         self.local_prefill = caps.local_prefill
         self.kv_capacity_tokens = caps.kv_capacity_tokens
         self.bootstrap_port = caps.bootstrap_port
+        self.engine_id = caps.engine_id
 
     def __repr__(self) -> str:
         return f"Worker({self.url!r}, healthy={self.healthy}, in_flight={self.in_flight})"
@@ -444,6 +451,17 @@ class Pool:
         self.router.forget(worker)
 
 
+async def read_json(session: aiohttp.ClientSession, url: str, timeout: aiohttp.ClientTimeout) -> object:
+    """``GET url``'s JSON answer; None on any doubt (not a 200, not JSON, no answer)."""
+    try:
+        async with session.get(url, timeout=timeout) as resp:
+            if resp.status != 200:
+                return None
+            return await resp.json(content_type=None)
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
+        return None
+
+
 class HealthChecker:
     """Polls ``GET /health`` of every worker every ``interval`` seconds."""
 
@@ -457,12 +475,17 @@ class HealthChecker:
         on_change: Callable[[Pool, Worker], None] = lambda pool, worker: None,
         capabilities_path: str = wire.SERVER_INFO_PATH,
         capabilities_of: Callable[[object], Capabilities] = Capabilities.of,
+        probe: Callable[[aiohttp.ClientSession, Worker, aiohttp.ClientTimeout], Awaitable[Capabilities]]
+        | None = None,
     ) -> None:
         self.pools = pools
         #: the worker protocol's probe (server/orchestrator/protocols/): where a worker says what it can
         #: do, and what that answer means
         self.capabilities_path = capabilities_path
         self.capabilities_of = capabilities_of
+        #: a protocol whose probe reads more than one answer (vLLM Mooncake's bootstrap /query) runs it
+        #: instead
+        self.probe = probe
         self.session = session
         self.interval = interval
         self.timeout = aiohttp.ClientTimeout(total=timeout)
@@ -516,14 +539,10 @@ class HealthChecker:
     async def read_capabilities(self, worker: Worker) -> Capabilities:
         """What ``worker``'s ``/server_info`` says (trtllm: completions in base64, ``local_prefill``,
         ``kv_capacity_tokens``; another protocol's probe: ``capabilities_path``), False / None on any doubt."""
-        try:
-            async with self.session.get(worker.url + self.capabilities_path, timeout=self.timeout) as resp:
-                if resp.status != 200:
-                    return Capabilities()
-                info = await resp.json(content_type=None)
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
-            return Capabilities()
-        return self.capabilities_of(info)
+        if self.probe is not None:
+            return await self.probe(self.session, worker, self.timeout)
+        return self.capabilities_of(await read_json(self.session, worker.url + self.capabilities_path,
+                                                    self.timeout))  # fmt: skip
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check_worker(p, w) for p in self.pools for w in p.workers))

@@ -9,7 +9,8 @@ config is refused at startup, naming why). The sequence (context leg, then gener
 breakers, retries, admission and metrics are the orchestrator's, the same for every protocol.
 
 - ``trtllm`` (:mod:`.trtllm`, the default): trtllm-serve's protocol, today's relay modes;
-- ``vllm`` (:mod:`.vllm`): vLLM with its NixlConnector;
+- ``vllm`` (:mod:`.vllm`): vLLM with its NixlConnector; ``vllm_transfer: mooncake`` (:mod:`.vllm_mooncake`):
+  with its MooncakeConnector, both legs at once (``concurrent``);
 - ``sglang`` (:mod:`.sglang`): SGLang's bootstrap, both legs at once (``concurrent``: run by ..pair.py).
 
 A new protocol is one module here with a class of that shape, and its name in :data:`PROTOCOLS`
@@ -22,8 +23,9 @@ from .base import ProtocolConfig
 from .sglang import SglangProtocol, SglangRelay
 from .trtllm import TrtllmProtocol
 from .vllm import VllmProtocol, VllmRelay
+from .vllm_mooncake import VllmMooncakeProtocol, VllmMooncakeRelay
 
-WorkerProtocol = TrtllmProtocol | VllmProtocol | SglangProtocol
+WorkerProtocol = TrtllmProtocol | VllmProtocol | VllmMooncakeProtocol | SglangProtocol
 #: config ``worker_protocol`` -> its class
 PROTOCOLS: dict[str, type[TrtllmProtocol] | type[VllmProtocol] | type[SglangProtocol]] = {
     TrtllmProtocol.name: TrtllmProtocol,
@@ -32,13 +34,22 @@ PROTOCOLS: dict[str, type[TrtllmProtocol] | type[VllmProtocol] | type[SglangProt
 }
 
 
+def _protocol_class(
+    config: ProtocolConfig,
+) -> type[TrtllmProtocol] | type[VllmProtocol] | type[VllmMooncakeProtocol] | type[SglangProtocol]:
+    """``worker_protocol``'s class; vLLM's ``vllm_transfer: mooncake`` is its concurrent variant."""
+    if config.worker_protocol == VllmProtocol.name and config.vllm_transfer == "mooncake":
+        return VllmMooncakeProtocol
+    return PROTOCOLS[config.worker_protocol]
+
+
 def make_protocol(config: ProtocolConfig) -> WorkerProtocol:
-    return PROTOCOLS[config.worker_protocol](config)
+    return _protocol_class(config)(config)
 
 
 def refusal(config: ProtocolConfig) -> str | None:
     """Why ``config``'s features cannot run on its ``worker_protocol`` (None: they can)."""
-    return PROTOCOLS[config.worker_protocol].refusal(config)
+    return _protocol_class(config).refusal(config)
 
 
 __all__ = [
@@ -46,6 +57,8 @@ __all__ = [
     "SglangProtocol",
     "SglangRelay",
     "TrtllmProtocol",
+    "VllmMooncakeProtocol",
+    "VllmMooncakeRelay",
     "VllmProtocol",
     "VllmRelay",
     "WorkerProtocol",

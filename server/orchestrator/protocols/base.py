@@ -20,6 +20,10 @@ class ProtocolConfig(Protocol):
     @property
     def context_fallback(self) -> str: ...
 
+    @property
+    def vllm_transfer(self) -> str: ...
+
+    vllm_mooncake_bootstrap_port: int
     gen_tokids_ctxbytes: bool
     gen_strip_message_history: bool
     conditional_disagg_config: Any

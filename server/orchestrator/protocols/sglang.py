@@ -78,6 +78,11 @@ class SglangRelay:
         return ClientRequest(body, chat, scan.stream, scan.include_usage, scan.max_tokens, scan.model,
                              (scan, _first_member(body)))  # fmt: skip
 
+    def pair_legs(self, req: ClientRequest, prefill: Worker) -> tuple[list[BodyPiece], list[BodyPiece]]:
+        """The prefill leg's and the decode leg's pieces: one body, on a new room."""
+        pieces = self.pair_pieces(req, prefill, new_room())
+        return pieces, pieces
+
     def pair_pieces(self, req: ClientRequest, prefill: Worker, room: int) -> list[BodyPiece]:
         """Both legs' body: the client's, the bootstrap triple of ``prefill`` and ``room`` in front of its
         first member."""
@@ -88,11 +93,15 @@ class SglangRelay:
         return [view[:first], triple, view[first:]]
 
     def _host(self, url: str) -> bytes:
-        host = urlsplit(url if "://" in url else "http://" + url).hostname or ""
-        if ":" in host:  # IPv6: SGLang joins host and port with a colon (mini_lb brackets it too)
-            host = f"[{host}]"
-        text = self._hosts[url] = b'"bootstrap_host":' + json.dumps(host).encode()
+        text = self._hosts[url] = b'"bootstrap_host":' + json.dumps(self.url_host(url)).encode()
         return text
+
+    @staticmethod
+    def url_host(url: str) -> str:
+        """The host a worker's URL names, IPv6 bracketed (SGLang joins host and port with a colon; mini_lb
+        brackets it too, and so does an ``http://host:port`` address)."""
+        host = urlsplit(url if "://" in url else "http://" + url).hostname or ""
+        return f"[{host}]" if ":" in host else host
 
     def prompt_bytes(self, req: ClientRequest) -> int:
         nbytes: int = req.parsed[0].prompt_bytes
@@ -140,6 +149,8 @@ class SglangProtocol:
     concurrent = True
     releases_kv = False
     capabilities_path = "/server_info"
+    #: what pair.py's log says a prefill it skips lacks
+    bootstrap_source = "disaggregation_bootstrap_port in its /server_info"
 
     def __init__(self, config: ProtocolConfig) -> None:
         self.relay = SglangRelay()

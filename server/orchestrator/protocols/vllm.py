@@ -113,6 +113,10 @@ class VllmRelay:
     ) -> list[BodyPiece]:
         """Leg (1): the client's body, the members it rewrites cut (each with the comma before it,
         the first member with none), :data:`PREFILL_PARAMS` put in front of its first member."""
+        return self._prefill_pieces(req, PREFILL_PARAMS)
+
+    def _prefill_pieces(self, req: ClientRequest, front: bytes) -> list[BodyPiece]:
+        """The prefill leg with ``front`` (its ``kv_transfer_params``, ``stream`` and ``max_tokens``)."""
         client: VllmClient = req.parsed
         body = req.body
         view = memoryview(body)
@@ -132,7 +136,6 @@ class VllmRelay:
                 cuts.append((start, end))
                 first_cut = True
         cuts.sort()
-        front = PREFILL_PARAMS
         if client.spans[_MAX_COMPLETION_TOKENS] is not None:
             front += _PREFILL_COMPLETION_CAP
         pieces: list[BodyPiece] = [view[:first], front if first_cut else front + b","]
@@ -264,6 +267,6 @@ class VllmProtocol:
         request_id: bytes = req.parsed.request_id
         return request_id
 
-    def generation_headers(self, req: ClientRequest, ctx: ContextResult) -> bytes:
+    def generation_headers(self, req: ClientRequest, ctx: ContextResult | None) -> bytes:
         request_id: bytes = req.parsed.request_id
         return request_id
