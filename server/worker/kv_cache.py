@@ -384,7 +384,6 @@ class DecodeAttention:
         for i, t in enumerate(tables):
             self.table[i, : len(t)] = t
         self.lengths = np.asarray(lengths, dtype=np.int64)
-        self.rows = torch.arange(len(tables), device=cache.device)
         capacity = max(width * bs, -(-max(lengths) // bs) * bs)
         per_layer = len(tables) * capacity * cache.kv_heads * cache.head_dim * cache.k.element_size()
         self.capacity = capacity if 2 * cache.num_layers * per_layer <= DENSE_DECODE_BYTES else 0
@@ -406,9 +405,17 @@ class DecodeAttention:
         self.span = -(-int(lens.max()) // bs) * bs
         new_slots = self.table[np.arange(lens.size), last // bs] * bs + last % bs
         self.new_slots = torch.from_numpy(new_slots).to(device)
-        self.last = torch.from_numpy(last).to(device)
-        mask = torch.from_numpy(np.arange(self.span, dtype=np.int64)[None, :] < lens[:, None])
-        self.mask = mask.to(device)[:, None, None, :]  # [B, 1, 1, span]
+        if self.capacity:
+            # Where each sequence's new token goes in the flat [B * kv_heads * capacity, D] view of
+            # a dense buffer: one index_copy_ a buffer (indexing [rows, :, last] cost twice that).
+            heads = self.cache.kv_heads
+            rows = np.arange(lens.size, dtype=np.int64)[:, None] * heads + np.arange(heads, dtype=np.int64)
+            self.dense_slots = torch.from_numpy((rows * self.capacity + last[:, None]).reshape(-1)).to(device)
+        # An additive mask made once a step: a boolean one is turned into this by every layer's
+        # attention (the same numbers: SDPA adds 0 or -inf either way).
+        valid = np.arange(self.span, dtype=np.int64)[None, :] < lens[:, None]
+        mask = torch.from_numpy(np.where(valid, np.float32(0.0), np.float32(-np.inf)))
+        self.mask = mask.to(device, self.cache.k.dtype)[:, None, None, :]  # [B, 1, 1, span]
         self._gather: torch.Tensor | None = None
 
     def gather_slots(self) -> torch.Tensor:
@@ -436,8 +443,9 @@ class DecodeAttention:
                 dense[1][:, :, : self.span] = vh
                 self.dense[layer] = dense
         else:
-            dense[0][self.rows, :, self.last] = k
-            dense[1][self.rows, :, self.last] = v
+            rows = k.shape[0] * k.shape[1]
+            dense[0].view(-1, k.shape[2]).index_copy_(0, self.dense_slots, k.reshape(rows, -1))
+            dense[1].view(-1, v.shape[2]).index_copy_(0, self.dense_slots, v.reshape(rows, -1))
         if dense is not None:
             kh, vh = dense[0][:, :, : self.span], dense[1][:, :, : self.span]
         out = F.scaled_dot_product_attention(q.unsqueeze(2), kh, vh, attn_mask=self.mask, enable_gqa=True)
