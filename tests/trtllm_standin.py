@@ -582,6 +582,11 @@ class TrtllmStandin:
             would otherwise silently be wrong).
         allow_request_chat_template: trtllm's server flag; off, a request's
             ``chat_template`` is refused.
+        tool_calls: what trtllm-serve's ``--tool_parser`` finds in an answer (OpenAI ``tool_calls``
+            entries: ``id``, ``type``, ``function`` with ``name`` and ``arguments``): a chat request
+            with ``tools`` and a ``tool_choice`` other than "none" that generates (not a
+            context_only leg) is answered with them and ``finish_reason`` "tool_calls", streamed as
+            ``delta.tool_calls`` pieces after the role chunk. None: the answer has none.
     """
 
     def __init__(
@@ -600,6 +605,7 @@ class TrtllmStandin:
         kv_registry: dict[int, list[int]] | None = None,
         allow_request_chat_template: bool = False,
         max_context: int = 2048,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> None:
         if role not in ("context", "generation", "both"):
             raise ValueError(f"role must be context, generation or both, not {role!r}")
@@ -618,6 +624,7 @@ class TrtllmStandin:
         self.kv_registry: dict[int, list[int]] = {} if kv_registry is None else kv_registry
         self.allow_request_chat_template = allow_request_chat_template
         self.max_context = max_context
+        self.tool_calls = tool_calls
         self.healthy = True
         self.requests: list[ReceivedRequest] = []
         self.runner: web.AppRunner | None = None
@@ -857,8 +864,13 @@ class TrtllmStandin:
             raise _StandinLimit("logprobs")
         if req.echo:
             raise _StandinLimit("echo")
-        if isinstance(req, ChatCompletionRequest) and req.tools:
-            raise _StandinLimit("tools")
+
+    def _calls(
+        self, req: ChatCompletionRequest | CompletionRequest, rtype: str | None
+    ) -> list[dict[str, Any]]:
+        if self.tool_calls is None or rtype == "context_only" or not isinstance(req, ChatCompletionRequest):
+            return []
+        return list(self.tool_calls) if req.tools and req.tool_choice != "none" else []
 
     async def _serve(
         self,
@@ -931,8 +943,12 @@ class TrtllmStandin:
                 usage.prompt_tokens_details = dp.ctx_usage.prompt_tokens_details
             usage.total_tokens = usage.prompt_tokens + len(tokens)
 
+        # trtllm-serve renders tools into the prompt and, with --tool_parser, reads calls out of the text
+        calls = self._calls(req, rtype)
+        if calls:
+            finish = "tool_calls"
         if req.stream:
-            return await self._stream(request, rec, route, req, tokens, finish, usage)
+            return await self._stream(request, rec, route, req, tokens, finish, usage, calls)
         text = detokenize(tokens, req.skip_special_tokens)
         context = rtype == "context_only"
         body: BaseModel
@@ -943,7 +959,7 @@ class TrtllmStandin:
                 choices=[
                     ChatCompletionResponseChoice(
                         index=0,
-                        message=ChatMessage(role=role, content=text, reasoning_content=""),
+                        message=ChatMessage(role=role, content=text, reasoning_content="", tool_calls=calls),
                         finish_reason=finish,
                         disaggregated_params=out_dp,
                     )
@@ -995,6 +1011,7 @@ class TrtllmStandin:
         tokens: list[int],
         finish: str,
         usage: UsageInfo,
+        calls: list[dict[str, Any]],
     ) -> web.StreamResponse:
         """SSE as trtllm frames it: one chunk a token, the usage chunk when asked, ``[DONE]``."""
         opts = req.stream_options
@@ -1026,6 +1043,18 @@ class TrtllmStandin:
             )
             # trtllm writes the role chunk as f"data: {...} \n\n", with a space.
             await send(first.model_dump_json(exclude_none=True), trailing_space=True)
+            for index, call in enumerate(calls):  # trtllm's DeltaToolCall: index, id, type, function
+                piece = ChatCompletionStreamResponse(
+                    id=rid,
+                    created=created,
+                    model=req.model,
+                    choices=[
+                        ChatCompletionResponseStreamChoice(
+                            index=0, delta=DeltaMessage(tool_calls=[{"index": index, **call}])
+                        )
+                    ],
+                )
+                await send(piece.model_dump_json(exclude_none=True))
             for i, token in enumerate(tokens):
                 last = i == len(tokens) - 1
                 chunk = ChatCompletionStreamResponse(

@@ -136,6 +136,23 @@ class CompletionResponse(_ResponseCommon):
     choices: list[CompletionChoice]
 
 
+def _dump(model: BaseModel, mode: str, **options: Any) -> Any:
+    """``model_dump_json`` (``mode`` "bytes") or ``model_dump(mode=mode)``. pydantic's serializer
+    stops at 255 levels of nesting (its recursion guard, a ValueError), below the JSON_MAX_DEPTH
+    (512) that a body read here may hold: a tool schema or history that deep is the builtin
+    ``json`` module's text or the Python objects (the values are json.loads', the same in either
+    mode), never a 500."""
+    try:
+        if mode == "bytes":
+            return model.model_dump_json(**options).encode()
+        return model.model_dump(mode=mode, **options)
+    except ValueError as exc:
+        if "depth exceeded" not in str(exc):
+            raise
+    value = model.model_dump(**options)
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode() if mode == "bytes" else value
+
+
 _CLIENT_EXCLUDE: Any = {
     **{name: True for name in protocol.INTERNAL_RESPONSE_FIELDS},
     protocol.CHOICES: {"__all__": set(protocol.INTERNAL_CHOICE_FIELDS)},
@@ -220,7 +237,7 @@ class ParsedRelay:
     def _leg_body(self, leg: BaseModel, status: int, what: str) -> bytes:
         """A leg's body from its model: JSON here (``status`` and ``what`` say whose fields a body
         this cannot carry came from: the msgpack variant's 400 or 502)."""
-        return leg.model_dump_json(exclude_unset=True).encode()
+        return _dump(leg, "bytes", exclude_unset=True)
 
     def read_context(self, req: ClientRequest, body: bytes) -> ContextResult:
         try:
@@ -285,7 +302,7 @@ class ParsedRelay:
     generation_pieces = generation_request
 
     def finished_answer(self, req: ClientRequest, ctx: ContextResult) -> bytes:
-        return ctx.parsed.model_dump_json(exclude_unset=True, exclude=_CLIENT_EXCLUDE).encode()
+        return _dump(ctx.parsed, "bytes", exclude_unset=True, exclude=_CLIENT_EXCLUDE)
 
     def client_answer(self, req: ClientRequest, body: bytes) -> bytes:
         try:
@@ -293,7 +310,7 @@ class ParsedRelay:
             parsed = model_cls.model_validate(json.loads(body))
         except (ValueError, RecursionError) as exc:
             raise HTTPError(502, f"generation worker response is not usable: {exc}") from None
-        return parsed.model_dump_json(exclude_unset=True, exclude=_CLIENT_EXCLUDE).encode()
+        return _dump(parsed, "bytes", exclude_unset=True, exclude=_CLIENT_EXCLUDE)
 
 
 _MSGPACK = msgspec.msgpack.Encoder()
@@ -312,6 +329,6 @@ class ParsedMsgpackRelay(ParsedRelay):
 
     def _leg_body(self, leg: BaseModel, status: int, what: str) -> bytes:
         try:
-            return _MSGPACK.encode(leg.model_dump(mode="json", exclude_unset=True))
+            return _MSGPACK.encode(_dump(leg, "json", exclude_unset=True))
         except (OverflowError, TypeError, msgspec.EncodeError) as exc:  # msgpack ints stop at 64 bits
             raise HTTPError(status, f"{what} cannot be sent as msgpack: {exc}") from None
