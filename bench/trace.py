@@ -67,6 +67,9 @@ ROUTINGS: dict[str, dict[str, Any]] = {
     "conversation": {"router": "conversation"},
     "kv_cache_aware": {"router": "kv_cache_aware"},
     "kv_cache_aware+conditional": {"router": "kv_cache_aware", "conditional": True},
+    # a second KV tier in each worker (--tier2-factor x its KV; --tier2-load-tokens-per-s)
+    "round_robin+tier2": {"router": "round_robin", "tier2": True},
+    "kv_cache_aware+tier2": {"router": "kv_cache_aware", "tier2": True},
 }
 #: the synthetic worker's chat template around one user message (server/worker/synthetic.py)
 TEMPLATE = "<|user|>\n{}\n<|assistant|>\n"
@@ -282,6 +285,9 @@ def deployment(args: argparse.Namespace, routing: str, orchestrators: int, kv_to
     workers = ["--kv-tokens", str(kv_tokens), "--bytes-per-token", str(args.bytes_per_token)]
     if rate:
         workers += ["--prefill-tokens-per-s", str(rate)]
+    if ROUTINGS[routing].get("tier2"):
+        workers += ["--kv-tier2-tokens", str(int(kv_tokens * args.tier2_factor)),
+                    "--tier2-load-tokens-per-s", str(args.tier2_load_tokens_per_s)]  # fmt: skip
     etcd = None
     if orchestrators > 1:
         from server.cluster.local_etcd import LocalEtcd
@@ -430,6 +436,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-busy", type=float, default=0.0,
                    help="derive --prefill-tokens-per-s so that round robin keeps the context workers this busy "
                         "(a first round-robin run without a prefill cost measures what it computes)")  # fmt: skip
+    p.add_argument("--tier2-factor", type=float, default=4.0,
+                   help="the +tier2 routings: each worker's second KV tier, x its KV (default 4)")  # fmt: skip
+    p.add_argument("--tier2-load-tokens-per-s", type=float, default=0.0,
+                   help="the +tier2 routings: the tier's load rate (default 0: instant; below the prefill rate "
+                        "the workers do not take it)")  # fmt: skip
     p.add_argument("--max-output-tokens", type=int, default=32, help="max_tokens at most this (default 32)")
     p.add_argument("--token-latency-ms", type=float, default=0.0, help="workers' time per further token")
     p.add_argument("--max-local-prefill", type=int, default=4096,
@@ -479,6 +490,12 @@ def main(argv: list[str] | None = None) -> int:
     kv_tokens = max(TRACE_BLOCK_TOKENS, fleet // args.context_workers)
     hit, total = oracle(prompts, args.bytes_per_token, kv_tokens * args.context_workers)
     oracle_fraction = hit / max(1, total)
+    unbounded = oracle(prompts, args.bytes_per_token, 1 << 40)[0] / max(1, total)
+    tiered = oracle(
+        prompts, args.bytes_per_token, int(kv_tokens * (1 + args.tier2_factor)) * args.context_workers
+    )
+    print(f"unbounded cache {unbounded:.3f}; pooled oracle of device + tier 2 ({1 + args.tier2_factor:g}x the KV) "
+          f"{tiered[0] / max(1, total):.3f}", file=sys.stderr)  # fmt: skip
     span = requests[-1].timestamp_ms / 1000 / args.speedup
     print(f"{len(requests)} requests over {span:.0f} s (x{args.speedup:g}), {total:,} prompt ids, working set "
           f"{working:,} tokens; KV {kv_tokens:,} tokens x {args.context_workers} context workers; pooled oracle "

@@ -13,7 +13,10 @@ A follower asks for the events after the last ``seq`` it applied, naming the wor
 than its buffer happened since), when the instance is not its own (it restarted), or when the
 follower names none: the router's index of the worker is then replaced by the snapshot. A gap in
 the sequence, a malformed answer, or an index the router dropped meanwhile (the worker turned
-unhealthy) asks for a resync too. An answer holds a bounded page of the events; while the
+unhealthy) asks for a resync too. A follower asks for the tiers (``tiers=1``): ``stored`` events
+may say a ``tier`` (none: the device), ``moved`` events say the tier keys moved to, and a resync
+lists tier 2's keys apart (``held_tier2``) with the worker's load and prefill rates, from which
+the router weighs a tier-2 hit. An answer holds a bounded page of the events; while the
 worker's ``seq`` is past the last one applied, the next poll goes at once. A worker that answers
 400 (its chunk size is not this router's ``chunk_bytes``) or 404 (trtllm-serve's: no events in our
 key space) keeps the approximate index, asked again every
@@ -94,7 +97,7 @@ class _Follower:
         if not worker.healthy:
             return RETRY_S
         params: dict[str, str] = {"after": str(self.seq), "chunk_bytes": str(router.chunk_bytes),
-                                  "wait": str(self.view.wait_s)}  # fmt: skip
+                                  "wait": str(self.view.wait_s), "tiers": "1"}  # fmt: skip
         if self.instance is not None and worker in router.followed:
             params["instance"] = self.instance
         else:
@@ -148,9 +151,15 @@ class _Follower:
         router, worker = self.router, self.worker
         if answer.get("resync") is True:
             held = _keys(answer.get("held"))
-            if held is None:
+            tier2 = _keys(answer.get("held_tier2", []))
+            if held is None or tier2 is None:
                 return False
-            router.resync(worker, held)
+            router.resync(worker, held, tier2)
+            rates = answer.get("tier_rates")
+            if isinstance(rates, dict):
+                router.tier_rates(
+                    worker, rates.get("kv_tier2_load_tokens_per_s"), rates.get("prefill_tokens_per_s")
+                )
             self.instance, self.seq = instance, seq
             self.view.resyncs += 1
             return True
@@ -160,12 +169,15 @@ class _Follower:
         for event in events:
             if not isinstance(event, dict) or event.get("seq") != self.seq + 1:
                 return False  # a gap: what happened between is unknown
-            stored, removed = event.get("stored"), event.get("removed")
-            keys = _keys(stored if stored is not None else removed)
-            if keys is None:
+            stored, removed, moved = event.get("stored"), event.get("removed"), event.get("moved")
+            keys = _keys(stored if stored is not None else moved if moved is not None else removed)
+            tier = event.get("tier", 1)  # an event without a tier: the device's
+            if keys is None or tier not in (1, 2) or type(tier) is not int:
                 return False
             if stored is not None:
-                router.stored(worker, keys)
+                router.stored(worker, keys, tier)
+            elif moved is not None:
+                router.moved(worker, keys, tier)
             else:
                 router.removed(worker, keys)
             self.seq += 1

@@ -82,6 +82,24 @@ def read_usage(response: bytes) -> tuple[int | None, int | None]:
     return count_at(response, prompt), count_at(response, cached)
 
 
+_TIER2_KEY = b'"tier2_cached_tokens":'
+
+
+def tier2_tokens(response: bytes) -> int:
+    """``usage.prompt_tokens_details.tier2_cached_tokens`` (ours: of ``cached_tokens``, those a
+    worker's second tier served) of an answer, found from its end; 0 when absent (one bytes search
+    from the end: a worker without a tier writes none)."""
+    at = response.rfind(_TIER2_KEY)
+    if at < 0:
+        return 0
+    start = at + len(_TIER2_KEY)
+    end = start
+    while end < len(response) and end - start < 20 and response[end] in b" 0123456789":
+        end += 1
+    digits = response[start:end].strip()
+    return int(digits) if digits.isdigit() else 0
+
+
 class BytesPerToken:
     """A pool's smoothed prompt bytes per token (one model per orchestrator: ``config.model``).
 
@@ -185,7 +203,7 @@ class UsageLearner:
         if settle is not None:
             settle(prompt)
         if self.accounting is not None and hit_chunks is not None and cached is not None:
-            self.accounting.account(hit_chunks, prompt, min(cached, prompt))
+            self.accounting.account(hit_chunks, prompt, min(cached, prompt), tier2_tokens(response))
 
     def answer(self, response: bytes, prompt_bytes: int) -> None:
         """A generation worker's whole answer to a request no context answer taught (local prefill:

@@ -79,6 +79,9 @@ MAX_ASKED = 32
 #: a snapshot taken while they were on their way does not hold them yet
 RECENT_S = 5.0
 RECENT_ROUTES = 1024
+#: kv_cache_aware: a tier-2 chunk's credit against a device chunk's where the worker publishes no
+#: rates (Dynamo's KV router credits a host-tier hit at 0.75 of a device hit)
+TIER_WEIGHT = 0.75
 #: ids longer than this are not conversation ids (hashing megabytes per request is not routing)
 MAX_CONVERSATION_ID_BYTES = 1024
 
@@ -98,10 +101,11 @@ class RequestKey:
     Hashes are computed on first use per chunk size and kept (both pools may ask), each XORed with
     ``salt`` (the ``cache_salt``'s key, server/cache_keys.py; 0 without one): different salts
     share no key, as they share no cached block.
-    ``hit_chunks``: set by the kv_cache_aware router to the expected hit on the worker it chose.
+    ``hit_chunks``: set by the kv_cache_aware router to the expected hit on the worker it chose
+    (``hit_tier2_chunks``: of it, in the worker's tier 2).
     """
 
-    __slots__ = ("_hashes", "body", "conversation", "hit_chunks", "salt", "span")
+    __slots__ = ("_hashes", "body", "conversation", "hit_chunks", "hit_tier2_chunks", "salt", "span")
 
     def __init__(
         self, body: bytes, conversation: bytes | None, span: tuple[int, int] | None, salt: int = 0
@@ -111,6 +115,8 @@ class RequestKey:
         self.span = span
         self.salt = salt
         self.hit_chunks = 0
+        #: of them, those expected in the worker's second tier
+        self.hit_tier2_chunks = 0
         self._hashes: tuple[int, list[int]] | None = None
 
     @property
@@ -463,11 +469,20 @@ class _PrefixIndex:
     Eviction is amortized: past 5/4 of the bound, the oldest are dropped down to the bound.
     """
 
-    __slots__ = ("entries", "limit")
+    __slots__ = ("entries", "limit", "tier2", "tier2_limit")
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, tier2_limit: int = 0) -> None:
         self.limit = limit
         self.entries: dict[int, int] = {}
+        #: the entries in the worker's second tier (the rest are on its device)
+        self.tier2: set[int] = set()
+        #: an approximate index's tier 2 (its eviction spills there, ``tier2_limit`` entries LRU)
+        self.tier2_limit = tier2_limit
+
+    def tier2_count(self, hashes: list[int], held: int) -> int:
+        """How many of the first ``held`` hashes are in tier 2."""
+        tier2 = self.tier2
+        return sum(1 for h in hashes[:held] if h in tier2) if tier2 else 0
 
     def longest_prefix(self, hashes: list[int]) -> int:
         """How many leading hashes this worker holds (binary search: chains are prefix-closed)."""
@@ -477,14 +492,23 @@ class _PrefixIndex:
         return _held_prefix(hashes, entries)
 
     def add(self, hashes: list[int], clock: int) -> list[int]:
-        """Hold ``hashes`` (the prefix most recent); the hashes evicted to stay in bound."""
+        """Hold ``hashes`` on the device (the prefix most recent); the hashes evicted to stay in
+        bound. With a ``tier2_limit`` the least recent past ``limit`` are in tier 2 instead."""
         n = len(hashes)
-        self.entries.update(zip(hashes, range(clock + n, clock, -1)))
-        if len(self.entries) <= self.limit + (self.limit >> 2):
+        entries, tier2, limit = self.entries, self.tier2, self.limit
+        entries.update(zip(hashes, range(clock + n, clock, -1)))
+        if tier2:
+            tier2.difference_update(hashes)
+        total = limit + self.tier2_limit
+        if len(entries) - len(tier2) <= limit + (limit >> 2) and len(entries) <= total + (total >> 2):
             return []
-        ranked = sorted(self.entries.items(), key=lambda item: item[1], reverse=True)
-        self.entries = dict(ranked[: self.limit])
-        return [h for h, _ in ranked[self.limit :]]
+        ranked = sorted(entries.items(), key=lambda item: item[1], reverse=True)
+        self.entries = dict(ranked[:total])
+        if self.tier2_limit:
+            self.tier2 = {h for h, _ in ranked[limit:total]}
+        elif tier2:
+            self.tier2 = {h for h in tier2 if h in self.entries}
+        return [h for h, _ in ranked[total:]]
 
 
 class KvCacheAwareRouter(Router):
@@ -505,7 +529,9 @@ class KvCacheAwareRouter(Router):
     longest prefix; every other candidate's hit is 0, and the best of those is the least loaded.
 
     Score of a candidate: ``hit_tokens - load_weight * (in_flight - mean_in_flight)``, where
-    ``hit_tokens`` = hit chunks x ``chunk_bytes`` / bytes per token and the mean is over the
+    ``hit_tokens`` = (device hit chunks + ``tier_weight`` x tier-2 hit chunks) x ``chunk_bytes`` /
+    bytes per token (a worker's second tier, from its cache events; ``tier_weight``: the router's
+    arg, else measured from the worker's load and prefill rates, else 0.75) and the mean is over the
     candidates; a worker with more than ``max_load_ratio`` x the mean in flight (and at least one
     more than the mean) gets no credit for its hit, so a hot prefix cannot pile every request onto
     one worker. The highest score wins; ties go to the fewest in flight, then in turn. A request
@@ -517,7 +543,7 @@ class KvCacheAwareRouter(Router):
     key_kinds = frozenset({"prefix"})
     ARGS = frozenset(
         {"chunk_bytes", "tokens_per_block", "max_cached_tokens", "max_index_tokens", "load_weight",
-         "max_load_ratio"}
+         "max_load_ratio", "tier_weight"}
     )  # fmt: skip
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:
@@ -529,6 +555,14 @@ class KvCacheAwareRouter(Router):
         self.max_index_tokens = _int_arg(args, "max_index_tokens", 1 << 20, 1)
         self.load_weight = _float_arg(args, "load_weight", 1024.0, 0.0)
         self.max_load_ratio = _float_arg(args, "max_load_ratio", 1.5, 1.0)
+        #: a tier-2 chunk's credit against a device chunk's: the args' (every worker), else each
+        #: worker's measured one (:meth:`tier_rates`), else TIER_WEIGHT
+        self.tier_weight: float | None = None
+        if "tier_weight" in args:
+            self.tier_weight = _float_arg(args, "tier_weight", TIER_WEIGHT, 0.0)
+            if self.tier_weight > 1:
+                raise ValueError(f"tier_weight must be in [0, 1], got {self.tier_weight:g}")
+        self._tier_weights: dict[RoutedWorker, float] = {}
         self._fallback = LeastLoadedRouter()
         self._indexes: dict[RoutedWorker, _PrefixIndex] = {}
         #: chunk hash -> the workers whose index holds it (the inverse of ``_indexes``)
@@ -556,6 +590,9 @@ class KvCacheAwareRouter(Router):
         self.predicted_tokens = 0
         self.achieved_tokens = 0
         self.error_tokens = 0
+        #: hit tokens by tier: predicted when routed (device, tier 2), achieved as answered (/metrics)
+        self.predicted_tier_tokens = [0, 0]
+        self.achieved_tier_tokens = [0, 0]
 
     def _limit(self, worker: RoutedWorker) -> int:
         if worker in self.exact:
@@ -569,9 +606,29 @@ class KvCacheAwareRouter(Router):
             index = self._indexes[worker] = _PrefixIndex(self._limit(worker))
         return index
 
+    def tier_rates(
+        self, worker: RoutedWorker, load_tokens_per_s: object, prefill_tokens_per_s: object
+    ) -> None:
+        """``worker``'s tier 2 loads at ``load_tokens_per_s`` and prefills at ``prefill_tokens_per_s``
+        (its /server_info's figures): a tier-2 hit saves ``1 - prefill / load`` of a device hit's
+        time (0.75 where loading is 4x faster: Dynamo's host-tier weight), nothing where loading
+        is slower than recomputing (the worker does not take it: SGLang's trap)."""
+        rates = (load_tokens_per_s, prefill_tokens_per_s)
+        if all(isinstance(r, int | float) and not isinstance(r, bool) and r > 0 for r in rates):
+            load, prefill = cast(tuple[float, float], rates)
+            self._tier_weights[worker] = max(0.0, 1.0 - prefill / load)
+        else:
+            self._tier_weights.pop(worker, None)
+
+    def tier_weight_of(self, worker: RoutedWorker) -> float:
+        if self.tier_weight is not None:
+            return self.tier_weight
+        return self._tier_weights.get(worker, TIER_WEIGHT)
+
     def forget(self, worker: RoutedWorker) -> None:
-        self.followed.discard(worker)  # its stream resyncs
+        self.followed.discard(worker)  # its stream resyncs (and says its rates again)
         self.exact.discard(worker)
+        self._tier_weights.pop(worker, None)
         index = self._indexes.pop(worker, None)
         if index is not None:
             self._unhold(worker, index.entries)
@@ -617,6 +674,7 @@ class KvCacheAwareRouter(Router):
         # Without a hit, the least loaded candidate scores best (ties in turn, as the fallback).
         worker = self._fallback.choose(window)
         best_score, best_load, hit = -load_weight * (worker.in_flight - mean), worker.in_flight, 0
+        hit_tier2 = 0
         holders = self._holders.get(hashes[0])
         if holders:
             indexes = self._indexes
@@ -628,12 +686,25 @@ class KvCacheAwareRouter(Router):
                 if holder not in self._candidate_set:
                     continue
                 load = holder.in_flight
-                held = indexes[holder].longest_prefix(hashes)
-                score = (held * per_chunk if load <= hot else 0.0) - load_weight * (load - mean)
+                index = indexes[holder]
+                held = index.longest_prefix(hashes)
+                # a tier-2 chunk is worth tier_weight of a device chunk (its load is not free)
+                in_tier2 = index.tier2_count(hashes, held) if index.tier2 else 0
+                credit = held - in_tier2 * (1.0 - self.tier_weight_of(holder)) if in_tier2 else held
+                score = (credit * per_chunk if load <= hot else 0.0) - load_weight * (load - mean)
                 if score > best_score or (score == best_score and load < best_load):
                     # a holder in the candidate set is one of the candidates, as the caller typed them
                     worker, best_score, best_load, hit = cast(_W, holder), score, load, held
+                    hit_tier2 = in_tier2
+        if hit_tier2 and not self.tier_weight_of(worker):
+            hit -= hit_tier2  # not loaded: recomputed (at best, the device's chunks before them hit)
+            hit_tier2 = 0
         key.hit_chunks = hit
+        key.hit_tier2_chunks = hit_tier2
+        if hit:
+            tiers = self.predicted_tier_tokens
+            tiers[0] += self.hit_tokens(hit - hit_tier2)
+            tiers[1] += self.hit_tokens(hit_tier2)
         self.routed_chunks += len(hashes)
         self.hit_chunks += hit
         self._add(worker, hashes, hit)
@@ -687,26 +758,44 @@ class KvCacheAwareRouter(Router):
 
     # -- the exact view: a worker's own cache events (server/orchestrator/cache_view.py) ---------------
 
-    def stored(self, worker: RoutedWorker, keys: list[int]) -> None:
-        """``worker`` says it holds ``keys`` now (in chain order: the first most recent)."""
+    def stored(self, worker: RoutedWorker, keys: list[int], tier: int = 1) -> None:
+        """``worker`` says it holds ``keys`` now (in chain order: the first most recent), in ``tier``."""
         if keys:
             self.exact.add(worker)
             index = self._indexes.get(worker)
             self._add(worker, keys, 0 if index is None else index.longest_prefix(keys))
+            if tier == 2:
+                self.index(worker).tier2.update(keys)
+
+    def moved(self, worker: RoutedWorker, keys: list[int], tier: int) -> None:
+        """``worker`` says ``keys`` moved to ``tier`` (2: spilled from its device; 1: loaded back)."""
+        index = self._indexes.get(worker)
+        if index is None:
+            return
+        held = [k for k in keys if k in index.entries]
+        if tier == 2:
+            index.tier2.update(held)
+        else:
+            index.tier2.difference_update(held)
 
     def removed(self, worker: RoutedWorker, keys: list[int]) -> None:
-        """``worker`` says it evicted ``keys``."""
+        """``worker`` says it evicted ``keys`` (from whichever tier)."""
         index = self._indexes.get(worker)
         if index is not None:
-            entries = index.entries
+            entries, tier2 = index.entries, index.tier2
             for key in keys:
                 entries.pop(key, None)
+            if tier2:
+                tier2.difference_update(keys)
             self._unhold(worker, keys)
 
-    def resync(self, worker: RoutedWorker, keys: list[int]) -> None:
-        """``worker`` holds exactly ``keys`` (a snapshot; its stream goes on from here)."""
+    def resync(self, worker: RoutedWorker, keys: list[int], tier2: list[int] | None = None) -> None:
+        """``worker`` holds exactly ``keys`` on its device and ``tier2`` in its second tier (a
+        snapshot; its stream goes on from here)."""
         self.forget(worker)
         self.followed.add(worker)
+        if tier2:
+            self.stored(worker, tier2, 2)
         self.stored(worker, keys)
         # what was routed there just before: the worker may not have stored it when it answered
         since = time.monotonic() - RECENT_S
@@ -714,12 +803,16 @@ class KvCacheAwareRouter(Router):
             if routed_to is worker and at >= since:
                 self._add(worker, hashes, self.index(worker).longest_prefix(hashes))
 
-    def account(self, hit_chunks: int, prompt_tokens: int, cached_tokens: int) -> None:
-        """A context answer of the worker this router chose: predicted versus achieved hit tokens."""
+    def account(self, hit_chunks: int, prompt_tokens: int, cached_tokens: int, tier2_tokens: int = 0) -> None:
+        """A context answer of the worker this router chose: predicted versus achieved hit tokens
+        (``tier2_tokens``: of ``cached_tokens``, those its second tier served)."""
         predicted = min(self.hit_tokens(hit_chunks), prompt_tokens)
         self.predicted_tokens += predicted
         self.achieved_tokens += cached_tokens
         self.error_tokens += abs(predicted - cached_tokens)
+        tier2_tokens = min(tier2_tokens, cached_tokens)
+        self.achieved_tier_tokens[0] += cached_tokens - tier2_tokens
+        self.achieved_tier_tokens[1] += tier2_tokens
 
 
 #: config router kind -> its router: the one list of the routers built (the config's router types and

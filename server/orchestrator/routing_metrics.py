@@ -48,6 +48,39 @@ def routing_quality(registry: Registry, pools: Sequence[Pool]) -> None:
                 seen[pool.name, attr] = now
 
     registry.before_collect(update)
+    _tiers(registry, pools)
+
+
+_TIERS = (
+    ("predicted_tier_tokens", "fastcore_orchestrator_prefix_predicted_tier_hit_tokens_total",
+     "kv_cache_aware routing: prompt tokens the router expected the chosen context worker to serve from "
+     "each tier of its cache (1: device, 2: its second tier, from its cache events), per pool."),
+    ("achieved_tier_tokens", "fastcore_orchestrator_prefix_achieved_tier_hit_tokens_total",
+     "kv_cache_aware routing: prompt tokens the chosen context worker served from each tier of its cache "
+     "(2: its answer's usage.prompt_tokens_details.tier2_cached_tokens; 1: the rest of cached_tokens), "
+     "per pool."),
+)  # fmt: skip
+
+
+def _tiers(registry: Registry, pools: Sequence[Pool]) -> None:
+    """Counters of predicted and achieved hit tokens by tier of each kv_cache_aware pool."""
+    counters = [(attr, registry.counter(name, text, ("pool", "tier"))) for attr, name, text in _TIERS]
+    seen = {(pool.name, attr, tier): 0 for pool in pools for attr, _ in counters for tier in (0, 1)}
+    for pool in pools:
+        for _, counter in counters:
+            for tier in ("1", "2"):
+                counter.inc(0, pool=pool.name, tier=tier)
+
+    def update() -> None:
+        for pool in pools:
+            router = pool.router
+            assert isinstance(router, KvCacheAwareRouter)
+            for attr, counter in counters:
+                for tier, now in enumerate(getattr(router, attr)):
+                    counter.inc(now - seen[pool.name, attr, tier], pool=pool.name, tier=str(tier + 1))
+                    seen[pool.name, attr, tier] = now
+
+    registry.before_collect(update)
 
 
 def bytes_per_token(registry: Registry, pools: Sequence[Pool]) -> None:

@@ -305,6 +305,8 @@ class WorkerApp:
             # worker tokenizes (server/worker/prompt_bytes.py); the synthetic text mode's own
             # --bytes-per-token; absent where neither is known (the synthetic fixed prompts).
             **({wire.INFO_BYTES_PER_TOKEN: bpt} if (bpt := self.bytes_per_token) else {}),
+            # A second KV tier's size and load rate beside the prefill rate (docs/protocol.md)
+            **getattr(engine, "kv_tiers_info", {}),
             # Legs this worker accepts: a fastcore signature needed (else unsigned); an
             # x-trtllm-disagg-auth accepted (and needed) on legs naming where the KV is.
             wire.INFO_INTERNAL_AUTH: {

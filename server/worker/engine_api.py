@@ -102,6 +102,8 @@ class EngineRequest:
     # Engine-side state.
     #: prompt tokens whose KV came from the prefix cache (shared blocks: never written)
     cached_prefix: int = 0
+    #: of them, the tokens loaded from the cache's second tier (usage's tier2_cached_tokens)
+    tier2_prefix: int = 0
     #: every token produced (forced or sampled), in order: the sequence is prompt_ids + these
     generated: list[int] = field(default_factory=list)
     #: (blocks registered in the prefix cache, the last one's hash)

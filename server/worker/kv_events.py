@@ -201,7 +201,8 @@ class ChunkEventLog:
     ``i`` ends at byte ``(i + 1) x chunk_bytes`` of ``span_bytes``, so at token
     ``ceil(that x ids / span_bytes)``); a key is held while that block is (at most
     :data:`MAX_KEYS_PER_BLOCK` a block, ``max_held_keys`` in all). Events: ``stored`` keys (their
-    blocks were computed or imported) and ``removed`` keys (their blocks were evicted), each
+    blocks were computed or imported), ``moved`` keys with a ``tier`` (2: their blocks spilled to
+    the worker's second tier; 1: loaded back) and ``removed`` keys (their blocks were evicted), each
     numbered by ``seq``, kept packed (8 bytes a key) under ``max_bytes`` and ``max_events``: a
     follower that asks after an older ``seq``, or names another ``instance`` (this process
     restarted), gets a resync (every held key) instead. An answer holds the events after the
@@ -227,12 +228,17 @@ class ChunkEventLog:
         self.answer_bytes = answer_bytes
         self.max_held_keys = max_held_keys
         self.seq = 0
-        #: (seq, "stored" or "removed", the keys packed as uint64)
-        self._events: deque[tuple[int, str, bytes]] = deque()
+        #: (seq, "stored", "removed" or "moved", the tier (0: none said, device), the keys packed as uint64)
+        self._events: deque[tuple[int, str, int, bytes]] = deque()
         self.bytes = 0
         #: key -> the block digest it is mapped to; block digest -> its keys
         self.held: dict[int, bytes] = {}
         self._by_block: dict[bytes, list[int]] = {}
+        #: the blocks in tier 2 now (moved there from the device; a resync lists their keys apart)
+        self.tier2_blocks: set[bytes] = set()
+        #: a tier's rates, as /server_info says them (kv_tier2_load_tokens_per_s,
+        #: prefill_tokens_per_s): a resync carries them to the router's tier weight
+        self.tier_rates: dict[str, float] = {}
         #: request id -> (its prompt keys, its prompt span's bytes), until its blocks are stored
         self.pending: dict[str, tuple[list[int], int]] = {}
         self._changed: asyncio.Event | None = None
@@ -244,15 +250,15 @@ class ChunkEventLog:
         if keys:
             self.pending[request_id] = (keys, span_bytes)
 
-    def _append(self, kind: str, keys: list[int]) -> None:
+    def _append(self, kind: str, keys: list[int], tier: int = 0) -> None:
         events = self._events
         for start in range(0, len(keys), MAX_EVENT_KEYS):
             self.seq += 1
             packed = array("Q", keys[start : start + MAX_EVENT_KEYS]).tobytes()
-            events.append((self.seq, kind, packed))
+            events.append((self.seq, kind, tier, packed))
             self.bytes += EVENT_BYTES + len(packed)
         while events and (len(events) > self.max_events or self.bytes > self.max_bytes):
-            self.bytes -= EVENT_BYTES + len(events.popleft()[2])
+            self.bytes -= EVENT_BYTES + len(events.popleft()[3])
         if self._changed is not None:
             self._changed.set()
             self._changed = None
@@ -282,36 +288,73 @@ class ChunkEventLog:
         if new:
             self._append("stored", new)
 
-    def evicted(self, digests: list[bytes]) -> None:
-        """These blocks left the cache: the keys mapped to them are gone."""
+    def moved(self, digests: list[bytes], tier: int) -> None:
+        """These blocks moved to ``tier`` (2: spilled from the device to tier 2; 1: loaded back)."""
+        moved, tier2 = [], self.tier2_blocks
+        for digest in digests:
+            keys = self._by_block.get(digest)
+            if tier == 2:
+                tier2.add(digest)
+            else:
+                tier2.discard(digest)
+            if keys:
+                moved.extend(keys)
+        if moved:
+            self._append("moved", moved, tier)
+
+    def evicted(self, digests: list[bytes], tier: int = 0) -> None:
+        """These blocks left the cache (``tier`` 2: evicted from tier 2; 0: from wherever they
+        were): the keys mapped to them are gone."""
         gone = []
         for digest in digests:
+            self.tier2_blocks.discard(digest)
             keys = self._by_block.pop(digest, None)
             if keys:
                 for key in keys:
                     self.held.pop(key, None)
                 gone.extend(keys)
         if gone:
-            self._append("removed", gone)
+            self._append("removed", gone, tier)
 
-    def answer(self, after: int, instance: str | None) -> dict[str, Any]:
+    def _resync(self, tiers: bool) -> dict[str, Any]:
+        answer: dict[str, Any] = {"instance": self.instance, "chunk_bytes": self.chunk_bytes,
+                                  "seq": self.seq, "resync": True}  # fmt: skip
+        if tiers and self.tier_rates:
+            answer["tier_rates"] = self.tier_rates
+        tier2 = self.tier2_blocks
+        if not tier2:
+            answer["held"] = list(self.held)
+            return answer
+        # held: the device's keys; held_tier2: tier 2's (a follower that reads no tier: not listed)
+        answer["held"] = [k for k, d in self.held.items() if d not in tier2]
+        if tiers:
+            answer["held_tier2"] = [k for k, d in self.held.items() if d in tier2]
+        return answer
+
+    def answer(self, after: int, instance: str | None, tiers: bool = False) -> dict[str, Any]:
         """The events after ``after`` up to ``answer_bytes`` of JSON (``more``: not all of them), or a
-        resync (``held``: every key) when they cannot be given."""
+        resync (``held``: every key) when they cannot be given. ``tiers``: the follower reads the
+        tier events (``tiers=1``); to one that does not, a move to tier 2 is a removal and a move
+        back a store, as it read them before tiers (backward compatible)."""
         events = self._events
         oldest = events[0][0] if events else self.seq + 1
         if instance != self.instance or after > self.seq or after < oldest - 1:
-            return {"instance": self.instance, "chunk_bytes": self.chunk_bytes, "seq": self.seq,
-                    "resync": True, "held": list(self.held)}  # fmt: skip
+            return self._resync(tiers)
         out: list[dict[str, Any]] = []
         size, more = _ANSWER_JSON, False
-        for seq, kind, packed in itertools.islice(events, after + 1 - oldest, None):  # seqs run on
+        for seq, kind, tier, packed in itertools.islice(events, after + 1 - oldest, None):  # seqs run on
             size += _CHUNK_EVENT_JSON + len(packed) // 8 * 21
             if out and size > self.answer_bytes:
                 more = True
                 break
             keys = array("Q")
             keys.frombytes(packed)
-            out.append({"seq": seq, kind: keys.tolist()})
+            if not tiers and kind == "moved":
+                kind, tier = ("removed" if tier == 2 else "stored"), 0
+            event: dict[str, Any] = {"seq": seq, kind: keys.tolist()}
+            if tier and tiers:
+                event["tier"] = tier
+            out.append(event)
         answer = {"instance": self.instance, "chunk_bytes": self.chunk_bytes, "seq": self.seq, "events": out}
         if more:
             answer["more"] = True
@@ -331,17 +374,23 @@ async def encode_answer(answer: dict[str, Any]) -> bytes:
     """An answer of :meth:`ChunkEventLog.answer` as compact JSON; a resync's keys (up to
     :data:`MAX_HELD_KEYS`, megabytes of text) written :data:`_RESYNC_PIECE` at a time, the loop
     free between (the keys are a snapshot: later events follow from its ``seq``)."""
-    held = answer.get("held")
-    if held is None:
+    if "held" not in answer:
         return json.dumps(answer, separators=(",", ":")).encode()
-    head = json.dumps({k: v for k, v in answer.items() if k != "held"}, separators=(",", ":"))
-    parts = [head[:-1], ',"held":[']
-    for start in range(0, len(held), _RESYNC_PIECE):
-        if start:
-            parts.append(",")
-            await asyncio.sleep(0)
-        parts.append(",".join(map(str, held[start : start + _RESYNC_PIECE])))
-    parts.append("]}")
+    lists = ("held", "held_tier2")
+    head = json.dumps({k: v for k, v in answer.items() if k not in lists}, separators=(",", ":"))
+    parts = [head[:-1]]
+    for name in lists:
+        held = answer.get(name)
+        if held is None:
+            continue
+        parts.append(f',"{name}":[')
+        for start in range(0, len(held), _RESYNC_PIECE):
+            if start:
+                parts.append(",")
+                await asyncio.sleep(0)
+            parts.append(",".join(map(str, held[start : start + _RESYNC_PIECE])))
+        parts.append("]")
+    parts.append("}")
     return "".join(parts).encode()
 
 
@@ -373,8 +422,11 @@ async def follow_cache_events(cache: Any, instance: str, query: bytes, chunk_byt
     after = _query_value(params, "after", int, 0)
     asked = _query_value(params, "chunk_bytes", int, chunk_bytes)
     wait = _query_value(params, "wait", float, 0.0)
+    tiers = _query_value(params, "tiers", int, 0)
     if after < 0:
         raise HTTPError(400, f"GET /cache_events: after must be >= 0, got {after}", param="after")
+    if tiers not in (0, 1):
+        raise HTTPError(400, f"GET /cache_events: tiers must be 0 or 1, got {tiers}", param="tiers")
     if asked != chunk_bytes:
         raise HTTPError(400, f"GET /cache_events: chunk_bytes is this worker's {chunk_bytes} "
                              f"(--cache-events-chunk-bytes; a kv_cache_aware router's chunk_bytes must be it), "
@@ -385,10 +437,13 @@ async def follow_cache_events(cache: Any, instance: str, query: bytes, chunk_byt
     log = cache.chunks
     if log is None:
         log = cache.chunks = ChunkEventLog(instance, chunk_bytes, cache.block_size)
+        if getattr(cache, "tier2_tokens", 0):
+            log.tier_rates = {"kv_tier2_load_tokens_per_s": cache.load_tokens_per_s,
+                              "prefill_tokens_per_s": cache.prefill_tokens_per_s}  # fmt: skip
     names = params.get("instance")
     if names and names[-1] == instance:
         await log.wait(after, wait)
-    return await encode_answer(log.answer(after, names[-1] if names else None))
+    return await encode_answer(log.answer(after, names[-1] if names else None, tiers == 1))
 
 
 __all__ = ["MAX_ANSWER_BYTES", "MAX_EVENTS", "MAX_EVENT_BLOCKS", "MAX_EVENT_KEYS", "MAX_LOG_BYTES",

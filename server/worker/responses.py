@@ -64,6 +64,11 @@ def new_response_id(route: Route) -> str:
     return ("chatcmpl-" if route == "chat" else "cmpl-") + uuid.uuid4().hex
 
 
+#: fastcore's extension of ``usage.prompt_tokens_details``: of ``cached_tokens``, those loaded
+#: from the worker's second KV tier (docs/protocol.md)
+TIER2_CACHED_TOKENS = "tier2_cached_tokens"
+
+
 def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {
         wire.PROMPT_TOKENS: prompt_tokens,
@@ -91,7 +96,10 @@ def request_usage(req: ParsedRequest, completion_tokens: int, engine_req: Engine
         if type(value) is int and value >= 0:
             cached = value
     prompt_tokens = int(req.prompt_ids.size)
-    return usage_body(prompt_tokens, completion_tokens, min(cached, prompt_tokens))
+    usage = usage_body(prompt_tokens, completion_tokens, min(cached, prompt_tokens))
+    if engine_req.tier2_prefix and not engine_req.kv_imported:  # ours: of cached_tokens, tier 2's
+        usage[wire.PROMPT_TOKENS_DETAILS][TIER2_CACHED_TOKENS] = min(engine_req.tier2_prefix, prompt_tokens)
+    return usage
 
 
 def chat_logprobs(logprobs: list[TokenLogprob], tokenizer: Tokenizer) -> dict[str, Any]:

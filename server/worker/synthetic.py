@@ -181,15 +181,41 @@ class PrefixCacheModel:
     """The torch engine's prefix cache without the KV: which full blocks of ``BLOCK_SIZE`` ids are
     held, keyed by the same chained hash (:func:`chain_block_hashes`), least recently used first
     out beyond ``capacity_tokens``. The synthetic engine keeps one per worker; ``bench.trace``
-    replays a whole trace through one of the fleet's total size (its pooled oracle)."""
+    replays a whole trace through one of the fleet's total size (its pooled oracle).
 
-    def __init__(self, capacity_tokens: int, enabled: bool = True) -> None:
+    ``tier2_tokens``: a second tier (host memory, as SGLang's HiCache, vLLM's offloading): full
+    blocks evicted from the device go there instead of vanishing, least recently used first out
+    beyond it; a prefix hit there is loaded back (``tier2_hit``: its ids, which cost
+    ``ids / load_tokens_per_s`` instead of a prefill). A tier slower than recomputing
+    (``load_tokens_per_s`` below ``prefill_tokens_per_s``) is kept but never taken (SGLang's trap:
+    loading would cost more than the prefill it saves)."""
+
+    def __init__(
+        self,
+        capacity_tokens: int,
+        enabled: bool = True,
+        tier2_tokens: int = 0,
+        load_tokens_per_s: float = 0.0,
+        prefill_tokens_per_s: float = 0.0,
+    ) -> None:
         self.enabled = enabled
         self.capacity_tokens = capacity_tokens
         #: chained block hash -> None, least recently used first
         self._blocks: OrderedDict[bytes, None] = OrderedDict()
         self._max_blocks = max(1, capacity_tokens // BLOCK_SIZE)
         self.evicted_blocks = 0
+        self.tier2_tokens = tier2_tokens
+        self._tier2: OrderedDict[bytes, None] = OrderedDict()
+        self._max_tier2 = tier2_tokens // BLOCK_SIZE
+        #: ids a second a tier-2 hit loads (0: instantly), and the prefill's rate it is compared to
+        self.load_tokens_per_s = load_tokens_per_s
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+        #: tier-2 hits are loaded: there is a tier and loading beats recomputing
+        self.tier2_taken = self._max_tier2 > 0 and not (
+            load_tokens_per_s and prefill_tokens_per_s and load_tokens_per_s <= prefill_tokens_per_s
+        )
+        #: the ids of the last lookup served from tier 2
+        self.tier2_hit = 0
         #: trtllm-serve's KV cache events (server/worker/kv_events.py), once someone polls them
         self.events: KvEventLog | None = None
         #: the orchestrators' key space (GET /cache_events), once one follows it
@@ -205,41 +231,74 @@ class PrefixCacheModel:
     def cached_tokens(self) -> int:
         return len(self._blocks) * BLOCK_SIZE
 
+    @property
+    def tier2_cached_tokens(self) -> int:
+        return len(self._tier2) * BLOCK_SIZE
+
+    def load_seconds(self, ids: int) -> float:
+        """The time to load ``ids`` from tier 2."""
+        return ids / self.load_tokens_per_s if self.load_tokens_per_s else 0.0
+
     def lookup(self, ids: np.ndarray, root: bytes = b"") -> tuple[int, list[bytes]]:
-        """Ids of ``ids`` the cache serves (never the last one: its logits are computed), and every
-        full block's hash (chained from ``root``: the request's cache_salt, as the torch engine's
-        cache does). The blocks that hit become the most recently used."""
+        """Ids of ``ids`` the cache serves (never the last one: its logits are computed), device and
+        tier 2 together (``tier2_hit``: those of tier 2), and every full block's hash (chained from
+        ``root``: the request's cache_salt, as the torch engine's cache does). The device blocks
+        that hit become the most recently used; tier 2's are loaded back by :meth:`remember`."""
         hashes = [h for h, _ in chain_block_hashes(ids, BLOCK_SIZE, int(ids.size) // BLOCK_SIZE, 0, root)]
-        hit = 0
+        hit = tier2_hit = 0
         if self.enabled:
-            blocks = self._blocks
+            blocks, tier2, taken = self._blocks, self._tier2, self.tier2_taken
             for digest in hashes[: (int(ids.size) - 1) // BLOCK_SIZE]:
-                if digest not in blocks:
+                if digest in blocks:
+                    blocks.move_to_end(digest)
+                elif taken and digest in tier2:
+                    tier2_hit += 1
+                else:
                     break
-                blocks.move_to_end(digest)
                 hit += 1
+        self.tier2_hit = tier2_hit * BLOCK_SIZE
         return hit * BLOCK_SIZE, hashes
 
     def remember(self, hashes: list[bytes]) -> None:
-        """The blocks a prefill computed (or a KV import brought): held now, most recently used."""
+        """The blocks a prefill computed, a tier-2 hit loaded (or a KV import brought): held now,
+        most recently used; the device's least recently used go to tier 2, tier 2's out."""
         if not self.enabled:
             return
-        blocks = self._blocks
+        blocks, tier2 = self._blocks, self._tier2
         events = self.events
         new = [i for i, d in enumerate(hashes) if d not in blocks] if events is not None else []
+        loaded = [d for d in hashes if d in tier2] if tier2 else []
+        for digest in loaded:
+            del tier2[digest]
         for digest in hashes:
             blocks[digest] = None
             blocks.move_to_end(digest)
-        gone = []
+        gone, spilled = [], []
         while len(blocks) > self._max_blocks:
-            gone.append(blocks.popitem(last=False)[0])
+            digest = blocks.popitem(last=False)[0]
             self.evicted_blocks += 1
-        if events is not None:
+            if self._max_tier2:
+                tier2[digest] = None
+                spilled.append(digest)
+            else:
+                gone.append(digest)
+        dropped = []
+        while len(tier2) > self._max_tier2:
+            dropped.append(tier2.popitem(last=False)[0])
+        if events is not None:  # trtllm-serve's events say the device's blocks (cache level 0)
             if new:
                 events.stored(hashes[new[0] - 1] if new[0] else b"", [hashes[i] for i in new])
-            events.removed(gone)
-        if gone and self.chunks is not None:
-            self.chunks.evicted(gone)
+            events.removed(gone + spilled)
+        chunks = self.chunks
+        if chunks is not None:
+            if loaded:
+                chunks.moved(loaded, 1)
+            if spilled:
+                chunks.moved(spilled, 2)
+            if gone:
+                chunks.evicted(gone)
+            if dropped:
+                chunks.evicted(dropped, 2)
 
 
 class _PrefillJob:
@@ -343,6 +402,8 @@ class SyntheticEngine:
         bytes_per_token: int = DEFAULT_BYTES_PER_TOKEN,
         prefill_tokens_per_s: float = 0.0,
         script: Script | None = None,
+        kv_tier2_tokens: int = 0,
+        tier2_load_tokens_per_s: float = 0.0,
     ) -> None:
         self.tokenizer = SyntheticTokenizer(prompt_tokens, seed, bytes_per_token)
         #: --script: the texts the requests generate, in turn, instead of the position's words
@@ -353,10 +414,16 @@ class SyntheticEngine:
         self.prefill_s_per_token = prefill_s_per_token
         self.prefix_caching = prefix_caching
         #: the modelled prefix cache (text mode)
-        self.cache = PrefixCacheModel(kv_tokens, prefix_caching)
+        if kv_tier2_tokens < 0 or tier2_load_tokens_per_s < 0:
+            raise ValueError("--kv-tier2-tokens and --tier2-load-tokens-per-s must be >= 0")
+        self.cache = PrefixCacheModel(
+            kv_tokens, prefix_caching, kv_tier2_tokens, tier2_load_tokens_per_s, prefill_tokens_per_s
+        )
         #: the shared prefill compute (--prefill-tokens-per-s), or None: every prefill its own timer
         self.prefill_queue = PrefillQueue(prefill_tokens_per_s) if prefill_tokens_per_s else None
         self.prefix_hit_tokens = 0
+        #: of them, the ids loaded from tier 2
+        self.tier2_hit_tokens = 0
         self.prefill_computed_tokens = 0
         self.token_latency_s = token_latency_s
         self.max_num_seqs = max_num_seqs
@@ -389,6 +456,20 @@ class SyntheticEngine:
     def bytes_per_token(self) -> int | None:
         """Text bytes per prompt id (/server_info), in the text mode; None when every prompt is fixed ids."""
         return self.tokenizer.bytes_per_token if self.tokenizer.from_text else None
+
+    @property
+    def kv_tiers_info(self) -> dict[str, Any]:
+        """/server_info's tier figures (docs/protocol.md): tier 2's size and load rate beside the
+        prefill rate, so that a router weighs a tier-2 hit (nothing without a tier)."""
+        cache = self.cache
+        if not cache.tier2_tokens:
+            return {}
+        info: dict[str, Any] = {"kv_tier2_capacity_tokens": cache.tier2_tokens}
+        if cache.load_tokens_per_s:
+            info["kv_tier2_load_tokens_per_s"] = cache.load_tokens_per_s
+        if cache.prefill_tokens_per_s:
+            info["prefill_tokens_per_s"] = cache.prefill_tokens_per_s
+        return info
 
     @property
     def prefix_evicted_blocks(self) -> int:
@@ -479,6 +560,8 @@ class SyntheticEngine:
             hit = 0
             if modelled:
                 hit, hashes = self._prefix(req.prompt_ids, req.cache_root)
+                req.tier2_prefix = self.cache.tier2_hit
+                self.tier2_hit_tokens += req.tier2_prefix
             req.cached_prefix = hit
             self.prefix_hit_tokens += hit
             self.prefill_computed_tokens += prompt_len - hit
@@ -492,15 +575,19 @@ class SyntheticEngine:
         if queue is None:
             to_compute = uncached()
             delay = self.prefill_latency_s + (to_compute * self.prefill_s_per_token if modelled else 0.0)
+            delay += self.cache.load_seconds(req.tier2_prefix)  # a tier-2 hit is loaded, not computed
             if delay:
                 await asyncio.sleep(delay)
             computed()
             return
         if self.prefill_latency_s:  # fixed overhead, in parallel with others'
             await asyncio.sleep(self.prefill_latency_s)
-        if modelled and self.prefill_s_per_token:  # --prefill-ms-per-1k-tokens still adds its own
+        if modelled and (self.prefill_s_per_token or self.cache.load_tokens_per_s):
+            # the load from tier 2 is a copy of its own (not the prefill's compute), then the
+            # --prefill-ms-per-1k-tokens' time, if any
             await queue.run(uncached)
-            await asyncio.sleep((prompt_len - req.cached_prefix) * self.prefill_s_per_token)
+            delay = (prompt_len - req.cached_prefix) * self.prefill_s_per_token
+            await asyncio.sleep(delay + self.cache.load_seconds(req.tier2_prefix))
             computed()
         else:
             await queue.run(uncached, computed)
@@ -594,6 +681,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="the worker's prefill compute: prompt ids not served from the cache are computed "
                             "at this rate, shared first come first served, so prefills queue (default 0: "
                             "no shared compute)")  # fmt: skip
+    group.add_argument("--kv-tier2-tokens", type=int, default=0,
+                       help="--prompt-tokens 0: a second KV tier of this many tokens (host memory): full blocks "
+                            "evicted from the modelled cache go there, least recently used out, and a hit there is "
+                            "loaded back instead of prefilled (default 0: none)")  # fmt: skip
+    group.add_argument("--tier2-load-tokens-per-s", type=float, default=0.0,
+                       help="the rate a tier-2 hit loads at (default 0: instantly); at or below "
+                            "--prefill-tokens-per-s the tier is not taken (recomputing is faster)")  # fmt: skip
     group.add_argument("--script", default=None, metavar="FILE",
                        help="the text the requests generate, in turn: the file's text, or a .json file's list "
                             "of answer strings (tests of tool-call parsing and stream assembly)")  # fmt: skip
@@ -613,6 +707,8 @@ def build_engine(args: argparse.Namespace) -> SyntheticEngine:
         prefix_caching=args.prefix_caching,
         bytes_per_token=args.bytes_per_token,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
+        kv_tier2_tokens=args.kv_tier2_tokens,
+        tier2_load_tokens_per_s=args.tier2_load_tokens_per_s,
         script=None
         if args.script is None
         else Script.load(args.script, eos=SYNTHETIC_EOS, vocab=SYNTHETIC_VOCAB),
