@@ -44,6 +44,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
+from bench import engine_faults
 from bench.deploy import PYTHON, free_port, wait_healthy
 from bench.fault_proxy import FaultProxy
 from bench.loadgen import RESULTS_DIR, percentile
@@ -560,10 +561,35 @@ def main() -> None:
         "--hangups", type=int, default=0, help="hang-ups per client cell (default 50, --quick 10)"
     )
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument(
+        "--worker-protocol",
+        choices=["trtllm", *engine_faults.PROTOCOLS, "all"],
+        default="trtllm",
+        help="trtllm: the synthetic workers (this module's matrix); vllm, sglang: bench.engine_faults' "
+        "matrix on that engine's stand-ins; all: the three",
+    )
     args = parser.parse_args()
+    suffix = "_quick" if args.quick else ""
+    engines = engine_faults.PROTOCOLS if args.worker_protocol == "all" else ()
+    if args.worker_protocol in engine_faults.PROTOCOLS:
+        engines = (args.worker_protocol,)
+    if engines:
+        engine_cells = [
+            c
+            for p in engines
+            for c in asyncio.run(engine_faults.run_protocol(p, args.quick, args.concurrency, args.hangups))
+        ]
+        print(engine_faults.table(engine_cells))
+        print("\n".join(engine_faults.verdicts(engine_cells)))
+        out = RESULTS_DIR / f"faults_engines{suffix}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(
+            json.dumps({"quick": args.quick, "cells": engine_faults.to_json(engine_cells)}, indent=1)
+        )
+        if args.worker_protocol != "all":
+            return
     cells = asyncio.run(run(args))
     print(table(cells))
-    suffix = "_quick" if args.quick else ""
     out = RESULTS_DIR / f"faults{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"context_timeout_s": CONTEXT_TIMEOUT_S, "generation_first_byte_timeout_s": FIRST_BYTE_TIMEOUT_S, "breaker_open_s": BREAKER_OPEN_S,
