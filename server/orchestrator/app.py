@@ -80,7 +80,8 @@ from .legs import (
 from .metrics import CPU_SAMPLE_EVERY, NO_CLOCK, Clock, CpuClock, OrchestratorMetrics
 from .pair import PairRunner
 from .pools import HealthChecker, Pool, Worker
-from .protocols import make_protocol
+from .protocols import AUTO, make_protocol
+from .protocols.detect import guard_probe, probe_of, resolve_auto
 from .relay_modes import ClientRequest, answer_as_sse
 from .routing import (
     BYTES_PER_TOKEN,
@@ -139,6 +140,8 @@ class Orchestrator:
         #: what the legs speak to the workers (protocols/: trtllm-serve's, vLLM's): their bodies (its relay),
         #: headers, KV releases and capability probe
         self.protocol = make_protocol(config)
+        #: ``worker_protocol: auto`` chose it (start_server): a worker that turns up as another is kept out
+        self.protocol_detected = False
         self.relay = self.protocol.relay
         ctx_router, gen_router = config.context_servers.router, config.generation_servers.router
         breakers = {"breaker_failures": config.circuit_breaker_failures, "breaker_open_s":
@@ -255,7 +258,9 @@ class Orchestrator:
             on_change=self._record_health,
             capabilities_path=self.protocol.capabilities_path,
             capabilities_of=self.protocol.capabilities,
-            probe=getattr(self.protocol, "probe", None),
+            probe=guard_probe(self.protocol.name, probe_of(self.protocol))
+            if self.protocol_detected
+            else getattr(self.protocol, "probe", None),
         )
         self.health.start()
         # kv_cache_aware pools follow their workers' cache events (cache_view.py)
@@ -1026,7 +1031,11 @@ async def start_server(
 ) -> tuple[HTTPServer, Orchestrator]:
     """Start serving on ``config.hostname:config.port``; the caller ``await server.cleanup()``.
     ``fleet``: one of ``--workers N``, sharing slots, rate limits and breakers (fleet.py)."""
+    detected = config.worker_protocol == AUTO
+    if detected:
+        config = await resolve_auto(config)
     orchestrator = Orchestrator(config)
+    orchestrator.protocol_detected = detected
     if fleet is not None:
         fleet.join(orchestrator)
     server = await orchestrator.start(reuse_port=reuse_port)

@@ -105,7 +105,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--worker-protocol",
         choices=WORKER_PROTOCOLS,
         help="what the legs speak to the workers: trtllm (trtllm-serve's disaggregated protocol), vllm "
-        "(vLLM's NixlConnector: kv_transfer_params) or sglang (SGLang's bootstrap: both legs at once)",
+        "(vLLM's NixlConnector: kv_transfer_params), sglang (SGLang's bootstrap: both legs at once) or auto (read "
+        "from each worker at startup)",
     )
     parser.add_argument(
         "--vllm-transfer",

@@ -35,7 +35,7 @@ log = logging.getLogger("fastcore.orchestrator")
 RelayModeName = Literal["fast", "parsed", "parsed-msgpack"]
 RELAY_MODES: tuple[str, ...] = get_args(RelayModeName)
 #: the protocol the legs speak to the workers (server/orchestrator/protocols/ implements them)
-WorkerProtocolName = Literal["trtllm", "vllm", "sglang"]
+WorkerProtocolName = Literal["trtllm", "vllm", "sglang", "auto"]
 WORKER_PROTOCOLS: tuple[str, ...] = get_args(WorkerProtocolName)
 #: vLLM's KV connector (worker_protocol: vllm): NIXL (sequential, the decode pulls) or Mooncake (concurrent)
 VllmTransfer = Literal["nixl", "mooncake"]
@@ -270,7 +270,8 @@ class OrchestratorConfig(BaseModel):
     relay: RelayModeName = "fast"
     # What the legs speak: trtllm-serve's disaggregated protocol, vLLM's (NixlConnector:
     # kv_transfer_params from the prefill's answer spliced into the decode leg), or SGLang's
-    # (bootstrap: both legs at once, pair.py); protocols/
+    # (bootstrap: both legs at once, pair.py); protocols/; auto: read from the workers at startup
+    # (protocols/detect.py)
     worker_protocol: WorkerProtocolName = "trtllm"
     # worker_protocol: vllm's connector: nixl (prefill, then decode with the prefill's kv_transfer_params)
     # or mooncake (both legs at once on a router-minted transfer_id, pair.py), whose prefills serve

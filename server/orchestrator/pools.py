@@ -71,7 +71,7 @@ class Capabilities:
     """What a worker's ``/server_info`` says it can do (everything False / None on any doubt)."""
 
     __slots__ = ("b64_completions", "bootstrap_port", "bytes_per_token", "cache_salt_completions",
-                 "engine_id", "kv_capacity_tokens", "local_prefill")  # fmt: skip
+                 "engine_id", "kv_capacity_tokens", "local_prefill", "refused")  # fmt: skip
 
     def __init__(
         self,
@@ -82,6 +82,7 @@ class Capabilities:
         cache_salt_completions: bool = False,
         bootstrap_port: int | None = None,
         engine_id: str | None = None,
+        refused: str | None = None,
     ) -> None:
         self.b64_completions = b64_completions
         self.local_prefill = local_prefill
@@ -95,6 +96,8 @@ class Capabilities:
         self.bootstrap_port = bootstrap_port
         #: a vLLM Mooncake prefill's engine id, from its bootstrap server's ``/query``
         self.engine_id = engine_id
+        #: why the worker is kept out of routing (worker_protocol: auto: it speaks another protocol)
+        self.refused = refused
 
     @classmethod
     def of(cls, info: object) -> Capabilities:
@@ -486,6 +489,8 @@ class HealthChecker:
         #: a protocol whose probe reads more than one answer (vLLM Mooncake's bootstrap /query) runs it
         #: instead
         self.probe = probe
+        #: worker URL -> why its probe keeps it out (logged once per reason)
+        self._refused: dict[str, str] = {}
         self.session = session
         self.interval = interval
         self.timeout = aiohttp.ClientTimeout(total=timeout)
@@ -516,7 +521,15 @@ class HealthChecker:
             healthy = False
         worker.served = 0
         if healthy and not worker.healthy:
-            self._set_capabilities(pool, worker, await self.read_capabilities(worker))
+            caps = await self.read_capabilities(worker)
+            if caps.refused is not None:
+                if self._refused.get(worker.url) != caps.refused:
+                    log.warning("%s worker %s is kept out of routing: %s", pool.name, worker.url, caps.refused)
+                self._refused[worker.url] = caps.refused
+                healthy = False
+            else:
+                self._refused.pop(worker.url, None)
+            self._set_capabilities(pool, worker, caps)
         if healthy != worker.healthy:
             # Down or back: a worker that comes back may have restarted with an empty cache.
             pool.forget(worker)

@@ -25,6 +25,8 @@ from .trtllm import TrtllmProtocol
 from .vllm import VllmProtocol, VllmRelay
 from .vllm_mooncake import VllmMooncakeProtocol, VllmMooncakeRelay
 
+#: the config's ``worker_protocol`` that reads each worker's (protocols/detect.py)
+AUTO = "auto"
 WorkerProtocol = TrtllmProtocol | VllmProtocol | VllmMooncakeProtocol | SglangProtocol
 #: config ``worker_protocol`` -> its class
 PROTOCOLS: dict[str, type[TrtllmProtocol] | type[VllmProtocol] | type[SglangProtocol]] = {
@@ -38,6 +40,8 @@ def _protocol_class(
     config: ProtocolConfig,
 ) -> type[TrtllmProtocol] | type[VllmProtocol] | type[VllmMooncakeProtocol] | type[SglangProtocol]:
     """``worker_protocol``'s class; vLLM's ``vllm_transfer: mooncake`` is its concurrent variant."""
+    if config.worker_protocol == AUTO:
+        raise ValueError("worker_protocol: auto is resolved from the workers first (app.start_server)")
     if config.worker_protocol == VllmProtocol.name and config.vllm_transfer == "mooncake":
         return VllmMooncakeProtocol
     return PROTOCOLS[config.worker_protocol]
@@ -48,11 +52,20 @@ def make_protocol(config: ProtocolConfig) -> WorkerProtocol:
 
 
 def refusal(config: ProtocolConfig) -> str | None:
-    """Why ``config``'s features cannot run on its ``worker_protocol`` (None: they can)."""
+    """Why ``config``'s features cannot run on its ``worker_protocol`` (None: they can; ``auto``'s are
+    asked again of the protocol the workers speak, once known)."""
+    if config.worker_protocol == AUTO:
+        if config.disagg_cluster is not None:
+            return (
+                "disagg_cluster: auto reads the listed workers at startup; with discovery name the "
+                "protocol (trtllm)"
+            )
+        return None
     return _protocol_class(config).refusal(config)
 
 
 __all__ = [
+    "AUTO",
     "PROTOCOLS",
     "SglangProtocol",
     "SglangRelay",
