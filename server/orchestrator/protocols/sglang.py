@@ -25,6 +25,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import fastcore
+import fastcore.protocol as wire
 from fastcore import JSONSpanError, RelayError
 from fastcore import relay as fastcore_relay
 from server.errors import HTTPError
@@ -148,7 +149,7 @@ class SglangProtocol:
     #: both legs at once (pair.py runs them), not context then generation
     concurrent = True
     releases_kv = False
-    capabilities_path = "/server_info"
+    capabilities_path = wire.SERVER_INFO_PATH
     #: what pair.py's log says a prefill it skips lacks
     bootstrap_source = "disaggregation_bootstrap_port in its /server_info"
 
