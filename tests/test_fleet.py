@@ -82,7 +82,17 @@ def test_the_twins_agree_word_for_word() -> None:
         for _ in range(3000):
             proc = rng.randrange(3)
             op = rng.choice(
-                ["acquire", "release", "clear", "entry", "take", "correct", "publish", "withdraw"]
+                [
+                    "acquire",
+                    "release",
+                    "clear",
+                    "entry",
+                    "take",
+                    "correct",
+                    "publish",
+                    "withdraw",
+                    "generation",
+                ]
             )
             key = rng.choice([1, -1, 7, 9, 2**62, -(2**63), 15])
             table = rng.choice([BUCKETS, BREAKERS])
@@ -96,6 +106,7 @@ def test_the_twins_agree_word_for_word() -> None:
                 "correct": (rng.randrange(8), now, rng.randrange(-70 * SECOND, 70 * SECOND)),
                 "publish": (rng.randrange(4), now),
                 "withdraw": (rng.randrange(4), rng.choice([0, now])),
+                "generation": (),
             }[op]
             results = []
             for twin in cores:
@@ -400,8 +411,8 @@ def test_a_full_breaker_table_keeps_that_worker_s_breaker_per_process(
         for fleet, pool in zip(fleets, pools):
             fleet.sync_breakers([pool])
         assert pools[1].workers[1].breaker.state == pools[1].workers[1].breaker.CLOSED
-        # a worker gone from the pools is forgotten at the next exchange
-        pools[0].workers.pop()
+        # a worker gone from the pools (which replace their member list) is forgotten at the next exchange
+        pools[0].workers = pools[0].workers[:1]
         fleets[0].sync_breakers([pools[0]])
         assert list(fleets[0]._breakers) == [("context", urls[0])]
     finally:
@@ -427,3 +438,105 @@ async def test_the_breaker_exchange_runs_on_its_own(use_core: Any, mapping: Mapp
         for fleet in fleets:
             await fleet.stop()
     assert all(fleet._sync is None for fleet in fleets)
+
+
+def test_an_exchange_with_nothing_new_is_skipped_and_a_new_end_is_not(
+    use_core: Any, mapping: Mapping
+) -> None:
+    """The exchange reads the published ends' generation and the pools' epoch first: a quiet one
+    does nothing; an end published by another process (the generation bumped) is honoured."""
+    clock = FakeClock()
+    fleet = Fleet(mapping, 1)
+    fleet.clock = clock
+    pool = Pool("context", ["http://127.0.0.1:9"], "round_robin")
+    fleet.sync_breakers([pool])
+    seen = fleet._seen
+    fleet.sync_breakers([pool])
+    assert fleet._seen is seen  # skipped
+    other = fleet_module.Core(mapping, 0)
+    entry = other.entry(BREAKERS, fleet_module.key_of("breaker", "context", "http://127.0.0.1:9"))
+    before = other.generation()
+    other.publish(entry, clock.now + 3 * SECOND)
+    assert other.generation() == before + 1
+    fleet.sync_breakers([pool])
+    breaker = pool.workers[0].breaker
+    assert breaker.state == breaker.OPEN and abs(breaker.open_for - 3.0) < 1e-6
+    assert other.withdraw(entry, clock.now + 3 * SECOND) and other.generation() == before + 2
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["per-process", "fleet"])
+async def test_a_waiter_cancelled_in_the_pass_its_slot_frees_is_passed_over(
+    shared: bool, use_core: Any, mapping: Mapping
+) -> None:
+    """A queued client leaves (its task cancelled: its future is cancelled at once, its handler runs
+    on the next pass) in the same pass as a slot is given back: the slot goes to the next in line,
+    not to the cancelled future (which raised InvalidStateError in the releasing request and lost
+    the slot)."""
+    config = AdmissionConfig(max_inflight=1)
+    admission = (
+        fleet_admissions(mapping, config, FakeClock())[0]
+        if shared
+        else Admission(config, Registry(), retry_after_s=1)
+    )
+    tenant = Tenant("alpha")
+    holder = admission.slot(tenant, BODY)
+    await holder.__aenter__()
+    entered: list[str] = []
+
+    async def wait(name: str) -> None:
+        async with admission.slot(tenant, BODY):
+            entered.append(name)
+            await asyncio.sleep(3600)
+
+    leaving = asyncio.ensure_future(wait("leaving"))
+    staying = asyncio.ensure_future(wait("staying"))
+    while admission.queued < 2:
+        await asyncio.sleep(0)
+    leaving.cancel()
+    await holder.__aexit__(None, None, None)  # in the same pass
+    while not entered:
+        await asyncio.sleep(0)
+    assert entered == ["staying"] and admission.inflight == 1 and admission.queued == 0
+    if shared:
+        assert admission.fleet is not None and admission.fleet.core.total() == 1
+    staying.cancel()
+    await asyncio.gather(leaving, staying, return_exceptions=True)
+    assert admission.inflight == 0
+    if shared:
+        assert admission.fleet is not None and admission.fleet.core.total() == 0
+
+
+async def test_a_waiter_cancelled_in_the_pass_it_is_pushed_out_is_passed_over() -> None:
+    """A full queue's newcomer takes the place of the heaviest tenant's last in line, whose client
+    left in the same loop pass (its future already cancelled): the place is taken, no
+    InvalidStateError in the newcomer's request."""
+    admission = Admission(AdmissionConfig(max_inflight=1, max_queue=2), Registry(), retry_after_s=1)
+    heavy, light = Tenant("heavy"), Tenant("light")
+    holder = admission.slot(heavy, BODY)
+    await holder.__aenter__()
+
+    async def wait(tenant: Tenant) -> None:
+        async with admission.slot(tenant, BODY):
+            await asyncio.sleep(3600)
+
+    first = asyncio.ensure_future(wait(heavy))
+    while admission.queued < 1:
+        await asyncio.sleep(0)
+    leaving = asyncio.ensure_future(wait(heavy))
+    while admission.queued < 2:
+        await asyncio.sleep(0)
+
+    async def newcomer() -> None:
+        leaving.cancel()  # its handler runs on the next pass; the newcomer pushes in this one
+        await wait(light)
+
+    coming = asyncio.ensure_future(newcomer())
+    while not leaving.done():
+        await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert not coming.done() and admission.queued == 2
+    for task in (first, coming):
+        task.cancel()
+    await asyncio.gather(first, leaving, coming, return_exceptions=True)
+    await holder.__aexit__(None, None, None)
+    assert admission.inflight == 0 and admission.queued == 0

@@ -443,22 +443,27 @@ class Admission:
             return False  # the newcomer's own tenant holds the most: only a more urgent request gets in
         waiter = worst[2]
         self._remove(waiter)
-        waiter.future.set_result("queue_full")
+        if not waiter.future.done():  # done: its client left in this loop pass, its place is free anyway
+            waiter.future.set_result("queue_full")
         return True
 
     def release(self) -> None:
         self.inflight -= 1
         if self.fleet is not None:
             self.fleet.core.release()
+        self._serve_waiters()
+
+    def _serve_waiters(self) -> None:
+        """Slots to the next in line while there is room (a fleet's slot taken as it is checked)."""
         while self.queued and self._room():
-            self._grant(self._next())
+            if not self._grant(self._next()) and self.fleet is not None:
+                self.fleet.core.release()  # not taken after all
 
     def _look_for_slots(self) -> None:
         """While requests wait here, slots other processes gave back (``--workers N``) are looked for
         every POLL_S: this process hears only of its own releases."""
         self._poll = None
-        while self.queued and self._room():
-            self._grant(self._next())
+        self._serve_waiters()
         if self.queued:
             self._poll = asyncio.get_running_loop().call_later(POLL_S, self._look_for_slots)
 
@@ -497,14 +502,19 @@ class Admission:
         queue.waiting -= 1
         self.queued -= 1
 
-    def _grant(self, waiter: _Waiter) -> None:
+    def _grant(self, waiter: _Waiter) -> bool:
+        """The slot to ``waiter``; False when its client has just left: its task was cancelled (its
+        future with it) in this loop pass, before its handler could take it out of the queue."""
         self._take_out(waiter)
         if not waiter.queue.waiting:
             waiter.queue.heap.clear()
             waiter.queue.left = 0
+        if waiter.future.done():
+            return False
         self.inflight += 1
         waiter.queue.admitted += 1
         waiter.future.set_result(None)
+        return True
 
     def _remove(self, waiter: _Waiter) -> None:
         """A waiter that leaves the queue without a slot."""
