@@ -17,14 +17,16 @@ from ._fleet cimport fc_cas, fc_exchange, fc_fetch_add, fc_load
 
 
 cdef enum:
-    # .fleet's HEADER_WORDS, W_PROCS, W_BUCKETS, W_BREAKERS
+    # .fleet's HEADER_WORDS, W_PROCS, W_BUCKETS, W_BREAKERS, W_GENERATION
     HEADER_WORDS = 8
     W_PROCS = 1
     W_BUCKETS = 2
     W_BREAKERS = 3
+    W_GENERATION = 4
 
 #: the enum above, for the test that pins it to .fleet's LAYOUT
-LAYOUT = {"HEADER_WORDS": HEADER_WORDS, "W_PROCS": W_PROCS, "W_BUCKETS": W_BUCKETS, "W_BREAKERS": W_BREAKERS}
+LAYOUT = {"HEADER_WORDS": HEADER_WORDS, "W_PROCS": W_PROCS, "W_BUCKETS": W_BUCKETS, "W_BREAKERS": W_BREAKERS,
+          "W_GENERATION": W_GENERATION}
 
 
 cdef class Core:
@@ -143,6 +145,11 @@ cdef class Core:
             if fc_cas(tat, &seen, target):
                 return
 
+    def generation(self):
+        """Bumped by each change of a published end: a process with nothing new of its own skips
+        its exchange while it reads the same."""
+        return fc_load(self.words + W_GENERATION)
+
     def until(self, Py_ssize_t entry):
         """A breaker's published end (monotonic ns; 0: none)."""
         return fc_load(self._value(1, entry))
@@ -153,8 +160,12 @@ cdef class Core:
         cdef int64_t seen = fc_load(word)
         while seen < until:
             if fc_cas(word, &seen, until):
+                fc_fetch_add(self.words + W_GENERATION, 1)
                 return
 
     def withdraw(self, Py_ssize_t entry, int64_t seen):
         """The published end ``seen`` withdrawn (a probe succeeded); True if it was still the one."""
-        return bool(fc_cas(self._value(1, entry), &seen, 0))
+        if fc_cas(self._value(1, entry), &seen, 0):
+            fc_fetch_add(self.words + W_GENERATION, 1)
+            return True
+        return False

@@ -24,10 +24,12 @@ What is shared, and how exactly (docs/configuration.md, "Several processes on on
   (GCRA, the token bucket's one-number form: a level of ``capacity - (tat - now) * rate``), changed by
   compare-exchange. Exact across the fleet: N processes admit what one would.
 - **Breakers**: a worker's breaker that opens in one process publishes its end (monotonic ns) in a
-  second table; every process copies an end later than its own into its breaker within
-  :data:`BREAKER_SYNC_S`, so the worker gets no new leg from any of them until that end, then one
-  half-open probe from each that still has it open; a process whose own probe succeeds withdraws the
-  end it knew.
+  second table at that process's next exchange (every :data:`BREAKER_SYNC_S`); every other process
+  copies an end later than its own into its breaker at its next, so within two exchanges the worker
+  gets no new leg from any of them until that end, then one half-open probe from each that still
+  has it open; a process whose own probe succeeds withdraws the end it knew. An exchange with
+  nothing new (no end published or withdrawn, no breaker, health or member change here) is two
+  loads.
 
 ``/metrics`` needs nothing of this: each process's counts are its own and the page sums them
 (server/metrics.py's multiprocess mode), so ``admission_inflight`` is the fleet's once.
@@ -50,6 +52,8 @@ from typing import TYPE_CHECKING, Any
 from fastcore import NO_EXTENSIONS
 from server.tasks import stop_tasks
 
+from .pools import _ROUTABLE_EPOCH
+
 if TYPE_CHECKING:
     from .pools import Pool
 
@@ -58,18 +62,26 @@ log = logging.getLogger("fastcore.orchestrator")
 #: the mapping's first word
 MAGIC = 0x31_54_45_45_4C_46_43_46  # "FCFLEET1", little-endian
 HEADER_WORDS = 8
-#: header words: the magic, the process count, the bucket and breaker table sizes (_fleet.pyx's enum)
-W_MAGIC, W_PROCS, W_BUCKETS, W_BREAKERS = 0, 1, 2, 3
+#: header words: the magic, the process count, the bucket and breaker table sizes, the breakers'
+#: generation (bumped by each change of a published end) (_fleet.pyx's enum)
+W_MAGIC, W_PROCS, W_BUCKETS, W_BREAKERS, W_GENERATION = 0, 1, 2, 3, 4
 #: what the tests pin the compiled twin's enum to
-LAYOUT = {"HEADER_WORDS": HEADER_WORDS, "W_PROCS": W_PROCS, "W_BUCKETS": W_BUCKETS, "W_BREAKERS": W_BREAKERS}
+LAYOUT = {
+    "HEADER_WORDS": HEADER_WORDS,
+    "W_PROCS": W_PROCS,
+    "W_BUCKETS": W_BUCKETS,
+    "W_BREAKERS": W_BREAKERS,
+    "W_GENERATION": W_GENERATION,
+}
 #: (tenant, limit) buckets and breakers the tables hold (a full table: that bucket stays per process)
 BUCKET_ENTRIES = 4096
 BREAKER_ENTRIES = 1024
 BUCKETS, BREAKERS = 0, 1
 #: seconds between a waiting process's looks for a slot another process gave back
 POLL_S = 0.002
-#: seconds between a process's breaker publications and its reads of the others'
-BREAKER_SYNC_S = 0.02
+#: seconds between a process's breaker exchanges (each two loads when nothing changed): another
+#: process's open breaker is honoured here within two of them
+BREAKER_SYNC_S = 0.01
 #: a token bucket holds one minute's worth (admission.py's TokenBucket)
 MINUTE_NS = 60_000_000_000
 
@@ -250,6 +262,9 @@ class PureCore:
         finally:
             self._unlock()
 
+    def generation(self) -> int:
+        return self.words[W_GENERATION]
+
     def until(self, entry: int) -> int:
         return self.words[self._value(BREAKERS, entry)]
 
@@ -259,6 +274,7 @@ class PureCore:
         try:
             if self.words[word] < until:
                 self.words[word] = until
+                self.words[W_GENERATION] += 1
         finally:
             self._unlock()
 
@@ -269,6 +285,7 @@ class PureCore:
             if self.words[word] != seen:
                 return False
             self.words[word] = 0
+            self.words[W_GENERATION] += 1
             return True
         finally:
             self._unlock()
@@ -333,6 +350,8 @@ class Fleet:
         self.clock = time.monotonic_ns
         self._breakers: dict[tuple[str, str], list[int]] = {}
         self._sync: asyncio.Task[None] | None = None
+        #: what the last exchange saw: the published ends' generation, the pools' epoch, their member lists
+        self._seen: tuple[int, int, list[Any]] | None = None
         #: the tables found full (each said once)
         self._full: set[int] = set()
 
@@ -379,7 +398,18 @@ class Fleet:
     def sync_breakers(self, pools: list[Pool]) -> None:
         """One exchange: breakers this process opened since the last one published, a later end
         published by another copied into this process's breaker, an end withdrawn by a probe here
-        that succeeded."""
+        that succeeded. Skipped (two loads) while no published end, no breaker or health of this
+        process (pools' epoch) and no pool's member list changed since the last."""
+        seen = (self.core.generation(), _ROUTABLE_EPOCH[0], [pool.workers for pool in pools])
+        last = self._seen
+        if (
+            last is not None
+            and last[:2] == seen[:2]
+            and len(last[2]) == len(seen[2])
+            and all(a is b for a, b in zip(last[2], seen[2]))
+        ):
+            return
+        self._seen = seen
         now = self.clock()
         records, self._breakers = self._breakers, {}
         for pool in pools:
