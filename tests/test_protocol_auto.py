@@ -124,6 +124,11 @@ async def test_auto_speaks_what_the_workers_speak(kind: str) -> None:
             port = server.sockets[0].getsockname()[1]
             async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT_BODY) as resp:
                 assert resp.status == 200, await resp.text()
+            async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
+                page = await resp.text()
+            transfer = {"vllm": "nixl", "sglang": "bootstrap", "trtllm": "disaggregated_params"}[kind]
+            line = f'fastcore_orchestrator_worker_protocol{{protocol="{kind}",transfer="{transfer}"}} 1.0'
+            assert line in page.splitlines(), [x for x in page.splitlines() if "worker_protocol" in x]
         finally:
             await server.cleanup()
 

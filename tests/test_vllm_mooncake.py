@@ -237,6 +237,9 @@ async def test_answers_what_one_vllm_worker_answers(request_path: str, route: st
         assert ktp["transfer_id"] == prefill.body["kv_transfer_params"]["transfer_id"]
         assert ktp["remote_bootstrap_addr"] == stack.prefill.bootstrap_addr
         assert decode.body == {"kv_transfer_params": ktp, **body}
+        async with stack.session.get(stack.url + "/metrics") as resp:
+            page = (await resp.text()).splitlines()
+        assert 'fastcore_orchestrator_worker_protocol{protocol="vllm",transfer="mooncake"} 1.0' in page
 
 
 async def test_a_failed_prefill_cuts_the_waiting_decode_and_is_a_502(request_path: str) -> None:

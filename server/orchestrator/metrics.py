@@ -78,6 +78,7 @@ class OrchestratorMetrics:
         self._prefix_routing(registry, orchestrator.pools)
         bytes_per_token(registry, orchestrator.pools)
         self._latencies(registry)
+        self._protocol(registry, getattr(orchestrator, "protocol", None))
         _server_stats(registry, orchestrator)
         self.cpu_phase = {phase: bind_histogram(self.cpu.labels(phase=phase), registry) for phase in PHASES}
         self.retries_leg = {leg: bind_counter(self.retries.labels(leg=leg), registry) for leg in LEGS}
@@ -231,6 +232,20 @@ class OrchestratorMetrics:
 
         registry.before_collect(prefix_counts)
         routing_quality(registry, kv_pools)
+
+    def _protocol(self, registry: Registry, protocol: Any) -> None:
+        """One gauge naming what the legs speak, set once: one protocol per deployment, so a label on
+        every leg counter would only repeat it (and cost a lookup per request); a query joins on it."""
+        if protocol is None:
+            return
+        registry.gauge(
+            "fastcore_orchestrator_worker_protocol",
+            "1 for the protocol the legs speak to the workers (worker_protocol; auto: the one the workers "
+            "speak) and how the KV moves (transfer: vLLM's connector, SGLang's bootstrap, trtllm-serve's "
+            "disaggregated_params).",
+            ("protocol", "transfer"),
+            multiprocess_mode="livemax",
+        ).set(1.0, protocol=protocol.name, transfer=getattr(protocol, "transfer", ""))
 
     def _latencies(self, registry: Registry) -> None:
         self.cpu = registry.histogram(

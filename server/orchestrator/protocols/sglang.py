@@ -146,6 +146,8 @@ class SglangProtocol:
     prefill's bootstrap port from ``/server_info``."""
 
     name = "sglang"
+    #: how the KV moves (the /metrics gauge fastcore_orchestrator_worker_protocol's label)
+    transfer = "bootstrap"
     #: both legs at once (pair.py runs them), not context then generation
     concurrent = True
     releases_kv = False

@@ -24,6 +24,8 @@ class TrtllmProtocol:
     """trtllm-serve's legs: the relay mode's bodies, its ``x-trtllm-disagg-auth``, /kv releases."""
 
     name = "trtllm"
+    #: how the KV moves (the /metrics gauge fastcore_orchestrator_worker_protocol's label)
+    transfer = "disaggregated_params"
     #: the legs one after the other (context, then generation); sglang.py's run at once
     concurrent = False
     #: a fastcore context worker parks the prompt's KV behind an id, released by ``DELETE /kv/...``

@@ -220,6 +220,8 @@ class VllmProtocol:
     no release endpoint, capabilities from ``/v1/models``."""
 
     name = "vllm"
+    #: how the KV moves (the /metrics gauge fastcore_orchestrator_worker_protocol's label)
+    transfer = "nixl"
     #: the legs one after the other (context, then generation); sglang.py's run at once
     concurrent = False
     releases_kv = False

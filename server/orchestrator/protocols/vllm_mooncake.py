@@ -81,6 +81,7 @@ class VllmMooncakeProtocol(VllmProtocol):
     bootstrap server (:meth:`probe`)."""
 
     concurrent = True
+    transfer = "mooncake"
     #: what pair.py's log says a prefill it skips lacks
     bootstrap_source = (
         "an engine id at its Mooncake bootstrap server's GET /query (vllm_mooncake_bootstrap_port)"
