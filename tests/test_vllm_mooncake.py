@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from engine_standin import Answer, Received, Refused, Route, iter_events, streamed_text
 from helpers import eventually
 from vllm_standin import KVPlane, VllmStandin, start_vllm
@@ -164,11 +165,13 @@ def legs(worker: VllmStandin) -> list[Received]:
 
 
 @asynccontextmanager
-async def mooncake_stack(request_path: str, **config: Any) -> AsyncIterator[Stack]:
+async def mooncake_stack(
+    request_path: str, prefill_class: type[Leg] = Leg, **config: Any
+) -> AsyncIterator[Stack]:
     """A Mooncake prefill (its bootstrap server on a port from the kernel, the config's) and decode on one
     KV plane, a reference ``both`` worker, an orchestrator with ``vllm_transfer: mooncake``."""
     plane = KVPlane()
-    prefill = Leg("prefill", plane=plane, transfer_timeout_s=30.0)
+    prefill = prefill_class("prefill", plane=plane, transfer_timeout_s=30.0)
     decode = Leg("decode", plane=plane, transfer_timeout_s=30.0)
     for worker in (prefill, decode):
         await worker.start()
@@ -258,3 +261,19 @@ async def test_a_failed_decode_is_a_502(request_path: str) -> None:
         stack.decode.fault = None
         status, raw = await stack.post("completions", COMPLETION_BODY)
         assert status == 200 and stack.violations() == []
+
+
+class NoEngine(Leg):
+    """A prefill whose bootstrap server names no engine (``GET /query`` answers ``{}``)."""
+
+    async def _query(self, request: web.Request) -> web.Response:
+        return self.json({})
+
+
+async def test_a_prefill_whose_bootstrap_names_no_engine_is_never_chosen(request_path: str) -> None:
+    async with mooncake_stack(request_path, prefill_class=NoEngine) as stack:
+        (prefill,) = stack.orch.context_pool.workers
+        assert prefill.healthy and prefill.engine_id is None and prefill.bootstrap_port is None
+        status, raw = await stack.post("chat", CHAT_BODY)
+        assert status == 503 and "prefill worker" in json.loads(raw)["error"]["message"], raw[:300]
+        assert legs(stack.prefill) == [] and legs(stack.decode) == []
