@@ -32,6 +32,11 @@ By default the trace's last 300 requests (``--start``, ``--n``): its first
 ones mostly open conversations (5% of the first 400's tokens are reusable
 among them, 66% of the last 300's).
 
+``round_robin+tier2`` and ``kv_cache_aware+tier2``: the workers with a second KV tier of
+``--tier2-factor`` x their KV, loading at ``--tier2-load-tokens-per-s`` (evicted blocks go there; a
+hit there is loaded instead of prefilled); stderr also says the unbounded cache's hit fraction
+and the pooled oracle of device + tier 2.
+
 ``--quick``: the last 60 requests, 1 and 2 orchestrators, round_robin and kv_cache_aware.
 """
 
