@@ -219,3 +219,22 @@ def test_auto_with_discovery_is_refused() -> None:
     data = {"worker_protocol": "auto", "disagg_cluster": {"cluster_uri": "http://127.0.0.1:1"}}
     with pytest.raises(ConfigError, match="worker_protocol: auto: disagg_cluster"):
         build_config(data, environ={}).check_runnable()
+
+
+async def test_the_cli_says_why_a_mixed_pool_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    from server.orchestrator.cli import serve
+
+    vllm = VllmStandin("prefill", plane=KVPlane())
+    sglang = SglangStandin("decode", plane=BootstrapPlane())
+    await _started(vllm, sglang)
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            await serve(build_config(_auto([vllm], [sglang]), environ={}), reuse_port=False)
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith(
+            "fastcore-serve orchestrator: worker_protocol: auto: the workers speak more than one"
+        )
+    finally:
+        await vllm.stop()
+        await sglang.stop()

@@ -268,6 +268,9 @@ async def serve(config: OrchestratorConfig, *, reuse_port: bool, fleet: Fleet | 
             raise
         print(cannot_listen("orchestrator", config.hostname, config.port, why), file=sys.stderr)
         raise SystemExit(2) from None
+    except ConfigError as exc:  # worker_protocol: auto: the workers speak several protocols, or none
+        print(f"fastcore-serve orchestrator: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     # SIGHUP: the key file re-read (a bad one keeps the old keys); without one, a logged no-op
     # (as nginx's reload) rather than the signal's default, which ends the process.
     loop.add_signal_handler(signal.SIGHUP, reload_keys, orchestrator.keys)
