@@ -159,8 +159,9 @@ def test_decode_attention_kept_across_steps_equals_a_new_one_each_step(
     dense_bytes: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A batch's attention advanced step by step (its K/V gathered once into dense buffers, or
-    gathered each step past DENSE_DECODE_BYTES) gives the logits a fresh one gives, bit for bit;
-    blocks of 4 with lengths crossing block edges."""
+    gathered each step past DENSE_DECODE_BYTES) gives the logits a fresh one gives, bit for bit,
+    also after a sequence left it (the others keep their rows); blocks of 4, lengths crossing
+    block edges."""
     import server.worker.kv_cache as kv_cache
 
     monkeypatch.setattr(kv_cache, "DENSE_DECODE_BYTES", dense_bytes)
@@ -180,17 +181,19 @@ def test_decode_attention_kept_across_steps_equals_a_new_one_each_step(
         steps, attention = [], None
         g.manual_seed(3)
         with torch.no_grad():
-            for _ in range(7):
-                ids = torch.randint(0, config.vocab_size, (3,), generator=g)
+            for step in range(7):
+                if step == 4:  # the second sequence ends: the others go on
+                    del tables[1], lengths[1]
+                ids = torch.randint(0, config.vocab_size, (len(tables),), generator=g)
                 positions = torch.tensor(lengths)
                 lengths = [n + 1 for n in lengths]
                 if keep and attention is not None:
-                    attention.advance()
+                    attention.advance([0, 2] if step == 4 else None)
                 else:
                     attention = DecodeAttention(cache, tables, lengths)
                 assert bool(attention.capacity) == bool(dense_bytes)
                 steps.append(model.forward_step(ids, positions, attention))
-        runs.append(torch.stack(steps))
+        runs.append(torch.cat(steps))
     assert torch.equal(runs[0], runs[1])
 
 

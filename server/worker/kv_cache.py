@@ -390,8 +390,17 @@ class DecodeAttention:
         self.dense: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * cache.num_layers
         self._positions()
 
-    def advance(self) -> None:
-        """The next step of the same batch: every sequence one token longer."""
+    def advance(self, rows: list[int] | None = None) -> None:
+        """The next step of the same batch, every sequence one token longer; ``rows``: only these
+        of its sequences go on (the others ended), their dense K/V kept rather than gathered anew."""
+        if rows is not None:
+            idx = np.asarray(rows, dtype=np.int64)
+            self.table, self.lengths = self.table[idx], self.lengths[idx]
+            keep = torch.from_numpy(idx).to(self.cache.device)
+            self.dense = [
+                None if d is None else (d[0].index_select(0, keep), d[1].index_select(0, keep))
+                for d in self.dense
+            ]
         self.lengths += 1
         self._positions()
 
