@@ -264,3 +264,40 @@ async def test_a_worker_reports_tier2_hits_in_usage_its_rates_in_server_info_and
                 assert resp.status == 400 and (await resp.json())["error"]["param"] == "tiers"
     finally:
         await server.cleanup()
+
+
+async def test_an_orchestrators_follower_learns_a_workers_tiers_and_rates_over_http() -> None:
+    """A real worker's stream, followed: a prompt the worker spilled to tier 2 is in the router's
+    index as tier 2, and the weight is the one the worker's rates give."""
+    from server.orchestrator.cache_view import CacheView
+    from server.orchestrator.pools import Worker
+
+    engine = SyntheticEngine(0, bytes_per_token=1, kv_tokens=16 * BLOCK_SIZE, kv_tier2_tokens=16 * BLOCK_SIZE,
+                             tier2_load_tokens_per_s=4e7, prefill_tokens_per_s=1e7)  # fmt: skip
+    server, port = await start_worker(
+        engine, WorkerSettings(model_name="synthetic", cache_events_chunk_bytes=CHUNK)
+    )
+    worker = Worker(f"http://127.0.0.1:{port}")
+    worker.healthy = True
+    router = KvCacheAwareRouter({"chunk_bytes": CHUNK})
+    view = CacheView([], None, wait_s=0.0)
+    follower = _Follower(view, router, worker)
+    bodies = [json.dumps({"model": "synthetic", "messages": [{"role": "user", "content": c * 200}],
+                          "max_tokens": 1}).encode() for c in "ab"]  # fmt: skip
+    try:
+        await follower.poll_once()  # the resync: the log starts, the rates come
+        assert worker in router.followed and router.tier_weight_of(worker) == pytest.approx(0.75)
+        async with aiohttp.ClientSession() as session:
+            for body in bodies:
+                async with session.post(f"{worker.url}/v1/chat/completions", data=body,
+                                        headers={"Content-Type": "application/json"}) as resp:  # fmt: skip
+                    assert resp.status == 200
+        await follower.poll_once()
+        hashes = request_key(bodies[0], True, None).hashes(CHUNK)
+        index = router.index(worker)
+        held = index.longest_prefix(hashes)
+        assert held == len(hashes) and 0 < index.tier2_count(hashes, held) <= held
+        assert index.tier2_count(request_key(bodies[1], True, None).hashes(CHUNK), held) == 0
+    finally:
+        follower.close()
+        await server.cleanup()
