@@ -238,3 +238,19 @@ async def test_the_cli_says_why_a_mixed_pool_is_refused(capsys: pytest.CaptureFi
     finally:
         await vllm.stop()
         await sglang.stop()
+
+
+async def test_a_silent_worker_is_skipped_and_named(caplog: pytest.LogCaptureFixture) -> None:
+    gone = Nobody()
+    await gone.start()
+    await gone.stop()  # its port now refuses connections: a worker not up yet
+    async with stood_up("vllm") as (prefills, decodes):
+        data = _auto(prefills, decodes)
+        data["generation_servers"]["urls"].append(gone.url)
+        with caplog.at_level(logging.WARNING, logger="fastcore.orchestrator"):
+            server, orch = await start_server(build_config(data, environ={}))
+        try:
+            assert orch.protocol.name == "vllm"
+            assert f"worker_protocol: auto: {gone.url} did not answer; decided from the others" in caplog.text
+        finally:
+            await server.cleanup()

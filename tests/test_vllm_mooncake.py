@@ -11,6 +11,7 @@ decode that fails is the client's 502. The stand-ins and the orchestrator share 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import json
 from collections.abc import AsyncIterator
@@ -130,9 +131,13 @@ class Leg(VllmStandin):
         self.cut = asyncio.Event()
         #: False: a prefill that fails (500) without pushing, once its decode waits for the push
         self.pushes = True
+        #: True: a prefill that never answers (nor pushes)
+        self.stalls = False
 
     async def serve(self, request: Any, rec: Received, route: Route) -> Answer:
         try:
+            if self.stalls:
+                await self.wait_forever()
             if not self.pushes:
                 await eventually(lambda: bool(self.plane.waiting), timeout=30)
                 raise Refused("Prefill failed before its push (stand-in)", 500, "InternalServerError")
@@ -277,3 +282,24 @@ async def test_a_prefill_whose_bootstrap_names_no_engine_is_never_chosen(request
         status, raw = await stack.post("chat", CHAT_BODY)
         assert status == 503 and "prefill worker" in json.loads(raw)["error"]["message"], raw[:300]
         assert legs(stack.prefill) == [] and legs(stack.decode) == []
+
+
+async def test_a_client_that_leaves_cuts_both_legs(request_path: str) -> None:
+    async with mooncake_stack(request_path) as stack:
+        stack.prefill.stalls = True  # the decode waits for a push that does not come
+        sent = asyncio.get_running_loop().create_task(stack.post("chat", CHAT_BODY))
+        assert await eventually(lambda: bool(stack.prefill.plane.waiting) and legs(stack.prefill), timeout=10)
+        sent.cancel()  # the client's connection closes
+        with contextlib.suppress(asyncio.CancelledError):
+            await sent
+        await asyncio.wait_for(asyncio.gather(stack.prefill.cut.wait(), stack.decode.cut.wait()), 10)
+        assert await eventually(lambda: stack.orch.in_flight == 0, timeout=10)
+
+
+async def test_a_decode_that_resets_cuts_the_prefill_and_is_a_502(request_path: str) -> None:
+    async with mooncake_stack(request_path) as stack:
+        stack.prefill.stalls = True
+        stack.decode.fault = "reset"
+        status, raw = await stack.post("completions", COMPLETION_BODY)
+        assert status == 502 and json.loads(raw)["error"]["code"] == "generation_leg_failed", raw[:300]
+        await asyncio.wait_for(stack.prefill.cut.wait(), 10)
