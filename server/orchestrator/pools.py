@@ -524,7 +524,9 @@ class HealthChecker:
             caps = await self.read_capabilities(worker)
             if caps.refused is not None:
                 if self._refused.get(worker.url) != caps.refused:
-                    log.warning("%s worker %s is kept out of routing: %s", pool.name, worker.url, caps.refused)
+                    log.warning(
+                        "%s worker %s is kept out of routing: %s", pool.name, worker.url, caps.refused
+                    )
                 self._refused[worker.url] = caps.refused
                 healthy = False
             else:
