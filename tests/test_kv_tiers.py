@@ -301,3 +301,29 @@ async def test_an_orchestrators_follower_learns_a_workers_tiers_and_rates_over_h
     finally:
         follower.close()
         await server.cleanup()
+
+
+def test_server_info_tier_figures_size_the_approximate_index_and_weigh_its_hits() -> None:
+    from server.orchestrator.pools import Capabilities
+
+    caps = Capabilities.of({"kv_tier2_capacity_tokens": 4096, "kv_tier2_load_tokens_per_s": 20_000,
+                            "prefill_tokens_per_s": 10_000})  # fmt: skip
+    assert caps.kv_tier2 == (4096, 20_000.0, 10_000.0)
+    for info in ({}, {"kv_tier2_capacity_tokens": -1}, {"kv_tier2_capacity_tokens": "4096"}):
+        assert Capabilities.of(info).kv_tier2 == (None, None, None), info
+    assert Capabilities.of({"kv_tier2_capacity_tokens": 8, "prefill_tokens_per_s": True}).kv_tier2 == (
+        8,
+        None,
+        None,
+    )
+    worker = FakeWorker("w")
+    worker.kv_tier2 = caps.kv_tier2  # type: ignore[attr-defined]
+    router = KvCacheAwareRouter({"chunk_bytes": CHUNK, "max_cached_tokens": 4 * CHUNK // 4})
+    assert router.tier_weight_of(worker) == pytest.approx(0.5)  # 1 - 10k / 20k
+    index = router.index(worker)
+    assert index.limit == 4 and index.tier2_limit == 4096 * 4 // CHUNK
+    router.routed(worker, [1, 2, 3, 4])
+    router.routed(worker, [5, 6, 7, 8])
+    assert router.index(worker).tier2 == {1, 2, 3, 4}  # spilled, not forgotten
+    router.stored(worker, [9])  # its events: exact, no spill of its own
+    assert router.index(worker).tier2_limit == 0

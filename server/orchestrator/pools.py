@@ -71,7 +71,7 @@ class Capabilities:
     """What a worker's ``/server_info`` says it can do (everything False / None on any doubt)."""
 
     __slots__ = ("b64_completions", "bootstrap_port", "bytes_per_token", "cache_salt_completions",
-                 "engine_id", "kv_capacity_tokens", "local_prefill", "refused")  # fmt: skip
+                 "engine_id", "kv_capacity_tokens", "kv_tier2", "local_prefill", "refused")  # fmt: skip
 
     def __init__(
         self,
@@ -94,6 +94,8 @@ class Capabilities:
         #: an SGLang prefill worker's ``disaggregation_bootstrap_port`` (protocols/sglang.py), a vLLM
         #: Mooncake prefill's bootstrap server port (protocols/vllm_mooncake.py)
         self.bootstrap_port = bootstrap_port
+        #: a second KV tier's (tokens, load tokens/s, prefill tokens/s), each None unless said
+        self.kv_tier2: tuple[int | None, float | None, float | None] = (None, None, None)
         #: a vLLM Mooncake prefill's engine id, from its bootstrap server's ``/query``
         self.engine_id = engine_id
         #: why the worker is kept out of routing (worker_protocol: auto: it speaks another protocol)
@@ -106,13 +108,24 @@ class Capabilities:
         capacity = info.get(wire.INFO_KV_CAPACITY_TOKENS)
         local = info.get(wire.INFO_LOCAL_PREFILL, True if wire.INFO_TRTLLM_MARKER in info else None)
         bpt = info.get(wire.INFO_BYTES_PER_TOKEN)
-        return cls(
+        caps = cls(
             info.get(wire.INFO_B64_COMPLETIONS) is True,
             local is True,
             capacity if type(capacity) is int and capacity > 0 else None,
-            float(bpt) if isinstance(bpt, int | float) and not isinstance(bpt, bool) and bpt > 0 else None,
+            _positive(bpt),
             wire.INFO_PREFIX_CACHING in info,
         )
+        tier2 = info.get("kv_tier2_capacity_tokens")
+        if type(tier2) is int and tier2 > 0:  # only with a second KV tier (docs/protocol.md)
+            caps.kv_tier2 = (tier2, _positive(info.get("kv_tier2_load_tokens_per_s")),
+                             _positive(info.get("prefill_tokens_per_s")))  # fmt: skip
+        return caps
+
+
+def _positive(value: object) -> float | None:
+    """A positive number of a worker's JSON as a float; None for anything else."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    return float(value) if number and value > 0 else None  # type: ignore[arg-type,operator]
 
 
 #: the most of a /health body read (it is a small JSON object)
@@ -240,6 +253,7 @@ class Worker:
         "in_flight_tokens",
         "instance",
         "kv_capacity_tokens",
+        "kv_tier2",
         "local_prefill",
         "served",
         "timeouts",
@@ -269,6 +283,8 @@ class Worker:
         self.cache_salt_completions = False
         self.local_prefill = False
         self.kv_capacity_tokens: int | None = None
+        #: a second KV tier's (tokens, load tokens/s, prefill tokens/s) from /server_info
+        self.kv_tier2: tuple[int | None, float | None, float | None] = (None, None, None)
         self.bootstrap_port: int | None = None
         self.engine_id: str | None = None
         # The worker process's id, from its /health (a fastcore worker says it): a new one is
@@ -302,6 +318,7 @@ class Worker:
             _ROUTABLE_EPOCH[0] += 1  # Pool.salts_completions' cached answer is stale
         self.local_prefill = caps.local_prefill
         self.kv_capacity_tokens = caps.kv_capacity_tokens
+        self.kv_tier2 = caps.kv_tier2
         self.bootstrap_port = caps.bootstrap_port
         self.engine_id = caps.engine_id
 

@@ -82,6 +82,7 @@ RECENT_ROUTES = 1024
 #: kv_cache_aware: a tier-2 chunk's credit against a device chunk's where the worker publishes no
 #: rates (Dynamo's KV router credits a host-tier hit at 0.75 of a device hit)
 TIER_WEIGHT = 0.75
+_NO_TIER2: tuple[None, None, None] = (None, None, None)
 #: ids longer than this are not conversation ids (hashing megabytes per request is not routing)
 MAX_CONVERSATION_ID_BYTES = 1024
 
@@ -600,10 +601,18 @@ class KvCacheAwareRouter(Router):
         tokens = min(worker.kv_capacity_tokens or self.max_cached_tokens, self.max_index_tokens)
         return max(1, int(tokens * self.estimate.value) // self.chunk_bytes)
 
+    def _tier2_limit(self, worker: RoutedWorker) -> int:
+        """An approximate index's tier 2: the worker's /server_info ``kv_tier2_capacity_tokens``
+        (0: none, or its events say where each key is), within ``max_index_tokens``."""
+        tokens = getattr(worker, "kv_tier2", _NO_TIER2)[0]
+        if not tokens or worker in self.exact:
+            return 0
+        return int(min(tokens, self.max_index_tokens) * self.estimate.value) // self.chunk_bytes
+
     def index(self, worker: RoutedWorker) -> _PrefixIndex:
         index = self._indexes.get(worker)
         if index is None:
-            index = self._indexes[worker] = _PrefixIndex(self._limit(worker))
+            index = self._indexes[worker] = _PrefixIndex(self._limit(worker), self._tier2_limit(worker))
         return index
 
     def tier_rates(
@@ -621,9 +630,15 @@ class KvCacheAwareRouter(Router):
             self._tier_weights.pop(worker, None)
 
     def tier_weight_of(self, worker: RoutedWorker) -> float:
+        """The args' weight, else the rates of the worker's cache events, else of its /server_info
+        (``kv_tier2``: pools.py's Worker), else TIER_WEIGHT."""
         if self.tier_weight is not None:
             return self.tier_weight
-        return self._tier_weights.get(worker, TIER_WEIGHT)
+        weight = self._tier_weights.get(worker)
+        if weight is not None:
+            return weight
+        _, load, prefill = getattr(worker, "kv_tier2", _NO_TIER2)
+        return max(0.0, 1.0 - prefill / load) if load and prefill else TIER_WEIGHT
 
     def forget(self, worker: RoutedWorker) -> None:
         self.followed.discard(worker)  # its stream resyncs (and says its rates again)
@@ -744,6 +759,7 @@ class KvCacheAwareRouter(Router):
         """Index ``hashes`` on ``worker``, whose index holds the first ``held`` of them already."""
         index = self.index(worker)
         index.limit = self._limit(worker)  # the bytes per token may have been learned since
+        index.tier2_limit = self._tier2_limit(worker)
         holders = self._holders
         for h in hashes[held:]:
             found = holders.get(h)
