@@ -11,7 +11,8 @@ runs while a leg fault is on at the first prefill or decode worker, then off:
 
 - ``prefill: 5xx`` / ``reset``, ``decode: 5xx`` / ``reset``: the leg fails (a 500 in
   the engine's shape, or an RST); on SGLang once its partner joined the room, as
-  a failed transfer does; on vLLM the prefill at once, the decode after it pulled;
+  a failed transfer does; on vLLM the prefill at once, the decode's 500 before
+  it pulled the prefill's blocks (the lease stays held) and its RST after;
 - ``client: hang_up``: every leg stalls; sequential requests, each left by its
   client once its legs arrived: the time until each leg that arrived is cut.
 
@@ -173,8 +174,9 @@ def leg_classes() -> tuple[type, type]:
         async def _serve(self, request: Any, rec: Any, route: Any) -> Any:
             if self.how is None:
                 return await vllm.VllmStandin.serve(self, request, rec, route)
-            if self.role == "decode":  # after its pull: the lease is read, the decode fails
+            if self.role == "decode" and self.how == "reset":  # after its pull: the lease is read
                 await vllm.VllmStandin.serve(self, request, rec, route)
+            # a decode's 5xx comes before its pull: the prefill's lease stays held unless released
             await self.fail(request, rec)
 
     return VllmLeg, SglangLeg
@@ -237,10 +239,13 @@ class EngineBench:
             await w.stop()
         self.tmp.cleanup()
 
-    def left_waiting(self) -> int:
+    def waiting(self) -> set[Any]:
+        """What the engines hold for a partner now: SGLang's rooms a side waits on; vLLM's leases
+        (freed only when read or at ``kv_lease_duration``: vLLM has no release endpoint) and decodes
+        waiting for a push."""
         if self.protocol == "sglang":
-            return len(self.plane.rooms)
-        return len(self.plane.held) + len(self.plane.waiting)
+            return set(self.plane.rooms)
+        return set(self.plane.held) | set(self.plane.waiting)
 
     async def one(self, seed: int, deadline: float = CLIENT_DEADLINE_S) -> tuple[bool, bool, str]:
         """(ok, hung, error) of one streaming chat request."""
@@ -271,6 +276,7 @@ class EngineBench:
         cell = EngineCell(self.protocol, target, fault, fallback=(target, fault) in FALLBACK_CELLS)
         faulty = (self.prefills if target == "prefill" else self.decodes)[0]
         faulty.failed_at.clear()
+        before = self.waiting()  # an earlier cell's leases still held are not this cell's
         done: list[tuple[bool, bool, str]] = []
         stop = asyncio.Event()
 
@@ -287,7 +293,7 @@ class EngineBench:
         stop.set()
         await loader
         await asyncio.sleep(1.0)
-        cell.left_waiting = self.left_waiting()
+        cell.left_waiting = len(self.waiting() - before)
         cell.requests = len(done)
         cell.hung = sum(h for _, h, _ in done)
         cell.failures = sum(not ok and not h for ok, h, _ in done)
@@ -316,6 +322,7 @@ class EngineBench:
         cell = EngineCell(self.protocol, "client", "hang_up")
         workers = [*self.prefills, *self.decodes]
         times: list[float] = []
+        held_before = self.waiting()
         for w in workers:
             w.stall_all = True
         try:
@@ -344,7 +351,7 @@ class EngineBench:
             for w in workers:
                 w.stall_all = False
         await asyncio.sleep(1.0)
-        cell.left_waiting = self.left_waiting()
+        cell.left_waiting = len(self.waiting() - held_before)
         cell.cuts = len(times)
         self._cut_stats(cell, times)
         cell.errors = sorted(set(cell.errors))[:3]
