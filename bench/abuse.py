@@ -903,17 +903,9 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """``--abuse``: these phases, then bench/abuse_tenants.py's on a keyed deployment of its own
-    (not with ``--url``: its keys and limits are the run's own); 1 if either's targets were missed."""
-    from bench import abuse_tenants
-
-    if args.tenants_only:
-        return abuse_tenants.main(args)
-    rc = _main_clients(args)
-    if args.url or args.no_tenants:
-        return rc
-    print("\nTenants (issue 36): an honest tenant beside three attacker tenants' clients\n")
-    return max(rc, abuse_tenants.main(args))
+    """The abandon/slowloris/oversize run and issue 19's HTTP phases: 1 if an honest request failed
+    (``bench.load --abuse`` runs bench/abuse_tenants.py's phases after these)."""
+    return _main_clients(args)
 
 
 def _main_clients(args: argparse.Namespace) -> int:

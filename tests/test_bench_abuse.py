@@ -274,7 +274,7 @@ def test_abuse_runs_the_tenant_phases_after_the_others(monkeypatch: pytest.Monke
 
     def main(*flags: str) -> int:
         ran.clear()
-        return abuse.main(load.build_parser().parse_args(["--abuse", *flags]))
+        return load.main(["--abuse", *flags])
 
     assert (main(), ran) == (1, ["clients", "tenants"])  # the worse exit status of the two
     assert (main("--no-tenants"), ran) == (0, ["clients"])
