@@ -22,7 +22,6 @@ from bench.loadgen import LevelResult, RequestResult
 from server.errors import error_body
 from server.orchestrator.config import OrchestratorConfig
 from server.orchestrator.tenants import read_key_file
-from server.worker.tiny import tiny_config
 
 
 def test_bodies_are_what_the_attackers_claim() -> None:
@@ -168,6 +167,9 @@ def test_tenant_bodies_are_what_the_attackers_claim() -> None:
     # larger than a minute of the limit at any bytes per token up to the default 4
     assert s.over_minute_bytes / 4 > s.attacker_prompt_tokens_per_minute
     # the breaker request's decode fits tiny's context: it is refused for time, never for length
+    pytest.importorskip("torch")
+    from server.worker.tiny import tiny_config
+
     assert abuse_tenants.TINY_CONTEXT == tiny_config().max_position_embeddings
     assert s.breaker_prompt_tokens + s.breaker_max_tokens < abuse_tenants.TINY_CONTEXT
 
