@@ -298,6 +298,7 @@ class EngineBench:
         cell.hung = sum(h for _, h, _ in done)
         cell.failures = sum(not ok and not h for ok, h, _ in done)
         cell.errors = sorted({e[:120] for ok, _, e in done if not ok})[:3]
+        cell.failed_legs = len(faulty.failed_at)
         if self.protocol == "sglang":
             partners = self.decodes if target == "prefill" else self.prefills
             cuts = []
@@ -305,7 +306,7 @@ class EngineBench:
                 cut = next((p.cut_at[key] for p in partners if key in p.cut_at), None)
                 if cut is not None:
                     cuts.append(max(0.0, cut - failed))
-            cell.failed_legs, cell.cuts = len(faulty.failed_at), len(cuts)
+            cell.cuts = len(cuts)
             self._cut_stats(cell, cuts)
         await self.serving()
         return cell
@@ -383,14 +384,15 @@ async def run_protocol(
 
 
 def table(cells: list[EngineCell]) -> str:
-    head = ("| protocol, cell | requests | client-visible failures | fallback exists | hung | "
-            "left waiting 1 s after | partner cut (abort) p50 / max |")  # fmt: skip
-    rows = [head, "|" + "---|" * 7]
+    head = ("| protocol, cell | requests | legs failed by the fault | client-visible failures | fallback exists | "
+            "hung | left waiting 1 s after | partner cut (abort) p50 / max |")  # fmt: skip
+    rows = [head, "|" + "---|" * 8]
     for c in cells:
         cut = "-" if c.cut_p50_ms is None else f"{c.cut_p50_ms:.1f} / {c.cut_max_ms:.1f} ms ({c.cuts})"
         if c.target != "client" and c.protocol == "sglang" and c.cuts < c.failed_legs:
             cut += f", {c.failed_legs - c.cuts} of {c.failed_legs} partners never cut"
-        rows.append(f"| {c.name} | {c.requests} | {c.failures} | {'yes' if c.fallback else 'no'} | {c.hung} | "
+        failed = "-" if c.target == "client" else str(c.failed_legs)
+        rows.append(f"| {c.name} | {c.requests} | {failed} | {c.failures} | {'yes' if c.fallback else 'no'} | {c.hung} | "
                     f"{c.left_waiting} | {cut} |")  # fmt: skip
     return "\n".join(rows)
 
