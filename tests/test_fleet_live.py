@@ -9,6 +9,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -117,3 +118,50 @@ async def test_max_inflight_8_holds_8_across_workers_2(tmp_path: Path) -> None:
         await ctx.cleanup()
         await gen.cleanup()
     assert proc.returncode == 0, log.read_text()[-2000:]
+
+
+@pytest.mark.slow
+async def test_a_tenant_limit_holds_for_workers_2_as_a_whole(tmp_path: Path) -> None:
+    """requests_per_minute 120, 300 requests at once on 300 connections (both processes take some):
+    the fleet admits the bucket's 120 plus what it refilled meanwhile (2 a second), not 120 per
+    process; the rest are 429 requests_per_minute."""
+    config = tmp_path / "orchestrator.yaml"
+    config.write_text("admission:\n  rate_limits:\n    '*': {requests_per_minute: 120}\n")
+    log = tmp_path / "stderr"
+    ctx, ctx_url = await start_worker("context")
+    gen, gen_url = await start_worker("generation")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server.cli", "orchestrator", "-c", str(config), "--port", str(port),
+         "--context-urls", ctx_url, "--generation-urls", gen_url, "--health-check-interval-s", "0.1",
+         "--workers", "2"],
+        stderr=log.open("w"), env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    body = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    statuses: list[int] = []
+
+    async def one(gate: asyncio.Semaphore) -> None:
+        async with gate, aiohttp.ClientSession() as session:
+            while True:
+                async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                    await resp.read()
+                    if resp.status != 503:  # before that process's first health round saw the workers
+                        statuses.append(resp.status)
+                        return
+                await asyncio.sleep(0.1)
+
+    try:
+        assert await eventually(lambda: log.read_text().count("listening on") == 2, timeout=60)
+        gate = asyncio.Semaphore(20)
+        start = time.monotonic()
+        await asyncio.gather(*(one(gate) for _ in range(300)))
+        elapsed = time.monotonic() - start
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        await ctx.cleanup()
+        await gen.cleanup()
+    admitted = statuses.count(200)
+    assert statuses.count(429) == 300 - admitted, sorted(set(statuses))
+    assert 120 <= admitted <= 120 + 2 * elapsed + 1, (admitted, elapsed)
