@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from helpers import eventually, free_port
 
 from server.worker.app import WorkerApp, WorkerSettings
@@ -165,3 +166,68 @@ async def test_a_tenant_limit_holds_for_workers_2_as_a_whole(tmp_path: Path) -> 
     admitted = statuses.count(200)
     assert statuses.count(429) == 300 - admitted, sorted(set(statuses))
     assert 120 <= admitted <= 120 + 2 * elapsed + 1, (admitted, elapsed)
+
+
+@pytest.mark.slow
+async def test_a_breaker_opened_in_one_process_keeps_the_other_away(tmp_path: Path) -> None:
+    """Two context workers, one answering 500 to every leg; its breaker opens on one failure and
+    stays open a minute. Once one process has sent it a leg (its breaker open), 60 more requests on
+    60 connections (both processes take some) send it nothing: the other process honours that
+    breaker (without the fleet its own round robin would send it every other context leg)."""
+    broken_legs = 0
+
+    async def broken(request: web.Request) -> web.Response:
+        nonlocal broken_legs
+        broken_legs += 1
+        return web.json_response({"error": {"message": "broken", "type": "internal_error"}}, status=500)
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/{tail:.*}", broken)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    broken_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    config = tmp_path / "orchestrator.yaml"
+    config.write_text(
+        "circuit_breaker_failures: 1\ncircuit_breaker_open_s: 60\ncircuit_breaker_panic_threshold: 0\n"
+    )
+    log = tmp_path / "stderr"
+    ctx, ctx_url = await start_worker("context")
+    gen, gen_url = await start_worker("generation")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server.cli", "orchestrator", "-c", str(config), "--port", str(port),
+         "--context-urls", f"{ctx_url},{broken_url}", "--generation-urls", gen_url,
+         "--health-check-interval-s", "0.1", "--workers", "2", "--context-router", "round_robin"],
+        stderr=log.open("w"), env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    body = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+
+    async def request() -> int:
+        async with aiohttp.ClientSession() as session:  # a new connection: either process
+            async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                await resp.read()
+                return resp.status
+
+    try:
+        assert await eventually(lambda: log.read_text().count("listening on") == 2, timeout=60)
+        for _ in range(200):
+            if broken_legs:
+                break
+            await request()
+        assert broken_legs == 1, log.read_text()[-2000:]
+        await asyncio.sleep(2.0)  # the other process's next exchange (every 10 ms) has honoured it
+        statuses = [await request() for _ in range(60)]
+        assert broken_legs == 1 and statuses.count(200) == 60, (broken_legs, statuses)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        await ctx.cleanup()
+        await gen.cleanup()
+        await runner.cleanup()
