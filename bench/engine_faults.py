@@ -16,9 +16,10 @@ runs while a leg fault is on at the first prefill or decode worker, then off:
 - ``client: hang_up``: every leg stalls; sequential requests, each left by its
   client once its legs arrived: the time until each leg that arrived is cut.
 
-Per cell: requests, client-visible failures (a fallback exists for a failed
-prefill: another prefill, or on vLLM the decode serving the whole request; a
-failed decode's answer is the client's, so its failures are expected), hung
+Per cell: requests, the legs the fault failed, client-visible failures (where a
+fallback exists, ``FALLBACK_CELLS``, the target is 0: vLLM's failed prefill falls
+back to another or to the decode serving the whole request, SGLang's failed pair
+is retried on another with a new room; a vLLM decode's error is the client's), hung
 requests (no answer within the client's deadline), what the engines hold 1 s
 after the load stopped (vLLM: leases held and decodes waiting for a push;
 SGLang: rooms a side still waits on), and on SGLang the time from a leg's
@@ -58,8 +59,13 @@ CELLS = [
     ("decode", "reset"),
     ("client", "hang_up"),
 ]
-#: the cells where a fallback exists, so a client-visible failure misses the target
-FALLBACK_CELLS = (("prefill", "5xx"), ("prefill", "reset"))
+#: per protocol, the cells where a fallback exists, so a client-visible failure misses the target: vLLM's
+#: failed prefill (another prefill, or the decode serving the whole request); SGLang's failed pair, either
+#: leg (retried on another pair with a new room); a vLLM decode's error is the client's
+FALLBACK_CELLS = {
+    "vllm": (("prefill", "5xx"), ("prefill", "reset")),
+    "sglang": (("prefill", "5xx"), ("prefill", "reset"), ("decode", "5xx"), ("decode", "reset")),
+}
 CLIENT_DEADLINE_S = 12.0
 CUT_TARGET_MS = 100.0
 MAX_TOKENS = 8
@@ -273,7 +279,9 @@ class EngineBench:
         raise RuntimeError(f"{self.protocol}: the orchestrator never served a request")
 
     async def fault_cell(self, target: str, fault: str) -> EngineCell:
-        cell = EngineCell(self.protocol, target, fault, fallback=(target, fault) in FALLBACK_CELLS)
+        cell = EngineCell(
+            self.protocol, target, fault, fallback=(target, fault) in FALLBACK_CELLS[self.protocol]
+        )
         faulty = (self.prefills if target == "prefill" else self.decodes)[0]
         faulty.failed_at.clear()
         before = self.waiting()  # an earlier cell's leases still held are not this cell's
