@@ -139,9 +139,14 @@ def _post(url: str, body: bytes) -> None:
         answer.read()
 
 
+#: --live: how many turns the routes take (each a share of the N requests)
+ROUNDS = 10
+
+
 def run_live(sizes: list[int], requests: int) -> str:
     """The live orchestrator's CPU per request (both gates, synthetic workers: bench.deploy), one request
-    at a time: the chat route vs /v1/messages with the same history."""
+    at a time: the chat route vs /v1/messages and /v1/responses with the same history, the routes
+    taking turns (:data:`ROUNDS`)."""
     from bench.deploy import Deployment
 
     rows = []
@@ -150,27 +155,29 @@ def run_live(sizes: list[int], requests: int) -> str:
         chat = json.dumps({"model": "synthetic", "messages": history, "max_tokens": 16}).encode()
         anthropic = messages_body(history).replace(b'"model": "tiny"', b'"model": "synthetic"', 1)
         openai = responses_body(history).replace(b'"model": "tiny"', b'"model": "synthetic"', 1)
+        routes = (("chat completions", "/v1/chat/completions", chat),
+                  ("messages (anthropic)", "/v1/messages", anthropic),
+                  ("responses (openai)", "/v1/responses", openai))  # fmt: skip
+        spent = {path: 0.0 for _route, path, _body in routes}
         with Deployment("both-gates", prompt_tokens=n) as deployment:
-            base = None
-            for route, path, body in (("chat completions", "/v1/chat/completions", chat),
-                                      ("messages (anthropic)", "/v1/messages", anthropic),
-                                      ("responses (openai)", "/v1/responses", openai)):  # fmt: skip
+            for _route, path, body in routes:
                 for _ in range(10):  # warm-up
                     _post(deployment.url + path, body)
-                before = deployment.front_cpu_seconds()
-                for _ in range(requests):
-                    _post(deployment.url + path, body)
-                cpu = (deployment.front_cpu_seconds() - before) / requests
-                base = base or cpu
-                rows.append(
-                    [
-                        f"{n:,}",
-                        route,
-                        f"{len(body) / 1e3:,.1f} KB",
-                        f"{cpu * 1e6:,.0f}",
-                        f"{cpu / base:,.2f}x",
-                    ]
-                )
+            # The routes take turns in ROUNDS rounds: a change of the machine's load during the run
+            # (a shared machine's is the largest error here) falls on every route alike.
+            for turn in range(ROUNDS):
+                share = requests // ROUNDS + (turn < requests % ROUNDS)
+                for _route, path, body in routes:
+                    before = deployment.front_cpu_seconds()
+                    for _ in range(share):
+                        _post(deployment.url + path, body)
+                    spent[path] += deployment.front_cpu_seconds() - before
+        base = spent[routes[0][1]] / requests
+        for route, path, body in routes:
+            cpu = spent[path] / requests
+            rows.append(
+                [f"{n:,}", route, f"{len(body) / 1e3:,.1f} KB", f"{cpu * 1e6:,.0f}", f"{cpu / base:,.2f}x"]
+            )
     return format_table(
         ["prompt ids", "route", "client body", "orchestrator CPU µs / request", "vs chat"], rows
     )
