@@ -142,7 +142,7 @@ def leg_classes() -> tuple[type, type]:
                 self.cut_at.setdefault(key, time.monotonic())
                 raise
 
-    class SglangLeg(Faulty, sglang.SglangStandin):
+    class SglangLeg(Faulty, sglang.SglangStandin):  # type: ignore[name-defined]
         def __init__(self, mode: str, *, plane: Any) -> None:
             sglang.SglangStandin.__init__(self, mode, plane=plane)
             self._init_marks()
@@ -166,7 +166,7 @@ def leg_classes() -> tuple[type, type]:
                 await asyncio.wait_for(asyncio.shield(room.prefilled), CLIENT_DEADLINE_S)
             await self.fail(request, rec)
 
-    class VllmLeg(Faulty, vllm.VllmStandin):
+    class VllmLeg(Faulty, vllm.VllmStandin):  # type: ignore[name-defined]
         def __init__(self, role: str, *, plane: Any) -> None:
             vllm.VllmStandin.__init__(self, role, plane=plane)
             self._init_marks()
