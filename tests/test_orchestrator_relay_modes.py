@@ -4,21 +4,20 @@ same bodies for every gate, and refuse the same client bodies."""
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from types import ModuleType
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from relay_mode_inputs import DISAGG_ID, PROMPT_IDS, context_response, fast_relay_class
 
 import fastcore
-import msgspec
 from fastcore import _relay_py as relay_twin_py
 from fastcore.limits import JSON_MAX_DEPTH, JSON_MAX_NUMBER_CHARS
-from fastcore.relay import Relay
 from server.errors import HTTPError
 from server.orchestrator.relay_modes import (
     FastRelay,
@@ -30,8 +29,6 @@ from server.orchestrator.relay_modes import (
 
 GATES = [(False, False), (True, False), (False, True), (True, True)]
 GATE_IDS = ["gates_off", "tokids", "strip", "gates_on"]
-PROMPT_IDS = [1, 9038, 2501, 29871, 13, 0, 255, 70000]
-DISAGG_ID = 7205759403792793601
 
 
 def client_body(chat: bool, **extra: Any) -> bytes:
@@ -55,54 +52,6 @@ def client_body(chat: bool, **extra: Any) -> bytes:
         body["prompt"] = "Once upon a time"
     body.update(extra)
     return json.dumps(body).encode()
-
-
-def context_response(
-    chat: bool, *, b64: bool, finish: str = "not_finished", completion_tokens: int = 1
-) -> bytes:
-    params = {
-        "request_type": "context_only",
-        "first_gen_tokens": [42],
-        "ctx_request_id": 17,
-        "disagg_request_id": DISAGG_ID,
-        "encoded_opaque_state": None,
-        "ctx_info_endpoint": "http://127.0.0.1:8001/kv/17",
-        "draft_tokens": None,
-    }
-    choice: dict[str, Any] = {
-        "index": 0,
-        "logprobs": None,
-        "finish_reason": finish,
-        "disaggregated_params": params,
-    }
-    if chat:
-        choice["message"] = {"role": "assistant", "content": "*"}
-    else:
-        choice["text"] = "*"
-    body: dict[str, Any] = {
-        "id": "cmpl-1",
-        "object": "chat.completion" if chat else "text_completion",
-        "created": 1700000000,
-        "model": "tiny",
-        "choices": [choice],
-        "usage": {
-            "prompt_tokens": len(PROMPT_IDS),
-            "completion_tokens": completion_tokens,
-            "total_tokens": 9,
-        },
-    }
-    if b64:
-        body["prompt_token_ids"] = None
-        body["prompt_token_ids_b64"] = fastcore.encode_tokens(PROMPT_IDS).decode()
-    else:
-        body["prompt_token_ids"] = PROMPT_IDS
-    return json.dumps(body).encode()
-
-
-@functools.cache
-def fast_relay_class(relay_twin: ModuleType) -> type[FastRelay]:
-    """FastRelay on one twin's kernels: the test chooses the class (FastRelay takes no twin)."""
-    return type(f"FastRelay_{relay_twin.__name__}", (FastRelay,), {"relay": Relay(relay_twin)})
 
 
 @pytest.fixture(params=GATES, ids=GATE_IDS)
@@ -322,24 +271,33 @@ def test_asked_for_base64_and_got_the_list_both_modes_relay_the_list(relay_twin,
     assert sent[0]["prompt_token_ids" if chat else "prompt"] == PROMPT_IDS
 
 
-@pytest.mark.parametrize("chat, ask, asked", [(True, False, True), (False, False, False), (False, True, True)])
+@pytest.mark.parametrize(
+    "chat, ask, asked", [(True, False, True), (False, False, False), (False, True, True)]
+)
 def test_completions_ask_for_base64_only_when_told(relay_twin, chat, ask, asked):
     for mode in (
         fast_relay_class(relay_twin)(tokids_b64=True, strip_history=False),
         ParsedRelay(tokids_b64=True, strip_history=False),
     ):
         req = mode.read_client(client_body(chat), chat)
-        params = json.loads(mode.context_request(req, DISAGG_ID, ask_b64_completions=ask))["disaggregated_params"]
+        params = json.loads(mode.context_request(req, DISAGG_ID, ask_b64_completions=ask))[
+            "disaggregated_params"
+        ]
         assert params.get("return_prompt_token_ids_b64", False) is asked
     gate_off = fast_relay_class(relay_twin)(tokids_b64=False, strip_history=False)
     req = gate_off.read_client(client_body(chat), chat)
-    assert "return_prompt_token_ids_b64" not in json.loads(gate_off.context_request(req, DISAGG_ID, True))["disaggregated_params"]
+    assert (
+        "return_prompt_token_ids_b64"
+        not in json.loads(gate_off.context_request(req, DISAGG_ID, True))["disaggregated_params"]
+    )
 
 
 @pytest.mark.parametrize("bad", [0, 2**40 - 1, 2**63, -1, True])
 def test_a_disagg_request_id_outside_the_protocols_range_is_refused(relay_twin, bad):
-    for mode in (fast_relay_class(relay_twin)(tokids_b64=True, strip_history=False),
-                 ParsedRelay(tokids_b64=True, strip_history=False)):
+    for mode in (
+        fast_relay_class(relay_twin)(tokids_b64=True, strip_history=False),
+        ParsedRelay(tokids_b64=True, strip_history=False),
+    ):
         with pytest.raises(ValueError, match=r"\[2\^40, 2\^63\)"):
             mode.context_request(mode.read_client(client_body(True), True), bad)
 
@@ -348,20 +306,29 @@ def test_both_modes_read_the_auth_fields(relay_twin):
     ctx = json.loads(context_response(True, b64=True))
     ctx["choices"][0]["disaggregated_params"]["encoded_opaque_state"] = "AAAA"
     raw = json.dumps(ctx).encode()
-    for mode in (fast_relay_class(relay_twin)(tokids_b64=True, strip_history=False),
-                 ParsedRelay(tokids_b64=True, strip_history=False)):
+    for mode in (
+        fast_relay_class(relay_twin)(tokids_b64=True, strip_history=False),
+        ParsedRelay(tokids_b64=True, strip_history=False),
+    ):
         req = mode.read_client(client_body(True), True)
         assert mode.auth_fields(mode.read_context(req, raw)) == ("http://127.0.0.1:8001/kv/17", "AAAA")
 
 
 def test_the_parsed_mode_relays_trtllm_serves_extra_params(relay_twin):
-    extras = {"schedule_style": 0, "ctx_dp_rank": 2, "first_gen_log_probs": [[-0.1]], "resolved_thinking": False}
+    extras = {
+        "schedule_style": 0,
+        "ctx_dp_rank": 2,
+        "first_gen_log_probs": [[-0.1]],
+        "resolved_thinking": False,
+    }
     ctx = json.loads(context_response(True, b64=True))
     ctx["choices"][0]["disaggregated_params"].update(extras)
     raw = json.dumps(ctx).encode()
     sent = []
-    for mode in (fast_relay_class(relay_twin)(tokids_b64=True, strip_history=False),
-                 ParsedRelay(tokids_b64=True, strip_history=False)):
+    for mode in (
+        fast_relay_class(relay_twin)(tokids_b64=True, strip_history=False),
+        ParsedRelay(tokids_b64=True, strip_history=False),
+    ):
         req = mode.read_client(client_body(True), True)
         sent.append(json.loads(mode.generation_request(req, mode.read_context(req, raw))))
     assert sent[0] == sent[1]
@@ -379,8 +346,13 @@ def test_the_msgpack_mode_sends_the_parsed_modes_objects_as_msgpack(chat, tokids
     for mode in (parsed, packed):
         req = mode.read_client(client_body(chat), chat)
         result = mode.read_context(req, ctx)
-        legs.append((mode.context_request(req, DISAGG_ID), mode.generation_request(req, result),
-                     mode.client_answer(req, ctx)))
+        legs.append(
+            (
+                mode.context_request(req, DISAGG_ID),
+                mode.generation_request(req, result),
+                mode.client_answer(req, ctx),
+            )
+        )
     (json_ctx, json_gen, json_answer), (mp_ctx, mp_gen, mp_answer) = legs
     assert msgspec.msgpack.decode(mp_ctx) == json.loads(json_ctx)
     assert msgspec.msgpack.decode(mp_gen) == json.loads(json_gen)
@@ -652,7 +624,9 @@ def test_fast_mode_refuses_a_repeated_include_usage(relay_twin):
     other = b'{"prompt": "x", "user": 1, "user": 2, "stream_options": {"x": 1, "x": 2}}'
     assert fast_relay(relay_twin).read_client(other, False).max_tokens is None
     parsed = refusal(ParsedRelay(tokids_b64=True, strip_history=True), other, False)
-    assert parsed.param == "user" and "duplicate key 'user'" in parsed.message and "(byte 27)" in parsed.message
+    assert (
+        parsed.param == "user" and "duplicate key 'user'" in parsed.message and "(byte 27)" in parsed.message
+    )
 
 
 @pytest.mark.parametrize(
@@ -731,10 +705,14 @@ def test_both_modes_hold_the_depth_limit_exactly(relay_twin, field, kind, chat):
     deepest = offset + (JSON_MAX_DEPTH - outer) * (5 if kind == "objects" else 1)
     assert body[deepest] in b"[{"
     fast = refusal(fast_relay(relay_twin), body, chat)
-    assert fast.message == (
-        f"request body rejected: JSON nests arrays and objects deeper than the limit of {JSON_MAX_DEPTH} "
-        f"levels (byte {deepest})"
-    ) and fast.param is None
+    assert (
+        fast.message
+        == (
+            f"request body rejected: JSON nests arrays and objects deeper than the limit of {JSON_MAX_DEPTH} "
+            f"levels (byte {deepest})"
+        )
+        and fast.param is None
+    )
     parsed = refusal(ParsedRelay(tokids_b64=True, strip_history=True), body, chat)
     assert (parsed.message, parsed.param) == (fast.message, fast.param)
 
@@ -757,10 +735,14 @@ def test_both_modes_hold_the_number_length_limit_exactly(relay_twin, field, chat
                 parsed_mode.read_client(body, chat)
             continue
         fast = refusal(fast_mode, body, chat)
-        assert fast.message == (
-            f"request body rejected: JSON has a number longer than the limit of {JSON_MAX_NUMBER_CHARS} "
-            f"characters (byte {offset})"
-        ) and fast.param is None
+        assert (
+            fast.message
+            == (
+                f"request body rejected: JSON has a number longer than the limit of {JSON_MAX_NUMBER_CHARS} "
+                f"characters (byte {offset})"
+            )
+            and fast.param is None
+        )
         parsed = refusal(parsed_mode, body, chat)
         assert (parsed.message, parsed.param) == (fast.message, fast.param)
 
@@ -1137,7 +1119,9 @@ def test_fast_mode_gives_the_same_answer_on_both_twins_and_only_http_errors(rela
     # Any mutated body either side of the legs: an HTTPError or the same bytes out.
     good = client_body(chat, max_tokens=1)
     for call in (
-        lambda fast: fast.context_request(fast.read_client(body, chat), DISAGG_ID) if got[0][0] == "ok" else None,
+        lambda fast: (
+            fast.context_request(fast.read_client(body, chat), DISAGG_ID) if got[0][0] == "ok" else None
+        ),
         lambda fast: fast.read_context(fast.read_client(good, chat), ctx).parsed,
         lambda fast: _generation(fast, good, chat, ctx),
         lambda fast: fast.client_answer(fast.read_client(good, chat), gen),
@@ -1174,5 +1158,10 @@ def test_the_parsed_mode_sends_strict_numbers_on_unchanged():
     body = small_body(False, {"temperature": 1, "top_p": 0.5, "n": 1, "seed": 7, "top_k": 3, "stop": ["x"]})
     sent = json.loads(parsed.context_request(parsed.read_client(body, False), DISAGG_ID))
     assert (sent["temperature"], sent["top_p"], sent["n"], sent["seed"], sent["top_k"], sent["stop"]) == (
-        1.0, 0.5, 1, 7, 3, ["x"]
+        1.0,
+        0.5,
+        1,
+        7,
+        3,
+        ["x"],
     )

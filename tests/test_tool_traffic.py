@@ -162,7 +162,7 @@ async def test_a_tool_round_trip_arrives_intact_and_its_calls_come_back(
 
 
 def _modes(relay_twin: Any, tokids: bool, strip: bool) -> list[Any]:
-    from test_orchestrator_relay_modes import fast_relay_class
+    from relay_mode_inputs import fast_relay_class
 
     from server.orchestrator.relay_modes import ParsedMsgpackRelay, ParsedRelay
 
@@ -180,7 +180,7 @@ def _nested(levels: int) -> Any:
 @pytest.mark.parametrize("strip", [False, True], ids=["history", "strip"])
 @pytest.mark.parametrize("tokids", [False, True], ids=["ids", "b64"])
 def test_every_mode_keeps_the_tool_members_at_any_depth(relay_twin, tokids, strip):
-    from test_orchestrator_relay_modes import context_response
+    from relay_mode_inputs import context_response
 
     deep = _nested(400)
     tools = [
