@@ -25,7 +25,7 @@ class TrtllmProtocol:
 
     name = "trtllm"
     #: how the KV moves (the /metrics gauge fastcore_orchestrator_worker_protocol's label)
-    transfer = "disaggregated_params"
+    transfer = wire.DISAGGREGATED_PARAMS
     #: the legs one after the other (context, then generation); sglang.py's run at once
     concurrent = False
     #: a fastcore context worker parks the prompt's KV behind an id, released by ``DELETE /kv/...``
