@@ -689,7 +689,7 @@ class Orchestrator:
         if unavailable is not None:
             return await self._fall_back(unavailable, out, req, path, body, clock, key, tokens)
         context_worker = tried[-1]  # the one that answered
-        following = self.context_answered(out, req, clock, key, len(body), context_response, started)
+        following = self.context_answered(out, req, clock, key, context_response, started)
         if following is None:
             return 200
         generation_body, auth, context_done = following
@@ -697,7 +697,7 @@ class Orchestrator:
             generation_worker, auth, context_done, context_worker, context_response)  # fmt: skip
 
     def context_answered(
-        self, out: Responder, req: ClientRequest, clock: Clock, key: RequestKey | None, body_bytes: int,
+        self, out: Responder, req: ClientRequest, clock: Clock, key: RequestKey | None,
         context_response: bytes, started: float,
     ) -> tuple[Sequence[BodyPiece], bytes, float] | None:  # fmt: skip
         """A context worker answered 200 (leg (1) began at ``started``): None when that was the answer
@@ -709,7 +709,7 @@ class Orchestrator:
         clock.start()
         relay = self.relay
         ctx = relay.read_context(req, context_response)
-        # learned from the prompt's span, not the body (body_bytes), which a client may pad
+        # learned from the prompt's span, not the whole body, which a client may pad
         self.usage.context_answer(context_response, key.prompt_bytes if key else relay.prompt_bytes(req),
                                   key.hit_chunks if key else None, relay.usage_tokens(ctx))  # fmt: skip
         clock.lap("read_context")

@@ -171,8 +171,8 @@ class Exchange(Handling):
         context_response = resp.body()
         orch.legs.served(worker, None, 0.0)
         self._leg_over(resp)
-        following = orch.context_answered(self.out, self.req, self.clock, self.key, len(self.body),
-                                          context_response, self.started)  # fmt: skip
+        following = orch.context_answered(self.out, self.req, self.clock, self.key, context_response,
+                                          self.started)  # fmt: skip
         if following is None:
             self.finish(200)
             return
