@@ -482,7 +482,12 @@ async def test_stale_connection_retried_on_a_fresh_one() -> None:
         assert [r[2] for r in up.requests] == [b"first", b"second", b"second"]
 
 
-async def test_stale_connection_reset_retried_on_a_fresh_one() -> None:
+async def test_reused_connection_reset_before_any_byte_is_not_sent_again() -> None:
+    """A reset (not a clean close) on a reused connection before any byte of an answer: the worker
+    may have read the request and acted on it (vLLM's decode had pulled its prefill's blocks, then
+    failed), so it is not sent again (RFC 9110 9.2.2: only a request known not to have been
+    processed is retried); the caller hears an error that says it was sent."""
+
     async def serve(up: Upstream, reader: Reader, writer: Writer, index: int) -> None:
         while (req := await up.next_request(reader)) is not None:
             if index == 0 and len(up.requests) == 2:
@@ -492,8 +497,10 @@ async def test_stale_connection_reset_retried_on_a_fresh_one() -> None:
 
     async with Upstream(serve) as up, pool_for(up) as pool:
         await fetch(pool, body=b"first")
-        _, body = await fetch(pool, body=b"second")
-        assert body == b"second" and up.accepted == 2
+        with pytest.raises(UpstreamError) as info:
+            await fetch(pool, body=b"second")
+        assert info.value.sent is True
+        assert up.accepted == 1 and [r[2] for r in up.requests] == [b"first", b"second"]
 
 
 async def test_no_retry_once_the_server_answered_part() -> None:

@@ -23,6 +23,7 @@ from upstream_stand_ins import (  # noqa: F401  (fixtures: both twins, both loop
     fetch,
     ok,
     pool_for,
+    reset,
 )
 
 from server.http import UpstreamError, UpstreamResponse
@@ -113,18 +114,21 @@ async def test_start_closes_pooled_connections_idle_too_long_and_sends_on_the_ne
         assert up.accepted == 3 and [r[2] for r in up.requests] == [b"a", b"b", b"cd"]
 
 
-@pytest.mark.parametrize("answered", [False, True], ids=["unanswered", "part-answered"])
+@pytest.mark.parametrize("answered", [False, True, "reset"], ids=["unanswered", "part-answered", "reset"])
 async def test_start_sends_again_on_a_fresh_connection_when_a_reused_one_closes_unanswered(
-    answered: bool,
+    answered: bool | str,
 ) -> None:
     """The worker closes the kept-alive connection as the second request arrives (it never reached a
     handler): sent once more on a fresh connection and answered; the listener hears no error. Once
-    bytes of an answer came back the request was seen: an error (``sent``), not sent again."""
+    bytes of an answer came back the request was seen: an error (``sent``), not sent again; and so is
+    a reset before any byte (the worker may have read it and acted: only a clean close is unseen)."""
 
     async def serve(up: Upstream, reader: Reader, writer: Writer, index: int) -> None:
         while (req := await up.next_request(reader)) is not None:
             if index == 0 and len(up.requests) == 2:
-                if answered:
+                if answered == "reset":
+                    reset(writer)
+                elif answered:
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Le")
                     await writer.drain()
                 return  # closed before the answer's end

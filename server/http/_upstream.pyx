@@ -238,7 +238,7 @@ cdef class Connection(ResponseParser):
             return
         why = f": {exc}" if exc else ""
         stage = "mid-response" if resp.headers_done else "before answering"
-        self._fail(UpstreamError(f"connection closed {stage}{why}"))
+        self._fail(UpstreamError(f"connection closed {stage}{why}", clean_close=exc is None))
 
     def eof_received(self):
         return None
@@ -427,7 +427,7 @@ cdef class Connection(ResponseParser):
         return resp
 
     def unseen(self, exc):
-        return not exc.sent or not self.got_bytes
+        return not exc.sent or (exc.clean_close and not self.got_bytes)  # client.py's: a reset is not
 
     def _check_deadline(self, double now):
         resp = self.response

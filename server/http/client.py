@@ -66,10 +66,13 @@ def _size(pieces: Sequence[BodyPiece]) -> int:
 class UpstreamError(Exception):
     """The worker could not be reached, or its connection failed or broke the protocol."""
 
-    def __init__(self, message: str, *, sent: bool = True) -> None:
+    def __init__(self, message: str, *, sent: bool = True, clean_close: bool = False) -> None:
         super().__init__(message)
         #: False when the request provably never reached the worker (connect failed)
         self.sent = sent
+        #: the worker closed the connection cleanly (a FIN, no reset) before this error: with no byte
+        #: of an answer on a reused connection, the close of an idle connection that raced our write
+        self.clean_close = clean_close
 
 
 class UpstreamTimeout(Exception):
@@ -301,7 +304,7 @@ class _Connection(asyncio.Protocol):
             return
         why = f": {exc}" if exc else ""
         stage = "mid-response" if resp.headers_done else "before answering"
-        self._fail(UpstreamError(f"connection closed {stage}{why}"))
+        self._fail(UpstreamError(f"connection closed {stage}{why}", clean_close=exc is None))
 
     def data_received(self, data: bytes) -> None:
         resp = self.response
@@ -454,9 +457,12 @@ class _Connection(asyncio.Protocol):
         return resp
 
     def unseen(self, exc: UpstreamError) -> bool:
-        """Whether the request ``exc`` failed never reached the worker: not sent, or no byte came back
-        (a pooled connection the worker had closed as it was reused)."""
-        return not exc.sent or not self.got_bytes
+        """Whether the request ``exc`` failed cannot have been acted on by the worker: not sent, or the
+        connection closed cleanly with no byte back (a pooled connection the worker had closed as it
+        was reused: it never read the request). A reset is not: the worker may have read the request
+        and failed after acting on it (vLLM's decode after pulling its prefill's blocks), and a POST is
+        sent again only where it cannot have been processed (RFC 9110, 9.2.2)."""
+        return not exc.sent or (exc.clean_close and not self.got_bytes)
 
     def _check_deadline(self, now: float) -> None:
         """Called by the sweeper: fail the request whose time is up."""
@@ -728,8 +734,8 @@ class UpstreamPool:
                     await resp.headers_arrived()
                 return resp
             except UpstreamError as exc:
-                # An idle connection the worker closed as we reused it: it never
-                # saw the request. Once, on a fresh connection.
+                # An idle connection the worker closed as we reused it (a clean close, no byte
+                # back): it never saw the request. Once, on a fresh connection.
                 if reused and _attempt == 0 and conn.unseen(exc):
                     conn.close()
                     continue
