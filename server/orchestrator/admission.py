@@ -134,6 +134,12 @@ class TokenBucket:
     def take(self, cost: float) -> None:
         self.level -= min(cost, self.capacity)
 
+    def resize(self, per_minute: float) -> None:
+        """A new size (fleet_cluster.py's share): the level kept, up to it."""
+        self.capacity = per_minute
+        self.rate = per_minute / 60.0
+        self.level = min(self.level, per_minute)
+
     def correct(self, more: float) -> None:
         """``more`` units than were taken were used (fewer when negative): a debt the refill pays
         before the next request is let through, or a refund up to the bucket's size."""
@@ -167,11 +173,22 @@ class _Limits:
 
     __slots__ = ("requests", "tokens")
 
-    def __init__(self, config: RateLimitConfig) -> None:
-        self.requests = TokenBucket(config.requests_per_minute) if config.requests_per_minute else None
-        self.tokens = (
-            TokenBucket(config.prompt_tokens_per_minute) if config.prompt_tokens_per_minute else None
+    def __init__(self, config: RateLimitConfig, fraction: float = 1.0) -> None:
+        self.requests = (
+            TokenBucket(config.requests_per_minute * fraction) if config.requests_per_minute else None
         )
+        self.tokens = (
+            TokenBucket(config.prompt_tokens_per_minute * fraction)
+            if config.prompt_tokens_per_minute
+            else None
+        )
+
+    def resize(self, config: RateLimitConfig, fraction: float) -> None:
+        """``fraction`` of ``config``'s limits (fleet_cluster.py's share)."""
+        if self.requests is not None and config.requests_per_minute:
+            self.requests.resize(config.requests_per_minute * fraction)
+        if self.tokens is not None and config.prompt_tokens_per_minute:
+            self.tokens.resize(config.prompt_tokens_per_minute * fraction)
 
     def refusal(
         self, prompt_bytes: int, bytes_per_token: Callable[[], float]
@@ -210,6 +227,10 @@ class _SharedLimits:
         self.requests = requests
         self.tokens = tokens
 
+    def resize(self, config: RateLimitConfig, fraction: float) -> None:
+        """As :meth:`_Limits.resize`."""
+        _Limits.resize(self, config, fraction)  # type: ignore[arg-type]
+
     def refusal(
         self, prompt_bytes: int, bytes_per_token: Callable[[], float]
     ) -> tuple[str, float | None] | Charge | None:
@@ -232,17 +253,20 @@ class _SharedLimits:
         return Charge(bucket, tokens)
 
 
-def _shared_limits(fleet: Fleet, tenant: str, config: RateLimitConfig) -> _SharedLimits | _Limits:
-    """``tenant``'s limits in the fleet's buckets (per process where its table is full)."""
+def _shared_limits(
+    fleet: Fleet, tenant: str, config: RateLimitConfig, fraction: float = 1.0
+) -> _SharedLimits | _Limits:
+    """``tenant``'s limits in the fleet's buckets (per process where its table is full), ``fraction``
+    of them (several hosts' share, fleet_cluster.py)."""
     requests = tokens = None
     if config.requests_per_minute:
-        requests = fleet.bucket(tenant, "requests_per_minute", config.requests_per_minute)
+        requests = fleet.bucket(tenant, "requests_per_minute", config.requests_per_minute * fraction)
         if requests is None:
-            return _Limits(config)
+            return _Limits(config, fraction)
     if config.prompt_tokens_per_minute:
-        tokens = fleet.bucket(tenant, "prompt_tokens_per_minute", config.prompt_tokens_per_minute)
+        tokens = fleet.bucket(tenant, "prompt_tokens_per_minute", config.prompt_tokens_per_minute * fraction)
         if tokens is None:
-            return _Limits(config)
+            return _Limits(config, fraction)
     return _SharedLimits(requests, tokens)
 
 
@@ -294,6 +318,8 @@ class Admission:
         self.max_wait = config.max_queue_wait_s
         self.retry_after_s = retry_after_s
         self.rate_limits = config.rate_limits
+        #: this orchestrator's part of each rate limit (several hosts: :meth:`divide`)
+        self.fraction = 1.0
         #: the priorities a request may claim where its key names no range (None: none, all are 0)
         granted = config.client_priority
         self.client_priority: tuple[int, int] | None = (
@@ -316,6 +342,21 @@ class Admission:
         before the process serves (slots held before would be given back to the fleet)."""
         self.fleet = fleet
         self._tenants.clear()
+
+    def divide(self, fraction: float, max_inflight: int) -> None:
+        """This orchestrator's part of a fleet of several hosts (fleet_cluster.py, from its watch):
+        ``fraction`` of each tenant's rate limits and ``max_inflight`` slots from now on. The request
+        path reads the same attributes as without it; waiters take what a larger part frees."""
+        self.fraction = fraction
+        self.max_inflight = max_inflight
+        for name, queue in self._tenants.items():
+            limit = self._limit_of(name)
+            if queue.limits is not None and limit is not None:
+                queue.limits.resize(limit, fraction)
+        self._serve_waiters()
+
+    def _limit_of(self, tenant: str) -> RateLimitConfig | None:
+        return self.rate_limits.get(tenant) or self.rate_limits.get(ANY_TENANT)
 
     # -- the request path ---------------------------------------------------------------------
 
@@ -350,10 +391,11 @@ class Admission:
         name = queue.name if queue.name in self.rate_limits else ANY_TENANT
         limit = self.rate_limits[name].prompt_tokens_per_minute
         tokens = prompt_bytes / self.bytes_per_token()
+        part = f", this orchestrator's part {limit * self.fraction:g}" if self.fraction < 1 else ""  # type: ignore[operator]
         return HTTPError(
             429,
             f"the prompt's estimated {tokens:.0f} tokens are more than admission.rate_limits.{name}."
-            f"prompt_tokens_per_minute ({limit:g}) of tenant {queue.name}: it can never be admitted",
+            f"prompt_tokens_per_minute ({limit:g}{part}) of tenant {queue.name}: it can never be admitted",
             code="prompt_tokens_per_minute",
         )
 
@@ -366,10 +408,12 @@ class Admission:
             charge.settle(prompt_tokens)
 
     def _new_tenant(self, tenant: Tenant) -> _TenantQueue:
-        limit = self.rate_limits.get(tenant.name) or self.rate_limits.get(ANY_TENANT)
+        limit = self._limit_of(tenant.name)
         limits: _Limits | _SharedLimits | None = None
         if limit is not None and (limit.requests_per_minute or limit.prompt_tokens_per_minute):
-            limits = _Limits(limit) if self.fleet is None else _shared_limits(self.fleet, tenant.name, limit)
+            fraction = self.fraction
+            limits = (_Limits(limit, fraction) if self.fleet is None
+                      else _shared_limits(self.fleet, tenant.name, limit, fraction))  # fmt: skip
         queue = self._tenants[tenant.name] = _TenantQueue(tenant, limits)
         return queue
 

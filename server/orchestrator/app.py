@@ -31,6 +31,7 @@ import json
 import logging
 import random
 import re
+import socket
 import time
 from collections.abc import Awaitable, Coroutine, Sequence
 from functools import partial
@@ -63,6 +64,7 @@ from .config import OrchestratorConfig
 if TYPE_CHECKING:
     from .discovery import Discovery
     from .fleet import Fleet
+    from .fleet_cluster import FleetCluster
 from .admission import Admission
 from .apis import ApiResponder, ClientApi, bound_apis
 from .cache_view import CacheView
@@ -78,7 +80,7 @@ from .legs import (
     leg_timed_out,
 )
 from .metrics import CPU_SAMPLE_EVERY, NO_CLOCK, Clock, CpuClock, OrchestratorMetrics
-from .pair import PairRunner
+from .pair import PairExchange, PairRunner
 from .pools import HealthChecker, Pool, Worker
 from .protocols import AUTO, make_protocol
 from .protocols.detect import guard_probe, probe_of, resolve_auto
@@ -169,6 +171,8 @@ class Orchestrator:
         #: fire-and-forget tasks (KV releases, first health checks), kept referenced until done
         self._background: set[asyncio.Task[None]] = set()
         self.discovery: Discovery | None = None
+        #: several hosts' share through etcd (config fleet_cluster; set by start_server)
+        self.fleet_cluster: FleetCluster | None = None
         if config.disagg_cluster is not None:
             from .discovery import Discovery, schedule_check  # server.cluster: only with discovery
 
@@ -233,18 +237,19 @@ class Orchestrator:
         #: OpenTelemetry (server/tracing.py): None unless an OTLP endpoint is configured
         self.tracing = start_tracing("fastcore-orchestrator", config.otlp_traces_endpoint)
         self.client_trace = config.otlp_config is None or config.otlp_config.client_trace_context
-        #: completions served from callbacks (exchange.py), but those that wait for admission, are
-        #: traced, or may be prefilled on their generation worker: their coroutines hold that state;
-        #: and a concurrent protocol's (SGLang's), whose legs run at once in tasks (pair.py)
+        #: completions served from callbacks (exchange.py; a concurrent protocol's pairs: pair.py), but
+        #: those that wait for admission, are traced, or may be prefilled on their generation worker:
+        #: their coroutines hold that state
         self.callbacks = (
             self.serve_from_callbacks
             and self.admission is None
             and self.tracing is None
             and self.max_local_prefill is None
-            and not self.protocol.concurrent
         )
-        #: a protocol whose legs run at once (SGLang's): its pairs, on the coroutine path (pair.py)
+        #: a protocol whose legs run at once (SGLang's, vLLM Mooncake's): its pairs (pair.py)
         self.pairs = PairRunner(self) if self.protocol.concurrent else None
+        #: what serves a completion from callbacks: one leg after the other, or a pair's at once
+        self.exchange: type[Exchange] = PairExchange if self.protocol.concurrent else Exchange
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -379,7 +384,7 @@ class Orchestrator:
                 self.metrics.count_request("chat" if chat else "completions", 503)
                 return None
             if self.callbacks:
-                return Exchange(self, request, out, chat, tenant).start()
+                return self.exchange(self, request, out, chat, tenant).start()
             return self._serve(request, out, chat, tenant)
         if path in _GET_ROUTES:
             if request.method != b"GET":
@@ -433,7 +438,7 @@ class Orchestrator:
         request.body, request.path = call.body, _CHAT  # the legs go to the workers' chat route
         translated: Any = ApiResponder(out, api, call)  # a Responder to the chat path
         if self.callbacks:
-            return Exchange(self, request, translated, True, tenant).start()
+            return self.exchange(self, request, translated, True, tenant).start()
         return self._serve(request, translated, True, tenant)
 
     def api_tenant(self, api: ClientApi, request: Request, out: Responder) -> Tenant | None:
@@ -1038,5 +1043,20 @@ async def start_server(
     orchestrator.protocol_detected = detected
     if fleet is not None:
         fleet.join(orchestrator)
-    server = await orchestrator.start(reuse_port=reuse_port)
+    if config.fleet_cluster is None:
+        return await orchestrator.start(reuse_port=reuse_port), orchestrator
+    from .fleet_cluster import FleetCluster  # several hosts through etcd: only when configured
+
+    # one host's --workers N processes are one group: their mapping holds the group's share
+    group = f"{socket.gethostname()}:{fleet.mapping.path}" if fleet is not None else None
+    cluster = FleetCluster(config.fleet_cluster, admission=orchestrator.admission, pools=orchestrator.pools,
+                           group=group)  # fmt: skip
+    await cluster.start()  # the share known before the first request (or a whole one: etcd away)
+    try:
+        server = await orchestrator.start(reuse_port=reuse_port)
+    except BaseException:
+        await cluster.stop()
+        raise
+    orchestrator.fleet_cluster = cluster
+    server.on_close.append(cluster.stop)
     return server, orchestrator

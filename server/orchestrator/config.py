@@ -17,7 +17,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from server.auth import read_secret
-from server.cluster.records import HEARTBEAT_INTERVAL_S, INACTIVE_TIMEOUT_S, LAYOUTS
+from server.cluster.records import (
+    HEARTBEAT_INTERVAL_S,
+    INACTIVE_TIMEOUT_S,
+    LAYOUTS,
+    ClusterSettings,
+    RecordError,
+)
 from server.http import limits
 from server.http.client import CONNECT_TIMEOUT_S
 from server.metrics_access import METRICS_TOKEN_ENV
@@ -197,6 +203,30 @@ class DisaggClusterConfig(BaseModel):
         return self.minimal_instances.get(f"{pool}_servers", 1)
 
 
+class FleetClusterConfig(BaseModel):
+    """Orchestrators on several hosts sharing one etcd (server/orchestrator/fleet_cluster.py): each
+    registers under a lease; rates and max_inflight are divided by the live count; breakers published."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # etcd://HOST:PORT[,HOST:PORT...]: where the orchestrators register
+    cluster_uri: str
+    # namespace: the key prefix of this fleet's orchestrators and breakers
+    cluster_name: str = ""
+    # seconds an orchestrator that stopped renewing still counts: shares re-divided within it
+    lease_ttl_s: int = Field(10, ge=2)
+
+    @model_validator(mode="after")
+    def _etcd_and_name(self) -> FleetClusterConfig:
+        if not self.cluster_uri.startswith("etcd://"):
+            raise ValueError(f"cluster_uri must be etcd://HOST:PORT[,HOST:PORT...], got {self.cluster_uri!r}")
+        try:
+            ClusterSettings(self.cluster_uri, self.cluster_name, self.lease_ttl_s / 3, self.lease_ttl_s)
+        except RecordError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+
 class OtlpConfig(BaseModel):
     """trtllm-serve's ``otlp_config``: where traces go (OTLP/HTTP; the ``OTEL_*`` variables set the rest)."""
 
@@ -343,6 +373,8 @@ class OrchestratorConfig(BaseModel):
     generation_servers: PoolConfig = Field(default_factory=PoolConfig)
     conditional_disagg_config: ConditionalDisaggConfig | None = None
     disagg_cluster: DisaggClusterConfig | None = None
+    # several hosts' orchestrators sharing rates, max_inflight and breakers through etcd (None: off)
+    fleet_cluster: FleetClusterConfig | None = None
     # trtllm-serve's: which leg goes first; generation_first is refused (check_runnable says why)
     schedule_style: Literal["context_first", "generation_first"] = "context_first"
     # /v1/responses' store (store, previous_response_id, GET/DELETE by id); None: off, those refused

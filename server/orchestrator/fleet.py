@@ -338,6 +338,11 @@ class SharedBucket:
         """``more`` units used beyond what was taken (a refund when negative, up to full)."""
         self.core.correct(self.entry, self.fleet.clock(), round(more * self.unit_ns))
 
+    def resize(self, per_minute: float) -> None:
+        """A new size (several hosts' share, fleet_cluster.py): the level scales with it."""
+        self.capacity = per_minute
+        self.unit_ns = MINUTE_NS / per_minute
+
 
 class Fleet:
     """This process's part of the fleet: its :data:`Core` on the mapping, and what it shares."""
