@@ -40,6 +40,9 @@ MAX_TOKENS: Final = "max_tokens"
 MAX_COMPLETION_TOKENS: Final = "max_completion_tokens"
 CHOICES: Final = "choices"
 FINISH_REASON: Final = "finish_reason"
+#: vLLM's member of a finished choice (and trtllm-serve's): the stop string that matched, or the stop
+#: token id (an int); fastcore's workers send it only when one of them ended the answer
+STOP_REASON: Final = "stop_reason"
 USAGE: Final = "usage"
 PROMPT_TOKENS: Final = "prompt_tokens"
 COMPLETION_TOKENS: Final = "completion_tokens"

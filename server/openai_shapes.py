@@ -40,10 +40,12 @@ def answer_object(
     usage: Any,
     logprobs: Any = None,
     tool_calls: list[dict[str, Any]] | None = None,
+    stop_reason: str | int | None = None,
 ) -> dict[str, Any]:
     """A whole (non-streamed) ``chat.completion`` or ``text_completion`` with one choice.
     ``logprobs`` is already in the route's wire shape; ``tool_calls`` (chat): the calls parsed out
-    of the text (``text`` is then what was outside them, None when nothing was)."""
+    of the text (``text`` is then what was outside them, None when nothing was); ``stop_reason``
+    (vLLM's): the stop string or token id that ended it, a member only when there is one."""
     choice: dict[str, Any]
     if chat:
         message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -52,6 +54,8 @@ def answer_object(
         choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    if stop_reason is not None:
+        choice[wire.STOP_REASON] = stop_reason
     return {
         "id": response_id,
         "object": wire.OBJECT_CHAT_COMPLETION if chat else wire.OBJECT_TEXT_COMPLETION,
@@ -74,6 +78,7 @@ def stream_chunk(
     finish_reason: str | None = None,
     logprobs: Any = None,
     tool_calls: list[dict[str, Any]] | None = None,
+    stop_reason: str | int | None = None,
 ) -> dict[str, Any]:
     """One chunk of one choice. Chat: ``delta`` holds the role (``role``) and/or ``text`` (``None``:
     no content key, as in the closing chunk) and/or ``tool_calls`` pieces; completions: ``text``
@@ -90,6 +95,8 @@ def stream_chunk(
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+    if stop_reason is not None:  # the closing chunk's, as answer_object's
+        choice[wire.STOP_REASON] = stop_reason
     return {
         "id": response_id,
         "object": chunk_object(chat),
@@ -137,7 +144,8 @@ def answer_stream(answer: dict[str, Any], *, chat: bool, include_usage: bool) ->
             events.append(stream_chunk(**head, index=index, text=text, logprobs=choice.get("logprobs")))
         for i, call in enumerate(calls or ()):  # each call whole, in one piece
             events.append(stream_chunk(**head, index=index, tool_calls=[{"index": i, **call}]))
-        events.append(stream_chunk(**head, index=index, text=None if chat else "", finish_reason=finish))
+        events.append(stream_chunk(**head, index=index, text=None if chat else "", finish_reason=finish,
+                                   stop_reason=choice.get(wire.STOP_REASON)))  # fmt: skip
     if include_usage and answer.get(wire.USAGE) is not None:
         events.append(usage_chunk(**head, usage=answer[wire.USAGE]))
     return b"".join(sse_event(e) for e in events) + SSE_DONE

@@ -152,10 +152,25 @@ async def test_max_tokens_and_stop_sequences(tmp_path):
             None,
             [("text", PLAIN[:3])],
         )
-        unary, final, _ = await both_ways(client, stop_sequences=["18"])
+        unary, final, events = await both_ways(client, stop_sequences=["zz", "18"])
         assert visible(unary) == visible(final)
-        # our workers do not say which stop string matched (vLLM's stop_reason): end_turn, the text cut
-        assert unary.content[0].text == "It is sunny in Paris, "
+        # the worker names the stop string that matched (vLLM's stop_reason): the text cut before it
+        assert visible(unary)[:3] == ("stop_sequence", "18", [("text", "It is sunny in Paris, ")])
+        delta = next(e for e in events if e.type == "message_delta")
+        assert (delta.delta.stop_reason, delta.delta.stop_sequence) == ("stop_sequence", "18")
+        # matched in the first token: the context leg's answer is the answer (streamed whole)
+        unary, final, _ = await both_ways(client, stop_sequences=["t "])
+        assert visible(unary) == visible(final)
+        assert visible(unary)[:3] == ("stop_sequence", "t ", [("text", "I")])
+
+
+@pytest.mark.parametrize("relay", ["parsed", "parsed-msgpack"])
+async def test_the_matched_stop_sequence_through_the_parsed_relays(tmp_path, relay):
+    """The generation worker's ``stop_reason`` survives the parsed relay modes (the fast relay's: above)."""
+    async with deployment([PLAIN], tmp_path, relay=relay) as (client, _):
+        unary, final, _ = await both_ways(client, stop_sequences=["18"])
+    assert visible(unary) == visible(final)
+    assert visible(unary)[:3] == ("stop_sequence", "18", [("text", "It is sunny in Paris, ")])
 
 
 @LIVE

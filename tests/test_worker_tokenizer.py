@@ -116,6 +116,20 @@ def test_stop_token_ids_and_eos() -> None:
     assert merged["text"] == "ab" and merged["finish_reason"] == "stop"
 
 
+def test_the_stop_that_ended_an_answer_is_its_stop_reason() -> None:
+    """vLLM's ``stop_reason``: the stop string that matched (the one the text is cut at, where two
+    end at the same token), a stop token id, None for an EOS or ``max_tokens``."""
+    assert process(ids("hello STOP world"), stop=["zzz", "STOP"])[-1].stop_reason == "STOP"
+    assert process(ids("abSTOP"), stop=["OP", "STOP"])[-1].stop_reason == "STOP"
+    assert process(ids("abSTOP"), stop=["STOP", "ST"])[-1].stop_reason == "ST"
+    assert process(ids("a zz STOP"), stop=["STOP", "zz"])[-1].stop_reason == "zz"
+    last = process(ids("abcd"), stop_token_ids=[ord("c")])[-1]
+    assert last.stop_reason == ord("c") and type(last.stop_reason) is int
+    assert process([*ids("ab"), EOS], stop_token_ids=[ord("c")])[-1].stop_reason is None
+    assert process(ids("abcd"), stop=["x"], max_tokens=3)[-1].stop_reason is None
+    assert all(d.stop_reason is None for d in process(ids("hello STOP"), stop=["STOP"])[:-1])
+
+
 def test_finish_early_and_misuse() -> None:
     proc = OutputProcessor(TOK, SamplingParams(max_tokens=10))
     first = proc.add(0xC3)  # first byte of "é"

@@ -405,6 +405,20 @@ async def test_required_or_named_without_a_call_is_a_plain_answer():
         assert not any(d.delta.tool_calls for d in deltas) and deltas[-1].finish_reason == "length"
 
 
+async def test_the_stop_string_that_matched_is_the_choices_stop_reason():
+    """vLLM's ``stop_reason`` on the finished choice, unary and in the stream's closing chunk (the
+    SDK keeps it as an extra member); none where no stop string or stop token ended the answer."""
+    async with scripted([PLAIN], "hermes") as client:
+        unary, assembled, chunks = await both_ways(client, stop=["zz", "in P"])
+        assert visible(unary) == visible(assembled) == ("stop", "It is sunny ", [])
+        assert unary.stop_reason == chunks[-1].choices[0].stop_reason == "in P"
+        text = await client.completions.create(model="synthetic", prompt="Weather?", stop="Paris")
+        assert (text.choices[0].text, text.choices[0].stop_reason) == ("It is sunny in ", "Paris")
+        unary, _assembled, chunks = await both_ways(client)
+        assert unary.finish_reason == "stop" and not hasattr(unary, "stop_reason")
+        assert not any(hasattr(choice, "stop_reason") for chunk in chunks for choice in chunk.choices)
+
+
 async def test_a_call_round_trip_and_a_malformed_tool_through_the_sdk():
     async with scripted([HERMES_TWO], "hermes") as client:
         await round_trip(client)

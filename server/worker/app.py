@@ -518,6 +518,7 @@ class WorkerApp:
             logprobs=logprobs,
             tokenizer=self.engine.tokenizer,
             tools=None if req.is_context_only else req.tools,  # a context leg's one token is no answer
+            stop_reason=deltas[-1].stop_reason,
         )
         members = (
             self._context_fields(request, req, engine_req, token_ids, body) if req.is_context_only else []

@@ -50,6 +50,9 @@ class Delta:
     finish_reason: str | None = None
     # Set when the finish is an error of the engine (the stream ends with an error event).
     error: str | None = None
+    # vLLM's ``stop_reason`` of a "stop" finish: the stop string that matched or the stop token id
+    # (None: an EOS, or no stop rule ended it)
+    stop_reason: str | int | None = None
 
 
 class OutputProcessor:
@@ -59,6 +62,7 @@ class OutputProcessor:
       ends with ``"stop"``; its text is not part of the output, but it counts
       as a completion token, as in OpenAI's API;
     - a stop string ends with ``"stop"``; the text is cut before it;
+    - the stop string or stop token id (not an EOS) that ended it is the last delta's ``stop_reason``;
     - ``max_tokens`` tokens end with ``"length"``.
 
     While stop strings are set, the last ``len(longest stop) - 1`` characters
@@ -81,6 +85,7 @@ class OutputProcessor:
         self.emitted = 0  # characters of self.text already sent
         self.num_tokens = 0
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
 
     @property
     def finished(self) -> bool:
@@ -93,18 +98,22 @@ class OutputProcessor:
         logprobs = [logprob] if logprob is not None else []
         if token_id in self.end_ids:
             self.finish_reason = "stop"
+            if token_id in self.params.stop_token_ids:
+                self.stop_reason = token_id
             self.text += self.detokenizer.flush()
             return self._emit([token_id], logprobs, len(self.text))
         self.text += self.detokenizer.push([token_id])
         if self.params.stop:
             # Only the new tail (plus a stop's length of overlap) can hold a new match.
             start = max(0, self.emitted - self.holdback)
-            cut = min(
-                (i for i in (self.text.find(s, start) for s in self.params.stop) if i >= 0),
-                default=-1,
+            cut, matched = min(
+                ((i, s) for s in self.params.stop if (i := self.text.find(s, start)) >= 0),
+                key=lambda found: found[0],
+                default=(-1, None),
             )
             if cut >= 0:
                 self.finish_reason = "stop"
+                self.stop_reason = matched
                 self.text = self.text[:cut]
                 return self._emit([token_id], logprobs, cut)
         if self.num_tokens >= self.params.max_tokens:
@@ -122,7 +131,7 @@ class OutputProcessor:
     def _emit(self, token_ids: list[int], logprobs: list[TokenLogprob], upto: int) -> Delta:
         text = self.text[self.emitted : upto]
         self.emitted = max(self.emitted, upto)
-        return Delta(text, token_ids, logprobs, self.finish_reason)
+        return Delta(text, token_ids, logprobs, self.finish_reason, stop_reason=self.stop_reason)
 
 
 __all__ = ["Delta", "OutputProcessor", "SamplingParams", "TokenLogprob"]

@@ -155,19 +155,21 @@ def completion_body(
     logprobs: list[TokenLogprob] | None = None,
     tokenizer: Tokenizer | None = None,
     tools: ToolRequest | None = None,
+    stop_reason: str | int | None = None,
 ) -> dict[str, Any]:
     """A whole (non-streamed) ``chat.completion`` or ``text_completion`` object; the tool calls
-    in ``text`` parsed out when ``tools`` asks for it (``finish_reason`` then ``tool_calls``)."""
+    in ``text`` parsed out when ``tools`` asks for it (``finish_reason`` then ``tool_calls``, and
+    no ``stop_reason``: the calls ended the turn)."""
     lp = _logprobs_field(route, logprobs, tokenizer) if tokenizer is not None else None
     content: str | None = text
     calls = None
     if tools is not None and tools.parsing:
         content, found = parse_tool_calls(tools.stream(), text)
         if found:
-            calls, finish_reason = [call.wire() for call in found], TOOL_CALLS
+            calls, finish_reason, stop_reason = [call.wire() for call in found], TOOL_CALLS, None
     return openai_shapes.answer_object(chat=route == "chat", response_id=response_id, created=created,
                                        model=model, text=content, finish_reason=finish_reason, usage=usage,
-                                       logprobs=lp, tool_calls=calls)  # fmt: skip
+                                       logprobs=lp, tool_calls=calls, stop_reason=stop_reason)  # fmt: skip
 
 
 def stream_chunk(
@@ -183,12 +185,13 @@ def stream_chunk(
     tokenizer: Tokenizer | None = None,
     text_offset: int = 0,
     tool_calls: list[dict[str, Any]] | None = None,
+    stop_reason: str | int | None = None,
 ) -> dict[str, Any]:
     """One SSE chunk (:func:`server.openai_shapes.stream_chunk`) with the engine's logprobs in wire shape."""
     lp = _logprobs_field(route, logprobs, tokenizer, text_offset) if tokenizer is not None else None
     return openai_shapes.stream_chunk(chat=route == "chat", response_id=response_id, created=created,
                                       model=model, text=text, role=role, finish_reason=finish_reason,
-                                      logprobs=lp, tool_calls=tool_calls)  # fmt: skip
+                                      logprobs=lp, tool_calls=tool_calls, stop_reason=stop_reason)  # fmt: skip
 
 
 def usage_chunk(
@@ -252,7 +255,8 @@ class StreamWriterState:
             self.text_offset += len(delta.text)
         if delta.finish_reason is not None:
             text = None if self.req.route == "chat" else ""
-            out += sse_event(stream_chunk(**self._common(), text=text, finish_reason=delta.finish_reason))
+            out += sse_event(stream_chunk(**self._common(), text=text, finish_reason=delta.finish_reason,
+                                          stop_reason=delta.stop_reason))  # fmt: skip
         return out
 
     def _tool_delta(self, delta: Delta, stream: ToolCallStream) -> bytes:
@@ -275,8 +279,10 @@ class StreamWriterState:
                 out += self._tool_call_events(event, index)
                 index += 1
         if delta.finish_reason is not None:
-            finish = TOOL_CALLS if stream.calls else delta.finish_reason
-            out += sse_event(stream_chunk(**self._common(), text=None, finish_reason=finish))
+            finish, stop = (TOOL_CALLS, None) if stream.calls else (delta.finish_reason, delta.stop_reason)
+            out += sse_event(
+                stream_chunk(**self._common(), text=None, finish_reason=finish, stop_reason=stop)
+            )
         return out
 
     def _tool_call_events(self, call: ToolCall, index: int) -> bytes:

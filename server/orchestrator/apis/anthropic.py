@@ -39,7 +39,7 @@ _ERROR_TYPES = {
     503: "overloaded_error",
     529: "overloaded_error",
 }
-_STOP_REASONS = {
+_STOP_REASONS: dict[Any, str] = {
     wire.FINISH_STOP: "end_turn",
     wire.FINISH_LENGTH: "max_tokens",
     wire.FINISH_TOOL_CALLS: "tool_use",
@@ -224,7 +224,8 @@ def _assistant_turn(
         return {"role": "assistant", "content": marks.mark([(path, content)])}, set()
     if not isinstance(content, list):
         raise bad(f"'{where}' must be a string or a list of content blocks", where)
-    texts, calls = [], []
+    texts: list[Piece] = []
+    calls: list[dict[str, Any]] = []
     for j, block in enumerate(content):
         at = f"{where}[{j}]"
         kind = _block_type(block, at)
@@ -443,7 +444,7 @@ class Messages:
         """Anthropic's stop_reason and stop_sequence of a chat choice: a stop string is known only where
         the worker names it (vLLM's ``stop_reason``)."""
         finish = choice.get(wire.FINISH_REASON)
-        matched = choice.get("stop_reason")
+        matched = choice.get(wire.STOP_REASON)
         if finish == wire.FINISH_STOP and isinstance(matched, str) and matched in self.stops:
             return "stop_sequence", matched
         return _STOP_REASONS.get(finish, "end_turn"), None
@@ -578,7 +579,7 @@ class MessageStream:
         function = piece.get("function") or {}
         index = piece.get("index", 0)
         if self.block[1] != ("call", index):
-            block = {
+            block: dict[str, Any] = {
                 "type": "tool_use",
                 "id": piece.get("id") or "",
                 "name": function.get("name") or "",
