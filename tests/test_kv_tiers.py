@@ -14,7 +14,7 @@ import pytest
 from server.metrics import Registry
 from server.orchestrator.cache_view import _Follower
 from server.orchestrator.estimates import tier2_tokens
-from server.orchestrator.routing import TIER_WEIGHT, KvCacheAwareRouter, _PrefixIndex, request_key
+from server.orchestrator.routing import TIER_WEIGHT, KvCacheAwareRouter, PrefixIndex, request_key
 from server.orchestrator.routing_metrics import routing_quality
 from server.worker.app import WorkerSettings, start_worker
 from server.worker.kv_events import ChunkEventLog
@@ -93,7 +93,7 @@ def test_the_follower_keeps_tiers_through_store_move_and_evict_events() -> None:
 
 
 def test_the_approximate_index_spills_its_least_recent_to_tier2_and_evicts_past_it() -> None:
-    index = _PrefixIndex(limit=4, tier2_limit=4)
+    index = PrefixIndex(limit=4, tier2_limit=4)
     clock = 0
     for chain in ([1, 2, 3, 4], [5, 6, 7, 8], [9, 10]):
         assert index.add(chain, clock) == ([3, 4] if chain == [9, 10] else [])
@@ -103,7 +103,7 @@ def test_the_approximate_index_spills_its_least_recent_to_tier2_and_evicts_past_
     assert index.tier2_count([1, 2, 3], 2) == 2 and index.tier2_count([5, 6, 7, 8], 4) == 2
     assert index.add([1, 2], clock) == []  # routed again: back on the device, 5 and 6 spill
     assert index.tier2 == {5, 6, 7, 8} and index.tier2_count([1, 2], 2) == 0
-    exact = _PrefixIndex(limit=4)  # no tier-2 bound: eviction drops, tier 2 keeps only what stays
+    exact = PrefixIndex(limit=4)  # no tier-2 bound: eviction drops, tier 2 keeps only what stays
     exact.add([1, 2, 3, 4], 0)
     exact.tier2.update([3, 4])
     exact.add([5, 6, 7, 8], 4)
