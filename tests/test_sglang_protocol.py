@@ -32,6 +32,7 @@ from fastcore.relay import Relay
 from server.errors import HTTPError
 from server.orchestrator.app import Orchestrator, start_server
 from server.orchestrator.config import ConfigError, build_config
+from server.orchestrator.pair import PairExchange
 from server.orchestrator.pools import Worker
 from server.orchestrator.protocols import SglangProtocol, SglangRelay
 
@@ -272,7 +273,7 @@ async def sglang_stack(request_path: str, prefills: list[How | None] | None = No
     server = None
     try:
         server, orch = await start_server(build_config(data, environ={}))
-        assert not orch.callbacks  # both legs at once: the coroutine path
+        assert orch.callbacks == (request_path == "callbacks")  # both legs at once, from callbacks too
         port = server.sockets[0].getsockname()[1]
         assert await eventually(
             lambda: all(w.healthy for pool in orch.pools for w in pool.workers), timeout=30
@@ -374,6 +375,24 @@ async def test_a_client_that_leaves_cuts_both_legs(request_path: str) -> None:
             await sent
         await asyncio.wait_for(asyncio.gather(prefill.cut.wait(), decode.cut.wait()), 10)
         assert await eventually(lambda: stack.orch.in_flight == 0, timeout=10)
+
+
+async def test_a_pair_from_callbacks_is_one_exchange_and_no_task(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both legs in flight at once, started from the client's request by one PairExchange with no task
+    of its own (the coroutine path runs a task per leg); the client leaving cuts both, every count back."""
+    monkeypatch.setattr(Orchestrator, "serve_from_callbacks", True)
+    async with sglang_stack("callbacks", prefills=["stall"], decodes=["stall"]) as stack:
+        sent = asyncio.get_running_loop().create_task(stack.post("chat", CHAT_BODY))
+        prefill, decode = stack.prefills[0], stack.decodes[0]
+        await asyncio.wait_for(asyncio.gather(prefill.arrived.wait(), decode.arrived.wait()), 10)
+        serving = list(stack.orch._serving)
+        assert len(serving) == 1 and isinstance(serving[0], PairExchange) and serving[0].task is None
+        sent.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sent
+        await asyncio.wait_for(asyncio.gather(prefill.cut.wait(), decode.cut.wait()), 10)
+        workers = [w for pool in stack.orch.pools for w in pool.workers]
+        assert await eventually(lambda: stack.orch.in_flight == 0 and all(w.in_flight == 0 for w in workers))
 
 
 async def test_a_client_bootstrap_room_never_reaches_a_worker(request_path: str) -> None:

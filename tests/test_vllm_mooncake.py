@@ -196,7 +196,7 @@ async def mooncake_stack(
     server = None
     try:
         server, orch = await start_server(build_config(data, environ={}))
-        assert not orch.callbacks  # both legs at once: the coroutine path
+        assert orch.callbacks == (request_path == "callbacks")  # both legs at once, from callbacks too
         port = server.sockets[0].getsockname()[1]
         assert await eventually(lambda: all(w.healthy for p in orch.pools for w in p.workers), timeout=30)
         async with aiohttp.ClientSession() as session:

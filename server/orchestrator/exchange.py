@@ -121,13 +121,19 @@ class Exchange(Handling):
         self.returned = True
         return None if self.ended else self
 
-    def _begin(self) -> None:
+    def _prepare(self) -> None:
+        """The body read and checked (or its 400), its routing key, token weight and clock."""
         orch = self.orch
         request = self.request
         conversation = conversation_header(request) if orch.needs_conversation else None
         req, key, tokens, clock = orch.prepare(request.body, self.chat, conversation, self.tenant)
-        body = self.body = req.body  # a top-level conversation_id moved (prepare)
+        self.body = req.body  # a top-level conversation_id moved (prepare)
         self.req, self.key, self.tokens, self.clock = req, key, tokens, clock
+
+    def _begin(self) -> None:
+        self._prepare()
+        orch = self.orch
+        req, key, clock, body = self.req, self.key, self.clock, self.body
         disagg_id = self.disagg_id = orch.disagg_id()
         self.context_body = orch.relay.context_pieces(req, disagg_id, orch.context_pool.b64_completions)
         clock.lap("build_context")
@@ -204,7 +210,7 @@ class Exchange(Handling):
         clock.lap("relay")
         clock.finish()
         self.out.send(200, answer)
-        self.finish(200)
+        self._decoded(200)
 
     # -- the upstream response's events (server.http.client.Listener) ---------------------
 
@@ -261,6 +267,11 @@ class Exchange(Handling):
             status = self.orch.stream_ended(self.out, worker, resp, failure, self.clock)
         finally:
             self._leg_over(resp)
+        self._decoded(status)
+
+    def _decoded(self, status: int) -> None:
+        """Leg (3) is over, the client answered (``status``): the completion is (pair.py's waits for its
+        prefill's answer)."""
         self.finish(status)
 
     def _leg_over(self, resp: UpstreamResponse) -> None:
@@ -303,7 +314,7 @@ class Exchange(Handling):
         # From here the leg runner holds the attempt handed over (lets its worker go, releases its
         # response), and the coroutines the KV: a cancel goes through them.
         self.work = None
-        self.resp, self.worker, self.leg = None, None, 0
+        self._taken_over()
         status = 499  # cancelled: the client went away (both legs are closed with this task)
         try:
             status = await self.orch._settle(self.out, work)
@@ -317,6 +328,10 @@ class Exchange(Handling):
         finally:
             self.task = None
             self.finish(status)
+
+    def _taken_over(self) -> None:
+        """The coroutines hold the attempt handed over from here (its worker, its response)."""
+        self.resp, self.worker, self.leg = None, None, 0
 
     # -- the end ------------------------------------------------------------------------------
 
