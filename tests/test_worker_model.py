@@ -197,6 +197,49 @@ def test_decode_attention_kept_across_steps_equals_a_new_one_each_step(
     assert torch.equal(runs[0], runs[1])
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (8, 1)])
+def test_grouped_decode_attention_is_sdpas_with_gqa(heads: int, kv_heads: int) -> None:
+    """The CPU decode attention (two batched matmuls, query head i on KV head i // group) against
+    SDPA with enable_gqa over the same masked rows, float32 and bfloat16."""
+    from server.worker.model import grouped_decode_attention
+
+    g = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    b, d, span = 5, 16, 24
+    lengths = torch.tensor([1, 7, 24, 13, 16])
+    mask = torch.where(torch.arange(span)[None, :] < lengths[:, None], 0.0, float("-inf"))[:, None, None, :]
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2e-2)):
+        q = torch.randn(b, heads, d, generator=g).to(dtype)
+        k = torch.randn(b, kv_heads, span, d, generator=g).to(dtype)
+        v = torch.randn(b, kv_heads, span, d, generator=g).to(dtype)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.unsqueeze(2), k, v, attn_mask=mask.to(dtype), enable_gqa=True
+        ).squeeze(2)
+        got = grouped_decode_attention(q, k, v, mask.to(dtype))
+        assert got.shape == want.shape and got.dtype == dtype
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_rms_norm_in_float32_is_the_reference_formula_bit_for_bit() -> None:
+    """torch's rms_norm in float32 gives Hugging Face's LlamaRMSNorm numbers exactly (weight times
+    x * rsqrt(mean(x^2) + eps)); bfloat16 keeps the float32 normalisation then casts."""
+    from server.worker.model import RMSNorm
+
+    g = torch.Generator().manual_seed(5)
+    for rows, hidden in ((1, 64), (32, 64), (300, 896)):
+        norm = RMSNorm(hidden, 1e-5)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(hidden, generator=g))
+        x = torch.randn(rows, hidden, generator=g) * 3
+        want = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+        assert torch.equal(norm(x), want)
+        half = x.bfloat16()
+        h = half.float()
+        want_half = (
+            norm.weight.bfloat16() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
+        )
+        assert torch.equal(norm.to(torch.bfloat16)(half), want_half)
+
+
 def test_prefill_in_two_chunks_matches_one() -> None:
     config = small_config()
     model = random_model(config)

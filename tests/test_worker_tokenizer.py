@@ -76,6 +76,50 @@ def test_detokenizer_flushes_a_dangling_byte_as_replacement() -> None:
     assert detok.flush() == "\ufffd"
 
 
+def test_a_held_character_costs_one_decode_a_push() -> None:
+    """While a character waits for its continuation bytes, the window's prefix text is kept: one
+    decode a push, not two (a streaming request's detokenization is a part of every decode step)."""
+    calls: list[list[int]] = []
+
+    class Counting(ByteTokenizer):
+        def decode(self, ids: Any) -> str:
+            calls.append(list(ids))
+            return super().decode(ids)
+
+    detok = IncrementalDetokenizer(Counting())
+    assert detok.push([0x61]) == "a"
+    calls.clear()
+    emoji = "\U0001f600".encode()
+    assert [detok.push([b]) for b in emoji] == ["", "", "", "\U0001f600"]
+    assert len(calls) == 1 + 4  # the prefix once, then the window at each push
+    assert detok.push([0x62]) == "b" and detok.flush() == ""
+
+
+@given(st.lists(st.integers(0, TOK.vocab_size - 1), max_size=40), st.booleans())
+def test_byte_tokenizer_decodes_lists_and_arrays_alike(ids: list[int], as_array: bool) -> None:
+    """A run of bytes is decoded in one call (bytes()), anything else by the loop: the same text,
+    from a list, a tuple, numpy ints or an array (whose buffer bytes() would misread)."""
+    import numpy as np
+
+    pieces: list[str] = []
+    run = bytearray()
+    for i in ids:
+        if i < 256:
+            run.append(i)
+        else:
+            pieces += [run.decode("utf-8", errors="replace"), TOK.special_strings[i]]
+            run.clear()
+    want = "".join(pieces) + run.decode("utf-8", errors="replace")
+    given_ids: Any = np.asarray(ids, dtype=np.int32) if as_array else [np.int64(i) for i in ids]
+    assert TOK.decode(given_ids) == TOK.decode(tuple(ids)) == TOK.decode(ids) == want
+
+
+def test_byte_tokenizer_names_an_id_outside_its_vocabulary() -> None:
+    for bad in (-1, TOK.vocab_size):
+        with pytest.raises(ValueError, match=f"token id {bad} is outside the vocabulary"):
+            TOK.decode([0x61, bad])
+
+
 def process(tokens: list[int], **params: object) -> list:
     sp = SamplingParams(**{"max_tokens": 100, **params})  # type: ignore[arg-type]
     proc = OutputProcessor(TOK, sp)

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from .engine_api import KVCacheFull, chain_block_hashes
 from .kv_events import ChunkEventLog, KvEventLog
-from .model import AttentionBackend, ModelConfig
+from .model import AttentionBackend, ModelConfig, grouped_decode_attention
 
 
 class PagedKVCache:
@@ -457,6 +457,8 @@ class DecodeAttention:
             dense[1].view(-1, v.shape[2]).index_copy_(0, self.dense_slots, v.reshape(rows, -1))
         if dense is not None:
             kh, vh = dense[0][:, :, : self.span], dense[1][:, :, : self.span]
+        if self.cache.device.type == "cpu":
+            return grouped_decode_attention(q, kh, vh, self.mask)
         out = F.scaled_dot_product_attention(q.unsqueeze(2), kh, vh, attn_mask=self.mask, enable_gqa=True)
         return out.squeeze(2)
 

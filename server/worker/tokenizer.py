@@ -65,18 +65,27 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
+        # The decode of ids[prefix_offset:read_offset] while the offsets stay (a character or a
+        # piece still incomplete): one decode a push instead of two while text is held.
+        self._prefix_text: str | None = None
 
     def push(self, new_ids: Iterable[int]) -> str:
         """Add ids; return the text that is now final (possibly empty)."""
         self.ids.extend(new_ids)
-        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        prefix_text = self._prefix_text
+        if prefix_text is None:
+            prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
         new_text = self.tokenizer.decode(self.ids[self.prefix_offset :])
         if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT_CHAR):
             delta = new_text[len(prefix_text) :]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
             self.text += delta
+            # The new window's prefix is decoded at the next push: a piece may decode differently
+            # after its left neighbour than alone (SentencePiece), so new_text cannot give it.
+            self._prefix_text = None
             return delta
+        self._prefix_text = prefix_text
         return ""
 
     def flush(self) -> str:
@@ -85,6 +94,7 @@ class IncrementalDetokenizer:
         new_text = self.tokenizer.decode(self.ids[self.prefix_offset :])
         delta = new_text[len(prefix_text) :] if new_text.startswith(prefix_text) else ""
         self.prefix_offset = self.read_offset = len(self.ids)
+        self._prefix_text = None
         self.text += delta
         return delta
 
@@ -129,6 +139,13 @@ class ByteTokenizer:
         return ids
 
     def decode(self, ids: Sequence[int]) -> str:
+        if isinstance(ids, (list, tuple)):  # not an array: bytes() would read its buffer
+            try:
+                # Bytes only (a stream's usual window): one C call. bytes() refuses an id past 255
+                # or below 0, which the loop below then writes as its special token or names.
+                return bytes(ids).decode("utf-8", errors="replace")
+            except (ValueError, TypeError):
+                pass
         out: list[str] = []
         run = bytearray()
         for i in ids:
