@@ -36,7 +36,7 @@ from server.http.client import Deadlines, UpstreamError, UpstreamPool, UpstreamT
 from server.tasks import stop_tasks
 
 from .pools import Pool, Worker
-from .routing import KvCacheAwareRouter
+from .routing import CacheEventFollower, can_follow_cache_events
 
 __all__ = ["CacheView"]
 
@@ -71,7 +71,7 @@ def _keys(value: object) -> list[int] | None:
 class _Follower:
     """One worker's stream: the last applied ``seq`` and the worker's ``instance``."""
 
-    def __init__(self, view: CacheView, router: KvCacheAwareRouter, worker: Worker) -> None:
+    def __init__(self, view: CacheView, router: CacheEventFollower, worker: Worker) -> None:
         self.view = view
         self.router = router
         self.worker = worker
@@ -196,7 +196,7 @@ class CacheView:
         *,
         deadlines: Deadlines | None = None,
     ) -> None:
-        self.pools = [p for p in pools if isinstance(p.router, KvCacheAwareRouter)]
+        self.pools = [p for p in pools if p.router.follows_cache_events]
         #: the followers' connections' deadline sweeper (the orchestrator's, shared by its upstreams)
         self.deadlines = deadlines if deadlines is not None else Deadlines()
         self.headers = b"Authorization: Bearer %s\r\n" % token if token else b""
@@ -210,10 +210,10 @@ class CacheView:
 
     def reconcile(self) -> None:
         """A follower for each member of each pool; none for workers that left."""
-        wanted = {}
+        wanted: dict[tuple[int, Worker], CacheEventFollower] = {}
         for pool in self.pools:
             router = pool.router
-            assert isinstance(router, KvCacheAwareRouter)
+            assert can_follow_cache_events(router)
             for worker in pool.workers:
                 wanted[id(pool), worker] = router
         for slot in [s for s in self._followers if s not in wanted]:
@@ -221,9 +221,9 @@ class CacheView:
             task.cancel()
             follower.close()
         loop = asyncio.get_running_loop()
-        for slot, router in wanted.items():
+        for slot, follows in wanted.items():
             if slot not in self._followers:
-                follower = _Follower(self, router, slot[1])
+                follower = _Follower(self, follows, slot[1])
                 self._followers[slot] = (
                     follower,
                     loop.create_task(follower.run(), name="fastcore-cache-events"),

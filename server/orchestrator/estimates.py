@@ -180,7 +180,7 @@ class UsageLearner:
     def __init__(self, context_router: Any, generation_router: Any) -> None:
         estimates = [context_router.estimate, generation_router.estimate]
         self.estimates = [e for i, e in enumerate(estimates) if e not in estimates[:i]]
-        self.accounting = context_router if hasattr(context_router, "account") else None
+        self.accounting = context_router if context_router.predicts_hits else None
         self.settle: Callable[[int], None] | None = None
 
     def context_answer(

@@ -19,7 +19,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 from . import twins
-from .routing import KvCacheAwareRouter
+from .routing import can_predict_hits
 from .routing_metrics import bytes_per_token, routing_quality
 
 if TYPE_CHECKING:
@@ -203,7 +203,7 @@ class OrchestratorMetrics:
 
     @staticmethod
     def _prefix_routing(registry: Registry, pools: Sequence[Pool]) -> None:
-        kv_pools = [p for p in pools if isinstance(p.router, KvCacheAwareRouter)]
+        kv_pools = [p for p in pools if p.router.predicts_hits]
         if not kv_pools:
             return
         hits = registry.counter(
@@ -224,7 +224,7 @@ class OrchestratorMetrics:
         def prefix_counts() -> None:
             for pool in kv_pools:
                 router = pool.router
-                assert isinstance(router, KvCacheAwareRouter)
+                assert can_predict_hits(router)
                 hit0, all0 = seen[pool.name]
                 hits.inc(router.hit_chunks - hit0, pool=pool.name)
                 routed.inc(router.routed_chunks - all0, pool=pool.name)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .routing import KvCacheAwareRouter
+from .routing import can_predict_hits
 
 if TYPE_CHECKING:
     from server.metrics import Registry
@@ -41,7 +41,7 @@ def routing_quality(registry: Registry, pools: Sequence[Pool]) -> None:
     def update() -> None:
         for pool in pools:
             router = pool.router
-            assert isinstance(router, KvCacheAwareRouter)
+            assert can_predict_hits(router)
             for attr, counter in counters:
                 now = getattr(router, attr)
                 counter.inc(now - seen[pool.name, attr], pool=pool.name)
@@ -74,7 +74,7 @@ def _tiers(registry: Registry, pools: Sequence[Pool]) -> None:
     def update() -> None:
         for pool in pools:
             router = pool.router
-            assert isinstance(router, KvCacheAwareRouter)
+            assert can_predict_hits(router)
             for attr, counter in counters:
                 for tier, now in enumerate(getattr(router, attr)):
                     counter.inc(now - seen[pool.name, attr, tier], pool=pool.name, tier=str(tier + 1))
