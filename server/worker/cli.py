@@ -111,6 +111,9 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=DEFAULT_PREFIX_CACHING,
                         help="reuse the KV of full blocks a prompt shares with an earlier one "
                              f"(default {'on' if DEFAULT_PREFIX_CACHING else 'off'})")  # fmt: skip
+    parser.add_argument("--kv-tier2-path", default=None, metavar="DIR",
+                        help="with --kv-tier2-tokens: the torch engine's second tier is files under DIR (one a "
+                             "block, at most that many tokens; emptied at start) instead of host memory")  # fmt: skip
     parser.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
                         help=f"most sequences in one decode batch (default {DEFAULT_MAX_NUM_SEQS})")  # fmt: skip
     parser.add_argument("--prefill-chunk-tokens", type=_non_negative, default=DEFAULT_PREFILL_CHUNK_TOKENS,
@@ -372,6 +375,8 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str, str]:
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         prefill_step_ratio=args.prefill_step_ratio,
     )
+    if args.kv_tier2_tokens:  # a second KV tier (server/worker/kv_tier2.py)
+        engine.cache.attach_tier2(args.kv_tier2_tokens, args.kv_tier2_path)
     return engine, args.served_model_name or served_name(args.model), device
 
 

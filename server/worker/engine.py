@@ -212,7 +212,7 @@ class TorchEngine:
     def reserve(self, req: EngineRequest) -> None:
         """Take the KV blocks for the prompt plus ``max_tokens`` (just the prompt for a context leg)."""
         reserve = int(req.prompt_ids.size) + (1 if req.park_as is not None else req.params.max_tokens)
-        req.blocks, req.cached_prefix = self.cache.allocate_prefix(
+        req.blocks, req.cached_prefix, req.tier2_prefix = self.cache.allocate_prefix_tiers(
             req.prompt_ids, min(reserve, self.max_context), req.cache_root
         )
         req.registered = (0, req.cache_root)
@@ -301,6 +301,8 @@ class TorchEngine:
             self.cache.free(p.blocks)
         return len(gone)
 
+    kv_tiers_info = property(lambda self: self.cache.kv_tiers_info)  # /server_info's tier figures
+
     @property
     def kv_layout(self) -> KVLayout:
         return KVLayout(self.cache.num_layers, self.cache.kv_heads, self.cache.head_dim, self.dtype)
@@ -355,6 +357,7 @@ class TorchEngine:
                         break
                     while self._inbox:
                         self._waiting.append(self._inbox.popleft())
+                self.cache.flush_tier2(self._waiting)  # spills and loads before any write (kv_tier2)
                 outputs: list[tuple[EngineRequest, Delta]] = []
                 self._drop_cancelled()
                 self._admit(outputs)
@@ -621,6 +624,7 @@ class TorchEngine:
             return
         if not batch:
             self._run_chunks(plan, outputs)
+            self.cache.prefill_timed(plan, self.pacer.clock() - began)
             return
         try:
             ids, positions, attention = self._decode_inputs(batch)
@@ -641,7 +645,8 @@ class TorchEngine:
             return
         self._decode_done(batch, sampled, outputs)
         self._prefill_done(plan, logits[len(batch) :], outputs)
-        self.pacer.mixed_step(self.pacer.clock() - began, sum(take for _, take in plan))
+        self.pacer.mixed_step(took := self.pacer.clock() - began, sum(take for _, take in plan))
+        self.cache.prefill_timed(plan, took - (self.pacer.decode_s or took))
 
     def _decode_inputs(
         self, batch: list[EngineRequest]

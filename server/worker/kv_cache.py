@@ -27,6 +27,10 @@ block they map to when it is evicted. The key log lives on the event loop;
 the engine thread hands it its updates through :attr:`PagedKVCache.post` (the
 loop's ``call_soon_threadsafe``, set when the first follower made the log),
 under the cache's lock, so stores and evictions reach it in the cache's order.
+
+A second tier (:meth:`PagedKVCache.attach_tier2`, server/worker/kv_tier2.py): an evicted block's
+K/V is copied there instead of dropped, and a prefix that continues in the tier is loaded back
+into fresh blocks (:meth:`PagedKVCache.allocate_prefix_tiers`) when that beats recomputing it.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -43,6 +47,7 @@ import torch.nn.functional as F
 
 from .engine_api import KVCacheFull, chain_block_hashes
 from .kv_events import ChunkEventLog, KvEventLog
+from .kv_tier2 import KVTier2, LoadJob
 from .model import AttentionBackend, ModelConfig, grouped_decode_attention
 
 
@@ -86,6 +91,51 @@ class PagedKVCache:
         self._chunks: ChunkEventLog | None = None
         #: runs a key-log update on the log's loop, in order (see the module docstring)
         self.post: Callable[..., Any] = _call_now
+        #: the second tier (server/worker/kv_tier2.py; :meth:`attach_tier2`): evicted blocks go there
+        self.tier2: KVTier2 | None = None
+        #: blocks a tier-2 load will fill at the next flush, and blocks whose load failed
+        self._loading: dict[int, LoadJob] = {}
+        self._failed: set[int] = set()
+
+    def attach_tier2(self, tokens: int, path: str | None = None) -> None:
+        """``--kv-tier2-tokens`` / ``--kv-tier2-path``: evicted full blocks go to a second tier."""
+        if tokens // self.block_size > 0 and self.prefix_caching:
+            self.tier2 = KVTier2(self, tokens, path)
+
+    @property
+    def tier2_tokens(self) -> int:
+        return self.tier2.capacity_tokens if self.tier2 is not None else 0
+
+    @property
+    def load_tokens_per_s(self) -> float:
+        return self.tier2.rates.load_tokens_per_s if self.tier2 is not None else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.tier2.rates.prefill_tokens_per_s if self.tier2 is not None else 0.0
+
+    @property
+    def kv_tiers_info(self) -> dict[str, Any]:
+        """/server_info's tier figures (docs/protocol.md): tier 2's size, its measured load rate and
+        the prefill rate it is weighed against (nothing without a tier)."""
+        if self.tier2 is None:
+            return {}
+        info: dict[str, Any] = {"kv_tier2_capacity_tokens": self.tier2_tokens}
+        rates = {
+            "kv_tier2_load_tokens_per_s": self.load_tokens_per_s,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+        }
+        info.update((k, round(v, 1)) for k, v in rates.items() if v > 0)
+        return info
+
+    def prefill_timed(self, plan: list[Any], seconds: float) -> None:
+        """The engine ran ``plan``'s (state, tokens) prefill chunks in ``seconds`` (tier 2's prefill
+        rate). Under CUDA only a step that sampled a first token is timed: the device had finished."""
+        if self.tier2 is None or not plan:
+            return
+        state = plan[-1][0]
+        if self.device.type == "cpu" or state.req.cached_len >= state.total:
+            self.tier2.rates.observe_prefill(sum(take for _, take in plan), seconds)
 
     @property
     def chunks(self) -> ChunkEventLog | None:
@@ -143,13 +193,19 @@ class PagedKVCache:
                 block = self._free.pop()
             else:
                 block, _ = self._evictable.popitem(last=False)
-                digest, _ = self._cached.pop(block)
+                digest, chunk = self._cached.pop(block)
                 del self._by_hash[digest]
                 self.evicted_blocks_total += 1
                 if self.events is not None:
                     self.events.removed([digest])
+                kept, dropped = self.tier2.spill(block, digest, chunk) if self.tier2 else (False, [])
                 if self._chunks is not None:
-                    self.post(self._chunks.evicted, [digest])
+                    if kept:  # in tier 2 now
+                        self.post(self._chunks.moved, [digest], 2)
+                    else:
+                        self.post(self._chunks.evicted, [digest])
+                    if dropped:
+                        self.post(self._chunks.evicted, dropped, 2)
             self._refs[block] = 1
             blocks.append(block)
         return blocks
@@ -171,9 +227,18 @@ class PagedKVCache:
         full-block prefix (shared), then fresh blocks. Returns (blocks, cached tokens). The last id is
         never served from the cache: its logits are what a prefill must compute. ``root``: the
         chain's start (the request's cache_salt; :meth:`register` gets it as ``done``'s hash)."""
+        blocks, cached, _ = self.allocate_prefix_tiers(ids, num_tokens, root)
+        return blocks, cached
+
+    def allocate_prefix_tiers(
+        self, ids: np.ndarray, num_tokens: int, root: bytes = b""
+    ) -> tuple[list[int], int, int]:
+        """:meth:`allocate_prefix`, and of the cached tokens those loaded from tier 2: a run of its
+        blocks right after the device's hits, when loading them beats recomputing them
+        (kv_tier2.Rates); their copy into fresh blocks runs at the engine's next flush."""
         need = self.blocks_for(num_tokens)
         if not self.prefix_caching or ids.size < 2:
-            return self.allocate(num_tokens), 0
+            return self.allocate(num_tokens), 0, 0
         wanted = self.block_hashes(ids, min((int(ids.size) - 1) // self.block_size, need), 0, root)
         with self._lock:
             hits = []
@@ -184,14 +249,76 @@ class PagedKVCache:
                 hits.append(block)
             reusable = sum(1 for b in hits if self._refs[b] == 0)  # evictable now, held once taken
             self._check_fits(need - len(hits), len(self._free) + len(self._evictable) - reusable)
+            tier2 = self.tier2
+            run = tier2.match(wanted[len(hits) :]) if tier2 is not None else []
+            if run and not tier2.rates.worth_loading(len(run) * self.block_size):  # type: ignore[union-attr]
+                run = []
+            job = LoadJob(self._cached[hits[-1]][0] if hits else root)
+            if run:
+                # Out of the tier, and the load queued, before _take's spills: a spill may reuse
+                # their slots, and must run after the load has read them.
+                tier2.take(run, job)  # type: ignore[union-attr]
             for block in hits:
                 if self._refs[block] == 0:
                     del self._evictable[block]
                 self._refs[block] += 1
             blocks = hits + self._take(need - len(hits))
-        cached = len(hits) * self.block_size
+            for entry, block in zip(run, blocks[len(hits) :]):
+                job.moves.append((entry, block))
+                self._loading[block] = job
+                self._failed.discard(block)
+        cached = (len(hits) + len(run)) * self.block_size
         self.hit_tokens_total += cached
-        return blocks, cached
+        return blocks, cached, len(run) * self.block_size
+
+    def flush_tier2(self, waiting: Iterable[Any] = ()) -> None:
+        """The engine thread, between steps: tier 2's queued spills and loads (kv_tier2.KVTier2.flush),
+        then the ``waiting`` requests' cached prefixes cut where a load failed (:meth:`settle`)."""
+        if self.tier2 is not None:
+            self.tier2.flush()
+            if self._failed:
+                for req in waiting:
+                    self.settle(req)
+
+    def loaded(self, job: LoadJob, good: int) -> None:
+        """Tier 2 filled the first ``good`` of ``job``'s blocks: they are registered (blocks of a
+        request gone meanwhile too: their K/V is there); the rest failed (read by :meth:`settle`)."""
+        stored, failed = [], []
+        with self._lock:
+            for i, (entry, block) in enumerate(job.moves):
+                if self._loading.get(block) is not job:
+                    failed.append(entry.digest)  # its request freed it before the flush: not loaded
+                    continue
+                del self._loading[block]
+                if i >= good:
+                    self._failed.add(block)
+                    failed.append(entry.digest)
+                elif entry.digest not in self._by_hash:
+                    self._by_hash[entry.digest] = block
+                    self._cached[block] = (entry.digest, entry.chunk)
+                    stored.append(entry.digest)
+            if self.events is not None and stored:
+                self.events.stored(job.parent, stored)
+            if self._chunks is not None:
+                if stored:
+                    self.post(self._chunks.moved, stored, 1)
+                if failed:
+                    self.post(self._chunks.evicted, failed, 2)
+
+    def settle(self, req: Any) -> None:
+        """A request admitted after its tier-2 loads ran: a load that failed (a missing or corrupt
+        file) ends its cached prefix before that block, so prefill computes the rest."""
+        if not self._failed:
+            return
+        with self._lock:
+            for i, block in enumerate(req.blocks[: req.cached_prefix // self.block_size]):
+                if block in self._failed:
+                    cut = req.cached_prefix - i * self.block_size
+                    req.cached_prefix -= cut
+                    req.tier2_prefix = max(0, req.tier2_prefix - cut)
+                    self.hit_tokens_total -= cut
+                    break
+            self._failed.difference_update(req.blocks)
 
     def register(
         self,
@@ -257,6 +384,7 @@ class PagedKVCache:
                 self._refs[block] = refs
                 if refs > 0:
                     continue
+                self._loading.pop(block, None)  # a tier-2 load into it, not run yet: not taken
                 if block in self._cached:
                     self._evictable[block] = None  # most recently used: last out
                 else:

@@ -682,9 +682,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "at this rate, shared first come first served, so prefills queue (default 0: "
                             "no shared compute)")  # fmt: skip
     group.add_argument("--kv-tier2-tokens", type=int, default=0,
-                       help="--prompt-tokens 0: a second KV tier of this many tokens (host memory): full blocks "
-                            "evicted from the modelled cache go there, least recently used out, and a hit there is "
-                            "loaded back instead of prefilled (default 0: none)")  # fmt: skip
+                       help="a second KV tier of this many tokens (host memory; the torch engine's: files too, "
+                            "--kv-tier2-path; synthetic: --prompt-tokens 0): full blocks evicted from the device "
+                            "cache go there, least recently used out, and a hit there is loaded back instead of "
+                            "prefilled when loading is faster (default 0: none)")  # fmt: skip
     group.add_argument("--tier2-load-tokens-per-s", type=float, default=0.0,
                        help="the rate a tier-2 hit loads at (default 0: instantly); at or below "
                             "--prefill-tokens-per-s the tier is not taken (recomputing is faster)")  # fmt: skip
