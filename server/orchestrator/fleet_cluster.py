@@ -332,6 +332,9 @@ class FleetCluster:
                     continue
                 breaker.opened_at, breaker.open_for, breaker.probing = now, open_s, False
                 breaker.state = breaker.OPEN
+                record = self._breakers.get((pool, url))
+                if record is not None:  # its close is noticed even if no look saw it open
+                    record[1] = breaker.OPEN
 
 
 __all__ = ["BREAKER_POLL_S", "FleetCluster", "breaker_key", "divide"]
