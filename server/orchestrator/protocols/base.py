@@ -31,3 +31,18 @@ class ProtocolConfig(Protocol):
 
     @property
     def trtllm_auth_key(self) -> bytes | None: ...
+
+
+def scanner_refusal(config: ProtocolConfig, name: str, legs: str) -> str | None:
+    """What every protocol whose legs the fast relay's scanner builds from the client's body (vLLM's,
+    SGLang's) refuses alike, naming ``name`` (its ``worker_protocol``) and ``legs`` (what its legs are,
+    so why trtllm-serve's relay gates cannot apply): another relay mode, a relay gate on."""
+    if config.relay != "fast":
+        return (
+            f"relay: {config.relay} builds trtllm-serve's legs; worker_protocol: {name} builds its legs "
+            "with the fast relay's scanner only: use relay: fast"
+        )
+    for gate in ("gen_tokids_ctxbytes", "gen_strip_message_history"):
+        if getattr(config, gate):
+            return f"{gate}: a trtllm-serve relay gate; {legs}: turn it off"
+    return None

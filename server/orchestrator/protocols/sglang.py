@@ -33,7 +33,7 @@ from server.http import BodyPiece
 
 from ..pools import Capabilities, Worker
 from ..relay_common import ClientRequest, ContextResult, scan_refusal
-from .base import ProtocolConfig
+from .base import ProtocolConfig, scanner_refusal
 from .vllm import _first_member
 
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
@@ -161,14 +161,9 @@ class SglangProtocol:
     @staticmethod
     def refusal(config: ProtocolConfig) -> str | None:
         """Why ``config`` cannot run on SGLang's protocol (None: it can)."""
-        if config.relay != "fast":
-            return (
-                f"relay: {config.relay} builds trtllm-serve's legs; worker_protocol: sglang builds its legs "
-                "with the fast relay's scanner only: use relay: fast"
-            )
-        for gate in ("gen_tokids_ctxbytes", "gen_strip_message_history"):
-            if getattr(config, gate):
-                return f"{gate}: a trtllm-serve relay gate; SGLang's legs are the client's body: turn it off"
+        refused = scanner_refusal(config, "sglang", "SGLang's legs are the client's body")
+        if refused is not None:
+            return refused
         # the default (local_prefill) does nothing here: no SGLang worker says local_prefill; set, it is refused
         chosen = getattr(config, "model_fields_set", ())
         if config.context_fallback == "local_prefill" and "context_fallback" in chosen:

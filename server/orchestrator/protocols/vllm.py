@@ -32,7 +32,7 @@ from server.http import BodyPiece
 
 from ..pools import Capabilities
 from ..relay_common import ClientRequest, ContextResult, scan_refusal
-from .base import ProtocolConfig
+from .base import ProtocolConfig, scanner_refusal
 
 Span = tuple[int, int]
 
@@ -234,17 +234,10 @@ class VllmProtocol:
     @staticmethod
     def refusal(config: ProtocolConfig) -> str | None:
         """Why ``config`` cannot run on vLLM's protocol yet (None: it can)."""
-        if config.relay != "fast":
-            return (
-                f"relay: {config.relay} builds trtllm-serve's legs; worker_protocol: vllm builds its legs "
-                "with the fast relay's scanner only: use relay: fast"
-            )
-        for gate in ("gen_tokids_ctxbytes", "gen_strip_message_history"):
-            if getattr(config, gate):
-                return (
-                    f"{gate}: a trtllm-serve relay gate; a vLLM decode leg is the client's body as sent plus "
-                    "the prefill's kv_transfer_params: turn it off"
-                )
+        legs = "a vLLM decode leg is the client's body as sent plus the prefill's kv_transfer_params"
+        refused = scanner_refusal(config, "vllm", legs)
+        if refused is not None:
+            return refused
         if config.conditional_disagg_config is not None:
             return (
                 "conditional_disagg_config: not built for worker_protocol: vllm yet (vllm-router's "
