@@ -9,8 +9,10 @@ with each process's own counts (what ``--workers N`` did before the fleet) and w
 mapping, its compiled twin (``_fleet.pyx``, GCC atomics) and its pure one (a ``lockf`` lock per
 operation); with no rate limit and with both (requests and prompt tokens a minute, set too high to
 refuse). Printed: microseconds per request, the fleet's extra cost over the per-process path and
-their ratio; then the mapping's operations alone. The target (issue 42): at most 1 us a request
-for the compiled path.
+their ratio; then the mapping's operations alone; then one orchestrator of several hosts
+(``fleet_cluster``: its share of the limits set by the etcd watch, ``Admission.divide``) beside one
+alone: the share is read, never fetched, so the two should cost the same. The target (issue 42): at
+most 1 us a request for the compiled path.
 """
 
 from __future__ import annotations
@@ -42,10 +44,14 @@ def best_of(run: Callable[[], float], repeat: int) -> float:
     return min(run() for _ in range(repeat))
 
 
-def admission_cost(config: AdmissionConfig, core: str | None, repeat: int) -> float:
+def admission_cost(
+    config: AdmissionConfig, core: str | None, repeat: int, share: tuple[float, int] | None = None
+) -> float:
     """Seconds per admitted request through ``Admission.slot`` (``core``: None, per process; else
-    "cython" or "python", the fleet's twin)."""
+    "cython" or "python", the fleet's twin; ``share``: several hosts' part, as the etcd watch sets it)."""
     admission = Admission(config, Registry(), retry_after_s=1)
+    if share is not None:
+        admission.divide(*share)
     mapping = None
     if core is not None:
         mapping = Mapping.create(2)
@@ -130,6 +136,13 @@ def main() -> None:
         ops.append([twin, f"{costs['slot'] * 1e6:.3f}", f"{costs['bucket'] * 1e6:.3f}"])
     print()
     print(format_table(["twin", "slot acquire+release us", "bucket take us"], ops))
+    limited = AdmissionConfig.model_validate({"max_inflight": 256, "rate_limits": LIMITS})
+    alone, divided = admission_cost(limited, None, repeat), admission_cost(limited, None, repeat, (0.5, 128))
+    results["several_hosts"] = {"alone_us": alone * 1e6, "divided_us": divided * 1e6}
+    print()
+    print(format_table(["slots + 2 rate limits", "alone us", "one of 2 hosts us", "extra us"],
+                       [["per process", f"{alone * 1e6:.2f}", f"{divided * 1e6:.2f}",
+                         f"{(divided - alone) * 1e6:+.2f}"]]))  # fmt: skip
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     with open(args.json, "w") as out:
         json.dump(results, out, indent=2)

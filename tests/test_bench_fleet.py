@@ -21,3 +21,4 @@ def test_bench_fleet_quick_writes_its_figures(tmp_path: Path) -> None:
     for label in ("slots only", "slots + 2 rate limits"):
         assert set(results[label]) == {"per_process_us"} | {f"fleet_{twin}_us" for twin in twins}
     assert all(set(results[f"ops_{twin}_us"]) == {"slot", "bucket"} for twin in twins)
+    assert set(results["several_hosts"]) == {"alone_us", "divided_us"} and "one of 2 hosts us" in done.stdout
