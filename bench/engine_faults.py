@@ -18,8 +18,10 @@ runs while a leg fault is on at the first prefill or decode worker, then off:
 
 Per cell: requests, the legs the fault failed, client-visible failures (where a
 fallback exists, ``FALLBACK_CELLS``, the target is 0: vLLM's failed prefill falls
-back to another or to the decode serving the whole request, SGLang's failed pair
-is retried on another with a new room; a vLLM decode's error is the client's), hung
+back to another or to the decode serving the whole request, and a decode that reset
+after its pull goes on from a new prefill to another decode (the lease was read);
+SGLang's failed pair is retried on another with a new room; a vLLM decode's 5xx is
+the client's), hung
 requests (no answer within the client's deadline), what the engines hold 1 s
 after the load stopped (vLLM: leases held and decodes waiting for a push;
 SGLang: rooms a side still waits on), and on SGLang the time from a leg's
@@ -60,10 +62,11 @@ CELLS = [
     ("client", "hang_up"),
 ]
 #: per protocol, the cells where a fallback exists, so a client-visible failure misses the target: vLLM's
-#: failed prefill (another prefill, or the decode serving the whole request); SGLang's failed pair, either
-#: leg (retried on another pair with a new room); a vLLM decode's error is the client's
+#: failed prefill (another prefill, or the decode serving the whole request), its decode reset after the
+#: pull (a new prefill, another decode: protocols' resends_generation); SGLang's failed pair, either leg
+#: (retried on another pair with a new room); a vLLM decode's 5xx is the client's
 FALLBACK_CELLS = {
-    "vllm": (("prefill", "5xx"), ("prefill", "reset")),
+    "vllm": (("prefill", "5xx"), ("prefill", "reset"), ("decode", "reset")),
     "sglang": (("prefill", "5xx"), ("prefill", "reset"), ("decode", "5xx"), ("decode", "reset")),
 }
 CLIENT_DEADLINE_S = 12.0

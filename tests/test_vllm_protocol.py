@@ -194,6 +194,7 @@ class Stack:
     reference: VllmStandin
     session: aiohttp.ClientSession
     prefills: list[VllmStandin]
+    decodes: list[VllmStandin]
 
     async def post(
         self, route: str, body: dict[str, Any], *, reference: bool = False, key: str | None = None
@@ -204,7 +205,7 @@ class Stack:
             return resp.status, await resp.read()
 
     def violations(self) -> list[str]:
-        return [v for w in (*self.prefills, self.decode, self.reference) for v in w.violations]
+        return [v for w in (*self.prefills, *self.decodes, self.reference) for v in w.violations]
 
     def legs(self, worker: VllmStandin) -> list[Received]:
         return [r for r in worker.requests if r.method == "POST"]
@@ -222,24 +223,39 @@ class NoParamsPrefill(VllmStandin):
         return answer
 
 
+class PullThenReset(VllmStandin):
+    """A decode that, with ``reset_after_pull``, reads its prefill's blocks (the lease is spent) and then
+    resets the connection with no byte of an answer, as a decode that died after its pull."""
+
+    reset_after_pull = False
+
+    async def serve(self, request: Any, rec: Received, route: Any) -> Any:
+        answer = await super().serve(request, rec, route)
+        if self.reset_after_pull:
+            await self.reset(request)
+            await self.wait_forever()
+        return answer
+
+
 @asynccontextmanager
 async def vllm_stack(request_path: str, prefill_class: type[VllmStandin] = VllmStandin, prefills: int = 1,
-                     router: str = "round_robin", **config: Any) -> AsyncIterator[Stack]:  # fmt: skip
-    """A prefill and a decode stand-in (one KV plane), a reference ``both`` worker, an orchestrator
+                     router: str = "round_robin", decodes: int = 1, decode_class: type[VllmStandin] = VllmStandin,
+                     **config: Any) -> AsyncIterator[Stack]:  # fmt: skip
+    """Prefill and decode stand-ins (one KV plane), a reference ``both`` worker, an orchestrator
     with ``worker_protocol: vllm``; on the coroutine path with the admission queue on."""
     plane = KVPlane()
     started = [prefill_class("prefill", plane=plane) for _ in range(prefills)]
-    for worker in started:
+    decoding = [decode_class("decode", plane=plane) for _ in range(decodes)]
+    for worker in (*started, *decoding):
         await worker.start()
-    prefill = started[0]
-    decode = await start_vllm("decode", plane=plane)
+    prefill, decode = started[0], decoding[0]
     reference = await start_vllm("both")
     data: dict[str, Any] = {
         "port": 0,
         "health_check_interval_s": 0.1,
         "worker_protocol": "vllm",
         "context_servers": {"urls": [w.url for w in started], "router": {"type": router}},
-        "generation_servers": {"urls": [decode.url], "router": {"type": router}},
+        "generation_servers": {"urls": [w.url for w in decoding], "router": {"type": router}},
         **config,
     }
     if request_path == "tasks":
@@ -251,11 +267,13 @@ async def vllm_stack(request_path: str, prefill_class: type[VllmStandin] = VllmS
         port = server.sockets[0].getsockname()[1]
         assert await eventually(lambda: all(w.healthy for p in orch.pools for w in p.workers), timeout=30)
         async with aiohttp.ClientSession() as session:
-            yield Stack(orch, f"http://127.0.0.1:{port}", prefill, decode, reference, session, started)
+            yield Stack(
+                orch, f"http://127.0.0.1:{port}", prefill, decode, reference, session, started, decoding
+            )
     finally:
         if server is not None:
             await server.cleanup()
-        for worker in (*started, decode, reference):
+        for worker in (*started, *decoding, reference):
             await worker.stop()
 
 
@@ -370,6 +388,28 @@ async def test_a_decode_cut_mid_stream_ends_the_clients_stream_with_an_error(req
         status, raw = await stack.post("chat", _body("chat", True))
         assert status == 200  # the head was relayed; the error comes in-band
         assert iter_events(raw)[-1]["error"]["code"] == "generation_leg_failed"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+async def test_a_decode_that_resets_after_its_pull_is_retried_from_a_new_prefill(
+    request_path: str, stream: bool
+) -> None:
+    """A decode that read its prefill's blocks and reset: that lease is spent, so the leg is not sent
+    again (to it or to another decode: "not held (read)", a 400); the completion goes on from a new
+    prefill leg, whose blocks another decode reads. The client sees one answer, no violation."""
+    async with vllm_stack(request_path, decodes=2, decode_class=PullThenReset) as stack:
+        assert isinstance(stack.decode, PullThenReset)
+        stack.decode.reset_after_pull = True
+        body = _body("chat", stream)
+        _, ref = await stack.post("chat", body, reference=True)
+        for _ in range(2):  # round robin: one of them goes to the resetting decode first
+            status, raw = await stack.post("chat", body)
+            assert status == 200 and _seen(raw, "chat", stream) == _seen(ref, "chat", stream), raw[:300]
+        spent, good = stack.legs(stack.decode), stack.legs(stack.decodes[1])
+        assert len(spent) == 1 and spent[0].kv_match is True  # it read the blocks, then reset
+        assert len(good) == 2 and all(leg.kv_match for leg in good)
+        assert len(stack.legs(stack.prefill)) == 3  # the spent lease's request prefilled again
+        assert stack.violations() == []
 
 
 async def test_a_prefill_worker_that_resets_is_retried_on_another(request_path: str) -> None:

@@ -73,6 +73,7 @@ from .exchange import Exchange
 from .legs import (
     MAX_ERROR_BODY,
     LegRunner,
+    LegSpent,
     LegUnavailable,
     Sent,
     WorkerAnswer,
@@ -677,12 +678,13 @@ class Orchestrator:
         self, out: Responder, req: ClientRequest, path: bytes, body: bytes, clock: Clock,
         key: RequestKey | None, tokens: int, disagg_id: int, context_body: Sequence[BodyPiece],
         generation_worker: Worker | None, *, tried: list[Worker], started: float, resume: Sent | None = None,
+        spent: Worker | None = None,
     ) -> int:  # fmt: skip
         """Leg (1) and what follows it: the answer of the last worker tried (legs.py; ``resume``: its
         first attempt, sent from callbacks); a lost answer's parked KV is released by disagg_id.
         Completions ask for prompt_token_ids_b64 only when every context worker says it answers them
         so (/server_info): trtllm-serve answers them with the list only, and its completion models
-        refuse the field."""
+        refuse the field. ``spent``: the generation worker of the attempt this one retries (not chosen)."""
         unavailable: LegUnavailable | None = None
         try:
             context_response = await self.legs.run("context", self.context_pool, path, context_body, _body,
@@ -699,7 +701,7 @@ class Orchestrator:
             return 200
         generation_body, auth, context_done = following
         return await self._generation_after_context(out, req, path, generation_body, clock, key, tokens,
-            generation_worker, auth, context_done, context_worker, context_response)  # fmt: skip
+            generation_worker, auth, context_done, context_worker, context_response, spent=spent)  # fmt: skip
 
     def context_answered(
         self, out: Responder, req: ClientRequest, clock: Clock, key: RequestKey | None,
@@ -739,10 +741,25 @@ class Orchestrator:
         self, out: Responder, req: ClientRequest, path: bytes, generation_body: Sequence[BodyPiece],
         clock: Clock, key: RequestKey | None, tokens: int, first: Worker | None, auth: bytes,
         context_done: float, context_worker: Worker, context_response: bytes, resume: Sent | None = None,
+        spent: Worker | None = None,
     ) -> int:  # fmt: skip
         try:
             return await self._generation_leg(out, req, path, generation_body, clock, key=key, tokens=tokens,
-                first=first, extra_headers=auth, context_done=context_done, resume=resume)  # fmt: skip
+                first=first, extra_headers=auth, context_done=context_done, resume=resume,
+                tried=None if spent is None else [spent])  # fmt: skip
+        except LegSpent as exc:
+            # A decode that may have read the hand-off (vLLM's lease, read once) failed: once, the
+            # completion goes on from a new context leg, to another generation worker.
+            self._release_kv_soon(context_worker, context_response)
+            if spent is not None:
+                raise exc.error from None
+            self.metrics.retries_leg["generation"].inc()
+            disagg_id = self.disagg_id()
+            context_body: Sequence[BodyPiece] = self.relay.context_pieces(
+                req, disagg_id, self.context_pool.b64_completions
+            )
+            return await self._context_leg(out, req, path, req.body, clock, key, tokens, disagg_id, context_body,
+                                           None, tried=[], started=time.perf_counter(), spent=exc.worker)  # fmt: skip
         except BaseException:
             # The client left or the leg failed: the context worker may still
             # hold the prompt's KV for a fetch that will never come.
@@ -892,12 +909,14 @@ class Orchestrator:
         extra_headers: bytes = b"",
         context_done: float | None = None,
         resume: Sent | None = None,
+        tried: list[Worker] | None = None,
     ) -> int:
         """Leg (3), relayed to ``out``; or with ``local`` the client's own body as a plain JSON request
         (no relay-mode flags; conditional disaggregation: retried only on other workers that say
         ``local_prefill``). ``first``: the worker already chosen for it (conditional disaggregation
-        chose it before leg (1)). Retries stop at the first byte sent to the client: nothing is
-        sent until a worker answers 200."""
+        chose it before leg (1)); ``tried``: workers not to choose. Retries stop at the first byte sent
+        to the client: nothing is sent until a worker answers 200. A leg its worker may have read, on a
+        protocol that does not send it again (``resends_generation``), is :class:`LegSpent`."""
         pool = self.generation_pool
         timeout, read_timeout, max_body, first_byte = self.generation_bounds(req.stream, body)
         try:
@@ -906,9 +925,12 @@ class Orchestrator:
                 headers=b"" if local else self.relay.leg_headers, extra=extra_headers,
                 timeout=timeout, read_timeout=read_timeout, max_body=max_body, first_byte=first_byte,
                 key=key, tokens=tokens, first=first,
-                tried=[w for w in pool.workers if not w.local_prefill] if local else None,
+                tried=[w for w in pool.workers if not w.local_prefill] if local else tried,
                 handoff_from=None if local else context_done, ttfb=self.metrics.generation_ttfb, resume=resume,
+                resend=local or self.protocol.resends_generation,
             )  # fmt: skip
+        except LegSpent:
+            raise  # the caller goes on from a new context leg (_generation_after_context)
         except LegUnavailable as exc:
             error = exc.error
         raise error  # outside the handler: the client's error carries no context

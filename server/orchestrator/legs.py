@@ -118,6 +118,16 @@ class LegUnavailable(Exception):
         self.error = error
 
 
+class LegSpent(LegUnavailable):
+    """A leg that ``worker`` may have read, then failed (a reset, no first byte), on a protocol whose
+    leg may not be sent again as it is (``resends_generation``: vLLM's decode had pulled its prefill's
+    blocks, a lease read once): the caller goes on from a new context leg, without ``worker``."""
+
+    def __init__(self, reason: str, error: HTTPError | WorkerAnswer, worker: Worker) -> None:
+        super().__init__(reason, error)
+        self.worker = worker
+
+
 def leg_failed(leg: str, why: str) -> HTTPError:
     """A 502 that names the leg, never the worker's address or an exception's text (those are logged)."""
     return HTTPError(502, f"the {leg} leg failed: {why}", code=f"{leg}_leg_failed")
@@ -171,13 +181,15 @@ class LegRunner:
         first_byte: float | None = None, extra: bytes = b"", key: RequestKey | None = None, tokens: int = 0,
         first: Worker | None = None, tried: list[Worker] | None = None, disagg_id: int | None = None,
         handoff_from: float | None = None, ttfb: Any = None, resume: Sent | None = None, panic: bool = True,
+        resend: bool = True,
     ) -> T:  # fmt: skip
         """Leg ``name`` to ``pool``: ``answered(worker, resp)`` of the first worker that answers 200 (held
         until it returns), else :class:`WorkerAnswer` or :class:`LegUnavailable` (see the class).
         ``resume``: the first attempt, already sent (from callbacks, server/orchestrator/exchange.py)
         and held: what came back is classified here as if this loop had sent it. ``panic``: when
         too few breakers let legs through, every healthy worker is chosen from (pools.py); False
-        for a leg with another way out (a context leg that falls back to local prefill)."""
+        for a leg with another way out (a context leg that falls back to local prefill). ``resend``
+        False: a leg its worker may have read is not sent to another (:class:`LegSpent`)."""
         pieces: Sequence[BodyPiece] = (body,) if isinstance(body, bytes) else body
         max_body = self.max_worker_body if max_body is None else max_body
         tried = tried if tried is not None else []
@@ -221,12 +233,16 @@ class LegRunner:
                         resp = resume.resp
                 except UpstreamError as exc:
                     failure, reason = self._no_answer(name, pool, worker, span, exc, disagg_id), "failed"
+                    if exc.sent and not resend:
+                        raise LegSpent(reason, failure, worker) from None
                     continue
                 except UpstreamTimeout:
                     # raises unless a stream's first byte: that one goes to the next worker
                     failure = self._timed_out(name, pool, worker, span, timeout, first_byte, disagg_id,
                                               handed_over if ttfb is not None else None)  # fmt: skip
                     reason = "timeout"
+                    if not resend:
+                        raise LegSpent(reason, failure, worker) from None
                     continue
                 except BaseException as exc:
                     # Cancelled (the client left, a drain ran out): the leg's connection is reset, but

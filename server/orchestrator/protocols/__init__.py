@@ -3,10 +3,12 @@
 A protocol owns what is the engine's in a disaggregated completion: the legs' bodies (its ``relay``,
 in the relay-mode interface of :mod:`..relay_modes`), their header lines (``context_headers``,
 ``generation_headers``: trtllm-serve's auth, vLLM's ``X-Request-Id``), whether a context worker's
-parked KV is released on an abort (``releases_kv``), where and how a worker's capabilities are read
-(``capabilities_path``, ``capabilities``), and the features it does not run yet (``refusal``: the
-config is refused at startup, naming why). The sequence (context leg, then generation leg), routers,
-breakers, retries, admission and metrics are the orchestrator's, the same for every protocol.
+parked KV is released on an abort (``releases_kv``), whether a generation leg its worker may have
+read can be sent again as it is or costs a new context leg (``resends_generation``), where and how a
+worker's capabilities are read (``capabilities_path``, ``capabilities``), and the features it does
+not run yet (``refusal``: the config is refused at startup, naming why). The sequence (context leg,
+then generation leg), routers, breakers, retries, admission and metrics are the orchestrator's, the
+same for every protocol.
 
 - ``trtllm`` (:mod:`.trtllm`, the default): trtllm-serve's protocol, today's relay modes;
 - ``vllm`` (:mod:`.vllm`): vLLM with its NixlConnector; ``vllm_transfer: mooncake`` (:mod:`.vllm_mooncake`):

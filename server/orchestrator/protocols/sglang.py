@@ -151,6 +151,8 @@ class SglangProtocol:
     #: both legs at once (pair.py runs them), not context then generation
     concurrent = True
     releases_kv = False
+    #: a failed pair is retried whole with a new room (pair.py), never a leg alone
+    resends_generation = False
     capabilities_path = wire.SERVER_INFO_PATH
     #: what pair.py's log says a prefill it skips lacks
     bootstrap_source = "disaggregation_bootstrap_port in its /server_info"

@@ -30,6 +30,10 @@ class TrtllmProtocol:
     concurrent = False
     #: a fastcore context worker parks the prompt's KV behind an id, released by ``DELETE /kv/...``
     releases_kv = True
+    #: a generation leg its worker may have read (then failed: a reset, no first byte) is sent again as it
+    #: is to another worker: a fastcore generation worker whose KV fetch finds the /kv/<id> gone (read by
+    #: the first) prefills the prompt from its ids, so the hand-off is not spent by a read
+    resends_generation = True
     #: where a worker says what it can do (pools.py's HealthChecker reads it when it becomes healthy)
     capabilities_path = wire.SERVER_INFO_PATH
 

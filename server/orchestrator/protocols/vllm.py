@@ -225,6 +225,10 @@ class VllmProtocol:
     #: the legs one after the other (context, then generation); sglang.py's run at once
     concurrent = False
     releases_kv = False
+    #: a decode leg its worker may have read is never sent again as it is: the decode pulls the prefill's
+    #: blocks first, and a lease is read once ("not held (read)" for a second decode, a 400), so a
+    #: decode that failed after it was sent (a reset, no first byte) costs a new prefill leg (app.py)
+    resends_generation = False
     #: vLLM serves no /server_info; /v1/models answers once the engine is up
     capabilities_path = "/v1/models"
 
