@@ -28,7 +28,8 @@ from server.errors import HTTPError
 from server.metrics import Registry
 from server.orchestrator.admission import Admission
 from server.orchestrator.app import start_server
-from server.orchestrator.config import AdmissionConfig, FleetClusterConfig, build_config
+from server.orchestrator.config import AdmissionConfig, ConfigError, FleetClusterConfig, build_config
+from server.orchestrator.fleet import MINUTE_NS, Fleet, Mapping
 from server.orchestrator.fleet_cluster import FleetCluster, divide
 from server.orchestrator.pools import Pool
 from server.orchestrator.tenants import Tenant
@@ -54,6 +55,62 @@ def test_the_parts_add_up_to_max_inflight_and_a_host_s_processes_count_as_one_gr
     # not registered yet: it counts itself; more groups than slots: never below 1
     assert divide({"b": "b"}, "a", 8) == (0.5, 4)
     assert divide({"a": "a", "b": "b", "c": "c"}, "c", 2) == (pytest.approx(1 / 3), 1)
+
+
+@pytest.mark.parametrize(
+    ("section", "words"),
+    [
+        ({"cluster_uri": "http://127.0.0.1:1"}, "cluster_uri must be etcd://"),
+        ({"cluster_uri": "etcd://127.0.0.1:1", "cluster_name": "a/b"}, "cluster_name"),
+        ({"cluster_uri": "etcd://127.0.0.1:1", "lease_ttl_s": 1}, "lease_ttl_s"),
+        ({"cluster_uri": "etcd://127.0.0.1:1", "ttl": 3}, "ttl"),
+    ],
+)
+def test_a_bad_fleet_cluster_section_is_refused_naming_it(section: dict[str, Any], words: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        build_config({"fleet_cluster": section}, environ={})
+    assert "fleet_cluster" in str(refused.value) and words in str(refused.value)
+
+
+def test_a_host_s_processes_hold_the_group_s_share_on_their_mapping() -> None:
+    """--workers 2 on one host of two: the mapping's buckets and slots are resized to the group's
+    half (120 a minute: 60 a minute for the host, whichever process a request reaches; 4 slots)."""
+    mapping = Mapping.create(2, buckets=64, breakers=16)
+    try:
+        now = [1000 * MINUTE_NS]
+        admissions = []
+        for index in range(2):
+            fleet = Fleet(mapping, index)
+            fleet.clock = lambda: now[0]
+            admission = Admission(LIMITS, Registry(), retry_after_s=1)
+            admission.share(fleet)
+            admissions.append(admission)
+        tenant = Tenant("alpha")
+        admissions[0].slot(tenant, BODY)  # its bucket made whole, then halved by the share
+        for admission in admissions:
+            admission.divide(0.5, 4)
+        admitted = 1
+        for i in range(200):
+            try:
+                admissions[i % 2].slot(tenant, BODY)
+                admitted += 1
+            except HTTPError as exc:
+                assert exc.code == "requests_per_minute"
+        assert admitted == 60
+        cores = [Fleet(mapping, index).core for index in range(2)]
+        assert [cores[i % 2].acquire(admissions[0].max_inflight) for i in range(5)] == [True] * 4 + [False]
+    finally:
+        mapping.remove()
+
+
+def test_a_prompt_over_this_orchestrator_s_part_says_so() -> None:
+    config = AdmissionConfig.model_validate({"rate_limits": {"*": {"prompt_tokens_per_minute": 600}}})
+    admission = Admission(config, Registry(), retry_after_s=1)
+    admission.divide(0.5, 128)
+    prompt = b'{"prompt":"' + b"x" * (400 * 4 - 2) + b'"}'  # 400 tokens: within 600, over its 300
+    with pytest.raises(HTTPError) as refused:
+        admission.slot(Tenant("alpha"), prompt)
+    assert refused.value.status == 429 and "(600, this orchestrator's part 300)" in str(refused.value)
 
 
 # -- memberships on a real etcd -----------------------------------------------------------------
