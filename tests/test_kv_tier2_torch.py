@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import numpy as np
 import pytest
 
@@ -152,7 +153,7 @@ def test_a_damaged_spill_file_is_a_miss_never_wrong_kv(damage: str, tmp_path: Pa
     cache.flush_tier2([req])
     assert (req.cached_prefix, req.tier2_prefix) == (BS, BS)  # the first block loaded, the rest recomputed
     assert torch.equal(cache.read(req.blocks, BS)[0], k[:, :BS])
-    assert cache.cached_blocks == 1 and _tier(cache).failed_loads_total == 1
+    assert cache.cached_blocks == 1 and _tier(cache).failed_blocks_total == 2
     cache.free(req.blocks)
 
 
@@ -350,7 +351,7 @@ async def test_a_corrupt_spill_file_is_recomputed_with_the_same_tokens(
     got, _, _ = await run(filed, PROMPT, max_tokens=12)
     assert got == want
     assert filed.prefill_computed_tokens - before == len(filed.tokenizer.encode(PROMPT))
-    assert _tier(filed.cache).failed_loads_total >= 1
+    assert _tier(filed.cache).failed_blocks_total >= 1
 
 
 async def test_a_tier_slower_than_prefill_is_not_taken(engines: list[TorchEngine]) -> None:
@@ -367,3 +368,64 @@ async def test_a_tier_slower_than_prefill_is_not_taken(engines: list[TorchEngine
     assert (await run(small, PROMPT, max_tokens=12))[0] == want
     assert tiered.prefill_computed_tokens - before[1] == small.prefill_computed_tokens - before[0]
     assert _tier(tiered.cache).loaded_blocks_total == 0
+
+
+# -- a live worker -------------------------------------------------------------------------
+
+
+async def test_a_live_worker_with_the_flags_serves_tier2_and_says_so(tmp_path: Path) -> None:
+    """``--kv-tier2-tokens`` / ``--kv-tier2-path`` through the CLI's engine: usage's
+    tier2_cached_tokens, /server_info's tier figures, /metrics' tier-2 families, and the cache
+    events' tier moves (``tiers=1``), on real sockets."""
+    from server.worker import cli
+    from server.worker.app import WorkerSettings, start_worker
+
+    parser = cli.argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--model", "tiny", "--device", "cpu", "--kv-tokens", "512",
+                              "--kv-tier2-tokens", "4096", "--kv-tier2-path", str(tmp_path)])  # fmt: skip
+    engine, _, _ = cli.build_engine(args)
+    tier = _tier(engine.cache)
+    assert tier.capacity_tokens == 4096 and tier.store.root == tmp_path  # type: ignore[union-attr]
+    _hold(tier, prefill=10_000.0, load=100_000.0)
+    server, port = await start_worker(
+        engine, WorkerSettings(role="both", model_name="tiny", cache_events_chunk_bytes=64)
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{url}/cache_events?tiers=1&chunk_bytes=64") as resp:  # a follower now
+                seq = (await resp.json())["seq"]
+
+            async def complete(prompt: str) -> dict[str, Any]:
+                body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+                async with http.post(f"{url}/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                    return await resp.json()
+
+            first = await complete(PROMPT)
+            for seed in range(6):
+                await complete(f"{seed} other text to push the old blocks out " * 5)
+            tier.store.wait_idle()  # type: ignore[union-attr]
+            again = await complete(PROMPT)
+            assert again["choices"][0]["text"] == first["choices"][0]["text"]
+            details = again["usage"]["prompt_tokens_details"]
+            assert details["tier2_cached_tokens"] >= 16 * BS and details["cached_tokens"] >= 16 * BS
+            async with http.get(f"{url}/server_info") as resp:
+                info = await resp.json()
+            assert info["kv_tier2_capacity_tokens"] == 4096
+            assert (
+                info["kv_tier2_load_tokens_per_s"] == 100_000.0 and info["prefill_tokens_per_s"] == 10_000.0
+            )
+            async with http.get(f"{url}/metrics") as resp:
+                page = await resp.text()
+            assert "fastcore_worker_kv_tier2_loaded_blocks_total 16" in page.replace(".0\n", "\n")
+            async with http.get(
+                f"{url}/cache_events?tiers=1&chunk_bytes=64&after={seq}&instance={info['instance']}"
+            ) as resp:
+                events = (await resp.json())["events"]
+            assert {e.get("tier") for e in events if "moved" in e} == {1, 2}
+    finally:
+        await server.cleanup()
+        engine.stop()
+        tier.close()

@@ -151,7 +151,7 @@ class KVTier2:
         self.spilled_blocks_total = 0
         self.loaded_blocks_total = 0
         self.dropped_blocks_total = 0
-        self.failed_loads_total = 0
+        self.failed_blocks_total = 0
         self.store.calibrate()
 
     @property
@@ -250,8 +250,7 @@ class KVTier2:
             self.store.timed(good * self.block_bytes, began)
         cache.loaded(job, good)
         self.loaded_blocks_total += good
-        if good < len(job.moves):
-            self.failed_loads_total += 1
+        self.failed_blocks_total += len(job.moves) - good
 
     def close(self) -> None:
         self.store.close()
@@ -382,9 +381,18 @@ class _FileStore:
         self._count(len(live))
         self._queue.put(("write", (host, event, live)))
 
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        """Until the writes and deletions queued so far are done (a test's view; close's drain)."""
+        done = threading.Event()
+        self._queue.put(("barrier", done))
+        return done.wait(timeout)
+
     def _writer(self) -> None:
         while (item := self._queue.get()) is not None:
             kind, arg = item
+            if kind == "barrier":
+                arg.set()
+                continue
             if kind == "unlink":
                 with contextlib.suppress(OSError):
                     arg.unlink()
@@ -403,19 +411,20 @@ class _FileStore:
 
     def read(self, entries: list[_Entry]) -> list[torch.Tensor]:
         """The entries' K/V up to the first that cannot be read (missing, short, corrupt)."""
-        out = []
+        out: list[torch.Tensor] = []
         tier = self.tier
-        for entry in entries:
+        failed = False
+        for entry in entries:  # every file goes (the tier no longer holds them), read or not
             with tier.cache._lock:
                 path, entry.path = entry.path, None
-            block = (
-                None if path is None else _read_block(path, entry.digest, tier.block_shape, tier.cache.dtype)
-            )
-            if path is not None:
-                self._queue.put(("unlink", path))
-            if block is None:
-                break
-            out.append(block)
+            if path is None:
+                failed = True
+                continue
+            block = None if failed else _read_block(path, entry.digest, tier.block_shape, tier.cache.dtype)
+            failed = block is None
+            if block is not None:
+                out.append(block)
+            self._queue.put(("unlink", path))
         return out
 
     def start(self) -> float:

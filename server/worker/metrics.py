@@ -3,7 +3,9 @@ the prefix cache, the KV hand-off, admission, latency, and the HTTP server's con
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import Any
 
 from server.http import HTTPServer
 from server.metrics import Registry
@@ -50,6 +52,9 @@ class WorkerMetrics:
                 callback=lambda: engine.prefix_cached_tokens)  # fmt: skip
         r.counter("fastcore_worker_prefix_cache_evicted_blocks_total",
                   "Cached blocks evicted to make room", callback=lambda: engine.prefix_evicted_blocks)  # fmt: skip
+        tier2 = getattr(getattr(engine, "cache", None), "tier2", None)
+        if tier2 is not None:  # the torch engine's second KV tier (server/worker/kv_tier2.py)
+            self._tier2_families(r, tier2)
         self.generated_tokens = r.counter(
             "fastcore_worker_generated_tokens_total", "Completion tokens returned"
         )
@@ -88,3 +93,20 @@ class WorkerMetrics:
         r.counter("fastcore_worker_http_framing_errors_total",
                   "Requests refused before routing: malformed HTTP, limits on headers or body, timeouts",
                   callback=server_stat(lambda s: s.framing_errors))  # fmt: skip
+
+    @staticmethod
+    def _tier2_families(r: Registry, tier2: Any) -> None:
+        """The second KV tier's: what it holds, its block moves, the rates its loads are weighed by."""
+        r.gauge("fastcore_worker_kv_tier2_tokens", "Tokens held in the second KV tier",
+                callback=lambda: tier2.held_blocks * tier2.block_size)  # fmt: skip
+        r.gauge("fastcore_worker_kv_tier2_capacity_tokens", "The second KV tier's size in tokens",
+                callback=lambda: tier2.capacity_tokens)  # fmt: skip
+        for name, what in (("spilled", "evicted from the device into tier 2"), ("loaded", "loaded back from it"),
+                           ("dropped", "dropped from it, least recently spilled first"),
+                           ("failed", "whose load failed (a missing or corrupt file: recomputed)")):  # fmt: skip
+            r.counter(f"fastcore_worker_kv_tier2_{name}_blocks_total", f"KV blocks {what}",
+                      callback=functools.partial(getattr, tier2, f"{name}_blocks_total"))  # fmt: skip
+        r.gauge("fastcore_worker_kv_tier2_load_tokens_per_second", "Tier-2 loads' measured rate",
+                callback=lambda: tier2.rates.load_tokens_per_s)  # fmt: skip
+        r.gauge("fastcore_worker_kv_tier2_prefill_tokens_per_second", "Prefill's measured rate, loads weighed against",
+                callback=lambda: tier2.rates.prefill_tokens_per_s)  # fmt: skip
