@@ -51,7 +51,7 @@ import msgspec
 from fastcore import protocol as wire
 from server import tracing
 from server.auth import Verifier
-from server.errors import HTTPError, error_body
+from server.errors import HTTPError
 from server.http import HTTPServer, Request, Responder
 from server.metrics import CONTENT_TYPE
 from server.metrics_access import MetricsAccess, is_loopback_peer
@@ -74,6 +74,7 @@ from .responses import (
     request_usage,
 )
 from .settings import ROLES, WorkerSettings
+from .stream_sink import DeltaRelay, StreamSink
 
 log = logging.getLogger(__name__)
 
@@ -390,7 +391,8 @@ class WorkerApp:
                             headers={"Retry-After": str(self.settings.retry_after_s)})  # fmt: skip
 
         queue: asyncio.Queue[Delta] = asyncio.Queue()
-        on_delta: Callable[[Delta], None] = queue.put_nowait
+        relay = DeltaRelay(queue.put_nowait)  # a started stream's sink writes from it (stream_sink)
+        on_delta: Callable[[Delta], None] = relay
         trace = tracing.current_trace()
         if trace is not None:
             tracing.request_parsed(trace, req)
@@ -432,7 +434,7 @@ class WorkerApp:
             queued = True
             self.metrics.prompt_tokens.inc(int(req.prompt_ids.size))
             if req.stream and not req.is_context_only:
-                answered = await self._stream(out, req, engine_req, queue, arrived)
+                answered = await self._stream(out, req, engine_req, relay, queue, arrived)
             else:
                 answered = await self._respond(request, out, req, engine_req, queue, arrived)
             return 200
@@ -537,6 +539,7 @@ class WorkerApp:
         out: Responder,
         req: ParsedRequest,
         engine_req: EngineRequest,
+        relay: DeltaRelay,
         queue: asyncio.Queue[Delta],
         arrived: float,
     ) -> bool:
@@ -545,23 +548,14 @@ class WorkerApp:
         first = await _next_delta(queue)
         self.metrics.ttft.observe(time.monotonic() - arrived, route=req.route)
         out.start(200, _SSE, _SSE_HEADERS)
-        writer = StreamWriterState(req, self.engine.tokenizer)
-        num_tokens = 0
-        out.write(writer.start())
-        delta = first
-        while True:
-            if delta.error is not None:
-                out.write(b"data: " + error_body(500, delta.error) + b"\n\n")
-                break
-            num_tokens += len(delta.token_ids)
-            out.write(writer.delta(delta))
-            if delta.finish_reason is not None:
-                out.write(writer.end(request_usage(req, num_tokens, engine_req)))
-                break
+        sink = StreamSink(out, StreamWriterState(req, self.engine.tokenizer), req, engine_req, relay, queue)
+        out.write(sink.writer.start())
+        sink.write(first)
+        while not sink.ended:
             if out.paused and not await self._drained(out):
                 return False  # dropped: the caller frees its KV now, not at max_tokens
-            delta = await queue.get()
-        self.metrics.generated_tokens.inc(num_tokens)
+            await sink.run()  # the engine's callback writes the events; back here at the end or a full buffer
+        self.metrics.generated_tokens.inc(sink.num_tokens)
         self.metrics.latency.observe(time.monotonic() - arrived, route=req.route)
         out.end()
         return not out.closed

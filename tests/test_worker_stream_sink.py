@@ -1,0 +1,95 @@
+"""A started stream's events written from the engine's delivery callback (server/worker/stream_sink.py).
+
+The engine calls a request's ``on_delta`` from one loop callback a step; a started stream's sink
+writes its event right there, without waking its handler task, until the stream ends or its
+client's buffer fills (the handler then waits for the drain, and the deltas queue meanwhile)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from server.worker import stream_sink
+from server.worker.output import Delta
+from server.worker.stream_sink import DeltaRelay, StreamSink
+
+
+class _Out:
+    """The Responder's part a sink uses: written bytes and the paused flag."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+        self.paused = False
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+
+class _Writer:
+    def delta(self, delta: Delta) -> bytes:
+        return f"data: {delta.text}\n\n".encode()
+
+    def end(self, usage: dict[str, Any]) -> bytes:
+        return f"data: usage {usage['completion_tokens']}\n\ndata: [DONE]\n\n".encode()
+
+
+@pytest.fixture
+def sink(monkeypatch: pytest.MonkeyPatch) -> tuple[StreamSink, DeltaRelay, asyncio.Queue[Delta], _Out]:
+    monkeypatch.setattr(stream_sink, "request_usage", lambda req, n, engine_req: {"completion_tokens": n})
+    queue: asyncio.Queue[Delta] = asyncio.Queue()
+    relay = DeltaRelay(queue.put_nowait)
+    out = _Out()
+    return StreamSink(out, _Writer(), None, None, relay, queue), relay, queue, out  # type: ignore[arg-type]
+
+
+def _d(text: str, finish: str | None = None, error: str | None = None) -> Delta:
+    return Delta(text, [1] if text else [], [], finish_reason=finish, error=error)
+
+
+async def test_the_callback_writes_each_event_without_waking_the_handler(sink: Any) -> None:
+    s, relay, queue, out = sink
+    relay(_d("a"))  # before the handler runs: queued
+    handler = asyncio.create_task(s.run())
+    await asyncio.sleep(0)  # the handler wrote what was queued and waits
+    assert out.written == [b"data: a\n\n"] and queue.empty()
+    for text in "bcd":
+        relay(_d(text))  # the engine's callback: written here and now, the handler not woken
+        assert out.written[-1] == f"data: {text}\n\n".encode() and not handler.done()
+    relay(_d("e", finish="length"))
+    assert out.written[-2:] == [b"data: e\n\n", b"data: usage 5\n\ndata: [DONE]\n\n"]
+    await asyncio.wait_for(handler, 1)
+    assert s.ended and s.num_tokens == 5 and relay.target == queue.put_nowait
+
+
+async def test_a_full_buffer_wakes_the_handler_and_later_deltas_queue_in_order(sink: Any) -> None:
+    s, relay, queue, out = sink
+    handler = asyncio.create_task(s.run())
+    await asyncio.sleep(0)
+    out.paused = True
+    relay(_d("a"))  # written; the buffer is full now: the handler wakes
+    relay(_d("b"))  # before it ran: queued, not written past the mark
+    await asyncio.wait_for(handler, 1)
+    assert out.written == [b"data: a\n\n"] and queue.qsize() == 1 and not s.ended
+    relay(_d("c"))  # the handler waits for the drain: the queue takes it
+    out.paused = False
+    handler = asyncio.create_task(s.run())
+    await asyncio.sleep(0)
+    assert out.written == [b"data: a\n\n", b"data: b\n\n", b"data: c\n\n"] and queue.empty()
+    relay(_d("", error="decode step failed"))
+    await asyncio.wait_for(handler, 1)
+    assert s.ended and out.written[-1].startswith(b"data: {") and b"decode step failed" in out.written[-1]
+
+
+async def test_a_cancelled_handler_gives_the_deltas_back_to_the_queue(sink: Any) -> None:
+    """The client left: its handler is cancelled while the callback writes; what comes after is
+    queued (nobody reads it), not written."""
+    s, relay, queue, out = sink
+    handler = asyncio.create_task(s.run())
+    await asyncio.sleep(0)
+    handler.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await handler
+    relay(_d("x"))
+    assert out.written == [] and queue.qsize() == 1
