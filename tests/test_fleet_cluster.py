@@ -19,6 +19,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from helpers import free_port, need_etcd, read_prefix, until
 from tiny_workers import one_torch_thread, synthetic_worker  # noqa: F401
 
@@ -377,3 +378,70 @@ async def test_two_orchestrators_on_their_ports_share_a_tenant_s_limit(config: F
         for server, _ in servers:
             await server.cleanup()
         await worker.server.cleanup()
+
+
+async def test_a_breaker_one_orchestrator_opened_keeps_the_other_away(config: FleetClusterConfig) -> None:
+    """Two start_server orchestrators, two context workers, one answering 500 to every leg (a
+    breaker opens on one failure, for a minute). Once the first has sent it a leg, the second, told
+    through etcd, sends it none of 20 requests (its own round robin would send it every other one)."""
+    broken_legs = 0
+
+    async def broken(request: web.Request) -> web.Response:
+        nonlocal broken_legs
+        broken_legs += 1
+        return web.json_response({"error": {"message": "broken", "type": "internal_error"}}, status=500)
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/{tail:.*}", broken)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    broken_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    worker = await synthetic_worker()
+    servers = []
+    try:
+        for _ in range(2):
+            data = {
+                "port": free_port(),
+                "circuit_breaker_failures": 1,
+                "circuit_breaker_open_s": 60,
+                "circuit_breaker_panic_threshold": 0,
+                "health_check_interval_s": 0.1,
+                "context_servers": {"urls": [worker.url, broken_url], "router": {"type": "round_robin"}},
+                "generation_servers": {"urls": [worker.url]},
+                "fleet_cluster": config.model_dump(),
+            }
+            servers.append(await start_server(build_config(data, environ={})))
+        first, second = (orch for _, orch in servers)
+        await until(
+            lambda: all(o.fleet_cluster and o.fleet_cluster.share[0] == 0.5 for o in (first, second)), 10
+        )
+        chat = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        async with aiohttp.ClientSession() as session:
+
+            async def post(orch: Any) -> int:
+                async with session.post(
+                    f"http://127.0.0.1:{orch.config.port}/v1/chat/completions", json=chat
+                ) as r:
+                    await r.read()
+                    return r.status
+
+            for _ in range(200):
+                if broken_legs:
+                    break
+                await post(first)
+            assert broken_legs == 1
+            theirs = next(w.breaker for w in second.context_pool.workers if w.url == broken_url)
+            await until(lambda: theirs.state == theirs.OPEN, 10)
+            statuses = [await post(second) for _ in range(20)]
+        assert broken_legs == 1 and statuses == [200] * 20, (broken_legs, statuses)
+    finally:
+        for server, _ in servers:
+            await server.cleanup()
+        await worker.server.cleanup()
+        await runner.cleanup()
