@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -368,6 +369,25 @@ async def test_a_tier_slower_than_prefill_is_not_taken(engines: list[TorchEngine
     assert (await run(small, PROMPT, max_tokens=12))[0] == want
     assert tiered.prefill_computed_tokens - before[1] == small.prefill_computed_tokens - before[0]
     assert _tier(tiered.cache).loaded_blocks_total == 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--kv-tier2-tokens", "-16"], "--kv-tier2-tokens must hold a block (16 tokens), got -16"),
+        (["--kv-tier2-tokens", "8"], "--kv-tier2-tokens must hold a block (16 tokens), got 8"),
+        (["--kv-tier2-path", "x"], "--kv-tier2-tokens must hold a block (16 tokens), got 0"),
+        (["--kv-tier2-tokens", "64", "--no-prefix-caching"], "--kv-tier2-tokens needs --prefix-caching"),
+    ],
+)
+def test_a_tier_that_cannot_be_is_refused_naming_the_flag(flags: list[str], message: str) -> None:
+    from server.worker import cli
+
+    parser = cli.argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--model", "tiny", "--device", "cpu", "--block-size", "16", *flags])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cli.build_engine(args)
 
 
 # -- a live worker -------------------------------------------------------------------------

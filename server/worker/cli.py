@@ -12,6 +12,7 @@ import sys
 from typing import Any
 from urllib.parse import urlsplit
 
+from server import logs
 from server.auth import SECRET_ENV, read_secret
 from server.cli import cannot_listen
 from server.metrics_access import METRICS_TOKEN_ENV
@@ -29,6 +30,8 @@ from .settings import ROLES, WorkerSettings
 from .synthetic import add_arguments as add_synthetic_arguments
 from .tokenizer import Tokenizer
 from .tool_calls import TOOL_CALL_PARSERS
+
+log = logging.getLogger("fastcore.worker")
 
 #: flag dest -> the WorkerSettings field it sets: the flag's default is the field's (one home for it)
 _SETTINGS = {
@@ -140,6 +143,7 @@ def _add_serving_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default {_default('kv_ttl'):g})")  # fmt: skip
     parser.add_argument("--kv-fetch-timeout", type=float, default=_default("kv_fetch_timeout"),
                         help=f"seconds for one KV fetch (default {_default('kv_fetch_timeout'):g})")  # fmt: skip
+    logs.add_arguments(parser)
     parser.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
                         help="SIGTERM: seconds the requests in flight and parked KV get before the worker "
                              "stops (it deregisters and refuses new requests first; "
@@ -375,7 +379,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str, str]:
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         prefill_step_ratio=args.prefill_step_ratio,
     )
-    if args.kv_tier2_tokens:  # a second KV tier (server/worker/kv_tier2.py)
+    if args.kv_tier2_tokens or args.kv_tier2_path:  # a second KV tier (server/worker/kv_tier2.py)
         engine.cache.attach_tier2(args.kv_tier2_tokens, args.kv_tier2_path)
     return engine, args.served_model_name or served_name(args.model), device
 
@@ -394,7 +398,7 @@ def default_kv_tokens(config: Any, model: Any, device: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(f"{args.role}-worker", logging.INFO, args.log_format)
     try:
         secret = read_secret(args.shared_secret, args.shared_secret_file)
     except (OSError, ValueError) as exc:
@@ -460,9 +464,10 @@ async def _serve(
     from .app import WorkerApp
 
     stop = asyncio.Event()
+    told: list[str] = []  # the signal that stopped it, for the stop line
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, _told, stop, told, sig)
     app = WorkerApp(engine, settings)
     try:
         server, bound = await app.start(host, port)
@@ -472,12 +477,8 @@ async def _serve(
             raise
         print(cannot_listen("worker", host, port, why), file=sys.stderr)
         return 2
-    print(
-        f"fastcore worker: role={settings.role} model={settings.model_name} device={settings.device} "
-        f"listening on http://{host}:{bound}",
-        file=sys.stderr,
-        flush=True,
-    )
+    log.info("%s worker listening on http://%s:%d; model=%s device=%s; features: %s", settings.role, host, bound,
+             settings.model_name, settings.device, started_features(app, settings, cluster))  # fmt: skip
     registration = None
     try:
         if cluster is not None:
@@ -507,14 +508,36 @@ async def _serve(
                 return 2
             await registration.start()
         await stop.wait()
+        log.info(
+            "%s: stopping, draining requests in flight and parked KV (up to %g s)", told[0], drain_timeout
+        )
     finally:
         if registration is not None:  # first: no new traffic is sent here while the server stops
             await registration.stop()
         # Then refuse new requests (and fail /health: static orchestrators stop choosing it too),
         # finish what it has, let its parked KV be fetched; the server's close cancels what is left.
-        await app.drain(drain_timeout)
+        if await app.drain(drain_timeout):
+            log.info("drained")
         await server.cleanup()
+        log.info("exited")
     return 0
+
+
+def _told(stop: asyncio.Event, told: list[str], sig: signal.Signals) -> None:
+    told.append(sig.name)
+    stop.set()
+
+
+def started_features(app: Any, settings: WorkerSettings, cluster: Any) -> str:
+    """The start line's account of what is on: who may send it requests, where it registers."""
+    return logs.features(
+        shared_secret=settings.shared_secret is not None,
+        trtllm_auth=settings.trtllm_auth_key is not None,
+        metrics_token=settings.metrics_token is not None,
+        kv_allow=",".join(settings.kv_allow) or None,
+        tracing=app.tracing is not None,
+        cluster=cluster.cluster_uri if cluster is not None else None,
+    )
 
 
 __all__ = ["add_arguments", "build_engine", "run"]

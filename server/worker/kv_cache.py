@@ -98,9 +98,13 @@ class PagedKVCache:
         self._failed: set[int] = set()
 
     def attach_tier2(self, tokens: int, path: str | None = None) -> None:
-        """``--kv-tier2-tokens`` / ``--kv-tier2-path``: evicted full blocks go to a second tier."""
-        if tokens // self.block_size > 0 and self.prefix_caching:
-            self.tier2 = KVTier2(self, tokens, path)
+        """``--kv-tier2-tokens`` / ``--kv-tier2-path``: evicted full blocks go to a second tier
+        (ValueError naming the flag where it cannot: less than a block, no prefix caching)."""
+        if tokens < self.block_size:
+            raise ValueError(f"--kv-tier2-tokens must hold a block ({self.block_size} tokens), got {tokens}")
+        if not self.prefix_caching:
+            raise ValueError("--kv-tier2-tokens needs --prefix-caching: the tier keeps evicted cached blocks")
+        self.tier2 = KVTier2(self, tokens, path)
 
     @property
     def tier2_tokens(self) -> int:
