@@ -164,6 +164,56 @@ async def test_the_synthetic_worker_keeps_its_own_figure() -> None:
         await worker.server.cleanup()
 
 
+async def test_conditional_disaggregation_sends_the_first_long_turn_to_the_context_worker() -> None:
+    """Issue 38's case as a new user met it: max_local_prefill_length 512 in front of tiny context and
+    generation workers. The first 1,386-token turn (its messages 370 tokens at the orchestrator's old
+    4 bytes a token, so all seven such prompts were prefilled locally) goes through the context
+    worker: the pools start from the workers' published bytes_per_token. After its answer each
+    pool's figure is within 10% of the worker's /server_info figure and of the prompt's own."""
+    text = "The agent reads pools.py, then config.yaml; it writes the patch and runs the tests. " * 20
+    messages = [{"role": "user", "content": text[:1382]}]
+    ctx, gen = await tiny_worker("context"), await tiny_worker("generation")
+    router = {"type": "kv_cache_aware"}
+    config = build_config(
+        {
+            "port": 0,
+            "health_check_interval_s": 0.1,
+            "context_servers": {"urls": [ctx.url], "router": router},
+            "generation_servers": {"urls": [gen.url], "router": router},
+            "conditional_disagg_config": {"max_local_prefill_length": 512},
+        },
+        environ={},
+    )
+    server, orch = await start_server(config)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        for _ in range(200):
+            if orch.context_pool.ready and orch.generation_pool.ready:
+                break
+            await asyncio.sleep(0.05)
+        async with aiohttp.ClientSession() as session:
+            body = {"model": "tiny", "messages": messages, "max_tokens": 4}
+            answer = await _post(session, url + "/v1/chat/completions", body)
+            assert answer["usage"]["prompt_tokens"] == 1386
+            async with session.get(url + "/metrics") as resp:
+                page = await resp.text()
+            by_path = 'fastcore_orchestrator_requests_by_path_total{path="%s"} 1'
+            assert by_path % "disaggregated" in page and 'path="local_prefill"} 1' not in page, page
+            true = len(json.dumps(messages).encode()) / 1386
+            for worker, pool in ((ctx, orch.context_pool), (gen, orch.generation_pool)):
+                published = (await _get(session, worker.url + wire.SERVER_INFO_PATH))[
+                    wire.INFO_BYTES_PER_TOKEN
+                ]
+                learned = pool.router.estimate.value
+                assert abs(learned / published - 1) < 0.1 and abs(learned / true - 1) < 0.1, (
+                    pool.name, learned, published, true,
+                )  # fmt: skip
+    finally:
+        await server.cleanup()
+        for w in (ctx, gen):
+            await w.server.cleanup()
+
+
 # -- the paged cache's key log ---------------------------------------------------------------------------
 
 
