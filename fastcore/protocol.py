@@ -112,7 +112,13 @@ FINISH_TOOL_CALLS: Final = "tool_calls"
 #: one means the context response is the answer.
 GENERATION_FOLLOWS: Final = (FINISH_LENGTH, FINISH_NOT_FINISHED)
 #: The finish reasons the relay kernels decode without a JSON decoder (others are decoded too).
-COMMON_FINISH_REASONS: Final = (FINISH_LENGTH, FINISH_NOT_FINISHED, FINISH_STOP, FINISH_ABORT, FINISH_TOOL_CALLS)
+COMMON_FINISH_REASONS: Final = (
+    FINISH_LENGTH,
+    FINISH_NOT_FINISHED,
+    FINISH_STOP,
+    FINISH_ABORT,
+    FINISH_TOOL_CALLS,
+)
 
 # -- internal fields ("Rules that hold everywhere", docs/protocol.md (4)) ------------------------------------
 
@@ -153,6 +159,12 @@ X_TRTLLM_DISAGG_AUTH: Final = "x-trtllm-disagg-auth"
 
 HEALTH_PATH: Final = "/health"
 SERVER_INFO_PATH: Final = "/server_info"
+#: ``POST /tokenize`` (vLLM's endpoint and answer): a chat or completion body's prompt ids,
+#: ``{"count": N, "max_model_len": M, "tokens": [...]}``; the orchestrator's count_tokens asks it
+TOKENIZE_PATH: Final = "/tokenize"
+TOKENIZE_COUNT: Final = "count"
+TOKENIZE_MAX_MODEL_LEN: Final = "max_model_len"
+TOKENIZE_TOKENS: Final = "tokens"
 #: ``GET``/``DELETE /kv/<ctx_request_id>``: a parked context's KV (its ``ctx_info_endpoint``).
 KV_PATH_PREFIX: Final = "/kv/"
 KV_PATH: Final = KV_PATH_PREFIX + "{ctx_request_id}"
@@ -204,9 +216,15 @@ INFO_TRTLLM_MARKER: Final = DISAGGREGATED_PARAMS
 CONVERSATION_PARAMS: Final = "conversation_params"
 CONVERSATION_ID: Final = "conversation_id"
 
-__all__ = [name for name in dir() if name.isupper() or name in (
-    "internal_field_message",
-    "internal_request_fields",
-    "is_disagg_request_id",
-    "kv_path",
-)]
+__all__ = [
+    name
+    for name in dir()
+    if name.isupper()
+    or name
+    in (
+        "internal_field_message",
+        "internal_request_fields",
+        "is_disagg_request_id",
+        "kv_path",
+    )
+]

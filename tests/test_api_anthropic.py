@@ -345,11 +345,12 @@ async def test_malformed_bodies_reach_the_client_as_anthropic_400s(tmp_path):
             assert resp.status == 400 and resp.json()["error"]["type"] == "invalid_request_error"
         resp = await get(port, "/v1/messages", **{"x-api-key": KEY})
         assert resp.status == 405 and resp.json()["type"] == "error"
-        # count_tokens and the other routes under /v1/messages/: a 404 in its shape saying why (key checked first)
+        # the routes under /v1/messages/ but count_tokens (tests/test_count_tokens.py): a 404 in its shape
+        # saying why (key checked first)
         with pytest.raises(anthropic.NotFoundError) as missing:
-            await client.messages.count_tokens(model="synthetic", messages=ASK)
+            await client.messages.batches.list()
         assert missing.value.body["error"]["type"] == "not_found_error"
-        assert "count-only" in missing.value.body["error"]["message"]
+        assert "count_tokens are served" in missing.value.body["error"]["message"]
         resp = await post(port, "/v1/messages/batches", {})
         assert resp.status == 401 and resp.json()["error"]["type"] == "authentication_error"
         # Claude Code's route (a query string) and headers

@@ -66,7 +66,7 @@ if TYPE_CHECKING:
     from .fleet import Fleet
     from .fleet_cluster import FleetCluster
 from .admission import Admission
-from .apis import ApiResponder, ClientApi, bound_apis
+from .apis import ApiResponder, ClientApi, answer_other, bound_apis
 from .cache_view import CacheView
 from .estimates import StreamUsage, UsageLearner
 from .exchange import Exchange
@@ -365,8 +365,12 @@ class Orchestrator:
         :meth:`_serve`'s coroutine itself: no layer that only forwards); None: answered at once."""
         path = request.path
         chat = _ROUTES.get(path)
-        if chat is None and (api := self.api_routes.get(path)) is not None:  # translated to chat (apis/)
-            return self.serve_api(api, request, out)
+        if chat is None:
+            if (api := self.api_routes.get(path)) is not None:  # translated to chat (apis/)
+                return self.serve_api(api, request, out)
+            for prefix, other in self.api_prefixes:  # an API's other routes: its own key header, its shape
+                if path.startswith(prefix):
+                    return self.serve_api_other(other, request, out)
         tenant = ANONYMOUS
         if self.keys is not None and path.startswith(b"/v1/"):
             found = self.keys.tenant(request.header(b"authorization"))
@@ -402,10 +406,6 @@ class Orchestrator:
         if self.trtllm.handles(path):
             self.trtllm.handle(request, out)
             return None
-        for prefix, api in self.api_prefixes:  # an API's other routes (GET /v1/responses/<id>, ...)
-            if path.startswith(prefix):
-                self.serve_api_other(api, request, out)
-                return None
         shown = path.decode("utf-8", "replace")[:200]
         out.send_error(404, f"no route {shown}: the orchestrator serves {self.routes()}")
         return None
@@ -452,18 +452,11 @@ class Orchestrator:
             out.send(401, api.error_body(401, message, None, "invalid_api_key"), headers=UNAUTHORIZED_HEADERS)
         return found
 
-    def serve_api_other(self, api: ClientApi, request: Request, out: Responder) -> None:
-        """A route of an API under one of its ``prefixes`` (apis/): answered at once by the API."""
+    def serve_api_other(self, api: ClientApi, request: Request, out: Responder) -> Awaitable[None] | None:
+        """A route of an API under one of its ``prefixes`` (apis/): answered by the API (at once, or
+        once a worker it asked answered)."""
         tenant = self.api_tenant(api, request, out)
-        if tenant is None:
-            return
-        try:
-            status, body = api.serve_other(request.method, request.path, tenant.name)
-        except HTTPError as exc:
-            status, body = exc.status, api.error_body(exc.status, exc.message, exc.param, exc.code)
-            out.send(status, body, headers=exc.header_lines())
-            return
-        out.send(status, body)
+        return None if tenant is None else answer_other(api, request, tenant.name, self, out)
 
     def routes(self) -> str:
         """Every route :meth:`handle` serves, from the route tables it serves them by (a 404 lists them)."""

@@ -87,6 +87,7 @@ _KV_PREFIX = wire.KV_PATH_PREFIX.encode()
 _METRICS = b"/metrics"
 #: the prefix cache's keys as a stream orchestrators follow (server/worker/kv_events.py)
 _CACHE_EVENTS = b"/cache_events"
+_TOKENIZE = wire.TOKENIZE_PATH.encode()
 #: how long a drain waits for parked KV to be fetched once no request is running
 DRAIN_PARKED_GRACE_S = 2.0
 _JSON = b"application/json"
@@ -233,13 +234,16 @@ class WorkerApp:
             if path == _CACHE_EVENTS:
                 await self.cache_events(request, out)
                 return
+            if path == _TOKENIZE:
+                self.tokenize(request, out)
+                return
             if path.startswith(_KV_PREFIX):
                 await self.kv.handle(request, out)
                 return
             raise HTTPError(
                 404,
                 f"no route {path.decode('utf-8', 'replace')[:200]}: this worker serves POST "
-                "/v1/chat/completions, POST /v1/completions, GET /v1/models, /health, /server_info, "
+                "/v1/chat/completions, POST /v1/completions, POST /tokenize, GET /v1/models, /health, /server_info, "
                 f"/metrics, {KV_PATH}",
             )
         except HTTPError as exc:
@@ -249,6 +253,14 @@ class WorkerApp:
             _send_error(out, HTTPError(500, "internal error in the worker"))
 
     # -- simple routes ---------------------------------------------------------
+
+    def tokenize(self, request: Request, out: Responder) -> None:
+        """``POST /tokenize`` (vLLM's): the prompt of a chat or completion body, counted."""
+        if request.method != _POST:
+            raise HTTPError(405, f"{wire.TOKENIZE_PATH} takes POST", headers={"Allow": "POST"})
+        ids = self.reader.tokenize(request)
+        out.send(200, json.dumps({wire.TOKENIZE_COUNT: int(ids.size), wire.TOKENIZE_MAX_MODEL_LEN: self.engine.max_context,
+                                  wire.TOKENIZE_TOKENS: ids.tolist()}).encode(), _JSON)  # fmt: skip
 
     def health(self, out: Responder) -> None:
         if self.draining:

@@ -365,6 +365,18 @@ def _token_limit(body: dict[str, Any], route: Route) -> tuple[str, int | None]:
     return key, tokens
 
 
+def _model(body: dict[str, Any], model_name: str) -> str:
+    model = body.get("model")
+    if model is None:  # absent or null, as the orchestrator reads it
+        return model_name
+    if type(model) is not str:
+        raise bad_request("'model' must be a string", "model")
+    if model != model_name:
+        raise HTTPError(404, f"model {brief(model)} does not exist; the model served is {model_name!r} (GET /v1/models lists it)",
+                        param="model", code="model_not_found")  # fmt: skip
+    return model
+
+
 def read_request(
     body: dict[str, Any],
     route: Route,
@@ -379,14 +391,7 @@ def read_request(
     a chat answer's tool calls are read out of its text (tool_calls.py)."""
     # Every field is read strictly, by type (no bool for a number, no 1.0 for an int), and as
     # the orchestrator reads the ones it acts on: a body is never read two ways.
-    model = body.get("model")
-    if model is None:  # absent or null, as the orchestrator reads it
-        model = model_name
-    elif type(model) is not str:
-        raise bad_request("'model' must be a string", "model")
-    if model != model_name:
-        raise HTTPError(404, f"model {brief(model)} does not exist; the model served is {model_name!r} (GET /v1/models lists it)",
-                        param="model", code="model_not_found")  # fmt: skip
+    _model(body, model_name)
     for name, neutral in _UNSUPPORTED.items():
         if not _is_neutral(body.get(name), neutral):
             raise bad_request(f"'{name}' is not supported by this worker (got {brief(body[name])})", name)
@@ -522,6 +527,20 @@ class RequestReader:
         auth.authorize(req, request, signed)
         self._check_role(req)
         return req
+
+    def tokenize(self, request: Request) -> np.ndarray:
+        """``POST /tokenize`` (vLLM's): the prompt ids of a chat body (``messages``, ``tools``: the
+        template applied with its generation prompt) or a completion body (``prompt``), as a
+        completion of that body is given them. Nothing else of a completion is read, nor the
+        context's bound: a count is asked of any prompt, often to learn whether it fits."""
+        body = self.json_body.load(request.body, "chat")
+        _model(body, self.model_name)
+        if "prompt" in body and "messages" not in body:
+            ids, _ = _prompt(body, "completions", self.tokenizer, None, self.max_context)
+            return ids
+        tools = read_tools(body, self.tool_call_parser)
+        ids, _ = _prompt(body, "chat", self.tokenizer, None, self.max_context, tools)
+        return ids
 
     def _check_role(self, req: ParsedRequest) -> None:
         if req.disagg is None:

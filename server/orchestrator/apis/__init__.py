@@ -42,10 +42,12 @@ Optional:
     called once per orchestrator with its :class:`~server.orchestrator.config.OrchestratorConfig`: the API
     object that orchestrator serves with (state of its own, e.g. a store built from the config);
     without it the module's object serves as it is.
-``prefixes: tuple[bytes, ...]`` and ``serve_other(method: bytes, path: bytes, tenant: str) -> (status, body)``
-    routes under a path prefix (``GET``/``DELETE /v1/responses/<id>``) answered at once, after the key
-    check, with a JSON body (or an :class:`~server.errors.HTTPError` in the API's shape). They are looked
-    up after every other route missed.
+``prefixes: tuple[bytes, ...]`` and ``serve_other(request, tenant: str, ask: WorkerAsk) -> (status, body)``
+    routes under a path prefix (``GET``/``DELETE /v1/responses/<id>``, ``POST /v1/messages/count_tokens``)
+    answered after the key check with a JSON body (or an :class:`~server.errors.HTTPError` in the API's
+    shape): at once, or by a coroutine returning ``(status, body)`` where the answer needs a worker
+    (``await ask(path, body)``: a context worker's answer to a ``POST`` of its own, :class:`WorkerAsk`).
+    They are looked up after every other route missed (:func:`answer_other`).
 
 Registering: import the module's ``API`` below and add it to ``APIS``; its paths become routes
 (:func:`bound_apis`, per orchestrator), listed by the 404's route list. Tests: a real orchestrator in front of scripted
@@ -55,10 +57,11 @@ synthetic workers and the API's official SDK (tests/test_api_anthropic.py shows 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any, Protocol
 
-from server.http import Request, Responder
+from server.errors import HTTPError
+from server.http import Request, Responder, UpstreamError, UpstreamTimeout
 
 from .anthropic import API as ANTHROPIC
 from .responses import API as RESPONSES
@@ -234,6 +237,69 @@ class ApiResponder:
         return self.out.status
 
 
+class WorkerAsk:
+    """What an API's other route may ask of a worker: ``await ask(path, body)`` POSTs ``body`` to a
+    healthy context worker's ``path`` and returns its status and body (a count of tokens:
+    ``/tokenize``; the orchestrator has no tokenizer); no healthy worker is the chat route's 503,
+    a request that failed (refused, reset, timed out) a 502 naming the worker."""
+
+    #: a worker's answer read up to this (a count's ids of a long prompt: megabytes at most)
+    MAX_ANSWER = 64 << 20
+
+    __slots__ = ("orchestrator",)
+
+    def __init__(self, orchestrator: Any) -> None:
+        self.orchestrator = orchestrator
+
+    async def __call__(self, path: bytes, body: bytes) -> tuple[int, bytes]:
+        orchestrator = self.orchestrator
+        worker = orchestrator.context_pool.choose()
+        if worker is None:
+            raise orchestrator._unavailable("no healthy context worker")
+        try:
+            resp = await orchestrator._upstream(worker).request(
+                b"POST", path, (body,), timeout=orchestrator.config.request_timeout_s
+            )
+            try:
+                return resp.status, await resp.read(self.MAX_ANSWER)
+            finally:
+                resp.release()
+        except (UpstreamError, UpstreamTimeout) as exc:
+            message = f"POST {path.decode()} to context worker {worker.url} failed: {exc}"
+            raise HTTPError(502, message, code="context_leg_failed") from None
+
+
+def answer_other(
+    api: Any, request: Request, tenant: str, orchestrator: Any, out: Responder
+) -> Awaitable[None] | None:
+    """An API's other route (``prefixes``) answered: at once (None), or the coroutine that answers it
+    once the API's has its answer (a worker asked)."""
+    try:
+        answer = api.serve_other(request, tenant, WorkerAsk(orchestrator))
+    except HTTPError as exc:
+        _send_api_error(api, out, exc)
+        return None
+    if isinstance(answer, tuple):
+        out.send(*answer)
+        return None
+    return _answer_later(api, answer, out)
+
+
+async def _answer_later(api: Any, answer: Awaitable[tuple[int, bytes]], out: Responder) -> None:
+    try:
+        status, body = await answer
+    except HTTPError as exc:
+        _send_api_error(api, out, exc)
+        return
+    out.send(status, body)
+
+
+def _send_api_error(api: Any, out: Responder, exc: HTTPError) -> None:
+    out.send(
+        exc.status, api.error_body(exc.status, exc.message, exc.param, exc.code), headers=exc.header_lines()
+    )
+
+
 #: every translated API (add a module's API here)
 APIS: tuple[ClientApi, ...] = (ANTHROPIC, RESPONSES)
 
@@ -251,4 +317,14 @@ def bound_apis(config: Any) -> tuple[dict[bytes, ClientApi], tuple[tuple[bytes, 
     return routes, tuple(prefixes)
 
 
-__all__ = ["APIS", "ApiCall", "ApiResponder", "ClientApi", "StreamTranslator", "bound_apis", "chat_error"]
+__all__ = [
+    "APIS",
+    "ApiCall",
+    "ApiResponder",
+    "ClientApi",
+    "StreamTranslator",
+    "WorkerAsk",
+    "answer_other",
+    "bound_apis",
+    "chat_error",
+]

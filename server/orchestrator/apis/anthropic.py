@@ -17,13 +17,14 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from collections.abc import Awaitable
 from typing import Any
 
 import msgspec
 
 import fastcore
 from fastcore import protocol as wire
-from server.errors import HTTPError, check_not_empty
+from server.errors import HTTPError, check_not_empty, normalise_error_body
 from server.http import Request
 from server.surrogates import check_no_lone_surrogates
 
@@ -625,22 +626,72 @@ def error_event(status: int, message: str) -> bytes:
     return b"event: error\ndata: %s\n\n" % error_body(status, message)
 
 
+COUNT_TOKENS_PATH = b"/v1/messages/count_tokens"
+
+
+def chat_body(body: bytes, *, counting: bool) -> tuple[bytes, dict[str, Any]]:
+    """The Messages body said as a chat completions body (bytes) and its skeleton (the texts left
+    out); ``counting`` (count_tokens): no ``max_tokens`` nor sampling fields read."""
+    data = _json_body(body)
+    _check_others(data)
+    marks = Texts()
+    chat: dict[str, Any] = {"model": data["model"], "messages": _messages(data, marks)}
+    if not counting:
+        _sampling(data, chat)
+    _tools(data, chat)
+    if data.get("stream", False) and not counting:
+        chat["stream"] = True
+        chat["stream_options"] = {wire.INCLUDE_USAGE: True}
+    skeleton = json.dumps(chat, ensure_ascii=False, separators=(",", ":")).encode()
+    return marks.splice(body, skeleton), chat
+
+
+async def count_tokens(body: bytes, ask: Any) -> tuple[int, bytes]:
+    """``POST /v1/messages/count_tokens``: the body translated as a message's would be, its prompt
+    counted by a worker's ``/tokenize`` (vLLM's endpoint; ours, docs/protocol.md): the prompt a
+    message of the same body is given, ``input_tokens`` plus ``cache_read_input_tokens`` of its
+    usage. A worker's refusal is the client's in this API's shape; a worker that cannot count
+    (no such endpoint: a 404) says so; an answer that is no count is a 502."""
+    chat, _ = chat_body(body, counting=True)
+    status, answer = await ask(wire.TOKENIZE_PATH.encode(), chat)
+    if status != 200:
+        message, param, code = _worker_error(status, answer)
+        if status == 404:
+            message = f"count_tokens asks a worker's POST {wire.TOKENIZE_PATH}, which answered 404: {message}"
+        raise HTTPError(status if status < 500 else 502, message, param=param, code=code)
+    try:
+        count = json.loads(answer).get(wire.TOKENIZE_COUNT)
+    except (ValueError, AttributeError, RecursionError):
+        count = None
+    if type(count) is not int or count < 0:
+        raise HTTPError(502, f"the worker's {wire.TOKENIZE_PATH} answer holds no count: {answer[:200]!r}",
+                        code="bad_worker_answer")  # fmt: skip
+    return 200, json.dumps({"input_tokens": count}).encode()
+
+
+def _worker_error(status: int, body: bytes) -> tuple[str, str | None, str | None]:
+    """A worker's error, whatever its shape (ours, trtllm-serve's, a framework's): message, param, code."""
+    error = json.loads(normalise_error_body(status, body))["error"]
+    return error["message"], error["param"], error["code"]
+
+
 class AnthropicMessages:
     """The API object apis/ registers (its contract: apis/__init__.py)."""
 
     name = "anthropic-messages"
-    paths = (b"/v1/messages",)
+    paths: tuple[bytes, ...] = (b"/v1/messages",)
     #: the API's other routes (count_tokens, batches): answered in its shape, saying why not served
     prefixes = (b"/v1/messages/",)
 
     @staticmethod
-    def serve_other(method: bytes, path: bytes, tenant: str) -> tuple[int, bytes]:
-        why = (
-            "the workers have no count-only endpoint; usage.input_tokens of an answer counts a prompt"
-            if path == b"/v1/messages/count_tokens"
-            else "only POST /v1/messages is served"
-        )
-        raise HTTPError(404, f"{path.decode('utf-8', 'replace')[:100]} is not served here: {why}")
+    def serve_other(request: Request, tenant: str, ask: Any) -> Awaitable[tuple[int, bytes]]:
+        path = request.path
+        if path != COUNT_TOKENS_PATH:
+            why = "of Anthropic's API, POST /v1/messages and /v1/messages/count_tokens are served"
+            raise HTTPError(404, f"{path.decode('utf-8', 'replace')[:100]} is not served here: {why}")
+        if request.method != b"POST":
+            raise HTTPError(405, "/v1/messages/count_tokens takes POST", headers={"Allow": "POST"})
+        return count_tokens(request.body, ask)
 
     @staticmethod
     def credentials(request: Request) -> bytes | None:
@@ -651,19 +702,8 @@ class AnthropicMessages:
 
     @staticmethod
     def to_chat(body: bytes, request: Request, tenant: str = "") -> Messages:
-        data = _json_body(body)
-        _check_others(data)
-        marks = Texts()
-        chat: dict[str, Any] = {"model": data["model"], "messages": _messages(data, marks)}
-        _sampling(data, chat)
-        _tools(data, chat)
-        streamed = data.get("stream", False)
-        if streamed:
-            chat["stream"] = True
-            chat["stream_options"] = {wire.INCLUDE_USAGE: True}
-        skeleton = json.dumps(chat, ensure_ascii=False, separators=(",", ":")).encode()
-        encoded = marks.splice(body, skeleton)
-        return Messages(encoded, chat.get("stop", []), streamed)
+        encoded, chat = chat_body(body, counting=False)
+        return Messages(encoded, chat.get("stop", []), chat.get("stream", False))
 
     @staticmethod
     def error_body(status: int, message: str, param: str | None, code: str | None) -> bytes:

@@ -269,7 +269,8 @@ def read_request(body: Any) -> ResponsesRequest:
         raise bad("Missing required parameter: 'input'.", "input")
     stream, store = bool(_bool(body, "stream")), _bool(body, "store")
     previous = _string(body, "previous_response_id", "previous_response_id")
-    turn = chat_messages(body["input"], unresolved := {})
+    unresolved: dict[str, str] = {}
+    turn = chat_messages(body["input"], unresolved)
     chat: dict[str, Any] = {"model": model, "messages": turn, "stream": stream}
     if stream:
         chat["stream_options"] = {"include_usage": True}  # the final event's usage
@@ -628,7 +629,7 @@ class ResponsesApi:
     responses (None: off, ``store: true`` and ``previous_response_id`` refused)."""
 
     name = "responses"
-    paths = (b"/v1/responses",)
+    paths: tuple[bytes, ...] = (b"/v1/responses",)
     prefixes = (b"/v1/responses/",)
 
     def __init__(self, store: ResponseStore | None = None) -> None:
@@ -639,8 +640,9 @@ class ResponsesApi:
         limits = getattr(config, "responses_store", None)
         return ResponsesApi(ResponseStore(limits) if limits is not None else None)
 
-    def serve_other(self, method: bytes, path: bytes, tenant: str) -> tuple[int, bytes]:
+    def serve_other(self, request: Request, tenant: str, ask: Any = None) -> tuple[int, bytes]:
         """``GET`` / ``DELETE /v1/responses/{id}`` of a stored response (the tenant's own: 404 else)."""
+        method, path = request.method, request.path
         response_id = path[len(self.prefixes[0]) :].decode("utf-8", "replace")
         if method not in (b"GET", b"DELETE"):
             raise HTTPError(405, "/v1/responses/{id} takes GET or DELETE", headers={"Allow": "GET, DELETE"})
