@@ -284,6 +284,19 @@ async def test_a_breaker_heard_of_while_probing_or_open_longer_is_left_alone(mem
     second.cluster._honour("x", b"not json", time.monotonic())
     second.cluster._honour("x", b'{"pool": "context", "url": 1, "open_s": 5, "by": "z"}', time.monotonic())
     assert theirs.state == theirs.HALF_OPEN
+    theirs.succeeded()
+
+    def heard(open_s: float, left_s: float) -> None:
+        item = {"pool": "context", "url": WORKER, "open_s": open_s, "until": time.time() + left_s, "by": "z"}
+        second.cluster._honour("k", json.dumps(item).encode(), time.monotonic())
+
+    heard(5, -0.1)  # read after its end (a resync): not honoured
+    assert theirs.state == theirs.CLOSED
+    heard(5, 2)  # read 3 s late: what is left of it
+    assert theirs.state == theirs.OPEN and 1.5 < theirs.open_for <= 2
+    opened_at = theirs.opened_at
+    heard(1, 1)  # open longer here already: left alone
+    assert theirs.opened_at == opened_at and theirs.open_for > 1.5
 
 
 @pytest.fixture

@@ -11,9 +11,9 @@ admission's path is the same with or without the cluster.
   ``lease_ttl_s``, renewed every third of it). A group is one host's ``--workers N`` processes (they
   share one mapping, fleet.py) or one process alone; a group's share is its members over all.
 - **Breakers**: a worker's breaker that opens here is put at ``breakers/<hash>`` ->
-  ``{"pool", "url", "open_s"}`` under a lease of its open period; the others open theirs for that long
-  from when they hear of it (their own half-open probe after it), and a probe that succeeds here
-  deletes the key. Breakers are looked at every :data:`BREAKER_POLL_S` (nothing when no breaker or
+  ``{"pool", "url", "open_s", "until"}`` under a lease of its open period; the others open theirs for
+  what is left of it (``until``, wall-clock; their own half-open probe after it), and a probe that
+  succeeds here deletes the key. Breakers are looked at every :data:`BREAKER_POLL_S` (nothing when no breaker or
   health changed: the pools' epoch).
 - **etcd unreachable**: the last share and breakers stay, one warning says so; the loop retries and,
   when etcd answers, registers again if its lease expired and reads everything anew.
@@ -292,7 +292,10 @@ class FleetCluster:
     async def _publish(self, pool: str, url: str, open_s: float) -> None:
         assert self._etcd is not None
         key = breaker_key(pool, url)
-        value = json.dumps({"pool": pool, "url": url, "open_s": open_s, "by": self.id}).encode()
+        # the end in wall-clock time too: one who reads the key later (a resync, a join) honours
+        # what is left of it, not a whole period from then (the hosts' clocks within NTP's error)
+        item = {"pool": pool, "url": url, "open_s": open_s, "until": time.time() + open_s, "by": self.id}
+        value = json.dumps(item).encode()
         try:
             lease, _ = await self._etcd.grant(max(MIN_LEASE_S, math.ceil(open_s)))
             await self._etcd.put(self.prefix + BREAKERS + key, value, lease=lease)
@@ -314,6 +317,7 @@ class FleetCluster:
         try:
             item = json.loads(raw)
             pool, url, open_s, by = item["pool"], item["url"], float(item["open_s"]), item["by"]
+            open_s = min(open_s, float(item["until"]) - time.time())
         except (ValueError, KeyError, TypeError):
             return
         if not (isinstance(pool, str) and isinstance(url, str)) or not 0 < open_s < 86400:
