@@ -240,6 +240,26 @@ def test_rms_norm_in_float32_is_the_reference_formula_bit_for_bit() -> None:
         assert torch.equal(norm.to(torch.bfloat16)(half), want_half)
 
 
+def test_rotary_tables_made_once_give_the_angles_computed_each_step() -> None:
+    """A CPU model keeps cos/sin tables over its context: the same numbers, bit for bit, as
+    computing them for the step's positions; a position past the table (the plain forward of a
+    longer input) is computed; a context past ROPE_TABLE_POSITIONS keeps no table."""
+    from server.worker.model import ROPE_TABLE_POSITIONS, RotaryEmbedding, rotary_tables
+
+    config = small_config()
+    rope = RotaryEmbedding(config)
+    for dtype in (torch.float32, torch.bfloat16):
+        for positions in (torch.tensor([0, 5, 127, 63, 5]), torch.arange(128), torch.tensor([3, 400])):
+            got = rope.tables(positions, dtype)
+            want = rotary_tables(*rope(positions, dtype))
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert set(rope._tables) == {torch.float32, torch.bfloat16}
+    config.max_position_embeddings = ROPE_TABLE_POSITIONS + 1
+    long = RotaryEmbedding(config)
+    long.tables(torch.arange(4), torch.float32)
+    assert not long._tables
+
+
 def test_prefill_in_two_chunks_matches_one() -> None:
     config = small_config()
     model = random_model(config)

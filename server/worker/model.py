@@ -205,6 +205,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+#: a CPU model whose context is at most this many positions keeps its rotary cos and sin as tables
+#: (``[positions, 1, head_dim]`` each, per dtype): a step's angles are then two index_selects
+#: instead of ten ops, a part of every decode step. Longer contexts compute them each step.
+ROPE_TABLE_POSITIONS = 8192
+
+
 class RotaryEmbedding(nn.Module):
     inv_freq: torch.Tensor
 
@@ -212,6 +218,21 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         # Not persistent: HF checkpoints do not carry it, so state_dict keys stay HF's.
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+        self.max_positions = config.max_position_embeddings
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`rotary_tables` of ``positions``, from tables made once where the model runs on a
+        CPU and its context is short enough (the same numbers: each angle is computed alike)."""
+        if positions.device.type != "cpu" or self.max_positions > ROPE_TABLE_POSITIONS:
+            return rotary_tables(*self(positions, dtype))
+        table = self._tables.get(dtype)
+        if table is None:
+            table = self._tables[dtype] = rotary_tables(*self(torch.arange(self.max_positions), dtype))
+        try:
+            return table[0].index_select(0, positions), table[1].index_select(0, positions)
+        except IndexError:  # a position past the table (the plain forward of a longer input)
+            return rotary_tables(*self(positions, dtype))
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape ``[*positions.shape, head_dim]``.
@@ -377,7 +398,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos, sin = rotary_tables(*self.rotary_emb(positions, x.dtype))
+        cos, sin = self.rotary_emb.tables(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, kv)
         return self.norm(x)
@@ -433,6 +454,7 @@ class LlamaForCausalLM(nn.Module):
 
 
 __all__ = [
+    "ROPE_TABLE_POSITIONS",
     "SUPPORTED_MODEL_TYPES",
     "AttentionBackend",
     "LlamaForCausalLM",
