@@ -19,6 +19,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("server.launcher", "start a local deployment: context + generation workers and an orchestrator"),
     "orchestrator": ("server.orchestrator.cli", "run the disaggregated-serving orchestrator"),
     "worker": ("server.worker.cli", "run a worker (torch model or synthetic)"),
+    "register": (
+        "server.cluster.sidecar",
+        "keep a worker that cannot register itself (vLLM, SGLang) in a cluster",
+    ),
 }
 
 
@@ -28,7 +32,7 @@ WORKER_EXTRA_MODULES = frozenset({"torch", "safetensors", "tokenizers", "jinja2"
 
 #: the extra a sub-command needs as a whole (``up`` runs torch workers by default; the worker
 #: extra includes the server one)
-COMMAND_EXTRAS = {"up": "worker", "orchestrator": "server", "worker": "server"}
+COMMAND_EXTRAS = {"up": "worker", "orchestrator": "server", "worker": "server", "register": "server"}
 
 
 def extra_for(exc: ModuleNotFoundError, command: str | None = None) -> str | None:

@@ -72,6 +72,20 @@ def test_the_bare_wheel_prints_help_naming_the_extra_each_command_needs() -> Non
         (("up", "--port", "8123"), "worker"),
         (("orchestrator", "-c", "missing.yaml", "--port", "8123"), "server"),
         (("worker", "--model", "synthetic"), "server"),
+        (
+            (
+                "register",
+                "--url",
+                "http://127.0.0.1:9",
+                "--role",
+                "context",
+                "--protocol",
+                "vllm",
+                "--cluster-uri",
+                "etcd://127.0.0.1:1",
+            ),
+            "server",
+        ),
     ],
 )
 def test_each_command_of_the_bare_wheel_says_what_to_install(argv: tuple[str, ...], extra: str) -> None:
@@ -176,7 +190,9 @@ def test_up_names_every_busy_port_not_only_the_first() -> None:
             held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             held.bind(("127.0.0.1", port))
             held.listen()
-        done = run_cli("up", "--model", "synthetic", "--port", str(orchestrator), "--worker-base-port", str(workers))
+        done = run_cli(
+            "up", "--model", "synthetic", "--port", str(orchestrator), "--worker-base-port", str(workers)
+        )
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.splitlines() == [
         f"fastcore-serve up: cannot listen on 127.0.0.1:{workers + 1}: the port is already in use (the "

@@ -28,6 +28,12 @@ from urllib.parse import urlsplit
 
 #: roles a worker may register with (server.worker.app.ROLES)
 ROLES = ("context", "generation", "both")
+#: the worker protocols a record may name (server.orchestrator.protocols.PROTOCOLS' names); a record that
+#: names none speaks trtllm's (fastcore's workers and trtllm-serve's: what every record meant before)
+PROTOCOLS = ("trtllm", "vllm", "sglang")
+DEFAULT_PROTOCOL = "trtllm"
+#: the record's member naming it
+PROTOCOL_FIELD = "protocol"
 #: the most bytes one record may take (a value in etcd, a PUT body in the embedded registry). A real
 #: record is ~700 bytes (its capabilities are the worker's /server_info, ~540); 4 KiB leaves room
 #: for long model names and new fields while bounding what one registration can make us hold.
@@ -97,9 +103,13 @@ class ClusterSettings:
                 f"({self.inactive_timeout_s:g}): a worker would expire between two heartbeats"
             )
         if not self.key_prefixes or set(self.key_prefixes) - set(LAYOUTS):
-            raise RecordError(f"key_prefixes: one or more of {', '.join(LAYOUTS)}, got {list(self.key_prefixes)}")
+            raise RecordError(
+                f"key_prefixes: one or more of {', '.join(LAYOUTS)}, got {list(self.key_prefixes)}"
+            )
         if self.record_format not in LAYOUTS:
-            raise RecordError(f"record_format must be one of {', '.join(LAYOUTS)}, got {self.record_format!r}")
+            raise RecordError(
+                f"record_format must be one of {', '.join(LAYOUTS)}, got {self.record_format!r}"
+            )
 
     @property
     def etcd(self) -> bool:
@@ -264,7 +274,9 @@ class WorkerRecord:
 
     ``layout`` is how it was (or will be) written: ``fastcore`` (``role`` a name, ``url``, ``model``,
     ``capabilities``) or ``trtllm`` (trtllm-serve's ``host``, ``port`` and ``role`` as its
-    ServerRole number; ``model`` "" when the record names none: unknown, not checked).
+    ServerRole number; ``model`` "" when the record names none: unknown, not checked). ``protocol``:
+    what its legs speak (:data:`PROTOCOLS`; written only when not trtllm's, which a record that names
+    none speaks), so that an orchestrator takes only the workers of its ``worker_protocol``.
     """
 
     worker_id: str
@@ -275,6 +287,7 @@ class WorkerRecord:
     #: its /server_info (what a context leg may ask of it, auth, KV capacity, ...)
     capabilities: dict[str, Any] = field(default_factory=dict)
     layout: str = "fastcore"
+    protocol: str = DEFAULT_PROTOCOL
 
     def to_json(self) -> bytes:
         if self.layout == "trtllm":
@@ -282,7 +295,9 @@ class WorkerRecord:
             where = urlsplit(self.url)
             number = {name: n for n, name in TRTLLM_ROLES.items()}.get(self.role)
             if number is None:
-                raise RecordError(f"trtllm-serve's records have one role, CONTEXT or GENERATION, not {self.role!r}")
+                raise RecordError(
+                    f"trtllm-serve's records have one role, CONTEXT or GENERATION, not {self.role!r}"
+                )
             obj: dict[str, Any] = {"worker_id": self.worker_id, "host": where.hostname,
                                    "port": where.port, "role": number}  # fmt: skip
             if self.model:
@@ -297,6 +312,8 @@ class WorkerRecord:
                 "url": self.url,
                 "capabilities": self.capabilities,
             }
+        if self.protocol != DEFAULT_PROTOCOL:
+            obj[PROTOCOL_FIELD] = self.protocol
         return json.dumps(obj, separators=(",", ":")).encode()
 
     @classmethod
@@ -330,7 +347,11 @@ class WorkerRecord:
             url = check_worker_url(_string(obj, "url", 300).rstrip("/"))
         capabilities = _check_capabilities(obj.get("capabilities", {}))
         model = _string(obj, "model") if layout == "fastcore" or "model" in obj else ""
-        return cls(worker_id, role, model, url, capabilities, layout)
+        protocol = obj.get(PROTOCOL_FIELD, DEFAULT_PROTOCOL)
+        if protocol not in PROTOCOLS:
+            raise RecordError(f"worker record field {PROTOCOL_FIELD!r} must be one of {', '.join(PROTOCOLS)} "
+                              f"(none: trtllm), got {protocol!r}"[:300])  # fmt: skip
+        return cls(worker_id, role, model, url, capabilities, layout, protocol)
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> WorkerRecord:
@@ -368,6 +389,7 @@ __all__ = [
     "LAYOUTS",
     "MAX_RECORD_BYTES",
     "MAX_WORKERS",
+    "PROTOCOLS",
     "ROLES",
     "TRTLLM_KEY_ROOT",
     "TRTLLM_ROLES",

@@ -181,6 +181,7 @@ class Orchestrator:
                 config.disagg_cluster,
                 {"context": self.context_pool, "generation": self.generation_pool},
                 model=config.model,
+                protocol=self.protocol.name,
                 hostname=config.hostname,
                 port=config.port,
                 check_now=schedule_check(lambda: self.health, self._background),

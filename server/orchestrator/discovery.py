@@ -11,6 +11,9 @@ set goes through :meth:`Discovery.apply`:
 - a worker serving another model than the deployment's (config ``model``, else
   the first worker discovered) is refused, with one log line per worker; a
   trtllm-serve record names no model, so it is not checked;
+- a worker whose record names another protocol than the deployment's ``worker_protocol`` is
+  refused the same way (a record that names none speaks trtllm's: fastcore's and trtllm-serve's
+  workers; a vLLM or SGLang worker is registered naming its own, by ``fastcore-serve register``);
 - a worker whose registration is gone (clean shutdown, or its lease expired)
   leaves the pool; its requests in flight finish, new ones go elsewhere;
 - statically configured ``urls`` stay whatever discovery says.
@@ -30,6 +33,7 @@ from urllib.parse import urlsplit
 
 from server.cluster import ClusterSettings, ClusterWatcher, EmbeddedRegistry, WorkerRecord
 from server.cluster.embedded import UNSIGNED_FLAG
+from server.cluster.records import DEFAULT_PROTOCOL
 
 from .pools import Pool, Worker
 
@@ -76,6 +80,7 @@ class Discovery:
         *,
         model: str | None,
         hostname: str,
+        protocol: str = DEFAULT_PROTOCOL,
         port: int,
         check_now: Callable[[Pool, Worker], None],
         on_removed: Callable[[Pool, Worker], None],
@@ -85,6 +90,8 @@ class Discovery:
         self.settings = cluster_settings(config, secret)
         self.pools = pools
         self.model = model
+        #: the deployment's worker protocol: a record naming another is refused
+        self.protocol = protocol
         self.check_now = check_now
         self.on_removed = on_removed
         #: worker_id -> why it was refused (logged once)
@@ -101,7 +108,8 @@ class Discovery:
                 log.warning(
                     "cluster: no shared secret: the registry at %s refuses every registration (set "
                     "FASTCORE_SHARED_SECRET here and on the workers, or disagg_cluster.%s: true)",
-                    config.cluster_uri, UNSIGNED_FLAG,
+                    config.cluster_uri,
+                    UNSIGNED_FLAG,
                 )
 
     # -- lifecycle -------------------------------------------------------------
@@ -157,6 +165,8 @@ class Discovery:
         why = None
         if record.role not in ROLE_POOLS:
             why = f"role {record.role!r} is none of {', '.join(ROLE_POOLS)}"
+        elif record.protocol != self.protocol:
+            why = f"it speaks worker protocol {record.protocol!r}, this deployment {self.protocol!r}"
         elif not record.model:
             pass  # trtllm-serve's records name no model: it cannot be checked here
         elif self.model is None:

@@ -60,7 +60,7 @@ def refusal(config: ProtocolConfig) -> str | None:
         if config.disagg_cluster is not None:
             return (
                 "disagg_cluster: auto reads the listed workers at startup; with discovery name the "
-                "protocol (trtllm)"
+                "protocol (trtllm, vllm or sglang: each worker's record names its own)"
             )
         return None
     return _protocol_class(config).refusal(config)

@@ -178,11 +178,6 @@ class SglangProtocol:
             return (
                 "conditional_disagg_config: an SGLang decode worker cannot prefill a request alone; remove it"
             )
-        if config.disagg_cluster is not None:
-            return (
-                "disagg_cluster: discovered workers register as trtllm-serve workers; with worker_protocol: "
-                "sglang list them under context_servers.urls and generation_servers.urls"
-            )
         return None
 
     @staticmethod

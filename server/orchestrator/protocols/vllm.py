@@ -247,11 +247,6 @@ class VllmProtocol:
                 "conditional_disagg_config: not built for worker_protocol: vllm yet (vllm-router's "
                 "pd_uncached_token_threshold is its counterpart); remove it"
             )
-        if config.disagg_cluster is not None:
-            return (
-                "disagg_cluster: discovered workers register as trtllm-serve workers; with worker_protocol: "
-                "vllm list them under context_servers.urls and generation_servers.urls"
-            )
         return None
 
     @staticmethod
