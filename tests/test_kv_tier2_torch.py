@@ -100,6 +100,30 @@ def test_an_evicted_prefix_is_loaded_back_bit_for_bit(files: bool, tmp_path: Pat
     cache.free(again)
 
 
+@pytest.mark.parametrize("files", [False, True])
+def test_a_load_into_blocks_its_own_reservation_evicted_keeps_both(files: bool, tmp_path: Path) -> None:
+    """A full cache: loading A back takes the blocks B's prefix holds, so B spills in the same
+    reservation; B's old K/V must reach the tier before A's overwrites them (and A's slots in the
+    tier are read before B's spill may reuse them)."""
+    cache = _cache(4, 8, tmp_path if files else None)
+    a, b = _ids(3, 0), _ids(3, 100)
+    ka, _ = _fill(cache, a, 1)
+    _evict_all(cache)  # A in the tier
+    kb, _ = _fill(cache, b, 2)  # B on the device, evictable
+    blocks, cached, tier2 = cache.allocate_prefix_tiers(a, int(a.size))  # takes B's blocks
+    assert cached == tier2 == 3 * BS
+    cache.flush_tier2()
+    _settle(cache)
+    assert torch.equal(cache.read(blocks, 3 * BS)[0], ka[:, : 3 * BS])
+    cache.free(blocks)
+    _evict_all(cache)  # A back to the tier
+    blocks, cached, tier2 = cache.allocate_prefix_tiers(b, int(b.size))
+    assert cached == tier2 == 3 * BS
+    cache.flush_tier2()
+    assert torch.equal(cache.read(blocks, 3 * BS)[0], kb[:, : 3 * BS])
+    cache.free(blocks)
+
+
 def test_tier2_is_bounded_least_recently_spilled_first_out(tmp_path: Path) -> None:
     cache = _cache(4, 3, tmp_path)
     first, second = _ids(2, 0), _ids(2, 100)

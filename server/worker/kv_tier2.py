@@ -206,19 +206,27 @@ class KVTier2:
     # -------------------------------------------------------------- the engine thread
 
     def flush(self) -> None:
-        """Run the queued spills and loads in order, consecutive spills in one batch."""
+        """Run the queued spills and loads: first, in queue order, each load's read of the tier
+        and each spill's copy of its device blocks (consecutive spills in one batch), then the
+        loads' writes into their device blocks. A load's slots are read before a later spill
+        may reuse them, and a block that one reservation both evicted (spilled) and took for a
+        load is copied out before the load overwrites it."""
         cache = self.cache
         with cache._lock:
             ops, self._ops = self._ops, []
         spills: list[tuple[_Entry, int]] = []
+        staged: list[tuple[LoadJob, list[torch.Tensor], Any]] = []
         for op in ops:
             if isinstance(op, LoadJob):
                 self._spill_now(spills)
                 spills = []
-                self._load_now(op)
+                began = self.store.start()
+                staged.append((op, self.store.read([e for e, _ in op.moves]), began))
             else:
                 spills.append(op)
         self._spill_now(spills)
+        for job, data, began in staged:
+            self._load_now(job, data, began)
         self.store.settle_timings()
 
     def _gather(self, blocks: list[int]) -> torch.Tensor:
@@ -234,15 +242,13 @@ class KVTier2:
         if spills:
             self.store.write([e for e, _ in spills], self._gather([b for _, b in spills]))
 
-    def _load_now(self, job: LoadJob) -> None:
+    def _load_now(self, job: LoadJob, data: list[torch.Tensor], began: Any) -> None:
+        """``data``: the job's blocks read from the tier (copies), up to the first that failed."""
         cache = self.cache
-        began = self.store.start()
-        data = self.store.read([e for e, _ in job.moves])
         good = len(data)
         if good:
             blocks = [b for _, b in job.moves[:good]]
-            # [n, 2, layers, bs, heads, dim] on the device (from pinned memory under CUDA: async)
-            kv = torch.stack([d.to(self.device, non_blocking=True) for d in data])
+            kv = torch.stack(data)  # [n, 2, layers, bs, heads, dim] on the device
             idx = cache.slots(blocks, 0, good * self.block_size)
             flat = kv.permute(1, 2, 0, 3, 4, 5).reshape(2, kv.shape[2], -1, *kv.shape[4:])
             cache.k.index_copy_(1, idx, flat[0])
@@ -285,9 +291,10 @@ class _MemoryStore:
             entry.ready = True
 
     def read(self, entries: list[_Entry]) -> list[torch.Tensor]:
-        # Views of the store: the load's copy to the device reads them (ordered before any later
-        # spill into the same slots: same stream under CUDA, synchronous on the CPU).
-        return [self.data[e.slot] for e in entries]
+        """Copies on the device (from pinned memory under CUDA: async, ordered on the stream
+        before a later spill into the same slots; on the CPU a copy at once)."""
+        device = self.tier.device
+        return [self.data[e.slot].to(device, non_blocking=self.cuda, copy=True) for e in entries]
 
     def start(self) -> Any:
         if self.cuda:
@@ -423,7 +430,7 @@ class _FileStore:
             block = None if failed else _read_block(path, entry.digest, tier.block_shape, tier.cache.dtype)
             failed = block is None
             if block is not None:
-                out.append(block)
+                out.append(block.to(tier.device))
             self._queue.put(("unlink", path))
         return out
 
