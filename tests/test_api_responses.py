@@ -575,6 +575,70 @@ async def test_stored_responses_through_the_sdk_per_tenant(tmp_path):
         assert_openai_error(resp, 405)
 
 
+@pytest.mark.usefixtures("request_path")
+async def test_a_stored_responses_input_items_through_the_sdks_pagination(tmp_path):
+    """GET /v1/responses/{id}/input_items: the request's input as items with ids, newest first by
+    default, paged by limit and after (the SDK's cursor pages follow has_more and the last id);
+    every id the tenant's own; bad queries 400s naming the parameter, unknown ids 404s."""
+    store = {"responses_store": {"max_entries": 8, "max_bytes": 1 << 20, "ttl_s": 60}}
+    async with deployment([HERMES_TWO, PLAIN, PLAIN], tmp_path, **store) as (client, port):
+        first = await client.responses.create(
+            model="synthetic", input="Weather and time?", tools=[WEATHER, CLOCK]
+        )
+        page = await client.responses.input_items.list(first.id)
+        assert [(i.type, i.role, i.content[0].text) for i in page.data] == [
+            ("message", "user", "Weather and time?")
+        ]
+        assert page.data[0].id and page.has_more is False and page.first_id == page.last_id == page.data[0].id
+        calls = [i for i in first.output if i.type == "function_call"]
+        given = [{"role": "developer", "content": "Be brief."},
+                 {"role": "user", "content": [{"type": "input_text", "text": "Weather and time?"}]},
+                 *(i.model_dump(exclude_none=True) for i in first.output),
+                 *({"type": "function_call_output", "call_id": c.call_id, "output": "ok"} for c in calls)]  # fmt: skip
+        second = await client.responses.create(model="synthetic", input=given, tools=[WEATHER, CLOCK])
+        kinds = ["message", "message", "message", "function_call", "function_call",
+                 "function_call_output", "function_call_output"]  # fmt: skip
+        ascending = [i async for i in client.responses.input_items.list(second.id, order="asc", limit=2)]
+        assert [i.type for i in ascending] == kinds and len({i.id for i in ascending}) == 7
+        assert [i.role for i in ascending[:3]] == ["developer", "user", "assistant"]
+        assert (
+            ascending[3].id == calls[0].id and ascending[3].call_id == calls[0].call_id
+        )  # the client's ids kept
+        assert ascending[5].output == "ok" and ascending[2].content[0].text == "I will look."
+        descending = [i async for i in client.responses.input_items.list(second.id, limit=3)]
+        assert [i.id for i in descending] == [i.id for i in reversed(ascending)]
+        page = await client.responses.input_items.list(second.id, limit=3, after=ascending[4].id)
+        assert [i.id for i in page.data] == [i.id for i in ascending[3::-1][:3]] and page.has_more is True
+        assert (page.first_id, page.last_id) == (ascending[3].id, ascending[1].id)
+        last = await client.responses.input_items.list(second.id, order="asc", after=ascending[5].id)
+        assert [i.id for i in last.data] == [ascending[6].id] and last.has_more is False
+        # a chained response lists its own input, not its predecessor's
+        third = await client.responses.create(
+            model="synthetic", input="and now?", previous_response_id=first.id
+        )
+        assert [i.content[0].text async for i in client.responses.input_items.list(third.id)] == ["and now?"]
+        with pytest.raises(NotFoundError):
+            await client.responses.input_items.list("resp_nothing")
+        other = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-other", max_retries=0)
+        try:
+            with pytest.raises(NotFoundError):
+                await other.responses.input_items.list(first.id)
+        finally:
+            await other.close()
+        auth = {"authorization": f"Bearer {KEY}"}
+        for query, param in (("limit=0", "limit"), ("limit=101", "limit"), ("limit=x", "limit"),
+                             ("order=up", "order"), ("after=item_nothing", "after")):  # fmt: skip
+            error = assert_openai_error(
+                await get(port, f"/v1/responses/{first.id}/input_items?{query}", **auth), 400
+            )
+            assert error["param"] == param
+        assert_openai_error(await post(port, f"/v1/responses/{first.id}/input_items", {}, **auth), 405)
+        assert_openai_error(await get(port, f"/v1/responses/{first.id}/other", **auth), 404)
+        await client.responses.delete(first.id)
+        with pytest.raises(NotFoundError):
+            await client.responses.input_items.list(first.id)
+
+
 async def test_get_and_delete_with_the_store_off_are_404s(tmp_path):
     async with deployment([PLAIN], tmp_path) as (client, _):
         with pytest.raises(NotFoundError):

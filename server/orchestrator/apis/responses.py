@@ -25,7 +25,14 @@ from server.errors import HTTPError, error_body
 from server.http import Request
 from server.surrogates import check_no_lone_surrogates
 
-from .responses_store import ResponseStore, deleted, previous_history, refuse_store, stored_or_404
+from .responses_store import (
+    ResponseStore,
+    deleted,
+    input_items_page,
+    previous_history,
+    refuse_store,
+    stored_or_404,
+)
 
 #: top-level members read as documented; anything else is refused by name, as OpenAI does
 _SUPPORTED = frozenset({
@@ -62,6 +69,8 @@ class ResponsesRequest:
     echo: dict[str, Any] = field(default_factory=dict)
     #: function_call_output call ids not called in ``turn`` -> where the input names them
     unresolved: dict[str, str] = field(default_factory=dict)
+    #: the client's ``input`` as sent (checked): a stored response's input items (:func:`input_items`)
+    given: Any = None
 
 
 def _string(body: dict[str, Any], key: str, param: str, *, required: bool = False) -> str | None:
@@ -295,7 +304,7 @@ def read_request(body: Any) -> ResponsesRequest:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise bad("'max_output_tokens' must be a positive integer.", "max_output_tokens")
         chat["max_tokens"] = echo["max_output_tokens"] = limit
-    request = ResponsesRequest(chat, stream, store, previous, turn, echo, unresolved)
+    request = ResponsesRequest(chat, stream, store, previous, turn, echo, unresolved, body["input"])
     if previous is None:  # else the store's conversation comes first: with_history then
         with_history(request, [])
     return request
@@ -340,6 +349,39 @@ def call_item(
 ) -> dict[str, Any]:
     return {"id": item_id or new_id("fc"), "type": "function_call", "status": status, "call_id": call_id,
             "name": name, "arguments": arguments}  # fmt: skip
+
+
+def input_items(given: Any) -> list[dict[str, Any]]:
+    """A request's ``input`` (checked by :func:`chat_messages`) as OpenAI lists it back
+    (``GET /v1/responses/{id}/input_items``): each item with an id (the client's, else a new one), a
+    status, and a message's content as parts (``input_text``; an assistant's ``output_text``)."""
+    if isinstance(given, str):
+        given = [{"type": "message", "role": "user", "content": given}]
+    items = []
+    for item in given:
+        kind = item.get("type", "message")
+        given_id = item.get("id")
+        if kind == "message":
+            content = item["content"]
+            if isinstance(content, str):
+                part = {"type": "output_text", "text": content, "annotations": []} if item["role"] == "assistant" \
+                    else {"type": "input_text", "text": content}  # fmt: skip
+                content = [part]
+            out = {"type": "message", "role": item["role"], "content": content}
+        elif kind == "function_call":
+            out = {
+                "type": kind,
+                "call_id": item["call_id"],
+                "name": item["name"],
+                "arguments": item["arguments"],
+            }
+        else:
+            out = {"type": kind, "call_id": item["call_id"], "output": item["output"]}
+        prefix = {"message": "msg", "function_call": "fc"}.get(kind, "fco")
+        out["id"] = given_id if isinstance(given_id, str) and given_id else new_id(prefix)
+        out["status"] = "completed"
+        items.append(out)
+    return items
 
 
 def envelope(request: ResponsesRequest, response_id: str, created_at: int, status: str) -> dict[str, Any]:
@@ -592,9 +634,8 @@ class ResponsesCall:
 
     def kept(self, response: dict[str, Any]) -> None:
         if self.keep is not None and response["status"] in ("completed", "incomplete"):
-            response["store"] = self.keep.put(
-                self.tenant, response, [*self.history, *answer_messages(response)]
-            )
+            response["store"] = self.keep.put(self.tenant, response, [*self.history, *answer_messages(response)],
+                                              input_items(self.request.given))  # fmt: skip
 
     def stream(self) -> ResponsesStream:
         return ResponsesStream(self)
@@ -624,6 +665,9 @@ class ResponsesStream:
         return self.feed(b"") + self.translator.close()
 
 
+_INPUT_ITEMS = "/input_items"
+
+
 class ResponsesApi:
     """``POST /v1/responses`` (apis/__init__.py's contract). ``store``: the deployment's stored
     responses (None: off, ``store: true`` and ``previous_response_id`` refused)."""
@@ -641,9 +685,15 @@ class ResponsesApi:
         return ResponsesApi(ResponseStore(limits) if limits is not None else None)
 
     def serve_other(self, request: Request, tenant: str, ask: Any = None) -> tuple[int, bytes]:
-        """``GET`` / ``DELETE /v1/responses/{id}`` of a stored response (the tenant's own: 404 else)."""
+        """``GET`` / ``DELETE /v1/responses/{id}`` of a stored response (the tenant's own: 404 else),
+        ``GET /v1/responses/{id}/input_items`` its input items, a page of them."""
         method, path = request.method, request.path
         response_id = path[len(self.prefixes[0]) :].decode("utf-8", "replace")
+        if response_id.endswith(_INPUT_ITEMS):
+            if method != b"GET":
+                raise HTTPError(405, "/v1/responses/{id}/input_items takes GET", headers={"Allow": "GET"})
+            stored = stored_or_404(self.store, tenant, response_id[: -len(_INPUT_ITEMS)])
+            return 200, msgspec.json.encode(input_items_page(stored, request.query))
         if method not in (b"GET", b"DELETE"):
             raise HTTPError(405, "/v1/responses/{id} takes GET or DELETE", headers={"Allow": "GET, DELETE"})
         stored = stored_or_404(self.store, tenant, response_id)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
+from urllib.parse import parse_qsl
 
 import msgspec
 
@@ -34,6 +35,8 @@ class Stored:
     history: list[dict[str, Any]]
     size: int
     expires: float
+    #: its request's input as OpenAI's items (GET /v1/responses/{id}/input_items)
+    input_items: list[dict[str, Any]] = field(default_factory=list)
 
 
 class ResponseStore:
@@ -43,15 +46,22 @@ class ResponseStore:
         self._tenants: dict[str, OrderedDict[str, Stored]] = {}
         self._bytes: dict[str, int] = {}
 
-    def put(self, tenant: str, response: dict[str, Any], history: list[dict[str, Any]]) -> bool:
+    def put(
+        self,
+        tenant: str,
+        response: dict[str, Any],
+        history: list[dict[str, Any]],
+        input_items: list[dict[str, Any]] | None = None,
+    ) -> bool:
         """Keeps a response (False: larger than the tenant's whole byte bound, not kept)."""
-        size = len(msgspec.json.encode(response)) + len(msgspec.json.encode(history))
+        items = input_items or []
+        size = sum(len(msgspec.json.encode(part)) for part in (response, history, items))
         if size > self.limits.max_bytes:
             return False
         entries = self._tenants.setdefault(tenant, OrderedDict())
         self._expire(tenant, self.clock())  # what expired frees its bytes now, not when a bound is met
         self._drop(tenant, response["id"])
-        entries[response["id"]] = Stored(response, history, size, self.clock() + self.limits.ttl_s)
+        entries[response["id"]] = Stored(response, history, size, self.clock() + self.limits.ttl_s, items)
         self._bytes[tenant] = self._bytes.get(tenant, 0) + size
         while len(entries) > self.limits.max_entries or self._bytes[tenant] > self.limits.max_bytes:
             self._drop(tenant, next(iter(entries)))
@@ -118,3 +128,31 @@ def stored_or_404(store: ResponseStore | None, tenant: str, response_id: str) ->
 
 def deleted(response_id: str) -> dict[str, Any]:
     return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+def input_items_page(stored: Stored, query: bytes) -> dict[str, Any]:
+    """A page of a stored response's input items, as OpenAI's list (its SDK's cursor page): ``order``
+    (``desc``, newest first, by default; ``asc``), ``after`` (an item id: the items past it in that
+    order), ``limit`` (1-100, 20 by default); ``has_more`` with ``first_id`` / ``last_id``. A bad
+    parameter is a 400 naming it; ``include`` and others are accepted (nothing to add)."""
+    params = dict(parse_qsl(query.decode("utf-8", "replace"), keep_blank_values=True))
+    order = params.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise HTTPError(
+            400, f"Invalid 'order': expected 'asc' or 'desc' (got {order[:40]!r}).", param="order"
+        )
+    limit_text = params.get("limit", "20")
+    limit = int(limit_text) if limit_text.isdigit() and len(limit_text) < 4 else -1
+    if not 1 <= limit <= 100:
+        raise HTTPError(400, f"Invalid 'limit': expected an integer from 1 to 100 (got {limit_text[:40]!r}).",
+                        param="limit")  # fmt: skip
+    items = stored.input_items if order == "asc" else stored.input_items[::-1]
+    after = params.get("after")
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise HTTPError(400, f"No input item with id {after[:80]!r} in this response.", param="after")
+        items = items[ids.index(after) + 1 :]
+    data = items[:limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(items) > limit}  # fmt: skip
