@@ -201,6 +201,12 @@ def test_a_load_is_taken_only_when_faster_than_prefill() -> None:
     slow.observe_prefill(10_000, 1.0)
     slow.observe_copy(5_000_000, 1.0)  # 5k tokens/s: recomputing is faster
     assert not slow.worth_loading(64)
+    # a short step's fixed overhead does not make prefill look slow: rates weigh steps by length
+    steps = Rates(bytes_per_token=1000)
+    steps.observe_prefill(1536, 0.032)  # 48k tokens/s
+    for _ in range(5):
+        steps.observe_prefill(2, 0.001)  # a revisit's 2-token step: 2k tokens/s, mostly overhead
+    assert steps.prefill_tokens_per_s > 40_000
     cache = _cache(8, 8)
     ids = _ids(2, 0)
     _fill(cache, ids, 1)
@@ -473,3 +479,15 @@ async def test_a_live_worker_with_the_flags_serves_tier2_and_says_so(tmp_path: P
         await server.cleanup()
         engine.stop()
         tier.close()
+
+
+def test_the_bench_runs_and_says_the_tokens_are_the_same(tmp_path: Path) -> None:
+    from bench import kv_tier2
+
+    out = tmp_path / "rows.json"
+    assert kv_tier2.main(["--quick", "--device", "cpu", "--torch-threads", "1", "--output", str(out)]) == 0
+    rows = {row["config"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["device only", "tier2 memory", "tier2 files", "tier2 slower"]
+    assert all(row["same_tokens"] for row in rows.values())
+    assert rows["tier2 memory"]["computed_p50"] == 2 and rows["tier2 memory"]["loaded_blocks"] > 0
+    assert rows["tier2 slower"]["loaded_blocks"] == 0 and rows["tier2 slower"]["computed_p50"] == 258

@@ -134,12 +134,14 @@ class PagedKVCache:
 
     def prefill_timed(self, plan: list[Any], seconds: float) -> None:
         """The engine ran ``plan``'s (state, tokens) prefill chunks in ``seconds`` (tier 2's prefill
-        rate). Under CUDA only a step that sampled a first token is timed: the device had finished."""
-        if self.tier2 is None or not plan:
+        rate). Under CUDA only a step that sampled a first token is timed: the device had finished;
+        a step of less than a block says more about a step's overhead than about prefill: not timed."""
+        tokens = sum(take for _, take in plan)
+        if self.tier2 is None or tokens < self.block_size:
             return
         state = plan[-1][0]
         if self.device.type == "cpu" or state.req.cached_len >= state.total:
-            self.tier2.rates.observe_prefill(sum(take for _, take in plan), seconds)
+            self.tier2.rates.observe_prefill(tokens, seconds)
 
     @property
     def chunks(self) -> ChunkEventLog | None:

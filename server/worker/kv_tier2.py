@@ -25,9 +25,11 @@ this worker::
     prefill_s = tokens / prefill_tokens_per_s
     load when load_s < prefill_s    (i.e. load_tokens_per_s > prefill_tokens_per_s)
 
-``copy_bytes_per_s`` is a running average of the tier's loads (a calibration copy at start
-before any), ``prefill_tokens_per_s`` of the engine's prefill steps (prefill-only steps that
-sampled, so the device had finished; mixed steps less the measured decode-only time). Before a
+Each rate is bytes (tokens) over seconds, both decaying sums (:data:`RATE_DECAY`), so a long step
+weighs by its length: ``copy_bytes_per_s`` over the tier's copies (the memory store's spills and
+loads, the file store's loads; a calibration copy at start before any), ``prefill_tokens_per_s``
+over the engine's prefill steps of at least a block (prefill-only steps that sampled, so the
+device had finished; mixed steps less the measured decode-only time). Before a
 prefill is measured a load is taken (nothing can be in the tier before a prefill anyway). A load
 that fails (a file missing, cut short or corrupt: its checksum) is a miss: the request's cached
 prefix ends before that block and prefill computes the rest (:meth:`PagedKVCache.settle`).
@@ -59,8 +61,8 @@ log = logging.getLogger(__name__)
 
 #: blocks a file store's writer may have waiting; past it a spill is dropped (the step never waits)
 MAX_WRITES_IN_FLIGHT = 256
-#: weight of a new measurement in a rate's running average
-RATE_WEIGHT = 0.2
+#: how much of a rate's decaying sums each new measurement replaces (~20 measurements of memory)
+RATE_DECAY = 0.05
 #: a spill file: magic, the block's chained hash (16), the payload's length, its BLAKE2b-128
 _MAGIC = b"FCKV2\0\0\0"
 _HEADER = struct.Struct("<8s16sQ16s")
@@ -90,25 +92,47 @@ class LoadJob:
     moves: list[tuple[_Entry, int]] = field(default_factory=list)
 
 
+class _DecayingRate:
+    """Amount over seconds, both decaying sums: a long step weighs by its length (an average of
+    per-step rates would let a 2-token step's fixed overhead say the prefill is 20x slower)."""
+
+    __slots__ = ("amount", "seconds")
+
+    def __init__(self) -> None:
+        self.amount = self.seconds = 0.0
+
+    def add(self, amount: float, seconds: float) -> None:
+        if amount > 0 and seconds > 0.0:
+            keep = 1.0 - RATE_DECAY if self.seconds else 0.0
+            self.amount = self.amount * keep + amount
+            self.seconds = self.seconds * keep + seconds
+
+    @property
+    def per_second(self) -> float:
+        return self.amount / self.seconds if self.seconds else 0.0
+
+
 class Rates:
-    """Measured load and prefill rates (running averages) and the load-or-recompute decision."""
+    """Measured load and prefill rates and the load-or-recompute decision."""
 
     def __init__(self, bytes_per_token: int) -> None:
         self.bytes_per_token = bytes_per_token
-        self.copy_bytes_per_s = 0.0
-        self.prefill_tokens_per_s = 0.0
-
-    @staticmethod
-    def _average(old: float, new: float) -> float:
-        return new if old <= 0.0 else old + RATE_WEIGHT * (new - old)
+        self._copy = _DecayingRate()
+        self._prefill = _DecayingRate()
 
     def observe_copy(self, nbytes: int, seconds: float) -> None:
-        if nbytes > 0 and seconds > 0.0:
-            self.copy_bytes_per_s = self._average(self.copy_bytes_per_s, nbytes / seconds)
+        self._copy.add(nbytes, seconds)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
-        if tokens > 0 and seconds > 0.0:
-            self.prefill_tokens_per_s = self._average(self.prefill_tokens_per_s, tokens / seconds)
+        self._prefill.add(tokens, seconds)
+
+    @property
+    def copy_bytes_per_s(self) -> float:
+        return self._copy.per_second
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self._prefill.per_second
 
     @property
     def load_tokens_per_s(self) -> float:
