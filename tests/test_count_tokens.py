@@ -58,6 +58,26 @@ async def test_a_workers_tokenize_counts_the_prompt_a_completion_is_given():
             assert counted.json()["max_model_len"] > counted.json()["count"]
 
 
+async def test_the_torch_workers_tokenize_counts_its_templates_prompt():
+    """The tiny torch model's chat template (tools and a tool conversation rendered) and tokenizer."""
+    from tiny_workers import tiny_worker
+
+    worker = await tiny_worker()
+    try:
+        history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                   "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                   {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]  # fmt: skip
+        for body in ({"model": "tiny", "messages": ASK}, {"messages": history, "tools": [CHAT_TOOL]}):
+            counted = (await post(worker.port, "/tokenize", body)).json()
+            usage = (await post(worker.port, "/v1/chat/completions", {**body, "max_tokens": 1})).json()[
+                "usage"
+            ]
+            assert counted["count"] == usage["prompt_tokens"] == len(counted["tokens"]) > 0
+            assert counted["max_model_len"] == worker.engine.max_context
+    finally:
+        await worker.server.cleanup()
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [
