@@ -34,7 +34,7 @@ from server.orchestrator.app import Orchestrator, start_server
 from server.orchestrator.config import ConfigError, build_config
 from server.orchestrator.pair import PairExchange
 from server.orchestrator.pools import Worker
-from server.orchestrator.protocols import SglangProtocol, SglangRelay
+from server.orchestrator.protocols import SglangProtocol, SglangRelay, VllmProtocol
 
 CHAT_BODY: dict[str, Any] = {
     "model": "tiny",
@@ -121,6 +121,26 @@ def test_features_not_built_for_sglang_are_refused_at_startup(key: str, value: A
     with pytest.raises(ConfigError, match=f"worker_protocol: sglang: {key}"):
         build_config(data, environ={}).check_runnable()
     data["worker_protocol"] = "trtllm"
+    build_config(data, environ={}).check_runnable()
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("context_fallback", "local_prefill"), ("conditional_disagg_config", {"max_local_prefill_length": 8})],
+)
+def test_what_needs_a_decode_serving_a_plain_request_is_refused_naming_why(key: str, value: Any) -> None:
+    """SGLang's decode workers cannot serve a request alone (serves_plain_request): local prefill and
+    conditional disaggregation are refused saying so; vLLM's can, so both start there; the default
+    context_fallback (not set) starts on SGLang (a failed pair goes to another prefill worker)."""
+    assert not SglangProtocol.serves_plain_request and VllmProtocol.serves_plain_request
+    data: dict[str, Any] = {"context_servers": {"urls": ["a:1"]},
+                            "generation_servers": {"urls": ["b:1"], "router": {"type": "kv_cache_aware"}},
+                            "worker_protocol": "sglang", key: value}  # fmt: skip
+    with pytest.raises(ConfigError, match="cannot serve a plain request") as err:
+        build_config(data, environ={}).check_runnable()
+    assert str(err.value).startswith(f"worker_protocol: sglang: {key}: ")
+    build_config({**data, "worker_protocol": "vllm"}, environ={}).check_runnable()
+    del data[key]
     build_config(data, environ={}).check_runnable()
 
 

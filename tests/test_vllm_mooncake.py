@@ -107,11 +107,21 @@ def _config(**extra: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("relay", "parsed"), ("gen_tokids_ctxbytes", True), ("context_fallback", "local_prefill")],
+    [
+        ("relay", "parsed"),
+        ("gen_tokids_ctxbytes", True),
+        ("context_fallback", "local_prefill"),
+        ("conditional_disagg_config", {"max_local_prefill_length": 8}),
+    ],
 )
 def test_features_not_built_for_mooncake_are_refused_at_startup(key: str, value: Any) -> None:
-    with pytest.raises(ConfigError, match=f"worker_protocol: vllm: {key}"):
-        build_config(_config(**{key: value}), environ={}).check_runnable()
+    extra: dict[str, Any] = {key: value}
+    if key == "conditional_disagg_config":
+        extra["generation_servers"] = {"urls": ["b:1"], "router": {"type": "kv_cache_aware"}}
+    with pytest.raises(ConfigError, match=f"worker_protocol: vllm: {key}") as err:
+        build_config(_config(**extra), environ={}).check_runnable()
+    if key in ("context_fallback", "conditional_disagg_config"):
+        assert "no plain request" in str(err.value)  # why: pair.py sends both legs or none
     config = build_config(_config(), environ={})
     config.check_runnable()
     assert isinstance(make_protocol(config), VllmMooncakeProtocol) and make_protocol(config).concurrent

@@ -168,14 +168,11 @@ def test_a_malformed_decode_answer_is_a_502(relay: VllmRelay) -> None:
         ("relay", "parsed"),
         ("gen_tokids_ctxbytes", True),
         ("gen_strip_message_history", True),
-        ("conditional_disagg_config", {"max_local_prefill_length": 8}),
     ],
 )
 def test_features_not_built_for_vllm_are_refused_at_startup(key: str, value: Any) -> None:
     data: dict[str, Any] = {"context_servers": {"urls": ["a:1"]}, "generation_servers": {"urls": ["b:1"]},
                             "worker_protocol": "vllm", key: value}  # fmt: skip
-    if key == "conditional_disagg_config":
-        data["generation_servers"]["router"] = {"type": "kv_cache_aware"}
     with pytest.raises(ConfigError, match=f"worker_protocol: vllm: {key}"):
         build_config(data, environ={}).check_runnable()
     data["worker_protocol"] = "trtllm"
@@ -263,7 +260,8 @@ async def vllm_stack(request_path: str, prefill_class: type[VllmStandin] = VllmS
     server = None
     try:
         server, orch = await start_server(build_config(data, environ={}))
-        assert orch.callbacks == (request_path == "callbacks")
+        # conditional disaggregation runs on the coroutine path only
+        assert orch.callbacks == (request_path == "callbacks" and "conditional_disagg_config" not in config)
         port = server.sockets[0].getsockname()[1]
         assert await eventually(lambda: all(w.healthy for p in orch.pools for w in p.workers), timeout=30)
         async with aiohttp.ClientSession() as session:
@@ -421,6 +419,30 @@ async def test_a_prefill_worker_that_resets_is_retried_on_another(request_path: 
             assert status == 200 and _seen(raw, "chat", False) == _seen(ref, "chat", False)
         assert stack.legs(stack.prefill) and all(leg.kv_match for leg in stack.legs(stack.decode))
         assert stack.violations() == []
+
+
+@pytest.mark.parametrize("local", [True, False], ids=["decode-only", "disaggregated"])
+async def test_conditional_disaggregation_serves_a_short_uncached_remainder_on_the_decode_alone(
+    request_path: str, local: bool
+) -> None:
+    """vllm-router's pd_uncached_token_threshold as conditional_disagg_config: a prompt whose expected
+    uncached remainder is at most max_local_prefill_length tokens goes to a decode worker alone, as the
+    client's plain request (a vLLM decode worker serves one whole); a longer one takes both legs."""
+    threshold = 100_000 if local else 1
+    async with vllm_stack(request_path, router="kv_cache_aware",
+                          conditional_disagg_config={"max_local_prefill_length": threshold}) as stack:  # fmt: skip
+        for route, stream in (("chat", False), ("completions", True)):
+            body = _body(route, stream)
+            _, ref = await stack.post(route, body, reference=True)
+            status, raw = await stack.post(route, body)
+            assert status == 200 and _seen(raw, route, stream) == _seen(ref, route, stream), raw[:300]
+        decoded = stack.legs(stack.decode)
+        assert len(decoded) == 2 and stack.violations() == []
+        if local:
+            assert stack.legs(stack.prefill) == []
+            assert [leg.body for leg in decoded] == [_body("chat", False), _body("completions", True)]
+        else:
+            assert len(stack.legs(stack.prefill)) == 2 and all(leg.kv_match for leg in decoded)
 
 
 @pytest.mark.parametrize("router", ["kv_cache_aware", "least_loaded"])

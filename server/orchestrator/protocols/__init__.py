@@ -4,7 +4,9 @@ A protocol owns what is the engine's in a disaggregated completion: the legs' bo
 in the relay-mode interface of :mod:`..relay_modes`), their header lines (``context_headers``,
 ``generation_headers``: trtllm-serve's auth, vLLM's ``X-Request-Id``), whether a context worker's
 parked KV is released on an abort (``releases_kv``), whether a generation leg its worker may have
-read can be sent again as it is or costs a new context leg (``resends_generation``), where and how a
+read can be sent again as it is or costs a new context leg (``resends_generation``), whether a decode
+worker may serve a client's plain request (``serves_plain_request``: local prefill, conditional
+disaggregation; each worker's capabilities say whether it does), where and how a
 worker's capabilities are read (``capabilities_path``, ``capabilities``), and the features it does
 not run yet (``refusal``: the config is refused at startup, naming why). The sequence (context leg,
 then generation leg), routers, breakers, retries, admission and metrics are the orchestrator's, the
@@ -21,7 +23,7 @@ A new protocol is one module here with a class of that shape, and its name in :d
 
 from __future__ import annotations
 
-from .base import ProtocolConfig
+from .base import ProtocolConfig, plain_request_refusal
 from .sglang import SglangProtocol, SglangRelay
 from .trtllm import TrtllmProtocol
 from .vllm import VllmProtocol, VllmRelay
@@ -63,7 +65,11 @@ def refusal(config: ProtocolConfig) -> str | None:
                 "protocol (trtllm, vllm or sglang: each worker's record names its own)"
             )
         return None
-    return _protocol_class(config).refusal(config)
+    protocol = _protocol_class(config)
+    refused = protocol.refusal(config)
+    if refused is None and not protocol.serves_plain_request:
+        refused = plain_request_refusal(config, protocol.no_plain_request)
+    return refused
 
 
 __all__ = [

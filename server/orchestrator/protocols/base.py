@@ -33,6 +33,22 @@ class ProtocolConfig(Protocol):
     def trtllm_auth_key(self) -> bytes | None: ...
 
 
+def plain_request_refusal(config: ProtocolConfig, why: str) -> str | None:
+    """What a protocol with no decode worker that serves a client's plain request (``serves_plain_request``
+    False: ``why``) refuses alike: conditional disaggregation (its decode-only path is that request) and
+    ``context_fallback: local_prefill`` set explicitly (the default says nothing there: a failed pair is
+    retried on another prefill worker, else the client's 503 names the missing one)."""
+    chosen = getattr(config, "model_fields_set", ())
+    if config.context_fallback == "local_prefill" and "context_fallback" in chosen:
+        return (
+            f"context_fallback: local_prefill: {why}, so there is no local prefill; use context_fallback: "
+            "fail and more prefill workers (a failed pair is retried on another)"
+        )
+    if config.conditional_disagg_config is not None:
+        return f"conditional_disagg_config: {why}, so no request is served decode-only; remove it"
+    return None
+
+
 def scanner_refusal(config: ProtocolConfig, name: str, legs: str) -> str | None:
     """What every protocol whose legs the fast relay's scanner builds from the client's body (vLLM's,
     SGLang's) refuses alike, naming ``name`` (its ``worker_protocol``) and ``legs`` (what its legs are,

@@ -153,6 +153,9 @@ class SglangProtocol:
     releases_kv = False
     #: a failed pair is retried whole with a new room (pair.py), never a leg alone
     resends_generation = False
+    #: a decode worker serves only bootstrapped requests: no local prefill, no decode-only request
+    serves_plain_request = False
+    no_plain_request = "an SGLang decode worker cannot serve a plain request (it waits for a bootstrap)"
     capabilities_path = wire.SERVER_INFO_PATH
     #: what pair.py's log says a prefill it skips lacks
     bootstrap_source = "disaggregation_bootstrap_port in its /server_info"
@@ -166,18 +169,6 @@ class SglangProtocol:
         refused = scanner_refusal(config, "sglang", "SGLang's legs are the client's body")
         if refused is not None:
             return refused
-        # the default (local_prefill) does nothing here: no SGLang worker says local_prefill; set, it is refused
-        chosen = getattr(config, "model_fields_set", ())
-        if config.context_fallback == "local_prefill" and "context_fallback" in chosen:
-            return (
-                "context_fallback: local_prefill: an SGLang decode worker cannot serve a plain request (it "
-                "waits for a bootstrap), so there is no local prefill; use context_fallback: fail and more "
-                "prefill workers (a failed pair is retried on another)"
-            )
-        if config.conditional_disagg_config is not None:
-            return (
-                "conditional_disagg_config: an SGLang decode worker cannot prefill a request alone; remove it"
-            )
         return None
 
     @staticmethod

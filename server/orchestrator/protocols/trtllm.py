@@ -34,6 +34,11 @@ class TrtllmProtocol:
     #: is to another worker: a fastcore generation worker whose KV fetch finds the /kv/<id> gone (read by
     #: the first) prefills the prompt from its ids, so the hand-off is not spent by a read
     resends_generation = True
+    #: a generation worker whose /server_info says local_prefill (a fastcore worker) serves a client's
+    #: plain request whole; trtllm-serve's do not say it, so they are never sent one
+    serves_plain_request = True
+    #: why it would not (protocols.refusal reads it where serves_plain_request is False)
+    no_plain_request = ""
     #: where a worker says what it can do (pools.py's HealthChecker reads it when it becomes healthy)
     capabilities_path = wire.SERVER_INFO_PATH
 

@@ -229,6 +229,11 @@ class VllmProtocol:
     #: blocks first, and a lease is read once ("not held (read)" for a second decode, a 400), so a
     #: decode that failed after it was sent (a reset, no first byte) costs a new prefill leg (app.py)
     resends_generation = False
+    #: a decode worker serves a client's plain request whole: the local prefill of a failed prefill leg,
+    #: and conditional disaggregation's decode-only requests (vllm-router's pd_uncached_token_threshold)
+    serves_plain_request = True
+    #: why it would not (protocols.refusal reads it where serves_plain_request is False)
+    no_plain_request = ""
     #: vLLM serves no /server_info; /v1/models answers once the engine is up
     capabilities_path = "/v1/models"
 
@@ -242,11 +247,6 @@ class VllmProtocol:
         refused = scanner_refusal(config, "vllm", legs)
         if refused is not None:
             return refused
-        if config.conditional_disagg_config is not None:
-            return (
-                "conditional_disagg_config: not built for worker_protocol: vllm yet (vllm-router's "
-                "pd_uncached_token_threshold is its counterpart); remove it"
-            )
         return None
 
     @staticmethod

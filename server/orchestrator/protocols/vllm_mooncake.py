@@ -82,6 +82,11 @@ class VllmMooncakeProtocol(VllmProtocol):
 
     concurrent = True
     transfer = "mooncake"
+    #: its decode workers could, but pair.py sends both legs or none: no local prefill, no decode-only
+    serves_plain_request = False
+    no_plain_request = (
+        "with vllm_transfer: mooncake the legs run at once (pair.py), which sends no plain request yet"
+    )
     #: what pair.py's log says a prefill it skips lacks
     bootstrap_source = (
         "an engine id at its Mooncake bootstrap server's GET /query (vllm_mooncake_bootstrap_port)"
@@ -96,13 +101,6 @@ class VllmMooncakeProtocol(VllmProtocol):
         refused = VllmProtocol.refusal(config)
         if refused is not None:
             return refused
-        chosen = getattr(config, "model_fields_set", ())
-        if config.context_fallback == "local_prefill" and "context_fallback" in chosen:
-            return (
-                "context_fallback: local_prefill: with vllm_transfer: mooncake the legs run at once (pair.py), "
-                "which has no local prefill yet; use context_fallback: fail and more prefill workers (a failed "
-                "pair is retried on another)"
-            )
         return None
 
     async def probe(
