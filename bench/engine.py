@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import functools
 import itertools
 import json
 import signal
@@ -49,7 +51,12 @@ from bench.loadgen import RESULTS_DIR, percentile
 from bench.worker import _one_stream, _wait_healthy
 from server.worker.cli import default_torch_threads
 from server.worker.engine import EngineRequest, TorchEngine
-from server.worker.engine_api import DEFAULT_PREFILL_CHUNK_TOKENS, DEFAULT_PREFILL_STEP_RATIO
+from server.worker.engine_api import (
+    DEFAULT_KV_TOKENS,
+    DEFAULT_PREFILL_CHUNK_TOKENS,
+    DEFAULT_PREFILL_STEP_RATIO,
+)
+from server.worker.model import LlamaForCausalLM, ModelConfig
 from server.worker.output import Delta, OutputProcessor, SamplingParams
 from server.worker.tiny import build_tiny, tiny_config
 
@@ -72,17 +79,21 @@ def hf_model_from_checkpoint(ours: torch.nn.Module, directory: Path, device: str
     transformers.logging.disable_progress_bar()
 
     c = tiny_config()
-    config = LlamaConfig(
+    # as keywords of a dict: transformers' stubs name only some of LlamaConfig's (rope_theta is read
+    # from **kwargs there)
+    fields: dict[str, Any] = dict(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
         num_key_value_heads=c.num_key_value_heads, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
         max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
         bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id, pad_token_id=0, torch_dtype="float32",
     )  # fmt: skip
+    config = LlamaConfig(**fields)
     writer = LlamaForCausalLM(config)
     writer.load_state_dict(ours.state_dict(), strict=False)  # rotary inv_freq is a buffer on both sides
     writer.save_pretrained(directory)
-    model = LlamaForCausalLM.from_pretrained(directory, torch_dtype=torch.float32).to(device).eval()
+    model: Any = LlamaForCausalLM.from_pretrained(directory, torch_dtype=torch.float32)
+    model = model.to(device).eval()
     theirs = model.state_dict()
     for name, tensor in ours.state_dict().items():
         assert torch.equal(theirs[name].cpu(), tensor.cpu()), f"{name} differs after the round trip"
@@ -151,7 +162,7 @@ async def ours_in_process(engine: TorchEngine, batch: list[list[int]], max_token
 
     for i, ids in enumerate(batch):
         req = engine_request(engine, ids, max_tokens, f"r{i}-{t0}")
-        req.on_delta = lambda d, i=i: watch(i, d)
+        req.on_delta = functools.partial(watch, i)
         engine.submit(req)
     await asyncio.wait_for(done, 600)
     cpu = time.process_time() - cpu0
@@ -351,14 +362,32 @@ async def itl_round_http(url: str, streams: int, base_steps: int, long_ids: list
     return itl_stats(stamps, cut, started, ended)
 
 
-def bench_itl(args: argparse.Namespace, device: str) -> tuple[str, list[dict[str, Any]]]:
+def tiny_at_context(device: str, context: int) -> tuple[ModelConfig, LlamaForCausalLM, Any]:
+    """The tiny model's weights with ``max_position_embeddings`` = ``context`` (rotary positions
+    have no bound of their own: a longer context is the same model asked for more positions)."""
     config, model, tokenizer = build_tiny(device)
+    if context == config.max_position_embeddings:
+        return config, model, tokenizer
+    config = dataclasses.replace(config, max_position_embeddings=context)
+    longer = LlamaForCausalLM(config).to(device)
+    longer.load_state_dict(model.state_dict())
+    return config, longer.eval(), tokenizer
+
+
+def bench_itl(
+    args: argparse.Namespace, device: str, context: int = 0, chunks: list[tuple[int, float]] | None = None
+) -> tuple[list[list[str]], list[dict[str, Any]]]:
+    """The ITL rows of each chunking in ``chunks`` (default ``--chunks``) at the tiny model's own
+    context, or in process only at a ``context`` of that many tokens (``--long-context``)."""
+    config, model, tokenizer = tiny_at_context(device, context) if context else build_tiny(device)
     long_ids = whole_context_prompt(tokenizer, config.max_context)
     rows, records = [], []
     whole: dict[str, float] = {}
-    for chunk, ratio in args.chunks:
+    # room for the whole-context prompt beside the streams' 1,800 tokens each
+    kv_tokens = max(DEFAULT_KV_TOKENS, config.max_context + args.streams * 2048)
+    for chunk, ratio in chunks or args.chunks:
         engine = TorchEngine(config, model, tokenizer, device=device, prefill_chunk_tokens=chunk,
-                             prefill_step_ratio=ratio)  # fmt: skip
+                             prefill_step_ratio=ratio, kv_tokens=kv_tokens)  # fmt: skip
 
         async def measure(engine: TorchEngine = engine) -> dict[str, float]:
             engine.start(asyncio.get_running_loop())
@@ -368,8 +397,9 @@ def bench_itl(args: argparse.Namespace, device: str) -> tuple[str, list[dict[str
             finally:
                 engine.stop()
 
-        results = [("in process", asyncio.run(measure()))]
-        if not args.no_http_itl:
+        where = f"in process, {config.max_context}-token context" if context else "in process"
+        results = [(where, asyncio.run(measure()))]
+        if not args.no_http_itl and not context:
             flags = ["--prefill-chunk-tokens", str(chunk), "--prefill-step-ratio", str(ratio)]
             with Worker(args.torch_threads, device, flags) as worker:
                 results.append(("HTTP", asyncio.run(itl_round_http(worker.url, args.streams, args.base_steps,
@@ -377,16 +407,53 @@ def bench_itl(args: argparse.Namespace, device: str) -> tuple[str, list[dict[str
         for path, r in results:
             r["ratio_p99"] = r["during_p99_ms"] / r["base_p99_ms"]
             whole.setdefault(path, r["during_p99_ms"])
-            records.append({"prefill_chunk_tokens": chunk, "prefill_step_ratio": ratio, "path": path, **r})
+            records.append({"prefill_chunk_tokens": chunk, "prefill_step_ratio": ratio, "path": path,
+                            "context": config.max_context, **r})  # fmt: skip
             rows.append([
                 chunk_label(chunk, ratio), path,
                 f"{r['base_p50_ms']:.1f}", f"{r['base_p99_ms']:.1f}",
                 f"{r['during_p50_ms']:.1f}", f"{r['during_p99_ms']:.1f}",
                 f"{r['ratio_p99']:.2f}x", f"{r['during_p99_ms'] / whole[path]:.2f}x", f"{r['prefill_s'] * 1e3:.0f}",
             ])  # fmt: skip
-    headers = ["prefill chunk", "path", "ITL p50 ms alone", "ITL p99 ms alone", "ITL p50 ms prefill",
+    return rows, records
+
+
+ITL_HEADERS = ["prefill chunk", "path", "ITL p50 ms alone", "ITL p99 ms alone", "ITL p50 ms prefill",
                "ITL p99 ms prefill", "p99 prefill / alone", "p99 vs whole", "TTFT of the long prompt ms"]  # fmt: skip
-    return format_table(headers, rows), records
+
+
+def plot(decode: list[dict[str, Any]], itl: list[dict[str, Any]], path: Path) -> None:
+    """Left: decode tokens/s against concurrent requests (ours in process and over HTTP,
+    transformers' static batch); right: each ITL row's p99 while the long prompt prefills over
+    its p99 alone, beside the 2x target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    ns = [r["concurrency"] for r in decode]
+    for key, label in (("ours_in_process", "ours, in process"), ("ours_http", "ours, HTTP"),
+                       ("transformers", "transformers generate (static batch)")):  # fmt: skip
+        left.plot(ns, [r[key]["decode_tps"] for r in decode], marker="o", label=label)
+    left.set_xscale("log", base=2)
+    left.set_xticks(ns, [str(n) for n in ns])
+    left.set_xlabel("concurrent requests")
+    left.set_ylabel("decode tokens/s")
+    left.set_title("decode throughput (higher is better)")
+    left.legend()
+    labels = [f"{chunk_label(r['prefill_chunk_tokens'], r.get('prefill_step_ratio', 0.0))}\n{r['path']}"
+              for r in itl]  # fmt: skip
+    right.bar(range(len(itl)), [r["ratio_p99"] for r in itl])
+    right.axhline(2.0, color="red", linestyle="--", label="target: 2x")
+    right.set_yscale("log")
+    right.set_xticks(range(len(itl)), labels, fontsize=7)
+    right.set_ylabel("ITL p99 during the prefill / alone")
+    right.set_title("running streams while a whole-context prompt prefills (lower is better)")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def parse_chunk(item: str) -> tuple[int, float]:
@@ -418,6 +485,11 @@ def main(argv: list[str] | None = None) -> int:
                              "with :--prefill-step-ratio (0: unpaced; default "
                              f"{DEFAULT_PREFILL_STEP_RATIO:g}) (default %(default)s)")  # fmt: skip
     parser.add_argument("--no-http-itl", action="store_true", help="the ITL table in process only")
+    parser.add_argument("--long-context", type=int, default=None,
+                        help="also the ITL rows in process with the tiny model's weights at this context, its "
+                             "whole-context prompt prefilling (default 16384; --quick: 0, none)")  # fmt: skip
+    parser.add_argument("--long-chunks", default=f"0,{DEFAULT_PREFILL_CHUNK_TOKENS}:{DEFAULT_PREFILL_STEP_RATIO:g}",
+                        help="the --long-context rows' engines, as --chunks (default %(default)s)")  # fmt: skip
     parser.add_argument("--streams", type=int, default=8, help="running streams in the ITL table")
     parser.add_argument(
         "--base-steps", type=int, default=None, help="steps measured with no prefill (default 200)"
@@ -427,13 +499,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch threads for every contender (default: the worker's own default)")  # fmt: skip
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
-    quick = {"concurrency": "1,8", "max_tokens": 16, "base_steps": 40}
-    full = {"concurrency": "1,8,32", "max_tokens": 64, "base_steps": 200}
+    quick = {"concurrency": "1,8", "max_tokens": 16, "base_steps": 40, "long_context": 0}
+    full = {"concurrency": "1,8,32", "max_tokens": 64, "base_steps": 200, "long_context": 16384}
     for name, value in (quick if args.quick else full).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     args.concurrency = [int(n) for n in args.concurrency.split(",")]
     args.chunks = [parse_chunk(item) for item in args.chunks.split(",")]
+    args.long_chunks = [parse_chunk(item) for item in args.long_chunks.split(",")]
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(args.torch_threads)
     print(f"## tiny Llama ({tiny_config().max_position_embeddings}-token context), device {device}, "
@@ -442,10 +515,13 @@ def main(argv: list[str] | None = None) -> int:
     print("### Decode tokens/s and TTFT: ours (continuous batching) vs transformers' static batch\n")
     print(decode_table)
     print(f"\ngreedy tokens identical to transformers' (in process): {'yes' if same_text else 'NO'}")
-    itl_table, itl = bench_itl(args, device)
-    print(f"\n### ITL of {args.streams} running streams while a {tiny_config().max_position_embeddings - 2}"
-          "-token prompt prefills\n")  # fmt: skip
-    print(itl_table)
+    itl_rows, itl = bench_itl(args, device)
+    if args.long_context:
+        long_rows, long_itl = bench_itl(args, device, args.long_context, args.long_chunks)
+        itl_rows, itl = itl_rows + long_rows, itl + long_itl
+    print(f"\n### ITL of {args.streams} running streams while a prompt of the whole context prefills "
+          f"({tiny_config().max_position_embeddings - 2} tokens; the path names a longer one)\n")  # fmt: skip
+    print(format_table(ITL_HEADERS, itl_rows))
     verdicts = targets(decode, itl)
     print()
     for line in verdicts:
@@ -453,10 +529,13 @@ def main(argv: list[str] | None = None) -> int:
     out = args.output or RESULTS_DIR / ("engine_quick.json" if args.quick else "engine.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"device": device, "torch_threads": args.torch_threads, "max_tokens": args.max_tokens,
-            "prompt_tokens": PROMPT_TOKENS, "quick": args.quick, "torch": torch.__version__}  # fmt: skip
+            "prompt_tokens": PROMPT_TOKENS, "quick": args.quick, "torch": torch.__version__,
+            "long_context": args.long_context}  # fmt: skip
     out.write_text(json.dumps({"meta": meta, "decode": decode, "itl": itl, "same_text": same_text,
                                "targets": verdicts}, indent=2))  # fmt: skip
-    print(f"\nwrote {out}")
+    if decode and itl:
+        plot(decode, itl, out.with_suffix(".png"))
+    print(f"\nwrote {out}" + (f" and {out.with_suffix('.png').name}" if decode and itl else ""))
     return 0
 
 

@@ -36,7 +36,8 @@ def test_the_verdicts_name_each_target_with_its_numbers() -> None:
 def test_a_quick_run_writes_every_table_and_the_same_text_as_transformers(tmp_path: Path, capsys) -> None:
     out = tmp_path / "engine.json"
     argv = ["--quick", "--concurrency", "1,3", "--max-tokens", "4", "--chunks", "0,64:0,64", "--base-steps", "8",
-            "--torch-threads", "1", "--device", "cpu", "--output", str(out)]  # fmt: skip
+            "--torch-threads", "1", "--device", "cpu", "--output", str(out), "--long-context", "320",
+            "--long-chunks", "0,64"]  # fmt: skip
     assert bench_engine.main(argv) == 0
     result = json.loads(out.read_text())
     assert [r["concurrency"] for r in result["decode"]] == [1, 3]
@@ -56,7 +57,12 @@ def test_a_quick_run_writes_every_table_and_the_same_text_as_transformers(tmp_pa
         (64, 0.0, "HTTP"),
         (64, 1.5, "in process"),
         (64, 1.5, "HTTP"),
+        # --long-context: the tiny weights at a 320-token context, in process only
+        (0, 0.0, "in process, 320-token context"),
+        (64, 1.5, "in process, 320-token context"),
     ]
+    assert [r["context"] for r in result["itl"]] == [2048] * 6 + [320] * 2
+    assert result["itl"][-1]["prefill_s"] > 0 and (tmp_path / "engine.png").stat().st_size > 0
     assert all(r["gaps_during"] > 0 and r["base_p99_ms"] > 0 for r in result["itl"])
     # our greedy text is transformers' on the checkpoint the bench wrote
     assert result["same_text"] is True
