@@ -28,7 +28,7 @@ from server.cache_keys import prompt_keys
 from server.worker.engine import TorchEngine
 from server.worker.kv_cache import PagedKVCache
 from server.worker.kv_events import ChunkEventLog
-from server.worker.kv_tier2 import KVTier2, Rates
+from server.worker.kv_tier2 import KVTier2, LoadJob, Rates
 from server.worker.tiny import build_tiny
 
 BS = 16
@@ -121,6 +121,26 @@ def test_a_load_into_blocks_its_own_reservation_evicted_keeps_both(files: bool, 
     assert cached == tier2 == 3 * BS
     cache.flush_tier2()
     assert torch.equal(cache.read(blocks, 3 * BS)[0], kb[:, : 3 * BS])
+    cache.free(blocks)
+
+
+def test_a_file_load_is_read_when_decided_not_at_the_engines_flush(tmp_path: Path) -> None:
+    """The reservation (the event loop) starts the files' read on the store's reader thread: under
+    load it overlaps the engine's running step; the flush only takes the blocks read."""
+    cache = _cache(8, 8, tmp_path)
+    ids = _ids(2, 0)
+    k, _ = _fill(cache, ids, 1)
+    _evict_all(cache)
+    blocks, _, tier2 = cache.allocate_prefix_tiers(ids, int(ids.size))
+    assert tier2 == 2 * BS
+    (job,) = _tier(cache)._ops
+    assert isinstance(job, LoadJob) and job.reading is not None
+    read = job.reading.result(timeout=30)  # before any flush
+    assert len(read) == 2 and torch.equal(read[0][0], k[:, :BS])
+    _settle(cache)
+    assert not list(tmp_path.glob("*.kv"))  # read, then deleted: the tier no longer holds them
+    cache.flush_tier2()
+    assert torch.equal(cache.read(blocks, 2 * BS)[0], k[:, : 2 * BS])
     cache.free(blocks)
 
 

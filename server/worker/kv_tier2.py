@@ -15,7 +15,9 @@ block's old K/V is read before anyone overwrites it. The copies of one flush are
 gather for all spilled blocks); under CUDA they are ``non_blocking`` copies into pinned memory on
 the compute stream (ordered with the writes, the CPU not waiting); the file store hands its
 writes to a thread of its own, at most :data:`MAX_WRITES_IN_FLIGHT` blocks waiting (past it a
-spill is dropped, as without a tier), and a block is served only once its file is written.
+spill is dropped, as without a tier), and a block is served only once its file is written; a
+load's files are read by a reader thread from the moment the load is decided (the reservation),
+so under load the reading overlaps the engine's running step and the flush takes what was read.
 
 **Load or recompute.** A prefix hit in the tier (the chained hash *and* the ids compared, as on
 the device) is taken only when loading is faster than prefilling those tokens, both measured on
@@ -51,6 +53,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,6 +93,8 @@ class LoadJob:
 
     parent: bytes
     moves: list[tuple[_Entry, int]] = field(default_factory=list)
+    #: the file store's read of the blocks, started when the load was decided (None: read at the flush)
+    reading: Future[list[torch.Tensor]] | None = None
 
 
 class _DecayingRate:
@@ -226,6 +231,7 @@ class KVTier2:
             entry.gone = True
             self._free_slots.append(entry.slot)
         self._ops.append(job)
+        job.reading = self.store.prefetch(run)
 
     # -------------------------------------------------------------- the engine thread
 
@@ -245,7 +251,10 @@ class KVTier2:
                 self._spill_now(spills)
                 spills = []
                 began = self.store.start()
-                staged.append((op, self.store.read([e for e, _ in op.moves]), began))
+                data = (
+                    self.store.read([e for e, _ in op.moves]) if op.reading is None else op.reading.result()
+                )
+                staged.append((op, [d.to(self.device) for d in data], began))
             else:
                 spills.append(op)
         self._spill_now(spills)
@@ -302,6 +311,9 @@ class _MemoryStore:
 
     def discard(self, entry: _Entry) -> None:
         pass
+
+    def prefetch(self, entries: list[_Entry]) -> None:
+        return None  # read at the flush: a copy in memory
 
     def write(self, entries: list[_Entry], kv: torch.Tensor) -> None:
         began = self.start()
@@ -383,6 +395,9 @@ class _FileStore:
         self._in_flight_lock = threading.Lock()
         self._thread = threading.Thread(target=self._writer, name="fastcore-kv-tier2", daemon=True)
         self._thread.start()
+        #: reads a load's files as soon as it is decided (under the cache's lock, on the event loop),
+        #: so that under load the reading overlaps the engine's running step, not its next one
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="fastcore-kv-tier2-read")
 
     def accepts(self) -> bool:
         return self._in_flight < MAX_WRITES_IN_FLIGHT
@@ -440,31 +455,40 @@ class _FileStore:
                 finally:
                     self._count(-1)
 
+    def prefetch(self, entries: list[_Entry]) -> Future[list[torch.Tensor]]:
+        """Under the cache's lock: the entries' files read on the reader thread (each then deleted)."""
+        paths = []
+        for entry in entries:
+            paths.append((entry.digest, entry.path))
+            entry.path = None  # the read deletes it, read or not
+        return self._reader.submit(self._read, paths)
+
     def read(self, entries: list[_Entry]) -> list[torch.Tensor]:
-        """The entries' K/V up to the first that cannot be read (missing, short, corrupt)."""
+        raise AssertionError("the file store's loads are prefetched")  # pragma: no cover
+
+    def _read(self, paths: list[tuple[bytes, Path | None]]) -> list[torch.Tensor]:
+        """The blocks' K/V up to the first that cannot be read (missing, short, corrupt), timed."""
         out: list[torch.Tensor] = []
         tier = self.tier
+        began = time.perf_counter()
         failed = False
-        for entry in entries:  # every file goes (the tier no longer holds them), read or not
-            with tier.cache._lock:
-                path, entry.path = entry.path, None
-            if path is None:
-                failed = True
-                continue
-            block = None if failed else _read_block(path, entry.digest, tier.block_shape, tier.cache.dtype)
-            failed = block is None
+        for digest, path in paths:
+            block = None
+            if path is not None:
+                if not failed:  # after a failure the rest are not read (their files still go)
+                    block = _read_block(path, digest, tier.block_shape, tier.cache.dtype)
+                self._queue.put(("unlink", path))
+            failed = failed or block is None
             if block is not None:
-                out.append(block.to(tier.device))
-            self._queue.put(("unlink", path))
+                out.append(block)
+        tier.rates.observe_copy(len(out) * tier.block_bytes, time.perf_counter() - began)
         return out
 
-    def start(self) -> float:
-        return time.perf_counter()
+    def start(self) -> None:
+        return None
 
-    def timed(self, nbytes: int, began: float) -> None:
-        if self.tier.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()  # a file load is timed to its end (rare: a hit)
-        self.tier.rates.observe_copy(nbytes, time.perf_counter() - began)
+    def timed(self, nbytes: int, began: None) -> None:
+        pass  # a load is timed by its reader (the files' reading is its cost)
 
     def settle_timings(self) -> None:
         pass
@@ -483,6 +507,7 @@ class _FileStore:
             path.unlink()
 
     def close(self) -> None:
+        self._reader.shutdown(wait=True)
         self._queue.put(None)
         self._thread.join(timeout=10)
 
