@@ -27,7 +27,7 @@ from engines import make_request, run
 from server.cache_keys import prompt_keys
 from server.worker.engine import TorchEngine
 from server.worker.kv_cache import PagedKVCache
-from server.worker.kv_events import ChunkEventLog
+from server.worker.kv_events import ChunkEventLog, follow_cache_events
 from server.worker.kv_tier2 import KVTier2, LoadJob, Rates
 from server.worker.tiny import build_tiny
 
@@ -279,6 +279,18 @@ def test_the_cache_events_say_a_load_moved_its_keys_back() -> None:
     assert [e["tier"] for e in events] == [1] and set(events[0]["moved"]) == set(keys)
     assert not log.tier2_blocks and set(log._resync(True)["held"]) == set(keys)
     cache.free(blocks)
+
+
+async def test_a_resync_carries_the_rates_measured_by_then() -> None:
+    """The torch worker's rates change as it measures them: a follower's resync says the current
+    ones (the log took them once, when its first follower made it, before)."""
+    cache = _cache(8, 8)
+    _hold(_tier(cache), prefill=10_000.0, load=40_000.0)
+    first = json.loads(await follow_cache_events(cache, "w", b"tiers=1&chunk_bytes=64", CHUNK))
+    assert first["tier_rates"] == {"kv_tier2_load_tokens_per_s": 40_000.0, "prefill_tokens_per_s": 10_000.0}
+    _hold(_tier(cache), prefill=20_000.0, load=10_000.0)
+    again = json.loads(await follow_cache_events(cache, "w", b"tiers=1&chunk_bytes=64", CHUNK))
+    assert again["tier_rates"] == {"kv_tier2_load_tokens_per_s": 10_000.0, "prefill_tokens_per_s": 20_000.0}
 
 
 def test_a_load_whose_request_left_before_the_flush_is_not_registered() -> None:

@@ -437,9 +437,9 @@ async def follow_cache_events(cache: Any, instance: str, query: bytes, chunk_byt
     log = cache.chunks
     if log is None:
         log = cache.chunks = ChunkEventLog(instance, chunk_bytes, cache.block_size)
-        if getattr(cache, "tier2_tokens", 0):
-            log.tier_rates = {"kv_tier2_load_tokens_per_s": cache.load_tokens_per_s,
-                              "prefill_tokens_per_s": cache.prefill_tokens_per_s}  # fmt: skip
+    if getattr(cache, "tier2_tokens", 0):  # at each ask: the torch worker's rates are measured
+        log.tier_rates = {"kv_tier2_load_tokens_per_s": cache.load_tokens_per_s,
+                          "prefill_tokens_per_s": cache.prefill_tokens_per_s}  # fmt: skip
     names = params.get("instance")
     if names and names[-1] == instance:
         await log.wait(after, wait)
