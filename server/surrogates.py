@@ -29,14 +29,15 @@ _ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _first(body: dict[str, Any], lazy: type | None) -> tuple[str, int, int] | None:
+def _first(body: dict[str, Any], lazy: Any) -> tuple[str, int, int] | None:
     """(path, index in its string, code point) of the first lone surrogate in ``body``'s strings
     (keys included), walking without recursion (a body may nest 512 deep)."""
     stack: list[tuple[str, Any]] = [("", body)]
     while stack:
         path, value = stack.pop()
         if lazy is not None and isinstance(value, lazy):
-            # The worker's RawJSON (its token field, left as bytes): only a string can hold one.
+            # The worker's RawJSON (its token field, left as bytes): only a string can hold one. (lazy is
+            # Any: this module cannot import the worker's class, and ``type`` narrows it to object.)
             if value.data[value.start : value.start + 1] != b'"' or not _ESCAPE.search(
                 value.data, value.start, value.end
             ):
