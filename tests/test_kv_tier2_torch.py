@@ -163,6 +163,21 @@ def test_tier2_is_bounded_least_recently_spilled_first_out(tmp_path: Path) -> No
     cache.free(blocks)
 
 
+def test_the_memory_tier_is_its_flag_made_up_front() -> None:
+    """--kv-tier2-tokens 50 at 16-token blocks: 3 blocks of K/V, allocated at start, never more."""
+    config, _, _ = build_tiny()
+    cache = PagedKVCache(config, 4 * BS, block_size=BS, prefix_caching=True)
+    cache.attach_tier2(50)
+    tier = _tier(cache)
+    data = tier.store.data  # type: ignore[union-attr]
+    assert tier.capacity_tokens == 48 and data.shape[0] == 3
+    assert data.numel() * data.element_size() == 3 * tier.block_bytes
+    for start in range(0, 200, 40):  # 10 blocks spilled into 3
+        _fill(cache, _ids(2, start), start)
+        _evict_all(cache)
+    assert tier.held_blocks == 3 and tier.store.data is data  # type: ignore[union-attr]
+
+
 def test_a_hash_match_with_other_ids_is_no_tier2_hit() -> None:
     """The hash *and* the ids: a block whose key matches but whose ids do not (a collision,
     forced here) is never loaded."""

@@ -301,7 +301,9 @@ class _MemoryStore:
     def __init__(self, tier: KVTier2, slots: int) -> None:
         self.tier = tier
         cuda = tier.device.type == "cuda"
-        self.data = torch.zeros((max(slots, 1), *tier.block_shape), dtype=tier.cache.dtype, pin_memory=cuda)
+        # made up front: the tier never takes more memory than its flag says (empty: a slot is
+        # read only once a spill wrote it)
+        self.data = torch.empty((max(slots, 1), *tier.block_shape), dtype=tier.cache.dtype, pin_memory=cuda)
         self.cuda = cuda
         #: CUDA copies not yet timed: (start event, end event, bytes)
         self._timings: list[tuple[Any, Any, int]] = []
