@@ -156,6 +156,13 @@ async def test_count_tokens_refusals_in_anthropics_shape(tmp_path):
         assert info.value.body["type"] == "error" and info.value.body["error"]["type"] == "not_found_error"
         with pytest.raises(anthropic.AuthenticationError):
             await client.with_options(api_key="wrong").messages.count_tokens(model="synthetic", messages=ASK)
+        key = {"x-api-key": KEY}
+        for raw, field in ((b"{", "body"), (b"[" * 100_000, "body"), (b'{"messages": []}', "model"),
+                           (b'{"model": "synthetic", "messages": [{"role": "user", "content": "\\ud800"}]}',
+                            "messages[0].content")):  # fmt: skip
+            resp = await post(port, "/v1/messages/count_tokens", raw, **key)
+            assert resp.status == 400 and resp.json()["error"]["type"] == "invalid_request_error", resp.body
+            assert field in resp.json()["error"]["message"] or field == "body"
         resp = await get(port, "/v1/messages/count_tokens", **{"x-api-key": KEY})
         assert resp.status == 405 and resp.json()["error"]["type"] == "invalid_request_error"
         resp = await post(port, "/v1/messages/batches", {}, **{"x-api-key": KEY})
