@@ -260,6 +260,44 @@ def test_rotary_tables_made_once_give_the_angles_computed_each_step() -> None:
     assert not long._tables
 
 
+def test_a_batch_of_prefill_chunks_attends_as_each_alone() -> None:
+    """Chunks at one position with one length attend as one batch (from position 0, and past
+    equally long earlier positions), the rest alone, all written in one go: the logits and the
+    pool's K/V are those of each chunk's forward of its own (to float32 rounding: a batched
+    attention kernel may round a row differently)."""
+    from server.worker.kv_cache import PrefillBatchAttention
+
+    config = small_config()
+    model = random_model(config)
+    g = torch.Generator().manual_seed(11)
+    lengths = [(0, 6), (0, 6), (0, 6), (0, 4), (8, 5), (8, 5), (8, 3), (0, 6)]
+    prompts = [torch.randint(0, config.vocab_size, (start + n,), generator=g) for start, n in lengths]
+    results = []
+    for batched in (False, True):
+        cache = PagedKVCache(config, 512, block_size=4)
+        tables = [cache.allocate(start + n) for start, n in lengths]
+        with torch.no_grad():
+            for ids, blocks, (start, _) in zip(prompts, tables, lengths):
+                if start:  # the earlier positions, alone
+                    model.forward_step(
+                        ids[:start], torch.arange(start), PrefillAttention(cache, blocks, 0, start)
+                    )
+            ids = torch.cat([p[start:] for p, (start, _) in zip(prompts, lengths)])
+            positions = torch.cat([torch.arange(start, start + n) for start, n in lengths])
+            if batched:
+                attention = PrefillBatchAttention(cache, [(b, s, n) for b, (s, n) in zip(tables, lengths)])
+                assert [count for _, count, _, _ in attention.runs] == [3, 1, 2, 1, 1]
+                logits = model.forward_step(ids, positions, attention)
+            else:
+                logits = torch.cat([
+                    model.forward_step(p[s:], torch.arange(s, s + n), PrefillAttention(cache, b, s, n))
+                    for p, b, (s, n) in zip(prompts, tables, lengths)
+                ])  # fmt: skip
+        results.append((logits, cache.k.clone(), cache.v.clone()))
+    for alone, together in zip(*results):
+        torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
+
+
 def test_prefill_in_two_chunks_matches_one() -> None:
     config = small_config()
     model = random_model(config)

@@ -398,9 +398,11 @@ class PagedKVCache:
 
     def slots(self, blocks: list[int], start: int, end: int) -> torch.Tensor:
         """Flat slot indices of positions ``start..end-1`` of a sequence with these blocks."""
-        table = torch.tensor(blocks, dtype=torch.int64)
-        pos = torch.arange(start, end, dtype=torch.int64)
-        return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.device)
+        # numpy on the host, one tensor made at the end: a batch of prefills asks for one a sequence
+        pos = np.arange(start, end, dtype=np.int64)
+        table = np.asarray(blocks, dtype=np.int64)
+        slots = table[pos // self.block_size] * self.block_size + pos % self.block_size
+        return torch.from_numpy(slots).to(self.device)
 
     def read(self, blocks: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of a sequence's first ``num_tokens`` positions: ``[layers, T, kv_heads, head_dim]``."""
@@ -452,6 +454,10 @@ class PrefillAttention:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.k[layer].index_copy_(0, self.new_slots, k)
         self.cache.v[layer].index_copy_(0, self.new_slots, v)
+        return self.written(layer, q, k, v)
+
+    def written(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """:meth:`attend` once the chunk's K/V are in the pool."""
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, T, D]
         if self.all_slots is None:
             kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
@@ -488,10 +494,66 @@ class StepAttention:
 
 class PrefillBatchAttention(StepAttention):
     """Several sequences' prefill chunks, flattened in order: ``spans`` is ``(blocks, start,
-    length)`` per sequence; each chunk sees its own sequence's earlier positions only."""
+    length)`` per sequence; each chunk sees its own sequence's earlier positions only.
+
+    Every chunk's K/V goes to the pool in one write a layer, and a run of chunks at one position
+    with one length (a burst of prompts of a length, whole or past equally long cached prefixes)
+    attends as one batch: 32 prompts of 64 tokens were 32 writes and 32 attentions a layer, each
+    costing more than its arithmetic. The same attention (a batch's rows attend apart), to float32
+    rounding: the batched kernel may round a row differently (the engine's note on batch sizes)."""
 
     def __init__(self, cache: PagedKVCache, spans: list[tuple[list[int], int, int]]) -> None:
-        super().__init__([(PrefillAttention(cache, blocks, start, n), n) for blocks, start, n in spans])
+        parts = [PrefillAttention(cache, blocks, start, n) for blocks, start, n in spans]
+        super().__init__([(part, part.length) for part in parts])
+        self.cache = cache
+        self.prefills = parts
+        self.new_slots = torch.cat([part.new_slots for part in parts]) if len(parts) > 1 else None
+        #: (first part, how many, their earlier positions' slots, the mask): runs of parts at one
+        #: start with one length, one attention each
+        self.runs: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]] = []
+        first = 0
+        for i in range(1, len(parts) + 1):
+            here = parts[min(i, len(parts) - 1)]
+            if i < len(parts) and (here.start, here.length) == (parts[first].start, parts[first].length):
+                continue
+            run = parts[first:i]
+            lead = run[0]
+            slots = mask = None
+            if lead.start and len(run) > 1:
+                slots = torch.cat([part.all_slots for part in run if part.all_slots is not None])
+                total = lead.start + lead.length
+                q_pos = torch.arange(lead.start, total, device=cache.device)[:, None]
+                mask = torch.arange(total, device=cache.device)[None, :] <= q_pos
+            self.runs.append((first, len(run), slots, mask))
+            first = i
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.new_slots is None:
+            return super().attend(layer, q, k, v)
+        pool_k, pool_v = self.cache.k[layer], self.cache.v[layer]
+        pool_k.index_copy_(0, self.new_slots, k)
+        pool_v.index_copy_(0, self.new_slots, v)
+        outs = []
+        row = 0
+        for first, count, slots, mask in self.runs:
+            part = self.prefills[first]
+            end = row + part.length * count
+            if count == 1:
+                outs.append(part.written(layer, q[row:end], k[row:end], v[row:end]))
+                row = end
+                continue
+            # [count, heads, length, D]: each sequence's rows their own attention
+            qh = q[row:end].unflatten(0, (count, part.length)).transpose(1, 2)
+            if slots is None:  # from position 0: the chunks are their sequences
+                kh, vh = (t[row:end].unflatten(0, (count, part.length)).transpose(1, 2) for t in (k, v))
+                out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+            else:
+                kh, vh = (pool.index_select(0, slots).unflatten(0, (count, -1)).transpose(1, 2)
+                          for pool in (pool_k, pool_v))  # fmt: skip
+                out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+            outs.append(out.transpose(1, 2).flatten(0, 1))
+            row = end
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
 #: the most bytes a decode batch's dense K/V (every layer, K and V) may take; a batch past it gathers
