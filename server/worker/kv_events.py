@@ -135,7 +135,7 @@ class KvEventLog:
     def page(self) -> bytes:
         """The oldest waiting events, as one JSON list of at most ``answer_bytes`` (or one event);
         each is returned once. The JSON is built outside the lock, from the events taken."""
-        taken = []
+        taken: list[tuple[int, int, int | None, bytes]] = []
         with self._lock:
             events, size = self._events, 2
             while events:
