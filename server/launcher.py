@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import secrets
@@ -48,6 +49,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
+from server import logs
 from server.auth import SECRET_ENV as SHARED_SECRET_ENV
 from server.cli import cannot_listen, missing_extra
 from server.metrics_access import METRICS_TOKEN_ENV
@@ -65,6 +67,8 @@ STOP_MARGIN_S = 15.0
 POLL_S = 0.2
 #: the cluster name of ``up --cluster`` unless --cluster-name says otherwise
 DEFAULT_CLUSTER_NAME = "local"
+
+log = logging.getLogger("fastcore.launcher")
 
 
 @dataclass
@@ -134,6 +138,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=300.0,
         help="give up if not healthy by then (default %(default)g)",
     )
+    logs.add_arguments(parser)  # the launcher's lines and every child's
     cluster = parser.add_argument_group("cluster (workers found through discovery instead of urls)")
     cluster.add_argument("--cluster", action="store_true",
                          help="workers register in a cluster store that the orchestrator watches: a local "
@@ -229,7 +234,8 @@ def plan(args: argparse.Namespace, cluster_uri: str | None = None) -> list[Child
                 argv += ["--tool-call-parser", args.tool_call_parser]
             if args.script:  # the children's working directory may differ
                 argv += ["--script", os.path.abspath(args.script)]
-            argv += ["--drain-timeout", f"{args.drain_timeout_s:g}", *allow, *cluster_args]
+            argv += ["--drain-timeout", f"{args.drain_timeout_s:g}", "--log-format", args.log_format, *allow,
+                     *cluster_args]  # fmt: skip
             children.append(Child(f"{role} worker {i}", argv, port))
             urls[role].append(f"{args.host}:{port}")
             port += 1
@@ -251,6 +257,7 @@ def plan(args: argparse.Namespace, cluster_uri: str | None = None) -> list[Child
         "--relay", args.relay,
         "--workers", str(args.orchestrator_workers),
         "--drain-timeout-s", f"{args.drain_timeout_s:g}",
+        "--log-format", args.log_format,
         *gate_flags(args),
     ]  # fmt: skip
     children.append(Child("orchestrator", orchestrator, args.port))
@@ -283,12 +290,8 @@ def _report_dead(children: list[Child]) -> bool:
     dead = [c for c in children if c.exit_code is not None]
     for child in dead:
         assert child.proc is not None
-        print(
-            f"fastcore-serve: {child.name} (pid {child.proc.pid}, port {child.port}) exited with code "
-            f"{child.exit_code}; stopping the others",
-            file=sys.stderr,
-            flush=True,
-        )
+        log.error("%s (pid %d, port %d) exited with code %s; stopping the others", child.name, child.proc.pid,
+                  child.port, child.exit_code)  # fmt: skip
     return bool(dead)
 
 
@@ -304,10 +307,7 @@ def stop_all(children: list[Child], grace_s: float = STOP_GRACE_S) -> None:
         try:
             child.proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            print(
-                f"fastcore-serve: {child.name} ignored SIGTERM for {grace_s:.0f} s; killing it",
-                file=sys.stderr,
-            )
+            log.warning("%s ignored SIGTERM for %.0f s; killing it", child.name, grace_s)
             child.proc.kill()
             child.proc.wait()
 
@@ -419,6 +419,7 @@ def _local_etcd_ports(args: argparse.Namespace, children: list[Child]) -> tuple[
 
 
 def run(args: argparse.Namespace) -> int:
+    logs.configure("launcher", logging.INFO, args.log_format)
     cluster = clustered(args)
     try:
         check_cluster_args(args)
@@ -451,11 +452,14 @@ class _StopRequest:
 
     def __init__(self) -> None:
         self.requested = False
+        #: the signal's name, for the stop line
+        self.signal = ""
         signal.signal(signal.SIGINT, self._note)
         signal.signal(signal.SIGTERM, self._note)
 
     def _note(self, signum: int, frame: Any) -> None:
         self.requested = True
+        self.signal = signal.Signals(signum).name
 
 
 def _deploy(args: argparse.Namespace, children: list[Child], cluster_uri: str | None,
@@ -497,14 +501,16 @@ def _deploy(args: argparse.Namespace, children: list[Child], cluster_uri: str | 
         model = served_model(f"http://{args.host}:{args.port}", args.model)
         where = _cluster_line(args, cluster_uri, etcd) if cluster else None
         print(banner(args, model, where, children), flush=True)
+        log.info("up: %s", ", ".join(f"{c.name} pid {c.proc.pid}" for c in watched if c.proc is not None))
         while not stop.requested:
             if _report_dead(watched):
                 return 1
             time.sleep(POLL_S)
-        print("fastcore-serve: stopping", flush=True)
         return 0
     finally:
         remove_secret_file(secret_file)
+        if stop.requested:
+            log.info("%s: stopping every child (each drains up to %g s)", stop.signal, args.drain_timeout_s)
         if cluster:
             # The workers first (they deregister, from the orchestrator's registry too), then the
             # orchestrator, then the etcd they deregistered from.
@@ -514,6 +520,7 @@ def _deploy(args: argparse.Namespace, children: list[Child], cluster_uri: str | 
             stop_all(children, grace)
         if etcd is not None:
             etcd.stop()
+        log.info("exited")
 
 
 def _wait_until_up(args: argparse.Namespace, watched: list[Child], stop: _StopRequest) -> int | None:
@@ -535,9 +542,7 @@ def _wait_until_up(args: argparse.Namespace, watched: list[Child], stop: _StopRe
         if _report_dead(watched):
             return 1
         if time.monotonic() > deadline:
-            print(
-                f"fastcore-serve: not healthy after {args.startup_timeout_s:.0f} s; stopping", file=sys.stderr
-            )
+            log.error("not healthy after %.0f s; stopping", args.startup_timeout_s)
             return 1
         time.sleep(POLL_S)
     return None

@@ -488,6 +488,65 @@ def test_up_cluster_with_the_embedded_registry():
         assert f"the orchestrator's embedded registry at {uri}, name local" in printed[1]
     finally:
         up.stop()
+    lines = _log_lines(up.stderr)
+    # one "registered at" per worker: its own (the registry's record of it is a debug line)
+    assert sum("registered at" in line for line in lines) == 2, "".join(up.stderr)[-3000:]
+    orchestrator = next(line for line in lines if " orchestrator[" in line and "listening on" in line)
+    assert f"cluster={uri}" in orchestrator
+    workers = [line for line in lines if "-worker[" in line and "listening on" in line]
+    assert len(workers) == 2 and all(f"cluster={uri}" in line for line in workers)
+
+
+#: server/logs.py's text line: UTC time, role[pid], level, logger
+_LOG_LINE = re.compile(
+    r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (launcher|context-worker|generation-worker|orchestrator)"
+    r"\[(\d+)\] (DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: "
+)
+
+
+def _log_lines(stderr: list[str]) -> list[str]:
+    """Every line of the launcher's and its children's stderr, each checked to be in the one format."""
+    odd = [line for line in stderr if not _LOG_LINE.match(line)]
+    assert not odd, "lines not in the log format:\n" + "".join(odd[:20])
+    return stderr
+
+
+def test_every_process_of_up_logs_in_one_format_says_what_is_on_and_when_it_stops():
+    up = Up("--model", "synthetic", "--startup-timeout-s", "120", env={**os.environ, "FASTCORE_API_KEY": "k"})
+    try:
+        up.wait_for("up: context worker 0 pid")  # logged after the banner: everything is up
+        up.proc.send_signal(signal.SIGINT)
+        assert up.proc.wait(60) == 0
+    finally:
+        up.stop()
+    lines = _log_lines(up.stderr)
+    roles = {_LOG_LINE.match(line).group(1) for line in lines}  # type: ignore[union-attr]
+    assert roles == {"launcher", "context-worker", "generation-worker", "orchestrator"}
+    start = next(line for line in lines if " orchestrator[" in line and "listening on" in line)
+    for feature in ("api_keys=on", "admission=off", "tracing=off", "cluster=off", "worker_protocol=trtllm",
+                    "relay=fast"):  # fmt: skip
+        assert feature in start, start
+    for role in ("context-worker", "generation-worker", "orchestrator"):
+        own = [line.split(": ", 1)[1] for line in lines if f" {role}[" in line]
+        assert any(line.startswith("SIGTERM: stopping") for line in own), own
+        assert own[-2:] == ["drained\n", "exited\n"], own
+    launcher_lines = [line.split(": ", 1)[1] for line in lines if " launcher[" in line]
+    assert launcher_lines[-2].startswith("SIGINT: stopping every child") and launcher_lines[-1] == "exited\n"
+
+
+def test_up_log_format_json_is_one_object_per_line_from_every_process():
+    up = Up("--model", "synthetic", "--log-format", "json", "--startup-timeout-s", "120")
+    try:
+        up.wait_for('"up: context worker 0 pid')
+        up.proc.send_signal(signal.SIGINT)
+        assert up.proc.wait(60) == 0
+    finally:
+        up.stop()
+    records = [json.loads(line) for line in up.stderr]
+    assert {tuple(sorted(r)) for r in records} == {("level", "logger", "message", "pid", "role", "time")}
+    assert {r["role"] for r in records} == {"launcher", "context-worker", "generation-worker", "orchestrator"}
+    assert {r["message"] for r in records if r["role"] != "launcher"} >= {"drained", "exited"}
+    assert [r["message"] for r in records if r["role"] == "launcher"][-1] == "exited"
 
 
 def test_up_cluster_without_an_etcd_binary_says_what_to_do_in_one_line():

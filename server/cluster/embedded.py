@@ -231,7 +231,8 @@ class EmbeddedRegistry:
         ttl = min(float(ttl), self.settings.inactive_timeout_s)
         self._entries[key] = (record, record.to_json().decode(), time.monotonic() + ttl)
         if known is None or known[0] != record:
-            log.info("cluster: %s worker %s registered at %s", record.role, worker_id, record.url)
+            # debug: the worker says it registered, the orchestrator's discovery that it joined
+            log.debug("cluster registry: %s worker %s recorded at %s", record.role, worker_id, record.url)
             self._bump()
         out.send(200, json.dumps({"ttl_s": ttl, "version": self.version}).encode())
 

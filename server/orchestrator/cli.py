@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, get_args
 
 from pydantic import BaseModel
 
+from server import logs
 from server.cli import cannot_listen
 from server.ports import listen_problem, port_problem
 
@@ -165,9 +166,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-inflight", type=int, help="admission: completions in the workers at once, all processes"
     )
-    parser.add_argument("--max-queue", type=int, help="admission: completions waiting for a slot (429 beyond)")
     parser.add_argument(
-        "--max-queue-wait-s", type=float, help="admission: seconds a completion may wait for a slot (429 beyond)"
+        "--max-queue", type=int, help="admission: completions waiting for a slot (429 beyond)"
+    )
+    parser.add_argument(
+        "--max-queue-wait-s",
+        type=float,
+        help="admission: seconds a completion may wait for a slot (429 beyond)",
     )
     parser.add_argument(
         "--strict-config",
@@ -175,6 +180,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="refuse a config key the orchestrator does not use (a misspelling), instead of warning",
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    logs.add_arguments(parser)
     _show_defaults(parser)
 
 
@@ -257,9 +263,10 @@ async def serve(config: OrchestratorConfig, *, reuse_port: bool, fleet: Fleet | 
     keep_heap_for_bodies()  # its bodies from a kept heap, trimmed when quiet (server/http/memory.py)
 
     stop = asyncio.Event()
+    told: list[str] = []  # the signal that stopped it, for the stop line
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, _told, stop, told, sig)
     try:
         runner, orchestrator = await start_server(config, reuse_port=reuse_port, fleet=fleet)
     except OSError as exc:  # the port was taken after run()'s check
@@ -276,27 +283,44 @@ async def serve(config: OrchestratorConfig, *, reuse_port: bool, fleet: Fleet | 
     loop.add_signal_handler(signal.SIGHUP, reload_keys, orchestrator.keys)
     # --workers N: this process's scrape-time values written where the others' scrapes read them.
     metrics_sync = asyncio.ensure_future(orchestrator.registry.keep_synced())
-    log.info(
-        "orchestrator listening on http://%s:%d (pid %d, worker_protocol %s, relay %s, gen_tokids_ctxbytes=%s, "
-        "gen_strip_message_history=%s)",
-        config.hostname,
-        config.port,
-        multiprocessing.current_process().pid,
-        orchestrator.protocol.name,
-        orchestrator.relay.name,
-        config.gen_tokids_ctxbytes,
-        config.gen_strip_message_history,
-    )
+    log.info("orchestrator listening on http://%s:%d; %s", config.hostname, config.port,
+             started_features(config, orchestrator))  # fmt: skip
     try:
         await stop.wait()
         # SIGTERM: stop accepting, let requests in flight finish up to the deadline, cancel the rest.
+        log.info("%s: stopping, draining requests in flight (up to %g s)", told[0], config.drain_timeout_s)
         await orchestrator.drain(config.drain_timeout_s)
+        log.info("drained")
     finally:
         metrics_sync.cancel()
         if fleet is not None:
             await fleet.stop()
         await runner.cleanup()
         orchestrator.registry.sync()  # the last totals of a process that stops
+        log.info("exited")
+
+
+def _told(stop: asyncio.Event, told: list[str], sig: signal.Signals) -> None:
+    told.append(sig.name)
+    stop.set()
+
+
+def started_features(config: OrchestratorConfig, orchestrator: Any) -> str:
+    """The start line's account of what is on: a reader of the log knows what this process does."""
+    cluster = config.disagg_cluster.cluster_uri if config.disagg_cluster is not None else None
+    fleet = config.fleet_cluster.cluster_uri if config.fleet_cluster is not None else None
+    return "features: " + logs.features(
+        api_keys=orchestrator.keys is not None,
+        admission=orchestrator.admission is not None,
+        tracing=orchestrator.tracing is not None,
+        cluster=cluster,
+        fleet_cluster=fleet,
+        processes=config.workers,
+        worker_protocol=orchestrator.protocol.name,
+        relay=orchestrator.relay.name,
+        gen_tokids_ctxbytes=config.gen_tokids_ctxbytes,
+        gen_strip_message_history=config.gen_strip_message_history,
+    )
 
 
 def reload_keys(keys: ApiKeys | None) -> None:
@@ -318,10 +342,12 @@ def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
         uvloop.run(main)
 
 
-def _serve_process(config_data: dict[str, Any], log_level: str, fleet_path: str, index: int) -> None:
+def _serve_process(
+    config_data: dict[str, Any], log_level: str, log_format: str, fleet_path: str, index: int
+) -> None:
     from .fleet import Fleet
 
-    logging.basicConfig(level=log_level, format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
+    logs.configure(f"orchestrator-{index}", log_level, log_format)
     fleet = Fleet.attach(fleet_path, index)
     run_event_loop(serve(OrchestratorConfig.model_validate(config_data), reuse_port=True, fleet=fleet))
 
@@ -334,7 +360,7 @@ def give_back_slots(mapping: Mapping, index: int, name: str) -> int:
     return held
 
 
-def _run_processes(config: OrchestratorConfig, log_level: str) -> int:
+def _run_processes(config: OrchestratorConfig, log_level: str, log_format: str) -> int:
     """N processes on one port; one that dies takes the others down (and is reported).
 
     Their metrics go through one fresh directory (prometheus_client's multiprocess
@@ -349,14 +375,18 @@ def _run_processes(config: OrchestratorConfig, log_level: str) -> int:
     # slots, rate limits and breakers shared by the processes (fleet.py): made before they start
     mapping = Mapping.create(config.workers)
     procs = [
-        ctx.Process(target=_serve_process, args=(data, log_level, mapping.path, i), name=f"orchestrator-{i}")
+        ctx.Process(
+            target=_serve_process,
+            args=(data, log_level, log_format, mapping.path, i),
+            name=f"orchestrator-{i}",
+        )
         for i in range(config.workers)
     ]
-    stopping = False
+    stopping = ""
 
     def _stop(signum: int, frame: Any) -> None:
         nonlocal stopping
-        stopping = True
+        stopping = signal.Signals(signum).name
 
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
@@ -379,31 +409,32 @@ def _run_processes(config: OrchestratorConfig, log_level: str) -> int:
             for proc in dead:
                 give_back_slots(mapping, procs.index(proc), proc.name)  # the others drain with them
                 metrics_dir.process_dead(proc.pid)
-                print(
-                    f"fastcore-serve orchestrator: {proc.name} (pid {proc.pid}) exited with code {proc.exitcode}",
-                    file=sys.stderr,
-                )
+                log.error("%s (pid %s) exited with code %s", proc.name, proc.pid, proc.exitcode)
             exit_code = 1
             break
         time.sleep(0.2)
+    if stopping:
+        log.info(
+            "%s: stopping %d processes (each drains up to %g s)", stopping, len(procs), config.drain_timeout_s
+        )
     for proc in procs:
         if proc.exitcode is None:
             proc.terminate()
     for proc in procs:
         proc.join(config.drain_timeout_s + 10)  # each drains its requests first
         if proc.exitcode is None:
+            log.warning("%s (pid %s) still running %g s past its drain: killed", proc.name, proc.pid, 10)
             proc.kill()
             proc.join()
         metrics_dir.process_dead(proc.pid)
     metrics_dir.remove()
     mapping.remove()
+    log.info("exited (code %d)", exit_code)
     return exit_code
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s"
-    )
+    logs.configure("orchestrator", args.log_level, args.log_format)
     try:
         config = config_from_args(args)
     except ConfigError as exc:
@@ -414,6 +445,6 @@ def run(args: argparse.Namespace) -> int:
         print(cannot_listen("orchestrator", config.hostname, config.port, why), file=sys.stderr)
         return 2
     if config.workers > 1:
-        return _run_processes(config, args.log_level)
+        return _run_processes(config, args.log_level, args.log_format)
     run_event_loop(serve(config, reuse_port=False))
     return 0
