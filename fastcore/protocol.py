@@ -203,6 +203,11 @@ INFO_LOCAL_PREFILL: Final = "local_prefill"
 INFO_PREFIX_CACHING: Final = "prefix_caching"
 #: the prompt text bytes per token a worker publishes (seeds the pool's learned estimate)
 INFO_BYTES_PER_TOKEN: Final = "bytes_per_token"
+#: a second KV tier's size in tokens, the rate a hit there loads at and the prefill rate it is
+#: weighed against, tokens/s (only with a tier; a /cache_events resync's tier_rates, the last two)
+INFO_KV_TIER2_CAPACITY_TOKENS: Final = "kv_tier2_capacity_tokens"
+INFO_KV_TIER2_LOAD_TOKENS_PER_S: Final = "kv_tier2_load_tokens_per_s"
+INFO_PREFILL_TOKENS_PER_S: Final = "prefill_tokens_per_s"
 INFO_INTERNAL_AUTH: Final = "internal_auth"
 INFO_AUTH_FASTCORE_SIGNATURE: Final = "fastcore_signature"
 INFO_AUTH_TRTLLM_DISAGG_AUTH: Final = "trtllm_disagg_auth"

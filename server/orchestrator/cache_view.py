@@ -32,6 +32,7 @@ import logging
 from typing import Any
 from urllib.parse import urlencode
 
+from fastcore import protocol as wire
 from server.http.client import Deadlines, UpstreamError, UpstreamPool, UpstreamTimeout
 from server.tasks import stop_tasks
 
@@ -158,7 +159,9 @@ class _Follower:
             rates = answer.get("tier_rates")
             if isinstance(rates, dict):
                 router.tier_rates(
-                    worker, rates.get("kv_tier2_load_tokens_per_s"), rates.get("prefill_tokens_per_s")
+                    worker,
+                    rates.get(wire.INFO_KV_TIER2_LOAD_TOKENS_PER_S),
+                    rates.get(wire.INFO_PREFILL_TOKENS_PER_S),
                 )
             self.instance, self.seq = instance, seq
             self.view.resyncs += 1

@@ -115,10 +115,10 @@ class Capabilities:
             _positive(bpt),
             wire.INFO_PREFIX_CACHING in info,
         )
-        tier2 = info.get("kv_tier2_capacity_tokens")
+        tier2 = info.get(wire.INFO_KV_TIER2_CAPACITY_TOKENS)
         if type(tier2) is int and tier2 > 0:  # only with a second KV tier (docs/protocol.md)
-            caps.kv_tier2 = (tier2, _positive(info.get("kv_tier2_load_tokens_per_s")),
-                             _positive(info.get("prefill_tokens_per_s")))  # fmt: skip
+            caps.kv_tier2 = (tier2, _positive(info.get(wire.INFO_KV_TIER2_LOAD_TOKENS_PER_S)),
+                             _positive(info.get(wire.INFO_PREFILL_TOKENS_PER_S)))  # fmt: skip
         return caps
 
 

@@ -45,6 +45,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fastcore import protocol as wire
+
 from .engine_api import KVCacheFull, chain_block_hashes
 from .kv_events import ChunkEventLog, KvEventLog
 from .kv_tier2 import KVTier2, LoadJob
@@ -124,10 +126,10 @@ class PagedKVCache:
         the prefill rate it is weighed against (nothing without a tier)."""
         if self.tier2 is None:
             return {}
-        info: dict[str, Any] = {"kv_tier2_capacity_tokens": self.tier2_tokens}
+        info: dict[str, Any] = {wire.INFO_KV_TIER2_CAPACITY_TOKENS: self.tier2_tokens}
         rates = {
-            "kv_tier2_load_tokens_per_s": self.load_tokens_per_s,
-            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            wire.INFO_KV_TIER2_LOAD_TOKENS_PER_S: self.load_tokens_per_s,
+            wire.INFO_PREFILL_TOKENS_PER_S: self.prefill_tokens_per_s,
         }
         info.update((k, round(v, 1)) for k, v in rates.items() if v > 0)
         return info

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qs
 
+from fastcore import protocol as wire
 from server.cache_keys import prompt_keys
 from server.errors import HTTPError
 
@@ -438,8 +439,8 @@ async def follow_cache_events(cache: Any, instance: str, query: bytes, chunk_byt
     if log is None:
         log = cache.chunks = ChunkEventLog(instance, chunk_bytes, cache.block_size)
     if getattr(cache, "tier2_tokens", 0):  # at each ask: the torch worker's rates are measured
-        log.tier_rates = {"kv_tier2_load_tokens_per_s": cache.load_tokens_per_s,
-                          "prefill_tokens_per_s": cache.prefill_tokens_per_s}  # fmt: skip
+        log.tier_rates = {wire.INFO_KV_TIER2_LOAD_TOKENS_PER_S: cache.load_tokens_per_s,
+                          wire.INFO_PREFILL_TOKENS_PER_S: cache.prefill_tokens_per_s}  # fmt: skip
     names = params.get("instance")
     if names and names[-1] == instance:
         await log.wait(after, wait)

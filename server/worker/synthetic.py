@@ -54,6 +54,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from fastcore import protocol as wire
+
 from .engine_api import (
     DEFAULT_BLOCK_SIZE,
     NOT_FINISHED,
@@ -464,11 +466,11 @@ class SyntheticEngine:
         cache = self.cache
         if not cache.tier2_tokens:
             return {}
-        info: dict[str, Any] = {"kv_tier2_capacity_tokens": cache.tier2_tokens}
+        info: dict[str, Any] = {wire.INFO_KV_TIER2_CAPACITY_TOKENS: cache.tier2_tokens}
         if cache.load_tokens_per_s:
-            info["kv_tier2_load_tokens_per_s"] = cache.load_tokens_per_s
+            info[wire.INFO_KV_TIER2_LOAD_TOKENS_PER_S] = cache.load_tokens_per_s
         if cache.prefill_tokens_per_s:
-            info["prefill_tokens_per_s"] = cache.prefill_tokens_per_s
+            info[wire.INFO_PREFILL_TOKENS_PER_S] = cache.prefill_tokens_per_s
         return info
 
     @property
