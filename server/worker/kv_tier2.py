@@ -245,21 +245,23 @@ class KVTier2:
         with cache._lock:
             ops, self._ops = self._ops, []
         spills: list[tuple[_Entry, int]] = []
-        staged: list[tuple[LoadJob, list[torch.Tensor], Any]] = []
+        staged: list[tuple[LoadJob, list[torch.Tensor]]] = []
         for op in ops:
             if isinstance(op, LoadJob):
                 self._spill_now(spills)
                 spills = []
-                began = self.store.start()
-                data = (
-                    self.store.read([e for e, _ in op.moves]) if op.reading is None else op.reading.result()
-                )
-                staged.append((op, [d.to(self.device) for d in data], began))
+                if op.reading is None:  # the memory store: the load's copy out of the tier, timed
+                    began = self.store.start()
+                    data = self.store.read([e for e, _ in op.moves])
+                    self.store.timed(len(data) * self.block_bytes, began)
+                else:  # the file store: read (and timed) by its reader
+                    data = op.reading.result()
+                staged.append((op, [d.to(self.device) for d in data]))
             else:
                 spills.append(op)
         self._spill_now(spills)
-        for job, data, began in staged:
-            self._load_now(job, data, began)
+        for job, data in staged:
+            self._load_now(job, data)
         self.store.settle_timings()
 
     def _gather(self, blocks: list[int]) -> torch.Tensor:
@@ -275,7 +277,7 @@ class KVTier2:
         if spills:
             self.store.write([e for e, _ in spills], self._gather([b for _, b in spills]))
 
-    def _load_now(self, job: LoadJob, data: list[torch.Tensor], began: Any) -> None:
+    def _load_now(self, job: LoadJob, data: list[torch.Tensor]) -> None:
         """``data``: the job's blocks read from the tier (copies), up to the first that failed."""
         cache = self.cache
         good = len(data)
@@ -286,7 +288,6 @@ class KVTier2:
             flat = kv.permute(1, 2, 0, 3, 4, 5).reshape(2, kv.shape[2], -1, *kv.shape[4:])
             cache.k.index_copy_(1, idx, flat[0])
             cache.v.index_copy_(1, idx, flat[1])
-            self.store.timed(good * self.block_bytes, began)
         cache.loaded(job, good)
         self.loaded_blocks_total += good
         self.failed_blocks_total += len(job.moves) - good
