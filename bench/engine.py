@@ -385,7 +385,7 @@ def bench_itl(
     whole: dict[str, float] = {}
     # room for the whole-context prompt beside the streams' 1,800 tokens each
     kv_tokens = max(DEFAULT_KV_TOKENS, config.max_context + args.streams * 2048)
-    for chunk, ratio in chunks or args.chunks:
+    for chunk, ratio in args.chunks if chunks is None else chunks:
         engine = TorchEngine(config, model, tokenizer, device=device, prefill_chunk_tokens=chunk,
                              prefill_step_ratio=ratio, kv_tokens=kv_tokens)  # fmt: skip
 
@@ -504,17 +504,21 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in (quick if args.quick else full).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    args.concurrency = [int(n) for n in args.concurrency.split(",")]
-    args.chunks = [parse_chunk(item) for item in args.chunks.split(",")]
-    args.long_chunks = [parse_chunk(item) for item in args.long_chunks.split(",")]
+    # empty: none of those rows (--concurrency '' --chunks '' --long-context N: the long rows alone)
+    args.concurrency = [int(n) for n in args.concurrency.split(",") if n]
+    args.chunks = [parse_chunk(item) for item in args.chunks.split(",") if item]
+    args.long_chunks = [parse_chunk(item) for item in args.long_chunks.split(",") if item]
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(args.torch_threads)
     print(f"## tiny Llama ({tiny_config().max_position_embeddings}-token context), device {device}, "
           f"{args.torch_threads} torch threads, {PROMPT_TOKENS}-token prompts, {args.max_tokens} tokens each\n")  # fmt: skip
-    decode_table, decode, same_text = bench_decode(args, device)
-    print("### Decode tokens/s and TTFT: ours (continuous batching) vs transformers' static batch\n")
-    print(decode_table)
-    print(f"\ngreedy tokens identical to transformers' (in process): {'yes' if same_text else 'NO'}")
+    decode: list[dict[str, Any]] = []
+    same_text = True
+    if args.concurrency:
+        decode_table, decode, same_text = bench_decode(args, device)
+        print("### Decode tokens/s and TTFT: ours (continuous batching) vs transformers' static batch\n")
+        print(decode_table)
+        print(f"\ngreedy tokens identical to transformers' (in process): {'yes' if same_text else 'NO'}")
     itl_rows, itl = bench_itl(args, device)
     if args.long_context:
         long_rows, long_itl = bench_itl(args, device, args.long_context, args.long_chunks)

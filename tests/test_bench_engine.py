@@ -73,3 +73,17 @@ def test_a_quick_run_writes_every_table_and_the_same_text_as_transformers(tmp_pa
         and "p99 prefill / alone" in printed
         and "time per token at 1 request" in printed
     )
+
+
+def test_the_long_context_rows_alone(tmp_path: Path) -> None:
+    """--concurrency '' --chunks '': no decode table and no rows at the tiny model's own context, the
+    --long-context rows only (no PNG without decode rows)."""
+    out = tmp_path / "long.json"
+    argv = ["--concurrency", "", "--chunks", "", "--long-context", "320", "--long-chunks", "64:0", "--base-steps",
+            "8", "--torch-threads", "1", "--device", "cpu", "--output", str(out)]  # fmt: skip
+    assert bench_engine.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["decode"] == [] and [(r["context"], r["prefill_chunk_tokens"]) for r in result["itl"]] == [
+        (320, 64)
+    ]
+    assert not (tmp_path / "long.png").exists()
