@@ -251,6 +251,20 @@ def test_a_load_is_taken_only_when_faster_than_prefill() -> None:
     assert _tier(cache).held_blocks == 2  # kept, not taken
 
 
+def test_a_tier_slower_than_prefill_spills_one_eviction_in_sixteen() -> None:
+    """No copy for nothing: while loading is slower than prefill an evicted block is dropped as
+    without a tier, but one in 16 still spills (its copy keeps the load rate measured)."""
+    cache = _cache(32, 64)
+    _hold(_tier(cache), prefill=10_000.0, load=1_000.0)
+    _fill(cache, _ids(31, 0), 1)
+    _evict_all(cache)
+    assert cache.evicted_blocks_total == 31 and _tier(cache).spilled_blocks_total == 1
+    _hold(_tier(cache), prefill=1_000.0, load=10_000.0)
+    _fill(cache, _ids(31, 100), 2)
+    _evict_all(cache)
+    assert _tier(cache).spilled_blocks_total == 1 + 31
+
+
 def test_the_cache_events_say_the_tier_moves() -> None:
     cache = _cache(8, 2)
     log = cache.chunks = ChunkEventLog("w", CHUNK, BS)

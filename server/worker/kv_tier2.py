@@ -35,6 +35,8 @@ device had finished; mixed steps less the measured decode-only time). Before a
 prefill is measured a load is taken (nothing can be in the tier before a prefill anyway). A load
 that fails (a file missing, cut short or corrupt: its checksum) is a miss: the request's cached
 prefix ends before that block and prefill computes the rest (:meth:`PagedKVCache.settle`).
+While loading is slower than prefill, evicted blocks are dropped as without a tier but for one in
+:data:`SLOW_TIER_SAMPLE`, whose copy keeps the load rate measured.
 
 **Events.** A spilled block's keys ``moved`` to tier 2, a loaded one's back to tier 1 (once it is
 registered on the device again), a block dropped from the tier or whose load failed ``removed``
@@ -66,6 +68,9 @@ log = logging.getLogger(__name__)
 MAX_WRITES_IN_FLIGHT = 256
 #: how much of a rate's decaying sums each new measurement replaces (~20 measurements of memory)
 RATE_DECAY = 0.05
+#: while loading is slower than prefill, one eviction in this many still spills (the copies keep
+#: the load rate measured); the others are dropped, as without a tier: no copy for nothing
+SLOW_TIER_SAMPLE = 16
 #: a spill file: magic, the block's chained hash (16), the payload's length, its BLAKE2b-128
 _MAGIC = b"FCKV2\0\0\0"
 _HEADER = struct.Struct("<8s16sQ16s")
@@ -173,6 +178,7 @@ class KVTier2:
         self._free_slots = list(range(self.capacity_blocks - 1, -1, -1))
         #: spills and loads in the order they were decided, run by the next flush
         self._ops: list[tuple[_Entry, int] | LoadJob] = []
+        self._evictions = 0
         self.store: _MemoryStore | _FileStore = (
             _FileStore(Path(path), self) if path else _MemoryStore(self, self.capacity_blocks)
         )
@@ -192,6 +198,9 @@ class KVTier2:
     def spill(self, block: int, digest: bytes, chunk: bytes) -> tuple[bool, list[bytes]]:
         """Queue an evicted block's copy into the tier: (kept, the digests dropped for room)."""
         if not self.capacity_blocks or not self.store.accepts():
+            return False, []
+        self._evictions += 1
+        if self._evictions % SLOW_TIER_SAMPLE and not self.rates.worth_loading(self.block_size):
             return False, []
         dropped = []
         old = self._entries.pop(digest, None)
