@@ -123,7 +123,8 @@ async def _send_until_answered(writer: asyncio.StreamWriter, data: bytes, answer
             writer.write(view[sent : sent + (1 << 20)])
             sent = min(len(view), sent + (1 << 20))
             drain = asyncio.ensure_future(writer.drain())
-            await asyncio.wait({drain, answer}, return_when=asyncio.FIRST_COMPLETED)
+            either: set[asyncio.Future[Any]] = {drain, answer}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
             if not drain.done():
                 drain.cancel()
             else:
@@ -331,7 +332,7 @@ async def run_phases(base_url: str, body: bytes, *, concurrency: int, timeout: f
     results: list[PhaseResult] = []
 
     async def phase(name: str, kinds: tuple[str, ...]) -> None:
-        result = PhaseResult(name, LevelResult(name, concurrency, None, 0, 0, 0, 0.0, 0.0, *[None] * 6))
+        result = PhaseResult(name, LevelResult.empty(name, concurrency))
         result.rss_before = await asyncio.to_thread(rss)
         peak, stop = [result.rss_before], asyncio.Event()
         sampler = asyncio.ensure_future(_rss_sampler(rss, peak, stop))

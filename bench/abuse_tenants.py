@@ -537,7 +537,7 @@ async def _mix_phase(url: str, body: bytes, s: TenantAbuseSettings, spec: dict[s
     before = await asyncio.to_thread(_scrape_mix, metrics_url)
     proc = await _start_attacker({**spec, "settings": {**spec["settings"], "existing": existing}})
     await asyncio.sleep(0.5)  # the attacks in place before the honest load
-    phase = MixPhase(LevelResult(label, s.concurrency, None, 0, 0, 0, 0.0, 0.0, *[None] * 6), existing)
+    phase = MixPhase(LevelResult.empty(label, s.concurrency), existing)
     phase.honest = await _honest(url, body, s, label, phase.honest_errors)
     phase.attack = await _stop_attacker(proc)
     after = await asyncio.to_thread(_scrape_mix, metrics_url)

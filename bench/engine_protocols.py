@@ -23,7 +23,7 @@ engines' PD protocols (reference)"):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 #: the kv_transfer_params the reference proxy (toy_proxy_server.py) puts on a NIXL prefill leg
 NIXL_PREFILL_PARAMS: dict[str, Any] = {
@@ -53,7 +53,7 @@ def effective_max_tokens(req: dict[str, Any], chat: bool) -> Any:
     return req.get("max_tokens")
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

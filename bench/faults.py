@@ -570,7 +570,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     suffix = "_quick" if args.quick else ""
-    engines = engine_faults.PROTOCOLS if args.worker_protocol == "all" else ()
+    engines: tuple[str, ...] = engine_faults.PROTOCOLS if args.worker_protocol == "all" else ()
     if args.worker_protocol in engine_faults.PROTOCOLS:
         engines = (args.worker_protocol,)
     if engines:

@@ -53,6 +53,11 @@ class LevelResult:
     latency_p99_ms: float | None
     error_samples: list[str] = field(default_factory=list)
 
+    @classmethod
+    def empty(cls, label: str, concurrency: int | None) -> LevelResult:
+        """No request yet: a phase's result, filled in as it runs."""
+        return cls(label, concurrency, None, 0, 0, 0, 0.0, 0.0, None, None, None, None, None, None)
+
 
 def percentile(values: Sequence[float], q: float) -> float | None:
     """Nearest-rank percentile (q in 0..100); None for no values."""

@@ -506,7 +506,7 @@ def interleaved(
     in turn, the fronts' order rotated by one each round (so no front always follows the same one or
     always comes first): ``(round, stream, concurrency, front)``. A burst of load from the machine's
     other tenants then lands on one round of several fronts, not on every level of one."""
-    order = []
+    order: list[tuple[int, bool, int, str]] = []
     for r in range(rounds):
         turn = fronts[r % len(fronts) :] + fronts[: r % len(fronts)] if fronts else []
         for stream, c in levels:

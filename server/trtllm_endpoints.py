@@ -81,7 +81,9 @@ class TrtllmEndpoints:
         if path in _GUARDED:
             refused = self.access.refusal(request.header(b"authorization"), out.peer)
             if refused is not None:
-                out.send_error(refused.status, refused.message, code=refused.code, headers=refused.header_lines())
+                out.send_error(
+                    refused.status, refused.message, code=refused.code, headers=refused.header_lines()
+                )
                 return
         if path == b"/version":
             out.send(200, self._version)
@@ -110,7 +112,7 @@ class TrtllmEndpoints:
             except (ValueError, RecursionError):
                 obj = None
             value = obj.get("offset") if isinstance(obj, dict) else None
-            if type(value) in (int, float) and math.isfinite(value):
+            if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
                 offset = float(value)
         if offset is None:
             out.send_error(400, 'POST /steady_clock_offset takes {"offset": <seconds, a finite number>}',

@@ -23,7 +23,7 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 #: roles a worker may register with (server.worker.app.ROLES)
@@ -48,7 +48,7 @@ KEY_ROOT = "/fastcore"
 #: the key prefix of every trtllm-serve cluster (its get_worker_key_prefix)
 TRTLLM_KEY_ROOT = "/trtllm-disagg"
 #: record layouts / key prefixes: ours and trtllm-serve's
-LAYOUTS = ("fastcore", "trtllm")
+LAYOUTS: tuple[Literal["fastcore", "trtllm"], ...] = ("fastcore", "trtllm")
 #: the cluster's timings unless configured (ClusterSettings', the worker's flags', the orchestrator's
 #: disagg_cluster keys'): seconds between a worker's heartbeats, seconds of silence before it is gone
 HEARTBEAT_INTERVAL_S = 5.0

@@ -109,7 +109,8 @@ class PoolConfig(BaseModel):
     router: RouterConfig = Field(default_factory=RouterConfig)
     urls: list[str] = Field(default_factory=list)
     # trtllm-serve's count of workers to launch; here informational, as the urls are given.
-    num_instances: int | None = Field(None, ge=0)
+    # default=: a positional default is no default to a type checker (PEP 681 reads the keyword)
+    num_instances: int | None = Field(default=None, ge=0)
 
     @field_validator("urls")
     @classmethod
@@ -252,11 +253,11 @@ class AdmissionConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # completions of one orchestrator process in the workers at once (both legs: one slot)
-    max_inflight: int = Field(256, ge=1)
+    max_inflight: int = Field(default=256, ge=1)
     # completions waiting for a slot; one more gets 429 (0: no queue)
-    max_queue: int = Field(1024, ge=0)
+    max_queue: int = Field(default=1024, ge=0)
     # a completion not started within this gets 429
-    max_queue_wait_s: float = Field(30.0, gt=0)
+    max_queue_wait_s: float = Field(default=30.0, gt=0)
     # the body's priority: false (every request 0), true (any) or [min, max] (clamped into it);
     # a key's priority=MIN..MAX in api_keys_file narrows it for that key
     client_priority: bool | tuple[int, int] = False
