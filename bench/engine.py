@@ -442,14 +442,14 @@ def plot(decode: list[dict[str, Any]], itl: list[dict[str, Any]], path: Path) ->
     left.set_ylabel("decode tokens/s")
     left.set_title("decode throughput (higher is better)")
     left.legend()
-    labels = [f"{chunk_label(r['prefill_chunk_tokens'], r.get('prefill_step_ratio', 0.0))}\n{r['path']}"
-              for r in itl]  # fmt: skip
+    labels = [f"{chunk_label(r['prefill_chunk_tokens'], r.get('prefill_step_ratio', 0.0))}\n"
+              + r["path"].replace(", ", "\n").replace("-token context", " tokens") for r in itl]  # fmt: skip
     right.bar(range(len(itl)), [r["ratio_p99"] for r in itl])
     right.axhline(2.0, color="red", linestyle="--", label="target: 2x")
     right.set_yscale("log")
     right.set_xticks(range(len(itl)), labels, fontsize=7)
     right.set_ylabel("ITL p99 during the prefill / alone")
-    right.set_title("running streams while a whole-context prompt prefills (lower is better)")
+    right.set_title("streams' ITL while a whole-context prompt prefills (lower is better)")
     right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
