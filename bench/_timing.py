@@ -42,7 +42,13 @@ def instructions_per_loop(argv: Callable[[int], list[str]], loops: tuple[int, in
     with tempfile.TemporaryDirectory() as tmp:
         for count in loops:
             out = os.path.join(tmp, f"callgrind.{count}")
-            command = [valgrind, "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, *argv(count)]
+            command = [
+                valgrind,
+                "--tool=callgrind",
+                f"--callgrind-out-file={out}",
+                sys.executable,
+                *argv(count),
+            ]
             subprocess.run(command, check=True, env=env, capture_output=True)
             with open(out) as f:
                 match = re.search(r"^totals: (\d+)", f.read(), re.MULTILINE)

@@ -109,7 +109,9 @@ async def drive(url: str, phase: Phase, warmup_s: float) -> None:
                 await asyncio.sleep(RETRY_PAUSE_S)
 
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=120)
+    ) as session:
         await asyncio.gather(*(loop(session, t, p) for t, p, n in STREAMS for _ in range(n)))
 
 
@@ -131,7 +133,9 @@ def config_file(directory: Path, phase: Phase | None, max_inflight: int) -> list
 def run_phase(phase: Phase, warmup_s: float) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         args = config_file(Path(tmp), phase, MAX_INFLIGHT)
-        dep = Deployment("gates-off", PROMPT_TOKENS, token_latency_ms=TOKEN_LATENCY_MS, orchestrator_args=args)
+        dep = Deployment(
+            "gates-off", PROMPT_TOKENS, token_latency_ms=TOKEN_LATENCY_MS, orchestrator_args=args
+        )
         with dep:
             asyncio.run(drive(dep.url, phase, warmup_s))
 
@@ -330,7 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.admission", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="3 s a phase, no live CPU run")
     p.add_argument("--seconds", type=float, default=20.0, help="measured seconds a phase")
-    p.add_argument("--cpu-requests", type=int, default=2000, help="requests per live CPU measurement (0: none)")
+    p.add_argument(
+        "--cpu-requests", type=int, default=2000, help="requests per live CPU measurement (0: none)"
+    )
     p.add_argument("--output", type=Path, default=RESULTS_DIR / "admission.json")
     args = p.parse_args(argv)
     seconds = 3.0 if args.quick else args.seconds

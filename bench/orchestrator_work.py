@@ -155,7 +155,12 @@ def _loop(size: int, tokids: bool, strip: bool, loops: int) -> None:
 def count_instructions(size: int, tokids: bool, strip: bool, loops: tuple[int, int]) -> float:
     """CPU instructions per request of the fast relay (callgrind, difference of two runs)."""
     return instructions_per_loop(
-        lambda count: ["-m", "bench.orchestrator_work", "--_loop", f"{size},{int(tokids)},{int(strip)},{count}"],
+        lambda count: [
+            "-m",
+            "bench.orchestrator_work",
+            "--_loop",
+            f"{size},{int(tokids)},{int(strip)},{count}",
+        ],
         loops,
         "--instructions needs valgrind on PATH",
     )

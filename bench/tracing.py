@@ -135,7 +135,9 @@ def hooks_cpu_us(setting: str, endpoint: str, n: int) -> float:
     return 1e6 * cpu / n
 
 
-def live_cpu_ms(setting: str, endpoint: str, *, prompt_tokens: int, requests: int, concurrency: int) -> dict[str, Any]:
+def live_cpu_ms(
+    setting: str, endpoint: str, *, prompt_tokens: int, requests: int, concurrency: int
+) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     if setting != "off":
         env.update(SETTINGS[setting])
@@ -186,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
                     runs[setting].append(m["cpu_ms_per_request"])
             best = {s: min(v) for s, v in runs.items()}
             results["live_cpu_ms_per_request"] = runs
-            print(f"\n### Live orchestrator, {args.prompt_tokens:,} prompt tokens, streaming (CPU per request)\n")
+            print(
+                f"\n### Live orchestrator, {args.prompt_tokens:,} prompt tokens, streaming (CPU per request)\n"
+            )
             print(format_table(["setting", "CPU ms/req (each round)", "best", "vs off"],
                                [[s, " ".join(f"{x:.3f}" for x in runs[s]), f"{best[s]:.3f}",
                                  f"{best[s] / best['off']:.3f}x"] for s in SETTINGS]))  # fmt: skip

@@ -275,7 +275,10 @@ def bench_generation_parse(lengths: list[int], histories: tuple[bool, ...] = (Fa
                 messages = "-" if route == "completions" else "history" if history else "last"
                 for twin, reader_class in readers.items():
                     reader = reader_class(tokenizer, "tiny", 1 << 18, "both")
-                    for form, leg in (("json", _leg(raw, msgpack=False)), ("msgpack", _leg(packed, msgpack=True))):
+                    for form, leg in (
+                        ("json", _leg(raw, msgpack=False)),
+                        ("msgpack", _leg(packed, msgpack=True)),
+                    ):
 
                         def read(leg: Request = leg, reader: Any = reader, r: Any = r) -> Any:
                             return reader.read(leg, r, auth)
@@ -327,9 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         print(bench_serving(batches, args.max_tokens, args.prompt_len, device, args.torch_threads))
     print("\n## Prompt-id path per request: base64 (fastcore) vs JSON list\n")
     print(bench_prompt_ids([int(n) for n in args.lengths.split(",")]))
-    print(
-        "\n## Generation request parse per request: the worker's reader vs json.loads of the body\n"
-    )
+    print("\n## Generation request parse per request: the worker's reader vs json.loads of the body\n")
     print(bench_generation_parse([int(n) for n in args.gen_lengths.split(",")]))
     return 0
 

@@ -134,7 +134,9 @@ class EmbeddedRegistry:
             gone = [key for key, (_, _, until) in self._entries.items() if until <= now]
             for key in gone:
                 record, _, _ = self._entries.pop(key)
-                log.warning("cluster: worker %s at %s missed its heartbeats: gone", record.worker_id, record.url)
+                log.warning(
+                    "cluster: worker %s at %s missed its heartbeats: gone", record.worker_id, record.url
+                )
             if gone:
                 self._bump()
 
@@ -267,7 +269,11 @@ class EmbeddedRegistry:
             elif path == b"/get_prefix":
                 keys_only = _flag(query, "keys_only")
                 prefix = _param(query, "key_prefix")
-                result = {k: ("" if keys_only else v) for k, (_, v, _) in self._entries.items() if k.startswith(prefix)}
+                result = {
+                    k: ("" if keys_only else v)
+                    for k, (_, v, _) in self._entries.items()
+                    if k.startswith(prefix)
+                }
             else:
                 key = _param(query, "key")
                 if path == b"/get":
@@ -305,10 +311,14 @@ class EmbeddedRegistry:
         if type(ttl) is not int and ttl is not None:
             raise _BadParam("ttl", "StorageItem field 'ttl' must be an integer number of seconds")
         if not isinstance(overwrite, bool) and overwrite is not None:
-            raise _BadParam("overwrite_if_exists", "StorageItem field 'overwrite_if_exists' must be true or false")
+            raise _BadParam(
+                "overwrite_if_exists", "StorageItem field 'overwrite_if_exists' must be true or false"
+            )
         prefix = next((p for p in self.settings.prefixes if key.startswith(p)), None)
         if prefix is None:
-            raise _BadParam("key", f"this store keeps worker records only, under {' or '.join(self.settings.prefixes)}")
+            raise _BadParam(
+                "key", f"this store keeps worker records only, under {' or '.join(self.settings.prefixes)}"
+            )
         try:  # surrogatepass: a lone surrogate from the JSON makes bytes parse_entry refuses, not a 500
             _, record = parse_entry(prefix, key.encode("utf-8", "surrogatepass"),
                                     value.encode("utf-8", "surrogatepass"))  # fmt: skip
@@ -333,12 +343,18 @@ class EmbeddedRegistry:
         try:
             ttl = int(ttl_text)
         except ValueError:
-            raise _BadParam("ttl", f"'ttl' must be an integer number of seconds, got {ttl_text[:50]!r}") from None
+            raise _BadParam(
+                "ttl", f"'ttl' must be an integer number of seconds, got {ttl_text[:50]!r}"
+            ) from None
         entry = self._entries.get(key)
         if entry is None or ttl <= 0:  # trtllm-serve's etcd storage: a ttl <= 0 is refused
             return False
         record, value, _ = entry
-        self._entries[key] = (record, value, time.monotonic() + float(min(ttl, self.settings.inactive_timeout_s)))
+        self._entries[key] = (
+            record,
+            value,
+            time.monotonic() + float(min(ttl, self.settings.inactive_timeout_s)),
+        )
         return True
 
     def _store_delete(self, key: str) -> bool:
@@ -406,4 +422,11 @@ def _flag(query: dict[str, list[str]], name: str) -> bool:
     raise _BadParam(name, f"{name!r} must be a boolean (0/1, true/false), got {text[:20]!r}")
 
 
-__all__ = ["LONG_POLL_S", "REGISTRY_PATH", "TRTLLM_STORE_ROUTES", "UNSIGNED_FLAG", "EmbeddedRegistry", "sign_registry"]
+__all__ = [
+    "LONG_POLL_S",
+    "REGISTRY_PATH",
+    "TRTLLM_STORE_ROUTES",
+    "UNSIGNED_FLAG",
+    "EmbeddedRegistry",
+    "sign_registry",
+]
