@@ -404,9 +404,9 @@ def test_the_context_deadline_grows_with_the_prompt_and_stays_below_request_time
                            "context_timeout_s": 2.0, "context_timeout_per_1k_tokens_s": 0.5,
                            "request_timeout_s": 10.0}, environ={})  # fmt: skip
     orch = Orchestrator(config)
-    assert orch._context_timeout(0) == 2.0
-    assert orch._context_timeout(4 * 4000) == 4.0  # 4,000 estimated tokens: 2 s more
-    assert orch._context_timeout(4 * 1_000_000) == 10.0
+    assert orch.context_timeout(0) == 2.0
+    assert orch.context_timeout(4 * 4000) == 4.0  # 4,000 estimated tokens: 2 s more
+    assert orch.context_timeout(4 * 1_000_000) == 10.0
 
 
 async def test_breaker_half_open_probe_reopens_on_failure_and_closes_on_success() -> None:

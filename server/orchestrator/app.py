@@ -128,7 +128,7 @@ class Orchestrator(CompletionDriver):
         self.protocol_detected = False
         self.relay = self.protocol.relay
         ctx_router, gen_router = config.context_servers.router, config.generation_servers.router
-        breakers = {"breaker_failures": config.circuit_breaker_failures, "breaker_open_s":
+        breakers: dict[str, Any] = {"breaker_failures": config.circuit_breaker_failures, "breaker_open_s":
                     config.circuit_breaker_open_s, "panic_threshold": config.circuit_breaker_panic_threshold}  # fmt: skip
         self.context_pool = Pool("context", config.context_servers.urls, ctx_router.kind, ctx_router.args,
                                  **breakers)  # fmt: skip
@@ -211,7 +211,7 @@ class Orchestrator(CompletionDriver):
         #: both legs' one loop (legs.py): choose, send, classify, retry, breakers
         self.legs = LegRunner(max_retries=config.max_retries, metrics=self.metrics, upstream=self._upstream,
                               secret=self.secret, mark_failed=self._mark_failed,
-                              release_lost_kv=self._release_lost_kv_soon, unavailable=self._unavailable,
+                              release_lost_kv=self.release_lost_kv_soon, unavailable=self._unavailable,
                               max_worker_body=config.max_worker_body_bytes)  # fmt: skip
         self.session: aiohttp.ClientSession | None = None
         self.health: HealthChecker | None = None

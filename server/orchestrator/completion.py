@@ -10,10 +10,10 @@ deadline, the fallback to local prefill (each handed over from callbacks with ``
 - :meth:`~CompletionDriver.prepare` (shared with exchange.py): the client's body read and checked,
   its routing key, token weight and CPU clock;
 - :meth:`~CompletionDriver._run_legs`: a concurrent protocol's pair (pair.py), local prefill, or
-  leg (1) (:meth:`~CompletionDriver._context_leg`, legs.py's runner) and what follows it:
+  leg (1) (:meth:`~CompletionDriver.context_leg`, legs.py's runner) and what follows it:
   :meth:`~CompletionDriver.context_answered` (shared), the answer itself when the context worker
   finished it, else leg (3) (:meth:`~CompletionDriver._generation_leg`), relayed whole or as SSE
-  (:meth:`~CompletionDriver._relay`, :meth:`~CompletionDriver.stream_ended`, shared);
+  (:meth:`~CompletionDriver.relay_answer`, :meth:`~CompletionDriver.stream_ended`, shared);
 - a context leg no worker took falls back to local prefill (:meth:`~CompletionDriver._fall_back`);
   KV a context worker parked for a leg (3) that never came is released (``DELETE /kv/...``).
 
@@ -31,7 +31,7 @@ import re
 import time
 from collections.abc import Awaitable, Coroutine, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import fastcore
 from fastcore import protocol as wire
@@ -48,11 +48,8 @@ from server.http import (
 )
 from server.tracing import current_trace, start_orchestrator_request, traced_wait
 
-from .config import OrchestratorConfig
-
-if TYPE_CHECKING:
-    pass
 from .admission import Admission
+from .config import OrchestratorConfig
 from .estimates import StreamUsage, UsageLearner
 from .legs import (
     LegRunner,
@@ -137,12 +134,23 @@ class CompletionDriver:
     def _can_fall_back(self) -> bool:
         raise NotImplementedError  # the Orchestrator's (its /health says it too)
 
+    def serving_started(self, serving: Any) -> None:
+        """A completion begins (a task of :meth:`_serve`, or an exchange.py ``Exchange``): counted in
+        flight, and cancelled by a drain that runs out of time."""
+        self.in_flight += 1
+        self._serving.add(serving)
+
+    def serving_ended(self, serving: Any, chat: bool, status: int) -> None:
+        """A completion is over: its route's ``status`` counted (each driver calls this once)."""
+        self.in_flight -= 1
+        self._serving.discard(serving)
+        self.metrics.count_request("chat" if chat else "completions", status)
+
     async def _serve(self, request: Request, out: Responder, chat: bool, tenant: Tenant = ANONYMOUS) -> None:
         status = 500
-        self.in_flight += 1
         task = asyncio.current_task()
         assert task is not None
-        self._serving.add(task)
+        self.serving_started(task)
         trace = None
         if self.tracing is not None:
             route = CHAT_PATH if chat else COMPLETIONS_PATH
@@ -151,24 +159,22 @@ class CompletionDriver:
         try:
             header = conversation_header(request) if self.needs_conversation else None
             if self.admission is None:
-                status = await self._settle(out, self._run_legs(request.body, out, chat, header, tenant))
+                status = await self.settle(out, self._run_legs(request.body, out, chat, header, tenant))
             else:  # a slot in the workers, maybe after a wait in the queue (or a 429)
                 slot = self.admission.slot(tenant, request.body)
                 async with traced_wait(trace, "fastcore.admission", slot):
-                    status = await self._settle(out, self._run_legs(request.body, out, chat, header, tenant))
+                    status = await self.settle(out, self._run_legs(request.body, out, chat, header, tenant))
         except HTTPError as exc:  # the admission's 429
             status = self.answer_error(out, exc)
         except asyncio.CancelledError:
             status = 499  # the client went away; both legs are closed with this task
             raise
         finally:
-            self.in_flight -= 1
-            self._serving.discard(task)
-            self.metrics.count_request("chat" if chat else "completions", status)
+            self.serving_ended(task, chat, status)
             if trace is not None:
                 trace.end(status)
 
-    async def _settle(self, out: Responder, work: Awaitable[int]) -> int:
+    async def settle(self, out: Responder, work: Awaitable[int]) -> int:
         """Await a completion's legs; the status the client got, an error answered here included."""
         try:
             return await work
@@ -249,7 +255,7 @@ class CompletionDriver:
         disagg_id = self.disagg_id()
         context_body = relay.context_pieces(req, disagg_id, self.context_pool.b64_completions)
         clock.lap("build_context")
-        return await self._context_leg(out, req, path, body, clock, key, tokens, disagg_id, context_body,
+        return await self.context_leg(out, req, path, body, clock, key, tokens, disagg_id, context_body,
                                        generation_worker, tried=[], started=time.perf_counter())  # fmt: skip
 
     @staticmethod
@@ -262,7 +268,7 @@ class CompletionDriver:
             if drawn >= wire.DISAGG_REQUEST_ID_MIN:
                 return drawn
 
-    async def _context_leg(
+    async def context_leg(
         self, out: Responder, req: ClientRequest, path: bytes, body: bytes, clock: Clock,
         key: RequestKey | None, tokens: int, disagg_id: int, context_body: Sequence[BodyPiece],
         generation_worker: Worker | None, *, tried: list[Worker], started: float, resume: Sent | None = None,
@@ -277,7 +283,7 @@ class CompletionDriver:
         try:
             context_response = await self.legs.run("context", self.context_pool, path, context_body, _body,
                 headers=self.relay.leg_headers, extra=self.protocol.context_headers(req),
-                timeout=self._context_timeout(len(body)), key=key, tokens=tokens,
+                timeout=self.context_timeout(len(body)), key=key, tokens=tokens,
                 tried=tried, disagg_id=disagg_id, resume=resume, panic=not self._can_fall_back())  # fmt: skip
         except LegUnavailable as exc:
             unavailable = exc  # served outside this handler: the client's error carries no context
@@ -288,7 +294,7 @@ class CompletionDriver:
         if following is None:
             return 200
         generation_body, auth, context_done = following
-        return await self._generation_after_context(out, req, path, generation_body, clock, key, tokens,
+        return await self.generation_after_context(out, req, path, generation_body, clock, key, tokens,
             generation_worker, auth, context_done, context_worker, context_response, spent=spent)  # fmt: skip
 
     def context_answered(
@@ -325,7 +331,7 @@ class CompletionDriver:
         auth = self.protocol.generation_headers(req, ctx)
         return generation_body, auth, context_done
 
-    async def _generation_after_context(
+    async def generation_after_context(
         self, out: Responder, req: ClientRequest, path: bytes, generation_body: Sequence[BodyPiece],
         clock: Clock, key: RequestKey | None, tokens: int, first: Worker | None, auth: bytes,
         context_done: float, context_worker: Worker, context_response: bytes, resume: Sent | None = None,
@@ -338,7 +344,7 @@ class CompletionDriver:
         except LegSpent as exc:
             # A decode that may have read the hand-off (vLLM's lease, read once) failed: once, the
             # completion goes on from a new context leg, to another generation worker.
-            self._release_kv_soon(context_worker, context_response)
+            self.release_kv_soon(context_worker, context_response)
             if spent is not None:
                 raise exc.error from None
             self.metrics.retries_leg["generation"].inc()
@@ -346,15 +352,15 @@ class CompletionDriver:
             context_body: Sequence[BodyPiece] = self.relay.context_pieces(
                 req, disagg_id, self.context_pool.b64_completions
             )
-            return await self._context_leg(out, req, path, req.body, clock, key, tokens, disagg_id, context_body,
+            return await self.context_leg(out, req, path, req.body, clock, key, tokens, disagg_id, context_body,
                                            None, tried=[], started=time.perf_counter(), spent=exc.worker)  # fmt: skip
         except BaseException:
             # The client left or the leg failed: the context worker may still
             # hold the prompt's KV for a fetch that will never come.
-            self._release_kv_soon(context_worker, context_response)
+            self.release_kv_soon(context_worker, context_response)
             raise
 
-    def _context_timeout(self, body_bytes: int) -> float:
+    def context_timeout(self, body_bytes: int) -> float:
         """Leg (1)'s deadline: ``context_timeout_s`` plus its allowance per 1,000 estimated prompt tokens
         (body bytes / BYTES_PER_TOKEN), never above ``request_timeout_s``."""
         config = self.config
@@ -425,7 +431,7 @@ class CompletionDriver:
         remainder = router.estimate.tokens(key.prompt_bytes - key.hit_chunks * router.chunk_bytes)
         return remainder <= self.max_local_prefill
 
-    def _release_kv_soon(self, worker: Worker, context_response: bytes) -> None:
+    def release_kv_soon(self, worker: Worker, context_response: bytes) -> None:
         """``DELETE`` the context leg's parked KV on ``worker``, in the background (best effort).
 
         Only a fastcore endpoint (``.../kv/<id>``) is released, and only on the
@@ -445,7 +451,7 @@ class CompletionDriver:
             return
         self._in_background(self._release_kv(worker, match.group(0).encode()))
 
-    def _release_lost_kv_soon(self, worker: Worker, disagg_id: int) -> None:
+    def release_lost_kv_soon(self, worker: Worker, disagg_id: int) -> None:
         """``DELETE /kv/by-request/<disagg_id>`` on the context worker whose answer was lost (best
         effort: a fastcore worker frees what it parked for the leg; 404 when it parked nothing)."""
         if not self.protocol.releases_kv:
@@ -509,7 +515,7 @@ class CompletionDriver:
         timeout, read_timeout, max_body, first_byte = self.generation_bounds(req.stream, body)
         try:
             return await self.legs.run(
-                "generation", pool, path, body, partial(self._relay_local if local else self._relay, out, req, clock),
+                "generation", pool, path, body, partial(self._relay_local if local else self.relay_answer, out, req, clock),
                 headers=b"" if local else self.relay.leg_headers, extra=extra_headers,
                 timeout=timeout, read_timeout=read_timeout, max_body=max_body, first_byte=first_byte,
                 key=key, tokens=tokens, first=first,
@@ -518,12 +524,12 @@ class CompletionDriver:
                 resend=local or self.protocol.resends_generation,
             )  # fmt: skip
         except LegSpent:
-            raise  # the caller goes on from a new context leg (_generation_after_context)
+            raise  # the caller goes on from a new context leg (generation_after_context)
         except LegUnavailable as exc:
             error = exc.error
         raise error  # outside the handler: the client's error carries no context
 
-    def _relay(
+    def relay_answer(
         self, out: Responder, req: ClientRequest, clock: Clock, worker: Worker, resp: UpstreamResponse
     ) -> Coroutine[Any, Any, int]:
         """A generation worker's 200, relayed to the client: SSE as it arrives, or the whole answer
@@ -535,7 +541,7 @@ class CompletionDriver:
     def _relay_local(
         self, out: Responder, req: ClientRequest, clock: Clock, worker: Worker, resp: UpstreamResponse
     ) -> Coroutine[Any, Any, int]:
-        """Local prefill's answer, relayed as :meth:`_relay` does and its ``usage`` learned from: no
+        """Local prefill's answer, relayed as :meth:`relay_answer` does and its ``usage`` learned from: no
         context answer taught anything for this request, and a figure learned only from context
         answers would keep a wrong guess that sends every prompt here (the body's usage; a stream's
         last chunk's, which it has when the client asked for it)."""

@@ -37,6 +37,7 @@ from .routing import conversation_header
 from .tenants import ANONYMOUS, Tenant
 
 if TYPE_CHECKING:
+    from .completion import CompletionDriver
     from .pools import Worker
 
 _POST = b"POST"
@@ -81,9 +82,9 @@ class Exchange(Handling):
     )
 
     def __init__(
-        self, orch: Any, request: Request, out: Responder, chat: bool, tenant: Tenant = ANONYMOUS
+        self, orch: CompletionDriver, request: Request, out: Responder, chat: bool, tenant: Tenant = ANONYMOUS
     ) -> None:
-        #: the Orchestrator (app.py, which imports this module: typed Any, no import circle)
+        #: the Orchestrator, as the completion driver it is (completion.py: the steps both drivers run)
         self.orch = orch
         self.request = request
         self.out = out
@@ -112,8 +113,7 @@ class Exchange(Handling):
     def start(self) -> Exchange | None:
         """Begin (the HTTP server's handler returns this): itself, or None when answered already."""
         orch = self.orch
-        orch.in_flight += 1
-        orch._serving.add(self)
+        orch.serving_started(self)
         try:
             self._begin()
         except BaseException as exc:
@@ -145,7 +145,7 @@ class Exchange(Handling):
         self.tried.append(worker)
         self._send(CONTEXT, worker, self.context_body, orch.relay.leg_headers, orch.protocol.context_headers(req),
                    False, None,
-                   timeout=orch._context_timeout(len(body)), read_timeout=None, max_body=orch.config.max_worker_body_bytes,
+                   timeout=orch.context_timeout(len(body)), read_timeout=None, max_body=orch.config.max_worker_body_bytes,
                    first_byte=None)  # fmt: skip
 
     def _send(
@@ -160,7 +160,7 @@ class Exchange(Handling):
             pieces = (pieces,)
         self.handed_over = legs.hold(worker, self.tokens, timed, handoff_from)
         try:
-            self.resp = orch._upstream(worker).start(
+            self.resp = orch.legs.upstream(worker).start(
                 self, _POST, self.path, pieces, headers=legs.lines(headers, pieces, worker, extra), timeout=timeout,
                 read_timeout=read_timeout, max_body=max_body, headers_timeout=first_byte,
             )  # fmt: skip
@@ -296,13 +296,13 @@ class Exchange(Handling):
         self._go_on(self._context_leg(sent) if self.leg == CONTEXT else self._generation_leg(sent))
 
     def _context_leg(self, sent: Sent | None) -> Coroutine[Any, Any, int]:
-        return self.orch._context_leg(self.out, self.req, self.path, self.body, self.clock, self.key, self.tokens,
+        return self.orch.context_leg(self.out, self.req, self.path, self.body, self.clock, self.key, self.tokens,
                                       self.disagg_id, self.context_body, None, tried=self.tried,
                                       started=self.started, resume=sent)  # fmt: skip
 
     def _generation_leg(self, sent: Sent | None) -> Coroutine[Any, Any, int]:
         assert self.context_worker is not None
-        return self.orch._generation_after_context(
+        return self.orch.generation_after_context(
             self.out, self.req, self.path, self.generation_body, self.clock, self.key, self.tokens, None,
             self.auth, self.context_done, self.context_worker, self.context_response, resume=sent)  # fmt: skip
 
@@ -317,7 +317,7 @@ class Exchange(Handling):
         self._taken_over()
         status = 499  # cancelled: the client went away (both legs are closed with this task)
         try:
-            status = await self.orch._settle(self.out, work)
+            status = await self.orch.settle(self.out, work)
         except asyncio.CancelledError:
             if not self.out.closed:  # a drain, not the client: the response cannot be finished
                 self.out.abort()
@@ -342,7 +342,7 @@ class Exchange(Handling):
         if resp is not None:
             self._leg_over(resp)
         if self.context_worker is not None and self.task is None and not self.ended:
-            self.orch._release_kv_soon(self.context_worker, self.context_response)
+            self.orch.release_kv_soon(self.context_worker, self.context_response)
         if isinstance(exc, (HTTPError, WorkerAnswer)):
             status = self.orch.answer_error(self.out, exc)
         elif isinstance(exc, Exception):
@@ -369,9 +369,9 @@ class Exchange(Handling):
             leg = self.leg
             self._leg_over(resp)  # not read to the end: its connection is reset
             if leg == CONTEXT and worker is not None:
-                self.orch._release_lost_kv_soon(worker, self.disagg_id)
+                self.orch.release_lost_kv_soon(worker, self.disagg_id)
         if self.context_worker is not None:
-            self.orch._release_kv_soon(self.context_worker, self.context_response)
+            self.orch.release_kv_soon(self.context_worker, self.context_response)
         if not self.out.closed:
             self.out.abort()
         self.finish(499)
@@ -381,8 +381,6 @@ class Exchange(Handling):
             return
         self.ended = True
         orch = self.orch
-        orch.in_flight -= 1
-        orch._serving.discard(self)
-        orch.metrics.count_request("chat" if self.chat else "completions", status)
+        orch.serving_ended(self, self.chat, status)
         if self.returned:
             self.out.done()

@@ -47,6 +47,7 @@ worker, never what a client's own request explains.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -272,6 +273,13 @@ class LegRunner:
             reason = "circuit_open" if pool.all_open() else "no_worker"
             raise LegUnavailable(reason, self.unavailable(f"no healthy {name} worker"))
         raise LegUnavailable(reason, failure)
+
+    def with_retries(self, max_retries: int) -> LegRunner:
+        """This runner (its connections, signatures, breakers, metrics) with ``max_retries`` retries a leg
+        (pair.py's: none, a pair is retried whole)."""
+        runner = copy.copy(self)
+        runner.attempts = max_retries + 1
+        return runner
 
     # -- one attempt's bookkeeping: here and in server/orchestrator/exchange.py -------------------
 

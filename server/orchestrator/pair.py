@@ -36,10 +36,11 @@ from server.errors import HTTPError, error_body
 from server.http import BodyPiece, Request, Responder, UpstreamResponse
 
 from .exchange import GENERATION, Exchange
-from .legs import LegRunner, LegUnavailable, Sent, WorkerAnswer, leg_failed
+from .legs import LegUnavailable, Sent, WorkerAnswer, leg_failed
 from .tenants import ANONYMOUS, Tenant
 
 if TYPE_CHECKING:
+    from .completion import CompletionDriver
     from .metrics import Clock
     from .pools import Worker
     from .relay_common import ClientRequest
@@ -89,14 +90,12 @@ class FailedLeg:
 class PairRunner:
     """Runs a concurrent protocol's pairs for an orchestrator (app.py; see the module)."""
 
-    def __init__(self, orch: Any) -> None:
-        #: the Orchestrator (app.py imports this module: typed Any, no import circle)
+    def __init__(self, orch: CompletionDriver) -> None:
+        #: the Orchestrator, as the completion driver it is (completion.py)
         self.orch = orch
-        config = orch.config
-        self.attempts = config.max_retries + 1
-        self.legs = LegRunner(max_retries=0, metrics=orch.metrics, upstream=orch._upstream, secret=orch.secret,
-                              mark_failed=orch._mark_failed, release_lost_kv=orch._release_lost_kv_soon,
-                              unavailable=orch._unavailable, max_worker_body=config.max_worker_body_bytes)  # fmt: skip
+        self.attempts = orch.config.max_retries + 1
+        #: the orchestrator's leg runner with one attempt a leg (a pair is retried whole)
+        self.legs = orch.legs.with_retries(0)
 
     async def run(
         self,
@@ -148,7 +147,7 @@ class PairRunner:
         if error is not None:
             raise error
         missing = "prefill worker with a bootstrap port" if prefill is None else "decode worker"
-        raise orch._unavailable(f"no healthy {missing}")
+        raise self.legs.unavailable(f"no healthy {missing}")
 
     def _prefill_worker(self, excluded: list[Worker], key: RequestKey | None) -> Worker | None:
         """The pool's choice among the prefill workers whose ``/server_info`` gave a bootstrap port (those
@@ -158,7 +157,7 @@ class PairRunner:
             worker := pool.choose(exclude=excluded, key=key)
         ) is not None and worker.bootstrap_port is None:
             log.warning("prefill worker %s has no %s: not chosen", worker.url,
-                        self.orch.protocol.bootstrap_source)  # fmt: skip
+                        getattr(self.orch.protocol, "bootstrap_source", "bootstrap address"))  # fmt: skip
             excluded.append(worker)
         return worker
 
@@ -175,11 +174,11 @@ class PairRunner:
         timeout, read_timeout, max_body, first_byte = orch.generation_bounds(req.stream, pieces)
         prefill_leg = loop.create_task(self.legs.run(
             "context", orch.context_pool, path, prefill_pieces, _discard, headers=orch.relay.leg_headers,
-            extra=protocol.context_headers(req), timeout=orch._context_timeout(len(req.body)), key=key,
+            extra=protocol.context_headers(req), timeout=orch.context_timeout(len(req.body)), key=key,
             tokens=tokens, first=prefill,
         ))  # fmt: skip
         decode_leg = loop.create_task(self.legs.run(
-            "generation", orch.generation_pool, path, pieces, partial(orch._relay, out, req, clock),
+            "generation", orch.generation_pool, path, pieces, partial(orch.relay_answer, out, req, clock),
             headers=orch.relay.leg_headers, extra=protocol.generation_headers(req, None), timeout=timeout, read_timeout=read_timeout, max_body=max_body,
             first_byte=first_byte, key=key, tokens=tokens, first=decode, ttfb=orch.metrics.generation_ttfb,
         ))  # fmt: skip
@@ -220,20 +219,16 @@ class PairRunner:
         orch = self.orch
         context = failed.side == "context"
         answered: Callable[[Worker, UpstreamResponse], Awaitable[int | None]]
+        timeout: float | None
+        read_timeout: float | None = None
+        max_body: int | None = None
+        first_byte: float | None = None
         if context:
             pool, answered, ttfb = orch.context_pool, _discard, None
-            timeout, read_timeout, max_body, first_byte = (
-                orch._context_timeout(len(req.body)),
-                None,
-                None,
-                None,
-            )
+            timeout = orch.context_timeout(len(req.body))
         else:
-            pool, answered, ttfb = (
-                orch.generation_pool,
-                partial(orch._relay, out, req, clock),
-                orch.metrics.generation_ttfb,
-            )
+            pool, ttfb = orch.generation_pool, orch.metrics.generation_ttfb
+            answered = partial(orch.relay_answer, out, req, clock)
             timeout, read_timeout, max_body, first_byte = orch.generation_bounds(req.stream, failed.pieces)
         try:
             status = await self.legs.run(
@@ -301,7 +296,7 @@ class PairExchange(Exchange):
     __slots__ = ("decode", "decode_pieces", "decoded", "prefill", "prefill_resp")
 
     def __init__(
-        self, orch: Any, request: Request, out: Responder, chat: bool, tenant: Tenant = ANONYMOUS
+        self, orch: CompletionDriver, request: Request, out: Responder, chat: bool, tenant: Tenant = ANONYMOUS
     ) -> None:
         super().__init__(orch, request, out, chat, tenant)
         self.prefill: Worker | None = None
@@ -335,10 +330,10 @@ class PairExchange(Exchange):
         legs = orch.legs
         legs.hold(prefill, self.tokens, False, None)
         try:
-            self.prefill_resp = orch._upstream(prefill).start(
+            self.prefill_resp = orch.legs.upstream(prefill).start(
                 self, _POST, self.path, prefill_pieces,
                 headers=legs.lines(relay.leg_headers, prefill_pieces, prefill, protocol.context_headers(req)),
-                timeout=orch._context_timeout(len(req.body)), max_body=orch.config.max_worker_body_bytes,
+                timeout=orch.context_timeout(len(req.body)), max_body=orch.config.max_worker_body_bytes,
             )  # fmt: skip
         except BaseException:
             legs.let_go(prefill, self.tokens)

@@ -63,11 +63,11 @@ class TrtllmProtocol:
         """Header lines of leg (1) beside the relay mode's: none."""
         return b""
 
-    def generation_headers(self, req: ClientRequest, ctx: ContextResult) -> bytes:
+    def generation_headers(self, req: ClientRequest, ctx: ContextResult | None) -> bytes:
         """trtllm-serve's ``x-trtllm-disagg-auth`` line for leg (3) (docs/protocol.md): it signs the
         context response's ``ctx_info_endpoint`` and ``encoded_opaque_state`` (found by the relay's
         own scan), which leg (3) carries verbatim; a leg with neither, or no key, needs none."""
-        if self.trtllm_key is None:
+        if self.trtllm_key is None or ctx is None:
             return b""
         endpoint, state = self.relay.auth_fields(ctx)
         if endpoint is None and state is None:
