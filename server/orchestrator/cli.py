@@ -77,6 +77,21 @@ def gate_flags(values: argparse.Namespace) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The orchestrator's flags, in --help's order: a group of them per part."""
+    _add_workers_arguments(parser)
+    add_gate_arguments(parser, default=None)
+    _add_protocol_arguments(parser)
+    _add_leg_arguments(parser)
+    _add_cluster_arguments(parser)
+    _add_access_arguments(parser)
+    _add_admission_arguments(parser)
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    logs.add_arguments(parser)
+    _show_defaults(parser)
+
+
+def _add_workers_arguments(parser: argparse.ArgumentParser) -> None:
+    """The config file, the address listened on, the workers and their routers."""
     parser.add_argument(
         "-c",
         "--config",
@@ -95,7 +110,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--context-router", choices=ROUTER_TYPES, help="router of the context pool")
     parser.add_argument("--generation-router", choices=ROUTER_TYPES, help="router of the generation pool")
-    add_gate_arguments(parser, default=None)
+
+
+def _add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
+    """What the relay and the legs speak."""
     parser.add_argument(
         "--relay",
         choices=RELAY_MODES,
@@ -114,6 +132,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=VLLM_TRANSFERS,
         help="worker_protocol vllm's KV connector: nixl (sequential legs) or mooncake (both legs at once)",
     )
+
+
+def _add_leg_arguments(parser: argparse.ArgumentParser) -> None:
+    """Retries, deadlines, the fallback, draining, health checks, the body limit, processes."""
     parser.add_argument("--max-retries", type=int, help="context/generation leg retries on another worker")
     parser.add_argument("--request-timeout-s", type=float, help="per-leg timeout in seconds")
     parser.add_argument(
@@ -134,12 +156,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-check-interval-s", type=float, help="seconds between worker /health checks")
     parser.add_argument("--max-body-bytes", type=int, help="client body size limit (413 above it)")
     parser.add_argument("--workers", type=int, help="orchestrator processes sharing the port (SO_REUSEPORT)")
+
+
+def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """Discovery: the model served, the store and the namespace."""
     parser.add_argument("--model", help="the model served: discovered workers of another are refused "
                         "(default: the first discovered worker's)")  # fmt: skip
     parser.add_argument("--cluster-uri", metavar="URI",
                         help="discover workers: etcd://HOST:PORT, or http://HOST:PORT (this orchestrator "
                         "keeps the registry when it is its own address)")  # fmt: skip
     parser.add_argument("--cluster-name", help="the cluster's namespace in the store (default empty)")
+
+
+def _add_access_arguments(parser: argparse.ArgumentParser) -> None:
+    """The internal secret, the metrics token, client API keys."""
     parser.add_argument(
         "--shared-secret-file",
         metavar="PATH",
@@ -163,6 +193,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="GET /metrics to the metrics token or a client API key only, loopback alone not enough",
     )
+
+
+def _add_admission_arguments(parser: argparse.ArgumentParser) -> None:
+    """Admission's bounds and the strictness of the config."""
     parser.add_argument(
         "--max-inflight", type=int, help="admission: completions in the workers at once, all processes"
     )
@@ -179,9 +213,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="refuse a config key the orchestrator does not use (a misspelling), instead of warning",
     )
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
-    logs.add_arguments(parser)
-    _show_defaults(parser)
 
 
 def _show_defaults(parser: argparse.ArgumentParser) -> None:
