@@ -6,8 +6,11 @@ refusals; with ``context_fallback``, prefilled on a generation worker when none
 takes it); if the context response is already the answer, return it; otherwise
 send the generation request to a generation worker and relay its response:
 SSE bytes as they arrive, or the JSON body without internal fields. What each
-leg sends is decided here; both run in one loop (legs.py: choose, lease, send,
-classify, retry), and the metrics are metrics.py's.
+leg sends is its protocol's (protocols/); the completion's steps are
+completion.py's (``CompletionDriver``, which the ``Orchestrator`` is); both legs
+run in one loop (legs.py: choose, lease, send, classify, retry), and the metrics
+are metrics.py's. This module keeps the lifecycle, the routes and the small
+endpoints.
 
 Both sides of the hot path are :mod:`server.http`: client connections are
 asyncio protocols framed by llhttp (bounded headers, bodies, time and
@@ -17,7 +20,7 @@ straight to the client's socket. A completion is served from those
 connections' callbacks (exchange.py: one object per request, no task) and goes
 on in coroutines only where it leaves the common case (a worker's refusal or
 failure, a deadline, the admission queue, tracing, conditional
-disaggregation): the same steps, written once here. aiohttp stays off the
+disaggregation; completion.py): the same steps, written once. aiohttp stays off the
 request path: it runs the workers' health checks.
 
 The app keeps no per-request state beyond the request itself, so any number

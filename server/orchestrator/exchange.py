@@ -5,9 +5,10 @@ the client parser's complete-message event reads and checks the body and starts 
 context worker's keep-alive connection (:meth:`server.http.client.UpstreamPool.start`); that
 connection's complete-message event reads the context answer and starts leg (3) on a generation
 worker; that one's events relay the answer to the client, whole or as SSE pieces as the socket
-delivers them. Each step is the same code the coroutine path runs (``Orchestrator.prepare``,
-``context_answered``, ``stream_ended``; ``LegRunner.hold``/``lines``/``served``/``let_go``): only the
-waiting differs.
+delivers them. Each step is the same code the coroutine path runs (completion.py's
+``CompletionDriver``: ``prepare``, ``context_answered``, ``stream_ended``, ``serving_started``/``ended``;
+``LegRunner.hold``/``lines``/``served``/``let_go``): only the waiting differs. A concurrent protocol's
+pair (both legs at once) is pair.py's ``PairExchange``, a subclass.
 
 What is not the common case goes on in coroutines, from where it is: a worker's non-200 answer, a
 connection that fails, a deadline, no worker to choose. The attempt already sent is handed to
