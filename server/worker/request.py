@@ -390,66 +390,18 @@ def read_request(
     ``json_body.load_json_body``), or an :class:`HTTPError` (400/404). ``tool_call_parser``: how
     a chat answer's tool calls are read out of its text (tool_calls.py)."""
     # Every field is read strictly, by type (no bool for a number, no 1.0 for an int), and as
-    # the orchestrator reads the ones it acts on: a body is never read two ways.
+    # the orchestrator reads the ones it acts on: a body is never read two ways. The parts below
+    # read the fields in this order (the first bad one is the 400).
     _model(body, model_name)
-    for name, neutral in _UNSUPPORTED.items():
-        if not _is_neutral(body.get(name), neutral):
-            raise bad_request(f"'{name}' is not supported by this worker (got {brief(body[name])})", name)
-    n = body.get("n")
-    if n is not None and (type(n) is not int or n != 1):
-        raise bad_request(
-            f"'n' must be the integer 1 (got {brief(n)}): this worker returns one choice per request", "n"
-        )
+    _refuse_unsupported(body)
     stream = _bool_field(body, "stream")
-    stream_options = body.get(wire.STREAM_OPTIONS)
-    include_usage = False
-    if stream_options is not None:
-        if not isinstance(stream_options, dict):
-            raise bad_request("'stream_options' must be an object", wire.STREAM_OPTIONS)
-        include_usage = _bool_field(stream_options, wire.INCLUDE_USAGE)
-    if route == "chat":
-        tools = read_tools(body, tool_call_parser)
-    elif _is_neutral(body.get("tools"), (None, [])):
-        tools = None
-    else:  # OpenAI's completions have no tools
-        raise bad_request(f"'tools' is not supported on completions (got {brief(body['tools'])})", "tools")
+    include_usage = _include_usage(body)
+    tools = _route_tools(body, route, tool_call_parser)
     key, max_tokens = _token_limit(body, route)
     disagg = _parse_disagg(body, tokenizer.vocab_size)
     prompt_ids, from_ids = _prompt(body, route, tokenizer, disagg, max_context, tools)
-    if prompt_ids.size >= max_context:
-        raise bad_request(
-            f"the prompt has {prompt_ids.size} tokens; this model's context is {max_context} tokens "
-            "(prompt plus at least one generated token)",
-            "messages" if route == "chat" and not from_ids else "prompt",
-        )
-    room = max_context - int(prompt_ids.size)
-    if max_tokens is None:
-        max_tokens = room
-    elif max_tokens > room:
-        raise bad_request(
-            f"{key} ({max_tokens}) plus the prompt ({prompt_ids.size} tokens) exceeds "
-            f"this model's context of {max_context} tokens",
-            key,
-        )
-    stop_token_ids = body.get("stop_token_ids")
-    if stop_token_ids is None or stop_token_ids == []:
-        stop_token_ids = []
-    else:
-        stop_token_ids = _ids_from_list(stop_token_ids, "stop_token_ids", tokenizer.vocab_size).tolist()
-    top_k = _int_field(body, "top_k", minimum=-1)
-    params = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=_float_field(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_float_field(body, "top_p", 1.0, 0.0, 1.0),
-        top_k=0 if top_k is None or top_k < 0 else top_k,
-        seed=_int_field(body, "seed"),
-        stop=_stop_strings(body),
-        stop_token_ids=stop_token_ids,
-        ignore_eos=_bool_field(body, "ignore_eos"),
-        logprobs=_logprobs(body, route),
-    )
-    if params.top_p == 0.0:
-        raise bad_request("'top_p' must be greater than 0", "top_p")
+    max_tokens = _fit_context(prompt_ids.size, max_context, key, max_tokens, route, from_ids)
+    params = _sampling_params(body, route, max_tokens, tokenizer.vocab_size)
     return ParsedRequest(
         route=route,
         body=body,
@@ -464,6 +416,87 @@ def read_request(
         cache_salt=_cache_salt(body),
         tools=tools,
     )
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    """A 400 for a field this worker does not do, given a value that is not its neutral one
+    (``n`` other than 1 among them)."""
+    for name, neutral in _UNSUPPORTED.items():
+        if not _is_neutral(body.get(name), neutral):
+            raise bad_request(f"'{name}' is not supported by this worker (got {brief(body[name])})", name)
+    n = body.get("n")
+    if n is not None and (type(n) is not int or n != 1):
+        raise bad_request(
+            f"'n' must be the integer 1 (got {brief(n)}): this worker returns one choice per request", "n"
+        )
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    """``stream_options.include_usage`` (False without ``stream_options``)."""
+    stream_options = body.get(wire.STREAM_OPTIONS)
+    if stream_options is None:
+        return False
+    if not isinstance(stream_options, dict):
+        raise bad_request("'stream_options' must be an object", wire.STREAM_OPTIONS)
+    return _bool_field(stream_options, wire.INCLUDE_USAGE)
+
+
+def _route_tools(body: dict[str, Any], route: Route, tool_call_parser: str) -> ToolRequest | None:
+    """A chat request's tools (:func:`read_tools`); a completion's must be absent or empty."""
+    if route == "chat":
+        return read_tools(body, tool_call_parser)
+    if _is_neutral(body.get("tools"), (None, [])):
+        return None
+    # OpenAI's completions have no tools
+    raise bad_request(f"'tools' is not supported on completions (got {brief(body['tools'])})", "tools")
+
+
+def _fit_context(
+    prompt_size: int, max_context: int, key: str, max_tokens: int | None, route: Route, from_ids: bool
+) -> int:
+    """The generated tokens' bound: ``max_tokens`` (``key``: the field that gave it) where the
+    prompt plus it fit the model's context, the room left when none was given; else a 400."""
+    if prompt_size >= max_context:
+        raise bad_request(
+            f"the prompt has {prompt_size} tokens; this model's context is {max_context} tokens "
+            "(prompt plus at least one generated token)",
+            "messages" if route == "chat" and not from_ids else "prompt",
+        )
+    room = max_context - int(prompt_size)
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        raise bad_request(
+            f"{key} ({max_tokens}) plus the prompt ({prompt_size} tokens) exceeds "
+            f"this model's context of {max_context} tokens",
+            key,
+        )
+    return max_tokens
+
+
+def _sampling_params(body: dict[str, Any], route: Route, max_tokens: int, vocab_size: int) -> SamplingParams:
+    """The sampling fields, read in this order: stop_token_ids, top_k, temperature, top_p, seed,
+    stop, ignore_eos, logprobs (then a top_p of 0 refused)."""
+    stop_token_ids = body.get("stop_token_ids")
+    if stop_token_ids is None or stop_token_ids == []:
+        stop_token_ids = []
+    else:
+        stop_token_ids = _ids_from_list(stop_token_ids, "stop_token_ids", vocab_size).tolist()
+    top_k = _int_field(body, "top_k", minimum=-1)
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_float_field(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_float_field(body, "top_p", 1.0, 0.0, 1.0),
+        top_k=0 if top_k is None or top_k < 0 else top_k,
+        seed=_int_field(body, "seed"),
+        stop=_stop_strings(body),
+        stop_token_ids=stop_token_ids,
+        ignore_eos=_bool_field(body, "ignore_eos"),
+        logprobs=_logprobs(body, route),
+    )
+    if params.top_p == 0.0:
+        raise bad_request("'top_p' must be greater than 0", "top_p")
+    return params
 
 
 def _cache_salt(body: dict[str, Any]) -> str | None:
