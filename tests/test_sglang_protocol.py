@@ -222,6 +222,17 @@ class FailsOnceDecodeStreams(Leg):
         raise Refused("Prefill failed after the transfer (stand-in)", 500, "InternalServerError")
 
 
+class FailsOnceTheClientHasItsAnswer(Leg):
+    """A prefill that pushes its KV, then answers 500 once the test says the client has its (unary) answer."""
+
+    client_has_it: asyncio.Event
+
+    async def _prefill(self, key: Any, ids: list[int]) -> None:
+        await super()._prefill(key, ids)
+        await self.client_has_it.wait()
+        raise Refused("Prefill failed after the transfer (stand-in)", 500, "InternalServerError")
+
+
 class NoBootstrapPort(Leg):
     """A prefill whose /server_info publishes no disaggregation_bootstrap_port."""
 
@@ -452,6 +463,24 @@ async def test_a_prefill_failing_mid_stream_ends_the_stream_in_band(request_path
         assert iter_events(raw)[-1]["error"]["code"] == "context_leg_failed", raw[-300:]
         await asyncio.wait_for(decode.cut.wait(), 10)
         assert decode.cut_at - prefill.failed_at < CUT_BOUND_S
+
+
+async def test_a_prefill_failing_after_the_whole_answer_leaves_it_a_200(request_path: str) -> None:
+    """The decode's whole answer went out (its KV had been pushed) before its prefill answered: the prefill's
+    500 counts against that worker's breaker, the completion stays a 200, every count comes back."""
+    async with sglang_stack(request_path, prefill_class=FailsOnceTheClientHasItsAnswer) as stack:
+        prefill = stack.prefills[0]
+        assert isinstance(prefill, FailsOnceTheClientHasItsAnswer)
+        prefill.client_has_it = asyncio.Event()
+        status, raw = await stack.post("chat", CHAT_BODY)
+        assert status == 200 and json.loads(raw)["choices"][0]["message"]["content"], raw[:300]
+        prefill.client_has_it.set()
+        orch = stack.orch
+        (worker,) = orch.context_pool.workers
+        workers = [w for pool in orch.pools for w in pool.workers]
+        assert await eventually(lambda: orch.in_flight == 0 and all(w.in_flight == 0 for w in workers))
+        assert worker.breaker.failures == 1 and worker.served == 0
+        assert stack.violations() == []
 
 
 async def test_a_prefill_without_a_bootstrap_port_is_never_chosen(request_path: str) -> None:
