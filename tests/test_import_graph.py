@@ -1,7 +1,8 @@
 """No import circles in fastcore/, server/ and bench/ (issue 24: one home for each concept).
 
-The graph is read from the source with ast, nothing is imported. Every import
-counts: at module level, inside a function (a deferred import hides a circle,
+The graph is read from the source with ast, nothing is imported; a compiled module's
+``.pyx`` and its ``.pxd`` are read too (their ``import`` and ``cimport`` statements, each parsed as
+Python's), so a circle through a compiled module is one. Every import counts: at module level, inside a function (a deferred import hides a circle,
 it does not remove it) and under ``if TYPE_CHECKING:`` (a type one module
 borrows from another that imports it is still two modules that each need the
 other). An edge goes to the deepest module of the repository the import names
@@ -12,7 +13,8 @@ a module's own package is not an edge (Python runs it first).
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,16 +25,42 @@ PACKAGES = ("fastcore", "server", "bench")
 KNOWN_CIRCLES: set[frozenset[str]] = set()
 
 
-def modules(root: Path, packages: Iterable[str]) -> dict[str, Path]:
-    """Dotted name -> file, for every module of ``packages`` under ``root``."""
-    found: dict[str, Path] = {}
+#: Cython's sources: a compiled module is its ``.pyx``, with the declarations of its ``.pxd``
+CYTHON_SUFFIXES = (".pyx", ".pxd")
+
+#: an import statement of a Cython source, on its own line (parenthesized names may span lines)
+CYTHON_IMPORT = re.compile(
+    r"^[ \t]*(?:from[ \t]+[.\w]+[ \t]+c?import[ \t]+(?:\([^)]*\)|[^\n]+)|c?import[ \t]+[^\n]+)", re.M
+)
+
+
+def modules(root: Path, packages: Iterable[str]) -> dict[str, list[Path]]:
+    """Dotted name -> its files (a ``.py``, or a compiled module's ``.pyx`` and ``.pxd``), for every
+    module of ``packages`` under ``root``."""
+    found: dict[str, list[Path]] = {}
     for package in packages:
-        for path in sorted((root / package).rglob("*.py")):
+        paths = [p for p in (root / package).rglob("*") if p.suffix in (".py", *CYTHON_SUFFIXES)]
+        for path in sorted(paths):
             parts = list(path.relative_to(root).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
-            found[".".join(parts)] = path
+            found.setdefault(".".join(parts), []).append(path)
     return found
+
+
+def import_nodes(path: Path) -> Iterator[ast.AST]:
+    """The import statements of a source file: every node of a ``.py``; a Cython source's import and
+    cimport lines, each parsed as Python's (a line in a docstring that is no statement is skipped)."""
+    text = path.read_text()
+    if path.suffix not in CYTHON_SUFFIXES:
+        yield from ast.walk(ast.parse(text, str(path)))
+        return
+    for match in CYTHON_IMPORT.finditer(text):
+        statement = re.sub(r"\bcimport\b", "import", match.group(0).strip())
+        try:
+            yield from ast.parse(statement).body
+        except SyntaxError:
+            continue
 
 
 def import_graph(root: Path, packages: Iterable[str]) -> dict[str, set[str]]:
@@ -45,10 +73,10 @@ def import_graph(root: Path, packages: Iterable[str]) -> dict[str, set[str]]:
         return name or None
 
     graph: dict[str, set[str]] = {}
-    for name, path in mods.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for name, paths in mods.items():
+        package = name if paths[0].name == "__init__.py" else name.rpartition(".")[0]
         targets: set[str | None] = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in (node for path in paths for node in import_nodes(path)):
             if isinstance(node, ast.Import):
                 targets.update(deepest(alias.name) for alias in node.names)
             elif isinstance(node, ast.ImportFrom):
@@ -110,7 +138,11 @@ def describe(graph: dict[str, set[str]], circle: frozenset[str]) -> str:
 
 def test_no_import_circles() -> None:
     graph = import_graph(ROOT, PACKAGES)
-    assert {"server.http.server", "fastcore.relay"} <= graph.keys()  # it found the repository
+    assert {
+        "server.http.server",
+        "fastcore.relay",
+        "server.http._upstream",
+    } <= graph.keys()  # it found the repository
     found = circles(graph)
     new = [describe(graph, c) for c in found if c not in KNOWN_CIRCLES]
     assert not new, "import circles: " + " | ".join(new)
@@ -135,3 +167,23 @@ def test_the_graph_sees_deferred_relative_and_type_only_imports(tmp_path: Path) 
     graph = import_graph(tmp_path, ["pkg"])
     assert graph["pkg.sub.c"] == {"pkg.d"} and graph["pkg"] == {"pkg.a"}
     assert sorted(sorted(c) for c in circles(graph)) == [["pkg.a", "pkg.b"], ["pkg.d", "pkg.sub.c"]]
+
+
+def test_the_graph_reads_compiled_modules(tmp_path: Path) -> None:
+    """A ``.pyx`` that imports back the module that imports it is a circle, as is one through a
+    ``.pxd``'s cimport; a docstring's "from ... import" prose and C libraries are no edge."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/a.py": "from ._b import B\n",
+        "pkg/_b.pyx": '"""Twin of\nfrom the pure module: not an import.\n"""\nfrom libc.string cimport memcpy\n'
+        "from .a import (\n    A,\n)\ncdef class B:\n    pass\n",
+        "pkg/_c.pyx": "cimport cython\nfrom pkg._d cimport D\n",
+        "pkg/_d.pxd": "from pkg cimport _c\ncdef class D:\n    pass\n",
+        "pkg/_d.pyx": "import pkg.a\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph = import_graph(tmp_path, ["pkg"])
+    assert graph["pkg._b"] == {"pkg.a"} and graph["pkg._d"] == {"pkg._c", "pkg.a"}
+    assert sorted(sorted(c) for c in circles(graph)) == [["pkg._b", "pkg.a"], ["pkg._c", "pkg._d"]]

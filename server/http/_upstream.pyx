@@ -22,8 +22,8 @@ import struct
 
 from ._parse cimport BodyReader, ResponseParser
 
-from .client import REQUEST_HEAD, WRITE_JOINED_BELOW, UpstreamError, UpstreamTimeout
 from .request import PAST_THE_RESPONSE, BadResponse
+from .upstream_wire import REQUEST_HEAD, WRITE_JOINED_BELOW, UpstreamError, UpstreamTimeout
 
 __all__ = ["Connection", "Response", "pool_start"]
 

@@ -35,8 +35,7 @@ from urllib.parse import urlsplit
 from . import parse
 from .parse import ResponseParser
 from .request import PAST_THE_RESPONSE, BadResponse
-
-BodyPiece = bytes | bytearray | memoryview
+from .upstream_wire import REQUEST_HEAD, WRITE_JOINED_BELOW, BodyPiece, UpstreamError, UpstreamTimeout
 
 #: UpstreamPool's defaults (the orchestrator's connect_timeout_s config key reads the first): seconds
 #: to open a connection to a worker, and an idle connection's life in the pool (a worker's keep-alive
@@ -45,38 +44,11 @@ CONNECT_TIMEOUT_S = 5.0
 IDLE_TIMEOUT_S = 30.0
 
 
-#: a request body below this many bytes goes out joined with its head in one write: a vectored write of
-#: views costs the event loop more per piece than copying a few KB (bench.routers at 1 KB: -10% CPU);
-#: a larger one is written as its pieces, never copied
-WRITE_JOINED_BELOW = 32 * 1024
-
-
-#: a leg's request line and headers: method, the pool's path prefix, path, the pool's fixed lines
-#: (Host, extra), the body's size, the leg's own lines (both twins of UpstreamPool.start format it)
-REQUEST_HEAD = b"%s %s%s HTTP/1.1\r\n%sContent-Length: %d\r\n%s\r\n"
-
-
 def _size(pieces: Sequence[BodyPiece]) -> int:
     size = 0
     for piece in pieces:
         size += len(piece)
     return size
-
-
-class UpstreamError(Exception):
-    """The worker could not be reached, or its connection failed or broke the protocol."""
-
-    def __init__(self, message: str, *, sent: bool = True, clean_close: bool = False) -> None:
-        super().__init__(message)
-        #: False when the request provably never reached the worker (connect failed)
-        self.sent = sent
-        #: the worker closed the connection cleanly (a FIN, no reset) before this error: with no byte
-        #: of an answer on a reused connection, the close of an idle connection that raced our write
-        self.clean_close = clean_close
-
-
-class UpstreamTimeout(Exception):
-    """A request's ``timeout`` or ``read_timeout`` ran out."""
 
 
 class Listener(Protocol):
