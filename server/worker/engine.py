@@ -242,15 +242,17 @@ class TorchEngine:
     def _unpark(self, ctx_request_id: int) -> ParkedKV | None:
         """Remove an entry from the parked set (caller holds ``_parked_lock``)."""
         parked = self._parked.pop(ctx_request_id, None)
-        if parked is not None:
-            for block in parked.blocks:
-                users = self._parked_blocks[block] - 1
-                if users:
-                    self._parked_blocks[block] = users
-                else:
-                    del self._parked_blocks[block]
-                    self._parked_tokens -= self.cache.block_size
+        self._unhold(parked.blocks if parked is not None else [])
         return parked
+
+    def _unhold(self, blocks: list[int]) -> None:
+        for block in blocks:
+            users = self._parked_blocks[block] - 1
+            if users:
+                self._parked_blocks[block] = users
+            else:
+                del self._parked_blocks[block]
+                self._parked_tokens -= self.cache.block_size
 
     def take_parked(self, ctx_request_id: int) -> ParkedKV | None:
         with self._parked_lock:
@@ -259,34 +261,34 @@ class TorchEngine:
     def discard_parked(self, ctx_request_id: int) -> bool:
         with self._parked_lock:
             parked = self._unpark(ctx_request_id)
-        if parked is None:
-            return False
-        self.cache.free(parked.blocks)
-        return True
+        self.cache.free(parked.blocks if parked is not None else [])
+        return parked is not None
 
     def evict_parked(self, tokens: int, parked_before: float | None = None) -> int:
         """Free the oldest parked entries (parked before ``parked_before``, if given) until
-        ``tokens`` KV tokens are freed; returns how many went."""
-        evicted: list[ParkedKV] = []
+        ``tokens`` KV tokens are freed; returns how many went. With a second tier an entry first
+        lets its registered blocks go to the cache, kept for its export (kv_cache.let_go)."""
+        freed: list[int] = []
         with self._parked_lock:
-            start = self._parked_tokens
+            start, went = self._parked_tokens, 0
             # freed: parked KV gone (a block another parked entry still shares is not freed)
-            while start - self._parked_tokens < tokens and self._parked:
-                oldest = next(iter(self._parked.values()))
-                if parked_before is not None and oldest.parked_at >= parked_before:
+            for oldest in list(self._parked.values()):
+                before = parked_before is None or oldest.parked_at < parked_before
+                if start - self._parked_tokens >= tokens or not before:
                     break
-                parked = self._unpark(oldest.ctx_request_id)
-                assert parked is not None
-                evicted.append(parked)
-        for parked in evicted:
-            self.cache.free(parked.blocks)
-        return len(evicted)
+                let_go = self.cache.let_go(oldest) if self.cache.tier2 and not oldest.chain else []
+                if not let_go:
+                    let_go = self._parked.pop(oldest.ctx_request_id).blocks
+                self._unhold(let_go)
+                freed += let_go
+                went += 1
+        self.cache.free(freed)
+        return went
 
     def read_parked(self, parked: ParkedKV) -> tuple[torch.Tensor, torch.Tensor]:
         """The parked K and V on the CPU, then the blocks go back to the pool (call off the loop)."""
-        try:
-            k, v = self.cache.read(parked.blocks, parked.num_tokens)
-            return k.cpu(), v.cpu()
+        try:  # each block where it is (kv_cache.read_parked: the device or tier 2)
+            return self.cache.read_parked(parked)
         finally:
             self.cache.free(parked.blocks)
 
@@ -296,9 +298,7 @@ class TorchEngine:
         with self._parked_lock:
             expired = [p.ctx_request_id for p in self._parked.values() if p.expires_at <= now]
             gone = [self._unpark(ctx_id) for ctx_id in expired]
-        for p in gone:
-            assert p is not None
-            self.cache.free(p.blocks)
+        self.cache.free([block for p in gone if p is not None for block in p.blocks])
         return len(gone)
 
     kv_tiers_info = property(lambda self: self.cache.kv_tiers_info)  # /server_info's tier figures

@@ -76,6 +76,15 @@ class ParkedKV:
     expires_at: float
     #: time.monotonic() when parked (entries are kept in this order)
     parked_at: float = 0.0
+    #: with a second KV tier, an entry pushed out of the parked bound lets its leading registered
+    #: blocks go (the cache keeps them, on the device or spilled to tier 2): their (chained hash,
+    #: ids' bytes), which the export reads them by; ``blocks`` then holds only the prompt's rest
+    chain: list[tuple[bytes, bytes]] = field(default_factory=list)
+
+
+class ParkedKVLost(LookupError):
+    """A parked entry's KV let go to the cache could not be read back (dropped from tier 2, a file
+    missing or corrupt): the export fails and the generation worker prefills from the ids."""
 
 
 @dataclass
@@ -210,4 +219,12 @@ class Engine(Protocol):
     def expire_parked(self, now: float | None = None) -> int: ...
 
 
-__all__ = ["NOT_FINISHED", "Engine", "EngineRequest", "KVCacheFull", "ParkedKV", "prompt_checksum"]
+__all__ = [
+    "NOT_FINISHED",
+    "Engine",
+    "EngineRequest",
+    "KVCacheFull",
+    "ParkedKV",
+    "ParkedKVLost",
+    "prompt_checksum",
+]

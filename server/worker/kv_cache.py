@@ -36,6 +36,7 @@ into fresh blocks (:meth:`PagedKVCache.allocate_prefix_tiers`) when that beats r
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -47,7 +48,7 @@ import torch.nn.functional as F
 
 from fastcore import protocol as wire
 
-from .engine_api import KVCacheFull, chain_block_hashes
+from .engine_api import KVCacheFull, ParkedKV, ParkedKVLost, chain_block_hashes
 from .kv_events import ChunkEventLog, KvEventLog
 from .kv_tier2 import KVTier2, LoadJob
 from .model import AttentionBackend, ModelConfig, grouped_decode_attention
@@ -384,6 +385,82 @@ class PagedKVCache:
                 break
             chain.append(entry[0])
         return chain
+
+    def let_go(self, parked: ParkedKV) -> list[int]:
+        """A parked entry pushed out of the parked bound, with a second tier: its leading registered
+        blocks go back to the cache (its chain remembered: the export reads them by hash, where they
+        are then), and so do those past its prompt; it keeps the prompt's rest. Returns the blocks
+        let go (the caller frees them); none when its first block is not registered."""
+        with self._lock:
+            full = parked.blocks[: parked.num_tokens // self.block_size]
+            chain = [self._cached[b] for b in itertools.takewhile(self._cached.__contains__, full)]
+        if not chain:
+            return []
+        kept = slice(len(chain), self.blocks_for(parked.num_tokens))
+        released = parked.blocks[: kept.start] + parked.blocks[kept.stop :]
+        parked.blocks, parked.chain = parked.blocks[kept], chain
+        return released
+
+    def read_parked(self, parked: ParkedKV) -> tuple[torch.Tensor, torch.Tensor]:
+        """A parked entry's K and V on the CPU (``[layers, tokens, kv_heads, head_dim]``): the blocks
+        it let go (:meth:`let_go`) each read where it is now, a device block (held while it is read:
+        nothing evicts it meanwhile) or tier 2 (a copy; the block stays there), then the blocks it
+        holds. ParkedKVLost where one of the first is in neither or its tier-2 file is unreadable."""
+        held: list[int] = []
+        parts: list[Any] = []  # per chain block: its index in ``held``, or what tier 2 held for it
+        with self._lock:
+            for digest, chunk in parked.chain:
+                block = self._by_hash.get(digest)
+                if block is not None and self._cached[block][1] == chunk:
+                    if self._refs[block] == 0:
+                        del self._evictable[block]
+                    self._refs[block] += 1
+                    parts.append(len(held))
+                    held.append(block)
+                    continue
+                kept = self.tier2.export_hold(digest, chunk) if self.tier2 is not None else None
+                if kept is None:
+                    break
+                parts.append(kept)
+        try:
+            pieces = self._read_chain(parked, held, parts)
+        finally:
+            self.free(held)
+        front = len(parked.chain) * self.block_size
+        if parked.num_tokens > front:
+            k, v = self.read(parked.blocks, parked.num_tokens - front)
+            pieces.append((k.cpu(), v.cpu()))
+        return torch.cat([k for k, _ in pieces], 1), torch.cat([v for _, v in pieces], 1)
+
+    def _read_chain(
+        self, parked: ParkedKV, held: list[int], parts: list[Any]
+    ) -> list[tuple[torch.Tensor, ...]]:
+        """:meth:`read_parked`'s chain blocks as (K, V) pieces on the CPU, in chain order."""
+        bs, tier = self.block_size, self.tier2
+        dk, dv = self.read(held, len(held) * bs) if held else (None, None)
+        dk, dv = (dk.cpu(), dv.cpu()) if dk is not None and dv is not None else (dk, dv)
+        pieces: list[tuple[torch.Tensor, ...]] = []
+        for part in parts:
+            if isinstance(part, int):
+                assert dk is not None and dv is not None
+                pieces.append((dk[:, part * bs : (part + 1) * bs], dv[:, part * bs : (part + 1) * bs]))
+                continue
+            assert tier is not None
+            kv = tier.export_read(part)
+            if kv is None:
+                break
+            pieces.append((kv[0].cpu(), kv[1].cpu()))
+        read = sum(1 for p in parts[: len(pieces)] if not isinstance(p, int))
+        if tier is not None:
+            with self._lock:
+                tier.exported_blocks_total += read
+                tier.export_failed_blocks_total += len(parked.chain) - len(pieces)
+        if len(pieces) < len(parked.chain):
+            raise ParkedKVLost(
+                f"{len(parked.chain) - len(pieces)} of the {len(parked.chain)} blocks it let go to the "
+                "cache are no longer there, or their tier-2 file cannot be read"
+            )
+        return pieces
 
     def free(self, blocks: list[int]) -> None:
         with self._lock:

@@ -33,7 +33,7 @@ from server.errors import HTTPError
 from server.http import Request, Responder
 from server.tasks import stop_tasks
 
-from .engine_api import Engine, EngineRequest, prompt_checksum
+from .engine_api import Engine, EngineRequest, ParkedKVLost, prompt_checksum
 from .internal_auth import refusal_code
 from .settings import WorkerSettings, host_port
 
@@ -241,14 +241,19 @@ class KVHandoff:
         # The generation worker may hang up midway (timeout, cancel, crash) and
         # recompute the prefill; this handler is then cancelled. The KV is gone
         # either way (read_parked frees it): count it, without a traceback.
-        served = False
+        served, failed = False, "abandoned"
         trace = tracing.start_kv_export(self.tracing, request, parked.num_tokens) if self.tracing else None
         try:
             # The gather (and a device-to-host copy on CUDA) must not run on the event loop.
             # Shielded: the read owns the blocks from here, and a cancelled executor
             # future whose job had not started yet (executor busy) would never free them.
             read = asyncio.get_running_loop().run_in_executor(None, self.engine.read_parked, parked)
-            k, v = await asyncio.shield(read)
+            try:
+                k, v = await asyncio.shield(read)
+            except ParkedKVLost as exc:  # let go to the cache, and no longer all there (kv_cache)
+                failed = "lost"
+                log.info("the KV parked for ctx_request_id %d is lost: %s", ctx_request_id, exc)
+                raise HTTPError(404, f"the KV of ctx_request_id {ctx_request_id} is lost: {exc}") from None
             pieces = encode_kv(
                 k,
                 v,
@@ -262,9 +267,9 @@ class KVHandoff:
             await out.drain()
             served = not out.closed
         finally:
-            self.metrics.handoff.inc(event="served" if served else "abandoned")
+            self.metrics.handoff.inc(event="served" if served else failed)
             if trace is not None:
-                trace.end(200 if served else 499)
+                trace.end(200 if served else 404 if failed == "lost" else 499)
 
     # -- KV hand-off, generation side ------------------------------------------
 

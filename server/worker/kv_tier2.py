@@ -182,7 +182,10 @@ class KVTier2:
         self.store: _MemoryStore | _FileStore = (
             _FileStore(Path(path), self) if path else _MemoryStore(self, self.capacity_blocks)
         )
-        # Statistics: blocks spilled, loaded, dropped (LRU), loads failed.
+        # Statistics: blocks spilled, loaded, dropped (LRU), loads failed; read by a parked entry's
+        # export (left in the tier), and such reads failed (the export with them).
+        self.exported_blocks_total = 0
+        self.export_failed_blocks_total = 0
         self.spilled_blocks_total = 0
         self.loaded_blocks_total = 0
         self.dropped_blocks_total = 0
@@ -241,6 +244,27 @@ class KVTier2:
             self._free_slots.append(entry.slot)
         self._ops.append(job)
         job.reading = self.store.prefetch(run)
+
+    def export_hold(self, digest: bytes, chunk: bytes) -> torch.Tensor | tuple[bytes, Path] | None:
+        """Under the cache's lock: a parked entry's block for its export (kv_cache.read_parked), left
+        in the tier: the memory store's copy made now (its slot is reused once the block is dropped,
+        which needs the lock), the file store's (hash, file) to read off the lock with
+        :meth:`export_read` (a file deleted meanwhile is a failed read, never another block's: each
+        spill has a name of its own, and a read checks the hash and the checksum). None: not here."""
+        entry = self._entries.get(digest)
+        if entry is None or not entry.ready or entry.chunk != chunk:
+            return None
+        if isinstance(self.store, _FileStore):
+            return None if entry.path is None else (digest, entry.path)
+        return self.store.read([entry])[0]
+
+    def export_read(self, held: torch.Tensor | tuple[bytes, Path]) -> torch.Tensor | None:
+        """A block :meth:`export_hold` held: ``[2, layers, block_size, kv_heads, head_dim]``, or None
+        where its file is missing, cut short or corrupt."""
+        if isinstance(held, torch.Tensor):
+            return held
+        digest, path = held
+        return _read_block(path, digest, self.block_shape, self.cache.dtype)
 
     # -------------------------------------------------------------- the engine thread
 

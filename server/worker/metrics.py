@@ -63,7 +63,9 @@ class WorkerMetrics:
             "KV hand-off events. Context side: parked, served, expired, abandoned (the fetcher hung up "
             "mid-download), cancelled (a context leg's client left before its answer: its KV freed at "
             "once, parked or not), released (DELETE by an orchestrator that gave up on the leg), "
-            "evicted (parked KV freed for the parked bound or to admit a request). "
+            "evicted (parked KV freed for the parked bound or to admit a request; with a second KV tier "
+            "its registered blocks let go to the cache first, read back by the export), lost (such an "
+            "export that could not read them all back: 404, the generation leg prefills). "
             "Generation side: fetched, recomputed",
             ("event",),
         )
@@ -103,7 +105,9 @@ class WorkerMetrics:
                 callback=lambda: tier2.capacity_tokens)  # fmt: skip
         for name, what in (("spilled", "evicted from the device into tier 2"), ("loaded", "loaded back from it"),
                            ("dropped", "dropped from it, least recently spilled first"),
-                           ("failed", "whose load failed (a missing or corrupt file: recomputed)")):  # fmt: skip
+                           ("failed", "whose load failed (a missing or corrupt file: recomputed)"),
+                           ("exported", "read from it by a parked entry's KV export (left there)"),
+                           ("export_failed", "an export could not read (gone, a file missing or corrupt)")):  # fmt: skip
             r.counter(f"fastcore_worker_kv_tier2_{name}_blocks_total", f"KV blocks {what}",
                       callback=functools.partial(getattr, tier2, f"{name}_blocks_total"))  # fmt: skip
         r.gauge("fastcore_worker_kv_tier2_load_tokens_per_second", "Tier-2 loads' measured rate",
