@@ -13,12 +13,16 @@ import pytest
 
 pytest.importorskip("torch")  # the torch worker: skipped where the [worker] extra is not installed
 
+import numpy as np
 import pytest_asyncio
+import torch
 from helpers import get, post
 from tiny_workers import LiveWorker, one_torch_thread, tiny_worker  # noqa: F401 (an autouse fixture)
 
 from server.worker.app import WorkerSettings, start_worker
 from server.worker.engine import TorchEngine
+from server.worker.engine_api import ParkedKV, ParkedKVLost
+from server.worker.kv_cache import PagedKVCache
 from server.worker.kv_tier2 import KVTier2, Rates
 from server.worker.tiny import build_tiny
 
@@ -210,3 +214,106 @@ async def test_a_corrupt_tier2_file_fails_the_export_and_the_generation_leg_pref
     finally:
         await ctx.server.cleanup()
         _tier(ctx).close()
+
+
+# ---------------------------------------------------------------- the cache's side, block by block
+
+
+def _cache(blocks: int, path: Path | None) -> PagedKVCache:
+    config, _, _ = build_tiny()
+    cache = PagedKVCache(config, blocks * BS, block_size=BS, prefix_caching=True)
+    cache.attach_tier2(16 * BS, str(path) if path is not None else None)
+    return cache
+
+
+def _park(cache: PagedKVCache, full_blocks: int) -> tuple[ParkedKV, torch.Tensor, torch.Tensor]:
+    """A parked entry of ``full_blocks`` full blocks and 3 tokens more, its K/V seeded, registered."""
+    n = full_blocks * BS + 3
+    ids = np.arange(n, dtype=np.int32) % 250
+    blocks, _ = cache.allocate_prefix(ids, n)
+    gen = torch.Generator().manual_seed(7)
+    shape = (cache.num_layers, n, cache.kv_heads, cache.head_dim)
+    k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    cache.write(blocks, k, v)
+    cache.register(blocks, ids, n)
+    return ParkedKV(1, blocks, n, 0, 0, None, 0.0), k, v
+
+
+def _tier2_wait(cache: PagedKVCache) -> None:
+    assert cache.tier2 is not None
+    wait = getattr(cache.tier2.store, "wait_idle", None)
+    if wait is not None:
+        assert wait()
+
+
+@pytest.mark.parametrize("files", [False, True], ids=["memory", "files"])
+def test_an_entry_let_go_is_read_from_both_tiers_bit_for_bit(files: bool, tmp_path: Path) -> None:
+    cache = _cache(8, tmp_path if files else None)
+    parked, k, v = _park(cache, 5)  # 6 of the 8 blocks
+    released = cache.let_go(parked)
+    assert len(released) == 5 and len(parked.chain) == 5 and len(parked.blocks) == 1
+    cache.free(released)
+    taken = cache.allocate(4 * BS)  # the 2 free blocks, then the 2 least recently used: spilled
+    cache.flush_tier2()
+    cache.free(taken)
+    _tier2_wait(cache)
+    assert cache.tier2 is not None and cache.tier2.held_blocks == 2
+    got_k, got_v = cache.read_parked(parked)  # 2 blocks from tier 2, 3 from the device, the held rest
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    assert cache.tier2.exported_blocks_total == 2 and cache.tier2.held_blocks == 2  # left there
+    assert cache.used_blocks == 1  # the export's holds given back
+    cache.free(parked.blocks)
+    assert cache.used_blocks == 0
+    cache.tier2.close()
+
+
+def test_blocks_read_by_an_export_are_not_evicted_under_it() -> None:
+    cache = _cache(8, None)
+    parked, k, v = _park(cache, 5)
+    cache.free(cache.let_go(parked))  # 5 blocks evictable, 2 free, the rest held
+    taken: list[int] = []
+    real_read = cache.read
+
+    def read(blocks: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not taken:  # while the export reads: every block a reservation may take is taken
+            taken.extend(cache.allocate((len(cache._free) + len(cache._evictable)) * BS))
+        return real_read(blocks, num_tokens)
+
+    cache.read = read  # type: ignore[method-assign]
+    got_k, got_v = cache.read_parked(parked)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    assert len(taken) == 2  # the free ones only: the 5 being read were held
+    cache.free(taken + parked.blocks)
+    assert cache.used_blocks == 0
+
+
+@pytest.mark.parametrize("how", ["missing", "corrupt", "dropped", "other_ids"])
+def test_a_block_let_go_and_lost_fails_the_export_never_wrong_kv(how: str, tmp_path: Path) -> None:
+    cache = _cache(8, tmp_path)
+    parked, _, _ = _park(cache, 5)
+    cache.free(cache.let_go(parked))
+    taken = cache.allocate(7 * BS)  # every block let go spilled to files
+    cache.flush_tier2()
+    cache.free(taken)
+    _tier2_wait(cache)
+    tier = cache.tier2
+    assert tier is not None and tier.held_blocks == 5
+    files = sorted(tmp_path.glob("*.kv"), key=lambda p: int(p.stem))
+    if how == "missing":
+        files[2].unlink()
+    elif how == "corrupt":
+        raw = bytearray(files[2].read_bytes())
+        raw[-1] ^= 0xFF
+        files[2].write_bytes(bytes(raw))
+    elif how == "dropped":  # pushed out of the tier (least recently spilled first) by others' blocks
+        for digest in list(tier._entries)[:2]:
+            tier._release(tier._entries.pop(digest))
+    else:  # the same hash with other ids (a forced collision): no block of those ids is served
+        digest, chunk = parked.chain[2]
+        parked.chain[2] = (digest, bytes(reversed(chunk)))
+    with pytest.raises(ParkedKVLost):
+        cache.read_parked(parked)
+    assert tier.export_failed_blocks_total >= 1 and cache.used_blocks == 1
+    cache.free(parked.blocks)
+    assert cache.used_blocks == 0
+    tier.close()
