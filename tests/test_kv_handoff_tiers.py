@@ -133,20 +133,35 @@ def _settle(ctx: LiveWorker) -> None:
         assert wait()
 
 
-@pytest.mark.parametrize("files", [False, True], ids=["memory", "files"])
+def _damage(path: Path) -> None:
+    """Every spill file under ``path`` with its last byte flipped (its checksum no longer holds)."""
+    for spilled in path.glob("*.kv"):
+        raw = bytearray(spilled.read_bytes())
+        raw[-1] ^= 0xFF
+        spilled.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("tier", ["memory", "files", "corrupt_files"])
 async def test_a_context_leg_whose_prefix_came_from_tier2_hands_off_the_same_tokens(
-    files: bool, tmp_path: Path, single: LiveWorker, gen: LiveWorker
+    tier: str, tmp_path: Path, single: LiveWorker, gen: LiveWorker
 ) -> None:
-    ctx = await tiered_context(tmp_path if files else None)
+    """The prefix's load runs before the context leg's prefill (a failed one cut there and
+    recomputed): the KV parked is the device's, whichever way it came."""
+    ctx = await tiered_context(tmp_path if tier != "memory" else None)
     try:
         await generation_leg(gen, await context_leg(ctx, PROMPT, 1))
         await push_out(ctx, gen, 100)
         assert ctx.engine.prefix_evicted_blocks > 0
         _settle(ctx)
+        if tier == "corrupt_files":
+            _damage(tmp_path)
         loaded = _tier(ctx).loaded_blocks_total
         turn = PROMPT + "And then?"
         got = await generation_leg(gen, await context_leg(ctx, turn, 2))
-        assert _tier(ctx).loaded_blocks_total - loaded >= 8  # the prefix hit came from tier 2
+        if tier == "corrupt_files":  # the load failed: the prefix recomputed, the parked KV right
+            assert _tier(ctx).loaded_blocks_total == loaded and _tier(ctx).failed_blocks_total >= 1
+        else:
+            assert _tier(ctx).loaded_blocks_total - loaded >= 8  # the prefix hit came from tier 2
         assert got == await alone(single, turn)
         assert await metric(gen, handoff("fetched")) == 8 and await metric(gen, handoff("recomputed")) == 0
         assert ctx.engine.kv_used_tokens == 0
@@ -198,10 +213,7 @@ async def test_a_corrupt_tier2_file_fails_the_export_and_the_generation_leg_pref
     ctx = await tiered_context(tmp_path, kv_tokens=1024, max_parked_fraction=0.25)
     try:
         answers = await park_and_spill(ctx)
-        for path in tmp_path.glob("*.kv"):  # every spill file damaged
-            raw = bytearray(path.read_bytes())
-            raw[-1] ^= 0xFF
-            path.write_bytes(bytes(raw))
+        _damage(tmp_path)
         assert await generation_leg(gen, answers[0]) == await alone(single, "000 " + SHORT)
         assert await metric(ctx, handoff("lost")) == 1
         assert await metric(gen, 'fastcore_worker_kv_fetch_failures_total{reason="http_404"}') == 1
