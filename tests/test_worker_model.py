@@ -386,3 +386,54 @@ def test_tiny_is_deterministic_and_not_degenerate() -> None:
         assert len(set(generated)) >= 8, generated  # not one byte over and over
         outputs.add(tuple(generated))
     assert len(outputs) == 3  # the prompt matters
+
+
+@pytest.mark.parametrize("bias", [{}, {"attention_bias": True}, {"attention_bias": True, "mlp_bias": True}])
+def test_fused_projections_equal_the_linears_apart(bias: dict[str, bool]) -> None:
+    config = small_config(**bias)
+    model = random_model(config)
+    ids = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
+    apart = model(ids)  # autograd on: each linear on its own (a fused copy carries no gradient)
+    apart.sum().backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
+    with torch.inference_mode():
+        fused = model(ids)
+    layer = model.model.layers[0]
+    assert (layer.self_attn.qkv.fusions, layer.mlp.gate_up.fusions) == (1, 1)
+    torch.testing.assert_close(fused, apart.detach(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(fused.argmax(-1), apart.argmax(-1))
+    # The fused weights are copies in no state_dict: a checkpoint's keys stay Hugging Face's.
+    assert set(model.state_dict()) == {name for name, _ in model.named_parameters()}
+    with torch.no_grad():
+        x = torch.randn(3, config.hidden_size)
+        attn = layer.self_attn
+        want = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], -1)
+        torch.testing.assert_close(attn.qkv(x), want, rtol=1e-6, atol=1e-6)
+        assert attn.qkv.fusions == 1  # made once, reused
+
+
+def test_a_weight_reload_fuses_again() -> None:
+    config = small_config(attention_bias=True)
+    a, b = random_model(config, seed=1), random_model(config, seed=2)
+    ids = torch.randint(0, config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(5))
+    fused = b.model.layers[1].self_attn.qkv
+    with torch.no_grad():
+        before = b(ids)
+        assert fused.fusions == 1
+        b(ids)
+        assert fused.fusions == 1
+        b.load_state_dict(a.state_dict())  # copied in place, as hf.load_weights does
+        torch.testing.assert_close(b(ids), a(ids), rtol=1e-6, atol=1e-6)
+        assert not torch.allclose(b(ids), before)
+        assert fused.fusions == 2
+        b.model.layers[1].mlp.up_proj.weight.mul_(2.0)  # one tensor changed in place
+        assert not torch.allclose(b(ids), a(ids))
+        assert b.model.layers[1].mlp.gate_up.fusions == 3
+        # A replaced parameter and a cast model fuse again too.
+        attn = b.model.layers[1].self_attn
+        attn.v_proj.weight = torch.nn.Parameter(torch.zeros_like(attn.v_proj.weight))
+        x = torch.randn(2, config.hidden_size)
+        assert torch.equal(attn.qkv(x)[:, -attn.v_proj.out_features :], attn.v_proj(x))
+        b.to(torch.float64)
+        assert b(ids).dtype == torch.float64
+        assert attn.qkv.weight is not None and attn.qkv.weight.dtype == torch.float64
