@@ -36,6 +36,19 @@ __version__ = "0.1.0"
 NO_EXTENSIONS: bool = os.environ.get("FASTCORE_NO_EXTENSIONS", "") not in ("", "0")
 
 
+def compiled_twin(name: str) -> ModuleType | None:
+    """The compiled module ``name`` (dotted), or None where ``FASTCORE_NO_EXTENSIONS=1`` is set or it
+    is not built: the one rule by which a pure module picks its twin (aiohttp's: the pure ``x.py`` is
+    public, the compiled ``_x`` beside it, chosen at ``x.py``'s end, which binds its public names to
+    the compiled ones or keeps its own). This package's four are all or none (below)."""
+    if NO_EXTENSIONS:
+        return None
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
 _TWINS = ("_codec", "_scan", "_relay", "_hash")
 
 
@@ -73,6 +86,7 @@ __all__ = [
     "TokenDecodeError",
     "backend",
     "chunk_hashes",
+    "compiled_twin",
     "decode_tokens",
     "decode_tokens_into",
     "decode_tokens_list",

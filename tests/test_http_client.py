@@ -16,7 +16,7 @@ import time
 from types import ModuleType
 
 import pytest
-from helpers import eventually, free_port, made_in_a_thread
+from helpers import REQUIRE_EXTENSIONS, eventually, free_port, made_in_a_thread
 from upstream_stand_ins import (  # noqa: F401  (fixtures: both twins, both loops)
     SLACK_S,
     Pool,
@@ -1001,3 +1001,37 @@ async def test_many_connections_reading_at_once_each_get_their_own_bytes() -> No
             else:
                 assert body == b"".join(tag * 700 + b"%d" % i for i in range(12)), tag
         assert up.accepted == len(tags)
+
+
+def test_the_pool_takes_the_twins_its_upstream_module_chose() -> None:
+    """server.http.upstream chooses the connection, the response and the pool's ``start`` once, at its
+    end (fastcore.compiled_twin: the compiled _upstream unless FASTCORE_NO_EXTENSIONS=1 or unbuilt);
+    UpstreamPool's class body takes them, and nothing rebinds the class after."""
+    import importlib
+
+    import fastcore
+    from server.http import upstream
+
+    if upstream.backend == "cython":
+        compiled = importlib.import_module("server.http._upstream")
+        chosen = (compiled.Connection, compiled.Response, compiled.pool_start)
+    else:
+        assert fastcore.NO_EXTENSIONS or not REQUIRE_EXTENSIONS
+        chosen = (upstream._Connection, upstream.UpstreamResponse, upstream.pure_start)
+    assert (upstream.Connection, upstream.Response, upstream.start) == chosen
+    assert (
+        UpstreamPool.connection_class,
+        UpstreamPool.response_class,
+        UpstreamPool.__dict__["start"],
+    ) == chosen
+    assert client.pure_start is upstream.pure_start and client._Connection is upstream._Connection
+
+
+def test_compiled_twin_is_none_without_extensions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one helper every pure module picks its twin with: None when told to run pure or unbuilt."""
+    import fastcore
+
+    monkeypatch.setattr(fastcore, "NO_EXTENSIONS", True)
+    assert fastcore.compiled_twin("server.http._upstream") is None
+    monkeypatch.setattr(fastcore, "NO_EXTENSIONS", False)
+    assert fastcore.compiled_twin("server.http._no_such_twin") is None

@@ -12,10 +12,12 @@ proxy needs and nothing else:
   bounded header bytes and count, header/body/idle timeouts, connection cap,
   pipelining with a bounded queue, backpressure from a slow reader to the
   upstream socket.
-- :mod:`server.http.client`: keep-alive connections per worker, request
-  bodies written as their pieces (vectored), response framing by the
-  response parser of :mod:`server.http.parse`, streamed bodies handed to a
-  sink as they arrive.
+- :mod:`server.http.pool`: keep-alive connections per worker, request
+  bodies written as their pieces (vectored); :mod:`server.http.upstream`:
+  the connection and response (compiled twin ``_upstream``), response
+  framing by the response parser of :mod:`server.http.parse`, streamed
+  bodies handed to a sink as they arrive; :mod:`server.http.deadlines`:
+  their deadlines (:mod:`server.http.client` re-exports all of it).
 - :mod:`server.http.memory`: glibc's ``malloc_trim``, which gives the C heap
   back once large bodies stop coming.
 
@@ -23,17 +25,11 @@ Never hand-written HTTP parsing: only the status line and headers we *write*
 are formatted here.
 """
 
-from .client import (
-    BodyPiece,
-    Deadlines,
-    HeldWriter,
-    Listener,
-    UpstreamError,
-    UpstreamPool,
-    UpstreamResponse,
-    UpstreamTimeout,
-)
+from .deadlines import Deadlines
+from .pool import UpstreamPool
 from .server import Handling, HTTPServer, Limits, Request, Responder, handler_failed
+from .upstream import HeldWriter, Listener, UpstreamResponse
+from .upstream_wire import BodyPiece, UpstreamError, UpstreamTimeout
 
 __all__ = [
     "BodyPiece",

@@ -1,16 +1,17 @@
 # cython: language_level=3, auto_pickle=False, nonecheck=True
-"""The upstream side's connection and response in C: twin of :mod:`server.http.client`'s
-``_Connection`` and :class:`~server.http.client.UpstreamResponse` (their docstrings say what each
+"""The upstream side's connection and response in C: twin of :mod:`server.http.upstream`'s
+``_Connection`` and :class:`~server.http.upstream.UpstreamResponse` (their docstrings say what each
 method does; the behaviour is theirs, line for line).
 
 :class:`Connection` *is* its response parser (a subclass of :mod:`server.http._parse`'s
 ``ResponseParser``): llhttp's head, body and end events are C calls into it, which set the
 :class:`Response`'s typed fields, with no Python frame per event, per read or per body piece of
 a stream. What stays a Python call is what the connection tells others: the listener's
-``leg_head``/``leg_done``/``leg_error``, the sink, the held writer, the pool and the deadline
-sweeper. :class:`~server.http.client.UpstreamPool` uses these two classes where the compiled
-parsers are (``UpstreamPool.connection_class`` / ``response_class``), else client.py's, and
-:func:`pool_start` as its ``start`` (client.py's ``pure_start`` is the twin).
+``leg_head``/``leg_done``/``leg_error``, the sink, the held writer, the pool (its methods ``keep``,
+``forget``, ``open_for``: upstream.py's ``ConnectionPool``) and the deadline sweeper (``add``,
+``remove``). :mod:`server.http.upstream` chooses these two classes and :func:`pool_start` (its
+``pure_start`` is the twin) at its end, where this module is built, for
+:class:`~server.http.pool.UpstreamPool`'s ``connection_class``, ``response_class`` and ``start``.
 """
 
 # nonecheck (the header): a typed object that is None (a response its listener released while the
@@ -34,7 +35,7 @@ cdef tuple _NOTHING = ()
 
 
 cdef class Response:
-    """A response: :class:`~server.http.client.UpstreamResponse`'s twin (same attributes, same methods)."""
+    """A response: :class:`~server.http.upstream.UpstreamResponse`'s twin (same attributes, same methods)."""
 
     cdef public object _conn
     cdef public int status
@@ -173,7 +174,7 @@ cdef inline _wake(fut, exc):
 
 
 cdef class Connection(ResponseParser):
-    """One keep-alive connection to a worker: client.py ``_Connection``'s twin, its own parser."""
+    """One keep-alive connection to a worker: upstream.py ``_Connection``'s twin, its own parser."""
 
     cdef public object pool
     cdef public object loop
@@ -229,7 +230,7 @@ cdef class Connection(ResponseParser):
 
     def connection_lost(self, exc):
         self.closed = True
-        self.pool._forget(self)
+        self.pool.forget(self)
         resp = self.response
         if resp is None or resp.complete:
             return
@@ -304,7 +305,7 @@ cdef class Connection(ResponseParser):
             if failed:
                 self.close()
             elif self.response is None and not self.closed:
-                _pool_release(self.pool, self)
+                self.pool.keep(self)
 
     cdef _flush(self, Response resp):
         pending = self.pending
@@ -419,7 +420,7 @@ cdef class Connection(ResponseParser):
             self.deadline = now + headers_timeout if headers_timeout else 0.0
         if self.deadline or self.read_timeout:
             self.timed = True
-            _sweeper_add(self.sweeper, self)
+            self.sweeper.add(self)
         if size < _JOINED_BELOW:
             transport.write(_EMPTY.join((head, *pieces)))
         else:
@@ -427,7 +428,7 @@ cdef class Connection(ResponseParser):
         return resp
 
     def unseen(self, exc):
-        return not exc.sent or (exc.clean_close and not self.got_bytes)  # client.py's: a reset is not
+        return not exc.sent or (exc.clean_close and not self.got_bytes)  # upstream.py's: a reset is not
 
     def _check_deadline(self, double now):
         resp = self.response
@@ -444,7 +445,7 @@ cdef class Connection(ResponseParser):
     cdef _cancel_timer(self):
         if self.timed:
             self.timed = False
-            self.sweeper.active.discard(self)  # Deadlines.remove
+            self.sweeper.remove(self)
 
     def _fail(self, exc):
         cdef Response resp = self.response
@@ -455,7 +456,7 @@ cdef class Connection(ResponseParser):
             resp.reused = False
             self.response = None
             self.close()
-            self.pool._open_for(resp)
+            self.pool.open_for(resp)
             return
         if not resp.on_error(exc):
             self.close()  # what failed came after its end (bytes past the response): not used again
@@ -473,7 +474,7 @@ cdef class Connection(ResponseParser):
             if self.feeding:
                 self.release_after_feed = True
             else:
-                _pool_release(self.pool, self)
+                self.pool.keep(self)
         else:
             self.close(reset=not resp.complete)
 
@@ -493,7 +494,7 @@ cdef class Connection(ResponseParser):
             self.reader.drop()  # a body read into when it failed goes now, not with this object
         if not self.closed:
             self.closed = True
-            self.pool._forget(self)
+            self.pool.forget(self)
             transport = self.transport
             if transport is None:
                 return
@@ -508,33 +509,15 @@ cdef class Connection(ResponseParser):
                 transport.close()
 
 
-cdef inline _sweeper_add(sweeper, Connection conn):
-    """:meth:`server.http.client.Deadlines.add`: ``conn`` timed; the tick started if it is not running."""
-    sweeper.active.add(conn)
-    if sweeper.handle is None:
-        sweeper.handle = conn.loop.call_later(sweeper.TICK_S, sweeper.tick, conn.loop)
-
-
-cdef inline _pool_release(pool, Connection conn):
-    """:meth:`server.http.client.UpstreamPool._release`: ``conn`` idle in ``pool``, or closed past its
-    ``max_idle``."""
-    cdef list idle = pool.idle
-    if len(idle) >= pool.max_idle:
-        conn.close()
-        return
-    conn.idle_since = pool.loop.time()
-    idle.append(conn)
-
-
 # -- the pool's start, in C ----------------------------------------------------------------------
 
 def pool_start(pool, listener, bytes method, bytes path, pieces=_NOTHING, *, bytes headers=_EMPTY, timeout=None,
                read_timeout=None, Py_ssize_t max_body=0, headers_timeout=None):
-    """:meth:`server.http.client.UpstreamPool.start`, line for line in one C call (no Python frame for
+    """:func:`server.http.upstream.pure_start`, line for line in one C call (no Python frame for
     it, ``_size``, ``_head``, ``_idle_connection`` or ``_send_on``): the response, sent on the newest
     idle connection still open and not idle too long (the stale ones closed on the way), else on one
     being opened; a pooled one found closing as it is written to is closed and a new one opened.
-    ``UpstreamPool`` is given it as its ``start`` where the compiled twins are (client.py)."""
+    ``UpstreamPool`` is given it as its ``start`` where the compiled twins are (upstream.py)."""
     cdef Py_ssize_t size = 0
     cdef list idle
     cdef double now, limit
@@ -561,5 +544,5 @@ def pool_start(pool, listener, bytes method, bytes path, pieces=_NOTHING, *, byt
                 break
             resp.reused = True
             return resp
-    pool._open_for(resp)
+    pool.open_for(resp)
     return resp

@@ -15,25 +15,16 @@ them per twin in subclasses.
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 
-from fastcore import NO_EXTENSIONS
+from fastcore import compiled_twin
 
 from . import _parse_py
 
-
-def _load() -> tuple[ModuleType, str]:
-    if not NO_EXTENSIONS:
-        try:
-            return importlib.import_module("._parse", __package__), "cython"
-        except ImportError:
-            pass
-    return _parse_py, "python"
-
-
-#: ``backend``: ``"cython"`` or ``"python"``, which twin :data:`RequestParser` is
-_impl, backend = _load()
+_compiled = compiled_twin("server.http._parse")
+_impl: ModuleType = _parse_py if _compiled is None else _compiled
+#: ``"cython"`` or ``"python"``: which twin :data:`RequestParser` is
+backend = "python" if _compiled is None else "cython"
 
 #: the request parser every :class:`~server.http.HTTPServer` uses unless its class says otherwise
 RequestParser = _impl.RequestParser

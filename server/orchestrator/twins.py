@@ -10,22 +10,9 @@ it is missing or ``FASTCORE_NO_EXTENSIONS=1`` is set (as :mod:`fastcore` and
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
-
-from fastcore import NO_EXTENSIONS
-
-
-def _load() -> ModuleType | None:
-    if not NO_EXTENSIONS:
-        try:
-            return importlib.import_module("._tally", __package__)
-        except ImportError:
-            pass
-    return None
-
+from fastcore import compiled_twin
 
 #: the compiled module, or None (the pure classes are used)
-tally = _load()
+tally = compiled_twin("server.orchestrator._tally")
 #: ``"cython"`` or ``"python"``: which twins the orchestrator counts with
 backend = "python" if tally is None else "cython"
