@@ -458,3 +458,65 @@ async def test_a_breaker_one_orchestrator_opened_keeps_the_other_away(config: Fl
             await server.cleanup()
         await worker.server.cleanup()
         await runner.cleanup()
+
+
+async def test_metrics_say_the_live_members_and_this_orchestrator_s_share(config: FleetClusterConfig) -> None:
+    """/metrics of start_server orchestrators with fleet_cluster: the members counted (itself
+    included), its fraction of each rate and its part of max_inflight, etcd reachable; one stopping
+    cleanly: the other's page says it is alone at once; none of these families without the section."""
+    servers = []
+    try:
+        for _ in range(2):
+            data = {"port": 0, "context_servers": {"urls": [WORKER]},
+                    "generation_servers": {"urls": [WORKER]}, "admission": {"max_inflight": 8},
+                    "fleet_cluster": config.model_dump()}  # fmt: skip
+            servers.append(await start_server(build_config(data, environ={})))
+        orchestrators = [orch for _, orch in servers]
+        await until(
+            lambda: all(o.fleet_cluster and o.fleet_cluster.share == (0.5, 4) for o in orchestrators), 10
+        )
+        for orch in orchestrators:
+            page = await scrape(port_of(orch))
+            assert page["fastcore_orchestrator_fleet_members"] == 2
+            assert page["fastcore_orchestrator_fleet_share"] == 0.5
+            assert page["fastcore_orchestrator_fleet_max_inflight"] == 4
+            assert page["fastcore_orchestrator_fleet_connected"] == 1
+        await servers.pop()[0].cleanup()
+        alone = orchestrators[0]
+        await until(lambda: alone.fleet_cluster is not None and alone.fleet_cluster.share == (1.0, 8), 10)
+        page = await scrape(port_of(alone))
+        assert page["fastcore_orchestrator_fleet_members"] == 1
+        assert page["fastcore_orchestrator_fleet_share"] == 1
+        assert page["fastcore_orchestrator_fleet_max_inflight"] == 8
+    finally:
+        for server, _ in servers:
+            await server.cleanup()
+    data = {
+        "port": free_port(),
+        "context_servers": {"urls": [WORKER]},
+        "generation_servers": {"urls": [WORKER]},
+    }
+    server, orch = await start_server(build_config(data, environ={}))
+    try:
+        assert not [
+            name for name in await scrape(port_of(orch)) if name.startswith("fastcore_orchestrator_fleet")
+        ]
+    finally:
+        await server.cleanup()
+
+
+def port_of(orchestrator: Any) -> int:
+    return int(orchestrator.server.sockets[0].getsockname()[1])
+
+
+async def scrape(port: int) -> dict[str, float]:
+    """An orchestrator's /metrics: each unlabelled sample's value by name."""
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
+            assert resp.status == 200
+            text = await resp.text()
+    return {
+        name: float(value)
+        for name, _, value in (line.partition(" ") for line in text.splitlines())
+        if name and not name.startswith("#") and "{" not in name
+    }

@@ -112,6 +112,13 @@ class FleetCluster:
         self._tasks: list[asyncio.Task[None]] = []
         self._synced = asyncio.Event()
 
+    @property
+    def member_count(self) -> int:
+        """The live members as the watch says, this one counted even before etcd showed it (as the
+        share is divided: :meth:`_divide`)."""
+        members = self.members
+        return len(members) + (self.id not in members)
+
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self, *, wait_s: float = 2.0) -> None:

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from server.metrics import Registry
 
     from .discovery import Discovery
+    from .fleet_cluster import FleetCluster
     from .pools import Pool
 
 #: why a request fell back to local prefill (``fastcore_orchestrator_context_fallbacks_total``)
@@ -45,6 +46,8 @@ class Observed(Protocol):
     pools: list[Pool]
     discovery: Discovery | None
     server: HTTPServer | None
+    #: several hosts' membership (fleet_cluster.py): set by start_server once joined
+    fleet_cluster: FleetCluster | None
 
 
 class OrchestratorMetrics:
@@ -73,6 +76,8 @@ class OrchestratorMetrics:
         self._workers(registry, orchestrator.pools)
         if orchestrator.discovery is not None:
             self._cluster(registry, orchestrator.discovery)
+        if getattr(getattr(orchestrator, "config", None), "fleet_cluster", None) is not None:
+            _fleet_cluster(registry, orchestrator)
         self._paths(registry)
         self._breakers(registry, orchestrator.pools)
         self._prefix_routing(registry, orchestrator.pools)
@@ -281,6 +286,50 @@ class OrchestratorMetrics:
             ).labels(),
             registry,
         )
+
+
+def _fleet_cluster(registry: Registry, orchestrator: Observed) -> None:
+    """Several hosts (config fleet_cluster, fleet_cluster.py): the members this orchestrator counts
+    and the share it takes, read from its membership at each scrape. Before start_server joined it
+    the page says one member with a whole share, as admission holds until then.
+    Every process of a host's --workers N sees the same members and holds its group's share: the
+    scrape says it once (livemax); connected is 0 when any process has lost etcd (livemin)."""
+
+    admission = getattr(orchestrator, "admission", None)
+    whole = float(admission.max_inflight) if admission is not None else 0.0
+
+    def read(value: Callable[[FleetCluster], float], alone: float) -> Callable[[], float]:
+        def scraped() -> float:
+            cluster = orchestrator.fleet_cluster
+            return alone if cluster is None else value(cluster)
+
+        return scraped
+
+    registry.gauge(
+        "fastcore_orchestrator_fleet_members",
+        "Orchestrator processes live in the fleet (fleet_cluster) as this one's watch sees them, itself "
+        "included.",
+        callback=read(lambda cluster: cluster.member_count, 1.0),
+        multiprocess_mode="livemax",
+    )
+    registry.gauge(
+        "fastcore_orchestrator_fleet_share",
+        "This orchestrator's (its host's processes') fraction of each tenant's rate limits in the fleet.",
+        callback=read(lambda cluster: cluster.share[0], 1.0),
+        multiprocess_mode="livemax",
+    )
+    registry.gauge(
+        "fastcore_orchestrator_fleet_max_inflight",
+        "This orchestrator's (its host's processes') part of admission.max_inflight in the fleet.",
+        callback=read(lambda cluster: cluster.share[1], whole),
+        multiprocess_mode="livemax",
+    )
+    registry.gauge(
+        "fastcore_orchestrator_fleet_connected",
+        "1 while the fleet's etcd (fleet_cluster) is reachable; 0: the last share kept.",
+        callback=read(lambda cluster: 1.0 if cluster.connected else 0.0, 0.0),
+        multiprocess_mode="livemin",
+    )
 
 
 def _server_stats(registry: Registry, orchestrator: Observed) -> None:
