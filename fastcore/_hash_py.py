@@ -11,7 +11,7 @@ from ._scan_py import _body_view
 # ``chunk_hashes(data, start, end, chunk)``: one 64-bit hash per FULL chunk of ``data[start:end]``,
 # chained, so hash i covers chunks 0..i and two byte strings share their first k hashes exactly when
 # they share their first k chunks (up to 64-bit collisions). The orchestrator's kv_cache_aware router
-# keys its per-worker prefix index with them (server/orchestrator/routing.py). The function, both
+# keys its per-worker prefix index with them (server/orchestrator/routing/prefix_index.py). The function, both
 # twins, bit for bit:
 #
 # - a chunk is ``chunk`` bytes, a multiple of 32 in [32, CHUNK_MAX]; its bytes are read as

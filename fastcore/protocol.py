@@ -75,7 +75,7 @@ CTX_USAGE: Final = "ctx_usage"
 #: from leg (2) to leg (3) (the fast relay copies the whole object; the parsed mode keeps them as
 #: pydantic extras). ``conversation_id`` is no member of it: it travels in the request's
 #: ``conversation_params`` (trtllm-serve's), relayed untouched like every field the protocol does not
-#: name; a top-level ``conversation_id`` is moved there first (server/orchestrator/routing.py).
+#: name; a top-level ``conversation_id`` is moved there first (server/orchestrator/routing/conversation_params.py).
 TRTLLM_EXTRA_DISAGG_FIELDS: Final = (
     "first_gen_log_probs",
     "first_gen_logits",

@@ -1,4 +1,4 @@
-"""Routers (server/orchestrator/routing.py): conversation and kv_cache_aware, and conditional disaggregation.
+"""Routers (server/orchestrator/routing/: conversation.py, kv_cache_aware.py), and conditional disaggregation.
 
 Unit tests drive the routers and pools directly; the end-to-end tests run an orchestrator in the
 test's loop against stub workers written here as real aiohttp servers on 127.0.0.1 (real sockets,

@@ -78,3 +78,20 @@ def test_the_cache_view_follows_the_pools_whose_policy_takes_cache_events() -> N
     followed = pool(Wrapped())
     view = CacheView([followed, pool(make_router("conversation", {"match_threshold": 0.5}))], None)
     assert view.pools == [followed]
+
+
+class Weighs(Router):
+    """A policy of its own (no LeastLoadedRouter, no ``use_tokens``) that reads the workers'
+    in-flight prompt tokens: the orchestrator must count them for it."""
+
+    name = "weighs"
+    weighs_tokens = True
+
+    def choose(self, candidates: list[Any], key: RequestKey | None = None) -> Any:
+        return min(candidates, key=lambda w: w.in_flight_tokens)
+
+
+def test_only_least_loaded_with_use_tokens_says_it_weighs_tokens() -> None:
+    says = {kind: make_router(kind).weighs_tokens for kind in ROUTERS}
+    assert says == dict.fromkeys(ROUTERS, False)
+    assert make_router("least_loaded", {"use_tokens": True}).weighs_tokens

@@ -1,5 +1,5 @@
 """Routing cost independent of the fleet's size: Pool.choose's cached routable list
-(server/orchestrator/pools.py) and kv_cache_aware's large-pool path (server/orchestrator/routing.py:
+(server/orchestrator/pools.py) and kv_cache_aware's large-pool path (server/orchestrator/routing/kv_cache_aware.py:
 a moving load window, the deepest chunk's holders)."""
 
 from __future__ import annotations

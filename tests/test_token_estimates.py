@@ -1,5 +1,5 @@
 """Token figures learned from the workers (server/orchestrator/estimates.py) and the routing-quality
-metrics; the kv_cache_aware router's inverted index (server/orchestrator/routing.py).
+metrics; the kv_cache_aware router's inverted index (server/orchestrator/routing/prefix_index.py).
 
 The end-to-end test runs real tiny workers (byte tokenizer: one byte per token) behind a real
 orchestrator on 127.0.0.1: conditional disaggregation decides in their tokens, not in a fixed guess.

@@ -11,7 +11,7 @@ its cache as before, and the key never leaves the orchestrator (the name, not th
 the same in every orchestrator process and host, so their routers and the workers agree).
 
 The body both legs carry is rewritten once, before routing (``Orchestrator.prepare``): the router's
-prefix keys (server/cache_keys.py, routing.py ``request_key``) read the same salt as the workers
+prefix keys (server/cache_keys.py, routing/keys.py ``request_key``) read the same salt as the workers
 cache under, and every path (both legs, the local prefill, both relay modes) sends it.
 
 trtllm-serve's chat request takes ``cache_salt``; its completion request does not (and refuses a

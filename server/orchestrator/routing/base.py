@@ -56,6 +56,10 @@ class Router:
     #: capability: the router takes a worker's own cache events, an exact view of its cache
     #: (server/orchestrator/cache_view.py; :class:`CacheEventFollower`)
     follows_cache_events = False
+    #: capability: ``choose`` reads the candidates' ``in_flight_tokens`` (each request weighing its
+    #: prompt's estimated tokens): the orchestrator counts them per worker only when a pool's router
+    #: says so (least_loaded with ``use_tokens``)
+    weighs_tokens = False
     #: the pool's learned prompt bytes per token (seeded by its workers' /server_info, taught by
     #: the context answers' usage: server/orchestrator/estimates.py)
     estimate: BytesPerToken

@@ -25,10 +25,11 @@ class LeastLoadedRouter(Router):
         use = (args or {}).get("use_tokens", False)
         if not isinstance(use, bool):
             raise ValueError(f"use_tokens must be true or false, got {use!r}")
-        self.use_tokens = use
+        self.weighs_tokens = use
+        self.use_tokens = use  # app.py's reading until its call site asks weighs_tokens
 
     def choose(self, candidates: list[W], key: RequestKey | None = None) -> W:
-        if self.use_tokens:
+        if self.weighs_tokens:
             least_tokens = min(w.in_flight_tokens for w in candidates)
             candidates = [w for w in candidates if w.in_flight_tokens == least_tokens]
         least = min(w.in_flight for w in candidates)
