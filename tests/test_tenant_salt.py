@@ -33,6 +33,7 @@ from server.orchestrator.relay_fast import FastRelay
 from server.orchestrator.routing import KvCacheAwareRouter, request_key
 from server.orchestrator.tenant_salt import salted_body, tenant_salt
 from server.orchestrator.tenants import Tenant
+from server.routes import CHAT as CHAT_ROUTE
 from server.worker.app import WorkerSettings, start_worker
 from server.worker.synthetic import SyntheticEngine
 
@@ -360,7 +361,7 @@ def test_the_routing_key_reads_the_tenants_salt(keys_file: str) -> None:
     body = chat(_TEXT * 4, cache_salt="c")
     keys = {}
     for tenant in ("tenant-a", "tenant-b"):
-        req, key, _, _ = orch.prepare(body, True, None, Tenant(tenant))
+        req, key, _, _ = orch.prepare(body, CHAT_ROUTE, None, Tenant(tenant))
         assert key is not None and key.salt == salt_key(tenant_salt(tenant, "c")) != 0
         # the worker's published keys of the body it receives: the key space is one
         assert key.hashes(64) == prompt_keys(req.body, True, 64)[0]
@@ -413,8 +414,8 @@ async def test_another_orchestrator_routes_by_the_workers_events_under_the_tenan
         router = other.context_pool.router
         assert isinstance(router, KvCacheAwareRouter)
         home = other.context_pool.workers[0]
-        key_a = other.prepare(following, True, None, Tenant("tenant-a"))[1]
-        key_b = other.prepare(following, True, None, Tenant("tenant-b"))[1]
+        key_a = other.prepare(following, CHAT_ROUTE, None, Tenant("tenant-a"))[1]
+        key_b = other.prepare(following, CHAT_ROUTE, None, Tenant("tenant-b"))[1]
         assert key_a is not None and key_b is not None
         for _ in range(200):
             if router.expected_hit(home, key_a) > 0:

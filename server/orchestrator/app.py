@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
-import re
 import socket
 import time
 from collections.abc import Awaitable
@@ -40,8 +38,6 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from fastcore import protocol as wire
-from server.auth import SIGNATURE_HEADER
 from server.errors import HTTPError
 from server.http import (
     Deadlines,
@@ -54,6 +50,7 @@ from server.http import (
     UpstreamTimeout,
 )
 from server.metrics import CONTENT_TYPE, Registry
+from server.routes import BY_PATH, CHAT
 from server.tracing import start_tracing
 from server.trtllm_endpoints import ORCHESTRATOR_ROUTES, TrtllmEndpoints
 
@@ -89,29 +86,18 @@ from .tenants import (
 
 log = logging.getLogger("fastcore.orchestrator")
 
-CHAT_PATH = wire.CHAT_COMPLETIONS_PATH
-COMPLETIONS_PATH = wire.COMPLETIONS_PATH
 LISTEN_BACKLOG = 4096
 # Per-connection read buffer of the aiohttp pass-through floor (bench/passthrough.py).
 READ_BUFSIZE = 1 << 22
-_KV_ENDPOINT_PATH = (("choices", 0, wire.DISAGGREGATED_PARAMS, wire.CTX_INFO_ENDPOINT),)
-#: a fastcore context worker's KV endpoint, at the end of ctx_info_endpoint
-_KV_PATH = re.compile(re.escape(wire.KV_PATH_PREFIX) + wire.KV_ID_PATTERN + r"\Z")
-KV_RELEASE_TIMEOUT_S = 5.0
 
 _JSON = b"application/json"
-_SSE = b"text/event-stream"
-_SSE_EXTRA = b"Cache-Control: no-cache\r\n"
 _POST = b"POST"
-_SIGNATURE = SIGNATURE_HEADER.encode()
-_CHAT, _COMPLETIONS = CHAT_PATH.encode(), COMPLETIONS_PATH.encode()
-_ROUTES = {_CHAT: True, _COMPLETIONS: False}
+_CHAT = CHAT.path
+#: a completion route's POST path -> its Route (server/routes.py)
+_ROUTES = BY_PATH
 _GET_ROUTES = (b"/health", b"/metrics", b"/v1/models")
 
 
-_getrandbits = random.getrandbits
-_DISAGG_ID_BITS = wire.DISAGG_REQUEST_ID_END.bit_length() - 1
-assert 1 << _DISAGG_ID_BITS == wire.DISAGG_REQUEST_ID_END
 #: seconds a shutdown waits for its last KV releases to reach the context workers
 STOP_RELEASES_S = 1.0
 
@@ -349,8 +335,8 @@ class Orchestrator(CompletionDriver):
         (an :class:`Exchange`, no task), or the awaitable that serves ``request`` (a task runs
         :meth:`_serve`'s coroutine itself: no layer that only forwards); None: answered at once."""
         path = request.path
-        chat = _ROUTES.get(path)
-        if chat is None:
+        route = _ROUTES.get(path)
+        if route is None:
             if (api := self.api_routes.get(path)) is not None:  # translated to chat (apis/)
                 return self.serve_api(api, request, out)
             for prefix, other in self.api_prefixes:  # an API's other routes: its own key header, its shape
@@ -363,7 +349,7 @@ class Orchestrator(CompletionDriver):
                 out.send(401, UNAUTHORIZED_BODY, headers=UNAUTHORIZED_HEADERS)
                 return None
             tenant = found
-        if chat is not None:
+        if route is not None:
             if request.method != _POST:
                 out.send_error(405, f"{path.decode()} takes POST", headers=b"Allow: POST\r\n")
                 return None
@@ -371,11 +357,11 @@ class Orchestrator(CompletionDriver):
                 out.keep_alive = False
                 out.send_error(503, "the orchestrator is shutting down", code="shutting_down",
                                headers=b"Retry-After: %d\r\n" % self.config.retry_after_s)  # fmt: skip
-                self.metrics.count_request("chat" if chat else "completions", 503)
+                self.metrics.count_request(route.name, 503)
                 return None
             if self.callbacks:
-                return self.exchange(self, request, out, chat, tenant).start()
-            return self._serve(request, out, chat, tenant)
+                return self.exchange(self, request, out, route, tenant).start()
+            return self._serve(request, out, route, tenant)
         if path in _GET_ROUTES:
             if request.method != b"GET":
                 out.send_error(405, f"{path.decode()} takes GET", headers=b"Allow: GET\r\n")
@@ -424,8 +410,8 @@ class Orchestrator(CompletionDriver):
         request.body, request.path = call.body, _CHAT  # the legs go to the workers' chat route
         translated: Any = ApiResponder(out, api, call)  # a Responder to the chat path
         if self.callbacks:
-            return self.exchange(self, request, translated, True, tenant).start()
-        return self._serve(request, translated, True, tenant)
+            return self.exchange(self, request, translated, CHAT, tenant).start()
+        return self._serve(request, translated, CHAT, tenant)
 
     def api_tenant(self, api: ClientApi, request: Request, out: Responder) -> Tenant | None:
         """The tenant of an API's request by the API's key header; None: answered 401 in its shape."""

@@ -46,6 +46,7 @@ from server.http import (
     UpstreamResponse,
     UpstreamTimeout,
 )
+from server.routes import Route
 from server.tracing import current_trace, start_orchestrator_request, traced_wait
 
 from .admission import Admission
@@ -79,8 +80,6 @@ from .tenants import (
 
 log = logging.getLogger("fastcore.orchestrator")
 
-CHAT_PATH = wire.CHAT_COMPLETIONS_PATH
-COMPLETIONS_PATH = wire.COMPLETIONS_PATH
 _KV_ENDPOINT_PATH = (("choices", 0, wire.DISAGGREGATED_PARAMS, wire.CTX_INFO_ENDPOINT),)
 #: a fastcore context worker's KV endpoint, at the end of ctx_info_endpoint
 _KV_PATH = re.compile(re.escape(wire.KV_PATH_PREFIX) + wire.KV_ID_PATTERN + r"\Z")
@@ -89,7 +88,6 @@ KV_RELEASE_TIMEOUT_S = 5.0
 _SSE = b"text/event-stream"
 _SSE_EXTRA = b"Cache-Control: no-cache\r\n"
 _SIGNATURE = SIGNATURE_HEADER.encode()
-_CHAT, _COMPLETIONS = CHAT_PATH.encode(), COMPLETIONS_PATH.encode()
 
 _getrandbits = random.getrandbits
 _DISAGG_ID_BITS = wire.DISAGG_REQUEST_ID_END.bit_length() - 1
@@ -140,37 +138,40 @@ class CompletionDriver:
         self.in_flight += 1
         self._serving.add(serving)
 
-    def serving_ended(self, serving: Any, chat: bool, status: int) -> None:
+    def serving_ended(self, serving: Any, route: Route, status: int) -> None:
         """A completion is over: its route's ``status`` counted (each driver calls this once)."""
         self.in_flight -= 1
         self._serving.discard(serving)
-        self.metrics.count_request("chat" if chat else "completions", status)
+        self.metrics.count_request(route.name, status)
 
-    async def _serve(self, request: Request, out: Responder, chat: bool, tenant: Tenant = ANONYMOUS) -> None:
+    async def _serve(
+        self, request: Request, out: Responder, route: Route, tenant: Tenant = ANONYMOUS
+    ) -> None:
         status = 500
         task = asyncio.current_task()
         assert task is not None
         self.serving_started(task)
         trace = None
         if self.tracing is not None:
-            route = CHAT_PATH if chat else COMPLETIONS_PATH
             tenant_name = tenant.name if self.keys is not None else None
-            trace = start_orchestrator_request(self.tracing, request, route, tenant_name, self.client_trace)
+            trace = start_orchestrator_request(
+                self.tracing, request, route.text, tenant_name, self.client_trace
+            )
         try:
             header = conversation_header(request) if self.needs_conversation else None
             if self.admission is None:
-                status = await self.settle(out, self._run_legs(request.body, out, chat, header, tenant))
+                status = await self.settle(out, self._run_legs(request.body, out, route, header, tenant))
             else:  # a slot in the workers, maybe after a wait in the queue (or a 429)
                 slot = self.admission.slot(tenant, request.body)
                 async with traced_wait(trace, "fastcore.admission", slot):
-                    status = await self.settle(out, self._run_legs(request.body, out, chat, header, tenant))
+                    status = await self.settle(out, self._run_legs(request.body, out, route, header, tenant))
         except HTTPError as exc:  # the admission's 429
             status = self.answer_error(out, exc)
         except asyncio.CancelledError:
             status = 499  # the client went away; both legs are closed with this task
             raise
         finally:
-            self.serving_ended(task, chat, status)
+            self.serving_ended(task, route, status)
             if trace is not None:
                 trace.end(status)
 
@@ -201,7 +202,7 @@ class CompletionDriver:
         return CpuClock(self.metrics.cpu_phase)
 
     def prepare(
-        self, body: bytes, chat: bool, conversation: bytes | None, tenant: Tenant = ANONYMOUS
+        self, body: bytes, route: Route, conversation: bytes | None, tenant: Tenant = ANONYMOUS
     ) -> tuple[ClientRequest, RequestKey | None, int, Clock]:
         """A completion's first steps, before any leg: the client's body read and checked (or its 400), a
         worker pool not ready (503), its routing key and token weight, the clock of its CPU phases. The
@@ -209,6 +210,7 @@ class CompletionDriver:
         ``tenant_salts``, its ``cache_salt`` the tenant's, which the routing key reads too)."""
         clock = self._clock()
         check_not_empty(body)
+        chat = route.chat
         req = self.relay.read_client(body, chat)
         if self.tenant_salts:
             # trtllm-serve's completions take no cache_salt: added there only where every worker does
@@ -230,16 +232,16 @@ class CompletionDriver:
         return req, key, tokens, clock
 
     async def _run_legs(
-        self, body: bytes, out: Responder, chat: bool, conversation: bytes | None = None,
+        self, body: bytes, out: Responder, route: Route, conversation: bytes | None = None,
         tenant: Tenant = ANONYMOUS,
     ) -> int:  # fmt: skip
         """Serve one completion; the status the client got (a stream cut by its worker counts as 502).
 
         ``conversation``: the ``X-Conversation-Id`` header (read only for a conversation router)."""
-        req, key, tokens, clock = self.prepare(body, chat, conversation, tenant)
+        req, key, tokens, clock = self.prepare(body, route, conversation, tenant)
         body = req.body
         relay = self.relay
-        path = _CHAT if chat else _COMPLETIONS
+        path = route.path
         if self.pairs is not None:
             return await self.pairs.run(out, req, path, clock, key, tokens)
         generation_worker: Worker | None = None

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from server.errors import HTTPError
 from server.http import BodyPiece, Handling, Request, Responder, UpstreamResponse, handler_failed
+from server.routes import Route
 
 from .legs import Sent, WorkerAnswer
 from .routing import conversation_header
@@ -53,7 +54,6 @@ class Exchange(Handling):
     __slots__ = (
         "auth",
         "body",
-        "chat",
         "clock",
         "context_body",
         "context_done",
@@ -72,6 +72,7 @@ class Exchange(Handling):
         "request",
         "resp",
         "returned",
+        "route",
         "started",
         "streaming",
         "task",
@@ -83,13 +84,13 @@ class Exchange(Handling):
     )
 
     def __init__(
-        self, orch: CompletionDriver, request: Request, out: Responder, chat: bool, tenant: Tenant = ANONYMOUS
+        self, orch: CompletionDriver, request: Request, out: Responder, route: Route, tenant: Tenant = ANONYMOUS
     ) -> None:
         #: the Orchestrator, as the completion driver it is (completion.py: the steps both drivers run)
         self.orch = orch
         self.request = request
         self.out = out
-        self.chat = chat
+        self.route = route
         self.tenant = tenant
         self.path = request.path
         #: the leg in flight from callbacks (CONTEXT, GENERATION; 0: none), its response and worker
@@ -127,7 +128,7 @@ class Exchange(Handling):
         orch = self.orch
         request = self.request
         conversation = conversation_header(request) if orch.needs_conversation else None
-        req, key, tokens, clock = orch.prepare(request.body, self.chat, conversation, self.tenant)
+        req, key, tokens, clock = orch.prepare(request.body, self.route, conversation, self.tenant)
         self.body = req.body  # a top-level conversation_id moved (prepare)
         self.req, self.key, self.tokens, self.clock = req, key, tokens, clock
 
@@ -382,6 +383,6 @@ class Exchange(Handling):
             return
         self.ended = True
         orch = self.orch
-        orch.serving_ended(self, self.chat, status)
+        orch.serving_ended(self, self.route, status)
         if self.returned:
             self.out.done()

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from server.errors import HTTPError, error_body
 from server.http import BodyPiece, Request, Responder, UpstreamResponse
+from server.routes import Route
 
 from .exchange import GENERATION, Exchange
 from .legs import LegUnavailable, Sent, WorkerAnswer, leg_failed
@@ -296,9 +297,9 @@ class PairExchange(Exchange):
     __slots__ = ("decode", "decode_pieces", "decoded", "prefill", "prefill_resp")
 
     def __init__(
-        self, orch: CompletionDriver, request: Request, out: Responder, chat: bool, tenant: Tenant = ANONYMOUS
+        self, orch: CompletionDriver, request: Request, out: Responder, route: Route, tenant: Tenant = ANONYMOUS
     ) -> None:
-        super().__init__(orch, request, out, chat, tenant)
+        super().__init__(orch, request, out, route, tenant)
         self.prefill: Worker | None = None
         self.decode: Worker | None = None
         #: the prefill leg in flight (None: not started, over, or handed over)
