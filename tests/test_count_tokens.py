@@ -98,9 +98,10 @@ async def test_a_malformed_tokenize_is_a_4xx_naming_the_field(body, status, para
 
 @contextlib.asynccontextmanager
 async def deployment(
-    tmp_path: Path, urls: list[str] | None = None
+    tmp_path: Path, urls: list[str] | None = None, **settings: Any
 ) -> AsyncIterator[tuple[AsyncAnthropic, int]]:
-    """An orchestrator (one client key) before a context and a generation worker, or before ``urls``."""
+    """An orchestrator (one client key) before a context and a generation worker, or before ``urls``;
+    ``settings``: more of its config (admission, max_body_bytes)."""
     from server.orchestrator.app import start_server
     from server.orchestrator.config import build_config
 
@@ -113,7 +114,7 @@ async def deployment(
         keys.write_text(f"{KEY} team-a\n")
         built = build_config({"port": 0, "health_check_interval_s": 0.2, "api_keys_file": str(keys),
                               "context_servers": {"urls": urls[:1]},
-                              "generation_servers": {"urls": urls[1:] or urls}}, environ={})  # fmt: skip
+                              "generation_servers": {"urls": urls[1:] or urls}, **settings}, environ={})  # fmt: skip
         server, _ = await start_server(built)
         stack.push_async_callback(server.cleanup)
         port = server.sockets[0].getsockname()[1]
@@ -205,6 +206,79 @@ async def broken_worker(tokenize: bytes | None) -> AsyncIterator[str]:
             else:
                 out.send(200, tokenize, b"application/json")
             return
+        await original(self, request, out)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(worker_app.WorkerApp, "handle", handle)
+        async with worker() as port:
+            yield f"127.0.0.1:{port}"
+
+
+async def test_count_tokens_counts_against_the_tenants_request_rate(tmp_path):
+    """A count is a request of its tenant (requests_per_minute): over it, a 429 rate_limit_error with
+    retry-after; it runs no prompt through a model, so prompt_tokens_per_minute is not charged."""
+    limits = {"team-a": {"requests_per_minute": 2}}
+    async with deployment(tmp_path, admission={"rate_limits": limits}) as (client, _):
+        for _ in range(2):
+            assert (await client.messages.count_tokens(model="synthetic", messages=ASK)).input_tokens > 0
+        with pytest.raises(anthropic.RateLimitError) as info:
+            await client.messages.count_tokens(model="synthetic", messages=ASK)
+        assert info.value.body["error"]["type"] == "rate_limit_error"
+        assert "requests per minute" in info.value.body["error"]["message"]
+        assert int(info.value.response.headers["retry-after"]) >= 1
+        with pytest.raises(anthropic.RateLimitError):  # one bucket: the messages of that tenant too
+            await client.messages.create(model="synthetic", max_tokens=5, messages=ASK)
+    limits = {"*": {"prompt_tokens_per_minute": 1}}
+    async with deployment(tmp_path, admission={"rate_limits": limits}) as (client, _):
+        for _ in range(3):
+            assert (await client.messages.count_tokens(model="synthetic", messages=ASK)).input_tokens > 0
+        with pytest.raises(anthropic.RateLimitError, match="never be admitted"):
+            await client.messages.create(model="synthetic", max_tokens=5, messages=ASK)
+
+
+async def test_count_tokens_holds_an_admission_slot_while_its_worker_counts(tmp_path):
+    """A count holds one of max_inflight's slots while a worker tokenises: with one slot and no queue,
+    a second count (or a message) meanwhile is a 429; the slot is free again once it answered."""
+    asked, answer = asyncio.Event(), asyncio.Event()
+    async with (
+        held_tokenize(asked, answer) as url,
+        deployment(tmp_path, urls=[url], admission={"max_inflight": 1, "max_queue": 0}) as (client, _),
+    ):
+        first = asyncio.ensure_future(client.messages.count_tokens(model="synthetic", messages=ASK))
+        await asyncio.wait_for(asked.wait(), 10)
+        with pytest.raises(anthropic.RateLimitError) as info:
+            await client.messages.count_tokens(model="synthetic", messages=ASK)
+        assert "admission queue is full" in info.value.body["error"]["message"]
+        assert info.value.response.headers["retry-after"]
+        with pytest.raises(anthropic.RateLimitError):
+            await client.messages.create(model="synthetic", max_tokens=5, messages=ASK)
+        answer.set()
+        assert (await asyncio.wait_for(first, 10)).input_tokens > 0
+        assert (await client.messages.count_tokens(model="synthetic", messages=ASK)).input_tokens > 0
+
+
+async def test_a_count_tokens_body_over_max_body_bytes_is_a_413(tmp_path):
+    """The body is bounded as /v1/messages' is: the HTTP layer's max_body_bytes, before any route."""
+    async with deployment(tmp_path, max_body_bytes=4096) as (client, port):
+        long = [{"role": "user", "content": "x" * 5000}]
+        for path in ("/v1/messages/count_tokens", "/v1/messages"):
+            resp = await post(port, path, {"model": "synthetic", "max_tokens": 5, "messages": long},
+                              **{"x-api-key": KEY})  # fmt: skip
+            assert resp.status == 413, resp.body
+        assert (await client.messages.count_tokens(model="synthetic", messages=ASK)).input_tokens > 0
+
+
+@contextlib.asynccontextmanager
+async def held_tokenize(asked: asyncio.Event, answer: asyncio.Event) -> AsyncIterator[str]:
+    """A synthetic worker whose /tokenize sets ``asked`` and answers once ``answer`` is set."""
+    from server.worker import app as worker_app
+
+    original = worker_app.WorkerApp.handle
+
+    async def handle(self: Any, request: Any, out: Any) -> None:
+        if request.path == b"/tokenize":
+            asked.set()
+            await answer.wait()
         await original(self, request, out)
 
     with pytest.MonkeyPatch.context() as patch:

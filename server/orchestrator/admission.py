@@ -191,13 +191,14 @@ class _Limits:
             self.tokens.resize(config.prompt_tokens_per_minute * fraction)
 
     def refusal(
-        self, prompt_bytes: int, bytes_per_token: Callable[[], float]
+        self, prompt_bytes: int | None, bytes_per_token: Callable[[], float]
     ) -> tuple[str, float | None] | Charge | None:
         """(reason, seconds to wait; None: never) when over a limit; else both buckets charged, and
-        the prompt tokens' :class:`Charge` (None without a token limit)."""
+        the prompt tokens' :class:`Charge` (None without a token limit). ``prompt_bytes`` None: no
+        prompt (:meth:`Admission.slot`'s short request), the token bucket not read."""
         now = time.monotonic()
-        bucket = self.tokens
-        tokens = prompt_bytes / bytes_per_token() if bucket is not None else 0.0
+        bucket = self.tokens if prompt_bytes is not None else None
+        tokens = (prompt_bytes or 0) / bytes_per_token() if bucket is not None else 0.0
         if bucket is not None and tokens > bucket.capacity:
             return "prompt_tokens_per_minute", None  # more than a minute's worth: no wait lets it in
         if self.requests is not None:
@@ -232,11 +233,11 @@ class _SharedLimits:
         _Limits.resize(self, config, fraction)  # type: ignore[arg-type]
 
     def refusal(
-        self, prompt_bytes: int, bytes_per_token: Callable[[], float]
+        self, prompt_bytes: int | None, bytes_per_token: Callable[[], float]
     ) -> tuple[str, float | None] | Charge | None:
         """As :meth:`_Limits.refusal`."""
-        bucket = self.tokens
-        tokens = prompt_bytes / bytes_per_token() if bucket is not None else 0.0
+        bucket = self.tokens if prompt_bytes is not None else None
+        tokens = (prompt_bytes or 0) / bytes_per_token() if bucket is not None else 0.0
         if bucket is not None and tokens > bucket.capacity:
             return "prompt_tokens_per_minute", None
         if self.requests is not None:
@@ -360,10 +361,14 @@ class Admission:
 
     # -- the request path ---------------------------------------------------------------------
 
-    def slot(self, tenant: Tenant, body: bytes) -> _Slot:
+    def slot(self, tenant: Tenant, body: bytes | None) -> _Slot:
         """The slot a completion holds while it runs (``async with``): entering it may wait in the
-        queue or raise the 429; the 400 of a bad priority and a rate limit's 429 come at once."""
-        claimed, prompt_bytes = read_admission(body)
+        queue or raise the 429; the 400 of a bad priority and a rate limit's 429 come at once.
+
+        ``body`` None: a short request that asks a worker for no completion (count_tokens' tokenising,
+        apis.WorkerAsk): a slot and a request of the tenant's ``requests_per_minute``, priority 0, no
+        prompt tokens charged (no prompt runs through a model)."""
+        claimed, prompt_bytes = read_admission(body) if body is not None else (0, None)
         priority = 0
         granted = self.client_priority
         if granted is not None:
@@ -380,7 +385,7 @@ class Admission:
             if isinstance(over, tuple):
                 reason, wait = over
                 if wait is None:
-                    raise self._never_fits(queue, prompt_bytes)
+                    raise self._never_fits(queue, prompt_bytes or 0)
                 raise self._reject(queue, reason, math.ceil(wait),
                                    f"tenant {queue.name} is over its {reason.replace('_', ' ')} limit")  # fmt: skip
             charge = over

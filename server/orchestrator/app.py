@@ -427,7 +427,7 @@ class Orchestrator(CompletionDriver):
         """A route of an API under one of its ``prefixes`` (apis/): answered by the API (at once, or
         once a worker it asked answered)."""
         tenant = self.api_tenant(api, request, out)
-        return None if tenant is None else answer_other(api, request, tenant.name, self, out)
+        return None if tenant is None else answer_other(api, request, tenant, self, out)
 
     def routes(self) -> str:
         """Every route :meth:`handle` serves, from the route tables it serves them by (a 404 lists them)."""

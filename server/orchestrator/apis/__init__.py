@@ -46,7 +46,8 @@ Optional:
     routes under a path prefix (``GET``/``DELETE /v1/responses/<id>``, ``POST /v1/messages/count_tokens``)
     answered after the key check with a JSON body (or an :class:`~server.errors.HTTPError` in the API's
     shape): at once, or by a coroutine returning ``(status, body)`` where the answer needs a worker
-    (``await ask(path, body)``: a context worker's answer to a ``POST`` of its own, :class:`WorkerAsk`).
+    (``await ask(path, body)``: a context worker's answer to a ``POST`` of its own, :class:`WorkerAsk`,
+    within the tenant's admission: a slot and a request of its rate).
     They are looked up after every other route missed (:func:`answer_other`).
 
 Registering: import the module's ``API`` below and add it to ``APIS``; its paths become routes
@@ -63,6 +64,7 @@ from typing import Any, Protocol
 from server.errors import HTTPError
 from server.http import Request, Responder, UpstreamError, UpstreamTimeout
 
+from ..tenants import Tenant
 from .anthropic import API as ANTHROPIC
 from .responses import API as RESPONSES
 
@@ -241,17 +243,30 @@ class WorkerAsk:
     """What an API's other route may ask of a worker: ``await ask(path, body)`` POSTs ``body`` to a
     healthy context worker's ``path`` and returns its status and body (a count of tokens:
     ``/tokenize``; the orchestrator has no tokenizer); no healthy worker is the chat route's 503,
-    a request that failed (refused, reset, timed out) a 502 naming the worker."""
+    a request that failed (refused, reset, timed out) a 502 naming the worker.
+
+    With admission configured the ask is the tenant's short request (``Admission.slot(tenant,
+    None)``): one of its ``requests_per_minute`` and an admission slot held while the worker answers
+    (queued as a completion is, fair share and all), so that a tenant's asks take worker time within
+    its limits; over them, admission's 429 with ``Retry-After`` (in the API's shape)."""
 
     #: a worker's answer read up to this (a count's ids of a long prompt: megabytes at most)
     MAX_ANSWER = 64 << 20
 
-    __slots__ = ("orchestrator",)
+    __slots__ = ("orchestrator", "tenant")
 
-    def __init__(self, orchestrator: Any) -> None:
+    def __init__(self, orchestrator: Any, tenant: Tenant) -> None:
         self.orchestrator = orchestrator
+        self.tenant = tenant
 
     async def __call__(self, path: bytes, body: bytes) -> tuple[int, bytes]:
+        admission = self.orchestrator.admission
+        if admission is None:
+            return await self._ask(path, body)
+        async with admission.slot(self.tenant, None):
+            return await self._ask(path, body)
+
+    async def _ask(self, path: bytes, body: bytes) -> tuple[int, bytes]:
         orchestrator = self.orchestrator
         worker = orchestrator.context_pool.choose()
         if worker is None:
@@ -270,12 +285,12 @@ class WorkerAsk:
 
 
 def answer_other(
-    api: Any, request: Request, tenant: str, orchestrator: Any, out: Responder
+    api: Any, request: Request, tenant: Tenant, orchestrator: Any, out: Responder
 ) -> Awaitable[None] | None:
     """An API's other route (``prefixes``) answered: at once (None), or the coroutine that answers it
     once the API's has its answer (a worker asked)."""
     try:
-        answer = api.serve_other(request, tenant, WorkerAsk(orchestrator))
+        answer = api.serve_other(request, tenant.name, WorkerAsk(orchestrator, tenant))
     except HTTPError as exc:
         _send_api_error(api, out, exc)
         return None
