@@ -8,6 +8,7 @@ from typing import Any
 
 from server.metrics import Registry
 from server.orchestrator.cache_view import CacheView
+from server.orchestrator.estimates import BytesPerToken
 from server.orchestrator.metrics import OrchestratorMetrics
 from server.orchestrator.routing import (
     ROUTERS,
@@ -87,6 +88,9 @@ class Weighs(Router):
     name = "weighs"
     weighs_tokens = True
 
+    def __init__(self) -> None:
+        self.estimate = BytesPerToken()
+
     def choose(self, candidates: list[Any], key: RequestKey | None = None) -> Any:
         return min(candidates, key=lambda w: w.in_flight_tokens)
 
@@ -95,3 +99,14 @@ def test_only_least_loaded_with_use_tokens_says_it_weighs_tokens() -> None:
     says = {kind: make_router(kind).weighs_tokens for kind in ROUTERS}
     assert says == dict.fromkeys(ROUTERS, False)
     assert make_router("least_loaded", {"use_tokens": True}).weighs_tokens
+
+
+def test_the_orchestrator_counts_prompt_tokens_for_a_policy_that_weighs_them(monkeypatch: Any) -> None:
+    from server.orchestrator import pools
+    from server.orchestrator.app import Orchestrator
+    from server.orchestrator.config import build_config
+
+    data = {"context_servers": {"urls": ["127.0.0.1:1"]}, "generation_servers": {"urls": ["127.0.0.1:2"]}}
+    assert not Orchestrator(build_config(data, environ={})).count_tokens
+    monkeypatch.setattr(pools, "make_router", lambda kind, args=None: Weighs())
+    assert Orchestrator(build_config(data, environ={})).count_tokens

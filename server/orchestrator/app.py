@@ -128,7 +128,7 @@ class Orchestrator(CompletionDriver):
         self.pools = [self.context_pool, self.generation_pool]
         # Routing keys are computed per request only when a pool's router reads them.
         self.needs_key = any(p.needs_key for p in self.pools)
-        self.count_tokens = any(getattr(p.router, "use_tokens", False) for p in self.pools)
+        self.count_tokens = any(p.router.weighs_tokens for p in self.pools)
         #: each context answer's usage teaches bytes per token and scores the predicted hit
         self.usage = UsageLearner(self.context_pool.router, self.generation_pool.router)
         self.needs_conversation = any("conversation" in p.router.key_kinds for p in self.pools)

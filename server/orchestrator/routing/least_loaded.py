@@ -26,7 +26,6 @@ class LeastLoadedRouter(Router):
         if not isinstance(use, bool):
             raise ValueError(f"use_tokens must be true or false, got {use!r}")
         self.weighs_tokens = use
-        self.use_tokens = use  # app.py's reading until its call site asks weighs_tokens
 
     def choose(self, candidates: list[W], key: RequestKey | None = None) -> W:
         if self.weighs_tokens:
