@@ -170,6 +170,9 @@ def _extensions() -> list[Extension]:
         "server.http._upstream": ["server/http/_upstream.pyx"],
         # the orchestrator's per-request counts and estimates (server/orchestrator/twins.py picks them)
         "server.orchestrator._tally": ["server/orchestrator/_tally.pyx"],
+        # estimates' BytesPerToken, its pure source compiled in Cython's pure-Python mode (typed by
+        # _bytes_per_token.pxd); _tally exports it
+        "server.orchestrator._bytes_per_token": ["server/orchestrator/bytes_per_token.py"],
         # the fleet's shared counts: GCC atomics on the --workers N processes' mapping (fleet.py picks it)
         "server.orchestrator._fleet": ["server/orchestrator/_fleet.pyx"],
     }

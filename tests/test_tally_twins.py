@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from server.metrics import Registry
 from server.orchestrator import estimates, metrics, pools, twins
 
+ROOT = Path(__file__).resolve().parent.parent
 COMPILED = twins.tally
 needs_compiled = pytest.mark.skipif(
     COMPILED is None, reason="compiled twins not built (or FASTCORE_NO_EXTENSIONS=1)"
@@ -37,6 +39,17 @@ def test_the_chosen_twins_are_the_ones_the_orchestrator_uses() -> None:
         assert isinstance(metrics.NO_CLOCK, COMPILED.NoClock)
         assert estimates.BytesPerToken is COMPILED.BytesPerToken
         assert isinstance(pools.Worker("http://a").breaker, COMPILED.CircuitBreaker)
+
+
+@needs_compiled
+def test_bytes_per_token_is_one_source_compiled() -> None:
+    """Issue 41's twin rule: the compiled BytesPerToken is bytes_per_token.py compiled (Cython's pure
+    mode, typed by _bytes_per_token.pxd), not a second copy of its code in _tally.pyx."""
+    pure_class, c_class = pair("BytesPerToken")
+    assert pure_class.__module__ == "server.orchestrator.bytes_per_token"
+    assert c_class.__module__ == "server.orchestrator._bytes_per_token"
+    assert not hasattr(c_class(), "__dict__")  # a cdef class: its fields in C
+    assert "cdef class BytesPerToken" not in (ROOT / "server/orchestrator/_tally.pyx").read_text()
 
 
 @needs_compiled

@@ -1,6 +1,8 @@
 # cython: language_level=3, auto_pickle=False
 """The orchestrator's per-request numbers in C: the compiled twins of :mod:`.metrics`' ``TallyOne``,
-``TallyHistogram`` and ``NoClock``, of :mod:`.estimates`' ``BytesPerToken`` and of :mod:`.pools`'
+``TallyHistogram`` and ``NoClock``, of :mod:`.estimates`' ``BytesPerToken`` (compiled from its pure
+source, bytes_per_token.py, in Cython's pure-Python mode: the same instructions per ``observe``
+as the ``cdef class`` it replaced here; exported from this module) and of :mod:`.pools`'
 ``CircuitBreaker``.
 
 Each request counts itself, observes three latencies, laps a clock that is not sampled, teaches
@@ -9,21 +11,16 @@ is some twenty frames and their float objects (about 7% of the orchestrator's in
 1 KB request, ``bench.front_instructions``); here each is one C method call on C numbers. The
 pure classes are the behavioural reference (the same arithmetic in the same order, on doubles:
 the same results to the bit); :mod:`.twins` picks these where they are built, and the tests run
-both (tests/test_tally_twins.py, which also pins the constants below to the pure twins').
+both (tests/test_tally_twins.py).
 """
 
 import time
 
 from libc.stdlib cimport free, malloc
 
-#: as estimates.py's (the pure twin's) constants
-cdef double DEFAULT_BYTES_PER_TOKEN = 4.0
-cdef double MIN_BYTES_PER_TOKEN = 0.25
-cdef double MAX_BYTES_PER_TOKEN = 64.0
-cdef double DECAY = 0.99
-cdef double SEED_TOKENS = 4096.0
-cdef double OUTLIER_FACTOR = 2.0
-cdef double MAX_STEP = 1.05
+#: estimates' BytesPerToken: written once, in Cython's pure-Python mode (bytes_per_token.py, compiled
+#: as server.orchestrator._bytes_per_token), exported here with the other twins twins.py picks
+from ._bytes_per_token import BytesPerToken
 
 
 cdef class TallyOne:
@@ -136,61 +133,6 @@ cdef class NoClock:
 
     def finish(self):
         pass
-
-
-cdef class BytesPerToken:
-    """estimates.BytesPerToken: a pool's smoothed prompt bytes per token, on C doubles."""
-
-    cdef public double value
-    cdef public double _bytes
-    cdef public double _tokens
-    cdef public long long observed
-
-    def __init__(self, initial=DEFAULT_BYTES_PER_TOKEN):
-        self.value = float(initial)
-        self._bytes = self._tokens = 0.0
-        self.observed = 0
-
-    def seed(self, published):
-        # compared as the Python object it is (as the pure twin compares it), then taken as a float
-        if published is None or self.observed or not MIN_BYTES_PER_TOKEN <= published <= MAX_BYTES_PER_TOKEN:
-            return
-        self.value = float(published)
-        self._tokens = SEED_TOKENS
-        self._bytes = SEED_TOKENS * self.value
-
-    def observe(self, prompt_bytes, prompt_tokens):
-        # the pure twin's steps in its order, on doubles: the same bounds, the same results to the bit
-        cdef double nbytes, ntokens, ratio, value, low, high, tokens, target
-        if not prompt_tokens or prompt_bytes <= 0:
-            return
-        ratio = prompt_bytes / prompt_tokens  # Python's true division: the pure twin's ratio
-        if not MIN_BYTES_PER_TOKEN <= ratio <= MAX_BYTES_PER_TOKEN:
-            return
-        value = self.value
-        nbytes = prompt_bytes
-        ntokens = prompt_tokens
-        low = value / OUTLIER_FACTOR
-        high = value * OUTLIER_FACTOR
-        if ratio < low:
-            nbytes = low * ntokens
-        elif ratio > high:
-            nbytes = high * ntokens
-        tokens = self._tokens * DECAY + ntokens
-        target = (self._bytes * DECAY + nbytes) / tokens
-        low = value / MAX_STEP
-        high = value * MAX_STEP
-        if target < low:
-            target = low
-        elif target > high:
-            target = high
-        self._tokens = tokens
-        self._bytes = target * tokens
-        self.value = target
-        self.observed += 1
-
-    def tokens(self, nbytes):
-        return int(nbytes / self.value)
 
 
 #: pools.py's ``_ROUTABLE_EPOCH`` (a one-item list), bumped by a breaker's change of state as the pure
