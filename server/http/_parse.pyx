@@ -150,6 +150,22 @@ cdef int _execute(llhttp_t* parser, object data, ReadHook hook) except -1:
         PyBuffer_Release(&view)
 
 
+cdef void _message_events(llhttp_settings_t *settings, llhttp_cb begin, llhttp_data_cb field,
+                          llhttp_cb field_complete, llhttp_data_cb value, llhttp_cb value_complete,
+                          llhttp_cb head, llhttp_data_cb body, llhttp_cb complete) noexcept:
+    """``settings`` reset, with the events of a message's head and body: the request and the
+    response parser each take these (the request parser adds its URL and chunk events)."""
+    llhttp_settings_init(settings)
+    settings.on_message_begin = begin
+    settings.on_header_field = field
+    settings.on_header_field_complete = field_complete
+    settings.on_header_value = value
+    settings.on_header_value_complete = value_complete
+    settings.on_headers_complete = head
+    settings.on_body = body
+    settings.on_message_complete = complete
+
+
 cdef class RequestParser:
     """Frames one client connection's bytes into :class:`Request` objects (see the pure twin)."""
 
@@ -200,16 +216,10 @@ cdef class RequestParser:
         self.max_header_bytes = limits.max_header_bytes
         self.max_headers = limits.max_headers
         self.max_body_bytes = limits.max_body_bytes
-        llhttp_settings_init(&self.settings)
-        self.settings.on_message_begin = _on_message_begin
+        _message_events(&self.settings, _on_message_begin, _on_header_field, _on_header_field_complete,
+                        _on_header_value, _on_header_value_complete, _on_headers_complete, _on_body,
+                        _on_message_complete)
         self.settings.on_url = _on_url
-        self.settings.on_header_field = _on_header_field
-        self.settings.on_header_field_complete = _on_header_field_complete
-        self.settings.on_header_value = _on_header_value
-        self.settings.on_header_value_complete = _on_header_value_complete
-        self.settings.on_headers_complete = _on_headers_complete
-        self.settings.on_body = _on_body
-        self.settings.on_message_complete = _on_message_complete
         self.settings.on_chunk_header = _on_chunk_header
         self.settings.on_chunk_complete = _on_chunk_complete
         llhttp_init(&self.parser, HTTP_REQUEST, &self.settings)
@@ -740,15 +750,9 @@ cdef class ResponseParser:
         self.conn = conn
         self.content_type = bytearray()
         self.retry_after = bytearray()
-        llhttp_settings_init(&self.settings)
-        self.settings.on_message_begin = _response_begin
-        self.settings.on_header_field = _response_field
-        self.settings.on_header_field_complete = _response_field_complete
-        self.settings.on_header_value = _response_value
-        self.settings.on_header_value_complete = _response_value_complete
-        self.settings.on_headers_complete = _response_head
-        self.settings.on_body = _response_body
-        self.settings.on_message_complete = _response_complete
+        _message_events(&self.settings, _response_begin, _response_field, _response_field_complete,
+                        _response_value, _response_value_complete, _response_head, _response_body,
+                        _response_complete)
         llhttp_init(&self.parser, HTTP_RESPONSE, &self.settings)
         self.parser.data = <void*>self
 
