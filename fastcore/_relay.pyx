@@ -777,12 +777,62 @@ cdef inline bint _separator_only(const uint8_t *buf, Py_ssize_t i, Py_ssize_t en
     return skip_ws(buf, i + 1, end) == end
 
 
+cdef inline Py_ssize_t _sorted_members(Py_ssize_t *st, Py_ssize_t *en, Py_ssize_t paths) noexcept:
+    """strip_internal_fields' members to cut (key-to-value spans; path 0 is the body, 3 the choices
+    array), sorted, compacted into ``st``/``en`` from index 0; their count."""
+    cdef Py_ssize_t count = 0, i, j, start, end
+    for i in range(1, paths):
+        if i == 3 or st[i] < 0:
+            continue
+        start = st[i]
+        end = en[i]
+        j = count
+        while j > 0 and (st[j - 1] > start or (st[j - 1] == start and en[j - 1] > end)):
+            st[j] = st[j - 1]
+            en[j] = en[j - 1]
+            j -= 1
+        st[j] = start
+        en[j] = end
+        count += 1
+    return count
+
+
+cdef inline Py_ssize_t _cut_runs(const uint8_t *buf, Py_ssize_t n, Py_ssize_t *st, Py_ssize_t *en,
+                                 Py_ssize_t count) noexcept:
+    """The ``count`` sorted members as runs to cut, in ``st``/``en`` from index 0: adjacent members
+    of one object as one run, each with exactly the comma it leaves (the one after it, or, the last
+    member, before it); their count."""
+    cdef Py_ssize_t runs = 0, i, start, end, after, comma
+    for i in range(count):
+        if runs and _separator_only(buf, en[runs - 1], st[i]):
+            en[runs - 1] = en[i]
+        else:
+            st[runs] = st[i]
+            en[runs] = en[i]
+            runs += 1
+    for i in range(runs):
+        start = st[i]
+        end = en[i]
+        after = skip_ws(buf, end, n)
+        if buf[after] == 0x2C:
+            end = skip_ws(buf, after + 1, n)
+        else:
+            comma = start - 1
+            while comma >= 0 and buf[comma] != 0x2C:
+                comma -= 1
+            if comma >= 0 and skip_ws(buf, comma + 1, start) == start:
+                start = comma
+        st[i] = start
+        en[i] = end
+    return runs
+
+
 def strip_internal_fields(body, validate=True):
     """``body`` without the internal fields (see the pure twin)."""
     cdef object data = _as_bytes(body)
     cdef const uint8_t *buf = _data(data)
     cdef Py_ssize_t n = PyBytes_GET_SIZE(data)
-    cdef Py_ssize_t choices = STRIP_CHOICES, paths, count, i, j, runs, start, end, after, comma, previous
+    cdef Py_ssize_t choices = STRIP_CHOICES, count, i, runs, previous
     cdef Py_ssize_t inline_starts[INLINE_MEMBERS + 2]
     cdef Py_ssize_t inline_ends[INLINE_MEMBERS + 2]
     cdef Py_ssize_t *st = inline_starts
@@ -808,48 +858,10 @@ def strip_internal_fields(body, validate=True):
                 raise MemoryError()
         if buf[st[0]] != 0x7B:
             raise _py.not_an_object(_py.RESPONSE_BODY)
-        # The members to cut (key-to-value spans), sorted, compacted into st/en from index 0.
-        paths = compiled.n_paths
-        count = 0
-        for i in range(1, paths):
-            if i == 3 or st[i] < 0:
-                continue
-            start = st[i]
-            end = en[i]
-            j = count
-            while j > 0 and (st[j - 1] > start or (st[j - 1] == start and en[j - 1] > end)):
-                st[j] = st[j - 1]
-                en[j] = en[j - 1]
-                j -= 1
-            st[j] = start
-            en[j] = end
-            count += 1
+        count = _sorted_members(st, en, compiled.n_paths)
         if count == 0:
             return data
-        # Adjacent members of one object go as one run.
-        runs = 0
-        for i in range(count):
-            if runs and _separator_only(buf, en[runs - 1], st[i]):
-                en[runs - 1] = en[i]
-            else:
-                st[runs] = st[i]
-                en[runs] = en[i]
-                runs += 1
-        # Each run with exactly the comma it leaves: the one after it, or (the last member) before it.
-        for i in range(runs):
-            start = st[i]
-            end = en[i]
-            after = skip_ws(buf, end, n)
-            if buf[after] == 0x2C:
-                end = skip_ws(buf, after + 1, n)
-            else:
-                comma = start - 1
-                while comma >= 0 and buf[comma] != 0x2C:
-                    comma -= 1
-                if comma >= 0 and skip_ws(buf, comma + 1, start) == start:
-                    start = comma
-            st[i] = start
-            en[i] = end
+        runs = _cut_runs(buf, n, st, en, count)
         if runs + 1 > INLINE_MEMBERS + 1:
             pieces = <Piece *>malloc((runs + 1) * sizeof(Piece))
             if pieces == NULL:
