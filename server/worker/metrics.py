@@ -22,36 +22,9 @@ class WorkerMetrics:
         r = self.registry = Registry()
         self.requests = r.counter("fastcore_worker_requests_total", "Requests by route and HTTP status",
                                   ("route", "status"))  # fmt: skip
-        r.gauge("fastcore_worker_queue_depth", "Requests admitted and waiting for their prefill",
-                callback=lambda: engine.queue_depth)  # fmt: skip
-        r.gauge(
-            "fastcore_worker_running_sequences",
-            "Sequences in the decode batch",
-            callback=lambda: engine.running,
-        )
-        r.gauge("fastcore_worker_kv_used_tokens", "KV cache tokens reserved (running, waiting, parked)",
-                callback=lambda: engine.kv_used_tokens)  # fmt: skip
-        r.gauge("fastcore_worker_kv_capacity_tokens", "KV cache size in tokens",
-                callback=lambda: engine.kv_capacity_tokens)  # fmt: skip
-        r.gauge("fastcore_worker_kv_usage_ratio", "Fraction of the KV cache in use",
-                callback=lambda: engine.kv_used_tokens / max(1, engine.kv_capacity_tokens))  # fmt: skip
-        r.gauge("fastcore_worker_kv_parked", "Context legs' KV waiting for a generation worker",
-                callback=lambda: engine.parked_count)  # fmt: skip
-        r.gauge("fastcore_worker_kv_parked_tokens", "KV cache tokens held by parked entries",
-                callback=lambda: engine.parked_tokens)  # fmt: skip
-        r.gauge("fastcore_worker_decode_tokens_per_second", "Decode tokens per second over the last 5 s",
-                callback=lambda: engine.tokens_per_second)  # fmt: skip
+        self._load_families(r, engine)
         self.prompt_tokens = r.counter("fastcore_worker_prompt_tokens_total", "Prompt tokens admitted")
-        r.counter("fastcore_worker_prefix_cache_hit_tokens_total",
-                  "Prompt tokens whose KV came from the prefix cache (not computed)",
-                  callback=lambda: engine.prefix_hit_tokens)  # fmt: skip
-        r.counter("fastcore_worker_prefill_computed_tokens_total",
-                  "Prompt (and replayed) tokens prefilled: computed, not from the cache or a KV hand-off",
-                  callback=lambda: engine.prefill_computed_tokens)  # fmt: skip
-        r.gauge("fastcore_worker_prefix_cache_tokens", "Tokens in registered full blocks (held or evictable)",
-                callback=lambda: engine.prefix_cached_tokens)  # fmt: skip
-        r.counter("fastcore_worker_prefix_cache_evicted_blocks_total",
-                  "Cached blocks evicted to make room", callback=lambda: engine.prefix_evicted_blocks)  # fmt: skip
+        self._prefix_families(r, engine)
         tier2 = getattr(getattr(engine, "cache", None), "tier2", None)
         if tier2 is not None:  # the torch engine's second KV tier (server/worker/kv_tier2.py)
             self._tier2_families(r, tier2)
@@ -83,6 +56,48 @@ class WorkerMetrics:
             "fastcore_worker_time_to_first_token_seconds", "Arrival to first token", ("route",)
         )
         self.latency = r.histogram("fastcore_worker_request_seconds", "Arrival to last token", ("route",))
+        self._server_families(r, server)
+
+    @staticmethod
+    def _load_families(r: Registry, engine: Engine) -> None:
+        """The engine's queue, batch, KV cache use, parked KV and decode rate."""
+        r.gauge("fastcore_worker_queue_depth", "Requests admitted and waiting for their prefill",
+                callback=lambda: engine.queue_depth)  # fmt: skip
+        r.gauge(
+            "fastcore_worker_running_sequences",
+            "Sequences in the decode batch",
+            callback=lambda: engine.running,
+        )
+        r.gauge("fastcore_worker_kv_used_tokens", "KV cache tokens reserved (running, waiting, parked)",
+                callback=lambda: engine.kv_used_tokens)  # fmt: skip
+        r.gauge("fastcore_worker_kv_capacity_tokens", "KV cache size in tokens",
+                callback=lambda: engine.kv_capacity_tokens)  # fmt: skip
+        r.gauge("fastcore_worker_kv_usage_ratio", "Fraction of the KV cache in use",
+                callback=lambda: engine.kv_used_tokens / max(1, engine.kv_capacity_tokens))  # fmt: skip
+        r.gauge("fastcore_worker_kv_parked", "Context legs' KV waiting for a generation worker",
+                callback=lambda: engine.parked_count)  # fmt: skip
+        r.gauge("fastcore_worker_kv_parked_tokens", "KV cache tokens held by parked entries",
+                callback=lambda: engine.parked_tokens)  # fmt: skip
+        r.gauge("fastcore_worker_decode_tokens_per_second", "Decode tokens per second over the last 5 s",
+                callback=lambda: engine.tokens_per_second)  # fmt: skip
+
+    @staticmethod
+    def _prefix_families(r: Registry, engine: Engine) -> None:
+        """The prefix cache's hits, computed prefill, cached tokens and evictions."""
+        r.counter("fastcore_worker_prefix_cache_hit_tokens_total",
+                  "Prompt tokens whose KV came from the prefix cache (not computed)",
+                  callback=lambda: engine.prefix_hit_tokens)  # fmt: skip
+        r.counter("fastcore_worker_prefill_computed_tokens_total",
+                  "Prompt (and replayed) tokens prefilled: computed, not from the cache or a KV hand-off",
+                  callback=lambda: engine.prefill_computed_tokens)  # fmt: skip
+        r.gauge("fastcore_worker_prefix_cache_tokens", "Tokens in registered full blocks (held or evictable)",
+                callback=lambda: engine.prefix_cached_tokens)  # fmt: skip
+        r.counter("fastcore_worker_prefix_cache_evicted_blocks_total",
+                  "Cached blocks evicted to make room", callback=lambda: engine.prefix_evicted_blocks)  # fmt: skip
+
+    @staticmethod
+    def _server_families(r: Registry, server: Callable[[], HTTPServer | None]) -> None:
+        """The HTTP server's connections and refusals (0 until it listens)."""
 
         def server_stat(read: Callable[[HTTPServer], float]) -> Callable[[], float]:
             return lambda: read(listening) if (listening := server()) is not None else 0
