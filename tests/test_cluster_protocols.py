@@ -6,6 +6,7 @@ orchestrator with ``worker_protocol`` and ``disagg_cluster`` in this process; th
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -186,6 +187,52 @@ async def test_sglang_workers_registered_with_their_protocol_serve(
         assert status == 200, body
         assert prefill.violations == [] and decode.violations == []
     finally:
+        for reg in regs:
+            await reg.stop()
+        if server is not None:
+            await server.cleanup()
+        await prefill.stop()
+        await decode.stop()
+
+
+async def test_auto_takes_the_protocol_the_registered_records_name(
+    etcd: LocalEtcd, session: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``worker_protocol: auto`` with etcd discovery: the start waits for the first registered worker
+    and takes the protocol its record names (vllm); a trtllm record registered later is refused with
+    one line naming both; the vLLM pair serves a completion."""
+    plane = KVPlane()
+    prefill, decode = await start_vllm("prefill", plane=plane), await start_vllm("decode", plane=plane)
+    settings = ClusterSettings(etcd.uri, "auto-pd", HEARTBEAT_S, TTL_S)
+    regs = [
+        WorkerRegistration(settings, WorkerRecord("p-1", "context", "tiny", prefill.url, protocol="vllm")),
+        WorkerRegistration(settings, WorkerRecord("d-1", "generation", "tiny", decode.url, protocol="vllm")),
+        WorkerRegistration(settings, WorkerRecord("trtllm-gen", "generation", "tiny", "http://127.0.0.1:9")),
+    ]
+    server = None
+    try:
+        starting = asyncio.ensure_future(
+            start_server(build_config(_config(etcd, "auto", "auto-pd"), environ={}))
+        )
+        await asyncio.sleep(0.3)
+        assert not starting.done()  # nothing registered yet: the start waits
+        for reg in regs[:2]:
+            assert await reg.start()
+        server, orch = await asyncio.wait_for(starting, 20)
+        assert orch.protocol.name == "vllm" and orch.protocol_detected
+        with caplog.at_level(logging.WARNING, logger="fastcore.orchestrator"):
+            assert await regs[2].start()
+            await until(lambda: "trtllm-gen" in orch.discovery.refused, 10.0)
+        refused = [r.getMessage() for r in caplog.records if "trtllm-gen" in r.getMessage()]
+        assert len(refused) == 1 and "'trtllm'" in refused[0] and "'vllm'" in refused[0], refused
+        await until(lambda: orch.context_pool.healthy_count() == 1, 20.0)
+        await until(lambda: orch.generation_pool.healthy_count() == 1, 20.0)
+        status, body = await _chat(session, server.sockets[0].getsockname()[1])
+        assert status == 200, body
+        assert prefill.violations == [] and decode.violations == []
+    finally:
+        if not starting.done():
+            starting.cancel()
         for reg in regs:
             await reg.stop()
         if server is not None:

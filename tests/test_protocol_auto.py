@@ -33,6 +33,7 @@ from server.orchestrator.protocols.detect import (
     probe_of,
     protocol_of_models,
     protocol_of_server_info,
+    resolve_auto,
 )
 
 CHAT_BODY = {"model": "tiny", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
@@ -215,10 +216,20 @@ async def test_a_worker_that_turns_up_as_another_engine_is_kept_out(caplog: pyte
         await vllm.stop()
 
 
-def test_auto_with_discovery_is_refused() -> None:
-    data = {"worker_protocol": "auto", "disagg_cluster": {"cluster_uri": "http://127.0.0.1:1"}}
-    with pytest.raises(ConfigError, match="worker_protocol: auto: disagg_cluster"):
-        build_config(data, environ={}).check_runnable()
+async def test_auto_with_the_registry_kept_here_is_refused() -> None:
+    """auto reads the records before the orchestrator starts: a registry this orchestrator keeps
+    (http:// naming its own address) has none then (etcd's or another orchestrator's has)."""
+    data = {
+        "worker_protocol": "auto",
+        "port": 8123,
+        "disagg_cluster": {"cluster_uri": "http://127.0.0.1:8123"},
+    }
+    config = build_config(data, environ={})
+    config.check_runnable()  # etcd or another orchestrator's registry: decided at the start
+    with pytest.raises(
+        ConfigError, match=r"worker_protocol: auto: disagg_cluster: .* this orchestrator's own"
+    ):
+        await resolve_auto(config)
 
 
 async def test_the_cli_says_why_a_mixed_pool_is_refused(capsys: pytest.CaptureFixture[str]) -> None:

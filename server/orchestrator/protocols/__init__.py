@@ -59,11 +59,6 @@ def refusal(config: ProtocolConfig) -> str | None:
     """Why ``config``'s features cannot run on its ``worker_protocol`` (None: they can; ``auto``'s are
     asked again of the protocol the workers speak, once known)."""
     if config.worker_protocol == AUTO:
-        if config.disagg_cluster is not None:
-            return (
-                "disagg_cluster: auto reads the listed workers at startup; with discovery name the "
-                "protocol (trtllm, vllm or sglang: each worker's record names its own)"
-            )
         return None
     protocol = _protocol_class(config)
     refused = protocol.refusal(config)

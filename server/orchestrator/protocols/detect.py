@@ -22,12 +22,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import aiohttp
 
 import fastcore.protocol as wire
+from server.cluster import ClusterWatcher, WorkerRecord
 
+from ..discovery import ROLE_POOLS, cluster_settings, hosts_registry
 from ..pools import Capabilities, Worker, read_json
 
 log = logging.getLogger("fastcore.orchestrator")
@@ -107,21 +110,31 @@ def choose(found: dict[str, str]) -> str:
     return names[0]
 
 
-async def detect_pool(urls: list[str], *, timeout_s: float, interval_s: float) -> str:
-    """The protocol every worker of ``urls`` that answers speaks (rounds until one answers; see
-    :func:`choose`)."""
+async def detect_pool(
+    urls: list[str],
+    *,
+    timeout_s: float,
+    interval_s: float,
+    registered: Callable[[], dict[str, str]] | None = None,
+) -> str:
+    """The protocol every worker of ``urls`` that answers speaks, and every registered worker's record
+    names (``registered``: URL -> its record's protocol, read each round); rounds until one answers or
+    is registered (see :func:`choose`)."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession() as session:
         while True:
             names = await asyncio.gather(*(detect(session, url, timeout) for url in urls))
             found = {url: name for url, name in zip(urls, names, strict=True) if name is not None}
+            if registered is not None:
+                found.update(registered())
             if found:
                 silent = [url for url, name in zip(urls, names, strict=True) if name is None]
                 if silent:
                     log.warning("worker_protocol: auto: %s did not answer; decided from the others",
                                 ", ".join(silent))  # fmt: skip
                 return choose(found)
-            log.info("worker_protocol: auto: no worker answered yet; asking again in %.1f s", interval_s)
+            log.info("worker_protocol: auto: no worker answered%s yet; asking again in %.1f s",
+                     "" if registered is None else " or registered", interval_s)  # fmt: skip
             await asyncio.sleep(interval_s)
 
 
@@ -144,20 +157,58 @@ def probe_of(protocol: Any) -> Probe:
 
 async def resolve_auto(config: Any) -> Any:
     """``config`` (``worker_protocol: auto``) with the protocol its listed workers speak, its features
-    checked against it; :class:`..config.ConfigError` naming the workers of a mixed or unknown pool."""
+    checked against it; :class:`..config.ConfigError` naming the workers of a mixed or unknown pool.
+
+    With ``disagg_cluster`` the workers registered there count as listed ones, by the protocol their
+    records name (a record that names none speaks trtllm's; server/cluster/records.py): the cluster
+    is read until the first worker is registered (or a listed one answers). Discovery then takes
+    only the records of that protocol, refusing another with one line naming both, and the health
+    check keeps out a worker whose /server_info says another engine (:func:`guard_probe`)."""
     from ..config import ConfigError  # config.py imports this package: no import circle at load
 
     urls = [*config.context_servers.urls, *config.generation_servers.urls]
+    cluster = config.disagg_cluster
+    if cluster is not None and hosts_registry(cluster.cluster_uri, config.hostname, config.port):
+        raise ConfigError(
+            "worker_protocol: auto: disagg_cluster: auto reads the registered workers' records before the "
+            f"orchestrator starts, and the registry at {cluster.cluster_uri} is this orchestrator's own (its "
+            "workers register once it serves): name the protocol (trtllm, vllm or sglang), or keep the "
+            "registry in etcd"
+        )
+    watcher = None
+    if cluster is not None:
+        watcher = ClusterWatcher(cluster_settings(cluster, config.shared_secret_bytes), _ignore)
+        await watcher.start()
     try:
         name = await detect_pool(
-            urls, timeout_s=config.health_check_timeout_s, interval_s=config.health_check_interval_s
+            urls,
+            timeout_s=config.health_check_timeout_s,
+            interval_s=config.health_check_interval_s,
+            registered=None if watcher is None else partial(_registered, watcher, config.model),
         )
     except ValueError as exc:
         raise ConfigError(f"worker_protocol: auto: {exc}") from None
+    finally:
+        if watcher is not None:
+            await watcher.stop()
     log.info("worker_protocol: auto: the workers speak %s", name)
     resolved = config.model_copy(update={"worker_protocol": name})
     resolved.check_runnable()
     return resolved
+
+
+def _ignore(records: dict[str, WorkerRecord]) -> None:
+    """resolve_auto's watcher is read each round (``workers``), not followed."""
+
+
+def _registered(watcher: ClusterWatcher, model: str | None) -> dict[str, str]:
+    """URL -> protocol of the registered workers discovery could take (a known role; the
+    deployment's ``model`` where both name one)."""
+    return {
+        record.url: record.protocol
+        for record in watcher.workers.values()
+        if record.role in ROLE_POOLS and not (model and record.model and record.model != model)
+    }
 
 
 def guard_probe(name: str, probe: Probe) -> Probe:
