@@ -12,6 +12,7 @@ both response parsers (conftest's ``http_twin``, set on :class:`Pool`).
 from __future__ import annotations
 
 import asyncio
+import importlib
 import time
 from types import ModuleType
 
@@ -37,7 +38,7 @@ from upstream_stand_ins import (  # noqa: F401  (fixtures: both twins, both loop
     reset,
 )
 
-from server.http import Deadlines, UpstreamError, UpstreamPool, UpstreamTimeout, client
+from server.http import Deadlines, UpstreamError, UpstreamPool, UpstreamTimeout, client, deadlines
 
 # Both loops through raw_http's event_loop_policy fixture (uvloop: the compiled connection's buffered reads).
 pytestmark = pytest.mark.filterwarnings('ignore:Overriding the "event_loop_policy" fixture is deprecated')
@@ -852,7 +853,8 @@ async def test_request_options_are_keyword_only() -> None:
 
 def test_the_compiled_connection_and_response_have_the_pure_ones_surface(http_twin: ModuleType) -> None:
     """Whatever the pool, the sweeper, the exchange and the leg runner may use of a connection or a
-    response exists on both twins (server/http/_upstream.pyx, client.py); only the pure connection's
+    response, and of the deadline sweeper, exists on both twins (server/http/_upstream.pyx, upstream.py,
+    deadlines.py); only the pure connection's
     parser and the parser events it takes from it as Python calls are its own."""
     if http_twin.__name__.endswith("_py"):
         pytest.skip("compares the compiled twins with the pure ones")
@@ -869,6 +871,8 @@ def test_the_compiled_connection_and_response_have_the_pure_ones_surface(http_tw
         surface(Pool.connection_class(pool))
         == (surface(client._Connection(pool)) - pure_only) | compiled_only
     )
+    compiled = importlib.import_module("server.http._upstream")
+    assert surface(compiled.Deadlines()) == surface(deadlines.Deadlines())
 
 
 async def test_a_pool_closed_while_a_request_connects_fails_it_not_sent_and_keeps_nothing() -> None:
@@ -1007,17 +1011,17 @@ def test_the_pool_takes_the_twins_its_upstream_module_chose() -> None:
     """server.http.upstream chooses the connection, the response and the pool's ``start`` once, at its
     end (fastcore.compiled_twin: the compiled _upstream unless FASTCORE_NO_EXTENSIONS=1 or unbuilt);
     UpstreamPool's class body takes them, and nothing rebinds the class after."""
-    import importlib
-
     import fastcore
     from server.http import upstream
 
     if upstream.backend == "cython":
         compiled = importlib.import_module("server.http._upstream")
         chosen = (compiled.Connection, compiled.Response, compiled.pool_start)
+        assert upstream.Deadlines is compiled.Deadlines
     else:
         assert fastcore.NO_EXTENSIONS or not REQUIRE_EXTENSIONS
         chosen = (upstream._Connection, upstream.UpstreamResponse, upstream.pure_start)
+        assert upstream.Deadlines is deadlines.Deadlines
     assert (upstream.Connection, upstream.Response, upstream.start) == chosen
     assert (
         UpstreamPool.connection_class,

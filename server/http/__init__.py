@@ -25,10 +25,9 @@ Never hand-written HTTP parsing: only the status line and headers we *write*
 are formatted here.
 """
 
-from .deadlines import Deadlines
 from .pool import UpstreamPool
 from .server import Handling, HTTPServer, Limits, Request, Responder, handler_failed
-from .upstream import HeldWriter, Listener, UpstreamResponse
+from .upstream import Deadlines, HeldWriter, Listener, UpstreamResponse
 from .upstream_wire import BodyPiece, UpstreamError, UpstreamTimeout
 
 __all__ = [

@@ -26,12 +26,13 @@ from ._parse cimport BodyReader, ResponseParser
 from .request import PAST_THE_RESPONSE, BadResponse
 from .upstream_wire import REQUEST_HEAD, WRITE_JOINED_BELOW, UpstreamError, UpstreamTimeout
 
-__all__ = ["Connection", "Response", "pool_start"]
+__all__ = ["Connection", "Deadlines", "Response", "pool_start"]
 
 cdef Py_ssize_t _JOINED_BELOW = WRITE_JOINED_BELOW
 cdef bytes _SEMICOLON = b";"
 cdef bytes _EMPTY = b""
 cdef tuple _NOTHING = ()
+cdef double _TICK_S = 0.05  # deadlines.py Deadlines.TICK_S
 
 
 cdef class Response:
@@ -171,6 +172,53 @@ cdef inline _wake(fut, exc):
             fut.set_result(None)
         else:
             fut.set_exception(exc)
+
+
+cdef class Deadlines:
+    """:class:`server.http.deadlines.Deadlines`' twin (same attributes, same methods): compiled so that
+    a compiled connection's ``add`` and ``remove`` are C calls, not a Python frame each per timed
+    request (bench.front_instructions: +2% a request with the pure sweeper's methods)."""
+
+    cdef public set active
+    cdef public object handle
+
+    TICK_S = _TICK_S
+
+    def __init__(self):
+        self.active = set()
+        self.handle = None
+
+    cpdef add(self, conn):
+        self.active.add(conn)
+        if self.handle is None:
+            loop = conn.loop
+            self.handle = loop.call_later(_TICK_S, self.tick, loop)
+
+    cpdef remove(self, conn):
+        self.active.discard(conn)
+
+    def tick(self, loop):
+        self.handle = None
+        now = loop.time()
+        for conn in list(self.active):
+            conn._check_deadline(now)
+        if self.active:
+            self.handle = loop.call_later(_TICK_S, self.tick, loop)
+
+
+cdef inline _sweeper_add(sweeper, conn):
+    """``sweeper.add(conn)``: a C call where it is this module's :class:`Deadlines`."""
+    if type(sweeper) is Deadlines:
+        (<Deadlines>sweeper).add(conn)
+    else:
+        sweeper.add(conn)
+
+
+cdef inline _sweeper_remove(sweeper, conn):
+    if type(sweeper) is Deadlines:
+        (<Deadlines>sweeper).remove(conn)
+    else:
+        sweeper.remove(conn)
 
 
 cdef class Connection(ResponseParser):
@@ -420,7 +468,7 @@ cdef class Connection(ResponseParser):
             self.deadline = now + headers_timeout if headers_timeout else 0.0
         if self.deadline or self.read_timeout:
             self.timed = True
-            self.sweeper.add(self)
+            _sweeper_add(self.sweeper, self)
         if size < _JOINED_BELOW:
             transport.write(_EMPTY.join((head, *pieces)))
         else:
@@ -445,7 +493,7 @@ cdef class Connection(ResponseParser):
     cdef _cancel_timer(self):
         if self.timed:
             self.timed = False
-            self.sweeper.remove(self)
+            _sweeper_remove(self.sweeper, self)
 
     def _fail(self, exc):
         cdef Response resp = self.response

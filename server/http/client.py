@@ -6,9 +6,8 @@ split): the pool (:mod:`server.http.pool`), the connection and response with the
 
 from __future__ import annotations
 
-from .deadlines import Deadlines
 from .pool import CONNECT_TIMEOUT_S, IDLE_TIMEOUT_S, UpstreamPool
-from .upstream import HeldWriter, Listener, UpstreamResponse, _Connection, pure_start
+from .upstream import Deadlines, HeldWriter, Listener, UpstreamResponse, _Connection, pure_start
 from .upstream_wire import REQUEST_HEAD, WRITE_JOINED_BELOW, BodyPiece, UpstreamError, UpstreamTimeout
 
 __all__ = [

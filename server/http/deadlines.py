@@ -8,10 +8,15 @@ a connection (either twin) is added when it sends a timed request and removed wh
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from .upstream import _Connection
+
+class Timed(Protocol):
+    """A connection with a timed request (either twin of :mod:`server.http.upstream`'s)."""
+
+    loop: asyncio.AbstractEventLoop
+
+    def _check_deadline(self, now: float) -> None: ...
 
 
 class Deadlines:
@@ -27,15 +32,15 @@ class Deadlines:
     TICK_S = 0.05
 
     def __init__(self) -> None:
-        self.active: set[_Connection] = set()
+        self.active: set[Timed] = set()
         self.handle: asyncio.TimerHandle | None = None
 
-    def add(self, conn: _Connection) -> None:
+    def add(self, conn: Timed) -> None:
         self.active.add(conn)
         if self.handle is None:
             self.handle = conn.loop.call_later(self.TICK_S, self.tick, conn.loop)
 
-    def remove(self, conn: _Connection) -> None:
+    def remove(self, conn: Timed) -> None:
         self.active.discard(conn)
 
     def tick(self, loop: asyncio.AbstractEventLoop) -> None:

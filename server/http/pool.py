@@ -17,7 +17,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from . import upstream
-from .deadlines import Deadlines
 from .parse import ResponseParser
 from .upstream import UpstreamResponse, _Connection, body_size
 from .upstream_wire import REQUEST_HEAD, BodyPiece, UpstreamError
@@ -66,7 +65,7 @@ class UpstreamPool:
         max_idle: int = 512,
         idle_timeout_s: float = IDLE_TIMEOUT_S,
         extra_headers: bytes = b"",
-        deadlines: Deadlines | None = None,
+        deadlines: upstream.Deadlines | None = None,
     ) -> None:
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
@@ -82,7 +81,8 @@ class UpstreamPool:
         self.idle_timeout_s = idle_timeout_s
         #: the loop of its connections, from the first connect (a pool may be built before a loop runs)
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
-        self.deadlines = deadlines or Deadlines()
+        #: the sweeper of its connections' deadlines (``upstream.Deadlines``: a twin) unless given one
+        self.deadlines = deadlines or upstream.Deadlines()
         self.idle: list[_Connection] = []
         self.open: set[_Connection] = set()
         #: close() ran: a connect still in flight closes what it made (its request fails, not sent)

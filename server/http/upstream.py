@@ -25,10 +25,11 @@ import asyncio
 import socket
 import struct
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastcore import compiled_twin
 
+from . import deadlines
 from .request import PAST_THE_RESPONSE, BadResponse
 from .upstream_wire import WRITE_JOINED_BELOW, BodyPiece, UpstreamError, UpstreamTimeout
 
@@ -582,5 +583,11 @@ Response: Callable[..., Any] = UpstreamResponse
 start: Callable[..., Any] = pure_start
 if _compiled is not None:
     Connection, Response, start = _compiled.Connection, _compiled.Response, _compiled.pool_start
+if TYPE_CHECKING:  # the pure class is the type (the compiled one has its surface: test_http_client)
+    from .deadlines import Deadlines
+else:
+    #: the deadline sweeper a pool makes unless given one (its compiled twin: a compiled connection's
+    #: ``add``/``remove`` are C calls)
+    Deadlines = deadlines.Deadlines if _compiled is None else _compiled.Deadlines
 #: ``"cython"`` or ``"python"``: which twin :data:`Connection` is
 backend = "python" if _compiled is None else "cython"
