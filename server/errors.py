@@ -11,8 +11,6 @@ import json
 from http import HTTPStatus
 from typing import Any
 
-from aiohttp import web
-
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -98,23 +96,6 @@ def _code(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def error_response(
-    status: int,
-    message: str,
-    *,
-    param: str | None = None,
-    code: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> web.Response:
-    """An aiohttp response carrying :func:`error_body`."""
-    return web.Response(
-        status=status,
-        body=error_body(status, message, param=param, code=code),
-        content_type="application/json",
-        headers=headers,
-    )
-
-
 class HTTPError(Exception):
     """Raised inside handlers to end the request with an OpenAI-shaped error."""
 
@@ -139,11 +120,6 @@ class HTTPError(Exception):
         if not self.headers:
             return b""
         return "".join(f"{name}: {value}\r\n" for name, value in self.headers.items()).encode("latin-1")
-
-    def response(self) -> web.Response:
-        return error_response(
-            self.status, self.message, param=self.param, code=self.code, headers=self.headers
-        )
 
 
 def check_not_empty(body: bytes) -> None:

@@ -80,3 +80,11 @@ def test_modules_that_need_torch_skip_at_collection_without_it(tmp_path: Path) -
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0 and " error" not in output.splitlines()[-1], output[-4000:]
     assert "could not import 'torch'" in output  # torch was missing there, and some module skipped
+
+
+def test_the_http_layer_imports_no_aiohttp() -> None:
+    """server.http (its responder: server.errors) and the error bodies load without aiohttp: the
+    orchestrator's HTTP layer is its own, and aiohttp's web was only a dead error_response's."""
+    code = "import sys, server.http, server.errors; print(sorted(m for m in sys.modules if m.startswith('aiohttp')))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

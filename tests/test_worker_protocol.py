@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 import fastcore
-from server.errors import HTTPError
+from server.errors import HTTPError, error_body
 from server.worker import json_body
 from server.worker.json_body import MAX_NESTING, JSONBody, RawJSON, load_json_body
 from server.worker.msgpack_body import load_msgpack_body
@@ -320,7 +320,7 @@ def test_token_field_errors(jsonspan: ModuleType, route: str, raw: bytes, param:
     exc = error(raw, route, jsonspan)
     assert exc.status == 400 and exc.param == param
     assert re.search(message, exc.message), exc.message
-    body = json.loads(exc.response().body)  # type: ignore[arg-type]
+    body = json.loads(error_body(exc.status, exc.message, param=exc.param, code=exc.code))
     assert body["error"]["type"] == "invalid_request_error" and body["error"]["param"] == param
 
 
