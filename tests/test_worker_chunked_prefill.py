@@ -396,28 +396,66 @@ def test_the_pacer_shrinks_at_once_grows_gradually_and_stays_in_bounds() -> None
     from server.worker.prefill_pacer import PrefillPacer
 
     pacer = PrefillPacer(512, 16, 1.5)
-    assert pacer.budget(decoding=True) == 16  # from a block up
-    pacer.mixed_step(0.100, 16)  # no decode-only step known: nothing to compare with
-    assert pacer.allowance == 16
-    pacer.allowance = 512
+    assert pacer.budget(decoding=True) == 16  # from min_tokens up
+    pacer.mixed_step(0.100, [(0, 16)])  # no decode-only step known: nothing to compare with
+    assert pacer.budget(decoding=True) == 16
+    pacer.allowance = pacer.work(0, 512)
     pacer.decode_step(0.002)
-    pacer.mixed_step(0.042, 512)  # the chunk took 40 ms; it may take 1 ms: 512 * 1 / 40
-    assert pacer.allowance == 16  # 12.8 tokens, floored at a block
+    pacer.mixed_step(0.042, [(0, 512)])  # the chunk took 40 ms; it may take 1 ms
+    assert pacer.work(0, 512) / 40 < pacer.work(0, 16) == pacer.allowance  # floored at min_tokens
+    assert pacer.budget(decoding=True) == 16
     assert pacer.budget(decoding=False) == 512  # nobody decoding: the whole budget
-    pacer.mixed_step(0.0021, 16)  # far within: grows, but at most 1.5x a step
-    assert pacer.allowance == 24
+    pacer.mixed_step(0.0021, [(0, 16)])  # far within: grows, but at most 1.5x the step's work
+    assert pacer.allowance == pytest.approx(1.5 * pacer.work(0, 16))
+    assert pacer.budget(decoding=True) == 23  # 24 tokens' work is a little more (attention grows)
     for _ in range(30):
-        pacer.mixed_step(0.0021, pacer.allowance)
-    assert pacer.allowance == 512  # never past the token budget
+        pacer.mixed_step(0.0021, [(0, pacer.budget(decoding=True))])
+    assert pacer.budget(decoding=True) == 512  # never past the token budget
     pacer.decode_step(0.004)  # a running average: 2 ms + 0.2 * 2 ms
     assert pacer.decode_s == pytest.approx(0.0024)
     off = PrefillPacer(512, 16, 0.0)
     off.decode_step(0.002)
-    off.mixed_step(1.0, 512)
+    off.mixed_step(1.0, [(0, 512)])
     assert off.budget(decoding=True) == 512
     for bad in (1.0, 0.5, -2.0, float("nan")):
         with pytest.raises(ValueError, match="prefill step ratio must be > 1"):
             PrefillPacer(512, 16, bad)
+
+
+def test_the_pacer_sizes_chunks_by_their_cost_not_their_tokens() -> None:
+    """Chunk time as tokens x (1 + attended positions / 700) (a shape the pacer does not know
+    exactly): an allowance measured at the start of one prompt, taken deep into another (a prefix
+    hit 12k in) or along a 16k prompt, keeps each step within its time; with a token allowance the
+    deep chunk took the shallow one's token count, ~13x its time."""
+    from server.worker.prefill_pacer import PrefillPacer
+
+    decode_s, unit_s = 0.001, 5e-6
+    may_take = 0.5 * decode_s  # ratio 1.5
+
+    def chunk_s(start: int, tokens: int) -> float:
+        return unit_s * tokens * (1 + (start + tokens / 2) / 700)
+
+    pacer = PrefillPacer(512, 1, 1.5)
+    pacer.decode_step(decode_s)
+    for _ in range(40):  # the start of a prompt: the allowance settles
+        t = pacer.budget(True, 0)
+        pacer.mixed_step(decode_s + chunk_s(0, t), [(0, t)])
+    shallow = pacer.budget(True, 0)
+    assert chunk_s(0, shallow) <= may_take * 1.05
+    deep = pacer.budget(True, 12_000)
+    # off by the shapes' difference only (1,024 assumed, 700 true), then measured
+    assert deep < shallow / 8 and chunk_s(12_000, deep) <= may_take * 1.5
+    assert chunk_s(12_000, shallow) > 10 * may_take  # what a token allowance would have run
+    pos, over, sizes = 0, [], []
+    while pos < 16_384:
+        t = min(pacer.budget(True, pos), 16_384 - pos)
+        took = chunk_s(pos, t)
+        pacer.mixed_step(decode_s + took, [(pos, t)])
+        over.append(took / may_take)
+        sizes.append(t)
+        pos += t
+    assert max(over[5:]) <= 1.5  # within the growth bound at worst, at every depth
+    assert min(sizes) >= 1 and sizes[-2] < 16  # deep in, fewer than a block a step
 
 
 async def test_a_paced_engine_takes_smaller_chunks_beside_slow_decodes_and_the_same_text(

@@ -437,3 +437,43 @@ def test_a_weight_reload_fuses_again() -> None:
         b.to(torch.float64)
         assert b(ids).dtype == torch.float64
         assert attn.qkv.weight is not None and attn.qkv.weight.dtype == torch.float64
+
+
+def test_a_cut_prompt_keeps_its_kv_dense_between_chunks_with_the_same_numbers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Chunks of one prompt (a chunk run twice, as after a failed step, among them): attending over
+    the dense copy gives the logits and pool K/V of gathering the prefix from the pool, bit for bit;
+    the copy goes when the blocks are freed; a prompt past DENSE_PREFILL_BYTES keeps none."""
+    from server.worker import dense_prefix
+
+    config = small_config(max_position_embeddings=256)
+    model = random_model(config)
+    ids = torch.randint(0, config.vocab_size, (100,), generator=torch.Generator().manual_seed(6))
+    chunks = [(0, 30), (30, 7), (37, 40), (37, 40), (77, 23)]
+    results = {}
+    for keep in (False, True):
+        cache = PagedKVCache(config, 512, block_size=8)
+        blocks = cache.allocate(100)
+        outs = []
+        with torch.inference_mode():
+            for start, n in chunks:
+                attention = PrefillAttention(cache, blocks, start, n, keep and start + n < 100)
+                outs.append(
+                    model.forward_step(ids[start : start + n], torch.arange(start, start + n), attention)
+                )
+        results[keep] = (outs, cache)
+    (plain, gathered), (kept, dense) = results[False], results[True]
+    assert gathered.dense_prefix is None
+    held = dense.dense_prefix
+    assert held is not None and held.blocks is not None
+    assert {layer: end for layer, (_, _, end) in held.layers.items()} == {0: 100, 1: 100}
+    for a, b in zip(plain, kept):
+        assert torch.equal(a, b)
+    assert torch.equal(gathered.k, dense.k) and torch.equal(gathered.v, dense.v)
+    dense.free(held.blocks)
+    assert dense.dense_prefix is None
+    monkeypatch.setattr(dense_prefix, "DENSE_PREFILL_BYTES", 1024)
+    small = PagedKVCache(config, 512, block_size=8)
+    assert PrefillAttention(small, small.allocate(100), 0, 30, True).dense is None
+    assert small.dense_prefix is None

@@ -11,8 +11,8 @@ One dedicated thread owns the model and the KV cache and loops:
    prefilling prompts, oldest first, under the step's token budget
    (``prefill_chunk_tokens``, less one per decode row, and no more than keeps
    the step within ``prefill_step_ratio`` times a decode-only step while
-   streams decode: :mod:`.prefill_pacer`): a long prompt is cut
-   into chunks over several steps, several short ones share a step; a prompt
+   streams decode, chunks sized by cost: :mod:`.prefill_pacer`): a long prompt
+   is cut into chunks over steps, several short ones share a step; a prompt
    whose last chunk ran samples its first token and starts decoding (or
    parks, for a context leg);
 4. hand the step's outputs to the event loop in one ``call_soon_threadsafe``.
@@ -141,10 +141,9 @@ class TorchEngine:
             raise ValueError(f"prefill_chunk_tokens must be >= 0 (0: off), got {prefill_chunk_tokens}")
         #: a step's token budget (decode rows and prefill chunks); 0: prompts prefilled whole
         self.prefill_chunk_tokens = prefill_chunk_tokens
-        # Paces chunks beside running decodes (chunked prefill only: whole prompts are whole).
-        self.pacer = PrefillPacer(
-            prefill_chunk_tokens, self.cache.block_size, prefill_step_ratio if prefill_chunk_tokens else 0.0
-        )
+        # Paces chunks beside decodes (chunked prefill only: whole prompts are whole).
+        ratio = prefill_step_ratio if prefill_chunk_tokens else 0.0
+        self.pacer = PrefillPacer(prefill_chunk_tokens, 1, ratio)  # at least a token: sized by cost
         #: admitted prompts whose prefill is under way, oldest first (they hold a sequence slot)
         self._prefilling: list[_Prefill] = []
         self._inbox: collections.deque[EngineRequest] = collections.deque()
@@ -444,7 +443,7 @@ class TorchEngine:
         if chunk <= 0:
             return self._plan_whole(self.prefill_tokens_per_step)
         budget = max(chunk - len(self._running), min(chunk, self.cache.block_size))
-        paced = self.pacer.budget(bool(self._running))
+        paced = self.pacer.budget(bool(self._running), self._prefilling[0].req.cached_len)
         plan: list[tuple[_Prefill, int]] = []
         for state in self._prefilling:
             req = state.req
@@ -508,7 +507,7 @@ class TorchEngine:
             spans.append((state.req.blocks, start, take))
             offset += take
         dev = self.device
-        attention = PrefillBatchAttention(self.cache, spans)
+        attention = PrefillBatchAttention(self.cache, spans, state.req.cached_len + take < state.total)
         return torch.cat(ids).to(dev, torch.int64), torch.cat(positions).to(dev), attention, torch.cat(rows)
 
     def _prefill_forward(self, plan: list[tuple[_Prefill, int]]) -> torch.Tensor:
@@ -616,6 +615,7 @@ class TorchEngine:
         if not batch:
             self._decode_kv = ([], None)  # its dense K/V goes
         plan = self._plan_chunks() if self._prefilling else []
+        chunks = [(state.req.cached_len, take) for state, take in plan]  # the pacer's cost of each
         began = self.pacer.clock()
         if not plan:
             if batch:
@@ -645,7 +645,7 @@ class TorchEngine:
             return
         self._decode_done(batch, sampled, outputs)
         self._prefill_done(plan, logits[len(batch) :], outputs)
-        self.pacer.mixed_step(took := self.pacer.clock() - began, sum(take for _, take in plan))
+        self.pacer.mixed_step(took := self.pacer.clock() - began, chunks)
         self.cache.prefill_timed(plan, took - (self.pacer.decode_s or took))
 
     def _decode_inputs(

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from fastcore import protocol as wire
 
+from .dense_prefix import DensePrefix
 from .engine_api import KVCacheFull, ParkedKV, ParkedKVLost, chain_block_hashes
 from .kv_events import ChunkEventLog, KvEventLog
 from .kv_tier2 import KVTier2, LoadJob
@@ -76,6 +77,8 @@ class PagedKVCache:
         self.k = torch.zeros(shape, device=self.device, dtype=dtype)
         self.v = torch.zeros(shape, device=self.device, dtype=dtype)
         self._free = list(range(self.num_blocks - 1, -1, -1))
+        #: the chunked prompt's K/V kept dense between its chunks (PrefillAttention's goes_on)
+        self.dense_prefix: DensePrefix | None = None
         # Taken by the event loop (admission, hand-off) and the engine thread (frees).
         self._lock = threading.Lock()
         self.prefix_caching = prefix_caching
@@ -463,6 +466,8 @@ class PagedKVCache:
         return pieces
 
     def free(self, blocks: list[int]) -> None:
+        if self.dense_prefix is not None and self.dense_prefix.blocks is blocks:
+            self.dense_prefix = None  # its prompt is done with them
         with self._lock:
             for block in blocks:
                 refs = self._refs[block] - 1
@@ -521,14 +526,25 @@ class _OnLoop:
 
 
 class PrefillAttention:
-    """One sequence, tokens at positions ``start..start+T-1``, attending to all earlier positions."""
+    """One sequence, tokens at positions ``start..start+T-1``, attending to all earlier positions.
 
-    def __init__(self, cache: PagedKVCache, blocks: list[int], start: int, length: int) -> None:
+    ``goes_on``: the sequence has chunks after this one; it then keeps its K/V dense in the cache
+    for them (:mod:`.dense_prefix`: a later chunk reads a view instead of gathering its prefix)."""
+
+    def __init__(
+        self, cache: PagedKVCache, blocks: list[int], start: int, length: int, goes_on: bool = False
+    ) -> None:
         self.cache = cache
         self.start = start
         self.length = length
         self.new_slots = cache.slots(blocks, start, start + length)
         self.all_slots = cache.slots(blocks, 0, start + length) if start else None
+        dense = cache.dense_prefix
+        self.dense = dense if dense is not None and dense.blocks is blocks else None
+        capacity = len(blocks) * cache.block_size
+        if self.dense is None and goes_on and DensePrefix.fits(capacity, cache.num_layers, cache.k[0]):
+            self.dense = cache.dense_prefix = DensePrefix(blocks, capacity)
+        self._mask: torch.Tensor | None = None  # made once a step, not once a layer
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.k[layer].index_copy_(0, self.new_slots, k)
@@ -538,16 +554,21 @@ class PrefillAttention:
     def written(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """:meth:`attend` once the chunk's K/V are in the pool."""
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, T, D]
+        pool = self.cache.k[layer], self.cache.v[layer]
+        if self.dense is not None:
+            k_all, v_all = self.dense.extend(layer, self.start, k, v, pool, self.all_slots)
         if self.all_slots is None:
             kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
         else:
-            kh = self.cache.k[layer].index_select(0, self.all_slots).transpose(0, 1).unsqueeze(0)
-            vh = self.cache.v[layer].index_select(0, self.all_slots).transpose(0, 1).unsqueeze(0)
-            total = self.start + self.length
-            q_pos = torch.arange(self.start, total, device=q.device)[:, None]
-            mask = torch.arange(total, device=q.device)[None, :] <= q_pos
-            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+            if self.dense is None:
+                k_all, v_all = (t.index_select(0, self.all_slots) for t in pool)
+            kh, vh = k_all.transpose(0, 1).unsqueeze(0), v_all.transpose(0, 1).unsqueeze(0)
+            if self._mask is None:
+                total = self.start + self.length
+                q_pos = torch.arange(self.start, total, device=q.device)[:, None]
+                self._mask = torch.arange(total, device=q.device)[None, :] <= q_pos
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=self._mask, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)
 
 
@@ -581,8 +602,12 @@ class PrefillBatchAttention(StepAttention):
     costing more than its arithmetic. The same attention (a batch's rows attend apart), to float32
     rounding: the batched kernel may round a row differently (the engine's note on batch sizes)."""
 
-    def __init__(self, cache: PagedKVCache, spans: list[tuple[list[int], int, int]]) -> None:
-        parts = [PrefillAttention(cache, blocks, start, n) for blocks, start, n in spans]
+    def __init__(
+        self, cache: PagedKVCache, spans: list[tuple[list[int], int, int]], last_goes_on: bool = False
+    ) -> None:
+        # last_goes_on: the last span's sequence is cut there (only a plan's last prompt may be)
+        goes_on = [False] * (len(spans) - 1) + [last_goes_on]
+        parts = [PrefillAttention(cache, *span, cut) for span, cut in zip(spans, goes_on)]
         super().__init__([(part, part.length) for part in parts])
         self.cache = cache
         self.prefills = parts

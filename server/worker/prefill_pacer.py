@@ -2,48 +2,77 @@
 
 A token budget alone (``--prefill-chunk-tokens``) does not bound a step's time: a chunk's attention
 grows with its position, so the last 512-token chunk of a 2,048-token prompt costs several times
-the first, and what a chunk costs against a decode step depends on the model and the device (on a
-GPU a 512-token chunk of a 1B model costs about a decode step; on a CPU, with the tiny model, tens
-of them). The pacer measures both and keeps a step that carries chunks within ``ratio`` times the
-running streams' decode-only step: their inter-token latency during a long prefill stays near
-their pace alone, at the cost of that prompt's time to first token. With nothing decoding it
-gives the whole budget (nobody waits on the step).
+the first (at a 16k context, tens of times), and what a chunk costs against a decode step depends
+on the model and the device (on a GPU a 512-token chunk of a 1B model costs about a decode step; on
+a CPU, with the tiny model, tens of them). The pacer measures both and keeps a step that carries
+chunks within ``ratio`` times the running streams' decode-only step: their inter-token latency
+during a long prefill stays near their pace alone, at the cost of that prompt's time to first
+token. With nothing decoding it gives the whole budget (nobody waits on the step).
+
+Chunks are sized by their cost, not their tokens: a chunk of ``t`` tokens from position ``s``
+does ``t * (1 + (s + t / 2) / context_tokens)`` units of work (:meth:`PrefillPacer.work`): each
+token's projections and MLP, plus its attention over the positions before it, ``context_tokens``
+of which cost what the rest of a token does (~1,024 measured on the tiny model on a CPU; only the
+shape is assumed, the seconds a unit takes are measured). The allowance is in those units, so a
+chunk deep in a long prompt gets fewer tokens than one at its start for the same time: with a
+token allowance the 16k prompt's later chunks each ran past the step's time by the growth of
+their context since the last measurement.
 
 Measured, not modelled: after each step with chunks it rescales the allowance by how far the
-step's chunk time was from the time it may take, falling at once and rising at most 1.5x a step,
-so a noisy step costs a few smaller chunks, never a stall; it starts from a block's worth.
+step's chunk time was from the time it may take, falling at once and rising at most 1.5x a
+step, so a noisy step costs a few smaller chunks, never a stall; it starts from
+``min_tokens`` at position 0. The engine's floor is one token: deep in a 16k prompt on a CPU even a
+16-token chunk (the floor before, a block) cost several decode steps, so the streams' pace was the
+floor's, not the ratio's; a smaller chunk keeps it at the price of more steps for that prompt.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 
 class PrefillPacer:
     #: weight of a new decode-only step time in the running average
     DECODE_WEIGHT = 0.2
-    #: the most the allowance grows after one step that stayed within its time
+    #: the most the allowance grows past the work of one step that stayed within its time
     GROWTH = 1.5
+    #: attended positions whose attention costs what a token's projections and MLP do
+    CONTEXT_TOKENS = 1024
     #: what the engine times its steps with
     clock = staticmethod(time.perf_counter)
 
-    def __init__(self, max_tokens: int, min_tokens: int, ratio: float) -> None:
+    def __init__(
+        self, max_tokens: int, min_tokens: int, ratio: float, context_tokens: int = CONTEXT_TOKENS
+    ) -> None:
         if ratio != 0.0 and not ratio > 1.0:  # a NaN too
             raise ValueError(f"prefill step ratio must be > 1 (0: off), got {ratio}")
         self.max_tokens = max_tokens
         self.min_tokens = min(min_tokens, max_tokens)
         self.ratio = ratio
-        #: prompt tokens the next step beside running decodes may take: from a block up, so the
-        #: first chunk beside the streams is no spike (it grows 1.5x a step while steps fit)
-        self.allowance = self.min_tokens if ratio else max_tokens
+        self.context_tokens = context_tokens
+        #: work units the next step beside running decodes may take: from ``min_tokens`` at position
+        #: 0 up, so the first chunk beside the streams is no spike (it grows 1.5x a step while steps fit)
+        self.allowance = self.work(0, self.min_tokens)
         #: running average of a decode-only step's seconds (None until one is measured)
         self.decode_s: float | None = None
 
-    def budget(self, decoding: bool) -> int:
-        """The next step's prefill tokens: the allowance while streams decode, else the whole budget."""
+    def work(self, start: int, tokens: int) -> float:
+        """The cost units of a chunk of ``tokens`` tokens from position ``start``."""
+        return tokens * (1.0 + (start + tokens / 2.0) / self.context_tokens)
+
+    def tokens_for(self, start: int, work: float) -> int:
+        """The most tokens from ``start`` whose :meth:`work` is at most ``work``."""
+        k = self.context_tokens
+        b = 1.0 + start / k  # work = t * b + t^2 / (2k): the positive root of that = work
+        return int(k * (math.sqrt(b * b + 2.0 * work / k) - b) + 1e-9)
+
+    def budget(self, decoding: bool, start: int = 0) -> int:
+        """The next step's prefill tokens for a chunk from position ``start``: the allowance while
+        streams decode (at least ``min_tokens``), else the whole budget."""
         if not self.ratio or not decoding:
             return self.max_tokens
-        return self.allowance
+        return max(self.min_tokens, min(self.max_tokens, self.tokens_for(start, self.allowance)))
 
     def decode_step(self, seconds: float) -> None:
         """A step of decodes alone took ``seconds``."""
@@ -52,15 +81,18 @@ class PrefillPacer:
         else:
             self.decode_s += self.DECODE_WEIGHT * (seconds - self.decode_s)
 
-    def mixed_step(self, seconds: float, tokens: int) -> None:
-        """A step of decodes and ``tokens`` prompt tokens took ``seconds``."""
-        if not self.ratio or self.decode_s is None or tokens <= 0:
+    def mixed_step(self, seconds: float, chunks: list[tuple[int, int]]) -> None:
+        """A step of decodes and ``chunks`` (each ``(start, tokens)``) took ``seconds``."""
+        done = sum(self.work(start, tokens) for start, tokens in chunks)
+        if not self.ratio or self.decode_s is None or done <= 0:
             return
         may_take = (self.ratio - 1.0) * self.decode_s
         took = max(seconds - self.decode_s, 1e-9)
-        fits = tokens * may_take / took
-        grown = min(fits, self.allowance * self.GROWTH)
-        self.allowance = int(max(self.min_tokens, min(self.max_tokens, grown)))
+        fits = done * may_take / took
+        # Grows from what it granted (a step may do less: a prompt's last chunk, whole tokens), to
+        # at most a full chunk's work where this one ran (not past what the budget lets it use).
+        grown = min(fits, max(done, self.allowance) * self.GROWTH, self.work(chunks[-1][0], self.max_tokens))
+        self.allowance = max(self.work(0, self.min_tokens), grown)
 
 
 __all__ = ["PrefillPacer"]
