@@ -40,6 +40,8 @@ test-debug: debug  ## compiled-twin tests under the sanitizers
 	$(SAN_ENV) FASTCORE_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_jsonspan.py tests/test_relay.py tests/test_chunk_hashes.py
 	# The HTTP parsers (server.http._parse) and the upstream connection (_upstream): side by side, then on sockets (both twins run, the C one sanitized).
 	$(SAN_ENV) FASTCORE_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_http_parse.py tests/test_http_server.py tests/test_http_client.py tests/test_http_client_start.py tests/test_http_abuse.py
+	# The orchestrator's per-request numbers (server.orchestrator._tally and the modules it exports): both twins side by side.
+	$(SAN_ENV) FASTCORE_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_tally_twins.py
 
 fuzz: debug     ## under the sanitizers, FUZZ_SECONDS each: the scanner (hypothesis), then the upstream side (worker answers, both twins, h11 the reference)
 	$(SAN_ENV) $(PY) -m tests.fuzz_jsonspan --seconds $${FUZZ_SECONDS:-120}

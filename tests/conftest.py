@@ -2,8 +2,10 @@
 
 ``codec`` (the token codec), ``jsonspan`` (the JSON span scanner,
 ``fastcore._scan``), ``relay_twin`` (the relay kernels, ``fastcore._relay``),
-``hash_twin`` (the chunk hashes) and ``http_twin`` (server.http's request and
-response parsers) are parametrized over ``"py"`` (the pure-Python twin) and ``"c"`` (the
+``hash_twin`` (the chunk hashes), ``http_twin`` (server.http's request and
+response parsers), ``upstream_twin`` (the upstream connection, response, pool start and deadline
+sweeper: server.http._upstream) and ``tally_twin`` (the orchestrator's per-request classes:
+server.orchestrator._tally) are parametrized over ``"py"`` (the pure-Python twin) and ``"c"`` (the
 compiled one). The compiled case is skipped when
 ``FASTCORE_NO_EXTENSIONS=1`` or the extension is not built, unless
 ``FASTCORE_REQUIRE_EXTENSIONS=1`` (set by CI), where a missing build fails.
@@ -12,9 +14,10 @@ compiled one). The compiled case is skipped when
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -60,6 +63,47 @@ def hash_twin(request: pytest.FixtureRequest) -> ModuleType:
 def http_twin(request: pytest.FixtureRequest) -> ModuleType:
     """server.http's parsers (RequestParser, ResponseParser): the pure twin (httptools) or the compiled one."""
     return _twin("server.http._parse", "server.http._parse_py", request.param)
+
+
+@pytest.fixture(params=["py", "c"])
+def upstream_twin(request: pytest.FixtureRequest) -> SimpleNamespace:
+    """The upstream side's twins: ``Connection``, ``Response``, ``start`` (the pool's), ``Deadlines`` and
+    the ``ResponseParser`` a pure connection frames with: :mod:`server.http.upstream`'s pure ones on the
+    pure parser (httptools), or :mod:`server.http._upstream`'s (the connection its own llhttp parser);
+    ``kind`` is the param (upstream_stand_ins.set_twin puts them on a pool class)."""
+    if request.param == "py":
+        from server.http import _parse_py, deadlines, upstream
+
+        return SimpleNamespace(
+            kind="py",
+            Connection=upstream._Connection,
+            Response=upstream.UpstreamResponse,
+            start=upstream.pure_start,
+            Deadlines=deadlines.Deadlines,
+            ResponseParser=_parse_py.ResponseParser,
+        )
+    compiled = _twin("server.http._upstream", "server.http.upstream", "c")
+    parser = _twin("server.http._parse", "server.http._parse_py", "c")
+    return SimpleNamespace(
+        kind="c",
+        Connection=compiled.Connection,
+        Response=compiled.Response,
+        start=compiled.pool_start,
+        Deadlines=compiled.Deadlines,
+        ResponseParser=parser.ResponseParser,
+    )
+
+
+@pytest.fixture(params=["py", "c"])
+def tally_twin(request: pytest.FixtureRequest) -> Callable[[str], Any]:
+    """The orchestrator's per-request classes by name (``tally_twin("BytesPerToken")``): the pure ones
+    its modules keep under ``PURE`` (metrics, estimates, pools), or server.orchestrator._tally's."""
+    if request.param == "py":
+        from server.orchestrator import estimates, metrics, pools
+
+        return {**metrics.PURE, **estimates.PURE, **pools.PURE}.__getitem__
+    compiled = _twin("server.orchestrator._tally", "server.orchestrator.twins", "c")
+    return partial(getattr, compiled)
 
 
 @pytest.fixture(params=["callbacks", "tasks"])

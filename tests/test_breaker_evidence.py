@@ -15,7 +15,7 @@ for a state, bounded so that a broken build fails instead of hanging).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +25,7 @@ import pytest
 from helpers import eventually
 
 from bench.fault_proxy import FaultProxy
-from server.orchestrator import pools, twins
+from server.orchestrator import pools
 from server.orchestrator.app import Orchestrator, start_server
 from server.orchestrator.config import build_config
 from server.orchestrator.pools import Pool
@@ -192,11 +192,10 @@ async def test_a_stalled_stream_opens_its_workers_breaker() -> None:
 # -- the pool's choice, each breaker twin ---------------------------------------------------------------
 
 
-def breaker_twins() -> list[Any]:
-    classes = [pools.PURE["CircuitBreaker"]]
-    if twins.tally is not None:
-        classes.append(twins.tally.CircuitBreaker)
-    return classes
+@pytest.fixture
+def breaker_class(tally_twin: Callable[[str], Any]) -> Any:
+    """Both twins of CircuitBreaker (conftest's ``tally_twin``)."""
+    return tally_twin("CircuitBreaker")
 
 
 def pool_of(n: int, breaker_class: Any, threshold: float) -> Pool:
@@ -211,7 +210,6 @@ def chosen(pool: Pool, *, panic: bool = True, exclude: Any = ()) -> set[str]:
     return {w.url for _ in range(12) if (w := pool.choose(exclude=exclude, panic=panic)) is not None}
 
 
-@pytest.mark.parametrize("breaker_class", breaker_twins(), ids=lambda c: c.__module__)
 def test_panic_routes_to_every_up_worker_once_too_few_breakers_let_legs_through(breaker_class: Any) -> None:
     pool = pool_of(3, breaker_class, 0.5)
     w0, w1, w2 = pool.workers

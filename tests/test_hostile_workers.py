@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from types import ModuleType
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -41,7 +41,7 @@ from upstream_stand_ins import (  # noqa: F401  (fixtures: both twins, both loop
     Reader,
     Upstream,
     Writer,
-    _both_parsers,
+    _both_twins,
     answering,
     chunked_response,
     event_loop_policy,
@@ -273,9 +273,9 @@ def orchestrator_path(request: pytest.FixtureRequest, monkeypatch: pytest.Monkey
 
 
 @pytest.fixture
-def upstream_twin(http_twin: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every orchestrator's upstream connections on the twin of ``http_twin`` (compiled or pure)."""
-    set_twin(UpstreamPool, http_twin, monkeypatch)
+def orchestrator_twin(upstream_twin: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every orchestrator's upstream connections on conftest's ``upstream_twin`` (compiled or pure)."""
+    set_twin(UpstreamPool, upstream_twin, monkeypatch)
 
 
 def _b64_ids(answer: bytes) -> bytes:
@@ -284,7 +284,7 @@ def _b64_ids(answer: bytes) -> bytes:
     return json.loads(body)["prompt_token_ids_b64"].encode()
 
 
-@pytest.mark.usefixtures("upstream_twin")
+@pytest.mark.usefixtures("orchestrator_twin")
 @pytest.mark.parametrize("leg", sorted(DOUBLED))
 async def test_a_worker_that_answers_twice_in_one_write_the_first_answer_stands(
     leg: str, orchestrator_path: dict[str, Any]
@@ -351,7 +351,7 @@ HOSTILE = {
 }
 
 
-@pytest.mark.usefixtures("upstream_twin")
+@pytest.mark.usefixtures("orchestrator_twin")
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 @pytest.mark.parametrize("leg", ["context", "generation", "stream"])
 async def test_a_worker_answer_past_its_bounds_is_a_502_at_once_counted_against_the_worker(

@@ -5,7 +5,7 @@ the test's, so framing (Content-Length, chunked, close-delimited, malformed),
 timing (silence, drip-feeding) and connection handling (keep-alive, closing
 an idle connection, a reset mid-body) are exact. The server counts the
 connections it accepts, which is how reuse is checked. Every test runs on
-both response parsers (conftest's ``http_twin``, set on :class:`Pool`).
+both twins of the upstream side (conftest's ``upstream_twin``, set on :class:`Pool`).
 ``UpstreamPool.start`` (a listener, no coroutine): test_http_client_start.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import time
-from types import ModuleType
+from types import SimpleNamespace
 
 import pytest
 from helpers import REQUIRE_EXTENSIONS, eventually, free_port, made_in_a_thread
@@ -26,7 +26,7 @@ from upstream_stand_ins import (  # noqa: F401  (fixtures: both twins, both loop
     Serve,
     Upstream,
     Writer,
-    _both_parsers,
+    _both_twins,
     answering,
     chunked_response,
     echo_response,
@@ -851,12 +851,14 @@ async def test_request_options_are_keyword_only() -> None:
         assert up.requests[0][1][b"x-extra"] == b"1"
 
 
-def test_the_compiled_connection_and_response_have_the_pure_ones_surface(http_twin: ModuleType) -> None:
+def test_the_compiled_connection_and_response_have_the_pure_ones_surface(
+    upstream_twin: SimpleNamespace,
+) -> None:
     """Whatever the pool, the sweeper, the exchange and the leg runner may use of a connection or a
     response, and of the deadline sweeper, exists on both twins (server/http/_upstream.pyx, upstream.py,
     deadlines.py); only the pure connection's
     parser and the parser events it takes from it as Python calls are its own."""
-    if http_twin.__name__.endswith("_py"):
+    if upstream_twin.kind == "py":
         pytest.skip("compares the compiled twins with the pure ones")
 
     def surface(obj: object) -> set[str]:
@@ -871,8 +873,7 @@ def test_the_compiled_connection_and_response_have_the_pure_ones_surface(http_tw
         surface(Pool.connection_class(pool))
         == (surface(client._Connection(pool)) - pure_only) | compiled_only
     )
-    compiled = importlib.import_module("server.http._upstream")
-    assert surface(compiled.Deadlines()) == surface(deadlines.Deadlines())
+    assert surface(upstream_twin.Deadlines()) == surface(deadlines.Deadlines())
 
 
 async def test_a_pool_closed_while_a_request_connects_fails_it_not_sent_and_keeps_nothing() -> None:
@@ -1017,11 +1018,9 @@ def test_the_pool_takes_the_twins_its_upstream_module_chose() -> None:
     if upstream.backend == "cython":
         compiled = importlib.import_module("server.http._upstream")
         chosen = (compiled.Connection, compiled.Response, compiled.pool_start)
-        assert upstream.Deadlines is compiled.Deadlines
     else:
         assert fastcore.NO_EXTENSIONS or not REQUIRE_EXTENSIONS
         chosen = (upstream._Connection, upstream.UpstreamResponse, upstream.pure_start)
-        assert upstream.Deadlines is deadlines.Deadlines
     assert (upstream.Connection, upstream.Response, upstream.start) == chosen
     assert (
         UpstreamPool.connection_class,

@@ -15,7 +15,7 @@ from upstream_stand_ins import (  # noqa: F401  (fixtures: both twins, both loop
     Reader,
     Upstream,
     Writer,
-    _both_parsers,
+    _both_twins,
     answering,
     chunked_response,
     echo_response,

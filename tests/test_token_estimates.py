@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -20,7 +21,6 @@ from tiny_workers import one_torch_thread, tiny_worker  # noqa: F401 (autouse fi
 
 import fastcore
 import fastcore.relay
-from server.orchestrator import estimates, twins
 from server.orchestrator.app import start_server
 from server.orchestrator.config import build_config
 from server.orchestrator.estimates import (
@@ -200,13 +200,11 @@ def test_an_estimate_ignores_samples_no_tokenizer_gives(nbytes: int, tokens: int
     assert estimate.value == DEFAULT_BYTES_PER_TOKEN and estimate.observed == 0
 
 
-#: both twins of BytesPerToken (the compiled one where it is built)
-ESTIMATE_TWINS = [estimates.PURE["BytesPerToken"]] + ([twins.tally.BytesPerToken] if twins.tally else [])
-
-
-@pytest.fixture(params=ESTIMATE_TWINS, ids=lambda cls: cls.__module__.rsplit(".", 1)[-1])
-def estimate_class(request: pytest.FixtureRequest) -> Any:
-    return request.param
+@pytest.fixture
+def estimate_class(tally_twin: Callable[[str], Any]) -> Any:
+    """Both twins of BytesPerToken (conftest's ``tally_twin``: the compiled one skipped where it is not
+    built, a failure under FASTCORE_REQUIRE_EXTENSIONS=1)."""
+    return tally_twin("BytesPerToken")
 
 
 def test_a_long_prompt_weighs_more_than_a_short_one(estimate_class: Any) -> None:

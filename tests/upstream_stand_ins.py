@@ -2,10 +2,10 @@
 test_http_client_start): an asyncio server on 127.0.0.1 whose every byte is the test's, the pool on
 the response parser a test chose, and the answers the tests write.
 
-``_both_parsers`` is an autouse fixture: a test module that imports it runs every test on both
-twins of the upstream side (conftest's ``http_twin``, set on :class:`Pool`): the compiled connection
-and response (server/http/_upstream.pyx, its own llhttp parser) and client.py's pure ones on the
-httptools parser. A module that also imports ``event_loop_policy`` (raw_http's) runs each of its
+``_both_twins`` is an autouse fixture: a test module that imports it runs every test on both
+twins of the upstream side (conftest's ``upstream_twin``, set on :class:`Pool`): the compiled
+connection and response (server/http/_upstream.pyx, its own llhttp parser) and upstream.py's pure
+ones on the httptools parser. A module that also imports ``event_loop_policy`` (raw_http's) runs each of its
 async tests on asyncio's loop and on uvloop, where the compiled connection reads into its buffers
 (``get_buffer``/``buffer_updated``) instead of being handed bytes objects.
 """
@@ -14,18 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
-from types import ModuleType
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from helpers import StandInServer
 from raw_http import event_loop_policy  # noqa: F401  (re-exported: both loops, for the modules that import it)
 
-from server.http import UpstreamPool, UpstreamResponse, client
+from server.http import UpstreamPool, UpstreamResponse, upstream
 
 #: scheduling slack for time bounds on a busy 2-core machine (the client's sweeper ticks every 50 ms)
 SLACK_S = 1.0
@@ -39,25 +38,20 @@ class Pool(UpstreamPool):
     response_class = UpstreamPool.response_class
 
 
-def set_twin(pool: type[UpstreamPool], http_twin: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``pool``'s connections, responses, parser and ``start``: the compiled twins where ``http_twin``
-    is the compiled parser module, else client.py's on the pure parser."""
-    monkeypatch.setattr(pool, "response_parser", http_twin.ResponseParser)
-    if http_twin.__name__.endswith("_py"):
-        monkeypatch.setattr(pool, "connection_class", client._Connection)
-        monkeypatch.setattr(pool, "response_class", client.UpstreamResponse)
-        monkeypatch.setattr(pool, "start", client.pure_start)
-    else:
-        upstream = importlib.import_module("server.http._upstream")
-        monkeypatch.setattr(pool, "connection_class", upstream.Connection)
-        monkeypatch.setattr(pool, "response_class", upstream.Response)
-        monkeypatch.setattr(pool, "start", upstream.pool_start)
+def set_twin(pool: type[UpstreamPool], twin: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pool``'s connections, responses, parser and ``start``, and the sweeper a pool makes: those of
+    ``twin`` (conftest's ``upstream_twin``: the compiled ones, or upstream.py's on the pure parser)."""
+    monkeypatch.setattr(pool, "response_parser", twin.ResponseParser)
+    monkeypatch.setattr(pool, "connection_class", twin.Connection)
+    monkeypatch.setattr(pool, "response_class", twin.Response)
+    monkeypatch.setattr(pool, "start", twin.start)
+    monkeypatch.setattr(upstream, "Deadlines", twin.Deadlines)
 
 
 @pytest.fixture(autouse=True)
-def _both_parsers(http_twin: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every test here runs on both twins (conftest's ``http_twin``)."""
-    set_twin(Pool, http_twin, monkeypatch)
+def _both_twins(upstream_twin: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test here runs on both twins (conftest's ``upstream_twin``)."""
+    set_twin(Pool, upstream_twin, monkeypatch)
 
 
 RequestLine = tuple[bytes, dict[bytes, bytes], bytes]
