@@ -2,7 +2,8 @@
 
 The graph is read from the source with ast, nothing is imported; a compiled module's
 ``.pyx`` and its ``.pxd`` are read too (their ``import`` and ``cimport`` statements, each parsed as
-Python's), so a circle through a compiled module is one. Every import counts: at module level, inside a function (a deferred import hides a circle,
+Python's), so a circle through a compiled module is one; a pure ``x.py`` beside a compiled ``_x.pyx``
+imports it (the twin rule: ``fastcore.compiled_twin`` picks it by name). Every import counts: at module level, inside a function (a deferred import hides a circle,
 it does not remove it) and under ``if TYPE_CHECKING:`` (a type one module
 borrows from another that imports it is still two modules that each need the
 other). An edge goes to the deepest module of the repository the import names
@@ -87,6 +88,12 @@ def import_graph(root: Path, packages: Iterable[str]) -> dict[str, set[str]]:
                 targets.update(deepest(f"{base}.{alias.name}") for alias in node.names)
         parents = {name.rsplit(".", i)[0] for i in range(1, name.count(".") + 1)}
         graph[name] = {t for t in targets if t is not None and t != name and t not in parents}
+        # The twin rule (fastcore.compiled_twin): a pure x.py picks its compiled _x by name, through
+        # importlib, which no import statement shows: the edge is the rule's.
+        head, _, last = name.rpartition(".")
+        twin = f"{head}._{last}" if head else f"_{last}"
+        if paths[0].suffix == ".py" and any(t.suffix == ".pyx" for t in mods.get(twin, ())):
+            graph[name].add(twin)
     return graph
 
 
@@ -171,7 +178,8 @@ def test_the_graph_sees_deferred_relative_and_type_only_imports(tmp_path: Path) 
 
 def test_the_graph_reads_compiled_modules(tmp_path: Path) -> None:
     """A ``.pyx`` that imports back the module that imports it is a circle, as is one through a
-    ``.pxd``'s cimport; a docstring's "from ... import" prose and C libraries are no edge."""
+    ``.pxd``'s cimport, or one back to the pure module that picks it by the twin rule; a docstring's
+    "from ... import" prose and C libraries are no edge."""
     files = {
         "pkg/__init__.py": "",
         "pkg/a.py": "from ._b import B\n",
@@ -180,10 +188,14 @@ def test_the_graph_reads_compiled_modules(tmp_path: Path) -> None:
         "pkg/_c.pyx": "cimport cython\nfrom pkg._d cimport D\n",
         "pkg/_d.pxd": "from pkg cimport _c\ncdef class D:\n    pass\n",
         "pkg/_d.pyx": "import pkg.a\n",
+        "pkg/e.py": "from fastcore import compiled_twin\n_compiled = compiled_twin('pkg._e')\n",
+        "pkg/_e.pyx": "from pkg.e import NAME\n",
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     graph = import_graph(tmp_path, ["pkg"])
     assert graph["pkg._b"] == {"pkg.a"} and graph["pkg._d"] == {"pkg._c", "pkg.a"}
-    assert sorted(sorted(c) for c in circles(graph)) == [["pkg._b", "pkg.a"], ["pkg._c", "pkg._d"]]
+    assert graph["pkg.e"] == {"pkg._e"}  # a pure module picks its compiled twin (fastcore.compiled_twin)
+    circles_found = sorted(sorted(c) for c in circles(graph))
+    assert circles_found == [["pkg._b", "pkg.a"], ["pkg._c", "pkg._d"], ["pkg._e", "pkg.e"]]
