@@ -35,6 +35,15 @@ byte for byte (the base64 string) or as the same list, and the messages the
 ``strip`` gate leaves (the last one) or all of them; each ``ctx_request_id``
 is good once. ``--gates`` names the gates the orchestrator runs with.
 
+vLLM's MooncakeConnector (``mooncake``; fastcore's ``worker_protocol: vllm``,
+``vllm_transfer: mooncake``): both legs at once, the prefill's with
+``kv_transfer_params`` ``do_remote_decode`` and a router-minted ``transfer_id``
+(its answer carries no params), the decode's with ``do_remote_prefill``, that
+``transfer_id``, ``remote_bootstrap_addr`` and ``remote_engine_id``; each
+``transfer_id`` must arrive once on each side (``unpaired``, as SGLang's rooms).
+The prefill port also answers the Mooncake bootstrap server's ``GET /query``
+(``{engine_id: {"0": ...}}``): the router is given that port as its bootstrap port.
+
 plain: every request answered as a worker serving it whole would (no PD
 fields, no checks): the pass-through floors' workers.
 
@@ -64,7 +73,7 @@ from bench import engine_protocols as rules
 from bench.rawfloor import LISTEN_BACKLOG, ServerProtocol
 from fastcore import protocol as wire
 
-FLAVORS = ("vllm", "sglang", "fastcore", "plain")
+FLAVORS = ("vllm", "sglang", "mooncake", "fastcore", "plain")
 #: fastcore's orchestrator gates a fastcore mock checks for (docs/protocol.md, "The two gates")
 GATES = ("b64", "strip")
 FIRST_TOKEN = 450
@@ -72,6 +81,8 @@ ENGINE_ID = "mock-engine-0"
 MAX_MOCK_TOKENS = 256
 #: the SGLang prefill mock's bootstrap port (published in /server_info, given to sglang-router)
 BOOTSTRAP_PORT = 8998
+#: the Mooncake prefill mock's bootstrap server's answer at GET /query (vLLM's MooncakeBootstrapServer)
+MOONCAKE_ENGINES = json.dumps({ENGINE_ID: {"0": {"host": "127.0.0.1", "port": 5600}}}).encode()
 PROBE_PATHS = {
     b"/health",
     b"/health_generate",
@@ -110,6 +121,19 @@ def check_vllm_decode(req: dict[str, Any], issued: set[int]) -> list[str]:
 
 
 check_sglang = rules.check_sglang
+
+
+def check_mooncake(req: dict[str, Any], role: str, chat: bool) -> list[str]:
+    """A MooncakeConnector leg (the shared rules); the decode's ``remote_engine_id`` is the one /query names."""
+    if role == "prefill":
+        return rules.check_vllm_prefill(req, chat, "mooncake")
+    problems = rules.check_vllm_decode(req, "mooncake")
+    ktp = req.get("kv_transfer_params")
+    if isinstance(ktp, dict) and ktp.get("remote_engine_id") not in (None, ENGINE_ID):
+        problems.append(
+            f"decode remote_engine_id={ktp.get('remote_engine_id')!r}, /query named {ENGINE_ID!r}"
+        )
+    return problems
 
 
 def check_fastcore_context(req: dict[str, Any], b64: bool) -> list[str]:
@@ -210,7 +234,7 @@ class Mocks:
         self.ctx_issued: dict[int, Issued] = {}
         self.block_ids = itertools.count(1)
         self.issued: set[int] = set()
-        self.rooms: dict[int, str] = {}
+        self.rooms: dict[int | str, str] = {}
         self.stats: dict[str, Any] = {
             "flavor": flavor,
             "prefill": 0,
@@ -253,15 +277,13 @@ class Mocks:
             ) % (ENGINE_ID.encode(), block, block)
         elif self.flavor == "vllm":
             problems = check_vllm_decode(req, self.issued)
+        elif self.flavor == "mooncake":
+            problems = check_mooncake(req, role, chat)
+            ktp = req.get("kv_transfer_params")
+            self.pair(ktp.get("transfer_id") if isinstance(ktp, dict) else None, role, problems)
         else:
             problems = check_sglang(req)
-            room = req.get("bootstrap_room")
-            if isinstance(room, int):
-                seen = self.rooms.pop(room, None)
-                if seen == role:
-                    problems.append(f"bootstrap_room {room} sent twice to {role}")
-                elif seen is None:
-                    self.rooms[room] = role
+            self.pair(req.get("bootstrap_room"), role, problems)
         if problems:
             self.violation([f"{role}: {p}" for p in problems])
         n = max(1, min(int(req.get("max_tokens") or req.get("max_completion_tokens") or 16), MAX_MOCK_TOKENS))
@@ -271,6 +293,16 @@ class Mocks:
             usage = isinstance(req.get("stream_options"), dict) and req["stream_options"].get("include_usage")
             return 200, b"text/event-stream", sse_events(model, n, chat, prompt_tokens if usage else None)
         return 200, b"application/json", [completion_json(model, n, chat, prompt_tokens, extra)]
+
+    def pair(self, key: Any, role: str, problems: list[str]) -> None:
+        """A concurrent pair's key (SGLang's room, Mooncake's transfer id) seen on ``role``: once each side."""
+        if not isinstance(key, int | str):
+            return
+        seen = self.rooms.pop(key, None)
+        if seen == role:
+            problems.append(f"pair key {key!r} sent twice to {role}")
+        elif seen is None:
+            self.rooms[key] = role
 
     def context_answer(self, req: dict[str, Any], body: bytes, chat: bool) -> tuple[int, bytes, list[bytes]]:
         """Leg (2): the first token, a fresh ``ctx_request_id``, the prompt's ids as leg (1) asked."""
@@ -425,6 +457,8 @@ def make_handler(mocks: Mocks, role: str) -> Callable[[ServerProtocol, bytes, by
                 conn.respond(status, ctype, b"".join(parts), keep_alive)
         elif path == b"/mock_stats":
             conn.respond(200, b"application/json", mocks.snapshot(), keep_alive)
+        elif path == b"/query" and mocks.flavor == "mooncake" and role == "prefill":
+            conn.respond(200, b"application/json", MOONCAKE_ENGINES, keep_alive)
         elif path == b"/v1/models":
             conn.respond(200, b"application/json", models, keep_alive)
         elif path in PROBE_PATHS:

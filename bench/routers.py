@@ -46,6 +46,9 @@ Fronts:
   triple) on the same SGLang mocks as ``sglang-router`` (whose prefill mock publishes its
   ``disaggregation_bootstrap_port`` in ``/server_info``, where the sglang protocol reads it),
   compared with sglang-router there;
+- ``fastcore:mooncake``: ``worker_protocol: vllm`` with ``vllm_transfer: mooncake`` (both legs at once,
+  a ``transfer_id`` per pair) on Mooncake mocks (the prefill mock's port its bootstrap server's
+  ``GET /query``); no Rust router here speaks it, so it has no verdict line;
 - ``floor``: ``bench/passthrough.py``, the bare aiohttp pass-through (on the
   ``plain`` mocks, as ``rawfloor``: answers, no PD protocol to check);
 - ``rawfloor``: ``bench/rawfloor.py``, the callback-only pass-through (uvloop,
@@ -181,6 +184,8 @@ WRAPPED_START_S = 300.0
 PROTOCOL_MODES: dict[str, list[str]] = {
     "vllm": ["--worker-protocol", "vllm"],
     "sglang": ["--worker-protocol", "sglang"],
+    # vLLM's MooncakeConnector: both legs at once (no Rust router here speaks it: no head-to-head)
+    "mooncake": ["--worker-protocol", "vllm", "--vllm-transfer", "mooncake"],
 }
 #: the relay mode (bench.deploy.MODES) the protocol fronts run in: the fast relay, no trtllm gates
 PROTOCOL_RELAY = "gates-off"
@@ -197,8 +202,15 @@ DEFAULT_FRONTS = [
 
 
 def protocol_front_argv(mode: str, port: int, prefill: str, decode: str) -> list[str]:
-    """The orchestrator's argv as ``fastcore:MODE`` (``PROTOCOL_MODES``) runs it on ``mode``'s mocks."""
-    return front_argv(PROTOCOL_RELAY, port, [prefill], [decode], PROTOCOL_MODES[mode])
+    """The orchestrator's argv as ``fastcore:MODE`` (``PROTOCOL_MODES``) runs it on ``mode``'s mocks
+    (``mooncake``: the prefill mock's port is its bootstrap server's, in a config file: no flag sets it)."""
+    extra = PROTOCOL_MODES[mode]
+    if mode == "mooncake":
+        bootstrap = int(prefill.rpartition(":")[2])
+        config = Path(tempfile.gettempdir()) / f"fastcore-bench-mooncake-{bootstrap}.yaml"
+        config.write_text(f"vllm_mooncake_bootstrap_port: {bootstrap}\n")
+        extra = [*extra, "--config", str(config)]
+    return front_argv(PROTOCOL_RELAY, port, [prefill], [decode], extra)
 
 
 def mocks_flavor(front: str) -> str:
@@ -721,7 +733,7 @@ def verdicts(rows: list[Row], front: str = "fastcore:both-gates") -> list[str]:
     """Per size x stream, one line per target: ``front``'s CPU/req against half the best Rust router's,
     then against twice the raw floor's, at every concurrency level."""
     lines = []
-    for n, stream in groups(rows):
+    for n, stream in groups([r for r in rows if r.front == front]):  # none: it did not run
         sel = [r for r in rows if r.prompt_tokens == n and r.stream == stream]
         for target, reference, bar in TARGETS:
             parts, met = [], True
@@ -748,6 +760,8 @@ def protocol_verdicts(rows: list[Row]) -> list[str]:
     lines = []
     for mode in PROTOCOL_MODES:
         front = f"fastcore:{mode}"
+        if not any(r.flavor == mocks_flavor(front) for r in RUST_ROUTERS.values()):
+            continue  # no Rust router speaks it (mooncake): nothing to compare with
         for n, stream in groups([r for r in rows if r.front == front]):
             sel = [r for r in rows if r.prompt_tokens == n and r.stream == stream]
             parts, met, rust = [], True, "its Rust router"

@@ -33,6 +33,7 @@ from bench.deploy import free_port, front_argv, wait_healthy
 from bench.pd_mocks import (
     ENGINE_ID,
     FIRST_TOKEN,
+    MOONCAKE_ENGINES,
     Issued,
     check_fastcore_context,
     check_fastcore_generation,
@@ -518,6 +519,69 @@ def test_live_sglang_mocks_count_missing_bootstrap_fields_and_stream_sse(mocks) 
     stats = _stats(prefill)
     assert stats["violations"] == 1 and "bootstrap" in stats["samples"][0]  # the stream had none
     assert stats["unpaired"] == 0  # room 99 arrived on both sides
+
+
+def test_live_mooncake_mocks_answer_query_and_pair_each_transfer_id(mocks) -> None:
+    """The Mooncake mocks: the prefill port answers the bootstrap server's ``GET /query``; a pair's legs
+    (vLLM's MooncakeConnector rules) pass, each ``transfer_id`` once on each side; a decode leg without
+    the bootstrap address, and a transfer id sent twice to one side, are counted."""
+    prefill, decode = mocks("mooncake")
+    query = urllib.request.urlopen(f"http://127.0.0.1:{prefill}/query", timeout=10).read()
+    assert query == MOONCAKE_ENGINES and ENGINE_ID in json.loads(query)
+    pre = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": "t1"}
+    answer = json.loads(
+        _post(
+            f"http://127.0.0.1:{prefill}/v1/chat/completions",
+            {**CHAT, "max_tokens": 1, "stream": False, "kv_transfer_params": pre},
+        )
+    )
+    assert "kv_transfer_params" not in answer  # a Mooncake prefill pushes: nothing to copy
+    dec = {
+        "do_remote_decode": False, "do_remote_prefill": True, "transfer_id": "t1",
+        "remote_bootstrap_addr": f"http://127.0.0.1:{prefill}", "remote_engine_id": ENGINE_ID,
+    }  # fmt: skip
+    _post(f"http://127.0.0.1:{decode}/v1/chat/completions", {**CHAT, "kv_transfer_params": dec})
+    stats = _stats(prefill)
+    assert (stats["violations"], stats["unpaired"]) == (0, 0), stats
+    lacking = {k: v for k, v in dec.items() if k != "remote_bootstrap_addr"} | {"transfer_id": "t2"}
+    _post(f"http://127.0.0.1:{decode}/v1/chat/completions", {**CHAT, "kv_transfer_params": lacking})
+    assert _stats(decode)["unpaired"] == 1  # t2 seen on the decode side only
+    _post(f"http://127.0.0.1:{decode}/v1/chat/completions", {**CHAT, "kv_transfer_params": lacking})
+    stats = _stats(decode)
+    assert stats["violations"] == 2 and "remote_bootstrap_addr" in stats["samples"][0], stats
+    assert "sent twice to decode" in stats["samples"][1], stats
+
+
+def test_the_mooncake_front_runs_vllm_with_the_mooncake_transfer_on_the_mooncake_mocks() -> None:
+    """``fastcore:mooncake``: the fast relay with ``worker_protocol: vllm``, ``vllm_transfer: mooncake``,
+    its bootstrap port the prefill mock's (a config file: no flag sets it), on the Mooncake mocks; no
+    Rust router speaks it, so no verdict line."""
+    argv = routers.protocol_front_argv("mooncake", 8500, "127.0.0.1:8501", "127.0.0.1:8502")
+    flags = argv[argv.index("orchestrator") + 1 :]
+    pairs = {flags[i]: flags[i + 1] for i in range(len(flags) - 1) if flags[i].startswith("--")}
+    assert pairs["--worker-protocol"] == "vllm" and pairs["--vllm-transfer"] == "mooncake"
+    assert pairs["--relay"] == "fast"
+    assert Path(pairs["--config"]).read_text() == "vllm_mooncake_bootstrap_port: 8501\n"
+    assert routers.mocks_flavor("fastcore:mooncake") == "mooncake"
+    assert routers.check_front("fastcore:mooncake", routers.build_parser().parse_args([])) is None
+    assert routers.protocol_verdicts([_row("fastcore:mooncake", 0.05), _row("vllm-router", 0.2)]) == []
+
+
+def test_a_run_without_the_trtllm_front_prints_no_trtllm_verdict() -> None:
+    """issue 25's verdicts judge ``fastcore:both-gates``: a run of other fronts (the protocol pairs) has
+    none, not a NOT MET for a front it never ran."""
+    rows = [_row("fastcore:sglang", 0.05, completions_per_s=2000.0), _row("sglang-router", 0.2)]
+    assert routers.verdicts(rows) == []
+    assert len(routers.verdicts([*rows, _row("fastcore:both-gates", 0.05)])) == 2
+
+
+@pytest.mark.slow
+def test_a_quick_run_of_the_mooncake_front_on_the_mooncake_mocks_has_no_violation(tmp_path: Path) -> None:
+    """``fastcore:mooncake`` end to end: both legs by bench.engine_protocols' Mooncake rules, the decode's
+    engine id the one /query names, each transfer id once on each side: 0 violations, none unpaired."""
+    data = _run(tmp_path, "fastcore:mooncake", "--quick")
+    _check_rows(data, ["fastcore:mooncake"])
+    assert all(r["violations"] == 0 for r in data["rows"]), data["rows"]
 
 
 def _row(front: str, cpu: float | None, **kw: object) -> routers.Row:
