@@ -1,4 +1,4 @@
-"""What both twins of the upstream connection share (client.py's pure one, ``_upstream.pyx``'s
+"""What both twins of the upstream connection share (upstream.py's pure one, ``_upstream.pyx``'s
 compiled one): the request head's format, the bound under which a request goes out in one joined
 write, a body piece's types, and the two errors an exchange ends in.
 
