@@ -173,6 +173,8 @@ def _extensions() -> list[Extension]:
         # estimates' BytesPerToken, its pure source compiled in Cython's pure-Python mode (typed by
         # _bytes_per_token.pxd); _tally exports it
         "server.orchestrator._bytes_per_token": ["server/orchestrator/bytes_per_token.py"],
+        # pools' CircuitBreaker, the same way (typed by _breaker.pxd); _tally exports it
+        "server.orchestrator._breaker": ["server/orchestrator/breaker.py"],
         # the fleet's shared counts: GCC atomics on the --workers N processes' mapping (fleet.py picks it)
         "server.orchestrator._fleet": ["server/orchestrator/_fleet.pyx"],
     }

@@ -179,6 +179,17 @@ def breaker_state(b: Any) -> tuple[Any, ...]:
 
 
 @needs_compiled
+def test_breaker_is_one_source_compiled() -> None:
+    """Issue 41's twin rule: the compiled CircuitBreaker is breaker.py compiled (Cython's pure mode,
+    typed by _breaker.pxd), not a second copy of its code in _tally.pyx."""
+    pure_class, c_class = pair("CircuitBreaker")
+    assert pure_class.__module__ == "server.orchestrator.breaker"
+    assert c_class.__module__ == "server.orchestrator._breaker"
+    assert not hasattr(c_class(), "__dict__")  # a cdef class: its fields in C
+    assert "cdef class CircuitBreaker" not in (ROOT / "server/orchestrator/_tally.pyx").read_text()
+
+
+@needs_compiled
 def test_breaker_twins_walk_the_same_states_and_bump_the_same_epoch() -> None:
     pure_class, c_class = pair("CircuitBreaker")
     assert breaker_state(pure_class()) == breaker_state(c_class())  # the same defaults

@@ -3,7 +3,7 @@
 ``TallyHistogram`` and ``NoClock``, of :mod:`.estimates`' ``BytesPerToken`` (compiled from its pure
 source, bytes_per_token.py, in Cython's pure-Python mode: the same instructions per ``observe``
 as the ``cdef class`` it replaced here; exported from this module) and of :mod:`.pools`'
-``CircuitBreaker``.
+``CircuitBreaker`` (the same: breaker.py compiled, exported here).
 
 Each request counts itself, observes three latencies, laps a clock that is not sampled, teaches
 two bytes-per-token estimates and passes each leg's worker's breaker three times: in Python that
@@ -14,13 +14,13 @@ the same results to the bit); :mod:`.twins` picks these where they are built, an
 both (tests/test_tally_twins.py).
 """
 
-import time
-
 from libc.stdlib cimport free, malloc
 
 #: estimates' BytesPerToken: written once, in Cython's pure-Python mode (bytes_per_token.py, compiled
 #: as server.orchestrator._bytes_per_token), exported here with the other twins twins.py picks
 from ._bytes_per_token import BytesPerToken
+#: pools' CircuitBreaker and its epoch hook: the same, breaker.py compiled as server.orchestrator._breaker
+from ._breaker import CircuitBreaker, watch_epoch
 
 
 cdef class TallyOne:
@@ -133,95 +133,3 @@ cdef class NoClock:
 
     def finish(self):
         pass
-
-
-#: pools.py's ``_ROUTABLE_EPOCH`` (a one-item list), bumped by a breaker's change of state as the pure
-#: twin bumps it; pools.py hands it over at import (watch_epoch)
-cdef list _epoch = [0]
-
-
-def watch_epoch(list epoch):
-    """Bump ``epoch[0]`` on each breaker's change of state (pools.py's cached routable workers)."""
-    global _epoch
-    _epoch = epoch
-
-
-cdef enum:
-    # pools.CircuitBreaker's states (its CLOSED, HALF_OPEN, OPEN)
-    B_CLOSED = 0
-    B_HALF_OPEN = 1
-    B_OPEN = 2
-
-
-cdef class CircuitBreaker:
-    """pools.CircuitBreaker: one worker's breaker, its state, counts and times in C (three C calls per
-    leg: ``chosen``, ``succeeded`` or ``failed``, ``ended``); its defaults pools' BREAKER_FAILURES and
-    BREAKER_OPEN_S."""
-
-    CLOSED, HALF_OPEN, OPEN = B_CLOSED, B_HALF_OPEN, B_OPEN
-    MAX_OPEN_FACTOR = 8
-
-    cdef public object threshold
-    cdef public object open_s
-    cdef public int _state
-    cdef public object failures
-    cdef public object open_for
-    cdef public double opened_at
-    cdef public bint probing
-    cdef public object opened
-
-    def __init__(self, threshold=3, open_s=5.0):
-        self.threshold = threshold
-        self.open_s = open_s
-        self._state = B_CLOSED
-        self.failures = 0
-        self.open_for = open_s
-        self.opened_at = 0.0
-        self.probing = False
-        self.opened = 0
-
-    @property
-    def state(self):
-        return self._state
-
-    @state.setter
-    def state(self, int state):
-        if state != self._state:
-            self._state = state
-            _epoch[0] += 1  # Pool.choose's cached candidates are stale
-
-    def allows(self, now):
-        if self._state == B_OPEN:
-            if now - self.opened_at < self.open_for:
-                return False
-            self.state = B_HALF_OPEN
-            self.probing = False
-        return not self.probing
-
-    def chosen(self):
-        if self._state == B_HALF_OPEN:
-            self.probing = True
-
-    def succeeded(self):
-        self.failures = 0
-        self.probing = False
-        if self._state != B_CLOSED:
-            self.state = B_CLOSED
-            self.open_for = self.open_s
-
-    def failed(self, *, at_once=False):
-        self.failures += 1
-        probe = self._state == B_HALF_OPEN
-        if self._state == B_OPEN or not (at_once or probe or self.failures >= self.threshold):
-            return False
-        if probe:
-            self.open_for = min(self.open_for * 2, self.open_s * self.MAX_OPEN_FACTOR)
-        self.state = B_OPEN
-        self.opened_at = time.monotonic()
-        self.probing = False
-        self.opened += 1
-        return True
-
-    def ended(self):
-        if self._state == B_HALF_OPEN:
-            self.probing = False

@@ -43,6 +43,7 @@ from fastcore import protocol as wire
 from server.tasks import stop_tasks
 
 from . import twins
+from .breaker import BREAKER_FAILURES, BREAKER_OPEN_S, CircuitBreaker, watch_epoch
 from .routing import ROUTERS, LeastLoadedRouter, RequestKey, RoundRobinRouter, Router, make_router
 
 __all__ = [
@@ -143,97 +144,16 @@ def _instance(body: bytes) -> str | None:
     return value if isinstance(value, str) else None
 
 
-#: a breaker's defaults (CircuitBreaker, Pool and the config keys circuit_breaker_failures and
-#: circuit_breaker_open_s read them): failed legs in a row that open it, seconds it stays open
-BREAKER_FAILURES = 3
-BREAKER_OPEN_S = 5.0
 #: the default share of a pool's up workers whose breakers must let legs through, below which legs go
 #: to every up worker (the config key circuit_breaker_panic_threshold; envoy's healthy_panic_threshold)
 PANIC_THRESHOLD = 0.5
 
 
-class CircuitBreaker:
-    """One worker's breaker: closed (legs go), open (none), half-open (one probe leg at a time).
-
-    ``failures`` failed legs in a row open it; so does one timed-out leg (each costs a
-    client the whole timeout) and a failed probe. It stays open ``open_s``, doubled
-    by each failed probe up to ``MAX_OPEN_FACTOR`` times; then the next leg chosen
-    for the worker is its probe, and no other leg goes there until the probe ends:
-    a success closes the breaker, a failure opens it again, no verdict (the client
-    left, a 4xx) lets the next leg probe.
-    """
-
-    CLOSED, HALF_OPEN, OPEN = 0, 1, 2
-    #: a worker that keeps failing its probes waits at most this many times ``open_s``
-    MAX_OPEN_FACTOR = 8
-
-    __slots__ = ("_state", "failures", "open_for", "open_s", "opened", "opened_at", "probing", "threshold")
-
-    def __init__(self, threshold: int = BREAKER_FAILURES, open_s: float = BREAKER_OPEN_S) -> None:
-        self.threshold = threshold
-        self.open_s = open_s
-        self._state = self.CLOSED
-        self.failures = 0
-        self.open_for = open_s
-        self.opened_at = 0.0
-        self.probing = False
-        #: times it opened (for /metrics)
-        self.opened = 0
-
-    @property
-    def state(self) -> int:
-        return self._state
-
-    @state.setter
-    def state(self, state: int) -> None:
-        if state != self._state:
-            self._state = state
-            _ROUTABLE_EPOCH[0] += 1  # Pool.choose's cached candidates are stale
-
-    def allows(self, now: float) -> bool:
-        """Whether a new leg may go to the worker now (an open breaker past its time turns half-open)."""
-        if self.state == self.OPEN:
-            if now - self.opened_at < self.open_for:
-                return False
-            self.state = self.HALF_OPEN
-            self.probing = False
-        return not self.probing
-
-    def chosen(self) -> None:
-        """A leg goes to the worker: in half-open, it is the probe."""
-        if self._state == self.HALF_OPEN:  # read past the property: this and the two below run per leg
-            self.probing = True
-
-    def succeeded(self) -> None:
-        self.failures = 0
-        self.probing = False
-        if self._state != self.CLOSED:
-            self.state = self.CLOSED
-            self.open_for = self.open_s
-
-    def failed(self, *, at_once: bool = False) -> bool:
-        """Count a failed leg; True when this opened the breaker."""
-        self.failures += 1
-        probe = self.state == self.HALF_OPEN
-        if self.state == self.OPEN or not (at_once or probe or self.failures >= self.threshold):
-            return False
-        if probe:
-            self.open_for = min(self.open_for * 2, self.open_s * self.MAX_OPEN_FACTOR)
-        self.state = self.OPEN
-        self.opened_at = time.monotonic()
-        self.probing = False
-        self.opened += 1
-        return True
-
-    def ended(self) -> None:
-        """The leg is over, whatever its verdict: a probe without one lets the next leg probe."""
-        if self._state == self.HALF_OPEN:
-            self.probing = False
-
-
-#: the pure twin (the behavioural reference); where the compiled one is built
-#: (server/orchestrator/_tally.pyx, picked by twins.py) ``CircuitBreaker`` is its, bumping the same epoch
+#: the pure twin (breaker.py, the behavioural reference); where the compiled one is built (the same
+#: source compiled: server.orchestrator._breaker, which _tally exports and twins.py picks)
+#: ``CircuitBreaker`` is its; both bump this module's epoch
 PURE: dict[str, type] = {"CircuitBreaker": CircuitBreaker}
+watch_epoch(_ROUTABLE_EPOCH)
 if twins.tally is not None:
     twins.tally.watch_epoch(_ROUTABLE_EPOCH)
     CircuitBreaker = twins.tally.CircuitBreaker  # type: ignore[misc]
