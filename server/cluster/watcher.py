@@ -201,7 +201,7 @@ class ClusterWatcher:
                 backoff = 0.05
                 # one watch per prefix, each from the revision after its own read (a later one would
                 # miss what changed under an earlier prefix meanwhile); any of them ending is a resync
-                await _until_one_fails([self._follow(p, revisions[p] + 1) for p in prefixes])
+                await until_one_fails([self._follow(p, revisions[p] + 1) for p in prefixes])
             except _TRANSIENT as exc:
                 self._lost(exc)
             await asyncio.sleep(backoff)
@@ -365,7 +365,7 @@ class ClusterWatcher:
                 for k, v in result.items()]  # fmt: skip
 
 
-async def _until_one_fails(coros: list[Coroutine[Any, Any, None]]) -> None:
+async def until_one_fails(coros: list[Coroutine[Any, Any, None]]) -> None:
     """Run ``coros`` together until one ends (each raises when it does: a watch that ended); cancel
     the others and raise its exception. asyncio.wait, not a TaskGroup: Python 3.10 is supported."""
     tasks = [asyncio.ensure_future(c) for c in coros]

@@ -35,7 +35,7 @@ import aiohttp
 
 from server.cluster.etcd import TRANSIENT_ERRORS, EtcdClient, EtcdError, Event
 from server.cluster.records import KEY_ROOT, ClusterSettings
-from server.cluster.watcher import _until_one_fails
+from server.cluster.watcher import until_one_fails
 from server.tasks import stop_tasks
 
 from .pools import _ROUTABLE_EPOCH
@@ -172,7 +172,7 @@ class FleetCluster:
                 self.connected = True
                 self._synced.set()
                 backoff = 0.05
-                await _until_one_fails([self._follow(revision + 1), self._renew()])
+                await until_one_fails([self._follow(revision + 1), self._renew()])
             except TRANSIENT_ERRORS as exc:
                 self._lost(exc)
             await asyncio.sleep(backoff)
