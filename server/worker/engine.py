@@ -143,7 +143,7 @@ class TorchEngine:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         # Paces chunks beside decodes (chunked prefill only: whole prompts are whole).
         ratio = prefill_step_ratio if prefill_chunk_tokens else 0.0
-        self.pacer = PrefillPacer(prefill_chunk_tokens, 1, ratio)  # at least a token: sized by cost
+        self.pacer = PrefillPacer(prefill_chunk_tokens, self.cache.block_size, ratio)
         #: admitted prompts whose prefill is under way, oldest first (they hold a sequence slot)
         self._prefilling: list[_Prefill] = []
         self._inbox: collections.deque[EngineRequest] = collections.deque()
