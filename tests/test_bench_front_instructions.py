@@ -78,3 +78,19 @@ def test_the_raw_floor_counted_under_callgrind(tmp_path: Path, capsys: pytest.Ca
     # warm-up and start-up are not in it, or it would read millions
     assert 10_000 < count["instructions_per_request"] < 1_000_000, count
     assert "| rawfloor" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@needs_valgrind
+def test_the_mooncake_front_counted_under_callgrind(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``fastcore:mooncake`` (vLLM's MooncakeConnector, both legs at once) is a front here as in
+    bench.routers: started on its mocks under callgrind, its requests all answered and counted."""
+    out = tmp_path / "counts.json"
+    argv = ["--fronts", "fastcore:mooncake", "--requests", "12", "--warmup", "4", "--concurrency", "2"]
+    code = front_instructions.main([*argv, "--output", str(out)])
+    assert code == 0, capsys.readouterr()
+    (count,) = json.loads(out.read_text())
+    assert count["front"] == "fastcore:mooncake" and count["completed"] == 12 and count["errors"] == 0
+    assert 10_000 < count["instructions_per_request"] < 10_000_000, count
