@@ -94,6 +94,58 @@ _DISAGG_ID_BITS = wire.DISAGG_REQUEST_ID_END.bit_length() - 1
 assert 1 << _DISAGG_ID_BITS == wire.DISAGG_REQUEST_ID_END
 
 
+class Completion:
+    """One completion's state, which both drivers create once per request and every step reads (an
+    exchange.py ``Exchange`` is one; the coroutine driver makes one in :meth:`CompletionDriver._run_legs`):
+    the route, tenant and client ``out``; what :meth:`CompletionDriver.prepare` made of the body (``req``,
+    ``body``, ``key``, ``tokens``, ``clock``); leg (1)'s ``disagg_id``, ``context_body``, the workers
+    ``tried`` and when it ``started``; once a context worker answered, its ``context_worker`` and
+    ``context_response`` (a failure from there releases the KV it parked) and leg (3)'s
+    ``generation_body``, ``auth`` line and ``context_done`` (when the hand-off began)."""
+
+    __slots__ = (
+        "auth",
+        "body",
+        "clock",
+        "context_body",
+        "context_done",
+        "context_response",
+        "context_worker",
+        "disagg_id",
+        "generation_body",
+        "key",
+        "out",
+        "path",
+        "req",
+        "route",
+        "started",
+        "tenant",
+        "tokens",
+        "tried",
+    )
+
+    req: ClientRequest
+    body: bytes
+    key: RequestKey | None
+    tokens: int
+    clock: Clock
+    disagg_id: int
+    context_body: Sequence[BodyPiece]
+    started: float
+    generation_body: Sequence[BodyPiece]
+    auth: bytes
+    context_done: float
+
+    def __init__(self, out: Responder, route: Route, tenant: Tenant) -> None:
+        self.out = out
+        self.route = route
+        self.tenant = tenant
+        self.path = route.path
+        self.tried: list[Worker] = []
+        self.context_worker: Worker | None = None
+        self.context_response = b""
+
+
 class CompletionDriver:
     """The completion path in coroutines (see the module); the Orchestrator's state it reads is set by
     :class:`.app.Orchestrator`'s ``__init__`` (declared here for the type checker)."""
@@ -231,6 +283,17 @@ class CompletionDriver:
         tokens = self.generation_pool.router.estimate.tokens(len(body)) if self.count_tokens else 0
         return req, key, tokens, clock
 
+    def prepared(self, c: Completion, body: bytes, conversation: bytes | None) -> None:
+        """:meth:`prepare` for a completion: its ``req``, ``body`` (the one both legs carry), ``key``,
+        ``tokens`` and ``clock`` set."""
+        req, c.key, c.tokens, c.clock = self.prepare(body, c.route, conversation, c.tenant)
+        c.req, c.body = req, req.body
+
+    def context_begins(self, c: Completion) -> None:
+        """Leg (1)'s body, for a new disaggregated id (the completion's first, or a retried hand-off's)."""
+        disagg_id = c.disagg_id = self.disagg_id()
+        c.context_body = self.relay.context_pieces(c.req, disagg_id, self.context_pool.b64_completions)
+
     async def _run_legs(
         self, body: bytes, out: Responder, route: Route, conversation: bytes | None = None,
         tenant: Tenant = ANONYMOUS,
@@ -238,27 +301,23 @@ class CompletionDriver:
         """Serve one completion; the status the client got (a stream cut by its worker counts as 502).
 
         ``conversation``: the ``X-Conversation-Id`` header (read only for a conversation router)."""
-        req, key, tokens, clock = self.prepare(body, route, conversation, tenant)
-        body = req.body
-        relay = self.relay
-        path = route.path
+        c = Completion(out, route, tenant)
+        self.prepared(c, body, conversation)
         if self.pairs is not None:
-            return await self.pairs.run(out, req, path, clock, key, tokens)
+            return await self.pairs.run(c)
         generation_worker: Worker | None = None
         if self.max_local_prefill is not None:
             # Conditional disaggregation: the generation worker first, by its prefix index; a short
             # enough uncached remainder on it (and a worker that says local_prefill) skips leg (1).
-            generation_worker = self.generation_pool.choose(key=key)
-            if generation_worker is not None and self._prefill_locally(generation_worker, key):
-                clock.lap("build_context")
+            generation_worker = self.generation_pool.choose(key=c.key)
+            if generation_worker is not None and self._prefill_locally(generation_worker, c.key):
+                c.clock.lap("build_context")
                 self.metrics.path_local.inc()
-                return await self._generation_leg(out, req, path, body, clock, key=key, tokens=tokens,
-                                                  first=generation_worker, local=True)  # fmt: skip
-        disagg_id = self.disagg_id()
-        context_body = relay.context_pieces(req, disagg_id, self.context_pool.b64_completions)
-        clock.lap("build_context")
-        return await self.context_leg(out, req, path, body, clock, key, tokens, disagg_id, context_body,
-                                       generation_worker, tried=[], started=time.perf_counter())  # fmt: skip
+                return await self._generation_leg(c, c.body, first=generation_worker, local=True)
+        self.context_begins(c)
+        c.clock.lap("build_context")
+        c.started = time.perf_counter()
+        return await self.context_leg(c, generation_worker)
 
     @staticmethod
     def disagg_id() -> int:
@@ -271,46 +330,45 @@ class CompletionDriver:
                 return drawn
 
     async def context_leg(
-        self, out: Responder, req: ClientRequest, path: bytes, body: bytes, clock: Clock,
-        key: RequestKey | None, tokens: int, disagg_id: int, context_body: Sequence[BodyPiece],
-        generation_worker: Worker | None, *, tried: list[Worker], started: float, resume: Sent | None = None,
+        self, c: Completion, generation_worker: Worker | None, *, resume: Sent | None = None,
         spent: Worker | None = None,
     ) -> int:  # fmt: skip
-        """Leg (1) and what follows it: the answer of the last worker tried (legs.py; ``resume``: its
-        first attempt, sent from callbacks); a lost answer's parked KV is released by disagg_id.
-        Completions ask for prompt_token_ids_b64 only when every context worker says it answers them
-        so (/server_info): trtllm-serve answers them with the list only, and its completion models
-        refuse the field. ``spent``: the generation worker of the attempt this one retries (not chosen)."""
+        """Leg (1) and what follows it: the answer of the last worker tried (``c.tried``, legs.py;
+        ``resume``: its first attempt, sent from callbacks); a lost answer's parked KV is released by
+        ``c.disagg_id``. Completions ask for prompt_token_ids_b64 only when every context worker says it
+        answers them so (/server_info): trtllm-serve answers them with the list only, and its completion
+        models refuse the field. ``spent``: the generation worker of the attempt this one retries (not
+        chosen)."""
         unavailable: LegUnavailable | None = None
+        req = c.req
         try:
-            context_response = await self.legs.run("context", self.context_pool, path, context_body, _body,
+            context_response = await self.legs.run("context", self.context_pool, c.path, c.context_body, _body,
                 headers=self.relay.leg_headers, extra=self.protocol.context_headers(req),
-                timeout=self.context_timeout(len(body)), key=key, tokens=tokens,
-                tried=tried, disagg_id=disagg_id, resume=resume, panic=not self._can_fall_back())  # fmt: skip
+                timeout=self.context_timeout(len(c.body)), key=c.key, tokens=c.tokens,
+                tried=c.tried, disagg_id=c.disagg_id, resume=resume, panic=not self._can_fall_back())  # fmt: skip
         except LegUnavailable as exc:
             unavailable = exc  # served outside this handler: the client's error carries no context
         if unavailable is not None:
-            return await self._fall_back(unavailable, out, req, path, body, clock, key, tokens)
-        context_worker = tried[-1]  # the one that answered
-        following = self.context_answered(out, req, clock, key, context_response, started)
-        if following is None:
+            return await self._fall_back(unavailable, c)
+        if not self.context_answered(c, context_response):
             return 200
-        generation_body, auth, context_done = following
-        return await self.generation_after_context(out, req, path, generation_body, clock, key, tokens,
-            generation_worker, auth, context_done, context_worker, context_response, spent=spent)  # fmt: skip
+        # from here a failure releases the KV the context worker (the one that answered) parked
+        c.context_worker, c.context_response = c.tried[-1], context_response
+        return await self.generation_after_context(c, generation_worker, spent=spent)
 
-    def context_answered(
-        self, out: Responder, req: ClientRequest, clock: Clock, key: RequestKey | None,
-        context_response: bytes, started: float,
-    ) -> tuple[Sequence[BodyPiece], bytes, float] | None:  # fmt: skip
-        """A context worker answered 200 (leg (1) began at ``started``): None when that was the answer
-        (sent here), else leg (3)'s body, its trtllm-serve auth line and when the hand-off began."""
+    def context_answered(self, c: Completion, context_response: bytes) -> bool:
+        """A context worker answered 200 (leg (1) began at ``c.started``): False when that was the answer
+        (sent here), else True with leg (3)'s body, its trtllm-serve auth line and when the hand-off
+        began set on ``c``."""
         context_done = time.perf_counter()
         metrics = self.metrics
-        metrics.context_leg.observe(context_done - started)
+        metrics.context_leg.observe(context_done - c.started)
         metrics.path_disaggregated.inc()
+        clock = c.clock
         clock.start()
         relay = self.relay
+        req = c.req
+        key = c.key
         ctx = relay.read_context(req, context_response)
         # learned from the prompt's span, not the whole body, which a client may pad
         self.usage.context_answer(context_response, key.prompt_bytes if key else relay.prompt_bytes(req),
@@ -324,42 +382,41 @@ class CompletionDriver:
             clock.finish()
             metrics.finished_by_context.inc()
             if req.stream:
-                out.send(200, answer, _SSE, _SSE_EXTRA)
+                c.out.send(200, answer, _SSE, _SSE_EXTRA)
             else:
-                out.send(200, answer)
-            return None
-        generation_body = relay.generation_pieces(req, ctx)
+                c.out.send(200, answer)
+            return False
+        c.generation_body = relay.generation_pieces(req, ctx)
         clock.lap("build_generation")
-        auth = self.protocol.generation_headers(req, ctx)
-        return generation_body, auth, context_done
+        c.auth = self.protocol.generation_headers(req, ctx)
+        c.context_done = context_done
+        return True
 
     async def generation_after_context(
-        self, out: Responder, req: ClientRequest, path: bytes, generation_body: Sequence[BodyPiece],
-        clock: Clock, key: RequestKey | None, tokens: int, first: Worker | None, auth: bytes,
-        context_done: float, context_worker: Worker, context_response: bytes, resume: Sent | None = None,
-        spent: Worker | None = None,
-    ) -> int:  # fmt: skip
+        self, c: Completion, first: Worker | None, resume: Sent | None = None, spent: Worker | None = None
+    ) -> int:
+        """Leg (3) after a context worker's answer (``c.context_worker``); a spent hand-off retried once
+        from a new leg (1)."""
+        context_worker = c.context_worker
+        assert context_worker is not None
         try:
-            return await self._generation_leg(out, req, path, generation_body, clock, key=key, tokens=tokens,
-                first=first, extra_headers=auth, context_done=context_done, resume=resume,
-                tried=None if spent is None else [spent])  # fmt: skip
+            return await self._generation_leg(c, c.generation_body, first=first, extra_headers=c.auth,
+                context_done=c.context_done, resume=resume, tried=None if spent is None else [spent])  # fmt: skip
         except LegSpent as exc:
             # A decode that may have read the hand-off (vLLM's lease, read once) failed: once, the
             # completion goes on from a new context leg, to another generation worker.
-            self.release_kv_soon(context_worker, context_response)
+            self.release_kv_soon(context_worker, c.context_response)
             if spent is not None:
                 raise exc.error from None
             self.metrics.retries_leg["generation"].inc()
-            disagg_id = self.disagg_id()
-            context_body: Sequence[BodyPiece] = self.relay.context_pieces(
-                req, disagg_id, self.context_pool.b64_completions
-            )
-            return await self.context_leg(out, req, path, req.body, clock, key, tokens, disagg_id, context_body,
-                                           None, tried=[], started=time.perf_counter(), spent=exc.worker)  # fmt: skip
+            c.context_worker, c.context_response, c.tried = None, b"", []
+            self.context_begins(c)
+            c.started = time.perf_counter()
+            return await self.context_leg(c, None, spent=exc.worker)
         except BaseException:
             # The client left or the leg failed: the context worker may still
             # hold the prompt's KV for a fetch that will never come.
-            self.release_kv_soon(context_worker, context_response)
+            self.release_kv_soon(context_worker, c.context_response)
             raise
 
     def context_timeout(self, body_bytes: int) -> float:
@@ -395,17 +452,7 @@ class CompletionDriver:
             return None, limit, 0, self._first_byte_timeout(body)
         return limit, None, self.config.max_worker_body_bytes, None
 
-    async def _fall_back(
-        self,
-        exc: LegUnavailable,
-        out: Responder,
-        req: ClientRequest,
-        path: bytes,
-        body: bytes,
-        clock: Clock,
-        key: RequestKey | None,
-        tokens: int,
-    ) -> int:
+    async def _fall_back(self, exc: LegUnavailable, c: Completion) -> int:
         """No context worker took the request: with ``context_fallback: local_prefill`` and a healthy
         generation worker that says ``local_prefill``, it serves the client's body whole (conditional
         disaggregation's local path: the same answers, streams and usage); else the leg's error."""
@@ -414,8 +461,8 @@ class CompletionDriver:
         log.debug("context leg unavailable (%s): prefilling on a generation worker", exc.reason)
         self.metrics.fallbacks[exc.reason].inc()
         self.metrics.path_fallback.inc()
-        clock.start()
-        return await self._generation_leg(out, req, path, body, clock, key=key, tokens=tokens, local=True)
+        c.clock.start()
+        return await self._generation_leg(c, c.body, local=True)
 
     def _prefill_locally(self, worker: Worker, key: RequestKey | None) -> bool:
         """Whether ``worker`` (chosen by the generation pool's kv_cache_aware router, which set
@@ -492,14 +539,9 @@ class CompletionDriver:
 
     async def _generation_leg(
         self,
-        out: Responder,
-        req: ClientRequest,
-        path: bytes,
+        c: Completion,
         body: bytes | Sequence[BodyPiece],
-        clock: Clock,
         *,
-        key: RequestKey | None = None,
-        tokens: int = 0,
         first: Worker | None = None,
         local: bool = False,
         extra_headers: bytes = b"",
@@ -507,20 +549,22 @@ class CompletionDriver:
         resume: Sent | None = None,
         tried: list[Worker] | None = None,
     ) -> int:
-        """Leg (3), relayed to ``out``; or with ``local`` the client's own body as a plain JSON request
+        """Leg (3), relayed to ``c.out``; or with ``local`` the client's own body as a plain JSON request
         (no relay-mode flags; conditional disaggregation: retried only on other workers that say
         ``local_prefill``). ``first``: the worker already chosen for it (conditional disaggregation
         chose it before leg (1)); ``tried``: workers not to choose. Retries stop at the first byte sent
         to the client: nothing is sent until a worker answers 200. A leg its worker may have read, on a
         protocol that does not send it again (``resends_generation``), is :class:`LegSpent`."""
         pool = self.generation_pool
+        req = c.req
         timeout, read_timeout, max_body, first_byte = self.generation_bounds(req.stream, body)
+        answered = partial(self._relay_local if local else self.relay_answer, c.out, req, c.clock)
         try:
             return await self.legs.run(
-                "generation", pool, path, body, partial(self._relay_local if local else self.relay_answer, out, req, clock),
+                "generation", pool, c.path, body, answered,
                 headers=b"" if local else self.relay.leg_headers, extra=extra_headers,
                 timeout=timeout, read_timeout=read_timeout, max_body=max_body, first_byte=first_byte,
-                key=key, tokens=tokens, first=first,
+                key=c.key, tokens=c.tokens, first=first,
                 tried=[w for w in pool.workers if not w.local_prefill] if local else tried,
                 handoff_from=None if local else context_done, ttfb=self.metrics.generation_ttfb, resume=resume,
                 resend=local or self.protocol.resends_generation,

@@ -34,6 +34,7 @@ from server.errors import HTTPError
 from server.http import BodyPiece, Handling, Request, Responder, UpstreamResponse, handler_failed
 from server.routes import Route
 
+from .completion import Completion
 from .legs import Sent, WorkerAnswer
 from .routing import conversation_header
 from .tenants import ANONYMOUS, Tenant
@@ -48,51 +49,36 @@ _SSE = b"text/event-stream"
 CONTEXT, GENERATION = 1, 3
 
 
-class Exchange(Handling):
-    """One completion from the client's request to the end of its answer (see the module)."""
+class Exchange(Completion, Handling):
+    """One completion from the client's request to the end of its answer (see the module): the
+    completion's state (completion.py's :class:`.Completion`) and the leg in flight from callbacks."""
 
     __slots__ = (
-        "auth",
-        "body",
-        "clock",
-        "context_body",
-        "context_done",
-        "context_response",
-        "context_worker",
-        "disagg_id",
         "ended",
-        "generation_body",
         "handed_over",
-        "key",
         "leg",
         "orch",
-        "out",
-        "path",
-        "req",
         "request",
         "resp",
         "returned",
-        "route",
-        "started",
         "streaming",
         "task",
-        "tenant",
-        "tokens",
-        "tried",
         "work",
         "worker",
     )
 
     def __init__(
-        self, orch: CompletionDriver, request: Request, out: Responder, route: Route, tenant: Tenant = ANONYMOUS
+        self,
+        orch: CompletionDriver,
+        request: Request,
+        out: Responder,
+        route: Route,
+        tenant: Tenant = ANONYMOUS,
     ) -> None:
         #: the Orchestrator, as the completion driver it is (completion.py: the steps both drivers run)
+        Completion.__init__(self, out, route, tenant)
         self.orch = orch
         self.request = request
-        self.out = out
-        self.route = route
-        self.tenant = tenant
-        self.path = request.path
         #: the leg in flight from callbacks (CONTEXT, GENERATION; 0: none), its response and worker
         self.leg = 0
         self.resp: UpstreamResponse | None = None
@@ -106,9 +92,6 @@ class Exchange(Handling):
         #: finished (counted, the connection told); returned by start() (before that, done() waits)
         self.ended = False
         self.returned = False
-        self.tried: list[Worker] = []
-        self.context_worker: Worker | None = None
-        self.context_response = b""
 
     # -- the request's steps ---------------------------------------------------------------
 
@@ -128,27 +111,23 @@ class Exchange(Handling):
         orch = self.orch
         request = self.request
         conversation = conversation_header(request) if orch.needs_conversation else None
-        req, key, tokens, clock = orch.prepare(request.body, self.route, conversation, self.tenant)
-        self.body = req.body  # a top-level conversation_id moved (prepare)
-        self.req, self.key, self.tokens, self.clock = req, key, tokens, clock
+        orch.prepared(self, request.body, conversation)
 
     def _begin(self) -> None:
         self._prepare()
         orch = self.orch
-        req, key, clock, body = self.req, self.key, self.clock, self.body
-        disagg_id = self.disagg_id = orch.disagg_id()
-        self.context_body = orch.relay.context_pieces(req, disagg_id, orch.context_pool.b64_completions)
-        clock.lap("build_context")
+        orch.context_begins(self)
+        self.clock.lap("build_context")
         self.started = time.perf_counter()
-        worker = orch.context_pool.choose(exclude=self.tried, key=key)
+        worker = orch.context_pool.choose(exclude=self.tried, key=self.key)
         if worker is None:  # the leg runner says why (or falls back to local prefill)
             self._go_on(self._context_leg(None))
             return
         self.tried.append(worker)
-        self._send(CONTEXT, worker, self.context_body, orch.relay.leg_headers, orch.protocol.context_headers(req),
+        self._send(CONTEXT, worker, self.context_body, orch.relay.leg_headers, orch.protocol.context_headers(self.req),
                    False, None,
-                   timeout=orch.context_timeout(len(body)), read_timeout=None, max_body=orch.config.max_worker_body_bytes,
-                   first_byte=None)  # fmt: skip
+                   timeout=orch.context_timeout(len(self.body)), read_timeout=None,
+                   max_body=orch.config.max_worker_body_bytes, first_byte=None)  # fmt: skip
 
     def _send(
         self, leg: int, worker: Worker, pieces: Sequence[BodyPiece], headers: bytes, extra: bytes, timed: bool,
@@ -179,14 +158,11 @@ class Exchange(Handling):
         context_response = resp.body()
         orch.legs.served(worker, None, 0.0)
         self._leg_over(resp)
-        following = orch.context_answered(self.out, self.req, self.clock, self.key, context_response,
-                                          self.started)  # fmt: skip
-        if following is None:
+        if not orch.context_answered(self, context_response):
             self.finish(200)
             return
         # from here a failure releases the KV the context worker parked for leg (3)
         self.context_worker, self.context_response = worker, context_response
-        self.generation_body, self.auth, self.context_done = following
         gen = orch.generation_pool.choose(key=self.key)
         if gen is None:
             self._go_on(self._generation_leg(None))
@@ -298,15 +274,10 @@ class Exchange(Handling):
         self._go_on(self._context_leg(sent) if self.leg == CONTEXT else self._generation_leg(sent))
 
     def _context_leg(self, sent: Sent | None) -> Coroutine[Any, Any, int]:
-        return self.orch.context_leg(self.out, self.req, self.path, self.body, self.clock, self.key, self.tokens,
-                                      self.disagg_id, self.context_body, None, tried=self.tried,
-                                      started=self.started, resume=sent)  # fmt: skip
+        return self.orch.context_leg(self, None, resume=sent)
 
     def _generation_leg(self, sent: Sent | None) -> Coroutine[Any, Any, int]:
-        assert self.context_worker is not None
-        return self.orch.generation_after_context(
-            self.out, self.req, self.path, self.generation_body, self.clock, self.key, self.tokens, None,
-            self.auth, self.context_done, self.context_worker, self.context_response, resume=sent)  # fmt: skip
+        return self.orch.generation_after_context(self, None, resume=sent)
 
     def _go_on(self, work: Coroutine[Any, Any, int]) -> None:
         self.work = work

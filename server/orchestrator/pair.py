@@ -41,7 +41,7 @@ from .legs import LegUnavailable, Sent, WorkerAnswer, leg_failed
 from .tenants import ANONYMOUS, Tenant
 
 if TYPE_CHECKING:
-    from .completion import CompletionDriver
+    from .completion import Completion, CompletionDriver
     from .metrics import Clock
     from .pools import Worker
     from .relay_common import ClientRequest
@@ -98,18 +98,10 @@ class PairRunner:
         #: the orchestrator's leg runner with one attempt a leg (a pair is retried whole)
         self.legs = orch.legs.with_retries(0)
 
-    async def run(
-        self,
-        out: Responder,
-        req: ClientRequest,
-        path: bytes,
-        clock: Clock,
-        key: RequestKey | None,
-        tokens: int,
-        failed: FailedLeg | None = None,
-    ) -> int:
+    async def run(self, c: Completion, failed: FailedLeg | None = None) -> int:
         """Serve one completion on pairs; the status the client got (a stream cut mid-way: 502).
         ``failed``: the first pair's, sent from callbacks (:class:`PairExchange`), whose leg failed."""
+        out, req, path, clock, key, tokens = c.out, c.req, c.path, c.clock, c.key, c.tokens
         orch = self.orch
         relay = orch.relay
         no_prefill: list[Worker] = []  # failed, or without a bootstrap port
@@ -297,7 +289,12 @@ class PairExchange(Exchange):
     __slots__ = ("decode", "decode_pieces", "decoded", "prefill", "prefill_resp")
 
     def __init__(
-        self, orch: CompletionDriver, request: Request, out: Responder, route: Route, tenant: Tenant = ANONYMOUS
+        self,
+        orch: CompletionDriver,
+        request: Request,
+        out: Responder,
+        route: Route,
+        tenant: Tenant = ANONYMOUS,
     ) -> None:
         super().__init__(orch, request, out, route, tenant)
         self.prefill: Worker | None = None
@@ -316,7 +313,7 @@ class PairExchange(Exchange):
         prefill = pairs._prefill_worker([], key)
         decode = orch.generation_pool.choose(key=key) if prefill is not None else None
         if prefill is None or decode is None:  # the pair runner says which is missing (a 503)
-            self._go_on(pairs.run(self.out, self.req, self.path, self.clock, key, self.tokens))
+            self._go_on(pairs.run(self))
             return
         req = self.req
         relay = orch.relay
@@ -403,8 +400,7 @@ class PairExchange(Exchange):
         context = side == "context"
         sent = Sent(prefill if context else decode, handed_over, resp, error)
         failed = FailedLeg(side, sent, prefill, decode, () if context else self.decode_pieces, self.decoded)
-        self._go_on(self.orch.pairs.run(self.out, self.req, self.path, self.clock, self.key, self.tokens,
-                                        failed=failed))  # fmt: skip
+        self._go_on(self.orch.pairs.run(self, failed))
 
     def _decoded(self, status: int) -> None:
         """The decode leg is over: done, unless the prefill has not answered yet after a whole answer
