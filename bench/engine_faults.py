@@ -250,8 +250,10 @@ class EngineBench:
 
     def waiting(self) -> set[Any]:
         """What the engines hold for a partner now: SGLang's rooms a side waits on; vLLM's leases
-        (freed only when read or at ``kv_lease_duration``: vLLM has no release endpoint) and decodes
-        waiting for a push."""
+        (freed when a decode reads them, else at ``kv_lease_duration``) and decodes waiting for a
+        push. A lease left counts against the router: the prefill has no release endpoint, but any
+        decode given its ``kv_transfer_params`` frees it (vLLM's decode notifies the prefill even for
+        a request aborted before it ran; bench/README.md, "Per worker protocol")."""
         if self.protocol == "sglang":
             return set(self.plane.rooms)
         return set(self.plane.held) | set(self.plane.waiting)
