@@ -430,3 +430,27 @@ async def test_a_bug_in_a_step_is_a_500_and_the_next_request_is_served() -> None
         assert await eventually(lambda: ctx.deletes == [b"/kv/12345"])  # its parked KV released
         (resp,) = await ask(port, completion())
         assert_answer(resp, stream=False)
+
+
+def test_one_completion_object_both_drivers_pass_to_the_steps() -> None:
+    """A completion's state is one Completion (issue 37 item 1): an Exchange is one (slots only: no
+    per-request dict on the callback path), and the shared steps take it, not its parts."""
+    import inspect
+
+    from server.orchestrator.completion import Completion, CompletionDriver
+    from server.orchestrator.pair import PairExchange, PairRunner
+
+    assert issubclass(Exchange, Completion) and issubclass(PairExchange, Completion)
+    assert Exchange.__dictoffset__ == 0 and PairExchange.__dictoffset__ == 0
+    steps = (
+        CompletionDriver.prepared,
+        CompletionDriver.context_begins,
+        CompletionDriver.context_leg,
+        CompletionDriver.context_answered,
+        CompletionDriver.generation_after_context,
+        PairRunner.run,
+    )
+    for step in steps:
+        params = list(inspect.signature(step).parameters)
+        assert params[1] == "c", step.__qualname__
+        assert len(params) <= 5, step.__qualname__

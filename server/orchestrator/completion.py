@@ -4,7 +4,8 @@
 The same steps as the callback driver (exchange.py: one object per request, no task), run where a
 completion must wait or leaves the common case: the admission queue, a traced request, conditional
 disaggregation (the generation worker chosen before leg (1)), a worker's refusal or failure, a
-deadline, the fallback to local prefill (each handed over from callbacks with ``resume``). In order:
+deadline, the fallback to local prefill (each handed over from callbacks with ``resume``). A request's
+state is one :class:`Completion` (an exchange.py ``Exchange`` is one), which each step reads. In order:
 
 - :meth:`CompletionDriver._serve`: a task per request (admission, tracing, the status counted);
 - :meth:`~CompletionDriver.prepare` (shared with exchange.py): the client's body read and checked,
