@@ -134,12 +134,12 @@ class Listener:
         self.headed = True
         self.events.append(("head", resp.status, resp.content_type, resp.content_length, resp.retry_after))
 
-    def leg_head(self, resp: Any) -> None:
+    def response_head(self, resp: Any) -> None:
         self._head(resp)
         if self.stream:
             resp.sink = self.streamed.append
 
-    def leg_done(self, resp: Any) -> None:
+    def response_done(self, resp: Any) -> None:
         body = b"".join(self.streamed) if self.stream else resp.body()
         self.streamed = []
         if not self.headed:  # a whole-body leg hears the end only
@@ -147,7 +147,7 @@ class Listener:
         self.events.append(("done", body, resp.keep_alive))
         resp.release()
 
-    def leg_error(self, resp: Any, exc: BaseException) -> None:
+    def response_error(self, resp: Any, exc: BaseException) -> None:
         self.events.append(("error", type(exc).__name__, str(exc)))
         resp.release()
 

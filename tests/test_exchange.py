@@ -247,7 +247,7 @@ def handed_over(orch: Orchestrator) -> bool:
 async def test_a_stream_legs_other_answer_is_read_to_its_end_when_its_body_comes_later(
     answer: bytes, status: int
 ) -> None:
-    """A stream leg's head that is not a 200 SSE goes on in coroutines at once (exchange.leg_head);
+    """A stream leg's head that is not a 200 SSE goes on in coroutines at once (exchange.response_head);
     its body, in a later read, wakes them there (the response's futures, not the exchange)."""
     late = Hold(answer, head=True)
     async with StandIn() as ctx, generation(late) as gen, orchestrator([ctx], [gen]) as (orch, port):

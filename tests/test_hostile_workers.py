@@ -73,15 +73,15 @@ class Recorder:
         self.events: list[tuple[str, Any]] = []
         self.pieces: list[bytes] = []
 
-    def leg_head(self, resp: UpstreamResponse) -> None:
+    def response_head(self, resp: UpstreamResponse) -> None:
         self.events.append(("head", resp.status))
         resp.sink = self.pieces.append
 
-    def leg_done(self, resp: UpstreamResponse) -> None:
+    def response_done(self, resp: UpstreamResponse) -> None:
         self.events.append(("done", resp.body()))
         resp.release()
 
-    def leg_error(self, resp: UpstreamResponse, exc: BaseException) -> None:
+    def response_error(self, resp: UpstreamResponse, exc: BaseException) -> None:
         self.events.append(("error", exc))
         resp.release()
 

@@ -7,7 +7,7 @@ method does; the behaviour is theirs, line for line).
 ``ResponseParser``): llhttp's head, body and end events are C calls into it, which set the
 :class:`Response`'s typed fields, with no Python frame per event, per read or per body piece of
 a stream. What stays a Python call is what the connection tells others: the listener's
-``leg_head``/``leg_done``/``leg_error``, the sink, the held writer, the pool (its methods ``keep``,
+``response_head``/``response_done``/``response_error``, the sink, the held writer, the pool (its methods ``keep``,
 ``forget``, ``open_for``: upstream.py's ``ConnectionPool``) and the deadline sweeper (``add``,
 ``remove``). :mod:`server.http.upstream` chooses these two classes and :func:`pool_start` (its
 ``pure_start`` is the twin) at its end, where this module is built, for
@@ -143,7 +143,7 @@ cdef class Response:
             return False
         self.error = exc
         if self.listener is not None:
-            self.listener.leg_error(self, exc)
+            self.listener.response_error(self, exc)
             return True
         _wake(self._headers, exc)
         _wake(self._done, exc)
@@ -386,7 +386,7 @@ cdef class Connection(ResponseParser):
                 self.reader.drop()
         if not resp._whole:
             if resp.listener is not None:
-                resp.listener.leg_head(resp)
+                resp.listener.response_head(resp)
             else:
                 _wake(resp._headers, None)
         return 0
@@ -438,7 +438,7 @@ cdef class Connection(ResponseParser):
         resp.complete = True
         resp.keep_alive = keep_alive
         if resp.listener is not None:
-            resp.listener.leg_done(resp)
+            resp.listener.response_done(resp)
             return 0
         _wake(resp._headers, None)
         _wake(resp._done, None)

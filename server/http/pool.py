@@ -54,7 +54,7 @@ class UpstreamPool:
     #: (``_upstream.pool_start``), as :mod:`server.http.upstream` chose: the response's events go to
     #: ``listener`` (never before this returns); :meth:`request`'s arguments, deadlines, bounds and
     #: retry of a stale pooled connection; a connection that cannot be opened is the listener's
-    #: ``leg_error`` with an :class:`UpstreamError` whose ``sent`` is False
+    #: ``response_error`` with an :class:`UpstreamError` whose ``sent`` is False
     start: Callable[..., UpstreamResponse] = upstream.start
 
     def __init__(

@@ -73,13 +73,13 @@ class ConnectionPool(Protocol):
 class Listener(Protocol):
     """Who a response started by :meth:`UpstreamPool.start` tells its events, with no future or task."""
 
-    def leg_head(self, resp: UpstreamResponse) -> None:
+    def response_head(self, resp: UpstreamResponse) -> None:
         """The final status line and headers are in (never for a whole-body request)."""
 
-    def leg_done(self, resp: UpstreamResponse) -> None:
+    def response_done(self, resp: UpstreamResponse) -> None:
         """The whole response is in."""
 
-    def leg_error(self, resp: UpstreamResponse, exc: BaseException) -> None:
+    def response_error(self, resp: UpstreamResponse, exc: BaseException) -> None:
         """The exchange failed (:class:`UpstreamError`, :class:`UpstreamTimeout`, or what an event raised)."""
 
 
@@ -221,7 +221,7 @@ class UpstreamResponse:
             return False
         self.error = exc
         if self.listener is not None:
-            self.listener.leg_error(self, exc)
+            self.listener.response_error(self, exc)
             return True
         self._wake(self._headers, exc)
         self._wake(self._done, exc)
@@ -323,7 +323,7 @@ class _Connection(asyncio.Protocol):
             if self.pending:
                 self._flush(resp)
         self.feeding = False
-        writer = resp.writer  # (a listener's leg_head may have set it in this read)
+        writer = resp.writer  # (a listener's response_head may have set it in this read)
         if writer is not None:
             writer.flush()
         if self.release_after_feed:
@@ -363,7 +363,7 @@ class _Connection(asyncio.Protocol):
         resp.headers_done = True
         if not resp._whole:  # (a whole-body request hears the end only)
             if resp.listener is not None:
-                resp.listener.leg_head(resp)
+                resp.listener.response_head(resp)
             else:
                 resp._wake(resp._headers, None)
 
@@ -400,7 +400,7 @@ class _Connection(asyncio.Protocol):
         resp.complete = True
         resp.keep_alive = keep_alive
         if resp.listener is not None:
-            resp.listener.leg_done(resp)
+            resp.listener.response_done(resp)
             return
         resp._wake(resp._headers, None)
         resp._wake(resp._done, None)
@@ -556,7 +556,7 @@ def pure_start(
     """:meth:`UpstreamPool.start` (the pure twin of ``_upstream.pool_start``): :meth:`~UpstreamPool.request`
     with no coroutine: the response's events go to ``listener`` (never before this
     returns). Same arguments, deadlines, bounds and retry of a stale pooled connection; a connection
-    that cannot be opened is ``leg_error`` with an :class:`UpstreamError` whose ``sent`` is False."""
+    that cannot be opened is ``response_error`` with an :class:`UpstreamError` whose ``sent`` is False."""
     resp = pool.response_class(None, max_body, listener)
     size = body_size(pieces)
     resp.sending = (

@@ -192,7 +192,7 @@ class Exchange(Completion, Handling):
 
     # -- the upstream response's events (server.http.client.Listener) ---------------------
 
-    def leg_head(self, resp: UpstreamResponse) -> None:
+    def response_head(self, resp: UpstreamResponse) -> None:
         """A streamed leg (3)'s head: a 200 SSE is relayed as it comes; anything else goes on in coroutines."""
         if resp is not self.resp:
             return
@@ -211,7 +211,7 @@ class Exchange(Completion, Handling):
         except BaseException as exc:
             self._failed(exc)
 
-    def leg_done(self, resp: UpstreamResponse) -> None:
+    def response_done(self, resp: UpstreamResponse) -> None:
         if resp is not self.resp:
             return
         try:
@@ -226,7 +226,7 @@ class Exchange(Completion, Handling):
         except BaseException as exc:
             self._failed(exc)
 
-    def leg_error(self, resp: UpstreamResponse, exc: BaseException) -> None:
+    def response_error(self, resp: UpstreamResponse, exc: BaseException) -> None:
         if resp is not self.resp:
             return
         try:

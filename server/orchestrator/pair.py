@@ -339,9 +339,9 @@ class PairExchange(Exchange):
 
     # -- the prefill leg's events (whole-body: never a head) ---------------------------------------
 
-    def leg_done(self, resp: UpstreamResponse) -> None:
+    def response_done(self, resp: UpstreamResponse) -> None:
         if resp is not self.prefill_resp:
-            super().leg_done(resp)
+            super().response_done(resp)
             return
         try:
             if resp.status != 200:
@@ -356,9 +356,9 @@ class PairExchange(Exchange):
         except BaseException as exc:
             self._failed(exc)
 
-    def leg_error(self, resp: UpstreamResponse, exc: BaseException) -> None:
+    def response_error(self, resp: UpstreamResponse, exc: BaseException) -> None:
         if resp is not self.prefill_resp:
-            super().leg_error(resp, exc)
+            super().response_error(resp, exc)
             return
         try:
             self._prefill_failed(resp, exc)
