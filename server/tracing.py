@@ -474,7 +474,11 @@ def request_parsed(trace: RequestTrace, req: Any) -> None:
     """What the worker read of the request: its kind (context_only, generation_only or plain),
     model and prompt tokens."""
     kind = (
-        wire.CONTEXT_ONLY if req.is_context_only else wire.GENERATION_ONLY if req.is_generation_only else "plain"
+        wire.CONTEXT_ONLY
+        if req.is_context_only
+        else wire.GENERATION_ONLY
+        if req.is_generation_only
+        else "plain"
     )
     root = trace.root
     root.set_attribute("fastcore.request_type", kind)

@@ -162,7 +162,9 @@ class WorkerRegistration:
             return await self._etcd.keepalive(self._lease) > 0
         if self.trtllm:  # trtllm-serve's heartbeat: 400 when the key is gone
             ttl = max(1, math.ceil(self.settings.inactive_timeout_s))
-            return await self._http("GET", f"/expire?{_query(key=self.key, ttl=ttl)}", b"", ok=(200, 400)) == 200
+            return (
+                await self._http("GET", f"/expire?{_query(key=self.key, ttl=ttl)}", b"", ok=(200, 400)) == 200
+            )
         await self._put()
         return True
 
@@ -190,7 +192,9 @@ class WorkerRegistration:
         headers = {"Content-Type": "application/json"}
         if self.trtllm:
             if self.settings.bearer_key is not None:
-                headers["Authorization"] = "Bearer " + self.settings.bearer_key.decode("utf-8", "surrogateescape")
+                headers["Authorization"] = "Bearer " + self.settings.bearer_key.decode(
+                    "utf-8", "surrogateescape"
+                )
         elif self.settings.secret is not None:
             headers[SIGNATURE_HEADER] = sign_registry(self.settings.secret, method, url, body)
         timeout = aiohttp.ClientTimeout(total=min(5.0, self.settings.inactive_timeout_s))

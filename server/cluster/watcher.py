@@ -316,7 +316,6 @@ class ClusterWatcher:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.settings.heartbeat_interval_s)
 
-
     # -- trtllm-serve's HTTP cluster storage ------------------------------------------------
 
     async def _run_trtllm_store(self) -> None:

@@ -58,7 +58,12 @@ class InternalAuth:
     accepted, so a replay is refused), its trtllm key, whether trtllm's orchestrator fronts it."""
 
     def __init__(
-        self, verifier: Verifier | None, trtllm_key: bytes | None, instance: str, *, accept_trtllm_orchestrator: bool
+        self,
+        verifier: Verifier | None,
+        trtllm_key: bytes | None,
+        instance: str,
+        *,
+        accept_trtllm_orchestrator: bool,
     ) -> None:
         self.verifier = verifier
         self.trtllm_key = trtllm_key
