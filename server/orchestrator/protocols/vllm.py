@@ -15,12 +15,17 @@ worker (``kv_consumer``), which pulls the prompt's blocks. What differs is the b
 The legs are pieces for one vectored write (views of the client's body and the prefill's answer between
 a few small new ``bytes``), as :class:`..relay_fast.FastRelay` writes trtllm-serve's. A prefill always
 leads to a decode (vLLM's reference proxy does the same): its one token is not the client's answer.
-vLLM has no release endpoint: blocks a decode never read are freed when their lease ends
-(``kv_lease_duration``), so nothing is released here.
+vLLM has no release endpoint, but a decode request carrying the prefill's ``kv_transfer_params`` frees
+its blocks however it ends: read, or aborted before it ran (vLLM's ``NixlConnectorScheduler.request_finished``
+queues a receive with no blocks, and the decode worker sends the prefill the notification a finished read
+sends). :meth:`VllmProtocol.release` sends one such request (the client's body with those params, ``stream:
+false``, ``max_tokens: 1``, the legs' ``X-Request-Id``) to a decode worker, once, with a short deadline, and
+drops its answer; without it the blocks stay until their lease ends (``kv_lease_duration``).
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any
 
@@ -28,7 +33,7 @@ import fastcore
 from fastcore import JSONSpanError, RelayError
 from fastcore import relay as fastcore_relay
 from server.errors import HTTPError
-from server.http import BodyPiece
+from server.http import BodyPiece, UpstreamError, UpstreamTimeout
 
 from ..pools import Capabilities
 from ..relay_common import ClientRequest, ContextResult, scan_refusal
@@ -63,6 +68,10 @@ _DECODE_KEY = b'"kv_transfer_params":'
 _WHITESPACE = b" \t\r\n"
 _COMMA, _OPEN = ord(","), ord("{")
 _getrandbits = random.getrandbits
+#: the release request's deadline: one token on a decode that pulls the blocks, or nothing to pull
+RELEASE_TIMEOUT_S = 5.0
+_RELEASE_TAIL = b',"stream":false,"max_tokens":1'
+log = logging.getLogger(__name__)
 
 
 class VllmClient:
@@ -191,6 +200,12 @@ class VllmRelay:
     def generation_request(self, req: ClientRequest, ctx: ContextResult) -> bytes:
         return b"".join(self.generation_pieces(req, ctx))
 
+    def release_pieces(self, req: ClientRequest, ctx: ContextResult) -> list[BodyPiece]:
+        """The request that frees a prefill's blocks (:meth:`VllmProtocol.release`): leg (1)'s cuts of the
+        client's body, the prefill's ``kv_transfer_params`` verbatim, ``stream: false``, ``max_tokens: 1``."""
+        start, end = ctx.parsed[0]
+        return self._prefill_pieces(req, _DECODE_KEY + ctx.body[start:end] + _RELEASE_TAIL)
+
     def finished_answer(self, req: ClientRequest, ctx: ContextResult) -> bytes:
         """Never the client's: read_context says a decode follows every prefill."""
         return ctx.body
@@ -217,13 +232,14 @@ def _first_member(body: bytes) -> int:
 
 class VllmProtocol:
     """vLLM with its NixlConnector: :class:`VllmRelay`'s bodies, one ``X-Request-Id`` on both legs,
-    no release endpoint, capabilities from ``/v1/models``."""
+    blocks released by a throwaway decode (:meth:`release`), capabilities from ``/v1/models``."""
 
     name = "vllm"
     #: how the KV moves (the /metrics gauge fastcore_orchestrator_worker_protocol's label)
     transfer = "nixl"
     #: the legs one after the other (context, then generation); sglang.py's run at once
     concurrent = False
+    #: no ``DELETE /kv/...``: a prefill's blocks are freed by a decode request (:meth:`release`)
     releases_kv = False
     #: a decode leg its worker may have read is never sent again as it is: the decode pulls the prefill's
     #: blocks first, and a lease is read once ("not held (read)" for a second decode, a 400), so a
@@ -239,6 +255,8 @@ class VllmProtocol:
 
     def __init__(self, config: ProtocolConfig) -> None:
         self.relay = VllmRelay()
+        #: release requests by outcome: "sent" (the decode answered), "failed" (no answer in time, refused)
+        self.releases = {"sent": 0, "failed": 0}
 
     @staticmethod
     def refusal(config: ProtocolConfig) -> str | None:
@@ -264,3 +282,25 @@ class VllmProtocol:
     def generation_headers(self, req: ClientRequest, ctx: ContextResult | None) -> bytes:
         request_id: bytes = req.parsed.request_id
         return request_id
+
+    async def release(self, decode: Any, path: bytes, req: ClientRequest, ctx: ContextResult) -> int | None:
+        """Free the blocks the prefill that answered ``ctx`` holds, by sending decode worker ``decode`` (an
+        upstream pool: ``request(method, path, pieces, ...)``) one request on route ``path`` carrying its
+        ``kv_transfer_params`` (:meth:`VllmRelay.release_pieces`): whether the decode reads the blocks or
+        fails, vLLM's decode notifies the prefill, which frees them. One attempt within
+        :data:`RELEASE_TIMEOUT_S`, its answer dropped; returns its status (None: none came), counted in
+        :attr:`releases`. Never raises but for a cancellation: a release is best effort."""
+        headers = self.generation_headers(req, ctx)
+        try:
+            resp = await decode.request(
+                b"POST", path, self.relay.release_pieces(req, ctx), headers=headers,
+                timeout=RELEASE_TIMEOUT_S, max_body=1 << 16,
+            )  # fmt: skip
+        except (UpstreamError, UpstreamTimeout, OSError) as exc:
+            self.releases["failed"] += 1
+            log.info("releasing a vLLM prefill's blocks through %s failed: %s", path.decode(), exc)
+            return None
+        resp.release()
+        self.releases["sent"] += 1
+        status: int = resp.status
+        return status
