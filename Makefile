@@ -17,10 +17,8 @@ bench: build
 	$(PY) -m bench.orchestrator_work
 	$(PY) -m bench.orchestrator
 
-lint:
-	ruff check fastcore server bench tests
-	ruff format --check fastcore server bench tests
-	mypy
+lint:           ## what CI checks: ruff check, ruff format --check, mypy (.ci/lint)
+	bash .ci/lint
 
 # AddressSanitizer + UBSan build of the extensions. libasan must be loaded
 # before the interpreter, hence LD_PRELOAD; leak checking is off because

@@ -366,7 +366,7 @@ _TEXT_SUFFIXES = {
     ".cfg",
     ".ini",
 }
-_TOP_LEVEL = ("README.md", "Makefile", "setup.py", "pyproject.toml", "MANIFEST.in", ".ci/run")
+_TOP_LEVEL = ("README.md", "Makefile", "setup.py", "pyproject.toml", "MANIFEST.in", ".ci/run", ".ci/lint")
 _SKIPPED_PARTS = {"__pycache__", "build", "data"}  # tests/data: third-party corpus bytes
 # Cython's output, not ours
 _GENERATED = {
