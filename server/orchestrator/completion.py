@@ -559,7 +559,7 @@ class CompletionDriver:
         pool = self.generation_pool
         req = c.req
         timeout, read_timeout, max_body, first_byte = self.generation_bounds(req.stream, body)
-        answered = partial(self._relay_local if local else self.relay_answer, c.out, req, c.clock)
+        answered = partial(self._relay_local if local else self.relay_answer, c)
         try:
             return await self.legs.run(
                 "generation", pool, c.path, body, answered,
@@ -576,35 +576,26 @@ class CompletionDriver:
             error = exc.error
         raise error  # outside the handler: the client's error carries no context
 
-    def relay_answer(
-        self, out: Responder, req: ClientRequest, clock: Clock, worker: Worker, resp: UpstreamResponse
-    ) -> Coroutine[Any, Any, int]:
+    def relay_answer(self, c: Completion, worker: Worker, resp: UpstreamResponse) -> Coroutine[Any, Any, int]:
         """A generation worker's 200, relayed to the client: SSE as it arrives, or the whole answer
         (the relay's coroutine itself: no frame of its own between the leg and the relay)."""
         if resp.media_type == _SSE:
-            return self._relay_stream(out, worker, resp, clock)
-        return self._relay_unary(out, req, worker, resp, clock)
+            return self._relay_stream(c, worker, resp)
+        return self._relay_unary(c, worker, resp)
 
-    def _relay_local(
-        self, out: Responder, req: ClientRequest, clock: Clock, worker: Worker, resp: UpstreamResponse
-    ) -> Coroutine[Any, Any, int]:
+    def _relay_local(self, c: Completion, worker: Worker, resp: UpstreamResponse) -> Coroutine[Any, Any, int]:
         """Local prefill's answer, relayed as :meth:`relay_answer` does and its ``usage`` learned from: no
         context answer taught anything for this request, and a figure learned only from context
         answers would keep a wrong guess that sends every prompt here (the body's usage; a stream's
         last chunk's, which it has when the client asked for it)."""
         if resp.media_type == _SSE:
+            req = c.req
             usage = StreamUsage(self.relay.prompt_bytes(req)) if req.include_usage else None
-            return self._relay_stream(out, worker, resp, clock, usage)
-        return self._relay_unary(out, req, worker, resp, clock, learn=True)
+            return self._relay_stream(c, worker, resp, usage)
+        return self._relay_unary(c, worker, resp, learn=True)
 
     async def _relay_unary(
-        self,
-        out: Responder,
-        req: ClientRequest,
-        worker: Worker,
-        resp: UpstreamResponse,
-        clock: Clock,
-        learn: bool = False,
+        self, c: Completion, worker: Worker, resp: UpstreamResponse, learn: bool = False
     ) -> int:
         try:
             body = await resp.read()
@@ -613,19 +604,21 @@ class CompletionDriver:
             raise leg_failed("generation", "its worker failed mid-response") from None
         except UpstreamTimeout:
             raise leg_timed_out("generation", self.config.request_timeout_s) from None
+        clock = c.clock
+        req = c.req
         clock.start()
         answer = self.relay.client_answer(req, body)
         clock.lap("relay")
         clock.finish()
-        out.send(200, answer)
+        c.out.send(200, answer)
         if learn:
             self.usage.answer(body, self.relay.prompt_bytes(req))
         return 200
 
     async def _relay_stream(
-        self, out: Responder, worker: Worker, resp: UpstreamResponse, clock: Clock,
-        usage: StreamUsage | None = None,
-    ) -> int:  # fmt: skip
+        self, c: Completion, worker: Worker, resp: UpstreamResponse, usage: StreamUsage | None = None
+    ) -> int:
+        out = c.out
         self.start_stream(out, resp)
         failure: BaseException | None = None
         trace = current_trace()
@@ -639,7 +632,7 @@ class CompletionDriver:
         except BaseException:
             out.flow = None
             raise
-        status = self.stream_ended(out, worker, resp, failure, clock, trace)
+        status = self.stream_ended(c, worker, resp, failure, trace)
         out.flush()
         if usage is not None and status == 200:
             self.usage.learn(usage.prompt_bytes, usage.prompt_tokens())
@@ -660,11 +653,12 @@ class CompletionDriver:
             resp.pause_reading()
 
     def stream_ended(
-        self, out: Responder, worker: Worker, resp: UpstreamResponse, failure: BaseException | None,
-        clock: Clock, trace: Any = None,
+        self, c: Completion, worker: Worker, resp: UpstreamResponse, failure: BaseException | None,
+        trace: Any = None,
     ) -> int:  # fmt: skip
         """A relayed stream is over: ended, or, when its worker failed (``failure``) or sent nothing,
         the error in-band (headers are gone), as OpenAI streams do. The status: 200 or 502."""
+        out = c.out
         out.flow = None
         upstream_error: str | None = None
         detail = ""
@@ -684,7 +678,7 @@ class CompletionDriver:
             status = 502
             error = leg_failed("generation", upstream_error)
             out.write(b"data: " + error_body(502, error.message, code=error.code) + b"\n\n")
-        clock.finish()
+        c.clock.finish()
         out.end()
         return status
 

@@ -242,7 +242,7 @@ class Exchange(Completion, Handling):
         assert worker is not None
         self.streaming = False
         try:
-            status = self.orch.stream_ended(self.out, worker, resp, failure, self.clock)
+            status = self.orch.stream_ended(self, worker, resp, failure)
         finally:
             self._leg_over(resp)
         self._decoded(status)

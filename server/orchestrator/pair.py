@@ -42,9 +42,7 @@ from .tenants import ANONYMOUS, Tenant
 
 if TYPE_CHECKING:
     from .completion import Completion, CompletionDriver
-    from .metrics import Clock
     from .pools import Worker
-    from .relay_common import ClientRequest
     from .routing import RequestKey
 
 log = logging.getLogger("fastcore.orchestrator")
@@ -101,7 +99,7 @@ class PairRunner:
     async def run(self, c: Completion, failed: FailedLeg | None = None) -> int:
         """Serve one completion on pairs; the status the client got (a stream cut mid-way: 502).
         ``failed``: the first pair's, sent from callbacks (:class:`PairExchange`), whose leg failed."""
-        out, req, path, clock, key, tokens = c.out, c.req, c.path, c.clock, c.key, c.tokens
+        req, clock, key = c.req, c.clock, c.key
         orch = self.orch
         relay = orch.relay
         no_prefill: list[Worker] = []  # failed, or without a bootstrap port
@@ -111,7 +109,7 @@ class PairRunner:
         for attempt in range(self.attempts):
             if failed is not None:
                 prefill, decode = failed.prefill, failed.decode
-                work = self._resumed(out, req, path, clock, tokens, failed)
+                work = self._resumed(c, failed)
                 failed = None
             else:
                 prefill = self._prefill_worker(no_prefill, key)
@@ -124,7 +122,7 @@ class PairRunner:
                     orch.metrics.retries_leg["generation"].inc()
                 legs = relay.pair_legs(req, prefill)
                 clock.lap("build_context")
-                work = self._pair(out, req, path, legs, clock, key, tokens, prefill, decode)
+                work = self._pair(c, legs, prefill, decode)
             try:
                 status: int = await work
                 return status
@@ -155,11 +153,10 @@ class PairRunner:
         return worker
 
     async def _pair(
-        self, out: Responder, req: ClientRequest, path: bytes,
-        legs: tuple[list[BodyPiece], list[BodyPiece]], clock: Clock, key: RequestKey | None, tokens: int,
-        prefill: Worker, decode: Worker,
-    ) -> int:  # fmt: skip
+        self, c: Completion, legs: tuple[list[BodyPiece], list[BodyPiece]], prefill: Worker, decode: Worker
+    ) -> int:
         """Both legs at once; the first to fail cuts the other (see the module)."""
+        req, path, key, tokens = c.req, c.path, c.key, c.tokens
         orch = self.orch
         protocol = orch.protocol
         loop = asyncio.get_running_loop()
@@ -171,14 +168,14 @@ class PairRunner:
             tokens=tokens, first=prefill,
         ))  # fmt: skip
         decode_leg = loop.create_task(self.legs.run(
-            "generation", orch.generation_pool, path, pieces, partial(orch.relay_answer, out, req, clock),
+            "generation", orch.generation_pool, path, pieces, partial(orch.relay_answer, c),
             headers=orch.relay.leg_headers, extra=protocol.generation_headers(req, None), timeout=timeout, read_timeout=read_timeout, max_body=max_body,
             first_byte=first_byte, key=key, tokens=tokens, first=decode, ttfb=orch.metrics.generation_ttfb,
         ))  # fmt: skip
         try:
             await asyncio.wait((prefill_leg, decode_leg), return_when=asyncio.FIRST_COMPLETED)
             if prefill_leg.done() and (failure := _failure(prefill_leg)) is not None:
-                return await self._prefill_failed(out, decode_leg, failure)
+                return await self._prefill_failed(c.out, decode_leg, failure)
             try:
                 status: int = await decode_leg
             except LegUnavailable as exc:
@@ -203,13 +200,12 @@ class PairRunner:
             return decode_leg.result()  # the client's answer went out whole: the KV had been pushed
         return _after_failure(out, "context", failure)
 
-    async def _resumed(
-        self, out: Responder, req: ClientRequest, path: bytes, clock: Clock, tokens: int, failed: FailedLeg
-    ) -> int:
+    async def _resumed(self, c: Completion, failed: FailedLeg) -> int:
         """A pair's leg that failed from callbacks, its partner cut there: its attempt classified by the
         leg runner as if it had sent it (breakers, health marks, the client's error), then as
         :meth:`_pair`'s failures go on (a retry, the client's error, the error in-band)."""
         orch = self.orch
+        req = c.req
         context = failed.side == "context"
         answered: Callable[[Worker, UpstreamResponse], Awaitable[int | None]]
         timeout: float | None
@@ -221,18 +217,18 @@ class PairRunner:
             timeout = orch.context_timeout(len(req.body))
         else:
             pool, ttfb = orch.generation_pool, orch.metrics.generation_ttfb
-            answered = partial(orch.relay_answer, out, req, clock)
+            answered = partial(orch.relay_answer, c)
             timeout, read_timeout, max_body, first_byte = orch.generation_bounds(req.stream, failed.pieces)
         try:
             status = await self.legs.run(
-                failed.side, pool, path, failed.pieces, answered, headers=b"", timeout=timeout,
-                read_timeout=read_timeout, max_body=max_body, first_byte=first_byte, tokens=tokens,
+                failed.side, pool, c.path, failed.pieces, answered, headers=b"", timeout=timeout,
+                read_timeout=read_timeout, max_body=max_body, first_byte=first_byte, tokens=c.tokens,
                 ttfb=ttfb, resume=failed.sent,
             )  # fmt: skip
         except (LegUnavailable, HTTPError, WorkerAnswer) as exc:
             if failed.decoded:
                 return failed.decoded  # the client's answer went out whole: the KV had been pushed
-            return _after_failure(out, failed.side, exc)
+            return _after_failure(c.out, failed.side, exc)
         if status is None:  # a prefill's 200 (dropped): not handed over, but its answer is no failure
             return failed.decoded or 200
         orch.metrics.path_disaggregated.inc()  # a decode's 200 that is not the stream asked for: relayed
