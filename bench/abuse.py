@@ -165,8 +165,16 @@ def settings_from_args(args: argparse.Namespace) -> AbuseSettings:
         s.keepalive_timeout_s = DEFAULTS.client_keepalive_timeout_s
     if args.concurrency:
         s.concurrency = int(args.concurrency.split(",")[0])
-    for flag in ("requests", "prompt_tokens", "max_tokens", "abandon_batch", "slowloris", "max_body_bytes",
-                 "header_timeout_s", "keepalive_timeout_s"):  # fmt: skip
+    for flag in (
+        "requests",
+        "prompt_tokens",
+        "max_tokens",
+        "abandon_batch",
+        "slowloris",
+        "max_body_bytes",
+        "header_timeout_s",
+        "keepalive_timeout_s",
+    ):
         if getattr(args, flag, None):
             setattr(s, flag, getattr(args, flag))
     if args.duration is not None:
@@ -326,8 +334,9 @@ def _settle(task: asyncio.Future[Any]) -> None:
 class Attack:
     """Every attacker of the abuse phase against one ``host:port``, bounded, stopped by :meth:`stop`."""
 
-    def __init__(self, host: str, port: int, s: AbuseSettings, *, headers: str = "",
-                 source: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, host: str, port: int, s: AbuseSettings, *, headers: str = "", source: str | None = None
+    ) -> None:
         """``headers``: lines each request carries (an API key); ``source``: the address to connect from."""
         self.host, self.port, self.s = host, port, s
         self.headers, self.source = headers, source
@@ -380,8 +389,13 @@ class Attack:
 
     async def _abandon_flood(self) -> None:
         s = self.s
-        request = http_request(self.host, self.port, CHAT, tiny_chat_body(
-            s.abandon_prompt_tokens, max_tokens=s.abandon_max_tokens), self.headers)  # fmt: skip
+        request = http_request(
+            self.host,
+            self.port,
+            CHAT,
+            tiny_chat_body(s.abandon_prompt_tokens, max_tokens=s.abandon_max_tokens),
+            self.headers,
+        )
         while not self.stopping and self.stats.abandon_rounds < s.abandon_max_rounds:
             reset = self.stats.abandon_rounds % 2 == 1
             self.stats.abandon_rounds += 1
@@ -408,8 +422,14 @@ class Attack:
 
     # -- slow and idle connections
 
-    async def _hold(self, reader: asyncio.StreamReader, stats: ConnStats, since: float,
-                    trickle: Iterator[bytes] | None, writer: asyncio.StreamWriter) -> bool:  # fmt: skip
+    async def _hold(
+        self,
+        reader: asyncio.StreamReader,
+        stats: ConnStats,
+        since: float,
+        trickle: Iterator[bytes] | None,
+        writer: asyncio.StreamWriter,
+    ) -> bool:
         """Hold a connection (sending ``trickle`` a byte per interval) until the server ends it; True if it did."""
         assert self._stopped is not None
         interval = self.s.slowloris_interval_s
@@ -505,8 +525,10 @@ class Attack:
             self.stats.oversized_outcome(kind, "connect error", None)
             return
         reader, writer = conn
-        head = (f"POST {CHAT} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {self.s.max_body_bytes + 1}\r\n\r\n").encode()  # fmt: skip
+        head = (
+            f"POST {CHAT} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {self.s.max_body_bytes + 1}\r\n\r\n"
+        ).encode()
         try:
             writer.write(head + b'{"messages": "' + b"a" * (64 << 10))
             try:
@@ -526,8 +548,10 @@ class Attack:
             self.stats.oversized_outcome(kind, "connect error", None)
             return
         reader, writer = conn
-        head = (f"POST {CHAT} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-                f"Transfer-Encoding: chunked\r\n\r\n").encode()  # fmt: skip
+        head = (
+            f"POST {CHAT} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+            f"Transfer-Encoding: chunked\r\n\r\n"
+        ).encode()
         chunk = b"%x\r\n" % CHUNK + b"a" * CHUNK + b"\r\n"
         answer = asyncio.ensure_future(read_status(reader))
         sent = 0
@@ -619,8 +643,9 @@ class UpDeployment:
         self.port, base = _three_free_ports()
         parser = argparse.ArgumentParser()
         add_launcher_arguments(parser)
-        args = parser.parse_args(["--model", self.model, "--port", str(self.port),
-                                  "--worker-base-port", str(base)])  # fmt: skip
+        args = parser.parse_args(
+            ["--model", self.model, "--port", str(self.port), "--worker-base-port", str(base)]
+        )
         self.children = plan(args)
         self._tmp = tempfile.TemporaryDirectory(prefix="fastcore-abuse-")
         config = Path(self._tmp.name) / "orchestrator.yaml"
@@ -746,8 +771,14 @@ async def _sample_kv(url: str | None, stop: asyncio.Event, samples: list[float])
             pass
 
 
-async def run_abuse(base_url: str, s: AbuseSettings, *, worker_metrics: dict[str, str] | None = None,
-                    dep: UpDeployment | None = None, model: str = "tiny") -> AbuseRun:  # fmt: skip
+async def run_abuse(
+    base_url: str,
+    s: AbuseSettings,
+    *,
+    worker_metrics: dict[str, str] | None = None,
+    dep: UpDeployment | None = None,
+    model: str = "tiny",
+) -> AbuseRun:
     """Warm up, the clean phase, then the abuse phase; the KV left on the context worker at the end.
 
     ``worker_metrics``: the workers' /metrics URLs by name (``context worker ...`` is the KV gauge's).
@@ -764,8 +795,15 @@ async def run_abuse(base_url: str, s: AbuseSettings, *, worker_metrics: dict[str
     if dep:
         rss["before"] = dep.rss()
     snapshots = [await asyncio.to_thread(counters, metrics_urls)]
-    clean = await run_concurrency(url, body, s.concurrency, max_requests=s.requests,
-                                  max_seconds=s.max_seconds, timeout=s.timeout, label="clean")  # fmt: skip
+    clean = await run_concurrency(
+        url,
+        body,
+        s.concurrency,
+        max_requests=s.requests,
+        max_seconds=s.max_seconds,
+        timeout=s.timeout,
+        label="clean",
+    )
     if dep:
         rss["after clean"] = dep.rss()
     snapshots.append(await asyncio.to_thread(counters, metrics_urls))
@@ -776,8 +814,15 @@ async def run_abuse(base_url: str, s: AbuseSettings, *, worker_metrics: dict[str
     attack.start()
     await asyncio.sleep(0.5)  # slow connections open, the first abandon round in flight
     t0 = time.perf_counter()
-    abuse = await run_concurrency(url, body, s.concurrency, max_requests=s.requests,
-                                  max_seconds=s.max_seconds, timeout=s.timeout, label="abuse")  # fmt: skip
+    abuse = await run_concurrency(
+        url,
+        body,
+        s.concurrency,
+        max_requests=s.requests,
+        max_seconds=s.max_seconds,
+        timeout=s.timeout,
+        label="abuse",
+    )
     left = s.min_window_s - (time.perf_counter() - t0)
     if left > 0:
         await asyncio.sleep(left)
@@ -805,12 +850,19 @@ async def run_abuse(base_url: str, s: AbuseSettings, *, worker_metrics: dict[str
     if dep:
         rss["at end"] = dep.rss()
     snapshots.append(await asyncio.to_thread(counters, metrics_urls))
-    phases = {"clean": counter_deltas(snapshots[0], snapshots[1]),
-              "abuse": counter_deltas(snapshots[1], snapshots[2])}  # fmt: skip
+    phases = {
+        "clean": counter_deltas(snapshots[0], snapshots[1]),
+        "abuse": counter_deltas(snapshots[1], snapshots[2]),
+    }
     orch_samples = scrape(metrics_urls["orchestrator"]) or {}
-    orch = {name: orch_samples.get(name) for name in (
-        "fastcore_orchestrator_client_connections", "fastcore_orchestrator_http_framing_errors_total",
-        "fastcore_orchestrator_connections_refused_total")}  # fmt: skip
+    orch = {
+        name: orch_samples.get(name)
+        for name in (
+            "fastcore_orchestrator_client_connections",
+            "fastcore_orchestrator_http_framing_errors_total",
+            "fastcore_orchestrator_connections_refused_total",
+        )
+    }
     return AbuseRun(clean, abuse, attack.stats, s, rss, kv, orch, phases)
 
 
@@ -823,17 +875,33 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 def phase_table(clean: LevelResult, abuse: LevelResult) -> str:
     """Per phase: honest requests, errors, timeouts, TTFT and latency p50/p99; then abuse/clean."""
-    headers = ["phase", "honest reqs", "errors", "timeouts", "TTFT p50 ms", "TTFT p99 ms",
-               "E2E p50 ms", "E2E p99 ms"]  # fmt: skip
+    headers = [
+        "phase",
+        "honest reqs",
+        "errors",
+        "timeouts",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "E2E p50 ms",
+        "E2E p99 ms",
+    ]
     rows: list[list[Any]] = [
         [lv.label, lv.requests, lv.errors, lv.timeouts, lv.ttft_p50_ms, lv.ttft_p99_ms,
          lv.latency_p50_ms, lv.latency_p99_ms]
         for lv in (clean, abuse)
     ]  # fmt: skip
-    rows.append(["abuse/clean", "", "", "",
-                 _ratio(abuse.ttft_p50_ms, clean.ttft_p50_ms), _ratio(abuse.ttft_p99_ms, clean.ttft_p99_ms),
-                 _ratio(abuse.latency_p50_ms, clean.latency_p50_ms),
-                 _ratio(abuse.latency_p99_ms, clean.latency_p99_ms)])  # fmt: skip
+    rows.append(
+        [
+            "abuse/clean",
+            "",
+            "",
+            "",
+            _ratio(abuse.ttft_p50_ms, clean.ttft_p50_ms),
+            _ratio(abuse.ttft_p99_ms, clean.ttft_p99_ms),
+            _ratio(abuse.latency_p50_ms, clean.latency_p50_ms),
+            _ratio(abuse.latency_p99_ms, clean.latency_p99_ms),
+        ]
+    )
     return format_table(headers, rows)
 
 
@@ -844,8 +912,10 @@ def _counts(d: dict[str, int]) -> str:
 def _held(c: ConnStats) -> str:
     if not c.held_s:
         return "none dropped"
-    return (f"{c.dropped} dropped after p50 {percentile(c.held_s, 50):.1f} s "
-            f"(min {min(c.held_s):.1f}, max {max(c.held_s):.1f})")  # fmt: skip
+    return (
+        f"{c.dropped} dropped after p50 {percentile(c.held_s, 50):.1f} s "
+        f"(min {min(c.held_s):.1f}, max {max(c.held_s):.1f})"
+    )
 
 
 def attacker_summary(run: AbuseRun) -> str:
@@ -855,36 +925,60 @@ def attacker_summary(run: AbuseRun) -> str:
         f"({s.abandon_prompt_tokens}-token prompts, hung up after {s.abandon_after_s * 1000:.0f} ms); "
         f"seen before hanging up: {_counts(a.abandon_answers)}; connect errors {a.abandon_connect_errors}",
     ]
-    for name, c, what in (("slowloris", a.slowloris, f"headers 1 byte / {s.slowloris_interval_s} s"),
-                          ("idle", a.idle, "nothing sent"),
-                          ("keep-alive", a.keepalive, "one GET /health, then nothing")):  # fmt: skip
-        lines.append(f"{name} ({what}): {c.opened} opened, {_held(c)}; ended by: {_counts(c.outcomes)}"
-                     + (f"; connect errors {c.connect_errors}" if c.connect_errors else ""))  # fmt: skip
-    lines.append(f"  server limits assumed: header timeout {s.header_timeout_s:g} s, keep-alive "
-                 f"{s.keepalive_timeout_s:g} s, body {s.max_body_bytes:,} B")  # fmt: skip
-    for kind, what in (("content-length", f"Content-Length {s.max_body_bytes + 1:,}"),
-                       ("chunked", "chunked past the limit"),
-                       ("large-allowed", f"{s.large_allowed_bytes / 2**20:.0f} MiB valid JSON")):  # fmt: skip
+    for name, c, what in (
+        ("slowloris", a.slowloris, f"headers 1 byte / {s.slowloris_interval_s} s"),
+        ("idle", a.idle, "nothing sent"),
+        ("keep-alive", a.keepalive, "one GET /health, then nothing"),
+    ):
+        lines.append(
+            f"{name} ({what}): {c.opened} opened, {_held(c)}; ended by: {_counts(c.outcomes)}"
+            + (f"; connect errors {c.connect_errors}" if c.connect_errors else "")
+        )
+    lines.append(
+        f"  server limits assumed: header timeout {s.header_timeout_s:g} s, keep-alive "
+        f"{s.keepalive_timeout_s:g} s, body {s.max_body_bytes:,} B"
+    )
+    for kind, what in (
+        ("content-length", f"Content-Length {s.max_body_bytes + 1:,}"),
+        ("chunked", "chunked past the limit"),
+        ("large-allowed", f"{s.large_allowed_bytes / 2**20:.0f} MiB valid JSON"),
+    ):
         times = a.oversized_answer_s.get(kind, [])
         p50 = percentile(times, 50)
         when = f", answered in p50 {p50 * 1000:.0f} ms / max {max(times) * 1000:.0f} ms" if p50 else ""
         lines.append(f"oversized {kind} ({what}): {_counts(a.oversized.get(kind, {}))}{when}")
     if run.rss:
         names = list(next(iter(run.rss.values())))
-        lines.append("RSS MiB: " + "; ".join(
-            f"{n}: " + " -> ".join(f"{r.get(n, 0) / 2**20:.0f}" for r in run.rss.values()) for n in names)
-            + f"  ({' -> '.join(run.rss)})")  # fmt: skip
+        lines.append(
+            "RSS MiB: "
+            + "; ".join(
+                f"{n}: " + " -> ".join(f"{r.get(n, 0) / 2**20:.0f}" for r in run.rss.values()) for n in names
+            )
+            + f"  ({' -> '.join(run.rss)})"
+        )
     if run.kv:
-        lines.append("context worker fastcore_worker_kv_used_tokens: " + ", ".join(
-            f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in run.kv.items()))  # fmt: skip
+        lines.append(
+            "context worker fastcore_worker_kv_used_tokens: "
+            + ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in run.kv.items())
+        )
     if run.orchestrator_metrics:
-        lines.append("orchestrator at end: " + ", ".join(
-            f"{k.removeprefix('fastcore_orchestrator_')} {v:g}" for k, v in run.orchestrator_metrics.items()
-            if v is not None))  # fmt: skip
+        lines.append(
+            "orchestrator at end: "
+            + ", ".join(
+                f"{k.removeprefix('fastcore_orchestrator_')} {v:g}"
+                for k, v in run.orchestrator_metrics.items()
+                if v is not None
+            )
+        )
     for proc, grew in run.counters.get("abuse", {}).items():
         if grew:
-            lines.append(f"{proc} counters, abuse phase (+ warm-down): " + ", ".join(
-                f"{k.removeprefix('fastcore_').replace(chr(34), '')} +{v:g}" for k, v in sorted(grew.items())))  # fmt: skip
+            lines.append(
+                f"{proc} counters, abuse phase (+ warm-down): "
+                + ", ".join(
+                    f"{k.removeprefix('fastcore_').replace(chr(34), '')} +{v:g}"
+                    for k, v in sorted(grew.items())
+                )
+            )
     if a.crashed:
         lines.append(f"attacker errors (bench bugs): {len(a.crashed)}: {a.crashed[:3]}")
     return "\n".join(lines)
@@ -943,12 +1037,21 @@ def _main_clients(args: argparse.Namespace) -> int:
     print(abuse_http.phase_table(phases))
     print(abuse_http.outcomes_text(phases, checks))
     out = args.output or RESULTS_DIR / ("abuse_quick.json" if args.quick else "abuse.json")
-    write_json([run.clean, run.abuse], out, {
-        "url": args.url or "own deployment (fastcore-serve up, tiny)",
-        "settings": asdict(s), "attack": asdict(run.attack), "rss": run.rss, "kv": run.kv,
-        "orchestrator_metrics": run.orchestrator_metrics, "counters": run.counters,
-        "http_phases": abuse_http.to_json(phases, checks, http_settings),
-        "http_max_connections": max_connections})  # fmt: skip
+    write_json(
+        [run.clean, run.abuse],
+        out,
+        {
+            "url": args.url or "own deployment (fastcore-serve up, tiny)",
+            "settings": asdict(s),
+            "attack": asdict(run.attack),
+            "rss": run.rss,
+            "kv": run.kv,
+            "orchestrator_metrics": run.orchestrator_metrics,
+            "counters": run.counters,
+            "http_phases": abuse_http.to_json(phases, checks, http_settings),
+            "http_max_connections": max_connections,
+        },
+    )
     print(f"\nresults: {out}")
     honest_ok = all(p.success >= abuse_http.MIN_SUCCESS for p in phases)
     return 1 if run.clean.errors or run.abuse.errors or not honest_ok else 0
@@ -970,8 +1073,9 @@ def _rss_of(child: Child) -> Any:
     return rss
 
 
-def _http_phases(args: argparse.Namespace, s: AbuseSettings, url: str, rss: Any,
-                 max_connections: int) -> tuple[list[abuse_http.PhaseResult], dict[str, str], Any]:  # fmt: skip
+def _http_phases(
+    args: argparse.Namespace, s: AbuseSettings, url: str, rss: Any, max_connections: int
+) -> tuple[list[abuse_http.PhaseResult], dict[str, str], Any]:
     """Issue 19's phases (bench/abuse_http.py) against ``url``, after the abandon/slowloris/oversize run."""
     hs = (
         abuse_http.HTTPAbuseSettings.quick()
@@ -981,9 +1085,16 @@ def _http_phases(args: argparse.Namespace, s: AbuseSettings, url: str, rss: Any,
     body = tiny_chat_body(s.prompt_tokens, max_tokens=s.max_tokens, model=args.model)
 
     async def both() -> tuple[list[abuse_http.PhaseResult], dict[str, str]]:
-        phases = await abuse_http.run_phases(url, body, concurrency=s.concurrency, timeout=s.timeout, s=hs,
-                                             rss=rss, max_body_bytes=s.max_body_bytes,
-                                             max_connections=max_connections)  # fmt: skip
+        phases = await abuse_http.run_phases(
+            url,
+            body,
+            concurrency=s.concurrency,
+            timeout=s.timeout,
+            s=hs,
+            rss=rss,
+            max_body_bytes=s.max_body_bytes,
+            max_connections=max_connections,
+        )
         return phases, await abuse_http.framing_checks(url)
 
     phases, checks = asyncio.run(both())

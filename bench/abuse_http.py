@@ -69,15 +69,31 @@ class HTTPAbuseSettings:
 
     @classmethod
     def full(cls, max_body_bytes: int) -> HTTPAbuseSettings:
-        return cls(phase_s=15.0, trailer_connections=2, trailer_max_bytes=128 << 20, hold_connections=16,
-                   hold_sent_bytes=max_body_bytes - 1, slowloris_over_cap=108, burst_bodies=200,
-                   burst_body_bytes=30_000_000, settle_s=30.0)  # fmt: skip
+        return cls(
+            phase_s=15.0,
+            trailer_connections=2,
+            trailer_max_bytes=128 << 20,
+            hold_connections=16,
+            hold_sent_bytes=max_body_bytes - 1,
+            slowloris_over_cap=108,
+            burst_bodies=200,
+            burst_body_bytes=30_000_000,
+            settle_s=30.0,
+        )
 
     @classmethod
     def quick(cls) -> HTTPAbuseSettings:
-        return cls(phase_s=3.0, trailer_connections=2, trailer_max_bytes=8 << 20, hold_connections=16,
-                   hold_sent_bytes=1 << 20, slowloris_over_cap=64, burst_bodies=24,
-                   burst_body_bytes=8 << 20, settle_s=10.0)  # fmt: skip
+        return cls(
+            phase_s=3.0,
+            trailer_connections=2,
+            trailer_max_bytes=8 << 20,
+            hold_connections=16,
+            hold_sent_bytes=1 << 20,
+            slowloris_over_cap=64,
+            burst_bodies=24,
+            burst_body_bytes=8 << 20,
+            settle_s=10.0,
+        )
 
 
 @dataclass
@@ -113,8 +129,9 @@ async def _connect(host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.
         return None
 
 
-async def _send_until_answered(writer: asyncio.StreamWriter, data: bytes, answer: asyncio.Future[str],
-                               stopping: asyncio.Event) -> int:  # fmt: skip
+async def _send_until_answered(
+    writer: asyncio.StreamWriter, data: bytes, answer: asyncio.Future[str], stopping: asyncio.Event
+) -> int:
     """``data`` in 1 MiB writes, each drained (never a whole body in the transport's buffer); the bytes
     sent when the server answered, the phase ended or the connection broke."""
     view, sent = memoryview(data), 0
@@ -144,8 +161,9 @@ def _close(writer: asyncio.StreamWriter) -> None:
 class Attacks:
     """The HTTP-layer attackers against ``host:port``, each a loop until :meth:`stop`."""
 
-    def __init__(self, host: str, port: int, s: HTTPAbuseSettings, *, max_body_bytes: int,
-                 max_connections: int) -> None:  # fmt: skip
+    def __init__(
+        self, host: str, port: int, s: HTTPAbuseSettings, *, max_body_bytes: int, max_connections: int
+    ) -> None:
         self.host, self.port, self.s = host, port, s
         self.max_body_bytes, self.max_connections = max_body_bytes, max_connections
         self.outcomes: dict[str, dict[str, int]] = {}
@@ -180,8 +198,10 @@ class Attacks:
         return "open at stop" if self.stopping.is_set() else "no answer"
 
     async def _trailer_loop(self) -> None:
-        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-                "Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nX-Trailer: ").encode()  # fmt: skip
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nX-Trailer: "
+        ).encode()
         piece = b"t" * (64 << 10)
         while not self.stopping.is_set():
             conn = await _connect(self.host, self.port)
@@ -211,8 +231,10 @@ class Attacks:
 
     async def _hold_loop(self) -> None:
         """Declare max_body_bytes, send all but the last byte (or hold_sent_bytes), stall until closed."""
-        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {self.max_body_bytes}\r\n\r\n").encode()  # fmt: skip
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {self.max_body_bytes}\r\n\r\n"
+        ).encode()
         body = b"h" * min(self.s.hold_sent_bytes, self.max_body_bytes - 1)
         while not self.stopping.is_set():
             conn = await _connect(self.host, self.port)
@@ -297,8 +319,10 @@ async def _settle(rss: Callable[[], int], base: int, settle_s: float) -> tuple[i
 async def _burst(host: str, port: int, s: HTTPAbuseSettings, outcomes: dict[str, dict[str, int]]) -> None:
     """Concurrent large bodies from the attacker's address (a 404 route: the HTTP layer holds them, no worker)."""
     body = b'{"x": "' + b"a" * max(0, s.burst_body_bytes - 9) + b'"}'
-    head = (f"POST /v1/abuse-large-body HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+    head = (
+        f"POST /v1/abuse-large-body HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
 
     async def one() -> None:
         conn = await _connect(host, port)
@@ -322,8 +346,17 @@ async def _burst(host: str, port: int, s: HTTPAbuseSettings, outcomes: dict[str,
     await asyncio.gather(*(one() for _ in range(s.burst_bodies)))
 
 
-async def run_phases(base_url: str, body: bytes, *, concurrency: int, timeout: float, s: HTTPAbuseSettings,
-                     rss: Callable[[], int], max_body_bytes: int, max_connections: int) -> list[PhaseResult]:  # fmt: skip
+async def run_phases(
+    base_url: str,
+    body: bytes,
+    *,
+    concurrency: int,
+    timeout: float,
+    s: HTTPAbuseSettings,
+    rss: Callable[[], int],
+    max_body_bytes: int,
+    max_connections: int,
+) -> list[PhaseResult]:
     """A clean phase, one per attack, the burst, the mixed phase; ``rss``: the orchestrator's RSS now."""
     url = base_url.rstrip("/") + "/v1/chat/completions"
     host_port = base_url.split("://", 1)[-1].split("/", 1)[0]
@@ -340,8 +373,9 @@ async def run_phases(base_url: str, body: bytes, *, concurrency: int, timeout: f
             await _start_attacker(host, port, s, kinds, max_body_bytes, max_connections) if kinds else None
         )
         await asyncio.sleep(0.5 if kinds else 0.0)  # the attack in place before the honest load
-        result.honest = await run_concurrency(url, body, concurrency, max_requests=1_000_000,
-                                              max_seconds=s.phase_s, timeout=timeout, label=name)  # fmt: skip
+        result.honest = await run_concurrency(
+            url, body, concurrency, max_requests=1_000_000, max_seconds=s.phase_s, timeout=timeout, label=name
+        )
         if attacker is not None:
             result.outcomes = await _stop_attacker(attacker)
         stop.set()
@@ -366,10 +400,22 @@ async def run_phases(base_url: str, body: bytes, *, concurrency: int, timeout: f
 # requests' own timing, and the report would show the bench's lag as the server's.
 
 
-async def _start_attacker(host: str, port: int, s: HTTPAbuseSettings, kinds: tuple[str, ...],
-                          max_body_bytes: int, max_connections: int) -> asyncio.subprocess.Process:  # fmt: skip
-    spec = {"host": host, "port": port, "settings": asdict(s), "kinds": list(kinds),
-            "max_body_bytes": max_body_bytes, "max_connections": max_connections}  # fmt: skip
+async def _start_attacker(
+    host: str,
+    port: int,
+    s: HTTPAbuseSettings,
+    kinds: tuple[str, ...],
+    max_body_bytes: int,
+    max_connections: int,
+) -> asyncio.subprocess.Process:
+    spec = {
+        "host": host,
+        "port": port,
+        "settings": asdict(s),
+        "kinds": list(kinds),
+        "max_body_bytes": max_body_bytes,
+        "max_connections": max_connections,
+    }
     return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -464,8 +510,18 @@ def _mib(n: int) -> str:
 
 def phase_table(results: list[PhaseResult]) -> str:
     clean = results[0].honest
-    headers = ["phase", "honest reqs", "success", "TTFT p50 ms", "TTFT p99 ms", "E2E p50 ms", "E2E p99 ms",
-               "E2E p99 / clean", "RSS MiB before/peak/after", "RSS back in"]  # fmt: skip
+    headers = [
+        "phase",
+        "honest reqs",
+        "success",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "E2E p50 ms",
+        "E2E p99 ms",
+        "E2E p99 / clean",
+        "RSS MiB before/peak/after",
+        "RSS back in",
+    ]
     rows = []
     for r in results:
         h = r.honest
@@ -477,9 +533,20 @@ def phase_table(results: list[PhaseResult]) -> str:
         back = (
             "-" if r.name == "clean" else (f"{r.rss_settle_s:.1f} s" if r.rss_settle_s is not None else "not")
         )
-        rows.append([r.name, h.requests, f"{100 * r.success:.1f}%", h.ttft_p50_ms, h.ttft_p99_ms,
-                     h.latency_p50_ms, h.latency_p99_ms, ratio,
-                     f"{_mib(r.rss_before)} / {_mib(r.rss_peak)} / {_mib(r.rss_after)}", back])  # fmt: skip
+        rows.append(
+            [
+                r.name,
+                h.requests,
+                f"{100 * r.success:.1f}%",
+                h.ttft_p50_ms,
+                h.ttft_p99_ms,
+                h.latency_p50_ms,
+                h.latency_p99_ms,
+                ratio,
+                f"{_mib(r.rss_before)} / {_mib(r.rss_peak)} / {_mib(r.rss_after)}",
+                back,
+            ]
+        )
     return format_table(headers, rows)
 
 

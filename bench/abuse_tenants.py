@@ -196,8 +196,15 @@ def write_keys_file(directory: str) -> str:
 # -- bodies -----------------------------------------------------------------------------------
 
 
-def chat_body(prompt_tokens: int, *, max_tokens: int, stream: bool, model: str = "tiny",
-              priority: int | None = None, pad_bytes: int = 0) -> bytes:  # fmt: skip
+def chat_body(
+    prompt_tokens: int,
+    *,
+    max_tokens: int,
+    stream: bool,
+    model: str = "tiny",
+    priority: int | None = None,
+    pad_bytes: int = 0,
+) -> bytes:
     """bench.abuse's tiny chat, with a claimed ``priority`` and ``pad_bytes`` of JSON whitespace
     inside ``messages`` (valid JSON, the same prompt: only the body's bytes grow)."""
     from bench.abuse import tiny_chat_body
@@ -214,8 +221,13 @@ def chat_body(prompt_tokens: int, *, max_tokens: int, stream: bool, model: str =
 
 def padded_body(s: TenantAbuseSettings, model: str = "tiny") -> bytes:
     plain = chat_body(s.pad_prompt_tokens, max_tokens=1, stream=False, model=model)
-    return chat_body(s.pad_prompt_tokens, max_tokens=1, stream=False, model=model,
-                     pad_bytes=max(0, s.pad_bytes_per_token * s.pad_prompt_tokens - len(plain)))  # fmt: skip
+    return chat_body(
+        s.pad_prompt_tokens,
+        max_tokens=1,
+        stream=False,
+        model=model,
+        pad_bytes=max(0, s.pad_bytes_per_token * s.pad_prompt_tokens - len(plain)),
+    )
 
 
 # -- what an answer was -------------------------------------------------------------------------
@@ -279,8 +291,13 @@ class TenantAttacks:
             for key in (ATTACKER_KEY, BIG_KEY, PAD_KEY)
         }
         breaker = chat_body(s.breaker_prompt_tokens, max_tokens=s.breaker_max_tokens, stream=False, model=m)
-        priority = chat_body(s.priority_prompt_tokens, max_tokens=s.priority_max_tokens, stream=True, model=m,
-                             priority=MIN_PRIORITY)  # fmt: skip
+        priority = chat_body(
+            s.priority_prompt_tokens,
+            max_tokens=s.priority_max_tokens,
+            stream=True,
+            model=m,
+            priority=MIN_PRIORITY,
+        )
         over = chat_body(s.over_minute_bytes, max_tokens=1, stream=False, model=m)
         flood = chat_body(s.flood_prompt_tokens, max_tokens=4, stream=False, model=m)
         loops = [
@@ -368,14 +385,19 @@ async def _attacker_main(spec: dict[str, Any]) -> dict[str, Any]:
     existing: Attack | None = None
     http: abuse_http.Attacks | None = None
     if s.existing:
-        existing = Attack(host, port, AbuseSettings(**spec["abuse_settings"]),
-                          headers=f"Authorization: Bearer {BIG_KEY}\r\n",
-                          source=abuse_http.ATTACKER_IP)  # fmt: skip
+        existing = Attack(
+            host,
+            port,
+            AbuseSettings(**spec["abuse_settings"]),
+            headers=f"Authorization: Bearer {BIG_KEY}\r\n",
+            source=abuse_http.ATTACKER_IP,
+        )
         existing.start()
         if s.http_kinds:
             hs = abuse_http.HTTPAbuseSettings(**spec["http_settings"])
-            http = abuse_http.Attacks(host, port, hs, max_body_bytes=spec["max_body_bytes"],
-                                      max_connections=spec["max_connections"])  # fmt: skip
+            http = abuse_http.Attacks(
+                host, port, hs, max_body_bytes=spec["max_body_bytes"], max_connections=spec["max_connections"]
+            )
             http.start(*s.http_kinds)
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(asyncio.to_thread(sys.stdin.read), spec["max_s"])
@@ -500,8 +522,9 @@ def _scrape_mix(url: str) -> dict[str, float]:
     return {k: v for k, v in samples.items() if k.split("{")[0] in (*MIX_COUNTERS, BYTES_PER_TOKEN)}
 
 
-async def _honest(url: str, body: bytes, s: TenantAbuseSettings, label: str,
-                  errors: dict[str, int]) -> LevelResult:  # fmt: skip
+async def _honest(
+    url: str, body: bytes, s: TenantAbuseSettings, label: str, errors: dict[str, int]
+) -> LevelResult:
     async def request(session: aiohttp.ClientSession, url: str, body: bytes, timeout: float) -> RequestResult:
         r = await one_request(session, url, body, timeout)
         if not r.ok:
@@ -510,14 +533,25 @@ async def _honest(url: str, body: bytes, s: TenantAbuseSettings, label: str,
         return r
 
     headers = {"Authorization": f"Bearer {HONEST_KEY}"}
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=headers,
-                                     timeout=aiohttp.ClientTimeout(total=None)) as session:  # fmt: skip
-        return await run_concurrency(url, body, s.concurrency, max_requests=1_000_000, max_seconds=s.phase_s,
-                                     timeout=s.timeout, label=label, request=request, session=session)  # fmt: skip
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), headers=headers, timeout=aiohttp.ClientTimeout(total=None)
+    ) as session:
+        return await run_concurrency(
+            url,
+            body,
+            s.concurrency,
+            max_requests=1_000_000,
+            max_seconds=s.phase_s,
+            timeout=s.timeout,
+            label=label,
+            request=request,
+            session=session,
+        )
 
 
-async def run_tenant_phases(base_url: str, s: TenantAbuseSettings, spec: dict[str, Any], *,
-                            model: str = "tiny") -> TenantRun:  # fmt: skip
+async def run_tenant_phases(
+    base_url: str, s: TenantAbuseSettings, spec: dict[str, Any], *, model: str = "tiny"
+) -> TenantRun:
     """Warm-up, the clean phase, then each mix beside the attacker process ``spec`` describes:
     items 3, 5 and 6 alone, then with the existing attacks (``s.existing``)."""
     url = base_url.rstrip("/") + CHAT
@@ -531,8 +565,9 @@ async def run_tenant_phases(base_url: str, s: TenantAbuseSettings, spec: dict[st
     return TenantRun(clean, mixes, s, clean_errors)
 
 
-async def _mix_phase(url: str, body: bytes, s: TenantAbuseSettings, spec: dict[str, Any], label: str, *,
-                     existing: bool) -> MixPhase:  # fmt: skip
+async def _mix_phase(
+    url: str, body: bytes, s: TenantAbuseSettings, spec: dict[str, Any], label: str, *, existing: bool
+) -> MixPhase:
     metrics_url = url.removesuffix(CHAT) + "/metrics"
     before = await asyncio.to_thread(_scrape_mix, metrics_url)
     proc = await _start_attacker({**spec, "settings": {**spec["settings"], "existing": existing}})
@@ -545,8 +580,10 @@ async def _mix_phase(url: str, body: bytes, s: TenantAbuseSettings, spec: dict[s
     grew = {k: v - before.get(k, 0.0) for k, v in after.items() if k.split("{")[0] != BYTES_PER_TOKEN}
     phase.counters = {k: d for k, d in grew.items() if d}
     bpt_key = next((k for k in after if k.startswith(BYTES_PER_TOKEN) and '"context"' in k), None)
-    phase.bytes_per_token = {"before": before.get(bpt_key) if bpt_key else None,
-                             "after": after.get(bpt_key) if bpt_key else None}  # fmt: skip
+    phase.bytes_per_token = {
+        "before": before.get(bpt_key) if bpt_key else None,
+        "after": after.get(bpt_key) if bpt_key else None,
+    }
     return phase
 
 
@@ -587,10 +624,19 @@ def run(args: Any, quick: bool) -> TenantRun:
         limits.update(deployment_config(s, write_keys_file(tmp)))
         dep = UpDeployment(model=args.model, limits=limits).start()
         try:
-            spec = {"url": dep.url, "host": "127.0.0.1", "port": dep.port, "model": args.model,
-                    "settings": asdict(s), "abuse_settings": asdict(abuse_s), "http_settings": asdict(http_s),
-                    "max_body_bytes": abuse_s.max_body_bytes, "max_connections": max_connections,
-                    "core": attacker_core, "max_s": s.phase_s + 30}  # fmt: skip
+            spec = {
+                "url": dep.url,
+                "host": "127.0.0.1",
+                "port": dep.port,
+                "model": args.model,
+                "settings": asdict(s),
+                "abuse_settings": asdict(abuse_s),
+                "http_settings": asdict(http_s),
+                "max_body_bytes": abuse_s.max_body_bytes,
+                "max_connections": max_connections,
+                "core": attacker_core,
+                "max_s": s.phase_s + 30,
+            }
             result = asyncio.run(run_tenant_phases(dep.url, s, spec, model=args.model))
         finally:
             dep.stop()
@@ -615,9 +661,17 @@ def phase_table(r: TenantRun) -> str:
     ]  # fmt: skip
     c = r.clean
     for lv in levels[1:]:
-        rows.append([f"{lv.label} / clean", "", "", _ratio(lv.ttft_p50_ms, c.ttft_p50_ms),
-                     _ratio(lv.ttft_p99_ms, c.ttft_p99_ms), _ratio(lv.latency_p50_ms, c.latency_p50_ms),
-                     _ratio(lv.latency_p99_ms, c.latency_p99_ms)])  # fmt: skip
+        rows.append(
+            [
+                f"{lv.label} / clean",
+                "",
+                "",
+                _ratio(lv.ttft_p50_ms, c.ttft_p50_ms),
+                _ratio(lv.ttft_p99_ms, c.ttft_p99_ms),
+                _ratio(lv.latency_p50_ms, c.latency_p50_ms),
+                _ratio(lv.latency_p99_ms, c.latency_p99_ms),
+            ]
+        )
     return format_table(headers, rows)
 
 
@@ -655,8 +709,11 @@ def attacker_text(r: TenantRun) -> str:
                              f"every {s.pad_interval_s:g} s, tenant attacker-3",
         "long-prompt flood": f"{s.flood_clients} closed-loop clients, {s.flood_prompt_tokens}-token prompts",
     }  # fmt: skip
-    cores = (f"attacker on core {r.attacker_core}, deployment and honest clients on {r.other_cores}"
-             if r.attacker_core is not None else "one core: attackers not pinned apart")  # fmt: skip
+    cores = (
+        f"attacker on core {r.attacker_core}, deployment and honest clients on {r.other_cores}"
+        if r.attacker_core is not None
+        else "one core: attackers not pinned apart"
+    )
     lines = [cores]
     if r.clean_errors:
         lines.append(f"honest failures, clean: {_counts(r.clean_errors)}")
@@ -674,25 +731,40 @@ def _mix_lines(m: MixPhase, what: dict[str, str], s: TenantAbuseSettings) -> lis
         lines.append(f"  breaker requests answered after {times[0]:.1f} .. {times[-1]:.1f} s")
     existing = a.get("existing")
     if existing:
-        lines.append(f"existing: abandon flood {existing['abandon_sent']} sent, seen: {_counts(existing['abandon_answers'])}; "
-                     + "; ".join(f"{k} {_counts(v['outcomes'])}" for k, v in existing.items()
-                                 if isinstance(v, dict) and "outcomes" in v)
-                     + "; oversized: " + "; ".join(f"{k} {_counts(v)}" for k, v in existing["oversized"].items()))  # fmt: skip
+        lines.append(
+            f"existing: abandon flood {existing['abandon_sent']} sent, seen: {_counts(existing['abandon_answers'])}; "
+            + "; ".join(
+                f"{k} {_counts(v['outcomes'])}"
+                for k, v in existing.items()
+                if isinstance(v, dict) and "outcomes" in v
+            )
+            + "; oversized: "
+            + "; ".join(f"{k} {_counts(v)}" for k, v in existing["oversized"].items())
+        )
     for kind, counts in a.get("http", {}).items():
         top = sorted(counts.items(), key=lambda kv: -kv[1])[:6]
         lines.append(f"existing {kind}: " + ", ".join(f"{k} {v}" for k, v in top))
     if m.honest_errors:
         lines.append(f"honest failures: {_counts(m.honest_errors)}")
     if m.counters:
-        lines.append("orchestrator over the phase: " + ", ".join(
-            f"{k.removeprefix('fastcore_orchestrator_').replace(chr(34), '')} +{v:g}" for k, v in sorted(m.counters.items())))  # fmt: skip
+        lines.append(
+            "orchestrator over the phase: "
+            + ", ".join(
+                f"{k.removeprefix('fastcore_orchestrator_').replace(chr(34), '')} +{v:g}"
+                for k, v in sorted(m.counters.items())
+            )
+        )
     if m.idle_inflight is not None:
-        lines.append(f"admission slots held after the phase, every client gone: {m.idle_inflight:g} of "
-                     f"max_inflight {s.max_inflight}" + (" (lost for good)" if m.idle_inflight else ""))  # fmt: skip
+        lines.append(
+            f"admission slots held after the phase, every client gone: {m.idle_inflight:g} of "
+            f"max_inflight {s.max_inflight}" + (" (lost for good)" if m.idle_inflight else "")
+        )
     bpt = m.bytes_per_token
     if any(v is not None for v in bpt.values()):
-        lines.append("context pool's learned bytes per token: " + " -> ".join(
-            f"{v:.2f} ({k})" if v is not None else f"- ({k})" for k, v in bpt.items()))  # fmt: skip
+        lines.append(
+            "context pool's learned bytes per token: "
+            + " -> ".join(f"{v:.2f} ({k})" if v is not None else f"- ({k})" for k, v in bpt.items())
+        )
     return lines
 
 
@@ -702,9 +774,12 @@ def report(r: TenantRun) -> str:
 
 def to_json(r: TenantRun) -> dict[str, Any]:
     levels = [r.clean, *(m.honest for m in r.mixes)]
-    return {**asdict(r), "success": {lv.label: r.success(lv) for lv in levels},
-            "ttft_p99_ratio": {m.honest.label: r.ttft_p99_ratio(m.honest) for m in r.mixes},
-            "meets_targets": r.meets_targets}  # fmt: skip
+    return {
+        **asdict(r),
+        "success": {lv.label: r.success(lv) for lv in levels},
+        "ttft_p99_ratio": {m.honest.label: r.ttft_p99_ratio(m.honest) for m in r.mixes},
+        "meets_targets": r.meets_targets,
+    }
 
 
 def main(args: Any) -> int:
@@ -717,8 +792,11 @@ def main(args: Any) -> int:
     out = args.output or RESULTS_DIR / ("abuse_quick.json" if args.quick else "abuse.json")
     if not (args.tenants_only and args.output):  # beside the other phases' file, never over it
         out = out.with_name(out.stem + "_tenants.json")
-    write_json([r.clean, *(m.honest for m in r.mixes)], out, {"url": "own deployment (fastcore-serve up, tiny, API keys)",
-                                       "tenant_phases": to_json(r)})  # fmt: skip
+    write_json(
+        [r.clean, *(m.honest for m in r.mixes)],
+        out,
+        {"url": "own deployment (fastcore-serve up, tiny, API keys)", "tenant_phases": to_json(r)},
+    )
     print(f"\nresults: {out}")
     return 0 if r.meets_targets else 1
 

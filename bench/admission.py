@@ -80,8 +80,9 @@ async def one(session: aiohttp.ClientSession, url: str, tenant: str, priority: i
     async with session.post(url, data=body, headers=headers) as resp:
         if resp.status != 200:
             await resp.read()
-            return Answer(tenant, priority, resp.status, None, time.perf_counter() - t0,
-                          resp.headers.get("Retry-After"))  # fmt: skip
+            return Answer(
+                tenant, priority, resp.status, None, time.perf_counter() - t0, resp.headers.get("Retry-After")
+            )
         async for chunk in resp.content.iter_any():
             if ttft is None and b"data:" in chunk:
                 ttft = time.perf_counter() - t0
@@ -90,8 +91,10 @@ async def one(session: aiohttp.ClientSession, url: str, tenant: str, priority: i
 
 async def drive(url: str, phase: Phase, warmup_s: float) -> None:
     url += "/v1/chat/completions"
-    bodies = {p: chat_body(PROMPT_TOKENS, model="synthetic", max_tokens=MAX_TOKENS)[:-1] + b', "priority": %d}' % p
-              for p in {p for _, p, _ in STREAMS}}  # fmt: skip
+    bodies = {
+        p: chat_body(PROMPT_TOKENS, model="synthetic", max_tokens=MAX_TOKENS)[:-1] + b', "priority": %d}' % p
+        for p in {p for _, p, _ in STREAMS}
+    }
     start = time.perf_counter()
     measure_from = start + warmup_s
     stop_at = measure_from + phase.seconds
@@ -155,15 +158,19 @@ def summarize(phase: Phase) -> dict[str, Any]:
     by_tenant = {t: sum(1 for a in ok if a.tenant == t) for t in KEYS}
     for (tenant, priority), answers in sorted(groups.items()):
         ttft = [a.ttft for a in answers if a.status == 200 and a.ttft is not None]
-        rows.append({
-            "tenant": tenant, "priority": priority,
-            "streams": next(n for t, p, n in STREAMS if t == tenant and p == priority),
-            "completions": sum(1 for a in answers if a.status == 200),
-            "share_of_tenant_pct": round(100 * by_tenant[tenant] / total_ok, 1),
-            "ttft_p50_ms": _ms(ttft, 50), "ttft_p99_ms": _ms(ttft, 99),
-            "429": sum(1 for a in answers if a.status == 429),
-            "other": sum(1 for a in answers if a.status not in (200, 429)),
-        })  # fmt: skip
+        rows.append(
+            {
+                "tenant": tenant,
+                "priority": priority,
+                "streams": next(n for t, p, n in STREAMS if t == tenant and p == priority),
+                "completions": sum(1 for a in answers if a.status == 200),
+                "share_of_tenant_pct": round(100 * by_tenant[tenant] / total_ok, 1),
+                "ttft_p50_ms": _ms(ttft, 50),
+                "ttft_p99_ms": _ms(ttft, 99),
+                "429": sum(1 for a in answers if a.status == 429),
+                "other": sum(1 for a in answers if a.status not in (200, 429)),
+            }
+        )
     statuses: dict[str, int] = defaultdict(int)
     for a in phase.answers:
         statuses[str(a.status)] += 1
@@ -287,14 +294,39 @@ async def _closed_loop(url: str, body: bytes, requests: int, concurrency: int, *
 def report(results: list[dict[str, Any]]) -> str:
     out = []
     for r in results:
-        out.append(f"\n### {r['phase']}: max_inflight {MAX_INFLIGHT}, max_queue {r['max_queue']}, "
-                   f"max_queue_wait_s {r['max_queue_wait_s']:g}, {r['seconds']:g} s\n")  # fmt: skip
-        out.append(format_table(
-            ["tenant", "priority", "streams", "completions", "tenant share %", "TTFT p50 ms", "TTFT p99 ms",
-             "429", "other"],
-            [[row["tenant"], row["priority"], row["streams"], row["completions"], row["share_of_tenant_pct"],
-              row["ttft_p50_ms"], row["ttft_p99_ms"], row["429"], row["other"]] for row in r["rows"]],
-        ))  # fmt: skip
+        out.append(
+            f"\n### {r['phase']}: max_inflight {MAX_INFLIGHT}, max_queue {r['max_queue']}, "
+            f"max_queue_wait_s {r['max_queue_wait_s']:g}, {r['seconds']:g} s\n"
+        )
+        out.append(
+            format_table(
+                [
+                    "tenant",
+                    "priority",
+                    "streams",
+                    "completions",
+                    "tenant share %",
+                    "TTFT p50 ms",
+                    "TTFT p99 ms",
+                    "429",
+                    "other",
+                ],
+                [
+                    [
+                        row["tenant"],
+                        row["priority"],
+                        row["streams"],
+                        row["completions"],
+                        row["share_of_tenant_pct"],
+                        row["ttft_p50_ms"],
+                        row["ttft_p99_ms"],
+                        row["429"],
+                        row["other"],
+                    ]
+                    for row in r["rows"]
+                ],
+            )
+        )
         out.append(
             f"\nsmall's share of completions: {r['small_share_pct']}% (target >= 45%); high-priority TTFT p50 / "
             f"normal (big): {r['high_over_normal_ttft_p50']} (target <= 0.25); answers by status: {r['statuses']}; "
@@ -350,15 +382,35 @@ def main(argv: list[str] | None = None) -> int:
     cpu = live_cpu(args.cpu_requests) if args.cpu_requests and not args.quick else {}
     print(report(results))
     print("\n### the auth + admission path, in process (best of 7 x 20,000)\n")
-    print(format_table(["key lookup us", "priority read us", "key + priority + slot us", "body bytes"],
-                       [[costs["key_lookup_us"], costs["priority_read_us"], costs["auth_and_admission_us"],
-                         costs["body_bytes"]]]))  # fmt: skip
+    print(
+        format_table(
+            ["key lookup us", "priority read us", "key + priority + slot us", "body bytes"],
+            [
+                [
+                    costs["key_lookup_us"],
+                    costs["priority_read_us"],
+                    costs["auth_and_admission_us"],
+                    costs["body_bytes"],
+                ]
+            ],
+        )
+    )
     if cpu:
         print("\n### the orchestrator's CPU ms per request, live (kernel accounting)\n")
         print(format_table(list(cpu), [list(cpu.values())]))
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"phases": results, "micro": costs, "live_cpu_ms": cpu,
-                                       "streams": STREAMS, "max_inflight": MAX_INFLIGHT}, indent=1))  # fmt: skip
+    args.output.write_text(
+        json.dumps(
+            {
+                "phases": results,
+                "micro": costs,
+                "live_cpu_ms": cpu,
+                "streams": STREAMS,
+                "max_inflight": MAX_INFLIGHT,
+            },
+            indent=1,
+        )
+    )
     plot(results, args.output.with_suffix(".png"))
     print(f"\nwrote {args.output} and {args.output.with_suffix('.png')}")
     return 0

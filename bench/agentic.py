@@ -133,9 +133,17 @@ async def _stream_turn(
 
 
 async def run_conversations(
-    url: str, *, conversations: int, turns: int, first_tokens: int, turn_tokens: int, max_tokens: int,
-    model: str, timeout: float, seed: int = 0,
-) -> tuple[list[Turn], float]:  # fmt: skip
+    url: str,
+    *,
+    conversations: int,
+    turns: int,
+    first_tokens: int,
+    turn_tokens: int,
+    max_tokens: int,
+    model: str,
+    timeout: float,
+    seed: int = 0,
+) -> tuple[list[Turn], float]:
     """Every conversation's turns, in order, the conversations concurrently; (turns, seconds)."""
     system = text(random.Random(seed), 4 * min(first_tokens // 4, 2000))
     results: list[Turn] = []
@@ -204,8 +212,14 @@ def run_routing(name: str, args: argparse.Namespace, tmp: Path) -> RoutingResult
     path.write_text(
         json.dumps(_config(ROUTINGS[name], args.max_local_prefill, args.conversation_load_factor))
     )
-    workers = ["--prompt-tokens", "0", "--prefill-ms-per-1k-tokens", str(args.prefill_ms_per_1k),
-               "--kv-tokens", str(args.kv_tokens)]  # fmt: skip
+    workers = [
+        "--prompt-tokens",
+        "0",
+        "--prefill-ms-per-1k-tokens",
+        str(args.prefill_ms_per_1k),
+        "--kv-tokens",
+        str(args.kv_tokens),
+    ]
     dep = Deployment(
         "both-gates", 0, context_workers=2, generation_workers=2, token_latency_ms=args.token_latency_ms,
         worker_args=workers, orchestrator_args=["-c", str(path)],
@@ -213,10 +227,18 @@ def run_routing(name: str, args: argparse.Namespace, tmp: Path) -> RoutingResult
     with dep:
         worker_urls = [f"http://127.0.0.1:{w.port}" for w in dep.workers]
         cpu0 = cpu_seconds(dep.front.proc.pid)  # type: ignore[union-attr]
-        turns, seconds = asyncio.run(run_conversations(
-            dep.url, conversations=args.conversations, turns=args.turns, first_tokens=args.first_tokens,
-            turn_tokens=args.turn_tokens, max_tokens=args.max_tokens, model="synthetic", timeout=args.timeout,
-        ))  # fmt: skip
+        turns, seconds = asyncio.run(
+            run_conversations(
+                dep.url,
+                conversations=args.conversations,
+                turns=args.turns,
+                first_tokens=args.first_tokens,
+                turn_tokens=args.turn_tokens,
+                max_tokens=args.max_tokens,
+                model="synthetic",
+                timeout=args.timeout,
+            )
+        )
         cpu = cpu_seconds(dep.front.proc.pid) - cpu0  # type: ignore[union-attr]
         counters = asyncio.run(_worker_counters(worker_urls))
 
@@ -277,8 +299,10 @@ def ratios(results: list[RoutingResult]) -> tuple[str, bool]:
         lower = (base.ttft_p50_ms or 0) / max(1e-9, r.ttft_p50_ms or 0) if r.ttft_p50_ms else 0.0
         cpu = r.orchestrator_cpu_us_per_request / max(1e-9, base.orchestrator_cpu_us_per_request)
         met = fewer >= 3 and lower >= 2 and cpu <= 1.10 and r.errors == 0
-        lines.append(f"- {r.routing}: {fewer:.1f}x fewer prefill ids, TTFT p50 {lower:.1f}x lower, "
-                     f"orchestrator CPU/request {cpu:.2f}x {'(meets all three)' if met else ''}")  # fmt: skip
+        lines.append(
+            f"- {r.routing}: {fewer:.1f}x fewer prefill ids, TTFT p50 {lower:.1f}x lower, "
+            f"orchestrator CPU/request {cpu:.2f}x {'(meets all three)' if met else ''}"
+        )
         if r.routing.startswith("kv_cache_aware"):
             ok = ok and r.errors == 0
     return "\n".join(lines), ok
@@ -293,19 +317,29 @@ def tiny(args: argparse.Namespace) -> int:
         dep.worker_child = _tiny_worker_child(dep)  # type: ignore[method-assign]
         with dep:
             worker_urls = [f"http://127.0.0.1:{w.port}" for w in dep.workers]
-            turns, seconds = asyncio.run(run_conversations(
-                # the tiny model's byte tokenizer: 4 "tokens" of text here are 4 ids there (2,048 at most)
-                dep.url, conversations=2, turns=4, first_tokens=100, turn_tokens=25, max_tokens=8,
-                model="tiny", timeout=120.0,
-            ))  # fmt: skip
+            turns, seconds = asyncio.run(
+                run_conversations(
+                    # the tiny model's byte tokenizer: 4 "tokens" of text here are 4 ids there (2,048 at most)
+                    dep.url,
+                    conversations=2,
+                    turns=4,
+                    first_tokens=100,
+                    turn_tokens=25,
+                    max_tokens=8,
+                    model="tiny",
+                    timeout=120.0,
+                )
+            )
             counters = asyncio.run(_worker_counters(worker_urls))
     hits = counters.get("fastcore_worker_prefix_cache_hit_tokens_total", 0)
     computed = counters.get("fastcore_worker_prefill_computed_tokens_total", 0)
     ok = all(t.ok for t in turns)
     for sample in sorted({t.error for t in turns if not t.ok})[:3]:
         print("  error:", sample)
-    print(f"tiny model: {len(turns)} turns in {seconds:.1f} s, errors {sum(not t.ok for t in turns)}; "
-          f"prompt ids computed {int(computed):,}, served from the workers' KV caches {int(hits):,}")  # fmt: skip
+    print(
+        f"tiny model: {len(turns)} turns in {seconds:.1f} s, errors {sum(not t.ok for t in turns)}; "
+        f"prompt ids computed {int(computed):,}, served from the workers' KV caches {int(hits):,}"
+    )
     return 0 if ok and hits > 0 else 1
 
 
@@ -315,8 +349,19 @@ def _tiny_worker_child(dep: Deployment) -> Any:
 
     def child(role: str, port: int, index: int) -> Child:
         _, other = cores()
-        argv = [*PYTHON, "server.cli", "worker", "--model", "tiny", "--role", role, "--port", str(port),
-                "--torch-threads", "1"]  # fmt: skip
+        argv = [
+            *PYTHON,
+            "server.cli",
+            "worker",
+            "--model",
+            "tiny",
+            "--role",
+            role,
+            "--port",
+            str(port),
+            "--torch-threads",
+            "1",
+        ]
         return Child(f"{role} worker {index}", pinned(argv, other), port)
 
     return child
@@ -331,15 +376,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--turn-tokens", type=int, default=1_500, help="added per turn (default 1,500)")
     p.add_argument("--max-tokens", type=int, default=32, help="answer length (default 32)")
-    p.add_argument("--prefill-ms-per-1k-tokens", dest="prefill_ms_per_1k", type=float, default=4.0,
-                   help="workers' prefill cost per 1,000 uncached ids (default 4)")  # fmt: skip
+    p.add_argument(
+        "--prefill-ms-per-1k-tokens",
+        dest="prefill_ms_per_1k",
+        type=float,
+        default=4.0,
+        help="workers' prefill cost per 1,000 uncached ids (default 4)",
+    )
     p.add_argument("--token-latency-ms", type=float, default=2.0, help="workers' time per token (default 2)")
     p.add_argument("--kv-tokens", type=int, default=250_000, help="each worker's cache (default 250,000 ids)")
-    p.add_argument("--max-local-prefill", type=int, default=4096,
-                   help="conditional_disagg_config.max_local_prefill_length (default 4096)")  # fmt: skip
-    p.add_argument("--conversation-load-factor", type=float, default=None,
-                   help="the conversation router's load_factor (default its own: 1.25; 0: a conversation never "
-                   "leaves its worker)")  # fmt: skip
+    p.add_argument(
+        "--max-local-prefill",
+        type=int,
+        default=4096,
+        help="conditional_disagg_config.max_local_prefill_length (default 4096)",
+    )
+    p.add_argument(
+        "--conversation-load-factor",
+        type=float,
+        default=None,
+        help="the conversation router's load_factor (default its own: 1.25; 0: a conversation never "
+        "leaves its worker)",
+    )
     p.add_argument("--routings", default=",".join(ROUTINGS), help="which to run (default all)")
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--quick", action="store_true", help="4 conversations x 6 turns, smaller prompts")
@@ -357,8 +415,10 @@ def main(argv: list[str] | None = None) -> int:
     names = [n.strip() for n in args.routings.split(",") if n.strip()]
     unknown = sorted(set(names) - set(ROUTINGS))
     if unknown:
-        print(f"python -m bench.agentic: unknown routing {', '.join(unknown)}; choose from {', '.join(ROUTINGS)}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"python -m bench.agentic: unknown routing {', '.join(unknown)}; choose from {', '.join(ROUTINGS)}",
+            file=sys.stderr,
+        )
         return 2
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -373,8 +433,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {r.routing} error: {sample}")
     out = args.output or RESULTS_DIR / "agentic.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args) | {"output": str(out)}, "results": [asdict(r) for r in results]},
-                              indent=2, default=str))  # fmt: skip
+    out.write_text(
+        json.dumps(
+            {"args": vars(args) | {"output": str(out)}, "results": [asdict(r) for r in results]},
+            indent=2,
+            default=str,
+        )
+    )
     print(f"\nresults: {out}")
     return 0 if ok and all(r.errors == 0 for r in results) else 1
 

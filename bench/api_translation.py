@@ -65,8 +65,14 @@ def messages_body(chat_messages: list[dict[str, Any]]) -> bytes:
             )
         else:
             turns.append({"role": role, "content": [{"type": "text", "text": text}]})
-    body = {"model": "tiny", "max_tokens": 16, "system": "\n".join(system), "messages": turns,
-            "temperature": 0, "tools": [{"name": "read_file", "input_schema": {"type": "object"}}]}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "max_tokens": 16,
+        "system": "\n".join(system),
+        "messages": turns,
+        "temperature": 0,
+        "tools": [{"name": "read_file", "input_schema": {"type": "object"}}],
+    }
     return json.dumps(body).encode()
 
 
@@ -82,14 +88,26 @@ def responses_body(chat_messages: list[dict[str, Any]]) -> bytes:
         if role == "tool":
             calls += 1
             call_id = f"call_{calls}"
-            items.append({"type": "function_call", "call_id": call_id, "name": "read_file",
-                          "arguments": json.dumps({"path": f"src/{calls}.py"})})  # fmt: skip
+            items.append(
+                {
+                    "type": "function_call",
+                    "call_id": call_id,
+                    "name": "read_file",
+                    "arguments": json.dumps({"path": f"src/{calls}.py"}),
+                }
+            )
             items.append({"type": "function_call_output", "call_id": call_id, "output": text})
         else:
             items.append({"type": "message", "role": role, "content": text})
     system = "\n".join(m["content"] for m in chat_messages if m["role"] == "system")
-    body = {"model": "tiny", "max_output_tokens": 16, "instructions": system, "input": items, "temperature": 0,
-            "tools": [{"type": "function", "name": "read_file", "parameters": {"type": "object"}}]}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "max_output_tokens": 16,
+        "instructions": system,
+        "input": items,
+        "temperature": 0,
+        "tools": [{"type": "function", "name": "read_file", "parameters": {"type": "object"}}],
+    }
     return json.dumps(body).encode()
 
 
@@ -112,9 +130,17 @@ def run(sizes: list[int]) -> str:
     rng = random.Random(0)
     for n in sizes:
         history = agentic_messages(n)
-        chat = json.dumps({"model": "tiny", "messages": history, "max_tokens": 16, "temperature": 0,
-                           "tools": [{"type": "function", "function": {"name": "read_file",
-                                                                       "parameters": {"type": "object"}}}]}).encode()  # fmt: skip
+        chat = json.dumps(
+            {
+                "model": "tiny",
+                "messages": history,
+                "max_tokens": 16,
+                "temperature": 0,
+                "tools": [
+                    {"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}
+                ],
+            }
+        ).encode()
         anthropic = messages_body(history)
         ids = [rng.randrange(32000) for _ in range(n)]
         ctx, gen = context_response(ids, b64=True), generation_response(n)
@@ -124,12 +150,26 @@ def run(sizes: list[int]) -> str:
         rows.append(
             [f"{n:,}", "chat completions", f"{len(chat) / 1e3:,.1f} KB", f"{base * 1e6:,.1f}", "1.0x"]
         )
-        rows.append([f"{n:,}", "messages (anthropic)", f"{len(anthropic) / 1e3:,.1f} KB",
-                     f"{translated * 1e6:,.1f}", f"{translated / base:,.2f}x"])  # fmt: skip
+        rows.append(
+            [
+                f"{n:,}",
+                "messages (anthropic)",
+                f"{len(anthropic) / 1e3:,.1f} KB",
+                f"{translated * 1e6:,.1f}",
+                f"{translated / base:,.2f}x",
+            ]
+        )
         openai = responses_body(history)
         translated = time_call(functools.partial(responses_request, mode, openai, ctx, gen), min_time=0.3)
-        rows.append([f"{n:,}", "responses (openai)", f"{len(openai) / 1e3:,.1f} KB",
-                     f"{translated * 1e6:,.1f}", f"{translated / base:,.2f}x"])  # fmt: skip
+        rows.append(
+            [
+                f"{n:,}",
+                "responses (openai)",
+                f"{len(openai) / 1e3:,.1f} KB",
+                f"{translated * 1e6:,.1f}",
+                f"{translated / base:,.2f}x",
+            ]
+        )
     return format_table(["prompt ids", "route", "client body", "µs / request", "vs chat"], rows)
 
 
@@ -155,9 +195,11 @@ def run_live(sizes: list[int], requests: int) -> str:
         chat = json.dumps({"model": "synthetic", "messages": history, "max_tokens": 16}).encode()
         anthropic = messages_body(history).replace(b'"model": "tiny"', b'"model": "synthetic"', 1)
         openai = responses_body(history).replace(b'"model": "tiny"', b'"model": "synthetic"', 1)
-        routes = (("chat completions", "/v1/chat/completions", chat),
-                  ("messages (anthropic)", "/v1/messages", anthropic),
-                  ("responses (openai)", "/v1/responses", openai))  # fmt: skip
+        routes = (
+            ("chat completions", "/v1/chat/completions", chat),
+            ("messages (anthropic)", "/v1/messages", anthropic),
+            ("responses (openai)", "/v1/responses", openai),
+        )
         spent = {path: 0.0 for _route, path, _body in routes}
         with Deployment("both-gates", prompt_tokens=n) as deployment:
             for _route, path, body in routes:
@@ -188,8 +230,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--sizes", default="250,40000", help="prompt ids per request (~4 bytes of history each)"
     )
-    parser.add_argument("--live", type=int, default=0, metavar="N",
-                        help="also N requests per route to a live orchestrator (its process's CPU)")  # fmt: skip
+    parser.add_argument(
+        "--live",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also N requests per route to a live orchestrator (its process's CPU)",
+    )
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     print(run(sizes))

@@ -134,17 +134,35 @@ async def run(
     )  # fmt: skip
     try:
         dep.start()
-        return await _run(dep, etcd, duration_s, concurrency, prompt_tokens, max_tokens, interval_s, timeout_s,
-                          inactive_timeout_s, seed)  # fmt: skip
+        return await _run(
+            dep,
+            etcd,
+            duration_s,
+            concurrency,
+            prompt_tokens,
+            max_tokens,
+            interval_s,
+            timeout_s,
+            inactive_timeout_s,
+            seed,
+        )
     finally:
         dep.stop()
         etcd.stop()
 
 
 async def _run(
-    dep: Deployment, etcd: LocalEtcd, duration_s: float, concurrency: int, prompt_tokens: int, max_tokens: int,
-    interval_s: float, timeout_s: float, inactive_timeout_s: float, seed: int,
-) -> ClusterRun:  # fmt: skip
+    dep: Deployment,
+    etcd: LocalEtcd,
+    duration_s: float,
+    concurrency: int,
+    prompt_tokens: int,
+    max_tokens: int,
+    interval_s: float,
+    timeout_s: float,
+    inactive_timeout_s: float,
+    seed: int,
+) -> ClusterRun:
     body = chat_body(prompt_tokens, model="synthetic", max_tokens=max_tokens)
     fronts = dep.urls
     gens = [w for w in dep.workers if w.name.startswith("generation")]
@@ -297,8 +315,10 @@ def report(out: ClusterRun) -> str:
         f"{out.failures_during_etcd_outage}, unexplained {out.failures_unexplained}), "
         f"hung past the timeout {out.timeouts}"
     )
-    lines.append("requests served per worker (a restarted one counts since its restart): "
-                 + ", ".join(f"{k} {v}" for k, v in out.served.items()))  # fmt: skip
+    lines.append(
+        "requests served per worker (a restarted one counts since its restart): "
+        + ", ".join(f"{k} {v}" for k, v in out.served.items())
+    )
     for sample in out.error_samples:
         lines.append(f"  error sample: {sample[:200]}")
     lines.append("PASS" if out.ok else "FAIL")

@@ -70,9 +70,21 @@ def front_argv(
         for u in generation:
             argv += ["--generation", u]
         return argv
-    return [*PYTHON, "server.cli", "orchestrator", "--port", str(port),
-            "--context-urls", ",".join(context), "--generation-urls", ",".join(generation),
-            "--log-level", "WARNING", *MODES[mode], *orchestrator_args]  # fmt: skip
+    return [
+        *PYTHON,
+        "server.cli",
+        "orchestrator",
+        "--port",
+        str(port),
+        "--context-urls",
+        ",".join(context),
+        "--generation-urls",
+        ",".join(generation),
+        "--log-level",
+        "WARNING",
+        *MODES[mode],
+        *orchestrator_args,
+    ]
 
 
 def cores() -> tuple[list[int], list[int]]:
@@ -194,14 +206,32 @@ class Deployment:
 
     def worker_child(self, role: str, port: int, index: int) -> Child:
         _, other = cores()
-        argv = [*PYTHON, "server.cli", "worker", "--model", "synthetic", "--role", "both" if self.mode in FLOOR_MODULES else role,
-                "--prompt-tokens", str(self.prompt_tokens), "--port", str(port),
-                "--prefill-latency-ms", str(self.prefill_latency_ms),
-                "--token-latency-ms", str(self.token_latency_ms)]  # fmt: skip
+        argv = [
+            *PYTHON,
+            "server.cli",
+            "worker",
+            "--model",
+            "synthetic",
+            "--role",
+            "both" if self.mode in FLOOR_MODULES else role,
+            "--prompt-tokens",
+            str(self.prompt_tokens),
+            "--port",
+            str(port),
+            "--prefill-latency-ms",
+            str(self.prefill_latency_ms),
+            "--token-latency-ms",
+            str(self.token_latency_ms),
+        ]
         argv += self.worker_args
         if self.cluster_uri is not None:
-            argv += [*self.cluster_flags(), "--heartbeat-interval-sec", str(self.heartbeat_s),
-                     "--inactive-timeout-sec", str(self.inactive_timeout_s)]  # fmt: skip
+            argv += [
+                *self.cluster_flags(),
+                "--heartbeat-interval-sec",
+                str(self.heartbeat_s),
+                "--inactive-timeout-sec",
+                str(self.inactive_timeout_s),
+            ]
         return Child(f"{role} worker {index}", pinned(argv, other), port)
 
     def start(self, env: dict[str, str] | None = None) -> Deployment:
@@ -221,9 +251,22 @@ class Deployment:
         if self.cluster_uri is not None:
             ports = [self.port] + [free_port() for _ in range(self.orchestrators - 1)]
             for i, port in enumerate(ports):
-                argv = [*PYTHON, "server.cli", "orchestrator", "--port", str(port), "--model", "synthetic",
-                        *self.cluster_flags(), "--health-check-interval-s", "0.5",
-                        "--log-level", "WARNING", *MODES[self.mode], *self.orchestrator_args]  # fmt: skip
+                argv = [
+                    *PYTHON,
+                    "server.cli",
+                    "orchestrator",
+                    "--port",
+                    str(port),
+                    "--model",
+                    "synthetic",
+                    *self.cluster_flags(),
+                    "--health-check-interval-s",
+                    "0.5",
+                    "--log-level",
+                    "WARNING",
+                    *MODES[self.mode],
+                    *self.orchestrator_args,
+                ]
                 self.fronts.append(Child(f"{self.mode} orchestrator {i}", pinned(argv, front_cpus), port))
         else:
             argv = front_argv(

@@ -260,8 +260,12 @@ class EngineBench:
 
     async def one(self, seed: int, deadline: float = CLIENT_DEADLINE_S) -> tuple[bool, bool, str]:
         """(ok, hung, error) of one streaming chat request."""
-        body = {"model": "tiny", "messages": [{"role": "user", "content": f"request {seed}: tell me"}],
-                "max_tokens": MAX_TOKENS, "stream": True}  # fmt: skip
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": f"request {seed}: tell me"}],
+            "max_tokens": MAX_TOKENS,
+            "stream": True,
+        }
         try:
             async with asyncio.timeout(deadline):
                 async with self.session.post(self.url + "/v1/chat/completions", json=body) as resp:
@@ -387,9 +391,11 @@ async def run_protocol(
         await bench.start()
         for target, fault in CELLS:
             cell = await (bench.client_cell() if target == "client" else bench.fault_cell(target, fault))
-            print(f"{cell.name}: {cell.requests} requests, {cell.failures} failed, {cell.hung} hung, "
-                  f"left waiting {cell.left_waiting}, cut p50/max {cell.cut_p50_ms}/{cell.cut_max_ms} ms",
-                  flush=True)  # fmt: skip
+            print(
+                f"{cell.name}: {cell.requests} requests, {cell.failures} failed, {cell.hung} hung, "
+                f"left waiting {cell.left_waiting}, cut p50/max {cell.cut_p50_ms}/{cell.cut_max_ms} ms",
+                flush=True,
+            )
             cells.append(cell)
     finally:
         await bench.stop()
@@ -397,16 +403,20 @@ async def run_protocol(
 
 
 def table(cells: list[EngineCell]) -> str:
-    head = ("| protocol, cell | requests | legs failed by the fault | client-visible failures | fallback exists | "
-            "hung | left waiting 1 s after | partner cut (abort) p50 / max |")  # fmt: skip
+    head = (
+        "| protocol, cell | requests | legs failed by the fault | client-visible failures | fallback exists | "
+        "hung | left waiting 1 s after | partner cut (abort) p50 / max |"
+    )
     rows = [head, "|" + "---|" * 8]
     for c in cells:
         cut = "-" if c.cut_p50_ms is None else f"{c.cut_p50_ms:.1f} / {c.cut_max_ms:.1f} ms ({c.cuts})"
         if c.target != "client" and c.protocol == "sglang" and c.cuts < c.failed_legs:
             cut += f", {c.failed_legs - c.cuts} of {c.failed_legs} partners never cut"
         failed = "-" if c.target == "client" else str(c.failed_legs)
-        rows.append(f"| {c.name} | {c.requests} | {failed} | {c.failures} | {'yes' if c.fallback else 'no'} | {c.hung} | "
-                    f"{c.left_waiting} | {cut} |")  # fmt: skip
+        rows.append(
+            f"| {c.name} | {c.requests} | {failed} | {c.failures} | {'yes' if c.fallback else 'no'} | {c.hung} | "
+            f"{c.left_waiting} | {cut} |"
+        )
     return "\n".join(rows)
 
 

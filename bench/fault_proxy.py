@@ -40,8 +40,18 @@ from server.errors import error_body
 
 #: headers never forwarded (hop-by-hop, or recomputed by aiohttp)
 _HOP = frozenset(("connection", "keep-alive", "transfer-encoding", "content-length", "te", "upgrade"))
-MODES = ("pass", "reset", "hold", "stall", "freeze", "refuse", "kv_refuse", "kv_timeout", "kv_truncate",
-         "kv_delay")  # fmt: skip
+MODES = (
+    "pass",
+    "reset",
+    "hold",
+    "stall",
+    "freeze",
+    "refuse",
+    "kv_refuse",
+    "kv_timeout",
+    "kv_truncate",
+    "kv_delay",
+)
 
 
 class FaultProxy:
@@ -134,8 +144,12 @@ class FaultProxy:
         if post and mode.startswith("status:"):
             status = int(mode.split(":", 1)[1])
             headers = {"Retry-After": "1"} if status in (429, 503) else {}
-            return web.Response(status=status, body=error_body(status, "injected fault"),
-                                content_type="application/json", headers=headers)  # fmt: skip
+            return web.Response(
+                status=status,
+                body=error_body(status, "injected fault"),
+                content_type="application/json",
+                headers=headers,
+            )
         if kv and mode == "kv_refuse":
             assert request.transport is not None
             request.transport.abort()

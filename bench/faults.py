@@ -123,8 +123,14 @@ class Done:
 
 def chat_body(max_tokens: int = MAX_TOKENS, seed: int = 0) -> bytes:
     text = f"request {seed}: tell me about kernels, caches and routers " * 8
-    return json.dumps({"model": "synthetic", "messages": [{"role": "user", "content": text}],
-                       "max_tokens": max_tokens, "stream": True}).encode()  # fmt: skip
+    return json.dumps(
+        {
+            "model": "synthetic",
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": max_tokens,
+            "stream": True,
+        }
+    ).encode()
 
 
 class Bench:
@@ -141,8 +147,24 @@ class Bench:
 
     def worker(self, role: str, index: int, *extra: str) -> Child:
         port = free_port()
-        argv = [*PYTHON, "server.cli", "worker", "--model", "synthetic", "--prompt-tokens", "0", "--role", role,
-                "--port", str(port), "--kv-fetch-timeout", "1", "--drain-timeout", "2", *extra]  # fmt: skip
+        argv = [
+            *PYTHON,
+            "server.cli",
+            "worker",
+            "--model",
+            "synthetic",
+            "--prompt-tokens",
+            "0",
+            "--role",
+            role,
+            "--port",
+            str(port),
+            "--kv-fetch-timeout",
+            "1",
+            "--drain-timeout",
+            "2",
+            *extra,
+        ]
         return Child(f"{role} worker {index}", argv, port)
 
     async def start(self) -> None:
@@ -245,8 +267,9 @@ class Bench:
         start = time.monotonic()
         try:
             async with asyncio.timeout(deadline):
-                async with self.session.post(self.url + "/v1/chat/completions", data=body,
-                                             headers={"Content-Type": "application/json"}) as resp:  # fmt: skip
+                async with self.session.post(
+                    self.url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+                ) as resp:
                     data = await resp.read()
             ok = resp.status == 200 and b"data: [DONE]" in data and b'"error"' not in data
             error = "" if ok else f"{resp.status}: {data[-200:].decode(errors='replace')}"
@@ -393,8 +416,10 @@ class Bench:
         worker holds a sequence or KV. The last cell: the orchestrator is gone after it."""
         cell = Cell("orchestrator", "shutdown")
         await self.settled()
-        streams = [asyncio.ensure_future(self.one(chat_body(2000, seed=2_000_000 + i)))
-                   for i in range(self.concurrency)]  # fmt: skip
+        streams = [
+            asyncio.ensure_future(self.one(chat_body(2000, seed=2_000_000 + i)))
+            for i in range(self.concurrency)
+        ]
         deadline = time.monotonic() + 10
         while await self.kv_held() < self.concurrency and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -449,8 +474,10 @@ class Bench:
 
 
 def table(cells: list[Cell]) -> str:
-    head = ("| cell | requests | client-visible failures | hung | KV left 1 s after | time to recover | "
-            "slowest started in fault | p50 ok | fallbacks | abort p50 / p99 / max |")  # fmt: skip
+    head = (
+        "| cell | requests | client-visible failures | hung | KV left 1 s after | time to recover | "
+        "slowest started in fault | p50 ok | fallbacks | abort p50 / p99 / max |"
+    )
     rows = [head, "|" + "---|" * 10]
 
     def ms(v: float | None) -> str:
@@ -466,8 +493,10 @@ def table(cells: list[Cell]) -> str:
             else f"{ms(c.abort_p50_ms)} / {ms(c.abort_p99_ms)} / {ms(c.abort_max_ms)}"
             + (f" ({c.unfreed} not freed in 5 s)" if c.unfreed else "")
         )
-        rows.append(f"| {c.name} | {c.requests} | {c.failures} | {c.hung} | {c.kv_left} | {recover} | "
-                    f"{ms(c.worst_in_fault_ms)} | {ms(c.p50_ms)} | {c.fallbacks} | {aborts} |")  # fmt: skip
+        rows.append(
+            f"| {c.name} | {c.requests} | {c.failures} | {c.hung} | {c.kv_left} | {recover} | "
+            f"{ms(c.worst_in_fault_ms)} | {ms(c.p50_ms)} | {c.fallbacks} | {aborts} |"
+        )
     return "\n".join(rows)
 
 
@@ -484,17 +513,29 @@ def plot(cells: list[Cell], path: Path) -> None:
     )
     names = [c.name for c in faults]
     ys = range(len(faults))
-    ax_fail.barh([y - 0.2 for y in ys], [c.failures / max(1, c.requests) * 100 for c in faults], 0.4,
-                 label="client-visible failures")  # fmt: skip
+    ax_fail.barh(
+        [y - 0.2 for y in ys],
+        [c.failures / max(1, c.requests) * 100 for c in faults],
+        0.4,
+        label="client-visible failures",
+    )
     ax_fail.barh([y + 0.2 for y in ys], [c.hung for c in faults], 0.4, label="hung requests (count)")
     ax_fail.set_yticks(list(ys), names)
     ax_fail.invert_yaxis()
     ax_fail.set_xlabel("% of the cell's requests (hung: count)")
     ax_fail.legend(fontsize=8)
-    ax_time.barh([y - 0.2 for y in ys], [c.worst_in_fault_ms or 0 for c in faults], 0.4,
-                 label="slowest request started during the fault (ms)")  # fmt: skip
-    ax_time.barh([y + 0.2 for y in ys], [(c.recover_s or 0) * 1000 for c in faults], 0.4,
-                 label="time to recover after the heal (ms)")  # fmt: skip
+    ax_time.barh(
+        [y - 0.2 for y in ys],
+        [c.worst_in_fault_ms or 0 for c in faults],
+        0.4,
+        label="slowest request started during the fault (ms)",
+    )
+    ax_time.barh(
+        [y + 0.2 for y in ys],
+        [(c.recover_s or 0) * 1000 for c in faults],
+        0.4,
+        label="time to recover after the heal (ms)",
+    )
     ax_time.axvline(CONTEXT_TIMEOUT_S * 1000, color="grey", linestyle=":", label="context_timeout_s")
     ax_time.set_yticks(list(ys), [""] * len(faults))
     ax_time.invert_yaxis()
@@ -542,8 +583,11 @@ async def run(args: argparse.Namespace) -> list[Cell]:
                 cell = await bench.shutdown_cell()
             else:
                 cell = await bench.fault_cell(target, fault)
-            print(f"{cell.name}: {cell.requests} requests, {cell.failures} failed, {cell.hung} hung, "
-                  f"KV left {cell.kv_left}", flush=True)  # fmt: skip
+            print(
+                f"{cell.name}: {cell.requests} requests, {cell.failures} failed, {cell.hung} hung, "
+                f"KV left {cell.kv_left}",
+                flush=True,
+            )
             cells.append(cell)
     finally:
         await bench.stop()
@@ -592,9 +636,17 @@ def main() -> None:
     print(table(cells))
     out = RESULTS_DIR / f"faults{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"context_timeout_s": CONTEXT_TIMEOUT_S, "generation_first_byte_timeout_s": FIRST_BYTE_TIMEOUT_S, "breaker_open_s": BREAKER_OPEN_S,
-            "request_timeout_s": REQUEST_TIMEOUT_S, "client_deadline_s": CLIENT_DEADLINE_S,
-            "prefill_ms": PREFILL_MS, "token_ms": TOKEN_MS, "max_tokens": MAX_TOKENS, "quick": args.quick}  # fmt: skip
+    meta = {
+        "context_timeout_s": CONTEXT_TIMEOUT_S,
+        "generation_first_byte_timeout_s": FIRST_BYTE_TIMEOUT_S,
+        "breaker_open_s": BREAKER_OPEN_S,
+        "request_timeout_s": REQUEST_TIMEOUT_S,
+        "client_deadline_s": CLIENT_DEADLINE_S,
+        "prefill_ms": PREFILL_MS,
+        "token_ms": TOKEN_MS,
+        "max_tokens": MAX_TOKENS,
+        "quick": args.quick,
+    }
     out.write_text(json.dumps({"meta": meta, "cells": [asdict(c) for c in cells]}, indent=1))
     if not args.no_plot and not args.cells:
         plot(cells, RESULTS_DIR / f"faults{suffix}.png")

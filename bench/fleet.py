@@ -123,8 +123,16 @@ def main() -> None:
         for twin in twins:
             shared = admission_cost(config, twin, repeat)
             results[label][f"fleet_{twin}_us"] = shared * 1e6
-            rows.append([label, f"fleet ({twin})", f"{alone * 1e6:.2f}", f"{shared * 1e6:.2f}",
-                         f"{(shared - alone) * 1e6:+.2f}", f"{shared / alone:.2f}x"])  # fmt: skip
+            rows.append(
+                [
+                    label,
+                    f"fleet ({twin})",
+                    f"{alone * 1e6:.2f}",
+                    f"{shared * 1e6:.2f}",
+                    f"{(shared - alone) * 1e6:+.2f}",
+                    f"{shared / alone:.2f}x",
+                ]
+            )
     print(
         f"admission per request, in process, best of {repeat} x {BATCH} (fleet backend: {fleet_module.backend})"
     )
@@ -140,9 +148,19 @@ def main() -> None:
     alone, divided = admission_cost(limited, None, repeat), admission_cost(limited, None, repeat, (0.5, 128))
     results["several_hosts"] = {"alone_us": alone * 1e6, "divided_us": divided * 1e6}
     print()
-    print(format_table(["slots + 2 rate limits", "alone us", "one of 2 hosts us", "extra us"],
-                       [["per process", f"{alone * 1e6:.2f}", f"{divided * 1e6:.2f}",
-                         f"{(divided - alone) * 1e6:+.2f}"]]))  # fmt: skip
+    print(
+        format_table(
+            ["slots + 2 rate limits", "alone us", "one of 2 hosts us", "extra us"],
+            [
+                [
+                    "per process",
+                    f"{alone * 1e6:.2f}",
+                    f"{divided * 1e6:.2f}",
+                    f"{(divided - alone) * 1e6:+.2f}",
+                ]
+            ],
+        )
+    )
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     with open(args.json, "w") as out:
         json.dump(results, out, indent=2)

@@ -89,11 +89,29 @@ def measure(
 
         async def go() -> tuple[int, int]:
             async with new_session() as session:
-                await run_concurrency(url, body, c, max_requests=args.warmup, max_seconds=args.max_seconds,
-                                      timeout=args.timeout, request=request, session=session, label="warm-up")  # fmt: skip
+                await run_concurrency(
+                    url,
+                    body,
+                    c,
+                    max_requests=args.warmup,
+                    max_seconds=args.max_seconds,
+                    timeout=args.timeout,
+                    request=request,
+                    session=session,
+                    label="warm-up",
+                )
                 control(running.pid, "-z")
-                level = await run_concurrency(url, body, c, max_requests=args.requests, max_seconds=args.max_seconds,
-                                              timeout=args.timeout, request=request, session=session, label="measured")  # fmt: skip
+                level = await run_concurrency(
+                    url,
+                    body,
+                    c,
+                    max_requests=args.requests,
+                    max_seconds=args.max_seconds,
+                    timeout=args.timeout,
+                    request=request,
+                    session=session,
+                    label="measured",
+                )
                 control(running.pid, "-d")
                 return level.requests - level.errors, level.errors
 
@@ -117,11 +135,18 @@ def table(counts: list[Count]) -> str:
     for x in counts:
         floor = floors.get((x.prompt_tokens, x.stream, x.concurrency))
         per = x.instructions_per_request
-        rows.append([
-            x.front, f"{x.prompt_tokens:,}", "stream" if x.stream else "unary", str(x.concurrency),
-            f"{x.completed}", str(x.errors), "-" if per is None else f"{per / 1000:.1f}k",
-            f"{per / floor:.2f}x" if per and floor else "-",
-        ])  # fmt: skip
+        rows.append(
+            [
+                x.front,
+                f"{x.prompt_tokens:,}",
+                "stream" if x.stream else "unary",
+                str(x.concurrency),
+                f"{x.completed}",
+                str(x.errors),
+                "-" if per is None else f"{per / 1000:.1f}k",
+                f"{per / floor:.2f}x" if per and floor else "-",
+            ]
+        )
     head = ["front", "prompt tokens", "mode", "conc", "completed", "errors", "instructions/req", f"/{FLOOR}"]
     return format_table(head, rows)
 
@@ -182,9 +207,11 @@ def main(argv: list[str] | None = None) -> int:
                     for front in fronts:
                         count = measure(front, n, stream, c, args, Path(tmp))
                         per = count.instructions_per_request
-                        print(f"  {front} {n} {'stream' if stream else 'unary'} c={c}: {count.completed} ok, "
-                              f"{count.errors} errors, {'-' if per is None else f'{per / 1000:.1f}k'} instructions/request",
-                              flush=True)  # fmt: skip
+                        print(
+                            f"  {front} {n} {'stream' if stream else 'unary'} c={c}: {count.completed} ok, "
+                            f"{count.errors} errors, {'-' if per is None else f'{per / 1000:.1f}k'} instructions/request",
+                            flush=True,
+                        )
                         counts.append(count)
     print()
     print(table(counts))

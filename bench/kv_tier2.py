@@ -145,16 +145,22 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("device only", "tier2 memory", "tier2 files", "tier2 slower"):
             rows.append(asyncio.run(run_config(name, args, device, spill_dir)))
     base = rows[0]
-    print(f"bench.kv_tier2: tiny model, {device}, {args.torch_threads} torch threads, "
-          f"a {args.prompt_tokens}-token prefix re-visited after eviction, {args.rounds} rounds")  # fmt: skip
-    print(f"{'config':<14} {'TTFT p50 ms':>12} {'x device':>9} {'computed':>9} {'loaded':>7} "
-          f"{'load tok/s':>11} {'prefill tok/s':>14} same")  # fmt: skip
+    print(
+        f"bench.kv_tier2: tiny model, {device}, {args.torch_threads} torch threads, "
+        f"a {args.prompt_tokens}-token prefix re-visited after eviction, {args.rounds} rounds"
+    )
+    print(
+        f"{'config':<14} {'TTFT p50 ms':>12} {'x device':>9} {'computed':>9} {'loaded':>7} "
+        f"{'load tok/s':>11} {'prefill tok/s':>14} same"
+    )
     for row in rows:
         row["same_tokens"] = row["answers"] == base["answers"]
         ratio = row["ttft_p50_ms"] / base["ttft_p50_ms"]
-        print(f"{row['config']:<14} {row['ttft_p50_ms']:>12.2f} {ratio:>8.2f}x {row['computed_p50']:>9.0f} "
-              f"{row['loaded_blocks']:>7} {row['load_tokens_per_s'] or '-':>11} "
-              f"{row['prefill_tokens_per_s'] or '-':>14} {row['same_tokens']}")  # fmt: skip
+        print(
+            f"{row['config']:<14} {row['ttft_p50_ms']:>12.2f} {ratio:>8.2f}x {row['computed_p50']:>9.0f} "
+            f"{row['loaded_blocks']:>7} {row['load_tokens_per_s'] or '-':>11} "
+            f"{row['prefill_tokens_per_s'] or '-':>14} {row['same_tokens']}"
+        )
     if args.output is not None:
         rows = [{k: v for k, v in row.items() if k != "answers"} for row in rows]
         args.output.write_text(json.dumps({"args": vars(args) | {"output": str(args.output)}, "rows": rows}))

@@ -34,14 +34,23 @@ from bench.workload import chat_body
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 #: defaults of the flags whose default depends on the mode (``--abuse`` has its own: bench/abuse.py)
-LOAD_DEFAULTS = {"concurrency": "16,64,256,1024", "prompt_tokens": 40_000, "max_tokens": 16,
-                 "duration": 60.0, "timeout": 60.0}  # fmt: skip
+LOAD_DEFAULTS = {
+    "concurrency": "16,64,256,1024",
+    "prompt_tokens": 40_000,
+    "max_tokens": 16,
+    "duration": 60.0,
+    "timeout": 60.0,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", default=None, help=f"base URL of the server under load (default {DEFAULT_URL}; "
-                   "with --abuse: the target instead of a deployment of its own)")  # fmt: skip
+    p.add_argument(
+        "--url",
+        default=None,
+        help=f"base URL of the server under load (default {DEFAULT_URL}; "
+        "with --abuse: the target instead of a deployment of its own)",
+    )
     p.add_argument("--route", default="/v1/chat/completions")
     p.add_argument(
         "--concurrency", default=None, help="comma-separated closed-loop levels (default 16,64,256,1024)"
@@ -64,25 +73,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", type=Path, default=None, help="PNG plot path (default bench/results/...)")
     p.add_argument("--compare", action="store_true", help="run every orchestrator mode on synthetic workers")
     p.add_argument("--chaos", action="store_true", help="kill/restart a generation worker during load")
-    p.add_argument("--cluster", action="store_true",
-                   help="the chaos run with discovery: etcd, 2 orchestrators, 2+2 registered workers; "
-                        "kills workers and etcd, reports failures and time to reroute")  # fmt: skip
+    p.add_argument(
+        "--cluster",
+        action="store_true",
+        help="the chaos run with discovery: etcd, 2 orchestrators, 2+2 registered workers; "
+        "kills workers and etcd, reports failures and time to reroute",
+    )
     p.add_argument("--chaos-interval", type=float, default=3.0, help="seconds between worker kills")
     p.add_argument("--chaos-concurrency", type=int, default=64, help="concurrent streams during --chaos")
-    p.add_argument("--abuse", action="store_true",
-                   help="honest load, clean and beside hostile clients (bench/abuse.py)")  # fmt: skip
-    p.add_argument("--context-metrics", default=None,
-                   help="--abuse --url: the context worker's base URL, for its KV gauge")  # fmt: skip
+    p.add_argument(
+        "--abuse", action="store_true", help="honest load, clean and beside hostile clients (bench/abuse.py)"
+    )
+    p.add_argument(
+        "--context-metrics",
+        default=None,
+        help="--abuse --url: the context worker's base URL, for its KV gauge",
+    )
     p.add_argument("--abandon-batch", type=int, default=None, help="--abuse: abandoned requests per round")
     p.add_argument("--slowloris", type=int, default=None, help="--abuse: slow-header connections")
-    p.add_argument("--max-body-bytes", type=int, default=None,
-                   help="--abuse: the target's body limit (default the orchestrator's)")  # fmt: skip
-    p.add_argument("--header-timeout-s", type=float, default=None,
-                   help="--abuse: the target's header timeout (default the orchestrator's)")  # fmt: skip
-    p.add_argument("--keepalive-timeout-s", type=float, default=None,
-                   help="--abuse: the target's keep-alive timeout (default the orchestrator's)")  # fmt: skip
-    p.add_argument("--tenants-only", action="store_true",
-                   help="--abuse: only the tenant phases (issue 36: breaker, priority, token-limit abuse)")  # fmt: skip
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=None,
+        help="--abuse: the target's body limit (default the orchestrator's)",
+    )
+    p.add_argument(
+        "--header-timeout-s",
+        type=float,
+        default=None,
+        help="--abuse: the target's header timeout (default the orchestrator's)",
+    )
+    p.add_argument(
+        "--keepalive-timeout-s",
+        type=float,
+        default=None,
+        help="--abuse: the target's keep-alive timeout (default the orchestrator's)",
+    )
+    p.add_argument(
+        "--tenants-only",
+        action="store_true",
+        help="--abuse: only the tenant phases (issue 36: breaker, priority, token-limit abuse)",
+    )
     p.add_argument("--no-tenants", action="store_true", help="--abuse: without the tenant phases")
     p.add_argument("--quick", action="store_true", help="small levels, for a smoke run")
     return p

@@ -32,13 +32,32 @@ def compare(args: argparse.Namespace) -> int:
     for front in FRONTS:
         with Deployment(front, args.prompt_tokens) as dep:
             url = dep.url + "/v1/chat/completions"
-            asyncio.run(run_concurrency(url, body, 4, max_requests=16, max_seconds=30, timeout=args.timeout,
-                                        label=f"{front} warm-up"))  # fmt: skip
+            asyncio.run(
+                run_concurrency(
+                    url,
+                    body,
+                    4,
+                    max_requests=16,
+                    max_seconds=30,
+                    timeout=args.timeout,
+                    label=f"{front} warm-up",
+                )
+            )
             for c in levels_c:
                 n = args.requests or max(200, 2 * c)
-                results.append(asyncio.run(run_concurrency(
-                    url, body, c, max_requests=n, max_seconds=args.duration, timeout=args.timeout,
-                    label=f"{front} c={c}")))  # fmt: skip
+                results.append(
+                    asyncio.run(
+                        run_concurrency(
+                            url,
+                            body,
+                            c,
+                            max_requests=n,
+                            max_seconds=args.duration,
+                            timeout=args.timeout,
+                            label=f"{front} c={c}",
+                        )
+                    )
+                )
     print(table(results))
     print(summary(results))
     out = args.output or RESULTS_DIR / "load_compare.json"
@@ -64,8 +83,10 @@ def summary(results: list[LevelResult]) -> str:
         (lv for lv in results if lv.label.startswith("both-gates ")), key=lambda lv: lv.completions_per_s
     )
     # The baseline's saturating concurrency: the lowest level within 5% of its best throughput.
-    saturating = min((lv for lv in base if lv.completions_per_s >= 0.95 * best_base.completions_per_s),
-                     key=lambda lv: lv.concurrency or 0)  # fmt: skip
+    saturating = min(
+        (lv for lv in base if lv.completions_per_s >= 0.95 * best_base.completions_per_s),
+        key=lambda lv: lv.concurrency or 0,
+    )
     fast_there = by.get(f"both-gates c={saturating.concurrency}")
     lines = [
         "",
@@ -117,8 +138,15 @@ async def _chaos_run(args: argparse.Namespace, dep: Deployment) -> dict:
                 pass
 
     tasks = [asyncio.create_task(chaos()), asyncio.create_task(sample_rss())]
-    level = await run_concurrency(url, body, args.chaos_concurrency, max_requests=10**9, max_seconds=duration,
-                                  timeout=args.timeout, label="chaos")  # fmt: skip
+    level = await run_concurrency(
+        url,
+        body,
+        args.chaos_concurrency,
+        max_requests=10**9,
+        max_seconds=duration,
+        timeout=args.timeout,
+        label="chaos",
+    )
     stop.set()
     await asyncio.gather(*tasks)
     return {"level": level, "kills": kills, "rss": rss}
@@ -136,10 +164,14 @@ def chaos(args: argparse.Namespace) -> int:
     growth = (second - first) / first if first else 0.0
     print(table([level]))
     print(f"\ngeneration workers killed: {out['kills']}")
-    print(f"requests: {level.requests}, failed: {level.errors} ({level.errors / max(1, level.requests):.1%}), "
-          f"hung past the {args.timeout:.0f} s timeout: {level.timeouts}")  # fmt: skip
-    print(f"orchestrator RSS: first half peak {first / 2**20:.1f} MiB, second half peak {second / 2**20:.1f} MiB "
-          f"({growth:+.1%})")  # fmt: skip
+    print(
+        f"requests: {level.requests}, failed: {level.errors} ({level.errors / max(1, level.requests):.1%}), "
+        f"hung past the {args.timeout:.0f} s timeout: {level.timeouts}"
+    )
+    print(
+        f"orchestrator RSS: first half peak {first / 2**20:.1f} MiB, second half peak {second / 2**20:.1f} MiB "
+        f"({growth:+.1%})"
+    )
     for sample in level.error_samples:
         print("  error sample:", sample[:160])
     path = args.output or RESULTS_DIR / "chaos.json"

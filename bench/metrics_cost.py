@@ -98,8 +98,13 @@ class OldCounterChild:
 class OldCounter(_OldMetric):
     kind = "counter"
 
-    def __init__(self, name: str, help_text: str, labelnames: Sequence[str] = (),
-                 callback: Callable[[], float] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        help_text: str,
+        labelnames: Sequence[str] = (),
+        callback: Callable[[], float] | None = None,
+    ) -> None:
         super().__init__(name, help_text, labelnames)
         self.values: dict[LabelValues, float] = {}
         self.callback = callback
@@ -124,8 +129,13 @@ class OldCounter(_OldMetric):
 class OldGauge(_OldMetric):
     kind = "gauge"
 
-    def __init__(self, name: str, help_text: str, labelnames: Sequence[str] = (),
-                 callback: Callable[[], float] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        help_text: str,
+        labelnames: Sequence[str] = (),
+        callback: Callable[[], float] | None = None,
+    ) -> None:
         super().__init__(name, help_text, labelnames)
         self.values: dict[LabelValues, float] = {}
         self.callback = callback
@@ -173,8 +183,13 @@ class OldHistogramChild:
 class OldHistogram(_OldMetric):
     kind = "histogram"
 
-    def __init__(self, name: str, help_text: str, labelnames: Sequence[str] = (),
-                 buckets: Sequence[float] = DEFAULT_BUCKETS) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        help_text: str,
+        labelnames: Sequence[str] = (),
+        buckets: Sequence[float] = DEFAULT_BUCKETS,
+    ) -> None:
         super().__init__(name, help_text, labelnames)
         self.buckets = tuple(sorted(buckets))
         self.values: dict[LabelValues, tuple[list[int], list[float]]] = {}
@@ -225,16 +240,32 @@ class OldRegistry:
         self.metrics.append(metric)
         return metric
 
-    def counter(self, name: str, help_text: str, labelnames: Sequence[str] = (),
-                callback: Callable[[], float] | None = None) -> OldCounter:  # fmt: skip
+    def counter(
+        self,
+        name: str,
+        help_text: str,
+        labelnames: Sequence[str] = (),
+        callback: Callable[[], float] | None = None,
+    ) -> OldCounter:
         return self._add(OldCounter(name, help_text, labelnames, callback))
 
-    def gauge(self, name: str, help_text: str, labelnames: Sequence[str] = (),
-              callback: Callable[[], float] | None = None, **_: Any) -> OldGauge:  # fmt: skip
+    def gauge(
+        self,
+        name: str,
+        help_text: str,
+        labelnames: Sequence[str] = (),
+        callback: Callable[[], float] | None = None,
+        **_: Any,
+    ) -> OldGauge:
         return self._add(OldGauge(name, help_text, labelnames, callback))
 
-    def histogram(self, name: str, help_text: str, labelnames: Sequence[str] = (),
-                  buckets: Sequence[float] = DEFAULT_BUCKETS) -> OldHistogram:  # fmt: skip
+    def histogram(
+        self,
+        name: str,
+        help_text: str,
+        labelnames: Sequence[str] = (),
+        buckets: Sequence[float] = DEFAULT_BUCKETS,
+    ) -> OldHistogram:
         return self._add(OldHistogram(name, help_text, labelnames, buckets))
 
     def render(self) -> bytes:
@@ -261,8 +292,9 @@ class OrchestratorMetrics:
         )
         retries = registry.counter("fastcore_orchestrator_retries_total", "Retries.", ("leg",))
         self.retries_leg = {leg: retries.labels(leg=leg) for leg in ("context", "generation")}
-        self.worker_in_flight = registry.gauge("fastcore_orchestrator_worker_in_flight", "Per worker.",
-                                               ("pool", "url"))  # fmt: skip
+        self.worker_in_flight = registry.gauge(
+            "fastcore_orchestrator_worker_in_flight", "Per worker.", ("pool", "url")
+        )
         cpu = registry.histogram("fastcore_orchestrator_cpu_seconds", "CPU by phase.", ("phase",))
         self.cpu_phase = {phase: cpu.labels(phase=phase) for phase in PHASES}
         self.context_leg = registry.histogram(
@@ -335,15 +367,24 @@ def run_child(mode: str) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="metrics-cost-") as tmp:
         if mode == "prometheus_client mmap":
             env["PROMETHEUS_MULTIPROC_DIR"] = tmp
-        out = subprocess.run([sys.executable, "-m", "bench.metrics_cost", "--child", mode], env=env,
-                             check=True, capture_output=True, text=True)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-m", "bench.metrics_cost", "--child", mode],
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
     return json.loads(out.stdout)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budget-us", type=float, default=LEAN_PATH_US,
-                        help="the orchestrator's CPU per request, µs (default 400: fast path, 1k tokens)")  # fmt: skip
+    parser.add_argument(
+        "--budget-us",
+        type=float,
+        default=LEAN_PATH_US,
+        help="the orchestrator's CPU per request, µs (default 400: fast path, 1k tokens)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the numbers here")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -366,9 +407,11 @@ def main(argv: list[str] | None = None) -> int:
     for mode in MODES[1:]:
         added_us = (results[mode][per_request] - old[per_request]) / 1000
         total_us = results[mode][per_request] / 1000
-        print(f"{mode}: {total_us:.2f} µs per request in all, +{added_us:.2f} µs over the hand-written "
-              f"registry: {100 * added_us / args.budget_us:.2f}% of the {args.budget_us:.0f} µs lean-path "
-              f"budget ({100 * total_us / args.budget_us:.2f}% in all)")  # fmt: skip
+        print(
+            f"{mode}: {total_us:.2f} µs per request in all, +{added_us:.2f} µs over the hand-written "
+            f"registry: {100 * added_us / args.budget_us:.2f}% of the {args.budget_us:.0f} µs lean-path "
+            f"budget ({100 * total_us / args.budget_us:.2f}% in all)"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"budget_us": args.budget_us, "ns": results}, f, indent=2)

@@ -47,18 +47,31 @@ class Measurement:
     ttft_p50_ms: float | None
 
 
-def measure(front: str, prompt_tokens: int, *, requests: int, concurrency: int, max_tokens: int,
-            max_seconds: float) -> Measurement:  # fmt: skip
+def measure(
+    front: str, prompt_tokens: int, *, requests: int, concurrency: int, max_tokens: int, max_seconds: float
+) -> Measurement:
     body = chat_body(prompt_tokens, model="synthetic", max_tokens=max_tokens)
     with Deployment(front, prompt_tokens) as dep:
         url = dep.url + "/v1/chat/completions"
-        warm = asyncio.run(run_concurrency(url, body, 4, max_requests=20, max_seconds=30, timeout=60,
-                                           label=f"{front} warm-up"))  # fmt: skip
+        warm = asyncio.run(
+            run_concurrency(
+                url, body, 4, max_requests=20, max_seconds=30, timeout=60, label=f"{front} warm-up"
+            )
+        )
         if warm.errors:
             raise RuntimeError(f"{front}: warm-up failed: {warm.error_samples}")
         cpu0 = dep.front_cpu_seconds()
-        level = asyncio.run(run_concurrency(url, body, concurrency, max_requests=requests, max_seconds=max_seconds,
-                                            timeout=60, label=f"{front} {prompt_tokens // 1000}k"))  # fmt: skip
+        level = asyncio.run(
+            run_concurrency(
+                url,
+                body,
+                concurrency,
+                max_requests=requests,
+                max_seconds=max_seconds,
+                timeout=60,
+                label=f"{front} {prompt_tokens // 1000}k",
+            )
+        )
         cpu = dep.front_cpu_seconds() - cpu0
     return Measurement(
         front=front,
@@ -84,12 +97,36 @@ def report(results: list[Measurement]) -> str:
             vs_base = f"{base.cpu_ms_per_request / m.cpu_ms_per_request:.2f}x" if base else "-"
             vs_floor = f"{m.cpu_ms_per_request / floor.cpu_ms_per_request:.2f}x" if floor else "-"
             tput = f"{m.completions_per_s / base.completions_per_s:.2f}x" if base else "-"
-            table.append([front, m.requests, m.errors, f"{m.cpu_ms_per_request:.3f}", vs_base, vs_floor,
-                          f"{m.completions_per_s:.1f}", tput, m.ttft_p50_ms])  # fmt: skip
+            table.append(
+                [
+                    front,
+                    m.requests,
+                    m.errors,
+                    f"{m.cpu_ms_per_request:.3f}",
+                    vs_base,
+                    vs_floor,
+                    f"{m.completions_per_s:.1f}",
+                    tput,
+                    m.ttft_p50_ms,
+                ]
+            )
         out.append(f"\n### {n:,} prompt tokens\n")
-        out.append(format_table(
-            ["front", "reqs", "errors", "CPU ms/req", "CPU: parsed/this", "CPU: this/floor",
-             "compl/s", "compl/s vs parsed", "TTFT p50 ms"], table))  # fmt: skip
+        out.append(
+            format_table(
+                [
+                    "front",
+                    "reqs",
+                    "errors",
+                    "CPU ms/req",
+                    "CPU: parsed/this",
+                    "CPU: this/floor",
+                    "compl/s",
+                    "compl/s vs parsed",
+                    "TTFT p50 ms",
+                ],
+                table,
+            )
+        )
     return "\n".join(out)
 
 
@@ -111,8 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for n in (int(x) for x in args.prompt_tokens.split(",")):
         for front in args.fronts.split(","):
-            results.append(measure(front, n, requests=args.requests, concurrency=args.concurrency,
-                                   max_tokens=args.max_tokens, max_seconds=args.max_seconds))  # fmt: skip
+            results.append(
+                measure(
+                    front,
+                    n,
+                    requests=args.requests,
+                    concurrency=args.concurrency,
+                    max_tokens=args.max_tokens,
+                    max_seconds=args.max_seconds,
+                )
+            )
     print(report(results))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps([asdict(m) for m in results], indent=2))

@@ -291,9 +291,14 @@ def mock_gates(mode: str) -> list[str]:
 
 
 def start_on_mocks(
-    name: str, argv_for: Callable[[int, str, str], list[str]], flavor: str, workdir: Path,
-    mock_args: list[str] | None = None, env: dict[str, str] | None = None, wrap: Wrap | None = None,
-) -> Running:  # fmt: skip
+    name: str,
+    argv_for: Callable[[int, str, str], list[str]],
+    flavor: str,
+    workdir: Path,
+    mock_args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    wrap: Wrap | None = None,
+) -> Running:
     """A front (``argv_for(port, prefill, decode)``) on instant mocks of ``flavor``'s PD protocol
     (``bench/pd_mocks.py`` with ``mock_args``, on the client's cores), its log in ``workdir``;
     ``wrap``: what runs the front's argv (bench.front_instructions: valgrind), given time to start."""

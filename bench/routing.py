@@ -52,8 +52,13 @@ def bodies(n: int) -> list[bytes]:
     out = []
     for c in range(CONVERSATIONS):
         messages = [system, *agentic_messages(n, seed=c + 1)[1:]]
-        body = {"model": "tiny", "messages": messages, "max_tokens": 16, "stream": False,
-                "conversation_id": f"conv-{c}"}  # fmt: skip
+        body = {
+            "model": "tiny",
+            "messages": messages,
+            "max_tokens": 16,
+            "stream": False,
+            "conversation_id": f"conv-{c}",
+        }
         out.append(json.dumps(body).encode())
     return out
 
@@ -86,8 +91,16 @@ def run(sizes: list[int], fleets: list[int]) -> str:
         )
         for fleet in fleets:
             rows.extend(_rows(n, fleet, batch, relay_s, rng))
-    headers = ["prompt tokens", "workers", "router", "body", "routing µs / req", "vs round_robin",
-               "+ relay µs / req", "vs round_robin + relay"]  # fmt: skip
+    headers = [
+        "prompt tokens",
+        "workers",
+        "router",
+        "body",
+        "routing µs / req",
+        "vs round_robin",
+        "+ relay µs / req",
+        "vs round_robin + relay",
+    ]
     return format_table(headers, rows)
 
 

@@ -100,8 +100,12 @@ def load_trace(path: Path, n: int | None = None, start: int = 0) -> list[TraceRe
                 continue
             try:
                 doc = json.loads(line)
-                req = TraceRequest(int(doc["timestamp"]), int(doc["input_length"]), int(doc["output_length"]),
-                                   [int(h) for h in doc["hash_ids"]])  # fmt: skip
+                req = TraceRequest(
+                    int(doc["timestamp"]),
+                    int(doc["input_length"]),
+                    int(doc["output_length"]),
+                    [int(h) for h in doc["hash_ids"]],
+                )
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{number}: not a trace request ({exc!r})") from None
             if req.input_length < 1 or not req.hash_ids:
@@ -274,16 +278,20 @@ async def replay(
 
 def _config(routing: dict[str, Any], max_local_prefill: int) -> dict[str, Any]:
     router = {"type": routing["router"]}
-    config: dict[str, Any] = {"context_servers": {"router": router}, "generation_servers": {"router": router},
-                              "request_timeout_s": 600}  # fmt: skip
+    config: dict[str, Any] = {
+        "context_servers": {"router": router},
+        "generation_servers": {"router": router},
+        "request_timeout_s": 600,
+    }
     if routing.get("conditional"):
         config["conditional_disagg_config"] = {"max_local_prefill_length": max_local_prefill}
     return config
 
 
 @contextlib.contextmanager
-def deployment(args: argparse.Namespace, routing: str, orchestrators: int, kv_tokens: int, rate: float,
-               tmp: Path) -> Iterator[Deployment]:  # fmt: skip
+def deployment(
+    args: argparse.Namespace, routing: str, orchestrators: int, kv_tokens: int, rate: float, tmp: Path
+) -> Iterator[Deployment]:
     """The workers and ``orchestrators`` orchestrators (through a local etcd when several)."""
     path = tmp / f"{routing.replace('+', '_')}.json"  # YAML is a superset of JSON
     path.write_text(json.dumps(_config(ROUTINGS[routing], args.max_local_prefill)))
@@ -291,8 +299,12 @@ def deployment(args: argparse.Namespace, routing: str, orchestrators: int, kv_to
     if rate:
         workers += ["--prefill-tokens-per-s", str(rate)]
     if ROUTINGS[routing].get("tier2"):
-        workers += ["--kv-tier2-tokens", str(int(kv_tokens * args.tier2_factor)),
-                    "--tier2-load-tokens-per-s", str(args.tier2_load_tokens_per_s)]  # fmt: skip
+        workers += [
+            "--kv-tier2-tokens",
+            str(int(kv_tokens * args.tier2_factor)),
+            "--tier2-load-tokens-per-s",
+            str(args.tier2_load_tokens_per_s),
+        ]
     etcd = None
     if orchestrators > 1:
         from server.cluster.local_etcd import LocalEtcd
@@ -315,8 +327,10 @@ def deployment(args: argparse.Namespace, routing: str, orchestrators: int, kv_to
 
 
 async def _every_front_routes_every_worker(dep: Deployment, timeout: float = 60.0) -> None:
-    want = {role: {f"http://127.0.0.1:{w.port}" for w in dep.workers if w.name.startswith(role)}
-            for role in ("context", "generation")}  # fmt: skip
+    want = {
+        role: {f"http://127.0.0.1:{w.port}" for w in dep.workers if w.name.startswith(role)}
+        for role in ("context", "generation")
+    }
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as probe:
         while time.monotonic() < deadline:
@@ -327,9 +341,17 @@ async def _every_front_routes_every_worker(dep: Deployment, timeout: float = 60.
     raise RuntimeError(f"the orchestrators did not find every worker within {timeout:.0f} s")
 
 
-def run_one(args: argparse.Namespace, routing: str, orchestrators: int, requests: list[TraceRequest],
-            bodies: list[bytes], kv_tokens: int, rate: float, oracle_fraction: float,
-            tmp: Path) -> RunResult:  # fmt: skip
+def run_one(
+    args: argparse.Namespace,
+    routing: str,
+    orchestrators: int,
+    requests: list[TraceRequest],
+    bodies: list[bytes],
+    kv_tokens: int,
+    rate: float,
+    oracle_fraction: float,
+    tmp: Path,
+) -> RunResult:
     with deployment(args, routing, orchestrators, kv_tokens, rate, tmp) as dep:
         pids = [f.proc.pid for f in dep.fronts if f.proc is not None]
         contexts = [f"http://127.0.0.1:{w.port}" for w in dep.workers if w.name.startswith("context")]
@@ -369,8 +391,11 @@ def table(results: list[RunResult]) -> str:
         "vs round_robin | prefill tokens computed | TTFT p50 ms | TTFT p90 ms | ctx busy | orch CPU µs/req |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    base = {(r.orchestrators, r.bytes_per_token, r.prefill_tokens_per_s): r for r in results
-            if r.routing == "round_robin"}  # fmt: skip
+    base = {
+        (r.orchestrators, r.bytes_per_token, r.prefill_tokens_per_s): r
+        for r in results
+        if r.routing == "round_robin"
+    }
     for r in results:
         rr = base.get((r.orchestrators, r.bytes_per_token, r.prefill_tokens_per_s))
         vs_rr = f"{r.prefix_hit_tokens / rr.prefix_hit_tokens:.2f}x" if rr and rr.prefix_hit_tokens else "-"
@@ -421,9 +446,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace", type=Path, default=TRACE, help="a Mooncake-format JSONL trace (default: the shipped one)"
     )
     p.add_argument("--n", type=int, default=300, help="replay N requests (default 300)")
-    p.add_argument("--start", type=int, default=-300,
-                   help="from request START, negative: from the end (default -300: the last 300; the trace's "
-                        "first requests open conversations, its last ones continue them)")  # fmt: skip
+    p.add_argument(
+        "--start",
+        type=int,
+        default=-300,
+        help="from request START, negative: from the end (default -300: the last 300; the trace's "
+        "first requests open conversations, its last ones continue them)",
+    )
     p.add_argument(
         "--speedup", type=float, default=4.0, help="divide the trace's timestamps by this (default 4)"
     )
@@ -434,22 +463,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--bytes-per-token", type=int, default=4, help="the workers' text bytes per id (default 4)"
     )
-    p.add_argument("--kv-fraction", type=float, default=0.25,
-                   help="the context workers' KV together, as a fraction of the working set (default 0.25)")  # fmt: skip
-    p.add_argument("--prefill-tokens-per-s", type=float, default=0.0,
-                   help="each worker's prefill compute (default 0: prefill takes no time)")  # fmt: skip
-    p.add_argument("--target-busy", type=float, default=0.0,
-                   help="derive --prefill-tokens-per-s so that round robin keeps the context workers this busy "
-                        "(a first round-robin run without a prefill cost measures what it computes)")  # fmt: skip
-    p.add_argument("--tier2-factor", type=float, default=4.0,
-                   help="the +tier2 routings: each worker's second KV tier, x its KV (default 4)")  # fmt: skip
-    p.add_argument("--tier2-load-tokens-per-s", type=float, default=0.0,
-                   help="the +tier2 routings: the tier's load rate (default 0: instant; below the prefill rate "
-                        "the workers do not take it)")  # fmt: skip
+    p.add_argument(
+        "--kv-fraction",
+        type=float,
+        default=0.25,
+        help="the context workers' KV together, as a fraction of the working set (default 0.25)",
+    )
+    p.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=0.0,
+        help="each worker's prefill compute (default 0: prefill takes no time)",
+    )
+    p.add_argument(
+        "--target-busy",
+        type=float,
+        default=0.0,
+        help="derive --prefill-tokens-per-s so that round robin keeps the context workers this busy "
+        "(a first round-robin run without a prefill cost measures what it computes)",
+    )
+    p.add_argument(
+        "--tier2-factor",
+        type=float,
+        default=4.0,
+        help="the +tier2 routings: each worker's second KV tier, x its KV (default 4)",
+    )
+    p.add_argument(
+        "--tier2-load-tokens-per-s",
+        type=float,
+        default=0.0,
+        help="the +tier2 routings: the tier's load rate (default 0: instant; below the prefill rate "
+        "the workers do not take it)",
+    )
     p.add_argument("--max-output-tokens", type=int, default=32, help="max_tokens at most this (default 32)")
     p.add_argument("--token-latency-ms", type=float, default=0.0, help="workers' time per further token")
-    p.add_argument("--max-local-prefill", type=int, default=4096,
-                   help="conditional_disagg_config.max_local_prefill_length (default 4096)")  # fmt: skip
+    p.add_argument(
+        "--max-local-prefill",
+        type=int,
+        default=4096,
+        help="conditional_disagg_config.max_local_prefill_length (default 4096)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
     p.add_argument(
         "--quick", action="store_true", help="the last 60 requests, 1 and 2 orchestrators, 2 routings"
@@ -470,8 +523,10 @@ def main(argv: list[str] | None = None) -> int:
     names = [n.strip() for n in args.routings.split(",") if n.strip()]
     unknown = sorted(set(names) - set(ROUTINGS))
     if unknown:
-        print(f"python -m bench.trace: unknown routing {', '.join(unknown)}; choose from {', '.join(ROUTINGS)}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"python -m bench.trace: unknown routing {', '.join(unknown)}; choose from {', '.join(ROUTINGS)}",
+            file=sys.stderr,
+        )
         return 2
     try:
         counts = [int(c) for c in args.orchestrators.split(",") if c.strip()]
@@ -486,10 +541,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     texts = BlockTexts(args.bytes_per_token)
     prompts = [texts.prompt(r, args.bytes_per_token) for r in requests]
-    bodies = [json.dumps({"model": "synthetic", "messages": [{"role": "user", "content": c}],
-                          "max_tokens": max(1, min(r.output_length, args.max_output_tokens)), "temperature": 0,
-                          "stream": True, "stream_options": {"include_usage": True}}).encode()
-              for r, c in zip(requests, prompts)]  # fmt: skip
+    bodies = [
+        json.dumps(
+            {
+                "model": "synthetic",
+                "messages": [{"role": "user", "content": c}],
+                "max_tokens": max(1, min(r.output_length, args.max_output_tokens)),
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        ).encode()
+        for r, c in zip(requests, prompts)
+    ]
     working = working_set_tokens(requests)
     fleet = max(1, int(working * args.kv_fraction))
     kv_tokens = max(TRACE_BLOCK_TOKENS, fleet // args.context_workers)
@@ -499,13 +563,18 @@ def main(argv: list[str] | None = None) -> int:
     tiered = oracle(
         prompts, args.bytes_per_token, int(kv_tokens * (1 + args.tier2_factor)) * args.context_workers
     )
-    print(f"unbounded cache {unbounded:.3f}; pooled oracle of device + tier 2 ({1 + args.tier2_factor:g}x the KV) "
-          f"{tiered[0] / max(1, total):.3f}", file=sys.stderr)  # fmt: skip
+    print(
+        f"unbounded cache {unbounded:.3f}; pooled oracle of device + tier 2 ({1 + args.tier2_factor:g}x the KV) "
+        f"{tiered[0] / max(1, total):.3f}",
+        file=sys.stderr,
+    )
     span = requests[-1].timestamp_ms / 1000 / args.speedup
-    print(f"{len(requests)} requests over {span:.0f} s (x{args.speedup:g}), {total:,} prompt ids, working set "
-          f"{working:,} tokens; KV {kv_tokens:,} tokens x {args.context_workers} context workers; pooled oracle "
-          f"{oracle_fraction:.3f} (512-token blocks: {block_oracle(requests, kv_tokens * args.context_workers):.3f})",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"{len(requests)} requests over {span:.0f} s (x{args.speedup:g}), {total:,} prompt ids, working set "
+        f"{working:,} tokens; KV {kv_tokens:,} tokens x {args.context_workers} context workers; pooled oracle "
+        f"{oracle_fraction:.3f} (512-token blocks: {block_oracle(requests, kv_tokens * args.context_workers):.3f})",
+        file=sys.stderr,
+    )
     rate = args.prefill_tokens_per_s
     results: list[RunResult] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -514,22 +583,36 @@ def main(argv: list[str] | None = None) -> int:
                 args, "round_robin", 1, requests, bodies, kv_tokens, 0.0, oracle_fraction, Path(tmp)
             )
             rate = round(probe.prefill_computed_tokens / (span * args.context_workers * args.target_busy))
-            print(f"round_robin computes {probe.prefill_computed_tokens:,} ids over {span:.0f} s: "
-                  f"--prefill-tokens-per-s {rate:,} for {args.target_busy:.0%} busy", file=sys.stderr)  # fmt: skip
+            print(
+                f"round_robin computes {probe.prefill_computed_tokens:,} ids over {span:.0f} s: "
+                f"--prefill-tokens-per-s {rate:,} for {args.target_busy:.0%} busy",
+                file=sys.stderr,
+            )
         for count in counts:
             for name in names:
                 r = run_one(args, name, count, requests, bodies, kv_tokens, rate, oracle_fraction, Path(tmp))
                 results.append(r)
-                print(f"{name} x{count}: hit {r.hit_fraction:.3f} (oracle {r.oracle_fraction:.3f}), errors "
-                      f"{r.errors}, TTFT p50 {r.ttft_p50_ms} ms", file=sys.stderr)  # fmt: skip
+                print(
+                    f"{name} x{count}: hit {r.hit_fraction:.3f} (oracle {r.oracle_fraction:.3f}), errors "
+                    f"{r.errors}, TTFT p50 {r.ttft_p50_ms} ms",
+                    file=sys.stderr,
+                )
     print(table(results))
     for r in results:
         for sample in r.error_samples:
             print(f"  {r.routing} x{r.orchestrators} error: {sample}")
     out = args.output or RESULTS_DIR / "trace.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args) | {"kv_tokens": kv_tokens, "prefill_tokens_per_s": rate},
-                               "results": [asdict(r) for r in results]}, indent=2, default=str))  # fmt: skip
+    out.write_text(
+        json.dumps(
+            {
+                "args": vars(args) | {"kv_tokens": kv_tokens, "prefill_tokens_per_s": rate},
+                "results": [asdict(r) for r in results],
+            },
+            indent=2,
+            default=str,
+        )
+    )
     print(f"\nresults: {out}")
     if not args.no_plot:
         png = out.with_suffix(".png")

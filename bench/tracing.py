@@ -150,13 +150,20 @@ def live_cpu_ms(
         if warm.errors:
             raise RuntimeError(f"{setting}: warm-up failed: {warm.error_samples}")
         cpu0 = dep.front_cpu_seconds()
-        level = asyncio.run(run_concurrency(url, body, concurrency, max_requests=requests, max_seconds=120,
-                                            timeout=60, label=setting))  # fmt: skip
+        level = asyncio.run(
+            run_concurrency(
+                url, body, concurrency, max_requests=requests, max_seconds=120, timeout=60, label=setting
+            )
+        )
         cpu = dep.front_cpu_seconds() - cpu0
     finally:
         dep.stop()
-    return {"setting": setting, "requests": level.requests, "errors": level.errors,
-            "cpu_ms_per_request": round(1000 * cpu / max(1, level.requests), 4)}  # fmt: skip
+    return {
+        "setting": setting,
+        "requests": level.requests,
+        "errors": level.errors,
+        "cpu_ms_per_request": round(1000 * cpu / max(1, level.requests), 4),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,14 +182,23 @@ def main(argv: list[str] | None = None) -> int:
         hooks = {s: hooks_cpu_us(s, endpoint, args.hooks) for s in SETTINGS}
         results["hooks_cpu_us_per_request"] = {s: round(v, 2) for s, v in hooks.items()}
         print("\n### The orchestrator's tracing hooks, in process (CPU per request)\n")
-        print(format_table(["setting", "CPU µs/req", "vs off"],
-                           [[s, f"{v:.2f}", f"+{v - hooks['off']:.2f} µs"] for s, v in hooks.items()]))  # fmt: skip
+        print(
+            format_table(
+                ["setting", "CPU µs/req", "vs off"],
+                [[s, f"{v:.2f}", f"+{v - hooks['off']:.2f} µs"] for s, v in hooks.items()],
+            )
+        )
         if not args.hooks_only:
             runs: dict[str, list[float]] = {s: [] for s in SETTINGS}
             for _ in range(args.rounds):
                 for setting in SETTINGS:
-                    m = live_cpu_ms(setting, endpoint, prompt_tokens=args.prompt_tokens, requests=args.requests,
-                                    concurrency=args.concurrency)  # fmt: skip
+                    m = live_cpu_ms(
+                        setting,
+                        endpoint,
+                        prompt_tokens=args.prompt_tokens,
+                        requests=args.requests,
+                        concurrency=args.concurrency,
+                    )
                     if m["errors"]:
                         raise RuntimeError(f"{setting}: {m['errors']} errors")
                     runs[setting].append(m["cpu_ms_per_request"])
@@ -191,9 +207,20 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"\n### Live orchestrator, {args.prompt_tokens:,} prompt tokens, streaming (CPU per request)\n"
             )
-            print(format_table(["setting", "CPU ms/req (each round)", "best", "vs off"],
-                               [[s, " ".join(f"{x:.3f}" for x in runs[s]), f"{best[s]:.3f}",
-                                 f"{best[s] / best['off']:.3f}x"] for s in SETTINGS]))  # fmt: skip
+            print(
+                format_table(
+                    ["setting", "CPU ms/req (each round)", "best", "vs off"],
+                    [
+                        [
+                            s,
+                            " ".join(f"{x:.3f}" for x in runs[s]),
+                            f"{best[s]:.3f}",
+                            f"{best[s] / best['off']:.3f}x",
+                        ]
+                        for s in SETTINGS
+                    ],
+                )
+            )
     finally:
         receiver.terminate()
         receiver.wait()

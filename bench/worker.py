@@ -124,8 +124,20 @@ async def _serving_round(url: str, batch: int, max_tokens: int, prompt_len: int)
 def bench_serving(batches: list[int], max_tokens: int, prompt_len: int, device: str, threads: int) -> str:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "server.cli", "worker", "--model", "tiny", "--port", str(port),
-           "--device", device, "--torch-threads", str(threads)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "server.cli",
+        "worker",
+        "--model",
+        "tiny",
+        "--port",
+        str(port),
+        "--device",
+        device,
+        "--torch-threads",
+        str(threads),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         asyncio.run(_wait_healthy(url, proc))
@@ -134,14 +146,16 @@ def bench_serving(batches: list[int], max_tokens: int, prompt_len: int, device: 
         for batch in batches:
             r = asyncio.run(_serving_round(url, batch, max_tokens, prompt_len))
             base = base or r["decode_tps"]
-            rows.append([
-                batch,
-                f"{r['ttft_p50'] * 1e3:.1f}",
-                f"{r['ttft_p90'] * 1e3:.1f}",
-                f"{r['decode_tps']:.0f}",
-                f"{r['total_tps']:.0f}",
-                f"{r['decode_tps'] / base:.2f}x",
-            ])  # fmt: skip
+            rows.append(
+                [
+                    batch,
+                    f"{r['ttft_p50'] * 1e3:.1f}",
+                    f"{r['ttft_p90'] * 1e3:.1f}",
+                    f"{r['decode_tps']:.0f}",
+                    f"{r['total_tps']:.0f}",
+                    f"{r['decode_tps'] / base:.2f}x",
+                ]
+            )
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -186,16 +200,30 @@ def bench_prompt_ids(lengths: list[int]) -> str:
         t, size_b64, size_list = _time_prompt_id_paths(n, vocab)
         b64_total = t["ctx_b64"] + t["gen_b64"]
         list_total = t["ctx_list"] + t["gen_list"]
-        rows.append([
-            n,
-            f"{t['ctx_b64'] * 1e6:.1f}", f"{t['ctx_list'] * 1e6:.1f}",
-            f"{t['gen_b64'] * 1e6:.1f}", f"{t['gen_list'] * 1e6:.1f}",
-            f"{b64_total * 1e6:.1f}", f"{list_total * 1e6:.1f}",
-            f"{list_total / b64_total:.1f}x",
-            f"{size_b64 / 1024:.1f} / {size_list / 1024:.1f}",
-        ])  # fmt: skip
-    headers = ["prompt ids", "ctx b64 µs", "ctx list µs", "gen b64 µs", "gen list µs", "b64 total µs",
-               "list total µs", "list / b64", "body KiB b64 / list"]  # fmt: skip
+        rows.append(
+            [
+                n,
+                f"{t['ctx_b64'] * 1e6:.1f}",
+                f"{t['ctx_list'] * 1e6:.1f}",
+                f"{t['gen_b64'] * 1e6:.1f}",
+                f"{t['gen_list'] * 1e6:.1f}",
+                f"{b64_total * 1e6:.1f}",
+                f"{list_total * 1e6:.1f}",
+                f"{list_total / b64_total:.1f}x",
+                f"{size_b64 / 1024:.1f} / {size_list / 1024:.1f}",
+            ]
+        )
+    headers = [
+        "prompt ids",
+        "ctx b64 µs",
+        "ctx list µs",
+        "gen b64 µs",
+        "gen list µs",
+        "b64 total µs",
+        "list total µs",
+        "list / b64",
+        "body KiB b64 / list",
+    ]
     return format_table(headers, rows)
 
 
@@ -208,8 +236,14 @@ class _VocabOnly:
 def generation_body(n: int, *, route: str, b64: bool, history: bool) -> tuple[dict[str, Any], np.ndarray]:
     """A generation-leg body (docs/protocol.md (3)) with ``n`` prompt ids, and the ids."""
     ids = np.random.default_rng(n).integers(0, _VocabOnly.vocab_size, n, dtype=np.int32)
-    body: dict[str, Any] = {"model": "tiny", "max_tokens": 256, "temperature": 0.7, "top_p": 0.95,
-                            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "max_tokens": 256,
+        "temperature": 0.7,
+        "top_p": 0.95,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if route == "chat":
         messages = agentic_messages(n)
         body["messages"] = messages if history else messages[-1:]
@@ -267,8 +301,9 @@ def bench_generation_parse(lengths: list[int], histories: tuple[bool, ...] = (Fa
                 r: Any = route
 
                 def reference(raw: bytes = raw, r: Any = r) -> Any:
-                    return worker_request.read_request(load_json_body(raw), r, tokenizer=tokenizer,
-                                                       model_name="tiny", max_context=1 << 18)  # fmt: skip
+                    return worker_request.read_request(
+                        load_json_body(raw), r, tokenizer=tokenizer, model_name="tiny", max_context=1 << 18
+                    )
 
                 assert np.array_equal(reference().prompt_ids, ids)
                 before = time_call(reference)
@@ -285,13 +320,32 @@ def bench_generation_parse(lengths: list[int], histories: tuple[bool, ...] = (Fa
 
                         assert np.array_equal(read().prompt_ids, ids)
                         after = time_call(read)
-                        rows.append([
-                            n, "b64" if b64 else "list", route, messages, form, twin,
-                            f"{len(leg.body) / 1024:.0f}", f"{before * 1e6:.1f}", f"{after * 1e6:.1f}",
-                            f"{before / after:.1f}x",
-                        ])  # fmt: skip
-    headers = ["prompt ids", "ids as", "route", "messages", "body", "scan twin", "body KiB",
-               "json.loads µs", "reader µs", "speed-up"]  # fmt: skip
+                        rows.append(
+                            [
+                                n,
+                                "b64" if b64 else "list",
+                                route,
+                                messages,
+                                form,
+                                twin,
+                                f"{len(leg.body) / 1024:.0f}",
+                                f"{before * 1e6:.1f}",
+                                f"{after * 1e6:.1f}",
+                                f"{before / after:.1f}x",
+                            ]
+                        )
+    headers = [
+        "prompt ids",
+        "ids as",
+        "route",
+        "messages",
+        "body",
+        "scan twin",
+        "body KiB",
+        "json.loads µs",
+        "reader µs",
+        "speed-up",
+    ]
     return format_table(headers, rows)
 
 
@@ -309,11 +363,18 @@ def main(argv: list[str] | None = None) -> int:
         "--gen-lengths", default="4000,40000,128000", help="prompt lengths for the generation-parse table"
     )
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--torch-threads", type=int, default=default_torch_threads(),
-                        help="the worker's torch threads (default: the worker's own default)")  # fmt: skip
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=default_torch_threads(),
+        help="the worker's torch threads (default: the worker's own default)",
+    )
     parser.add_argument("--skip-serving", action="store_true", help="only the prompt-id and parse tables")
-    parser.add_argument("--parse", action="store_true",
-                        help="only the generation request parse (40k ids, the agentic history: --gen-lengths 40000)")  # fmt: skip
+    parser.add_argument(
+        "--parse",
+        action="store_true",
+        help="only the generation request parse (40k ids, the agentic history: --gen-lengths 40000)",
+    )
     args = parser.parse_args(argv)
     print(f"fastcore backend: {fastcore.backend}")
     if args.parse:
@@ -324,8 +385,10 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        print(f"\n## Serving: tiny model, device {device}, {args.torch_threads} torch threads, "
-              f"prompt {args.prompt_len} tokens, {args.max_tokens} completion tokens per request\n")  # fmt: skip
+        print(
+            f"\n## Serving: tiny model, device {device}, {args.torch_threads} torch threads, "
+            f"prompt {args.prompt_len} tokens, {args.max_tokens} completion tokens per request\n"
+        )
         batches = [int(b) for b in args.batches.split(",")]
         print(bench_serving(batches, args.max_tokens, args.prompt_len, device, args.torch_threads))
     print("\n## Prompt-id path per request: base64 (fastcore) vs JSON list\n")

@@ -80,8 +80,9 @@ def build_parser(unavailable: dict[str, str] | None = None) -> argparse.Argument
             why, extra = missing_extra(exc, name), extra_for(exc, name)
             if why is None:
                 raise
-            sp = sub.add_parser(name, help=f"{help_text} [needs the {extra} extra]",
-                                description=f"{help_text}. {why}")  # fmt: skip
+            sp = sub.add_parser(
+                name, help=f"{help_text} [needs the {extra} extra]", description=f"{help_text}. {why}"
+            )
             if unavailable is not None:
                 unavailable[name] = why
             continue

@@ -116,15 +116,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--orchestrator-workers", type=int, default=1, help="orchestrator processes (default %(default)s)"
     )
     parser.add_argument("--device", default=None, help="worker device: auto, cpu or cuda (worker default)")
-    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-                        help="the workers' tool-call parser: hermes, llama3_json or none (worker default)")  # fmt: skip
-    parser.add_argument("--script", default=None, metavar="FILE",
-                        help="--model synthetic: the workers' scripted answers (the worker's --script), e.g. "
-                             "tool calls for an agent client's tests")  # fmt: skip
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help="the workers' tool-call parser: hermes, llama3_json or none (worker default)",
+    )
+    parser.add_argument(
+        "--script",
+        default=None,
+        metavar="FILE",
+        help="--model synthetic: the workers' scripted answers (the worker's --script), e.g. "
+        "tool calls for an agent client's tests",
+    )
     add_gate_arguments(parser, default=True)  # up runs the product's profile: both gates on
     relay = config_default("relay")
-    parser.add_argument("--relay", choices=RELAY_MODES, default=relay,
-                        help=f"orchestrator relay mode (default {relay})")  # fmt: skip
+    parser.add_argument(
+        "--relay", choices=RELAY_MODES, default=relay, help=f"orchestrator relay mode (default {relay})"
+    )
     parser.add_argument(
         "--drain-timeout-s",
         type=float,
@@ -140,18 +149,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     logs.add_arguments(parser)  # the launcher's lines and every child's
     cluster = parser.add_argument_group("cluster (workers found through discovery instead of urls)")
-    cluster.add_argument("--cluster", action="store_true",
-                         help="workers register in a cluster store that the orchestrator watches: a local "
-                              "etcd unless --cluster-uri names one")  # fmt: skip
-    cluster.add_argument("--cluster-uri", default=None, metavar="URI",
-                         help="etcd://HOST:PORT[,...] (an etcd already running) or http://HOST:<--port> (the "
-                              "orchestrator's embedded registry, no etcd); implies --cluster (default: start "
-                              "a local etcd)")  # fmt: skip
-    cluster.add_argument("--cluster-name", default=None,
-                         help=f"the cluster's namespace in the store (default {DEFAULT_CLUSTER_NAME})")  # fmt: skip
-    cluster.add_argument("--etcd-port", type=int, default=None,
-                         help="client port of the local etcd, its peer port the next one (default: two free "
-                              "ports)")  # fmt: skip
+    cluster.add_argument(
+        "--cluster",
+        action="store_true",
+        help="workers register in a cluster store that the orchestrator watches: a local "
+        "etcd unless --cluster-uri names one",
+    )
+    cluster.add_argument(
+        "--cluster-uri",
+        default=None,
+        metavar="URI",
+        help="etcd://HOST:PORT[,...] (an etcd already running) or http://HOST:<--port> (the "
+        "orchestrator's embedded registry, no etcd); implies --cluster (default: start "
+        "a local etcd)",
+    )
+    cluster.add_argument(
+        "--cluster-name",
+        default=None,
+        help=f"the cluster's namespace in the store (default {DEFAULT_CLUSTER_NAME})",
+    )
+    cluster.add_argument(
+        "--etcd-port",
+        type=int,
+        default=None,
+        help="client port of the local etcd, its peer port the next one (default: two free ports)",
+    )
 
 
 def clustered(args: argparse.Namespace) -> bool:
@@ -234,8 +256,14 @@ def plan(args: argparse.Namespace, cluster_uri: str | None = None) -> list[Child
                 argv += ["--tool-call-parser", args.tool_call_parser]
             if args.script:  # the children's working directory may differ
                 argv += ["--script", os.path.abspath(args.script)]
-            argv += ["--drain-timeout", f"{args.drain_timeout_s:g}", "--log-format", args.log_format, *allow,
-                     *cluster_args]  # fmt: skip
+            argv += [
+                "--drain-timeout",
+                f"{args.drain_timeout_s:g}",
+                "--log-format",
+                args.log_format,
+                *allow,
+                *cluster_args,
+            ]
             children.append(Child(f"{role} worker {i}", argv, port))
             urls[role].append(f"{args.host}:{port}")
             port += 1
@@ -290,8 +318,13 @@ def _report_dead(children: list[Child]) -> bool:
     dead = [c for c in children if c.exit_code is not None]
     for child in dead:
         assert child.proc is not None
-        log.error("%s (pid %d, port %d) exited with code %s; stopping the others", child.name, child.proc.pid,
-                  child.port, child.exit_code)  # fmt: skip
+        log.error(
+            "%s (pid %d, port %d) exited with code %s; stopping the others",
+            child.name,
+            child.proc.pid,
+            child.port,
+            child.exit_code,
+        )
     return bool(dead)
 
 
@@ -361,8 +394,9 @@ def no_etcd_message(args: argparse.Namespace) -> str:
     )
 
 
-def banner(args: argparse.Namespace, model: str, cluster: str | None = None,
-           children: list[Child] | None = None) -> str:  # fmt: skip
+def banner(
+    args: argparse.Namespace, model: str, cluster: str | None = None, children: list[Child] | None = None
+) -> str:
     url = f"http://{args.host}:{args.port}"
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16})
     lines = [f"fastcore-serve is up: {url}  (Ctrl-C stops everything)"]
@@ -462,8 +496,12 @@ class _StopRequest:
         self.signal = signal.Signals(signum).name
 
 
-def _deploy(args: argparse.Namespace, children: list[Child], cluster_uri: str | None,
-            etcd_ports: tuple[int, int] | None) -> int:  # fmt: skip
+def _deploy(
+    args: argparse.Namespace,
+    children: list[Child],
+    cluster_uri: str | None,
+    etcd_ports: tuple[int, int] | None,
+) -> int:
     """Start the etcd (with ``etcd_ports``) and the children, say it is up, watch them; stop everything."""
     cluster = clustered(args)
     # Children drain their requests in flight first (--drain-timeout-s): killed only past that.
@@ -486,8 +524,10 @@ def _deploy(args: argparse.Namespace, children: list[Child], cluster_uri: str | 
                 etcd.start()
             except (RuntimeError, TimeoutError, OSError) as exc:
                 release_ports(etcd_ports)
-                print(f"fastcore-serve up --cluster: etcd did not start: {exc}{_etcd_log_tail(etcd.log_path)}",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"fastcore-serve up --cluster: etcd did not start: {exc}{_etcd_log_tail(etcd.log_path)}",
+                    file=sys.stderr,
+                )
                 return 1
             release_ports(etcd_ports)
             watched.append(Child("etcd", [etcd.binary], etcd.client_port, etcd.proc))

@@ -144,8 +144,15 @@ def answer_stream(answer: dict[str, Any], *, chat: bool, include_usage: bool) ->
             events.append(stream_chunk(**head, index=index, text=text, logprobs=choice.get("logprobs")))
         for i, call in enumerate(calls or ()):  # each call whole, in one piece
             events.append(stream_chunk(**head, index=index, tool_calls=[{"index": i, **call}]))
-        events.append(stream_chunk(**head, index=index, text=None if chat else "", finish_reason=finish,
-                                   stop_reason=choice.get(wire.STOP_REASON)))  # fmt: skip
+        events.append(
+            stream_chunk(
+                **head,
+                index=index,
+                text=None if chat else "",
+                finish_reason=finish,
+                stop_reason=choice.get(wire.STOP_REASON),
+            )
+        )
     if include_usage and answer.get(wire.USAGE) is not None:
         events.append(usage_chunk(**head, usage=answer[wire.USAGE]))
     return b"".join(sse_event(e) for e in events) + SSE_DONE

@@ -42,7 +42,11 @@ async def stop_tasks(tasks: Iterable[asyncio.Task[Any] | None], *, within: float
         if task in running:
             where = io.StringIO()
             task.print_stack(file=where)
-            log.error("task %s ignored its cancel for %g s: left running. %s", task.get_name(), within,
-                      where.getvalue())  # fmt: skip
+            log.error(
+                "task %s ignored its cancel for %g s: left running. %s",
+                task.get_name(),
+                within,
+                where.getvalue(),
+            )
         elif not task.cancelled() and task.exception() is not None:
             log.error("task %s had failed", task.get_name(), exc_info=task.exception())

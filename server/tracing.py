@@ -295,16 +295,26 @@ class RequestTrace:
     def now() -> int:
         return time.time_ns()
 
-    def span(self, name: str, attributes: Mapping[str, Any] | None = None, start_time: int | None = None,
-             kind: Any = None) -> Any:  # fmt: skip
+    def span(
+        self,
+        name: str,
+        attributes: Mapping[str, Any] | None = None,
+        start_time: int | None = None,
+        kind: Any = None,
+    ) -> Any:
         """A child span of the root (ended by the caller)."""
         return self.tracing.tracer.start_span(
             name, context=self.ctx, kind=kind or self.tracing.INTERNAL, attributes=attributes,
             start_time=start_time,
         )  # fmt: skip
 
-    def record(self, name: str, start_time: int, attributes: Mapping[str, Any] | None = None,
-               error: str | None = None) -> None:  # fmt: skip
+    def record(
+        self,
+        name: str,
+        start_time: int,
+        attributes: Mapping[str, Any] | None = None,
+        error: str | None = None,
+    ) -> None:
         """A child span that started at ``start_time`` and ends now."""
         span = self.span(name, attributes, start_time)
         if error is not None:
@@ -330,8 +340,11 @@ class RequestTrace:
         if hit_chunks and chunk_bytes and estimate is not None:
             attributes["fastcore.predicted_hit_tokens"] = int(estimate.tokens(hit_chunks * chunk_bytes))
         self.record("fastcore.route", routed_at, attributes)
-        span = self.span(f"fastcore.{leg}_leg", {"fastcore.worker": worker.url, "fastcore.attempt": attempt},
-                         kind=self.tracing.CLIENT)  # fmt: skip
+        span = self.span(
+            f"fastcore.{leg}_leg",
+            {"fastcore.worker": worker.url, "fastcore.attempt": attempt},
+            kind=self.tracing.CLIENT,
+        )
         self.leg = LegSpan(self, span)
         return self.leg
 
@@ -532,13 +545,17 @@ def watch_deltas(
 def start_kv_fetch(trace: RequestTrace, endpoint: str, tokens: int) -> tuple[Any, dict[str, str]]:
     """The generation worker's KV fetch: a CLIENT span and the headers that carry its context
     (the context worker's ``fastcore.kv.export`` span is its child)."""
-    span = trace.span("fastcore.kv.fetch", {"fastcore.kv.tokens": tokens, "server.address": endpoint[:200]},
-                      kind=trace.tracing.CLIENT)  # fmt: skip
+    span = trace.span(
+        "fastcore.kv.fetch",
+        {"fastcore.kv.tokens": tokens, "server.address": endpoint[:200]},
+        kind=trace.tracing.CLIENT,
+    )
     return span, traceparent_headers(span)
 
 
-def end_span(trace: RequestTrace, span: Any, attributes: Mapping[str, Any] | None = None,
-             error: str | None = None) -> None:  # fmt: skip
+def end_span(
+    trace: RequestTrace, span: Any, attributes: Mapping[str, Any] | None = None, error: str | None = None
+) -> None:
     if attributes:
         span.set_attributes(attributes)
     if error is not None:

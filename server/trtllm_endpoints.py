@@ -115,8 +115,9 @@ class TrtllmEndpoints:
             if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
                 offset = float(value)
         if offset is None:
-            out.send_error(400, 'POST /steady_clock_offset takes {"offset": <seconds, a finite number>}',
-                           param="offset")  # fmt: skip
+            out.send_error(
+                400, 'POST /steady_clock_offset takes {"offset": <seconds, a finite number>}', param="offset"
+            )
             return
         self.steady_clock_offset = offset
         out.send(200, b"")

@@ -64,8 +64,13 @@ _MAX_PUT_BYTES = MAX_RECORD_BYTES + 256
 #: the config key that opts into unsigned registrations from loopback peers
 UNSIGNED_FLAG = "allow_unsigned_loopback_registration"
 #: trtllm-serve's HTTP cluster storage routes (cluster_storage.py add_routes) and their methods
-TRTLLM_STORE_ROUTES = {b"/set": b"POST", b"/get": b"GET", b"/expire": b"GET", b"/get_prefix": b"GET",
-                       b"/delete": b"DELETE"}  # fmt: skip
+TRTLLM_STORE_ROUTES = {
+    b"/set": b"POST",
+    b"/get": b"GET",
+    b"/expire": b"GET",
+    b"/get_prefix": b"GET",
+    b"/delete": b"DELETE",
+}
 #: a /set body: the StorageItem around a value that is a record as a JSON string (escaped: x2)
 _MAX_SET_BYTES = 2 * MAX_RECORD_BYTES + 1024
 
@@ -201,8 +206,11 @@ class EmbeddedRegistry:
 
     def _put(self, worker_id: str, request: Any, out: Any) -> None:
         if len(request.body) > _MAX_PUT_BYTES:
-            out.send_error(413, f"cluster registry: a registration takes at most {_MAX_PUT_BYTES} bytes "
-                           f"(its record at most {MAX_RECORD_BYTES})")  # fmt: skip
+            out.send_error(
+                413,
+                f"cluster registry: a registration takes at most {_MAX_PUT_BYTES} bytes "
+                f"(its record at most {MAX_RECORD_BYTES})",
+            )
             return
         try:
             try:
@@ -221,14 +229,23 @@ class EmbeddedRegistry:
             out.send_error(400, f"cluster registry: {exc}", code="bad_registration")
             return
         if record.worker_id != worker_id:
-            out.send_error(400, f"cluster registry: the path names worker {worker_id[:200]!r}, the record "
-                           f"{record.worker_id!r}", param="worker_id", code="bad_registration")  # fmt: skip
+            out.send_error(
+                400,
+                f"cluster registry: the path names worker {worker_id[:200]!r}, the record "
+                f"{record.worker_id!r}",
+                param="worker_id",
+                code="bad_registration",
+            )
             return
         key = self._own_key(worker_id)
         known = self._entries.get(key)
         if known is None and len(self._entries) >= self.max_workers:
-            out.send_error(503, f"cluster registry: full ({self.max_workers} workers)", code="registry_full",
-                           headers=b"Retry-After: 5\r\n")  # fmt: skip
+            out.send_error(
+                503,
+                f"cluster registry: full ({self.max_workers} workers)",
+                code="registry_full",
+                headers=b"Retry-After: 5\r\n",
+            )
             return
         ttl = min(float(ttl), self.settings.inactive_timeout_s)
         self._entries[key] = (record, record.to_json().decode(), time.monotonic() + ttl)
@@ -284,8 +301,12 @@ class EmbeddedRegistry:
                 else:
                     result = self._store_delete(key)
         except _Full:
-            out.send_error(503, f"cluster storage: full ({self.max_workers} workers)", code="registry_full",
-                           headers=b"Retry-After: 5\r\n")  # fmt: skip
+            out.send_error(
+                503,
+                f"cluster storage: full ({self.max_workers} workers)",
+                code="registry_full",
+                headers=b"Retry-After: 5\r\n",
+            )
             return
         except _BadParam as exc:
             out.send_error(400, f"cluster storage: {exc.message}", param=exc.param, code="bad_registration")
@@ -320,8 +341,9 @@ class EmbeddedRegistry:
                 "key", f"this store keeps worker records only, under {' or '.join(self.settings.prefixes)}"
             )
         try:  # surrogatepass: a lone surrogate from the JSON makes bytes parse_entry refuses, not a 500
-            _, record = parse_entry(prefix, key.encode("utf-8", "surrogatepass"),
-                                    value.encode("utf-8", "surrogatepass"))  # fmt: skip
+            _, record = parse_entry(
+                prefix, key.encode("utf-8", "surrogatepass"), value.encode("utf-8", "surrogatepass")
+            )
         except RecordError as exc:
             raise _BadParam("value", f"{key[:200]}: {exc}") from None
         known = self._entries.get(key)
@@ -334,8 +356,12 @@ class EmbeddedRegistry:
         ttl_s = float(min(ttl, limit)) if ttl is not None and ttl > 0 else limit  # min first: 10**400
         self._entries[key] = (record, value, time.monotonic() + ttl_s)
         if known is None or known[0] != record:
-            log.info("cluster: %s worker %s registered at %s (trtllm-serve's storage API)", record.role,
-                     record.worker_id, record.url)  # fmt: skip
+            log.info(
+                "cluster: %s worker %s registered at %s (trtllm-serve's storage API)",
+                record.role,
+                record.worker_id,
+                record.url,
+            )
             self._bump()
         return True
 

@@ -152,8 +152,10 @@ def new_worker_id(role: str, port: int, layout: str = "fastcore", host: str = ""
     ``layout="trtllm"``: trtllm-serve's shape, ``<ROLE>-<host>:<port>-<ms>-<pid>-<nnn>``."""
     if layout == "trtllm":
         where = re.sub(r"[^A-Za-z0-9._:-]", "-", host)[:64] or "host"
-        return (f"{role.upper()}-{where}:{port}-{int(time.time() * 1000)}-{os.getpid()}-"
-                f"{secrets.randbelow(1000):03}")  # fmt: skip
+        return (
+            f"{role.upper()}-{where}:{port}-{int(time.time() * 1000)}-{os.getpid()}-"
+            f"{secrets.randbelow(1000):03}"
+        )
     host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:64] or "host"
     return f"{role}-{host}-{port}-{secrets.token_hex(4)}"
 
@@ -262,8 +264,10 @@ def _host_port_url(obj: dict[str, Any]) -> str:
         try:
             ipaddress.IPv6Address(host.split("%", 1)[0])
         except ValueError:
-            raise RecordError(f"worker record field 'host' {host[:100]!r}: a name, an IPv4 address or a bare "
-                              "IPv6 address (no brackets, no port)") from None  # fmt: skip
+            raise RecordError(
+                f"worker record field 'host' {host[:100]!r}: a name, an IPv4 address or a bare "
+                "IPv6 address (no brackets, no port)"
+            ) from None
         return check_worker_url(f"http://[{host}]:{port}")
     return check_worker_url(f"http://{host}:{port}")
 
@@ -298,8 +302,12 @@ class WorkerRecord:
                 raise RecordError(
                     f"trtllm-serve's records have one role, CONTEXT or GENERATION, not {self.role!r}"
                 )
-            obj: dict[str, Any] = {"worker_id": self.worker_id, "host": where.hostname,
-                                   "port": where.port, "role": number}  # fmt: skip
+            obj: dict[str, Any] = {
+                "worker_id": self.worker_id,
+                "host": where.hostname,
+                "port": where.port,
+                "role": number,
+            }
             if self.model:
                 obj["model"] = self.model
             if self.capabilities:
@@ -331,14 +339,18 @@ class WorkerRecord:
         if type(role) is int:
             if role not in TRTLLM_ROLES:
                 name = _TRTLLM_ROLE_NAMES.get(role, "unknown")
-                raise RecordError(f"worker record field 'role' {role} (trtllm-serve's {name}): only 0 "
-                                  "(CONTEXT) and 1 (GENERATION) serve here")  # fmt: skip
+                raise RecordError(
+                    f"worker record field 'role' {role} (trtllm-serve's {name}): only 0 "
+                    "(CONTEXT) and 1 (GENERATION) serve here"
+                )
             role, layout = TRTLLM_ROLES[role], "trtllm"
         else:
             role = _string(obj, "role")
             if role not in ROLES:
-                raise RecordError(f"worker record field 'role' must be one of {', '.join(ROLES)} "
-                                  f"(or trtllm-serve's 0, 1), got {role!r}")  # fmt: skip
+                raise RecordError(
+                    f"worker record field 'role' must be one of {', '.join(ROLES)} "
+                    f"(or trtllm-serve's 0, 1), got {role!r}"
+                )
         if "host" in obj or "port" in obj:
             url = _host_port_url(obj)
             if "url" in obj and check_worker_url(_string(obj, "url", 300).rstrip("/")) != url:
@@ -349,8 +361,10 @@ class WorkerRecord:
         model = _string(obj, "model") if layout == "fastcore" or "model" in obj else ""
         protocol = obj.get(PROTOCOL_FIELD, DEFAULT_PROTOCOL)
         if protocol not in PROTOCOLS:
-            raise RecordError(f"worker record field {PROTOCOL_FIELD!r} must be one of {', '.join(PROTOCOLS)} "
-                              f"(none: trtllm), got {protocol!r}"[:300])  # fmt: skip
+            raise RecordError(
+                f"worker record field {PROTOCOL_FIELD!r} must be one of {', '.join(PROTOCOLS)} "
+                f"(none: trtllm), got {protocol!r}"[:300]
+            )
         return cls(worker_id, role, model, url, capabilities, layout, protocol)
 
     @classmethod

@@ -85,8 +85,11 @@ class WorkerRegistration:
         if self.session is None:
             self.session = aiohttp.ClientSession()
         if self.settings.etcd:
-            self._etcd = EtcdClient(self.settings.etcd_endpoints(), self.session,
-                                    timeout_s=min(2.0, self.settings.heartbeat_interval_s * 2))  # fmt: skip
+            self._etcd = EtcdClient(
+                self.settings.etcd_endpoints(),
+                self.session,
+                timeout_s=min(2.0, self.settings.heartbeat_interval_s * 2),
+            )
         self._task = asyncio.get_running_loop().create_task(self._run(), name="fastcore-cluster-registration")
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._first.wait(), wait_s)
@@ -104,8 +107,11 @@ class WorkerRegistration:
                     await asyncio.wait_for(self._deregister(), 2.0)
                     log.info("cluster: worker %s deregistered", self.record.worker_id)
                 except _TRANSIENT as exc:  # a timeout is one of them
-                    log.warning("cluster: could not deregister (%r); the registration expires in %gs",
-                                exc, self.settings.inactive_timeout_s)  # fmt: skip
+                    log.warning(
+                        "cluster: could not deregister (%r); the registration expires in %gs",
+                        exc,
+                        self.settings.inactive_timeout_s,
+                    )
             self.registered = False
         finally:
             if self._own_session and self.session is not None:
@@ -119,8 +125,13 @@ class WorkerRegistration:
             try:
                 await self._register()
                 if not self.registered:
-                    log.info("cluster: %s worker %s registered at %s (%s)", self.record.role,
-                             self.record.worker_id, self.settings.cluster_uri, self.record.url)  # fmt: skip
+                    log.info(
+                        "cluster: %s worker %s registered at %s (%s)",
+                        self.record.role,
+                        self.record.worker_id,
+                        self.settings.cluster_uri,
+                        self.record.url,
+                    )
                     if self._ever:
                         self.reregistrations += 1
                 self.registered = self._ever = True
@@ -144,8 +155,12 @@ class WorkerRegistration:
 
     async def _register(self) -> None:
         if self._etcd is None and self.trtllm:
-            item = {"key": self.key, "value": self.record.to_json().decode(), "overwrite_if_exists": True,
-                    "ttl": max(1, math.ceil(self.settings.inactive_timeout_s))}  # fmt: skip
+            item = {
+                "key": self.key,
+                "value": self.record.to_json().decode(),
+                "overwrite_if_exists": True,
+                "ttl": max(1, math.ceil(self.settings.inactive_timeout_s)),
+            }
             await self._http("POST", "/set", json.dumps(item).encode())
         elif self._etcd is not None:
             lease, _ = await self._etcd.grant(max(2, math.ceil(self.settings.inactive_timeout_s)))

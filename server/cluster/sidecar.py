@@ -51,29 +51,58 @@ _READ_TIMEOUT_S = 2.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", required=True, metavar="URL",
-                        help="where the worker serves, http://HOST:PORT (as the orchestrators reach it)")  # fmt: skip
-    parser.add_argument("--role", required=True, choices=ROLES,
-                        help="context (a prefill worker), generation (a decode worker) or both")  # fmt: skip
-    parser.add_argument("--protocol", required=True, metavar="{" + ",".join(PROTOCOLS) + "}",
-                        help="what the worker's legs speak (an orchestrator takes the workers of its "
-                             "worker_protocol)")  # fmt: skip
-    parser.add_argument("--model", default=None,
-                        help="the model it serves (default: the first of its GET /v1/models, read "
-                             "before registering)")  # fmt: skip
+    parser.add_argument(
+        "--url",
+        required=True,
+        metavar="URL",
+        help="where the worker serves, http://HOST:PORT (as the orchestrators reach it)",
+    )
+    parser.add_argument(
+        "--role",
+        required=True,
+        choices=ROLES,
+        help="context (a prefill worker), generation (a decode worker) or both",
+    )
+    parser.add_argument(
+        "--protocol",
+        required=True,
+        metavar="{" + ",".join(PROTOCOLS) + "}",
+        help="what the worker's legs speak (an orchestrator takes the workers of its worker_protocol)",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="the model it serves (default: the first of its GET /v1/models, read before registering)",
+    )
     parser.add_argument(
         "--worker-id", default=None, help="its id in the cluster (default: role-host-port-random)"
     )
-    parser.add_argument("--cluster-uri", required=True, metavar="URI",
-                        help="etcd://HOST:PORT[,HOST:PORT...] or an orchestrator's http://HOST:PORT registry")  # fmt: skip
+    parser.add_argument(
+        "--cluster-uri",
+        required=True,
+        metavar="URI",
+        help="etcd://HOST:PORT[,HOST:PORT...] or an orchestrator's http://HOST:PORT registry",
+    )
     parser.add_argument("--cluster-name", default="", help="the cluster's namespace (default empty)")
-    parser.add_argument("--heartbeat-interval-sec", type=float, default=HEARTBEAT_INTERVAL_S,
-                        help=f"seconds between lease renewals (default {HEARTBEAT_INTERVAL_S:g})")  # fmt: skip
-    parser.add_argument("--inactive-timeout-sec", type=float, default=INACTIVE_TIMEOUT_S,
-                        help="seconds without a renewal before the cluster forgets the worker "
-                             f"(default {INACTIVE_TIMEOUT_S:g})")  # fmt: skip
-    parser.add_argument("--shared-secret-file", default=None, metavar="PATH",
-                        help=f"the secret an http:// registry checks signatures with (default ${SECRET_ENV})")  # fmt: skip
+    parser.add_argument(
+        "--heartbeat-interval-sec",
+        type=float,
+        default=HEARTBEAT_INTERVAL_S,
+        help=f"seconds between lease renewals (default {HEARTBEAT_INTERVAL_S:g})",
+    )
+    parser.add_argument(
+        "--inactive-timeout-sec",
+        type=float,
+        default=INACTIVE_TIMEOUT_S,
+        help="seconds without a renewal before the cluster forgets the worker "
+        f"(default {INACTIVE_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--shared-secret-file",
+        default=None,
+        metavar="PATH",
+        help=f"the secret an http:// registry checks signatures with (default ${SECRET_ENV})",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -170,8 +199,12 @@ async def _keep(
         registration = WorkerRegistration(settings, record, session=session)
         try:
             await registration.start()
-            print(f"fastcore-serve register: {role} worker {url} ({protocol}, model {model}) kept in "
-                  f"{settings.cluster_uri} as {worker_id}", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"fastcore-serve register: {role} worker {url} ({protocol}, model {model}) kept in "
+                f"{settings.cluster_uri} as {worker_id}",
+                file=sys.stderr,
+                flush=True,
+            )
             await stop.wait()
         finally:
             await registration.stop()

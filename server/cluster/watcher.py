@@ -67,8 +67,11 @@ class Complaints:
         now = time.monotonic()
         if now - self._window >= self.period_s:
             if self._suppressed:
-                log.warning("cluster: %d more unusable entries ignored in the last %gs (not logged one by one)",
-                            self._suppressed, self.period_s)  # fmt: skip
+                log.warning(
+                    "cluster: %d more unusable entries ignored in the last %gs (not logged one by one)",
+                    self._suppressed,
+                    self.period_s,
+                )
             self._window, self._logged, self._suppressed = now, 0, 0
         if self._logged < self.burst:
             self._logged += 1
@@ -110,8 +113,11 @@ class ClusterWatcher:
             self.session = aiohttp.ClientSession()
         loop = asyncio.get_running_loop()
         if self.settings.etcd:
-            self._etcd = EtcdClient(self.settings.etcd_endpoints(), self.session,
-                                    timeout_s=max(0.5, min(2.0, self.settings.heartbeat_interval_s)))  # fmt: skip
+            self._etcd = EtcdClient(
+                self.settings.etcd_endpoints(),
+                self.session,
+                timeout_s=max(0.5, min(2.0, self.settings.heartbeat_interval_s)),
+            )
             self._task = loop.create_task(self._run_etcd(), name=_WATCH_TASK)
             self._probe = loop.create_task(self._probe_etcd(), name="fastcore-cluster-probe")
         else:
@@ -132,8 +138,14 @@ class ClusterWatcher:
 
     # -- applying what the store says ------------------------------------------------
 
-    def _read_all(self, entries: list[tuple[bytes, bytes]], prefix: str, records: dict[str, WorkerRecord],
-                  skipped: dict[str, int], origin: dict[str, str] | None = None) -> None:  # fmt: skip
+    def _read_all(
+        self,
+        entries: list[tuple[bytes, bytes]],
+        prefix: str,
+        records: dict[str, WorkerRecord],
+        skipped: dict[str, int],
+        origin: dict[str, str] | None = None,
+    ) -> None:
         """Add the usable ones of ``entries`` to ``records`` (``origin``: worker id -> ``prefix``);
         count the others by reason in ``skipped``."""
         for key, value in entries:
@@ -175,8 +187,12 @@ class ClusterWatcher:
 
     def _lost(self, exc: BaseException) -> None:
         if self.connected:
-            log.warning("cluster: %s unreachable (%r): serving the last known %d worker(s)",
-                        self.settings.cluster_uri, exc, len(self.workers))  # fmt: skip
+            log.warning(
+                "cluster: %s unreachable (%r): serving the last known %d worker(s)",
+                self.settings.cluster_uri,
+                exc,
+                len(self.workers),
+            )
         self.connected = False
 
     # -- etcd --------------------------------------------------------------------------
@@ -286,21 +302,27 @@ class ClusterWatcher:
                 ) as r:
                     raw = await r.content.read(MAX_LISTING_BYTES + 1)
                     if len(raw) > MAX_LISTING_BYTES:
-                        raise EtcdError(f"registry {self.settings.cluster_uri}: a listing above "
-                                        f"{MAX_LISTING_BYTES} bytes")  # fmt: skip
+                        raise EtcdError(
+                            f"registry {self.settings.cluster_uri}: a listing above {MAX_LISTING_BYTES} bytes"
+                        )
                     status = r.status
                 if status == 404 and version is None:
                     # no registry of ours there: a trtllm-serve orchestrator's HTTP cluster storage
-                    log.info("cluster: %s has no %s: reading it as trtllm-serve's HTTP cluster storage",
-                             self.settings.cluster_uri, REGISTRY_PATH.decode())  # fmt: skip
+                    log.info(
+                        "cluster: %s has no %s: reading it as trtllm-serve's HTTP cluster storage",
+                        self.settings.cluster_uri,
+                        REGISTRY_PATH.decode(),
+                    )
                     await self._run_trtllm_store()
                 if status != 200:
                     raise EtcdError(f"registry {self.settings.cluster_uri}: HTTP {status}: {raw[:300]!r}")
                 answer = json.loads(raw)
                 records: dict[str, WorkerRecord] = {}
                 skipped: dict[str, int] = {}
-                entries = [(str(worker_id).encode(), json.dumps(obj).encode())
-                           for worker_id, obj in answer["workers"].items()]  # fmt: skip
+                entries = [
+                    (str(worker_id).encode(), json.dumps(obj).encode())
+                    for worker_id, obj in answer["workers"].items()
+                ]
                 self._read_all(entries, "", records, skipped)
                 del entries
                 new_version = int(answer["version"])
@@ -360,8 +382,13 @@ class ClusterWatcher:
             return []
         if status != 200 or not isinstance(result, dict):
             raise EtcdError(f"cluster storage {uri}: GET /get_prefix HTTP {status}: {raw[:300]!r}")
-        return [(str(k).encode("utf-8", "surrogatepass"), v.encode("utf-8", "surrogatepass") if isinstance(v, str) else b"")
-                for k, v in result.items()]  # fmt: skip
+        return [
+            (
+                str(k).encode("utf-8", "surrogatepass"),
+                v.encode("utf-8", "surrogatepass") if isinstance(v, str) else b"",
+            )
+            for k, v in result.items()
+        ]
 
 
 async def until_one_fails(coros: list[Coroutine[Any, Any, None]]) -> None:

@@ -52,8 +52,19 @@ from .parse import RequestParser
 from .request import Refused, Request
 from .responder import JSON, DateHeader, Flow, Responder, simple_response, status_line
 
-__all__ = ["JSON", "PEER_SHARE", "DateHeader", "Flow", "HTTPServer", "Handling", "Limits", "Request",
-           "Responder", "handler_failed", "status_line"]  # fmt: skip
+__all__ = [
+    "JSON",
+    "PEER_SHARE",
+    "DateHeader",
+    "Flow",
+    "HTTPServer",
+    "Handling",
+    "Limits",
+    "Request",
+    "Responder",
+    "handler_failed",
+    "status_line",
+]
 
 log = logging.getLogger("fastcore.http")
 

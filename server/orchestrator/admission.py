@@ -386,8 +386,12 @@ class Admission:
                 reason, wait = over
                 if wait is None:
                     raise self._never_fits(queue, prompt_bytes or 0)
-                raise self._reject(queue, reason, math.ceil(wait),
-                                   f"tenant {queue.name} is over its {reason.replace('_', ' ')} limit")  # fmt: skip
+                raise self._reject(
+                    queue,
+                    reason,
+                    math.ceil(wait),
+                    f"tenant {queue.name} is over its {reason.replace('_', ' ')} limit",
+                )
             charge = over
         return _Slot(self, queue, priority, charge)
 
@@ -417,15 +421,17 @@ class Admission:
         limits: _Limits | _SharedLimits | None = None
         if limit is not None and (limit.requests_per_minute or limit.prompt_tokens_per_minute):
             fraction = self.fraction
-            limits = (_Limits(limit, fraction) if self.fleet is None
-                      else _shared_limits(self.fleet, tenant.name, limit, fraction))  # fmt: skip
+            limits = (
+                _Limits(limit, fraction)
+                if self.fleet is None
+                else _shared_limits(self.fleet, tenant.name, limit, fraction)
+            )
         queue = self._tenants[tenant.name] = _TenantQueue(tenant, limits)
         return queue
 
     def _reject(self, queue: _TenantQueue, reason: str, retry_after: int, message: str) -> HTTPError:
         queue.rejected[reason] += 1
-        return HTTPError(429, message, code=reason,
-                         headers={"Retry-After": str(max(1, retry_after))})  # fmt: skip
+        return HTTPError(429, message, code=reason, headers={"Retry-After": str(max(1, retry_after))})
 
     def _room(self) -> bool:
         """A slot for one more: this process's count below max_inflight, or the fleet's slot taken."""
@@ -462,11 +468,19 @@ class Admission:
                 self.release()
             raise
         if refused == "queue_timeout":
-            raise self._reject(queue, refused, self.retry_after_s,
-                               f"not started within admission.max_queue_wait_s ({self.max_wait:g} s)")  # fmt: skip
+            raise self._reject(
+                queue,
+                refused,
+                self.retry_after_s,
+                f"not started within admission.max_queue_wait_s ({self.max_wait:g} s)",
+            )
         if refused is not None:
-            raise self._reject(queue, refused, self.retry_after_s,
-                               self._full_message + f"; tenant {queue.name} held the most of it for its weight")  # fmt: skip
+            raise self._reject(
+                queue,
+                refused,
+                self.retry_after_s,
+                self._full_message + f"; tenant {queue.name} held the most of it for its weight",
+            )
         self._observe_wait(queue.name, time.monotonic() - waiter.since)
 
     @property

@@ -97,8 +97,12 @@ class _Follower:
         worker, router = self.worker, self.router
         if not worker.healthy:
             return RETRY_S
-        params: dict[str, str] = {"after": str(self.seq), "chunk_bytes": str(router.chunk_bytes),
-                                  "wait": str(self.view.wait_s), "tiers": "1"}  # fmt: skip
+        params: dict[str, str] = {
+            "after": str(self.seq),
+            "chunk_bytes": str(router.chunk_bytes),
+            "wait": str(self.view.wait_s),
+            "tiers": "1",
+        }
         if self.instance is not None and worker in router.followed:
             params["instance"] = self.instance
         else:
@@ -125,8 +129,12 @@ class _Follower:
         # 400: the worker's chunk size is not this router's (its --cache-events-chunk-bytes)
         if status in (400, 401, 403, 404, 405, 409):
             if status != 404:
-                log.warning("%s: GET /cache_events answered %d (%s); routing on an estimate of its cache",
-                            worker.url, status, body[:200].decode("utf-8", "replace"))  # fmt: skip
+                log.warning(
+                    "%s: GET /cache_events answered %d (%s); routing on an estimate of its cache",
+                    worker.url,
+                    status,
+                    body[:200].decode("utf-8", "replace"),
+                )
             return UNSUPPORTED_RETRY_S
         if status != 200:
             return RETRY_S

@@ -67,8 +67,12 @@ def add_gate_arguments(parser: argparse.ArgumentParser, *, default: bool | None)
     """
     for key, what in GATES.items():
         shown = config_default(key) if default is None else default
-        parser.add_argument("--" + key.replace("_", "-"), action=argparse.BooleanOptionalAction, default=default,
-                            help=f"{what} (default {'on' if shown else 'off'})")  # fmt: skip
+        parser.add_argument(
+            "--" + key.replace("_", "-"),
+            action=argparse.BooleanOptionalAction,
+            default=default,
+            help=f"{what} (default {'on' if shown else 'off'})",
+        )
 
 
 def gate_flags(values: argparse.Namespace) -> list[str]:
@@ -160,11 +164,17 @@ def _add_leg_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     """Discovery: the model served, the store and the namespace."""
-    parser.add_argument("--model", help="the model served: discovered workers of another are refused "
-                        "(default: the first discovered worker's)")  # fmt: skip
-    parser.add_argument("--cluster-uri", metavar="URI",
-                        help="discover workers: etcd://HOST:PORT, or http://HOST:PORT (this orchestrator "
-                        "keeps the registry when it is its own address)")  # fmt: skip
+    parser.add_argument(
+        "--model",
+        help="the model served: discovered workers of another are refused "
+        "(default: the first discovered worker's)",
+    )
+    parser.add_argument(
+        "--cluster-uri",
+        metavar="URI",
+        help="discover workers: etcd://HOST:PORT, or http://HOST:PORT (this orchestrator "
+        "keeps the registry when it is its own address)",
+    )
     parser.add_argument("--cluster-name", help="the cluster's namespace in the store (default empty)")
 
 
@@ -239,8 +249,9 @@ def _key_default(key: str) -> Any:
     for section in sections:
         annotation = model.model_fields[section].annotation
         # the section's model, also where it is optional (``AdmissionConfig | None``)
-        model = next(t for t in (annotation, *get_args(annotation)) if isinstance(t, type)
-                     and issubclass(t, BaseModel))  # fmt: skip
+        model = next(
+            t for t in (annotation, *get_args(annotation)) if isinstance(t, type) and issubclass(t, BaseModel)
+        )
     return model.model_fields[name].get_default(call_default_factory=True)
 
 
@@ -314,8 +325,12 @@ async def serve(config: OrchestratorConfig, *, reuse_port: bool, fleet: Fleet | 
     loop.add_signal_handler(signal.SIGHUP, reload_keys, orchestrator.keys)
     # --workers N: this process's scrape-time values written where the others' scrapes read them.
     metrics_sync = asyncio.ensure_future(orchestrator.registry.keep_synced())
-    log.info("orchestrator listening on http://%s:%d; %s", config.hostname, config.port,
-             started_features(config, orchestrator))  # fmt: skip
+    log.info(
+        "orchestrator listening on http://%s:%d; %s",
+        config.hostname,
+        config.port,
+        started_features(config, orchestrator),
+    )
     try:
         await stop.wait()
         # SIGTERM: stop accepting, let requests in flight finish up to the deadline, cancel the rest.

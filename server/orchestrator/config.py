@@ -130,8 +130,12 @@ class PoolConfig(BaseModel):
         # (kv_cache_config.tokens_per_block) unless its own arguments name one
         cache = (self.model_extra or {}).get("kv_cache_config")
         args = self.router.args
-        if ("tokens_per_block" in ROUTER_ARGS.get(self.router.kind, ()) and isinstance(cache, dict)
-                and "tokens_per_block" in cache and not {"tokens_per_block", "chunk_bytes"} & set(args)):  # fmt: skip
+        if (
+            "tokens_per_block" in ROUTER_ARGS.get(self.router.kind, ())
+            and isinstance(cache, dict)
+            and "tokens_per_block" in cache
+            and not {"tokens_per_block", "chunk_bytes"} & set(args)
+        ):
             args["tokens_per_block"] = cache["tokens_per_block"]
         return self
 
@@ -538,8 +542,13 @@ def build_config(
             config = config.model_copy(update={"shared_secret": secret.decode("utf-8", "surrogateescape")})
     if config.metrics_token_file is not None or config.metrics_token is None:
         try:
-            token = read_secret(config.metrics_token, config.metrics_token_file, environ,
-                                env_name=METRICS_TOKEN_ENV, what="metrics token")  # fmt: skip
+            token = read_secret(
+                config.metrics_token,
+                config.metrics_token_file,
+                environ,
+                env_name=METRICS_TOKEN_ENV,
+                what="metrics token",
+            )
         except (OSError, ValueError) as exc:
             raise ConfigError(f"metrics_token_file: {exc}") from None
         if token is not None:

@@ -119,8 +119,11 @@ class Discovery:
             await self.embedded.start()
             self.embedded.subscribe(self.apply)
             self.apply(self.embedded.snapshot())
-            log.info("cluster %r: keeping the worker registry at %s", self.settings.cluster_name,
-                     self.settings.cluster_uri)  # fmt: skip
+            log.info(
+                "cluster %r: keeping the worker registry at %s",
+                self.settings.cluster_name,
+                self.settings.cluster_uri,
+            )
             return
         self.watcher = ClusterWatcher(self.settings, self.apply, session=session)
         await self.watcher.start()
@@ -191,8 +194,14 @@ class Discovery:
             where = urlsplit(record.url)
             for number, pool in enumerate(("context", "generation")):
                 if pool in ROLE_POOLS[record.role]:
-                    lists[f"{pool}_servers"].append({"worker_id": record.worker_id, "host": where.hostname,
-                                                     "port": where.port, "role": number})  # fmt: skip
+                    lists[f"{pool}_servers"].append(
+                        {
+                            "worker_id": record.worker_id,
+                            "host": where.hostname,
+                            "port": where.port,
+                            "role": number,
+                        }
+                    )
         minimal = {f"{name}_servers": self.config.minimal(name) for name in ("context", "generation")}
         return {"current_workers": lists, "minimal_instances": minimal}
 

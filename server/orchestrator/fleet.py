@@ -373,8 +373,12 @@ class Fleet:
         if entry < 0:
             if BUCKETS not in self._full:
                 self._full.add(BUCKETS)
-                log.warning("fleet: the rate-limit table is full (%d buckets): tenant %s's %s is per process",
-                            self.mapping.buckets, tenant, limit)  # fmt: skip
+                log.warning(
+                    "fleet: the rate-limit table is full (%d buckets): tenant %s's %s is per process",
+                    self.mapping.buckets,
+                    tenant,
+                    limit,
+                )
             return None
         return SharedBucket(self, entry, per_minute)
 
@@ -430,8 +434,11 @@ class Fleet:
             entry = self.core.entry(BREAKERS, key_of("breaker", pool, url))
             if entry < 0 and BREAKERS not in self._full:
                 self._full.add(BREAKERS)
-                log.warning("fleet: the breaker table is full (%d workers): %s's breaker is per process",
-                            self.mapping.breakers, url)  # fmt: skip
+                log.warning(
+                    "fleet: the breaker table is full (%d workers): %s's breaker is per process",
+                    self.mapping.breakers,
+                    url,
+                )
             # [entry, the breaker's opened count seen, the end known here, its state seen]
             record = [entry, breaker.opened, 0, breaker.state]
         self._breakers[(pool, url)] = record

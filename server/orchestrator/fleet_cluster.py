@@ -136,8 +136,11 @@ class FleetCluster:
         try:
             await asyncio.wait_for(self._synced.wait(), wait_s)
         except asyncio.TimeoutError:
-            log.warning("fleet cluster: %s unreachable at start: this orchestrator takes a whole share "
-                        "until it answers", self.config.cluster_uri)  # fmt: skip
+            log.warning(
+                "fleet cluster: %s unreachable at start: this orchestrator takes a whole share "
+                "until it answers",
+                self.config.cluster_uri,
+            )
 
     async def stop(self) -> None:
         """Leave: the lease revoked (the others re-divide at once); else it expires with its TTL."""
@@ -148,8 +151,12 @@ class FleetCluster:
                 try:
                     await asyncio.wait_for(self._etcd.revoke(self.lease), 2.0)
                 except TRANSIENT_ERRORS as exc:
-                    log.warning("fleet cluster: could not leave (%r): this orchestrator counts until its "
-                                "lease expires (%d s)", exc, self.config.lease_ttl_s)  # fmt: skip
+                    log.warning(
+                        "fleet cluster: could not leave (%r): this orchestrator counts until its "
+                        "lease expires (%d s)",
+                        exc,
+                        self.config.lease_ttl_s,
+                    )
                 self.lease = None
         finally:
             if self._session is not None:
@@ -167,8 +174,11 @@ class FleetCluster:
                 await self._register()
                 revision = await self._read_all()
                 if not self.connected:
-                    log.info("fleet cluster: %s reachable: %d orchestrator(s)", self.config.cluster_uri,
-                             len(self.members))  # fmt: skip
+                    log.info(
+                        "fleet cluster: %s reachable: %d orchestrator(s)",
+                        self.config.cluster_uri,
+                        len(self.members),
+                    )
                 self.connected = True
                 self._synced.set()
                 backoff = 0.05
@@ -181,9 +191,14 @@ class FleetCluster:
     def _lost(self, exc: BaseException) -> None:
         if self.connected:  # said once per outage
             fraction, slots = self.share
-            log.warning("fleet cluster: %s unreachable (%r): keeping this orchestrator's last share "
-                        "(%.3g of each rate, %d slots of max_inflight)",
-                        self.config.cluster_uri, exc, fraction, slots)  # fmt: skip
+            log.warning(
+                "fleet cluster: %s unreachable (%r): keeping this orchestrator's last share "
+                "(%.3g of each rate, %d slots of max_inflight)",
+                self.config.cluster_uri,
+                exc,
+                fraction,
+                slots,
+            )
         self.connected = False
 
     async def _register(self) -> None:
@@ -255,8 +270,13 @@ class FleetCluster:
         if share == self.share:
             return
         self.share = share
-        log.info("fleet cluster: %d orchestrator(s): this one takes %.3g of each rate and %d of max_inflight %d",
-                 len(members), share[0], share[1], self.max_inflight)  # fmt: skip
+        log.info(
+            "fleet cluster: %d orchestrator(s): this one takes %.3g of each rate and %d of max_inflight %d",
+            len(members),
+            share[0],
+            share[1],
+            self.max_inflight,
+        )
         if self.admission is not None:
             self.admission.divide(*share)
 

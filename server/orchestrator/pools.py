@@ -71,8 +71,17 @@ _ROUTABLE_EPOCH = [0]
 class Capabilities:
     """What a worker's ``/server_info`` says it can do (everything False / None on any doubt)."""
 
-    __slots__ = ("b64_completions", "bootstrap_port", "bytes_per_token", "cache_salt_completions",
-                 "engine_id", "kv_capacity_tokens", "kv_tier2", "local_prefill", "refused")  # fmt: skip
+    __slots__ = (
+        "b64_completions",
+        "bootstrap_port",
+        "bytes_per_token",
+        "cache_salt_completions",
+        "engine_id",
+        "kv_capacity_tokens",
+        "kv_tier2",
+        "local_prefill",
+        "refused",
+    )
 
     def __init__(
         self,
@@ -118,8 +127,11 @@ class Capabilities:
         )
         tier2 = info.get(wire.INFO_KV_TIER2_CAPACITY_TOKENS)
         if type(tier2) is int and tier2 > 0:  # only with a second KV tier (docs/protocol.md)
-            caps.kv_tier2 = (tier2, _positive(info.get(wire.INFO_KV_TIER2_LOAD_TOKENS_PER_S)),
-                             _positive(info.get(wire.INFO_PREFILL_TOKENS_PER_S)))  # fmt: skip
+            caps.kv_tier2 = (
+                tier2,
+                _positive(info.get(wire.INFO_KV_TIER2_LOAD_TOKENS_PER_S)),
+                _positive(info.get(wire.INFO_PREFILL_TOKENS_PER_S)),
+            )
         return caps
 
 
@@ -348,8 +360,12 @@ class Pool:
             passing = up
             if not self.panicking:
                 self.panicking = True
-                log.warning("%s pool: too few breakers let legs through: legs go to every healthy worker "
-                            "(circuit_breaker_panic_threshold %g)", self.name, self.panic_threshold)  # fmt: skip
+                log.warning(
+                    "%s pool: too few breakers let legs through: legs go to every healthy worker "
+                    "(circuit_breaker_panic_threshold %g)",
+                    self.name,
+                    self.panic_threshold,
+                )
         elif panic:
             self.panicking = False
         candidates = [w for w in passing if not (exclude and w in exclude)] if exclude else passing
@@ -444,8 +460,12 @@ class HealthChecker:
             worker.timeouts = 0
             instance = _instance(body)
             if healthy and worker.healthy and instance != worker.instance and worker.instance is not None:
-                log.info("%s worker %s restarted (instance %s): its cache is empty", pool.name, worker.url,
-                         instance)  # fmt: skip
+                log.info(
+                    "%s worker %s restarted (instance %s): its cache is empty",
+                    pool.name,
+                    worker.url,
+                    instance,
+                )
                 pool.forget(worker)
                 self._set_capabilities(pool, worker, await self.read_capabilities(worker))
             worker.instance = instance
@@ -493,8 +513,9 @@ class HealthChecker:
         ``kv_capacity_tokens``; another protocol's probe: ``capabilities_path``), False / None on any doubt."""
         if self.probe is not None:
             return await self.probe(self.session, worker, self.timeout)
-        return self.capabilities_of(await read_json(self.session, worker.url + self.capabilities_path,
-                                                    self.timeout))  # fmt: skip
+        return self.capabilities_of(
+            await read_json(self.session, worker.url + self.capabilities_path, self.timeout)
+        )
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check_worker(p, w) for p in self.pools for w in p.workers))

@@ -131,10 +131,19 @@ class WorkerApp:
         # One per worker: it remembers the nonces it has accepted, so a replay is refused.
         verifier = Verifier(secret) if secret is not None else None
         trtllm_key = settings.trtllm_auth_key if settings.trtllm_auth_key is not None else secret
-        self.auth = InternalAuth(verifier, trtllm_key, self.instance,
-                                 accept_trtllm_orchestrator=settings.accept_trtllm_orchestrator)  # fmt: skip
-        self.reader = RequestReader(engine.tokenizer, settings.model_name, engine.max_context, settings.role,
-                                    settings.tool_call_parser)  # fmt: skip
+        self.auth = InternalAuth(
+            verifier,
+            trtllm_key,
+            self.instance,
+            accept_trtllm_orchestrator=settings.accept_trtllm_orchestrator,
+        )
+        self.reader = RequestReader(
+            engine.tokenizer,
+            settings.model_name,
+            engine.max_context,
+            settings.role,
+            settings.tool_call_parser,
+        )
         #: /server_info's bytes_per_token, measured on the prompts tokenized here; None where the
         #: engine states its own (the synthetic one's: its ids are not a tokenizer's)
         self.prompt_bytes = (
@@ -159,8 +168,9 @@ class WorkerApp:
             b"/metrics": self.metrics_endpoint,
         }
         #: trtllm-serve's other endpoints: /kv_cache_events, /version, /perf_metrics, ... (server/trtllm_endpoints.py)
-        self.trtllm = TrtllmEndpoints(WORKER_ROUTES, self.metrics.registry.render, self.metrics_access,
-                                      kv_events=self._kv_events)  # fmt: skip
+        self.trtllm = TrtllmEndpoints(
+            WORKER_ROUTES, self.metrics.registry.render, self.metrics_access, kv_events=self._kv_events
+        )
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -196,8 +206,12 @@ class WorkerApp:
         while self.engine.parked_count and loop.time() < parked_deadline:
             await asyncio.sleep(0.02)
         if self.active or self.engine.parked_count:
-            log.warning("drain: %d request(s) and %d parked KV entries left after %g s",
-                        self.active, self.engine.parked_count, timeout)  # fmt: skip
+            log.warning(
+                "drain: %d request(s) and %d parked KV entries left after %g s",
+                self.active,
+                self.engine.parked_count,
+                timeout,
+            )
             return False
         return True
 
@@ -259,8 +273,17 @@ class WorkerApp:
         if request.method != _POST:
             raise HTTPError(405, f"{wire.TOKENIZE_PATH} takes POST", headers={"Allow": "POST"})
         ids = self.reader.tokenize(request)
-        out.send(200, json.dumps({wire.TOKENIZE_COUNT: int(ids.size), wire.TOKENIZE_MAX_MODEL_LEN: self.engine.max_context,
-                                  wire.TOKENIZE_TOKENS: ids.tolist()}).encode(), _JSON)  # fmt: skip
+        out.send(
+            200,
+            json.dumps(
+                {
+                    wire.TOKENIZE_COUNT: int(ids.size),
+                    wire.TOKENIZE_MAX_MODEL_LEN: self.engine.max_context,
+                    wire.TOKENIZE_TOKENS: ids.tolist(),
+                }
+            ).encode(),
+            _JSON,
+        )
 
     def health(self, out: Responder) -> None:
         if self.draining:
@@ -374,8 +397,12 @@ class WorkerApp:
             if self.tracing is not None:
                 trace = tracing.start_worker_request(self.tracing, request, route, self.settings.role)
             if self.draining:
-                raise HTTPError(503, "the worker is draining (shutting down): send it elsewhere",
-                                code="draining", headers={"Retry-After": str(self.settings.retry_after_s)})  # fmt: skip
+                raise HTTPError(
+                    503,
+                    "the worker is draining (shutting down): send it elsewhere",
+                    code="draining",
+                    headers={"Retry-After": str(self.settings.retry_after_s)},
+                )
             status = await self._generate(request, out, route)
         except HTTPError as exc:
             status = exc.status
@@ -399,8 +426,12 @@ class WorkerApp:
                 prompt_span_bytes(request.body, route == "chat"), int(req.prompt_ids.size)
             )
         if not engine.alive:
-            raise HTTPError(503, "the engine is not running", code="engine_down",
-                            headers={"Retry-After": str(self.settings.retry_after_s)})  # fmt: skip
+            raise HTTPError(
+                503,
+                "the engine is not running",
+                code="engine_down",
+                headers={"Retry-After": str(self.settings.retry_after_s)},
+            )
 
         queue: asyncio.Queue[Delta] = asyncio.Queue()
         relay = DeltaRelay(queue.put_nowait)  # a started stream's sink writes from it (stream_sink)

@@ -87,8 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--role", choices=ROLES, default=_default("role"),
-                        help=f"disaggregated role (default {_default('role')})")  # fmt: skip
+    parser.add_argument(
+        "--role",
+        choices=ROLES,
+        default=_default("role"),
+        help=f"disaggregated role (default {_default('role')})",
+    )
     parser.add_argument(
         "--model",
         default=DEFAULT_MODEL,
@@ -102,121 +106,251 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--port", type=int, default=8001, help="port to listen on (default %(default)s; 0: any free)"
     )
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="auto: cuda when torch sees a GPU, else cpu (default %(default)s)")  # fmt: skip
-    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-                        help="auto: float32 on CPU and for tiny, else the checkpoint's dtype")  # fmt: skip
-    parser.add_argument("--kv-tokens", type=int, default=None,
-                        help=f"KV cache size in tokens (default: {DEFAULT_KV_TOKENS} for tiny, else from free "
-                             "memory)")  # fmt: skip
-    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
-                        help=f"KV cache block size in tokens (default {DEFAULT_BLOCK_SIZE})")  # fmt: skip
-    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=DEFAULT_PREFIX_CACHING,
-                        help="reuse the KV of full blocks a prompt shares with an earlier one "
-                             f"(default {'on' if DEFAULT_PREFIX_CACHING else 'off'})")  # fmt: skip
-    parser.add_argument("--kv-tier2-path", default=None, metavar="DIR",
-                        help="with --kv-tier2-tokens: the torch engine's second tier is files under DIR (one a "
-                             "block, at most that many tokens; emptied at start) instead of host memory")  # fmt: skip
-    parser.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
-                        help=f"most sequences in one decode batch (default {DEFAULT_MAX_NUM_SEQS})")  # fmt: skip
-    parser.add_argument("--prefill-chunk-tokens", type=_non_negative, default=DEFAULT_PREFILL_CHUNK_TOKENS,
-                        help="a step's token budget: one per running stream's decode, the rest for chunks of "
-                             "waiting prompts (a long one cut to fit, several short ones in one forward), so a "
-                             "long prefill does not stop the running streams; 0: each prompt prefilled whole "
-                             f"(default {DEFAULT_PREFILL_CHUNK_TOKENS})")  # fmt: skip
-    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=_default("tool_call_parser"),
-                        help="how a chat answer's tool calls are read out of the generated text, as vLLM names "
-                             "it: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Hermes), llama3_json "
-                             "(Llama 3.1+'s JSON calls), none: no parsing (default %(default)s)")  # fmt: skip
-    parser.add_argument("--prefill-step-ratio", type=_step_ratio, default=DEFAULT_PREFILL_STEP_RATIO,
-                        help="while streams decode, a step carrying prompt chunks may take this many times "
-                             "their decode-only step (measured): fewer chunk tokens where a chunk costs more "
-                             "than a decode step, e.g. on a CPU or late in a long prompt; 0: the token budget "
-                             f"alone (default {DEFAULT_PREFILL_STEP_RATIO:g})")  # fmt: skip
-    parser.add_argument("--torch-threads", type=int, default=None,
-                        help="torch intra-op threads (default: half the CPUs, 1 to 4)")  # fmt: skip
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: cuda when torch sees a GPU, else cpu (default %(default)s)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="auto: float32 on CPU and for tiny, else the checkpoint's dtype",
+    )
+    parser.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=None,
+        help=f"KV cache size in tokens (default: {DEFAULT_KV_TOKENS} for tiny, else from free memory)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=DEFAULT_BLOCK_SIZE,
+        help=f"KV cache block size in tokens (default {DEFAULT_BLOCK_SIZE})",
+    )
+    parser.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=DEFAULT_PREFIX_CACHING,
+        help="reuse the KV of full blocks a prompt shares with an earlier one "
+        f"(default {'on' if DEFAULT_PREFIX_CACHING else 'off'})",
+    )
+    parser.add_argument(
+        "--kv-tier2-path",
+        default=None,
+        metavar="DIR",
+        help="with --kv-tier2-tokens: the torch engine's second tier is files under DIR (one a "
+        "block, at most that many tokens; emptied at start) instead of host memory",
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=DEFAULT_MAX_NUM_SEQS,
+        help=f"most sequences in one decode batch (default {DEFAULT_MAX_NUM_SEQS})",
+    )
+    parser.add_argument(
+        "--prefill-chunk-tokens",
+        type=_non_negative,
+        default=DEFAULT_PREFILL_CHUNK_TOKENS,
+        help="a step's token budget: one per running stream's decode, the rest for chunks of "
+        "waiting prompts (a long one cut to fit, several short ones in one forward), so a "
+        "long prefill does not stop the running streams; 0: each prompt prefilled whole "
+        f"(default {DEFAULT_PREFILL_CHUNK_TOKENS})",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=_default("tool_call_parser"),
+        help="how a chat answer's tool calls are read out of the generated text, as vLLM names "
+        "it: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Hermes), llama3_json "
+        "(Llama 3.1+'s JSON calls), none: no parsing (default %(default)s)",
+    )
+    parser.add_argument(
+        "--prefill-step-ratio",
+        type=_step_ratio,
+        default=DEFAULT_PREFILL_STEP_RATIO,
+        help="while streams decode, a step carrying prompt chunks may take this many times "
+        "their decode-only step (measured): fewer chunk tokens where a chunk costs more "
+        "than a decode step, e.g. on a CPU or late in a long prompt; 0: the token budget "
+        f"alone (default {DEFAULT_PREFILL_STEP_RATIO:g})",
+    )
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: half the CPUs, 1 to 4)",
+    )
 
 
 def _add_serving_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kv-ttl", type=float, default=_default("kv_ttl"),
-                        help="seconds a context leg's KV waits for its generation worker "
-                             f"(default {_default('kv_ttl'):g})")  # fmt: skip
-    parser.add_argument("--kv-fetch-timeout", type=float, default=_default("kv_fetch_timeout"),
-                        help=f"seconds for one KV fetch (default {_default('kv_fetch_timeout'):g})")  # fmt: skip
+    parser.add_argument(
+        "--kv-ttl",
+        type=float,
+        default=_default("kv_ttl"),
+        help=f"seconds a context leg's KV waits for its generation worker (default {_default('kv_ttl'):g})",
+    )
+    parser.add_argument(
+        "--kv-fetch-timeout",
+        type=float,
+        default=_default("kv_fetch_timeout"),
+        help=f"seconds for one KV fetch (default {_default('kv_fetch_timeout'):g})",
+    )
     logs.add_arguments(parser)
-    parser.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
-                        help="SIGTERM: seconds the requests in flight and parked KV get before the worker "
-                             "stops (it deregisters and refuses new requests first; "
-                             f"default {DRAIN_TIMEOUT_S:g})")  # fmt: skip
-    parser.add_argument("--public-url", default=_default("public_url"),
-                        help="base URL put in ctx_info_endpoint (default: the Host the request came in on)")  # fmt: skip
-    parser.add_argument("--max-parked-fraction", type=float, default=_default("max_parked_fraction"),
-                        help="most of the KV cache that parked context KV may hold; the oldest go first "
-                             f"(default {_default('max_parked_fraction'):g})")  # fmt: skip
-    parser.add_argument("--admission-wait", type=float, default=_default("admission_wait"),
-                        help="seconds a request that does not fit in the KV cache waits for room before "
-                             f"its 503 (default {_default('admission_wait'):g})")  # fmt: skip
-    parser.add_argument("--max-waiting", type=int, default=_default("max_waiting"),
-                        help="requests waiting for KV room at once; 503 at once beyond "
-                             f"(default {_default('max_waiting')})")  # fmt: skip
-    parser.add_argument("--stream-stall-timeout", type=float, default=_default("stream_stall_timeout"),
-                        help="seconds a stream's client may read nothing (its write buffer full) before the "
-                             "stream is dropped and its KV freed "
-                             f"(default {_default('stream_stall_timeout'):g})")  # fmt: skip
-    parser.add_argument("--cache-events-chunk-bytes", type=int, default=_default("cache_events_chunk_bytes"),
-                        help="GET /cache_events' chunk size in prompt bytes: the orchestrators' kv_cache_aware "
-                             "chunk_bytes must be it (another is refused) "
-                             f"(default {_default('cache_events_chunk_bytes')})")  # fmt: skip
-    parser.add_argument("--otlp-traces-endpoint", default=_default("otlp_traces_endpoint"), metavar="URL",
-                        help="send OpenTelemetry traces to this OTLP/HTTP collector URL (needs the [otel] "
-                             "extra; else $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / $OTEL_EXPORTER_OTLP_ENDPOINT; "
-                             "none: no tracing). The other OTEL_* variables apply (docs/tracing.md)")  # fmt: skip
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=DRAIN_TIMEOUT_S,
+        help="SIGTERM: seconds the requests in flight and parked KV get before the worker "
+        "stops (it deregisters and refuses new requests first; "
+        f"default {DRAIN_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--public-url",
+        default=_default("public_url"),
+        help="base URL put in ctx_info_endpoint (default: the Host the request came in on)",
+    )
+    parser.add_argument(
+        "--max-parked-fraction",
+        type=float,
+        default=_default("max_parked_fraction"),
+        help="most of the KV cache that parked context KV may hold; the oldest go first "
+        f"(default {_default('max_parked_fraction'):g})",
+    )
+    parser.add_argument(
+        "--admission-wait",
+        type=float,
+        default=_default("admission_wait"),
+        help="seconds a request that does not fit in the KV cache waits for room before "
+        f"its 503 (default {_default('admission_wait'):g})",
+    )
+    parser.add_argument(
+        "--max-waiting",
+        type=int,
+        default=_default("max_waiting"),
+        help=f"requests waiting for KV room at once; 503 at once beyond (default {_default('max_waiting')})",
+    )
+    parser.add_argument(
+        "--stream-stall-timeout",
+        type=float,
+        default=_default("stream_stall_timeout"),
+        help="seconds a stream's client may read nothing (its write buffer full) before the "
+        "stream is dropped and its KV freed "
+        f"(default {_default('stream_stall_timeout'):g})",
+    )
+    parser.add_argument(
+        "--cache-events-chunk-bytes",
+        type=int,
+        default=_default("cache_events_chunk_bytes"),
+        help="GET /cache_events' chunk size in prompt bytes: the orchestrators' kv_cache_aware "
+        "chunk_bytes must be it (another is refused) "
+        f"(default {_default('cache_events_chunk_bytes')})",
+    )
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=_default("otlp_traces_endpoint"),
+        metavar="URL",
+        help="send OpenTelemetry traces to this OTLP/HTTP collector URL (needs the [otel] "
+        "extra; else $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / $OTEL_EXPORTER_OTLP_ENDPOINT; "
+        "none: no tracing). The other OTEL_* variables apply (docs/tracing.md)",
+    )
 
 
 def _add_auth_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kv-allow", action="append", default=[], metavar="HOST[:PORT]",
-                        help="a host a generation worker may fetch KV from (repeatable; default: loopback "
-                             "only without a shared secret, any host with one)")  # fmt: skip
-    parser.add_argument("--shared-secret-file", default=None, metavar="PATH",
-                        help="file holding the HMAC secret for internal requests")  # fmt: skip
-    parser.add_argument("--shared-secret", default=None,
-                        help=f"the HMAC secret itself: visible to anyone who can run ps; prefer "
-                             f"--shared-secret-file (${SECRET_ENV}, the default, is readable in "
-                             f"/proc/<pid>/environ and inherited by child processes)")  # fmt: skip
-    parser.add_argument("--internal-request-auth-key-file", default=None, metavar="PATH",
-                        help="file holding the key of trtllm-serve's x-trtllm-disagg-auth (its config's "
-                             "internal_request_auth_key; default: the shared secret)")  # fmt: skip
-    parser.add_argument("--metrics-token-file", default=None, metavar="PATH",
-                        help="file holding the bearer token GET /metrics asks for (else "
-                             "$FASTCORE_METRICS_TOKEN; none: /metrics is served to loopback clients only)")  # fmt: skip
-    parser.add_argument("--accept-trtllm-orchestrator", action="store_true",
-                        help="a trtllm-serve orchestrator fronts this worker: accept its unsigned legs "
-                             "(context legs, generation legs not naming the KV) despite a shared secret, "
-                             "and answer completions' prompt ids as a list (trtllm's response model)")  # fmt: skip
+    parser.add_argument(
+        "--kv-allow",
+        action="append",
+        default=[],
+        metavar="HOST[:PORT]",
+        help="a host a generation worker may fetch KV from (repeatable; default: loopback "
+        "only without a shared secret, any host with one)",
+    )
+    parser.add_argument(
+        "--shared-secret-file",
+        default=None,
+        metavar="PATH",
+        help="file holding the HMAC secret for internal requests",
+    )
+    parser.add_argument(
+        "--shared-secret",
+        default=None,
+        help=f"the HMAC secret itself: visible to anyone who can run ps; prefer "
+        f"--shared-secret-file (${SECRET_ENV}, the default, is readable in "
+        f"/proc/<pid>/environ and inherited by child processes)",
+    )
+    parser.add_argument(
+        "--internal-request-auth-key-file",
+        default=None,
+        metavar="PATH",
+        help="file holding the key of trtllm-serve's x-trtllm-disagg-auth (its config's "
+        "internal_request_auth_key; default: the shared secret)",
+    )
+    parser.add_argument(
+        "--metrics-token-file",
+        default=None,
+        metavar="PATH",
+        help="file holding the bearer token GET /metrics asks for (else "
+        "$FASTCORE_METRICS_TOKEN; none: /metrics is served to loopback clients only)",
+    )
+    parser.add_argument(
+        "--accept-trtllm-orchestrator",
+        action="store_true",
+        help="a trtllm-serve orchestrator fronts this worker: accept its unsigned legs "
+        "(context legs, generation legs not naming the KV) despite a shared secret, "
+        "and answer completions' prompt ids as a list (trtllm's response model)",
+    )
 
 
 def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
     """The worker's server.http Limits (defaults: server/http/limits.py, the WORKER_* ones where a
     worker's differ from the orchestrator's; docs/configuration.md#worker-http-limits)."""
     limits = parser.add_argument_group("HTTP limits (what one client may hold)")
-    limits.add_argument("--header-timeout", type=float, default=_default("header_timeout"),
-                        help=f"seconds to send a request's headers (408 after; default {_default('header_timeout'):g})")  # fmt: skip
-    limits.add_argument("--body-timeout", type=float, default=_default("body_timeout"),
-                        help=f"seconds to send a request's body (408 after; default {_default('body_timeout'):g})")  # fmt: skip
-    limits.add_argument("--keepalive-timeout", type=float, default=_default("keepalive_timeout"),
-                        help="seconds an idle keep-alive connection stays open "
-                             f"(default {_default('keepalive_timeout'):g})")  # fmt: skip
-    limits.add_argument("--max-connections", type=int, default=_default("max_connections"),
-                        help=f"open client connections; 503 beyond (default {_default('max_connections')})")  # fmt: skip
-    limits.add_argument("--max-body-bytes", type=int, default=_default("max_body_bytes"),
-                        help=f"request body size limit, 413 above it (default {_size(_default('max_body_bytes'))})")  # fmt: skip
-    limits.add_argument("--max-inflight-body-bytes", type=int, default=_default("max_inflight_body_bytes"),
-                        help="request body bytes held at once by the whole worker; 503 beyond "
-                             f"(default {_size(_default('max_inflight_body_bytes'))})")  # fmt: skip
+    limits.add_argument(
+        "--header-timeout",
+        type=float,
+        default=_default("header_timeout"),
+        help=f"seconds to send a request's headers (408 after; default {_default('header_timeout'):g})",
+    )
+    limits.add_argument(
+        "--body-timeout",
+        type=float,
+        default=_default("body_timeout"),
+        help=f"seconds to send a request's body (408 after; default {_default('body_timeout'):g})",
+    )
+    limits.add_argument(
+        "--keepalive-timeout",
+        type=float,
+        default=_default("keepalive_timeout"),
+        help=f"seconds an idle keep-alive connection stays open (default {_default('keepalive_timeout'):g})",
+    )
+    limits.add_argument(
+        "--max-connections",
+        type=int,
+        default=_default("max_connections"),
+        help=f"open client connections; 503 beyond (default {_default('max_connections')})",
+    )
+    limits.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=_default("max_body_bytes"),
+        help=f"request body size limit, 413 above it (default {_size(_default('max_body_bytes'))})",
+    )
+    limits.add_argument(
+        "--max-inflight-body-bytes",
+        type=int,
+        default=_default("max_inflight_body_bytes"),
+        help="request body bytes held at once by the whole worker; 503 beyond "
+        f"(default {_size(_default('max_inflight_body_bytes'))})",
+    )
     share = _default("client_ip_share")
-    limits.add_argument("--client-ip-share", type=_share, default=share,
-                        help="one client IP past this share of the connections or body bytes may not take "
-                             f"their last share, kept for the others; 1: no per-client bound (default {share})")  # fmt: skip
+    limits.add_argument(
+        "--client-ip-share",
+        type=_share,
+        default=share,
+        help="one client IP past this share of the connections or body bytes may not take "
+        f"their last share, kept for the others; 1: no per-client bound (default {share})",
+    )
 
 
 def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
@@ -227,20 +361,38 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     cluster = parser.add_argument_group(
         "cluster (register in a disagg_cluster: etcd, or an orchestrator's registry)"
     )
-    cluster.add_argument("--cluster-uri", default=None, metavar="URI",
-                         help="etcd://HOST:PORT[,HOST:PORT...] or http://ORCHESTRATOR:PORT (default: none, "
-                              "not registered)")  # fmt: skip
-    cluster.add_argument("--cluster-name", default=defaults["cluster_name"].default,
-                         help="the cluster's namespace (default empty)")  # fmt: skip
-    cluster.add_argument("--heartbeat-interval-sec", type=float, default=heartbeat,
-                         help=f"seconds between heartbeats (default {heartbeat:g})")  # fmt: skip
-    cluster.add_argument("--inactive-timeout-sec", type=float, default=inactive,
-                         help="seconds without a heartbeat before the cluster forgets this worker "
-                              f"(its etcd lease's TTL; default {inactive:g})")  # fmt: skip
-    cluster.add_argument("--cluster-record-format", choices=LAYOUTS, default=defaults["record_format"].default,
-                         help="register fastcore's record (default), or trtllm-serve's {worker_id, host, "
-                              "port, role} under /trtllm-disagg/ (its HTTP storage API on http://) so a "
-                              "trtllm-serve orchestrator discovers this worker")  # fmt: skip
+    cluster.add_argument(
+        "--cluster-uri",
+        default=None,
+        metavar="URI",
+        help="etcd://HOST:PORT[,HOST:PORT...] or http://ORCHESTRATOR:PORT (default: none, not registered)",
+    )
+    cluster.add_argument(
+        "--cluster-name",
+        default=defaults["cluster_name"].default,
+        help="the cluster's namespace (default empty)",
+    )
+    cluster.add_argument(
+        "--heartbeat-interval-sec",
+        type=float,
+        default=heartbeat,
+        help=f"seconds between heartbeats (default {heartbeat:g})",
+    )
+    cluster.add_argument(
+        "--inactive-timeout-sec",
+        type=float,
+        default=inactive,
+        help="seconds without a heartbeat before the cluster forgets this worker "
+        f"(its etcd lease's TTL; default {inactive:g})",
+    )
+    cluster.add_argument(
+        "--cluster-record-format",
+        choices=LAYOUTS,
+        default=defaults["record_format"].default,
+        help="register fastcore's record (default), or trtllm-serve's {worker_id, host, "
+        "port, role} under /trtllm-disagg/ (its HTTP storage API on http://) so a "
+        "trtllm-serve orchestrator discovers this worker",
+    )
 
 
 def _non_negative(text: str) -> int:
@@ -422,8 +574,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         cluster = cluster_settings(args, secret)
     except ValueError as exc:
-        print(f"fastcore-serve worker: --cluster-uri/--cluster-name/--heartbeat-interval-sec/"
-              f"--inactive-timeout-sec: {exc}", file=sys.stderr)  # fmt: skip
+        print(
+            f"fastcore-serve worker: --cluster-uri/--cluster-name/--heartbeat-interval-sec/"
+            f"--inactive-timeout-sec: {exc}",
+            file=sys.stderr,
+        )
         return 2
     why = port_problem(args.host, args.port)
     if why is not None:  # before loading a model, which may take minutes
@@ -477,8 +632,15 @@ async def _serve(
             raise
         print(cannot_listen("worker", host, port, why), file=sys.stderr)
         return 2
-    log.info("%s worker listening on http://%s:%d; model=%s device=%s; features: %s", settings.role, host, bound,
-             settings.model_name, settings.device, started_features(app, settings, cluster))  # fmt: skip
+    log.info(
+        "%s worker listening on http://%s:%d; model=%s device=%s; features: %s",
+        settings.role,
+        host,
+        bound,
+        settings.model_name,
+        settings.device,
+        started_features(app, settings, cluster),
+    )
     registration = None
     try:
         if cluster is not None:

@@ -93,8 +93,12 @@ class InternalAuth:
         if signed or self.verifier is None or self.accept_trtllm_orchestrator:
             return
         if request.header(_TRTLLM_AUTH) is None and body.get(wire.DISAGGREGATED_PARAMS) is not None:
-            raise HTTPError(403, f"disaggregated_params without a {SIGNATURE_HEADER}: internal requests "
-                            "must be signed", param=wire.DISAGGREGATED_PARAMS, code="missing_signature")  # fmt: skip
+            raise HTTPError(
+                403,
+                f"disaggregated_params without a {SIGNATURE_HEADER}: internal requests must be signed",
+                param=wire.DISAGGREGATED_PARAMS,
+                code="missing_signature",
+            )
 
     def authorize(self, req: ParsedRequest, request: Request, signed: bool) -> None:
         """Whether the leg may run (the rules of the module docstring); a 403 if not."""
@@ -107,14 +111,26 @@ class InternalAuth:
         key = self.trtllm_key
         if key is not None and (endpoint is not None or opaque is not None):
             if trtllm_header is None:
-                raise HTTPError(403, f"a {disagg.request_type} request naming ctx_info_endpoint or "
-                                f"encoded_opaque_state must carry {TRTLLM_AUTH_HEADER} or {SIGNATURE_HEADER}",
-                                param=wire.DISAGGREGATED_PARAMS, code="missing_signature")  # fmt: skip
+                raise HTTPError(
+                    403,
+                    f"a {disagg.request_type} request naming ctx_info_endpoint or "
+                    f"encoded_opaque_state must carry {TRTLLM_AUTH_HEADER} or {SIGNATURE_HEADER}",
+                    param=wire.DISAGGREGATED_PARAMS,
+                    code="missing_signature",
+                )
             if not check_trtllm_disagg_auth(key, endpoint, opaque, trtllm_header):
-                raise HTTPError(403, f"{TRTLLM_AUTH_HEADER} refused: it does not sign this request's "
-                                "ctx_info_endpoint and encoded_opaque_state",
-                                param=wire.DISAGGREGATED_PARAMS, code="bad_signature")  # fmt: skip
+                raise HTTPError(
+                    403,
+                    f"{TRTLLM_AUTH_HEADER} refused: it does not sign this request's "
+                    "ctx_info_endpoint and encoded_opaque_state",
+                    param=wire.DISAGGREGATED_PARAMS,
+                    code="bad_signature",
+                )
             return
         if self.verifier is not None and not self.accept_trtllm_orchestrator:
-            raise HTTPError(403, f"{disagg.request_type} request without a {SIGNATURE_HEADER}",
-                            param=wire.DISAGGREGATED_PARAMS, code="missing_signature")  # fmt: skip
+            raise HTTPError(
+                403,
+                f"{disagg.request_type} request without a {SIGNATURE_HEADER}",
+                param=wire.DISAGGREGATED_PARAMS,
+                code="missing_signature",
+            )

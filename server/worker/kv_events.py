@@ -126,8 +126,11 @@ class KvEventLog:
         """``digests``: blocks now held, in chain order; ``parent``: the block before the first (b"": none)."""
         for start in range(0, len(digests), MAX_EVENT_BLOCKS):
             before = digests[start - 1] if start else parent
-            self._append(_STORED, block_hash(before) if before else None,
-                         _pack(digests[start : start + MAX_EVENT_BLOCKS]))  # fmt: skip
+            self._append(
+                _STORED,
+                block_hash(before) if before else None,
+                _pack(digests[start : start + MAX_EVENT_BLOCKS]),
+            )
 
     def removed(self, digests: list[bytes]) -> None:
         for start in range(0, len(digests), MAX_EVENT_BLOCKS):
@@ -318,8 +321,12 @@ class ChunkEventLog:
             self._append("removed", gone, tier)
 
     def _resync(self, tiers: bool) -> dict[str, Any]:
-        answer: dict[str, Any] = {"instance": self.instance, "chunk_bytes": self.chunk_bytes,
-                                  "seq": self.seq, "resync": True}  # fmt: skip
+        answer: dict[str, Any] = {
+            "instance": self.instance,
+            "chunk_bytes": self.chunk_bytes,
+            "seq": self.seq,
+            "resync": True,
+        }
         if tiers and self.tier_rates:
             answer["tier_rates"] = self.tier_rates
         tier2 = self.tier2_blocks
@@ -406,8 +413,9 @@ def _query_value(params: dict[str, list[str]], name: str, parse: Callable[[str],
     try:
         return parse(values[-1])
     except ValueError:
-        raise HTTPError(400, f"GET /cache_events: {name} must be {parse.__name__}, got {values[-1][:40]!r}",
-                        param=name) from None  # fmt: skip
+        raise HTTPError(
+            400, f"GET /cache_events: {name} must be {parse.__name__}, got {values[-1][:40]!r}", param=name
+        ) from None
 
 
 async def follow_cache_events(cache: Any, instance: str, query: bytes, chunk_bytes: int) -> bytes:
@@ -417,8 +425,11 @@ async def follow_cache_events(cache: Any, instance: str, query: bytes, chunk_byt
     (``--cache-events-chunk-bytes``): a caller's other size is a 400 naming both, and changes
     nothing (the first caller's chose the log's size for every caller before)."""
     if cache is None or not hasattr(cache, "chunks"):
-        raise HTTPError(404, "GET /cache_events: this worker's engine publishes no cache events "
-                             "(an orchestrator keeps its own estimate of this worker's cache)")  # fmt: skip
+        raise HTTPError(
+            404,
+            "GET /cache_events: this worker's engine publishes no cache events "
+            "(an orchestrator keeps its own estimate of this worker's cache)",
+        )
     params = parse_qs(query.decode("latin-1"), keep_blank_values=True)
     after = _query_value(params, "after", int, 0)
     asked = _query_value(params, "chunk_bytes", int, chunk_bytes)
@@ -429,23 +440,41 @@ async def follow_cache_events(cache: Any, instance: str, query: bytes, chunk_byt
     if tiers not in (0, 1):
         raise HTTPError(400, f"GET /cache_events: tiers must be 0 or 1, got {tiers}", param="tiers")
     if asked != chunk_bytes:
-        raise HTTPError(400, f"GET /cache_events: chunk_bytes is this worker's {chunk_bytes} "
-                             f"(--cache-events-chunk-bytes; a kv_cache_aware router's chunk_bytes must be it), "
-                             f"got {asked}", param="chunk_bytes")  # fmt: skip
+        raise HTTPError(
+            400,
+            f"GET /cache_events: chunk_bytes is this worker's {chunk_bytes} "
+            f"(--cache-events-chunk-bytes; a kv_cache_aware router's chunk_bytes must be it), "
+            f"got {asked}",
+            param="chunk_bytes",
+        )
     if not 0 <= wait <= MAX_WAIT_S:  # NaN too
-        raise HTTPError(400, f"GET /cache_events: wait must be in [0, {MAX_WAIT_S:g}] seconds, got {wait}",
-                        param="wait")  # fmt: skip
+        raise HTTPError(
+            400, f"GET /cache_events: wait must be in [0, {MAX_WAIT_S:g}] seconds, got {wait}", param="wait"
+        )
     log = cache.chunks
     if log is None:
         log = cache.chunks = ChunkEventLog(instance, chunk_bytes, cache.block_size)
     if getattr(cache, "tier2_tokens", 0):  # at each ask: the torch worker's rates are measured
-        log.tier_rates = {wire.INFO_KV_TIER2_LOAD_TOKENS_PER_S: cache.load_tokens_per_s,
-                          wire.INFO_PREFILL_TOKENS_PER_S: cache.prefill_tokens_per_s}  # fmt: skip
+        log.tier_rates = {
+            wire.INFO_KV_TIER2_LOAD_TOKENS_PER_S: cache.load_tokens_per_s,
+            wire.INFO_PREFILL_TOKENS_PER_S: cache.prefill_tokens_per_s,
+        }
     names = params.get("instance")
     if names and names[-1] == instance:
         await log.wait(after, wait)
     return await encode_answer(log.answer(after, names[-1] if names else None, tiers == 1))
 
 
-__all__ = ["MAX_ANSWER_BYTES", "MAX_EVENTS", "MAX_EVENT_BLOCKS", "MAX_EVENT_KEYS", "MAX_LOG_BYTES",
-           "ChunkEventLog", "KvEventLog", "block_hash", "encode_answer", "events_of", "follow_cache_events"]  # fmt: skip
+__all__ = [
+    "MAX_ANSWER_BYTES",
+    "MAX_EVENTS",
+    "MAX_EVENT_BLOCKS",
+    "MAX_EVENT_KEYS",
+    "MAX_LOG_BYTES",
+    "ChunkEventLog",
+    "KvEventLog",
+    "block_hash",
+    "encode_answer",
+    "events_of",
+    "follow_cache_events",
+]

@@ -123,9 +123,14 @@ class KVHandoff:
     (generation legs), the HTTP session and the expiry task they need."""
 
     def __init__(
-        self, engine: Engine, settings: WorkerSettings, metrics: WorkerMetrics, verifier: Verifier | None,
-        instance: str, traces: Any,
-    ) -> None:  # fmt: skip
+        self,
+        engine: Engine,
+        settings: WorkerSettings,
+        metrics: WorkerMetrics,
+        verifier: Verifier | None,
+        instance: str,
+        traces: Any,
+    ) -> None:
         self.engine = engine
         self.settings = settings
         self.metrics = metrics

@@ -20,8 +20,9 @@ class WorkerMetrics:
         """``waiting``: how many requests wait for KV room now; ``server``: the HTTP server, once
         it listens."""
         r = self.registry = Registry()
-        self.requests = r.counter("fastcore_worker_requests_total", "Requests by route and HTTP status",
-                                  ("route", "status"))  # fmt: skip
+        self.requests = r.counter(
+            "fastcore_worker_requests_total", "Requests by route and HTTP status", ("route", "status")
+        )
         self._load_families(r, engine)
         self.prompt_tokens = r.counter("fastcore_worker_prompt_tokens_total", "Prompt tokens admitted")
         self._prefix_families(r, engine)
@@ -42,16 +43,18 @@ class WorkerMetrics:
             "Generation side: fetched, recomputed",
             ("event",),
         )
-        self.fetch_failures = r.counter("fastcore_worker_kv_fetch_failures_total",
-                                        "KV fetches that failed or were not tried, by reason", ("reason",))  # fmt: skip
+        self.fetch_failures = r.counter(
+            "fastcore_worker_kv_fetch_failures_total",
+            "KV fetches that failed or were not tried, by reason",
+            ("reason",),
+        )
         self.rejected = r.counter(
             "fastcore_worker_rejected_total", "Requests refused with 503, by reason", ("reason",)
         )
         self.waited = r.counter(
             "fastcore_worker_admission_waits_total", "Requests that waited for KV room before admission"
         ).labels()
-        r.gauge("fastcore_worker_waiting_for_kv", "Requests waiting for KV room now",
-                callback=waiting)  # fmt: skip
+        r.gauge("fastcore_worker_waiting_for_kv", "Requests waiting for KV room now", callback=waiting)
         self.ttft = r.histogram(
             "fastcore_worker_time_to_first_token_seconds", "Arrival to first token", ("route",)
         )
@@ -61,39 +64,70 @@ class WorkerMetrics:
     @staticmethod
     def _load_families(r: Registry, engine: Engine) -> None:
         """The engine's queue, batch, KV cache use, parked KV and decode rate."""
-        r.gauge("fastcore_worker_queue_depth", "Requests admitted and waiting for their prefill",
-                callback=lambda: engine.queue_depth)  # fmt: skip
+        r.gauge(
+            "fastcore_worker_queue_depth",
+            "Requests admitted and waiting for their prefill",
+            callback=lambda: engine.queue_depth,
+        )
         r.gauge(
             "fastcore_worker_running_sequences",
             "Sequences in the decode batch",
             callback=lambda: engine.running,
         )
-        r.gauge("fastcore_worker_kv_used_tokens", "KV cache tokens reserved (running, waiting, parked)",
-                callback=lambda: engine.kv_used_tokens)  # fmt: skip
-        r.gauge("fastcore_worker_kv_capacity_tokens", "KV cache size in tokens",
-                callback=lambda: engine.kv_capacity_tokens)  # fmt: skip
-        r.gauge("fastcore_worker_kv_usage_ratio", "Fraction of the KV cache in use",
-                callback=lambda: engine.kv_used_tokens / max(1, engine.kv_capacity_tokens))  # fmt: skip
-        r.gauge("fastcore_worker_kv_parked", "Context legs' KV waiting for a generation worker",
-                callback=lambda: engine.parked_count)  # fmt: skip
-        r.gauge("fastcore_worker_kv_parked_tokens", "KV cache tokens held by parked entries",
-                callback=lambda: engine.parked_tokens)  # fmt: skip
-        r.gauge("fastcore_worker_decode_tokens_per_second", "Decode tokens per second over the last 5 s",
-                callback=lambda: engine.tokens_per_second)  # fmt: skip
+        r.gauge(
+            "fastcore_worker_kv_used_tokens",
+            "KV cache tokens reserved (running, waiting, parked)",
+            callback=lambda: engine.kv_used_tokens,
+        )
+        r.gauge(
+            "fastcore_worker_kv_capacity_tokens",
+            "KV cache size in tokens",
+            callback=lambda: engine.kv_capacity_tokens,
+        )
+        r.gauge(
+            "fastcore_worker_kv_usage_ratio",
+            "Fraction of the KV cache in use",
+            callback=lambda: engine.kv_used_tokens / max(1, engine.kv_capacity_tokens),
+        )
+        r.gauge(
+            "fastcore_worker_kv_parked",
+            "Context legs' KV waiting for a generation worker",
+            callback=lambda: engine.parked_count,
+        )
+        r.gauge(
+            "fastcore_worker_kv_parked_tokens",
+            "KV cache tokens held by parked entries",
+            callback=lambda: engine.parked_tokens,
+        )
+        r.gauge(
+            "fastcore_worker_decode_tokens_per_second",
+            "Decode tokens per second over the last 5 s",
+            callback=lambda: engine.tokens_per_second,
+        )
 
     @staticmethod
     def _prefix_families(r: Registry, engine: Engine) -> None:
         """The prefix cache's hits, computed prefill, cached tokens and evictions."""
-        r.counter("fastcore_worker_prefix_cache_hit_tokens_total",
-                  "Prompt tokens whose KV came from the prefix cache (not computed)",
-                  callback=lambda: engine.prefix_hit_tokens)  # fmt: skip
-        r.counter("fastcore_worker_prefill_computed_tokens_total",
-                  "Prompt (and replayed) tokens prefilled: computed, not from the cache or a KV hand-off",
-                  callback=lambda: engine.prefill_computed_tokens)  # fmt: skip
-        r.gauge("fastcore_worker_prefix_cache_tokens", "Tokens in registered full blocks (held or evictable)",
-                callback=lambda: engine.prefix_cached_tokens)  # fmt: skip
-        r.counter("fastcore_worker_prefix_cache_evicted_blocks_total",
-                  "Cached blocks evicted to make room", callback=lambda: engine.prefix_evicted_blocks)  # fmt: skip
+        r.counter(
+            "fastcore_worker_prefix_cache_hit_tokens_total",
+            "Prompt tokens whose KV came from the prefix cache (not computed)",
+            callback=lambda: engine.prefix_hit_tokens,
+        )
+        r.counter(
+            "fastcore_worker_prefill_computed_tokens_total",
+            "Prompt (and replayed) tokens prefilled: computed, not from the cache or a KV hand-off",
+            callback=lambda: engine.prefill_computed_tokens,
+        )
+        r.gauge(
+            "fastcore_worker_prefix_cache_tokens",
+            "Tokens in registered full blocks (held or evictable)",
+            callback=lambda: engine.prefix_cached_tokens,
+        )
+        r.counter(
+            "fastcore_worker_prefix_cache_evicted_blocks_total",
+            "Cached blocks evicted to make room",
+            callback=lambda: engine.prefix_evicted_blocks,
+        )
 
     @staticmethod
     def _server_families(r: Registry, server: Callable[[], HTTPServer | None]) -> None:
@@ -102,30 +136,55 @@ class WorkerMetrics:
         def server_stat(read: Callable[[HTTPServer], float]) -> Callable[[], float]:
             return lambda: read(listening) if (listening := server()) is not None else 0
 
-        r.gauge("fastcore_worker_client_connections", "Open client connections",
-                callback=server_stat(lambda s: len(s.connections)))  # fmt: skip
-        r.counter("fastcore_worker_connections_refused_total",
-                  "Client connections refused at the connection cap (503)",
-                  callback=server_stat(lambda s: s.refused))  # fmt: skip
-        r.counter("fastcore_worker_http_framing_errors_total",
-                  "Requests refused before routing: malformed HTTP, limits on headers or body, timeouts",
-                  callback=server_stat(lambda s: s.framing_errors))  # fmt: skip
+        r.gauge(
+            "fastcore_worker_client_connections",
+            "Open client connections",
+            callback=server_stat(lambda s: len(s.connections)),
+        )
+        r.counter(
+            "fastcore_worker_connections_refused_total",
+            "Client connections refused at the connection cap (503)",
+            callback=server_stat(lambda s: s.refused),
+        )
+        r.counter(
+            "fastcore_worker_http_framing_errors_total",
+            "Requests refused before routing: malformed HTTP, limits on headers or body, timeouts",
+            callback=server_stat(lambda s: s.framing_errors),
+        )
 
     @staticmethod
     def _tier2_families(r: Registry, tier2: Any) -> None:
         """The second KV tier's: what it holds, its block moves, the rates its loads are weighed by."""
-        r.gauge("fastcore_worker_kv_tier2_tokens", "Tokens held in the second KV tier",
-                callback=lambda: tier2.held_blocks * tier2.block_size)  # fmt: skip
-        r.gauge("fastcore_worker_kv_tier2_capacity_tokens", "The second KV tier's size in tokens",
-                callback=lambda: tier2.capacity_tokens)  # fmt: skip
-        for name, what in (("spilled", "evicted from the device into tier 2"), ("loaded", "loaded back from it"),
-                           ("dropped", "dropped from it, least recently spilled first"),
-                           ("failed", "whose load failed (a missing or corrupt file: recomputed)"),
-                           ("exported", "read from it by a parked entry's KV export (left there)"),
-                           ("export_failed", "an export could not read (gone, a file missing or corrupt)")):  # fmt: skip
-            r.counter(f"fastcore_worker_kv_tier2_{name}_blocks_total", f"KV blocks {what}",
-                      callback=functools.partial(getattr, tier2, f"{name}_blocks_total"))  # fmt: skip
-        r.gauge("fastcore_worker_kv_tier2_load_tokens_per_second", "Tier-2 loads' measured rate",
-                callback=lambda: tier2.rates.load_tokens_per_s)  # fmt: skip
-        r.gauge("fastcore_worker_kv_tier2_prefill_tokens_per_second", "Prefill's measured rate, loads weighed against",
-                callback=lambda: tier2.rates.prefill_tokens_per_s)  # fmt: skip
+        r.gauge(
+            "fastcore_worker_kv_tier2_tokens",
+            "Tokens held in the second KV tier",
+            callback=lambda: tier2.held_blocks * tier2.block_size,
+        )
+        r.gauge(
+            "fastcore_worker_kv_tier2_capacity_tokens",
+            "The second KV tier's size in tokens",
+            callback=lambda: tier2.capacity_tokens,
+        )
+        for name, what in (
+            ("spilled", "evicted from the device into tier 2"),
+            ("loaded", "loaded back from it"),
+            ("dropped", "dropped from it, least recently spilled first"),
+            ("failed", "whose load failed (a missing or corrupt file: recomputed)"),
+            ("exported", "read from it by a parked entry's KV export (left there)"),
+            ("export_failed", "an export could not read (gone, a file missing or corrupt)"),
+        ):
+            r.counter(
+                f"fastcore_worker_kv_tier2_{name}_blocks_total",
+                f"KV blocks {what}",
+                callback=functools.partial(getattr, tier2, f"{name}_blocks_total"),
+            )
+        r.gauge(
+            "fastcore_worker_kv_tier2_load_tokens_per_second",
+            "Tier-2 loads' measured rate",
+            callback=lambda: tier2.rates.load_tokens_per_s,
+        )
+        r.gauge(
+            "fastcore_worker_kv_tier2_prefill_tokens_per_second",
+            "Prefill's measured rate, loads weighed against",
+            callback=lambda: tier2.rates.prefill_tokens_per_s,
+        )

@@ -372,8 +372,12 @@ def _model(body: dict[str, Any], model_name: str) -> str:
     if type(model) is not str:
         raise bad_request("'model' must be a string", "model")
     if model != model_name:
-        raise HTTPError(404, f"model {brief(model)} does not exist; the model served is {model_name!r} (GET /v1/models lists it)",
-                        param="model", code="model_not_found")  # fmt: skip
+        raise HTTPError(
+            404,
+            f"model {brief(model)} does not exist; the model served is {model_name!r} (GET /v1/models lists it)",
+            param="model",
+            code="model_not_found",
+        )
     return model
 
 
@@ -554,8 +558,14 @@ class RequestReader:
         msgpack = request.header(_MSGPACK) == b"1"
         body = load_msgpack_body(request.body) if msgpack else self.json_body.load(request.body, route)
         auth.refuse_unsigned_early(body, request, signed)
-        req = read_request(body, route, tokenizer=self.tokenizer, model_name=self.model_name,
-                           max_context=self.max_context, tool_call_parser=self.tool_call_parser)  # fmt: skip
+        req = read_request(
+            body,
+            route,
+            tokenizer=self.tokenizer,
+            model_name=self.model_name,
+            max_context=self.max_context,
+            tool_call_parser=self.tool_call_parser,
+        )
         req.msgpack = msgpack
         auth.authorize(req, request, signed)
         self._check_role(req)
@@ -580,11 +590,17 @@ class RequestReader:
             return
         kind = req.disagg.request_type
         if kind == CONTEXT_ONLY and self.role == "generation":
-            raise HTTPError(400, "this worker's role is generation: it does not take context_only requests",
-                            param=wire.DISAGGREGATED_PARAMS)  # fmt: skip
+            raise HTTPError(
+                400,
+                "this worker's role is generation: it does not take context_only requests",
+                param=wire.DISAGGREGATED_PARAMS,
+            )
         if kind == GENERATION_ONLY and self.role == "context":
-            raise HTTPError(400, "this worker's role is context: it does not take generation_only requests",
-                            param=wire.DISAGGREGATED_PARAMS)  # fmt: skip
+            raise HTTPError(
+                400,
+                "this worker's role is context: it does not take generation_only requests",
+                param=wire.DISAGGREGATED_PARAMS,
+            )
 
 
 __all__ = [

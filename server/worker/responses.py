@@ -167,9 +167,18 @@ def completion_body(
         content, found = parse_tool_calls(tools.stream(), text)
         if found:
             calls, finish_reason, stop_reason = [call.wire() for call in found], TOOL_CALLS, None
-    return openai_shapes.answer_object(chat=route == "chat", response_id=response_id, created=created,
-                                       model=model, text=content, finish_reason=finish_reason, usage=usage,
-                                       logprobs=lp, tool_calls=calls, stop_reason=stop_reason)  # fmt: skip
+    return openai_shapes.answer_object(
+        chat=route == "chat",
+        response_id=response_id,
+        created=created,
+        model=model,
+        text=content,
+        finish_reason=finish_reason,
+        usage=usage,
+        logprobs=lp,
+        tool_calls=calls,
+        stop_reason=stop_reason,
+    )
 
 
 def stream_chunk(
@@ -189,9 +198,18 @@ def stream_chunk(
 ) -> dict[str, Any]:
     """One SSE chunk (:func:`server.openai_shapes.stream_chunk`) with the engine's logprobs in wire shape."""
     lp = _logprobs_field(route, logprobs, tokenizer, text_offset) if tokenizer is not None else None
-    return openai_shapes.stream_chunk(chat=route == "chat", response_id=response_id, created=created,
-                                      model=model, text=text, role=role, finish_reason=finish_reason,
-                                      logprobs=lp, tool_calls=tool_calls, stop_reason=stop_reason)  # fmt: skip
+    return openai_shapes.stream_chunk(
+        chat=route == "chat",
+        response_id=response_id,
+        created=created,
+        model=model,
+        text=text,
+        role=role,
+        finish_reason=finish_reason,
+        logprobs=lp,
+        tool_calls=tool_calls,
+        stop_reason=stop_reason,
+    )
 
 
 def usage_chunk(
@@ -226,8 +244,12 @@ class StreamWriterState:
         self.tool_stream = tools.stream() if tools is not None and tools.parsing else None
 
     def _common(self) -> dict[str, Any]:
-        return {"route": self.req.route, "response_id": self.response_id, "created": self.created,
-                "model": self.req.model}  # fmt: skip
+        return {
+            "route": self.req.route,
+            "response_id": self.response_id,
+            "created": self.created,
+            "model": self.req.model,
+        }
 
     def start(self) -> bytes:
         if self.req.route == "chat":
@@ -255,8 +277,14 @@ class StreamWriterState:
             self.text_offset += len(delta.text)
         if delta.finish_reason is not None:
             text = None if self.req.route == "chat" else ""
-            out += sse_event(stream_chunk(**self._common(), text=text, finish_reason=delta.finish_reason,
-                                          stop_reason=delta.stop_reason))  # fmt: skip
+            out += sse_event(
+                stream_chunk(
+                    **self._common(),
+                    text=text,
+                    finish_reason=delta.finish_reason,
+                    stop_reason=delta.stop_reason,
+                )
+            )
         return out
 
     def _tool_delta(self, delta: Delta, stream: ToolCallStream) -> bytes:
@@ -269,9 +297,15 @@ class StreamWriterState:
         content = "".join(e for e in events if isinstance(e, str))
         out = b""
         if content or (self.req.want_logprobs and delta.logprobs):
-            out += sse_event(stream_chunk(**self._common(), text=content,
-                                          logprobs=delta.logprobs if self.req.want_logprobs else None,
-                                          tokenizer=self.tokenizer, text_offset=self.text_offset))  # fmt: skip
+            out += sse_event(
+                stream_chunk(
+                    **self._common(),
+                    text=content,
+                    logprobs=delta.logprobs if self.req.want_logprobs else None,
+                    tokenizer=self.tokenizer,
+                    text_offset=self.text_offset,
+                )
+            )
             self.text_offset += len(content)
         index = stream.calls - sum(isinstance(e, ToolCall) for e in events)  # the first new call's
         for event in events:

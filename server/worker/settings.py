@@ -83,8 +83,10 @@ class WorkerSettings:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
-                             f"got {self.tool_call_parser!r}")  # fmt: skip
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                f"got {self.tool_call_parser!r}"
+            )
         endpoint = tracing.configured_endpoint(self.otlp_traces_endpoint)
         if endpoint is not None:  # tracing asked for: the SDK must be there, the URL OTLP/HTTP
             tracing.check_endpoint(endpoint)

@@ -107,8 +107,10 @@ class SyntheticTokenizer:
         if prompt_tokens < 0:
             raise ValueError("--prompt-tokens must be at least 1 (or 0: the text's own ids)")
         if not (type(bytes_per_token) is int and 1 <= bytes_per_token <= MAX_BYTES_PER_TOKEN):
-            raise ValueError(f"--bytes-per-token must be an integer from 1 to {MAX_BYTES_PER_TOKEN}, "
-                             f"got {bytes_per_token!r}")  # fmt: skip
+            raise ValueError(
+                f"--bytes-per-token must be an integer from 1 to {MAX_BYTES_PER_TOKEN}, "
+                f"got {bytes_per_token!r}"
+            )
         #: --prompt-tokens 0: ids from the text (``bytes_per_token`` bytes each) instead of one fixed prompt
         self.from_text = prompt_tokens == 0
         self.bytes_per_token = bytes_per_token
@@ -137,8 +139,10 @@ class SyntheticTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         script = self.script
         if script is not None:
-            return "".join(piece if (piece := script.piece(int(i))) is not None else " " + _WORDS[int(i) % len(_WORDS)]
-                           for i in ids)  # fmt: skip
+            return "".join(
+                piece if (piece := script.piece(int(i))) is not None else " " + _WORDS[int(i) % len(_WORDS)]
+                for i in ids
+            )
         return "".join(" " + _WORDS[int(i) % len(_WORDS)] for i in ids)
 
     def apply_chat_template(
@@ -672,31 +676,56 @@ class SyntheticEngine:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("synthetic model (--model synthetic)")
-    group.add_argument("--prompt-tokens", type=int, default=4096,
-                       help="every prompt is this many token ids (default 4096)")  # fmt: skip
+    group.add_argument(
+        "--prompt-tokens", type=int, default=4096, help="every prompt is this many token ids (default 4096)"
+    )
     group.add_argument("--prefill-latency-ms", type=float, default=0.0, help="time to the first token")
     group.add_argument("--token-latency-ms", type=float, default=0.0, help="time per further token")
-    group.add_argument("--prefill-ms-per-1k-tokens", type=float, default=0.0,
-                       help="--prompt-tokens 0: prefill time per 1,000 prompt ids not served from the "
-                            "modelled prefix cache, each request on its own timer (default 0)")  # fmt: skip
-    group.add_argument("--prefill-tokens-per-s", type=float, default=0.0,
-                       help="the worker's prefill compute: prompt ids not served from the cache are computed "
-                            "at this rate, shared first come first served, so prefills queue (default 0: "
-                            "no shared compute)")  # fmt: skip
-    group.add_argument("--kv-tier2-tokens", type=int, default=0,
-                       help="a second KV tier of this many tokens (host memory; the torch engine's: files too, "
-                            "--kv-tier2-path; synthetic: --prompt-tokens 0): full blocks evicted from the device "
-                            "cache go there, least recently used out, and a hit there is loaded back instead of "
-                            "prefilled when loading is faster (default 0: none)")  # fmt: skip
-    group.add_argument("--tier2-load-tokens-per-s", type=float, default=0.0,
-                       help="the rate a tier-2 hit loads at (default 0: instantly); at or below "
-                            "--prefill-tokens-per-s the tier is not taken (recomputing is faster)")  # fmt: skip
-    group.add_argument("--script", default=None, metavar="FILE",
-                       help="the text the requests generate, in turn: the file's text, or a .json file's list "
-                            "of answer strings (tests of tool-call parsing and stream assembly)")  # fmt: skip
-    group.add_argument("--bytes-per-token", type=int, default=DEFAULT_BYTES_PER_TOKEN,
-                       help=f"--prompt-tokens 0: text bytes per prompt id, 1 to {MAX_BYTES_PER_TOKEN} "
-                            f"(/server_info's bytes_per_token; default {DEFAULT_BYTES_PER_TOKEN})")  # fmt: skip
+    group.add_argument(
+        "--prefill-ms-per-1k-tokens",
+        type=float,
+        default=0.0,
+        help="--prompt-tokens 0: prefill time per 1,000 prompt ids not served from the "
+        "modelled prefix cache, each request on its own timer (default 0)",
+    )
+    group.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=0.0,
+        help="the worker's prefill compute: prompt ids not served from the cache are computed "
+        "at this rate, shared first come first served, so prefills queue (default 0: "
+        "no shared compute)",
+    )
+    group.add_argument(
+        "--kv-tier2-tokens",
+        type=int,
+        default=0,
+        help="a second KV tier of this many tokens (host memory; the torch engine's: files too, "
+        "--kv-tier2-path; synthetic: --prompt-tokens 0): full blocks evicted from the device "
+        "cache go there, least recently used out, and a hit there is loaded back instead of "
+        "prefilled when loading is faster (default 0: none)",
+    )
+    group.add_argument(
+        "--tier2-load-tokens-per-s",
+        type=float,
+        default=0.0,
+        help="the rate a tier-2 hit loads at (default 0: instantly); at or below "
+        "--prefill-tokens-per-s the tier is not taken (recomputing is faster)",
+    )
+    group.add_argument(
+        "--script",
+        default=None,
+        metavar="FILE",
+        help="the text the requests generate, in turn: the file's text, or a .json file's list "
+        "of answer strings (tests of tool-call parsing and stream assembly)",
+    )
+    group.add_argument(
+        "--bytes-per-token",
+        type=int,
+        default=DEFAULT_BYTES_PER_TOKEN,
+        help=f"--prompt-tokens 0: text bytes per prompt id, 1 to {MAX_BYTES_PER_TOKEN} "
+        f"(/server_info's bytes_per_token; default {DEFAULT_BYTES_PER_TOKEN})",
+    )
 
 
 def build_engine(args: argparse.Namespace) -> SyntheticEngine:

@@ -92,10 +92,16 @@ def _check_tool(tool: Any, i: int) -> str:
         raise bad_request(f"'{where}.function' must be an object", f"{where}.function")
     name = function.get("name")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise bad_request(f"'{where}.function.name' must be a string of 1 to 64 letters, digits, '_' or '-', "
-                          f"got {brief(name)}", f"{where}.function.name")  # fmt: skip
-    for key, kind, what in (("description", str, "a string"), ("parameters", dict, "an object"),
-                            ("strict", bool, "a boolean")):  # fmt: skip
+        raise bad_request(
+            f"'{where}.function.name' must be a string of 1 to 64 letters, digits, '_' or '-', "
+            f"got {brief(name)}",
+            f"{where}.function.name",
+        )
+    for key, kind, what in (
+        ("description", str, "a string"),
+        ("parameters", dict, "an object"),
+        ("strict", bool, "a boolean"),
+    ):
         value = function.get(key)
         if value is not None and not isinstance(value, kind):
             raise bad_request(f"'{where}.function.{key}' must be {what}", f"{where}.function.{key}")
@@ -110,19 +116,25 @@ def _tool_choice(body: dict[str, Any], names: list[str]) -> tuple[str, str | Non
         raise bad_request("'tool_choice' is only allowed when 'tools' are specified", "tool_choice")
     if isinstance(choice, str):
         if choice not in TOOL_CHOICES:
-            raise bad_request(f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or a named function, "
-                              f"got {brief(choice)}", "tool_choice")  # fmt: skip
+            raise bad_request(
+                f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or a named function, "
+                f"got {brief(choice)}",
+                "tool_choice",
+            )
         return choice, None
     function = choice.get("function") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(function, dict):
-        raise bad_request("'tool_choice' must be a string or {'type': 'function', 'function': {'name': ...}}",
-                          "tool_choice")  # fmt: skip
+        raise bad_request(
+            "'tool_choice' must be a string or {'type': 'function', 'function': {'name': ...}}", "tool_choice"
+        )
     name = function.get("name")
     if not isinstance(name, str):
         raise bad_request("'tool_choice.function.name' must be a string", "tool_choice.function.name")
     if name not in names:
-        raise bad_request(f"'tool_choice.function.name' {brief(name)} names no function of 'tools'",
-                          "tool_choice.function.name")  # fmt: skip
+        raise bad_request(
+            f"'tool_choice.function.name' {brief(name)} names no function of 'tools'",
+            "tool_choice.function.name",
+        )
     return "function", name  # (a function may be named "none")
 
 

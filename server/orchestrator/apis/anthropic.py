@@ -204,8 +204,10 @@ def _user_turn(
             _only(block, {"type", "tool_use_id", "content", "is_error"}, at)
             call_id = block.get("tool_use_id")
             if not isinstance(call_id, str) or call_id not in open_calls:
-                raise bad(f"'{at}.tool_use_id' names no tool_use block of the assistant turn before it",
-                          f"{at}.tool_use_id")  # fmt: skip
+                raise bad(
+                    f"'{at}.tool_use_id' names no tool_use block of the assistant turn before it",
+                    f"{at}.tool_use_id",
+                )
             if not isinstance(block.get("is_error", False), bool):
                 raise bad(f"'{at}.is_error' must be a boolean", f"{at}.is_error")
             text = _text_of(block.get("content", ""), f"{at}.content", (*path, j, "content"))
@@ -241,8 +243,13 @@ def _assistant_turn(
                 raise bad(f"'{at}.name' must be a non-empty string", f"{at}.name")
             if not isinstance(arguments, dict):
                 raise bad(f"'{at}.input' must be an object", f"{at}.input")
-            calls.append({"id": call_id, "type": "function",
-                          "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}})  # fmt: skip
+            calls.append(
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
+                }
+            )
         elif kind in ("thinking", "redacted_thinking"):
             continue  # never ours (no answer here thinks): dropped, as the API drops past turns' thinking
         else:
@@ -294,8 +301,11 @@ def _tools(body: dict[str, Any], chat: dict[str, Any]) -> None:
                 raise bad(f"'{at}' must be an object", at)
             kind = tool.get("type", "custom")
             if kind != "custom":
-                raise bad(f"'{at}.type' is '{kind}': only client tools (input_schema) are supported, "
-                          "no server tools", f"{at}.type")  # fmt: skip
+                raise bad(
+                    f"'{at}.type' is '{kind}': only client tools (input_schema) are supported, "
+                    "no server tools",
+                    f"{at}.type",
+                )
             for key in tool:
                 if key not in ("type", "name", "description", "input_schema", "cache_control"):
                     raise bad(f"'{at}.{key}' is not a field of a tool", f"{at}.{key}")
@@ -431,12 +441,22 @@ class Messages:
                 arguments = json.loads(call["function"]["arguments"] or "{}")
                 if not isinstance(arguments, dict):
                     raise ValueError("a tool call's arguments are not a JSON object")
-                content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-                                "input": arguments})  # fmt: skip
+                content.append(
+                    {
+                        "type": "tool_use",
+                        "id": call["id"],
+                        "name": call["function"]["name"],
+                        "input": arguments,
+                    }
+                )
             reason, sequence = self.stop_reason(choice)
             out = message_head(answer.get("id"), answer.get("model"))
-            out.update(content=content, stop_reason=reason, stop_sequence=sequence,
-                       usage=usage_of(answer.get(wire.USAGE)))  # fmt: skip
+            out.update(
+                content=content,
+                stop_reason=reason,
+                stop_sequence=sequence,
+                usage=usage_of(answer.get(wire.USAGE)),
+            )
         except (KeyError, IndexError, TypeError, AttributeError) as exc:
             raise ValueError(f"not a chat completion ({type(exc).__name__}: {exc})") from None
         return json.dumps(out, ensure_ascii=False).encode()
@@ -469,8 +489,11 @@ def usage_of(usage: Any) -> dict[str, int]:
     details = usage.get(wire.PROMPT_TOKENS_DETAILS)
     cached = details.get(wire.CACHED_TOKENS) or 0 if isinstance(details, dict) else 0
     cached = min(cached, prompt) if isinstance(cached, int) and isinstance(prompt, int) else 0
-    return {"input_tokens": prompt - cached, "output_tokens": usage.get("completion_tokens") or 0,
-            "cache_read_input_tokens": cached}  # fmt: skip
+    return {
+        "input_tokens": prompt - cached,
+        "output_tokens": usage.get("completion_tokens") or 0,
+        "cache_read_input_tokens": cached,
+    }
 
 
 def event(kind: str, payload: dict[str, Any]) -> bytes:
@@ -550,8 +573,12 @@ class MessageStream:
         if not self.started:
             self.started = True
             head = message_head(chunk.get("id"), chunk.get("model"))
-            head.update(content=[], stop_reason=None, stop_sequence=None,
-                        usage={"input_tokens": 0, "output_tokens": 0})  # fmt: skip
+            head.update(
+                content=[],
+                stop_reason=None,
+                stop_sequence=None,
+                usage={"input_tokens": 0, "output_tokens": 0},
+            )
             out.append(event("message_start", {"message": head}))
             out.append(event("ping", {}))
         if chunk.get(wire.USAGE) is not None:
@@ -567,8 +594,12 @@ class MessageStream:
             if isinstance(text, str) and text:
                 if self.block[1] != "text":
                     self.open(out, "text", {"type": "text", "text": ""})
-                out.append(event("content_block_delta", {"index": self.block[0],
-                                                         "delta": {"type": "text_delta", "text": text}}))  # fmt: skip
+                out.append(
+                    event(
+                        "content_block_delta",
+                        {"index": self.block[0], "delta": {"type": "text_delta", "text": text}},
+                    )
+                )
             for piece in delta.get("tool_calls") or ():
                 self.tool_piece(piece, out)
         if choice.get(wire.FINISH_REASON) is not None:
@@ -589,8 +620,15 @@ class MessageStream:
             self.open(out, ("call", index), block)
         arguments = function.get("arguments")
         if isinstance(arguments, str) and arguments:
-            out.append(event("content_block_delta", {"index": self.block[0],
-                                                     "delta": {"type": "input_json_delta", "partial_json": arguments}}))  # fmt: skip
+            out.append(
+                event(
+                    "content_block_delta",
+                    {
+                        "index": self.block[0],
+                        "delta": {"type": "input_json_delta", "partial_json": arguments},
+                    },
+                )
+            )
 
     def open(self, out: list[bytes], kind: Any, block: dict[str, Any]) -> None:
         index = self.block[0]
@@ -607,8 +645,12 @@ class MessageStream:
         if self.block[1] is not None:
             out.append(event("content_block_stop", {"index": self.block[0]}))
         reason, sequence = self.call.stop_reason(self.finish)
-        out.append(event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                           "usage": usage_of(self.usage)}))  # fmt: skip
+        out.append(
+            event(
+                "message_delta",
+                {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage_of(self.usage)},
+            )
+        )
         out.append(event("message_stop", {}))
         self.ended = True
 
@@ -664,8 +706,11 @@ async def count_tokens(body: bytes, ask: Any) -> tuple[int, bytes]:
     except (ValueError, AttributeError, RecursionError):
         count = None
     if type(count) is not int or count < 0:
-        raise HTTPError(502, f"the worker's {wire.TOKENIZE_PATH} answer holds no count: {answer[:200]!r}",
-                        code="bad_worker_answer")  # fmt: skip
+        raise HTTPError(
+            502,
+            f"the worker's {wire.TOKENIZE_PATH} answer holds no count: {answer[:200]!r}",
+            code="bad_worker_answer",
+        )
     return 200, json.dumps({"input_tokens": count}).encode()
 
 

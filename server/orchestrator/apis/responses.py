@@ -35,12 +35,34 @@ from .responses_store import (
 )
 
 #: top-level members read as documented; anything else is refused by name, as OpenAI does
-_SUPPORTED = frozenset({
-    "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
-    "temperature", "top_p", "stream", "store", "previous_response_id", "metadata", "user", "text",
-    "truncation", "include", "reasoning", "safety_identifier", "prompt_cache_key", "service_tier",
-    "stream_options", "background", "top_logprobs",
-})  # fmt: skip
+_SUPPORTED = frozenset(
+    {
+        "model",
+        "input",
+        "instructions",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "max_output_tokens",
+        "temperature",
+        "top_p",
+        "stream",
+        "store",
+        "previous_response_id",
+        "metadata",
+        "user",
+        "text",
+        "truncation",
+        "include",
+        "reasoning",
+        "safety_identifier",
+        "prompt_cache_key",
+        "service_tier",
+        "stream_options",
+        "background",
+        "top_logprobs",
+    }
+)
 _ROLES = ("user", "assistant", "system", "developer")
 _TOOL_CHOICES = ("none", "auto", "required")
 #: OpenAI's rule for a function's name (the workers' too: server/worker/tool_calls.py)
@@ -189,8 +211,10 @@ def chat_messages(items: Any, unresolved: dict[str, str]) -> list[dict[str, Any]
         elif kind == "function_call_output":
             messages.append(_tool_result(item, param, calls, unresolved))
         else:
-            raise bad(f"'{param}.type' must be one of message, function_call, function_call_output (got {kind!r}).",
-                      f"{param}.type")  # fmt: skip
+            raise bad(
+                f"'{param}.type' must be one of message, function_call, function_call_output (got {kind!r}).",
+                f"{param}.type",
+            )
     return messages
 
 
@@ -217,8 +241,16 @@ def _tools(value: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
                     raise bad(f"Invalid type for '{param}.{key}'.", f"{param}.{key}")
                 function[key] = tool[key]
         chat.append({"type": "function", "function": function})
-        echo.append({"type": "function", "description": None, "parameters": None, "strict": None,
-                     **{k: v for k, v in tool.items() if k != "type"}, "name": tool["name"]})  # fmt: skip
+        echo.append(
+            {
+                "type": "function",
+                "description": None,
+                "parameters": None,
+                "strict": None,
+                **{k: v for k, v in tool.items() if k != "type"},
+                "name": tool["name"],
+            }
+        )
     return chat, echo
 
 
@@ -233,8 +265,10 @@ def _tool_choice(value: Any, tools: list[dict[str, Any]]) -> Any:
         if value.get("name") not in {t["function"]["name"] for t in tools}:
             raise bad("'tool_choice.name' must name a function of 'tools'.", "tool_choice.name")
         return {"type": "function", "function": {"name": value["name"]}}
-    raise bad("'tool_choice' must be one of none, auto, required or {'type': 'function', 'name': ...}.",
-              "tool_choice")  # fmt: skip
+    raise bad(
+        "'tool_choice' must be one of none, auto, required or {'type': 'function', 'name': ...}.",
+        "tool_choice",
+    )
 
 
 def _refuse_unserved(body: dict[str, Any]) -> None:
@@ -245,8 +279,10 @@ def _refuse_unserved(body: dict[str, Any]) -> None:
     if body.get("background"):
         raise bad("'background' responses are not served: stream or wait for the answer.", "background")
     if body.get("truncation") not in (None, "disabled"):
-        raise bad("'truncation' must be 'disabled': the orchestrator never drops a conversation's items.",
-                  "truncation")  # fmt: skip
+        raise bad(
+            "'truncation' must be 'disabled': the orchestrator never drops a conversation's items.",
+            "truncation",
+        )
     text = body.get("text")
     if text is not None:
         fmt = text.get("format") if isinstance(text, dict) else None
@@ -283,11 +319,21 @@ def read_request(body: Any) -> ResponsesRequest:
     chat: dict[str, Any] = {"model": model, "messages": turn, "stream": stream}
     if stream:
         chat["stream_options"] = {"include_usage": True}  # the final event's usage
-    echo: dict[str, Any] = {"model": model, "instructions": instructions, "tools": [], "tool_choice": "auto",
-                            "parallel_tool_calls": True, "temperature": None, "top_p": None,
-                            "max_output_tokens": None, "previous_response_id": previous,
-                            "metadata": body.get("metadata") or {}, "text": {"format": {"type": "text"}},
-                            "truncation": "disabled", "user": _string(body, "user", "user")}  # fmt: skip
+    echo: dict[str, Any] = {
+        "model": model,
+        "instructions": instructions,
+        "tools": [],
+        "tool_choice": "auto",
+        "parallel_tool_calls": True,
+        "temperature": None,
+        "top_p": None,
+        "max_output_tokens": None,
+        "previous_response_id": previous,
+        "metadata": body.get("metadata") or {},
+        "text": {"format": {"type": "text"}},
+        "truncation": "disabled",
+        "user": _string(body, "user", "user"),
+    }
     if body.get("tools") is not None:
         chat["tools"], echo["tools"] = _tools(body["tools"])
     if body.get("tool_choice") is not None:
@@ -333,22 +379,37 @@ def _usage(usage: Any) -> dict[str, Any] | None:
     prompt, completion = usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0
     details = usage.get("prompt_tokens_details")
     cached = (details.get("cached_tokens") if isinstance(details, dict) else None) or 0
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": prompt + completion}  # fmt: skip
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion,
+    }
 
 
 def message_item(text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
     part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-    return {"id": item_id or new_id("msg"), "type": "message", "role": "assistant", "status": status,
-            "content": [part]}  # fmt: skip
+    return {
+        "id": item_id or new_id("msg"),
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": [part],
+    }
 
 
 def call_item(
     call_id: str, name: str, arguments: str, status: str, item_id: str | None = None
 ) -> dict[str, Any]:
-    return {"id": item_id or new_id("fc"), "type": "function_call", "status": status, "call_id": call_id,
-            "name": name, "arguments": arguments}  # fmt: skip
+    return {
+        "id": item_id or new_id("fc"),
+        "type": "function_call",
+        "status": status,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+    }
 
 
 def input_items(given: Any) -> list[dict[str, Any]]:
@@ -364,8 +425,11 @@ def input_items(given: Any) -> list[dict[str, Any]]:
         if kind == "message":
             content = item["content"]
             if isinstance(content, str):
-                part = {"type": "output_text", "text": content, "annotations": []} if item["role"] == "assistant" \
-                    else {"type": "input_text", "text": content}  # fmt: skip
+                part = (
+                    {"type": "output_text", "text": content, "annotations": []}
+                    if item["role"] == "assistant"
+                    else {"type": "input_text", "text": content}
+                )
                 content = [part]
             out = {"type": "message", "role": item["role"], "content": content}
         elif kind == "function_call":
@@ -386,9 +450,18 @@ def input_items(given: Any) -> list[dict[str, Any]]:
 
 def envelope(request: ResponsesRequest, response_id: str, created_at: int, status: str) -> dict[str, Any]:
     """The ``response`` object without its output: what ``response.created`` carries."""
-    return {"id": response_id, "object": "response", "created_at": created_at, "status": status,
-            "error": None, "incomplete_details": None, **request.echo, "output": [], "usage": None,
-            "store": bool(request.store)}  # fmt: skip
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "status": status,
+        "error": None,
+        "incomplete_details": None,
+        **request.echo,
+        "output": [],
+        "usage": None,
+        "store": bool(request.store),
+    }
 
 
 def finish(response: dict[str, Any], output: list[dict[str, Any]], finish_reason: Any, usage: Any) -> None:
@@ -417,8 +490,12 @@ def response_object(request: ResponsesRequest, answer: Any, response_id: str | N
         created = answer.get("created")
     except (KeyError, IndexError, TypeError, AttributeError) as exc:
         raise ValueError(f"the worker's chat answer is malformed ({exc!r})") from None
-    response = envelope(request, response_id or new_id("resp"), int(created) if isinstance(created, int) else
-                        int(time.time()), "completed")  # fmt: skip
+    response = envelope(
+        request,
+        response_id or new_id("resp"),
+        int(created) if isinstance(created, int) else int(time.time()),
+        "completed",
+    )
     finish(response, output, choice.get("finish_reason"), answer.get("usage"))
     return response
 
@@ -428,9 +505,15 @@ def answer_messages(response: dict[str, Any]) -> list[dict[str, Any]]:
     text = "".join(
         p["text"] for item in response["output"] if item["type"] == "message" for p in item["content"]
     )
-    calls = [{"id": item["call_id"], "type": "function",
-              "function": {"name": item["name"], "arguments": item["arguments"]}}
-             for item in response["output"] if item["type"] == "function_call"]  # fmt: skip
+    calls = [
+        {
+            "id": item["call_id"],
+            "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]},
+        }
+        for item in response["output"]
+        if item["type"] == "function_call"
+    ]
     message: dict[str, Any] = {"role": "assistant", "content": text or None}
     if calls:
         message["tool_calls"] = calls
@@ -502,8 +585,12 @@ class EventTranslator:
             chunk = msgspec.json.decode(payload)  # refuses a lone surrogate: nothing then fails to encode
             if isinstance(chunk.get("error"), dict):
                 error = chunk["error"]
-                return self._failed({"code": str(error.get("code") or "server_error"),
-                                     "message": str(error.get("message") or "")})  # fmt: skip
+                return self._failed(
+                    {
+                        "code": str(error.get("code") or "server_error"),
+                        "message": str(error.get("message") or ""),
+                    }
+                )
             if chunk.get("usage"):
                 self.usage = chunk["usage"]
             out = []
@@ -535,8 +622,9 @@ class EventTranslator:
             out += self.event("response.content_part.added", content_index=0, part=part, **self._where())
             self.open["content"].append(part)
         self.open["content"][0]["text"] += text
-        return out + self.event("response.output_text.delta", content_index=0, delta=text, logprobs=[],
-                                **self._where())  # fmt: skip
+        return out + self.event(
+            "response.output_text.delta", content_index=0, delta=text, logprobs=[], **self._where()
+        )
 
     def _call(self, call: dict[str, Any]) -> bytes:
         out = b""
@@ -568,8 +656,12 @@ class EventTranslator:
             )
             out += self.event("response.content_part.done", content_index=0, part=part, **where)
         else:
-            out += self.event("response.function_call_arguments.done", name=item["name"],
-                              arguments=item["arguments"], **where)  # fmt: skip
+            out += self.event(
+                "response.function_call_arguments.done",
+                name=item["name"],
+                arguments=item["arguments"],
+                **where,
+            )
         item["status"] = status
         out += self.event("response.output_item.done", output_index=where["output_index"], item=item)
         self.output.append(item)
@@ -634,8 +726,12 @@ class ResponsesCall:
 
     def kept(self, response: dict[str, Any]) -> None:
         if self.keep is not None and response["status"] in ("completed", "incomplete"):
-            response["store"] = self.keep.put(self.tenant, response, [*self.history, *answer_messages(response)],
-                                              input_items(self.request.given))  # fmt: skip
+            response["store"] = self.keep.put(
+                self.tenant,
+                response,
+                [*self.history, *answer_messages(response)],
+                input_items(self.request.given),
+            )
 
     def stream(self) -> ResponsesStream:
         return ResponsesStream(self)

@@ -102,21 +102,34 @@ def previous_history(store: ResponseStore | None, tenant: str, response_id: str)
     """The conversation a ``previous_response_id`` goes on from: a 400 naming the id when the store
     is off or holds no such response for this tenant."""
     if store is None:
-        raise HTTPError(400, "'previous_response_id' needs stored responses, and this deployment stores none "
-                        "(responses_store is off): send the whole conversation in 'input'.",
-                        param="previous_response_id", code="invalid_request_error")  # fmt: skip
+        raise HTTPError(
+            400,
+            "'previous_response_id' needs stored responses, and this deployment stores none "
+            "(responses_store is off): send the whole conversation in 'input'.",
+            param="previous_response_id",
+            code="invalid_request_error",
+        )
     stored = store.get(tenant, response_id)
     if stored is None:
-        raise HTTPError(400, f"Previous response with id '{response_id}' not found.", param="previous_response_id",
-                        code="previous_response_not_found")  # fmt: skip
+        raise HTTPError(
+            400,
+            f"Previous response with id '{response_id}' not found.",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
     return stored.history
 
 
 def refuse_store(store: ResponseStore | None, asked: bool | None) -> None:
     """``store: true`` asked of a deployment that stores nothing is refused (left out, it is off)."""
     if asked and store is None:
-        raise HTTPError(400, "'store' is off on this deployment (responses_store is not configured): "
-                        "send store: false, or leave it out.", param="store", code="invalid_request_error")  # fmt: skip
+        raise HTTPError(
+            400,
+            "'store' is off on this deployment (responses_store is not configured): "
+            "send store: false, or leave it out.",
+            param="store",
+            code="invalid_request_error",
+        )
 
 
 def stored_or_404(store: ResponseStore | None, tenant: str, response_id: str) -> Stored:
@@ -144,8 +157,11 @@ def input_items_page(stored: Stored, query: bytes) -> dict[str, Any]:
     limit_text = params.get("limit", "20")
     limit = int(limit_text) if limit_text.isdigit() and len(limit_text) < 4 else -1
     if not 1 <= limit <= 100:
-        raise HTTPError(400, f"Invalid 'limit': expected an integer from 1 to 100 (got {limit_text[:40]!r}).",
-                        param="limit")  # fmt: skip
+        raise HTTPError(
+            400,
+            f"Invalid 'limit': expected an integer from 1 to 100 (got {limit_text[:40]!r}).",
+            param="limit",
+        )
     items = stored.input_items if order == "asc" else stored.input_items[::-1]
     after = params.get("after")
     if after is not None:
@@ -154,5 +170,10 @@ def input_items_page(stored: Stored, query: bytes) -> dict[str, Any]:
             raise HTTPError(400, f"No input item with id {after[:80]!r} in this response.", param="after")
         items = items[ids.index(after) + 1 :]
     data = items[:limit]
-    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": len(items) > limit}  # fmt: skip
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": len(items) > limit,
+    }

@@ -130,11 +130,15 @@ async def detect_pool(
             if found:
                 silent = [url for url, name in zip(urls, names, strict=True) if name is None]
                 if silent:
-                    log.warning("worker_protocol: auto: %s did not answer; decided from the others",
-                                ", ".join(silent))  # fmt: skip
+                    log.warning(
+                        "worker_protocol: auto: %s did not answer; decided from the others", ", ".join(silent)
+                    )
                 return choose(found)
-            log.info("worker_protocol: auto: no worker answered%s yet; asking again in %.1f s",
-                     "" if registered is None else " or registered", interval_s)  # fmt: skip
+            log.info(
+                "worker_protocol: auto: no worker answered%s yet; asking again in %.1f s",
+                "" if registered is None else " or registered",
+                interval_s,
+            )
             await asyncio.sleep(interval_s)
 
 
@@ -148,8 +152,9 @@ def probe_of(protocol: Any) -> Probe:
     async def probe(
         session: aiohttp.ClientSession, worker: Worker, timeout: aiohttp.ClientTimeout
     ) -> Capabilities:
-        caps: Capabilities = protocol.capabilities(await read_json(session, worker.url + protocol.capabilities_path,
-                                                                   timeout))  # fmt: skip
+        caps: Capabilities = protocol.capabilities(
+            await read_json(session, worker.url + protocol.capabilities_path, timeout)
+        )
         return caps
 
     return probe

@@ -76,8 +76,15 @@ class SglangRelay:
                     400, f"'{name}' is set by the orchestrator (the prefill/decode bootstrap), not by a client",
                     param=name,
                 )  # fmt: skip
-        return ClientRequest(body, chat, scan.stream, scan.include_usage, scan.max_tokens, scan.model,
-                             (scan, _first_member(body)))  # fmt: skip
+        return ClientRequest(
+            body,
+            chat,
+            scan.stream,
+            scan.include_usage,
+            scan.max_tokens,
+            scan.model,
+            (scan, _first_member(body)),
+        )
 
     def pair_legs(self, req: ClientRequest, prefill: Worker) -> tuple[list[BodyPiece], list[BodyPiece]]:
         """The prefill leg's and the decode leg's pieces: one body, on a new room."""

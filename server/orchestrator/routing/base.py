@@ -154,8 +154,10 @@ def chunk_from_tokens(args: dict[str, Any], default_bytes: int) -> int:
         high = CHUNK_MAX // BYTES_PER_TOKEN
         tokens = int_arg(args, "tokens_per_block", 32, 8, high)
         if tokens % 8:
-            raise ValueError(f"tokens_per_block must be a multiple of 8 (chunks of {BYTES_PER_TOKEN} x it bytes, "
-                             f"a multiple of 32), got {tokens}")  # fmt: skip
+            raise ValueError(
+                f"tokens_per_block must be a multiple of 8 (chunks of {BYTES_PER_TOKEN} x it bytes, "
+                f"a multiple of 32), got {tokens}"
+            )
         return tokens * BYTES_PER_TOKEN
     chunk = int_arg(args, "chunk_bytes", default_bytes, 32, CHUNK_MAX)
     if chunk % 32:

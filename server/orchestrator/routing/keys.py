@@ -17,8 +17,12 @@ from server.cache_keys import CACHE_SALT, salt_key_at
 #: the first non-empty of its headers (its conversation_id.py CONVERSATION_ID_HEADERS), in order
 CONVERSATION_PARAMS = wire.CONVERSATION_PARAMS
 CONVERSATION_FIELD = wire.CONVERSATION_ID
-TRTLLM_CONVERSATION_HEADERS = (b"x-session-id", b"x-correlation-id", b"x-session-affinity",
-                               b"x-multi-turn-session-id")  # fmt: skip
+TRTLLM_CONVERSATION_HEADERS = (
+    b"x-session-id",
+    b"x-correlation-id",
+    b"x-session-affinity",
+    b"x-multi-turn-session-id",
+)
 #: ours, older: a top-level ``conversation_id`` (moved into conversation_params before the legs:
 #: trtllm-serve's workers forbid unknown fields) and this header, read after trtllm-serve's
 CONVERSATION_HEADER = b"x-conversation-id"
