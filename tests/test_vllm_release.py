@@ -24,7 +24,7 @@ from fastcore.relay import Relay
 from server.http.pool import UpstreamPool
 from server.orchestrator.app import start_server
 from server.orchestrator.config import build_config
-from server.orchestrator.protocols import VllmProtocol, VllmRelay
+from server.orchestrator.protocols import VllmMooncakeProtocol, VllmProtocol, VllmRelay
 from server.orchestrator.relay_common import ClientRequest, ContextResult
 
 CHAT: dict[str, Any] = {
@@ -115,6 +115,10 @@ async def test_a_release_that_gets_no_answer_is_counted_not_raised(
         pool.close()
     assert status is None and protocol.releases == {"sent": 0, "failed": 1}
     assert len(prefill.plane.held) == 1  # left to its lease (kv_lease_duration)
+
+
+def test_only_nixl_releases_by_a_decode_request() -> None:
+    assert VllmProtocol.releases_by_decode and not VllmMooncakeProtocol.releases_by_decode
 
 
 class OnceFailing(VllmStandin):

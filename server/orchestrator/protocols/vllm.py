@@ -241,6 +241,8 @@ class VllmProtocol:
     concurrent = False
     #: no ``DELETE /kv/...``: a prefill's blocks are freed by a decode request (:meth:`release`)
     releases_kv = False
+    #: whether :meth:`release` frees what a failed decode leg left held (the call site asks)
+    releases_by_decode = True
     #: a decode leg its worker may have read is never sent again as it is: the decode pulls the prefill's
     #: blocks first, and a lease is read once ("not held (read)" for a second decode, a 400), so a
     #: decode that failed after it was sent (a reset, no first byte) costs a new prefill leg (app.py)

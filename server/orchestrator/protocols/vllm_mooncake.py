@@ -87,6 +87,8 @@ class VllmMooncakeProtocol(VllmProtocol):
     no_plain_request = (
         "with vllm_transfer: mooncake the legs run at once (pair.py), which sends no plain request yet"
     )
+    #: a Mooncake prefill pushes to the decode the router named; NIXL's release request is not its
+    releases_by_decode = False
     #: what pair.py's log says a prefill it skips lacks
     bootstrap_source = (
         "an engine id at its Mooncake bootstrap server's GET /query (vllm_mooncake_bootstrap_port)"
