@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -72,7 +73,11 @@ def test_worker_process_serves_and_stops_cleanly() -> None:
             proc.kill()
             raise
     assert code == 0
-    assert proc.stderr is not None and f"listening on http://127.0.0.1:{port}" in proc.stderr.read()
+    assert proc.stderr is not None
+    # Scripts take the URL up to the first blank (tests/test_faults.py's worker_process does): a
+    # ';' glued to it made the orchestrator dial "http://127.0.0.1:N;".
+    said = re.findall(r"listening on (http://\S+)", proc.stderr.read())
+    assert said == [f"http://127.0.0.1:{port}"], said
 
 
 def run_worker(*flags: str) -> subprocess.CompletedProcess[str]:

@@ -326,7 +326,7 @@ async def serve(config: OrchestratorConfig, *, reuse_port: bool, fleet: Fleet | 
     # --workers N: this process's scrape-time values written where the others' scrapes read them.
     metrics_sync = asyncio.ensure_future(orchestrator.registry.keep_synced())
     log.info(
-        "orchestrator listening on http://%s:%d; %s",
+        "orchestrator listening on http://%s:%d (%s)",
         config.hostname,
         config.port,
         started_features(config, orchestrator),

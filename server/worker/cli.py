@@ -633,7 +633,7 @@ async def _serve(
         print(cannot_listen("worker", host, port, why), file=sys.stderr)
         return 2
     log.info(
-        "%s worker listening on http://%s:%d; model=%s device=%s; features: %s",
+        "%s worker listening on http://%s:%d (model=%s device=%s; features: %s)",
         settings.role,
         host,
         bound,
