@@ -138,11 +138,6 @@ class OnceFailing(VllmStandin):
         return await super()._generate(request, route)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="no call site yet: completion.py's release_kv_soon returns for a protocol without /kv releases "
-    "(releases_kv False) and is being refactored by another engineer; VllmProtocol.release is the hook",
-)
 async def test_a_decode_5xx_leaves_no_lease_held(request_path: str) -> None:
     plane = KVPlane()
     prefill = await start_vllm("prefill", plane=plane)

@@ -64,7 +64,7 @@ from .legs import (
 )
 from .metrics import CPU_SAMPLE_EVERY, NO_CLOCK, Clock, CpuClock, OrchestratorMetrics
 from .pools import HealthChecker, Pool, Worker
-from .protocols import WorkerProtocol
+from .protocols import VllmProtocol, WorkerProtocol
 from .relay_modes import ClientRequest, answer_as_sse
 from .routing import (
     BYTES_PER_TOKEN,
@@ -400,9 +400,10 @@ class CompletionDriver:
         from a new leg (1)."""
         context_worker = c.context_worker
         assert context_worker is not None
+        tried: list[Worker] = [] if spent is None else [spent]  # the generation workers the leg tried
         try:
             return await self._generation_leg(c, c.generation_body, first=first, extra_headers=c.auth,
-                context_done=c.context_done, resume=resume, tried=None if spent is None else [spent])  # fmt: skip
+                context_done=c.context_done, resume=resume, tried=tried)  # fmt: skip
         except LegSpent as exc:
             # A decode that may have read the hand-off (vLLM's lease, read once) failed: once, the
             # completion goes on from a new context leg, to another generation worker.
@@ -414,9 +415,16 @@ class CompletionDriver:
             self.context_begins(c)
             c.started = time.perf_counter()
             return await self.context_leg(c, None, spent=exc.worker)
+        except HTTPError as exc:
+            # The leg failed: the context worker may still hold the prompt's KV for a fetch that will
+            # never come (a fastcore /kv endpoint; vLLM's blocks, freed by one more decode request).
+            self.release_kv_soon(context_worker, c.context_response)
+            if exc.status != 504:  # a decode timed out may have pulled: its reset frees what it holds
+                self.release_by_decode_soon(c, [*tried, *([resume.worker] if resume else [])])
+            raise
         except BaseException:
-            # The client left or the leg failed: the context worker may still
-            # hold the prompt's KV for a fetch that will never come.
+            # The client left: the context worker may still hold the prompt's KV for a fetch that will
+            # never come (vLLM's decode, cut, tells its prefill itself).
             self.release_kv_soon(context_worker, c.context_response)
             raise
 
@@ -500,6 +508,31 @@ class CompletionDriver:
         if match is None:
             return
         self._in_background(self._release_kv(worker, match.group(0).encode()))
+
+    def release_by_decode_soon(self, c: Completion, failed: Sequence[Worker]) -> None:
+        """vLLM's NIXL (``releases_by_decode``): a decode leg that failed without reading the prefill's
+        blocks (a 5xx, a refused connection) leaves them held until the prefill's lease ends (vLLM has
+        no release endpoint); one more decode request carrying the prefill answer's
+        ``kv_transfer_params`` frees them (:meth:`VllmProtocol.release`), sent in the background to a
+        decode worker other than the ones that failed where there is one (the one that failed may fail
+        this too)."""
+        protocol = self.protocol
+        if not (isinstance(protocol, VllmProtocol) and protocol.releases_by_decode) or not c.context_response:
+            return
+        workers = self.generation_pool.workers
+        others = [w for w in workers if w not in failed]
+        decodes = [w for w in others if w.healthy] or others or workers
+        if not decodes:
+            return
+        ctx = self.relay.read_context(c.req, c.context_response)
+        decode = self._upstream(random.choice(decodes))
+        self._in_background(self._release_by_decode(protocol, decode, c, ctx))
+
+    @staticmethod
+    async def _release_by_decode(
+        protocol: VllmProtocol, decode: UpstreamPool, c: Completion, ctx: Any
+    ) -> None:
+        await protocol.release(decode, c.path, c.req, ctx)
 
     def release_lost_kv_soon(self, worker: Worker, disagg_id: int) -> None:
         """``DELETE /kv/by-request/<disagg_id>`` on the context worker whose answer was lost (best
