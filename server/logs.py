@@ -73,13 +73,36 @@ def configure(
     (``ValueError`` for another). Replaces a handler set before (a spawned process sets its own)."""
     if log_format not in FORMATS:
         raise ValueError(f"log format must be one of {', '.join(FORMATS)}, got {log_format!r}")
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler = logging.StreamHandler(stream) if stream is not None else _Stderr()
     handler.setFormatter(TextFormatter(role) if log_format == "text" else JsonFormatter(role))
+    handler.set_name(_HANDLER_NAME)
     root = logging.getLogger()
     for old in root.handlers[:]:
-        root.removeHandler(old)
+        if old.get_name() == _HANDLER_NAME:  # ours, from a configure before; others' are theirs
+            root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)
+
+
+#: the name of the handler :func:`configure` adds (and replaces)
+_HANDLER_NAME = "fastcore"
+
+
+class _Stderr(logging.StreamHandler):
+    """``sys.stderr`` as it is when a line is written, as logging's own last resort does: code that
+    swaps ``sys.stderr`` (pytest's capture, in a process that configured logging before) keeps its
+    lines, and none goes to a stream closed since."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: TextIO) -> None:
+        pass
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -14,6 +14,7 @@ compiled one). The compiled case is skipped when
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -104,6 +105,17 @@ def tally_twin(request: pytest.FixtureRequest) -> Callable[[str], Any]:
         return {**metrics.PURE, **estimates.PURE, **pools.PURE}.__getitem__
     compiled = _twin("server.orchestrator._tally", "server.orchestrator.twins", "c")
     return partial(getattr, compiled)
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored() -> Iterator[None]:
+    """A test that runs a CLI in process (server/logs.py's configure: a handler on the root logger, its
+    level) leaves the root logger as it found it: later tests' stderr and log levels are their own."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture(params=["callbacks", "tasks"])

@@ -242,10 +242,10 @@ async def test_the_cli_says_why_a_mixed_pool_is_refused(capsys: pytest.CaptureFi
         with pytest.raises(SystemExit) as exit_:
             await serve(build_config(_auto([vllm], [sglang]), environ={}), reuse_port=False)
         assert exit_.value.code == 2
-        err = capsys.readouterr().err
-        assert err.startswith(
+        last = capsys.readouterr().err.splitlines()[-1]
+        assert last.startswith(
             "fastcore-serve orchestrator: worker_protocol: auto: the workers speak more than one"
-        )
+        ), last
     finally:
         await vllm.stop()
         await sglang.stop()
