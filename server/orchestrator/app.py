@@ -110,6 +110,47 @@ class Orchestrator(CompletionDriver):
     def __init__(self, config: OrchestratorConfig) -> None:
         config.check_runnable()
         self.config = config
+        self._init_pools(config)
+        #: fire-and-forget tasks (KV releases, first health checks), kept referenced until done
+        self._background: set[asyncio.Task[None]] = set()
+        self.discovery: Discovery | None = None
+        #: several hosts' share through etcd (config fleet_cluster; set by start_server)
+        self.fleet_cluster: FleetCluster | None = None
+        self._init_discovery(config)
+        self.secret = config.shared_secret_bytes
+        self.in_flight = 0
+        #: what serves completions now (tasks, exchanges): a drain that runs out of time cancels them
+        self._serving: set[asyncio.Task[Any] | Exchange] = set()
+        #: set by :meth:`drain`: new completions are refused (503), those in flight go on
+        self.draining = False
+        self.server: HTTPServer | None = None
+        self.registry = Registry()
+        self.metrics = OrchestratorMetrics(self.registry, self)
+        self._init_client_side(config)
+        self._init_upstreams(config)
+        self.session: aiohttp.ClientSession | None = None
+        self.health: HealthChecker | None = None
+        self.cache_view: CacheView | None = None
+        self._requests = 0
+        #: OpenTelemetry (server/tracing.py): None unless an OTLP endpoint is configured
+        self.tracing = start_tracing("fastcore-orchestrator", config.otlp_traces_endpoint)
+        self.client_trace = config.otlp_config is None or config.otlp_config.client_trace_context
+        #: completions served from callbacks (exchange.py; a concurrent protocol's pairs: pair.py), but
+        #: those that wait for admission, are traced, or may be prefilled on their generation worker:
+        #: their coroutines hold that state
+        self.callbacks = (
+            self.serve_from_callbacks
+            and self.admission is None
+            and self.tracing is None
+            and self.max_local_prefill is None
+        )
+        #: a protocol whose legs run at once (SGLang's, vLLM Mooncake's): its pairs (pair.py)
+        self.pairs = PairRunner(self) if self.protocol.concurrent else None
+        #: what serves a completion from callbacks: one leg after the other, or a pair's at once
+        self.exchange: type[Exchange] = PairExchange if self.protocol.concurrent else Exchange
+
+    def _init_pools(self, config: OrchestratorConfig) -> None:
+        """The protocol the legs speak, both pools and their routers' needs, conditional disaggregation."""
         #: what the legs speak to the workers (protocols/: trtllm-serve's, vLLM's): their bodies (its relay),
         #: headers, KV releases and capability probe
         self.protocol = make_protocol(config)
@@ -139,11 +180,9 @@ class Orchestrator(CompletionDriver):
         if config.conditional_disagg_config is not None:
             self.max_local_prefill = config.conditional_disagg_config.max_local_prefill_length
             self.require_prefix_hit = config.conditional_disagg_config.require_prefix_hit
-        #: fire-and-forget tasks (KV releases, first health checks), kept referenced until done
-        self._background: set[asyncio.Task[None]] = set()
-        self.discovery: Discovery | None = None
-        #: several hosts' share through etcd (config fleet_cluster; set by start_server)
-        self.fleet_cluster: FleetCluster | None = None
+
+    def _init_discovery(self, config: OrchestratorConfig) -> None:
+        """etcd discovery (``disagg_cluster``): workers join and leave the pools as they register."""
         if config.disagg_cluster is not None:
             from .discovery import Discovery, schedule_check  # server.cluster: only with discovery
 
@@ -158,15 +197,10 @@ class Orchestrator(CompletionDriver):
                 on_removed=self._worker_left,
                 secret=config.shared_secret_bytes,
             )
-        self.secret = config.shared_secret_bytes
-        self.in_flight = 0
-        #: what serves completions now (tasks, exchanges): a drain that runs out of time cancels them
-        self._serving: set[asyncio.Task[Any] | Exchange] = set()
-        #: set by :meth:`drain`: new completions are refused (503), those in flight go on
-        self.draining = False
-        self.server: HTTPServer | None = None
-        self.registry = Registry()
-        self.metrics = OrchestratorMetrics(self.registry, self)
+
+    def _init_client_side(self, config: OrchestratorConfig) -> None:
+        """What a client meets first: API keys and tenants, admission, the client APIs, trtllm-serve's
+        other endpoints and the HTTP server's limits."""
         #: client API keys and the admission queue (tenants.py, admission.py): None when not configured
         self.keys = keys_from_config(config, self.registry)
         #: each tenant's prompts cached apart: its own cache_salt on every leg (tenant_salt.py)
@@ -193,6 +227,9 @@ class Orchestrator(CompletionDriver):
             peer_share=config.client_ip_share,
             retry_after_s=config.retry_after_s,
         )
+
+    def _init_upstreams(self, config: OrchestratorConfig) -> None:
+        """The workers' side: keep-alive connections per worker, one deadline sweeper, the leg runner."""
         # Worker URL -> its keep-alive connections, made on first use (a
         # worker's URL may change while it is in a pool); one deadline sweeper for them all.
         self.upstreams: dict[str, UpstreamPool] = {}
@@ -202,26 +239,6 @@ class Orchestrator(CompletionDriver):
                               secret=self.secret, mark_failed=self._mark_failed,
                               release_lost_kv=self.release_lost_kv_soon, unavailable=self._unavailable,
                               max_worker_body=config.max_worker_body_bytes)  # fmt: skip
-        self.session: aiohttp.ClientSession | None = None
-        self.health: HealthChecker | None = None
-        self.cache_view: CacheView | None = None
-        self._requests = 0
-        #: OpenTelemetry (server/tracing.py): None unless an OTLP endpoint is configured
-        self.tracing = start_tracing("fastcore-orchestrator", config.otlp_traces_endpoint)
-        self.client_trace = config.otlp_config is None or config.otlp_config.client_trace_context
-        #: completions served from callbacks (exchange.py; a concurrent protocol's pairs: pair.py), but
-        #: those that wait for admission, are traced, or may be prefilled on their generation worker:
-        #: their coroutines hold that state
-        self.callbacks = (
-            self.serve_from_callbacks
-            and self.admission is None
-            and self.tracing is None
-            and self.max_local_prefill is None
-        )
-        #: a protocol whose legs run at once (SGLang's, vLLM Mooncake's): its pairs (pair.py)
-        self.pairs = PairRunner(self) if self.protocol.concurrent else None
-        #: what serves a completion from callbacks: one leg after the other, or a pair's at once
-        self.exchange: type[Exchange] = PairExchange if self.protocol.concurrent else Exchange
 
     # -- lifecycle ---------------------------------------------------------
 
