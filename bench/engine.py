@@ -179,8 +179,14 @@ async def ours_in_process(engine: TorchEngine, batch: list[list[int]], max_token
 async def ours_over_http(url: str, batch: list[list[int]], max_tokens: int) -> dict[str, Any]:
     import aiohttp
 
-    body = {"model": "tiny", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         await _one_stream(session, url, {**body, "prompt": batch[0][:8], "max_tokens": 2})
         results = await asyncio.gather(*(_one_stream(session, url, {**body, "prompt": ids}) for ids in batch))
@@ -197,8 +203,21 @@ class Worker:
     def __init__(self, threads: int, device: str, flags: tuple[str, ...] | list[str] = ()) -> None:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "server.cli", "worker", "--model", "tiny", "--port", str(port),
-               "--device", device, "--torch-threads", str(threads), *flags]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "worker",
+            "--model",
+            "tiny",
+            "--port",
+            str(port),
+            "--device",
+            device,
+            "--torch-threads",
+            str(threads),
+            *flags,
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def __enter__(self) -> Worker:
@@ -249,14 +268,32 @@ def bench_decode(args: argparse.Namespace, device: str) -> tuple[str, list[dict[
                 "cpu_ratio_in_process": theirs["cpu_us_per_token"] / ours["cpu_us_per_token"],
             }
             records.append(record)
-            rows.append([
-                n,
-                f"{ours['decode_tps']:.0f}", f"{http['decode_tps']:.0f}", f"{theirs['decode_tps']:.0f}",
-                f"{ratio:.2f}x", f"{record['decode_ratio_http']:.2f}x", f"{record['cpu_ratio_in_process']:.2f}x",
-                f"{ours['ttft_p50_s'] * 1e3:.1f}", f"{http['ttft_p50_s'] * 1e3:.1f}", f"{theirs['ttft_s'] * 1e3:.1f}",
-            ])  # fmt: skip
-    headers = ["requests", "ours tok/s", "ours HTTP tok/s", "transformers tok/s", "ours / tf",
-               "HTTP / tf", "ours / tf (CPU)", "ours TTFT p50 ms", "HTTP TTFT p50 ms", "tf TTFT ms"]  # fmt: skip
+            rows.append(
+                [
+                    n,
+                    f"{ours['decode_tps']:.0f}",
+                    f"{http['decode_tps']:.0f}",
+                    f"{theirs['decode_tps']:.0f}",
+                    f"{ratio:.2f}x",
+                    f"{record['decode_ratio_http']:.2f}x",
+                    f"{record['cpu_ratio_in_process']:.2f}x",
+                    f"{ours['ttft_p50_s'] * 1e3:.1f}",
+                    f"{http['ttft_p50_s'] * 1e3:.1f}",
+                    f"{theirs['ttft_s'] * 1e3:.1f}",
+                ]
+            )
+    headers = [
+        "requests",
+        "ours tok/s",
+        "ours HTTP tok/s",
+        "transformers tok/s",
+        "ours / tf",
+        "HTTP / tf",
+        "ours / tf (CPU)",
+        "ours TTFT p50 ms",
+        "HTTP TTFT p50 ms",
+        "tf TTFT ms",
+    ]
     return format_table(headers, rows), records, same_text
 
 
@@ -386,8 +423,15 @@ def bench_itl(
     # room for the whole-context prompt beside the streams' 1,800 tokens each
     kv_tokens = max(DEFAULT_KV_TOKENS, config.max_context + args.streams * 2048)
     for chunk, ratio in args.chunks if chunks is None else chunks:
-        engine = TorchEngine(config, model, tokenizer, device=device, prefill_chunk_tokens=chunk,
-                             prefill_step_ratio=ratio, kv_tokens=kv_tokens)  # fmt: skip
+        engine = TorchEngine(
+            config,
+            model,
+            tokenizer,
+            device=device,
+            prefill_chunk_tokens=chunk,
+            prefill_step_ratio=ratio,
+            kv_tokens=kv_tokens,
+        )
 
         async def measure(engine: TorchEngine = engine) -> dict[str, float]:
             engine.start(asyncio.get_running_loop())
@@ -402,24 +446,48 @@ def bench_itl(
         if not args.no_http_itl and not context:
             flags = ["--prefill-chunk-tokens", str(chunk), "--prefill-step-ratio", str(ratio)]
             with Worker(args.torch_threads, device, flags) as worker:
-                results.append(("HTTP", asyncio.run(itl_round_http(worker.url, args.streams, args.base_steps,
-                                                                   long_ids))))  # fmt: skip
+                results.append(
+                    ("HTTP", asyncio.run(itl_round_http(worker.url, args.streams, args.base_steps, long_ids)))
+                )
         for path, r in results:
             r["ratio_p99"] = r["during_p99_ms"] / r["base_p99_ms"]
             whole.setdefault(path, r["during_p99_ms"])
-            records.append({"prefill_chunk_tokens": chunk, "prefill_step_ratio": ratio, "path": path,
-                            "context": config.max_context, **r})  # fmt: skip
-            rows.append([
-                chunk_label(chunk, ratio), path,
-                f"{r['base_p50_ms']:.1f}", f"{r['base_p99_ms']:.1f}",
-                f"{r['during_p50_ms']:.1f}", f"{r['during_p99_ms']:.1f}",
-                f"{r['ratio_p99']:.2f}x", f"{r['during_p99_ms'] / whole[path]:.2f}x", f"{r['prefill_s'] * 1e3:.0f}",
-            ])  # fmt: skip
+            records.append(
+                {
+                    "prefill_chunk_tokens": chunk,
+                    "prefill_step_ratio": ratio,
+                    "path": path,
+                    "context": config.max_context,
+                    **r,
+                }
+            )
+            rows.append(
+                [
+                    chunk_label(chunk, ratio),
+                    path,
+                    f"{r['base_p50_ms']:.1f}",
+                    f"{r['base_p99_ms']:.1f}",
+                    f"{r['during_p50_ms']:.1f}",
+                    f"{r['during_p99_ms']:.1f}",
+                    f"{r['ratio_p99']:.2f}x",
+                    f"{r['during_p99_ms'] / whole[path]:.2f}x",
+                    f"{r['prefill_s'] * 1e3:.0f}",
+                ]
+            )
     return rows, records
 
 
-ITL_HEADERS = ["prefill chunk", "path", "ITL p50 ms alone", "ITL p99 ms alone", "ITL p50 ms prefill",
-               "ITL p99 ms prefill", "p99 prefill / alone", "p99 vs whole", "TTFT of the long prompt ms"]  # fmt: skip
+ITL_HEADERS = [
+    "prefill chunk",
+    "path",
+    "ITL p50 ms alone",
+    "ITL p99 ms alone",
+    "ITL p50 ms prefill",
+    "ITL p99 ms prefill",
+    "p99 prefill / alone",
+    "p99 vs whole",
+    "TTFT of the long prompt ms",
+]
 
 
 def plot(decode: list[dict[str, Any]], itl: list[dict[str, Any]], path: Path) -> None:
@@ -433,8 +501,11 @@ def plot(decode: list[dict[str, Any]], itl: list[dict[str, Any]], path: Path) ->
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
     ns = [r["concurrency"] for r in decode]
-    for key, label in (("ours_in_process", "ours, in process"), ("ours_http", "ours, HTTP"),
-                       ("transformers", "transformers generate (static batch)")):  # fmt: skip
+    for key, label in (
+        ("ours_in_process", "ours, in process"),
+        ("ours_http", "ours, HTTP"),
+        ("transformers", "transformers generate (static batch)"),
+    ):
         left.plot(ns, [r[key]["decode_tps"] for r in decode], marker="o", label=label)
     left.set_xscale("log", base=2)
     left.set_xticks(ns, [str(n) for n in ns])
@@ -442,8 +513,11 @@ def plot(decode: list[dict[str, Any]], itl: list[dict[str, Any]], path: Path) ->
     left.set_ylabel("decode tokens/s")
     left.set_title("decode throughput (higher is better)")
     left.legend()
-    labels = [f"{chunk_label(r['prefill_chunk_tokens'], r.get('prefill_step_ratio', 0.0))}\n"
-              + r["path"].replace(", ", "\n").replace("-token context", " tokens") for r in itl]  # fmt: skip
+    labels = [
+        f"{chunk_label(r['prefill_chunk_tokens'], r.get('prefill_step_ratio', 0.0))}\n"
+        + r["path"].replace(", ", "\n").replace("-token context", " tokens")
+        for r in itl
+    ]
     right.bar(range(len(itl)), [r["ratio_p99"] for r in itl])
     right.axhline(2.0, color="red", linestyle="--", label="target: 2x")
     right.set_yscale("log")
@@ -479,24 +553,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-tokens", type=int, default=None, help="completion tokens per request (default 64)"
     )
-    parser.add_argument("--chunks", default=f"0,{DEFAULT_PREFILL_CHUNK_TOKENS}:0,64:0,"
-                                             f"{DEFAULT_PREFILL_CHUNK_TOKENS}:{DEFAULT_PREFILL_STEP_RATIO:g}",
-                        help="the ITL table's engines: --prefill-chunk-tokens values (0: whole prompts), each "
-                             "with :--prefill-step-ratio (0: unpaced; default "
-                             f"{DEFAULT_PREFILL_STEP_RATIO:g}) (default %(default)s)")  # fmt: skip
+    parser.add_argument(
+        "--chunks",
+        default=f"0,{DEFAULT_PREFILL_CHUNK_TOKENS}:0,64:0,"
+        f"{DEFAULT_PREFILL_CHUNK_TOKENS}:{DEFAULT_PREFILL_STEP_RATIO:g}",
+        help="the ITL table's engines: --prefill-chunk-tokens values (0: whole prompts), each "
+        "with :--prefill-step-ratio (0: unpaced; default "
+        f"{DEFAULT_PREFILL_STEP_RATIO:g}) (default %(default)s)",
+    )
     parser.add_argument("--no-http-itl", action="store_true", help="the ITL table in process only")
-    parser.add_argument("--long-context", type=int, default=None,
-                        help="also the ITL rows in process with the tiny model's weights at this context, its "
-                             "whole-context prompt prefilling (default 16384; --quick: 0, none)")  # fmt: skip
-    parser.add_argument("--long-chunks", default=f"0,{DEFAULT_PREFILL_CHUNK_TOKENS}:{DEFAULT_PREFILL_STEP_RATIO:g}",
-                        help="the --long-context rows' engines, as --chunks (default %(default)s)")  # fmt: skip
+    parser.add_argument(
+        "--long-context",
+        type=int,
+        default=None,
+        help="also the ITL rows in process with the tiny model's weights at this context, its "
+        "whole-context prompt prefilling (default 16384; --quick: 0, none)",
+    )
+    parser.add_argument(
+        "--long-chunks",
+        default=f"0,{DEFAULT_PREFILL_CHUNK_TOKENS}:{DEFAULT_PREFILL_STEP_RATIO:g}",
+        help="the --long-context rows' engines, as --chunks (default %(default)s)",
+    )
     parser.add_argument("--streams", type=int, default=8, help="running streams in the ITL table")
     parser.add_argument(
         "--base-steps", type=int, default=None, help="steps measured with no prefill (default 200)"
     )
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--torch-threads", type=int, default=default_torch_threads(),
-                        help="torch threads for every contender (default: the worker's own default)")  # fmt: skip
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=default_torch_threads(),
+        help="torch threads for every contender (default: the worker's own default)",
+    )
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
     quick = {"concurrency": "1,8", "max_tokens": 16, "base_steps": 40, "long_context": 0}
@@ -510,8 +598,10 @@ def main(argv: list[str] | None = None) -> int:
     args.long_chunks = [parse_chunk(item) for item in args.long_chunks.split(",") if item]
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(args.torch_threads)
-    print(f"## tiny Llama ({tiny_config().max_position_embeddings}-token context), device {device}, "
-          f"{args.torch_threads} torch threads, {PROMPT_TOKENS}-token prompts, {args.max_tokens} tokens each\n")  # fmt: skip
+    print(
+        f"## tiny Llama ({tiny_config().max_position_embeddings}-token context), device {device}, "
+        f"{args.torch_threads} torch threads, {PROMPT_TOKENS}-token prompts, {args.max_tokens} tokens each\n"
+    )
     decode: list[dict[str, Any]] = []
     same_text = True
     if args.concurrency:
@@ -523,8 +613,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.long_context:
         long_rows, long_itl = bench_itl(args, device, args.long_context, args.long_chunks)
         itl_rows, itl = itl_rows + long_rows, itl + long_itl
-    print(f"\n### ITL of {args.streams} running streams while a prompt of the whole context prefills "
-          f"({tiny_config().max_position_embeddings - 2} tokens; the path names a longer one)\n")  # fmt: skip
+    print(
+        f"\n### ITL of {args.streams} running streams while a prompt of the whole context prefills "
+        f"({tiny_config().max_position_embeddings - 2} tokens; the path names a longer one)\n"
+    )
     print(format_table(ITL_HEADERS, itl_rows))
     verdicts = targets(decode, itl)
     print()
@@ -532,11 +624,21 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     out = args.output or RESULTS_DIR / ("engine_quick.json" if args.quick else "engine.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"device": device, "torch_threads": args.torch_threads, "max_tokens": args.max_tokens,
-            "prompt_tokens": PROMPT_TOKENS, "quick": args.quick, "torch": torch.__version__,
-            "long_context": args.long_context}  # fmt: skip
-    out.write_text(json.dumps({"meta": meta, "decode": decode, "itl": itl, "same_text": same_text,
-                               "targets": verdicts}, indent=2))  # fmt: skip
+    meta = {
+        "device": device,
+        "torch_threads": args.torch_threads,
+        "max_tokens": args.max_tokens,
+        "prompt_tokens": PROMPT_TOKENS,
+        "quick": args.quick,
+        "torch": torch.__version__,
+        "long_context": args.long_context,
+    }
+    out.write_text(
+        json.dumps(
+            {"meta": meta, "decode": decode, "itl": itl, "same_text": same_text, "targets": verdicts},
+            indent=2,
+        )
+    )
     if decode and itl:
         plot(decode, itl, out.with_suffix(".png"))
     print(f"\nwrote {out}" + (f" and {out.with_suffix('.png').name}" if decode and itl else ""))
@@ -550,18 +652,24 @@ def targets(decode: list[dict[str, Any]], itl: list[dict[str, Any]]) -> list[str
         if r["prefill_chunk_tokens"]:
             met = r["ratio_p99"] <= 2.0
             label = chunk_label(r["prefill_chunk_tokens"], r.get("prefill_step_ratio", 0.0))
-            lines.append(f"ITL p99 with a whole-context prefill, chunks of {label} "
-                         f"({r.get('path', 'in process')}): "
-                         f"{r['ratio_p99']:.2f}x of alone (target <= 2x): {'met' if met else 'NOT met'}")  # fmt: skip
+            lines.append(
+                f"ITL p99 with a whole-context prefill, chunks of {label} "
+                f"({r.get('path', 'in process')}): "
+                f"{r['ratio_p99']:.2f}x of alone (target <= 2x): {'met' if met else 'NOT met'}"
+            )
     by_n = {r["concurrency"]: r for r in decode}
     if 32 in by_n:
         ratio = by_n[32]["decode_ratio_in_process"]
-        lines.append(f"decode tok/s at 32: {ratio:.2f}x transformers' static batch (target >= 2x): "
-                     f"{'met' if ratio >= 2.0 else 'NOT met'}")  # fmt: skip
+        lines.append(
+            f"decode tok/s at 32: {ratio:.2f}x transformers' static batch (target >= 2x): "
+            f"{'met' if ratio >= 2.0 else 'NOT met'}"
+        )
     if 1 in by_n:
         tpt = 1 / by_n[1]["decode_ratio_in_process"]  # our time per token over theirs
-        lines.append(f"time per token at 1 request: {tpt:.2f}x transformers' (target <= 1.2x): "
-                     f"{'met' if tpt <= 1.2 else 'NOT met'}")  # fmt: skip
+        lines.append(
+            f"time per token at 1 request: {tpt:.2f}x transformers' (target <= 1.2x): "
+            f"{'met' if tpt <= 1.2 else 'NOT met'}"
+        )
     return lines
 
 

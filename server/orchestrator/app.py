@@ -158,12 +158,17 @@ class Orchestrator(CompletionDriver):
         self.protocol_detected = False
         self.relay = self.protocol.relay
         ctx_router, gen_router = config.context_servers.router, config.generation_servers.router
-        breakers: dict[str, Any] = {"breaker_failures": config.circuit_breaker_failures, "breaker_open_s":
-                    config.circuit_breaker_open_s, "panic_threshold": config.circuit_breaker_panic_threshold}  # fmt: skip
-        self.context_pool = Pool("context", config.context_servers.urls, ctx_router.kind, ctx_router.args,
-                                 **breakers)  # fmt: skip
-        self.generation_pool = Pool("generation", config.generation_servers.urls, gen_router.kind,
-                                    gen_router.args, **breakers)  # fmt: skip
+        breakers: dict[str, Any] = {
+            "breaker_failures": config.circuit_breaker_failures,
+            "breaker_open_s": config.circuit_breaker_open_s,
+            "panic_threshold": config.circuit_breaker_panic_threshold,
+        }
+        self.context_pool = Pool(
+            "context", config.context_servers.urls, ctx_router.kind, ctx_router.args, **breakers
+        )
+        self.generation_pool = Pool(
+            "generation", config.generation_servers.urls, gen_router.kind, gen_router.args, **breakers
+        )
         #: no context worker takes a request: a local_prefill generation worker serves it whole
         self.fallback = config.context_fallback == "local_prefill"
         self.pools = [self.context_pool, self.generation_pool]
@@ -205,17 +210,25 @@ class Orchestrator(CompletionDriver):
         self.keys = keys_from_config(config, self.registry)
         #: each tenant's prompts cached apart: its own cache_salt on every leg (tenant_salt.py)
         self.tenant_salts = self.keys is not None and not config.share_prefix_cache_across_tenants
-        self.admission = (Admission(config.admission, self.registry, config.retry_after_s,
-                                    lambda: self.context_pool.router.estimate.value)
-                          if config.admission is not None else None)  # fmt: skip
+        self.admission = (
+            Admission(
+                config.admission,
+                self.registry,
+                config.retry_after_s,
+                lambda: self.context_pool.router.estimate.value,
+            )
+            if config.admission is not None
+            else None
+        )
         if self.admission is not None:  # a request's first usage corrects its prompt-token charge
             self.usage.settle = self.admission.settle
         self.metrics_access = metrics_access_for(config, self.keys)
         #: client APIs translated to chat completions (apis/): their POST routes, their other routes' prefixes
         self.api_routes, self.api_prefixes = bound_apis(config)
         #: trtllm-serve's other endpoints: /cluster_info, /version, ... (server/trtllm_endpoints.py)
-        self.trtllm = TrtllmEndpoints(ORCHESTRATOR_ROUTES, self.registry.render, self.metrics_access,
-                                      cluster_info=self.cluster_info)  # fmt: skip
+        self.trtllm = TrtllmEndpoints(
+            ORCHESTRATOR_ROUTES, self.registry.render, self.metrics_access, cluster_info=self.cluster_info
+        )
         self.limits = Limits(
             max_header_bytes=config.max_header_bytes,
             max_body_bytes=config.max_body_bytes,
@@ -235,10 +248,16 @@ class Orchestrator(CompletionDriver):
         self.upstreams: dict[str, UpstreamPool] = {}
         self.deadlines = Deadlines()
         #: both legs' one loop (legs.py): choose, send, classify, retry, breakers
-        self.legs = LegRunner(max_retries=config.max_retries, metrics=self.metrics, upstream=self._upstream,
-                              secret=self.secret, mark_failed=self._mark_failed,
-                              release_lost_kv=self.release_lost_kv_soon, unavailable=self._unavailable,
-                              max_worker_body=config.max_worker_body_bytes)  # fmt: skip
+        self.legs = LegRunner(
+            max_retries=config.max_retries,
+            metrics=self.metrics,
+            upstream=self._upstream,
+            secret=self.secret,
+            mark_failed=self._mark_failed,
+            release_lost_kv=self.release_lost_kv_soon,
+            unavailable=self._unavailable,
+            max_worker_body=config.max_worker_body_bytes,
+        )
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -372,8 +391,12 @@ class Orchestrator(CompletionDriver):
                 return None
             if self.draining:
                 out.keep_alive = False
-                out.send_error(503, "the orchestrator is shutting down", code="shutting_down",
-                               headers=b"Retry-After: %d\r\n" % self.config.retry_after_s)  # fmt: skip
+                out.send_error(
+                    503,
+                    "the orchestrator is shutting down",
+                    code="shutting_down",
+                    headers=b"Retry-After: %d\r\n" % self.config.retry_after_s,
+                )
                 self.metrics.count_request(route.name, 503)
                 return None
             if self.callbacks:
@@ -408,20 +431,29 @@ class Orchestrator(CompletionDriver):
         if tenant is None:
             return None
         if request.method != _POST:
-            out.send(405, api.error_body(405, f"{request.path.decode()} takes POST", None, None),
-                     headers=b"Allow: POST\r\n")  # fmt: skip
+            out.send(
+                405,
+                api.error_body(405, f"{request.path.decode()} takes POST", None, None),
+                headers=b"Allow: POST\r\n",
+            )
             return None
         if self.draining:
             out.keep_alive = False
-            out.send(503, api.error_body(503, "the orchestrator is shutting down", None, "shutting_down"),
-                     headers=b"Retry-After: %d\r\n" % self.config.retry_after_s)  # fmt: skip
+            out.send(
+                503,
+                api.error_body(503, "the orchestrator is shutting down", None, "shutting_down"),
+                headers=b"Retry-After: %d\r\n" % self.config.retry_after_s,
+            )
             self.metrics.count_request("chat", 503)
             return None
         try:
             call = api.to_chat(request.body, request, tenant.name)
         except HTTPError as exc:
-            out.send(exc.status, api.error_body(exc.status, exc.message, exc.param, exc.code),
-                     headers=exc.header_lines())  # fmt: skip
+            out.send(
+                exc.status,
+                api.error_body(exc.status, exc.message, exc.param, exc.code),
+                headers=exc.header_lines(),
+            )
             self.metrics.count_request("chat", exc.status)
             return None
         request.body, request.path = call.body, _CHAT  # the legs go to the workers' chat route
@@ -475,8 +507,11 @@ class Orchestrator(CompletionDriver):
         if self.discovery is not None:
             short = self.discovery.missing()
             if short:
-                out.send_error(503, "waiting for disagg_cluster.minimal_instances: " + ", ".join(short),
-                               code="not_enough_workers")  # fmt: skip
+                out.send_error(
+                    503,
+                    "waiting for disagg_cluster.minimal_instances: " + ", ".join(short),
+                    code="not_enough_workers",
+                )
                 return
         not_ready = [p.name for p in self.pools if not p.ready]
         if (
@@ -487,8 +522,11 @@ class Orchestrator(CompletionDriver):
             # Every request is served (prefilled on a generation worker): up, and saying so. Not before
             # every context worker's first check has ended: at start "unhealthy" means "not known yet",
             # and a balancer (or a test, or `up`) would send the first requests down the fallback path.
-            out.send(200, b'{"status": "degraded", "degraded": "no healthy context worker: requests are '
-                          b'prefilled on generation workers (context_fallback)"}')  # fmt: skip
+            out.send(
+                200,
+                b'{"status": "degraded", "degraded": "no healthy context worker: requests are '
+                b'prefilled on generation workers (context_fallback)"}',
+            )
             return
         if not_ready:
             out.send_error(503, "no healthy worker in pool(s): " + ", ".join(not_ready))
@@ -547,8 +585,9 @@ async def start_server(
 
     # one host's --workers N processes are one group: their mapping holds the group's share
     group = f"{socket.gethostname()}:{fleet.mapping.path}" if fleet is not None else None
-    cluster = FleetCluster(config.fleet_cluster, admission=orchestrator.admission, pools=orchestrator.pools,
-                           group=group)  # fmt: skip
+    cluster = FleetCluster(
+        config.fleet_cluster, admission=orchestrator.admission, pools=orchestrator.pools, group=group
+    )
     await cluster.start()  # the share known before the first request (or a whole one: etcd away)
     try:
         server = await orchestrator.start(reuse_port=reuse_port)

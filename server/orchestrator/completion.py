@@ -296,9 +296,13 @@ class CompletionDriver:
         c.context_body = self.relay.context_pieces(c.req, disagg_id, self.context_pool.b64_completions)
 
     async def _run_legs(
-        self, body: bytes, out: Responder, route: Route, conversation: bytes | None = None,
+        self,
+        body: bytes,
+        out: Responder,
+        route: Route,
+        conversation: bytes | None = None,
         tenant: Tenant = ANONYMOUS,
-    ) -> int:  # fmt: skip
+    ) -> int:
         """Serve one completion; the status the client got (a stream cut by its worker counts as 502).
 
         ``conversation``: the ``X-Conversation-Id`` header (read only for a conversation router)."""
@@ -331,9 +335,13 @@ class CompletionDriver:
                 return drawn
 
     async def context_leg(
-        self, c: Completion, generation_worker: Worker | None, *, resume: Sent | None = None,
+        self,
+        c: Completion,
+        generation_worker: Worker | None,
+        *,
+        resume: Sent | None = None,
         spent: Worker | None = None,
-    ) -> int:  # fmt: skip
+    ) -> int:
         """Leg (1) and what follows it: the answer of the last worker tried (``c.tried``, legs.py;
         ``resume``: its first attempt, sent from callbacks); a lost answer's parked KV is released by
         ``c.disagg_id``. Completions ask for prompt_token_ids_b64 only when every context worker says it
@@ -343,10 +351,22 @@ class CompletionDriver:
         unavailable: LegUnavailable | None = None
         req = c.req
         try:
-            context_response = await self.legs.run("context", self.context_pool, c.path, c.context_body, _body,
-                headers=self.relay.leg_headers, extra=self.protocol.context_headers(req),
-                timeout=self.context_timeout(len(c.body)), key=c.key, tokens=c.tokens,
-                tried=c.tried, disagg_id=c.disagg_id, resume=resume, panic=not self._can_fall_back())  # fmt: skip
+            context_response = await self.legs.run(
+                "context",
+                self.context_pool,
+                c.path,
+                c.context_body,
+                _body,
+                headers=self.relay.leg_headers,
+                extra=self.protocol.context_headers(req),
+                timeout=self.context_timeout(len(c.body)),
+                key=c.key,
+                tokens=c.tokens,
+                tried=c.tried,
+                disagg_id=c.disagg_id,
+                resume=resume,
+                panic=not self._can_fall_back(),
+            )
         except LegUnavailable as exc:
             unavailable = exc  # served outside this handler: the client's error carries no context
         if unavailable is not None:
@@ -372,8 +392,12 @@ class CompletionDriver:
         key = c.key
         ctx = relay.read_context(req, context_response)
         # learned from the prompt's span, not the whole body, which a client may pad
-        self.usage.context_answer(context_response, key.prompt_bytes if key else relay.prompt_bytes(req),
-                                  key.hit_chunks if key else None, relay.usage_tokens(ctx))  # fmt: skip
+        self.usage.context_answer(
+            context_response,
+            key.prompt_bytes if key else relay.prompt_bytes(req),
+            key.hit_chunks if key else None,
+            relay.usage_tokens(ctx),
+        )
         clock.lap("read_context")
         if ctx.finished:
             answer = relay.finished_answer(req, ctx)
@@ -402,8 +426,15 @@ class CompletionDriver:
         assert context_worker is not None
         tried: list[Worker] = [] if spent is None else [spent]  # the generation workers the leg tried
         try:
-            return await self._generation_leg(c, c.generation_body, first=first, extra_headers=c.auth,
-                context_done=c.context_done, resume=resume, tried=tried)  # fmt: skip
+            return await self._generation_leg(
+                c,
+                c.generation_body,
+                first=first,
+                extra_headers=c.auth,
+                context_done=c.context_done,
+                resume=resume,
+                tried=tried,
+            )
         except LegSpent as exc:
             # A decode that may have read the hand-off (vLLM's lease, read once) failed: once, the
             # completion goes on from a new context leg, to another generation worker.
@@ -686,9 +717,13 @@ class CompletionDriver:
             resp.pause_reading()
 
     def stream_ended(
-        self, c: Completion, worker: Worker, resp: UpstreamResponse, failure: BaseException | None,
+        self,
+        c: Completion,
+        worker: Worker,
+        resp: UpstreamResponse,
+        failure: BaseException | None,
         trace: Any = None,
-    ) -> int:  # fmt: skip
+    ) -> int:
         """A relayed stream is over: ended, or, when its worker failed (``failure``) or sent nothing,
         the error in-band (headers are gone), as OpenAI streams do. The status: 200 or 502."""
         out = c.out

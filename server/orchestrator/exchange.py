@@ -124,16 +124,35 @@ class Exchange(Completion, Handling):
             self._go_on(self._context_leg(None))
             return
         self.tried.append(worker)
-        self._send(CONTEXT, worker, self.context_body, orch.relay.leg_headers, orch.protocol.context_headers(self.req),
-                   False, None,
-                   timeout=orch.context_timeout(len(self.body)), read_timeout=None,
-                   max_body=orch.config.max_worker_body_bytes, first_byte=None)  # fmt: skip
+        self._send(
+            CONTEXT,
+            worker,
+            self.context_body,
+            orch.relay.leg_headers,
+            orch.protocol.context_headers(self.req),
+            False,
+            None,
+            timeout=orch.context_timeout(len(self.body)),
+            read_timeout=None,
+            max_body=orch.config.max_worker_body_bytes,
+            first_byte=None,
+        )
 
     def _send(
-        self, leg: int, worker: Worker, pieces: Sequence[BodyPiece], headers: bytes, extra: bytes, timed: bool,
-        handoff_from: float | None, *, timeout: float | None, read_timeout: float | None, max_body: int,
+        self,
+        leg: int,
+        worker: Worker,
+        pieces: Sequence[BodyPiece],
+        headers: bytes,
+        extra: bytes,
+        timed: bool,
+        handoff_from: float | None,
+        *,
+        timeout: float | None,
+        read_timeout: float | None,
+        max_body: int,
         first_byte: float | None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """A leg's first attempt, from here: held as LegRunner.run holds one, its events to this."""
         orch = self.orch
         legs = orch.legs
@@ -170,8 +189,19 @@ class Exchange(Completion, Handling):
         timeout, read_timeout, max_body, first_byte = orch.generation_bounds(
             self.req.stream, self.generation_body
         )
-        self._send(GENERATION, gen, self.generation_body, orch.relay.leg_headers, self.auth, True, self.context_done,
-                   timeout=timeout, read_timeout=read_timeout, max_body=max_body, first_byte=first_byte)  # fmt: skip
+        self._send(
+            GENERATION,
+            gen,
+            self.generation_body,
+            orch.relay.leg_headers,
+            self.auth,
+            True,
+            self.context_done,
+            timeout=timeout,
+            read_timeout=read_timeout,
+            max_body=max_body,
+            first_byte=first_byte,
+        )
 
     def _answered(self, resp: UpstreamResponse) -> None:
         """Leg (3)'s worker answered 200 with the whole (not streamed) answer: relay it, done."""

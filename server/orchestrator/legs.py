@@ -176,14 +176,30 @@ class LegRunner:
         self.unavailable = unavailable
 
     async def run(
-        self, name: str, pool: Pool, path: bytes, body: bytes | Sequence[BodyPiece],
-        answered: Callable[[Worker, UpstreamResponse], Awaitable[T]], *,
-        headers: bytes, timeout: float | None, read_timeout: float | None = None, max_body: int | None = None,
-        first_byte: float | None = None, extra: bytes = b"", key: RequestKey | None = None, tokens: int = 0,
-        first: Worker | None = None, tried: list[Worker] | None = None, disagg_id: int | None = None,
-        handoff_from: float | None = None, ttfb: Any = None, resume: Sent | None = None, panic: bool = True,
+        self,
+        name: str,
+        pool: Pool,
+        path: bytes,
+        body: bytes | Sequence[BodyPiece],
+        answered: Callable[[Worker, UpstreamResponse], Awaitable[T]],
+        *,
+        headers: bytes,
+        timeout: float | None,
+        read_timeout: float | None = None,
+        max_body: int | None = None,
+        first_byte: float | None = None,
+        extra: bytes = b"",
+        key: RequestKey | None = None,
+        tokens: int = 0,
+        first: Worker | None = None,
+        tried: list[Worker] | None = None,
+        disagg_id: int | None = None,
+        handoff_from: float | None = None,
+        ttfb: Any = None,
+        resume: Sent | None = None,
+        panic: bool = True,
         resend: bool = True,
-    ) -> T:  # fmt: skip
+    ) -> T:
         """Leg ``name`` to ``pool``: ``answered(worker, resp)`` of the first worker that answers 200 (held
         until it returns), else :class:`WorkerAnswer` or :class:`LegUnavailable` (see the class).
         ``resume``: the first attempt, already sent (from callbacks, server/orchestrator/exchange.py)
@@ -239,8 +255,16 @@ class LegRunner:
                     continue
                 except UpstreamTimeout:
                     # raises unless a stream's first byte: that one goes to the next worker
-                    failure = self._timed_out(name, pool, worker, span, timeout, first_byte, disagg_id,
-                                              handed_over if ttfb is not None else None)  # fmt: skip
+                    failure = self._timed_out(
+                        name,
+                        pool,
+                        worker,
+                        span,
+                        timeout,
+                        first_byte,
+                        disagg_id,
+                        handed_over if ttfb is not None else None,
+                    )
                     reason = "timeout"
                     if not resend:
                         raise LegSpent(reason, failure, worker) from None
@@ -371,8 +395,12 @@ class LegRunner:
         deadline counts against the worker only if the worker answered no leg since (the module)."""
         clients = first_byte is None and handed_over is not None and worker.answered_at > handed_over
         if clients:
-            log.info("%s worker %s: a leg outlasted its deadline while the worker answered others: the "
-                     "request's own length, not counted against the worker", name, worker.url)  # fmt: skip
+            log.info(
+                "%s worker %s: a leg outlasted its deadline while the worker answered others: the "
+                "request's own length, not counted against the worker",
+                name,
+                worker.url,
+            )
             self.metrics.deadlines_not_counted.inc(pool=pool.name)
         else:
             self.breaker_failed(pool, worker, at_once=True)
@@ -397,8 +425,12 @@ class LegRunner:
     def breaker_failed(self, pool: Pool, worker: Worker, *, at_once: bool = False) -> None:
         """Evidence against ``worker`` (see the module for what is): its breaker counts a failure."""
         if worker.breaker.failed(at_once=at_once):
-            log.warning("%s worker %s: circuit breaker open (no new legs for %g s)", pool.name, worker.url,
-                        worker.breaker.open_for)  # fmt: skip
+            log.warning(
+                "%s worker %s: circuit breaker open (no new legs for %g s)",
+                pool.name,
+                worker.url,
+                worker.breaker.open_for,
+            )
             self.metrics.breaker_opened.inc(pool=pool.name)
 
     async def _worker_failure(
@@ -420,8 +452,13 @@ class LegRunner:
             extra = b"Retry-After: %s\r\n" % resp.retry_after if resp.retry_after else b""
             # In our OpenAI shape whatever the worker's (trtllm-serve has three of its own).
             return WorkerAnswer(resp.status, normalise_error_body(resp.status, body), _JSON, extra)
-        log.warning("%s worker %s answered %d: %s", leg, worker.url, resp.status,
-                    body[:500].decode("utf-8", "replace"))  # fmt: skip
+        log.warning(
+            "%s worker %s answered %d: %s",
+            leg,
+            worker.url,
+            resp.status,
+            body[:500].decode("utf-8", "replace"),
+        )
         return leg_failed(leg, f"its worker answered {resp.status}")
 
     def _misdirected(self, pool: Pool, worker: Worker, failure: HTTPError | WorkerAnswer) -> bool:
@@ -430,8 +467,12 @@ class LegRunner:
         the new id, and the leg goes to another worker: the client never sees that 403."""
         if not (isinstance(failure, WorkerAnswer) and failure.status == 403 and _MISDIRECTED in failure.body):
             return False
-        log.info("%s worker %s refused a leg signed for its instance %s: restarted", pool.name, worker.url,
-                 worker.instance)  # fmt: skip
+        log.info(
+            "%s worker %s refused a leg signed for its instance %s: restarted",
+            pool.name,
+            worker.url,
+            worker.instance,
+        )
         self.mark_failed(pool, worker)
         return True
 

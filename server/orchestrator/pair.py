@@ -133,8 +133,11 @@ class PairRunner:
                 )
                 if pair_failed.unavailable.reason not in _RETRIED:
                     break
-                log.info("%s leg of a pair failed (%s): the pair is retried with a new room", pair_failed.side,
-                         pair_failed.unavailable.reason)  # fmt: skip
+                log.info(
+                    "%s leg of a pair failed (%s): the pair is retried with a new room",
+                    pair_failed.side,
+                    pair_failed.unavailable.reason,
+                )
         if error is not None:
             raise error
         missing = "prefill worker with a bootstrap port" if prefill is None else "decode worker"
@@ -147,8 +150,11 @@ class PairRunner:
         while (
             worker := pool.choose(exclude=excluded, key=key)
         ) is not None and worker.bootstrap_port is None:
-            log.warning("prefill worker %s has no %s: not chosen", worker.url,
-                        getattr(self.orch.protocol, "bootstrap_source", "bootstrap address"))  # fmt: skip
+            log.warning(
+                "prefill worker %s has no %s: not chosen",
+                worker.url,
+                getattr(self.orch.protocol, "bootstrap_source", "bootstrap address"),
+            )
             excluded.append(worker)
         return worker
 
@@ -162,16 +168,40 @@ class PairRunner:
         loop = asyncio.get_running_loop()
         prefill_pieces, pieces = legs
         timeout, read_timeout, max_body, first_byte = orch.generation_bounds(req.stream, pieces)
-        prefill_leg = loop.create_task(self.legs.run(
-            "context", orch.context_pool, path, prefill_pieces, _discard, headers=orch.relay.leg_headers,
-            extra=protocol.context_headers(req), timeout=orch.context_timeout(len(req.body)), key=key,
-            tokens=tokens, first=prefill,
-        ))  # fmt: skip
-        decode_leg = loop.create_task(self.legs.run(
-            "generation", orch.generation_pool, path, pieces, partial(orch.relay_answer, c),
-            headers=orch.relay.leg_headers, extra=protocol.generation_headers(req, None), timeout=timeout, read_timeout=read_timeout, max_body=max_body,
-            first_byte=first_byte, key=key, tokens=tokens, first=decode, ttfb=orch.metrics.generation_ttfb,
-        ))  # fmt: skip
+        prefill_leg = loop.create_task(
+            self.legs.run(
+                "context",
+                orch.context_pool,
+                path,
+                prefill_pieces,
+                _discard,
+                headers=orch.relay.leg_headers,
+                extra=protocol.context_headers(req),
+                timeout=orch.context_timeout(len(req.body)),
+                key=key,
+                tokens=tokens,
+                first=prefill,
+            )
+        )
+        decode_leg = loop.create_task(
+            self.legs.run(
+                "generation",
+                orch.generation_pool,
+                path,
+                pieces,
+                partial(orch.relay_answer, c),
+                headers=orch.relay.leg_headers,
+                extra=protocol.generation_headers(req, None),
+                timeout=timeout,
+                read_timeout=read_timeout,
+                max_body=max_body,
+                first_byte=first_byte,
+                key=key,
+                tokens=tokens,
+                first=decode,
+                ttfb=orch.metrics.generation_ttfb,
+            )
+        )
         try:
             await asyncio.wait((prefill_leg, decode_leg), return_when=asyncio.FIRST_COMPLETED)
             if prefill_leg.done() and (failure := _failure(prefill_leg)) is not None:
@@ -318,9 +348,19 @@ class PairExchange(Exchange):
         self.clock.lap("build_context")
         self.prefill, self.decode, self.decode_pieces = prefill, decode, pieces
         timeout, read_timeout, max_body, first_byte = orch.generation_bounds(req.stream, pieces)
-        self._send(GENERATION, decode, pieces, relay.leg_headers, protocol.generation_headers(req, None), True,
-                   None, timeout=timeout, read_timeout=read_timeout, max_body=max_body,
-                   first_byte=first_byte)  # fmt: skip
+        self._send(
+            GENERATION,
+            decode,
+            pieces,
+            relay.leg_headers,
+            protocol.generation_headers(req, None),
+            True,
+            None,
+            timeout=timeout,
+            read_timeout=read_timeout,
+            max_body=max_body,
+            first_byte=first_byte,
+        )
         legs = orch.legs
         legs.hold(prefill, self.tokens, False, None)
         try:

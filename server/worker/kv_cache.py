@@ -652,8 +652,10 @@ class PrefillBatchAttention(StepAttention):
                 kh, vh = (t[row:end].unflatten(0, (count, part.length)).transpose(1, 2) for t in (k, v))
                 out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
             else:
-                kh, vh = (pool.index_select(0, slots).unflatten(0, (count, -1)).transpose(1, 2)
-                          for pool in (pool_k, pool_v))  # fmt: skip
+                kh, vh = (
+                    pool.index_select(0, slots).unflatten(0, (count, -1)).transpose(1, 2)
+                    for pool in (pool_k, pool_v)
+                )
                 out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
             outs.append(out.transpose(1, 2).flatten(0, 1))
             row = end
