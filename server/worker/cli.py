@@ -79,6 +79,8 @@ def _size(n: int) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_model_arguments(parser)
+    _add_cache_arguments(parser)
+    _add_scheduling_arguments(parser)
     _add_serving_arguments(parser)
     _add_auth_arguments(parser)
     _add_limit_arguments(parser)
@@ -86,13 +88,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_synthetic_arguments(parser)
 
 
+def _setting(parser: argparse._ActionsContainer, flag: str, help: str, **options: Any) -> None:
+    """A flag whose value goes to WorkerSettings (:data:`_SETTINGS`): its default is the field's,
+    which ``help`` states as ``{default}`` (``{size}``: in GiB or MiB), so it is written once."""
+    default = _default(flag[2:].replace("-", "_"))
+    size = _size(default) if "{size}" in help else None
+    parser.add_argument(flag, default=default, help=help.format(default=default, size=size), **options)
+
+
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--role",
-        choices=ROLES,
-        default=_default("role"),
-        help=f"disaggregated role (default {_default('role')})",
-    )
+    """What the worker serves, and where."""
+    _setting(parser, "--role", "disaggregated role (default {default})", choices=ROLES)
     parser.add_argument(
         "--model",
         default=DEFAULT_MODEL,
@@ -106,6 +112,10 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--port", type=int, default=8001, help="port to listen on (default %(default)s; 0: any free)"
     )
+
+
+def _add_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    """The torch engine's device and KV cache."""
     parser.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda"),
@@ -144,6 +154,10 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --kv-tier2-tokens: the torch engine's second tier is files under DIR (one a "
         "block, at most that many tokens; emptied at start) instead of host memory",
     )
+
+
+def _add_scheduling_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the torch engine fills its steps, and how an answer's text is read."""
     parser.add_argument(
         "--max-num-seqs",
         type=int,
@@ -185,18 +199,13 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_serving_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    _setting(
+        parser,
         "--kv-ttl",
+        "seconds a context leg's KV waits for its generation worker (default {default:g})",
         type=float,
-        default=_default("kv_ttl"),
-        help=f"seconds a context leg's KV waits for its generation worker (default {_default('kv_ttl'):g})",
     )
-    parser.add_argument(
-        "--kv-fetch-timeout",
-        type=float,
-        default=_default("kv_fetch_timeout"),
-        help=f"seconds for one KV fetch (default {_default('kv_fetch_timeout'):g})",
-    )
+    _setting(parser, "--kv-fetch-timeout", "seconds for one KV fetch (default {default:g})", type=float)
     logs.add_arguments(parser)
     parser.add_argument(
         "--drain-timeout",
@@ -206,54 +215,49 @@ def _add_serving_arguments(parser: argparse.ArgumentParser) -> None:
         "stops (it deregisters and refuses new requests first; "
         f"default {DRAIN_TIMEOUT_S:g})",
     )
-    parser.add_argument(
-        "--public-url",
-        default=_default("public_url"),
-        help="base URL put in ctx_info_endpoint (default: the Host the request came in on)",
+    _setting(
+        parser, "--public-url", "base URL put in ctx_info_endpoint (default: the Host the request came in on)"
     )
-    parser.add_argument(
+    _setting(
+        parser,
         "--max-parked-fraction",
+        "most of the KV cache that parked context KV may hold; the oldest go first (default {default:g})",
         type=float,
-        default=_default("max_parked_fraction"),
-        help="most of the KV cache that parked context KV may hold; the oldest go first "
-        f"(default {_default('max_parked_fraction'):g})",
     )
-    parser.add_argument(
+    _setting(
+        parser,
         "--admission-wait",
+        "seconds a request that does not fit in the KV cache waits for room before its 503 "
+        "(default {default:g})",
         type=float,
-        default=_default("admission_wait"),
-        help="seconds a request that does not fit in the KV cache waits for room before "
-        f"its 503 (default {_default('admission_wait'):g})",
     )
-    parser.add_argument(
+    _setting(
+        parser,
         "--max-waiting",
+        "requests waiting for KV room at once; 503 at once beyond (default {default})",
         type=int,
-        default=_default("max_waiting"),
-        help=f"requests waiting for KV room at once; 503 at once beyond (default {_default('max_waiting')})",
     )
-    parser.add_argument(
+    _setting(
+        parser,
         "--stream-stall-timeout",
+        "seconds a stream's client may read nothing (its write buffer full) before the stream is "
+        "dropped and its KV freed (default {default:g})",
         type=float,
-        default=_default("stream_stall_timeout"),
-        help="seconds a stream's client may read nothing (its write buffer full) before the "
-        "stream is dropped and its KV freed "
-        f"(default {_default('stream_stall_timeout'):g})",
     )
-    parser.add_argument(
+    _setting(
+        parser,
         "--cache-events-chunk-bytes",
+        "GET /cache_events' chunk size in prompt bytes: the orchestrators' kv_cache_aware chunk_bytes "
+        "must be it (another is refused) (default {default})",
         type=int,
-        default=_default("cache_events_chunk_bytes"),
-        help="GET /cache_events' chunk size in prompt bytes: the orchestrators' kv_cache_aware "
-        "chunk_bytes must be it (another is refused) "
-        f"(default {_default('cache_events_chunk_bytes')})",
     )
-    parser.add_argument(
+    _setting(
+        parser,
         "--otlp-traces-endpoint",
-        default=_default("otlp_traces_endpoint"),
+        "send OpenTelemetry traces to this OTLP/HTTP collector URL (needs the [otel] extra; else "
+        "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / $OTEL_EXPORTER_OTLP_ENDPOINT; none: no tracing). "
+        "The other OTEL_* variables apply (docs/tracing.md)",
         metavar="URL",
-        help="send OpenTelemetry traces to this OTLP/HTTP collector URL (needs the [otel] "
-        "extra; else $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / $OTEL_EXPORTER_OTLP_ENDPOINT; "
-        "none: no tracing). The other OTEL_* variables apply (docs/tracing.md)",
     )
 
 
@@ -306,50 +310,38 @@ def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
     """The worker's server.http Limits (defaults: server/http/limits.py, the WORKER_* ones where a
     worker's differ from the orchestrator's; docs/configuration.md#worker-http-limits)."""
     limits = parser.add_argument_group("HTTP limits (what one client may hold)")
-    limits.add_argument(
+    _setting(
+        limits,
         "--header-timeout",
+        "seconds to send a request's headers (408 after; default {default:g})",
         type=float,
-        default=_default("header_timeout"),
-        help=f"seconds to send a request's headers (408 after; default {_default('header_timeout'):g})",
     )
-    limits.add_argument(
+    _setting(
+        limits,
         "--body-timeout",
+        "seconds to send a request's body (408 after; default {default:g})",
         type=float,
-        default=_default("body_timeout"),
-        help=f"seconds to send a request's body (408 after; default {_default('body_timeout'):g})",
     )
-    limits.add_argument(
+    _setting(
+        limits,
         "--keepalive-timeout",
+        "seconds an idle keep-alive connection stays open (default {default:g})",
         type=float,
-        default=_default("keepalive_timeout"),
-        help=f"seconds an idle keep-alive connection stays open (default {_default('keepalive_timeout'):g})",
     )
-    limits.add_argument(
-        "--max-connections",
-        type=int,
-        default=_default("max_connections"),
-        help=f"open client connections; 503 beyond (default {_default('max_connections')})",
-    )
-    limits.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=_default("max_body_bytes"),
-        help=f"request body size limit, 413 above it (default {_size(_default('max_body_bytes'))})",
-    )
-    limits.add_argument(
+    _setting(limits, "--max-connections", "open client connections; 503 beyond (default {default})", type=int)
+    _setting(limits, "--max-body-bytes", "request body size limit, 413 above it (default {size})", type=int)
+    _setting(
+        limits,
         "--max-inflight-body-bytes",
+        "request body bytes held at once by the whole worker; 503 beyond (default {size})",
         type=int,
-        default=_default("max_inflight_body_bytes"),
-        help="request body bytes held at once by the whole worker; 503 beyond "
-        f"(default {_size(_default('max_inflight_body_bytes'))})",
     )
-    share = _default("client_ip_share")
-    limits.add_argument(
+    _setting(
+        limits,
         "--client-ip-share",
+        "one client IP past this share of the connections or body bytes may not take their last share, "
+        "kept for the others; 1: no per-client bound (default {default})",
         type=_share,
-        default=share,
-        help="one client IP past this share of the connections or body bytes may not take "
-        f"their last share, kept for the others; 1: no per-client bound (default {share})",
     )
 
 
