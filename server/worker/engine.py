@@ -653,7 +653,6 @@ class TorchEngine:
     ) -> tuple[torch.Tensor, torch.Tensor, DecodeAttention]:
         ids = torch.tensor([r.next_token for r in batch], dtype=torch.int64, device=self.device)
         lengths = [r.cached_len for r in batch]
-        positions = torch.tensor(lengths, dtype=torch.int64, device=self.device)
         kept, attention = self._decode_kv
         # The same streams one token on since the last step (not after a failed one, whose
         # streams did not move), or some of them (the others ended): its attention goes on, its
@@ -665,7 +664,7 @@ class TorchEngine:
         else:
             attention = DecodeAttention(self.cache, [r.blocks for r in batch], [n + 1 for n in lengths])
             self._decode_kv = (batch, attention)
-        return ids, positions, attention
+        return ids, attention.positions, attention
 
     @staticmethod
     def _kept_rows(kept: list[EngineRequest], batch: list[EngineRequest]) -> list[int] | None:
