@@ -91,6 +91,15 @@ class Child:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_deployment_arguments(parser)
+    _add_worker_arguments(parser)
+    _add_orchestrator_arguments(parser)
+    _add_lifecycle_arguments(parser)
+    _add_cluster_arguments(parser)
+
+
+def _add_deployment_arguments(parser: argparse.ArgumentParser) -> None:
+    """What runs, where: the model, the ports, how many of each process."""
     parser.add_argument(
         "--model",
         default=DEFAULT_MODEL,
@@ -115,6 +124,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--orchestrator-workers", type=int, default=1, help="orchestrator processes (default %(default)s)"
     )
+
+
+def _add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    """Passed on to every worker (each unset one: the worker's default)."""
     parser.add_argument("--device", default=None, help="worker device: auto, cpu or cuda (worker default)")
     parser.add_argument(
         "--tool-call-parser",
@@ -129,11 +142,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--model synthetic: the workers' scripted answers (the worker's --script), e.g. "
         "tool calls for an agent client's tests",
     )
+
+
+def _add_orchestrator_arguments(parser: argparse.ArgumentParser) -> None:
     add_gate_arguments(parser, default=True)  # up runs the product's profile: both gates on
     relay = config_default("relay")
     parser.add_argument(
         "--relay", choices=RELAY_MODES, default=relay, help=f"orchestrator relay mode (default {relay})"
     )
+
+
+def _add_lifecycle_arguments(parser: argparse.ArgumentParser) -> None:
+    """How long it waits for the children to come up and to go down, and how they log."""
     parser.add_argument(
         "--drain-timeout-s",
         type=float,
@@ -148,6 +168,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="give up if not healthy by then (default %(default)g)",
     )
     logs.add_arguments(parser)  # the launcher's lines and every child's
+
+
+def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     cluster = parser.add_argument_group("cluster (workers found through discovery instead of urls)")
     cluster.add_argument(
         "--cluster",
