@@ -1,6 +1,6 @@
 """OpenAI response building for workers (no torch, no engine): the answer's side of the protocol.
 
-The builders (:func:`completion_body`, :func:`stream_chunk`, ...) produce the
+The builders (:func:`completion_body`, :class:`StreamWriterState`, ...) produce the
 OpenAI JSON and SSE shapes. The torch worker and a synthetic engine share
 them, and so can the orchestrator when it answers from a context response. A
 context response's prompt ids go in as JSON members (:func:`prompt_ids_members`,
@@ -181,45 +181,6 @@ def completion_body(
     )
 
 
-def stream_chunk(
-    *,
-    route: Route,
-    response_id: str,
-    created: int,
-    model: str,
-    text: str | None = None,
-    role: bool = False,
-    finish_reason: str | None = None,
-    logprobs: list[TokenLogprob] | None = None,
-    tokenizer: Tokenizer | None = None,
-    text_offset: int = 0,
-    tool_calls: list[dict[str, Any]] | None = None,
-    stop_reason: str | int | None = None,
-) -> dict[str, Any]:
-    """One SSE chunk (:func:`server.openai_shapes.stream_chunk`) with the engine's logprobs in wire shape."""
-    lp = _logprobs_field(route, logprobs, tokenizer, text_offset) if tokenizer is not None else None
-    return openai_shapes.stream_chunk(
-        chat=route == "chat",
-        response_id=response_id,
-        created=created,
-        model=model,
-        text=text,
-        role=role,
-        finish_reason=finish_reason,
-        logprobs=lp,
-        tool_calls=tool_calls,
-        stop_reason=stop_reason,
-    )
-
-
-def usage_chunk(
-    *, route: Route, response_id: str, created: int, model: str, usage: dict[str, Any]
-) -> dict[str, Any]:
-    return openai_shapes.usage_chunk(
-        chat=route == "chat", response_id=response_id, created=created, model=model, usage=usage
-    )
-
-
 sse_event = openai_shapes.sse_event
 SSE_DONE = openai_shapes.SSE_DONE
 
@@ -238,25 +199,30 @@ class StreamWriterState:
         self.tokenizer = tokenizer
         self.response_id = response_id or new_response_id(req.route)
         self.created = int(time.time())
+        #: what every chunk of it says (openai_shapes' terms)
+        self.head: dict[str, Any] = {
+            "chat": req.route == "chat",
+            "response_id": self.response_id,
+            "created": self.created,
+            "model": req.model,
+        }
         self.text_offset = 0
         tools = req.tools
         #: the tool-call parser the text goes through (chat with tools and a parser), else None
         self.tool_stream = tools.stream() if tools is not None and tools.parsing else None
 
-    def _common(self) -> dict[str, Any]:
-        return {
-            "route": self.req.route,
-            "response_id": self.response_id,
-            "created": self.created,
-            "model": self.req.model,
-        }
+    def _chunk(self, logprobs: list[TokenLogprob] | None = None, **fields: Any) -> bytes:
+        """One SSE chunk of this response (:func:`server.openai_shapes.stream_chunk`); ``logprobs``:
+        the engine's, put in the route's wire shape (their text offsets after the text sent)."""
+        lp = _logprobs_field(self.req.route, logprobs, self.tokenizer, self.text_offset)
+        return sse_event(openai_shapes.stream_chunk(**self.head, logprobs=lp, **fields))
 
     def start(self) -> bytes:
         if self.req.route == "chat":
             # With tools, no content until there is some, as OpenAI streams a call: an SDK's assembly
             # of an answer that is only calls then has the unary answer's content, null, not ""
             text = None if self.tool_stream is not None else ""
-            return sse_event(stream_chunk(**self._common(), text=text, role=True))
+            return self._chunk(text=text, role=True)
         return b""
 
     def delta(self, delta: Delta) -> bytes:
@@ -265,26 +231,11 @@ class StreamWriterState:
         out = b""
         want_lp = self.req.want_logprobs and bool(delta.logprobs)
         if delta.text or want_lp:
-            out += sse_event(
-                stream_chunk(
-                    **self._common(),
-                    text=delta.text,
-                    logprobs=delta.logprobs if self.req.want_logprobs else None,
-                    tokenizer=self.tokenizer,
-                    text_offset=self.text_offset,
-                )
-            )
+            out += self._chunk(delta.logprobs if self.req.want_logprobs else None, text=delta.text)
             self.text_offset += len(delta.text)
         if delta.finish_reason is not None:
             text = None if self.req.route == "chat" else ""
-            out += sse_event(
-                stream_chunk(
-                    **self._common(),
-                    text=text,
-                    finish_reason=delta.finish_reason,
-                    stop_reason=delta.stop_reason,
-                )
-            )
+            out += self._chunk(text=text, finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
         return out
 
     def _tool_delta(self, delta: Delta, stream: ToolCallStream) -> bytes:
@@ -297,15 +248,7 @@ class StreamWriterState:
         content = "".join(e for e in events if isinstance(e, str))
         out = b""
         if content or (self.req.want_logprobs and delta.logprobs):
-            out += sse_event(
-                stream_chunk(
-                    **self._common(),
-                    text=content,
-                    logprobs=delta.logprobs if self.req.want_logprobs else None,
-                    tokenizer=self.tokenizer,
-                    text_offset=self.text_offset,
-                )
-            )
+            out += self._chunk(delta.logprobs if self.req.want_logprobs else None, text=content)
             self.text_offset += len(content)
         index = stream.calls - sum(isinstance(e, ToolCall) for e in events)  # the first new call's
         for event in events:
@@ -314,9 +257,7 @@ class StreamWriterState:
                 index += 1
         if delta.finish_reason is not None:
             finish, stop = (TOOL_CALLS, None) if stream.calls else (delta.finish_reason, delta.stop_reason)
-            out += sse_event(
-                stream_chunk(**self._common(), text=None, finish_reason=finish, stop_reason=stop)
-            )
+            out += self._chunk(text=None, finish_reason=finish, stop_reason=stop)
         return out
 
     def _tool_call_events(self, call: ToolCall, index: int) -> bytes:
@@ -326,17 +267,17 @@ class StreamWriterState:
             "type": "function",
             "function": {"name": call.name, "arguments": ""},
         }
-        out = sse_event(stream_chunk(**self._common(), tool_calls=[head]))
+        out = self._chunk(tool_calls=[head])
         args = call.arguments
         for start in range(0, len(args), ARGUMENT_FRAGMENT_CHARS):
             piece = {"index": index, "function": {"arguments": args[start : start + ARGUMENT_FRAGMENT_CHARS]}}
-            out += sse_event(stream_chunk(**self._common(), tool_calls=[piece]))
+            out += self._chunk(tool_calls=[piece])
         return out
 
     def end(self, usage: dict[str, Any]) -> bytes:
         out = b""
         if self.req.include_usage:
-            out += sse_event(usage_chunk(**self._common(), usage=usage))
+            out += sse_event(openai_shapes.usage_chunk(**self.head, usage=usage))
         return out + SSE_DONE
 
 
@@ -349,7 +290,5 @@ __all__ = [
     "prompt_ids_members",
     "request_usage",
     "sse_event",
-    "stream_chunk",
     "usage_body",
-    "usage_chunk",
 ]
