@@ -67,7 +67,8 @@ from .kv_cache import DecodeAttention, PagedKVCache, PrefillBatchAttention, Step
 from .kv_transfer import KVLayout
 from .model import LlamaForCausalLM, ModelConfig
 from .output import Delta, SamplingParams, TokenLogprob
-from .prefill_pacer import PrefillPacer
+from .prefill_pacer import PrefillPacer, whole_prompts
+from .split_prefill import SplitPrefill
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -144,6 +145,7 @@ class TorchEngine:
         # Paces chunks beside decodes (chunked prefill only: whole prompts are whole).
         ratio = prefill_step_ratio if prefill_chunk_tokens else 0.0
         self.pacer = PrefillPacer(prefill_chunk_tokens, self.cache.block_size, ratio)
+        self.split = SplitPrefill()  # a chunk too deep for a step's allowance, a piece a step
         #: admitted prompts whose prefill is under way, oldest first (they hold a sequence slot)
         self._prefilling: list[_Prefill] = []
         self._inbox: collections.deque[EngineRequest] = collections.deque()
@@ -441,7 +443,7 @@ class TorchEngine:
         lasts, at least one. Several prompts in one plan share one forward."""
         chunk = self.prefill_chunk_tokens
         if chunk <= 0:
-            return self._plan_whole(self.prefill_tokens_per_step)
+            return whole_prompts(self._prefilling, self.prefill_tokens_per_step)
         budget = max(chunk - len(self._running), min(chunk, self.cache.block_size))
         paced = self.pacer.budget(bool(self._running), self._prefilling[0].req.cached_len)
         plan: list[tuple[_Prefill, int]] = []
@@ -458,19 +460,6 @@ class TorchEngine:
             budget -= take
             paced -= take
             if budget <= 0 or take < left:
-                break
-        return plan
-
-    def _plan_whole(self, budget: int) -> list[tuple[_Prefill, int]]:
-        """Whole prompts while ``budget`` lasts, at least one."""
-        plan: list[tuple[_Prefill, int]] = []
-        for state in self._prefilling:
-            left = state.total - state.req.cached_len
-            if plan and left > budget:
-                break
-            plan.append((state, left))
-            budget -= left
-            if budget <= 0:
                 break
         return plan
 
@@ -617,6 +606,8 @@ class TorchEngine:
         plan = self._plan_chunks() if self._prefilling else []
         chunks = [(state.req.cached_len, take) for state, take in plan]  # the pacer's cost of each
         began = self.pacer.clock()
+        if self.split.step(self, batch, plan, outputs):  # a chunk too deep for a step: in pieces
+            return
         if not plan:
             if batch:
                 self._decode_step(batch, outputs)

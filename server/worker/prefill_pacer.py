@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any, Protocol, TypeVar
 
 
 class PrefillPacer:
@@ -89,13 +90,45 @@ class PrefillPacer:
         done = sum(self.work(start, tokens) for start, tokens in chunks)
         if not self.ratio or self.decode_s is None or done <= 0:
             return
-        may_take = (self.ratio - 1.0) * self.decode_s
-        took = max(seconds - self.decode_s, 1e-9)
-        fits = done * may_take / took
+        self._rescale(done, seconds - self.decode_s, self.work(chunks[-1][0], self.max_tokens))
+
+    def piece_step(self, seconds: float, done: float) -> None:
+        """A chunk's pieces (:mod:`.split_prefill`) did ``done`` units in ``seconds`` beside a
+        decode step of their own."""
+        if self.ratio and self.decode_s is not None and done > 0:
+            self._rescale(done, seconds, math.inf)
+
+    def _rescale(self, done: float, took: float, most: float) -> None:
+        """The allowance after ``done`` units took ``took`` seconds past the decodes' own."""
+        assert self.decode_s is not None
+        fits = done * (self.ratio - 1.0) * self.decode_s / max(took, 1e-9)
         # Grows from what it granted (a step may do less: a prompt's last chunk, whole tokens), to
         # at most a full chunk's work where this one ran (not past what the budget lets it use).
-        grown = min(fits, max(done, self.allowance) * self.GROWTH, self.work(chunks[-1][0], self.max_tokens))
-        self.allowance = grown
+        self.allowance = min(fits, max(done, self.allowance) * self.GROWTH, most)
 
 
-__all__ = ["PrefillPacer"]
+class _Prompt(Protocol):
+    req: Any
+
+    @property
+    def total(self) -> int: ...
+
+
+P = TypeVar("P", bound=_Prompt)
+
+
+def whole_prompts(prefilling: list[P], budget: int) -> list[tuple[P, int]]:
+    """Whole prompts (the engine's unchunked plan) while ``budget`` tokens last, at least one."""
+    plan: list[tuple[P, int]] = []
+    for state in prefilling:
+        left = state.total - state.req.cached_len
+        if plan and left > budget:
+            break
+        plan.append((state, left))
+        budget -= left
+        if budget <= 0:
+            break
+    return plan
+
+
+__all__ = ["PrefillPacer", "whole_prompts"]

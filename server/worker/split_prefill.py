@@ -1,0 +1,238 @@
+"""A prefill chunk deep in a long prompt, run a piece a step beside the running streams' decodes.
+
+The pacer (:mod:`.prefill_pacer`) keeps a step that carries a chunk within ``ratio`` times a
+decode-only step by giving the chunk fewer tokens. Deep in a long prompt even its floor, one block,
+costs far more than that: each token attends over every position before it. At a 16,384-token
+context on a CPU (tiny model, one thread) a 16-token chunk 15k deep cost ~4 ms against a 0.7 ms
+decode step, ~1.5 ms a layer of it SDPA's own kernel (16 queries x 15k keys), so the streams' p99
+during the prefill was 2.6-10x their p99 alone. Fewer tokens do not help: one token still reads
+every earlier position's K/V (~0.4 ms a layer at 15k) and a step's fixed cost stays, so the prompt
+takes several times longer for the same stall (measured: 172431e).
+
+What bounds a step instead is splitting the chunk's work itself: :class:`SplitChunk` runs the
+chunk's forward layer by layer, and each layer's attention over the keys a piece at a time (each
+piece's output and log-sum-exp merged into the running ones, as flash attention merges its key
+blocks), pausing wherever the step's allowance runs out and going on at the next step with its
+hidden state, queries and partial sums kept. A step then costs a decode step plus at most the
+allowance, however deep the chunk; the chunk's K/V reach the pool layer by layer (its own slots,
+which no other sequence reads) and it counts as prefilled only when its last layer is done.
+
+The allowance is the pacer's, in its units (:meth:`.PrefillPacer.work`: a token's projections and
+MLP are one, a token attending ``context_tokens`` positions another): a piece of ``k`` keys of one
+of ``L`` layers for ``T`` tokens is ``T * k / (context_tokens * L)`` units, a layer's projections
+``T / L``. Its seconds a unit are measured from the pieces' own time (:meth:`.PrefillPacer.piece_step`).
+
+:class:`SplitPrefill` decides, a step at a time, whether the engine's plan goes this way: only
+while streams decode, the plan is one chunk (the oldest prompt, cut) and not even a block of it
+fits the allowance whole. Numbers: the same attention to float32 rounding (pieces merged in
+float32; the tests hold logits within 1e-5 of the unsplit chunk's and greedy text identical).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from .model import LlamaDecoderLayer, LlamaForCausalLM, apply_rotary_tables
+
+if TYPE_CHECKING:
+    from .kv_cache import PrefillAttention
+
+#: the fewest keys a piece attends (smaller pieces cost more in calls than they save in time)
+MIN_PIECE_KEYS = 256
+
+_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def piece_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` ``[1, kv_heads, rows, D]`` over ``k``/``v`` ``[1, kv_heads, keys, D]`` (``mask``: an
+    additive float ``[rows, keys]`` or None): the attention's output and each row's log-sum-exp
+    of its scores (``[1, kv_heads, rows]``). SDPA's CPU flash kernel where it runs (it returns
+    both), else the same in plain float32 matmuls."""
+    if _flash is not None and q.device.type == "cpu":
+        out, lse = _flash(q, k, v, attn_mask=mask)
+        return out, lse
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5)
+    if mask is not None:
+        scores.add_(mask)
+    lse = torch.logsumexp(scores, -1)
+    return torch.matmul(scores.sub_(lse.unsqueeze(-1)).exp_(), v), lse
+
+
+def merge(
+    out: torch.Tensor | None, lse: torch.Tensor | None, more: torch.Tensor, more_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two attentions of the same rows over disjoint keys (``out``/``lse`` so far, None at first;
+    ``more``/``more_lse`` the next) as one over both."""
+    if out is None or lse is None:
+        return more, more_lse
+    both = torch.logaddexp(lse, more_lse)
+    return out * (lse - both).exp_().unsqueeze(-1) + more * (more_lse - both).exp_().unsqueeze(-1), both
+
+
+class SplitChunk:
+    """One chunk's forward (``LlamaModel.forward`` over its ``ids`` at ``positions``, then the
+    ``rows``' logits), paused between pieces: :meth:`advance` runs it within a step's units."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        state: Any,
+        take: int,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        part: PrefillAttention,
+        rows: torch.Tensor,
+        context_tokens: int,
+    ) -> None:
+        self.model = model
+        #: the engine's prefill state and tokens this chunk is (its plan: [(state, take)])
+        self.state, self.take = state, take
+        self.start = part.start
+        self.part = part
+        self.rows = rows
+        layers = len(model.model.layers)
+        self.per_key = take / (context_tokens * layers)  # units a key of one layer costs
+        self.per_layer = take / layers  # units of a layer's projections and MLP
+        self.left = 0.0  # units this step may still take
+        self.spent = 0.0  # units this step took
+        self.seconds = 0.0  # the pieces' time so far (the cache's prefill rate)
+        self._run = self._forward(ids, positions)
+
+    def current(self, prefilling: list[Any]) -> bool:
+        """Whether the chunk is still the oldest prompt's next (not cancelled, failed or done)."""
+        state = self.state
+        return bool(prefilling) and prefilling[0] is state and state.req.cached_len == self.start
+
+    def advance(self, units: float) -> torch.Tensor | None:
+        """Runs the chunk on for about ``units`` (at least one piece); its logits once done."""
+        self.left, self.spent = units, 0.0
+        try:
+            next(self._run)
+        except StopIteration as done:
+            logits: torch.Tensor = done.value
+            return logits
+        return None
+
+    def _keys(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This chunk's K/V written to the pool; K and V of every position up to its end
+        (``[start + T, kv_heads, D]``), as :class:`.PrefillAttention` reads them."""
+        part = self.part
+        pool = part.cache.k[layer], part.cache.v[layer]
+        pool[0].index_copy_(0, part.new_slots, k)
+        pool[1].index_copy_(0, part.new_slots, v)
+        if part.dense is not None:
+            return part.dense.extend(layer, part.start, k, v, pool, part.all_slots)
+        if part.all_slots is None:
+            return k, v
+        keys, values = (t.index_select(0, part.all_slots) for t in pool)
+        return keys, values
+
+    def _attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> Generator[None, None, Any]:
+        """``q`` ``[T, heads, D]`` over ``keys``/``values`` a piece at a time: ``[T, heads * D]``."""
+        t, heads, d = q.shape
+        kv_heads = keys.shape[1]
+        group = heads // kv_heads  # head h reads kv head h // group (SDPA's enable_gqa)
+        qg = q.view(t, kv_heads, group, d).permute(1, 2, 0, 3).reshape(1, kv_heads, group * t, d)
+        kh, vh = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
+        total, start = keys.shape[0], self.start
+        row_pos = torch.arange(start, start + t, device=q.device).repeat(group)[:, None]
+        out = lse = None
+        a = 0
+        while a < total:
+            if self.spent >= self.left:
+                yield
+            b = a + max(MIN_PIECE_KEYS, int((self.left - self.spent) / self.per_key))
+            if b > start or total - b < MIN_PIECE_KEYS:
+                b = total  # the chunk's own keys (causal) in the last piece, no sliver after
+            mask = None
+            if b > start:
+                cols = torch.arange(a, b, device=q.device)[None, :]
+                mask = torch.zeros(row_pos.shape[0], b - a, device=q.device, dtype=q.dtype)
+                mask.masked_fill_(cols > row_pos, float("-inf"))
+            out, lse = merge(out, lse, *piece_attention(qg, kh[:, :, a:b], vh[:, :, a:b], mask))
+            self.spent += (b - a) * self.per_key
+            a = b
+        assert out is not None
+        return out.view(kv_heads, group, t, d).permute(2, 0, 1, 3).reshape(t, heads * d)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> Generator[None, None, torch.Tensor]:
+        """``LlamaModel.forward`` and ``forward_step``'s logits, a layer's attention in pieces."""
+        m = self.model.model
+        x = m.embed_tokens(ids)
+        cos, sin = m.rotary_emb.tables(positions, x.dtype)
+        for layer in cast("list[LlamaDecoderLayer]", m.layers):
+            attn = layer.self_attn
+            n, d = x.shape[0], attn.head_dim
+            qk, v = attn.qkv(layer.input_layernorm(x)).view(n, -1, d).split_with_sizes(attn._qk_v, 1)
+            q, k = apply_rotary_tables(qk, cos, sin).split_with_sizes(attn._q_k, 1)
+            keys, values = self._keys(layer.index, k, v)
+            out = yield from self._attend(q, keys, values)
+            x = x + attn.o_proj(out)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            self.spent += self.per_layer
+        return self.model.logits(m.norm(x).index_select(0, self.rows))
+
+
+class SplitPrefill:
+    """The engine's one :class:`SplitChunk` at a time, and whether a step runs one."""
+
+    def __init__(self) -> None:
+        self.job: SplitChunk | None = None
+
+    def step(self, engine: Any, batch: list[Any], plan: list[Any], outputs: list[Any]) -> bool:
+        """Runs this step if its plan goes by pieces (the streams' decode step, then the chunk on
+        for the pacer's allowance): True; else leaves it to the engine (False). Called at every
+        step, so a job whose prompt was cancelled or failed since is dropped at once."""
+        pacer = engine.pacer
+        job = self.job
+        if job is not None and not job.current(engine._prefilling):
+            job = self.job = None  # cancelled or failed since: its blocks may be gone
+        if not batch or not plan:
+            return False
+        if job is None:
+            if len(plan) != 1 or not pacer.ratio or pacer.decode_s is None:
+                return False
+            state, take = plan[0]
+            if pacer.tokens_for(state.req.cached_len, pacer.allowance) >= take:
+                return False  # the chunk fits whole
+            ids, positions, attention, rows = engine._prefill_inputs(plan)
+            job = self.job = SplitChunk(
+                engine.model,
+                state,
+                take,
+                ids,
+                positions,
+                attention.prefills[0],
+                rows.to(engine.device),
+                pacer.context_tokens,
+            )
+        began = pacer.clock()
+        engine._decode_step(batch, outputs)
+        decoded = pacer.clock()
+        pacer.decode_step(decoded - began)  # the streams' step alone, as their contexts grow
+        try:
+            logits = job.advance(pacer.allowance)
+        except Exception as exc:
+            self.job = None
+            engine._prefilling.remove(job.state)
+            engine._prefill_failed(job.state.req, exc, outputs)
+            return True
+        took = pacer.clock() - decoded
+        job.seconds += took
+        pacer.piece_step(took, job.spent)
+        if logits is not None:
+            self.job = None
+            done = [(job.state, job.take)]
+            engine._prefill_done(done, logits, outputs)
+            engine.cache.prefill_timed(done, job.seconds)
+        return True
+
+
+__all__ = ["MIN_PIECE_KEYS", "SplitChunk", "SplitPrefill", "merge", "piece_attention"]
