@@ -22,6 +22,7 @@ from server.orchestrator.pools import Worker
 from server.orchestrator.routing import KvCacheAwareRouter, request_key
 from server.worker.app import WorkerSettings, start_worker
 from server.worker.kv_events import (
+    EVENT_BYTES,
     MAX_EVENT_BLOCKS,
     ChunkEventLog,
     KvEventLog,
@@ -185,6 +186,20 @@ def test_our_log_stays_under_its_byte_bound_and_a_follower_behind_it_resyncs() -
         assert log.bytes <= log.max_bytes
     assert log.answer(1, "i1")["resync"] is True  # the oldest are gone: a gap, a resync
     assert sorted(log.answer(1, "i1")["held"]) == sorted(300 - 1 << 20 | i for i in range(312))
+
+
+def test_both_logs_keep_their_events_by_one_rule() -> None:
+    """One bound for both logs (kv_events._PackedEvents): at most max_events, the oldest dropped and
+    counted, their bytes accounted the same way (the packed hashes or keys, 8 bytes each, plus
+    EVENT_BYTES an event)."""
+    ours, theirs = ChunkEventLog("i1", 512, block_size=16, max_events=3), KvEventLog(4, 16, max_events=3)
+    for n in range(5):
+        ours.pending[str(n)] = ([n], 512)
+        ours.stored(str(n), digests_of(n, 1), 16)
+        theirs.removed(digests_of(n, 1))
+    assert [event["seq"] for event in ours.answer(2, "i1")["events"]] == [3, 4, 5]
+    assert ours.dropped == 2 and theirs.dropped == 3  # theirs began with its "created" event
+    assert ours.bytes == theirs.bytes == 3 * (EVENT_BYTES + 8)
 
 
 def test_our_answers_are_paged_and_concatenate_to_every_event() -> None:

@@ -37,7 +37,7 @@ import threading
 from array import array
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 from urllib.parse import parse_qs
 
 from fastcore import protocol as wire
@@ -84,8 +84,38 @@ def _unpack(packed: bytes) -> array[int]:
     return hashes
 
 
-class KvEventLog:
-    """trtllm-serve's event buffer of one cache; ``bytes``: its accounting, kept under ``max_bytes``."""
+#: an event of either log: its last member is what it holds, packed (8 bytes a hash or key)
+_Event = TypeVar("_Event", bound=tuple[Any, ...])
+
+
+class _PackedEvents(Generic[_Event]):
+    """What both logs keep alike: their events, oldest first, each holding its hashes or keys
+    packed; ``bytes``, their accounting (:data:`EVENT_BYTES` an event beside its packed bytes),
+    kept under ``max_bytes``, and at most ``max_events`` of them: past either the oldest go
+    (``dropped``). An answer's JSON is at most ``answer_bytes`` (or one event)."""
+
+    def __init__(self, block_size: int, max_events: int, max_bytes: int, answer_bytes: int) -> None:
+        self.block_size = block_size
+        self.max_events = max_events
+        self.max_bytes = max_bytes
+        self.answer_bytes = answer_bytes
+        self._events: deque[_Event] = deque()
+        self.bytes = 0
+        #: events dropped unread (the log was full)
+        self.dropped = 0
+
+    def _keep(self, event: _Event) -> None:
+        events = self._events
+        events.append(event)
+        self.bytes += EVENT_BYTES + len(event[-1])
+        while events and (len(events) > self.max_events or self.bytes > self.max_bytes):
+            self.bytes -= EVENT_BYTES + len(events.popleft()[-1])
+            self.dropped += 1
+
+
+class KvEventLog(_PackedEvents[tuple[int, int, int | None, bytes]]):
+    """trtllm-serve's event buffer of one cache. An event: (event_id, kind, the parent hash or, for
+    created, the block count, packed hashes)."""
 
     def __init__(
         self,
@@ -95,18 +125,10 @@ class KvEventLog:
         max_bytes: int = MAX_LOG_BYTES,
         answer_bytes: int = MAX_ANSWER_BYTES,
     ) -> None:
+        super().__init__(block_size, max_events, max_bytes, answer_bytes)
         self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.max_events = max_events
-        self.max_bytes = max_bytes
-        self.answer_bytes = answer_bytes
-        #: (event_id, kind, the parent hash or, for created, the block count, packed hashes)
-        self._events: deque[tuple[int, int, int | None, bytes]] = deque()
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        self.bytes = 0
-        #: events dropped unread (the log was full)
-        self.dropped = 0
         self._append(_CREATED, num_blocks, b"")
 
     @property
@@ -115,12 +137,7 @@ class KvEventLog:
 
     def _append(self, kind: int, parent: int | None, packed: bytes) -> None:
         with self._lock:
-            events = self._events
-            events.append((next(self._ids), kind, parent, packed))
-            self.bytes += EVENT_BYTES + len(packed)
-            while events and (len(events) > self.max_events or self.bytes > self.max_bytes):
-                self.bytes -= EVENT_BYTES + len(events.popleft()[3])
-                self.dropped += 1
+            self._keep((next(self._ids), kind, parent, packed))
 
     def stored(self, parent: bytes, digests: list[bytes]) -> None:
         """``digests``: blocks now held, in chain order; ``parent``: the block before the first (b"": none)."""
@@ -196,7 +213,7 @@ _CHUNK_EVENT_JSON = 40
 _RESYNC_PIECE = 1 << 15
 
 
-class ChunkEventLog:
+class ChunkEventLog(_PackedEvents[tuple[int, str, int, bytes]]):
     """This worker's cache in the orchestrator's key space (server/cache_keys.py), as a stream every
     orchestrator may follow (``GET /cache_events``, docs/protocol.md).
 
@@ -212,6 +229,8 @@ class ChunkEventLog:
     restarted), gets a resync (every held key) instead. An answer holds the events after the
     follower's ``seq`` up to ``answer_bytes`` of JSON (``more``: the rest follow). ``chunk_bytes``
     is the worker's (``--cache-events-chunk-bytes``); the log records nothing before its first follower.
+    An event: (seq, "stored", "removed" or "moved", the tier (0: none said, device), the keys packed
+    as uint64).
     """
 
     def __init__(
@@ -224,17 +243,11 @@ class ChunkEventLog:
         answer_bytes: int = MAX_ANSWER_BYTES,
         max_held_keys: int = MAX_HELD_KEYS,
     ) -> None:
+        super().__init__(block_size, max_events, max_bytes, answer_bytes)
         self.instance = instance
         self.chunk_bytes = chunk_bytes
-        self.block_size = block_size
-        self.max_events = max_events
-        self.max_bytes = max_bytes
-        self.answer_bytes = answer_bytes
         self.max_held_keys = max_held_keys
         self.seq = 0
-        #: (seq, "stored", "removed" or "moved", the tier (0: none said, device), the keys packed as uint64)
-        self._events: deque[tuple[int, str, int, bytes]] = deque()
-        self.bytes = 0
         #: key -> the block digest it is mapped to; block digest -> its keys
         self.held: dict[int, bytes] = {}
         self._by_block: dict[bytes, list[int]] = {}
@@ -255,14 +268,9 @@ class ChunkEventLog:
             self.pending[request_id] = (keys, span_bytes)
 
     def _append(self, kind: str, keys: list[int], tier: int = 0) -> None:
-        events = self._events
         for start in range(0, len(keys), MAX_EVENT_KEYS):
             self.seq += 1
-            packed = array("Q", keys[start : start + MAX_EVENT_KEYS]).tobytes()
-            events.append((self.seq, kind, tier, packed))
-            self.bytes += EVENT_BYTES + len(packed)
-        while events and (len(events) > self.max_events or self.bytes > self.max_bytes):
-            self.bytes -= EVENT_BYTES + len(events.popleft()[3])
+            self._keep((self.seq, kind, tier, array("Q", keys[start : start + MAX_EVENT_KEYS]).tobytes()))
         if self._changed is not None:
             self._changed.set()
             self._changed = None
