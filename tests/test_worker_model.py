@@ -220,7 +220,7 @@ def test_grouped_decode_attention_is_sdpas_with_gqa(heads: int, kv_heads: int) -
 
 
 def test_rms_norm_in_float32_is_the_reference_formula_bit_for_bit() -> None:
-    """torch's rms_norm in float32 gives Hugging Face's LlamaRMSNorm numbers exactly (weight times
+    """RMSNorm in float32 gives Hugging Face's LlamaRMSNorm numbers exactly (weight times
     x * rsqrt(mean(x^2) + eps)); bfloat16 keeps the float32 normalisation then casts."""
     from server.worker.model import RMSNorm
 
