@@ -149,7 +149,7 @@ class WorkerApp:
         self.prompt_bytes = (
             None if hasattr(engine, "bytes_per_token") else PromptBytesPerToken(engine.tokenizer)
         )
-        self.kv = KVHandoff(engine, settings, self.metrics, verifier, self.instance, self.tracing)
+        self.kv = KVHandoff(engine, settings, self.metrics, self.auth, self.tracing)
         self.admission = Admission(engine, settings, self.metrics)
         #: GET /metrics: counts prefix-cache hits and names KV fetch failures (server/metrics_access.py)
         self.metrics_access = MetricsAccess(settings.metrics_token)

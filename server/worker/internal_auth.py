@@ -23,10 +23,13 @@ unknown fields). ``/server_info`` says which.
 
 The decisions are taken as the body is read (:meth:`server.worker.request.RequestReader.read`):
 the signature before, an unsigned leg once its body is loaded, trtllm's header on the fields it signs.
+A KV request (a fetch or release of parked KV, server/worker/kv_handoff.py) needs the fastcore
+signature whenever there is a shared secret (:meth:`InternalAuth.check_kv_request`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fastcore import protocol as wire
@@ -53,22 +56,17 @@ def refusal_code(reason: str) -> str:
     return "wrong_destination" if reason == WRONG_DESTINATION else "bad_signature"
 
 
+@dataclass(eq=False)
 class InternalAuth:
-    """One worker's rules for its legs: its signature verifier (it remembers the nonces it has
-    accepted, so a replay is refused), its trtllm key, whether trtllm's orchestrator fronts it."""
+    """One worker's rules for its legs and its KV requests: its signature verifier (it remembers
+    the nonces it has accepted, so a replay is refused; None without a shared secret), its trtllm
+    key, this process's instance id (what a signature may be bound to), whether trtllm's
+    orchestrator fronts it."""
 
-    def __init__(
-        self,
-        verifier: Verifier | None,
-        trtllm_key: bytes | None,
-        instance: str,
-        *,
-        accept_trtllm_orchestrator: bool,
-    ) -> None:
-        self.verifier = verifier
-        self.trtllm_key = trtllm_key
-        self.instance = instance
-        self.accept_trtllm_orchestrator = accept_trtllm_orchestrator
+    verifier: Verifier | None
+    trtllm_key: bytes | None
+    instance: str
+    accept_trtllm_orchestrator: bool = field(kw_only=True)
 
     def authenticate(self, request: Request) -> bool:
         """Check a fastcore signature on the body's bytes as sent, before anything is parsed;
@@ -84,6 +82,17 @@ class InternalAuth:
         if reason is not None:
             raise HTTPError(403, f"{SIGNATURE_HEADER} refused: {reason}", code=refusal_code(reason))
         return True
+
+    def check_kv_request(self, request: Request, signed: bytes, what: str) -> None:
+        """A KV request's signature over ``signed`` (server/worker/kv_handoff.py), with a shared
+        secret; a 403 naming ``what`` if it fails. Bound to this instance when the sender knows it
+        (an orchestrator's release); a generation worker's fetch cannot be: the path names a random
+        id parked here only."""
+        if self.verifier is None:
+            return
+        reason = self.verifier.check(signed, request.header(_SIGNATURE), destination=self.instance)
+        if reason is not None:
+            raise HTTPError(403, f"KV {what} refused: {SIGNATURE_HEADER} {reason}", code=refusal_code(reason))
 
     def refuse_unsigned_early(self, body: dict[str, Any], request: Request, signed: bool) -> None:
         """With a shared secret, an unsigned body carrying ``disaggregated_params`` that nothing

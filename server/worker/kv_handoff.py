@@ -28,13 +28,13 @@ import numpy as np
 
 from fastcore import protocol as wire
 from server import tracing
-from server.auth import SIGNATURE_HEADER, Verifier, sign_body
+from server.auth import SIGNATURE_HEADER, sign_body
 from server.errors import HTTPError
 from server.http import Request, Responder
 from server.tasks import stop_tasks
 
 from .engine_api import Engine, EngineRequest, ParkedKVLost, prompt_checksum
-from .internal_auth import refusal_code
+from .internal_auth import InternalAuth
 from .settings import WorkerSettings, host_port
 
 if TYPE_CHECKING:
@@ -52,7 +52,6 @@ _KV_PREFIX = wire.KV_PATH_PREFIX.encode()
 _KV_BY_REQUEST = wire.KV_BY_REQUEST_PREFIX.encode()
 #: parked entries remembered by their disagg_request_id (oldest forgotten first)
 MAX_PARKED_BY_REQUEST = 16384
-_SIGNATURE = SIGNATURE_HEADER.lower().encode()
 
 
 def _is_loopback(host: str) -> bool:
@@ -127,15 +126,14 @@ class KVHandoff:
         engine: Engine,
         settings: WorkerSettings,
         metrics: WorkerMetrics,
-        verifier: Verifier | None,
-        instance: str,
+        auth: InternalAuth,
         traces: Any,
     ) -> None:
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
-        self.verifier = verifier
-        self.instance = instance
+        #: who may fetch or release parked KV (the worker's signature verifier)
+        self.auth = auth
         #: OpenTelemetry (server/tracing.py): None unless an OTLP endpoint is configured
         self.tracing = traces
         self.sources = KVSources(settings.kv_allow, any_host=settings.shared_secret is not None)
@@ -197,14 +195,7 @@ class KVHandoff:
     def _kv_id(self, request: Request, signed: bytes, what: str, prefix: bytes = _KV_PREFIX) -> int:
         """The id at the end of a KV request's path (after ``prefix``) whose signature (over ``signed``)
         holds: a ctx_request_id, or after ``/kv/by-request/`` a disagg_request_id."""
-        if self.verifier is not None:
-            # Bound to this instance when the sender knows it (an orchestrator's release); a generation
-            # worker's fetch cannot be: the path names a random id parked here only.
-            reason = self.verifier.check(signed, request.header(_SIGNATURE), destination=self.instance)
-            if reason is not None:
-                raise HTTPError(
-                    403, f"KV {what} refused: {SIGNATURE_HEADER} {reason}", code=refusal_code(reason)
-                )
+        self.auth.check_kv_request(request, signed, what)
         raw_id = request.path[len(prefix) :]
         if not (raw_id.isdigit() and len(raw_id) <= 20):
             field = wire.CTX_REQUEST_ID if prefix == _KV_PREFIX else wire.DISAGG_REQUEST_ID
