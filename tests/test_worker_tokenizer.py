@@ -209,3 +209,61 @@ def test_streamed_text_is_the_text_cut_at_the_earliest_stop(text: str, stops: li
     for d in deltas:
         streamed += d.text
         assert want.startswith(streamed)
+
+
+class _Counting(ByteTokenizer):
+    """The byte tokenizer, counting its decodes."""
+
+    def __init__(self, plain: bool = True) -> None:
+        super().__init__()
+        self.decodes = 0
+        if not plain:
+            del self.plain_pieces
+
+    def decode(self, ids: Any) -> str:
+        self.decodes += 1
+        return super().decode(ids)
+
+
+def test_a_plain_piece_is_pushed_without_a_decode() -> None:
+    """An ASCII byte with nothing held is its own text: push_one decodes nothing for it (a decode
+    step pushes one id a stream); after a held byte, or a byte past ASCII, it decodes as push does."""
+    tok = _Counting()
+    detok = IncrementalDetokenizer(tok, tok.encode("prompt"))
+    assert [detok.push_one(b) for b in b"hello"] == list("hello")
+    assert tok.decodes == 0
+    assert detok.push_one(0xE2) == "" and detok.push_one(0x82) == "" and detok.push_one(0xAC) == "\u20ac"
+    assert detok.push_one(0xE2) == "" and detok.push_one(ord("a")) == "\ufffda"  # held: decoded
+    assert tok.decodes > 0 and detok.text == "hello\u20ac\ufffda"
+
+
+ids_and_tails = st.tuples(
+    st.lists(st.integers(0, TOK.vocab_size - 1), max_size=40),
+    st.lists(st.integers(0, 255), max_size=6),
+    st.sampled_from([[], ["\n"], ["ab", "c"]]),
+    st.integers(1, 50),
+)
+
+
+@given(ids_and_tails)
+def test_output_fast_path_gives_what_the_rules_give(
+    case: tuple[list[int], list[int], list[str], int],
+) -> None:
+    """Deltas (text, ids, finish and stop reasons) of the fast path (push_one of plain pieces, a token
+    that ends nothing) equal those of the full rules with a tokenizer that names no plain pieces,
+    whatever bytes (partial characters, specials) and stop rules come."""
+    ids, tail, stop, max_tokens = case
+    runs = []
+    for plain in (True, False):
+        params = SamplingParams(max_tokens=max_tokens, stop=stop, stop_token_ids=[ord("z")])
+        processor = OutputProcessor(_Counting(plain), params, tail)
+        processor._unheld &= plain  # the second run through every rule
+        deltas = []
+        for token in ids:
+            if processor.finished:
+                break
+            deltas.append(processor.add(token))
+        if not processor.finished:
+            deltas.append(processor.finish_early("not_finished"))
+        runs.append([(d.text, d.token_ids, d.finish_reason, d.stop_reason) for d in deltas])
+    assert runs[0] == runs[1]

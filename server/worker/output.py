@@ -81,6 +81,8 @@ class OutputProcessor:
         if not params.ignore_eos:
             self.end_ids.update(tokenizer.eos_token_ids)
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
+        #: no stop strings: a token's text is final as it comes (the fast path of :meth:`add`)
+        self._unheld = not params.stop
         self.text = ""  # all text so far, held-back tail included
         self.emitted = 0  # characters of self.text already sent
         self.num_tokens = 0
@@ -92,10 +94,18 @@ class OutputProcessor:
         return self.finish_reason is not None
 
     def add(self, token_id: int, logprob: TokenLogprob | None = None) -> Delta:
-        if self.finished:
+        if self.finish_reason is not None:
             raise RuntimeError("token added to a finished request")
         self.num_tokens += 1
         logprobs = [logprob] if logprob is not None else []
+        if self._unheld and token_id not in self.end_ids and self.num_tokens < self.params.max_tokens:
+            # A token that ends nothing, no stop strings (so no text held back): its text is the
+            # delta, as the rules below give it here, without their checks (a decode step's every
+            # stream comes this way).
+            piece = self.detokenizer.push_one(token_id)
+            self.text += piece
+            self.emitted = len(self.text)
+            return Delta(piece, [token_id], logprobs)
         if token_id in self.end_ids:
             self.finish_reason = "stop"
             if token_id in self.params.stop_token_ids:

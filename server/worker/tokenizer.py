@@ -68,6 +68,28 @@ class IncrementalDetokenizer:
         # The decode of ids[prefix_offset:read_offset] while the offsets stay (a character or a
         # piece still incomplete): one decode a push instead of two while text is held.
         self._prefix_text: str | None = None
+        #: id -> its text where that text is final alone, whatever comes before or after (the
+        #: tokenizer's ``plain_pieces``, if it has them: the byte tokenizer's ASCII bytes)
+        self._plain: Sequence[str | None] = getattr(tokenizer, "plain_pieces", ())
+
+    def push_one(self, token_id: int) -> str:
+        """:meth:`push` of one id: the same text, without a decode where nothing is held and the
+        id's text is final alone (a decode step pushes one id a stream, two decodes each)."""
+        plain = self._plain
+        if (
+            token_id < len(plain)
+            and (piece := plain[token_id]) is not None
+            and self.read_offset == len(self.ids)
+        ):
+            # What push computes here: the window's prefix is final, so its decode plus this
+            # piece is the window's, and the piece the delta.
+            self.ids.append(token_id)
+            self.prefix_offset = self.read_offset
+            self.read_offset += 1
+            self.text += piece
+            self._prefix_text = None
+            return piece
+        return self.push((token_id,))
 
     def push(self, new_ids: Iterable[int]) -> str:
         """Add ids; return the text that is now final (possibly empty)."""
@@ -128,6 +150,9 @@ class ByteTokenizer:
         self.bos_token_id: int | None = self.special_ids["<|bos|>"]
         self.eos_token_ids = [self.special_ids["<|eos|>"], self.special_ids["<|end|>"]]
         self._special_re = re.compile("(" + "|".join(re.escape(s) for s in self.SPECIALS) + ")")
+        #: IncrementalDetokenizer's pieces final alone: an ASCII byte is one character whatever
+        #: bytes come before it (an incomplete sequence before it decodes alike, ended or not)
+        self.plain_pieces: list[str | None] = [chr(i) for i in range(128)]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids: list[int] = [self.special_ids["<|bos|>"]] if add_special_tokens else []
