@@ -38,7 +38,7 @@ test-debug: debug  ## compiled-twin tests under the sanitizers
 	$(SAN_ENV) FASTCORE_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_jsonspan.py tests/test_relay.py tests/test_chunk_hashes.py
 	# The HTTP parsers (server.http._parse) and the upstream connection (_upstream): side by side, then on sockets (both twins run, the C one sanitized).
 	$(SAN_ENV) FASTCORE_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_http_parse.py tests/test_http_server.py tests/test_http_client.py tests/test_http_client_start.py tests/test_http_abuse.py
-	# The orchestrator's per-request numbers (server.orchestrator._tally and the modules it exports): both twins side by side.
+	# The orchestrator's per-request numbers (server.orchestrator._tally, _bytes_per_token, _breaker): both twins side by side.
 	$(SAN_ENV) FASTCORE_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_tally_twins.py
 
 fuzz: debug     ## under the sanitizers, FUZZ_SECONDS each: the scanner (hypothesis), then the upstream side (worker answers, both twins, h11 the reference)
@@ -116,5 +116,5 @@ plot:
 
 clean:
 	rm -rf build dist *.egg-info $(RELEASE_VENV) fastcore/*.so fastcore/_codec.c fastcore/_scan.c fastcore/_relay.c fastcore/_hash.c
-	rm -f server/http/*.so server/http/_parse.c server/http/_llhttp.c server/http/_request_parser.c server/http/_upstream.c
-	rm -f server/orchestrator/*.so server/orchestrator/_tally.c server/orchestrator/bytes_per_token.c server/orchestrator/breaker.c
+	rm -f server/http/*.so server/http/_parse.c server/http/_upstream.c
+	rm -f server/orchestrator/*.so server/orchestrator/tally.c server/orchestrator/bytes_per_token.c server/orchestrator/breaker.c

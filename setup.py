@@ -153,10 +153,9 @@ def _extensions() -> list[Extension]:
         link_args = [sanitize]
 
     # fastcore's C lives in fastcore/include/ (declared in each module's .pxd); a module that
-    # calls b64simd.c's kernels compiles it in. server/http/_llhttp.pyx (what both HTTP parsers
-    # share) compiles in llhttp, once for the process (the parsers call it through _llhttp.pxd),
-    # vendored outside the packages (third_party/llhttp/README.md) so that no wheel carries its
-    # sources.
+    # calls b64simd.c's kernels compiles it in. The request parser (server/http/_parse.pyx)
+    # compiles in llhttp, vendored outside the packages (third_party/llhttp/README.md) so that
+    # no wheel carries its sources.
     include = "fastcore/include"
     llhttp = "third_party/llhttp"
     headers = sorted(os.path.join(include, name) for name in os.listdir(include) if name.endswith(".h"))
@@ -165,19 +164,16 @@ def _extensions() -> list[Extension]:
         "fastcore._scan": ["fastcore/_scan.pyx"],
         "fastcore._relay": ["fastcore/_relay.pyx"],
         "fastcore._hash": ["fastcore/_hash.pyx"],
-        "server.http._llhttp": ["server/http/_llhttp.pyx"]
+        "server.http._parse": ["server/http/_parse.pyx"]
         + [f"{llhttp}/src/{name}" for name in ("llhttp.c", "api.c", "http.c")],
-        # the HTTP parsers on it: the request parser, and the response parser (_parse exports both)
-        "server.http._request_parser": ["server/http/_request_parser.pyx"],
-        "server.http._parse": ["server/http/_parse.pyx"],
         # the upstream connection: a subclass of _parse's ResponseParser (cimported through _parse.pxd)
         "server.http._upstream": ["server/http/_upstream.pyx"],
-        # the orchestrator's per-request counts and estimates (server/orchestrator/twins.py picks them)
-        "server.orchestrator._tally": ["server/orchestrator/_tally.pyx"],
-        # estimates' BytesPerToken, its pure source compiled in Cython's pure-Python mode (typed by
-        # _bytes_per_token.pxd); _tally exports it
+        # the orchestrator's per-request counts, their pure source compiled in Cython's pure-Python
+        # mode (typed by _tally.pxd; server/orchestrator/twins.py picks them, as the next two)
+        "server.orchestrator._tally": ["server/orchestrator/tally.py"],
+        # estimates' BytesPerToken, the same way (typed by _bytes_per_token.pxd)
         "server.orchestrator._bytes_per_token": ["server/orchestrator/bytes_per_token.py"],
-        # pools' CircuitBreaker, the same way (typed by _breaker.pxd); _tally exports it
+        # pools' CircuitBreaker, the same way (typed by _breaker.pxd)
         "server.orchestrator._breaker": ["server/orchestrator/breaker.py"],
         # the fleet's shared counts: GCC atomics on the --workers N processes' mapping (fleet.py picks it)
         "server.orchestrator._fleet": ["server/orchestrator/_fleet.pyx"],

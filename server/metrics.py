@@ -40,6 +40,8 @@ import shutil
 import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import partial
+from operator import attrgetter
 from typing import Any
 
 import prometheus_client
@@ -141,10 +143,13 @@ class _Callback:
         return [self.family(self.name, self.help, value=float(self.read()))]
 
 
-class Counter(_Metric):
-    """A counter, incremented directly or read from a callback at scrape time (a total kept elsewhere)."""
+class _Readable(_Metric):
+    """A counter or a gauge: counted by prometheus_client (``native_class``), or read from a
+    ``callback`` at scrape time (a total or a level kept elsewhere; unlabelled)."""
 
-    kind = "counter"
+    native_class: Any = None
+    #: its sample's suffix on the page
+    suffix = ""
 
     def __init__(
         self,
@@ -153,19 +158,22 @@ class Counter(_Metric):
         labelnames: Sequence[str],
         registry: CollectorRegistry,
         callback: Callable[[], float] | None = None,
+        **native_options: Any,
     ) -> None:
-        if not name.endswith("_total"):
-            # prometheus_client renders a counter as <name>_total: any other name would change.
-            raise ValueError(f"counter {name}: a counter's name ends in _total")
+        """``native_options``: the prometheus_client metric's own (a gauge's ``multiprocess_mode``)."""
+        self._check_name(name)
         if callback is not None and labelnames:
-            raise ValueError(f"counter {name}: a callback counter has no labels")
+            raise ValueError(f"{self.kind} {name}: a callback {self.kind} has no labels")
         self.callback = callback
         if callback is not None and not MULTIPROCESS:
-            registry.register(_Callback("counter", name, help_text, callback))
+            registry.register(_Callback(self.kind, name, help_text, callback))
             native = None
         else:
-            native = prometheus_client.Counter(name, help_text, labelnames, registry=registry)
+            native = self.native_class(name, help_text, labelnames, registry=registry, **native_options)
         super().__init__(name, help_text, labelnames, native)
+
+    def _check_name(self, name: str) -> None:
+        """Refuse a name that prometheus_client would render as another."""
 
     def inc(self, amount: float = 1.0, **labels: str) -> None:
         self._child(labels).inc(amount)
@@ -173,57 +181,38 @@ class Counter(_Metric):
     def get(self, **labels: str) -> float:
         if self.callback is not None:
             return float(self.callback())
-        return self._sample("_total", labels)
+        return self._sample(self.suffix, labels)
 
 
-class Gauge(_Metric):
+class Counter(_Readable):
+    """A counter, incremented directly or read from a callback at scrape time (a total kept elsewhere)."""
+
+    kind = "counter"
+    native_class = prometheus_client.Counter
+    suffix = "_total"
+
+    def _check_name(self, name: str) -> None:
+        if not name.endswith("_total"):
+            # prometheus_client renders a counter as <name>_total: any other name would change.
+            raise ValueError(f"counter {name}: a counter's name ends in _total")
+
+
+class Gauge(_Readable):
     """A gauge set directly or read from a callback at scrape time.
 
-    ``multiprocess_mode``: how the processes' values add up in multiprocess mode
+    ``multiprocess_mode`` (a keyword): how the processes' values add up in multiprocess mode
     (prometheus_client's modes; ``livesum`` by default, ``livemin`` / ``livemax``
     for a level every process sees on its own).
     """
 
     kind = "gauge"
-
-    def __init__(
-        self,
-        name: str,
-        help_text: str,
-        labelnames: Sequence[str],
-        registry: CollectorRegistry,
-        callback: Callable[[], float] | None = None,
-        multiprocess_mode: str = DEFAULT_GAUGE_MODE,
-    ) -> None:
-        if callback is not None and labelnames:
-            raise ValueError(f"gauge {name}: a callback gauge has no labels")
-        self.callback = callback
-        if callback is not None and not MULTIPROCESS:
-            registry.register(_Callback("gauge", name, help_text, callback))
-            native = None
-        else:
-            native = prometheus_client.Gauge(
-                name,
-                help_text,
-                labelnames,
-                registry=registry,
-                multiprocess_mode=multiprocess_mode,  # type: ignore[arg-type]
-            )
-        super().__init__(name, help_text, labelnames, native)
+    native_class = prometheus_client.Gauge
 
     def set(self, value: float, **labels: str) -> None:
         self._child(labels).set(value)
 
-    def inc(self, amount: float = 1.0, **labels: str) -> None:
-        self._child(labels).inc(amount)
-
     def dec(self, amount: float = 1.0, **labels: str) -> None:
         self._child(labels).dec(amount)
-
-    def get(self, **labels: str) -> float:
-        if self.callback is not None:
-            return float(self.callback())
-        return self._sample("", labels)
 
 
 class Histogram(_Metric):
@@ -297,7 +286,10 @@ class Registry:
         multiprocess_mode: str = DEFAULT_GAUGE_MODE,
     ) -> Gauge:
         self._check_free(name)
-        return self._add(Gauge(name, help_text, labelnames, self.collectors, callback, multiprocess_mode))
+        gauge = Gauge(
+            name, help_text, labelnames, self.collectors, callback, multiprocess_mode=multiprocess_mode
+        )
+        return self._add(gauge)
 
     def histogram(
         self,
@@ -341,6 +333,50 @@ class Registry:
         """The Prometheus text page: this process's metrics, or in multiprocess mode all processes'."""
         self.sync()
         return generate_latest(self._exposed)
+
+
+#: a family read at scrape time from an object (:func:`scraped_families`): its kind (``"counter"`` or
+#: ``"gauge"``), name, help and what it reads: a dotted attribute name (:func:`operator.attrgetter`)
+#: or a function of the object
+Scraped = tuple[str, str, str, str | Callable[[Any], float]]
+
+
+def scraped_families(registry: Registry, source: Callable[[], Any], families: Iterable[Scraped]) -> None:
+    """Register ``families``, each read at each scrape from what ``source()`` returns then (0 while it
+    returns None: a server not listening yet)."""
+    for kind, name, help_text, what in families:
+        callback = partial(_read_from, source, attrgetter(what) if isinstance(what, str) else what)
+        if kind == "counter":
+            registry.counter(name, help_text, callback=callback)
+        elif kind == "gauge":
+            registry.gauge(name, help_text, callback=callback)
+        else:
+            raise ValueError(f"{name}: a family read at scrape time is a counter or a gauge, not {kind!r}")
+
+
+def _read_from(source: Callable[[], Any], read: Callable[[Any], float]) -> float:
+    owner = source()
+    return 0 if owner is None else read(owner)
+
+
+def http_server_families(prefix: str) -> list[Scraped]:
+    """The families of a :class:`server.http.HTTPServer`'s connections and refusals, named
+    ``prefix_...`` (the orchestrator's client side, a worker's server): for :func:`scraped_families`."""
+    return [
+        ("gauge", f"{prefix}_client_connections", "Open client connections.", lambda s: len(s.connections)),
+        (
+            "counter",
+            f"{prefix}_connections_refused_total",
+            "Client connections refused at the connection cap (503).",
+            "refused",
+        ),
+        (
+            "counter",
+            f"{prefix}_http_framing_errors_total",
+            "Client requests refused before routing: malformed HTTP, limits on headers or body, timeouts.",
+            "framing_errors",
+        ),
+    ]
 
 
 class SharedMetricsDir:

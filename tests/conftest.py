@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Callable, Iterator
-from functools import partial
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -95,16 +94,32 @@ def upstream_twin(request: pytest.FixtureRequest) -> SimpleNamespace:
     )
 
 
+#: the orchestrator's per-request classes by name, and the pure module each is compiled from
+TALLY_SOURCES = {
+    "TallyOne": "tally",
+    "TallyHistogram": "tally",
+    "NoClock": "tally",
+    "BytesPerToken": "bytes_per_token",
+    "CircuitBreaker": "breaker",
+}
+
+
 @pytest.fixture(params=["py", "c"])
 def tally_twin(request: pytest.FixtureRequest) -> Callable[[str], Any]:
     """The orchestrator's per-request classes by name (``tally_twin("BytesPerToken")``): the pure ones
-    its modules keep under ``PURE`` (metrics, estimates, pools), or server.orchestrator._tally's."""
-    if request.param == "py":
-        from server.orchestrator import estimates, metrics, pools
+    its modules keep under ``PURE`` (metrics, estimates, pools), or those compiled from the same
+    sources (server.orchestrator._tally, _bytes_per_token, _breaker)."""
+    from server.orchestrator import estimates, metrics, pools
 
-        return {**metrics.PURE, **estimates.PURE, **pools.PURE}.__getitem__
-    compiled = _twin("server.orchestrator._tally", "server.orchestrator.twins", "c")
-    return partial(getattr, compiled)
+    pure = {**metrics.PURE, **estimates.PURE, **pools.PURE}
+    if request.param == "py":
+        return pure.__getitem__
+    compiled = {
+        name: getattr(_twin(f"server.orchestrator._{source}", f"server.orchestrator.{source}", "c"), name)
+        for name, source in TALLY_SOURCES.items()
+    }
+    assert compiled.keys() == pure.keys()
+    return compiled.__getitem__
 
 
 @pytest.fixture(autouse=True)

@@ -21,6 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -31,7 +32,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from bench.metrics_cost import OldRegistry
 from server import metrics
-from server.metrics import CONTENT_TYPE, MULTIPROC_ENV, Registry, SharedMetricsDir
+from server.metrics import CONTENT_TYPE, MULTIPROC_ENV, Registry, SharedMetricsDir, scraped_families
 from server.orchestrator.app import Orchestrator
 from server.orchestrator.config import build_config
 from server.orchestrator.metrics import (
@@ -336,12 +337,44 @@ def test_callbacks_are_read_at_each_scrape():
     assert hooked == [1]
 
 
+def test_scraped_families_read_their_object_at_each_scrape():
+    """server.metrics.scraped_families (the worker's engine and HTTP server, the orchestrator's): an
+    attribute, a dotted one, a function of the object; 0 while there is none (a server not listening)."""
+    state = SimpleNamespace(level=2, total=5, rates=SimpleNamespace(per_s=1.5))
+    source: list[Any] = [None]
+    r = Registry()
+    scraped_families(
+        r,
+        lambda: source[0],
+        [
+            ("gauge", "t_level", "Level.", "level"),
+            ("counter", "t_seen_total", "Seen.", "total"),
+            ("gauge", "t_rate", "Rate.", "rates.per_s"),
+            ("gauge", "t_double", "Twice the level.", lambda s: s.level * 2),
+        ],
+    )
+    families, samples = parse(r.render().decode())
+    assert {name: kind for name, (kind, _help) in families.items()} == {
+        "t_level": "gauge", "t_seen_total": "counter", "t_rate": "gauge", "t_double": "gauge",
+    }  # fmt: skip
+    assert set(samples.values()) == {0.0}
+    source[0] = state
+    text = r.render().decode()
+    assert [value(text, n) for n in ("t_level", "t_seen_total", "t_rate", "t_double")] == [2, 5, 1.5, 4]
+    state.level = 3
+    assert value(r.render().decode(), "t_double") == 6
+    with pytest.raises(ValueError, match="a counter or a gauge, not 'histogram'"):
+        scraped_families(r, lambda: state, [("histogram", "t_odd_seconds", "Odd.", "level")])
+
+
 def test_names_and_labels_that_would_change_are_refused():
     r = Registry()
     with pytest.raises(ValueError, match="_total"):
         r.counter("t_requests", "Not ending in _total: prometheus_client would render t_requests_total.")
-    with pytest.raises(ValueError, match="no labels"):
+    with pytest.raises(ValueError, match="gauge t_level: a callback gauge has no labels"):
         r.gauge("t_level", "A callback has one value.", ("pool",), callback=lambda: 1)
+    with pytest.raises(ValueError, match="counter t_seen_total: a callback counter has no labels"):
+        r.counter("t_seen_total", "A callback has one value.", ("pool",), callback=lambda: 1)
     r.counter("t_once_total", "Once.")
     with pytest.raises(ValueError, match="twice"):
         r.gauge("t_once_total", "Twice.")

@@ -1,5 +1,6 @@
-"""The orchestrator's per-request numbers, both twins: server/orchestrator/_tally.pyx against the pure
-classes of metrics.py and estimates.py (their ``PURE``), the same inputs giving the same results to
+"""The orchestrator's per-request numbers, both twins: the pure classes of tally.py, bytes_per_token.py
+and breaker.py (metrics', estimates' and pools' ``PURE``) against the same sources compiled
+(server.orchestrator._tally, _bytes_per_token, _breaker), the same inputs giving the same results to
 the bit, the same errors, and the same values on the metrics page after a flush."""
 
 from __future__ import annotations
@@ -19,13 +20,46 @@ COMPILED = twins.tally
 needs_compiled = pytest.mark.skipif(
     COMPILED is None, reason="compiled twins not built (or FASTCORE_NO_EXTENSIONS=1)"
 )
+#: each class's compiled module, by the pure module it is compiled from
+SOURCES = {"TallyOne": "tally", "TallyHistogram": "tally", "NoClock": "tally"}
+SOURCES |= {"BytesPerToken": "bytes_per_token", "CircuitBreaker": "breaker"}
 
 
 def pair(name: str) -> tuple[Any, Any]:
     """(the pure class, the compiled one) of ``name``."""
     pure = {**metrics.PURE, **estimates.PURE, **pools.PURE}[name]
-    assert COMPILED is not None
-    return pure, getattr(COMPILED, name)
+    compiled = getattr(twins, SOURCES[name])
+    assert compiled is not None
+    return pure, getattr(compiled, name)
+
+
+def test_no_compiled_class_is_a_second_copy_of_its_pure_source() -> None:
+    """Issue 41's twin rule: every compiled twin of the orchestrator's per-request classes is its pure
+    module compiled (Cython's pure-Python mode, typed by the .pxd of the compiled name): no
+    hand-written .pyx copies them, and each .pxd types a module setup.py compiles from the .py."""
+    orchestrator = ROOT / "server/orchestrator"
+    copies = [
+        p.name for p in orchestrator.glob("*.pyx") if any(f"class {n}" in p.read_text() for n in SOURCES)
+    ]
+    assert copies == []
+    setup = (ROOT / "setup.py").read_text()
+    for source in set(SOURCES.values()):
+        assert (orchestrator / f"_{source}.pxd").is_file()
+        assert f'"server.orchestrator._{source}": ["server/orchestrator/{source}.py"]' in setup
+
+
+@needs_compiled
+def test_tally_is_one_source_compiled() -> None:
+    """TallyOne, TallyHistogram and NoClock: tally.py compiled as _tally, cdef classes (their fields in
+    C), the ones metrics.py binds its children to."""
+    for name in ("TallyOne", "TallyHistogram", "NoClock"):
+        pure_class, c_class = pair(name)
+        assert pure_class.__module__ == "server.orchestrator.tally"
+        assert c_class.__module__ == "server.orchestrator._tally"
+        assert getattr(metrics, name) is c_class
+    assert not hasattr(metrics.TallyOne(Registry().counter("t_cdef_total", "C.").labels()), "__dict__")
+    assert not hasattr(metrics.TallyHistogram(histogram_child("t_cdef_seconds")), "__dict__")
+    assert not hasattr(metrics.NO_CLOCK, "__dict__")
 
 
 def test_the_chosen_twins_are_the_ones_the_orchestrator_uses() -> None:
@@ -37,8 +71,8 @@ def test_the_chosen_twins_are_the_ones_the_orchestrator_uses() -> None:
         assert twins.backend == "cython"
         assert metrics.TallyHistogram is COMPILED.TallyHistogram
         assert isinstance(metrics.NO_CLOCK, COMPILED.NoClock)
-        assert estimates.BytesPerToken is COMPILED.BytesPerToken
-        assert isinstance(pools.Worker("http://a").breaker, COMPILED.CircuitBreaker)
+        assert estimates.BytesPerToken is pair("BytesPerToken")[1]
+        assert isinstance(pools.Worker("http://a").breaker, pair("CircuitBreaker")[1])
 
 
 @needs_compiled
@@ -49,7 +83,6 @@ def test_bytes_per_token_is_one_source_compiled() -> None:
     assert pure_class.__module__ == "server.orchestrator.bytes_per_token"
     assert c_class.__module__ == "server.orchestrator._bytes_per_token"
     assert not hasattr(c_class(), "__dict__")  # a cdef class: its fields in C
-    assert "cdef class BytesPerToken" not in (ROOT / "server/orchestrator/_tally.pyx").read_text()
 
 
 @needs_compiled
@@ -186,7 +219,6 @@ def test_breaker_is_one_source_compiled() -> None:
     assert pure_class.__module__ == "server.orchestrator.breaker"
     assert c_class.__module__ == "server.orchestrator._breaker"
     assert not hasattr(c_class(), "__dict__")  # a cdef class: its fields in C
-    assert "cdef class CircuitBreaker" not in (ROOT / "server/orchestrator/_tally.pyx").read_text()
 
 
 @needs_compiled

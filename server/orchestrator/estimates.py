@@ -95,11 +95,11 @@ def tier2_tokens(response: bytes) -> int:
 
 
 #: the pure twin (bytes_per_token.py, the behavioural reference); where the compiled one is built
-#: (the same source compiled: server.orchestrator._bytes_per_token, which _tally exports and
-#: twins.py picks) ``BytesPerToken`` is its
+#: (the same source compiled: server.orchestrator._bytes_per_token, which twins.py picks)
+#: ``BytesPerToken`` is its
 PURE: dict[str, type] = {"BytesPerToken": BytesPerToken}
-if twins.tally is not None:
-    BytesPerToken = twins.tally.BytesPerToken  # type: ignore[misc]
+if twins.bytes_per_token is not None:
+    BytesPerToken = twins.bytes_per_token.BytesPerToken  # type: ignore[misc]
 
 
 class UsageLearner:

@@ -18,13 +18,15 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
+from server.metrics import Registry, Scraped, http_server_families, scraped_families
+
 from . import twins
 from .routing import can_predict_hits
 from .routing_metrics import bytes_per_token, routing_quality
+from .tally import NoClock, TallyHistogram, TallyOne
 
 if TYPE_CHECKING:
     from server.http import HTTPServer
-    from server.metrics import Registry
 
     from .discovery import Discovery
     from .fleet_cluster import FleetCluster
@@ -332,37 +334,19 @@ def _fleet_cluster(registry: Registry, orchestrator: Observed) -> None:
     )
 
 
+#: the client side's body budget, beside the HTTP server's families (server.metrics.http_server_families)
+_BODY_BUDGET: list[Scraped] = [
+    ("gauge", "fastcore_orchestrator_client_body_bytes",
+     "Client request body bytes held now (received, not yet answered).", "body_bytes"),
+    ("counter", "fastcore_orchestrator_body_budget_refused_total",
+     "Client requests refused (503) because the process held too many body bytes.", "over_budget"),
+]  # fmt: skip
+
+
 def _server_stats(registry: Registry, orchestrator: Observed) -> None:
     """The client side's counts, read from the orchestrator's HTTP server at each scrape."""
-
-    def server_stat(read: Callable[[HTTPServer], float]) -> Callable[[], float]:
-        return lambda: read(orchestrator.server) if orchestrator.server is not None else 0
-
-    registry.gauge(
-        "fastcore_orchestrator_client_connections",
-        "Open client connections.",
-        callback=server_stat(lambda s: len(s.connections)),
-    )
-    registry.counter(
-        "fastcore_orchestrator_connections_refused_total",
-        "Client connections refused at the connection cap (503).",
-        callback=server_stat(lambda s: s.refused),
-    )
-    registry.counter(
-        "fastcore_orchestrator_http_framing_errors_total",
-        "Client requests refused before routing: malformed HTTP, limits on headers or body, timeouts.",
-        callback=server_stat(lambda s: s.framing_errors),
-    )
-    registry.gauge(
-        "fastcore_orchestrator_client_body_bytes",
-        "Client request body bytes held now (received, not yet answered).",
-        callback=server_stat(lambda s: s.body_bytes),
-    )
-    registry.counter(
-        "fastcore_orchestrator_body_budget_refused_total",
-        "Client requests refused (503) because the process held too many body bytes.",
-        callback=server_stat(lambda s: s.over_budget),
-    )
+    families = [*http_server_families("fastcore_orchestrator"), *_BODY_BUDGET]
+    scraped_families(registry, lambda: orchestrator.server, families)
 
 
 class BoundHistogram:
@@ -401,64 +385,6 @@ class CountOne:
     def __init__(self, child: Any) -> None:
         self.native = child
         self.inc: Callable[[], None] = partial(child._value.inc, 1.0)
-
-
-class TallyOne:
-    """A counter child counted in a plain int on the hot path (no lock, no call into prometheus_client)
-    and added to the child's value when its registry syncs (each scrape, each read of a value, and
-    with --workers N each second: Registry.keep_synced)."""
-
-    __slots__ = ("_value", "n", "native")
-
-    def __init__(self, child: Any) -> None:
-        self.native = child
-        self._value = child._value
-        self.n = 0
-
-    def inc(self) -> None:
-        self.n += 1
-
-    def flush(self) -> None:
-        n = self.n
-        if n:
-            self.n = 0
-            self._value.inc(float(n))
-
-
-class TallyHistogram:
-    """A histogram child observed into a plain sum and bucket counts (found by bisection, as
-    :class:`BoundHistogram`), added to the child's values when its registry syncs (see
-    :class:`TallyOne`): the page reads the same series."""
-
-    __slots__ = ("_bounds", "_buckets", "_sum", "counts", "native", "pending", "sum")
-
-    def __init__(self, child: Any) -> None:
-        self.native = child
-        self._bounds = tuple(child._upper_bounds)
-        self._buckets = tuple(child._buckets)
-        self._sum = child._sum
-        self.counts = [0] * len(self._bounds)
-        self.sum = 0.0
-        self.pending = False
-
-    def observe(self, amount: float) -> None:
-        self.sum += amount
-        self.pending = True
-        i = bisect_left(self._bounds, amount)
-        if amount <= self._bounds[i]:
-            self.counts[i] += 1
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        self.pending = False
-        amount, self.sum = self.sum, 0.0
-        self._sum.inc(amount)
-        counts = self.counts
-        for i, n in enumerate(counts):
-            if n:
-                counts[i] = 0
-                self._buckets[i].inc(n)
 
 
 def bind_counter(child: Any, registry: Registry | None = None) -> Any:
@@ -517,23 +443,9 @@ class CpuClock:
         self.phases["total"].observe(self.total)
 
 
-class NoClock:
-    """The clock of the requests not sampled."""
-
-    __slots__ = ()
-
-    def start(self) -> None:
-        pass
-
-    def lap(self, phase: str) -> None:
-        pass
-
-    def finish(self) -> None:
-        pass
-
-
-#: the pure twins of the per-request numbers (the behavioural reference); where the compiled ones are
-#: built (server/orchestrator/_tally.pyx, picked by twins.py) the names above are theirs
+#: the pure twins of the per-request numbers (tally.py, the behavioural reference); where the compiled
+#: ones are built (the same source compiled: server.orchestrator._tally, which twins.py picks) the
+#: names are theirs
 PURE: dict[str, type] = {"TallyOne": TallyOne, "TallyHistogram": TallyHistogram, "NoClock": NoClock}
 if twins.tally is not None:
     TallyOne = twins.tally.TallyOne  # type: ignore[misc]

@@ -162,13 +162,13 @@ PANIC_THRESHOLD = 0.5
 
 
 #: the pure twin (breaker.py, the behavioural reference); where the compiled one is built (the same
-#: source compiled: server.orchestrator._breaker, which _tally exports and twins.py picks)
-#: ``CircuitBreaker`` is its; both bump this module's epoch
+#: source compiled: server.orchestrator._breaker, which twins.py picks) ``CircuitBreaker`` is its;
+#: both bump this module's epoch
 PURE: dict[str, type] = {"CircuitBreaker": CircuitBreaker}
 watch_epoch(_ROUTABLE_EPOCH)
-if twins.tally is not None:
-    twins.tally.watch_epoch(_ROUTABLE_EPOCH)
-    CircuitBreaker = twins.tally.CircuitBreaker  # type: ignore[misc]
+if twins.breaker is not None:
+    twins.breaker.watch_epoch(_ROUTABLE_EPOCH)
+    CircuitBreaker = twins.breaker.CircuitBreaker  # type: ignore[misc]
 
 
 class Worker:

@@ -3,12 +3,11 @@ the prefix cache, the KV hand-off, admission, latency, and the HTTP server's con
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 from server.http import HTTPServer
-from server.metrics import Registry
+from server.metrics import Registry, Scraped, http_server_families, scraped_families
 
 from .engine_api import Engine
 
@@ -64,127 +63,69 @@ class WorkerMetrics:
     @staticmethod
     def _load_families(r: Registry, engine: Engine) -> None:
         """The engine's queue, batch, KV cache use, parked KV and decode rate."""
-        r.gauge(
-            "fastcore_worker_queue_depth",
-            "Requests admitted and waiting for their prefill",
-            callback=lambda: engine.queue_depth,
-        )
-        r.gauge(
-            "fastcore_worker_running_sequences",
-            "Sequences in the decode batch",
-            callback=lambda: engine.running,
-        )
-        r.gauge(
-            "fastcore_worker_kv_used_tokens",
-            "KV cache tokens reserved (running, waiting, parked)",
-            callback=lambda: engine.kv_used_tokens,
-        )
-        r.gauge(
-            "fastcore_worker_kv_capacity_tokens",
-            "KV cache size in tokens",
-            callback=lambda: engine.kv_capacity_tokens,
-        )
-        r.gauge(
-            "fastcore_worker_kv_usage_ratio",
-            "Fraction of the KV cache in use",
-            callback=lambda: engine.kv_used_tokens / max(1, engine.kv_capacity_tokens),
-        )
-        r.gauge(
-            "fastcore_worker_kv_parked",
-            "Context legs' KV waiting for a generation worker",
-            callback=lambda: engine.parked_count,
-        )
-        r.gauge(
-            "fastcore_worker_kv_parked_tokens",
-            "KV cache tokens held by parked entries",
-            callback=lambda: engine.parked_tokens,
-        )
-        r.gauge(
-            "fastcore_worker_decode_tokens_per_second",
-            "Decode tokens per second over the last 5 s",
-            callback=lambda: engine.tokens_per_second,
-        )
+        scraped_families(r, lambda: engine, _LOAD)
 
     @staticmethod
     def _prefix_families(r: Registry, engine: Engine) -> None:
         """The prefix cache's hits, computed prefill, cached tokens and evictions."""
-        r.counter(
-            "fastcore_worker_prefix_cache_hit_tokens_total",
-            "Prompt tokens whose KV came from the prefix cache (not computed)",
-            callback=lambda: engine.prefix_hit_tokens,
-        )
-        r.counter(
-            "fastcore_worker_prefill_computed_tokens_total",
-            "Prompt (and replayed) tokens prefilled: computed, not from the cache or a KV hand-off",
-            callback=lambda: engine.prefill_computed_tokens,
-        )
-        r.gauge(
-            "fastcore_worker_prefix_cache_tokens",
-            "Tokens in registered full blocks (held or evictable)",
-            callback=lambda: engine.prefix_cached_tokens,
-        )
-        r.counter(
-            "fastcore_worker_prefix_cache_evicted_blocks_total",
-            "Cached blocks evicted to make room",
-            callback=lambda: engine.prefix_evicted_blocks,
-        )
+        scraped_families(r, lambda: engine, _PREFIX)
 
     @staticmethod
     def _server_families(r: Registry, server: Callable[[], HTTPServer | None]) -> None:
         """The HTTP server's connections and refusals (0 until it listens)."""
-
-        def server_stat(read: Callable[[HTTPServer], float]) -> Callable[[], float]:
-            return lambda: read(listening) if (listening := server()) is not None else 0
-
-        r.gauge(
-            "fastcore_worker_client_connections",
-            "Open client connections",
-            callback=server_stat(lambda s: len(s.connections)),
-        )
-        r.counter(
-            "fastcore_worker_connections_refused_total",
-            "Client connections refused at the connection cap (503)",
-            callback=server_stat(lambda s: s.refused),
-        )
-        r.counter(
-            "fastcore_worker_http_framing_errors_total",
-            "Requests refused before routing: malformed HTTP, limits on headers or body, timeouts",
-            callback=server_stat(lambda s: s.framing_errors),
-        )
+        scraped_families(r, server, http_server_families("fastcore_worker"))
 
     @staticmethod
     def _tier2_families(r: Registry, tier2: Any) -> None:
         """The second KV tier's: what it holds, its block moves, the rates its loads are weighed by."""
-        r.gauge(
-            "fastcore_worker_kv_tier2_tokens",
-            "Tokens held in the second KV tier",
-            callback=lambda: tier2.held_blocks * tier2.block_size,
-        )
-        r.gauge(
-            "fastcore_worker_kv_tier2_capacity_tokens",
-            "The second KV tier's size in tokens",
-            callback=lambda: tier2.capacity_tokens,
-        )
-        for name, what in (
+        scraped_families(r, lambda: tier2, _TIER2)
+
+
+#: the engine's families read at each scrape: (kind, name, help, what of the engine)
+_LOAD: list[Scraped] = [
+    ("gauge", "fastcore_worker_queue_depth", "Requests admitted and waiting for their prefill", "queue_depth"),
+    ("gauge", "fastcore_worker_running_sequences", "Sequences in the decode batch", "running"),
+    ("gauge", "fastcore_worker_kv_used_tokens", "KV cache tokens reserved (running, waiting, parked)", "kv_used_tokens"),
+    ("gauge", "fastcore_worker_kv_capacity_tokens", "KV cache size in tokens", "kv_capacity_tokens"),
+    ("gauge", "fastcore_worker_kv_usage_ratio", "Fraction of the KV cache in use",
+     lambda engine: engine.kv_used_tokens / max(1, engine.kv_capacity_tokens)),
+    ("gauge", "fastcore_worker_kv_parked", "Context legs' KV waiting for a generation worker", "parked_count"),
+    ("gauge", "fastcore_worker_kv_parked_tokens", "KV cache tokens held by parked entries", "parked_tokens"),
+    ("gauge", "fastcore_worker_decode_tokens_per_second", "Decode tokens per second over the last 5 s",
+     "tokens_per_second"),
+]  # fmt: skip
+
+_PREFIX: list[Scraped] = [
+    ("counter", "fastcore_worker_prefix_cache_hit_tokens_total",
+     "Prompt tokens whose KV came from the prefix cache (not computed)", "prefix_hit_tokens"),
+    ("counter", "fastcore_worker_prefill_computed_tokens_total",
+     "Prompt (and replayed) tokens prefilled: computed, not from the cache or a KV hand-off",
+     "prefill_computed_tokens"),
+    ("gauge", "fastcore_worker_prefix_cache_tokens", "Tokens in registered full blocks (held or evictable)",
+     "prefix_cached_tokens"),
+    ("counter", "fastcore_worker_prefix_cache_evicted_blocks_total", "Cached blocks evicted to make room",
+     "prefix_evicted_blocks"),
+]  # fmt: skip
+
+#: the second KV tier's (server/worker/kv_tier2.py): what it holds, each block move it counts (as
+#: <move>_blocks_total), the rates its loads are weighed by
+_TIER2: list[Scraped] = [
+    ("gauge", "fastcore_worker_kv_tier2_tokens", "Tokens held in the second KV tier",
+     lambda tier2: tier2.held_blocks * tier2.block_size),
+    ("gauge", "fastcore_worker_kv_tier2_capacity_tokens", "The second KV tier's size in tokens", "capacity_tokens"),
+    *[
+        ("counter", f"fastcore_worker_kv_tier2_{move}_blocks_total", f"KV blocks {what}", f"{move}_blocks_total")
+        for move, what in (
             ("spilled", "evicted from the device into tier 2"),
             ("loaded", "loaded back from it"),
             ("dropped", "dropped from it, least recently spilled first"),
             ("failed", "whose load failed (a missing or corrupt file: recomputed)"),
             ("exported", "read from it by a parked entry's KV export (left there)"),
             ("export_failed", "an export could not read (gone, a file missing or corrupt)"),
-        ):
-            r.counter(
-                f"fastcore_worker_kv_tier2_{name}_blocks_total",
-                f"KV blocks {what}",
-                callback=functools.partial(getattr, tier2, f"{name}_blocks_total"),
-            )
-        r.gauge(
-            "fastcore_worker_kv_tier2_load_tokens_per_second",
-            "Tier-2 loads' measured rate",
-            callback=lambda: tier2.rates.load_tokens_per_s,
         )
-        r.gauge(
-            "fastcore_worker_kv_tier2_prefill_tokens_per_second",
-            "Prefill's measured rate, loads weighed against",
-            callback=lambda: tier2.rates.prefill_tokens_per_s,
-        )
+    ],
+    ("gauge", "fastcore_worker_kv_tier2_load_tokens_per_second", "Tier-2 loads' measured rate",
+     "rates.load_tokens_per_s"),
+    ("gauge", "fastcore_worker_kv_tier2_prefill_tokens_per_second", "Prefill's measured rate, loads weighed against",
+     "rates.prefill_tokens_per_s"),
+]  # fmt: skip
