@@ -153,9 +153,10 @@ def _extensions() -> list[Extension]:
         link_args = [sanitize]
 
     # fastcore's C lives in fastcore/include/ (declared in each module's .pxd); a module that
-    # calls b64simd.c's kernels compiles it in. The request parser (server/http/_parse.pyx)
-    # compiles in llhttp, vendored outside the packages (third_party/llhttp/README.md) so that
-    # no wheel carries its sources.
+    # calls b64simd.c's kernels compiles it in. server/http/_llhttp.pyx (what both HTTP parsers
+    # share) compiles in llhttp, once for the process (the parsers call it through _llhttp.pxd),
+    # vendored outside the packages (third_party/llhttp/README.md) so that no wheel carries its
+    # sources.
     include = "fastcore/include"
     llhttp = "third_party/llhttp"
     headers = sorted(os.path.join(include, name) for name in os.listdir(include) if name.endswith(".h"))
@@ -164,8 +165,11 @@ def _extensions() -> list[Extension]:
         "fastcore._scan": ["fastcore/_scan.pyx"],
         "fastcore._relay": ["fastcore/_relay.pyx"],
         "fastcore._hash": ["fastcore/_hash.pyx"],
-        "server.http._parse": ["server/http/_parse.pyx"]
+        "server.http._llhttp": ["server/http/_llhttp.pyx"]
         + [f"{llhttp}/src/{name}" for name in ("llhttp.c", "api.c", "http.c")],
+        # the HTTP parsers on it: the request parser, and the response parser (_parse exports both)
+        "server.http._request_parser": ["server/http/_request_parser.pyx"],
+        "server.http._parse": ["server/http/_parse.pyx"],
         # the upstream connection: a subclass of _parse's ResponseParser (cimported through _parse.pxd)
         "server.http._upstream": ["server/http/_upstream.pyx"],
         # the orchestrator's per-request counts, their pure source compiled in Cython's pure-Python

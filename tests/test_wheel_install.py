@@ -58,7 +58,7 @@ COPIED = [
     "third_party",
 ]
 # The C that Cython generates is regenerated, as from an sdist.
-IGNORED = shutil.ignore_patterns("__pycache__", "*.py[cod]", "*.so", "*.html", "_codec.c", "_scan.c", "_relay.c", "_hash.c", "_parse.c", "_upstream.c", "tally.c", "_fleet.c", "bytes_per_token.c", "breaker.c")
+IGNORED = shutil.ignore_patterns("__pycache__", "*.py[cod]", "*.so", "*.html", "_codec.c", "_scan.c", "_relay.c", "_hash.c", "_parse.c", "_llhttp.c", "_request_parser.c", "_upstream.c", "tally.c", "_fleet.c", "bytes_per_token.c", "breaker.c")
 # Each subprocess gets these from the test, never from the environment it runs in.
 OWN_ENV = (
     "FASTCORE_NO_EXTENSIONS",
@@ -169,8 +169,9 @@ def test_wheel_tag_and_contents(installed: Installed, tmp_path: Path) -> None:
     if COMPILED:
         assert not installed.wheel.name.endswith("-py3-none-any.whl")
         assert sorted(n.split(".")[0] for n in sos) == [
-            "fastcore/_codec", "fastcore/_hash", "fastcore/_relay", "fastcore/_scan", "server/http/_parse",
-            "server/http/_upstream", "server/orchestrator/_breaker", "server/orchestrator/_bytes_per_token",
+            "fastcore/_codec", "fastcore/_hash", "fastcore/_relay", "fastcore/_scan", "server/http/_llhttp",
+            "server/http/_parse", "server/http/_request_parser", "server/http/_upstream",
+            "server/orchestrator/_breaker", "server/orchestrator/_bytes_per_token",
             "server/orchestrator/_fleet", "server/orchestrator/_tally",
         ]  # fmt: skip
         assert FALLBACK_LINE not in installed.build_log

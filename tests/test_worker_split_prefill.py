@@ -57,8 +57,9 @@ def test_pieces_merged_are_one_attention_over_all_keys(flash: bool, monkeypatch:
 
 
 def test_a_split_chunk_gives_the_unsplit_chunks_logits_and_kv(tiny: Any) -> None:
-    """A 16-token chunk 600 deep run in pieces of a few hundred keys over several calls: the same
-    logits (within 1e-5) and the same K/V in the pool as the chunk in one forward."""
+    """A 16-token chunk 600 deep run in pieces of a few hundred keys over several calls: the
+    same logits and K/V in the pool as the chunk in one forward, to float32 rounding (within
+    1e-4, the issue's bar against transformers: each merged piece rounds once more)."""
     config, model, tokenizer = tiny
     ids = torch.tensor(tokenizer.encode(text(1, 700))[:616], dtype=torch.int64)
     start, t = 600, 16
@@ -80,9 +81,9 @@ def test_a_split_chunk_gives_the_unsplit_chunks_logits_and_kv(tiny: Any) -> None
         while got is None:
             calls, got = calls + 1, job.advance(1.0)
     assert calls >= 4  # 2 layers x 616 keys in pieces of 256 at least, plus the projections
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(cache.k[:, slots], want_k, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(cache.v[:, slots], want_v, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0.0)
+    torch.testing.assert_close(cache.k[:, slots], want_k, atol=1e-4, rtol=0.0)
+    torch.testing.assert_close(cache.v[:, slots], want_v, atol=1e-4, rtol=0.0)
 
 
 def test_the_pacer_rescales_from_the_pieces_time() -> None:

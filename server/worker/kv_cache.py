@@ -690,6 +690,16 @@ class DecodeAttention:
         per_layer = len(tables) * capacity * cache.kv_heads * cache.head_dim * cache.k.element_size()
         self.capacity = capacity if 2 * cache.num_layers * per_layer <= DENSE_DECODE_BYTES else 0
         self.dense: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * cache.num_layers
+        # Views made once, not per layer a step (each a dispatched op, a decode step has ~130):
+        # each layer's pool K and V; each dense copy flat ([B * kv_heads * capacity, D], written)
+        # and its first span (read; again when the span grows).
+        self._pools = list(zip(cache.k.unbind(0), cache.v.unbind(0)))
+        self._flat: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (torch.empty(0), torch.empty(0))
+        ] * cache.num_layers
+        self._read: list[tuple[int, torch.Tensor, torch.Tensor]] = [
+            (0, torch.empty(0), torch.empty(0))
+        ] * cache.num_layers
         self.dense_slots = self._mask_flat = self._open = torch.empty(0)  # set with a dense copy
         self._gather: torch.Tensor | None = None
         self._positions()
@@ -701,10 +711,9 @@ class DecodeAttention:
             idx = np.asarray(rows, dtype=np.int64)
             self.table, self.lengths = self.table[idx], self.lengths[idx]
             keep = torch.from_numpy(idx).to(self.cache.device)
-            self.dense = [
-                None if d is None else (d[0].index_select(0, keep), d[1].index_select(0, keep))
-                for d in self.dense
-            ]
+            for layer, d in enumerate(self.dense):
+                if d is not None:
+                    self._keep_dense(layer, (d[0].index_select(0, keep), d[1].index_select(0, keep)))
         self.lengths += 1
         if rows is not None or not self.capacity:
             self._positions()
@@ -766,8 +775,13 @@ class DecodeAttention:
             self._gather = torch.from_numpy(gather).to(self.cache.device)
         return self._gather
 
+    def _keep_dense(self, layer: int, dense: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.dense[layer] = dense
+        self._flat[layer] = (dense[0].view(-1, dense[0].shape[-1]), dense[1].view(-1, dense[1].shape[-1]))
+        self._read[layer] = (0, dense[0], dense[1])  # no span read yet
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        pool_k, pool_v = self.cache.k[layer], self.cache.v[layer]
+        pool_k, pool_v = self._pools[layer]
         pool_k.index_copy_(0, self.new_slots, k)
         pool_v.index_copy_(0, self.new_slots, v)
         dense = self.dense[layer]
@@ -780,13 +794,17 @@ class DecodeAttention:
                 dense = (kh.new_zeros(shape), vh.new_zeros(shape))
                 dense[0][:, :, : self.span] = kh
                 dense[1][:, :, : self.span] = vh
-                self.dense[layer] = dense
+                self._keep_dense(layer, dense)
         else:
             rows = k.shape[0] * k.shape[1]
-            dense[0].view(-1, k.shape[2]).index_copy_(0, self.dense_slots, k.reshape(rows, -1))
-            dense[1].view(-1, v.shape[2]).index_copy_(0, self.dense_slots, v.reshape(rows, -1))
+            flat_k, flat_v = self._flat[layer]
+            flat_k.index_copy_(0, self.dense_slots, k.reshape(rows, -1))
+            flat_v.index_copy_(0, self.dense_slots, v.reshape(rows, -1))
         if dense is not None:
-            kh, vh = dense[0][:, :, : self.span], dense[1][:, :, : self.span]
+            span, kh, vh = self._read[layer]
+            if span != self.span:
+                kh, vh = dense[0][:, :, : self.span], dense[1][:, :, : self.span]
+                self._read[layer] = (self.span, kh, vh)
         if self.cache.device.type == "cpu":
             return grouped_decode_attention(q, kh, vh, self.mask)
         out = F.scaled_dot_product_attention(q.unsqueeze(2), kh, vh, attn_mask=self.mask, enable_gqa=True)

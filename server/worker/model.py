@@ -315,7 +315,10 @@ def grouped_decode_attention(
     kv_heads = kh.shape[1]
     scores = torch.matmul(q.view(b, kv_heads, heads // kv_heads, d), kh.transpose(-1, -2))
     scores = scores.mul_(d**-0.5).add_(mask)
-    weights = torch.softmax(scores, -1, dtype=torch.float32).to(vh.dtype)
+    if scores.dtype == torch.float32:  # no cast to make (a no-op cast is still a dispatched op)
+        weights = torch.softmax(scores, -1)
+    else:
+        weights = torch.softmax(scores, -1, dtype=torch.float32).to(vh.dtype)
     return torch.matmul(weights, vh).view(b, heads, d)
 
 
