@@ -61,7 +61,7 @@ class TallyHistogram:
         self._bounds = tuple(child._upper_bounds)
         self._buckets = tuple(child._buckets)
         self._sum = child._sum
-        self.counts = array("q", bytes(8 * len(self._bounds)))
+        self.counts = array("q", [0] * len(self._bounds))
         self.sum = 0.0
         self.pending = False
 
