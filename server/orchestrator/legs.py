@@ -51,6 +51,7 @@ import copy
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from server.auth import SIGNATURE_HEADER, sign_pieces
@@ -93,20 +94,22 @@ class WorkerAnswer(Exception):
         self.headers = headers
 
 
+@dataclass(slots=True)
 class Sent:
     """A first attempt sent from callbacks (exchange.py), handed to :meth:`LegRunner.run` to go on
     with: its worker (held, and last in ``tried``), when it was handed over, and what came back
     (the response, or the error)."""
 
-    __slots__ = ("error", "handed_over", "resp", "worker")
+    worker: Worker
+    handed_over: float
+    resp: UpstreamResponse
+    error: BaseException | None
 
-    def __init__(
-        self, worker: Worker, handed_over: float, resp: UpstreamResponse, error: BaseException | None
-    ) -> None:
-        self.worker = worker
-        self.handed_over = handed_over
-        self.resp = resp
-        self.error = error
+    def outcome(self) -> UpstreamResponse:
+        """What came back: the response, or the error raised (as the send would have raised it)."""
+        if self.error is not None:
+            raise self.error
+        return self.resp
 
 
 class LegUnavailable(Exception):
@@ -151,7 +154,13 @@ class LegRunner:
     that cannot), each one tried appended: the last is the one that answered. ``first``: the first
     attempt's worker, already chosen (while healthy). ``disagg_id``: the id whose parked KV is
     released when the answer is lost. ``handoff_from``: when the context answer was read (the
-    hand-off is observed); ``ttfb``: the histogram of the time to first byte.
+    hand-off is observed); ``ttfb``: the histogram of the time to first byte. ``resume``: the first
+    attempt, already sent (from callbacks, server/orchestrator/exchange.py) and held: what came back
+    is classified as if :meth:`run` had sent it. ``panic``: when too few breakers let legs through,
+    every healthy worker is chosen from (pools.py); False for a leg with another way out (a context
+    leg that falls back to local prefill). ``resend`` False: a leg its worker may have read is not
+    sent to another (:class:`LegSpent`). :meth:`run`'s steps are methods, not coroutines: a coroutine
+    an attempt would cost each leg ~1k instructions (a request's two legs run in ~215k).
     """
 
     def __init__(
@@ -201,81 +210,42 @@ class LegRunner:
         resend: bool = True,
     ) -> T:
         """Leg ``name`` to ``pool``: ``answered(worker, resp)`` of the first worker that answers 200 (held
-        until it returns), else :class:`WorkerAnswer` or :class:`LegUnavailable` (see the class).
-        ``resume``: the first attempt, already sent (from callbacks, server/orchestrator/exchange.py)
-        and held: what came back is classified here as if this loop had sent it. ``panic``: when
-        too few breakers let legs through, every healthy worker is chosen from (pools.py); False
-        for a leg with another way out (a context leg that falls back to local prefill). ``resend``
-        False: a leg its worker may have read is not sent to another (:class:`LegSpent`)."""
+        until it returns), else :class:`WorkerAnswer` or :class:`LegUnavailable` (see the class)."""
         pieces: Sequence[BodyPiece] = (body,) if isinstance(body, bytes) else body
         max_body = self.max_worker_body if max_body is None else max_body
         tried = tried if tried is not None else []
-        failure: HTTPError | WorkerAnswer | None = None
-        reason = "failed"
+        last: tuple[HTTPError | WorkerAnswer, str] | None = None  # the last attempt's error, and why
         trace = current_trace()
         timed = ttfb is not None or handoff_from is not None
         for attempt in range(self.attempts):
             routed = trace.now() if trace is not None else 0
-            if attempt == 0 and resume is not None:
-                worker: Worker | None = resume.worker
-                handed_over = resume.handed_over
-            else:
-                resume = None
-                if attempt == 0 and first is not None and first.healthy:
-                    worker = first
-                else:
-                    worker = pool.choose(exclude=tried, key=key, panic=panic)
+            if attempt or resume is None:
+                resume = None  # (a resumed attempt is the first only)
+                worker = self._choose(name, pool, attempt, first, tried, key, panic)
                 if worker is None:
                     break
-                if attempt:
-                    self.metrics.retries_leg[name].inc()
-                tried.append(worker)
                 handed_over = self.hold(worker, tokens, timed, handoff_from if attempt == 0 else None)
-            assert worker is not None
+            else:
+                worker, handed_over = resume.worker, resume.handed_over
+            span: Any = None
             try:
-                span: Any = None
                 try:
-                    if resume is None:
-                        lines = self.lines(headers, pieces, worker, extra)
+                    if resume is not None:
+                        resp = resume.outcome()
+                    else:
                         if trace is not None:  # the leg's span; its traceparent goes with the leg
                             span = trace.start_leg(name, pool, worker, key, routed, attempt)
-                            lines += span.header
                         resp = await self.upstream(worker).request(
-                            _POST, path, pieces, headers=lines, timeout=timeout, read_timeout=read_timeout,
-                            max_body=max_body, headers_timeout=first_byte,
+                            _POST, path, pieces, headers=self.lines(headers, pieces, worker, extra, span),
+                            timeout=timeout, read_timeout=read_timeout, max_body=max_body, headers_timeout=first_byte,
                         )  # fmt: skip
-                    elif resume.error is not None:
-                        raise resume.error
-                    else:
-                        resp = resume.resp
-                except UpstreamError as exc:
-                    failure, reason = self._no_answer(name, pool, worker, span, exc, disagg_id), "failed"
-                    if exc.sent and not resend:
-                        raise LegSpent(reason, failure, worker) from None
-                    continue
-                except UpstreamTimeout:
-                    # raises unless a stream's first byte: that one goes to the next worker
-                    failure = self._timed_out(
-                        name,
-                        pool,
-                        worker,
-                        span,
-                        timeout,
-                        first_byte,
-                        disagg_id,
-                        handed_over if ttfb is not None else None,
+                except (UpstreamError, UpstreamTimeout) as e:  # no answer: the next worker, or raises
+                    last = self._unanswered(
+                        e, name, pool, worker, span, timeout, first_byte, disagg_id, handed_over, ttfb, resend
                     )
-                    reason = "timeout"
-                    if not resend:
-                        raise LegSpent(reason, failure, worker) from None
                     continue
                 except BaseException as exc:
-                    # Cancelled (the client left, a drain ran out): the leg's connection is reset, but
-                    # its answer may be in flight already, the KV parked behind an id never read.
-                    cancelled = isinstance(exc, asyncio.CancelledError)
-                    if cancelled and disagg_id is not None:
-                        self.release_lost_kv(worker, disagg_id)
-                    _end(span, "cancelled" if cancelled else exc)
+                    self._abandoned(exc, worker, span, disagg_id)
                     raise
                 try:
                     if span is not None:
@@ -285,7 +255,7 @@ class LegRunner:
                         return await answered(worker, resp)
                     if ttfb is not None:
                         ttfb.observe(time.perf_counter() - handed_over)
-                    failure, reason = await self._refused(name, pool, worker, resp)  # or raises
+                    last = await self._refused(name, pool, worker, resp)  # or raises
                 finally:
                     # A response not read to the end closes its connection, so the worker sees the cancel.
                     resp.release()
@@ -293,10 +263,80 @@ class LegRunner:
                         span.end()
             finally:
                 self.let_go(worker, tokens)
-        if failure is None:
+        raise self._gave_up(name, pool, last)
+
+    def _choose(
+        self,
+        name: str,
+        pool: Pool,
+        attempt: int,
+        first: Worker | None,
+        tried: list[Worker],
+        key: RequestKey | None,
+        panic: bool,
+    ) -> Worker | None:
+        """An attempt's worker: ``first`` on the first attempt while it is healthy, else the pool's
+        choice among those not in ``tried`` (None: no worker left); appended to ``tried``."""
+        worker = first if attempt == 0 and first is not None and first.healthy else None
+        if worker is None:
+            worker = pool.choose(exclude=tried, key=key, panic=panic)
+            if worker is None:
+                return None
+        if attempt:
+            self.metrics.retries_leg[name].inc()
+        tried.append(worker)
+        return worker
+
+    def _unanswered(
+        self,
+        exc: UpstreamError | UpstreamTimeout,
+        name: str,
+        pool: Pool,
+        worker: Worker,
+        span: Any,
+        timeout: float | None,
+        first_byte: float | None,
+        disagg_id: int | None,
+        handed_over: float,
+        ttfb: Any,
+        resend: bool,
+    ) -> tuple[HTTPError, str]:
+        """No answer came from ``worker`` (its connection failed, or a deadline ran out): the error and
+        why, for the next worker to do better. Raises :class:`LegSpent` where the worker may have read
+        the leg and it may not be sent again (``resend`` False), and :class:`LegUnavailable` for a
+        deadline that ends the leg (:meth:`_timed_out`)."""
+        if isinstance(exc, UpstreamError):
+            failure, reason, spent = (
+                self._no_answer(name, pool, worker, span, exc, disagg_id),
+                "failed",
+                exc.sent,
+            )
+        else:  # raises unless a stream's first byte: that one goes to the next worker
+            generation = handed_over if ttfb is not None else None
+            failure = self._timed_out(name, pool, worker, span, timeout, first_byte, disagg_id, generation)
+            reason, spent = "timeout", True
+        if spent and not resend:
+            raise LegSpent(reason, failure, worker) from None
+        return failure, reason
+
+    def _abandoned(self, exc: BaseException, worker: Worker, span: Any, disagg_id: int | None) -> None:
+        """The attempt ended by ``exc``, not by an answer. Cancelled (the client left, a drain ran out):
+        the leg's connection is reset, but its answer may be in flight already, the KV parked behind an
+        id never read: released by that id."""
+        cancelled = isinstance(exc, asyncio.CancelledError)
+        if cancelled and disagg_id is not None:
+            self.release_lost_kv(worker, disagg_id)
+        _end(span, "cancelled" if cancelled else exc)
+
+    def _gave_up(
+        self, name: str, pool: Pool, last: tuple[HTTPError | WorkerAnswer, str] | None
+    ) -> LegUnavailable:
+        """What ends a leg no worker served: the ``last`` attempt's error and why, else no worker to try."""
+        if last is None:
             reason = "circuit_open" if pool.all_open() else "no_worker"
-            raise LegUnavailable(reason, self.unavailable(f"no healthy {name} worker"))
-        raise LegUnavailable(reason, failure)
+            return LegUnavailable(reason, self.unavailable(f"no healthy {name} worker"))
+        error, reason = last
+        return LegUnavailable(reason, error)
 
     def with_retries(self, max_retries: int) -> LegRunner:
         """This runner (its connections, signatures, breakers, metrics) with ``max_retries`` retries a leg
@@ -339,10 +379,15 @@ class LegRunner:
         worker.served += 1
         worker.breaker.succeeded()
 
-    def lines(self, headers: bytes, pieces: Sequence[BodyPiece], worker: Worker, extra: bytes) -> bytes:
-        """An attempt's header lines: the relay mode's, the signature for ``worker``, then ``extra``."""
+    def lines(
+        self, headers: bytes, pieces: Sequence[BodyPiece], worker: Worker, extra: bytes, span: Any = None
+    ) -> bytes:
+        """An attempt's header lines: the relay mode's, the signature for ``worker``, then ``extra``, then
+        a traced leg's ``span``'s traceparent."""
         lines = headers if self.secret is None else headers + self._signature(pieces, worker)
-        return lines + extra if extra else lines
+        if extra:
+            lines += extra
+        return lines if span is None else lines + span.header
 
     def _no_answer(
         self, name: str, pool: Pool, worker: Worker, span: Any, exc: UpstreamError, disagg_id: int | None
