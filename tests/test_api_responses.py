@@ -23,10 +23,9 @@ from server.orchestrator.apis.responses import (
     EventTranslator,
     ResponsesApi,
     answer_messages,
-    read_request,
     response_object,
-    with_history,
 )
+from server.orchestrator.apis.responses_request import read_request, with_history
 from server.orchestrator.apis.responses_store import (
     ResponseStore,
     previous_history,
