@@ -26,7 +26,10 @@ fixed cost of its own (~0.5 ms with the tiny model, against a 0.7 ms decode step
 1.5 nothing fits and that floor is the pace. A smaller floor deep in a long prompt was measured
 and not kept: at a 16k context, two tokens instead of 16 from 2k on tripled the prompt's time to
 first token (CPU 5.5 -> 15.4 s) for the same p99 against the streams' decode steps (4.5x), as
-the streams' own contexts grew over the extra steps.
+the streams' own contexts grew over the extra steps. Where not even a block fits the allowance,
+:mod:`.split_prefill` runs the block a piece a step instead (layer by layer, the attention a slice
+of keys at a time), in these units, and :meth:`PrefillPacer.piece_step` rescales the allowance
+from the pieces' own time.
 """
 
 from __future__ import annotations
