@@ -116,5 +116,5 @@ plot:
 
 clean:
 	rm -rf build dist *.egg-info $(RELEASE_VENV) fastcore/*.so fastcore/_codec.c fastcore/_scan.c fastcore/_relay.c fastcore/_hash.c
-	rm -f server/http/*.so server/http/_parse.c server/http/_llhttp.c server/http/_request_parser.c server/http/_upstream.c
+	rm -f server/http/*.so server/http/_parse.c server/http/_llhttp.c server/http/_request_parser.c server/http/upstream.c
 	rm -f server/orchestrator/*.so server/orchestrator/tally.c server/orchestrator/bytes_per_token.c server/orchestrator/breaker.c

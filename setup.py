@@ -170,8 +170,10 @@ def _extensions() -> list[Extension]:
         # the HTTP parsers on it: the request parser, and the response parser (_parse exports both)
         "server.http._request_parser": ["server/http/_request_parser.pyx"],
         "server.http._parse": ["server/http/_parse.pyx"],
-        # the upstream connection: a subclass of _parse's ResponseParser (cimported through _parse.pxd)
-        "server.http._upstream": ["server/http/_upstream.pyx"],
+        # the upstream connection, response, deadline sweeper and pool start: their pure source compiled
+        # in Cython's pure-Python mode (typed by _upstream.pxd: the connection a subclass of _parse's
+        # ResponseParser); upstream.py picks them
+        "server.http._upstream": ["server/http/upstream.py"],
         # the orchestrator's per-request counts, their pure source compiled in Cython's pure-Python
         # mode (typed by _tally.pxd; server/orchestrator/twins.py picks them, as the next two)
         "server.orchestrator._tally": ["server/orchestrator/tally.py"],
@@ -203,7 +205,8 @@ def _extensions() -> list[Extension]:
             "initializedcheck": DEBUG,
             # a None where a typed object is expected raises instead of crashing: everywhere in the
             # sanitized build; in the release build where a module says so in its header
-            # (server/http/_upstream.pyx: its connection's events and responses, at no measured cost)
+            # (server/http/upstream.py, compiled as _upstream: its connection's events and responses, at no
+            # measured cost)
             "nonecheck": DEBUG,
             "embedsignature": True,
         },

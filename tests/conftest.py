@@ -69,27 +69,28 @@ def http_twin(request: pytest.FixtureRequest) -> ModuleType:
 def upstream_twin(request: pytest.FixtureRequest) -> SimpleNamespace:
     """The upstream side's twins: ``Connection``, ``Response``, ``start`` (the pool's), ``Deadlines`` and
     the ``ResponseParser`` a pure connection frames with: :mod:`server.http.upstream`'s pure ones on the
-    pure parser (httptools), or :mod:`server.http._upstream`'s (the connection its own llhttp parser);
+    pure parser (httptools), or the same source compiled, :mod:`server.http._upstream` (the connection
+    its own llhttp parser);
     ``kind`` is the param (upstream_stand_ins.set_twin puts them on a pool class)."""
     if request.param == "py":
-        from server.http import _parse_py, deadlines, upstream
+        from server.http import _parse_py, upstream
 
         return SimpleNamespace(
             kind="py",
             Connection=upstream._Connection,
             Response=upstream.UpstreamResponse,
-            start=upstream.pure_start,
-            Deadlines=deadlines.Deadlines,
+            start=upstream.pool_start,
+            Deadlines=upstream.DeadlineSweeper,
             ResponseParser=_parse_py.ResponseParser,
         )
     compiled = _twin("server.http._upstream", "server.http.upstream", "c")
     parser = _twin("server.http._parse", "server.http._parse_py", "c")
     return SimpleNamespace(
         kind="c",
-        Connection=compiled.Connection,
-        Response=compiled.Response,
+        Connection=compiled._Connection,
+        Response=compiled.UpstreamResponse,
         start=compiled.pool_start,
-        Deadlines=compiled.Deadlines,
+        Deadlines=compiled.DeadlineSweeper,
         ResponseParser=parser.ResponseParser,
     )
 

@@ -3,9 +3,9 @@ it under ASan/UBSan).
 
 Each case (tests/upstream_answers.py: what one worker writes on one keep-alive connection, mutated
 and split at random read boundaries) runs through both twins of the connection
-(server/http/_upstream.pyx's ``Connection`` on _parse.pyx's ``ResponseParser``, fed bytes objects
-and, as uvloop does, read into through ``get_buffer``/``buffer_updated``; client.py's
-``_Connection`` on _parse_py.py's) with no socket: a stand-in transport, a pool on an event loop
+(server/http/upstream.py compiled as ``_upstream``: its ``Connection``, its own ``ResponseParser``,
+fed bytes objects and, as uvloop does, read into through ``get_buffer``/``buffer_updated``; and
+upstream.py's pure ``_Connection`` on _parse_py.py's parser) with no socket: a stand-in transport, a pool on an event loop
 that never runs, and a listener that does what server/orchestrator/exchange.py's does (release at
 the end, a sink set at the head) or no listener (the coroutine path, released after the reads).
 
@@ -197,7 +197,8 @@ def _run(case: Case, twin: str, buffered: bool, loop: asyncio.AbstractEventLoop)
         listener = None if case.mode == "coroutine" else Listener(events, case.mode == "stream")
         max_body = WHOLE_LIMIT if case.mode == "whole" else 0
         resp = response_class(None if listener else conn, max_body, listener)
-        conn.send(resp, REQUEST_HEAD, (), 0, None, None)
+        resp.sending = (REQUEST_HEAD, (), 0, None, None, None)
+        conn.send(resp)
         pooled_at, at = None, 0
         for piece in case.pieces(i):
             _feed(conn, piece, buffered)

@@ -23,7 +23,8 @@ SEED = 36
 
 @pytest.fixture(params=TWINS)
 def twin(request: pytest.FixtureRequest) -> str:
-    """The upstream side's twin: client.py's connection on the httptools parser, or _upstream.pyx's."""
+    """The upstream side's twin: upstream.py's connection on the httptools parser, or upstream.py
+    compiled (server.http._upstream)."""
     if request.param == "c" and UPSTREAM is None:
         if REQUIRE_EXTENSIONS and not fastcore.NO_EXTENSIONS:
             pytest.fail("server.http._upstream required but not built")

@@ -38,7 +38,7 @@ from upstream_stand_ins import (  # noqa: F401  (fixtures: both twins, both loop
     reset,
 )
 
-from server.http import Deadlines, UpstreamError, UpstreamPool, UpstreamTimeout, client, deadlines
+from server.http import Deadlines, UpstreamError, UpstreamPool, UpstreamTimeout, client, upstream
 
 # Both loops through raw_http's event_loop_policy fixture (uvloop: the compiled connection's buffered reads).
 pytestmark = pytest.mark.filterwarnings('ignore:Overriding the "event_loop_policy" fixture is deprecated')
@@ -787,7 +787,9 @@ def test_an_idle_connection_whose_transport_is_closing_is_not_written_to(loop_ki
             assert conn.transport is not None
             conn.transport.abort()
             with pytest.raises(UpstreamError) as info:
-                conn.send(pool.response_class(conn), b"POST / HTTP/1.1\r\n\r\n", (), 0, None, None)
+                resp = pool.response_class(conn)
+                resp.sending = (b"POST / HTTP/1.1\r\n\r\n", (), 0, None, None, None)
+                conn.send(resp)
             assert info.value.sent is False
 
     with asyncio.Runner(loop_factory=factory) as runner:
@@ -854,26 +856,31 @@ async def test_request_options_are_keyword_only() -> None:
 def test_the_compiled_connection_and_response_have_the_pure_ones_surface(
     upstream_twin: SimpleNamespace,
 ) -> None:
-    """Whatever the pool, the sweeper, the exchange and the leg runner may use of a connection or a
-    response, and of the deadline sweeper, exists on both twins (server/http/_upstream.pyx, upstream.py,
-    deadlines.py); only the pure connection's
-    parser and the parser events it takes from it as Python calls are its own."""
+    """The compiled twin is upstream.py itself, compiled in Cython's pure-Python mode (typed by
+    _upstream.pxd), not a hand-written copy; whatever the pool, the sweeper, the exchange and the leg
+    runner may use of a connection or a response, and of the deadline sweeper, exists on both twins;
+    only the pure connection's parser, the parser events it takes from it as Python calls and its C
+    methods (cdef in the compiled twin) are its own."""
     if upstream_twin.kind == "py":
         pytest.skip("compares the compiled twins with the pure ones")
+    compiled = importlib.import_module("server.http._upstream")
+    for name in ("pool_start", "idle_connection", "outgoing"):
+        assert getattr(compiled, name).__code__.co_filename.endswith("server/http/upstream.py"), name
 
     def surface(obj: object) -> set[str]:
         return {name for name in dir(obj) if not name.startswith("__")}
 
     pool = UpstreamPool("http://127.0.0.1:1")
     assert surface(Pool.response_class(None)) == surface(client.UpstreamResponse(None))
-    pure_only = {"parser", "on_head", "on_body", "on_message_complete", "_flush", "_cancel_timer"}
+    pure_only = {"parser", "reader", "on_head", "on_body", "on_message_complete", "_received", "_flush"}
+    pure_only.add("_cancel_timer")
     # the compiled one is its parser (feed, ended), and reads into its buffers where uvloop lets it
-    compiled_only = {"feed", "ended", "get_buffer", "buffer_updated", "buffered"}
+    compiled_only = {"feed", "ended", "get_buffer", "buffer_updated"}
     assert (
         surface(Pool.connection_class(pool))
         == (surface(client._Connection(pool)) - pure_only) | compiled_only
     )
-    assert surface(upstream_twin.Deadlines()) == surface(deadlines.Deadlines())
+    assert surface(upstream_twin.Deadlines()) == surface(upstream.DeadlineSweeper())
 
 
 async def test_a_pool_closed_while_a_request_connects_fails_it_not_sent_and_keeps_nothing() -> None:
@@ -1017,17 +1024,17 @@ def test_the_pool_takes_the_twins_its_upstream_module_chose() -> None:
 
     if upstream.backend == "cython":
         compiled = importlib.import_module("server.http._upstream")
-        chosen = (compiled.Connection, compiled.Response, compiled.pool_start)
+        chosen = (compiled._Connection, compiled.UpstreamResponse, compiled.pool_start)
     else:
         assert fastcore.NO_EXTENSIONS or not REQUIRE_EXTENSIONS
-        chosen = (upstream._Connection, upstream.UpstreamResponse, upstream.pure_start)
+        chosen = (upstream._Connection, upstream.UpstreamResponse, upstream.pool_start)
     assert (upstream.Connection, upstream.Response, upstream.start) == chosen
     assert (
         UpstreamPool.connection_class,
         UpstreamPool.response_class,
         UpstreamPool.__dict__["start"],
     ) == chosen
-    assert client.pure_start is upstream.pure_start and client._Connection is upstream._Connection
+    assert client.pool_start is upstream.pool_start and client._Connection is upstream._Connection
 
 
 def test_compiled_twin_is_none_without_extensions(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,7 +4,7 @@ the response parser a test chose, and the answers the tests write.
 
 ``_both_twins`` is an autouse fixture: a test module that imports it runs every test on both
 twins of the upstream side (conftest's ``upstream_twin``, set on :class:`Pool`): the compiled
-connection and response (server/http/_upstream.pyx, its own llhttp parser) and upstream.py's pure
+connection and response (server/http/upstream.py compiled as _upstream, its own llhttp parser) and its pure
 ones on the httptools parser. A module that also imports ``event_loop_policy`` (raw_http's) runs each of its
 async tests on asyncio's loop and on uvloop, where the compiled connection reads into its buffers
 (``get_buffer``/``buffer_updated``) instead of being handed bytes objects.

@@ -14,10 +14,10 @@ proxy needs and nothing else:
   upstream socket.
 - :mod:`server.http.pool`: keep-alive connections per worker, request
   bodies written as their pieces (vectored); :mod:`server.http.upstream`:
-  the connection and response (compiled twin ``_upstream``), response
-  framing by the response parser of :mod:`server.http.parse`, streamed
-  bodies handed to a sink as they arrive; :mod:`server.http.deadlines`:
-  their deadlines (:mod:`server.http.client` re-exports all of it).
+  the connection, response and deadline sweeper (one source, compiled as
+  ``_upstream``), response framing by the response parser of
+  :mod:`server.http.parse`, streamed bodies handed to a sink as they arrive
+  (:mod:`server.http.client` re-exports all of it).
 - :mod:`server.http.memory`: glibc's ``malloc_trim``, which gives the C heap
   back once large bodies stop coming.
 

@@ -5,7 +5,7 @@ the body's pieces in one vectored write (no join of a spliced body) on an idle k
 connection or a new one, and returns the :class:`~server.http.upstream.UpstreamResponse` once its
 status line and headers are in; :meth:`UpstreamPool.start` tells the same to a listener with no
 coroutine. Its connections and responses are :mod:`server.http.upstream`'s twins; their deadlines
-a :class:`~server.http.deadlines.Deadlines` sweeper's (50 ms ticks while requests are in flight).
+a :class:`~server.http.upstream.DeadlineSweeper`'s (50 ms ticks while requests are in flight).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from urllib.parse import urlsplit
 
 from . import upstream
 from .parse import ResponseParser
-from .upstream import UpstreamResponse, _Connection, body_size
-from .upstream_wire import REQUEST_HEAD, BodyPiece, UpstreamError
+from .upstream import UpstreamResponse, _Connection
+from .upstream_wire import BodyPiece, UpstreamError
 
 #: UpstreamPool's defaults (the orchestrator's connect_timeout_s config key reads the first): seconds
 #: to open a connection to a worker, and an idle connection's life in the pool (a worker's keep-alive
@@ -50,8 +50,7 @@ class UpstreamPool:
     #: pure-Python connection frames with ``response_parser``, the compiled one is its own parser)
     connection_class: Callable[[UpstreamPool], Any] = upstream.Connection
     response_class: Callable[..., Any] = upstream.Response
-    #: :meth:`pure_start <server.http.upstream.pure_start>` or its compiled twin
-    #: (``_upstream.pool_start``), as :mod:`server.http.upstream` chose: the response's events go to
+    #: :func:`server.http.upstream.pool_start`, pure or compiled as :mod:`server.http.upstream` chose: the response's events go to
     #: ``listener`` (never before this returns); :meth:`request`'s arguments, deadlines, bounds and
     #: retry of a stale pooled connection; a connection that cannot be opened is the listener's
     #: ``response_error`` with an :class:`UpstreamError` whose ``sent`` is False
@@ -75,7 +74,8 @@ class UpstreamPool:
         self.port = parts.port or 80
         self.prefix = parts.path.rstrip("/").encode()
         host = f"[{self.host}]" if ":" in self.host else self.host
-        self._fixed = b"Host: %s:%d\r\n%s" % (host.encode(), self.port, extra_headers)
+        #: the lines every request's head carries after its request line (upstream.outgoing writes it)
+        self.fixed_headers = b"Host: %s:%d\r\n%s" % (host.encode(), self.port, extra_headers)
         self.connect_timeout_s = connect_timeout_s
         self.max_idle = max_idle
         self.idle_timeout_s = idle_timeout_s
@@ -114,20 +114,8 @@ class UpstreamPool:
         self.open.add(conn)
         return conn
 
-    def idle_connection(self) -> _Connection | None:
-        idle = self.idle
-        if not idle:
-            return None
-        now = self.loop.time()
-        while idle:
-            conn = idle.pop()
-            if conn.closed or conn.transport is None or conn.transport.is_closing():
-                continue
-            if now - conn.idle_since > self.idle_timeout_s:
-                conn.close()
-                continue
-            return conn
-        return None
+    #: the newest idle connection still usable, or None (the one function the pool's ``start`` uses too)
+    idle_connection = upstream.idle_connection
 
     async def request(
         self,
@@ -153,23 +141,18 @@ class UpstreamPool:
         :meth:`~UpstreamResponse.release` the response. Everything after the
         body is by keyword.
         """
-        size = body_size(pieces)
-        head = self.head(method, path, size, headers)
+        sending = upstream.outgoing(
+            self, method, path, pieces, headers, timeout, read_timeout, headers_timeout
+        )
         for _attempt in range(2):
             conn = self.idle_connection()
             reused = conn is not None
             if conn is None:
                 conn = await self._connect()
             try:
-                resp = conn.send(
-                    self.response_class(conn, max_body),
-                    head,
-                    pieces,
-                    size,
-                    timeout,
-                    read_timeout,
-                    headers_timeout,
-                )
+                resp = self.response_class(conn, max_body)
+                resp.sending = sending
+                conn.send(resp)
                 if not resp.complete and not (resp.headers_done and not max_body):
                     await resp.headers_arrived()
                 return resp
@@ -184,26 +167,6 @@ class UpstreamPool:
                 conn.close(reset=True)  # cancelled (the client left) before the answer: abort it there
                 raise
         raise AssertionError("unreachable")
-
-    def head(self, method: bytes, path: bytes, size: int, headers: bytes) -> bytes:
-        return REQUEST_HEAD % (
-            method,
-            self.prefix,
-            path,
-            self._fixed,
-            size,
-            headers,
-        )
-
-    def send_on(self, conn: _Connection, resp: UpstreamResponse, *, reused: bool) -> bool:
-        """Send a started response's request on ``conn``; False when that connection is closing."""
-        try:
-            conn.send(resp, *resp.sending)
-        except UpstreamError:
-            conn.close()
-            return False
-        resp.reused = reused
-        return True
 
     def open_for(self, resp: UpstreamResponse) -> None:
         """Open a connection for a started response, then send on it (a task, once per connection)."""
@@ -223,7 +186,7 @@ class UpstreamPool:
         conn = opening.result()
         if resp.abandoned:  # the leg was given up meanwhile: the connection is the pool's
             self.keep(conn)
-        elif not self.send_on(conn, resp, reused=False):
+        elif not upstream.send_on(conn, resp, False):
             resp.on_error(UpstreamError("connection closed before the request was sent", sent=False))
 
     def keep(self, conn: _Connection) -> None:

@@ -1,22 +1,29 @@
-"""The upstream side's connection and response, pure Python; :mod:`server.http._upstream` is their
-compiled twin (aiohttp's rule: the pure ``upstream.py`` is the public module, the compiled
-``_upstream.pyx`` beside it, chosen once at this module's end).
+# cython: annotation_typing=False, auto_pickle=False, nonecheck=True
+"""The upstream side's connection, response, deadline sweeper and the pool's ``start``, written once:
+this module is the pure twin, and Cython compiles the same source, in its pure-Python mode, into
+``server.http._upstream`` (setup.py), the compiled twin, typed by ``_upstream.pxd`` (cdef classes,
+the connection a subclass of :mod:`server.http._parse`'s ``ResponseParser``; the few lines only one
+twin runs stand under ``cython.compiled``). Chosen once at this module's end (aiohttp's rule: the
+pure ``upstream.py`` is the public module); the annotations are for mypy alone
+(``annotation_typing=False``). ``nonecheck``: a typed object that is None (a response its listener
+released while the read that ended it is still parsed) raises AttributeError, caught as a failed
+read, in the compiled twin too.
 
 :meth:`UpstreamPool.request <server.http.pool.UpstreamPool.request>` returns an
 :class:`UpstreamResponse` once its status line and headers are in; its body then either accumulates
 (:meth:`UpstreamResponse.read`) or goes, piece by piece as the socket delivers it, to a sink
-(:meth:`UpstreamResponse.stream`) with no Python object per SSE event; :meth:`UpstreamPool.start
-<server.http.pool.UpstreamPool.start>` tells the same events to a :class:`Listener` instead. A
-response read to the end on a keep-alive connection returns the connection to the pool; anything
-else (a cancel, an early stop, an error) closes it, so the worker sees the client leave.
+(:meth:`UpstreamResponse.stream`) with no Python object per SSE event; :func:`pool_start` (the pool's
+``start``) tells the same events to a :class:`Listener` instead. A response read to the end on a
+keep-alive connection returns the connection to the pool; anything else (a cancel, an early stop, an
+error) closes it, so the worker sees the client leave.
 
 The pure :class:`_Connection` frames responses with its pool's ``response_parser``
 (:data:`server.http.parse.ResponseParser`: llhttp's callbacks in C, or its pure twin on
 httptools), which reads the four headers used here (Content-Type, Content-Length, Retry-After,
 Transfer-Encoding) and calls the connection once for the head, per body piece and at the end; the
-compiled connection *is* its parser. Either talks to its pool only through :class:`ConnectionPool`'s
-methods, and to its deadline sweeper through ``add`` and ``remove``
-(:class:`~server.http.deadlines.Deadlines`).
+compiled connection *is* its parser (those events C calls). Either talks to its pool only through
+:class:`ConnectionPool`'s methods and fields, and to its :class:`DeadlineSweeper` through ``add`` and
+``remove``.
 """
 
 from __future__ import annotations
@@ -29,9 +36,24 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from fastcore import compiled_twin
 
-from . import deadlines
 from .request import PAST_THE_RESPONSE, BadResponse
-from .upstream_wire import WRITE_JOINED_BELOW, BodyPiece, UpstreamError, UpstreamTimeout
+from .upstream_wire import REQUEST_HEAD, WRITE_JOINED_BELOW, BodyPiece, UpstreamError, UpstreamTimeout
+
+try:
+    import cython
+except ImportError:  # no Cython where this runs (it is a build requirement only): the pure twin
+    from types import SimpleNamespace
+
+    cython = SimpleNamespace(compiled=False)
+
+if not cython.compiled:
+    #: what _upstream.pxd cimports from _parse for the compiled twin alone: the connection's base
+    #: (``body_at`` calls it) and the reader of uvloop's reads (``get_buffer`` makes one)
+    ResponseParser: Any = None
+    BodyReader: Any = None
+
+#: a request under this many bytes goes out in one joined write (a C constant in the compiled twin)
+_JOINED_BELOW = WRITE_JOINED_BELOW
 
 
 def body_size(pieces: Sequence[BodyPiece]) -> int:
@@ -41,15 +63,39 @@ def body_size(pieces: Sequence[BodyPiece]) -> int:
     return size
 
 
+def outgoing(
+    pool: ConnectionPool,
+    method: bytes,
+    path: bytes,
+    pieces: Sequence[BodyPiece],
+    headers: bytes,
+    timeout: float | None,
+    read_timeout: float | None,
+    headers_timeout: float | None,
+) -> tuple[Any, ...]:
+    """A request as a connection's :meth:`~_Connection.send` takes it (``UpstreamResponse.sending``): its
+    head (the pool's prefix and fixed lines, Content-Length, ``headers``), the body's pieces, their
+    size and the three deadlines; both :meth:`UpstreamPool.request` and :func:`pool_start` make it."""
+    size = body_size(pieces)
+    head = REQUEST_HEAD % (method, pool.prefix, path, pool.fixed_headers, size, headers)
+    return (head, pieces, size, timeout, read_timeout, headers_timeout)
+
+
 class ConnectionPool(Protocol):
-    """What a connection (either twin) and :func:`pure_start` ask of their pool
+    """What a connection (either twin), :func:`outgoing` and :func:`pool_start` ask of their pool
     (:class:`~server.http.pool.UpstreamPool` is the one)."""
 
     loop: asyncio.AbstractEventLoop
-    #: the deadline sweeper of its connections (``add``/``remove``: :class:`~server.http.deadlines.Deadlines`)
+    #: the deadline sweeper of its connections (``add``/``remove``: :class:`DeadlineSweeper`)
     deadlines: Any
     response_parser: Callable[[Any], Any]
     response_class: Callable[..., Any]
+    #: its idle connections, the newest last, and how long one may stay idle
+    idle: list[Any]
+    idle_timeout_s: float
+    #: what each request's head carries: the path prefix, and the fixed lines (Host, extra headers)
+    prefix: bytes
+    fixed_headers: bytes
 
     def keep(self, conn: Any) -> None:
         """A connection whose response was read to its end: idle in the pool, or closed if it is full."""
@@ -59,15 +105,6 @@ class ConnectionPool(Protocol):
 
     def open_for(self, resp: Any) -> None:
         """Open a connection for a started response, then send it there."""
-
-    def idle_connection(self) -> Any:
-        """The newest idle connection still usable, or None."""
-
-    def send_on(self, conn: Any, resp: Any, *, reused: bool) -> bool:
-        """Send a started response's request on ``conn``; False when it is closing."""
-
-    def head(self, method: bytes, path: bytes, size: int, headers: bytes) -> bytes:
-        """A request's head: its line, the pool's fixed headers, Content-Length and ``headers``."""
 
 
 class Listener(Protocol):
@@ -223,8 +260,8 @@ class UpstreamResponse:
         if self.listener is not None:
             self.listener.response_error(self, exc)
             return True
-        self._wake(self._headers, exc)
-        self._wake(self._done, exc)
+        _wake(self._headers, exc)
+        _wake(self._done, exc)
         return True
 
     # -- internals -----------------------------------------------------------------
@@ -233,7 +270,7 @@ class UpstreamResponse:
         self.truncated = True
         kept = b"".join(self.chunks)[: self.limit]
         self.chunks = [kept]
-        self._wake(self._done, None)
+        _wake(self._done, None)
 
     async def _wait_done(self) -> None:
         if self.error is not None:
@@ -241,23 +278,87 @@ class UpstreamResponse:
         self._done = self._conn.loop.create_future()  # type: ignore[union-attr]  # sent
         await self._done
 
-    @staticmethod
-    def _wake(fut: asyncio.Future[None] | None, exc: BaseException | None) -> None:
-        if fut is not None and not fut.done():
-            if exc is None:
-                fut.set_result(None)
-            else:
-                fut.set_exception(exc)
+
+def _wake(fut: asyncio.Future[None] | None, exc: BaseException | None) -> None:
+    """Wake a response's waiter (its headers' or its end's future) with ``exc``, or with nothing."""
+    if fut is not None and not fut.done():
+        if exc is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(exc)
 
 
-class _Connection(asyncio.Protocol):
-    """One keep-alive connection to a worker; carries one request at a time."""
+class DeadlineSweeper:
+    """Enforces the deadlines of the upstream requests in flight on one event loop.
+
+    ``timeout`` bounds a whole exchange, ``headers_timeout`` (without ``timeout``) the wait for the
+    response's headers, ``read_timeout`` a silence (a stream may run long; it must not stall that
+    long); a connection (either twin) is added when it sends a timed request and removed when it ends.
+    A timer handle per request (created, then cancelled) costs more than the rest of a request's
+    client side; a tick that looks at the requests in flight costs nothing per request and runs only
+    while there are some. A pool makes its own; an owner of many pools (the orchestrator: one per
+    worker) may give them one to share, so one tick serves them all. Compiled with the connection,
+    whose ``add``/``remove`` are then C calls (as Python methods: +1.8% instructions a request).
+    """
+
+    TICK_S = 0.05
+
+    def __init__(self) -> None:
+        self.active: set[_Connection] = set()
+        self.handle: asyncio.TimerHandle | None = None
+
+    def add(self, conn: _Connection) -> None:
+        self.active.add(conn)
+        if self.handle is None:
+            loop = conn.loop
+            self.handle = loop.call_later(self.TICK_S, self.tick, loop)
+
+    def remove(self, conn: _Connection) -> None:
+        self.active.discard(conn)
+
+    def tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.handle = None
+        now = loop.time()
+        for conn in list(self.active):
+            conn._check_deadline(now)
+        if self.active:
+            self.handle = loop.call_later(self.TICK_S, self.tick, loop)
+
+
+def _sweeper_add(sweeper: Any, conn: _Connection) -> None:
+    """``sweeper.add(conn)``: a C call in the compiled twin where the sweeper is its :class:`DeadlineSweeper`."""
+    if cython.compiled and type(sweeper) is DeadlineSweeper:
+        cython.cast(DeadlineSweeper, sweeper).add(conn)
+    else:
+        sweeper.add(conn)
+
+
+def _sweeper_remove(sweeper: Any, conn: _Connection) -> None:
+    if cython.compiled and type(sweeper) is DeadlineSweeper:
+        cython.cast(DeadlineSweeper, sweeper).remove(conn)
+    else:
+        sweeper.remove(conn)
+
+
+class _Connection:
+    """One keep-alive connection to a worker; carries one request at a time.
+
+    The pure twin frames with its pool's ``response_parser``, which calls :meth:`on_head`,
+    :meth:`on_body` and :meth:`on_message_complete`; the compiled one (``_upstream.pxd``: a subclass
+    of :mod:`server.http._parse`'s ``ResponseParser``) is its own parser, whose events ``head``,
+    ``body``, ``body_at`` and ``complete`` are C calls into the same three, and reads into its own
+    buffers where uvloop lets it (``get_buffer``/``buffer_updated``). Both are asyncio protocols
+    (neither subclasses ``asyncio.Protocol``, which uvloop takes as a refusal of ``get_buffer``).
+    """
 
     def __init__(self, pool: ConnectionPool) -> None:
+        if cython.compiled:
+            self.conn = None  # (the parser's events are this class's C methods)
+        else:
+            self.parser = pool.response_parser(self)
         self.pool = pool
         self.loop = pool.loop
         self.transport: asyncio.Transport | None = None
-        self.parser = pool.response_parser(self)
         self.response: UpstreamResponse | None = None
         self.closed = False
         self.requests = 0
@@ -278,8 +379,11 @@ class _Connection(asyncio.Protocol):
         #: inside the parser's feed: a response finished there goes back to the pool after it
         self.feeding = False
         self.release_after_feed = False
+        #: (compiled) where uvloop's reads go once it asks (``get_buffer``): a whole body of a known
+        #: length into its own bytes; None until then, and always in the pure twin
+        self.reader: Any = None
 
-    # -- transport events -----------------------------------------------------
+    # -- transport events (asyncio.Protocol's) --------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -297,7 +401,33 @@ class _Connection(asyncio.Protocol):
         stage = "mid-response" if resp.headers_done else "before answering"
         self._fail(UpstreamError(f"connection closed {stage}{why}", clean_close=exc is None))
 
+    def eof_received(self) -> None:
+        return None
+
+    def pause_writing(self) -> None:
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
     def data_received(self, data: bytes) -> None:
+        self._received(data, 0)
+
+    @property
+    def buffered(self) -> bool:
+        """Whether the loop reads into this connection's buffers (uvloop asked the compiled one)."""
+        return self.reader is not None
+
+    def get_buffer(self, sizehint: int) -> Any:
+        if self.reader is None:
+            self.reader = BodyReader()
+        return self.reader.buffer(cython.address(self.parser))
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._received(None, nbytes)
+
+    def _received(self, data: bytes | None, nbytes: int) -> None:
+        """One read: ``data`` (data_received), else ``nbytes`` bytes uvloop read into the reader's buffer."""
         resp = self.response
         if resp is None:  # bytes nobody asked for: the connection cannot be trusted
             self.close()
@@ -311,7 +441,12 @@ class _Connection(asyncio.Protocol):
         self.feeding = True
         failed = True
         try:
-            self.parser.feed(data)
+            if not cython.compiled:
+                self.parser.feed(data)
+            elif data is not None:
+                self.execute(data)  # type: ignore[attr-defined]  # (ResponseParser's, compiled)
+            else:
+                self.execute_at(self.reader.last_read(), nbytes)  # type: ignore[attr-defined]
             failed = False
         except BadResponse as exc:
             self._flush(resp)
@@ -340,17 +475,18 @@ class _Connection(asyncio.Protocol):
             self.pending = []
             resp.sink(pending[0] if len(pending) == 1 else b"".join(pending))
 
-    # -- the parser's events (server.http.parse: both twins) ---------------------
+    # -- the parser's events (server.http.parse: both twins; the compiled one's own, below) -------
+    # Each returns 0: the compiled parser's C events return an int (-1: raised).
 
     def on_head(
         self, status: int, content_type: bytes, content_length: int | None, retry_after: bytes | None
-    ) -> None:
+    ) -> int:
         resp = self.response
         if resp is None:  # given up by a listener's event earlier in this read: nobody reads on
             raise BadResponse(PAST_THE_RESPONSE)
         if 100 <= status < 200 and status != 101:
             self.interim = True  # 100 Continue and friends: skipped, the real answer follows
-            return
+            return 0
         if resp._whole and content_length is not None and content_length > resp.limit:
             # refused before any of it is read (a worker's answer is held whole: bounded)
             raise UpstreamError(f"response body exceeds {resp.limit} bytes")
@@ -361,24 +497,30 @@ class _Connection(asyncio.Protocol):
             self.deadline = 0.0  # the first byte is in: only read_timeout (if any) from here
         resp.status = status
         resp.headers_done = True
+        if self.reader is not None:  # (compiled, under uvloop) a whole body of a known length: one bytes
+            if resp._whole and content_length is not None and content_length <= resp.limit:
+                self.reader.begin(content_length)
+            else:
+                self.reader.drop()
         if not resp._whole:  # (a whole-body request hears the end only)
             if resp.listener is not None:
                 resp.listener.response_head(resp)
             else:
-                resp._wake(resp._headers, None)
+                _wake(resp._headers, None)
+        return 0
 
-    def on_body(self, body: bytes) -> None:
+    def on_body(self, body: bytes) -> int:
         resp = self.response
         if resp is None:
             raise BadResponse(PAST_THE_RESPONSE)
         if self.interim:
-            return
+            return 0
         if resp.sink is not None:
             resp.size += len(body)
             self.pending.append(body)  # flushed once the read is parsed
-            return
+            return 0
         if resp.truncated:
-            return
+            return 0
         resp.size += len(body)
         resp.chunks.append(body)
         if resp.limit and resp.size > resp.limit:
@@ -386,14 +528,19 @@ class _Connection(asyncio.Protocol):
                 # raised, not failed here: the parser stops (the rest of the read is not parsed)
                 raise UpstreamError(f"response body exceeds {resp.limit} bytes")
             resp._truncate()
+        return 0
 
-    def on_message_complete(self, keep_alive: bool) -> None:
+    def on_message_complete(self, keep_alive: bool) -> int:
         resp = self.response
         if resp is None:
             raise BadResponse(PAST_THE_RESPONSE)
         if self.interim:  # a 1xx ended (on_head kept none of its headers): the real answer follows
             self.interim = False
-            return
+            return 0
+        if self.reader is not None and self.reader.data is not None:
+            whole = self.reader.finish()  # (compiled) the body read into its own bytes
+            if whole is not None:
+                resp.chunks = [whole]
         self._cancel_timer()
         if self.pending:  # a listener hears the end now: the stream's last pieces go first
             self._flush(resp)
@@ -401,23 +548,41 @@ class _Connection(asyncio.Protocol):
         resp.keep_alive = keep_alive
         if resp.listener is not None:
             resp.listener.response_done(resp)
-            return
-        resp._wake(resp._headers, None)
-        resp._wake(resp._done, None)
+            return 0
+        _wake(resp._headers, None)
+        _wake(resp._done, None)
+        return 0
+
+    # The compiled parser's C events (ResponseParser's, overridden): the three above, and a body
+    # piece where llhttp saw it, taken into the reader's bytes where it reads a whole body.
+
+    def head(
+        self, status: int, content_type: bytes, content_length: int | None, retry_after: bytes | None
+    ) -> int:
+        return self.on_head(status, content_type, content_length, retry_after)
+
+    def body(self, piece: bytes) -> int:
+        return self.on_body(piece)
+
+    def complete(self, keep_alive: bool) -> int:
+        return self.on_message_complete(keep_alive)
+
+    def body_at(self, at: Any, n: int) -> int:
+        resp = self.response
+        if resp is None:
+            raise BadResponse(PAST_THE_RESPONSE)
+        if self.reader is None or self.reader.data is None or self.interim:
+            return ResponseParser.body_at(self, at, n)
+        self.reader.take(at, n)
+        resp.size += n
+        return 0
 
     # -- requests -------------------------------------------------------------------
 
-    def send(
-        self,
-        resp: UpstreamResponse,
-        head: bytes,
-        pieces: Sequence[BodyPiece],
-        size: int,
-        timeout: float | None,
-        read_timeout: float | None,
-        headers_timeout: float | None = None,
-    ) -> UpstreamResponse:
-        """Write ``head`` and the body's ``pieces`` (``size`` bytes in all, the head's Content-Length)."""
+    def send(self, resp: UpstreamResponse) -> UpstreamResponse:
+        """Write the request ``resp.sending`` holds (:func:`outgoing`): its head and its body's pieces
+        (``size`` bytes in all, the head's Content-Length), and time it."""
+        head, pieces, size, timeout, read_timeout, headers_timeout = resp.sending
         transport = self.transport
         if transport is None or transport.is_closing():
             # The worker closed (or died) and connection_lost has not run yet: writing would
@@ -426,7 +591,10 @@ class _Connection(asyncio.Protocol):
             raise UpstreamError("connection closed before the request was sent", sent=False)
         resp._conn = self
         self.response = resp
-        self.parser.ended = False  # its answer may begin
+        if cython.compiled:
+            self.ended = False  # its answer may begin
+        else:
+            self.parser.ended = False
         self.requests += 1
         self.got_bytes = False
         self.interim = False
@@ -440,8 +608,8 @@ class _Connection(asyncio.Protocol):
             self.deadline = now + headers_timeout if headers_timeout else 0.0
         if self.deadline or self.read_timeout:
             self.timed = True
-            self.sweeper.add(self)
-        if size < WRITE_JOINED_BELOW:
+            _sweeper_add(self.sweeper, self)
+        if size < _JOINED_BELOW:
             transport.write(b"".join((head, *pieces)))
         else:
             transport.writelines((head, *pieces))
@@ -471,7 +639,7 @@ class _Connection(asyncio.Protocol):
     def _cancel_timer(self) -> None:
         if self.timed:
             self.timed = False
-            self.sweeper.remove(self)
+            _sweeper_remove(self.sweeper, self)
 
     def _fail(self, exc: BaseException) -> None:
         resp = self.response
@@ -522,6 +690,8 @@ class _Connection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def close(self, *, reset: bool = False) -> None:
+        if self.reader is not None:
+            self.reader.drop()  # a body read into when it failed goes now, not with this object
         if not self.closed:
             self.closed = True
             self.pool.forget(self)
@@ -540,7 +710,44 @@ class _Connection(asyncio.Protocol):
                 transport.close()
 
 
-def pure_start(
+if not cython.compiled:
+    # The compiled twin's own parser events and buffered reads (uvloop reads through get_buffer into
+    # any protocol that has it): the pure connection takes its parser's events as Python calls.
+    del _Connection.head, _Connection.body, _Connection.complete, _Connection.body_at
+    del _Connection.get_buffer, _Connection.buffer_updated
+
+
+def idle_connection(pool: ConnectionPool) -> _Connection | None:
+    """The newest idle connection of ``pool`` still open and not idle too long (the stale ones closed
+    on the way), or None: :meth:`UpstreamPool.idle_connection <server.http.pool.UpstreamPool.idle_connection>`."""
+    idle = pool.idle
+    if not idle:
+        return None
+    now = pool.loop.time()
+    limit = pool.idle_timeout_s
+    while idle:
+        conn = idle.pop()
+        if conn.closed or conn.transport is None or conn.transport.is_closing():
+            continue
+        if now - conn.idle_since > limit:
+            conn.close()
+            continue
+        return conn
+    return None
+
+
+def send_on(conn: _Connection, resp: UpstreamResponse, reused: bool) -> bool:
+    """Send a started response's request on ``conn``; False (``conn`` closed) when it is closing."""
+    try:
+        conn.send(resp)
+    except UpstreamError:
+        conn.close()
+        return False
+    resp.reused = reused
+    return True
+
+
+def pool_start(
     pool: ConnectionPool,
     listener: Listener,
     method: bytes,
@@ -553,41 +760,34 @@ def pure_start(
     max_body: int = 0,
     headers_timeout: float | None = None,
 ) -> UpstreamResponse:
-    """:meth:`UpstreamPool.start` (the pure twin of ``_upstream.pool_start``): :meth:`~UpstreamPool.request`
-    with no coroutine: the response's events go to ``listener`` (never before this
-    returns). Same arguments, deadlines, bounds and retry of a stale pooled connection; a connection
-    that cannot be opened is ``response_error`` with an :class:`UpstreamError` whose ``sent`` is False."""
+    """:meth:`UpstreamPool.start <server.http.pool.UpstreamPool.start>`: :meth:`~UpstreamPool.request`
+    with no coroutine: the response's events go to ``listener`` (never before this returns). Same
+    arguments, deadlines, bounds and retry of a stale pooled connection; a connection that cannot be
+    opened is ``response_error`` with an :class:`UpstreamError` whose ``sent`` is False. Compiled, one
+    C call a leg (no Python frame for it, :func:`outgoing`, :func:`idle_connection` or :func:`send_on`)."""
     resp = pool.response_class(None, max_body, listener)
-    size = body_size(pieces)
-    resp.sending = (
-        pool.head(method, path, size, headers),
-        pieces,
-        size,
-        timeout,
-        read_timeout,
-        headers_timeout,
-    )
-    conn = pool.idle_connection()
-    if conn is None or not pool.send_on(conn, resp, reused=True):
+    resp.sending = outgoing(pool, method, path, pieces, headers, timeout, read_timeout, headers_timeout)
+    conn = idle_connection(pool)
+    if conn is None or not send_on(conn, resp, True):
         pool.open_for(resp)
     return resp
 
 
-#: the twins every :class:`~server.http.pool.UpstreamPool` uses unless its class says otherwise: the
-#: compiled connection and response (server/http/_upstream.pyx: the connection is its own llhttp
-#: parser, the parser's events C calls) and its ``pool_start``, the pool's ``start`` in one C call
-#: instead of five Python frames a leg; else the pure ones above (the tests choose per twin)
-_compiled = compiled_twin("server.http._upstream")
+#: the twins every :class:`~server.http.pool.UpstreamPool` uses unless its class says otherwise: this
+#: source compiled (server.http._upstream, typed by _upstream.pxd: the connection is its own llhttp
+#: parser, the parser's events C calls, the pool's ``start`` one C call a leg), else the pure ones
+#: above (the tests choose per twin); the compiled module binds the same names to its own classes
+_compiled = None if cython.compiled else compiled_twin("server.http._upstream")
 Connection: Callable[[ConnectionPool], Any] = _Connection
 Response: Callable[..., Any] = UpstreamResponse
-start: Callable[..., Any] = pure_start
+start: Callable[..., Any] = pool_start
 if _compiled is not None:
-    Connection, Response, start = _compiled.Connection, _compiled.Response, _compiled.pool_start
-if TYPE_CHECKING:  # the pure class is the type (the compiled one has its surface: test_http_client)
-    from .deadlines import Deadlines
+    Connection, Response, start = _compiled.Connection, _compiled.Response, _compiled.start
+if TYPE_CHECKING:  # the pure class is the type (the compiled one is the same source)
+    Deadlines = DeadlineSweeper
 else:
-    #: the deadline sweeper a pool makes unless given one (its compiled twin: a compiled connection's
-    #: ``add``/``remove`` are C calls)
-    Deadlines = deadlines.Deadlines if _compiled is None else _compiled.Deadlines
+    #: the deadline sweeper a pool makes unless given one (``server.http.Deadlines``): the compiled
+    #: one with the compiled connection, whose ``add``/``remove`` are then C calls
+    Deadlines = DeadlineSweeper if _compiled is None else _compiled.Deadlines
 #: ``"cython"`` or ``"python"``: which twin :data:`Connection` is
-backend = "python" if _compiled is None else "cython"
+backend = "cython" if cython.compiled or _compiled is not None else "python"

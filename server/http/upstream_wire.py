@@ -1,9 +1,10 @@
-"""What both twins of the upstream connection share (upstream.py's pure one, ``_upstream.pyx``'s
-compiled one): the request head's format, the bound under which a request goes out in one joined
+"""What both twins of the upstream connection share (upstream.py, pure and compiled as
+``_upstream``): the request head's format, the bound under which a request goes out in one joined
 write, a body piece's types, and the two errors an exchange ends in.
 
-A module of its own so that the compiled twin imports these without importing the pure module
-that chooses it (which would be an import circle through a compiled module).
+A module of its own so that both twins raise and catch the same error classes (each twin of
+upstream.py defines its own classes), and the compiled twin imports these without importing the pure
+module that chooses it (which would be an import circle through a compiled module).
 """
 
 from __future__ import annotations
