@@ -57,6 +57,7 @@ def piece_attention(
     if _flash is not None and q.device.type == "cpu":
         out, lse = _flash(q, k, v, attn_mask=mask)
         return out, lse
+    q, k, v = q.float(), k.float(), v.float()  # in float32 whatever the model's dtype, as SDPA
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5)
     if mask is not None:
         scores.add_(mask)
@@ -167,7 +168,8 @@ class SplitChunk:
         assert out is not None
         if self.spent >= self.left:
             yield  # the layer's output and the next one's projections: the next step's
-        return out.view(kv_heads, group, t, d).permute(2, 0, 1, 3).reshape(t, heads * d)
+        # merged in float32 (each slice's log-sum-exp is), back to the model's dtype
+        return out.view(kv_heads, group, t, d).permute(2, 0, 1, 3).reshape(t, heads * d).to(q.dtype)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> Generator[None, None, torch.Tensor]:
         """``LlamaModel.forward`` and ``forward_step``'s logits, a layer's attention in pieces."""
