@@ -31,7 +31,8 @@ transformers, and greedy text identical).
 
 from __future__ import annotations
 
-from collections.abc import Generator
+import time
+from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -90,6 +91,7 @@ class SplitChunk:
         part: PrefillAttention,
         rows: torch.Tensor,
         context_tokens: int,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.model = model
         #: the engine's prefill state and tokens this chunk is (its plan: [(state, take)])
@@ -100,6 +102,12 @@ class SplitChunk:
         layers = len(model.model.layers)
         self.per_key = take / (context_tokens * layers)  # units a key of one layer costs
         self.per_layer = take / layers  # units of a layer's projections and MLP
+        self.clock = clock
+        #: seconds a unit of the pieces took (the last piece's): what a layer's projections and MLP
+        #: are charged by their time, not their arithmetic (tens of small ops, ~0.3-0.5 ms on a
+        #: loaded CPU at 16 tokens, most of a step's allowance; charged at their 1 unit a token,
+        #: the step that ran them ran past its time)
+        self.unit_s: float | None = None
         self.left = 0.0  # units this step may still take
         self.spent = 0.0  # units this step took
         self.seconds = 0.0  # the pieces' time so far (the cache's prefill rate)
@@ -154,7 +162,7 @@ class SplitChunk:
         out = lse = None
         a = 0
         while a < total:
-            if self.spent >= self.left:
+            if self._spent():
                 yield
             if a < start:
                 b = min(start, a + max(MIN_PIECE_KEYS, int((self.left - self.spent) / self.per_key)))
@@ -162,11 +170,15 @@ class SplitChunk:
                 mask = None
             else:
                 b, mask = total, self._own
+            began = self.clock()
             out, lse = merge(out, lse, *piece_attention(qg, kh[:, :, a:b], vh[:, :, a:b], mask))
-            self.spent += (b - a) * self.per_key
+            units = (b - a) * self.per_key
+            self.spent += units
+            if mask is None:
+                self.unit_s = (self.clock() - began) / units
             a = b
         assert out is not None
-        if self.spent >= self.left:
+        if self._spent():
             yield  # the layer's output and the next one's projections: the next step's
         # merged in float32 (each slice's log-sum-exp is), back to the model's dtype
         return out.view(kv_heads, group, t, d).permute(2, 0, 1, 3).reshape(t, heads * d).to(q.dtype)
@@ -177,16 +189,31 @@ class SplitChunk:
         x = m.embed_tokens(ids)
         cos, sin = m.rotary_emb.tables(positions, x.dtype)
         for layer in cast("list[LlamaDecoderLayer]", m.layers):
+            began = self.clock()
             attn = layer.self_attn
             n, d = x.shape[0], attn.head_dim
             qk, v = attn.qkv(layer.input_layernorm(x)).view(n, -1, d).split_with_sizes(attn._qk_v, 1)
             q, k = apply_rotary_tables(qk, cos, sin).split_with_sizes(attn._q_k, 1)
             keys, values = self._keys(layer.index, k, v)
+            self._charge(began)
             out = yield from self._attend(q, keys, values)
+            began = self.clock()
             x = x + attn.o_proj(out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-            self.spent += self.per_layer
+            self._charge(began)
         return self.model.logits(m.norm(x).index_select(0, self.rows))
+
+    def _spent(self) -> bool:
+        """Whether the step's allowance is spent: less than half the smallest piece left (a piece
+        sized to what is left rounds its keys down, and would leave a sliver for another)."""
+        return self.left - self.spent < MIN_PIECE_KEYS * self.per_key / 2
+
+    def _charge(self, began: float) -> None:
+        """Half a layer's projections and MLP done since ``began``: their units, or their time in
+        units where that is more."""
+        least = self.per_layer / 2
+        took = (self.clock() - began) / self.unit_s if self.unit_s else 0.0
+        self.spent += max(least, took)
 
 
 class SplitPrefill:
@@ -194,6 +221,8 @@ class SplitPrefill:
 
     def __init__(self) -> None:
         self.job: SplitChunk | None = None
+        #: the last job's seconds a unit, the next one's until its first piece measures its own
+        self.unit_s: float | None = None
 
     def step(self, engine: Any, batch: list[Any], plan: list[Any], outputs: list[Any]) -> bool:
         """Runs this step if its plan goes by pieces (the streams' decode step, then the chunk on
@@ -221,7 +250,9 @@ class SplitPrefill:
                 attention.prefills[0],
                 rows.to(engine.device),
                 pacer.context_tokens,
+                pacer.clock,
             )
+            job.unit_s = self.unit_s
         began = pacer.clock()
         engine._decode_step(batch, outputs)
         decoded = pacer.clock()
@@ -235,6 +266,7 @@ class SplitPrefill:
             return True
         took = pacer.clock() - decoded
         job.seconds += took
+        self.unit_s = job.unit_s
         pacer.piece_step(took, job.spent)
         if logits is not None:
             self.job = None
