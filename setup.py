@@ -129,6 +129,24 @@ class bdist_wheel_or_pure(bdist_wheel):
         super().run()
 
 
+def _remake_stale_pure_mode_c(modules: dict[str, list[str]]) -> None:
+    """Cython's dependency tree reads the ``.pxd`` beside a source of the same name (``x.py``:
+    ``x.pxd``), not the one that types a pure-Python source compiled under another name
+    (``upstream.py`` as ``_upstream``: ``_upstream.pxd``), nor what that one cimports (``_parse.pxd``,
+    whose ``ResponseParser`` the compiled connection subclasses): such a module's generated C is
+    removed, so made again, when one of those is newer than it."""
+    from Cython.Build.Dependencies import create_dependency_tree
+
+    tree = create_dependency_tree()
+    for name, (source, *_) in modules.items():
+        pxd = os.path.join(os.path.dirname(source), name.rsplit(".", 1)[1] + ".pxd")
+        generated = source[:-3] + ".c"
+        if not source.endswith(".py") or not os.path.exists(pxd) or not os.path.exists(generated):
+            continue
+        if max(os.path.getmtime(dep) for dep in tree.all_dependencies(pxd)) > os.path.getmtime(generated):
+            os.remove(generated)
+
+
 def _extensions() -> list[Extension]:
     if NO_EXTENSIONS:
         return []
@@ -184,6 +202,7 @@ def _extensions() -> list[Extension]:
         # the fleet's shared counts: GCC atomics on the --workers N processes' mapping (fleet.py picks it)
         "server.orchestrator._fleet": ["server/orchestrator/_fleet.pyx"],
     }
+    _remake_stale_pure_mode_c(modules)
     extensions = [
         Extension(
             name,

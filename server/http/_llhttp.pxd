@@ -1,7 +1,7 @@
 # llhttp's C API (third_party/llhttp/include/llhttp.h, vendored: third_party/llhttp/README.md), the
 # part the parsers use, and what server/http/_llhttp.pyx shares with both of them (_parse.pyx's
-# request parser, _response_parser.pyx's) and with _upstream.pyx: one llhttp in the process,
-# compiled into _llhttp; the others reach it through the C functions declared here.
+# request parser, _response_parser.pyx's) and with _upstream (upstream.py compiled): one llhttp in
+# the process, compiled into _llhttp; the others reach it through the C functions declared here.
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from libc.stdint cimport uint8_t, uint16_t, uint64_t

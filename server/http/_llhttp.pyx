@@ -180,7 +180,7 @@ cdef class ReadWindow:
 
 cdef class BodyReader:
     """Where a connection's reads go under uvloop (see _llhttp.pxd): both the request parser and the
-    upstream connection (server/http/_upstream.pyx) read through one."""
+    upstream connection (server/http/upstream.py compiled as _upstream) read through one."""
 
     cdef bint begin(self, Py_ssize_t size):
         """A body of ``size`` bytes begins: read into its own bytes object if within the bound (a

@@ -1,7 +1,8 @@
-# The compiled parsers' C surface, for the module that builds on them: server/http/_upstream.pyx's
-# compiled connection subclasses ResponseParser (server/http/_parse.pyx) and takes its three events
-# as C calls, and reads through a BodyReader (server/http/_llhttp.pyx, declared in _llhttp.pxd with
-# llhttp's API: cimported here for _upstream.pyx and _parse.pyx).
+# The compiled parsers' C surface, for the module that builds on them: the compiled upstream
+# connection (server/http/upstream.py compiled as _upstream, typed by _upstream.pxd) subclasses
+# ResponseParser (server/http/_parse.pyx) and takes its three events as C calls, and reads through a
+# BodyReader (server/http/_llhttp.pyx, declared in _llhttp.pxd with llhttp's API: cimported here for
+# _upstream and _parse.pyx).
 
 from ._llhttp cimport BodyReader, llhttp_settings_t, llhttp_t
 

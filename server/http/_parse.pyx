@@ -41,7 +41,7 @@ cdef str _PAST_WORDS = PAST_THE_RESPONSE
 
 cdef class ResponseParser:
     """Frames one upstream connection's bytes into responses (see the pure twin). Its fields and
-    events are declared in _parse.pxd: server/http/_upstream.pyx's connection is one (a subclass
+    events are declared in _parse.pxd: the compiled upstream connection is one (upstream.py, a subclass
     whose ``head``, ``body`` and ``complete`` are C methods, no Python call per event)."""
 
     def __cinit__(self, conn):
