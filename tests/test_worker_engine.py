@@ -299,3 +299,34 @@ async def test_decode_keeps_its_attention_while_the_batch_stays_the_same(
     steps = engine.decode_steps_total - steps
     assert steps >= 29
     assert built == [4]
+
+
+async def test_streams_joining_a_running_batch_keep_its_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts admitted together but prefilled over several steps (a 16-token step budget), so
+    streams start decoding one or two at a time: the running batch's attention goes on as each
+    joins (its row appended, only its K/V gathered: one build, not one per join), and every stream's
+    greedy tokens are the ones it gives alone."""
+    import server.worker.engine as engine_module
+
+    config, model, tokenizer = build_tiny()
+    engine = TorchEngine(config, model, tokenizer, kv_tokens=1024, prefill_chunk_tokens=16)
+    engine.start(asyncio.get_running_loop())
+    try:
+        prompts = [f"join {i}" for i in range(4)]
+        alone = [(await run(engine, p, max_tokens=12))[0] for p in prompts]
+        built: list[int] = []
+
+        class Counted(engine_module.DecodeAttention):  # type: ignore[name-defined,misc]
+            def __init__(self, cache: Any, tables: list[list[int]], lengths: list[int]) -> None:
+                built.append(len(tables))
+                super().__init__(cache, tables, lengths)
+
+        monkeypatch.setattr(engine_module, "DecodeAttention", Counted)
+        with engine._wake:  # all four admitted in one go, their prefills spread over steps
+            tasks = [asyncio.ensure_future(run(engine, p, max_tokens=12)) for p in prompts]
+            await asyncio.sleep(0)
+        results = await asyncio.gather(*tasks)
+    finally:
+        engine.stop()
+    assert [r[0] for r in results] == alone
+    assert len(built) == 1 and built[0] < 4  # built when the first started, the others joined it

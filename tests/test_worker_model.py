@@ -160,41 +160,66 @@ def test_decode_attention_kept_across_steps_equals_a_new_one_each_step(
 ) -> None:
     """A batch's attention advanced step by step (its K/V gathered once into dense buffers, or
     gathered each step past DENSE_DECODE_BYTES) gives the logits a fresh one gives, bit for bit,
-    also after a sequence left it (the others keep their rows); blocks of 4, lengths crossing
-    block edges."""
-    import server.worker.kv_cache as kv_cache
+    also after a sequence left it (the others keep their rows) and after sequences joined it (their
+    rows appended, only their K/V gathered; one with a wider block table builds anew); blocks of 4,
+    lengths crossing block edges."""
+    import server.worker.decode_attention as decode_attention
 
-    monkeypatch.setattr(kv_cache, "DENSE_DECODE_BYTES", dense_bytes)
+    monkeypatch.setattr(decode_attention, "DENSE_DECODE_BYTES", dense_bytes)
     config = small_config()
     model = random_model(config)
     g = torch.Generator().manual_seed(3)
-    runs = []
+    runs, joins = [], []
     for keep in (False, True):
         cache = PagedKVCache(config, 256, block_size=4)
-        tables, lengths = [], []
-        for n in (3, 9, 6):
+        prefilled = []
+        for n in (3, 9, 6, 5, 11):  # the last two join at steps 2 and 5 (the last one's table wider)
             blocks = cache.allocate(n + 7)
             ids = torch.randint(0, config.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
             model.forward_step(ids, torch.arange(n), PrefillAttention(cache, blocks, 0, n))
-            tables.append(blocks)
-            lengths.append(n)
+            prefilled.append((blocks, n))
+        tables, lengths = [list(t) for t, _ in prefilled[:3]], [n for _, n in prefilled[:3]]
         steps, attention = [], None
         g.manual_seed(3)
         with torch.no_grad():
-            for step in range(7):
+            for step in range(8):
                 if step == 4:  # the second sequence ends: the others go on
                     del tables[1], lengths[1]
+                joining = {2: 3, 5: 4}.get(step)
+                if joining is not None:
+                    tables.append(prefilled[joining][0])
+                    lengths.append(prefilled[joining][1])
                 ids = torch.randint(0, config.vocab_size, (len(tables),), generator=g)
                 positions = torch.tensor(lengths)
                 lengths = [n + 1 for n in lengths]
                 if keep and attention is not None:
-                    attention.advance([0, 2] if step == 4 else None)
+                    attention.advance([0, 2, 3] if step == 4 else None)
+                    if joining is not None:
+                        joins.append(attention.join(tables[-1:], lengths[-1:]))
+                        if not joins[-1]:
+                            attention = DecodeAttention(cache, tables, lengths)
                 else:
                     attention = DecodeAttention(cache, tables, lengths)
                 assert bool(attention.capacity) == bool(dense_bytes)
                 steps.append(model.forward_step(ids, positions, attention))
         runs.append(torch.cat(steps))
     assert torch.equal(runs[0], runs[1])
+    assert joins == [bool(dense_bytes), False]
+
+
+def test_kept_rows_says_how_a_batch_goes_on() -> None:
+    """The kept streams' rows and how many joined after them; None where a stream joined between
+    kept ones or none was kept."""
+    from server.worker.decode_attention import kept_rows
+
+    a, b, c, d, e = (object() for _ in range(5))
+    assert kept_rows([a, b, c], [a, b, c]) == ([0, 1, 2], 0)
+    assert kept_rows([a, b, c], [a, c]) == ([0, 2], 0)
+    assert kept_rows([a, b, c], [a, c, d, e]) == ([0, 2], 2)
+    assert kept_rows([a, b, c], [a, d, c]) is None
+    assert kept_rows([a, b, c], [c, a]) is None
+    assert kept_rows([a, b], [d, e]) is None
+    assert kept_rows([a, b], []) is None
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (8, 1)])

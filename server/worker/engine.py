@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .decode_attention import DecodeAttention, kept_rows
 from .engine_api import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_KV_TOKENS,
@@ -63,7 +64,7 @@ from .engine_api import (
     ParkedKV,
     prompt_checksum,
 )
-from .kv_cache import DecodeAttention, PagedKVCache, PrefillBatchAttention, StepAttention
+from .kv_cache import PagedKVCache, PrefillBatchAttention, StepAttention
 from .kv_transfer import KVLayout
 from .model import LlamaForCausalLM, ModelConfig
 from .output import Delta, SamplingParams, TokenLogprob
@@ -646,28 +647,21 @@ class TorchEngine:
         lengths = [r.cached_len for r in batch]
         kept, attention = self._decode_kv
         # The same streams one token on since the last step (not after a failed one, whose
-        # streams did not move), or some of them (the others ended): its attention goes on, its
-        # K/V gathered once.
-        rows = self._kept_rows(kept, batch) if attention is not None else None
-        if attention is not None and rows is not None and np.array_equal(attention.lengths[rows], lengths):
-            attention.advance(None if len(rows) == len(kept) else rows)
-            self._decode_kv = (batch, attention)
-        else:
-            attention = DecodeAttention(self.cache, [r.blocks for r in batch], [n + 1 for n in lengths])
-            self._decode_kv = (batch, attention)
+        # streams did not move), or some of them (the others ended), then any that joined: its
+        # attention goes on, the kept streams' K/V gathered once (kv_cache.kept_rows).
+        found = kept_rows(kept, batch) if attention is not None else None
+        if attention is not None and found is not None:
+            rows, joined = found
+            stay = len(batch) - joined
+            if np.array_equal(attention.lengths[rows], lengths[:stay]):
+                attention.advance(None if len(rows) == len(kept) else rows)
+                new = batch[stay:]
+                if not new or attention.join([r.blocks for r in new], [n + 1 for n in lengths[stay:]]):
+                    self._decode_kv = (batch, attention)
+                    return ids, attention.positions, attention
+        attention = DecodeAttention(self.cache, [r.blocks for r in batch], [n + 1 for n in lengths])
+        self._decode_kv = (batch, attention)
         return ids, attention.positions, attention
-
-    @staticmethod
-    def _kept_rows(kept: list[EngineRequest], batch: list[EngineRequest]) -> list[int] | None:
-        """The rows of the last step's batch ``kept`` that ``batch`` is, in order (all of them, or
-        fewer where streams ended); None where a stream joined."""
-        if len(kept) == len(batch) and all(a is b for a, b in zip(kept, batch)):
-            return list(range(len(batch)))
-        where = {id(r): i for i, r in enumerate(kept)}
-        rows = [where.get(id(r), -1) for r in batch]
-        if not batch or -1 in rows or rows != sorted(rows):
-            return None
-        return rows if all(kept[i] is r for i, r in zip(rows, batch)) else None
 
     def _decode_step(self, batch: list[EngineRequest], outputs: list[tuple[EngineRequest, Delta]]) -> None:
         try:
