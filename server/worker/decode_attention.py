@@ -3,7 +3,8 @@
 :class:`DecodeAttention` is the engine's :class:`.model.AttentionBackend` for decode rows, kept from
 step to step while the same streams decode (a dense copy of their K/V beside the pool, its inputs
 moved on in place), :func:`kept_rows` how a step's batch goes on from the last one's. Split out of
-:mod:`.kv_cache` (the pool, prefix cache and prefill attention), which re-exports both.
+:mod:`.kv_cache` (the pool, prefix cache and prefill attention), which re-exports the class and
+:data:`DENSE_DECODE_BYTES`.
 """
 
 from __future__ import annotations
