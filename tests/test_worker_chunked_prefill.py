@@ -190,28 +190,81 @@ async def test_waiting_prompts_share_one_forward_and_match_their_unbatched_text(
         assert engine.prefill_steps_total == (1 if chunk == 0 else 3), chunk
 
 
-async def test_first_tokens_come_in_arrival_order(make_engine: Any) -> None:
-    """FIFO within the budget: a long prompt is not overtaken by the short ones behind it, even those
-    that arrive while its chunks run."""
-    engine = make_engine(prefill_chunk_tokens=64)
-    firsts: list[int] = []
+def steps_to_first_tokens(engine: TorchEngine, prompts: list[tuple[str, int]]) -> tuple[list[int], list[str]]:
+    """Drives ``engine``'s loop by hand, one step at a time (no thread, no clock): each prompt is
+    submitted before the step its ``at`` names; the step each got its first token at, and its text.
+    Every step a cut prompt waits in, the oldest prefilling prompt must have progressed."""
+    firsts: dict[int, int] = {}
+    texts = [""] * len(prompts)
+    which: dict[str, int] = {}
+    steps = 0
+    with torch.inference_mode():
+        while len(firsts) < len(prompts) or engine._running or engine._prefilling:
+            for i, (prompt, at) in enumerate(prompts):
+                if at == steps:
+                    req, _ = make_request(engine, prompt, max_tokens=4)
+                    which[req.request_id] = i
+                    engine.submit(req)
+            engine._waiting.extend(engine._inbox)
+            engine._inbox.clear()
+            outputs: list[tuple[EngineRequest, Delta]] = []
+            engine._admit(outputs)
+            oldest = engine._prefilling[0] if engine._prefilling else None
+            before = oldest.req.cached_len if oldest else 0
+            engine._step(outputs)
+            if oldest is not None:  # fairness: the oldest prompt goes on at every step it waits in
+                assert oldest.req.cached_len > before, steps
+            for req, delta in outputs:
+                texts[which[req.request_id]] += delta.text
+                if delta.token_ids:
+                    firsts.setdefault(which[req.request_id], steps)
+            steps += 1
+            assert steps < 500
+    return [firsts[i] for i in range(len(prompts))], texts
 
-    def submit(i: int, n: int) -> None:
-        req, _ = make_request(engine, text(i, n), max_tokens=2)
-        req.on_delta = lambda d: d.token_ids and firsts.count(i) == 0 and firsts.append(i)
-        engine.submit(req)
 
-    for i, n in enumerate([900, 10, 300, 8, 40]):
-        submit(i, n)
-    started(engine)
-    for i in range(5, 12):  # later arrivals, short ones, some while the first prompt is still in chunks
-        await asyncio.sleep(0.002)
-        submit(i, 6)
-    for _ in range(3000):
-        if len(firsts) == 12:
-            break
-        await asyncio.sleep(0.01)
-    assert firsts == list(range(12))
+async def test_a_short_prompt_gets_its_first_token_while_a_long_one_is_still_prefilling(
+    make_engine: Any,
+) -> None:
+    """Head-of-line: a 50-token prompt arriving while a 2,040-token one is prefilled in 128-token
+    steps runs beside it (whole, in the budget the oldest's guaranteed half leaves), not after its
+    whole prefill (before: step 16, after the long prompt's 15); both texts are their solo runs'."""
+    long, short = text(1, 2040), text(2, 50)
+    solo = started(make_engine(prefill_chunk_tokens=64))
+    want = [(await run(solo, p, max_tokens=4))[2] for p in (long, short)]
+    engine = make_engine(prefill_chunk_tokens=128)
+    firsts, texts = steps_to_first_tokens(engine, [(long, 0), (short, 1)])
+    assert firsts[1] == 1 < firsts[0], firsts  # the short one's first token in the step it arrived
+    assert texts == ["".join(d.text for d in w) for w in want]
+    # a burst of short ones behind the long one all go early, in arrival order among themselves
+    engine = make_engine(prefill_chunk_tokens=128)
+    firsts, _ = steps_to_first_tokens(engine, [(long, 0), *((text(i, 20), i) for i in range(3, 8))])
+    assert firsts[1:] == sorted(firsts[1:]) and firsts[-1] < firsts[0], firsts
+
+
+def test_the_shared_plan_keeps_the_oldest_share_and_fits_later_whole_prompts() -> None:
+    from types import SimpleNamespace
+
+    from server.worker.prefill_pacer import shared_chunks
+
+    def prompt(total: int, done: int = 0) -> Any:
+        return SimpleNamespace(total=total, req=SimpleNamespace(cached_len=done, cached_prefix=0))
+
+    def plan(*prompts: Any, budget: int = 128, paced: int = 128) -> list[tuple[int, int]]:
+        return [(prompts.index(p), t) for p, t in shared_chunks(list(prompts), budget, paced, 16)]
+
+    long = prompt(2040, 128)
+    assert plan(long) == [(0, 128)]  # alone: the whole budget, as before
+    assert plan(long, prompt(50)) == [(1, 50), (0, 78)]  # the short one whole, before the cut one
+    # the oldest keeps half; a later prompt too big for the rest waits, a smaller one after it goes
+    assert plan(long, prompt(70), prompt(30), prompt(40)) == [(2, 30), (0, 98)]
+    assert plan(long, prompt(60), prompt(4)) == [(1, 60), (2, 4), (0, 64)]
+    # beside decodes the pacer's tokens bound the cut one, its share at least a block
+    assert plan(long, prompt(50), paced=16) == [(1, 50), (0, 16)]
+    # a started prompt is never the whole-prompt kind, and the oldest's last chunk is not cut
+    assert plan(long, prompt(60, 10)) == [(0, 128)]
+    assert plan(prompt(300, 250), prompt(20), prompt(2000)) == [(0, 50), (1, 20), (2, 58)]
+    assert plan(prompt(300, 250), prompt(20), prompt(2000), prompt(8)) == [(0, 50), (1, 20), (3, 8), (2, 50)]
 
 
 async def test_a_bad_prompt_in_a_shared_forward_fails_alone(make_engine: Any) -> None:

@@ -12,7 +12,9 @@ One dedicated thread owns the model and the KV cache and loops:
    (``prefill_chunk_tokens``, less one per decode row, and no more than keeps
    the step within ``prefill_step_ratio`` times a decode-only step while
    streams decode, chunks sized by cost: :mod:`.prefill_pacer`): a long prompt
-   is cut into chunks over steps, several short ones share a step; a prompt
+   is cut into chunks over steps, several short ones share a step (one that
+   arrives behind a long prompt's chunks runs beside the next, not after them
+   all); a prompt
    whose last chunk ran samples its first token and starts decoding (or
    parks, for a context leg);
 4. hand the step's outputs to the event loop in one ``call_soon_threadsafe``.
@@ -68,7 +70,7 @@ from .kv_cache import PagedKVCache, PrefillBatchAttention, StepAttention
 from .kv_transfer import KVLayout
 from .model import LlamaForCausalLM, ModelConfig
 from .output import Delta, SamplingParams, TokenLogprob
-from .prefill_pacer import PrefillPacer, whole_prompts
+from .prefill_pacer import PrefillPacer, shared_chunks, whole_prompts
 from .split_prefill import SplitPrefill
 from .tokenizer import Tokenizer
 
@@ -437,32 +439,18 @@ class TorchEngine:
         """This step's prefill chunks, oldest prompt first (so no prompt waits behind a later one).
 
         Chunked (``prefill_chunk_tokens`` > 0): the step's budget is that many tokens, less one per
-        running decode (at least a block's worth, so a full batch still makes progress). A prompt
-        not yet started that fits what is left goes whole (a burst of short prompts is not held
-        back); one that must be cut, or was cut before, takes no more than the pacer allows beside
-        running decodes, and ends the plan. Off: whole prompts while ``prefill_tokens_per_step``
-        lasts, at least one. Several prompts in one plan share one forward."""
+        running decode (at least a block's worth, so a full batch still makes progress), planned by
+        :func:`.prefill_pacer.shared_chunks`: prompts not yet started that fit go whole; one that
+        must be cut takes no more than the pacer allows beside running decodes, and shares the
+        budget beyond its guaranteed share with later short prompts (no head-of-line blocking
+        behind a long prefill). Off: whole prompts while ``prefill_tokens_per_step`` lasts, at
+        least one. Several prompts in one plan share one forward."""
         chunk = self.prefill_chunk_tokens
         if chunk <= 0:
             return whole_prompts(self._prefilling, self.prefill_tokens_per_step)
         budget = max(chunk - len(self._running), min(chunk, self.cache.block_size))
         paced = self.pacer.budget(bool(self._running), self._prefilling[0].req.cached_len)
-        plan: list[tuple[_Prefill, int]] = []
-        for state in self._prefilling:
-            req = state.req
-            left = state.total - req.cached_len
-            if req.cached_len == req.cached_prefix and left <= budget:
-                take = left
-            else:
-                take = min(left, budget, paced)
-                if take <= 0:
-                    break
-            plan.append((state, take))
-            budget -= take
-            paced -= take
-            if budget <= 0 or take < left:
-                break
-        return plan
+        return shared_chunks(self._prefilling, budget, paced, self.cache.block_size)
 
     def _run_chunks(
         self, plan: list[tuple[_Prefill, int]], outputs: list[tuple[EngineRequest, Delta]]

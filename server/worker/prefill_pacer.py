@@ -134,4 +134,55 @@ def whole_prompts(prefilling: list[P], budget: int) -> list[tuple[P, int]]:
     return plan
 
 
-__all__ = ["PrefillPacer", "whole_prompts"]
+#: the part of a step's budget a cut prompt keeps when later prompts would take the rest
+OLDEST_SHARE = 0.5
+
+
+def shared_chunks(prefilling: list[P], budget: int, paced: int, least: int) -> list[tuple[P, int]]:
+    """A chunked step's plan: ``(prompt, tokens)`` under ``budget`` tokens, oldest first.
+
+    Not yet started prompts that fit go whole; the first that must be cut (or was cut before: the
+    oldest) takes up to ``paced`` tokens, but keeps only its guaranteed share (:data:`OLDEST_SHARE`
+    of what was left for it, at least ``least``: a block) where later prompts that were never cut
+    fit whole in the rest: those run in the same forward, before it (only a plan's last prompt may
+    be cut). So a short prompt behind a long one's prefill gets its first token at once instead of
+    after that whole prefill (head-of-line blocking), while the long one still progresses at every
+    step and no prompt waits behind later ones forever: a prompt that fits nowhere becomes the
+    oldest once those ahead of it are done. Whole prompts count against ``paced`` too."""
+    plan: list[tuple[P, int]] = []
+    for n, state in enumerate(prefilling):
+        req = state.req
+        left = state.total - req.cached_len
+        if req.cached_len == req.cached_prefix and left <= budget:
+            plan.append((state, left))
+            budget -= left
+            paced -= left
+            if budget <= 0:
+                return plan
+            continue
+        take = min(left, budget, paced)
+        if take <= 0:
+            return plan
+        if take == left:  # its last chunk: not cut, the plan goes on
+            plan.append((state, take))
+            budget -= take
+            paced -= take
+            if budget <= 0:
+                return plan
+            continue
+        keep = min(take, max(least, int(min(budget, paced) * OLDEST_SHARE)))
+        room = budget - keep
+        later: list[tuple[P, int]] = []
+        for other in prefilling[n + 1 :]:
+            o_left = other.total - other.req.cached_len
+            if other.req.cached_len == other.req.cached_prefix and o_left <= room:
+                later.append((other, o_left))
+                room -= o_left
+        if later:  # they take what they need; the cut prompt the rest (no less than its share)
+            used = sum(t for _, t in later)
+            take = max(keep, min(left, budget - used, paced - used))
+        return plan + later + [(state, take)]
+    return plan
+
+
+__all__ = ["OLDEST_SHARE", "PrefillPacer", "shared_chunks", "whole_prompts"]
