@@ -55,3 +55,17 @@ async def run(engine: TorchEngine, prompt: str, **params: Any) -> tuple[list[int
         deltas.append(d)
         if d.finish_reason:
             return [t for x in deltas for t in x.token_ids], d.finish_reason, deltas
+
+
+def step_by_hand(engine: TorchEngine) -> list[tuple[EngineRequest, Delta]]:
+    """One pass of the engine loop on this thread, with no engine thread started (so a test
+    counts steps, not seconds): submitted requests join, are admitted, one step runs; its outputs
+    are returned, not delivered. Call under ``torch.inference_mode()``."""
+    engine._waiting.extend(engine._inbox)
+    engine._inbox.clear()
+    outputs: list[tuple[EngineRequest, Delta]] = []
+    engine._drop_cancelled()
+    engine._admit(outputs)
+    if engine._running or engine._prefilling:
+        engine._step(outputs)
+    return outputs

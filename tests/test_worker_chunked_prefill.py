@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("torch")  # the torch worker: skipped where the [worker] extra is not installed
 
 import torch
-from engines import make_request, run
+from engines import make_request, run, step_by_hand
 
 from server.worker.engine import EngineRequest, TorchEngine
 from server.worker.output import Delta
@@ -205,13 +205,9 @@ def steps_to_first_tokens(engine: TorchEngine, prompts: list[tuple[str, int]]) -
                     req, _ = make_request(engine, prompt, max_tokens=4)
                     which[req.request_id] = i
                     engine.submit(req)
-            engine._waiting.extend(engine._inbox)
-            engine._inbox.clear()
-            outputs: list[tuple[EngineRequest, Delta]] = []
-            engine._admit(outputs)
             oldest = engine._prefilling[0] if engine._prefilling else None
             before = oldest.req.cached_len if oldest else 0
-            engine._step(outputs)
+            outputs = step_by_hand(engine)
             if oldest is not None:  # fairness: the oldest prompt goes on at every step it waits in
                 assert oldest.req.cached_len > before, steps
             for req, delta in outputs:

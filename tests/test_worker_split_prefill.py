@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("torch")  # the torch worker: skipped where the [worker] extra is not installed
 
 import torch
-from engines import make_request, run
+from engines import make_request, run, step_by_hand
 
 from server.worker import split_prefill
 from server.worker.engine import TorchEngine
@@ -226,3 +226,60 @@ async def test_a_prompt_whose_piece_fails_fails_alone(tiny: Any, restore: list[T
     assert engine.split.job is None
     for r, _ in streams:
         engine.abort(r.request_id)
+
+
+async def test_a_short_prompt_runs_beside_a_chunk_in_pieces_and_the_chunk_stays_in_pieces(
+    tiny: Any, restore: list[TorchEngine]
+) -> None:
+    """Head-of-line with streams decoding: a 50-token prompt that arrives while the long prompt's
+    chunk goes by pieces gets its first token in that step (its own forward beside the decodes;
+    before: after the chunk's last piece, and then beside the long prompt's next deep block
+    unsplit), the pieces go on, and every text is its solo run's. Steps driven by hand."""
+    config, model, tokenizer = tiny
+    alone = TorchEngine(config, model, tokenizer, kv_tokens=8192, prefill_chunk_tokens=0)
+    restore.append(alone)
+    alone.start(asyncio.get_running_loop())
+    long, short = text(8, 900), text(5, 50)
+    want = [(await run(alone, p, max_tokens=3))[0] for p in (long, short)]
+    engine, pieces = paced_engine(tiny)
+    restore.append(engine)
+    sizes: list[int] = []
+    fake = model.forward_step
+
+    def forward(ids: Any, *args: Any, **kwargs: Any) -> Any:
+        sizes.append(ids.numel())
+        return fake(ids, *args, **kwargs)
+
+    model.forward_step = forward
+    got: dict[str, list[int]] = {}
+
+    def submit(prompt: str, max_tokens: int) -> Any:
+        req, _ = make_request(engine, prompt, max_tokens=max_tokens)
+        engine.submit(req)
+        return req
+
+    def step() -> None:
+        for req, delta in step_by_hand(engine):
+            got.setdefault(req.request_id, []).extend(delta.token_ids)
+
+    with torch.inference_mode():
+        streams = [submit(text(i, 10), 200) for i in range(4)]
+        while engine.pacer.decode_s is None:
+            step()
+        long_req = submit(long, 3)
+        while engine.split.job is None or len(pieces) < 3:
+            step()
+        short_req = submit(short, 3)
+        sizes.clear()
+        step()
+        assert got.get(short_req.request_id), sizes  # its first token in the step it arrived
+        assert engine.split.job is not None and long_req.cached_len < len(long_req.prompt_ids)
+        assert sizes == [4, short_req.prompt_ids.size]  # decodes, then the short prompt alone
+        while long_req.request_id not in got or len(got[short_req.request_id]) < 3:
+            step()
+        while len(got[long_req.request_id]) < 3:
+            step()
+        for req in streams:
+            engine.abort(req.request_id)
+        step()
+    assert [got[long_req.request_id], got[short_req.request_id]] == want

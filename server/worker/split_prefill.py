@@ -23,8 +23,10 @@ of ``L`` layers for ``T`` tokens is ``T * k / (context_tokens * L)`` units, a la
 ``T / L``. Its seconds a unit are measured from the pieces' own time (:meth:`.PrefillPacer.piece_step`).
 
 :class:`SplitPrefill` decides, a step at a time, whether the engine's plan goes this way: only
-while streams decode, the plan is one chunk (the oldest prompt, cut) and not even a block of it
-fits the allowance whole. Numbers: the same attention to float32 rounding (pieces merged in
+while streams decode, the plan's last chunk is cut (or the plan is that chunk alone) and not
+even a block of it fits the allowance whole; the plan's other prompts (short ones that arrived
+behind it: :func:`.prefill_pacer.shared_chunks`) run whole in a forward of their own beside the
+pieces, so their first tokens do not wait for the chunk's last piece. Numbers: the same attention to float32 rounding (pieces merged in
 float32; the tests hold logits within 1e-4 of the unsplit chunk's, the issue's bar against
 transformers, and greedy text identical).
 """
@@ -235,12 +237,14 @@ class SplitPrefill:
         if not batch or not plan:
             return False
         if job is None:
-            if len(plan) != 1 or not pacer.ratio or pacer.decode_s is None:
+            if not pacer.ratio or pacer.decode_s is None:
                 return False
-            state, take = plan[0]
+            state, take = plan[-1]  # a cut prompt is a plan's last; before it, whole later prompts
+            if len(plan) > 1 and take == state.total - state.req.cached_len:
+                return False  # nothing cut: whole prompts, as any step's
             if pacer.tokens_for(state.req.cached_len, pacer.allowance) >= take:
                 return False  # the chunk fits whole
-            ids, positions, attention, rows = engine._prefill_inputs(plan)
+            ids, positions, attention, rows = engine._prefill_inputs(plan[-1:])
             job = self.job = SplitChunk(
                 engine.model,
                 state,
@@ -257,6 +261,10 @@ class SplitPrefill:
         engine._decode_step(batch, outputs)
         decoded = pacer.clock()
         pacer.decode_step(decoded - began)  # the streams' step alone, as their contexts grow
+        beside = [part for part in plan if part[0] is not job.state]
+        if beside:  # short prompts that arrived behind the chunk: their own forward, not after it
+            engine._run_chunks(beside, outputs)
+            decoded = pacer.clock()
         try:
             logits = job.advance(pacer.allowance)
         except Exception as exc:
