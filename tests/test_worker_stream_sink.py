@@ -10,10 +10,15 @@ import asyncio
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from server import openai_shapes
 from server.worker import stream_sink
 from server.worker.output import Delta
+from server.worker.responses import StreamWriterState
 from server.worker.stream_sink import DeltaRelay, StreamSink
+from server.worker.tokenizer import ByteTokenizer
 
 
 class _Out:
@@ -93,3 +98,57 @@ async def test_a_cancelled_handler_gives_the_deltas_back_to_the_queue(sink: Any)
         await handler
     relay(_d("x"))
     assert out.written == [] and queue.qsize() == 1
+
+
+class _Parsed:
+    """The ParsedRequest fields a StreamWriterState reads."""
+
+    def __init__(self, route: str, model: str, want_logprobs: bool = False) -> None:
+        self.route = route
+        self.model = model
+        self.want_logprobs = want_logprobs
+        self.tools = None
+
+
+@given(
+    st.sampled_from(["chat", "completions"]),
+    st.text(max_size=12) | st.just("\x00\x01"),
+    st.lists(st.text(min_size=1, max_size=8), min_size=1, max_size=4),
+)
+def test_a_text_deltas_event_is_the_chunk_made_whole(route: str, model: str, texts: list[str]) -> None:
+    """A text delta's event (the writer's cut template) is, byte for byte, the chunk openai_shapes
+    builds, whatever the text (quotes, escapes, controls, past the BMP) and the model name (one
+    that is the template's own marker too), and later chunks' text offsets are unchanged."""
+    writer = StreamWriterState(_Parsed(route, model), ByteTokenizer())  # type: ignore[arg-type]
+    for text in texts:
+        chunk = openai_shapes.stream_chunk(
+            chat=route == "chat",
+            response_id=writer.response_id,
+            created=writer.created,
+            model=model,
+            text=text,
+        )
+        expected = openai_shapes.sse_event(chunk)
+        assert writer.delta(Delta(text, [1], [])) == expected
+    assert writer.text_offset == sum(map(len, texts))
+
+
+def test_a_text_deltas_event_builds_no_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step's usual delta (text, not the last, no logprobs asked, no tool parser) costs no
+    chunk dicts nor their JSON encoding (~5 us a delta on the loop, 32 deltas a step at 32
+    streams); the last delta and a logprobs request still build theirs."""
+    plain = StreamWriterState(_Parsed("completions", "tiny"), ByteTokenizer())  # type: ignore[arg-type]
+    asked = StreamWriterState(_Parsed("completions", "tiny", True), ByteTokenizer())  # type: ignore[arg-type]
+    built: list[dict[str, Any]] = []
+    real = openai_shapes.stream_chunk
+
+    def counted(**kw: Any) -> dict[str, Any]:
+        built.append(kw)
+        return real(**kw)
+
+    monkeypatch.setattr(openai_shapes, "stream_chunk", counted)
+    assert plain.delta(Delta("a", [97], [])).startswith(b"data: {") and built == []
+    plain.delta(Delta("b", [98], [], finish_reason="length"))
+    assert [kw.get("finish_reason") for kw in built] == [None, "length"]
+    asked.delta(Delta("c", [99], []))
+    assert len(built) == 3

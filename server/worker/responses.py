@@ -210,6 +210,16 @@ class StreamWriterState:
         tools = req.tools
         #: the tool-call parser the text goes through (chat with tools and a parser), else None
         self.tool_stream = tools.stream() if tools is not None and tools.parsing else None
+        #: a plain text delta's event around its JSON-encoded text (:meth:`delta`'s usual chunk)
+        self._text_event: tuple[bytes, bytes] | None = None
+        if self.tool_stream is None and not req.want_logprobs:
+            # The chunk _chunk makes of a marker text, cut around the marker's JSON string; a head
+            # holding that string too (a model named so) leaves the template unused.
+            marker = "\x00\x01"
+            event = self._chunk(text=marker)
+            before, found, after = event.partition(json.dumps(marker).encode())
+            if found and found not in after:
+                self._text_event = (before, after)
 
     def _chunk(self, logprobs: list[TokenLogprob] | None = None, **fields: Any) -> bytes:
         """One SSE chunk of this response (:func:`server.openai_shapes.stream_chunk`); ``logprobs``:
@@ -226,6 +236,12 @@ class StreamWriterState:
         return b""
 
     def delta(self, delta: Delta) -> bytes:
+        text_event = self._text_event
+        if text_event is not None and delta.finish_reason is None and delta.text:
+            # A decode step's usual delta: _chunk's bytes (json.dumps of a str alone escapes it as
+            # it does inside the chunk) without building and encoding the chunk's dicts, ~5 us
+            self.text_offset += len(delta.text)
+            return text_event[0] + json.dumps(delta.text).encode() + text_event[1]
         if self.tool_stream is not None:
             return self._tool_delta(delta, self.tool_stream)
         out = b""
