@@ -201,15 +201,21 @@ def _extensions() -> list[Extension]:
         "server.orchestrator._breaker": ["server/orchestrator/breaker.py"],
         # the fleet's shared counts: GCC atomics on the --workers N processes' mapping (fleet.py picks it)
         "server.orchestrator._fleet": ["server/orchestrator/_fleet.pyx"],
+        # the torch worker forward's CPU kernels (norms, SiLU, rotary, paged decode attention), its
+        # C beside it (cpu_kernels.py picks it; the wheel's codec and scanner never import it)
+        "server.worker._cpu_kernels": ["server/worker/_cpu_kernels.pyx", "server/worker/cpu_decode.c"],
     }
     _remake_stale_pure_mode_c(modules)
+    # cpu_decode.c's float kernels: no FMA contraction (every build adds the same numbers: the same
+    # results on any CPU), no trapping math (its clamps then vectorise; nothing here reads FP flags)
+    float_args = {"server.worker._cpu_kernels": ["-ffp-contract=off", "-fno-trapping-math"]}
     extensions = [
         Extension(
             name,
             sources,
-            include_dirs=[include, f"{llhttp}/include"],
-            depends=[*headers, f"{llhttp}/include/llhttp.h"],
-            extra_compile_args=compile_args,
+            include_dirs=[include, f"{llhttp}/include", "server/worker"],
+            depends=[*headers, f"{llhttp}/include/llhttp.h", "server/worker/cpu_decode.h"],
+            extra_compile_args=compile_args + (float_args.get(name, []) if sys.platform != "win32" else []),
             extra_link_args=link_args,
         )
         for name, sources in modules.items()

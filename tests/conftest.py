@@ -4,8 +4,9 @@
 ``fastcore._scan``), ``relay_twin`` (the relay kernels, ``fastcore._relay``),
 ``hash_twin`` (the chunk hashes), ``http_twin`` (server.http's request and
 response parsers), ``upstream_twin`` (the upstream connection, response, pool start and deadline
-sweeper: server.http._upstream) and ``tally_twin`` (the orchestrator's per-request classes:
-server.orchestrator._tally) are parametrized over ``"py"`` (the pure-Python twin) and ``"c"`` (the
+sweeper: server.http._upstream), ``tally_twin`` (the orchestrator's per-request classes:
+server.orchestrator._tally) and ``cpu_kernels_twin`` (the torch worker's CPU kernels:
+server.worker._cpu_kernels) are parametrized over ``"py"`` (the pure-Python twin) and ``"c"`` (the
 compiled one). The compiled case is skipped when
 ``FASTCORE_NO_EXTENSIONS=1`` or the extension is not built, unless
 ``FASTCORE_REQUIRE_EXTENSIONS=1`` (set by CI), where a missing build fails.
@@ -103,6 +104,18 @@ TALLY_SOURCES = {
     "BytesPerToken": "bytes_per_token",
     "CircuitBreaker": "breaker",
 }
+
+
+@pytest.fixture(params=["py", "c"])
+def cpu_kernels_twin(request: pytest.FixtureRequest) -> Any:
+    """The torch worker's CPU kernels: :mod:`server.worker.cpu_kernels`' pure functions (its ``PURE``)
+    or the C ones (``server.worker._cpu_kernels``). Needs torch (the [worker] extra)."""
+    pytest.importorskip("torch")
+    if request.param == "py":
+        from server.worker import cpu_kernels
+
+        return cpu_kernels.PURE
+    return _twin("server.worker._cpu_kernels", "server.worker.cpu_kernels", "c")
 
 
 @pytest.fixture(params=["py", "c"])

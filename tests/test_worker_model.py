@@ -154,18 +154,25 @@ def test_paged_prefill_and_batched_decode_match_full_forward() -> None:
                 torch.testing.assert_close(logits[row], model(f[None, :n])[0, -1], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dense_bytes", [256 << 20, 0], ids=["dense", "gathered"])
+@pytest.mark.parametrize("mode", ["dense", "gathered", "paged"])
 def test_decode_attention_kept_across_steps_equals_a_new_one_each_step(
-    dense_bytes: int, monkeypatch: pytest.MonkeyPatch
+    mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A batch's attention advanced step by step (its K/V gathered once into dense buffers, or
     gathered each step past DENSE_DECODE_BYTES) gives the logits a fresh one gives, bit for bit,
     also after a sequence left it (the others keep their rows) and after sequences joined it (their
     rows appended, only their K/V gathered; one with a wider block table builds anew); blocks of 4,
-    lengths crossing block edges."""
+    lengths crossing block edges. Paged: through cpu_kernels' C (the pool read through the tables,
+    nothing dense kept; a join never builds anew)."""
     import server.worker.decode_attention as decode_attention
+    from server.worker import cpu_kernels
 
+    dense_bytes = 0 if mode == "gathered" else 256 << 20
     monkeypatch.setattr(decode_attention, "DENSE_DECODE_BYTES", dense_bytes)
+    if mode == "paged" and not cpu_kernels.COMPILED:
+        pytest.skip("the paged decode attention is the compiled kernels'")
+    if mode != "paged":
+        monkeypatch.setattr(cpu_kernels, "COMPILED", False)
     config = small_config()
     model = random_model(config)
     g = torch.Generator().manual_seed(3)
@@ -200,11 +207,11 @@ def test_decode_attention_kept_across_steps_equals_a_new_one_each_step(
                             attention = DecodeAttention(cache, tables, lengths)
                 else:
                     attention = DecodeAttention(cache, tables, lengths)
-                assert bool(attention.capacity) == bool(dense_bytes)
+                assert bool(attention.capacity) == (mode == "dense") and attention.paged == (mode == "paged")
                 steps.append(model.forward_step(ids, positions, attention))
         runs.append(torch.cat(steps))
     assert torch.equal(runs[0], runs[1])
-    assert joins == [bool(dense_bytes), False]
+    assert joins == {"dense": [True, False], "gathered": [False, False], "paged": [True, True]}[mode]
 
 
 def test_kept_rows_says_how_a_batch_goes_on() -> None:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import cpu_kernels
 from .model import grouped_decode_attention
 
 
@@ -73,7 +74,11 @@ class DecodeAttention:
         for i, t in enumerate(tables):
             self.table[i, : len(t)] = t
         self.lengths = np.asarray(lengths, dtype=np.int64)
-        capacity = max(width * bs, -(-max(lengths) // bs) * bs)
+        #: attention by cpu_kernels.paged_decode (C, float32 on a CPU): the pool read through the block
+        #: table, so no dense copy, no mask and no gather are kept; only positions move on a step
+        self.paged = cpu_kernels.COMPILED and cache.device.type == "cpu" and cache.k.dtype == torch.float32
+        self._out = torch.empty(0)
+        capacity = 0 if self.paged else max(width * bs, -(-max(lengths) // bs) * bs)
         per_layer = len(tables) * capacity * cache.kv_heads * cache.head_dim * cache.k.element_size()
         self.capacity = capacity if 2 * cache.num_layers * per_layer <= DENSE_DECODE_BYTES else 0
         self.dense: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * cache.num_layers
@@ -103,6 +108,9 @@ class DecodeAttention:
                 if d is not None:
                     self._keep_dense(layer, (d[0].index_select(0, keep), d[1].index_select(0, keep)))
         self.lengths += 1
+        if self.paged and rows is None:
+            self.positions.add_(1)  # the table and lengths' tensors share the arrays' memory
+            return
         if rows is not None or not self.capacity:
             self._positions()
             return
@@ -129,6 +137,16 @@ class DecodeAttention:
         the same values as a batch built anew. False where they do not fit its dense copy (a wider
         table, past DENSE_DECODE_BYTES, none kept): the caller builds one anew."""
         bs, width, n = self.cache.block_size, self.table.shape[1], len(tables)
+        if self.paged:  # nothing dense to grow: the rows appended (the table widened if need be)
+            wider = max(width, *map(len, tables))
+            table = np.zeros((self.lengths.size + n, wider), dtype=np.int64)
+            table[: self.lengths.size, :width] = self.table
+            for i, t in enumerate(tables):
+                table[self.lengths.size + i, : len(t)] = t
+            self.table = table
+            self.lengths = np.concatenate([self.lengths, np.asarray(lengths, dtype=np.int64)])
+            self._positions()
+            return True
         rows = self.lengths.size + n
         per_row = self.capacity * self.cache.kv_heads * self.cache.head_dim * self.cache.k.element_size()
         too_big = 2 * self.cache.num_layers * rows * per_row > DENSE_DECODE_BYTES
@@ -162,6 +180,10 @@ class DecodeAttention:
         lens = self.lengths
         last = lens - 1
         self._rows = np.arange(lens.size)
+        if self.paged:
+            self.positions = torch.from_numpy(last.copy())
+            self._table_t, self._lengths_t = torch.from_numpy(self.table), torch.from_numpy(self.lengths)
+            return
         # Built with numpy on the host in one go, then moved: one small copy per step instead of
         # a tensor per row. Only as many blocks as the longest sequence needs are read.
         self.span = -(-int(lens.max()) // bs) * bs
@@ -204,6 +226,13 @@ class DecodeAttention:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         pool_k, pool_v = self._pools[layer]
+        if self.paged:
+            out = self._out  # one buffer a batch for every layer: each layer's o_proj reads it first
+            if out.shape != q.shape:
+                out = self._out = q.new_empty(q.shape)
+            bs = self.cache.block_size
+            cpu_kernels.paged_decode(q, k, v, pool_k, pool_v, self._table_t, self._lengths_t, bs, out)
+            return out
         pool_k.index_copy_(0, self.new_slots, k)
         pool_v.index_copy_(0, self.new_slots, v)
         dense = self.dense[layer]

@@ -39,6 +39,10 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
+
+from . import cpu_kernels
+from .cpu_kernels import grouped_decode_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -300,28 +304,6 @@ class AttentionBackend(Protocol):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
-def grouped_decode_attention(
-    q: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
-    """One query token per sequence: ``q`` ``[B, heads, D]`` over ``kh``/``vh`` ``[B, kv_heads, S, D]``
-    with an additive ``mask`` ``[B, 1, 1, S]``; ``[B, heads, D]``.
-
-    SDPA's attention as two batched matmuls, each KV head's query heads its rows (query head
-    ``i`` reads KV head ``i // group``, as ``enable_gqa`` pairs them): on a CPU SDPA's kernel with a
-    mask costs a third more for one query row (measured at 32 sequences of 128 positions, ~130 ->
-    ~100 us a layer). The same attention to float32 rounding (the scores are scaled after the
-    product rather than the query before it); softmax in float32 whatever the dtype."""
-    b, heads, d = q.shape
-    kv_heads = kh.shape[1]
-    scores = torch.matmul(q.view(b, kv_heads, heads // kv_heads, d), kh.transpose(-1, -2))
-    scores = scores.mul_(d**-0.5).add_(mask)
-    if scores.dtype == torch.float32:  # no cast to make (a no-op cast is still a dispatched op)
-        weights = torch.softmax(scores, -1)
-    else:
-        weights = torch.softmax(scores, -1, dtype=torch.float32).to(vh.dtype)
-    return torch.matmul(weights, vh).view(b, heads, d)
-
-
 class _FullSequenceAttention:
     """Causal attention over whole ``[B, T]`` rows, no cache: the plain ``forward``."""
 
@@ -400,6 +382,9 @@ class LlamaAttention(nn.Module):
         self.qkv = FusedLinear(self.q_proj, self.k_proj, self.v_proj)
         self._qk_v = [self.num_heads + self.num_kv_heads, self.num_kv_heads]
         self._q_k = [self.num_heads, self.num_kv_heads]
+        #: the fused forward's: heads rotated (q's and k's), and q, k, v's head counts
+        self.rotated_heads = self.num_heads + self.num_kv_heads
+        self.head_split = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
 
     def forward(
         self,
@@ -460,9 +445,61 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb.tables(positions, x.dtype)
+        if self._kernels_apply(x):
+            return self._forward_kernels(x, cos, sin, kv)
         for layer in self.layers:
             x = layer(x, cos, sin, kv)
         return self.norm(x)
+
+    def _kernels_apply(self, x: torch.Tensor) -> bool:
+        """Whether this forward runs through :mod:`.cpu_kernels`' C: built, float32 on a CPU, no
+        autograd, and no forward hook on the modules whose outputs it no longer computes apart (the
+        embedding's hook has run: it is called as a module; the layers' and the final norm's would
+        see none), so a hooked model (tests/test_transformers_reference.py names the first layer
+        that differs) runs the plain modules."""
+        if (
+            not cpu_kernels.COMPILED
+            or x.dtype is not torch.float32
+            or not x.is_cpu
+            or torch.is_grad_enabled()
+        ):
+            return False
+        hooked = (self.norm, *self.layers)
+        return not any(m._forward_hooks or m._forward_pre_hooks for m in hooked) and not (
+            _global_forward_hooks or _global_forward_pre_hooks
+        )
+
+    def _forward_kernels(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: AttentionBackend
+    ) -> torch.Tensor:
+        """The plain forward's arithmetic, each norm, residual add, SiLU, rotation and decode attention
+        one C call (:mod:`.cpu_kernels`; the matmuls torch's): the residual stream kept apart and each
+        layer's add folded into the next norm (vLLM's fused_add_rms_norm). A small model's decode step
+        costs its ops' dispatch more than their arithmetic: tiny at 32 streams ~110 ops -> ~50."""
+        n = x.shape[0]
+        residual = x
+        h = x
+        layers: list[LlamaDecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+        for i, layer in enumerate(layers):
+            norm = layer.input_layernorm
+            if i:
+                cpu_kernels.add_rms_norm_(h, residual, norm.weight, norm.eps)
+            else:
+                h = cpu_kernels.rms_norm(x, norm.weight, norm.eps)
+            attn = layer.self_attn
+            qkv = attn.qkv(h).view(n, -1, attn.head_dim)
+            cpu_kernels.rope_(qkv, attn.rotated_heads, cos, sin)  # q and k, in place
+            q, k, v = qkv.split_with_sizes(attn.head_split, 1)
+            out = kv.attend(layer.index, q, k, v).reshape(n, -1)
+            h = F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
+            norm = layer.post_attention_layernorm
+            cpu_kernels.add_rms_norm_(h, residual, norm.weight, norm.eps)
+            mlp = layer.mlp
+            h = F.linear(cpu_kernels.silu_mul(mlp.gate_up(h)), mlp.down_proj.weight, mlp.down_proj.bias)
+        if not layers:
+            return cpu_kernels.rms_norm(x, self.norm.weight, self.norm.eps)
+        cpu_kernels.add_rms_norm_(h, residual, self.norm.weight, self.norm.eps)
+        return h
 
 
 class LlamaForCausalLM(nn.Module):
