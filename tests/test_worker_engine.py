@@ -270,6 +270,35 @@ def test_decode_rate_over_the_last_five_seconds(engine: TorchEngine, monkeypatch
     assert engine.generated_tokens_total == 150 + 2000 * 32
 
 
+def test_greedy_sampling_picks_torchs_argmax_without_it(
+    engine: TorchEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CPU step's greedy rows: numpy's argmax (torch's CPU kernel cost ~10 us at 32 x 262 and
+    ~870 at 32 x 32k), the index torch's gives (the first of tied maxima, of infinities, the first
+    NaN); a batch found all greedy is remembered, and a row that asks for more (logprobs, sampling)
+    in a later batch of the same size is served as one."""
+    logits = torch.randn(6, engine.vocab_size)
+    logits[1, 3] = logits[1, 7] = logits[1].max() + 1  # a tie
+    logits[2, 5] = logits[2, 9] = float("inf")
+    logits[3, 4] = logits[3, 8] = float("nan")
+    logits[4] = float("-inf")
+    expected = logits.argmax(-1).tolist()
+    reqs = [make_request(engine, f"r{i}")[0] for i in range(6)]
+
+    def no_torch_argmax(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("torch's argmax on CPU")
+
+    monkeypatch.setattr(torch.Tensor, "argmax", no_torch_argmax)
+    with torch.inference_mode():
+        assert engine._sample(logits, reqs) == [(t, None) for t in expected]
+        assert engine._sample(logits, reqs) == [(t, None) for t in expected]  # remembered
+        other = make_request(engine, "lp", logprobs=2)[0]
+        sampled = engine._sample(logits, [*reqs[:5], other])
+    assert [t for t, _ in sampled] == expected
+    assert [lp is None for _, lp in sampled] == [True] * 5 + [False]
+    assert sampled[5][1] is not None and sampled[5][1].token_id == expected[5]
+
+
 async def test_decode_keeps_its_attention_while_the_batch_stays_the_same(
     engine: TorchEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
