@@ -237,6 +237,16 @@ def test_a_plain_piece_is_pushed_without_a_decode() -> None:
     assert tok.decodes > 0 and detok.text == "hello\u20ac\ufffda"
 
 
+def test_a_held_byte_after_a_plain_piece_costs_one_decode() -> None:
+    """After a plain piece the window's prefix is that piece (final alone): the byte that starts a
+    character after it decodes once (the window), not twice (was: the prefix decoded anew)."""
+    tok = _Counting()
+    detok = IncrementalDetokenizer(tok)
+    assert detok.push_one(ord("a")) == "a" and tok.decodes == 0
+    assert detok.push_one(0xC3) == "" and tok.decodes == 1
+    assert detok.push_one(0xA9) == "\u00e9" and detok.text == "a\u00e9"
+
+
 ids_and_tails = st.tuples(
     st.lists(st.integers(0, TOK.vocab_size - 1), max_size=40),
     st.lists(st.integers(0, 255), max_size=6),
@@ -257,7 +267,8 @@ def test_output_fast_path_gives_what_the_rules_give(
     for plain in (True, False):
         params = SamplingParams(max_tokens=max_tokens, stop=stop, stop_token_ids=[ord("z")])
         processor = OutputProcessor(_Counting(plain), params, tail)
-        processor._unheld &= plain  # the second run through every rule
+        if not plain:
+            processor._fast_below = 0  # the second run through every rule
         deltas = []
         for token in ids:
             if processor.finished:
@@ -265,5 +276,7 @@ def test_output_fast_path_gives_what_the_rules_give(
             deltas.append(processor.add(token))
         if not processor.finished:
             deltas.append(processor.finish_early("not_finished"))
+        with pytest.raises(RuntimeError, match="finished request"):
+            processor.add(ord("a"))  # the fast path too is closed
         runs.append([(d.text, d.token_ids, d.finish_reason, d.stop_reason) for d in deltas])
     assert runs[0] == runs[1]

@@ -81,9 +81,13 @@ class OutputProcessor:
         if not params.ignore_eos:
             self.end_ids.update(tokenizer.eos_token_ids)
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
-        #: no stop strings: a token's text is final as it comes (the fast path of :meth:`add`)
-        self._unheld = not params.stop
-        self.text = ""  # all text so far, held-back tail included
+        #: the fast path of :meth:`add` takes tokens while the count stays below this: with no stop
+        #: strings a token's text is final as it comes, up to the one that reaches ``max_tokens``;
+        #: 0 (none) with stop strings and once finished
+        self._fast_below = 0 if params.stop else params.max_tokens
+        # All text so far, held-back tail included; with no stop strings, the fast path's pieces
+        # are not added (only :meth:`_emit` reads it then, past ``emitted``, and nothing is held).
+        self.text = ""
         self.emitted = 0  # characters of self.text already sent
         self.num_tokens = 0
         self.finish_reason: str | None = None
@@ -94,18 +98,21 @@ class OutputProcessor:
         return self.finish_reason is not None
 
     def add(self, token_id: int, logprob: TokenLogprob | None = None) -> Delta:
+        num_tokens = self.num_tokens + 1
+        if num_tokens < self._fast_below and token_id not in self.end_ids:
+            # A token that ends nothing, no stop strings (so no text held back), not finished: its
+            # text is the delta, as the rules below give it here, without their checks (a decode
+            # step's every stream comes this way).
+            self.num_tokens = num_tokens
+            piece = self.detokenizer.push_one(token_id)
+            return Delta(piece, [token_id], [logprob] if logprob is not None else [])
         if self.finish_reason is not None:
             raise RuntimeError("token added to a finished request")
-        self.num_tokens += 1
+        # Without stop strings only a finishing token comes here: the fast path closes (a token
+        # added after it comes here too, and raises).
+        self._fast_below = 0
+        self.num_tokens = num_tokens
         logprobs = [logprob] if logprob is not None else []
-        if self._unheld and token_id not in self.end_ids and self.num_tokens < self.params.max_tokens:
-            # A token that ends nothing, no stop strings (so no text held back): its text is the
-            # delta, as the rules below give it here, without their checks (a decode step's every
-            # stream comes this way).
-            piece = self.detokenizer.push_one(token_id)
-            self.text += piece
-            self.emitted = len(self.text)
-            return Delta(piece, [token_id], logprobs)
         if token_id in self.end_ids:
             self.finish_reason = "stop"
             if token_id in self.params.stop_token_ids:
@@ -135,6 +142,7 @@ class OutputProcessor:
     def finish_early(self, reason: str) -> Delta:
         """End before the request would end by itself (``"not_finished"`` of a context leg)."""
         self.finish_reason = reason
+        self._fast_below = 0
         self.text += self.detokenizer.flush()
         return self._emit([], [], len(self.text))
 

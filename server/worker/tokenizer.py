@@ -64,7 +64,9 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_ids[-4:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.text = ""
+        # The text so far as its deltas (joined when read: a string grown by += is copied whole
+        # at each push, quadratic over a long answer)
+        self._pieces: list[str] = []
         # The decode of ids[prefix_offset:read_offset] while the offsets stay (a character or a
         # piece still incomplete): one decode a push instead of two while text is held.
         self._prefix_text: str | None = None
@@ -86,8 +88,8 @@ class IncrementalDetokenizer:
             self.ids.append(token_id)
             self.prefix_offset = self.read_offset
             self.read_offset += 1
-            self.text += piece
-            self._prefix_text = None
+            self._pieces.append(piece)
+            self._prefix_text = piece  # the new window's prefix is this id alone, final as it is
             return piece
         return self.push((token_id,))
 
@@ -102,7 +104,7 @@ class IncrementalDetokenizer:
             delta = new_text[len(prefix_text) :]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
-            self.text += delta
+            self._pieces.append(delta)
             # The new window's prefix is decoded at the next push: a piece may decode differently
             # after its left neighbour than alone (SentencePiece), so new_text cannot give it.
             self._prefix_text = None
@@ -117,8 +119,13 @@ class IncrementalDetokenizer:
         delta = new_text[len(prefix_text) :] if new_text.startswith(prefix_text) else ""
         self.prefix_offset = self.read_offset = len(self.ids)
         self._prefix_text = None
-        self.text += delta
+        self._pieces.append(delta)
         return delta
+
+    @property
+    def text(self) -> str:
+        """All the text returned so far."""
+        return "".join(self._pieces)
 
 
 class ByteTokenizer:
