@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from server.worker import output
 from server.worker.output import Delta, OutputProcessor, SamplingParams
 from server.worker.tokenizer import ByteTokenizer, IncrementalDetokenizer, Tokenizer
 
@@ -187,10 +188,15 @@ def test_finish_early_and_misuse() -> None:
 @given(
     st.text(alphabet="abcSTOP é€", min_size=1, max_size=40),
     st.lists(st.text(alphabet="abcSTOP é€", min_size=1, max_size=4), max_size=3),
+    st.sampled_from([output._KEEP_SENT, 0, 3]),
 )
-def test_streamed_text_is_the_text_cut_at_the_earliest_stop(text: str, stops: list[str]) -> None:
+def test_streamed_text_is_the_text_cut_at_the_earliest_stop(text: str, stops: list[str], keep: int) -> None:
+    """The streamed text is the brute force's cut at the earliest stop and never runs past it,
+    whatever sent text the processor keeps (``keep``: 0 cuts it off at every token)."""
     tokens = list(text.encode())
-    deltas = process(tokens, stop=stops, max_tokens=len(tokens))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(output, "_KEEP_SENT", keep)
+        deltas = process(tokens, stop=stops, max_tokens=len(tokens))
     merged = merge_deltas(deltas)
     # Brute force: generation stops at the first token after which some stop string is in the
     # (whole-character) text, cut at the earliest such occurrence.
@@ -245,6 +251,21 @@ def test_a_held_byte_after_a_plain_piece_costs_one_decode() -> None:
     assert detok.push_one(ord("a")) == "a" and tok.decodes == 0
     assert detok.push_one(0xC3) == "" and tok.decodes == 1
     assert detok.push_one(0xA9) == "\u00e9" and detok.text == "a\u00e9"
+
+
+def test_a_stop_string_request_decodes_no_plain_piece_and_keeps_no_long_text() -> None:
+    """With stop strings a token goes through the rules, yet its text comes as push_one gives it (no
+    decode for a plain piece; was two), and the text kept for the stop search stays bounded over a
+    long answer (was the whole answer, copied at each token)."""
+    tok = _Counting()
+    processor = OutputProcessor(tok, SamplingParams(max_tokens=10_000, stop=["\n\n", "END!"]))
+    deltas = [processor.add(b) for b in b"hello world" * 400]
+    assert tok.decodes == 0
+    assert "".join(d.text for d in deltas) + processor.text[processor.emitted :] == "hello world" * 400
+    assert len(processor.text) <= output._KEEP_SENT + 2 * processor.holdback + 1
+    assert processor.add(ord("\n")).finish_reason is None
+    last = processor.add(ord("\n"))
+    assert last.finish_reason == "stop" and last.stop_reason == "\n\n" and last.text == "ld"
 
 
 ids_and_tails = st.tuples(

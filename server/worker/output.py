@@ -55,6 +55,10 @@ class Delta:
     stop_reason: str | int | None = None
 
 
+#: sent characters a processor's text may keep before they are cut off (see OutputProcessor.text)
+_KEEP_SENT = 1024
+
+
 class OutputProcessor:
     """Turns one request's sampled tokens into text deltas and decides when it ends.
 
@@ -85,8 +89,10 @@ class OutputProcessor:
         #: strings a token's text is final as it comes, up to the one that reaches ``max_tokens``;
         #: 0 (none) with stop strings and once finished
         self._fast_below = 0 if params.stop else params.max_tokens
-        # All text so far, held-back tail included; with no stop strings, the fast path's pieces
-        # are not added (only :meth:`_emit` reads it then, past ``emitted``, and nothing is held).
+        # The text not sent yet, after the sent text's last ``holdback`` characters at least (a
+        # stop string's match can start no earlier): what was sent before is cut off now and then
+        # (:meth:`_emit`), since a string grown by += is copied whole each time. With no stop
+        # strings the fast path's pieces are not added (nothing is held back).
         self.text = ""
         self.emitted = 0  # characters of self.text already sent
         self.num_tokens = 0
@@ -119,15 +125,16 @@ class OutputProcessor:
                 self.stop_reason = token_id
             self.text += self.detokenizer.flush()
             return self._emit([token_id], logprobs, len(self.text))
-        self.text += self.detokenizer.push([token_id])
+        self.text += self.detokenizer.push_one(token_id)
         if self.params.stop:
-            # Only the new tail (plus a stop's length of overlap) can hold a new match.
+            # Only the new tail (plus a stop's length of overlap) can hold a new match; the
+            # earliest match wins, the first listed of those at the same place.
             start = max(0, self.emitted - self.holdback)
-            cut, matched = min(
-                ((i, s) for s in self.params.stop if (i := self.text.find(s, start)) >= 0),
-                key=lambda found: found[0],
-                default=(-1, None),
-            )
+            cut, matched = -1, None
+            for stop in self.params.stop:
+                i = self.text.find(stop, start)
+                if i >= 0 and (cut < 0 or i < cut):
+                    cut, matched = i, stop
             if cut >= 0:
                 self.finish_reason = "stop"
                 self.stop_reason = matched
@@ -149,6 +156,11 @@ class OutputProcessor:
     def _emit(self, token_ids: list[int], logprobs: list[TokenLogprob], upto: int) -> Delta:
         text = self.text[self.emitted : upto]
         self.emitted = max(self.emitted, upto)
+        if self.emitted > _KEEP_SENT + self.holdback:
+            # Only the last holdback characters sent are read again (add's stop search)
+            drop = self.emitted - self.holdback
+            self.text = self.text[drop:]
+            self.emitted -= drop
         return Delta(text, token_ids, logprobs, self.finish_reason, stop_reason=self.stop_reason)
 
 
