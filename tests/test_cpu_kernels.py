@@ -246,3 +246,53 @@ def test_a_hooked_or_autograd_forward_runs_the_modules(
         assert model.model._kernels_apply(torch.zeros(1, 64))
         assert not model.model._kernels_apply(torch.zeros(1, 64, dtype=torch.float64))
     assert not model.model._kernels_apply(torch.zeros(1, 64))  # grad enabled: training runs the modules
+
+
+def test_paged_decode_for_a_batch_is_the_function_at_each_layer(cpu_kernels_twin: Any) -> None:
+    """PagedDecode checks the pools, table and lengths once and runs paged_decode on a layer's pools;
+    lengths moved on in place are read at each call."""
+    case = _paged_case(5, 4, 2, 16, 16, seed=11)
+    pools_k = torch.stack([case["pool_k"], case["pool_k"] * 2])
+    pools_v = torch.stack([case["pool_v"], -case["pool_v"]])
+    lengths = case["lengths"].clone()
+    decode = cpu_kernels_twin.PagedDecode(pools_k, pools_v, case["table"], lengths, 16)
+    for _step in range(2):
+        for layer in range(2):
+            out = torch.empty(case["q"].shape)
+            decode(layer, case["q"], case["k"], case["v"], out)
+            want = torch.empty(case["q"].shape)
+            layer_case = {
+                **case,
+                "lengths": lengths,
+                "pool_k": pools_k[layer].clone(),
+                "pool_v": pools_v[layer].clone(),
+            }
+            cpu_kernels_twin.paged_decode(out=want, **layer_case)
+            assert torch.equal(out, want)
+        lengths += 1
+
+
+def test_paged_decode_for_a_batch_refuses_bad_calls(cpu_kernels_twin: Any) -> None:
+    case = _paged_case(3, 4, 2, 16, 16, seed=12)
+    pools = (case["pool_k"][None], case["pool_v"][None])
+    make = cpu_kernels_twin.PagedDecode
+    with pytest.raises(ValueError, match=r"one \[layers, slots, kv_heads, dim\] shape"):
+        make(case["pool_k"], case["pool_v"], case["table"], case["lengths"], 16)
+    with pytest.raises(ValueError, match="table must be"):
+        make(*pools, case["table"], case["lengths"][:2], 16)
+    with pytest.raises(ValueError, match="block_size must be positive"):
+        make(*pools, case["table"], case["lengths"], 0)
+    with pytest.raises(ValueError, match="pool_k must be a CPU"):
+        make(pools[0].double(), pools[1].double(), case["table"], case["lengths"], 16)
+    decode = make(*pools, case["table"], case["lengths"], 16)
+    out = torch.empty(case["q"].shape)
+    with pytest.raises(ValueError, match="layer 1 outside"):
+        decode(1, case["q"], case["k"], case["v"], out)
+    with pytest.raises(ValueError, match="q must be"):
+        decode(0, case["q"][:2], case["k"], case["v"], out)
+    with pytest.raises(ValueError, match="not a multiple"):
+        decode(0, case["q"][:, :3], case["k"], case["v"], torch.empty(3, 3, 16))
+    bad = case["lengths"].clone()
+    bad[0] = 10_000
+    with pytest.raises(ValueError, match="sequence 0: length 10000"):
+        make(*pools, case["table"], bad, 16)(0, case["q"], case["k"], case["v"], out)

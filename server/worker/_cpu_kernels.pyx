@@ -179,3 +179,83 @@ def paged_decode(q, k, v, pool_k, pool_v, table, lengths, int64_t block_size, ou
     if rc:
         raise ValueError(f"sequence {rc - 1}: length {int(lengths[rc - 1])} or its blocks lie outside the "
                          f"table ({width} blocks of {block_size}) or the pool ({slots} slots)")
+
+
+cdef class PagedDecode:
+    """:func:`paged_decode` for one batch at every layer, what stays the same checked once: the
+    pools (``[layers, slots, kv_heads, dim]``, the KV cache's), the block ``table`` and ``lengths``
+    (their tensors kept; the caller moves lengths on in place, which the C checks against the
+    table at every call). A call checks only the step's ``q``, ``k``, ``v`` and ``out``."""
+
+    cdef object _keep
+    cdef float *pool_k
+    cdef float *pool_v
+    cdef const int64_t *table
+    cdef const int64_t *lengths
+    cdef int64_t layers, slots, kv_heads, dim, width, batch, block_size
+
+    def __init__(self, pool_k, pool_v, table, lengths, int64_t block_size):
+        if pool_k.dim() != 4 or pool_k.shape != pool_v.shape:
+            raise ValueError(f"pool_k and pool_v must be one [layers, slots, kv_heads, dim] shape, got "
+                             f"{tuple(pool_k.shape)} and {tuple(pool_v.shape)}")
+        if table.dim() != 2 or lengths.dim() != 1 or lengths.shape[0] != table.shape[0]:
+            raise ValueError(f"table must be [batch, width] and lengths [batch], got {tuple(table.shape)} "
+                             f"and {tuple(lengths.shape)}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.layers, self.slots, self.kv_heads, self.dim = pool_k.shape
+        self.batch, self.width = table.shape
+        self.block_size = block_size
+        if self.kv_heads < 1 or self.dim < 1:
+            raise ValueError(f"pool_k {tuple(pool_k.shape)} holds no heads")
+        self.pool_k = <float *>_data(pool_k, "pool_k", _F32, True)
+        self.pool_v = <float *>_data(pool_v, "pool_v", _F32, True)
+        self.table = <const int64_t *>_data(table, "table", _I64, True) if self.batch else NULL
+        self.lengths = <const int64_t *>_data(lengths, "lengths", _I64, True) if self.batch else NULL
+        self._keep = (pool_k, pool_v, table, lengths)
+
+    def __call__(self, int64_t layer, q, k, v, out):
+        """Layer ``layer``'s new ``k``/``v`` written and ``out`` = the attention of ``q``, as
+        :func:`paged_decode`."""
+        if layer < 0 or layer >= self.layers:
+            raise ValueError(f"layer {layer} outside the pools' {self.layers}")
+        cdef int64_t batch = self.batch, kv_heads = self.kv_heads, dim = self.dim
+        cdef int64_t heads = _decode_rows(q, "q", batch, -1, dim)
+        if heads % kv_heads:
+            raise ValueError(f"q's {heads} heads are not a multiple of the pools' {kv_heads}")
+        _decode_rows(k, "k", batch, kv_heads, dim)
+        _decode_rows(v, "v", batch, kv_heads, dim)
+        if k.stride() != v.stride():
+            raise ValueError(f"v {tuple(v.stride())} must be laid out as k {tuple(k.stride())}")
+        if out.shape != q.shape or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {tuple(q.shape)}, got {tuple(out.shape)}")
+        if batch == 0:
+            return
+        cdef const float *pq = <const float *>_data(q, "q", _F32, False)
+        cdef const float *pk = <const float *>_data(k, "k", _F32, False)
+        cdef const float *pv = <const float *>_data(v, "v", _F32, False)
+        cdef float *po = <float *>_data(out, "out", _F32, False)
+        cdef int64_t q_stride = q.stride(0), kv_stride = k.stride(0)
+        cdef int64_t offset = layer * self.slots * kv_heads * dim
+        cdef float scale = <float>pow(<double>dim, -0.5)
+        cdef int rc
+        with nogil:
+            rc = fc_paged_decode(pq, q_stride, pk, pv, kv_stride, self.pool_k + offset, self.pool_v + offset,
+                                 self.slots, self.table, self.width, self.block_size, self.lengths, batch, heads,
+                                 kv_heads, dim, scale, po)
+        if rc == -1:
+            raise MemoryError("paged_decode: no memory for the scores")
+        if rc:
+            raise ValueError(f"sequence {rc - 1}: length {self.lengths[rc - 1]} or its blocks lie outside the "
+                             f"table ({self.width} blocks of {self.block_size}) or the pool ({self.slots} slots)")
+
+
+cdef int64_t _decode_rows(object t, str name, int64_t batch, int64_t heads, int64_t dim) except -1:
+    """``t`` as [batch, heads (any where -1), dim] rows of whole heads; its heads."""
+    shape = t.shape
+    stride = t.stride()
+    if (len(shape) != 3 or shape[0] != batch or shape[2] != dim or (heads >= 0 and shape[1] != heads)
+            or stride[2] != 1 or stride[1] != dim):
+        raise ValueError(f"{name} must be [{batch}, {'heads' if heads < 0 else heads}, {dim}] with rows of "
+                         f"whole heads, got {tuple(shape)} strides {stride}")
+    return shape[1]

@@ -80,14 +80,6 @@ __attribute__((target("avx2"))) static inline __m256 exp8_avx2(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
 }
 
-/* s[j] = e^(s[j] - top), eight at a time, the rest as exp_lanes */
-__attribute__((target("avx2"))) static void exp_shifted_avx2(float *s, int64_t n, float top) {
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8)
-        _mm256_storeu_ps(s + j, exp8_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(top))));
-    for (; j < n; j++) s[j] = exp_lanes(s[j] - top);
-}
-
 __attribute__((target("avx2"))) static void silu_mul_row_avx2(const float *g, const float *u, float *o, int64_t n) {
     int64_t i = 0;
     const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
@@ -193,34 +185,40 @@ static int64_t check_tables(const int64_t *table, int64_t width, int64_t block_s
     return 0;
 }
 
-/* scores[g * stride + o] = (q_g . keys[o * row]) * scale for o < n positions of one block, g < group */
-FC_INLINE void keys_dot_generic(const float *q, const float *keys, int64_t row, int64_t n, int64_t group,
-                                int64_t dim, float scale, float *scores, int64_t stride) {
+/* scores[h * stride + o] = (q_h . K[o, h / group]) * scale for o < n positions of one block (keys:
+ * the block's first slot, a row of kv_heads * dim apart), h < heads: every head of a position read
+ * while its row is in cache */
+FC_INLINE void keys_dot_generic(const float *q, const float *keys, int64_t row, int64_t n, int64_t heads,
+                                int64_t group, int64_t dim, float scale, float *scores, int64_t stride) {
     for (int64_t o = 0; o < n; o++)
-        for (int64_t g = 0; g < group; g++) scores[g * stride + o] = dot_lanes(q + g * dim, keys + o * row, dim) * scale;
+        for (int64_t h = 0; h < heads; h++)
+            scores[h * stride + o] = dot_lanes(q + h * dim, keys + o * row + h / group * dim, dim) * scale;
 }
 
 #if FC_X86
 /* The same for dim % 8 == 0, eight positions at a time: each position's eight lane sums (over
- * the dim in steps of 8, in order) reduced by a hadd tree to one vector of eight scores, the
- * lanes added as dot_lanes adds them: ((0+1)+(2+3))+((4+5)+(6+7)). */
+ * the dim in steps of 8, in order; the dim outside, the positions inside: eight independent sums,
+ * not one chain a position) reduced by a hadd tree to one vector of eight scores, the lanes added
+ * as dot_lanes adds them: ((0+1)+(2+3))+((4+5)+(6+7)). */
 __attribute__((target("avx2"))) static void keys_dot_avx2(const float *q, const float *keys, int64_t row, int64_t n,
-                                                          int64_t group, int64_t dim, float scale, float *scores,
-                                                          int64_t stride) {
+                                                          int64_t heads, int64_t group, int64_t dim, float scale,
+                                                          float *scores, int64_t stride) {
     const __m256 vscale = _mm256_set1_ps(scale);
     for (int64_t o0 = 0; o0 < n; o0 += 8) {
         int64_t m = n - o0 < 8 ? n - o0 : 8;
-        for (int64_t g = 0; g < group; g++) {
-            const float *qg = q + g * dim;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *qh = q + h * dim, *kh = keys + o0 * row + h / group * dim;
             __m256 p[8];
-            for (int l = 0; l < 8; l++) {
-                __m256 acc = _mm256_setzero_ps();
-                if (l < m) {
-                    const float *key = keys + (o0 + l) * row;
-                    for (int64_t d = 0; d < dim; d += 8)
-                        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(key + d)));
+            for (int l = 0; l < 8; l++) p[l] = _mm256_setzero_ps();
+            for (int64_t d = 0; d < dim; d += 8) {
+                __m256 qd = _mm256_loadu_ps(qh + d);
+                if (m == 8) {
+                    for (int l = 0; l < 8; l++)
+                        p[l] = _mm256_add_ps(p[l], _mm256_mul_ps(qd, _mm256_loadu_ps(kh + l * row + d)));
+                } else {
+                    for (int l = 0; l < m; l++)
+                        p[l] = _mm256_add_ps(p[l], _mm256_mul_ps(qd, _mm256_loadu_ps(kh + l * row + d)));
                 }
-                p[l] = acc;
             }
             __m256 h01 = _mm256_hadd_ps(p[0], p[1]), h23 = _mm256_hadd_ps(p[2], p[3]);
             __m256 h45 = _mm256_hadd_ps(p[4], p[5]), h67 = _mm256_hadd_ps(p[6], p[7]);
@@ -228,69 +226,108 @@ __attribute__((target("avx2"))) static void keys_dot_avx2(const float *q, const 
             __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
                                         _mm256_permute2f128_ps(h0123, h4567, 0x31));
             sums = _mm256_mul_ps(sums, vscale);
-            float out[8];
-            _mm256_storeu_ps(out, sums);
-            memcpy(scores + g * stride + o0, out, (size_t)m * sizeof(float));
+            if (m == 8) {
+                _mm256_storeu_ps(scores + h * stride + o0, sums);
+            } else {
+                float out[8];
+                _mm256_storeu_ps(out, sums);
+                memcpy(scores + h * stride + o0, out, (size_t)m * sizeof(float));
+            }
         }
     }
 }
-#endif
 
-#if FC_X86
-/* sum_lanes, the lanes in a vector, added in the same order */
-__attribute__((target("avx2"))) static float sum_lanes_avx2(const float *s, int64_t n) {
+/* max of s[0..n) (exact in any order) */
+__attribute__((target("avx2"))) static float max_avx2(const float *s, int64_t n) {
+    float top = s[0];
+    int64_t j = 0;
+    if (n >= 8) {
+        __m256 m = _mm256_loadu_ps(s);
+        for (j = 8; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + j));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, m);
+        for (int l = 0; l < 8; l++) top = lanes[l] > top ? lanes[l] : top;
+    }
+    for (; j < n; j++) top = s[j] > top ? s[j] : top;
+    return top;
+}
+
+/* s[j] = e^(s[j] - top) and their sum, in one pass: the exps eight at a time summed in lanes, the
+ * rest as exp_lanes; the sum added as sum_lanes adds it */
+__attribute__((target("avx2"))) static float exp_sum_avx2(float *s, int64_t n, float top) {
     __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(s + i));
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 e = exp8_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(top)));
+        _mm256_storeu_ps(s + j, e);
+        acc = _mm256_add_ps(acc, e);
+    }
     float tail = 0.0f;
-    for (; i < n; i++) tail += s[i];
+    for (; j < n; j++) tail += (s[j] = exp_lanes(s[j] - top));
     acc = _mm256_hadd_ps(acc, acc);
     acc = _mm256_hadd_ps(acc, acc); /* ((0+1)+(2+3)) in the low half, ((4+5)+(6+7)) in the high */
     return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1))) + tail;
 }
 
-/* out[g] = sum over positions j of weights[g * len + j] * V[j], dim % 8 == 0: eight of the dim at a
- * time in a register, the positions in order (as the generic loop adds them) */
-__attribute__((target("avx2"))) static void weigh_values_avx2(const float *weights, const float *pool_v,
-                                                              const int64_t *table, int64_t block_size, int64_t row,
-                                                              int64_t len, int64_t group, int64_t dim, float *out) {
-    for (int64_t d0 = 0; d0 < dim; d0 += 8)
-        for (int64_t g = 0; g < group; g++) {
-            const float *w = weights + g * len;
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t j0 = 0, i = 0; j0 < len; j0 += block_size, i++) {
-                const float *values = pool_v + table[i] * block_size * row + d0;
-                int64_t n = len - j0 < block_size ? len - j0 : block_size;
-                for (int64_t o = 0; o < n; o++)
-                    acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(w[j0 + o]), _mm256_loadu_ps(values + o * row)));
-            }
-            _mm256_storeu_ps(out + g * dim + d0, acc);
+/* out[h] = inv[h] * sum over positions j of weights[h * len + j] * V[j, h / group], dim % 8 == 0:
+ * eight of the dim in a register, up to eight such (head, dim chunk) sums at once over the
+ * positions (independent chains), each adding its positions in order as the generic loop does */
+#define WEIGH_TILE 8
+__attribute__((target("avx2"))) static void weigh_values_avx2(const float *weights, const float *inv,
+                                                              const float *pool_v, const int64_t *table,
+                                                              int64_t block_size, int64_t row, int64_t len,
+                                                              int64_t heads, int64_t group, int64_t dim, float *out) {
+    int64_t chunks = dim / 8, sums = heads * chunks;
+    for (int64_t t0 = 0; t0 < sums; t0 += WEIGH_TILE) {
+        int64_t tile = sums - t0 < WEIGH_TILE ? sums - t0 : WEIGH_TILE;
+        __m256 acc[WEIGH_TILE];
+        const float *w[WEIGH_TILE];
+        int64_t at[WEIGH_TILE];
+        for (int64_t t = 0; t < tile; t++) {
+            int64_t h = (t0 + t) / chunks, d = (t0 + t) % chunks * 8;
+            acc[t] = _mm256_setzero_ps();
+            w[t] = weights + h * len;
+            at[t] = h / group * dim + d;
         }
+        for (int64_t j0 = 0, i = 0; j0 < len; j0 += block_size, i++) {
+            const float *values = pool_v + table[i] * block_size * row;
+            int64_t n = len - j0 < block_size ? len - j0 : block_size;
+            for (int64_t o = 0; o < n; o++) {
+                const float *val = values + o * row;
+                for (int64_t t = 0; t < tile; t++)
+                    acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_set1_ps(w[t][j0 + o]), _mm256_loadu_ps(val + at[t])));
+            }
+        }
+        for (int64_t t = 0; t < tile; t++) {
+            int64_t h = (t0 + t) / chunks, d = (t0 + t) % chunks * 8;
+            _mm256_storeu_ps(out + h * dim + d, _mm256_mul_ps(acc[t], _mm256_set1_ps(inv[h])));
+        }
+    }
 }
 #endif
 
-/* each of the group's score rows (len long) -> its softmax, in place */
-FC_INLINE void softmax_rows(float *scores, int64_t group, int64_t len, int avx2) {
-    for (int64_t g = 0; g < group; g++) {
-        float *s = scores + g * len;
-        float top = s[0];
-        for (int64_t j = 1; j < len; j++) top = s[j] > top ? s[j] : top;
+/* each head's score row (len long) -> its exps, and inv[h] = 1 / their sum (the weights are the
+ * exps times inv: applied to the weighed values, one multiply a value instead of one a score) */
+FC_INLINE void softmax_rows(float *scores, float *inv, int64_t heads, int64_t len, int avx2) {
+    for (int64_t h = 0; h < heads; h++) {
+        float *s = scores + h * len;
         float sum;
 #if FC_X86
         if (avx2) {
-            exp_shifted_avx2(s, len, top);
-            sum = sum_lanes_avx2(s, len);
+            sum = exp_sum_avx2(s, len, max_avx2(s, len));
         } else
 #endif
         {
+            float top = s[0];
+            for (int64_t j = 1; j < len; j++) top = s[j] > top ? s[j] : top;
             for (int64_t j = 0; j < len; j++) s[j] = exp_lanes(s[j] - top);
             sum = sum_lanes(s, len);
         }
-        float inv = 1.0f / sum;
-        for (int64_t j = 0; j < len; j++) s[j] *= inv;
+        inv[h] = 1.0f / sum;
     }
 }
 
+/* one sequence: its new K/V written, then every head's scores, softmax and weighed values */
 FC_INLINE void decode_one(const float *q, const float *k, const float *v, float *pool_k, float *pool_v,
                           const int64_t *table, int64_t block_size, int64_t len, int64_t heads,
                           int64_t kv_heads, int64_t dim, float scale, float *scores, float *out, int avx2) {
@@ -299,41 +336,39 @@ FC_INLINE void decode_one(const float *q, const float *k, const float *v, float 
     int64_t slot = table[last / block_size] * block_size + last % block_size;
     memcpy(pool_k + slot * row, k, (size_t)row * sizeof(float));
     memcpy(pool_v + slot * row, v, (size_t)row * sizeof(float));
-    for (int64_t hk = 0; hk < kv_heads; hk++) {
-        const float *qh = q + hk * group * dim;
-        float *oh = out + hk * group * dim;
-        /* scores of the group's query heads, a block at a time, each key read once */
-        for (int64_t j0 = 0, i = 0; j0 < len; j0 += block_size, i++) {
-            const float *keys = pool_k + table[i] * block_size * row + hk * dim;
-            int64_t n = len - j0 < block_size ? len - j0 : block_size;
-#if FC_X86
-            if (avx2 && dim % 8 == 0) {
-                keys_dot_avx2(qh, keys, row, n, group, dim, scale, scores + j0, len);
-                continue;
-            }
-#endif
-            keys_dot_generic(qh, keys, row, n, group, dim, scale, scores + j0, len);
-        }
-        softmax_rows(scores, group, len, avx2);
+    float *inv = scores + heads * len;
+    for (int64_t j0 = 0, i = 0; j0 < len; j0 += block_size, i++) {
+        const float *keys = pool_k + table[i] * block_size * row;
+        int64_t n = len - j0 < block_size ? len - j0 : block_size;
 #if FC_X86
         if (avx2 && dim % 8 == 0) {
-            weigh_values_avx2(scores, pool_v + hk * dim, table, block_size, row, len, group, dim, oh);
+            keys_dot_avx2(q, keys, row, n, heads, group, dim, scale, scores + j0, len);
             continue;
         }
 #endif
-        memset(oh, 0, (size_t)(group * dim) * sizeof(float));
-        for (int64_t j0 = 0, i = 0; j0 < len; j0 += block_size, i++) {
-            const float *values = pool_v + table[i] * block_size * row + hk * dim;
-            int64_t n = len - j0 < block_size ? len - j0 : block_size;
-            for (int64_t o = 0; o < n; o++)
-                for (int64_t g = 0; g < group; g++) {
-                    float weight = scores[g * len + j0 + o];
-                    float *acc = oh + g * dim;
-                    const float *val = values + o * row;
-                    for (int64_t d = 0; d < dim; d++) acc[d] += weight * val[d];
-                }
-        }
+        keys_dot_generic(q, keys, row, n, heads, group, dim, scale, scores + j0, len);
     }
+    softmax_rows(scores, inv, heads, len, avx2);
+#if FC_X86
+    if (avx2 && dim % 8 == 0) {
+        weigh_values_avx2(scores, inv, pool_v, table, block_size, row, len, heads, group, dim, out);
+        return;
+    }
+#endif
+    memset(out, 0, (size_t)(heads * dim) * sizeof(float));
+    for (int64_t j0 = 0, i = 0; j0 < len; j0 += block_size, i++) {
+        const float *values = pool_v + table[i] * block_size * row;
+        int64_t n = len - j0 < block_size ? len - j0 : block_size;
+        for (int64_t o = 0; o < n; o++)
+            for (int64_t h = 0; h < heads; h++) {
+                float weight = scores[h * len + j0 + o];
+                float *acc = out + h * dim;
+                const float *val = values + o * row + h / group * dim;
+                for (int64_t d = 0; d < dim; d++) acc[d] += weight * val[d];
+            }
+    }
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t d = 0; d < dim; d++) out[h * dim + d] *= inv[h];
 }
 
 FC_INLINE int paged_decode_body(const float *q, int64_t q_stride, const float *k, const float *v,
@@ -344,7 +379,7 @@ FC_INLINE int paged_decode_body(const float *q, int64_t q_stride, const float *k
     int64_t longest;
     int64_t bad = check_tables(table, width, block_size, slots, lengths, batch, &longest);
     if (bad) return (int)bad;
-    float *scores = malloc((size_t)(longest * (heads / kv_heads)) * sizeof(float));
+    float *scores = malloc((size_t)(heads * (longest + 1)) * sizeof(float)); /* and inv */
     if (!scores) return -1;
     for (int64_t b = 0; b < batch; b++)
         decode_one(q + b * q_stride, k + b * kv_stride, v + b * kv_stride, pool_k, pool_v, table + b * width,

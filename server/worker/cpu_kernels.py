@@ -215,9 +215,59 @@ def paged_decode(
     out.copy_(grouped_decode_attention(q, kh, vh, mask[:, None, None, :]))
 
 
+class PagedDecode:
+    """:func:`paged_decode` for one batch at every layer, what stays the same checked once: the
+    pools (``[layers, slots, kv_heads, dim]``, the KV cache's), the block ``table`` and ``lengths``
+    (kept: the caller moves lengths on in place). ``decode(layer, q, k, v, out)`` is
+    ``paged_decode(q, k, v, pool_k[layer], pool_v[layer], table, lengths, block_size, out)``."""
+
+    def __init__(
+        self,
+        pool_k: torch.Tensor,
+        pool_v: torch.Tensor,
+        table: torch.Tensor,
+        lengths: torch.Tensor,
+        block_size: int,
+    ) -> None:
+        if pool_k.dim() != 4 or pool_k.shape != pool_v.shape:
+            raise ValueError(
+                f"pool_k and pool_v must be one [layers, slots, kv_heads, dim] shape, got "
+                f"{tuple(pool_k.shape)} and {tuple(pool_v.shape)}"
+            )
+        if table.dim() != 2 or lengths.dim() != 1 or lengths.shape[0] != table.shape[0]:
+            raise ValueError(
+                f"table must be [batch, width] and lengths [batch], got {tuple(table.shape)} "
+                f"and {tuple(lengths.shape)}"
+            )
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if pool_k.shape[2] < 1 or pool_k.shape[3] < 1:
+            raise ValueError(f"pool_k {tuple(pool_k.shape)} holds no heads")
+        for t, name in ((pool_k, "pool_k"), (pool_v, "pool_v")):
+            _check_float(t, name)
+        self.pools = list(zip(pool_k.unbind(0), pool_v.unbind(0)))
+        self.table, self.lengths, self.block_size = table, lengths, block_size
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        if not 0 <= layer < len(self.pools):
+            raise ValueError(f"layer {layer} outside the pools' {len(self.pools)}")
+        pool_k, pool_v = self.pools[layer]
+        _head_rows(q, "q", self.table.shape[0], pool_k.shape[2])  # the batch's, as the C checks it
+        if q.shape[1] % pool_k.shape[1]:
+            raise ValueError(f"q's {q.shape[1]} heads are not a multiple of the pools' {pool_k.shape[1]}")
+        PURE.paged_decode(q, k, v, pool_k, pool_v, self.table, self.lengths, self.block_size, out)
+
+
 #: the pure functions (the reference the tests hold the C to), whichever twin the names below are
 PURE = SimpleNamespace(
-    rms_norm=rms_norm, add_rms_norm_=add_rms_norm_, silu_mul=silu_mul, rope_=rope_, paged_decode=paged_decode
+    rms_norm=rms_norm,
+    add_rms_norm_=add_rms_norm_,
+    silu_mul=silu_mul,
+    rope_=rope_,
+    paged_decode=paged_decode,
+    PagedDecode=PagedDecode,
 )
 #: the compiled twin, None where it is not built or FASTCORE_NO_EXTENSIONS=1 is set
 _compiled = compiled_twin("server.worker._cpu_kernels")
@@ -229,6 +279,7 @@ if _compiled is not None:
     silu_mul = _compiled.silu_mul
     rope_ = _compiled.rope_
     paged_decode = _compiled.paged_decode
+    PagedDecode = _compiled.PagedDecode  # type: ignore[misc]
 
 __all__ = [
     "COMPILED",

@@ -78,6 +78,7 @@ class DecodeAttention:
         #: table, so no dense copy, no mask and no gather are kept; only positions move on a step
         self.paged = cpu_kernels.COMPILED and cache.device.type == "cpu" and cache.k.dtype == torch.float32
         self._out = torch.empty(0)
+        self._decode: cpu_kernels.PagedDecode  # set with the paged tables (_positions)
         capacity = 0 if self.paged else max(width * bs, -(-max(lengths) // bs) * bs)
         per_layer = len(tables) * capacity * cache.kv_heads * cache.head_dim * cache.k.element_size()
         self.capacity = capacity if 2 * cache.num_layers * per_layer <= DENSE_DECODE_BYTES else 0
@@ -182,7 +183,9 @@ class DecodeAttention:
         self._rows = np.arange(lens.size)
         if self.paged:
             self.positions = torch.from_numpy(last.copy())
-            self._table_t, self._lengths_t = torch.from_numpy(self.table), torch.from_numpy(self.lengths)
+            # the arrays' memory (advance moves lengths on in place), their checks made once
+            table, lengths = torch.from_numpy(self.table), torch.from_numpy(self.lengths)
+            self._decode = cpu_kernels.PagedDecode(self.cache.k, self.cache.v, table, lengths, bs)
             return
         # Built with numpy on the host in one go, then moved: one small copy per step instead of
         # a tensor per row. Only as many blocks as the longest sequence needs are read.
@@ -225,14 +228,13 @@ class DecodeAttention:
         self._read[layer] = (0, dense[0], dense[1])  # no span read yet
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        pool_k, pool_v = self._pools[layer]
         if self.paged:
             out = self._out  # one buffer a batch for every layer: each layer's o_proj reads it first
             if out.shape != q.shape:
                 out = self._out = q.new_empty(q.shape)
-            bs = self.cache.block_size
-            cpu_kernels.paged_decode(q, k, v, pool_k, pool_v, self._table_t, self._lengths_t, bs, out)
+            self._decode(layer, q, k, v, out)
             return out
+        pool_k, pool_v = self._pools[layer]
         pool_k.index_copy_(0, self.new_slots, k)
         pool_v.index_copy_(0, self.new_slots, v)
         dense = self.dense[layer]
