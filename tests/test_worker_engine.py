@@ -275,8 +275,9 @@ def test_greedy_sampling_picks_torchs_argmax_without_it(
 ) -> None:
     """A CPU step's greedy rows: numpy's argmax (torch's CPU kernel cost ~10 us at 32 x 262 and
     ~870 at 32 x 32k), the index torch's gives (the first of tied maxima, of infinities, the first
-    NaN); a batch found all greedy is remembered, and a row that asks for more (logprobs, sampling)
-    in a later batch of the same size is served as one."""
+    NaN); a batch found all greedy is remembered (a prompt's first token sampled alone does not
+    replace it), and a row that asks for more (logprobs, sampling) in a later batch of the same
+    size is served as one."""
     logits = torch.randn(6, engine.vocab_size)
     logits[1, 3] = logits[1, 7] = logits[1].max() + 1  # a tie
     logits[2, 5] = logits[2, 9] = float("inf")
@@ -292,6 +293,8 @@ def test_greedy_sampling_picks_torchs_argmax_without_it(
     with torch.inference_mode():
         assert engine._sample(logits, reqs) == [(t, None) for t in expected]
         assert engine._sample(logits, reqs) == [(t, None) for t in expected]  # remembered
+        assert engine._sample(logits[:1], reqs[:1]) == [(expected[0], None)]  # a first token
+        assert list(map(id, engine._greedy_batch)) == list(map(id, reqs))  # ... leaves them remembered
         other = make_request(engine, "lp", logprobs=2)[0]
         sampled = engine._sample(logits, [*reqs[:5], other])
     assert [t for t, _ in sampled] == expected

@@ -741,7 +741,7 @@ class TorchEngine:
     ) -> list[tuple[int, TokenLogprob | None]]:
         """One token per row: greedy rows by argmax, the others from their own seeded stream."""
         logits = logits.float()
-        if logits.device.type == "cpu":
+        if logits.is_cpu:
             # numpy's argmax: the same index (the first maximum, the first NaN) as torch's, whose
             # CPU kernel took ~10 us at 32 x 262 (tiny) and ~870 at 32 x 32k, numpy's 2.5 and 66
             tokens = logits.numpy().argmax(-1).tolist()
@@ -768,7 +768,8 @@ class TorchEngine:
         if len(known) == len(batch) and all(map(operator.is_, known, batch)):
             return True
         if all(req.params.greedy and req.params.logprobs is None for req in batch):
-            self._greedy_batch = list(batch)
+            if len(batch) > 1:  # not a prompt's first token: the decoding streams stay known
+                self._greedy_batch = list(batch)
             return True
         return False
 
