@@ -206,7 +206,7 @@ def test_the_elementwise_kernels_refuse_bad_tensors(cpu_kernels_twin: Any) -> No
 
 def _forced(monkeypatch: pytest.MonkeyPatch, kernels: Any) -> None:
     """The model's fused forward on ``kernels`` (either twin), whichever is built here."""
-    for name in ("rms_norm", "add_rms_norm_", "silu_mul", "rope_", "paged_decode"):
+    for name in ("rms_norm", "add_rms_norm_", "silu_mul", "rope_", "paged_decode", "PagedDecode"):
         monkeypatch.setattr(cpu_kernels, name, getattr(kernels, name))
     monkeypatch.setattr(cpu_kernels, "COMPILED", True)
 
@@ -296,3 +296,45 @@ def test_paged_decode_for_a_batch_refuses_bad_calls(cpu_kernels_twin: Any) -> No
     bad[0] = 10_000
     with pytest.raises(ValueError, match="sequence 0: length 10000"):
         make(*pools, case["table"], bad, 16)(0, case["q"], case["k"], case["v"], out)
+
+
+def test_rope_at_positions_reads_the_whole_tables(cpu_kernels_twin: Any) -> None:
+    gen = torch.Generator().manual_seed(13)
+    cos_t, sin_t = torch.randn(50, 1, 16, generator=gen), torch.randn(50, 1, 16, generator=gen)
+    qkv = torch.randn(6, 8, 16, generator=gen)
+    positions = torch.tensor([0, 49, 7, 7, 20, 3])
+    got = qkv.clone()
+    cpu_kernels_twin.rope_(got, 6, cos_t, sin_t, positions)
+    want = qkv.clone()
+    cpu_kernels_twin.rope_(want, 6, cos_t[positions], sin_t[positions])
+    assert torch.equal(got, want)
+    for bad, where in (
+        (torch.tensor([0, 1, 50, 2, 3, 4]), "positions.2. = 50"),
+        (-positions, "positions.1. = -49"),
+    ):
+        before = qkv.clone()
+        with pytest.raises(ValueError, match=where):
+            cpu_kernels_twin.rope_(before, 6, cos_t, sin_t, bad)
+        assert torch.equal(before, qkv)  # nothing rotated
+    with pytest.raises(ValueError, match=r"positions must be \[6\]"):
+        cpu_kernels_twin.rope_(qkv.clone(), 6, cos_t, sin_t, positions[:5])
+    with pytest.raises(ValueError, match="positions must be a"):
+        cpu_kernels_twin.rope_(qkv.clone(), 6, cos_t, sin_t, positions.int())
+
+
+def test_the_fused_forward_past_the_rotary_tables(
+    cpu_kernels_twin: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Positions past the kept tables (the plain forward of an input longer than the model's
+    context): the rotation falls back to angles computed for them, as the modules' path does."""
+    from server.worker.tiny import build_tiny
+
+    _, model, _ = build_tiny("cpu")
+    model.model.rotary_emb.max_positions = 24  # tables of 24 positions, a 40-token input
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        monkeypatch.setattr(cpu_kernels, "COMPILED", False)
+        plain = model(ids)
+        _forced(monkeypatch, cpu_kernels_twin)
+        fused = model(ids)
+    torch.testing.assert_close(fused, plain, atol=1e-4, rtol=1e-4)

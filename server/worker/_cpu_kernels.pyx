@@ -21,8 +21,8 @@ cdef extern from "cpu_decode.h" nogil:
     void fc_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t dim, float eps)
     void fc_add_rms_norm(float *x, float *residual, const float *w, int64_t rows, int64_t dim, float eps)
     void fc_silu_mul(const float *gu, float *out, int64_t rows, int64_t inner)
-    void fc_rope(float *x, int64_t rows, int64_t heads, int64_t row_stride, int64_t dim, const float *cos,
-                 const float *signed_sin)
+    int fc_rope(float *x, int64_t rows, int64_t heads, int64_t row_stride, int64_t dim, const float *cos,
+                const float *signed_sin, const int64_t *positions, int64_t table_rows)
     int fc_paged_decode(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
                         float *pool_k, float *pool_v, int64_t slots, const int64_t *table, int64_t width,
                         int64_t block_size, const int64_t *lengths, int64_t batch, int64_t heads,
@@ -115,20 +115,29 @@ def silu_mul(gate_up):
     return out
 
 
-def rope_(x, int64_t heads, cos, signed_sin):
+def rope_(x, int64_t heads, cos, signed_sin, positions=None):
     if x.dim() != 3 or heads < 0 or heads > x.shape[1] or x.shape[2] % 2:
         raise ValueError(f"x must be [rows, heads >= {heads}, even head_dim], got {tuple(x.shape)}")
     cdef int64_t rows = x.shape[0], dim = x.shape[2]
-    if cos.numel() != rows * dim or signed_sin.numel() != rows * dim or cos.size(-1) != dim:
-        raise ValueError(f"cos and signed_sin must hold [{rows}, {dim}], got {tuple(cos.shape)}")
+    cdef int64_t table_rows = rows if positions is None else cos.numel() // max(dim, 1)
+    if (cos.numel() != table_rows * dim or signed_sin.numel() != table_rows * dim or cos.size(-1) != dim
+            or signed_sin.size(-1) != dim):
+        raise ValueError(f"cos and signed_sin must hold [{'rows' if positions is None else 'positions'}, {dim}], "
+                         f"got {tuple(cos.shape)} and {tuple(signed_sin.shape)}")
+    if positions is not None and (positions.dim() != 1 or positions.shape[0] != rows):
+        raise ValueError(f"positions must be [{rows}], got {tuple(positions.shape)}")
     if rows == 0 or heads == 0:
         return
     cdef float *px = <float *>_data(x, "x", _F32, True)
     cdef const float *pc = <const float *>_data(cos, "cos", _F32, True)
     cdef const float *ps = <const float *>_data(signed_sin, "signed_sin", _F32, True)
+    cdef const int64_t *pp = NULL if positions is None else <const int64_t *>_data(positions, "positions", _I64, True)
     cdef int64_t row_stride = x.shape[1] * dim
+    cdef int rc
     with nogil:
-        fc_rope(px, rows, heads, row_stride, dim, pc, ps)
+        rc = fc_rope(px, rows, heads, row_stride, dim, pc, ps, pp, table_rows)
+    if rc:
+        raise ValueError(f"positions[{rc - 1}] = {int(positions[rc - 1])} outside the tables' {table_rows} rows")
 
 
 cdef int64_t _head_rows(object t, str name, int64_t batch, int64_t dim) except -1:

@@ -153,11 +153,12 @@ FC_INLINE void silu_mul_body(const float *restrict gu, float *restrict out, int6
 }
 
 FC_INLINE void rope_body(float *x, int64_t rows, int64_t heads, int64_t row_stride, int64_t dim,
-                         const float *restrict cos, const float *restrict signed_sin) {
+                         const float *restrict cos, const float *restrict signed_sin, const int64_t *positions) {
     int64_t half = dim / 2;
     for (int64_t r = 0; r < rows; r++) {
-        const float *c = cos + r * dim;
-        const float *s = signed_sin + r * dim;
+        int64_t p = positions ? positions[r] : r;
+        const float *c = cos + p * dim;
+        const float *s = signed_sin + p * dim;
         for (int64_t h = 0; h < heads; h++) {
             float *p = x + r * row_stride + h * dim;
             for (int64_t i = 0; i < half; i++) {
@@ -403,8 +404,8 @@ FC_INLINE int paged_decode_body(const float *q, int64_t q_stride, const float *k
         silu_mul_body(gu, out, rows, inner, AVX2);                                                            \
     }                                                                                                      \
     ATTR static void rope_##SUFFIX(float *x, int64_t rows, int64_t heads, int64_t row_stride, int64_t dim, \
-                                   const float *cos, const float *signed_sin) {                            \
-        rope_body(x, rows, heads, row_stride, dim, cos, signed_sin);                                      \
+                                   const float *cos, const float *signed_sin, const int64_t *positions) {  \
+        rope_body(x, rows, heads, row_stride, dim, cos, signed_sin, positions);                           \
     }                                                                                                      \
     ATTR static int paged_decode_##SUFFIX(const float *q, int64_t q_stride, const float *k, const float *v, \
                                           int64_t kv_stride, float *pool_k, float *pool_v, int64_t slots,   \
@@ -424,7 +425,7 @@ typedef struct {
     void (*rms_norm)(const float *, const float *, float *, int64_t, int64_t, float);
     void (*add_rms_norm)(float *, float *, const float *, int64_t, int64_t, float);
     void (*silu_mul)(const float *, float *, int64_t, int64_t);
-    void (*rope)(float *, int64_t, int64_t, int64_t, int64_t, const float *, const float *);
+    void (*rope)(float *, int64_t, int64_t, int64_t, int64_t, const float *, const float *, const int64_t *);
     int (*paged_decode)(const float *, int64_t, const float *, const float *, int64_t, float *, float *,
                         int64_t, const int64_t *, int64_t, int64_t, const int64_t *, int64_t, int64_t,
                         int64_t, int64_t, float, float *);
@@ -469,9 +470,14 @@ void fc_silu_mul(const float *gu, float *out, int64_t rows, int64_t inner) {
     PATHS[fc_decode_path()].silu_mul(gu, out, rows, inner);
 }
 
-void fc_rope(float *x, int64_t rows, int64_t heads, int64_t row_stride, int64_t dim, const float *cos,
-             const float *signed_sin) {
-    PATHS[fc_decode_path()].rope(x, rows, heads, row_stride, dim, cos, signed_sin);
+int fc_rope(float *x, int64_t rows, int64_t heads, int64_t row_stride, int64_t dim, const float *cos,
+            const float *signed_sin, const int64_t *positions, int64_t table_rows) {
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t p = positions ? positions[r] : r;
+        if (p < 0 || p >= table_rows) return (int)(1 + r);
+    }
+    PATHS[fc_decode_path()].rope(x, rows, heads, row_stride, dim, cos, signed_sin, positions);
+    return 0;
 }
 
 int fc_paged_decode(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,

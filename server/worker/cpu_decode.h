@@ -34,10 +34,12 @@ void fc_add_rms_norm(float *x, float *residual, const float *w, int64_t rows, in
 void fc_silu_mul(const float *gu, float *out, int64_t rows, int64_t inner);
 
 /* Rotary embedding in place: heads [0, heads) of each row r (at x + r * row_stride, head h at
- * + h * dim) become x * cos[r] + roll(x, dim / 2) * signed_sin[r] (cos and signed_sin [rows,
- * dim]: the model's tables, sin's first half negated): the pure twin's arithmetic bit for bit. */
-void fc_rope(float *x, int64_t rows, int64_t heads, int64_t row_stride, int64_t dim, const float *cos,
-             const float *signed_sin);
+ * + h * dim) become x * cos[p] + roll(x, dim / 2) * signed_sin[p] (cos and signed_sin [table_rows,
+ * dim]: the model's tables, sin's first half negated), p = positions[r], or r where positions is
+ * NULL: the pure twin's arithmetic bit for bit. Returns 0, or 1 + r for the first row whose
+ * position lies outside the table (checked before anything is written). */
+int fc_rope(float *x, int64_t rows, int64_t heads, int64_t row_stride, int64_t dim, const float *cos,
+            const float *signed_sin, const int64_t *positions, int64_t table_rows);
 
 /* One decode token per sequence b < batch over the paged pool, its new K/V written first:
  *   q [b, heads, dim] at q + b * q_stride; k, v [b, kv_heads, dim] at k/v + b * kv_stride;

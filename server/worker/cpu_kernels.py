@@ -80,21 +80,49 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate).mul_(up)
 
 
-def rope_(x: torch.Tensor, heads: int, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+def rope_(
+    x: torch.Tensor,
+    heads: int,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    positions: torch.Tensor | None = None,
+) -> None:
     """:func:`.model.apply_rotary_tables` in place on ``x[:, :heads]`` (``x`` ``[rows, all heads,
-    head_dim]``; ``cos``/``signed_sin`` hold ``[rows, head_dim]``, as the model's tables give them)."""
+    head_dim]``): ``cos``/``signed_sin`` hold ``[rows, head_dim]`` as the model's tables give them
+    for a forward's positions, or, with ``positions`` (``[rows]``, int64), the whole tables
+    ``[table rows, head_dim]`` that row ``r`` reads at ``positions[r]`` (one gather fewer)."""
     if x.dim() != 3 or heads < 0 or heads > x.shape[1] or x.shape[2] % 2:
         raise ValueError(f"x must be [rows, heads >= {heads}, even head_dim], got {tuple(x.shape)}")
     rows, dim = x.shape[0], x.shape[2]
-    if cos.numel() != rows * dim or signed_sin.numel() != rows * dim or cos.shape[-1] != dim:
-        raise ValueError(f"cos and signed_sin must hold [{rows}, {dim}], got {tuple(cos.shape)}")
+    table_rows = rows if positions is None else cos.numel() // max(dim, 1)
+    if (
+        cos.numel() != table_rows * dim
+        or signed_sin.numel() != table_rows * dim
+        or cos.shape[-1] != dim
+        or signed_sin.shape[-1] != dim
+    ):
+        raise ValueError(
+            f"cos and signed_sin must hold [{'rows' if positions is None else 'positions'}, {dim}], "
+            f"got {tuple(cos.shape)} and {tuple(signed_sin.shape)}"
+        )
+    if positions is not None and (positions.dim() != 1 or positions.shape[0] != rows):
+        raise ValueError(f"positions must be [{rows}], got {tuple(positions.shape)}")
     if not rows or not heads:
         return
     for t, name in ((x, "x"), (cos, "cos"), (signed_sin, "signed_sin")):
         _check_float(t, name)
+    cos, signed_sin = cos.reshape(table_rows, 1, dim), signed_sin.reshape(table_rows, 1, dim)
+    if positions is not None:
+        if positions.dtype is not torch.int64 or not positions.is_cpu or not positions.is_contiguous():
+            raise ValueError("positions must be a contiguous CPU torch.int64 tensor")
+        outside = ((positions < 0) | (positions >= table_rows)).nonzero()
+        if outside.numel():
+            r = int(outside[0, 0])
+            raise ValueError(f"positions[{r}] = {int(positions[r])} outside the tables' {table_rows} rows")
+        cos, signed_sin = cos.index_select(0, positions), signed_sin.index_select(0, positions)
     part = x[:, :heads]
     # .model.apply_rotary_tables' three ops (that module imports this one)
-    part.copy_(part * cos.view(rows, 1, dim) + part.roll(dim // 2, -1) * signed_sin.view(rows, 1, dim))
+    part.copy_(part * cos + part.roll(dim // 2, -1) * signed_sin)
 
 
 def grouped_decode_attention(

@@ -225,14 +225,22 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = config.max_position_embeddings
         self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """:func:`rotary_tables` of ``positions``, from tables made once where the model runs on a
-        CPU and its context is short enough (the same numbers: each angle is computed alike)."""
-        if positions.device.type != "cpu" or self.max_positions > ROPE_TABLE_POSITIONS:
-            return rotary_tables(*self(positions, dtype))
+    def whole_tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:func:`rotary_tables` of every position ``[max_positions, 1, head_dim]``, made once, where
+        they are kept (a CPU model whose context is at most ROPE_TABLE_POSITIONS); else None."""
+        if self.inv_freq.device.type != "cpu" or self.max_positions > ROPE_TABLE_POSITIONS:
+            return None
         table = self._tables.get(dtype)
         if table is None:
             table = self._tables[dtype] = rotary_tables(*self(torch.arange(self.max_positions), dtype))
+        return table
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`rotary_tables` of ``positions``, from :meth:`whole_tables` where they are kept and
+        the model runs on a CPU (the same numbers: each angle is computed alike)."""
+        table = self.whole_tables(dtype) if positions.device.type == "cpu" else None
+        if table is None:
+            return rotary_tables(*self(positions, dtype))
         try:
             return table[0].index_select(0, positions), table[1].index_select(0, positions)
         except IndexError:  # a position past the table (the plain forward of a longer input)
@@ -353,7 +361,7 @@ class FusedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` through every linear, concatenated along the last dimension."""
-        if torch.is_grad_enabled() or x.device.type != "cpu":
+        if torch.is_grad_enabled() or not x.is_cpu:  # is_cpu: ~4x cheaper than device.type
             return torch.cat([lin(x) for lin in self.linears], -1)
         key = self._state()
         if key != self._key:
@@ -444,9 +452,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb.tables(positions, x.dtype)
         if self._kernels_apply(x):
-            return self._forward_kernels(x, cos, sin, kv)
+            return self._forward_kernels(x, positions, kv)
+        cos, sin = self.rotary_emb.tables(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, kv)
         return self.norm(x)
@@ -462,15 +470,17 @@ class LlamaModel(nn.Module):
             or x.dtype is not torch.float32
             or not x.is_cpu
             or torch.is_grad_enabled()
+            or _global_forward_hooks
+            or _global_forward_pre_hooks
         ):
             return False
-        hooked = (self.norm, *self.layers)
-        return not any(m._forward_hooks or m._forward_pre_hooks for m in hooked) and not (
-            _global_forward_hooks or _global_forward_pre_hooks
-        )
+        for m in (self.norm, *self.layers):  # a loop, not any() of a generator: ~3x cheaper here
+            if m._forward_hooks or m._forward_pre_hooks:
+                return False
+        return True
 
     def _forward_kernels(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: AttentionBackend
+        self, x: torch.Tensor, positions: torch.Tensor, kv: AttentionBackend
     ) -> torch.Tensor:
         """The plain forward's arithmetic, each norm, residual add, SiLU, rotation and decode attention
         one C call (:mod:`.cpu_kernels`; the matmuls torch's): the residual stream kept apart and each
@@ -480,6 +490,10 @@ class LlamaModel(nn.Module):
         residual = x
         h = x
         layers: list[LlamaDecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+        # rotated from the whole tables at the positions (two gathers fewer), where they are kept
+        tables = self.rotary_emb.whole_tables(x.dtype)
+        if tables is None:
+            cos, sin = self.rotary_emb.tables(positions, x.dtype)
         for i, layer in enumerate(layers):
             norm = layer.input_layernorm
             if i:
@@ -488,7 +502,14 @@ class LlamaModel(nn.Module):
                 h = cpu_kernels.rms_norm(x, norm.weight, norm.eps)
             attn = layer.self_attn
             qkv = attn.qkv(h).view(n, -1, attn.head_dim)
-            cpu_kernels.rope_(qkv, attn.rotated_heads, cos, sin)  # q and k, in place
+            if tables is not None:
+                try:  # q and k, in place
+                    cpu_kernels.rope_(qkv, attn.rotated_heads, tables[0], tables[1], positions)
+                except ValueError:  # a position past the tables (checked before any write): gathered
+                    tables = None
+                    cos, sin = self.rotary_emb.tables(positions, x.dtype)
+            if tables is None:
+                cpu_kernels.rope_(qkv, attn.rotated_heads, cos, sin)
             q, k, v = qkv.split_with_sizes(attn.head_split, 1)
             out = kv.attend(layer.index, q, k, v).reshape(n, -1)
             h = F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
