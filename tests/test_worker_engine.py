@@ -291,12 +291,13 @@ def test_greedy_sampling_picks_torchs_argmax_without_it(
 
     monkeypatch.setattr(torch.Tensor, "argmax", no_torch_argmax)
     with torch.inference_mode():
-        assert engine._sample(logits, reqs) == [(t, None) for t in expected]
-        assert engine._sample(logits, reqs) == [(t, None) for t in expected]  # remembered
-        assert engine._sample(logits[:1], reqs[:1]) == [(expected[0], None)]  # a first token
-        assert list(map(id, engine._greedy_batch)) == list(map(id, reqs))  # ... leaves them remembered
+        assert engine.sampler.sample(logits, reqs) == [(t, None) for t in expected]
+        assert engine.sampler.sample(logits, reqs) == [(t, None) for t in expected]  # remembered
+        assert engine.sampler.sample(logits[:1], reqs[:1]) == [(expected[0], None)]  # a first token
+        remembered = engine.sampler._greedy_batch
+        assert list(map(id, remembered)) == list(map(id, reqs))  # ... leaves them remembered
         other = make_request(engine, "lp", logprobs=2)[0]
-        sampled = engine._sample(logits, [*reqs[:5], other])
+        sampled = engine.sampler.sample(logits, [*reqs[:5], other])
     assert [t for t, _ in sampled] == expected
     assert [lp is None for _, lp in sampled] == [True] * 5 + [False]
     assert sampled[5][1] is not None and sampled[5][1].token_id == expected[5]

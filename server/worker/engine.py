@@ -42,10 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
 import logging
-import math
-import operator
 import random
 import threading
 import time
@@ -71,8 +68,9 @@ from .engine_api import (
 from .kv_cache import PagedKVCache, PrefillBatchAttention, StepAttention
 from .kv_transfer import KVLayout
 from .model import LlamaForCausalLM, ModelConfig
-from .output import Delta, SamplingParams, TokenLogprob
+from .output import Delta, TokenLogprob
 from .prefill_pacer import PrefillPacer, shared_chunks, whole_prompts
+from .sampler import Sampler
 from .split_prefill import SplitPrefill
 from .tokenizer import Tokenizer
 
@@ -180,8 +178,7 @@ class TorchEngine:
         self.tokens_per_second = 0.0
         self._rate_window: collections.deque[tuple[float, int]] = collections.deque()
         self._rate_tokens = 0  # the window's tokens
-        #: the last batch _sample found all greedy without logprobs (_all_greedy)
-        self._greedy_batch: list[EngineRequest] = []
+        self.sampler = Sampler()  # one token a row, greedy or from the request's seeded stream
 
     # ------------------------------------------------------------ event-loop side
 
@@ -529,9 +526,9 @@ class TorchEngine:
         logits = torch.cat(state.logits)
         forced = req.forced_tokens
         if forced:
-            logprobs = [self._forced_logprob(req, logits[i], t) for i, t in enumerate(forced)]
+            logprobs = [self.sampler.forced_logprob(req, logits[i], t) for i, t in enumerate(forced)]
         else:
-            token, lp = self._sample(logits[-1:], [req])[0]
+            token, lp = self.sampler.sample(logits[-1:], [req])[0]
             forced, logprobs = [token], [lp]
             self.generated_tokens_total += 1
         self._first_tokens(req, forced, logprobs, outputs)
@@ -620,7 +617,7 @@ class TorchEngine:
                 StepAttention([(attention, len(batch)), (p_attention, int(p_ids.numel()))]),
                 rows,
             )
-            sampled = self._sample(logits[: len(batch)], batch)
+            sampled = self.sampler.sample(logits[: len(batch)], batch)
         except Exception:
             # Whose fault? The decodes and the chunks again apart (rewriting the same slots), each
             # failing on its own as it would in a step of its own.
@@ -659,7 +656,7 @@ class TorchEngine:
         try:
             ids, positions, attention = self._decode_inputs(batch)
             logits = self.model.forward_step(ids, positions, attention)
-            sampled = self._sample(logits, batch)
+            sampled = self.sampler.sample(logits, batch)
         except Exception as exc:
             log.exception("decode step failed")
             self.engine_errors_total += 1
@@ -720,76 +717,6 @@ class TorchEngine:
             loop.call_soon_threadsafe(dispatch)
         except RuntimeError:  # loop closed while shutting down
             pass
-
-    # ------------------------------------------------------------ sampling
-
-    def _forced_logprob(self, req: EngineRequest, logits: torch.Tensor, token: int) -> TokenLogprob | None:
-        if req.params.logprobs is None:
-            return None
-        return self._logprob_record(torch.log_softmax(logits.float(), -1), token, req.params.logprobs)
-
-    @staticmethod
-    def _logprob_record(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:
-        top_list: list[tuple[int, float]] = []
-        if top:
-            values, indices = logprobs.topk(top)
-            top_list = list(zip(indices.tolist(), values.tolist()))
-        return TokenLogprob(token, float(logprobs[token]), top_list)
-
-    def _sample(
-        self, logits: torch.Tensor, batch: list[EngineRequest]
-    ) -> list[tuple[int, TokenLogprob | None]]:
-        """One token per row: greedy rows by argmax, the others from their own seeded stream."""
-        logits = logits.float()
-        if logits.is_cpu:
-            # numpy's argmax: the same index (the first maximum, the first NaN) as torch's, whose
-            # CPU kernel took ~10 us at 32 x 262 (tiny) and ~870 at 32 x 32k, numpy's 2.5 and 66
-            tokens = logits.numpy().argmax(-1).tolist()
-        else:
-            tokens = logits.argmax(-1).tolist()
-        if self._all_greedy(batch):
-            return list(zip(tokens, itertools.repeat(None)))
-        results: list[tuple[int, TokenLogprob | None]] = []
-        for row, req in enumerate(batch):
-            p = req.params
-            token = tokens[row]
-            if not p.greedy:
-                token = self._draw(logits[row], p, req.seed, req.processor.num_tokens)
-            lp = None
-            if p.logprobs is not None:
-                lp = self._logprob_record(torch.log_softmax(logits[row], -1), token, p.logprobs)
-            results.append((token, lp))
-        return results
-
-    def _all_greedy(self, batch: list[EngineRequest]) -> bool:
-        """Whether every row is greedy without logprobs (argmax is all it needs): remembered for the
-        batch of the last step that was, as its streams usually decode on together."""
-        known = self._greedy_batch
-        if len(known) == len(batch) and all(map(operator.is_, known, batch)):
-            return True
-        if all(req.params.greedy and req.params.logprobs is None for req in batch):
-            if len(batch) > 1:  # not a prompt's first token: the decoding streams stay known
-                self._greedy_batch = list(batch)
-            return True
-        return False
-
-    @staticmethod
-    def _draw(logits: torch.Tensor, p: SamplingParams, seed: int, step: int) -> int:
-        scores = (logits / p.temperature).cpu()
-        if p.top_k and p.top_k < scores.numel():
-            kth = scores.topk(p.top_k).values[-1]
-            scores = scores.masked_fill(scores < kth, -math.inf)
-        probs = torch.softmax(scores, -1)
-        if p.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-            drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
-            sorted_probs[drop] = 0.0
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        generator = torch.Generator().manual_seed((seed * 1_000_003 + step) & (2**63 - 1))
-        # Exponential-race sampling (argmax p/E, E ~ Exp(1)) draws exactly from probs.
-        noise = torch.empty_like(probs).exponential_(generator=generator)
-        return int((probs / noise).argmax())
 
 
 __all__ = ["NOT_FINISHED", "EngineRequest", "KVCacheFull", "ParkedKV", "TorchEngine", "prompt_checksum"]
