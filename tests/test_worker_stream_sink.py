@@ -7,6 +7,7 @@ client's buffer fills (the handler then waits for the drain, and the deltas queu
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -98,6 +99,48 @@ async def test_a_cancelled_handler_gives_the_deltas_back_to_the_queue(sink: Any)
         await handler
     relay(_d("x"))
     assert out.written == [] and queue.qsize() == 1
+
+
+async def test_a_unary_answer_is_collected_with_one_wake_of_its_handler() -> None:
+    """A unary answer: what was queued, then what the callback appends, the handler woken once at
+    the last delta (not a task step a delta, as the queue's get); the queue takes deltas again after."""
+    queue: asyncio.Queue[Delta] = asyncio.Queue()
+    relay = DeltaRelay(queue.put_nowait)
+    relay(_d("a"))
+    handler = asyncio.create_task(stream_sink.collect_answer(relay, queue))
+    await asyncio.sleep(0)
+    assert queue.empty() and relay.target != queue.put_nowait
+    for text in "bcd":
+        relay(_d(text))  # appended in the callback: the handler is not woken
+        await asyncio.sleep(0)
+        assert not handler.done()
+    before = time.monotonic()
+    relay(_d("e", finish="length"))
+    deltas, first_at = await asyncio.wait_for(handler, 1)
+    assert [d.text for d in deltas] == list("abcde") and deltas[-1].finish_reason == "length"
+    assert 0 < first_at <= before and relay.target == queue.put_nowait
+    relay(_d("late"))
+    assert queue.qsize() == 1
+
+
+async def test_a_unary_answer_ends_at_an_error_and_a_cancelled_handler_frees_the_relay() -> None:
+    queue: asyncio.Queue[Delta] = asyncio.Queue()
+    relay = DeltaRelay(queue.put_nowait)
+    handler = asyncio.create_task(stream_sink.collect_answer(relay, queue))
+    await asyncio.sleep(0)
+    relay(_d("a"))
+    relay(_d("", error="decode step failed"))
+    relay(_d("b"))  # past the end, before the handler ran: dropped, as the queue's reader left it
+    deltas, _ = await asyncio.wait_for(handler, 1)
+    assert [(d.text, d.error) for d in deltas] == [("a", None), ("", "decode step failed")]
+    queue.put_nowait(_d("x", finish="stop"))  # all there already: no wait
+    assert [d.text for d in (await stream_sink.collect_answer(relay, queue))[0]] == ["x"]
+    handler = asyncio.create_task(stream_sink.collect_answer(relay, queue))
+    await asyncio.sleep(0)
+    handler.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await handler
+    assert relay.target == queue.put_nowait
 
 
 class _Parsed:

@@ -74,7 +74,7 @@ from .responses import (
     request_usage,
 )
 from .settings import ROLES, WorkerSettings
-from .stream_sink import DeltaRelay, StreamSink
+from .stream_sink import DeltaRelay, StreamSink, collect_answer
 
 log = logging.getLogger(__name__)
 
@@ -479,7 +479,7 @@ class WorkerApp:
             if req.stream and not req.is_context_only:
                 answered = await self._stream(out, req, engine_req, relay, queue, arrived)
             else:
-                answered = await self._respond(request, out, req, engine_req, queue, arrived)
+                answered = await self._respond(request, out, req, engine_req, relay, queue, arrived)
             return 200
         finally:
             if chunks is not None:
@@ -535,19 +535,17 @@ class WorkerApp:
         out: Responder,
         req: ParsedRequest,
         engine_req: EngineRequest,
+        relay: DeltaRelay,
         queue: asyncio.Queue[Delta],
         arrived: float,
     ) -> bool:
         """The whole answer as one JSON body; whether it reached a connected client."""
         metrics = self.metrics
-        deltas: list[Delta] = []
-        while True:
-            delta = await _next_delta(queue)
-            if not deltas:
-                metrics.ttft.observe(time.monotonic() - arrived, route=req.route)
-            deltas.append(delta)
-            if delta.finish_reason is not None:
-                break
+        deltas, first_at = await collect_answer(relay, queue)  # the handler wakes at the last
+        if deltas[0].error is None:
+            metrics.ttft.observe(first_at - arrived, route=req.route)
+        if deltas[-1].error is not None:
+            raise HTTPError(500, deltas[-1].error, code="engine_error")
         metrics.latency.observe(time.monotonic() - arrived, route=req.route)
         token_ids = [t for d in deltas for t in d.token_ids]
         metrics.generated_tokens.inc(len(token_ids))

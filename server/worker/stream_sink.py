@@ -10,11 +10,16 @@ is full (:attr:`~server.http.Responder.paused`: the handler waits for it to drai
 
 :class:`DeltaRelay` is what the engine calls: the queue's ``put_nowait`` until the handler hands
 the stream to a sink, and again while the handler holds it (before the first token, while paused).
+
+A unary answer's deltas are gathered the same way (:func:`collect_answer`): the callback appends
+them and wakes the handler once, at the last (through the queue, each woke it: a task step a delta,
+~3.5 us of the loop's CPU on asyncio's loop, 32 a step at 32 requests).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 from server.errors import error_body
@@ -103,4 +108,33 @@ class StreamSink:
             self.waiter = None
 
 
-__all__ = ["DeltaRelay", "StreamSink"]
+async def collect_answer(relay: DeltaRelay, queue: asyncio.Queue[Delta]) -> tuple[list[Delta], float]:
+    """A unary answer's deltas up to its last (a finish or an error), and ``time.monotonic()`` when
+    the first came: what the queue holds, then what the engine's callback appends through ``relay``
+    (the queue takes the deltas again after, or when the handler is cancelled)."""
+    deltas: list[Delta] = []
+    first_at = 0.0
+    ended = asyncio.get_running_loop().create_future()
+
+    def add(delta: Delta) -> None:
+        nonlocal first_at
+        if ended.done():
+            return  # nothing comes after the last; the queue's reader stopped there too
+        if not deltas:
+            first_at = time.monotonic()
+        deltas.append(delta)
+        if delta.finish_reason is not None or delta.error is not None:
+            ended.set_result(None)
+
+    while not queue.empty():
+        add(queue.get_nowait())
+    if not ended.done():
+        relay.target = add
+        try:
+            await ended
+        finally:
+            relay.target = queue.put_nowait
+    return deltas, first_at
+
+
+__all__ = ["DeltaRelay", "StreamSink", "collect_answer"]
