@@ -301,6 +301,9 @@ def test_greedy_sampling_picks_torchs_argmax_without_it(
     assert [t for t, _ in sampled] == expected
     assert [lp is None for _, lp in sampled] == [True] * 5 + [False]
     assert sampled[5][1] is not None and sampled[5][1].token_id == expected[5]
+    monkeypatch.undo()
+    graded = logits.clone().requires_grad_()  # outside inference mode (numpy refuses it): torch's
+    assert engine.sampler.sample(graded, reqs) == [(t, None) for t in expected]
 
 
 async def test_decode_keeps_its_attention_while_the_batch_stays_the_same(

@@ -47,7 +47,7 @@ class Sampler:
     ) -> list[tuple[int, TokenLogprob | None]]:
         """One token per row: greedy rows by argmax, the others from their own seeded stream."""
         logits = logits.float()
-        if logits.is_cpu:
+        if logits.is_cpu and not logits.requires_grad:  # (a step outside inference mode: torch's)
             # numpy's argmax: the same index (the first maximum, the first NaN) as torch's, whose
             # CPU kernel took ~10 us at 32 x 262 (tiny) and ~870 at 32 x 32k, numpy's 2.5 and 66
             tokens = logits.numpy().argmax(-1).tolist()
