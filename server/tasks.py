@@ -15,10 +15,12 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Coroutine, Iterable
+from typing import Any, TypeVar
 
-__all__ = ["STOP_TASKS_S", "stop_tasks"]
+__all__ = ["STOP_TASKS_S", "run_event_loop", "stop_tasks"]
+
+_T = TypeVar("_T")
 
 log = logging.getLogger("fastcore.tasks")
 
@@ -50,3 +52,15 @@ async def stop_tasks(tasks: Iterable[asyncio.Task[Any] | None], *, within: float
             )
         elif not task.cancelled() and task.exception() is not None:
             log.error("task %s had failed", task.get_name(), exc_info=task.exception())
+
+
+def run_event_loop(main: Coroutine[Any, Any, _T]) -> _T:
+    """Run ``main`` to its end on uvloop when it is installed (the ``server`` extra has it), plain
+    asyncio otherwise; its result. The orchestrator's and the worker's one loop: the same aiohttp
+    code spends less CPU on uvloop (a torch worker streaming 32 x 64 tokens: 64.7 -> 55.5 us of
+    worker CPU a token, measured with the worker's other costs as they were in issue 38)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)

@@ -16,7 +16,6 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, get_args
 
 from pydantic import BaseModel
@@ -24,6 +23,7 @@ from pydantic import BaseModel
 from server import logs
 from server.cli import cannot_listen
 from server.ports import listen_problem, port_problem
+from server.tasks import run_event_loop
 
 from .config import (
     CONTEXT_FALLBACKS,
@@ -375,17 +375,6 @@ def reload_keys(keys: ApiKeys | None) -> None:
         log.info("SIGHUP: no api_keys_file, nothing to reload")
         return
     keys.reload()
-
-
-def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
-    """uvloop when it is installed (the ``server`` extra has it): the same aiohttp code
-    spends less CPU per request on it; plain asyncio otherwise."""
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main)
-    else:
-        uvloop.run(main)
 
 
 def _serve_process(

@@ -17,6 +17,7 @@ from server.auth import SECRET_ENV, read_secret
 from server.cli import cannot_listen
 from server.metrics_access import METRICS_TOKEN_ENV
 from server.ports import listen_problem, port_problem
+from server.tasks import run_event_loop
 
 from .engine_api import (
     DEFAULT_BLOCK_SIZE,
@@ -597,7 +598,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"fastcore-serve worker: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(_serve(engine, settings, args.host, args.port, cluster, args.drain_timeout))
+    return run_event_loop(_serve(engine, settings, args.host, args.port, cluster, args.drain_timeout))
 
 
 async def _serve(
