@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import operator
 import random
 import threading
 import time
@@ -632,12 +633,17 @@ class TorchEngine:
     def _decode_inputs(
         self, batch: list[EngineRequest]
     ) -> tuple[torch.Tensor, torch.Tensor, DecodeAttention]:
-        ids = torch.tensor([r.next_token for r in batch], dtype=torch.int64, device=self.device)
-        lengths = [r.cached_len for r in batch]
         kept, attention = self._decode_kv
-        # The same streams one token on since the last step (not after a failed one, whose
-        # streams did not move), or some of them (the others ended), then any that joined: its
-        # attention goes on, the kept streams' K/V gathered once (kv_cache.kept_rows).
+        if (  # the same streams, each one token on since the last step: the usual step, first
+            attention is not None
+            and len(kept) == len(batch)
+            and all(map(operator.is_, kept, batch))
+            and attention.lengths.tolist() == [r.cached_len for r in batch]
+        ):
+            attention.advance(None)
+            return self._next_ids(batch), attention.positions, attention
+        ids = self._next_ids(batch)
+        lengths = [r.cached_len for r in batch]
         found = kept_rows(kept, batch) if attention is not None else None
         if attention is not None and found is not None:
             rows, joined = found
@@ -651,6 +657,11 @@ class TorchEngine:
         attention = DecodeAttention(self.cache, [r.blocks for r in batch], [n + 1 for n in lengths])
         self._decode_kv = (batch, attention)
         return ids, attention.positions, attention
+
+    def _next_ids(self, batch: list[EngineRequest]) -> torch.Tensor:
+        if self.device.type == "cpu":  # numpy's array and a view of it: ~2 us, torch.tensor ~5
+            return torch.from_numpy(np.array([r.next_token for r in batch], dtype=np.int64))
+        return torch.tensor([r.next_token for r in batch], dtype=torch.int64, device=self.device)
 
     def _decode_step(self, batch: list[EngineRequest], outputs: list[tuple[EngineRequest, Delta]]) -> None:
         try:
