@@ -28,7 +28,7 @@ UBSAN_LIB = $(shell gcc -print-file-name=libubsan.so)
 SAN_ENV = LD_PRELOAD="$(ASAN_LIB) $(UBSAN_LIB)" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYTHONMALLOC=malloc
 
 debug:          ## ASan/UBSan build of the extensions, in place
-	rm -f fastcore/*.so server/http/*.so server/orchestrator/*.so
+	rm -f fastcore/*.so server/http/*.so server/orchestrator/*.so server/worker/*.so
 	FASTCORE_DEBUG_BUILD=1 $(PY) setup.py build_ext --inplace --force
 
 test-debug: debug  ## compiled-twin tests under the sanitizers
@@ -40,6 +40,8 @@ test-debug: debug  ## compiled-twin tests under the sanitizers
 	$(SAN_ENV) FASTCORE_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_http_parse.py tests/test_http_server.py tests/test_http_client.py tests/test_http_client_start.py tests/test_http_abuse.py
 	# The orchestrator's per-request numbers (server.orchestrator._tally, _bytes_per_token, _breaker): both twins side by side.
 	$(SAN_ENV) FASTCORE_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_tally_twins.py
+	# The torch worker's CPU kernels (server.worker._cpu_kernels): both twins and both C builds, the refused calls included.
+	$(SAN_ENV) FASTCORE_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_cpu_kernels.py
 
 fuzz: debug     ## under the sanitizers, FUZZ_SECONDS each: the scanner (hypothesis), then the upstream side (worker answers, both twins, h11 the reference)
 	$(SAN_ENV) $(PY) -m tests.fuzz_jsonspan --seconds $${FUZZ_SECONDS:-120}
