@@ -25,6 +25,13 @@ weights are ours bit for bit) and the same torch threads for every contender:
    8 x 1,800 positions about twice its cost at 8 x 200 on a CPU), so "alone before" alone
    overstates what the prefill adds; the streams outlive the prefill (``stream_tokens``).
 
+On a CPU each side runs on one core (``--no-pin``: wherever the OS puts it): this process (our
+engine in process, transformers, the HTTP clients) on the first CPU it may use, the worker process
+on the next. transformers' ``generate`` is one thread, the same pinned or not (measured); our
+engine is two (the engine thread and the event loop), which then hand the GIL over on one core
+instead of across two: the in-process engine's CPU per token at 32 streams 20.7-21.9 us pinned
+together, 22.7-27.4 on two cores, 23.7-35.9 unpinned (by process: the OS's placement).
+
 Targets (issue 38): ITL p99 with the prefill <= 2x without; decode tokens/s at 32 >= 2x
 transformers'; at 1 request no worse than 1.2x its time per token. Results: a table on stdout
 and ``bench/results/engine.json`` (``engine_quick.json`` with ``--quick``). Absolute numbers
@@ -37,8 +44,10 @@ import argparse
 import asyncio
 import dataclasses
 import functools
+import gc
 import itertools
 import json
+import os
 import signal
 import statistics
 import subprocess
@@ -118,6 +127,7 @@ def hf_static(model: Any, batch: list[list[int]], max_tokens: int, device: str) 
         t0 = time.perf_counter()
         model.generate(ids, max_new_tokens=1, min_new_tokens=1, **common)
         ttft = time.perf_counter() - t0
+        gc.collect()  # earlier rounds' garbage collected now, not inside the timed call (both sides)
         t0, cpu0 = time.perf_counter(), time.process_time()
         out = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, **common)
         total, cpu = time.perf_counter() - t0, time.process_time() - cpu0
@@ -146,6 +156,7 @@ async def ours_in_process(engine: TorchEngine, batch: list[list[int]], max_token
     """Submit the batch at once; per request: first and last token times and the tokens."""
     loop = asyncio.get_running_loop()
     done = loop.create_future()
+    gc.collect()  # earlier rounds' garbage collected now, not inside the timed round (both sides)
     t0, cpu0 = time.perf_counter(), time.process_time()
     firsts: list[float] = [0.0] * len(batch)
     lasts: list[float] = [0.0] * len(batch)
@@ -204,8 +215,20 @@ async def ours_over_http(url: str, batch: list[list[int]], max_tokens: int) -> d
     }
 
 
+def cpu_plan(pin: bool) -> tuple[set[int] | None, set[int] | None]:
+    """With ``pin``: this process's CPU and the worker process's (the first two this process may
+    use; the same one where it may use one); None, None: unpinned."""
+    if not pin or not hasattr(os, "sched_setaffinity"):
+        return None, None
+    cpus = sorted(os.sched_getaffinity(0))
+    return {cpus[0]}, {cpus[1] if len(cpus) > 1 else cpus[0]}
+
+
 class Worker:
-    """A ``fastcore-serve worker --model tiny`` process on a free port."""
+    """A ``fastcore-serve worker --model tiny`` process on a free port (on :attr:`cpus` where set)."""
+
+    #: the CPUs the worker process runs on (main's cpu_plan), None: wherever the OS puts it
+    cpus: set[int] | None = None
 
     def __init__(self, threads: int, device: str, flags: tuple[str, ...] | list[str] = ()) -> None:
         port = free_port()
@@ -225,7 +248,13 @@ class Worker:
             str(threads),
             *flags,
         ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        cpus = self.cpus
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
+        )
 
     def __enter__(self) -> Worker:
         asyncio.run(_wait_healthy(self.url, self.proc))
@@ -617,6 +646,12 @@ def main(argv: list[str] | None = None) -> int:
         default=default_torch_threads(),
         help="torch threads for every contender (default: the worker's own default)",
     )
+    parser.add_argument(
+        "--no-pin",
+        dest="pin",
+        action="store_false",
+        help="leave both processes wherever the OS puts them (default on a CPU: one core each)",
+    )
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
     quick = {"concurrency": "1,8", "max_tokens": 16, "base_steps": 40, "long_context": 0}
@@ -630,9 +665,18 @@ def main(argv: list[str] | None = None) -> int:
     args.long_chunks = [parse_chunk(item) for item in args.long_chunks.split(",") if item]
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(args.torch_threads)
+    here, Worker.cpus = cpu_plan(args.pin and device == "cpu")
+    if here is not None:
+        os.sched_setaffinity(0, here)  # before any thread starts: the engine's thread inherits it
     print(
         f"## tiny Llama ({tiny_config().max_position_embeddings}-token context), device {device}, "
-        f"{args.torch_threads} torch threads, {PROMPT_TOKENS}-token prompts, {args.max_tokens} tokens each\n"
+        f"{args.torch_threads} torch threads, {PROMPT_TOKENS}-token prompts, {args.max_tokens} tokens each, "
+        + (
+            "unpinned"
+            if here is None
+            else f"this process on CPU {sorted(here)}, the worker on {sorted(Worker.cpus or ())}"
+        )
+        + "\n"
     )
     decode: list[dict[str, Any]] = []
     same_text = True
@@ -664,6 +708,7 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "torch": torch.__version__,
         "long_context": args.long_context,
+        "cpus": None if here is None else {"bench": sorted(here), "worker": sorted(Worker.cpus or ())},
     }
     out.write_text(
         json.dumps(
