@@ -169,25 +169,34 @@ def paged_decode(q, k, v, pool_k, pool_v, table, lengths, int64_t block_size, ou
         raise ValueError(f"block_size must be positive, got {block_size}")
     if batch == 0:
         return
-    cdef const float *pq = <const float *>_data(q, "q", _F32, False)
-    cdef const float *pk = <const float *>_data(k, "k", _F32, False)
-    cdef const float *pv = <const float *>_data(v, "v", _F32, False)
     cdef float *ppk = <float *>_data(pool_k, "pool_k", _F32, True)
     cdef float *ppv = <float *>_data(pool_v, "pool_v", _F32, True)
     cdef const int64_t *pt = <const int64_t *>_data(table, "table", _I64, True)
     cdef const int64_t *pl = <const int64_t *>_data(lengths, "lengths", _I64, True)
+    _decode(q, k, v, out, ppk, ppv, pool_k.shape[0], pt, table.shape[1], block_size, pl, batch, heads, kv_heads,
+            dim)
+
+
+cdef int _decode(object q, object k, object v, object out, float *pool_k, float *pool_v, int64_t slots,
+                 const int64_t *table, int64_t width, int64_t block_size, const int64_t *lengths, int64_t batch,
+                 int64_t heads, int64_t kv_heads, int64_t dim) except -1:
+    """The C on checked shapes (both callers'): q, k, v's and out's data, then fc_paged_decode."""
+    cdef const float *pq = <const float *>_data(q, "q", _F32, False)
+    cdef const float *pk = <const float *>_data(k, "k", _F32, False)
+    cdef const float *pv = <const float *>_data(v, "v", _F32, False)
     cdef float *po = <float *>_data(out, "out", _F32, True)
-    cdef int64_t slots = pool_k.shape[0], width = table.shape[1]
+    cdef int64_t q_stride = q.stride(0), kv_stride = k.stride(0)
     cdef float scale = <float>pow(<double>dim, -0.5)  # Python's d ** -0.5, as the torch path scales
     cdef int rc
     with nogil:
-        rc = fc_paged_decode(pq, q_stride, pk, pv, kv_stride, ppk, ppv, slots, pt, width, block_size, pl, batch,
-                             heads, kv_heads, dim, scale, po)
+        rc = fc_paged_decode(pq, q_stride, pk, pv, kv_stride, pool_k, pool_v, slots, table, width, block_size,
+                             lengths, batch, heads, kv_heads, dim, scale, po)
     if rc == -1:
         raise MemoryError("paged_decode: no memory for the scores")
     if rc:
-        raise ValueError(f"sequence {rc - 1}: length {int(lengths[rc - 1])} or its blocks lie outside the "
+        raise ValueError(f"sequence {rc - 1}: length {lengths[rc - 1]} or its blocks lie outside the "
                          f"table ({width} blocks of {block_size}) or the pool ({slots} slots)")
+    return 0
 
 
 cdef class PagedDecode:
@@ -240,23 +249,9 @@ cdef class PagedDecode:
             raise ValueError(f"out must be a contiguous {tuple(q.shape)}, got {tuple(out.shape)}")
         if batch == 0:
             return
-        cdef const float *pq = <const float *>_data(q, "q", _F32, False)
-        cdef const float *pk = <const float *>_data(k, "k", _F32, False)
-        cdef const float *pv = <const float *>_data(v, "v", _F32, False)
-        cdef float *po = <float *>_data(out, "out", _F32, False)
-        cdef int64_t q_stride = q.stride(0), kv_stride = k.stride(0)
         cdef int64_t offset = layer * self.slots * kv_heads * dim
-        cdef float scale = <float>pow(<double>dim, -0.5)
-        cdef int rc
-        with nogil:
-            rc = fc_paged_decode(pq, q_stride, pk, pv, kv_stride, self.pool_k + offset, self.pool_v + offset,
-                                 self.slots, self.table, self.width, self.block_size, self.lengths, batch, heads,
-                                 kv_heads, dim, scale, po)
-        if rc == -1:
-            raise MemoryError("paged_decode: no memory for the scores")
-        if rc:
-            raise ValueError(f"sequence {rc - 1}: length {self.lengths[rc - 1]} or its blocks lie outside the "
-                             f"table ({self.width} blocks of {self.block_size}) or the pool ({self.slots} slots)")
+        _decode(q, k, v, out, self.pool_k + offset, self.pool_v + offset, self.slots, self.table, self.width,
+                self.block_size, self.lengths, batch, heads, kv_heads, dim)
 
 
 cdef int64_t _decode_rows(object t, str name, int64_t batch, int64_t heads, int64_t dim) except -1:
