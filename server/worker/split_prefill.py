@@ -38,7 +38,9 @@ from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import torch.nn.functional as F
 
+from . import cpu_kernels
 from .model import LlamaDecoderLayer, LlamaForCausalLM, apply_rotary_tables
 
 if TYPE_CHECKING:
@@ -186,24 +188,43 @@ class SplitChunk:
         return out.view(kv_heads, group, t, d).permute(2, 0, 1, 3).reshape(t, heads * d).to(q.dtype)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> Generator[None, None, torch.Tensor]:
-        """``LlamaModel.forward`` and ``forward_step``'s logits, a layer's attention in pieces."""
+        """``LlamaModel.forward`` and ``forward_step``'s logits, a layer's attention in pieces; its
+        norms, residual adds, rotation and SiLU through :mod:`.cpu_kernels`' C where the model's
+        forward runs them (a piece's projections are part of a step's floor)."""
         m = self.model.model
         x = m.embed_tokens(ids)
+        kernels = m._kernels_apply(x)
         cos, sin = m.rotary_emb.tables(positions, x.dtype)
         for layer in cast("list[LlamaDecoderLayer]", m.layers):
             began = self.clock()
             attn = layer.self_attn
             n, d = x.shape[0], attn.head_dim
-            qk, v = attn.qkv(layer.input_layernorm(x)).view(n, -1, d).split_with_sizes(attn._qk_v, 1)
-            q, k = apply_rotary_tables(qk, cos, sin).split_with_sizes(attn._q_k, 1)
+            if kernels:
+                norm = layer.input_layernorm
+                qkv = attn.qkv(cpu_kernels.rms_norm(x, norm.weight, norm.eps)).view(n, -1, d)
+                cpu_kernels.rope_(qkv, attn.rotated_heads, cos, sin)
+                q, k, v = qkv.split_with_sizes(attn.head_split, 1)
+            else:
+                qk, v = attn.qkv(layer.input_layernorm(x)).view(n, -1, d).split_with_sizes(attn._qk_v, 1)
+                q, k = apply_rotary_tables(qk, cos, sin).split_with_sizes(attn._q_k, 1)
             keys, values = self._keys(layer.index, k, v)
             self._charge(began)
             out = yield from self._attend(q, keys, values)
             began = self.clock()
-            x = x + attn.o_proj(out)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if kernels:  # x (the embedding's or this loop's own sum) is the residual, added in place
+                h = F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
+                norm = layer.post_attention_layernorm
+                cpu_kernels.add_rms_norm_(h, x, norm.weight, norm.eps)
+                mlp = layer.mlp
+                x.add_(
+                    F.linear(cpu_kernels.silu_mul(mlp.gate_up(h)), mlp.down_proj.weight, mlp.down_proj.bias)
+                )
+            else:
+                x = x + attn.o_proj(out)
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
             self._charge(began)
-        return self.model.logits(m.norm(x).index_select(0, self.rows))
+        final = cpu_kernels.rms_norm(x, m.norm.weight, m.norm.eps) if kernels else m.norm(x)
+        return self.model.logits(final.index_select(0, self.rows))
 
     def _spent(self) -> bool:
         """Whether the step's allowance is spent: less than half the smallest piece left (a piece
