@@ -1,8 +1,10 @@
 """A decode step's attention over the paged KV cache: one new token for each running sequence.
 
 :class:`DecodeAttention` is the engine's :class:`.model.AttentionBackend` for decode rows, kept from
-step to step while the same streams decode (a dense copy of their K/V beside the pool, its inputs
-moved on in place), :func:`kept_rows` how a step's batch goes on from the last one's. Split out of
+step to step while the same streams decode, its inputs moved on in place: with the compiled CPU
+kernels (float32 on a CPU) one C call a layer reads the pool through the block tables
+(:class:`.cpu_kernels.PagedDecode`); else a dense copy of the streams' K/V is kept beside the pool
+for torch's attention. :func:`kept_rows` says how a step's batch goes on from the last one's. Split out of
 :mod:`.kv_cache` (the pool, prefix cache and prefill attention), which re-exports the class and
 :data:`DENSE_DECODE_BYTES`.
 """
@@ -58,7 +60,10 @@ DENSE_DECODE_BYTES = 256 << 20
 class DecodeAttention:
     """One new token for each of B sequences; sequence ``b`` has ``lengths[b]`` tokens including it.
 
-    Kept from step to step while the batch stays the same (:meth:`advance`): each layer's K/V is
+    Paged (:attr:`paged`: the compiled kernels, float32 on a CPU): each layer's attention is
+    :class:`.cpu_kernels.PagedDecode` over the pool, the tables and lengths checked once a batch;
+    a step moves only the lengths and positions on. Otherwise:
+    kept from step to step while the batch stays the same (:meth:`advance`): each layer's K/V is
     gathered from the pool once, into a dense ``[B, kv_heads, capacity, D]`` buffer per layer, and
     each later step writes only its new token there (beside the pool). Gathering every sequence's
     whole K/V anew at every step was most of a decode step at 32 sequences. A batch whose dense
