@@ -58,7 +58,7 @@ COPIED = [
     "third_party",
 ]
 # The C that Cython generates is regenerated, as from an sdist.
-IGNORED = shutil.ignore_patterns("__pycache__", "*.py[cod]", "*.so", "*.html", "_codec.c", "_scan.c", "_relay.c", "_hash.c", "_parse.c", "_llhttp.c", "_request_parser.c", "_upstream.c", "tally.c", "_fleet.c", "bytes_per_token.c", "breaker.c")
+IGNORED = shutil.ignore_patterns("__pycache__", "*.py[cod]", "*.so", "*.html", "_codec.c", "_scan.c", "_relay.c", "_hash.c", "_parse.c", "_llhttp.c", "_request_parser.c", "_upstream.c", "tally.c", "_fleet.c", "bytes_per_token.c", "breaker.c", "_cpu_kernels.c")
 # Each subprocess gets these from the test, never from the environment it runs in.
 OWN_ENV = (
     "FASTCORE_NO_EXTENSIONS",
@@ -172,7 +172,7 @@ def test_wheel_tag_and_contents(installed: Installed, tmp_path: Path) -> None:
             "fastcore/_codec", "fastcore/_hash", "fastcore/_relay", "fastcore/_scan", "server/http/_llhttp",
             "server/http/_parse", "server/http/_request_parser", "server/http/_upstream",
             "server/orchestrator/_breaker", "server/orchestrator/_bytes_per_token",
-            "server/orchestrator/_fleet", "server/orchestrator/_tally",
+            "server/orchestrator/_fleet", "server/orchestrator/_tally", "server/worker/_cpu_kernels",
         ]  # fmt: skip
         assert FALLBACK_LINE not in installed.build_log
         with zipfile.ZipFile(installed.wheel) as zf:

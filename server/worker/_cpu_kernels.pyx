@@ -131,7 +131,9 @@ def rope_(x, int64_t heads, cos, signed_sin, positions=None):
     cdef float *px = <float *>_data(x, "x", _F32, True)
     cdef const float *pc = <const float *>_data(cos, "cos", _F32, True)
     cdef const float *ps = <const float *>_data(signed_sin, "signed_sin", _F32, True)
-    cdef const int64_t *pp = NULL if positions is None else <const int64_t *>_data(positions, "positions", _I64, True)
+    cdef const int64_t *pp = NULL
+    if positions is not None:
+        pp = <const int64_t *>_data(positions, "positions", _I64, True)
     cdef int64_t row_stride = x.shape[1] * dim
     cdef int rc
     with nogil:
@@ -228,8 +230,10 @@ cdef class PagedDecode:
             raise ValueError(f"pool_k {tuple(pool_k.shape)} holds no heads")
         self.pool_k = <float *>_data(pool_k, "pool_k", _F32, True)
         self.pool_v = <float *>_data(pool_v, "pool_v", _F32, True)
-        self.table = <const int64_t *>_data(table, "table", _I64, True) if self.batch else NULL
-        self.lengths = <const int64_t *>_data(lengths, "lengths", _I64, True) if self.batch else NULL
+        self.table = self.lengths = NULL
+        if self.batch:
+            self.table = <const int64_t *>_data(table, "table", _I64, True)
+            self.lengths = <const int64_t *>_data(lengths, "lengths", _I64, True)
         self._keep = (pool_k, pool_v, table, lengths)
 
     def __call__(self, int64_t layer, q, k, v, out):
