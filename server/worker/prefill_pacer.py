@@ -153,20 +153,14 @@ def shared_chunks(prefilling: list[P], budget: int, paced: int, least: int) -> l
     for n, state in enumerate(prefilling):
         req = state.req
         left = state.total - req.cached_len
-        if req.cached_len == req.cached_prefix and left <= budget:
+        fits = req.cached_len == req.cached_prefix and left <= budget  # not started: goes whole
+        take = min(left, budget, paced)
+        if not fits and take <= 0:
+            return plan
+        if fits or take == left:  # whole, or its last chunk: not cut, the plan goes on
             plan.append((state, left))
             budget -= left
             paced -= left
-            if budget <= 0:
-                return plan
-            continue
-        take = min(left, budget, paced)
-        if take <= 0:
-            return plan
-        if take == left:  # its last chunk: not cut, the plan goes on
-            plan.append((state, take))
-            budget -= take
-            paced -= take
             if budget <= 0:
                 return plan
             continue
