@@ -441,6 +441,15 @@ class LlamaDecoderLayer(nn.Module):
         x = x + self.self_attn(self.index, self.input_layernorm(x), cos, sin, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def kernels_out(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The layer after its attention, through :mod:`.cpu_kernels` (the fused forward's and a
+        chunk in pieces'): ``out`` (``[N, heads * head_dim]``) projected, added to ``residual`` in
+        place and normalised, then the MLP's output, which the caller adds (into the next norm)."""
+        attn, norm, mlp = self.self_attn, self.post_attention_layernorm, self.mlp
+        h = F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
+        cpu_kernels.add_rms_norm_(h, residual, norm.weight, norm.eps)
+        return F.linear(cpu_kernels.silu_mul(mlp.gate_up(h)), mlp.down_proj.weight, mlp.down_proj.bias)
+
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
@@ -511,12 +520,7 @@ class LlamaModel(nn.Module):
             if tables is None:
                 cpu_kernels.rope_(qkv, attn.rotated_heads, cos, sin)
             q, k, v = qkv.split_with_sizes(attn.head_split, 1)
-            out = kv.attend(layer.index, q, k, v).reshape(n, -1)
-            h = F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
-            norm = layer.post_attention_layernorm
-            cpu_kernels.add_rms_norm_(h, residual, norm.weight, norm.eps)
-            mlp = layer.mlp
-            h = F.linear(cpu_kernels.silu_mul(mlp.gate_up(h)), mlp.down_proj.weight, mlp.down_proj.bias)
+            h = layer.kernels_out(kv.attend(layer.index, q, k, v).reshape(n, -1), residual)
         if not layers:
             return cpu_kernels.rms_norm(x, self.norm.weight, self.norm.eps)
         cpu_kernels.add_rms_norm_(h, residual, self.norm.weight, self.norm.eps)

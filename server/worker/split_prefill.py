@@ -38,7 +38,6 @@ from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-import torch.nn.functional as F
 
 from . import cpu_kernels
 from .model import LlamaDecoderLayer, LlamaForCausalLM, apply_rotary_tables
@@ -212,13 +211,7 @@ class SplitChunk:
             out = yield from self._attend(q, keys, values)
             began = self.clock()
             if kernels:  # x (the embedding's or this loop's own sum) is the residual, added in place
-                h = F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
-                norm = layer.post_attention_layernorm
-                cpu_kernels.add_rms_norm_(h, x, norm.weight, norm.eps)
-                mlp = layer.mlp
-                x.add_(
-                    F.linear(cpu_kernels.silu_mul(mlp.gate_up(h)), mlp.down_proj.weight, mlp.down_proj.bias)
-                )
+                x.add_(layer.kernels_out(out, x))
             else:
                 x = x + attn.o_proj(out)
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
