@@ -52,6 +52,14 @@ def kept_rows(kept: Sequence[object], batch: Sequence[object]) -> tuple[list[int
     return rows, len(batch) - stay
 
 
+def _block_table(tables: list[list[int]], width: int) -> np.ndarray:
+    """``[len(tables), width]`` int64: each sequence's block ids, zeros past its own."""
+    table = np.zeros((len(tables), width), dtype=np.int64)
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = t
+    return table
+
+
 #: the most bytes a decode batch's dense K/V (every layer, K and V) may take; a batch past it gathers
 #: each layer's K/V from the pool at every step instead
 DENSE_DECODE_BYTES = 256 << 20
@@ -75,9 +83,7 @@ class DecodeAttention:
         bs = cache.block_size
         width = max(len(t) for t in tables)
         # A table holds the whole reservation, so the batch never grows past it.
-        self.table = np.zeros((len(tables), width), dtype=np.int64)
-        for i, t in enumerate(tables):
-            self.table[i, : len(t)] = t
+        self.table = _block_table(tables, width)
         self.lengths = np.asarray(lengths, dtype=np.int64)
         #: attention by cpu_kernels.paged_decode (C, float32 on a CPU): the pool read through the block
         #: table, so no dense copy, no mask and no gather are kept; only positions move on a step
@@ -145,11 +151,9 @@ class DecodeAttention:
         bs, width, n = self.cache.block_size, self.table.shape[1], len(tables)
         if self.paged:  # nothing dense to grow: the rows appended (the table widened if need be)
             wider = max(width, *map(len, tables))
-            table = np.zeros((self.lengths.size + n, wider), dtype=np.int64)
-            table[: self.lengths.size, :width] = self.table
-            for i, t in enumerate(tables):
-                table[self.lengths.size + i, : len(t)] = t
-            self.table = table
+            kept = np.zeros((self.lengths.size, wider), dtype=np.int64)
+            kept[:, :width] = self.table
+            self.table = np.concatenate([kept, _block_table(tables, wider)])
             self.lengths = np.concatenate([self.lengths, np.asarray(lengths, dtype=np.int64)])
             self._positions()
             return True
@@ -158,9 +162,7 @@ class DecodeAttention:
         too_big = 2 * self.cache.num_layers * rows * per_row > DENSE_DECODE_BYTES
         if not self.capacity or too_big or max(map(len, tables)) > width or max(lengths) > self.capacity:
             return False
-        table = np.zeros((n, width), dtype=np.int64)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = t
+        table = _block_table(tables, width)
         self.table = np.concatenate([self.table, table])
         self.lengths = np.concatenate([self.lengths, np.asarray(lengths, dtype=np.int64)])
         span = -(-max(lengths) // bs) * bs
